@@ -1,0 +1,41 @@
+"""acb: asyncio-native continuous batching for Hugging Face transformers causal LMs."""
+
+from acb.api.async_engine import AsyncEngine
+from acb.api.engine import Engine, generate_batch
+from acb.api.handles import RequestHandle, SyncRequestHandle
+from acb.api.manager import ContinuousBatchingManager, init_continuous_batching
+from acb.config import ContinuousBatchingConfig
+from acb.errors import (
+    AcbError,
+    EngineDeadError,
+    EngineNotRunningError,
+    QueueFullError,
+    RequestFailedError,
+    UnsupportedModelError,
+)
+from acb.outputs import FinishReason, GenerationOutput, RequestStatus, StreamDelta
+from acb.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcbError",
+    "AsyncEngine",
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "Engine",
+    "EngineDeadError",
+    "EngineNotRunningError",
+    "FinishReason",
+    "GenerationOutput",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestHandle",
+    "RequestStatus",
+    "SamplingParams",
+    "StreamDelta",
+    "SyncRequestHandle",
+    "UnsupportedModelError",
+    "generate_batch",
+    "init_continuous_batching",
+]

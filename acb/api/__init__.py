@@ -1,0 +1,1 @@
+"""What callers touch: engines, handles, generate_batch, the transformers-compatible manager."""

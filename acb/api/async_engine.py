@@ -1,0 +1,134 @@
+"""``AsyncEngine``: the asyncio-native front of acb."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from acb.api.frontend import Frontend
+from acb.api.handles import AsyncSink, RequestHandle
+from acb.config import ContinuousBatchingConfig, ResolvedConfig
+from acb.core.engine_core import EngineStats
+from acb.errors import QueueFullError
+from acb.outputs import GenerationOutput
+from acb.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    """Continuous batching for a transformers causal LM, awaited from asyncio.
+
+    ::
+
+        async with acb.AsyncEngine(model) as engine:
+            handle = await engine.submit(prompt_ids, acb.SamplingParams(max_new_tokens=64))
+            async for delta in handle:          # streams new tokens
+                print(delta.token_ids)
+            output = await handle.result()      # the final GenerationOutput
+
+    Handles may be awaited from any event loop (and several at once). The engine runs on
+    its own thread; the model's attention implementation is acb's while the engine runs.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: ContinuousBatchingConfig | None = None,
+        generation_config: Any = None,
+    ) -> None:
+        self._fe = Frontend(model, config, generation_config)
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        """Build the KV cache and start the engine thread (``async with`` does this)."""
+        self._fe.start()
+
+    async def __aenter__(self) -> "AsyncEngine":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+    async def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
+        """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
+        await asyncio.to_thread(self._fe.stop, drain=not cancel_pending, timeout=timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._fe.core is not None and self._fe.core.is_running
+
+    @property
+    def config(self) -> ResolvedConfig:
+        """The resolved settings (block counts, budgets) the engine runs with."""
+        return self._fe.resolved
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters and gauges, as of the last step."""
+        return self._fe.stats
+
+    # --------------------------------------------------------------- submit
+    def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None, record_timestamps: bool):
+        loop = asyncio.get_running_loop()
+        return self._fe.make_request(
+            prompt_ids, sampling, request_id, record_timestamps, lambda rid: AsyncSink(rid, loop)
+        )
+
+    def _admit(self, req: Any) -> RequestHandle:
+        try:
+            self._fe.core.check_alive()
+            self._fe.enqueue(req)
+        except BaseException:
+            self._fe.gate.release()
+            self._fe.abandon(req)
+            raise
+        return RequestHandle(req.request_id, req.sink, self._fe.cancel)
+
+    async def submit(
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+    ) -> RequestHandle:
+        """Validate and admit a request; waits while ``max_queue_size`` requests are waiting.
+
+        Raises ``ValueError``/``TypeError`` for bad input (nothing else is affected).
+        """
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps)
+        try:
+            await self._fe.gate.acquire()
+        except BaseException:
+            self._fe.abandon(req)
+            raise
+        return self._admit(req)
+
+    def submit_nowait(
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+    ) -> RequestHandle:
+        """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting.
+
+        Must be called from a running event loop (the handle belongs to it).
+        """
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps)
+        if not self._fe.gate.try_acquire():
+            self._fe.abandon(req)
+            raise QueueFullError(f"{self._fe.gate.limit} requests are already waiting (max_queue_size)")
+        return self._admit(req)
+
+    async def generate(
+        self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any
+    ) -> GenerationOutput:
+        """Submit and await the final output in one call."""
+        handle = await self.submit(prompt_ids, sampling, **kwargs)
+        return await handle.result()
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
+        return self._fe.cancel(request_id)

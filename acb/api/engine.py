@@ -1,0 +1,248 @@
+"""``Engine`` (blocking twin of ``AsyncEngine``) and ``generate_batch`` for plain scripts.
+
+Neither needs an event loop, so both work inside a running one (Jupyter) as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Any
+
+from acb.api.frontend import Frontend
+from acb.api.handles import SyncRequestHandle, ThreadSink
+from acb.config import ContinuousBatchingConfig, ResolvedConfig
+from acb.core.engine_core import EngineStats
+from acb.errors import AcbError, QueueFullError
+from acb.outputs import GenerationOutput, RequestStatus
+from acb.sampling_params import SamplingParams
+
+logger = logging.getLogger("acb")
+
+
+class Engine:
+    """Blocking engine with the same method names as :class:`acb.AsyncEngine`.
+
+    ::
+
+        with acb.Engine(model) as engine:
+            handle = engine.submit(prompt_ids)
+            for delta in handle:                # blocks for each new piece
+                ...
+            output = handle.result()
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: ContinuousBatchingConfig | None = None,
+        generation_config: Any = None,
+    ) -> None:
+        self._fe = Frontend(model, config, generation_config)
+
+    def start(self) -> None:
+        self._fe.start()
+
+    def __enter__(self) -> "Engine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
+        """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
+        self._fe.stop(drain=not cancel_pending, timeout=timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._fe.core is not None and self._fe.core.is_running
+
+    @property
+    def config(self) -> ResolvedConfig:
+        return self._fe.resolved
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._fe.stats
+
+    def _submit(
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None,
+        request_id: str | None,
+        record_timestamps: bool,
+        wait: bool,
+        timeout: float | None,
+        sink: ThreadSink | None = None,
+    ) -> SyncRequestHandle:
+        made: dict[str, ThreadSink] = {}
+
+        def factory(rid: str) -> ThreadSink:
+            s = sink if sink is not None else ThreadSink(rid)
+            s.state.request_id = rid
+            made["sink"] = s
+            return s
+
+        req = self._fe.make_request(prompt_ids, sampling, request_id, record_timestamps, factory)
+        ok = self._fe.gate.acquire_blocking(timeout) if wait else self._fe.gate.try_acquire()
+        if not ok:
+            self._fe.abandon(req)
+            if wait:
+                raise TimeoutError(f"no queue slot within {timeout}s (max_queue_size={self._fe.gate.limit})")
+            raise QueueFullError(f"{self._fe.gate.limit} requests are already waiting (max_queue_size)")
+        try:
+            self._fe.core.check_alive()
+            self._fe.enqueue(req)
+        except BaseException:
+            self._fe.gate.release()
+            self._fe.abandon(req)
+            raise
+        return SyncRequestHandle(req.request_id, made["sink"], self._fe.cancel)
+
+    def submit(
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+        timeout: float | None = None,
+    ) -> SyncRequestHandle:
+        """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting."""
+        return self._submit(prompt_ids, sampling, request_id, record_timestamps, True, timeout)
+
+    def submit_nowait(
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+    ) -> SyncRequestHandle:
+        """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting."""
+        return self._submit(prompt_ids, sampling, request_id, record_timestamps, False, None)
+
+    def generate(self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any) -> GenerationOutput:
+        return self.submit(prompt_ids, sampling, **kwargs).result()
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
+        return self._fe.cancel(request_id)
+
+
+_IGNORED_TRANSFORMERS_KWARGS = ("persistent_manager", "warmup")
+
+
+def generate_batch(
+    model: Any,
+    inputs: list[list[int]],
+    generation_config: Any = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    *,
+    record_timestamps: bool = False,
+    progress_bar: bool = True,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int | None = None,
+    **kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """Generate for every prompt in ``inputs`` with continuous batching; block until all are done.
+
+    Returns ``{request_id: GenerationOutput}`` in input order, ids ``req_0, req_1, ...`` (as
+    transformers' ``generate_batch``). A request that fails keeps its place with
+    ``status == FAILED`` and ``error`` set. Every input is validated before any runs.
+    ``persistent_manager`` and ``warmup`` (transformers' arguments) are accepted and have no
+    effect. A tqdm bar shows requests done and output tokens/s.
+    """
+    for k in list(kwargs):
+        if k in _IGNORED_TRANSFORMERS_KWARGS:
+            kwargs.pop(k)
+    if kwargs:
+        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
+    if not inputs:
+        return {}
+    if max_new_tokens is not None:
+        sampling = SamplingParams(max_new_tokens=max_new_tokens).merged_over(sampling or SamplingParams())
+    engine = Engine(model, continuous_batching_config, generation_config)
+    done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    n = len(inputs)
+    engine.start()
+    try:
+        fe = engine._fe
+        reqs = []
+        try:
+            for i, prompt in enumerate(inputs):
+                reqs.append(fe.make_request(prompt, sampling, f"req_{i}", record_timestamps,
+                                            lambda rid: ThreadSink(rid, on_final=done.put)))
+        except BaseException:
+            for r in reqs:
+                fe.abandon(r)
+            raise
+        results: dict[str, GenerationOutput] = {}
+        bar = _progress(n, progress_bar)
+        tokens = 0
+        t0 = time.perf_counter()
+        try:
+            for k, req in enumerate(reqs):
+                fe.gate.acquire_blocking()
+                try:
+                    fe.enqueue(req)
+                except AcbError as exc:  # the engine died: the rest never ran
+                    for r in reqs[k:]:
+                        r.status, r.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
+                        done.put(r.to_output())
+                    break
+                tokens += _drain(done, results, bar, t0, tokens, block=False)
+            while len(results) < n:
+                tokens += _drain(done, results, bar, t0, tokens, block=True)
+                if not engine.is_running and done.empty() and len(results) < n:
+                    for r in reqs:  # cannot happen unless delivery itself broke; never hang
+                        if r.request_id not in results:
+                            r.status, r.error = RequestStatus.FAILED, "EngineDeadError: engine stopped"
+                            results[r.request_id] = r.to_output()
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        engine.shutdown()
+    failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
+    if failed:
+        logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
+                     results[failed[0]].error)
+    return {f"req_{i}": results[f"req_{i}"] for i in range(n)}
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="acb generate", unit="req", dynamic_ncols=True)
+
+
+def _drain(
+    done: "queue.SimpleQueue[GenerationOutput]",
+    results: dict[str, GenerationOutput],
+    bar: Any,
+    t0: float,
+    tokens_before: int,
+    block: bool,
+) -> int:
+    """Collect finished outputs; returns the number of generated tokens they hold."""
+    got = 0
+    items = []
+    try:
+        items.append(done.get(block=block, timeout=0.5 if block else None))
+        while True:
+            items.append(done.get_nowait())
+    except queue.Empty:
+        pass
+    for out in items:
+        results[out.request_id] = out
+        got += len(out.generated_tokens)
+    if bar is not None and items:
+        bar.update(len(items))
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+        bar.set_postfix_str(f"{(tokens_before + got) / elapsed:,.0f} tok/s", refresh=False)
+    return got

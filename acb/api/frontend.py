@@ -1,0 +1,207 @@
+"""What the async and blocking engines share: start-up, validation at submit, the engine core.
+
+The API layer never touches the device: the runner is built here (which measures memory
+and swaps the attention implementation) but only ever driven by the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import threading
+from typing import Any, Callable
+
+from acb.api.handles import AdmissionGate, make_deliver
+from acb.config import ContinuousBatchingConfig, ResolvedConfig
+from acb.core.engine_core import EngineCore, EngineStats
+from acb.core.request import Request
+from acb.errors import EngineNotRunningError
+from acb.sampling_params import SamplingParams
+
+logger = logging.getLogger("acb")
+
+
+def _as_token_list(prompt_ids: Any) -> list[int]:
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError("prompt_ids must be a sequence of token ids, not text (tokenize it first)")
+    if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, list):
+        if getattr(prompt_ids, "ndim", 1) != 1:
+            raise ValueError(f"prompt_ids must be 1-D, got shape {tuple(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    try:
+        ids = list(prompt_ids)
+    except TypeError:
+        raise TypeError(f"prompt_ids must be a sequence of ints, got {type(prompt_ids).__name__}") from None
+    try:
+        return [operator.index(t) if not isinstance(t, bool) else _bool_token(t) for t in ids]
+    except TypeError as e:
+        bad = next(t for t in ids if isinstance(t, bool) or not hasattr(t, "__index__"))
+        raise TypeError(f"prompt_ids must hold ints, found {bad!r} ({type(bad).__name__})") from e
+
+
+def _bool_token(t: bool) -> int:
+    raise TypeError(f"prompt_ids must hold ints, found {t!r} (bool)")
+
+
+class Frontend:
+    """Owns the runner and the engine core for one engine, and validates every submit."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: ContinuousBatchingConfig | None,
+        generation_config: Any,
+    ) -> None:
+        if config is None:
+            config = ContinuousBatchingConfig()
+        if not isinstance(config, ContinuousBatchingConfig):
+            raise TypeError(
+                f"config must be an acb.ContinuousBatchingConfig, got {type(config).__name__}"
+            )
+        config.warn_unsupported()
+        self.model = model
+        self.config = config
+        if generation_config is None:
+            generation_config = getattr(model, "generation_config", None)
+        self.generation_config = generation_config
+        self.defaults = (
+            SamplingParams.from_generation_config(generation_config, model.config)
+            if generation_config is not None
+            else SamplingParams(max_new_tokens=None, temperature=0.0, stop_token_ids=())
+        ).merged_over(SamplingParams(max_new_tokens=128, temperature=0.0, stop_token_ids=()))
+        self.core: EngineCore | None = None
+        self.runner: Any = None
+        self.gate = AdmissionGate(config.max_queue_size)
+        self._ids = itertools.count()
+        self._start_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ life
+    def prepare(self) -> None:
+        """Check the model, size and allocate the KV cache (idempotent; ``start`` calls it)."""
+        if self.runner is None:
+            from acb.runner.model_runner import ModelRunner  # the only place the API reaches torch code
+
+            self.runner = ModelRunner(self.model, self.config)
+
+    def start(self) -> None:
+        with self._start_lock:
+            if self.core is not None and self.core.is_running:
+                return
+            self.prepare()
+            cfg = self.runner.cfg
+            self.gate = AdmissionGate(self.config.max_queue_size)
+            core = EngineCore(
+                self.runner,
+                num_blocks=cfg.num_blocks,
+                block_size=cfg.block_size,
+                max_batch_tokens=cfg.max_batch_tokens,
+                max_running=cfg.max_requests_per_batch,
+                policy=cfg.scheduler_type,
+                safety_margin=cfg.safety_margin,
+                deliver=make_deliver(self.cancel),
+                on_dequeued=self.gate.release,
+            )
+            core.on_exit = self._on_core_exit
+            self.core = core
+            core.start()
+
+    def _on_core_exit(self) -> None:
+        self.gate.close()
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+    def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        core = self.core
+        if core is not None:
+            core.stop(drain=drain, timeout=timeout)
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        if self.runner is None and self.core is None:
+            raise EngineNotRunningError("the engine has not been started")
+        return self._cfg
+
+    @property
+    def _cfg(self) -> ResolvedConfig:
+        runner = self.runner or self.core.runner
+        return runner.cfg
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.core.stats if self.core is not None else EngineStats()
+
+    # --------------------------------------------------------------- submit
+    def make_request(
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None,
+        request_id: str | None,
+        record_timestamps: bool,
+        sink_factory: Callable[[str], Any],
+    ) -> Request:
+        """Validate one submit and build its Request (claims the request id)."""
+        core = self.core
+        if core is None:
+            raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
+        core.check_alive()
+        ids = _as_token_list(prompt_ids)
+        if not ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        vocab = core.runner.vocab_size
+        for pos, tok in enumerate(ids):
+            if tok < 0 or tok >= vocab:
+                raise ValueError(
+                    f"prompt_ids[{pos}] = {tok} is outside the model's vocabulary [0, {vocab})"
+                )
+        if sampling is None:
+            sampling = SamplingParams()
+        elif not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}")
+        params = sampling.merged_over(self.defaults)
+        cfg = core.runner.cfg
+        limit = cfg.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens can never fit: a request may hold at most {limit} tokens "
+                f"(prompt + at least one generated token), the smaller of the model's max positions and "
+                f"the KV cache's {cfg.capacity_tokens} tokens"
+            )
+        if request_id is None:
+            request_id = f"req_{next(self._ids)}"
+            while not core.reserve_id(request_id):
+                request_id = f"req_{next(self._ids)}"
+        else:
+            if not isinstance(request_id, str):
+                raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+            if not core.reserve_id(request_id):
+                raise ValueError(f"request_id {request_id!r} is already used by a live request")
+        max_new = min(params.max_new_tokens, limit - len(ids))
+        return Request(
+            request_id,
+            ids,
+            max_new_tokens=max_new,
+            stop_token_ids=frozenset(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos,
+            temperature=float(params.temperature or 0.0),
+            want_logprobs=params.logprobs is not None or cfg.return_logprobs,
+            record_timestamps=record_timestamps,
+            sink=sink_factory(request_id),
+        )
+
+    def enqueue(self, req: Request) -> None:
+        self.core.add(req)
+
+    def abandon(self, req: Request) -> None:
+        """Undo ``make_request`` for a request that will not be enqueued."""
+        self.core.release_id(req.request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask the engine to cancel a request; False (and a log line) if no live request has that id."""
+        core = self.core
+        if core is None or not core.is_live(request_id):
+            logger.info("acb: cancel(%r): no live request with that id; nothing to do", request_id)
+            return False
+        core.cancel(request_id)
+        return True

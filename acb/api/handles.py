@@ -1,0 +1,360 @@
+"""Request handles and the sinks that carry results from the engine thread to callers.
+
+The engine thread hands each step's results to :func:`deliver` as one list. Results for
+requests awaited on an event loop are grouped per loop and sent with **one**
+``loop.call_soon_threadsafe`` per loop per step; on the loop, each request's
+:class:`AsyncSink` appends the new tokens to what its consumer has not read yet, so a slow
+consumer gets several steps coalesced into one delta. Requests consumed from plain threads
+use :class:`ThreadSink` (a ``threading.Condition``; no event loop needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from acb.errors import EngineDeadError, RequestFailedError
+from acb.outputs import GenerationOutput, RequestStatus, StreamDelta
+
+logger = logging.getLogger("acb")
+
+
+def _error_of(out: GenerationOutput) -> Exception | None:
+    if out.status != RequestStatus.FAILED:
+        return None
+    msg = out.error or "request failed"
+    if msg.startswith("EngineDeadError"):
+        err: Exception = EngineDeadError(f"request {out.request_id!r}: {msg}")
+        return err
+    return RequestFailedError(f"request {out.request_id!r} failed: {msg}", out)
+
+
+class _SinkState:
+    """Tokens not yet read by the consumer, and the final output once known."""
+
+    __slots__ = ("request_id", "tokens", "logprobs", "final")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.final: GenerationOutput | None = None
+
+    def add(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
+        self.tokens.extend(token_ids)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
+        if final is not None:
+            self.final = final
+
+    def take(self) -> StreamDelta | None:
+        """The coalesced delta since the last take, or None if there is nothing new."""
+        if not self.tokens and self.final is None:
+            return None
+        delta = StreamDelta(
+            request_id=self.request_id,
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            finished=self.final is not None,
+            output=self.final,
+        )
+        self.tokens = []
+        self.logprobs = None
+        return delta
+
+
+class AsyncSink:
+    """Lives on one event loop; only that loop's thread touches it after creation."""
+
+    __slots__ = ("loop", "state", "_waiter", "_stream_done")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.state = _SinkState(request_id)
+        self._waiter: asyncio.Future | None = None
+        self._stream_done = False
+
+    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
+        self.state.add(token_ids, logprobs, final)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    @property
+    def done(self) -> bool:
+        return self.state.final is not None
+
+    async def _wait(self) -> None:
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def next_delta(self) -> StreamDelta | None:
+        """The next delta; None once the final delta has been returned. Raises on failure."""
+        while True:
+            if self._stream_done:
+                return None
+            final = self.state.final
+            if final is not None and (err := _error_of(final)) is not None:
+                self._stream_done = True
+                raise err
+            delta = self.state.take()
+            if delta is not None:
+                self._stream_done = delta.finished
+                return delta
+            await self._wait()
+
+    async def result(self) -> GenerationOutput:
+        while self.state.final is None:
+            await self._wait()
+        final = self.state.final
+        err = _error_of(final)
+        if err is not None:
+            raise err
+        return final
+
+
+class ThreadSink:
+    """For consumers on plain threads; pushed to directly by the engine thread."""
+
+    __slots__ = ("state", "_cond", "_stream_done", "on_final", "on_push")
+
+    loop = None
+
+    def __init__(
+        self,
+        request_id: str,
+        on_final: Callable[[GenerationOutput], None] | None = None,
+        on_push: Callable[[list[int], list[float] | None, GenerationOutput | None], None] | None = None,
+    ) -> None:
+        self.state = _SinkState(request_id)
+        self._cond = threading.Condition()
+        self._stream_done = False
+        self.on_final = on_final
+        self.on_push = on_push
+
+    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
+        with self._cond:
+            self.state.add(token_ids, logprobs, final)
+            self._cond.notify_all()
+        if self.on_push is not None:
+            self.on_push(token_ids, logprobs, final)
+        if final is not None and self.on_final is not None:
+            self.on_final(final)
+
+    @property
+    def done(self) -> bool:
+        return self.state.final is not None
+
+    def next_delta(self, timeout: float | None = None) -> StreamDelta | None:
+        with self._cond:
+            while True:
+                if self._stream_done:
+                    return None
+                final = self.state.final
+                if final is not None and (err := _error_of(final)) is not None:
+                    self._stream_done = True
+                    raise err
+                delta = self.state.take()
+                if delta is not None:
+                    self._stream_done = delta.finished
+                    return delta
+                if not self._cond.wait(timeout):
+                    raise TimeoutError(f"no result for request {self.state.request_id!r} within {timeout}s")
+
+    def result(self, timeout: float | None = None) -> GenerationOutput:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.state.final is not None, timeout):
+                raise TimeoutError(f"request {self.state.request_id!r} not finished within {timeout}s")
+            final = self.state.final
+        err = _error_of(final)
+        if err is not None:
+            raise err
+        return final
+
+
+def _push_all(batch: list[tuple[Any, list[int], Any, Any]]) -> None:
+    for sink, tokens, logprobs, final in batch:
+        sink.push(tokens, logprobs, final)
+
+
+def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
+    """The engine's ``deliver`` callback: one ``call_soon_threadsafe`` per loop per step."""
+
+    def deliver(items: list) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for item in items:
+            sink = item[0]
+            loop = sink.loop
+            if loop is None:
+                sink.push(item[1], item[2], item[3])
+            else:
+                per_loop.setdefault(loop, []).append(item)
+        for loop, batch in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, batch)
+            except RuntimeError:  # the consumer's loop is closed: nobody will read these
+                for sink, _t, _l, final in batch:
+                    if final is None:
+                        cancel(sink.state.request_id)
+
+    return deliver
+
+
+class RequestHandle:
+    """An admitted request, awaited on an event loop.
+
+    ``async for delta in handle`` streams new tokens; ``await handle.result()`` gives the final
+    :class:`GenerationOutput`. Leaving the loop early, or cancelling the task that awaits, cancels
+    the request. A cancelled request's result has ``status == RequestStatus.CANCELLED``; a failed
+    one raises :class:`RequestFailedError` (or :class:`EngineDeadError`).
+    """
+
+    def __init__(self, request_id: str, sink: AsyncSink, cancel: Callable[[str], Any]) -> None:
+        self.request_id = request_id
+        self._sink = sink
+        self._cancel = cancel
+
+    @property
+    def done(self) -> bool:
+        """Whether the final outcome has arrived."""
+        return self._sink.done
+
+    def cancel(self) -> None:
+        """Cancel the request (a no-op once it has ended)."""
+        if not self._sink.done:
+            self._cancel(self.request_id)
+
+    async def result(self) -> GenerationOutput:
+        try:
+            return await self._sink.result()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[StreamDelta]:
+        try:
+            while (delta := await self._sink.next_delta()) is not None:
+                yield delta
+        finally:
+            # break, task cancellation or an exception in the consumer: the request is not wanted
+            self.cancel()
+
+    def __repr__(self) -> str:
+        return f"RequestHandle({self.request_id!r}, done={self.done})"
+
+
+class SyncRequestHandle:
+    """The blocking twin of :class:`RequestHandle`: iterating blocks, ``result()`` blocks."""
+
+    def __init__(self, request_id: str, sink: ThreadSink, cancel: Callable[[str], Any]) -> None:
+        self.request_id = request_id
+        self._sink = sink
+        self._cancel = cancel
+
+    @property
+    def done(self) -> bool:
+        return self._sink.done
+
+    def cancel(self) -> None:
+        if not self._sink.done:
+            self._cancel(self.request_id)
+
+    def result(self, timeout: float | None = None) -> GenerationOutput:
+        return self._sink.result(timeout)
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        try:
+            while (delta := self._sink.next_delta()) is not None:
+                yield delta
+        finally:
+            self.cancel()
+
+    def __repr__(self) -> str:
+        return f"SyncRequestHandle({self.request_id!r}, done={self.done})"
+
+
+class AdmissionGate:
+    """Bounds the requests waiting to be scheduled (``max_queue_size``; 0 = unbounded).
+
+    A slot is taken at submit and given back when the request is first scheduled (or ends
+    before that). Waiters on event loops are woken through their loop; thread waiters
+    through a condition.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._count = 0
+        self._cond = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def try_acquire(self) -> bool:
+        if self.limit <= 0:
+            return True
+        with self._cond:
+            if self._count < self.limit:
+                self._count += 1
+                return True
+            return False
+
+    def release(self, n: int = 1) -> None:
+        if self.limit <= 0:
+            return
+        with self._cond:
+            self._count = max(0, self._count - n)
+            waiters, self._async_waiters = self._async_waiters, []
+            self._cond.notify_all()
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:
+                pass
+
+    def close(self) -> None:
+        """Stop bounding (the engine is gone): wake every waiter so it can see that."""
+        self.limit = 0
+        with self._cond:
+            waiters, self._async_waiters = self._async_waiters, []
+            self._cond.notify_all()
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:
+                pass
+
+    def acquire_blocking(self, timeout: float | None = None) -> bool:
+        if self.limit <= 0:
+            return True
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.limit <= 0 or self._count < self.limit, timeout)
+            if ok:
+                self._count += 1
+            return ok
+
+    async def acquire(self) -> None:
+        if self.limit <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self.limit <= 0 or self._count < self.limit:
+                    self._count += 1
+                    return
+                fut = loop.create_future()
+                self._async_waiters.append((loop, fut))
+            await fut
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -1,0 +1,254 @@
+"""``ContinuousBatchingManager`` with transformers' method names and meanings.
+
+Moving over from transformers is a one-line change::
+
+    manager = model.init_continuous_batching(generation_config=gc)          # transformers
+    manager = acb.init_continuous_batching(model, generation_config=gc)     # acb
+
+Results come out of one output queue (``get_result``, iteration, ``request_id_iter``) or,
+per request, through ``register_result_handler`` callbacks on the caller's event loop.
+Streaming requests put a partial output (all tokens so far, status DECODING) after every
+step that gave them a token, then the final one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+from acb.api.engine import Engine
+from acb.api.handles import ThreadSink
+from acb.config import ContinuousBatchingConfig
+from acb.outputs import GenerationOutput, RequestStatus
+from acb.sampling_params import SamplingParams
+
+logger = logging.getLogger("acb")
+
+_PROCESSOR_KWARGS = {"temperature", "do_sample"}
+
+
+class _OutputRouter:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: deque[GenerationOutput] = deque()
+        self.handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
+
+    def put(self, out: GenerationOutput) -> None:
+        with self._cond:
+            handler = self.handlers.get(out.request_id)
+            if handler is not None and out.is_finished():
+                del self.handlers[out.request_id]
+            if handler is None:
+                self._items.append(out)
+                self._cond.notify_all()
+                return
+        callback, loop = handler
+        try:
+            loop.call_soon_threadsafe(callback, out)
+        except RuntimeError:
+            logger.warning("acb: result handler loop for %r is closed; output dropped", out.request_id)
+
+    def get(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if request_id is None:
+                    if self._items:
+                        return self._items.popleft()
+                else:
+                    for i, out in enumerate(self._items):
+                        if out.request_id == request_id:
+                            del self._items[i]
+                            return out
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def empty(self) -> bool:
+        with self._cond:
+            return not self._items
+
+
+class ContinuousBatchingManager:
+    """transformers-compatible manager running on acb's engine."""
+
+    def __init__(
+        self,
+        model: Any,
+        generation_config: Any = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        workload_hints: Any = None,
+    ) -> None:
+        self.model = model
+        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        self.continuous_batching_config = continuous_batching_config or ContinuousBatchingConfig()
+        self._engine = Engine(model, self.continuous_batching_config, self.generation_config)
+        self.output_router = _OutputRouter()
+        self._counter = 0
+        self._lock = threading.Lock()
+        self.warmed_up = False
+
+    # ------------------------------------------------------------ control
+    def warmup(self) -> None:
+        """Check the model and allocate the KV cache now rather than at ``start``."""
+        self._engine._fe.prepare()
+        self.warmed_up = True
+
+    def is_running(self) -> bool:
+        return self._engine.is_running
+
+    def start(self) -> None:
+        if self.is_running():
+            logger.warning("acb: manager is already running")
+            return
+        self._engine.start()
+
+    def stop(
+        self,
+        block: bool = True,
+        timeout: float | None = None,
+        keep_for_next_session: bool = False,
+        hard_stop: bool = False,
+    ) -> None:
+        """Stop the engine thread. By default it first finishes the requests already added;
+        ``hard_stop`` cancels them instead. ``keep_for_next_session`` is accepted; a stopped acb
+        manager can always be started again."""
+        core = self._engine._fe.core
+        if core is None:
+            logger.warning("acb: manager not started")
+            return
+        core.stop(drain=not hard_stop, timeout=timeout if block else 0)
+
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        """Wait for the engine thread to exit (after ``stop``)."""
+        core = self._engine._fe.core
+        if core is not None and core._thread is not None:
+            core._thread.join(timeout)
+
+    def destroy(self) -> None:
+        if self.is_running():
+            self.stop(block=True, hard_stop=True)
+
+    # ----------------------------------------------------------- requests
+    def _next_id(self) -> str:
+        with self._lock:
+            rid = f"req_{self._counter}"
+            self._counter += 1
+        return rid
+
+    def add_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> str:
+        """Queue one request; returns its id. Blocks while ``max_queue_size`` requests wait."""
+        unknown = set(logit_processor_kwargs) - _PROCESSOR_KWARGS
+        if unknown:
+            warnings.warn(f"acb: per-request processor arguments {sorted(unknown)} are not applied yet", stacklevel=2)
+        temperature = None
+        if "temperature" in logit_processor_kwargs or "do_sample" in logit_processor_kwargs:
+            do_sample = logit_processor_kwargs.get("do_sample", True)
+            temperature = float(logit_processor_kwargs.get("temperature", 1.0)) if do_sample else 0.0
+        stop = None
+        if eos_token_id is not None:
+            stop = tuple(e for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id) if e >= 0)
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop)
+        rid = request_id if request_id is not None else self._next_id()
+        router = self.output_router
+        if streaming:
+            acc: list[int] = []
+            acc_lp: list[float] = []
+
+            def on_push(tokens: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
+                if final is not None:
+                    router.put(final)
+                    return
+                acc.extend(tokens)
+                if logprobs:
+                    acc_lp.extend(logprobs)
+                router.put(GenerationOutput(
+                    request_id=rid, prompt_ids=list(input_ids), generated_tokens=list(acc),
+                    logprobs=list(acc_lp), status=RequestStatus.DECODING,
+                ))
+
+            sink = ThreadSink(rid, on_push=on_push)
+        else:
+            sink = ThreadSink(rid, on_final=router.put)
+        self._engine._submit(input_ids, sampling, rid, record_timestamps, True, None, sink=sink)
+        return rid
+
+    def add_requests(
+        self,
+        inputs: list[list[int]],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        **logit_processor_kwargs: Any,
+    ) -> list[str]:
+        return [
+            self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
+                             record_timestamps=record_timestamps, **logit_processor_kwargs)
+            for ids in inputs
+        ]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request; unknown ids are a logged no-op."""
+        self._engine.cancel(request_id)
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output (of ``request_id`` if given), or None after ``timeout`` seconds."""
+        if not self.is_running() and self.output_router.empty():
+            return None
+        return self.output_router.get(request_id, timeout)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        while self.is_running() or not self.output_router.empty():
+            out = self.output_router.get(None, 0.1)
+            if out is not None:
+                yield out
+
+    def request_id_iter(self, request_id: str) -> Generator[GenerationOutput, None, None]:
+        """Outputs of one request until its final one."""
+        while self.is_running() or not self.output_router.empty():
+            out = self.output_router.get(request_id, 0.1)
+            if out is not None:
+                yield out
+                if out.is_finished():
+                    return
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
+        """Call ``callback(output)`` on the current event loop for each output of ``request_id``."""
+        loop = asyncio.get_running_loop()
+        with self.output_router._cond:
+            self.output_router.handlers[request_id] = (callback, loop)
+            # outputs that arrived before the handler was registered
+            early = [o for o in self.output_router._items if o.request_id == request_id]
+            for o in early:
+                self.output_router._items.remove(o)
+        for o in early:
+            callback(o)
+            if o.is_finished():
+                with self.output_router._cond:
+                    self.output_router.handlers.pop(request_id, None)
+
+
+def init_continuous_batching(
+    model: Any,
+    generation_config: Any = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    workload_hints: Any = None,
+) -> ContinuousBatchingManager:
+    """acb's ``model.init_continuous_batching(...)``: a manager, not yet started."""
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config, workload_hints)

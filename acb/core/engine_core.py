@@ -1,0 +1,321 @@
+"""The engine thread: drains the inbox, schedules, runs the model, hands out results.
+
+``step()`` reads as the pipeline::
+
+    schedule -> runner.execute (launch) -> runner.finish (the one sync) -> update_from_output -> deliver
+
+Only this thread touches the scheduler, the runner and the requests' mutable state. Callers
+talk to it through :meth:`EngineCore.add`, :meth:`cancel` and :meth:`call` (the inbox) and
+receive results through the ``deliver`` callback, which gets one list of
+``(sink, token_ids, logprobs, final_output_or_None)`` per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from acb.core.block_pool import BlockPool
+from acb.core.request import Request
+from acb.core.scheduler import Scheduler, SchedulerOutput
+from acb.errors import EngineDeadError, EngineNotRunningError
+from acb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+logger = logging.getLogger("acb")
+
+# (sink, new token ids, their logprobs or None, final output or None)
+Delivery = tuple[Any, list[int], "list[float] | None", "GenerationOutput | None"]
+
+
+class Runner(Protocol):
+    def execute(self, sched: SchedulerOutput) -> Any: ...
+    def finish(self, step: Any) -> Any: ...  # -> object with .sampled and .logprobs
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published after every step (safe to read from any thread)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_batch_tokens: int,
+        max_running: int,
+        policy: str,
+        safety_margin: float,
+        deliver: Callable[[list[Delivery]], None],
+        on_dequeued: Callable[[int], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(
+            self.pool, block_size=block_size, max_batch_tokens=max_batch_tokens,
+            max_running=max_running, policy=policy, safety_margin=safety_margin,
+        )
+        self._deliver = deliver
+        self._on_dequeued = on_dequeued or (lambda n: None)
+        self._inbox: deque[tuple] = deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._live_ids: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False  # set (under _lock) as the thread exits; adds are refused after
+        self._drain_on_stop = False
+        self.dead_error: BaseException | None = None
+        self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
+        self._generated = 0
+        self._failed = 0
+        self.on_exit: Callable[[], None] | None = None  # run on the engine thread as it exits
+
+    # ------------------------------------------------------------ callers
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="acb-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine died: {self.dead_error!r}") from self.dead_error
+        if not self.is_running or self._stopping:
+            raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
+
+    def reserve_id(self, request_id: str) -> bool:
+        """Claim a request id for a new request; False if a live request already has it."""
+        with self._lock:
+            if request_id in self._live_ids:
+                return False
+            self._live_ids.add(request_id)
+            return True
+
+    def release_id(self, request_id: str) -> None:
+        with self._lock:
+            self._live_ids.discard(request_id)
+
+    def is_live(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._live_ids
+
+    def add(self, req: Request) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineNotRunningError("the engine has stopped")
+            self._post(("add", req))
+
+    def cancel(self, request_id: str) -> None:
+        self._post(("cancel", request_id))
+
+    def call(self, fn: Callable[["EngineCore"], Any]) -> Future:
+        """Run ``fn(core)`` on the engine thread between steps; returns its Future."""
+        fut: Future = Future()
+        self._post(("call", fn, fut))
+        return fut
+
+    def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop the thread. ``drain``: finish live requests first; otherwise cancel them."""
+        if self._thread is None:
+            return
+        self._post(("stop", drain))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _post(self, cmd: tuple) -> None:
+        self._inbox.append(cmd)
+        self._wake.set()
+
+    # ------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_inbox()
+                if self._stopping and (not self._drain_on_stop or not self.scheduler.has_work()):
+                    self._cancel_all()
+                    break
+                if not self.scheduler.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self.step()
+        except BaseException as exc:  # noqa: BLE001 - the engine must never die silently
+            self.dead_error = exc
+            logger.error("acb engine thread died:\n%s", traceback.format_exc())
+            self._fail_all(exc)
+        finally:
+            self._stopping = True
+            with self._lock:
+                self._closed = True
+            leftover = [c[1] for c in self._inbox if c[0] == "add" and not c[1].status.is_terminal]
+            self._inbox.clear()
+            for req in leftover:
+                if self.dead_error is None:
+                    self._end_unscheduled(req, RequestStatus.CANCELLED)
+                else:
+                    req.error = f"EngineDeadError: {self.dead_error!r}"
+                    self._end_unscheduled(req, RequestStatus.FAILED)
+            if self.on_exit is not None:
+                try:
+                    self.on_exit()
+                except Exception:  # noqa: BLE001
+                    logger.exception("acb: error while shutting the engine down")
+
+    def _drain_inbox(self) -> None:
+        inbox = self._inbox
+        while inbox:
+            cmd = inbox.popleft()
+            kind = cmd[0]
+            if kind == "add":
+                req = cmd[1]
+                if self._stopping and not self._drain_on_stop:
+                    self._end_unscheduled(req, RequestStatus.CANCELLED)
+                else:
+                    self.scheduler.add(req)
+            elif kind == "cancel":
+                req = self.scheduler.cancel(cmd[1])
+                if req is not None:
+                    req.finish_reason = FinishReason.CANCELLED
+                    if req.first_scheduled_time is None:
+                        self._on_dequeued(1)
+                    self._emit_final([req])
+                    self._publish_stats()
+            elif kind == "call":
+                fn, fut = cmd[1], cmd[2]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self))
+                    except BaseException as exc:  # noqa: BLE001
+                        fut.set_exception(exc)
+            elif kind == "stop":
+                self._stopping = True
+                self._drain_on_stop = cmd[1]
+
+    def step(self) -> None:
+        """One engine step: schedule, run, record, deliver."""
+        sched = self.scheduler.schedule()
+        if sched is None:
+            raise RuntimeError(
+                f"scheduler made no progress with {len(self.scheduler.running)} running and "
+                f"{len(self.scheduler.waiting)} waiting requests ({self.pool.num_free} free blocks)"
+            )
+        if sched.newly_admitted:
+            self._on_dequeued(len(sched.newly_admitted))
+        try:
+            result = self.runner.finish(self.runner.execute(sched))
+        except Exception as exc:  # noqa: BLE001 - fail only this step's requests
+            logger.exception("acb: step %d failed; failing its %d requests", sched.step_id, sched.num_seqs)
+            msg = f"{type(exc).__name__}: {exc}"
+            failed = [r for r in sched.requests if not r.status.is_terminal]
+            for req in failed:
+                req.finish_reason = FinishReason.ERROR
+                self.scheduler.fail(req, msg)
+            self._failed += len(failed)
+            self._emit_final(failed)
+            self._publish_stats()
+            return
+        progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        self._generated += len(progressed)
+        items: list[Delivery] = []
+        for req in progressed:
+            lp = [req.logprobs[-1]] if req.want_logprobs and req.logprobs else None
+            final = None
+            if req.status.is_terminal:
+                final = req.to_output()
+                self.release_id(req.request_id)
+            items.append((req.sink, [req.token_ids[-1]], lp, final))
+        self._publish_stats()
+        if items:
+            self._deliver(items)
+
+    def _emit_final(self, reqs: list[Request]) -> None:
+        items: list[Delivery] = []
+        for req in reqs:
+            self.release_id(req.request_id)
+            items.append((req.sink, [], None, req.to_output()))
+        if items:
+            self._deliver(items)
+
+    def _end_unscheduled(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finish_reason = FinishReason.CANCELLED if status == RequestStatus.CANCELLED else FinishReason.ERROR
+        req.finish_time = time.perf_counter()
+        self._on_dequeued(1)
+        self._emit_final([req])
+
+    def _cancel_all(self) -> None:
+        reqs = list(self.scheduler.live.values())
+        for req in reqs:
+            never_scheduled = req.first_scheduled_time is None
+            self.scheduler.cancel(req.request_id)
+            req.finish_reason = FinishReason.CANCELLED
+            if never_scheduled:
+                self._on_dequeued(1)
+        # adds that arrive after the stop are cancelled by _drain_inbox
+        self._emit_final(reqs)
+        self._publish_stats()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The engine is dying: every live request gets a FAILED outcome (best effort)."""
+        reqs = list(self.scheduler.live.values())
+        pending_adds = [c[1] for c in self._inbox if c[0] == "add"]
+        msg = f"EngineDeadError: {type(exc).__name__}: {exc}"
+        for req in reqs + pending_adds:
+            req.status = RequestStatus.FAILED
+            req.finish_reason = FinishReason.ERROR
+            req.error = msg
+            req.finish_time = time.perf_counter()
+        try:
+            self._emit_final(reqs + pending_adds)
+        except BaseException:  # noqa: BLE001
+            logger.exception("acb: could not deliver failures after the engine died")
+
+    def _publish_stats(self) -> None:
+        st = self.scheduler.stats
+        self.stats = EngineStats(
+            steps=st.steps,
+            prefill_tokens=st.prefill_tokens,
+            decode_tokens=st.decode_tokens,
+            generated_tokens=self._generated,
+            preemptions=st.preemptions,
+            finished=st.finished,
+            cancelled=st.cancelled,
+            failed=self._failed,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.num_usable,
+        )
+
+    # -------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """Assert the block pool's invariants and that idle means no block held (engine thread)."""
+        self.pool.check()
+        held = sum(len(r.block_ids) for r in self.scheduler.running)
+        assert held == self.pool.num_used, f"requests hold {held} blocks but {self.pool.num_used} are used"
+        if not self.scheduler.has_work():
+            assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"

@@ -1,0 +1,116 @@
+"""The state of one request, owned by the engine thread."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from acb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+
+class Request:
+    """Mutable state of a live request. Only the engine thread touches it after admission.
+
+    ``token_ids`` is the prompt followed by the generated tokens; ``num_computed_tokens`` of
+    them have their K/V in the cache (advanced by the scheduler when it schedules them).
+    """
+
+    __slots__ = (
+        "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids", "ignore_eos",
+        "temperature", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
+        "block_ids", "row", "arrival_seq", "created_time", "first_scheduled_time", "first_token_time",
+        "finish_time", "timestamps", "logprobs", "finish_reason", "error", "num_preemptions",
+        "num_cached_tokens", "sink",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        ignore_eos: bool = False,
+        temperature: float = 0.0,
+        want_logprobs: bool = False,
+        record_timestamps: bool = False,
+        arrival_seq: int = 0,
+        sink: Any = None,
+        created_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = stop_token_ids
+        self.ignore_eos = ignore_eos
+        self.temperature = temperature
+        self.want_logprobs = want_logprobs
+        self.record_timestamps = record_timestamps
+        self.status = RequestStatus.PENDING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.row = -1  # row in the runner's persistent block table while running
+        self.arrival_seq = arrival_seq
+        self.created_time = time.perf_counter() if created_time is None else created_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.timestamps: list[float] | None = [] if record_timestamps else None
+        self.logprobs: list[float] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+        self.sink = sink  # opaque to core: where the engine delivers this request's results
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def append_token(self, token_id: int, logprob: float | None, now: float) -> bool:
+        """Record a sampled token; return True if the request is now finished."""
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if self.timestamps is not None:
+            self.timestamps.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if not self.ignore_eos and token_id in self.stop_token_ids:
+            self.finish_reason = FinishReason.STOP
+            return True
+        if len(self.token_ids) - self.prompt_len >= self.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    def to_output(self) -> GenerationOutput:
+        """A snapshot (copies of the lists) that is safe to hand to another thread."""
+        c = self.created_time
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=self.token_ids[: self.prompt_len],
+            generated_tokens=self.token_ids[self.prompt_len :],
+            logprobs=list(self.logprobs),
+            status=self.status,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            created_time=c,
+            timestamps=list(self.timestamps) if self.timestamps is not None else None,
+            queue_time=None if self.first_scheduled_time is None else self.first_scheduled_time - c,
+            time_to_first_token=None if self.first_token_time is None else self.first_token_time - c,
+            total_time=None if self.finish_time is None else self.finish_time - c,
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

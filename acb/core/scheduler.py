@@ -1,0 +1,295 @@
+"""Which requests run in the next step, and how many of their tokens.
+
+The contract, in one place:
+
+- ``schedule()`` returns a :class:`SchedulerOutput` for one step, or ``None`` when nothing
+  can run. At most ``max_batch_tokens`` query tokens and ``max_running`` sequences per step.
+  Each scheduled sequence contributes ``num_new`` consecutive tokens starting at its
+  ``num_computed_tokens``; a long prompt is split over several steps (chunked prefill).
+  ``num_computed_tokens`` is advanced here, at schedule time.
+- A sequence *samples* in a step when the step computes its last known token; the sampled
+  token is recorded by ``update_from_output``.
+- Policies: ``fifo`` serves running requests first (decodes and unfinished prefills, oldest
+  first), then admits waiting requests in arrival order with the budget left.
+  ``prefill_first`` continues unfinished prefills, then admits waiting requests (keeping back
+  the blocks running decodes need), then runs decodes with the budget left.
+- Admission is strictly in order (the head of the queue is never skipped) and keeps
+  ``safety_margin`` of the blocks free.
+- Preemption: when a running request needs a block and none is free, the newest running
+  request that is not yet scheduled in this step is preempted: its blocks are freed, its
+  generated tokens kept, and it goes to the front of the queue to be recomputed. The oldest
+  running request is therefore never preempted while others run, and since every admitted
+  request fits the cache on its own (checked at submit), progress is guaranteed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from acb.core.block_pool import BlockPool
+from acb.core.request import Request
+from acb.outputs import RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch. Built and consumed on the engine thread; not mutated once returned."""
+
+    step_id: int
+    requests: list[Request]  # scheduled, in batch order
+    rows: list[int]  # each request's row in the persistent block table
+    num_new: list[int]  # query tokens of each request in this step
+    start_pos: list[int]  # position of each request's first query token (= computed before)
+    input_ids: list[int]  # all query tokens, flattened in batch order
+    sample_idx: list[int]  # indices (into requests) of the sequences that sample
+    temperatures: list[float]  # per sampling sequence
+    want_logprobs: bool
+    # (row, first column, block ids) to write into the persistent block table before running
+    block_updates: list[tuple[int, int, list[int]]]
+    newly_admitted: list[Request]  # scheduled for the first time
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
+    decode_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    history: list[int] = field(default_factory=list, repr=False)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the block pool's use."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        block_size: int,
+        max_batch_tokens: int,
+        max_running: int,
+        policy: str = "fifo",
+        safety_margin: float = 0.0,
+    ) -> None:
+        if policy not in ("fifo", "prefill_first"):
+            raise ValueError(f"unknown scheduler policy {policy!r}")
+        self.pool = pool
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.policy = policy
+        self.watermark_blocks = int(safety_margin * pool.num_usable)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.live: dict[str, Request] = {}
+        self._free_rows = list(range(max_running - 1, -1, -1))
+        self._step_id = 0
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        assert req.request_id not in self.live, f"duplicate live request {req.request_id}"
+        self.live[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Remove a live request and free its blocks; ``None`` if it is not live."""
+        req = self.live.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.CANCELLED)
+        self.stats.cancelled += 1
+        return req
+
+    def fail(self, req: Request, error: str) -> None:
+        req.error = error
+        self._finish(req, RequestStatus.FAILED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.PENDING or req.row < 0:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        else:
+            self.running.remove(req)
+        self._release(req)
+        req.status = status
+        req.finish_time = time.perf_counter()
+        del self.live[req.request_id]
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        if req.row >= 0:
+            self._free_rows.append(req.row)
+            req.row = -1
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PENDING
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # --------------------------------------------------------------- schedule
+    def _blocks_needed(self, req: Request, num_new: int) -> int:
+        total = req.num_computed_tokens + num_new
+        return -(-total // self.block_size) - len(req.block_ids)
+
+    def schedule(self) -> SchedulerOutput | None:
+        out = SchedulerOutput(
+            step_id=self._step_id, requests=[], rows=[], num_new=[], start_pos=[], input_ids=[],
+            sample_idx=[], temperatures=[], want_logprobs=False, block_updates=[], newly_admitted=[],
+        )
+        budget = self.max_batch_tokens
+        if self.policy == "fifo":
+            budget, preempted = self._schedule_running(out, budget, self.running)
+            if not preempted:
+                budget = self._admit(out, budget, reserve=0)
+        else:  # prefill_first
+            prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+            decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+            budget, preempted = self._schedule_running(out, budget, prefilling)
+            if not preempted:
+                reserve = sum(1 for r in decoding if self._blocks_needed(r, 1) > 0)
+                budget = self._admit(out, budget, reserve=reserve)
+            decoding = [r for r in decoding if r.row >= 0]  # some may have been preempted
+            budget, _ = self._schedule_running(out, budget, decoding)
+        if not out.requests:
+            return None
+        self._step_id += 1
+        st = self.stats
+        st.steps += 1
+        st.prefill_tokens += out.num_prefill_tokens
+        st.decode_tokens += out.num_decode_tokens
+        return out
+
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, candidates: list[Request]
+    ) -> tuple[int, bool]:
+        """Schedule ``candidates`` (running requests, in order); preempt the newest when blocks run out."""
+        preempted_any = False
+        scheduled = {id(r) for r in out.requests}
+        for req in list(candidates):
+            if budget <= 0:
+                break
+            if req.row < 0:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            need = self._blocks_needed(req, num_new)
+            while need > self.pool.num_free:
+                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                assert victim is not None, "no request left to preempt"
+                self._preempt(victim)
+                preempted_any = True
+                if victim is req:
+                    break
+            if req.row < 0:
+                continue
+            if need > 0:
+                first_col = len(req.block_ids)
+                new_blocks = self.pool.allocate(need)
+                assert new_blocks is not None
+                req.block_ids.extend(new_blocks)
+                out.block_updates.append((req.row, first_col, new_blocks))
+            self._emit(out, req, num_new)
+            scheduled.add(id(req))
+            budget -= num_new
+        return budget, preempted_any
+
+    def _admit(self, out: SchedulerOutput, budget: int, reserve: int) -> int:
+        """Admit waiting requests in order while budget, rows and blocks last."""
+        now = None
+        while self.waiting and budget > 0 and self._free_rows:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self._blocks_needed(req, num_new)
+            if need > self.pool.num_free - self.watermark_blocks - reserve:
+                # an empty engine must still make progress whatever the margin
+                if self.running or out.requests or need > self.pool.num_free - reserve:
+                    break
+            blocks = self.pool.allocate(need)
+            assert blocks is not None
+            self.waiting.popleft()
+            req.block_ids = blocks
+            req.row = self._free_rows.pop()
+            req.status = RequestStatus.PREFILLING
+            self.running.append(req)
+            out.block_updates.append((req.row, 0, list(blocks)))
+            if req.first_scheduled_time is None:
+                now = time.perf_counter() if now is None else now
+                req.first_scheduled_time = now
+                out.newly_admitted.append(req)
+            self._emit(out, req, num_new)
+            budget -= num_new
+        return budget
+
+    def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        out.requests.append(req)
+        out.rows.append(req.row)
+        out.num_new.append(num_new)
+        out.start_pos.append(start)
+        out.input_ids.extend(req.token_ids[start : start + num_new])
+        end = start + num_new
+        req.num_computed_tokens = end
+        if end == req.num_tokens:
+            out.sample_idx.append(len(out.requests) - 1)
+            out.temperatures.append(req.temperature)
+            out.want_logprobs = out.want_logprobs or req.want_logprobs
+        if num_new == 1 and start >= req.prompt_len:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+
+    # ----------------------------------------------------------------- update
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[int], logprobs: list[float] | None
+    ) -> tuple[list[Request], list[Request]]:
+        """Record each sampling sequence's token. Returns (requests that got a token, finished ones).
+
+        Finished requests have left the running list and their blocks are free when this returns.
+        """
+        now = time.perf_counter()
+        progressed: list[Request] = []
+        finished: list[Request] = []
+        reqs = out.requests
+        for k, i in enumerate(out.sample_idx):
+            req = reqs[i]
+            if req.status.is_terminal:  # cancelled while its step was in flight
+                continue
+            done = req.append_token(sampled[k], logprobs[k] if logprobs is not None and req.want_logprobs else None, now)
+            req.status = RequestStatus.DECODING
+            progressed.append(req)
+            if done:
+                self._finish(req, RequestStatus.FINISHED)
+                self.stats.finished += 1
+                finished.append(req)
+        return progressed, finished

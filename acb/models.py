@@ -1,0 +1,92 @@
+"""Random-weight models built from configs, and a tokenizer built in code (no downloads).
+
+Used by the tests, the benchmarks and ``acb generate``'s default model. Their weights are
+random, so the text they produce is meaningless: they exist to exercise and time the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Small shapes per architecture; every field a tiny model needs to be exercised properly
+# (GQA, head_dim not hidden/heads, sliding windows, q/k norms...).
+_TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=32),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=24),
+    "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=16),
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=24, query_pre_attn_scalar=16),
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0),
+}
+
+TINY_ARCHS = tuple(_TINY)
+
+
+def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: int = 1024, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
+    if arch not in _TINY:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+    kw = dict(_TINY[arch])
+    kw.update(vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    # a wider init makes logits peaked, so greedy parity does not hinge on near-ties
+    kw["initializer_range"] = 0.2
+    kw.update(overrides)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
+               attn_implementation: str = "sdpa", **overrides: Any) -> Any:
+    """A tiny random causal LM of the given architecture, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval()
+
+
+# ``acb generate``'s embedded default: a small Llama (about 8M parameters).
+DEFAULT_MODEL_CONFIG: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, max_position_embeddings=2048,
+)
+
+
+def default_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    tok = build_tokenizer()
+    return tiny_model("llama", seed=seed, dtype=dtype, vocab_size=len(tok), **DEFAULT_MODEL_CONFIG)
+
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: pad, bos, eos
+
+
+def build_tokenizer() -> Any:
+    """A byte-level tokenizer built in code: ids 0-2 are <pad>, <s>, </s>, then the 256 bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+    )

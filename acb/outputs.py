@@ -1,0 +1,85 @@
+"""What requests give back: :class:`GenerationOutput`, :class:`StreamDelta`, statuses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Values up to DECODING are live; the rest are terminal.
+
+    The first five names and values match transformers' ``RequestStatus``.
+    """
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended."""
+
+    STOP = "stop"  # an end-of-sequence / stop token was generated
+    LENGTH = "length"  # max_new_tokens, the model's max positions, or the cache capacity was reached
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class GenerationOutput:
+    """The final (or partial) output of one request.
+
+    Times are ``time.perf_counter()`` values (``created_time``, ``timestamps``) or
+    durations in seconds (``queue_time``, ``time_to_first_token``, ``total_time``).
+    """
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    # log-probability of each generated token (filled when logprobs were asked for)
+    logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    created_time: float = 0.0
+    # perf_counter() of each generated token, when record_timestamps was asked for
+    timestamps: list[float] | None = None
+    queue_time: float | None = None  # submit -> first scheduled
+    time_to_first_token: float | None = None  # submit -> first token sampled
+    total_time: float | None = None  # submit -> final outcome
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    def is_finished(self) -> bool:
+        """Whether the request reached a terminal state (finished, failed or cancelled)."""
+        return self.status.is_terminal
+
+    @property
+    def lifespan(self) -> tuple[float, float]:
+        """transformers-compatible (first scheduled, finished) perf_counter pair; -1 when unknown."""
+        start = self.created_time + self.queue_time if self.queue_time is not None else -1.0
+        end = self.created_time + self.total_time if self.total_time is not None else -1.0
+        return (start, end)
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """One item of a request's stream: the tokens new since the previous item.
+
+    The last item of a stream has ``finished`` true and carries the final ``output``.
+    Several engine steps may be coalesced into one delta when the consumer is slow.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    output: GenerationOutput | None = None

@@ -1,0 +1,81 @@
+"""Paged KV tensors and the memory sizing that decides how many blocks there are.
+
+Layout per layer: K and V each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Block 0 is scratch (padded rows write there; nothing reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("acb")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class KVCache:
+    """Per-layer K/V block tensors. ``flat_k(layer)`` views them as ``[slots, kv_heads, head_dim]``."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # torch.empty: pages are only touched as blocks get used (the scratch block is never read)
+        self.k = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self._flat_shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+
+    def flat_k(self, layer: int) -> torch.Tensor:  # [num_blocks * block_size, kv_heads, head_dim]
+        return self.k[layer].view(self._flat_shape)
+
+    def flat_v(self, layer: int) -> torch.Tensor:
+        return self.v[layer].view(self._flat_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.bytes_per_block(self.block_size) * self.num_blocks
+
+
+def available_host_memory() -> int:
+    """Bytes of RAM available to this process now (Linux ``MemAvailable``; a sysconf fallback)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2 << 30
+
+
+# On CPU the cache shares RAM with everything else: take a modest share, capped.
+CPU_MEMORY_FRACTION = 0.25
+CPU_MAX_KV_BYTES = 4 << 30
+
+
+def kv_memory_budget(device: torch.device, max_memory_percent: float | None) -> int:
+    """Bytes the KV cache may use on ``device``."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        # leave headroom for activations and logits of the largest batch
+        return int(free * (max_memory_percent if max_memory_percent is not None else 0.8))
+    frac = max_memory_percent if max_memory_percent is not None else CPU_MEMORY_FRACTION
+    return int(min(available_host_memory() * frac, CPU_MAX_KV_BYTES))

@@ -1,0 +1,193 @@
+"""Runs one scheduled batch through the unmodified Hugging Face model and samples.
+
+The batch is one flattened sequence (``[1, total_tokens]`` ids and positions). acb's
+attention function is swapped in through transformers' attention interface for the life
+of the runner (``close()`` restores the model's own implementation), and logits are
+computed only for the rows that sample (``logits_to_keep`` with an index tensor).
+
+Host/device syncs: exactly one per step, in :meth:`ModelRunner.finish` (reading the
+sampled ids, and logprobs when asked).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from acb.config import ContinuousBatchingConfig, ResolvedConfig
+from acb.core.scheduler import SchedulerOutput
+from acb.errors import UnsupportedModelError
+from acb.runner.attention import ATTN_IMPL_NAME, StepContext, make_backend, register_with_transformers
+from acb.runner.input_batch import InputBatch
+from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
+from acb.runner.sampler import sample
+
+logger = logging.getLogger("acb")
+
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+DEFAULT_BLOCK_SIZE = 32
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: list[int]  # one per sampling sequence, in SchedulerOutput.sample_idx order
+    logprobs: list[float] | None
+
+
+@dataclass
+class InFlightStep:
+    """A launched step; its results are read (the step's one sync) by ``ModelRunner.finish``."""
+
+    sched: SchedulerOutput
+    ids: torch.Tensor
+    logprobs: torch.Tensor | None
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse, with the reason, models acb cannot run correctly."""
+    cfg = model.config
+    name = type(model).__name__
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; acb runs decoder-only causal LMs")
+    if not hasattr(model, "get_decoder") and not hasattr(model, "model"):
+        raise UnsupportedModelError(f"{name} is not a transformers causal LM")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{name} does not route its attention through transformers' AttentionInterface "
+            "(_supports_attention_backend is False), so acb cannot page its KV cache"
+        )
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        other = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
+        if other:
+            raise UnsupportedModelError(
+                f"{name} has layers of type {other}; acb supports only {sorted(SUPPORTED_LAYER_TYPES)}"
+            )
+    if getattr(text, "attention_chunk_size", None):
+        raise UnsupportedModelError(f"{name} uses chunked attention (attention_chunk_size), not supported by acb")
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(f"{name} shares KV caches across layers (num_kv_shared_layers), not supported")
+    if getattr(text, "use_sliding_window", True) is False:
+        pass  # Qwen2-style flag: the modules then pass sliding_window=None; nothing to refuse
+
+
+def kv_spec_of(model: torch.nn.Module, dtype: torch.dtype) -> KVSpec:
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return KVSpec(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+
+
+def model_max_len(model: torch.nn.Module) -> int:
+    text = model.config.get_text_config()
+    return int(getattr(text, "max_position_embeddings", None) or 1 << 20)
+
+
+def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> tuple[ResolvedConfig, KVSpec]:
+    """Concrete sizes for this model on its device (the only place memory is measured)."""
+    device = next(model.parameters()).device
+    spec = kv_spec_of(model, next(model.parameters()).dtype)
+    block_size = config.block_size or DEFAULT_BLOCK_SIZE
+    max_len = model_max_len(model)
+    cuda = device.type == "cuda"
+    max_reqs = config.max_requests_per_batch or (256 if cuda else 128)
+    max_batch_tokens = config.max_batch_tokens or (8192 if cuda else 2048)
+    per_block = spec.bytes_per_block(block_size)
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    else:
+        budget = kv_memory_budget(device, config.max_memory_percent)
+        # no point holding more than every running request at the model's full length
+        useful = max_reqs * math.ceil(max_len / block_size) + 1
+        num_blocks = max(2, min(budget // per_block, useful))
+    # a single request may hold at most what the cache holds and what the model can position
+    max_model_len = min(max_len, (num_blocks - 1) * block_size)
+    backend = config.attn_backend or "torch"
+    resolved = ResolvedConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_reqs,
+        max_model_len=max_model_len,
+        scheduler_type=config.scheduler_type,
+        safety_margin=0.01 if config.safety_margin is None else config.safety_margin,
+        max_queue_size=config.max_queue_size,
+        return_logprobs=config.return_logprobs,
+        seed=config.seed,
+        attn_backend=backend,
+        device=str(device),
+        kv_cache_bytes=num_blocks * per_block,
+    )
+    return resolved, spec
+
+
+class ModelRunner:
+    """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
+
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
+        check_model(model)
+        self.model = model.eval()
+        self.cfg, spec = resolve_config(model, config)
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else int(model.config.get_text_config().vocab_size)
+        self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
+        self.backend = make_backend(self.cfg.attn_backend)
+        self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
+        self.generator = torch.Generator(device=self.device)
+        if self.cfg.seed is not None:
+            self.generator.manual_seed(self.cfg.seed)
+        else:
+            self.generator.seed()
+        self._supports_logits_to_keep = bool(
+            getattr(model, "_supports_logits_to_keep", lambda: False)()
+        )
+        register_with_transformers()
+        self._original_attn = model.config._attn_implementation
+        self._set_attn(ATTN_IMPL_NAME)
+        logger.info(
+            "acb: %d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
+            "max_model_len=%d, backend=%s, device=%s",
+            self.cfg.num_blocks, self.cfg.block_size, self.cfg.kv_cache_bytes / 2**20, self.cfg.max_batch_tokens,
+            self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.attn_backend, self.device,
+        )
+
+    def _set_attn(self, impl: str) -> None:
+        try:
+            self.model.set_attn_implementation(impl)
+        except (AttributeError, ValueError, KeyError, ImportError):
+            self.model.config._attn_implementation = impl
+
+    def close(self) -> None:
+        """Give the model its own attention implementation back."""
+        if self._original_attn is not None:
+            self._set_attn(self._original_attn)
+            self._original_attn = None
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> InFlightStep:
+        """Launch the forward and the sampler for one step (no host sync)."""
+        batch = self.inputs.prepare(sched)
+        ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
+        if self._supports_logits_to_keep:
+            logits = self.model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                logits_to_keep=batch.logits_indices, acb_ctx=ctx,
+            ).logits[0]  # [S, V]
+        else:
+            logits = self.model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, acb_ctx=ctx,
+            ).logits[0, batch.logits_indices]
+        ids, logprobs = sample(logits, sched.temperatures, self.generator, sched.want_logprobs)
+        return InFlightStep(sched, ids, logprobs)
+
+    def finish(self, step: InFlightStep) -> ModelRunnerOutput:
+        """Sync: read the step's sampled ids (and logprobs) on the host."""
+        return ModelRunnerOutput(
+            sampled=step.ids.tolist(),
+            logprobs=step.logprobs.tolist() if step.logprobs is not None else None,
+        )
