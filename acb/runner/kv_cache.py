@@ -35,9 +35,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        # torch.empty: pages are only touched as blocks get used (the scratch block is never read)
-        self.k = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        # zeros, not empty: padded gathers read slots that were never written, and masked-out
+        # garbage that happens to be NaN/inf would still poison SDPA's weighted sum (0 * NaN)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self._flat_shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
 
     def flat_k(self, layer: int) -> torch.Tensor:  # [num_blocks * block_size, kv_heads, head_dim]

@@ -1,0 +1,408 @@
+"""The ``acb`` command line.
+
+``acb generate`` runs a batch of prompts through the continuous-batching engine and writes
+one JSON line per request. Subcommands are ``argparse`` subparsers, so more (``acb bench``)
+can be added next to it with :func:`_add_generate`'s pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+DEFAULT_OUTPUT = "acb_generate_out.jsonl"
+SPECIAL_IDS = (0, 1, 2)  # excluded from synthetic prompts (pad, bos, eos of the default tokenizer)
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class CliError(Exception):
+    """A user error detected after argument parsing; reported as ``parser.error`` (exit 2)."""
+
+
+@dataclass
+class PromptSpec:
+    """One request: its output ``id``, token ids, and optional own ``max_new_tokens``."""
+
+    id: Any
+    prompt_ids: list[int]
+    max_new_tokens: int | None = None
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="acb",
+        description="acb: continuous batching for Hugging Face transformers causal LMs.",
+    )
+    from acb import __version__
+
+    parser.add_argument("--version", action="version", version=f"acb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return v
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate for a batch of prompts and write JSONL results",
+        description=(
+            "Generate for a batch of prompts with continuous batching and write one JSON line per "
+            "request (in input order) to --output. Without --model, runs on acb's embedded default "
+            "model: a small Llama with RANDOM weights and a byte-level tokenizer, useful to exercise "
+            "and time the engine; its text is meaningless. Without --prompts, makes --num-prompts "
+            "synthetic prompts of random token ids."
+        ),
+        epilog=(
+            "Prompts file (JSONL): one JSON object per line with either \"prompt\" (text, tokenized "
+            "with the model's tokenizer) or \"prompt_ids\" (list of ints), and optionally \"id\" "
+            "(kept in the output; default req_<index>) and \"max_new_tokens\" (overrides "
+            "--max-new-tokens for that line). Blank lines are skipped. "
+            "Output lines hold id, prompt_len, generated_ids, text, finish_reason, status, error. "
+            "A summary goes to stderr. Exit status: 0 if every request finished, 1 if any failed, "
+            "2 for bad arguments or input."
+        ),
+    )
+    src = p.add_argument_group("model")
+    src.add_argument("--model", metavar="PATH", default=None,
+                     help="local checkpoint directory (model + tokenizer; nothing is downloaded). "
+                          "Default: the embedded random-weight model (meaningless text).")
+    src.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype (default: float32)")
+    src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+
+    pr = p.add_argument_group("prompts")
+    pr.add_argument("--prompts", metavar="FILE.jsonl", default=None,
+                    help="JSONL prompts file (see below). Default: synthetic random prompts.")
+    pr.add_argument("--num-prompts", type=_positive_int, default=64, metavar="N",
+                    help="number of synthetic prompts (default: 64)")
+    pr.add_argument("--min-prompt-len", type=_positive_int, default=16, metavar="N",
+                    help="shortest synthetic prompt, in tokens (default: 16)")
+    pr.add_argument("--max-prompt-len", type=_positive_int, default=256, metavar="N",
+                    help="longest synthetic prompt, in tokens (default: 256)")
+    pr.add_argument("--seed", type=int, default=0,
+                    help="seed for synthetic prompts and for sampling (default: 0)")
+
+    sp = p.add_argument_group("sampling")
+    sp.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+                    help="most tokens to generate per request (default: 64)")
+    sp.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                    help="sampling temperature; 0 = greedy (default: 0)")
+    sp.add_argument("--ignore-eos", action="store_true",
+                    help="keep generating through end-of-sequence tokens until max_new_tokens")
+
+    eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
+    eng.add_argument("--max-batch-tokens", type=_positive_int, default=None, metavar="N",
+                     help="token budget per step (default: resolved by the engine)")
+    eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
+                     help="KV cache blocks (default: from available memory)")
+    eng.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
+                     help="tokens per KV block (default: resolved by the engine)")
+    eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
+                     help="most sequences in one step (default: resolved by the engine)")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--output", "-o", metavar="FILE.jsonl", default=DEFAULT_OUTPUT,
+                     help=f"where to write results (default: ./{DEFAULT_OUTPUT}); stdout is not used")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
+    p.set_defaults(func=cmd_generate, _parser=p)
+
+
+# --------------------------------------------------------------------------- entry point
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        args._parser.error(str(exc))  # one line on stderr, exit status 2
+    return 2  # unreachable
+
+
+# --------------------------------------------------------------------------- generate
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    if args.prompts is not None and not os.path.isfile(args.prompts):
+        raise CliError(f"--prompts: no such file: {args.prompts}")
+    if args.model is not None and not os.path.isdir(args.model):
+        raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    parent = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(parent):
+        raise CliError(f"--output: directory does not exist: {parent}")
+    if args.prompts is None and args.min_prompt_len > args.max_prompt_len:
+        raise CliError(
+            f"--min-prompt-len ({args.min_prompt_len}) is larger than --max-prompt-len ({args.max_prompt_len})"
+        )
+
+
+def _check_device(device: str) -> Any:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(f"--device: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: CUDA is not available")
+    return dev
+
+
+def _load_tokenizer(args: argparse.Namespace) -> Any:
+    if args.model is None:
+        from acb.models import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    except Exception as exc:  # a checkpoint without a tokenizer can still run prompt_ids
+        print(f"acb generate: warning: no tokenizer loaded from {args.model} ({type(exc).__name__}: {exc}); "
+              "text prompts are rejected and outputs have text=null", file=sys.stderr)
+        return None
+
+
+def _load_model(args: argparse.Namespace, device: Any) -> Any:
+    dtype = _torch_dtype(args.dtype)
+    if args.model is None:
+        from acb.models import default_model
+
+        model = default_model(dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
+        except Exception as exc:
+            raise CliError(f"--model: cannot load {args.model}: {type(exc).__name__}: {exc}") from None
+    return model.to(device).eval()
+
+
+def _vocab_size(model: Any) -> int:
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(text.vocab_size)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def load_prompts(path: str, tokenizer: Any) -> list[PromptSpec]:
+    """Parse a JSONL prompts file; raises :class:`CliError` naming the offending line."""
+    specs: list[PromptSpec] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CliError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise CliError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            has_text, has_ids = "prompt" in obj, "prompt_ids" in obj
+            if not has_text and not has_ids:
+                raise CliError(f"{where}: needs \"prompt\" (text) or \"prompt_ids\" (list of ints)")
+            if has_text and has_ids:
+                raise CliError(f"{where}: give either \"prompt\" or \"prompt_ids\", not both")
+            if has_ids:
+                ids = obj["prompt_ids"]
+                if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+                    raise CliError(f"{where}: \"prompt_ids\" must be a list of ints")
+            else:
+                text = obj["prompt"]
+                if not isinstance(text, str):
+                    raise CliError(f"{where}: \"prompt\" must be a string")
+                if tokenizer is None:
+                    raise CliError(f"{where}: text prompt but no tokenizer could be loaded; use \"prompt_ids\"")
+                ids = list(tokenizer.encode(text))
+            if not ids:
+                raise CliError(f"{where}: the prompt is empty (a request needs at least one token)")
+            max_new = obj.get("max_new_tokens")
+            if max_new is not None and (not _is_int(max_new) or max_new <= 0):
+                raise CliError(f"{where}: \"max_new_tokens\" must be a positive int, got {max_new!r}")
+            rid = obj["id"] if "id" in obj else f"req_{len(specs)}"
+            specs.append(PromptSpec(rid, ids, max_new))
+    if not specs:
+        raise CliError(f"--prompts: {path} holds no prompts")
+    return specs
+
+
+def synthetic_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed: int,
+                      exclude: Sequence[int] = SPECIAL_IDS) -> list[PromptSpec]:
+    """``n`` prompts of random lengths in ``[min_len, max_len]`` and random non-special ids."""
+    excluded = set(exclude)
+    allowed = [t for t in range(vocab_size) if t not in excluded]
+    if not allowed:
+        raise CliError(f"the model's vocabulary ({vocab_size}) has no non-special token ids")
+    rng = random.Random(seed)
+    return [
+        PromptSpec(f"req_{i}", [rng.choice(allowed) for _ in range(rng.randint(min_len, max_len))])
+        for i in range(n)
+    ]
+
+
+def _failed_output(spec: PromptSpec, rid: str, error: str) -> Any:
+    from acb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+    return GenerationOutput(request_id=rid, prompt_ids=list(spec.prompt_ids), status=RequestStatus.FAILED,
+                            finish_reason=FinishReason.ERROR, error=error)
+
+
+def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.Namespace) -> list[Any]:
+    """Run every request; returns their ``GenerationOutput`` in input order."""
+    import acb
+
+    sampling = acb.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  ignore_eos=args.ignore_eos)
+    if all(s.max_new_tokens is None for s in specs):
+        out = acb.generate_batch(model, [s.prompt_ids for s in specs], continuous_batching_config=cfg,
+                                 sampling=sampling, progress_bar=not args.no_progress)
+        return [out[f"req_{i}"] for i in range(len(specs))]
+
+    # some lines have their own max_new_tokens: one SamplingParams per request
+    from dataclasses import replace
+
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(specs), desc="acb generate", unit="req", dynamic_ncols=True)
+    results = []
+    try:
+        with acb.Engine(model, cfg) as engine:
+            handles = []
+            for i, s in enumerate(specs):
+                sp = sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens)
+                handles.append(engine.submit(s.prompt_ids, sp, request_id=f"req_{i}"))
+            for i, (s, h) in enumerate(zip(specs, handles)):
+                try:
+                    results.append(h.result())
+                except acb.RequestFailedError as exc:
+                    results.append(exc.output if exc.output is not None
+                                   else _failed_output(s, h.request_id, str(exc)))
+                except acb.EngineDeadError as exc:
+                    results.append(_failed_output(s, h.request_id, f"EngineDeadError: {exc}"))
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def _record(spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str, Any]:
+    gen = [int(t) for t in out.generated_tokens]
+    text = tokenizer.decode(gen, skip_special_tokens=True) if tokenizer is not None else None
+    return {
+        "id": spec.id,
+        "prompt_len": len(spec.prompt_ids),
+        "generated_ids": gen,
+        "text": text,
+        "finish_reason": out.finish_reason.value if out.finish_reason is not None else None,
+        "status": out.status.name,
+        "error": out.error,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _check_paths(args)
+    device = _check_device(args.device)
+    if args.verbose:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("acb").setLevel(logging.INFO)
+
+    import acb
+
+    try:
+        cfg = acb.ContinuousBatchingConfig(
+            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, block_size=args.block_size,
+            max_requests_per_batch=args.max_requests_per_batch, seed=args.seed,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+    tokenizer = _load_tokenizer(args)
+    specs = load_prompts(args.prompts, tokenizer) if args.prompts is not None else None
+    model = _load_model(args, device)
+    vocab = _vocab_size(model)
+    if specs is None:
+        exclude = set(SPECIAL_IDS) | set(getattr(tokenizer, "all_special_ids", None) or ())
+        specs = synthetic_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab,
+                                  args.seed, exclude=sorted(exclude))
+    else:
+        for i, s in enumerate(specs):
+            bad = next((t for t in s.prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise CliError(f"prompt {i} (id {s.id!r}): token id {bad} is outside the model's vocabulary [0, {vocab})")
+
+    t0 = time.perf_counter()
+    try:
+        outputs = run_requests(model, specs, cfg, args)
+    except (ValueError, TypeError) as exc:  # rejected at submit (e.g. a prompt that can never fit)
+        raise CliError(str(exc)) from None
+    except acb.UnsupportedModelError as exc:
+        raise CliError(f"unsupported model: {exc}") from None
+    wall = time.perf_counter() - t0
+
+    with open(args.output, "w", encoding="utf-8") as f:
+        for spec, out in zip(specs, outputs):
+            f.write(json.dumps(_record(spec, out, tokenizer), ensure_ascii=False) + "\n")
+
+    n = len(specs)
+    prompt_tokens = sum(len(s.prompt_ids) for s in specs)
+    gen_tokens = sum(len(o.generated_tokens) for o in outputs)
+    failed = sum(1 for o in outputs if o.status.name == "FAILED")
+    cancelled = sum(1 for o in outputs if o.status.name == "CANCELLED")
+    w = max(wall, 1e-9)
+    lines = [
+        f"acb generate: {n} requests ({n - failed - cancelled} finished, {failed} failed, {cancelled} cancelled)",
+        f"  prompt tokens:     {prompt_tokens}",
+        f"  generated tokens:  {gen_tokens}",
+        f"  wall time:         {wall:.3f} s",
+        f"  throughput:        {gen_tokens / w:.1f} generated tokens/s, {n / w:.2f} requests/s",
+        f"  results written to {os.path.abspath(args.output)}",
+    ]
+    if failed:
+        first = next(o for o in outputs if o.status.name == "FAILED")
+        lines.append(f"  first failure:     {first.request_id}: {first.error}")
+    print("\n".join(lines), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny models, reference generation, and the KV-leak check after every engine test."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from acb.core.engine_core import EngineCore
+from acb.models import tiny_model
+
+torch.set_num_threads(2)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_model(arch: str, **kw):
+    return tiny_model(arch, **kw)
+
+
+def get_model(arch: str = "llama", **kw):
+    """A cached tiny model (read-only: tests must not change its weights)."""
+    return _cached_model(arch, **kw)
+
+
+def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from plain ``model.generate`` on one unpadded prompt."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(autouse=True)
+def kv_leak_check(monkeypatch):
+    """After every test: every engine is stopped, every request ended, no KV block held."""
+    cores: list[EngineCore] = []
+    original = EngineCore.__init__
+
+    def tracking_init(self, *a, **kw):
+        original(self, *a, **kw)
+        cores.append(self)
+
+    monkeypatch.setattr(EngineCore, "__init__", tracking_init)
+    yield cores
+    for core in cores:
+        if core.is_running:
+            core.stop(timeout=30)
+        assert not core.is_running, "engine thread did not stop"
+        core.check_invariants()
+        assert core.pool.num_used == 0, f"{core.pool.num_used} KV blocks still held"
+        assert not core.scheduler.live, f"requests left without an outcome: {list(core.scheduler.live)}"
+        assert not core._live_ids, f"request ids never released: {core._live_ids}"
+
+
+def prompts_of_lengths(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
