@@ -393,7 +393,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"acb generate: {n} requests ({n - failed - cancelled} finished, {failed} failed, {cancelled} cancelled)",
         f"  prompt tokens:     {prompt_tokens}",
         f"  generated tokens:  {gen_tokens}",
-        f"  wall time:         {wall:.3f} s",
+        f"  wall time:         {wall:.3f} s (engine start included)",
         f"  throughput:        {gen_tokens / w:.1f} generated tokens/s, {n / w:.2f} requests/s",
         f"  results written to {os.path.abspath(args.output)}",
     ]

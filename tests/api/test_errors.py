@@ -1,0 +1,145 @@
+"""Bad input is rejected at submit with a clear message; failures never hang a handle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import acb
+from tests.conftest import get_model, reference_generate
+
+CFG = acb.ContinuousBatchingConfig(block_size=8, num_blocks=16)  # 120 tokens per request at most
+
+
+@pytest.fixture
+def model():
+    return get_model("llama")
+
+
+async def test_bad_inputs_rejected_others_unaffected(model):
+    async with acb.AsyncEngine(model, CFG) as eng:
+        good = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=8))
+        cases = [
+            (([],), {}, ValueError, "empty"),
+            (([5, 256],), {}, ValueError, r"prompt_ids\[1\] = 256 is outside the model's vocabulary \[0, 256\)"),
+            (([5, -1],), {}, ValueError, "outside the model's vocabulary"),
+            ((list(range(3, 200)),), {}, ValueError, "can never fit"),
+            (("hello",), {}, TypeError, "not text"),
+            (([1.5, 2],), {}, TypeError, "must hold ints"),
+            (([1, 2],), {"request_id": good.request_id}, ValueError, "already used by a live request"),
+            (([1, 2], "greedy"), {}, TypeError, "SamplingParams"),
+        ]
+        for args, kw, exc, msg in cases:
+            with pytest.raises(exc, match=msg):
+                await eng.submit(*args, **kw)
+        for bad in (dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=-1.0),
+                    dict(temperature=float("nan")), dict(logprobs=5)):
+            with pytest.raises((ValueError, TypeError)):
+                acb.SamplingParams(**bad)
+        out = await good.result()
+    assert out.status == acb.RequestStatus.FINISHED
+    assert out.generated_tokens == reference_generate(model, [5, 6, 7], 8)
+
+
+async def test_max_new_tokens_clamped_to_capacity(model):
+    async with acb.AsyncEngine(model, CFG) as eng:
+        assert eng.config.max_model_len == 120
+        out = await eng.generate(list(range(3, 103)), acb.SamplingParams(max_new_tokens=500, ignore_eos=True))
+    assert out.finish_reason == acb.FinishReason.LENGTH and len(out.generated_tokens) == 20
+
+
+def test_failure_in_a_step_fails_only_its_requests(model, monkeypatch):
+    ref = reference_generate(model, [5, 6, 7], 5)  # before the engine swaps the attention in
+    with acb.Engine(model, CFG) as eng:
+        runner = eng._fe.core.runner
+        real = runner.execute
+        calls = {"n": 0}
+
+        def flaky(sched):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected failure")
+            return real(sched)
+
+        monkeypatch.setattr(runner, "execute", flaky)
+        h1 = eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=5))
+        with pytest.raises(acb.RequestFailedError, match="injected failure") as ei:
+            h1.result(timeout=30)
+        assert ei.value.output.status == acb.RequestStatus.FAILED
+        # the engine survives and serves the next request
+        out = eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=5))
+        assert out.generated_tokens == ref
+        assert eng.stats.failed == 1
+
+
+async def test_engine_death_fails_every_pending_handle(model, monkeypatch):
+    eng = acb.AsyncEngine(model, CFG)
+    eng.start()
+    sched = eng._fe.core.scheduler
+    hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+          for i in range(3)]
+    await asyncio.sleep(0.05)
+
+    def broken(*a, **k):
+        raise AssertionError("scheduler bug")
+
+    monkeypatch.setattr(sched, "schedule", broken)
+    for h in hs:
+        with pytest.raises(acb.EngineDeadError):
+            await asyncio.wait_for(h.result(), 30)
+    async def stream(h):
+        async for _ in h:
+            pass
+    with pytest.raises(acb.EngineDeadError):
+        await asyncio.wait_for(stream(hs[0]), 30)
+    with pytest.raises(acb.EngineDeadError):
+        await eng.submit([1, 2, 3])
+    # clean up what the dead engine held, for the leak check
+    core = eng._fe.core
+    for r in list(sched.running):
+        sched._release(r)
+    sched.running.clear()
+    sched.live.clear()
+    core._live_ids.clear()
+
+
+def test_unsupported_model_refused():
+    model = get_model("llama")
+
+    class Fake(torch.nn.Module):
+        config = model.config
+        _supports_attention_backend = False
+
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Linear(2, 2)
+
+    with pytest.raises(acb.UnsupportedModelError, match="AttentionInterface"):
+        acb.Engine(Fake()).start()
+    cfg = model.config.__class__(**{**model.config.to_dict(), "layer_types": ["linear_attention"] * 2})
+    fake = Fake()
+    fake.config = cfg
+    fake._supports_attention_backend = True
+    with pytest.raises(acb.UnsupportedModelError, match="linear_attention"):
+        acb.Engine(fake).start()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="scheduler_type"):
+        acb.ContinuousBatchingConfig(scheduler_type="lifo")
+    with pytest.raises(ValueError, match="num_blocks"):
+        acb.ContinuousBatchingConfig(num_blocks=1)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        acb.ContinuousBatchingConfig(max_batch_tokens=0)
+    with pytest.warns(UserWarning, match="use_cuda_graph"):
+        acb.ContinuousBatchingConfig(use_cuda_graph=True).warn_unsupported()
+
+
+def test_model_attention_restored_after_engine(model):
+    before = model.config._attn_implementation
+    with acb.Engine(model, CFG) as eng:
+        assert model.config._attn_implementation == "acb_paged"
+        eng.generate([5, 6], acb.SamplingParams(max_new_tokens=2))
+    assert model.config._attn_implementation == before
