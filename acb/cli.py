@@ -203,10 +203,18 @@ def _load_model(args: argparse.Namespace, device: Any) -> Any:
     else:
         from transformers import AutoModelForCausalLM
 
+        from transformers.utils import logging as hf_logging
+
+        bars_were_on = hf_logging.is_progress_bar_enabled()
+        if args.no_progress:
+            hf_logging.disable_progress_bar()
         try:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
         except Exception as exc:
             raise CliError(f"--model: cannot load {args.model}: {type(exc).__name__}: {exc}") from None
+        finally:
+            if bars_were_on:
+                hf_logging.enable_progress_bar()
     return model.to(device).eval()
 
 
@@ -309,7 +317,7 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
             for i, s in enumerate(specs):
                 sp = sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens)
                 handles.append(engine.submit(s.prompt_ids, sp, request_id=f"req_{i}"))
-            for i, (s, h) in enumerate(zip(specs, handles)):
+            for s, h in zip(specs, handles):
                 try:
                     results.append(h.result())
                 except acb.RequestFailedError as exc:

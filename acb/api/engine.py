@@ -173,8 +173,11 @@ def generate_batch(
         reqs = []
         try:
             for i, prompt in enumerate(inputs):
-                reqs.append(fe.make_request(prompt, sampling, f"req_{i}", record_timestamps,
-                                            lambda rid: ThreadSink(rid, on_final=done.put)))
+                try:
+                    reqs.append(fe.make_request(prompt, sampling, f"req_{i}", record_timestamps,
+                                                lambda rid: ThreadSink(rid, on_final=done.put)))
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"inputs[{i}]: {exc}") from None
         except BaseException:
             for r in reqs:
                 fe.abandon(r)

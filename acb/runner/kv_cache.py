@@ -67,9 +67,10 @@ def available_host_memory() -> int:
         return 2 << 30
 
 
-# On CPU the cache shares RAM with everything else: take a modest share, capped.
+# On CPU the cache shares RAM with everything else: take a modest share, capped
+# (set num_blocks or max_memory_percent for more).
 CPU_MEMORY_FRACTION = 0.25
-CPU_MAX_KV_BYTES = 4 << 30
+CPU_MAX_KV_BYTES = 512 << 20  # zeroing it is part of engine start-up
 
 
 def kv_memory_budget(device: torch.device, max_memory_percent: float | None) -> int:

@@ -98,3 +98,13 @@ def test_stop_token_and_max_len():
         out = engine.generate(prompt, acb.SamplingParams(max_new_tokens=20, stop_token_ids=(stop,), ignore_eos=True))
         assert out.finish_reason == acb.FinishReason.LENGTH
         assert out.generated_tokens == ref
+
+
+def test_gemma2_softcap_and_sliding_window():
+    # Gemma 2 caps attention logits (not expressible in SDPA): compare with transformers' eager
+    model = get_model("gemma2", attn_implementation="eager")
+    prompts = prompts_of_lengths([1, 9, 30, 45], seed=7)
+    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=128, max_batch_tokens=20)
+    res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
+                             progress_bar=False)
+    _check(model, prompts, res.values())

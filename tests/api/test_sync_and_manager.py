@@ -1,0 +1,128 @@
+"""The blocking facade, generate_batch and the transformers-compatible manager."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import acb
+from tests.conftest import get_model, prompts_of_lengths, reference_generate
+
+CFG = dict(block_size=8, num_blocks=128)
+
+
+def test_sync_engine_stream_and_break_cancels():
+    model = get_model("llama")
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        h = eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=8))
+        got = []
+        for d in h:
+            got.extend(d.token_ids)
+        out = h.result()
+        assert got == out.generated_tokens and len(got) <= 8
+        h2 = eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+        for d in h2:
+            break
+        assert h2.result(timeout=30).status == acb.RequestStatus.CANCELLED
+
+
+def test_generate_batch_inside_running_event_loop():
+    model = get_model("llama")
+    prompts = prompts_of_lengths([4, 9, 13], seed=20)
+    refs = [reference_generate(model, p, 5) for p in prompts]
+
+    async def main():
+        # a Jupyter cell: a loop is running in this thread, and generate_batch just works
+        return acb.generate_batch(model, prompts, max_new_tokens=5, progress_bar=True,
+                                  continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+
+    res = asyncio.run(main())
+    assert [o.generated_tokens for o in res.values()] == refs
+
+
+def test_generate_batch_record_timestamps_and_empty():
+    model = get_model("llama")
+    assert acb.generate_batch(model, [], progress_bar=False) == {}
+    res = acb.generate_batch(model, [[5, 6]], max_new_tokens=3, record_timestamps=True, progress_bar=False,
+                             sampling=acb.SamplingParams(ignore_eos=True))
+    assert len(res["req_0"].timestamps) == 3
+    with pytest.raises(ValueError, match="empty"):
+        acb.generate_batch(model, [[5], []], progress_bar=False)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        acb.generate_batch(model, [[5]], progress_bar=False, bogus=1)
+
+
+def test_generate_batch_uses_generation_config():
+    from transformers import GenerationConfig
+
+    model = get_model("llama")
+    gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
+    res = acb.generate_batch(model, [[5, 6, 7]], generation_config=gc, progress_bar=False)
+    assert len(res["req_0"].generated_tokens) == 4
+
+
+def test_manager_api():
+    model = get_model("llama")
+    prompts = prompts_of_lengths([5, 11, 3], seed=21)
+    refs = [reference_generate(model, p, 6) for p in prompts]
+    manager = acb.init_continuous_batching(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    manager.warmup()
+    manager.start()
+    assert manager.is_running()
+    ids = manager.add_requests(prompts, max_new_tokens=6)
+    assert ids == ["req_0", "req_1", "req_2"]
+    results = {}
+    while len(results) < 3:
+        out = manager.get_result(timeout=30)
+        assert out is not None
+        results[out.request_id] = out
+    assert [results[i].generated_tokens for i in ids] == refs
+    # streaming: partial outputs with all tokens so far, then the final one
+    rid = manager.add_request(prompts[0], max_new_tokens=6, streaming=True)
+    outs = list(manager.request_id_iter(rid))
+    assert outs[-1].is_finished() and outs[-1].generated_tokens == refs[0]
+    assert [len(o.generated_tokens) for o in outs[:-1]] == list(range(1, len(outs)))
+    # cancel: unknown id is a no-op; a live one ends CANCELLED
+    manager.cancel_request("nope")
+    rid = manager.add_request([5, 6], max_new_tokens=10_000, eos_token_id=-1)
+    manager.cancel_request(rid)
+    out = manager.get_result(request_id=rid, timeout=30)
+    assert out.status == acb.RequestStatus.CANCELLED
+    manager.stop(block=True)
+    assert not manager.is_running()
+    assert manager.get_result(timeout=0.1) is None
+
+
+async def test_manager_result_handler():
+    model = get_model("llama")
+    manager = acb.ContinuousBatchingManager(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    manager.start()
+    try:
+        done = asyncio.Event()
+        seen = []
+        loop_thread = threading.get_ident()
+
+        def cb(out):
+            assert threading.get_ident() == loop_thread
+            seen.append(out)
+            if out.is_finished():
+                done.set()
+
+        rid = manager.add_request([5, 6, 7], max_new_tokens=4, streaming=True)
+        manager.register_result_handler(rid, cb)
+        await asyncio.wait_for(done.wait(), 30)
+        assert seen[-1].is_finished() and len(seen[-1].generated_tokens) <= 4
+    finally:
+        manager.stop()
+
+
+def test_manager_stop_flushes_pending():
+    model = get_model("llama")
+    manager = acb.ContinuousBatchingManager(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    manager.start()
+    ids = manager.add_requests([[5, 6], [7, 8, 9]], max_new_tokens=5)
+    manager.stop(block=True)  # finishes what was added
+    outs = [manager.get_result(i, timeout=1) for i in ids]
+    assert all(o is not None and o.status == acb.RequestStatus.FINISHED for o in outs)
