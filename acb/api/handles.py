@@ -18,6 +18,7 @@ from typing import Any
 
 from acb.errors import EngineDeadError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus, StreamDelta
+from acb.telemetry import record_request
 
 logger = logging.getLogger("acb")
 
@@ -192,6 +193,8 @@ def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
         per_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for item in items:
             sink = item[0]
+            if item[3] is not None:
+                record_request(item[3])
             loop = sink.loop
             if loop is None:
                 sink.push(item[1], item[2], item[3])
