@@ -166,12 +166,14 @@ def run_acb(a, prompts, outs) -> dict[str, Any]:
                        continuous_batching_config=acb.ContinuousBatchingConfig(**cfg_kw))
     setup = None
     if a.fixed_output_len is not None:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         res = acb.generate_batch(
             model, prompts, sampling=acb.SamplingParams(max_new_tokens=a.fixed_output_len, ignore_eos=True),
             progress_bar=False, continuous_batching_config=acb.ContinuousBatchingConfig(**cfg_kw),
         )
         dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         results = [res[f"req_{i}"] for i in range(len(prompts))]
         api = "acb.generate_batch"
         steps = None
@@ -181,11 +183,13 @@ def run_acb(a, prompts, outs) -> dict[str, Any]:
         engine.start()
         setup = time.perf_counter() - t_setup
         try:
+            c0 = time.process_time()
             t0 = time.perf_counter()
             handles = [engine.submit(p, acb.SamplingParams(max_new_tokens=o, ignore_eos=True, temperature=0.0))
                        for p, o in zip(prompts, outs)]
             results = [h.result() for h in handles]
             dt = time.perf_counter() - t0
+            cpu = time.process_time() - c0
             steps = engine.stats.steps
         finally:
             engine.shutdown()
@@ -197,7 +201,7 @@ def run_acb(a, prompts, outs) -> dict[str, Any]:
     settings = (f"block_size={bs} num_blocks={cfg_kw['num_blocks']} max_batch_tokens={a.max_batch_tokens} "
                 f"max_requests_per_batch={a.max_requests_per_batch}")
     extra = {"steps": steps} if steps is not None else {}
-    return dict(engine="acb", api=api, settings=settings, seconds=dt, setup_s=setup, tokens=tokens,
+    return dict(engine="acb", api=api, settings=settings, seconds=dt, cpu_s=cpu, setup_s=setup, tokens=tokens,
                 attn_after=model.config._attn_implementation, **extra)
 
 
@@ -222,10 +226,12 @@ def run_transformers_cb(a, prompts, outs) -> dict[str, Any]:
     cfg = cb_config(prompts, outs)
     setup = None
     if a.fixed_output_len is not None:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         res = model.generate_batch(inputs=prompts, generation_config=gen_config(a.fixed_output_len),
                                    continuous_batching_config=cfg, progress_bar=False)
         dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         results = [res.get(f"req_{i}") for i in range(len(prompts))]
         api = "model.generate_batch"
     else:
@@ -241,6 +247,7 @@ def run_transformers_cb(a, prompts, outs) -> dict[str, Any]:
         manager = cm.__enter__()
         setup = time.perf_counter() - t_setup
         try:
+            c0 = time.process_time()
             t0 = time.perf_counter()
             ids = [manager.add_request(input_ids=p, request_id=f"req_{i}", max_new_tokens=o, eos_token_id=-1)
                    for i, (p, o) in enumerate(zip(prompts, outs))]
@@ -253,6 +260,7 @@ def run_transformers_cb(a, prompts, outs) -> dict[str, Any]:
                 elif not manager.is_running():
                     raise RuntimeError("transformers' generation thread died")
             dt = time.perf_counter() - t0
+            cpu = time.process_time() - c0
         finally:
             cm.__exit__(None, None, None)
         results = [got.get(f"req_{i}") for i in range(len(prompts))]
@@ -263,7 +271,7 @@ def run_transformers_cb(a, prompts, outs) -> dict[str, Any]:
     tokens = [list(r.generated_tokens) for r in results]
     settings = (f"paged|sdpa block_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={a.max_batch_tokens} "
                 f"max_requests_per_batch={a.max_requests_per_batch}")
-    return dict(engine="transformers CB", api=api, settings=settings, seconds=dt, setup_s=setup, tokens=tokens,
+    return dict(engine="transformers CB", api=api, settings=settings, seconds=dt, cpu_s=cpu, setup_s=setup, tokens=tokens,
                 attn_after=model.config._attn_implementation)
 
 
@@ -287,6 +295,7 @@ def run_generate(a, prompts, outs) -> dict[str, Any]:
     padded_generate(prompts[:2], 4)  # warm-up
     tokens: list[list[int]] = []
     wasted = 0
+    c0 = time.process_time()
     t0 = time.perf_counter()
     for s in range(0, len(prompts), B):
         group, targets = prompts[s:s + B], outs[s:s + B]
@@ -298,8 +307,9 @@ def run_generate(a, prompts, outs) -> dict[str, Any]:
             tokens.append(gen[r, :o].tolist())  # only the request's own tokens are credited
             wasted += n - o
     dt = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     settings = f"sdpa batch_size={B} left-padded, min_new_tokens=max_new_tokens=max target of the batch"
-    return dict(engine="padded generate", api="model.generate", settings=settings, seconds=dt, setup_s=None,
+    return dict(engine="padded generate", api="model.generate", settings=settings, seconds=dt, cpu_s=cpu, setup_s=None,
                 tokens=tokens, wasted_tokens=wasted)
 
 
@@ -435,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             extra.append(f"setup {r['setup_s']:.2f}s untimed")
         if r.get("wasted_tokens"):
             extra.append(f"{r['wasted_tokens']} extra padded-batch tokens generated but not credited")
+        extra.append(f"process CPU {r['cpu_s']:.1f}s = {r['cpu_s'] / r['seconds']:.2f} cores busy on average")
         if r.get("steps"):
             extra.append(f"{r['steps']} engine steps")
         lines.append(f"  {r['engine']}: {r['api']}; counts {'OK' if r['counts_ok'] else 'MISMATCH'}"
