@@ -19,6 +19,7 @@ ATTN_BACKENDS = ("torch",)
 NOT_YET_SUPPORTED: dict[str, str] = {
     "max_blocks_per_request": "only used by the flash-attn decode path, not built yet",
     "use_cuda_graph": "CUDA graphs are not built yet",
+    "use_async_batching": "double-buffered async batching is not built yet",
     "q_padding_interval_size": "CUDA graphs are not built yet",
     "kv_padding_interval_size": "CUDA graphs are not built yet",
     "varlen_compile_config": "torch.compile paths are not built yet",

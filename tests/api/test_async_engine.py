@@ -173,3 +173,47 @@ async def test_timestamps_and_logprobs():
                                  record_timestamps=True)
     assert len(out.timestamps) == 6 and out.timestamps == sorted(out.timestamps)
     assert len(out.logprobs) == 6 and all(lp <= 0 for lp in out.logprobs)
+
+
+async def test_one_loop_callback_per_step():
+    loop = asyncio.get_running_loop()
+    calls = {"n": 0}
+    real = loop.call_soon_threadsafe
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    loop.call_soon_threadsafe = counting
+    try:
+        async with engine() as eng:
+            hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=12, ignore_eos=True))
+                  for i in range(16)]
+            await asyncio.gather(*(h.result() for h in hs))
+            steps = eng.stats.steps
+    finally:
+        del loop.call_soon_threadsafe
+    # 16 requests x 12 tokens = 192 deliveries, but at most one loop callback per engine step
+    assert eng.stats.generated_tokens == 192
+    assert 0 < calls["n"] <= steps + 1, (calls["n"], steps)
+
+
+def _thread_cpu_ticks(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="needs Linux /proc")
+async def test_engine_thread_sleeps_when_idle():
+    async with engine() as eng:
+        await eng.generate([5, 6], acb.SamplingParams(max_new_tokens=2))
+        tid = eng._fe.core._thread.native_id
+        before = _thread_cpu_ticks(tid)
+        await asyncio.sleep(1.0)
+        after = _thread_cpu_ticks(tid)
+        # a busy-spinning thread would burn ~100 ticks (1 s) here
+        assert after - before <= 2
+        # and it wakes up for new work
+        out = await asyncio.wait_for(eng.generate([7, 8], acb.SamplingParams(max_new_tokens=2)), 10)
+        assert out.status == acb.RequestStatus.FINISHED
