@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from acb.api.frontend import Frontend
+from acb.api.frontend import EngineBase
 from acb.api.handles import AsyncSink, RequestHandle
-from acb.config import ContinuousBatchingConfig, ResolvedConfig
-from acb.core.engine_core import EngineStats
 from acb.errors import QueueFullError
 from acb.outputs import GenerationOutput
 from acb.sampling_params import SamplingParams
 
 
-class AsyncEngine:
+class AsyncEngine(EngineBase):
     """Continuous batching for a transformers causal LM, awaited from asyncio.
 
     ::
@@ -29,19 +27,7 @@ class AsyncEngine:
     its own thread; the model's attention implementation is acb's while the engine runs.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        config: ContinuousBatchingConfig | None = None,
-        generation_config: Any = None,
-    ) -> None:
-        self._fe = Frontend(model, config, generation_config)
-
     # ------------------------------------------------------------------ life
-    def start(self) -> None:
-        """Build the KV cache and start the engine thread (``async with`` does this)."""
-        self._fe.start()
-
     async def __aenter__(self) -> "AsyncEngine":
         self.start()
         return self
@@ -53,20 +39,6 @@ class AsyncEngine:
         """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
         await asyncio.to_thread(self._fe.stop, drain=not cancel_pending, timeout=timeout)
 
-    @property
-    def is_running(self) -> bool:
-        return self._fe.core is not None and self._fe.core.is_running
-
-    @property
-    def config(self) -> ResolvedConfig:
-        """The resolved settings (block counts, budgets) the engine runs with."""
-        return self._fe.resolved
-
-    @property
-    def stats(self) -> EngineStats:
-        """Counters and gauges, as of the last step."""
-        return self._fe.stats
-
     # --------------------------------------------------------------- submit
     def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None, record_timestamps: bool):
         loop = asyncio.get_running_loop()
@@ -75,13 +47,7 @@ class AsyncEngine:
         )
 
     def _admit(self, req: Any) -> RequestHandle:
-        try:
-            self._fe.core.check_alive()
-            self._fe.enqueue(req)
-        except BaseException:
-            self._fe.gate.release()
-            self._fe.abandon(req)
-            raise
+        self._fe.admit(req)
         return RequestHandle(req.request_id, req.sink, self._fe.cancel)
 
     async def submit(
@@ -129,6 +95,3 @@ class AsyncEngine:
         handle = await self.submit(prompt_ids, sampling, **kwargs)
         return await handle.result()
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
-        return self._fe.cancel(request_id)

@@ -10,10 +10,9 @@ import queue
 import time
 from typing import Any
 
-from acb.api.frontend import Frontend
+from acb.api.frontend import EngineBase
 from acb.api.handles import SyncRequestHandle, ThreadSink
-from acb.config import ContinuousBatchingConfig, ResolvedConfig
-from acb.core.engine_core import EngineStats
+from acb.config import ContinuousBatchingConfig
 from acb.errors import AcbError, QueueFullError
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
@@ -21,7 +20,7 @@ from acb.sampling_params import SamplingParams
 logger = logging.getLogger("acb")
 
 
-class Engine:
+class Engine(EngineBase):
     """Blocking engine with the same method names as :class:`acb.AsyncEngine`.
 
     ::
@@ -33,17 +32,6 @@ class Engine:
             output = handle.result()
     """
 
-    def __init__(
-        self,
-        model: Any,
-        config: ContinuousBatchingConfig | None = None,
-        generation_config: Any = None,
-    ) -> None:
-        self._fe = Frontend(model, config, generation_config)
-
-    def start(self) -> None:
-        self._fe.start()
-
     def __enter__(self) -> "Engine":
         self.start()
         return self
@@ -54,18 +42,6 @@ class Engine:
     def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
         """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
         self._fe.stop(drain=not cancel_pending, timeout=timeout)
-
-    @property
-    def is_running(self) -> bool:
-        return self._fe.core is not None and self._fe.core.is_running
-
-    @property
-    def config(self) -> ResolvedConfig:
-        return self._fe.resolved
-
-    @property
-    def stats(self) -> EngineStats:
-        return self._fe.stats
 
     def _submit(
         self,
@@ -92,13 +68,7 @@ class Engine:
             if wait:
                 raise TimeoutError(f"no queue slot within {timeout}s (max_queue_size={self._fe.gate.limit})")
             raise QueueFullError(f"{self._fe.gate.limit} requests are already waiting (max_queue_size)")
-        try:
-            self._fe.core.check_alive()
-            self._fe.enqueue(req)
-        except BaseException:
-            self._fe.gate.release()
-            self._fe.abandon(req)
-            raise
+        self._fe.admit(req)
         return SyncRequestHandle(req.request_id, made["sink"], self._fe.cancel)
 
     def submit(
@@ -127,9 +97,6 @@ class Engine:
     def generate(self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any) -> GenerationOutput:
         return self.submit(prompt_ids, sampling, **kwargs).result()
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
-        return self._fe.cancel(request_id)
 
 
 _IGNORED_TRANSFORMERS_KWARGS = ("persistent_manager", "warmup")

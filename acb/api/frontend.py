@@ -193,6 +193,16 @@ class Frontend:
     def enqueue(self, req: Request) -> None:
         self.core.add(req)
 
+    def admit(self, req: Request) -> None:
+        """Hand a validated request, holding a queue slot, to the engine; undo both on failure."""
+        try:
+            self.core.check_alive()
+            self.enqueue(req)
+        except BaseException:
+            self.gate.release()
+            self.abandon(req)
+            raise
+
     def abandon(self, req: Request) -> None:
         """Undo ``make_request`` for a request that will not be enqueued."""
         self.core.release_id(req.request_id)
@@ -205,3 +215,37 @@ class Frontend:
             return False
         core.cancel(request_id)
         return True
+
+
+class EngineBase:
+    """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: ContinuousBatchingConfig | None = None,
+        generation_config: Any = None,
+    ) -> None:
+        self._fe = Frontend(model, config, generation_config)
+
+    def start(self) -> None:
+        """Check the model, build the KV cache and start the engine thread (the context manager does this)."""
+        self._fe.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._fe.core is not None and self._fe.core.is_running
+
+    @property
+    def config(self) -> ResolvedConfig:
+        """The resolved settings (block counts, budgets) the engine runs with."""
+        return self._fe.resolved
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters and gauges, as of the last step."""
+        return self._fe.stats
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
+        return self._fe.cancel(request_id)

@@ -211,16 +211,8 @@ def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
     return deliver
 
 
-class RequestHandle:
-    """An admitted request, awaited on an event loop.
-
-    ``async for delta in handle`` streams new tokens; ``await handle.result()`` gives the final
-    :class:`GenerationOutput`. Leaving the loop early, or cancelling the task that awaits, cancels
-    the request. A cancelled request's result has ``status == RequestStatus.CANCELLED``; a failed
-    one raises :class:`RequestFailedError` (or :class:`EngineDeadError`).
-    """
-
-    def __init__(self, request_id: str, sink: AsyncSink, cancel: Callable[[str], Any]) -> None:
+class _HandleBase:
+    def __init__(self, request_id: str, sink: Any, cancel: Callable[[str], Any]) -> None:
         self.request_id = request_id
         self._sink = sink
         self._cancel = cancel
@@ -234,6 +226,21 @@ class RequestHandle:
         """Cancel the request (a no-op once it has ended)."""
         if not self._sink.done:
             self._cancel(self.request_id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.request_id!r}, done={self.done})"
+
+
+class RequestHandle(_HandleBase):
+    """An admitted request, awaited on an event loop.
+
+    ``async for delta in handle`` streams new tokens; ``await handle.result()`` gives the final
+    :class:`GenerationOutput`. Leaving the loop early, or cancelling the task that awaits, cancels
+    the request. A cancelled request's result has ``status == RequestStatus.CANCELLED``; a failed
+    one raises :class:`RequestFailedError` (or :class:`EngineDeadError`).
+    """
+
+    _sink: AsyncSink
 
     async def result(self) -> GenerationOutput:
         try:
@@ -253,25 +260,11 @@ class RequestHandle:
             # break, task cancellation or an exception in the consumer: the request is not wanted
             self.cancel()
 
-    def __repr__(self) -> str:
-        return f"RequestHandle({self.request_id!r}, done={self.done})"
 
-
-class SyncRequestHandle:
+class SyncRequestHandle(_HandleBase):
     """The blocking twin of :class:`RequestHandle`: iterating blocks, ``result()`` blocks."""
 
-    def __init__(self, request_id: str, sink: ThreadSink, cancel: Callable[[str], Any]) -> None:
-        self.request_id = request_id
-        self._sink = sink
-        self._cancel = cancel
-
-    @property
-    def done(self) -> bool:
-        return self._sink.done
-
-    def cancel(self) -> None:
-        if not self._sink.done:
-            self._cancel(self.request_id)
+    _sink: ThreadSink
 
     def result(self, timeout: float | None = None) -> GenerationOutput:
         return self._sink.result(timeout)
@@ -282,9 +275,6 @@ class SyncRequestHandle:
                 yield delta
         finally:
             self.cancel()
-
-    def __repr__(self) -> str:
-        return f"SyncRequestHandle({self.request_id!r}, done={self.done})"
 
 
 class AdmissionGate:
@@ -315,24 +305,22 @@ class AdmissionGate:
             return
         with self._cond:
             self._count = max(0, self._count - n)
-            waiters, self._async_waiters = self._async_waiters, []
-            self._cond.notify_all()
-        for loop, fut in waiters:
-            try:
-                loop.call_soon_threadsafe(_wake, fut)
-            except RuntimeError:
-                pass
+            self._wake_all()
 
     def close(self) -> None:
         """Stop bounding (the engine is gone): wake every waiter so it can see that."""
         self.limit = 0
         with self._cond:
-            waiters, self._async_waiters = self._async_waiters, []
-            self._cond.notify_all()
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Wake every waiter; they re-check the count themselves (caller holds ``_cond``)."""
+        waiters, self._async_waiters = self._async_waiters, []
+        self._cond.notify_all()
         for loop, fut in waiters:
             try:
                 loop.call_soon_threadsafe(_wake, fut)
-            except RuntimeError:
+            except RuntimeError:  # that loop is closed: nobody is waiting there any more
                 pass
 
     def acquire_blocking(self, timeout: float | None = None) -> bool:

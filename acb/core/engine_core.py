@@ -25,7 +25,7 @@ from acb.core.block_pool import BlockPool
 from acb.core.request import Request
 from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.errors import EngineDeadError, EngineNotRunningError
-from acb.outputs import FinishReason, GenerationOutput, RequestStatus
+from acb.outputs import FinishReason, RequestStatus
 
 logger = logging.getLogger("acb")
 
