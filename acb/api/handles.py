@@ -33,16 +33,37 @@ def _error_of(out: GenerationOutput) -> Exception | None:
     return RequestFailedError(f"request {out.request_id!r} failed: {msg}", out)
 
 
+WAIT = object()  # poll(): nothing new yet
+
+
 class _SinkState:
     """Tokens not yet read by the consumer, and the final output once known."""
 
-    __slots__ = ("request_id", "tokens", "logprobs", "final")
+    __slots__ = ("request_id", "tokens", "logprobs", "final", "stream_done")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = None
         self.final: GenerationOutput | None = None
+        self.stream_done = False  # the final delta (or the failure) was handed out
+
+    def poll(self) -> "StreamDelta | None | object":
+        """The next stream item: a delta, ``None`` once the stream is over, or ``WAIT``.
+
+        Raises the request's error (once) if it failed.
+        """
+        if self.stream_done:
+            return None
+        final = self.final
+        if final is not None and (err := _error_of(final)) is not None:
+            self.stream_done = True
+            raise err
+        delta = self.take()
+        if delta is None:
+            return WAIT
+        self.stream_done = delta.finished
+        return delta
 
     def add(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
         self.tokens.extend(token_ids)
@@ -72,13 +93,12 @@ class _SinkState:
 class AsyncSink:
     """Lives on one event loop; only that loop's thread touches it after creation."""
 
-    __slots__ = ("loop", "state", "_waiter", "_stream_done")
+    __slots__ = ("loop", "state", "_waiter")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.state = _SinkState(request_id)
         self._waiter: asyncio.Future | None = None
-        self._stream_done = False
 
     def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
         self.state.add(token_ids, logprobs, final)
@@ -99,18 +119,9 @@ class AsyncSink:
 
     async def next_delta(self) -> StreamDelta | None:
         """The next delta; None once the final delta has been returned. Raises on failure."""
-        while True:
-            if self._stream_done:
-                return None
-            final = self.state.final
-            if final is not None and (err := _error_of(final)) is not None:
-                self._stream_done = True
-                raise err
-            delta = self.state.take()
-            if delta is not None:
-                self._stream_done = delta.finished
-                return delta
+        while (item := self.state.poll()) is WAIT:
             await self._wait()
+        return item
 
     async def result(self) -> GenerationOutput:
         while self.state.final is None:
@@ -125,7 +136,7 @@ class AsyncSink:
 class ThreadSink:
     """For consumers on plain threads; pushed to directly by the engine thread."""
 
-    __slots__ = ("state", "_cond", "_stream_done", "on_final", "on_push")
+    __slots__ = ("state", "_cond", "on_final", "on_push")
 
     loop = None
 
@@ -137,7 +148,6 @@ class ThreadSink:
     ) -> None:
         self.state = _SinkState(request_id)
         self._cond = threading.Condition()
-        self._stream_done = False
         self.on_final = on_final
         self.on_push = on_push
 
@@ -156,19 +166,10 @@ class ThreadSink:
 
     def next_delta(self, timeout: float | None = None) -> StreamDelta | None:
         with self._cond:
-            while True:
-                if self._stream_done:
-                    return None
-                final = self.state.final
-                if final is not None and (err := _error_of(final)) is not None:
-                    self._stream_done = True
-                    raise err
-                delta = self.state.take()
-                if delta is not None:
-                    self._stream_done = delta.finished
-                    return delta
+            while (item := self.state.poll()) is WAIT:
                 if not self._cond.wait(timeout):
                     raise TimeoutError(f"no result for request {self.state.request_id!r} within {timeout}s")
+            return item
 
     def result(self, timeout: float | None = None) -> GenerationOutput:
         with self._cond:
