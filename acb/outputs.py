@@ -46,6 +46,10 @@ class GenerationOutput:
     generated_tokens: list[int] = field(default_factory=list)
     # log-probability of each generated token (filled when logprobs were asked for)
     logprobs: list[float] = field(default_factory=list)
+    # per generated token, the top-k alternatives as (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # decoded generated text, when the engine has a tokenizer and the request used stop strings
+    text: str | None = None
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -83,3 +87,4 @@ class StreamDelta:
     logprobs: list[float] | None
     finished: bool
     output: GenerationOutput | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None

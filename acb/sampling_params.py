@@ -2,83 +2,156 @@
 
 Fields left as ``None`` take the engine's default (from the engine's generation config),
 so a request only says what differs from the engine-wide settings.
+
+Processing order (the same as transformers' ``generate`` for the processors it has):
+``logit_bias`` -> ``repetition_penalty`` -> ``presence_penalty``/``frequency_penalty`` ->
+``min_new_tokens`` (stop tokens suppressed) -> greedy argmax, or, when sampling,
+``temperature`` -> ``top_k`` -> ``top_p`` -> ``min_p`` -> sample.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-# Defaults used when neither the request nor the engine's generation config says otherwise.
 DEFAULT_MAX_NEW_TOKENS = 128
+LOGPROBS_MODES = ("raw", "processed")
+MAX_LOGPROBS = 20
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded.
+    """How one request is decoded. ``None`` means "the engine's default".
 
     Args:
-        max_new_tokens: most tokens to generate (> 0). ``None``: the engine default.
+        max_new_tokens: most tokens to generate (> 0).
+        min_new_tokens: stop tokens are suppressed until this many tokens were generated.
+        do_sample: ``False`` forces greedy decoding whatever the temperature.
         temperature: 0 means greedy (argmax); > 0 samples from ``softmax(logits / temperature)``.
-            ``None``: the engine default.
-        stop_token_ids: tokens that end generation (the stop token is kept in the output, as
-            ``model.generate`` does). ``None``: the generation config's ``eos_token_id``.
-        ignore_eos: keep generating through stop tokens until ``max_new_tokens``.
-        logprobs: ``None`` for no logprobs; ``0`` for the log-probability of each chosen token
-            (log-softmax of the raw logits, before temperature).
-        seed: accepted for forward compatibility; per-request random streams are not implemented
-            yet, so sampled requests draw from the engine's generator (see README).
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1 = off).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one (0 = off).
+        repetition_penalty: transformers' repetition penalty over prompt and generated tokens (1 = off).
+        presence_penalty: subtracted once from the logit of every token already generated (0 = off).
+        frequency_penalty: subtracted from a token's logit once per time it was generated (0 = off).
+        logit_bias: ``{token_id: bias}`` added to the raw logits.
+        stop_token_ids: tokens that end generation (kept in the output, as ``model.generate`` does).
+            ``None``: the generation config's ``eos_token_id``.
+        ignore_eos: keep generating through stop tokens (and stop strings) until ``max_new_tokens``.
+        stop: strings that end generation (the engine needs a tokenizer); see the README for
+            how the output is cut.
+        seed: makes sampling reproducible whatever else is in the batch. Requests without a
+            seed get one from the engine's generator (seeded by ``ContinuousBatchingConfig.seed``).
+        n: number of samples; the prompt is prefilled once and shared.
+        logprobs: ``None``: none; ``k >= 0``: the chosen token's logprob and the top ``k``
+            alternatives (``k <= 20``).
+        logprobs_mode: ``"raw"``: log-softmax of the model's logits before any processing;
+            ``"processed"``: log-softmax of the logits the token was drawn from (after bias,
+            penalties and, when sampling, temperature and truncation).
     """
 
     max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    do_sample: bool | None = None
     temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None
+    stop: tuple[str, ...] | None = None
     seed: int | None = None
+    n: int | None = None
+    logprobs: int | None = None
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
-            ids = self.stop_token_ids
-            if isinstance(ids, int):
-                ids = (ids,)
-            object.__setattr__(self, "stop_token_ids", tuple(ids))
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, tuple):
+            object.__setattr__(self, "stop_token_ids", (ids,) if _is_int(ids) else tuple(ids))
+        st = self.stop
+        if st is not None and not isinstance(st, tuple):
+            object.__setattr__(self, "stop", (st,) if isinstance(st, str) else tuple(st))
+        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
+            raise TypeError(f"logit_bias must be a mapping of token id -> bias, got {type(self.logit_bias).__name__}")
         self.validate()
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad field."""
-        m = self.max_new_tokens
-        if m is not None:
-            if isinstance(m, bool) or not isinstance(m, int):
-                raise TypeError(f"max_new_tokens must be an int, got {type(m).__name__}")
-            if m <= 0:
-                raise ValueError(f"max_new_tokens must be > 0, got {m}")
-        t = self.temperature
-        if t is not None:
-            if isinstance(t, bool) or not isinstance(t, (int, float)):
-                raise TypeError(f"temperature must be a number, got {type(t).__name__}")
-            if not math.isfinite(t) or t < 0:
-                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+
+        def check_int(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            if v is None:
+                return
+            if not _is_int(v):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+
+        def check_float(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None:
+                return
+            if not _is_num(v):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+                bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+                raise ValueError(f"{name} must be in {bound}, got {v}")
+
+        check_int("max_new_tokens", 1)
+        check_int("min_new_tokens", 0)
+        check_int("top_k", 0)
+        check_int("n", 1)
+        check_int("logprobs", 0)
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.max_new_tokens is not None and self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
+        check_float("temperature", 0.0, math.inf)
+        check_float("top_p", 0.0, 1.0, lo_open=True)
+        check_float("min_p", 0.0, 1.0)
+        check_float("repetition_penalty", 0.0, math.inf, lo_open=True)
+        check_float("presence_penalty", -2.0, 2.0)
+        check_float("frequency_penalty", -2.0, 2.0)
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise TypeError(f"do_sample must be a bool, got {type(self.do_sample).__name__}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         if self.stop_token_ids is not None:
             for tok in self.stop_token_ids:
-                if isinstance(tok, bool) or not isinstance(tok, int):
+                if not _is_int(tok):
                     raise TypeError(f"stop_token_ids must hold ints, got {tok!r}")
                 if tok < 0:
                     raise ValueError(f"stop_token_ids must be >= 0, got {tok}")
-        lp = self.logprobs
-        if lp is not None:
-            if isinstance(lp, bool) or not isinstance(lp, int):
-                raise TypeError(f"logprobs must be an int or None, got {type(lp).__name__}")
-            if lp != 0:
-                raise ValueError(
-                    f"logprobs={lp}: only 0 (the chosen token's logprob) is supported so far; "
-                    "top-k alternatives are not implemented yet"
-                )
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
-            raise TypeError(f"seed must be an int or None, got {type(s).__name__}")
+        if self.stop is not None:
+            for s in self.stop:
+                if not isinstance(s, str) or not s:
+                    raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if self.logit_bias is not None:
+            for tok, b in self.logit_bias.items():
+                if not _is_int(tok) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+                if not _is_num(b) or not math.isfinite(b) and b != -math.inf:
+                    raise ValueError(f"logit_bias[{tok}] must be a finite number or -inf, got {b!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
 
     def merged_over(self, defaults: "SamplingParams") -> "SamplingParams":
         """These params with every ``None`` field taken from ``defaults``."""
@@ -91,46 +164,63 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return not self.temperature
+        return self.do_sample is False or not self.temperature
 
     @classmethod
-    def from_generation_config(cls, generation_config: Any, model_config: Any = None) -> "SamplingParams":
+    def from_generation_config(
+        cls, generation_config: Any, model_config: Any = None, *, drop_unsupported: bool = True
+    ) -> "SamplingParams":
         """Engine-wide defaults from a transformers ``GenerationConfig``.
 
-        ``do_sample=False`` means greedy whatever the temperature. Processors that acb does not
-        apply yet (top-k, top-p, min-p, penalties...) are named in a warning rather than
-        silently dropped.
+        Settings acb has no processor for (``typical_p``, ``no_repeat_ngram_size``, ...) are
+        dropped with a warning naming them, or refused with ``drop_unsupported=False``.
         """
         gc = generation_config
-        max_new = getattr(gc, "max_new_tokens", None)
-        do_sample = bool(getattr(gc, "do_sample", False))
-        temperature = float(getattr(gc, "temperature", 1.0) or 1.0) if do_sample else 0.0
-        eos = getattr(gc, "eos_token_id", None)
+        get = lambda name, default=None: getattr(gc, name, default)  # noqa: E731
+        do_sample = bool(get("do_sample", False))
+        eos = get("eos_token_id")
         if eos is None and model_config is not None:
             eos = getattr(model_config, "eos_token_id", None)
-        if isinstance(eos, int):
+        if _is_int(eos):
             eos = (eos,)
         stop = tuple(int(e) for e in eos if e is not None and int(e) >= 0) if eos is not None else ()
-        if do_sample:
-            ignored = []
-            if getattr(gc, "top_k", None) not in (None, 0):
-                ignored.append(f"top_k={gc.top_k}")
-            if getattr(gc, "top_p", None) not in (None, 1.0):
-                ignored.append(f"top_p={gc.top_p}")
-            if getattr(gc, "min_p", None) not in (None, 0.0):
-                ignored.append(f"min_p={gc.min_p}")
-            if ignored:
-                warnings.warn(
-                    "acb applies only temperature so far; these generation-config settings are "
-                    f"not applied: {', '.join(ignored)}",
-                    stacklevel=3,
-                )
-        if getattr(gc, "repetition_penalty", None) not in (None, 1.0):
-            warnings.warn(
-                f"repetition_penalty={gc.repetition_penalty} is not applied by acb yet", stacklevel=3
-            )
+        unsupported = []
+        for name, off in (("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0), ("top_h", None),
+                          ("no_repeat_ngram_size", 0), ("encoder_repetition_penalty", 1.0),
+                          ("bad_words_ids", None), ("sequence_bias", None), ("suppress_tokens", None),
+                          ("begin_suppress_tokens", None), ("forced_bos_token_id", None),
+                          ("forced_eos_token_id", None), ("min_length", 0), ("watermarking_config", None)):
+            v = get(name)
+            if v is not None and v != off:
+                unsupported.append(f"{name}={v!r}")
+        if (get("num_beams") or 1) > 1:
+            unsupported.append(f"num_beams={get('num_beams')}")
+        if unsupported:
+            msg = f"acb has no processor for these generation-config settings: {', '.join(unsupported)}"
+            if not drop_unsupported:
+                raise ValueError(msg + " (drop_unsupported_processors=False)")
+            warnings.warn(msg + "; they are not applied", stacklevel=3)
+        top_k = get("top_k")
+        min_p = get("min_p")
+        rep = get("repetition_penalty")
         return cls(
-            max_new_tokens=max_new if max_new is not None else DEFAULT_MAX_NEW_TOKENS,
-            temperature=temperature,
+            max_new_tokens=get("max_new_tokens") if get("max_new_tokens") is not None else DEFAULT_MAX_NEW_TOKENS,
+            min_new_tokens=get("min_new_tokens") or 0,
+            do_sample=do_sample,
+            temperature=float(get("temperature") if get("temperature") is not None else 1.0) if do_sample else 0.0,
+            top_k=int(top_k) if do_sample and top_k else 0,
+            top_p=float(get("top_p")) if do_sample and get("top_p") is not None else 1.0,
+            min_p=float(min_p) if do_sample and min_p is not None else 0.0,
+            repetition_penalty=float(rep) if rep is not None else 1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
             stop_token_ids=stop,
+            n=int(get("num_return_sequences") or 1),
         )
+
+
+# What a request gets when neither it nor the engine's generation config says otherwise.
+FALLBACK = SamplingParams(
+    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, min_new_tokens=0, do_sample=False, temperature=0.0, top_k=0, top_p=1.0,
+    min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=(), n=1,
+)

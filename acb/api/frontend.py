@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+import random
 import threading
+from dataclasses import replace
 from typing import Any, Callable
 
 from acb.api.handles import AdmissionGate, make_deliver
@@ -17,7 +19,8 @@ from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.engine_core import EngineCore, EngineStats
 from acb.core.request import Request
 from acb.errors import EngineNotRunningError
-from acb.sampling_params import SamplingParams
+from acb.core.stop_strings import StopStrings
+from acb.sampling_params import FALLBACK, SamplingParams
 
 logger = logging.getLogger("acb")
 
@@ -52,6 +55,7 @@ class Frontend:
         model: Any,
         config: ContinuousBatchingConfig | None,
         generation_config: Any,
+        tokenizer: Any = None,
     ) -> None:
         if config is None:
             config = ContinuousBatchingConfig()
@@ -65,11 +69,17 @@ class Frontend:
         if generation_config is None:
             generation_config = getattr(model, "generation_config", None)
         self.generation_config = generation_config
-        self.defaults = (
-            SamplingParams.from_generation_config(generation_config, model.config)
-            if generation_config is not None
-            else SamplingParams(max_new_tokens=None, temperature=0.0, stop_token_ids=())
-        ).merged_over(SamplingParams(max_new_tokens=128, temperature=0.0, stop_token_ids=()))
+        self.tokenizer = tokenizer
+        defaults = FALLBACK
+        if generation_config is not None:
+            defaults = SamplingParams.from_generation_config(
+                generation_config, model.config, drop_unsupported=config.drop_unsupported_processors
+            ).merged_over(FALLBACK)
+        if config.return_logprobs:  # transformers' meaning: logprobs of the processed logits
+            defaults = replace(defaults, logprobs=defaults.logprobs or 0, logprobs_mode="processed")
+        self.defaults = replace(defaults, logprobs_mode=defaults.logprobs_mode or "raw")
+        # requests without a seed draw one here, so that the engine's seed makes runs repeatable
+        self._seeds = random.Random(config.seed)
         self.core: EngineCore | None = None
         self.runner: Any = None
         self.gate = AdmissionGate(config.max_queue_size)
@@ -160,6 +170,14 @@ class Frontend:
         elif not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}")
         params = sampling.merged_over(self.defaults)
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= vocab]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported yet")
         cfg = core.runner.cfg
         limit = cfg.max_model_len
         if len(ids) >= limit:
@@ -178,17 +196,21 @@ class Frontend:
             if not core.reserve_id(request_id):
                 raise ValueError(f"request_id {request_id!r} is already used by a live request")
         max_new = min(params.max_new_tokens, limit - len(ids))
-        return Request(
+        req = Request(
             request_id,
             ids,
             max_new_tokens=max_new,
             stop_token_ids=frozenset(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos,
-            temperature=float(params.temperature or 0.0),
-            want_logprobs=params.logprobs is not None or cfg.return_logprobs,
+            params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            want_logprobs=params.logprobs is not None,
             record_timestamps=record_timestamps,
             sink=sink_factory(request_id),
         )
+        if params.stop:
+            req.stop_checker = StopStrings(self.tokenizer, params.stop)
+        return req
 
     def enqueue(self, req: Request) -> None:
         self.core.add(req)
@@ -225,8 +247,10 @@ class EngineBase:
         model: Any,
         config: ContinuousBatchingConfig | None = None,
         generation_config: Any = None,
+        *,
+        tokenizer: Any = None,
     ) -> None:
-        self._fe = Frontend(model, config, generation_config)
+        self._fe = Frontend(model, config, generation_config, tokenizer)
 
     def start(self) -> None:
         """Check the model, build the KV cache and start the engine thread (the context manager does this)."""

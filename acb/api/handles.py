@@ -39,12 +39,13 @@ WAIT = object()  # poll(): nothing new yet
 class _SinkState:
     """Tokens not yet read by the consumer, and the final output once known."""
 
-    __slots__ = ("request_id", "tokens", "logprobs", "final", "stream_done")
+    __slots__ = ("request_id", "tokens", "logprobs", "top", "final", "stream_done")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = None
+        self.top: list[list[tuple[int, float]]] | None = None
         self.final: GenerationOutput | None = None
         self.stream_done = False  # the final delta (or the failure) was handed out
 
@@ -65,12 +66,17 @@ class _SinkState:
         self.stream_done = delta.finished
         return delta
 
-    def add(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
+    def add(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
+            top: list | None = None) -> None:
         self.tokens.extend(token_ids)
         if logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(logprobs)
+        if top is not None:
+            if self.top is None:
+                self.top = []
+            self.top.extend(top)
         if final is not None:
             self.final = final
 
@@ -84,9 +90,11 @@ class _SinkState:
             logprobs=self.logprobs,
             finished=self.final is not None,
             output=self.final,
+            top_logprobs=self.top,
         )
         self.tokens = []
         self.logprobs = None
+        self.top = None
         return delta
 
 
@@ -100,8 +108,9 @@ class AsyncSink:
         self.state = _SinkState(request_id)
         self._waiter: asyncio.Future | None = None
 
-    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
-        self.state.add(token_ids, logprobs, final)
+    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
+             top: list | None = None) -> None:
+        self.state.add(token_ids, logprobs, final, top)
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -151,9 +160,10 @@ class ThreadSink:
         self.on_final = on_final
         self.on_push = on_push
 
-    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
+    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
+             top: list | None = None) -> None:
         with self._cond:
-            self.state.add(token_ids, logprobs, final)
+            self.state.add(token_ids, logprobs, final, top)
             self._cond.notify_all()
         if self.on_push is not None:
             self.on_push(token_ids, logprobs, final)
@@ -182,9 +192,9 @@ class ThreadSink:
         return final
 
 
-def _push_all(batch: list[tuple[Any, list[int], Any, Any]]) -> None:
-    for sink, tokens, logprobs, final in batch:
-        sink.push(tokens, logprobs, final)
+def _push_all(batch: list[tuple[Any, list[int], Any, Any, Any]]) -> None:
+    for sink, tokens, logprobs, final, top in batch:
+        sink.push(tokens, logprobs, final, top)
 
 
 def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
@@ -198,14 +208,14 @@ def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
                 record_request(item[3])
             loop = sink.loop
             if loop is None:
-                sink.push(item[1], item[2], item[3])
+                sink.push(item[1], item[2], item[3], item[4])
             else:
                 per_loop.setdefault(loop, []).append(item)
         for loop, batch in per_loop.items():
             try:
                 loop.call_soon_threadsafe(_push_all, batch)
             except RuntimeError:  # the consumer's loop is closed: nobody will read these
-                for sink, _t, _l, final in batch:
+                for sink, _t, _l, final, _top in batch:
                     if final is None:
                         cancel(sink.state.request_id)
 

@@ -29,8 +29,8 @@ from acb.outputs import FinishReason, RequestStatus
 
 logger = logging.getLogger("acb")
 
-# (sink, new token ids, their logprobs or None, final output or None)
-Delivery = tuple[Any, list[int], "list[float] | None", "GenerationOutput | None"]
+# (sink, new token ids, their logprobs or None, final output or None, top alternatives or None)
+Delivery = tuple[Any, list[int], Any, Any, Any]
 
 
 class Runner(Protocol):
@@ -238,16 +238,19 @@ class EngineCore:
             self._emit_final(failed)
             self._publish_stats()
             return
-        progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
         self._generated += len(progressed)
         items: list[Delivery] = []
         for req in progressed:
-            lp = [req.logprobs[-1]] if req.want_logprobs and req.logprobs else None
+            lp = top = None
+            if req.want_logprobs:
+                lp = [req.logprobs[-1]]
+                top = [req.top_logprobs[-1]] if req.top_logprobs else None
             final = None
             if req.status.is_terminal:
                 final = req.to_output()
                 self.release_id(req.request_id)
-            items.append((req.sink, [req.token_ids[-1]], lp, final))
+            items.append((req.sink, [req.token_ids[-1]], lp, final, top))
         self._publish_stats()
         if items:
             self._deliver(items)
@@ -256,7 +259,7 @@ class EngineCore:
         items: list[Delivery] = []
         for req in reqs:
             self.release_id(req.request_id)
-            items.append((req.sink, [], None, req.to_output()))
+            items.append((req.sink, [], None, req.to_output(), None))
         if items:
             self._deliver(items)
 

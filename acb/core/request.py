@@ -17,10 +17,10 @@ class Request:
 
     __slots__ = (
         "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids", "ignore_eos",
-        "temperature", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
+        "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "arrival_seq", "created_time", "first_scheduled_time", "first_token_time",
-        "finish_time", "timestamps", "logprobs", "finish_reason", "error", "num_preemptions",
-        "num_cached_tokens", "sink",
+        "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "num_preemptions",
+        "num_cached_tokens", "sink", "stop_checker", "output_text",
     )
 
     def __init__(
@@ -31,7 +31,8 @@ class Request:
         max_new_tokens: int,
         stop_token_ids: frozenset[int] = frozenset(),
         ignore_eos: bool = False,
-        temperature: float = 0.0,
+        params: Any = None,
+        seed: int = 0,
         want_logprobs: bool = False,
         record_timestamps: bool = False,
         arrival_seq: int = 0,
@@ -44,7 +45,8 @@ class Request:
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = stop_token_ids
         self.ignore_eos = ignore_eos
-        self.temperature = temperature
+        self.params = params  # resolved acb.SamplingParams (read by the runner's sampler)
+        self.seed = seed
         self.want_logprobs = want_logprobs
         self.record_timestamps = record_timestamps
         self.status = RequestStatus.PENDING
@@ -58,11 +60,15 @@ class Request:
         self.finish_time: float | None = None
         self.timestamps: list[float] | None = [] if record_timestamps else None
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.sink = sink  # opaque to core: where the engine delivers this request's results
+        # optional callable(request) -> True when a stop string has appeared (it trims the output)
+        self.stop_checker: Any = None
+        self.output_text: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,16 +78,25 @@ class Request:
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
-    def append_token(self, token_id: int, logprob: float | None, now: float) -> bool:
+    def append_token(
+        self, token_id: int, logprob: float | None, now: float, top: list[tuple[int, float]] | None = None
+    ) -> bool:
         """Record a sampled token; return True if the request is now finished."""
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if top is not None:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.append(top)
         if self.timestamps is not None:
             self.timestamps.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
         if not self.ignore_eos and token_id in self.stop_token_ids:
+            self.finish_reason = FinishReason.STOP
+            return True
+        if self.stop_checker is not None and not self.ignore_eos and self.stop_checker(self):
             self.finish_reason = FinishReason.STOP
             return True
         if len(self.token_ids) - self.prompt_len >= self.max_new_tokens:
@@ -97,6 +112,9 @@ class Request:
             prompt_ids=self.token_ids[: self.prompt_len],
             generated_tokens=self.token_ids[self.prompt_len :],
             logprobs=list(self.logprobs),
+            top_logprobs=[list(t) for t in self.top_logprobs] if self.top_logprobs is not None else None,
+            text=self.output_text if self.output_text is not None or self.stop_checker is None
+            else self.stop_checker.text(self),
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,

@@ -43,12 +43,16 @@ class SchedulerOutput:
     num_new: list[int]  # query tokens of each request in this step
     start_pos: list[int]  # position of each request's first query token (= computed before)
     input_ids: list[int]  # all query tokens, flattened in batch order
-    sample_idx: list[int]  # indices (into requests) of the sequences that sample
-    temperatures: list[float]  # per sampling sequence
-    want_logprobs: bool
+    sample_idx: list[int]  # indices (into requests) of the sequences whose last logits are sampled
+    sample_reqs: list[Request]  # who receives each sampled token (a child of n > 1 shares a row of logits)
+    sample_rows: list[int]  # their block-table rows (per-row sampling parameters live there)
+    sample_gen_idx: list[int]  # index of the token being generated, per sample (seeds, min_new_tokens)
     # (row, first column, block ids) to write into the persistent block table before running
     block_updates: list[tuple[int, int, list[int]]]
     newly_admitted: list[Request]  # scheduled for the first time
+    row_inits: list[Request]  # requests given a row in this step (fresh or resumed)
+    freed_rows: list[int]  # rows given back since the previous step
+    block_copies: list[tuple[int, int]]  # (src, dst) KV blocks to copy before the forward
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -97,6 +101,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.live: dict[str, Request] = {}
         self._free_rows = list(range(max_running - 1, -1, -1))
+        self._freed_rows: list[int] = []
         self._step_id = 0
         self.stats = SchedulerStats()
 
@@ -145,6 +150,7 @@ class Scheduler:
             req.block_ids = []
         if req.row >= 0:
             self._free_rows.append(req.row)
+            self._freed_rows.append(req.row)
             req.row = -1
 
     def _preempt(self, req: Request) -> None:
@@ -164,8 +170,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         out = SchedulerOutput(
             step_id=self._step_id, requests=[], rows=[], num_new=[], start_pos=[], input_ids=[],
-            sample_idx=[], temperatures=[], want_logprobs=False, block_updates=[], newly_admitted=[],
+            sample_idx=[], sample_reqs=[], sample_rows=[], sample_gen_idx=[], block_updates=[],
+            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies=[],
         )
+        self._freed_rows = []
         budget = self.max_batch_tokens
         if self.policy == "fifo":
             budget, preempted = self._schedule_running(out, budget, self.running)
@@ -243,6 +251,7 @@ class Scheduler:
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
             out.block_updates.append((req.row, 0, list(blocks)))
+            out.row_inits.append(req)
             if req.first_scheduled_time is None:
                 now = time.perf_counter() if now is None else now
                 req.first_scheduled_time = now
@@ -262,8 +271,9 @@ class Scheduler:
         req.num_computed_tokens = end
         if end == req.num_tokens:
             out.sample_idx.append(len(out.requests) - 1)
-            out.temperatures.append(req.temperature)
-            out.want_logprobs = out.want_logprobs or req.want_logprobs
+            out.sample_reqs.append(req)
+            out.sample_rows.append(req.row)
+            out.sample_gen_idx.append(end - req.prompt_len)
         if num_new == 1 and start >= req.prompt_len:
             out.num_decode_tokens += 1
         else:
@@ -271,21 +281,29 @@ class Scheduler:
 
     # ----------------------------------------------------------------- update
     def update_from_output(
-        self, out: SchedulerOutput, sampled: list[int], logprobs: list[float] | None
+        self,
+        out: SchedulerOutput,
+        sampled: list[int],
+        logprobs: list[float] | None,
+        top: list[list[tuple[int, float]]] | None = None,
     ) -> tuple[list[Request], list[Request]]:
-        """Record each sampling sequence's token. Returns (requests that got a token, finished ones).
+        """Record each sample's token. Returns (requests that got a token, finished ones).
 
         Finished requests have left the running list and their blocks are free when this returns.
         """
         now = time.perf_counter()
         progressed: list[Request] = []
         finished: list[Request] = []
-        reqs = out.requests
-        for k, i in enumerate(out.sample_idx):
-            req = reqs[i]
+        for k, req in enumerate(out.sample_reqs):
             if req.status.is_terminal:  # cancelled while its step was in flight
                 continue
-            done = req.append_token(sampled[k], logprobs[k] if logprobs is not None and req.want_logprobs else None, now)
+            want = req.want_logprobs
+            done = req.append_token(
+                sampled[k],
+                logprobs[k] if want and logprobs is not None else None,
+                now,
+                top[k][: req.params.logprobs] if want and top is not None else None,
+            )
             req.status = RequestStatus.DECODING
             progressed.append(req)
             if done:

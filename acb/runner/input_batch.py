@@ -46,7 +46,7 @@ class InputBatch:
         max_seq_len = int(seq_lens.max())
         rows = bt[np.asarray(out.rows, dtype=np.int64), : -(-max_seq_len // bs)]  # [B, cols]
         slots = rows[seq_of_tok, positions // bs] * bs + positions % bs
-        logits_idx = qsl[1:][np.asarray(out.sample_idx, dtype=np.int64)] - 1
+        logits_idx = qsl[1:][np.asarray(out.sample_idx, dtype=np.int64)] - 1  # may repeat (n > 1)
 
         dev = self.device
 

@@ -47,6 +47,13 @@ class KVCache:
     def flat_v(self, layer: int) -> torch.Tensor:
         return self.v[layer].view(self._flat_shape)
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V in every layer (copy-on-write of a shared partial block)."""
+        for t in self.k:
+            t[dst].copy_(t[src])
+        for t in self.v:
+            t[dst].copy_(t[src])
+
     @property
     def nbytes(self) -> int:
         return self.spec.bytes_per_block(self.block_size) * self.num_blocks

@@ -23,7 +23,7 @@ from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, StepContext, make_backend, register_with_transformers
 from acb.runner.input_batch import InputBatch
 from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
-from acb.runner.sampler import sample
+from acb.runner.sampler import SamplingState, sample
 
 logger = logging.getLogger("acb")
 
@@ -33,8 +33,9 @@ DEFAULT_BLOCK_SIZE = 32
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: list[int]  # one per sampling sequence, in SchedulerOutput.sample_idx order
-    logprobs: list[float] | None
+    sampled: list[int]  # one per sample, in SchedulerOutput.sample_reqs order
+    logprobs: list[float] | None  # the chosen tokens' logprobs, when anyone asked
+    top: list[list[tuple[int, float]]] | None  # top alternatives per sample, when anyone asked
 
 
 @dataclass
@@ -42,8 +43,8 @@ class InFlightStep:
     """A launched step; its results are read (the step's one sync) by ``ModelRunner.finish``."""
 
     sched: SchedulerOutput
-    ids: torch.Tensor
-    logprobs: torch.Tensor | None
+    packed: torch.Tensor  # [S] ids, or [S, 2 + 2k] (id, logprob, k ids, k logprobs)
+    num_top: int
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -138,11 +139,7 @@ class ModelRunner:
         self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
         self.backend = make_backend(self.cfg.attn_backend)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
-        self.generator = torch.Generator(device=self.device)
-        if self.cfg.seed is not None:
-            self.generator.manual_seed(self.cfg.seed)
-        else:
-            self.generator.seed()
+        self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
         self._supports_logits_to_keep = bool(
             getattr(model, "_supports_logits_to_keep", lambda: False)()
         )
@@ -171,6 +168,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> InFlightStep:
         """Launch the forward and the sampler for one step (no host sync)."""
+        sampling = self.sampling
+        for row in sched.freed_rows:
+            sampling.free_row(row)
+        for req in sched.row_inits:
+            sampling.init_row(req.row, req)
+        for src, dst in sched.block_copies:
+            self.kv_cache.copy_block(src, dst)
         batch = self.inputs.prepare(sched)
         ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
         if self._supports_logits_to_keep:
@@ -182,12 +186,17 @@ class ModelRunner:
             logits = self.model(
                 input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, acb_ctx=ctx,
             ).logits[0, batch.logits_indices]
-        ids, logprobs = sample(logits, sched.temperatures, self.generator, sched.want_logprobs)
-        return InFlightStep(sched, ids, logprobs)
+        step = sampling.step(sched.sample_rows, sched.sample_gen_idx)
+        packed = sample(logits, step, sampling)
+        return InFlightStep(sched, packed, max(step.max_logprobs, 0))
 
     def finish(self, step: InFlightStep) -> ModelRunnerOutput:
-        """Sync: read the step's sampled ids (and logprobs) on the host."""
-        return ModelRunnerOutput(
-            sampled=step.ids.tolist(),
-            logprobs=step.logprobs.tolist() if step.logprobs is not None else None,
-        )
+        """Sync: read the step's sampled ids (with logprobs when asked) on the host, in one copy."""
+        rows = step.packed.tolist()
+        if step.packed.dim() == 1:
+            return ModelRunnerOutput(sampled=rows, logprobs=None, top=None)
+        k = step.num_top
+        sampled = [int(r[0]) for r in rows]
+        logprobs = [r[1] for r in rows]
+        top = [list(zip(map(int, r[2 : 2 + k]), r[2 + k :])) for r in rows] if k else None
+        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, top=top)

@@ -34,10 +34,20 @@ async def test_bad_inputs_rejected_others_unaffected(model):
         for args, kw, exc, msg in cases:
             with pytest.raises(exc, match=msg):
                 await eng.submit(*args, **kw)
-        for bad in (dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=-1.0),
-                    dict(temperature=float("nan")), dict(logprobs=5)):
-            with pytest.raises((ValueError, TypeError)):
+        for bad, field in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
+                           (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                           (dict(logprobs=21), "logprobs"), (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"),
+                           (dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+                           (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs_mode="x"), "logprobs_mode"),
+                           (dict(stop=[""]), "stop"), (dict(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
+                           (dict(n=0), "n"), (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(seed=1.5), "seed"),
+                           (dict(do_sample="yes"), "do_sample")):
+            with pytest.raises((ValueError, TypeError), match=field):
                 acb.SamplingParams(**bad)
+        with pytest.raises(ValueError, match="logit_bias token id 300"):
+            await eng.submit([1, 2], acb.SamplingParams(logit_bias={300: 1.0}))
+        with pytest.raises(ValueError, match="tokenizer"):
+            await eng.submit([1, 2], acb.SamplingParams(stop=["x"]))
         out = await good.result()
     assert out.status == acb.RequestStatus.FINISHED
     assert out.generated_tokens == reference_generate(model, [5, 6, 7], 8)
