@@ -37,8 +37,10 @@ class SamplingParams:
     Args:
         max_new_tokens: most tokens to generate (> 0).
         min_new_tokens: stop tokens are suppressed until this many tokens were generated.
-        do_sample: ``False`` forces greedy decoding whatever the temperature.
+        do_sample: ``False`` forces greedy decoding whatever the temperature (a request that sets
+            only ``temperature`` samples when it is > 0).
         temperature: 0 means greedy (argmax); > 0 samples from ``softmax(logits / temperature)``.
+            The engine default comes from the generation config (0 unless ``do_sample=True``).
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1 = off).
         min_p: drop tokens less likely than ``min_p`` times the most likely one (0 = off).
@@ -206,7 +208,6 @@ class SamplingParams:
         return cls(
             max_new_tokens=get("max_new_tokens") if get("max_new_tokens") is not None else DEFAULT_MAX_NEW_TOKENS,
             min_new_tokens=get("min_new_tokens") or 0,
-            do_sample=do_sample,
             temperature=float(get("temperature") if get("temperature") is not None else 1.0) if do_sample else 0.0,
             top_k=int(top_k) if do_sample and top_k else 0,
             top_p=float(get("top_p")) if do_sample and get("top_p") is not None else 1.0,
@@ -221,6 +222,6 @@ class SamplingParams:
 
 # What a request gets when neither it nor the engine's generation config says otherwise.
 FALLBACK = SamplingParams(
-    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, min_new_tokens=0, do_sample=False, temperature=0.0, top_k=0, top_p=1.0,
+    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, min_new_tokens=0, temperature=0.0, top_k=0, top_p=1.0,
     min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=(), n=1,
 )

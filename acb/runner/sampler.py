@@ -43,7 +43,9 @@ def seeded_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab: int)
     v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     key = _mix(seeds * _M1 + counters)  # [S]
     x = _mix(key[:, None] + (v[None, :] + 1) * _M1)
-    u = (((x >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1)
+    # 23 bits, so that u = (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1):
+    # with 24 bits the largest u rounds to 1.0, E = 0 and p / E turns a removed token into NaN
+    u = (((x >> 41) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
     return -torch.log(u)
 
 

@@ -1,0 +1,142 @@
+"""Sampling through the engine: seeds, penalties, min_new_tokens, logprobs and stop strings vs transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import acb
+from acb.models import build_tokenizer
+from tests.conftest import get_model, prompts_of_lengths, reference_generate
+
+CFG = dict(block_size=8, num_blocks=256)
+
+
+def test_seeded_request_same_alone_batched_and_preempted():
+    model = get_model("llama")
+    prompt = prompts_of_lengths([11], seed=30)[0]
+    seeded = acb.SamplingParams(max_new_tokens=24, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        alone = eng.generate(prompt, seeded).generated_tokens
+        again = eng.generate(prompt, seeded).generated_tokens
+        other_seed = eng.generate(prompt, acb.SamplingParams(
+            max_new_tokens=24, temperature=1.0, top_k=50, seed=99, ignore_eos=True)).generated_tokens
+    assert alone == again and alone != other_seed
+    # in a batch of 32 with mixed parameters and lengths
+    others = prompts_of_lengths([3 + 2 * i for i in range(31)], seed=31)
+    mixed = [acb.SamplingParams(max_new_tokens=10 + i % 7, temperature=0.5 + (i % 3) * 0.4, top_p=0.9)
+             if i % 2 else acb.SamplingParams(max_new_tokens=12) for i in range(31)]
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, max_batch_tokens=40)) as eng:
+        hs = [eng.submit(p, sp) for p, sp in zip(others[:15], mixed[:15])]
+        h = eng.submit(prompt, seeded)
+        hs += [eng.submit(p, sp) for p, sp in zip(others[15:], mixed[15:])]
+        batched = h.result(timeout=120).generated_tokens
+        for x in hs:
+            x.result(timeout=120)
+    assert batched == alone
+    # under forced preemption (a tiny cache)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=4, num_blocks=24, safety_margin=0.0)) as eng:
+        hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in others[20:28]]
+        h = eng.submit(prompt, seeded)
+        preempted = h.result(timeout=120)
+        for x in hs:
+            x.result(timeout=120)
+        assert eng.stats.preemptions > 0
+    assert preempted.generated_tokens == alone
+
+
+def test_engine_seed_makes_unseeded_runs_repeatable():
+    model = get_model("llama")
+    sp = acb.SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    runs = []
+    for seed in (7, 7, 8):
+        res = acb.generate_batch(model, [[5, 6, 7], [9, 10]], sampling=sp, progress_bar=False,
+                                 continuous_batching_config=acb.ContinuousBatchingConfig(**CFG, seed=seed))
+        runs.append([o.generated_tokens for o in res.values()])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def _hf(model, prompt, **kw):
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=False, return_dict_in_generate=True, output_logits=True,
+                              output_scores=True, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_with_repetition_penalty_matches_generate(arch):
+    model = get_model(arch)
+    prompts = prompts_of_lengths([4, 15, 30], seed=32)
+    refs = [_hf(model, p, max_new_tokens=16, repetition_penalty=1.4).sequences[0, len(p):].tolist() for p in prompts]
+    res = acb.generate_batch(model, prompts, sampling=acb.SamplingParams(max_new_tokens=16, repetition_penalty=1.4),
+                             continuous_batching_config=acb.ContinuousBatchingConfig(**CFG), progress_bar=False)
+    assert [o.generated_tokens for o in res.values()] == refs
+
+
+def test_min_new_tokens_suppresses_eos_as_transformers():
+    model = get_model("llama")
+    prompt = prompts_of_lengths([9], seed=33)[0]
+    free = reference_generate(model, prompt, 12)
+    eos = free[1]  # make the 2nd greedy token the EOS: without min_new_tokens it stops there
+    ref = _hf(model, prompt, max_new_tokens=12, min_new_tokens=6, eos_token_id=eos).sequences[0, len(prompt):].tolist()
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        plain = eng.generate(prompt, acb.SamplingParams(max_new_tokens=12, stop_token_ids=(eos,)))
+        held = eng.generate(prompt, acb.SamplingParams(max_new_tokens=12, stop_token_ids=(eos,), min_new_tokens=6))
+    assert plain.generated_tokens == free[:2] and plain.finish_reason == acb.FinishReason.STOP
+    assert held.generated_tokens == ref and len(held.generated_tokens) >= 6
+    assert eos not in held.generated_tokens[:6]
+
+
+def test_logprobs_match_model_logits():
+    model = get_model("llama")
+    prompt = prompts_of_lengths([13], seed=34)[0]
+    hf = _hf(model, prompt, max_new_tokens=8, repetition_penalty=1.3)
+    raw = torch.stack(hf.logits)[:, 0].float().log_softmax(-1)  # [steps, V]
+    processed = torch.stack(hf.scores)[:, 0].float().log_softmax(-1)
+    tokens = hf.sequences[0, len(prompt):]
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        out_raw = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8, repetition_penalty=1.3, logprobs=3))
+        out_proc = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8, repetition_penalty=1.3, logprobs=3,
+                                                           logprobs_mode="processed"))
+    assert out_raw.generated_tokens == tokens.tolist() == out_proc.generated_tokens
+    steps = torch.arange(len(tokens))
+    torch.testing.assert_close(torch.tensor(out_raw.logprobs), raw[steps, tokens], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(out_proc.logprobs), processed[steps, tokens], atol=1e-4, rtol=1e-4)
+    for i, alts in enumerate(out_raw.top_logprobs):
+        top = raw[i].topk(3)
+        assert [t for t, _ in alts] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in alts]), top.values, atol=1e-4, rtol=1e-4)
+
+
+async def test_logprobs_in_stream_deltas():
+    model = get_model("llama")
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        h = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=6, logprobs=2, ignore_eos=True))
+        lps, tops = [], []
+        async for d in h:
+            lps += d.logprobs
+            tops += d.top_logprobs
+        out = await h.result()
+    assert lps == out.logprobs and tops == out.top_logprobs and len(tops) == 6 and all(len(t) == 2 for t in tops)
+
+
+def test_stop_strings_cut_text_keep_tokens():
+    tok = build_tokenizer()
+    model = acb.models.default_model()
+    prompt = tok("The quick brown fox").input_ids
+    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=16, num_blocks=64), tokenizer=tok) as eng:
+        free = eng.generate(prompt, acb.SamplingParams(max_new_tokens=40, ignore_eos=True))
+        gen = free.generated_tokens
+        text = tok.decode(gen)
+        # three consecutive generated tokens that are printable ASCII characters
+        start = next(i for i in range(3, len(gen) - 3)
+                     if all(tok.decode([t]).isascii() and tok.decode([t]).isprintable() for t in gen[i : i + 3]))
+        stop = tok.decode(gen[start : start + 3])
+        assert text.find(stop) >= 0
+        out = eng.generate(prompt, acb.SamplingParams(max_new_tokens=40, stop=[stop, "never-appears"]))
+    assert out.finish_reason == acb.FinishReason.STOP
+    assert out.text == text[: text.find(stop)]
+    # tokens are kept up to and including the one that completed the stop string
+    n = len(out.generated_tokens)
+    assert out.generated_tokens == free.generated_tokens[:n]
+    assert stop in tok.decode(out.generated_tokens) and stop not in tok.decode(out.generated_tokens[:-1])

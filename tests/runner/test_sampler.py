@@ -1,0 +1,148 @@
+"""The sampler against transformers' logits processors, and its distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import acb
+from acb.core.request import Request
+from acb.runner.sampler import SamplingState, process_logits, sample, seeded_exponentials
+
+V = 64
+EOS = 2
+
+
+def make_req(row, params: acb.SamplingParams, prompt, generated=(), seed=0):
+    r = Request(f"r{row}", list(prompt), max_new_tokens=100, stop_token_ids=frozenset({EOS}), params=params,
+                seed=seed)
+    r.token_ids.extend(generated)
+    r.row = row
+    return r
+
+
+def hf_processors(sp: acb.SamplingParams, prompt_len: int) -> LogitsProcessorList:
+    procs = LogitsProcessorList()
+    if sp.repetition_penalty not in (None, 1.0):
+        procs.append(RepetitionPenaltyLogitsProcessor(sp.repetition_penalty))
+    if sp.min_new_tokens:
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, sp.min_new_tokens, EOS))
+    if not sp.is_greedy:
+        if sp.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(sp.temperature))
+        if sp.top_k:
+            procs.append(TopKLogitsWarper(sp.top_k))
+        if sp.top_p is not None and sp.top_p < 1.0:
+            procs.append(TopPLogitsWarper(sp.top_p))
+        if sp.min_p:
+            procs.append(MinPLogitsWarper(sp.min_p))
+    return procs
+
+
+CASES = [
+    acb.SamplingParams(temperature=0.0),
+    acb.SamplingParams(temperature=0.7),
+    acb.SamplingParams(temperature=1.0, top_k=5),
+    acb.SamplingParams(temperature=1.3, top_p=0.8),
+    acb.SamplingParams(temperature=0.9, top_k=10, top_p=0.5),
+    acb.SamplingParams(temperature=1.0, min_p=0.1),
+    acb.SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+    acb.SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    acb.SamplingParams(temperature=1.1, repetition_penalty=0.7, top_k=8),
+    acb.SamplingParams(temperature=0.0, min_new_tokens=5),
+    acb.SamplingParams(temperature=1.0, min_new_tokens=2, top_p=0.95),
+    acb.SamplingParams(temperature=1.0, top_k=100),  # k larger than the vocabulary
+]
+
+
+def _run_process(cases, logits, prompts, gens):
+    state = SamplingState(len(cases), V, torch.device("cpu"))
+    reqs = [make_req(i, sp.merged_over(acb.sampling_params.FALLBACK), prompts[i], gens[i]) for i, sp in enumerate(cases)]
+    for r in reqs:
+        state.init_row(r.row, r)
+    step = state.step([r.row for r in reqs], [len(g) for g in gens])
+    p = torch.from_numpy(step.params.astype(np.float32))
+    x, y = process_logits(
+        logits, p, torch.from_numpy(step.gen_idx), torch.from_numpy(step.rows), state,
+        use_penalty=bool(state.live_penalty.any()), use_bias=False, use_min_new=bool(state.live_min_new.any()),
+        any_sampling=step.any_sampling, any_top_kp=step.any_top_kp, any_min_p=step.any_min_p,
+    )
+    return reqs, x, y
+
+
+def test_processed_logits_equal_transformers():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(CASES), V, generator=g) * 3
+    prompts = [torch.randint(3, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in CASES]
+    gens = [torch.randint(0, V, (i % 4,), generator=g).tolist() for i in range(len(CASES))]
+    reqs, x, y = _run_process(CASES, logits, prompts, gens)
+    for i, sp in enumerate(CASES):
+        input_ids = torch.tensor([prompts[i] + gens[i]])
+        expected = hf_processors(reqs[i].params, len(prompts[i]))(input_ids, logits[i : i + 1].clone())[0]
+        ours = x[i] if reqs[i].params.is_greedy else y[i]
+        finite = torch.isfinite(expected)
+        assert torch.equal(finite, torch.isfinite(ours)), f"case {i}: different tokens kept ({sp})"
+        torch.testing.assert_close(ours[finite], expected[finite], rtol=1e-5, atol=1e-5, msg=f"case {i}: {sp}")
+
+
+def test_presence_frequency_and_bias():
+    logits = torch.zeros(1, V)
+    sp = acb.SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: 2.0, 9: -1.0})
+    state = SamplingState(1, V, torch.device("cpu"))
+    r = make_req(0, sp.merged_over(acb.sampling_params.FALLBACK), [3, 4], generated=[5, 5, 6])
+    state.init_row(0, r)
+    step = state.step([0], [3])
+    p = torch.from_numpy(step.params.astype(np.float32))
+    x, _ = process_logits(logits, p, torch.tensor([3]), torch.tensor([0]), state, use_penalty=True, use_bias=True,
+                          use_min_new=False, any_sampling=False)
+    expected = torch.zeros(V)
+    expected[7] += 2.0
+    expected[9] -= 1.0
+    expected[5] -= 0.5 + 2 * 0.25  # generated twice
+    expected[6] -= 0.5 + 0.25
+    # prompt tokens are not penalised by presence/frequency (they are by repetition_penalty)
+    torch.testing.assert_close(x[0], expected)
+
+
+def test_seeded_exponentials_depend_only_on_seed_and_counter():
+    a = seeded_exponentials(torch.tensor([5, 7, 5]), torch.tensor([0, 0, 1]), 1000)
+    b = seeded_exponentials(torch.tensor([7]), torch.tensor([0]), 1000)
+    assert torch.equal(a[1], b[0])
+    assert not torch.equal(a[0], a[2]) and not torch.equal(a[0], a[1])
+    # Exp(1): mean 1, P(E > 1) = e^-1
+    assert abs(a.mean().item() - 1) < 0.05 and abs((a > 1).float().mean().item() - np.exp(-1)) < 0.02
+
+
+@pytest.mark.parametrize("sp", [
+    acb.SamplingParams(temperature=0.8),
+    acb.SamplingParams(temperature=1.2, top_k=6),
+    acb.SamplingParams(temperature=1.0, top_p=0.7),
+    acb.SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.3),
+])
+def test_sampling_frequencies_match_processed_softmax(sp):
+    n = 20000
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(1, V, generator=g) * 1.5
+    state = SamplingState(n, V, torch.device("cpu"))
+    params = sp.merged_over(acb.sampling_params.FALLBACK)
+    for i in range(n):  # n independent draws: same logits, different seeds
+        state.init_row(i, make_req(i, params, [3, 4, 5], seed=1000 + i))
+    step = state.step(list(range(n)), [0] * n)
+    ids = sample(base.expand(n, V).contiguous(), step, state)
+    counts = torch.bincount(ids, minlength=V).double() / n
+    _, x, y = _run_process([params], base, [[3, 4, 5]], [[]])
+    probs = torch.softmax(y[0].double(), -1)
+    tv = 0.5 * (counts - probs).abs().sum().item()
+    assert tv < 0.03, f"total variation {tv:.4f} between sampled frequencies and the processed softmax"
+    assert counts[probs == 0].sum() == 0, "sampled a token the processors removed"
