@@ -34,6 +34,19 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class SampleOutput:
+    """One of the ``n`` samples of a request submitted with ``n > 1``."""
+
+    index: int
+    generated_tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    status: "RequestStatus"
+    finish_reason: "FinishReason | None"
+    text: str | None = None
+
+
+@dataclass
 class GenerationOutput:
     """The final (or partial) output of one request.
 
@@ -61,6 +74,8 @@ class GenerationOutput:
     total_time: float | None = None  # submit -> final outcome
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # n > 1: every sample (the top-level token fields then repeat sample 0); None when n == 1
+    samples: list[SampleOutput] | None = None
 
     def is_finished(self) -> bool:
         """Whether the request reached a terminal state (finished, failed or cancelled)."""
@@ -88,3 +103,4 @@ class StreamDelta:
     finished: bool
     output: GenerationOutput | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    sample_index: int = 0  # which sample the tokens belong to (n > 1)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from acb.api.handles import AdmissionGate, make_deliver
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.engine_core import EngineCore, EngineStats
-from acb.core.request import Request
+from acb.core.request import Request, RequestGroup
 from acb.errors import EngineNotRunningError
 from acb.core.stop_strings import StopStrings
 from acb.sampling_params import FALLBACK, SamplingParams
@@ -176,8 +176,6 @@ class Frontend:
                 raise ValueError(f"logit_bias token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported yet")
         cfg = core.runner.cfg
         limit = cfg.max_model_len
         if len(ids) >= limit:
@@ -196,21 +194,39 @@ class Frontend:
             if not core.reserve_id(request_id):
                 raise ValueError(f"request_id {request_id!r} is already used by a live request")
         max_new = min(params.max_new_tokens, limit - len(ids))
-        req = Request(
-            request_id,
-            ids,
-            max_new_tokens=max_new,
-            stop_token_ids=frozenset(params.stop_token_ids or ()),
-            ignore_eos=params.ignore_eos,
-            params=params,
-            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
-            want_logprobs=params.logprobs is not None,
-            record_timestamps=record_timestamps,
-            sink=sink_factory(request_id),
-        )
-        if params.stop:
-            req.stop_checker = StopStrings(self.tokenizer, params.stop)
-        return req
+        min_new = min(params.min_new_tokens or 0, max_new)
+        if min_new != (params.min_new_tokens or 0):
+            params = replace(params, min_new_tokens=min_new)
+        sink = sink_factory(request_id)
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        members = []
+        for i in range(params.n):
+            req = Request(
+                request_id if i == 0 else f"{request_id}#{i}",
+                ids,
+                max_new_tokens=max_new,
+                stop_token_ids=frozenset(params.stop_token_ids or ()),
+                ignore_eos=params.ignore_eos,
+                params=params,
+                # each sample has its own stream; sample 0 uses the request's seed itself
+                seed=base_seed if i == 0 else (base_seed * 1_000_003 + i) & ((1 << 63) - 1),
+                want_logprobs=params.logprobs is not None,
+                record_timestamps=record_timestamps,
+                sink=sink,
+            )
+            if params.stop:
+                req.stop_checker = StopStrings(self.tokenizer, params.stop)
+            members.append(req)
+        if params.n > 1:
+            taken = []
+            for m in members[1:]:  # the samples' internal ids must not collide with live requests
+                if not core.reserve_id(m.request_id):
+                    for t in [request_id, *taken]:
+                        core.release_id(t)
+                    raise ValueError(f"request id {m.request_id!r} (sample of {request_id!r}) is already live")
+                taken.append(m.request_id)
+            RequestGroup(request_id, members)
+        return members[0]
 
     def enqueue(self, req: Request) -> None:
         self.core.add(req)
@@ -227,7 +243,8 @@ class Frontend:
 
     def abandon(self, req: Request) -> None:
         """Undo ``make_request`` for a request that will not be enqueued."""
-        self.core.release_id(req.request_id)
+        for m in req.group.members if req.group is not None else [req]:
+            self.core.release_id(m.request_id)
 
     def cancel(self, request_id: str) -> bool:
         """Ask the engine to cancel a request; False (and a log line) if no live request has that id."""

@@ -37,17 +37,44 @@ WAIT = object()  # poll(): nothing new yet
 
 
 class _SinkState:
-    """Tokens not yet read by the consumer, and the final output once known."""
+    """Tokens not yet read by the consumer (per sample, for n > 1), and the final output once known."""
 
-    __slots__ = ("request_id", "tokens", "logprobs", "top", "final", "stream_done")
+    __slots__ = ("request_id", "pending", "final", "stream_done")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.tokens: list[int] = []
-        self.logprobs: list[float] | None = None
-        self.top: list[list[tuple[int, float]]] | None = None
+        # sample index -> [token ids, logprobs or None, top alternatives or None]
+        self.pending: dict[int, list] = {}
         self.final: GenerationOutput | None = None
         self.stream_done = False  # the final delta (or the failure) was handed out
+
+    def add(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
+            top: list | None = None, sample: int = 0) -> None:
+        if token_ids:
+            slot = self.pending.get(sample)
+            if slot is None:
+                self.pending[sample] = [list(token_ids), None if logprobs is None else list(logprobs),
+                                        None if top is None else list(top)]
+            else:
+                slot[0].extend(token_ids)
+                if logprobs is not None:
+                    slot[1] = (slot[1] or []) + logprobs
+                if top is not None:
+                    slot[2] = (slot[2] or []) + top
+        if final is not None:
+            self.final = final
+
+    def take(self) -> StreamDelta | None:
+        """The coalesced delta of one sample since the last take, or None if there is nothing new.
+        The final output rides on the last delta."""
+        if self.pending:
+            sample = next(iter(self.pending))
+            tokens, logprobs, top = self.pending.pop(sample)
+            last = self.final is not None and not self.pending
+            return StreamDelta(self.request_id, tokens, logprobs, last, self.final if last else None, top, sample)
+        if self.final is None:
+            return None
+        return StreamDelta(self.request_id, [], None, True, self.final)
 
     def poll(self) -> "StreamDelta | None | object":
         """The next stream item: a delta, ``None`` once the stream is over, or ``WAIT``.
@@ -66,37 +93,6 @@ class _SinkState:
         self.stream_done = delta.finished
         return delta
 
-    def add(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
-            top: list | None = None) -> None:
-        self.tokens.extend(token_ids)
-        if logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(logprobs)
-        if top is not None:
-            if self.top is None:
-                self.top = []
-            self.top.extend(top)
-        if final is not None:
-            self.final = final
-
-    def take(self) -> StreamDelta | None:
-        """The coalesced delta since the last take, or None if there is nothing new."""
-        if not self.tokens and self.final is None:
-            return None
-        delta = StreamDelta(
-            request_id=self.request_id,
-            token_ids=self.tokens,
-            logprobs=self.logprobs,
-            finished=self.final is not None,
-            output=self.final,
-            top_logprobs=self.top,
-        )
-        self.tokens = []
-        self.logprobs = None
-        self.top = None
-        return delta
-
 
 class AsyncSink:
     """Lives on one event loop; only that loop's thread touches it after creation."""
@@ -109,8 +105,8 @@ class AsyncSink:
         self._waiter: asyncio.Future | None = None
 
     def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
-             top: list | None = None) -> None:
-        self.state.add(token_ids, logprobs, final, top)
+             top: list | None = None, sample: int = 0) -> None:
+        self.state.add(token_ids, logprobs, final, top, sample)
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -161,9 +157,9 @@ class ThreadSink:
         self.on_push = on_push
 
     def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
-             top: list | None = None) -> None:
+             top: list | None = None, sample: int = 0) -> None:
         with self._cond:
-            self.state.add(token_ids, logprobs, final, top)
+            self.state.add(token_ids, logprobs, final, top, sample)
             self._cond.notify_all()
         if self.on_push is not None:
             self.on_push(token_ids, logprobs, final)
@@ -192,9 +188,9 @@ class ThreadSink:
         return final
 
 
-def _push_all(batch: list[tuple[Any, list[int], Any, Any, Any]]) -> None:
-    for sink, tokens, logprobs, final, top in batch:
-        sink.push(tokens, logprobs, final, top)
+def _push_all(batch: list[tuple[Any, list[int], Any, Any, Any, int]]) -> None:
+    for sink, tokens, logprobs, final, top, sample in batch:
+        sink.push(tokens, logprobs, final, top, sample)
 
 
 def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
@@ -208,14 +204,14 @@ def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
                 record_request(item[3])
             loop = sink.loop
             if loop is None:
-                sink.push(item[1], item[2], item[3], item[4])
+                sink.push(*item[1:])
             else:
                 per_loop.setdefault(loop, []).append(item)
         for loop, batch in per_loop.items():
             try:
                 loop.call_soon_threadsafe(_push_all, batch)
             except RuntimeError:  # the consumer's loop is closed: nobody will read these
-                for sink, _t, _l, final, _top in batch:
+                for sink, _t, _l, final, _top, _i in batch:
                     if final is None:
                         cancel(sink.state.request_id)
 

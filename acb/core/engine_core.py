@@ -25,12 +25,13 @@ from acb.core.block_pool import BlockPool
 from acb.core.request import Request
 from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.errors import EngineDeadError, EngineNotRunningError
-from acb.outputs import FinishReason, RequestStatus
+from acb.outputs import FinishReason, GenerationOutput, RequestStatus
 
 logger = logging.getLogger("acb")
 
-# (sink, new token ids, their logprobs or None, final output or None, top alternatives or None)
-Delivery = tuple[Any, list[int], Any, Any, Any]
+# (sink, new token ids, their logprobs or None, final output or None, top alternatives or None,
+#  sample index)
+Delivery = tuple[Any, list[int], Any, Any, Any, int]
 
 
 class Runner(Protocol):
@@ -197,13 +198,20 @@ class EngineCore:
                 else:
                     self.scheduler.add(req)
             elif kind == "cancel":
-                req = self.scheduler.cancel(cmd[1])
-                if req is not None:
-                    req.finish_reason = FinishReason.CANCELLED
-                    if req.first_scheduled_time is None:
-                        self._on_dequeued(1)
-                    self._emit_final([req])
-                    self._publish_stats()
+                head = self.scheduler.live.get(cmd[1])
+                if head is None:
+                    continue
+                never_scheduled = head.first_scheduled_time is None
+                members = head.group.members if head.group is not None else [head]
+                ended = []
+                for req in members:
+                    if self.scheduler.cancel(req.request_id) is not None:
+                        req.finish_reason = FinishReason.CANCELLED
+                        ended.append(req)
+                if never_scheduled:
+                    self._on_dequeued(1)
+                self._emit_final(ended)
+                self._publish_stats()
             elif kind == "call":
                 fn, fut = cmd[1], cmd[2]
                 if fut.set_running_or_notify_cancel():
@@ -246,36 +254,52 @@ class EngineCore:
             if req.want_logprobs:
                 lp = [req.logprobs[-1]]
                 top = [req.top_logprobs[-1]] if req.top_logprobs else None
-            final = None
-            if req.status.is_terminal:
-                final = req.to_output()
-                self.release_id(req.request_id)
-            items.append((req.sink, [req.token_ids[-1]], lp, final, top))
+            final = self._final_of(req) if req.status.is_terminal else None
+            items.append((req.sink, [req.token_ids[-1]], lp, final, top, req.sample_index))
         self._publish_stats()
         if items:
             self._deliver(items)
 
+    def _final_of(self, req: Request) -> GenerationOutput | None:
+        """The final output to deliver now that ``req`` ended: its own, or its group's once all
+        samples ended (None before that). Releases the request id with it."""
+        group = req.group
+        if group is None:
+            self.release_id(req.request_id)
+            return req.to_output()
+        if group.delivered or not group.done:
+            return None
+        group.delivered = True
+        for m in group.members:
+            self.release_id(m.request_id)
+        return group.to_output()
+
     def _emit_final(self, reqs: list[Request]) -> None:
         items: list[Delivery] = []
         for req in reqs:
-            self.release_id(req.request_id)
-            items.append((req.sink, [], None, req.to_output(), None))
+            final = self._final_of(req)
+            if final is not None:
+                items.append((req.sink, [], None, final, None, 0))
         if items:
             self._deliver(items)
 
     def _end_unscheduled(self, req: Request, status: RequestStatus) -> None:
-        req.status = status
-        req.finish_reason = FinishReason.CANCELLED if status == RequestStatus.CANCELLED else FinishReason.ERROR
-        req.finish_time = time.perf_counter()
+        """End a request that never reached the scheduler (all its samples, for n > 1)."""
+        members = req.group.members if req.group is not None else [req]
+        for m in members:
+            m.status = status
+            m.error = req.error
+            m.finish_reason = FinishReason.CANCELLED if status == RequestStatus.CANCELLED else FinishReason.ERROR
+            m.finish_time = time.perf_counter()
         self._on_dequeued(1)
-        self._emit_final([req])
+        self._emit_final(members)
 
     def _cancel_all(self) -> None:
         reqs = list(self.scheduler.live.values())
         for req in reqs:
-            never_scheduled = req.first_scheduled_time is None
-            self.scheduler.cancel(req.request_id)
-            req.finish_reason = FinishReason.CANCELLED
+            never_scheduled = req.first_scheduled_time is None and req.sample_index == 0
+            if self.scheduler.cancel(req.request_id) is not None:
+                req.finish_reason = FinishReason.CANCELLED
             if never_scheduled:
                 self._on_dequeued(1)
         # adds that arrive after the stop are cancelled by _drain_inbox
@@ -285,7 +309,8 @@ class EngineCore:
     def _fail_all(self, exc: BaseException) -> None:
         """The engine is dying: every live request gets a FAILED outcome (best effort)."""
         reqs = list(self.scheduler.live.values())
-        pending_adds = [c[1] for c in self._inbox if c[0] == "add"]
+        pending_adds = [m for c in self._inbox if c[0] == "add"
+                        for m in (c[1].group.members if c[1].group is not None else [c[1]])]
         msg = f"EngineDeadError: {type(exc).__name__}: {exc}"
         for req in reqs + pending_adds:
             req.status = RequestStatus.FAILED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from acb.outputs import FinishReason, GenerationOutput, RequestStatus
+from acb.outputs import FinishReason, GenerationOutput, RequestStatus, SampleOutput
 
 
 class Request:
@@ -20,7 +20,7 @@ class Request:
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "arrival_seq", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "num_preemptions",
-        "num_cached_tokens", "sink", "stop_checker", "output_text",
+        "num_cached_tokens", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
     )
 
     def __init__(
@@ -69,6 +69,9 @@ class Request:
         # optional callable(request) -> True when a stop string has appeared (it trims the output)
         self.stop_checker: Any = None
         self.output_text: str | None = None
+        self.group: RequestGroup | None = None  # n > 1: the samples submitted together
+        self.sample_index = 0
+        self.children: list[Request] | None = None  # n > 1, on sample 0 until its prompt is prefilled
 
     @property
     def num_tokens(self) -> int:
@@ -132,3 +135,43 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
         )
+
+
+class RequestGroup:
+    """The ``n`` samples of one submit. Sample 0 carries the user's request id and is the one
+    prefilled; the others fork from it when its prompt is done (sharing its KV blocks)."""
+
+    __slots__ = ("request_id", "members", "delivered")
+
+    def __init__(self, request_id: str, members: list[Request]) -> None:
+        self.request_id = request_id
+        self.members = members
+        self.delivered = False  # the group's final output has been handed out
+        for i, m in enumerate(members):
+            m.group = self
+            m.sample_index = i
+        members[0].children = members[1:]
+
+    @property
+    def done(self) -> bool:
+        return all(m.status.is_terminal for m in self.members)
+
+    def to_output(self) -> GenerationOutput:
+        outs = [m.to_output() for m in self.members]
+        head = outs[0]
+        statuses = {o.status for o in outs}
+        for bad in (RequestStatus.FAILED, RequestStatus.CANCELLED):
+            if bad in statuses:
+                head.status = bad
+                head.error = next((o.error for o in outs if o.error), None)
+                break
+        head.samples = [
+            SampleOutput(i, o.generated_tokens, o.logprobs, o.top_logprobs, o.status, o.finish_reason, o.text)
+            for i, o in enumerate(outs)
+        ]
+        times = [o.time_to_first_token for o in outs if o.time_to_first_token is not None]
+        head.time_to_first_token = min(times) if times else None
+        totals = [o.total_time for o in outs if o.total_time is not None]
+        head.total_time = max(totals) if totals else None
+        head.num_preemptions = sum(o.num_preemptions for o in outs)
+        return head

@@ -52,7 +52,7 @@ class SchedulerOutput:
     newly_admitted: list[Request]  # scheduled for the first time
     row_inits: list[Request]  # requests given a row in this step (fresh or resumed)
     freed_rows: list[int]  # rows given back since the previous step
-    block_copies: list[tuple[int, int]]  # (src, dst) KV blocks to copy before the forward
+    block_copies_after: list[tuple[int, int]]  # (src, dst) KV blocks to copy after the forward
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -102,13 +102,16 @@ class Scheduler:
         self.live: dict[str, Request] = {}
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._freed_rows: list[int] = []
+        self._fork_copies: list[int] = []
         self._step_id = 0
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
-        assert req.request_id not in self.live, f"duplicate live request {req.request_id}"
-        self.live[req.request_id] = req
+        """Queue a request (and register the samples that will fork from it, for n > 1)."""
+        for r in [req, *(req.children or ())]:
+            assert r.request_id not in self.live, f"duplicate live request {r.request_id}"
+            self.live[r.request_id] = r
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -132,17 +135,24 @@ class Scheduler:
         self._finish(req, RequestStatus.FAILED)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status == RequestStatus.PENDING or req.row < 0:
+        if req in self.running:
+            self.running.remove(req)
+        elif req.status == RequestStatus.PENDING:
             try:
                 self.waiting.remove(req)
             except ValueError:
-                pass
-        else:
-            self.running.remove(req)
+                pass  # a sample of n > 1 that has not forked yet
         self._release(req)
         req.status = status
         req.finish_time = time.perf_counter()
         del self.live[req.request_id]
+        if req.children:  # samples that would have forked from this one end with it
+            for child in req.children:
+                if not child.status.is_terminal:
+                    child.error = req.error
+                    child.finish_reason = req.finish_reason
+                    self._finish(child, status)
+            req.children = None
 
     def _release(self, req: Request) -> None:
         if req.block_ids:
@@ -165,13 +175,17 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def _blocks_needed(self, req: Request, num_new: int) -> int:
         total = req.num_computed_tokens + num_new
-        return -(-total // self.block_size) - len(req.block_ids)
+        need = -(-total // self.block_size) - len(req.block_ids)
+        if req.children and total == req.num_tokens and req.prompt_len % self.block_size:
+            # the samples fork in this step: each gets its own copy of the partial last block
+            need += sum(1 for c in req.children if not c.status.is_terminal)
+        return need
 
     def schedule(self) -> SchedulerOutput | None:
         out = SchedulerOutput(
             step_id=self._step_id, requests=[], rows=[], num_new=[], start_pos=[], input_ids=[],
             sample_idx=[], sample_reqs=[], sample_rows=[], sample_gen_idx=[], block_updates=[],
-            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies=[],
+            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies_after=[],
         )
         self._freed_rows = []
         budget = self.max_batch_tokens
@@ -222,21 +236,31 @@ class Scheduler:
             if req.row < 0:
                 continue
             if need > 0:
-                first_col = len(req.block_ids)
                 new_blocks = self.pool.allocate(need)
                 assert new_blocks is not None
-                req.block_ids.extend(new_blocks)
-                out.block_updates.append((req.row, first_col, new_blocks))
+                self._take_blocks(out, req, num_new, new_blocks)
             self._emit(out, req, num_new)
             scheduled.add(id(req))
             budget -= num_new
         return budget, preempted_any
+
+    def _take_blocks(self, out: SchedulerOutput, req: Request, num_new: int, blocks: list[int]) -> None:
+        """Give ``req`` the blocks it needs for ``num_new`` tokens; extras are fork copies (n > 1)."""
+        own = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.block_ids)
+        first_col = len(req.block_ids)
+        req.block_ids.extend(blocks[:own])
+        out.block_updates.append((req.row, first_col, blocks[:own]))
+        self._fork_copies = blocks[own:]
 
     def _admit(self, out: SchedulerOutput, budget: int, reserve: int) -> int:
         """Admit waiting requests in order while budget, rows and blocks last."""
         now = None
         while self.waiting and budget > 0 and self._free_rows:
             req = self.waiting[0]
+            # the samples of n > 1 hold their rows from admission, so that they can always fork
+            rowless = [c for c in req.children or () if c.row < 0 and not c.status.is_terminal]
+            if len(rowless) + 1 > len(self._free_rows):
+                break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self._blocks_needed(req, num_new)
             if need > self.pool.num_free - self.watermark_blocks - reserve:
@@ -246,11 +270,12 @@ class Scheduler:
             blocks = self.pool.allocate(need)
             assert blocks is not None
             self.waiting.popleft()
-            req.block_ids = blocks
             req.row = self._free_rows.pop()
+            for c in rowless:
+                c.row = self._free_rows.pop()
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
-            out.block_updates.append((req.row, 0, list(blocks)))
+            self._take_blocks(out, req, num_new, blocks)
             out.row_inits.append(req)
             if req.first_scheduled_time is None:
                 now = time.perf_counter() if now is None else now
@@ -270,14 +295,51 @@ class Scheduler:
         end = start + num_new
         req.num_computed_tokens = end
         if end == req.num_tokens:
-            out.sample_idx.append(len(out.requests) - 1)
+            i = len(out.requests) - 1
+            out.sample_idx.append(i)
             out.sample_reqs.append(req)
             out.sample_rows.append(req.row)
             out.sample_gen_idx.append(end - req.prompt_len)
+            if req.children:
+                self._fork(out, req, i)
         if num_new == 1 and start >= req.prompt_len:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
+
+    def _fork(self, out: SchedulerOutput, parent: Request, logits_i: int) -> None:
+        """n > 1: the parent's prompt is computed in this step; its samples start from it.
+
+        They share the parent's full prompt blocks (ref counts) and each gets a copy of the
+        partial last block, made after this step's forward writes it. Each draws its first
+        token from the parent's logits, with its own random stream.
+        """
+        bs = self.block_size
+        full = parent.prompt_len // bs
+        copies = self._fork_copies
+        self._fork_copies = []
+        shared = parent.block_ids[:full]
+        for child in parent.children:
+            if child.status.is_terminal:
+                continue
+            self.pool.incref(shared)
+            child.block_ids = list(shared)
+            if parent.prompt_len % bs:
+                dst = copies.pop()
+                out.block_copies_after.append((parent.block_ids[full], dst))
+                child.block_ids.append(dst)
+            child.num_computed_tokens = parent.prompt_len
+            child.status = RequestStatus.PREFILLING
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.running.append(child)
+            out.block_updates.append((child.row, 0, list(child.block_ids)))
+            out.row_inits.append(child)
+            out.sample_idx.append(logits_i)
+            out.sample_reqs.append(child)
+            out.sample_rows.append(child.row)
+            out.sample_gen_idx.append(0)
+        assert not copies, "fork copy blocks left over"
+        parent.children = None
 
     # ----------------------------------------------------------------- update
     def update_from_output(

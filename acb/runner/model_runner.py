@@ -173,8 +173,6 @@ class ModelRunner:
             sampling.free_row(row)
         for req in sched.row_inits:
             sampling.init_row(req.row, req)
-        for src, dst in sched.block_copies:
-            self.kv_cache.copy_block(src, dst)
         batch = self.inputs.prepare(sched)
         ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
         if self._supports_logits_to_keep:
@@ -186,6 +184,8 @@ class ModelRunner:
             logits = self.model(
                 input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, acb_ctx=ctx,
             ).logits[0, batch.logits_indices]
+        for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
+            self.kv_cache.copy_block(src, dst)
         step = sampling.step(sched.sample_rows, sched.sample_gen_idx)
         packed = sample(logits, step, sampling)
         return InFlightStep(sched, packed, max(step.max_logprobs, 0))
