@@ -26,7 +26,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "decode_compile_config": "torch.compile paths are not built yet",
     "default_compile_level": "torch.compile paths are not built yet",
     "cpu_offload_space": "KV offload is not built yet",
-    "per_request_processors": "logits processors beyond temperature are not built yet",
     "disable_nccl_graph_mixing": "tensor parallelism is not supported",
     "cpu_group_timeout": "tensor parallelism is not supported",
     "use_default_compile_configs": "deprecated in transformers; torch.compile paths are not built yet",

@@ -30,7 +30,11 @@ from acb.sampling_params import SamplingParams
 
 logger = logging.getLogger("acb")
 
-_PROCESSOR_KWARGS = {"temperature", "do_sample"}
+# per-request processor arguments (transformers' logit_processor_kwargs) acb maps onto SamplingParams
+_PROCESSOR_KWARGS = {
+    "temperature", "do_sample", "top_k", "top_p", "min_p", "repetition_penalty", "min_new_tokens",
+    "presence_penalty", "frequency_penalty", "seed", "logprobs", "logprobs_mode",
+}
 
 
 class _OutputRouter:
@@ -154,17 +158,23 @@ class ContinuousBatchingManager:
         **logit_processor_kwargs: Any,
     ) -> str:
         """Queue one request; returns its id. Blocks while ``max_queue_size`` requests wait."""
-        unknown = set(logit_processor_kwargs) - _PROCESSOR_KWARGS
-        if unknown:
-            warnings.warn(f"acb: per-request processor arguments {sorted(unknown)} are not applied yet", stacklevel=2)
-        temperature = None
-        if "temperature" in logit_processor_kwargs or "do_sample" in logit_processor_kwargs:
-            do_sample = logit_processor_kwargs.get("do_sample", True)
-            temperature = float(logit_processor_kwargs.get("temperature", 1.0)) if do_sample else 0.0
+        per_request: dict[str, Any] = {}
+        if logit_processor_kwargs:
+            if not self.continuous_batching_config.per_request_processors:
+                # transformers' meaning: without per_request_processors every request uses the defaults
+                warnings.warn(
+                    f"acb: per-request processor arguments {sorted(logit_processor_kwargs)} are ignored because "
+                    "ContinuousBatchingConfig.per_request_processors is False", stacklevel=2,
+                )
+            else:
+                unknown = set(logit_processor_kwargs) - _PROCESSOR_KWARGS
+                if unknown:
+                    raise ValueError(f"acb has no per-request processor for {sorted(unknown)}")
+                per_request = dict(logit_processor_kwargs)
         stop = None
         if eos_token_id is not None:
             stop = tuple(e for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id) if e >= 0)
-        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop)
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop, **per_request)
         rid = request_id if request_id is not None else self._next_id()
         router = self.output_router
         if streaming:

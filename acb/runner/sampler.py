@@ -3,12 +3,13 @@
 No Python loop over requests and no host sync: per-row parameters arrive as one small
 tensor per step (gathered from host arrays indexed by block-table row), history-dependent
 penalties read per-row device buffers that are updated in place after each sample, and
-random numbers come from a counter-based hash of ``(seed, token index, vocab id)``, so a
-seeded request draws the same numbers whatever else is in the batch.
+random numbers come from a counter-based hash of ``(seed, token index)``, so a seeded
+request draws the same number whatever else is in the batch.
 
 Order, as transformers' ``generate``: logit_bias, repetition penalty, presence/frequency
 penalties, min_new_tokens; then greedy argmax, or temperature, top-k, top-p, min-p and a
-sample from the softmax (exponential race: ``argmax(p / E)``, ``E ~ Exp(1)``).
+draw by inverse CDF (one seeded uniform per row; top-k/top-p rows draw among their sorted
+candidates, so only a row using top-p without top-k costs a full sort).
 """
 
 from __future__ import annotations
@@ -38,15 +39,19 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def seeded_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[S, V]`` Exp(1) draws that depend only on each row's (seed, counter) and the vocab id."""
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    key = _mix(seeds * _M1 + counters)  # [S]
-    x = _mix(key[:, None] + (v[None, :] + 1) * _M1)
-    # 23 bits, so that u = (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1):
-    # with 24 bits the largest u rounds to 1.0, E = 0 and p / E turns a removed token into NaN
-    u = (((x >> 41) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
-    return -torch.log(u)
+def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """``[S]`` float32 uniforms in (0, 1) that depend only on each row's (seed, counter)."""
+    x = _mix(_mix(seeds * _M1 + counters) + _M2)
+    # 23 bits, so that (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1)
+    return (((x >> 41) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from unnormalised ``probs`` [S, N] with uniforms ``u`` [S]: the first
+    index whose cumulative mass exceeds ``u * total``; zero-probability entries are never hit."""
+    cum = probs.cumsum(dim=-1)
+    target = (u * cum[:, -1])[:, None]
+    return torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
 @dataclass
@@ -57,7 +62,7 @@ class StepSampling:
     gen_idx: np.ndarray  # [S] index of the token being generated (0 = first)
     params: np.ndarray  # [S, NUM_COLS] float64 rows of the parameter table
     any_sampling: bool
-    any_top_kp: bool  # some sampled row uses top-k or top-p
+    top_kp_width: int  # candidates kept for top-k/top-p rows (0: no sampled row uses them)
     any_min_p: bool
     max_logprobs: int  # -1: nobody wants logprobs
 
@@ -73,7 +78,7 @@ class SamplingState:
         self.live_bias = np.zeros(max_rows, dtype=bool)
         self.live_min_new = np.zeros(max_rows, dtype=bool)
         self.seen: torch.Tensor | None = None  # [rows, V] bool: prompt and generated tokens
-        self.counts: torch.Tensor | None = None  # [rows, V] int32: generated-token counts
+        self.counts: torch.Tensor | None = None  # [rows, V] float32: generated-token counts (no cast per step)
         self.bias: torch.Tensor | None = None  # [rows, V] float32
         self.stop_mask: torch.Tensor | None = None  # [rows, V] bool: tokens min_new_tokens suppresses
 
@@ -104,14 +109,14 @@ class SamplingState:
         penalty = t[C_REP] != 1.0 or t[C_PRES] != 0.0 or t[C_FREQ] != 0.0
         self.live_penalty[row] = penalty
         if penalty:
-            seen, counts = self._buf("seen", torch.bool), self._buf("counts", torch.int32)
+            seen, counts = self._buf("seen", torch.bool), self._buf("counts", torch.float32)
             seen[row].zero_()
             counts[row].zero_()
             seen[row, torch.tensor(req.token_ids, dtype=torch.long, device=dev)] = True
             gen = req.token_ids[req.prompt_len:]
             if gen:
                 g = torch.tensor(gen, dtype=torch.long, device=dev)
-                counts[row].index_put_((g,), torch.ones_like(g, dtype=torch.int32), accumulate=True)
+                counts[row].index_put_((g,), torch.ones_like(g, dtype=torch.float32), accumulate=True)
         self.live_bias[row] = bool(sp.logit_bias)
         if sp.logit_bias:
             bias = self._buf("bias", torch.float32)
@@ -131,15 +136,45 @@ class SamplingState:
         r = np.asarray(rows, dtype=np.int64)
         params = self.table[r]
         sampled = params[:, C_TEMP] > 0
+        trunc = sampled & ((params[:, C_TOPK] > 0) | (params[:, C_TOPP] < 1))
+        # top-p then runs on the top-k survivors, so only top-p without top-k needs every token
+        widths = np.where(params[:, C_TOPK] > 0, np.minimum(params[:, C_TOPK], self.vocab), self.vocab)
         return StepSampling(
             rows=r,
             gen_idx=np.asarray(gen_idx, dtype=np.int64),
             params=params,
             any_sampling=bool(sampled.any()),
-            any_top_kp=bool((sampled & ((params[:, C_TOPK] > 0) | (params[:, C_TOPP] < 1))).any()),
+            top_kp_width=int(widths[trunc].max()) if trunc.any() else 0,
             any_min_p=bool((sampled & (params[:, C_MINP] > 0)).any()),
             max_logprobs=int(params[:, C_NLOGPROBS].max()) if len(r) else -1,
         )
+
+
+@dataclass
+class Processed:
+    """One step's processed logits.
+
+    ``x``: after bias, penalties and min_new_tokens (greedy rows take its argmax).
+    Sampled rows draw from ``plain`` (temperature, min-p) or, for rows using top-k/top-p, from
+    the candidates ``cand_vals`` / ``cand_ids`` (the ``width`` best tokens, sorted, with
+    top-k, top-p and min-p applied as ``-inf``).
+    """
+
+    x: torch.Tensor  # [S, V]
+    plain: torch.Tensor | None  # [S, V]
+    cand_vals: torch.Tensor | None  # [S, width]
+    cand_ids: torch.Tensor | None  # [S, width]
+    trunc_rows: torch.Tensor | None  # [S] bool: rows that sample from the candidates
+
+    def full(self, temp: torch.Tensor) -> torch.Tensor:
+        """``[S, V]`` logits each row's token is drawn from (``x`` for greedy rows)."""
+        if self.plain is None:
+            return self.x
+        y = self.plain
+        if self.cand_vals is not None:
+            scattered = torch.full_like(y, float("-inf")).scatter_(1, self.cand_ids, self.cand_vals)
+            y = torch.where(self.trunc_rows[:, None], scattered, y)
+        return torch.where((temp > 0)[:, None], y, self.x)
 
 
 def process_logits(
@@ -153,43 +188,49 @@ def process_logits(
     use_bias: bool,
     use_min_new: bool,
     any_sampling: bool,
-    any_top_kp: bool = True,
-    any_min_p: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (x, y): x after bias/penalties/min_new_tokens (what greedy rows take the argmax
-    of), y additionally after temperature, top-k, top-p, min-p (what sampled rows draw from)."""
+    top_kp_width: int = 0,
+    any_min_p: bool = False,
+) -> Processed:
+    """The processors, in transformers' order, batched over rows with different parameters."""
+    neg_inf = float("-inf")
     x = logits
     if use_bias:
         x = x + state.bias[rows]
     if use_penalty:
         rep = p[:, C_REP, None]
         x = torch.where(state.seen[rows], torch.where(x < 0, x * rep, x / rep), x)
-        cnt = state.counts[rows].to(x.dtype)
+        cnt = state.counts[rows]
         x = x - p[:, C_FREQ, None] * cnt - p[:, C_PRES, None] * (cnt > 0).to(x.dtype)
     if use_min_new:
         suppress = state.stop_mask[rows] & (gen_idx < p[:, C_MINNEW].long())[:, None]
-        x = x.masked_fill(suppress, float("-inf"))
+        x = x.masked_fill(suppress, neg_inf)
     if not any_sampling:
-        return x, x
+        return Processed(x, None, None, None, None)
     temp = p[:, C_TEMP]
     y = x / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
-    neg_inf = float("-inf")
-    if any_top_kp:
-        vocab = y.shape[-1]
-        top_k = p[:, C_TOPK].long()
-        sorted_y, order = y.sort(dim=-1)  # ascending, as transformers' top-p
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = sorted_y.gather(1, (vocab - k)[:, None])  # the k-th largest value; ties are kept
-        y = y.masked_fill(y < kth, neg_inf)
-        sorted_y = sorted_y.masked_fill(sorted_y < kth, neg_inf)
-        cum = sorted_y.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cum <= (1 - p[:, C_TOPP])[:, None]
-        remove_sorted[:, -1] = False  # the most likely token always stays
-        y = y.masked_fill(remove_sorted.scatter(1, order, remove_sorted), neg_inf)
+    plain = _min_p(y, p[:, C_MINP]) if any_min_p else y
+    if not top_kp_width:
+        return Processed(x, plain, None, None, None)
+    # top-k / top-p on the best `width` tokens, sorted descending (a full sort only when some
+    # row uses top-p without top-k); equal to transformers' ascending-sort formulation
+    top_k, top_p = p[:, C_TOPK].long(), p[:, C_TOPP]
+    vals, ids = y.topk(top_kp_width, dim=-1)
+    pos = torch.arange(top_kp_width, device=y.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, y.shape[-1]))
+    kth = vals.gather(1, (k.clamp(max=top_kp_width) - 1)[:, None])
+    vals = vals.masked_fill((pos >= k[:, None]) & (vals < kth), neg_inf)  # ties with the k-th stay
+    probs = vals.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely candidates
+    vals = vals.masked_fill((mass_before >= top_p[:, None]) & (pos > 0), neg_inf)
     if any_min_p:
-        probs = y.softmax(dim=-1)
-        y = y.masked_fill(probs < p[:, C_MINP, None] * probs.amax(dim=-1, keepdim=True), neg_inf)
-    return x, y
+        vals = _min_p(vals, p[:, C_MINP])
+    trunc = (temp > 0) & ((top_k > 0) | (top_p < 1))
+    return Processed(x, plain, vals, ids, trunc)
+
+
+def _min_p(y: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = y.softmax(dim=-1)
+    return y.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def sample(
@@ -205,28 +246,34 @@ def sample(
     p = torch.from_numpy(step.params.astype(np.float32)).to(dev, non_blocking=True)
     gen_idx = torch.from_numpy(step.gen_idx).to(dev, non_blocking=True)
     use_penalty = bool(state.live_penalty.any())
-    x, y = process_logits(
+    pr = process_logits(
         raw, p, gen_idx, rows, state,
         use_penalty=use_penalty, use_bias=bool(state.live_bias.any()),
         use_min_new=bool(state.live_min_new.any()), any_sampling=step.any_sampling,
-        any_top_kp=step.any_top_kp, any_min_p=step.any_min_p,
+        top_kp_width=step.top_kp_width, any_min_p=step.any_min_p,
     )
-    ids = x.argmax(dim=-1)
+    ids = pr.x.argmax(dim=-1)
+    temp = p[:, C_TEMP]
     if step.any_sampling:
         seeds = torch.from_numpy(
             (step.params[:, C_SEED_HI].astype(np.int64) << 32) | step.params[:, C_SEED_LO].astype(np.int64)
         ).to(dev, non_blocking=True)
-        race = y.softmax(dim=-1) / seeded_exponentials(seeds, gen_idx, y.shape[-1])
-        sampled = race.argmax(dim=-1)
-        is_sampled = p[:, C_TEMP] > 0
-        ids = torch.where(is_sampled, sampled, ids)
+        u = seeded_uniforms(seeds, gen_idx)
+        plain = pr.plain
+        sampled = _inverse_cdf((plain - plain.amax(dim=-1, keepdim=True)).exp(), u)
+        if pr.cand_vals is not None:
+            cv = pr.cand_vals
+            pick = _inverse_cdf((cv - cv[:, :1]).exp(), u)  # candidates are sorted: column 0 is the max
+            sampled = torch.where(pr.trunc_rows, pr.cand_ids.gather(1, pick[:, None])[:, 0], sampled)
+        ids = torch.where(temp > 0, sampled, ids)
     if use_penalty:  # history for the next step, updated on the device
         state.seen[rows, ids] = True
-        state.counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        state.counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     if step.max_logprobs < 0:
         return ids
-    processed = torch.where((p[:, C_TEMP] > 0)[:, None], y, x) if step.any_sampling else x
-    src = torch.where((p[:, C_PROCESSED] > 0)[:, None], processed, raw)
+    src = raw
+    if bool((step.params[:, C_PROCESSED] > 0).any()):
+        src = torch.where((p[:, C_PROCESSED] > 0)[:, None], pr.full(temp), raw)
     lp = torch.log_softmax(src, dim=-1)
     chosen = lp.gather(1, ids[:, None])
     cols = [ids[:, None].double(), chosen.double()]

@@ -140,3 +140,52 @@ def test_stop_strings_cut_text_keep_tokens():
     n = len(out.generated_tokens)
     assert out.generated_tokens == free.generated_tokens[:n]
     assert stop in tok.decode(out.generated_tokens) and stop not in tok.decode(out.generated_tokens[:-1])
+
+
+def test_manager_per_request_processors_and_return_logprobs():
+    model = get_model("llama")
+    prompt = [5, 6, 7, 8]
+    ref = _hf(model, prompt, max_new_tokens=6, repetition_penalty=1.5)
+    ref_tokens = ref.sequences[0, len(prompt):].tolist()
+    ref_lp = torch.stack(ref.scores)[:, 0].float().log_softmax(-1)  # processed, as transformers' return_logprobs
+    cfg = acb.ContinuousBatchingConfig(**CFG, per_request_processors=True, return_logprobs=True)
+    m = acb.ContinuousBatchingManager(model, continuous_batching_config=cfg)
+    m.start()
+    try:
+        rid = m.add_request(prompt, max_new_tokens=6, repetition_penalty=1.5)
+        out = m.get_result(rid, timeout=30)
+        with pytest.raises(ValueError, match="typical_p"):
+            m.add_request(prompt, typical_p=0.5)
+    finally:
+        m.stop()
+    assert out.generated_tokens == ref_tokens
+    idx = torch.arange(len(ref_tokens))
+    torch.testing.assert_close(torch.tensor(out.logprobs), ref_lp[idx, torch.tensor(ref_tokens)], atol=1e-4, rtol=1e-4)
+    # without per_request_processors, transformers' meaning: the kwargs are ignored (with a warning)
+    m = acb.ContinuousBatchingManager(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    m.start()
+    try:
+        with pytest.warns(UserWarning, match="per_request_processors"):
+            rid = m.add_request(prompt, max_new_tokens=6, repetition_penalty=1.5)
+        plain = m.get_result(rid, timeout=30)
+    finally:
+        m.stop()
+    assert plain.generated_tokens == reference_generate(model, prompt, 6)
+
+
+def test_generation_config_processors():
+    from transformers import GenerationConfig
+
+    model = get_model("llama")
+    gc = GenerationConfig(max_new_tokens=5, do_sample=False, repetition_penalty=1.3, eos_token_id=-1)
+    ref = _hf(model, [5, 6, 7], max_new_tokens=5, repetition_penalty=1.3).sequences[0, 3:].tolist()
+    res = acb.generate_batch(model, [[5, 6, 7]], generation_config=gc, progress_bar=False,
+                             continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    assert res["req_0"].generated_tokens == ref
+    with pytest.warns(UserWarning, match="typical_p"):
+        acb.generate_batch(model, [[5]], generation_config=GenerationConfig(max_new_tokens=2, typical_p=0.5),
+                           progress_bar=False, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    with pytest.raises(ValueError, match="typical_p"):
+        acb.generate_batch(model, [[5]], generation_config=GenerationConfig(max_new_tokens=2, typical_p=0.5),
+                           progress_bar=False, continuous_batching_config=acb.ContinuousBatchingConfig(
+                               **CFG, drop_unsupported_processors=False))

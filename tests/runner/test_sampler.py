@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 
 import acb
 from acb.core.request import Request
-from acb.runner.sampler import SamplingState, process_logits, sample, seeded_exponentials
+from acb.runner.sampler import C_TEMP, SamplingState, process_logits, sample, seeded_uniforms
 
 V = 64
 EOS = 2
@@ -72,12 +72,12 @@ def _run_process(cases, logits, prompts, gens):
         state.init_row(r.row, r)
     step = state.step([r.row for r in reqs], [len(g) for g in gens])
     p = torch.from_numpy(step.params.astype(np.float32))
-    x, y = process_logits(
+    pr = process_logits(
         logits, p, torch.from_numpy(step.gen_idx), torch.from_numpy(step.rows), state,
         use_penalty=bool(state.live_penalty.any()), use_bias=False, use_min_new=bool(state.live_min_new.any()),
-        any_sampling=step.any_sampling, any_top_kp=step.any_top_kp, any_min_p=step.any_min_p,
+        any_sampling=step.any_sampling, top_kp_width=step.top_kp_width, any_min_p=step.any_min_p,
     )
-    return reqs, x, y
+    return reqs, pr.x, pr.full(p[:, C_TEMP])
 
 
 def test_processed_logits_equal_transformers():
@@ -104,8 +104,8 @@ def test_presence_frequency_and_bias():
     state.init_row(0, r)
     step = state.step([0], [3])
     p = torch.from_numpy(step.params.astype(np.float32))
-    x, _ = process_logits(logits, p, torch.tensor([3]), torch.tensor([0]), state, use_penalty=True, use_bias=True,
-                          use_min_new=False, any_sampling=False)
+    x = process_logits(logits, p, torch.tensor([3]), torch.tensor([0]), state, use_penalty=True, use_bias=True,
+                       use_min_new=False, any_sampling=False).x
     expected = torch.zeros(V)
     expected[7] += 2.0
     expected[9] -= 1.0
@@ -115,13 +115,15 @@ def test_presence_frequency_and_bias():
     torch.testing.assert_close(x[0], expected)
 
 
-def test_seeded_exponentials_depend_only_on_seed_and_counter():
-    a = seeded_exponentials(torch.tensor([5, 7, 5]), torch.tensor([0, 0, 1]), 1000)
-    b = seeded_exponentials(torch.tensor([7]), torch.tensor([0]), 1000)
-    assert torch.equal(a[1], b[0])
-    assert not torch.equal(a[0], a[2]) and not torch.equal(a[0], a[1])
-    # Exp(1): mean 1, P(E > 1) = e^-1
-    assert abs(a.mean().item() - 1) < 0.05 and abs((a > 1).float().mean().item() - np.exp(-1)) < 0.02
+def test_seeded_uniforms_depend_only_on_seed_and_counter():
+    a = seeded_uniforms(torch.tensor([5, 7, 5]), torch.tensor([0, 0, 1]))
+    b = seeded_uniforms(torch.tensor([7]), torch.tensor([0]))
+    assert a[1] == b[0] and a[0] != a[2] and a[0] != a[1]
+    u = seeded_uniforms(torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    assert 0 < u.min() and u.max() < 1
+    # uniform on (0, 1): every decile holds about a tenth
+    hist = torch.histc(u, bins=10, min=0, max=1) / len(u)
+    assert (hist - 0.1).abs().max() < 0.01
 
 
 @pytest.mark.parametrize("sp", [
@@ -129,6 +131,7 @@ def test_seeded_exponentials_depend_only_on_seed_and_counter():
     acb.SamplingParams(temperature=1.2, top_k=6),
     acb.SamplingParams(temperature=1.0, top_p=0.7),
     acb.SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.3),
+    acb.SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05),
 ])
 def test_sampling_frequencies_match_processed_softmax(sp):
     n = 20000
