@@ -114,6 +114,15 @@ def _add_generate(sub: Any) -> None:
                     help="most tokens to generate per request (default: 64)")
     sp.add_argument("--temperature", type=_non_negative_float, default=0.0,
                     help="sampling temperature; 0 = greedy (default: 0)")
+    sp.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens (0 = off)")
+    sp.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass (1 = off)")
+    sp.add_argument("--min-p", type=float, default=None, metavar="P", help="min-p truncation (0 = off)")
+    sp.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
+                    help="transformers' repetition penalty (1 = off)")
+    sp.add_argument("-n", type=_positive_int, default=None, metavar="N",
+                    help="samples per prompt (the prompt is prefilled once); output lines gain 'samples'")
+    sp.add_argument("--logprobs", type=int, default=None, metavar="K",
+                    help="return each token's logprob and the top K alternatives")
     sp.add_argument("--ignore-eos", action="store_true",
                     help="keep generating through end-of-sequence tokens until max_new_tokens")
 
@@ -295,8 +304,14 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
     """Run every request; returns their ``GenerationOutput`` in input order."""
     import acb
 
-    sampling = acb.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  ignore_eos=args.ignore_eos)
+    try:
+        sampling = acb.SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
+            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            n=args.n, logprobs=args.logprobs,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
     if all(s.max_new_tokens is None for s in specs):
         out = acb.generate_batch(model, [s.prompt_ids for s in specs], continuous_batching_config=cfg,
                                  sampling=sampling, progress_bar=not args.no_progress)
@@ -336,7 +351,7 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
 def _record(spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str, Any]:
     gen = [int(t) for t in out.generated_tokens]
     text = tokenizer.decode(gen, skip_special_tokens=True) if tokenizer is not None else None
-    return {
+    rec = {
         "id": spec.id,
         "prompt_len": len(spec.prompt_ids),
         "generated_ids": gen,
@@ -345,6 +360,19 @@ def _record(spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str, Any]:
         "status": out.status.name,
         "error": out.error,
     }
+    if out.logprobs:
+        rec["logprobs"] = out.logprobs
+    if out.top_logprobs is not None:
+        rec["top_logprobs"] = out.top_logprobs
+    if out.samples is not None:
+        rec["samples"] = [
+            {"generated_ids": s.generated_tokens,
+             "text": tokenizer.decode(s.generated_tokens, skip_special_tokens=True) if tokenizer is not None else None,
+             "finish_reason": s.finish_reason.value if s.finish_reason is not None else None,
+             **({"logprobs": s.logprobs} if s.logprobs else {})}
+            for s in out.samples
+        ]
+    return rec
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -393,7 +421,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     n = len(specs)
     prompt_tokens = sum(len(s.prompt_ids) for s in specs)
-    gen_tokens = sum(len(o.generated_tokens) for o in outputs)
+    gen_tokens = sum(sum(len(x.generated_tokens) for x in o.samples) if o.samples else len(o.generated_tokens)
+                     for o in outputs)
     failed = sum(1 for o in outputs if o.status.name == "FAILED")
     cancelled = sum(1 for o in outputs if o.status.name == "CANCELLED")
     w = max(wall, 1e-9)

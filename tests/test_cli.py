@@ -219,3 +219,19 @@ def test_python_dash_m(tmp_path):
     assert len(rows) == 2
     assert all(1 <= len(r["generated_ids"]) <= 2 for r in rows)
     assert "2 requests" in proc.stderr
+
+
+def test_sampling_flags_and_samples(tmp_path):
+    out = tmp_path / "s.jsonl"
+    rc = main(["generate", "--num-prompts", "2", "--max-new-tokens", "3", "--min-prompt-len", "4", "--max-prompt-len", "12",
+                   "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "-n", "3", "--logprobs", "2",
+                   "--ignore-eos", "--num-blocks", "64", "--block-size", "16", "--no-progress", "--output", str(out)])
+    assert rc == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2
+    for rec in lines:
+        assert len(rec["samples"]) == 3 and all(len(s["generated_ids"]) == 3 for s in rec["samples"])
+        assert len(rec["top_logprobs"]) == 3 and all(len(t) == 2 for t in rec["top_logprobs"])
+    with pytest.raises(SystemExit) as ei:
+        main(["generate", "--num-prompts", "1", "--top-p", "0", "--output", str(out)])
+    assert ei.value.code == 2
