@@ -40,10 +40,11 @@ class AsyncEngine(EngineBase):
         await asyncio.to_thread(self._fe.stop, drain=not cancel_pending, timeout=timeout)
 
     # --------------------------------------------------------------- submit
-    def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None, record_timestamps: bool):
+    def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None,
+              record_timestamps: bool, cache_salt: str | None):
         loop = asyncio.get_running_loop()
         return self._fe.make_request(
-            prompt_ids, sampling, request_id, record_timestamps, lambda rid: AsyncSink(rid, loop)
+            prompt_ids, sampling, request_id, record_timestamps, lambda rid: AsyncSink(rid, loop), cache_salt
         )
 
     def _admit(self, req: Any) -> RequestHandle:
@@ -57,12 +58,14 @@ class AsyncEngine(EngineBase):
         *,
         request_id: str | None = None,
         record_timestamps: bool = False,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Validate and admit a request; waits while ``max_queue_size`` requests are waiting.
 
         Raises ``ValueError``/``TypeError`` for bad input (nothing else is affected).
+        ``cache_salt`` keeps the request's prefix-cache entries apart from other salts'.
         """
-        req = self._make(prompt_ids, sampling, request_id, record_timestamps)
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt)
         try:
             await self._fe.gate.acquire()
         except BaseException:
@@ -77,12 +80,13 @@ class AsyncEngine(EngineBase):
         *,
         request_id: str | None = None,
         record_timestamps: bool = False,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting.
 
         Must be called from a running event loop (the handle belongs to it).
         """
-        req = self._make(prompt_ids, sampling, request_id, record_timestamps)
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt)
         if not self._fe.gate.try_acquire():
             self._fe.abandon(req)
             raise QueueFullError(f"{self._fe.gate.limit} requests are already waiting (max_queue_size)")
@@ -95,3 +99,8 @@ class AsyncEngine(EngineBase):
         handle = await self.submit(prompt_ids, sampling, **kwargs)
         return await handle.result()
 
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (needed after changing the weights in place). Safe while
+        requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
+        return await asyncio.wrap_future(self._reset_prefix_cache_future())

@@ -52,6 +52,7 @@ class Engine(EngineBase):
         wait: bool,
         timeout: float | None,
         sink: ThreadSink | None = None,
+        cache_salt: str | None = None,
     ) -> SyncRequestHandle:
         made: dict[str, ThreadSink] = {}
 
@@ -61,7 +62,7 @@ class Engine(EngineBase):
             made["sink"] = s
             return s
 
-        req = self._fe.make_request(prompt_ids, sampling, request_id, record_timestamps, factory)
+        req = self._fe.make_request(prompt_ids, sampling, request_id, record_timestamps, factory, cache_salt)
         ok = self._fe.gate.acquire_blocking(timeout) if wait else self._fe.gate.try_acquire()
         if not ok:
             self._fe.abandon(req)
@@ -79,9 +80,11 @@ class Engine(EngineBase):
         request_id: str | None = None,
         record_timestamps: bool = False,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> SyncRequestHandle:
         """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting."""
-        return self._submit(prompt_ids, sampling, request_id, record_timestamps, True, timeout)
+        return self._submit(prompt_ids, sampling, request_id, record_timestamps, True, timeout,
+                            cache_salt=cache_salt)
 
     def submit_nowait(
         self,
@@ -90,12 +93,18 @@ class Engine(EngineBase):
         *,
         request_id: str | None = None,
         record_timestamps: bool = False,
+        cache_salt: str | None = None,
     ) -> SyncRequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting."""
-        return self._submit(prompt_ids, sampling, request_id, record_timestamps, False, None)
+        return self._submit(prompt_ids, sampling, request_id, record_timestamps, False, None, cache_salt=cache_salt)
 
     def generate(self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any) -> GenerationOutput:
         return self.submit(prompt_ids, sampling, **kwargs).result()
+
+    def reset_prefix_cache(self, timeout: float | None = None) -> int:
+        """Forget every cached prefix (needed after changing the weights in place). Safe while
+        requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
+        return self._reset_prefix_cache_future().result(timeout)
 
 
 

@@ -109,6 +109,7 @@ class Frontend:
                 max_running=cfg.max_requests_per_batch,
                 policy=cfg.scheduler_type,
                 safety_margin=cfg.safety_margin,
+                enable_prefix_caching=self.config.allow_block_sharing,
                 deliver=make_deliver(self.cancel),
                 on_dequeued=self.gate.release,
             )
@@ -150,6 +151,7 @@ class Frontend:
         request_id: str | None,
         record_timestamps: bool,
         sink_factory: Callable[[str], Any],
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate one submit and build its Request (claims the request id)."""
         core = self.core
@@ -216,6 +218,8 @@ class Frontend:
             )
             if params.stop:
                 req.stop_checker = StopStrings(self.tokenizer, params.stop)
+            if cache_salt:
+                req.cache_salt = cache_salt.encode()
             members.append(req)
         if params.n > 1:
             taken = []
@@ -290,3 +294,10 @@ class EngineBase:
     def cancel(self, request_id: str) -> bool:
         """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
         return self._fe.cancel(request_id)
+
+    def _reset_prefix_cache_future(self) -> Any:
+        core = self._fe.core
+        if core is None:
+            raise EngineNotRunningError("the engine is not running")
+        core.check_alive()
+        return core.call(lambda c: c.pool.reset_cache())

@@ -55,6 +55,13 @@ class EngineStats:
     waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # full blocks findable in the prefix cache (in use or free)
+    prefix_queries: int = 0  # tokens looked up in the prefix cache when requests were admitted
+    prefix_hits: int = 0  # of which were found (not recomputed)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
 class EngineCore:
@@ -68,11 +75,12 @@ class EngineCore:
         max_running: int,
         policy: str,
         safety_margin: float,
+        enable_prefix_caching: bool = True,
         deliver: Callable[[list[Delivery]], None],
         on_dequeued: Callable[[int], None] | None = None,
     ) -> None:
         self.runner = runner
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool, block_size=block_size, max_batch_tokens=max_batch_tokens,
             max_running=max_running, policy=policy, safety_margin=safety_margin,
@@ -337,13 +345,21 @@ class EngineCore:
             waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.num_usable,
+            kv_blocks_cached=self.pool.num_cached,
+            prefix_queries=st.prefix_queries,
+            prefix_hits=st.prefix_hits,
         )
 
     # -------------------------------------------------------------- checks
     def check_invariants(self) -> None:
         """Assert the block pool's invariants and that idle means no block held (engine thread)."""
         self.pool.check()
-        held = sum(len(r.block_ids) for r in self.scheduler.running)
-        assert held == self.pool.num_used, f"requests hold {held} blocks but {self.pool.num_used} are used"
+        holders: dict[int, int] = {}
+        for r in self.scheduler.running:
+            for b in r.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(1, self.pool.num_blocks):
+            rc = self.pool.ref_counts[b]
+            assert rc == holders.get(b, 0), f"block {b}: ref count {rc}, held by {holders.get(b, 0)} requests"
         if not self.scheduler.has_work():
             assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"

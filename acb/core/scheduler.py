@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from acb.core.block_pool import BlockPool
+from acb.core.block_pool import BlockPool, block_digest
 from acb.core.request import Request
 from acb.outputs import RequestStatus
 
@@ -73,6 +73,8 @@ class SchedulerStats:
     preemptions: int = 0
     finished: int = 0
     cancelled: int = 0
+    prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hits: int = 0  # of which found cached
     history: list[int] = field(default_factory=list, repr=False)
 
 
@@ -167,12 +169,41 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.num_registered = 0
         req.status = RequestStatus.PENDING
         req.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
 
     # --------------------------------------------------------------- schedule
+    def _digests(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The request's first ``num_blocks`` block digests (computed once per block)."""
+        hashes = req.block_hashes
+        bs = self.block_size
+        toks = req.token_ids
+        while len(hashes) < num_blocks:
+            b = len(hashes)
+            hashes.append(block_digest(hashes[-1] if hashes else b"", toks[b * bs : (b + 1) * bs], req.cache_salt))
+        return hashes[:num_blocks]
+
+    def _lookup(self, req: Request) -> list[int]:
+        """Cached blocks for the longest known prefix of ``req`` (at least one token is left to
+        compute, so the whole last block is recomputed when the prompt is block-aligned)."""
+        if not self.pool.enable_caching:
+            return []
+        return self.pool.lookup(self._digests(req, (req.num_tokens - 1) // self.block_size))
+
+    def _register(self, req: Request) -> None:
+        """Make the request's newly completed full blocks findable in the prefix cache."""
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_registered:
+            return
+        digests = self._digests(req, full)
+        register = self.pool.register
+        for b in range(req.num_registered, full):
+            register(req.block_ids[b], digests[b])
+        req.num_registered = full
+
     def _blocks_needed(self, req: Request, num_new: int) -> int:
         total = req.num_computed_tokens + num_new
         need = -(-total // self.block_size) - len(req.block_ids)
@@ -261,16 +292,31 @@ class Scheduler:
             rowless = [c for c in req.children or () if c.row < 0 and not c.status.is_terminal]
             if len(rowless) + 1 > len(self._free_rows):
                 break
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            hits = self._lookup(req)
+            computed = len(hits) * self.block_size
+            num_new = min(req.num_tokens - computed, budget)
+            req.num_computed_tokens, req.block_ids = computed, hits  # provisional, for _blocks_needed
             need = self._blocks_needed(req, num_new)
-            if need > self.pool.num_free - self.watermark_blocks - reserve:
+            req.num_computed_tokens, req.block_ids = 0, []
+            need_free = need + self.pool.num_free_among(hits)  # reviving a free cached block uses one
+            if need_free > self.pool.num_free - self.watermark_blocks - reserve:
                 # an empty engine must still make progress whatever the margin
-                if self.running or out.requests or need > self.pool.num_free - reserve:
+                if self.running or out.requests or need_free > self.pool.num_free - reserve:
                     break
+            self.pool.take(hits)
             blocks = self.pool.allocate(need)
             assert blocks is not None
+            self.stats.prefix_queries += req.num_tokens
+            self.stats.prefix_hits += computed
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = computed
+            req.block_ids = hits
+            req.num_computed_tokens = computed
+            req.num_registered = len(hits)
             self.waiting.popleft()
             req.row = self._free_rows.pop()
+            if hits:
+                out.block_updates.append((req.row, 0, list(hits)))
             for c in rowless:
                 c.row = self._free_rows.pop()
             req.status = RequestStatus.PREFILLING
@@ -324,6 +370,8 @@ class Scheduler:
                 continue
             self.pool.incref(shared)
             child.block_ids = list(shared)
+            child.block_hashes = parent.block_hashes[:full]
+            child.num_registered = min(parent.num_registered, full)
             if parent.prompt_len % bs:
                 dst = copies.pop()
                 out.block_copies_after.append((parent.block_ids[full], dst))
@@ -354,6 +402,10 @@ class Scheduler:
         Finished requests have left the running list and their blocks are free when this returns.
         """
         now = time.perf_counter()
+        if self.pool.enable_caching:
+            for req in out.requests:  # their blocks now hold this step's K/V
+                if not req.status.is_terminal:
+                    self._register(req)
         progressed: list[Request] = []
         finished: list[Request] = []
         for k, req in enumerate(out.sample_reqs):

@@ -16,8 +16,9 @@ def make(rid: str, prompt_len: int, max_new: int = 4, seq: int = 0) -> Request:
     return Request(rid, list(range(3, 3 + prompt_len)), max_new_tokens=max_new, arrival_seq=seq)
 
 
-def sched(num_blocks=64, block_size=4, budget=32, max_running=8, policy="fifo", margin=0.0) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks), block_size=block_size, max_batch_tokens=budget,
+def sched(num_blocks=64, block_size=4, budget=32, max_running=8, policy="fifo", margin=0.0,
+          caching=False) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, enable_caching=caching), block_size=block_size, max_batch_tokens=budget,
                      max_running=max_running, policy=policy, safety_margin=margin)
 
 
@@ -31,8 +32,12 @@ def run_step(s: Scheduler, token: int = 7):
 
 def check_blocks(s: Scheduler):
     s.pool.check()
-    held = sum(len(r.block_ids) for r in s.running)
-    assert held == s.pool.num_used
+    holders: dict[int, int] = {}
+    for r in s.running:
+        for b in r.block_ids:
+            holders[b] = holders.get(b, 0) + 1
+    for b in range(1, s.pool.num_blocks):  # ref count == number of running requests holding it
+        assert s.pool.ref_counts[b] == holders.get(b, 0), f"block {b}"
     for r in s.running:
         assert len(r.block_ids) * s.block_size >= r.num_computed_tokens
     for r in s.waiting:
@@ -106,9 +111,10 @@ def test_preempts_newest_and_keeps_generated_tokens():
     check_blocks(s)
 
 
-def test_random_workload_finishes_without_leaks():
+@pytest.mark.parametrize("caching", [False, True])
+def test_random_workload_finishes_without_leaks(caching):
     rnd = random.Random(0)
-    s = sched(num_blocks=20, block_size=4, budget=16, max_running=6)
+    s = sched(num_blocks=20, block_size=4, budget=16, max_running=6, caching=caching)
     reqs = [make(f"r{i}", rnd.randint(1, 30), max_new=rnd.randint(1, 12), seq=i) for i in range(30)]
     expected = {r.request_id: r.max_new_tokens for r in reqs}
     for r in reqs[:10]:
@@ -132,6 +138,8 @@ def test_random_workload_finishes_without_leaks():
     for rid, r in finished.items():
         assert r.num_generated == expected[rid] and r.finish_reason == FinishReason.LENGTH
     assert s.pool.num_used == 0 and s.stats.preemptions > 0
+    if caching:  # prompts share prefixes (all start 3, 4, 5...): the cache must have been used
+        assert s.stats.prefix_hits > 0
 
 
 def test_cancel_frees_blocks_in_any_state():
@@ -169,3 +177,66 @@ def test_oldest_always_progresses_under_pressure(policy):
         steps += 1
         assert steps < 2000
     assert s.stats.finished == 5 and s.pool.num_used == 0
+
+
+def test_prefix_cache_hit_reuses_blocks_and_recomputes_last_token():
+    s = sched(block_size=4, caching=True)
+    a = make("a", 10, max_new=2)
+    s.add(a)
+    run_step(s)
+    a_blocks = list(a.block_ids)
+    # same 10-token prompt: 2 full blocks cached, the rest (2 tokens) recomputed
+    b = make("b", 10, max_new=2)
+    s.add(b)
+    out = s.schedule()
+    assert out.requests[-1] is b and out.start_pos[-1] == 8 and out.num_new[-1] == 2
+    assert b.block_ids[:2] == a_blocks[:2] and b.num_cached_tokens == 8
+    assert s.pool.ref_counts[a_blocks[0]] == 2
+    s.update_from_output(out, [7] * len(out.sample_idx), None)
+    # a block-aligned prompt that is entirely cached still computes its last block
+    c = make("c", 8, max_new=2)
+    s.add(c)
+    out = s.schedule()
+    assert out.start_pos[-1] == 4 and out.num_new[-1] == 4
+    check_blocks(s)
+
+
+def test_prefix_cache_lru_eviction_and_no_handout_while_referenced():
+    s = sched(num_blocks=7, block_size=4, caching=True)  # 6 usable blocks
+    a = make("a", 9, max_new=1)
+    s.add(a)
+    run_step(s)  # a finishes: its 2 full blocks stay cached, free
+    assert not s.running and s.pool.num_cached == 2 and s.pool.num_free == 6
+    cached_a = set(s.pool.cached.values())
+    # a request with a different prompt takes free blocks: uncached ones go first (LRU),
+    # and a's tail block is evicted before its head
+    b = Request("b", [100 + i for i in range(16)], max_new_tokens=1)
+    s.add(b)
+    run_step(s)
+    assert s.pool.num_cached >= 1  # b needed 4 of 6 blocks: a's head block survived
+    head_digest = a.block_hashes[0]
+    assert head_digest in s.pool.cached
+    # while a block is referenced it is never handed out by allocate
+    c = make("c", 9, max_new=3)
+    s.add(c)
+    out = s.schedule()
+    held = set(c.block_ids)
+    more = s.pool.allocate(s.pool.num_free)
+    assert not held & set(more)
+    s.pool.free(more)
+    s.update_from_output(out, [7] * len(out.sample_idx), None)
+    check_blocks(s)
+    assert cached_a  # sanity: a had cached blocks to begin with
+
+
+def test_reset_prefix_cache_keeps_blocks_in_use():
+    s = sched(block_size=4, caching=True)
+    a = make("a", 12, max_new=5)
+    s.add(a)
+    run_step(s)
+    assert s.pool.num_cached == 3  # 12 computed prompt tokens = 3 full blocks
+    assert s.pool.reset_cache() == 3 and s.pool.num_cached == 0
+    check_blocks(s)
+    while s.has_work():
+        run_step(s)
+    assert s.pool.num_used == 0
