@@ -25,7 +25,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "varlen_compile_config": "torch.compile paths are not built yet",
     "decode_compile_config": "torch.compile paths are not built yet",
     "default_compile_level": "torch.compile paths are not built yet",
-    "cpu_offload_space": "KV offload is not built yet",
     "disable_nccl_graph_mixing": "tensor parallelism is not supported",
     "cpu_group_timeout": "tensor parallelism is not supported",
     "use_default_compile_configs": "deprecated in transformers; torch.compile paths are not built yet",
@@ -38,7 +37,7 @@ class ContinuousBatchingConfig:
     """Settings of the engine. Field names and meanings follow transformers'.
 
     ``None`` means "resolve a sensible default at engine start" (see :class:`ResolvedConfig`).
-    acb's own additions: ``attn_backend``.
+    acb's own additions: ``attn_backend``, ``max_model_len``.
     """
 
     block_size: int | None = None  # tokens per KV block; default 32 (transformers: 256)
@@ -71,6 +70,7 @@ class ContinuousBatchingConfig:
     max_cached_graphs: int | None = None
     # acb only
     attn_backend: str | None = None  # "torch"; None = the best available
+    max_model_len: int | None = None  # most tokens per request; default: the model's max positions
     _warned: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class ContinuousBatchingConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ContinuousBatchingConfig.{name} must be a positive int, got {v!r}")
 
-        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch"):
+        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_model_len"):
             pos_int(name)
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("ContinuousBatchingConfig.num_blocks must be >= 2 (block 0 is scratch)")
@@ -138,6 +138,7 @@ class ResolvedConfig:
     attn_backend: str
     device: str
     kv_cache_bytes: int
+    num_swap_blocks: int = 0  # host-memory KV offload space, in blocks
 
     @property
     def max_blocks_per_seq(self) -> int:

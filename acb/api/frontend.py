@@ -110,6 +110,7 @@ class Frontend:
                 policy=cfg.scheduler_type,
                 safety_margin=cfg.safety_margin,
                 enable_prefix_caching=self.config.allow_block_sharing,
+                num_swap_blocks=cfg.num_swap_blocks,
                 deliver=make_deliver(self.cancel),
                 on_dequeued=self.gate.release,
             )

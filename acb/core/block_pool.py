@@ -156,3 +156,23 @@ class BlockPool:
         for d, b in self.cached.items():
             assert self.digests[b] == d, f"block {b}: digest map and block digest disagree"
         assert sum(d is not None for d in self.digests) == len(self.cached)
+
+
+class SwapSpace:
+    """Blocks of the host-memory KV offload buffer (``cpu_offload_space``): a plain free list."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)

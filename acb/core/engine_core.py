@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from acb.core.block_pool import BlockPool
+from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.request import Request
 from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.errors import EngineDeadError, EngineNotRunningError
@@ -58,6 +58,9 @@ class EngineStats:
     kv_blocks_cached: int = 0  # full blocks findable in the prefix cache (in use or free)
     prefix_queries: int = 0  # tokens looked up in the prefix cache when requests were admitted
     prefix_hits: int = 0  # of which were found (not recomputed)
+    swapped_out_blocks: int = 0  # KV blocks offloaded to host memory by preemption
+    swapped_in_blocks: int = 0
+    recomputed_preemptions: int = 0  # preemptions that had to drop the KV (no offload space)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -76,6 +79,7 @@ class EngineCore:
         policy: str,
         safety_margin: float,
         enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
         deliver: Callable[[list[Delivery]], None],
         on_dequeued: Callable[[int], None] | None = None,
     ) -> None:
@@ -84,6 +88,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool, block_size=block_size, max_batch_tokens=max_batch_tokens,
             max_running=max_running, policy=policy, safety_margin=safety_margin,
+            swap=SwapSpace(num_swap_blocks) if num_swap_blocks else None,
         )
         self._deliver = deliver
         self._on_dequeued = on_dequeued or (lambda n: None)
@@ -348,6 +353,9 @@ class EngineCore:
             kv_blocks_cached=self.pool.num_cached,
             prefix_queries=st.prefix_queries,
             prefix_hits=st.prefix_hits,
+            swapped_out_blocks=st.swapped_out_blocks,
+            swapped_in_blocks=st.swapped_in_blocks,
+            recomputed_preemptions=st.recomputed_preemptions,
         )
 
     # -------------------------------------------------------------- checks
@@ -363,3 +371,7 @@ class EngineCore:
             assert rc == holders.get(b, 0), f"block {b}: ref count {rc}, held by {holders.get(b, 0)} requests"
         if not self.scheduler.has_work():
             assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"
+            swap = self.scheduler.swap
+            if swap is not None:
+                held = swap.num_blocks - swap.num_free - len(self.scheduler._host_to_free)
+                assert held == 0, f"{held} offload blocks leaked with no live request"

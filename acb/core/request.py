@@ -21,7 +21,7 @@ class Request:
         "block_ids", "row", "arrival_seq", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "num_preemptions",
         "num_cached_tokens", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
-        "block_hashes", "num_registered", "cache_salt",
+        "block_hashes", "num_registered", "cache_salt", "swapped",
     )
 
     def __init__(
@@ -76,6 +76,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # prefix-cache digests of this request's full blocks
         self.num_registered = 0  # leading blocks already registered in the prefix cache
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
+        self.swapped: tuple[list[int], int] | None = None  # (host blocks, tokens) while offloaded
 
     @property
     def num_tokens(self) -> int:

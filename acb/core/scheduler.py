@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from acb.core.block_pool import BlockPool, block_digest
+from acb.core.block_pool import BlockPool, SwapSpace, block_digest
 from acb.core.request import Request
 from acb.outputs import RequestStatus
 
@@ -53,6 +53,8 @@ class SchedulerOutput:
     row_inits: list[Request]  # requests given a row in this step (fresh or resumed)
     freed_rows: list[int]  # rows given back since the previous step
     block_copies_after: list[tuple[int, int]]  # (src, dst) KV blocks to copy after the forward
+    swap_out: list[tuple[int, int]]  # (device block, host block): offload before the forward
+    swap_in: list[tuple[int, int]]  # (host block, device block): restore before the forward (after swap_out)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -75,6 +77,9 @@ class SchedulerStats:
     cancelled: int = 0
     prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of which found cached
+    swapped_out_blocks: int = 0  # KV blocks offloaded to host memory at preemption
+    swapped_in_blocks: int = 0
+    recomputed_preemptions: int = 0  # preemptions that dropped the KV (no offload space)
     history: list[int] = field(default_factory=list, repr=False)
 
 
@@ -90,10 +95,12 @@ class Scheduler:
         max_running: int,
         policy: str = "fifo",
         safety_margin: float = 0.0,
+        swap: SwapSpace | None = None,
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
         self.pool = pool
+        self.swap = swap
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -105,6 +112,7 @@ class Scheduler:
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._freed_rows: list[int] = []
         self._fork_copies: list[int] = []
+        self._host_to_free: list[int] = []
         self._step_id = 0
         self.stats = SchedulerStats()
 
@@ -157,6 +165,9 @@ class Scheduler:
             req.children = None
 
     def _release(self, req: Request) -> None:
+        if req.swapped is not None:
+            self.swap.free(req.swapped[0])
+            req.swapped = None
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
@@ -165,9 +176,23 @@ class Scheduler:
             self._freed_rows.append(req.row)
             req.row = -1
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take ``req`` off the device: offload its KV to host memory when there is room
+        (it resumes where it was), else drop it (it is recomputed, its tokens kept)."""
         self.running.remove(req)
+        swapped = None
+        n = -(-req.num_computed_tokens // self.block_size)
+        if self.swap is not None and n:
+            host = self.swap.allocate(n)
+            if host is not None:
+                # copied before this step's forward, which may reuse the device blocks
+                out.swap_out.extend(zip(req.block_ids[:n], host))
+                swapped = (host, req.num_computed_tokens)
+                self.stats.swapped_out_blocks += n
+        if swapped is None:
+            self.stats.recomputed_preemptions += 1
         self._release(req)
+        req.swapped = swapped
         req.num_computed_tokens = 0
         req.num_registered = 0
         req.status = RequestStatus.PENDING
@@ -213,10 +238,13 @@ class Scheduler:
         return need
 
     def schedule(self) -> SchedulerOutput | None:
+        if self._host_to_free:  # read by the previous step's swap-ins, which are ordered before ours
+            self.swap.free(self._host_to_free)
+            self._host_to_free = []
         out = SchedulerOutput(
             step_id=self._step_id, requests=[], rows=[], num_new=[], start_pos=[], input_ids=[],
             sample_idx=[], sample_reqs=[], sample_rows=[], sample_gen_idx=[], block_updates=[],
-            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies_after=[],
+            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies_after=[], swap_out=[], swap_in=[],
         )
         self._freed_rows = []
         budget = self.max_batch_tokens
@@ -260,7 +288,7 @@ class Scheduler:
             while need > self.pool.num_free:
                 victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
                 assert victim is not None, "no request left to preempt"
-                self._preempt(victim)
+                self._preempt(victim, out)
                 preempted_any = True
                 if victim is req:
                     break
@@ -292,8 +320,11 @@ class Scheduler:
             rowless = [c for c in req.children or () if c.row < 0 and not c.status.is_terminal]
             if len(rowless) + 1 > len(self._free_rows):
                 break
-            hits = self._lookup(req)
-            computed = len(hits) * self.block_size
+            if req.swapped is not None:  # resume from host memory: no prefix lookup, no recompute
+                hits, computed = [], req.swapped[1]
+            else:
+                hits = self._lookup(req)
+                computed = len(hits) * self.block_size
             num_new = min(req.num_tokens - computed, budget)
             req.num_computed_tokens, req.block_ids = computed, hits  # provisional, for _blocks_needed
             need = self._blocks_needed(req, num_new)
@@ -306,11 +337,19 @@ class Scheduler:
             self.pool.take(hits)
             blocks = self.pool.allocate(need)
             assert blocks is not None
-            self.stats.prefix_queries += req.num_tokens
-            self.stats.prefix_hits += computed
-            if req.first_scheduled_time is None:
-                req.num_cached_tokens = computed
-            req.block_ids = hits
+            if req.swapped is not None:
+                host = req.swapped[0]
+                out.swap_in.extend(zip(host, blocks[: len(host)]))
+                self.stats.swapped_in_blocks += len(host)
+                # freed after this step, so no swap-out in this step can overwrite them first
+                self._host_to_free.extend(host)
+                req.swapped = None
+            else:
+                self.stats.prefix_queries += req.num_tokens
+                self.stats.prefix_hits += computed
+                if req.first_scheduled_time is None:
+                    req.num_cached_tokens = computed
+            req.block_ids = list(hits)
             req.num_computed_tokens = computed
             req.num_registered = len(hits)
             self.waiting.popleft()

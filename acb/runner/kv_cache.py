@@ -47,6 +47,36 @@ class KVCache:
     def flat_v(self, layer: int) -> torch.Tensor:
         return self.v[layer].view(self._flat_shape)
 
+    def allocate_swap(self, num_blocks: int) -> None:
+        """Host-memory offload space of ``num_blocks`` blocks (pinned when the cache is on CUDA)."""
+        self.num_swap_blocks = num_blocks
+        if not num_blocks:
+            self.swap_k = self.swap_v = []
+            return
+        shape = (num_blocks, *self.k[0].shape[1:])
+        pin = self.k[0].is_cuda
+        self.swap_k = [torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin) for _ in self.k]
+        self.swap_v = [torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin) for _ in self.v]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, ``(device, host)`` pairs.
+
+        Synchronous on CUDA (a second host sync in the rare steps that offload): the device
+        blocks may be reused by the very next kernels."""
+        dev = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.k[0].device)
+        host = torch.tensor([h for _, h in pairs], dtype=torch.long)
+        for src, dst in ((self.k, self.swap_k), (self.v, self.swap_v)):
+            for s, d in zip(src, dst):
+                d.index_copy_(0, host, s.index_select(0, dev).to("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks, ``(host, device)`` pairs."""
+        host = torch.tensor([h for h, _ in pairs], dtype=torch.long)
+        dev = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.k[0].device)
+        for dst, src in ((self.k, self.swap_k), (self.v, self.swap_v)):
+            for d, s in zip(dst, src):
+                d.index_copy_(0, dev, s.index_select(0, host).to(d.device, non_blocking=True))
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a shared partial block)."""
         for t in self.k:
@@ -57,6 +87,21 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.spec.bytes_per_block(self.block_size) * self.num_blocks
+
+
+def total_host_memory() -> int:
+    """Bytes of RAM on this machine (Linux ``MemTotal``; a sysconf fallback)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
 
 
 def available_host_memory() -> int:
@@ -84,7 +129,6 @@ def kv_memory_budget(device: torch.device, max_memory_percent: float | None) -> 
     """Bytes the KV cache may use on ``device``."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        # leave headroom for activations and logits of the largest batch
-        return int(free * (max_memory_percent if max_memory_percent is not None else 0.8))
+        return int(free * (max_memory_percent if max_memory_percent is not None else 0.9))
     frac = max_memory_percent if max_memory_percent is not None else CPU_MEMORY_FRACTION
     return int(min(available_host_memory() * frac, CPU_MAX_KV_BYTES))

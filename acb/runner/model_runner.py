@@ -22,7 +22,7 @@ from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, StepContext, make_backend, register_with_transformers
 from acb.runner.input_batch import InputBatch
-from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
+from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget, total_host_memory
 from acb.runner.sampler import SamplingState, sample
 
 logger = logging.getLogger("acb")
@@ -89,12 +89,36 @@ def model_max_len(model: torch.nn.Module) -> int:
     return int(getattr(text, "max_position_embeddings", None) or 1 << 20)
 
 
+def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
+    """A generous estimate of one step's transient memory: activations of ``max_batch_tokens``
+    tokens through one layer (hidden states, q/k/v/o, the MLP's widest tensors) and the
+    float32 logits of ``max_rows`` sampling rows with the sampler's working copies."""
+    text = model.config.get_text_config()
+    hidden = text.hidden_size
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    vocab = text.vocab_size
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    activations = max_batch_tokens * (6 * hidden + 3 * inter) * elem
+    logits = max_rows * vocab * 4 * 6  # logits, processed, probabilities, cumsum, sort keys/indices
+    return activations + logits
+
+
 def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> tuple[ResolvedConfig, KVSpec]:
-    """Concrete sizes for this model on its device (the only place memory is measured)."""
+    """Concrete sizes for this model on its device (the only place memory is measured).
+
+    With ``num_blocks`` unset, the KV cache gets ``max_memory_percent`` of the device's free
+    memory (CUDA; measured now, after the model is loaded) or a conservative share of the
+    available RAM (CPU), minus the step's transient memory (:func:`step_workspace_bytes`). If
+    that cannot hold one request of ``max_model_len`` tokens, start fails with the figures.
+    With ``num_blocks`` set, ``max_model_len`` is lowered to what the cache holds.
+    """
     device = next(model.parameters()).device
-    spec = kv_spec_of(model, next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype
+    spec = kv_spec_of(model, dtype)
     block_size = config.block_size or DEFAULT_BLOCK_SIZE
     max_len = model_max_len(model)
+    if config.max_model_len is not None:
+        max_len = min(max_len, config.max_model_len)
     cuda = device.type == "cuda"
     max_reqs = config.max_requests_per_batch or (256 if cuda else 128)
     max_batch_tokens = config.max_batch_tokens or (8192 if cuda else 2048)
@@ -103,12 +127,27 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
         num_blocks = config.num_blocks
     else:
         budget = kv_memory_budget(device, config.max_memory_percent)
-        # no point holding more than every running request at the model's full length
+        workspace = step_workspace_bytes(model, max_batch_tokens, max_reqs, dtype)
+        kv_budget = budget - workspace
+        # no point holding more than every running request at its full length
         useful = max_reqs * math.ceil(max_len / block_size) + 1
-        num_blocks = max(2, min(budget // per_block, useful))
+        num_blocks = max(0, min(kv_budget // per_block, useful))
+        needed = math.ceil(max_len / block_size) + 1
+        if num_blocks < needed:
+            raise ValueError(
+                f"not enough memory for one request of max_model_len={max_len} tokens: it needs "
+                f"{needed * per_block / 2**20:.1f} MiB of KV cache, but the budget is "
+                f"{budget / 2**20:.1f} MiB ({'max_memory_percent of free CUDA memory' if cuda else 'share of available RAM'}) "
+                f"minus {workspace / 2**20:.1f} MiB for a step of max_batch_tokens={max_batch_tokens} and "
+                f"max_requests_per_batch={max_reqs}. Lower max_model_len, max_batch_tokens or "
+                "max_requests_per_batch, raise max_memory_percent, or set num_blocks."
+            )
     # a single request may hold at most what the cache holds and what the model can position
     max_model_len = min(max_len, (num_blocks - 1) * block_size)
     backend = config.attn_backend or "torch"
+    swap_bytes = int((config.cpu_offload_space or 0.0) * 2**30)
+    if config.cpu_offload_space_safety_threshold > 0:
+        swap_bytes = min(swap_bytes, int(config.cpu_offload_space_safety_threshold * total_host_memory()))
     resolved = ResolvedConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -123,6 +162,7 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
         attn_backend=backend,
         device=str(device),
         kv_cache_bytes=num_blocks * per_block,
+        num_swap_blocks=swap_bytes // per_block,
     )
     return resolved, spec
 
@@ -137,6 +177,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else int(model.config.get_text_config().vocab_size)
         self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
+        self.kv_cache.allocate_swap(self.cfg.num_swap_blocks)
         self.backend = make_backend(self.cfg.attn_backend)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
@@ -148,9 +189,10 @@ class ModelRunner:
         self._set_attn(ATTN_IMPL_NAME)
         logger.info(
             "acb: %d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
-            "max_model_len=%d, backend=%s, device=%s",
+            "max_model_len=%d, offload space %d blocks, backend=%s, device=%s",
             self.cfg.num_blocks, self.cfg.block_size, self.cfg.kv_cache_bytes / 2**20, self.cfg.max_batch_tokens,
-            self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.attn_backend, self.device,
+            self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
+            self.cfg.attn_backend, self.device,
         )
 
     def _set_attn(self, impl: str) -> None:
@@ -173,6 +215,10 @@ class ModelRunner:
             sampling.free_row(row)
         for req in sched.row_inits:
             sampling.init_row(req.row, req)
+        if sched.swap_out:  # before swap-ins and the forward, which may reuse these device blocks
+            self.kv_cache.swap_out(sched.swap_out)
+        if sched.swap_in:
+            self.kv_cache.swap_in(sched.swap_in)
         batch = self.inputs.prepare(sched)
         ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
         if self._supports_logits_to_keep:
