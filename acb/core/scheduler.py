@@ -113,6 +113,7 @@ class Scheduler:
         self._freed_rows: list[int] = []
         self._fork_copies: list[int] = []
         self._host_to_free: list[int] = []
+        self._pending: set[bytes] = set()  # digests of blocks being computed in the step being built
         self._step_id = 0
         self.stats = SchedulerStats()
 
@@ -238,6 +239,7 @@ class Scheduler:
         return need
 
     def schedule(self) -> SchedulerOutput | None:
+        self._pending.clear()
         if self._host_to_free:  # read by the previous step's swap-ins, which are ordered before ours
             self.swap.free(self._host_to_free)
             self._host_to_free = []
@@ -325,6 +327,10 @@ class Scheduler:
             else:
                 hits = self._lookup(req)
                 computed = len(hits) * self.block_size
+                if self._pending and len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in self._pending:
+                    # its next block is being computed in this step by another request: wait one
+                    # step and hit it, rather than computing the same prefix twice
+                    break
             num_new = min(req.num_tokens - computed, budget)
             req.num_computed_tokens, req.block_ids = computed, hits  # provisional, for _blocks_needed
             need = self._blocks_needed(req, num_new)
@@ -372,6 +378,10 @@ class Scheduler:
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
+        if self.pool.enable_caching and start < req.prompt_len:
+            full = (start + num_new) // self.block_size
+            if full > start // self.block_size:
+                self._pending.update(self._digests(req, full)[start // self.block_size :])
         out.requests.append(req)
         out.rows.append(req.row)
         out.num_new.append(num_new)

@@ -137,9 +137,11 @@ def test_random_workload_finishes_without_leaks(caching):
     assert len(finished) == 30
     for rid, r in finished.items():
         assert r.num_generated == expected[rid] and r.finish_reason == FinishReason.LENGTH
-    assert s.pool.num_used == 0 and s.stats.preemptions > 0
+    assert s.pool.num_used == 0
     if caching:  # prompts share prefixes (all start 3, 4, 5...): the cache must have been used
         assert s.stats.prefix_hits > 0
+    else:
+        assert s.stats.preemptions > 0
 
 
 def test_cancel_frees_blocks_in_any_state():
@@ -240,3 +242,17 @@ def test_reset_prefix_cache_keeps_blocks_in_use():
     while s.has_work():
         run_step(s)
     assert s.pool.num_used == 0
+
+
+def test_same_prefix_in_one_step_waits_and_hits():
+    s = sched(block_size=4, budget=64, caching=True)
+    for i in range(3):
+        s.add(make(f"r{i}", 10, max_new=2))
+    out = s.schedule()
+    # r1 and r2 would compute r0's blocks again: they wait one step instead
+    assert [r.request_id for r in out.requests] == ["r0"]
+    s.update_from_output(out, [7] * len(out.sample_idx), None)
+    out = s.schedule()
+    assert [r.request_id for r in out.requests][1:] == ["r1", "r2"]
+    assert out.start_pos[1:] == [8, 8]  # both hit the two cached blocks
+    check_blocks(s)
