@@ -58,6 +58,10 @@ class EngineStats:
     kv_blocks_cached: int = 0  # full blocks findable in the prefix cache (in use or free)
     prefix_queries: int = 0  # tokens looked up in the prefix cache when requests were admitted
     prefix_hits: int = 0  # of which were found (not recomputed)
+    host_schedule_s: float = 0.0  # cumulative seconds per phase of the step
+    host_stage_s: float = 0.0
+    compute_s: float = 0.0  # forward + sampling + the sync that reads the sampled ids
+    host_process_s: float = 0.0
     swapped_out_blocks: int = 0  # KV blocks offloaded to host memory by preemption
     swapped_in_blocks: int = 0
     recomputed_preemptions: int = 0  # preemptions that had to drop the KV (no offload space)
@@ -105,6 +109,10 @@ class EngineCore:
         self._generated = 0
         self._failed = 0
         self.on_exit: Callable[[], None] | None = None  # run on the engine thread as it exits
+        # seconds spent in: schedule, stage inputs, forward + sample + sync, process outputs
+        self.timing = [0.0, 0.0, 0.0, 0.0]
+        # per-step (seqs, tokens, decode tokens, schedule, stage, compute, process) when enabled
+        self.step_log: list[tuple] | None = None
 
     # ------------------------------------------------------------ callers
     def start(self) -> None:
@@ -238,6 +246,7 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step: schedule, run, record, deliver."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched is None:
             raise RuntimeError(
@@ -246,8 +255,11 @@ class EngineCore:
             )
         if sched.newly_admitted:
             self._on_dequeued(len(sched.newly_admitted))
+        t1 = time.perf_counter()
         try:
-            result = self.runner.finish(self.runner.execute(sched))
+            inflight = self.runner.execute(sched)
+            t2 = time.perf_counter()
+            result = self.runner.finish(inflight)
         except Exception as exc:  # noqa: BLE001 - fail only this step's requests
             logger.exception("acb: step %d failed; failing its %d requests", sched.step_id, sched.num_seqs)
             msg = f"{type(exc).__name__}: {exc}"
@@ -259,6 +271,7 @@ class EngineCore:
             self._emit_final(failed)
             self._publish_stats()
             return
+        t3 = time.perf_counter()
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
         self._generated += len(progressed)
         items: list[Delivery] = []
@@ -269,9 +282,20 @@ class EngineCore:
                 top = [req.top_logprobs[-1]] if req.top_logprobs else None
             final = self._final_of(req) if req.status.is_terminal else None
             items.append((req.sink, [req.token_ids[-1]], lp, final, top, req.sample_index))
-        self._publish_stats()
         if items:
             self._deliver(items)
+        t4 = time.perf_counter()
+        # host time per phase; "stage" is the runner's input preparation inside execute
+        stage = getattr(self.runner, "last_stage_s", 0.0)
+        tm = self.timing
+        tm[0] += t1 - t0
+        tm[1] += stage
+        tm[2] += (t2 - t1 - stage) + (t3 - t2)
+        tm[3] += t4 - t3
+        if self.step_log is not None:
+            self.step_log.append((sched.num_seqs, sched.num_tokens, sched.num_decode_tokens,
+                                  t1 - t0, stage, t2 - t1 - stage + (t3 - t2), t4 - t3))
+        self._publish_stats()
 
     def _final_of(self, req: Request) -> GenerationOutput | None:
         """The final output to deliver now that ``req`` ended: its own, or its group's once all
@@ -353,6 +377,10 @@ class EngineCore:
             kv_blocks_cached=self.pool.num_cached,
             prefix_queries=st.prefix_queries,
             prefix_hits=st.prefix_hits,
+            host_schedule_s=self.timing[0],
+            host_stage_s=self.timing[1],
+            compute_s=self.timing[2],
+            host_process_s=self.timing[3],
             swapped_out_blocks=st.swapped_out_blocks,
             swapped_in_blocks=st.swapped_in_blocks,
             recomputed_preemptions=st.recomputed_preemptions,

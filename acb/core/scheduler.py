@@ -32,6 +32,8 @@ from acb.core.block_pool import BlockPool, SwapSpace, block_digest
 from acb.core.request import Request
 from acb.outputs import RequestStatus
 
+_TERMINAL = RequestStatus.FINISHED  # statuses from here on are terminal
+
 
 @dataclass
 class SchedulerOutput:
@@ -278,12 +280,43 @@ class Scheduler:
         """Schedule ``candidates`` (running requests, in order); preempt the newest when blocks run out."""
         preempted_any = False
         scheduled = {id(r) for r in out.requests}
+        bs = self.block_size
+        pool = self.pool
+        # decode fast path: one token, at most one new block, no fork; appended straight to the lists
+        requests, rows, num_new_l, start_pos = out.requests, out.rows, out.num_new, out.start_pos
+        input_ids, sample_idx, sample_reqs = out.input_ids, out.sample_idx, out.sample_reqs
+        sample_rows, sample_gen = out.sample_rows, out.sample_gen_idx
         for req in list(candidates):
             if budget <= 0:
                 break
             if req.row < 0:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            computed = req.num_computed_tokens
+            toks = req.token_ids
+            pending = len(toks) - computed
+            if pending == 1 and computed >= req.prompt_len and not req.children and (
+                computed % bs or pool.num_free
+            ):
+                if computed % bs == 0:  # the new token starts a block
+                    new_block = pool.allocate(1)
+                    out.block_updates.append((req.row, len(req.block_ids), new_block))
+                    req.block_ids.extend(new_block)
+                i = len(requests)
+                requests.append(req)
+                rows.append(req.row)
+                num_new_l.append(1)
+                start_pos.append(computed)
+                input_ids.append(toks[computed])
+                req.num_computed_tokens = computed + 1
+                sample_idx.append(i)
+                sample_reqs.append(req)
+                sample_rows.append(req.row)
+                sample_gen.append(computed + 1 - req.prompt_len)
+                out.num_decode_tokens += 1
+                scheduled.add(id(req))
+                budget -= 1
+                continue
+            num_new = min(pending, budget)
             if num_new <= 0:
                 continue
             need = self._blocks_needed(req, num_new)
@@ -452,13 +485,14 @@ class Scheduler:
         """
         now = time.perf_counter()
         if self.pool.enable_caching:
+            bs = self.block_size
             for req in out.requests:  # their blocks now hold this step's K/V
-                if not req.status.is_terminal:
+                if req.num_computed_tokens // bs > req.num_registered and req.status < _TERMINAL:
                     self._register(req)
         progressed: list[Request] = []
         finished: list[Request] = []
         for k, req in enumerate(out.sample_reqs):
-            if req.status.is_terminal:  # cancelled while its step was in flight
+            if req.status >= _TERMINAL:  # cancelled while its step was in flight
                 continue
             want = req.want_logprobs
             done = req.append_token(

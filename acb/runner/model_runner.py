@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, StepContext, make_backend, register_with_transformers
-from acb.runner.input_batch import InputBatch
+from acb.runner.input_batch import InputBatch, PreparedBatch
 from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget, total_host_memory
 from acb.runner.sampler import SamplingState, sample
 
@@ -181,6 +182,7 @@ class ModelRunner:
         self.backend = make_backend(self.cfg.attn_backend)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
+        self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
         self._supports_logits_to_keep = bool(
             getattr(model, "_supports_logits_to_keep", lambda: False)()
         )
@@ -210,6 +212,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> InFlightStep:
         """Launch the forward and the sampler for one step (no host sync)."""
+        t0 = time.perf_counter()
         sampling = self.sampling
         for row in sched.freed_rows:
             sampling.free_row(row)
@@ -221,20 +224,24 @@ class ModelRunner:
             self.kv_cache.swap_in(sched.swap_in)
         batch = self.inputs.prepare(sched)
         ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
-        if self._supports_logits_to_keep:
-            logits = self.model(
-                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                logits_to_keep=batch.logits_indices, acb_ctx=ctx,
-            ).logits[0]  # [S, V]
-        else:
-            logits = self.model(
-                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, acb_ctx=ctx,
-            ).logits[0, batch.logits_indices]
+        step = sampling.step(sched.sample_rows, sched.sample_gen_idx)
+        self.last_stage_s = time.perf_counter() - t0
+        logits = self._forward(batch, ctx)
         for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
             self.kv_cache.copy_block(src, dst)
-        step = sampling.step(sched.sample_rows, sched.sample_gen_idx)
         packed = sample(logits, step, sampling)
         return InFlightStep(sched, packed, max(step.max_logprobs, 0))
+
+    def _forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
+        """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
+        if self._supports_logits_to_keep:
+            return self.model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                logits_to_keep=batch.logits_indices, acb_ctx=ctx,
+            ).logits[0]
+        return self.model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, acb_ctx=ctx,
+        ).logits[0, batch.logits_indices]
 
     def finish(self, step: InFlightStep) -> ModelRunnerOutput:
         """Sync: read the step's sampled ids (with logprobs when asked) on the host, in one copy."""

@@ -1,0 +1,45 @@
+"""``acb bench``: named workloads measured side by side with baselines run in the same process.
+
+Workloads: ``offline``, ``shared-prefix``, ``online``, ``overhead`` (see each module). Each run
+writes ``{kind}_{workload}.json`` (machine, device, versions, settings, figures) and a PNG
+(with matplotlib, ``pip install -e ".[bench]"``) to the output folder; ``report`` regenerates
+the README tables from those files.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from acb.bench.common import ModelSpec, machine_info, write_json
+
+WORKLOADS = ("offline", "shared-prefix", "online", "overhead")
+
+
+def _module(name: str) -> Any:
+    from acb.bench import offline, online, overhead, shared_prefix
+
+    return {"offline": offline, "shared-prefix": shared_prefix, "online": online, "overhead": overhead}[name]
+
+
+def run_workload(name: str, size: str = "default", device: str = "cpu", out_dir: str | None = None,
+                 baselines: bool = True, plot: bool = True) -> dict[str, Any]:
+    """Run one workload; returns the JSON document (also written to ``out_dir`` when given)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+    spec = ModelSpec(size=size, device=device)
+    machine = machine_info(device)
+    model = spec.build()
+    doc = {"size": size, "machine": machine, "model": spec.describe(model)}
+    del model
+    doc["result"] = _module(name).run(size, spec, baselines=baselines)
+    if out_dir is not None:
+        kind = "gpu" if device.startswith("cuda") else "cpu"
+        stem = os.path.join(out_dir, f"{kind}_{name}" + ("" if size == "default" else f"_{size}"))
+        write_json(stem + ".json", doc)
+        doc["json_path"] = stem + ".json"
+        if plot:
+            from acb.bench.report import plot as make_plot
+
+            doc["png_path"] = make_plot(doc, stem + ".png")
+    return doc

@@ -1,0 +1,111 @@
+"""Shared pieces of the benchmarks: model shapes, machine description, statistics, output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Model shapes: "tiny" for smoke tests, "default" the issue's ~40M-parameter Llama.
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024),
+    "default": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048),
+}
+
+
+@dataclass
+class ModelSpec:
+    size: str
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def build(self) -> Any:
+        from acb.models import tiny_model
+
+        model = tiny_model("llama", seed=self.seed, dtype=self.dtype, **MODEL_SHAPES[self.size])
+        return model.to(self.device)
+
+    @property
+    def vocab(self) -> int:
+        return MODEL_SHAPES[self.size]["vocab_size"]
+
+    def describe(self, model: Any) -> dict[str, Any]:
+        n = sum(p.numel() for p in model.parameters())
+        return {"arch": "llama (random weights)", "params": n, "dtype": str(self.dtype).replace("torch.", ""),
+                **MODEL_SHAPES[self.size]}
+
+
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    import transformers
+
+    import acb
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    info = dict(
+        platform=platform.platform(), processor=platform.processor() or platform.machine(),
+        python=platform.python_version(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+        torch=torch.__version__, transformers=transformers.__version__, acb=acb.__version__,
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), loadavg_at_start=load,
+        device=device,
+    )
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    else:
+        info["gpu"] = None
+    return info
+
+
+def device_name(info: dict[str, Any]) -> str:
+    if info.get("gpu"):
+        return str(info["gpu"])
+    return f"{info['processor']} CPU, {info['cpu_count']} cores"
+
+
+def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """Nearest-rank percentiles (None when there are no values)."""
+    if not values:
+        return {f"p{p}": None for p in ps}
+    v = sorted(values)
+    return {f"p{p}": v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))] for p in ps}
+
+
+def peak_memory_bytes(device: str) -> int:
+    """Peak memory: CUDA allocator peak, or this process's peak RSS on CPU."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(torch.device(device)))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_memory(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+
+
+def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]  # 0-2 are special
+
+
+def blocks_for_all(lengths: list[int], block_size: int) -> int:
+    """KV blocks that hold every request at full length at once (no side ever preempts)."""
+    return sum(math.ceil(n / block_size) for n in lengths) + 4

@@ -1,0 +1,203 @@
+"""``offline``: N prompts of random lengths, per-request output lengths, EOS ignored.
+
+acb, transformers' continuous batching and padded ``model.generate`` run in one process on
+the same model (rebuilt from the same seed for each side) and the same prompts, and must
+generate the same number of tokens per request (checked). transformers'
+``model.generate_batch`` takes one ``max_new_tokens`` for all requests, so its side drives
+the manager ``generate_batch`` wraps, with ``add_request(max_new_tokens=n)`` per request;
+acb's side uses ``acb.Engine`` with a ``SamplingParams`` per request. Engine set-up (cache
+allocation, warm-up) is outside the timed region on both sides. The padded baseline runs
+``model.generate`` on consecutive groups of 32 prompts (left-padded,
+``min_new_tokens = max_new_tokens =`` the group's largest target); only each request's own
+tokens are credited.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import acb
+from acb.bench.common import (
+    ModelSpec, blocks_for_all, peak_memory_bytes, random_prompts, reset_peak_memory,
+)
+
+SIZES = {
+    "tiny": dict(num_prompts=8, min_prompt_len=4, max_prompt_len=32, min_new=4, max_new=8, batch_size=4),
+    "default": dict(num_prompts=128, min_prompt_len=16, max_prompt_len=256, min_new=16, max_new=128, batch_size=32),
+}
+MAX_BATCH_TOKENS = 2048
+MAX_REQUESTS = 128
+
+
+def _meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def patch_transformers_cpu_memory() -> str | None:
+    """transformers sizes its paged cache with psutil on CPU and sees 0 bytes free without it:
+    give its cache module the figures psutil would (total RAM, this process's RSS) from /proc."""
+    try:
+        import psutil  # noqa: F401
+
+        return None
+    except ImportError:
+        pass
+    from transformers.generation.continuous_batching import cache as tf_cache
+
+    def breakdown() -> tuple[torch.device, int, int, int]:
+        total = _meminfo_bytes("MemTotal")
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return torch.device("cpu"), total, rss, rss
+
+    tf_cache.get_device_and_memory_breakdown = breakdown
+    return "psutil missing: transformers' CPU memory probe reads /proc (MemTotal, RSS) instead"
+
+
+def run_acb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
+    model = spec.build()
+    bs = 32
+    cfg = acb.ContinuousBatchingConfig(
+        block_size=bs, num_blocks=blocks_for_all([len(p) + o for p, o in zip(prompts, outs)], bs) + 1,
+        max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, seed=0,
+    )
+    acb.generate_batch(model, prompts[:2], sampling=acb.SamplingParams(max_new_tokens=4, ignore_eos=True),
+                       progress_bar=False, continuous_batching_config=cfg)  # warm-up
+    reset_peak_memory(spec.device)
+    t_setup = time.perf_counter()
+    engine = acb.Engine(model, cfg)
+    engine.start()
+    setup = time.perf_counter() - t_setup
+    try:
+        t0 = time.perf_counter()
+        hs = [engine.submit(p, acb.SamplingParams(max_new_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
+        results = [h.result() for h in hs]
+        dt = time.perf_counter() - t0
+        stats = engine.stats
+    finally:
+        engine.shutdown()
+    return dict(engine="acb", seconds=dt, setup_s=setup, tokens=[r.generated_tokens for r in results],
+                settings=f"block_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
+                         f"max_requests_per_batch={MAX_REQUESTS}",
+                steps=stats.steps, peak_memory=peak_memory_bytes(spec.device))
+
+
+def run_transformers_cb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig as TfConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = spec.build()
+    bs = TfConfig.block_size
+
+    def cfg_for(ps: list[list[int]], os_: list[int]) -> TfConfig:
+        return TfConfig(block_size=bs, num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, os_)], bs),
+                        max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, seed=0)
+
+    def gen(n: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1)  # -1: never stop early
+
+    model.generate_batch(inputs=prompts[:2], generation_config=gen(4), continuous_batching_config=cfg_for(
+        prompts[:2], [4, 4]), progress_bar=False)  # warm-up
+    cfg = cfg_for(prompts, outs)
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outs),
+                          num_requests=len(prompts))
+    reset_peak_memory(spec.device)
+    t_setup = time.perf_counter()
+    cm = model.continuous_batching_context_manager(generation_config=gen(max(outs)), continuous_batching_config=cfg,
+                                                   block=True, timeout=30, warmup=True, workload_hints=hints)
+    manager = cm.__enter__()
+    setup = time.perf_counter() - t_setup
+    try:
+        t0 = time.perf_counter()
+        ids = [manager.add_request(input_ids=p, request_id=f"req_{i}", max_new_tokens=o, eos_token_id=-1)
+               for i, (p, o) in enumerate(zip(prompts, outs))]
+        got: dict[str, Any] = {}
+        while len(got) < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                got[r.request_id] = r
+            elif r is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread died")
+        dt = time.perf_counter() - t0
+    finally:
+        cm.__exit__(None, None, None)
+    return dict(engine="transformers CB", seconds=dt, setup_s=setup,
+                tokens=[list(got[f"req_{i}"].generated_tokens) for i in range(len(prompts))],
+                settings=f"paged|sdpa block_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
+                         f"max_requests_per_batch={MAX_REQUESTS}",
+                peak_memory=peak_memory_bytes(spec.device))
+
+
+@torch.inference_mode()
+def run_generate(spec: ModelSpec, prompts: list[list[int]], outs: list[int], batch_size: int) -> dict[str, Any]:
+    model = spec.build()
+
+    def padded(group: list[list[int]], n: int) -> torch.Tensor:
+        L = max(map(len, group))
+        ids = torch.zeros((len(group), L), dtype=torch.long)
+        mask = torch.zeros((len(group), L), dtype=torch.long)
+        for r, p in enumerate(group):
+            ids[r, L - len(p):] = torch.tensor(p)
+            mask[r, L - len(p):] = 1
+        out = model.generate(ids.to(spec.device), attention_mask=mask.to(spec.device), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[:, L:].cpu()
+
+    padded(prompts[:2], 4)  # warm-up
+    reset_peak_memory(spec.device)
+    tokens: list[list[int]] = []
+    wasted = 0
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch_size):
+        group, targets = prompts[s:s + batch_size], outs[s:s + batch_size]
+        gen = padded(group, max(targets))
+        for r, o in enumerate(targets):
+            tokens.append(gen[r, :o].tolist())
+            wasted += max(targets) - o
+    dt = time.perf_counter() - t0
+    return dict(engine="padded generate", seconds=dt, setup_s=None, tokens=tokens, wasted_tokens=wasted,
+                settings=f"sdpa batch_size={batch_size}, left-padded, min_new_tokens=max_new_tokens=group max",
+                peak_memory=peak_memory_bytes(spec.device))
+
+
+def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
+    p = SIZES[size]
+    prompts = random_prompts(p["num_prompts"], p["min_prompt_len"], p["max_prompt_len"], spec.vocab, seed=1)
+    g = torch.Generator().manual_seed(2)
+    outs = torch.randint(p["min_new"], p["max_new"] + 1, (len(prompts),), generator=g).tolist()
+    notes = []
+    sides = [run_acb(spec, prompts, outs)]
+    if baselines:
+        note = patch_transformers_cpu_memory()
+        if note:
+            notes.append(note)
+        sides.append(run_transformers_cb(spec, prompts, outs))
+        sides.append(run_generate(spec, prompts, outs, p["batch_size"]))
+    expected = sum(outs)
+    acb_tps = None
+    rows = []
+    for side in sides:
+        counts_ok = [len(t) for t in side["tokens"]] == outs
+        tps = expected / side["seconds"]
+        acb_tps = acb_tps or tps
+        rows.append({k: v for k, v in side.items() if k != "tokens"} | dict(
+            output_tokens=expected, tokens_per_s=tps, requests_per_s=len(prompts) / side["seconds"],
+            counts_ok=counts_ok, acb_speedup=acb_tps / tps,
+        ))
+    match = None
+    if baselines:
+        match = sides[0]["tokens"][:4] == sides[1]["tokens"][:4]
+    return dict(
+        workload="offline",
+        settings=dict(p, greedy=True, ignore_eos=True, prompt_tokens=sum(map(len, prompts))),
+        rows=rows, greedy_tokens_match_transformers=match, notes=notes,
+    )

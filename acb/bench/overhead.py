@@ -1,0 +1,143 @@
+"""``overhead``: engine host time per decode step with a null model, for 1..1024 running requests.
+
+acb runs with a runner whose forward returns zero logits without touching the model, so
+what is left is the engine's own host work per step: schedule, stage inputs (positions,
+slot mapping, block-table rows, attention metadata, sampling parameters) and process
+outputs (record tokens, stop checks, deliver to handles). transformers' continuous
+batching runs the same tiny model, and its ``prepare_next_batch`` + ``update_batch`` are
+timed (its forward excluded). Medians over the steps in which every request decodes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+import acb
+from acb.bench.common import ModelSpec
+from acb.runner.model_runner import ModelRunner
+
+SIZES = {
+    "tiny": dict(running=[1, 4, 16], steps=12),
+    "default": dict(running=[1, 16, 64, 256, 1024], steps=24),
+}
+PROMPT_LEN = 4
+
+
+class NullModelRunner(ModelRunner):
+    """A runner whose forward costs nothing: zero logits for the sampling rows."""
+
+    def _forward(self, batch: Any, ctx: Any) -> torch.Tensor:
+        return torch.zeros(batch.logits_indices.shape[0], self.vocab_size, device=self.device)
+
+
+def _null_model() -> Any:
+    from acb.models import tiny_model
+
+    return tiny_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=256, max_position_embeddings=4096)
+
+
+def _acb(n: int, steps: int) -> dict[str, float]:
+    model = _null_model()
+    cfg = acb.ContinuousBatchingConfig(block_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
+                                       max_batch_tokens=max(2048, n * PROMPT_LEN))
+    eng = acb.Engine(model, cfg)
+    eng._fe.runner = NullModelRunner(model, cfg)
+    eng.start()
+    try:
+        core = eng._fe.core
+        core.step_log = []
+        # hold the engine thread while submitting, so that all n requests start together
+        gate = threading.Event()
+        core.call(lambda c: gate.wait())
+        g = torch.Generator().manual_seed(0)
+        hs = [eng.submit(torch.randint(3, 256, (PROMPT_LEN,), generator=g).tolist(),
+                         acb.SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for _ in range(n)]
+        gate.set()
+        for h in hs:
+            h.result()
+    finally:
+        eng.shutdown()  # joins the engine thread: its step log is complete
+    log = [s for s in core.step_log if s[0] == n and s[2] == n]  # every request decoding
+    if not log:
+        raise RuntimeError(f"overhead: no all-decode step with {n} requests in {core.step_log[:5]}...")
+    med = {k: statistics.median(s[i] for s in log) * 1e6 for k, i in
+           (("schedule_us", 3), ("stage_us", 4), ("process_us", 6))}
+    med["host_us"] = med["schedule_us"] + med["stage_us"] + med["process_us"]
+    med["steps_measured"] = len(log)
+    return med
+
+
+def _transformers(n: int, steps: int) -> dict[str, float] | None:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig as TfConfig
+    from transformers.generation.continuous_batching import continuous_api
+
+    from acb.bench.offline import patch_transformers_cpu_memory
+
+    patch_transformers_cpu_memory()
+    proc = continuous_api.ContinuousBatchProcessor
+    if not (hasattr(proc, "prepare_next_batch") and hasattr(proc, "update_batch")):
+        return None
+    times: dict[str, list[float]] = {"prepare": [], "update": []}
+    originals = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(self: Any, *a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                times[name].append(time.perf_counter() - t0)
+        return wrapper
+
+    for name, attr in (("prepare", "prepare_next_batch"), ("update", "update_batch")):
+        originals[attr] = getattr(proc, attr)
+        setattr(proc, attr, timed(name, originals[attr]))
+    try:
+        model = _null_model()
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 256, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
+        model.generate_batch(
+            inputs=prompts, generation_config=GenerationConfig(max_new_tokens=steps + 2, do_sample=False,
+                                                               eos_token_id=-1),
+            continuous_batching_config=TfConfig(block_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
+                                                max_batch_tokens=max(2048, n * PROMPT_LEN)),
+            progress_bar=False,
+        )
+    finally:
+        for attr, fn in originals.items():
+            setattr(proc, attr, fn)
+    k = len(times["update"])
+    if k < 6:
+        return None
+    # drop the prefill steps at the start and the draining ones at the end
+    prep = times["prepare"][2 : k - 2]
+    upd = times["update"][2 : k - 2]
+    return dict(prepare_us=statistics.median(prep) * 1e6, update_us=statistics.median(upd) * 1e6,
+                host_us=(statistics.median(prep) + statistics.median(upd)) * 1e6, steps_measured=len(upd))
+
+
+def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
+    p = SIZES[size]
+    rows = []
+    notes = []
+    if baselines:
+        from acb.bench.offline import patch_transformers_cpu_memory
+
+        note = patch_transformers_cpu_memory()
+        if note:
+            notes.append(note)
+    for n in p["running"]:
+        row = dict(running=n, acb=_acb(n, p["steps"]))
+        if baselines:
+            tf = _transformers(n, p["steps"])
+            row["transformers"] = tf
+            row["ratio"] = tf["host_us"] / row["acb"]["host_us"] if tf else None
+        rows.append(row)
+    return dict(workload="overhead", settings=dict(p, prompt_len=PROMPT_LEN, null_model=True), rows=rows, notes=notes)

@@ -1,0 +1,69 @@
+"""Smoke tests: every benchmark workload runs end to end at tiny size and writes well-formed JSON
+(no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from acb.bench import WORKLOADS, run_workload
+from acb.bench.report import markdown_for, update_readme
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    docs = {w: run_workload(w, size="tiny", out_dir=str(out), plot=True) for w in WORKLOADS}
+    return out, docs
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_workload_json(results, workload):
+    out, docs = results
+    doc = docs[workload]
+    with open(doc["json_path"]) as f:
+        data = json.load(f)
+    assert data["result"]["workload"] == workload
+    for key in ("platform", "torch", "transformers", "acb", "date", "device"):
+        assert data["machine"][key]
+    assert data["model"]["params"] > 0 and data["size"] == "tiny"
+    rows = data["result"]["rows"]
+    assert rows
+    if workload == "offline":
+        assert [r["engine"] for r in rows] == ["acb", "transformers CB", "padded generate"]
+        assert all(r["counts_ok"] and r["tokens_per_s"] > 0 for r in rows)
+        assert data["result"]["greedy_tokens_match_transformers"] is True
+    elif workload == "shared-prefix":
+        assert data["result"]["outputs_identical"] is True
+        on, off = rows
+        assert on["prefix_hit_rate"] > 0 and off["prefix_hit_rate"] == 0
+        assert on["prefill_tokens"] < off["prefill_tokens"]
+    elif workload == "online":
+        for r in rows:
+            assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
+    elif workload == "overhead":
+        for r in rows:
+            a = r["acb"]
+            assert a["steps_measured"] > 0 and a["host_us"] == pytest.approx(
+                a["schedule_us"] + a["stage_us"] + a["process_us"])
+            assert r["transformers"]["host_us"] > 0
+    assert markdown_for(data).count("|") > 8
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert doc["png_path"] is None
+    else:
+        assert doc["png_path"].endswith(".png")
+
+
+def test_update_readme(results, tmp_path):
+    out, _ = results
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- acb-bench:cpu:start -->\nold\n<!-- acb-bench:cpu:end -->\nrest\n")
+    # the tiny results are named cpu_<workload>_tiny.json; the README block takes cpu_*.json
+    assert update_readme(str(readme), str(out), "cpu")
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("intro") and text.rstrip().endswith("rest")
+    for w in WORKLOADS:
+        assert f"**{w}**" in text
