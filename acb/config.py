@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
-ATTN_BACKENDS = ("torch",)
+ATTN_BACKENDS = ("torch", "triton")
 
 # field -> why it has no effect yet
 NOT_YET_SUPPORTED: dict[str, str] = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -179,6 +180,11 @@ class ModelRunner:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else int(model.config.get_text_config().vocab_size)
         self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
         self.kv_cache.allocate_swap(self.cfg.num_swap_blocks)
+        if self.cfg.attn_backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attn_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels "
+                "in Triton's interpreter, for testing); use attn_backend='torch' on CPU"
+            )
         self.backend = make_backend(self.cfg.attn_backend)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)

@@ -52,3 +52,9 @@ def test_offload_space_clamped_by_safety_threshold(monkeypatch):
     cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(block_size=16, num_blocks=32, cpu_offload_space=1.0,
                                                                    cpu_offload_space_safety_threshold=0.5))
     assert cfg.num_swap_blocks == (1 << 19) // spec.bytes_per_block(16)
+
+
+def test_triton_backend_refused_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        acb.Engine(get_model("llama"), acb.ContinuousBatchingConfig(attn_backend="triton", num_blocks=16)).start()

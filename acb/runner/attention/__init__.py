@@ -104,4 +104,8 @@ def make_backend(name: str) -> AttentionBackend:
         from acb.runner.attention.torch_backend import TorchBackend
 
         return TorchBackend()
+    if name == "triton":
+        from acb.runner.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
     raise ValueError(f"unknown attention backend {name!r}")

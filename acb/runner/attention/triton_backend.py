@@ -1,0 +1,105 @@
+"""The Triton attention backend: paged kernels that read K/V straight from the block cache.
+
+Per layer: one kernel writes the step's new K/V into the cache, then
+
+* a decode-only step (every sequence has one query) runs the split-K decode kernel;
+* any other step runs the prefill kernel for the sequences with more than one query and, when
+  some have exactly one, the decode kernel for those, both over the whole flattened batch
+  (each kernel skips the other's sequences; no gather, no host sync).
+
+Metadata is built once per step from host values (``num_new``, ``max_seq_len``) and shared by
+every layer. Needs a CUDA device, or the Triton interpreter (``TRITON_INTERPRET=1``) on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from acb.runner.attention import BatchInputs, StepContext
+from acb.runner.attention import triton_kernels as tk
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor  # [T] long
+    block_table: torch.Tensor  # [B, cols] long
+    seq_lens: torch.Tensor  # [B] long
+    query_start_loc: torch.Tensor  # [B + 1] long
+    num_tokens: int
+    num_seqs: int
+    num_decode: int  # sequences with exactly one query
+    has_prefill: bool  # some sequence has more than one
+    max_q_len: int
+    max_decode_seq_len: int  # longest context among the decode sequences (0 when none)
+
+
+class TritonBackend:
+    name = "triton"
+
+    def build_metadata(self, batch: BatchInputs, block_size: int) -> TritonMetadata:
+        device = batch.slot_mapping.device
+        if device.type != "cuda" and not tk.interpreted():
+            raise RuntimeError(
+                f"the 'triton' attention backend needs a CUDA device (got {device}); "
+                "on CPU set TRITON_INTERPRET=1 before importing triton, or use attn_backend='torch'"
+            )
+        dec_lens = [s + 1 for s, n in zip(batch.start_pos, batch.num_new) if n == 1]
+        max_q_len = max(batch.num_new) if batch.num_new else 0
+        return TritonMetadata(
+            slot_mapping=batch.slot_mapping,
+            block_table=batch.block_table,
+            seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc,
+            num_tokens=batch.slot_mapping.numel(),
+            num_seqs=len(batch.num_new),
+            num_decode=len(dec_lens),
+            has_prefill=max_q_len > 1,
+            max_q_len=max_q_len,
+            max_decode_seq_len=max(dec_lens) if dec_lens else 0,
+        )
+
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,  # [1, H, T, D]
+        key: torch.Tensor,  # [1, Hkv, T, D]
+        value: torch.Tensor,
+        ctx: StepContext,
+        *,
+        scaling: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        md: TritonMetadata = ctx.metadata
+        cache = ctx.kv_cache
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        k_new = key[0].transpose(0, 1)  # [T, Hkv, D] (a view: strides go to the kernel)
+        v_new = value[0].transpose(0, 1)
+        if k_new.shape[1:] != k_cache.shape[2:]:
+            raise RuntimeError(
+                f"layer {layer}: key shape {tuple(k_new.shape[1:])} does not match the KV cache "
+                f"{tuple(k_cache.shape[2:])}; the model's config does not describe its attention layers"
+            )
+        tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
+        window = sliding_window if sliding_window else None
+        cap = softcap if softcap else None
+        if md.num_decode:
+            eff_len = min(md.max_decode_seq_len, window) if window else md.max_decode_seq_len
+            splits = tk.choose_num_splits(md.num_decode, k_cache.shape[2], eff_len, q.device)
+            tk.paged_decode_attention(
+                q, k_cache, v_cache, md.block_table, md.seq_lens, scaling, window, cap, splits,
+                # a decode-only step has one row per sequence, in order: no query_start_loc needed
+                query_start_loc=md.query_start_loc if md.has_prefill else None,
+                out=out,
+            )
+        if md.has_prefill:
+            tk.paged_prefill_attention(
+                q, k_cache, v_cache, md.block_table, md.query_start_loc, md.seq_lens, md.max_q_len,
+                scaling, window, cap, skip_decode=md.num_decode > 0, out=out,
+            )
+        return out.unsqueeze(0)  # [1, T, H, D]

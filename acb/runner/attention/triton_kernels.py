@@ -1,0 +1,549 @@
+"""Triton kernels for the paged KV cache: store new K/V, decode attention, varlen prefill attention.
+
+Cache layout (see ``acb.runner.kv_cache``): per layer K and V each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``p`` of a sequence lives in block
+``block_table[seq, p // block_size]`` at offset ``p % block_size`` (flat slot
+``block * block_size + offset``). Every tensor is passed with explicit strides, so query/key views
+(e.g. ``query[0].transpose(0, 1)``) need no copy.
+
+All arithmetic accumulates in fp32. On a GPU, fp16/bf16 operands go to ``tl.dot`` natively (fp32
+accumulators); fp32 operands use IEEE precision (no TF32), to match torch. Under the Triton
+interpreter (``TRITON_INTERPRET=1``) every operand is upcast to fp32 first, because the
+interpreter's low-precision ``tl.dot`` is wrong for bf16.
+
+Kernels
+-------
+* ``store_kv``: one program per new token, a ``[heads, head_dim]`` tile; slot < 0 skips the row.
+* ``paged_decode_attention``: one query token per sequence. A program owns one (sequence, KV head,
+  split): the query heads of the KV head's GQA group are packed into the rows of one tile (so K/V
+  are read once per group), and the context (or, with a sliding window, only its last
+  ``window`` positions) is cut into ``num_splits`` contiguous partitions. Each split writes an
+  unnormalised accumulator with its running max and sum; a reduction kernel rescales and combines
+  them (flash-decoding). With one split the kernel writes the normalised output directly.
+* ``paged_prefill_attention``: varlen (chunked) prefill. A program owns ``BLOCK_M`` queries of
+  one (sequence, head) and walks the key tiles it can see (causal, bottom-right aligned; only the
+  window with a sliding window) with an online softmax.
+
+Both attention kernels can also take the whole flattened step (``query_start_loc``): the decode
+kernel then serves only the sequences with exactly one query and the prefill kernel
+(``skip_decode=True``) only the others, both writing into one output. This needs no gather of
+the query rows and no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "choose_num_splits",
+    "interpreted",
+]
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@functools.lru_cache(maxsize=None)
+def interpreted() -> bool:
+    """Whether these kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_store_kv_kernel, InterpretedFunction)
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(max(1, int(n))))
+
+
+def _upcast(*tensors: torch.Tensor) -> bool:
+    """fp32 operands in the kernel's dots: always under the interpreter, and for fp32 caches."""
+    return interpreted() or any(t.dtype == torch.float32 for t in tensors)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# shared device helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    """``a @ b`` with an fp32 result; ``F32``: upcast both operands and use IEEE fp32 precision."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2 * sigmoid(2x) - 1: saturates cleanly at +-1 for large |x|
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) store new K/V into the paged cache
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_heads, head_dim, block_size,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kco, stride_kch, stride_kcd,
+    stride_vcb, stride_vco, stride_vch, stride_vcd,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < num_heads)[:, None] & (d < head_dim)[None, :]
+    k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kco + h[:, None] * stride_kch + d[None, :] * stride_kcd
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vco + h[:, None] * stride_vch + d[None, :] * stride_vcd
+    tl.store(kc, k.to(kc.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(vc.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int; < 0 = skip the row
+) -> None:
+    """Write ``key``/``value`` row ``t`` into flat cache slot ``slot_mapping[t]`` (skipped when < 0)."""
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_heads, head_dim = key.shape
+    if value.shape != key.shape or tuple(k_cache.shape[2:]) != (num_heads, head_dim):
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the cache "
+            f"{tuple(k_cache.shape)}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        num_heads, head_dim, k_cache.shape[1],
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        BLOCK_H=_pow2(num_heads), BLOCK_D=_pow2(head_dim),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) decode: one query per sequence, split-K over the context, then a reduction
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2, scale, softcap, window,
+    num_splits, group, head_dim, block_size,
+    stride_qt, stride_qh, stride_qd,
+    stride_kcb, stride_kco, stride_kch, stride_kcd,
+    stride_vcb, stride_vco, stride_vch, stride_vcd,
+    stride_btb, stride_btc,
+    stride_ot, stride_oh, stride_od,
+    HAS_QSL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, F32: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if HAS_QSL:
+        row = tl.load(qsl_ptr + seq).to(tl.int64)
+        n_q = tl.load(qsl_ptr + seq + 1) - row
+        if n_q != 1:
+            return  # a prefill chunk: served by the prefill kernel
+    else:
+        row = seq
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+    # this split's part of the visible context [lo, seq_len)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    span = seq_len - lo
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * group + g
+    g_mask = g < group
+    d_mask = d < head_dim
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + seq * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
+        blk = tl.load(bt_row + (pos // block_size) * stride_btc, mask=p_mask, other=0).to(tl.int64)
+        off = pos % block_size
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kco + kvh * stride_kch
+            + d[None, :] * stride_kcd,
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vco + kvh * stride_vch
+            + d[None, :] * stride_vcd,
+            mask=kv_mask, other=0.0,
+        )
+        s = _dot(q, tl.trans(k), F32)  # [G, N]
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+        else:
+            s = s * scale_log2
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32:
+            pv = _dot(p, v, F32)
+        else:
+            pv = _dot(p.to(v.dtype), v, F32)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptr = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        # partials: [B, H, S] max/sum and [B, H, S, BLOCK_D] accumulators, contiguous
+        num_heads = tl.num_programs(1) * group
+        hs = (seq * num_heads + heads) * num_splits + split  # [G]
+        tl.store(part_m_ptr + hs, m_i, mask=g_mask)
+        tl.store(part_l_ptr + hs, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + hs[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
+    num_splits, head_dim,
+    stride_ot, stride_oh, stride_od,
+    HAS_QSL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if HAS_QSL:
+        row = tl.load(qsl_ptr + seq).to(tl.int64)
+        n_q = tl.load(qsl_ptr + seq + 1) - row
+        if n_q != 1:
+            return
+    else:
+        row = seq
+    num_heads = tl.num_programs(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    base = (seq * num_heads + h) * num_splits
+    m = tl.load(part_m_ptr + base + s, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + s, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # empty splits (m = -inf) weigh 0
+    denom = tl.sum(w * l, 0)
+    num = tl.sum(w[:, None] * acc, 0)
+    o = num / tl.where(denom > 0.0, denom, 1.0)  # seq_len 0: zeros
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
+             mask=d < head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None) -> int:
+    """Context partitions for decode: enough programs to fill the GPU, >= 256 tokens a split, <= 32.
+
+    Short contexts or a large batch (``num_seqs * num_kv_heads`` programs already fill the
+    machine) use one split, i.e. no reduction pass.
+    """
+    by_len = -(-max(int(max_seq_len), 1) // MIN_TOKENS_PER_SPLIT)
+    if by_len <= 1:
+        return 1
+    if device is not None and device.type == "cuda":
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        target = 64
+    programs = max(1, num_seqs * num_kv_heads)
+    by_occupancy = -(-target // programs)
+    return max(1, min(by_len, by_occupancy, MAX_SPLITS))
+
+
+def _decode_block_n(head_dim_block: int) -> int:
+    return 32 if head_dim_block >= 256 else 64
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D] (or [T, H, D] with query_start_loc)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [B, max_blocks] int
+    seq_lens: torch.Tensor,  # [B] int: context length including the query token
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context; returns ``[B, H, D]``.
+
+    ``num_splits=None`` picks a split count from ``max_seq_len`` (host int; when not given it is
+    read from ``seq_lens``, a device sync). With ``query_start_loc`` ([B + 1]), ``q``/``out`` are
+    the whole flattened step ``[T, H, D]``: sequence ``b``'s query is row ``query_start_loc[b]``
+    and only sequences with exactly one query are computed (other rows of ``out`` are untouched).
+    Sequences with ``seq_len == 0`` produce zeros.
+    """
+    _check_cache(k_cache, v_cache)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if query_start_loc is not None \
+            else torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if scale is None:
+        scale = head_dim ** -0.5
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())
+        eff = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, eff, q.device)
+    num_splits = max(1, int(num_splits))
+    group = num_heads // num_kv_heads
+    block_d = _pow2(head_dim, 16)
+    single = num_splits == 1
+    if single:
+        part_acc = part_m = part_l = out  # unused
+    else:
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    qsl = query_start_loc if query_start_loc is not None else seq_lens  # placeholder when unused
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, qsl,
+        out, part_acc, part_m, part_l,
+        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        num_splits, group, head_dim, block_size,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
+        HAS_QSL=query_start_loc is not None, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        SINGLE_SPLIT=single, F32=_upcast(q, k_cache),
+        BLOCK_G=_pow2(group, 16), BLOCK_N=_decode_block_n(block_d), BLOCK_D=block_d,
+        num_warps=4,
+    )
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_m, part_l, qsl,
+            num_splits, head_dim, *out.stride(),
+            HAS_QSL=query_start_loc is not None, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) varlen / chunked prefill over the paged cache
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    scale_log2, scale, softcap, window,
+    group, head_dim, block_size,
+    stride_qt, stride_qh, stride_qd,
+    stride_kcb, stride_kco, stride_kch, stride_kcd,
+    stride_vcb, stride_vco, stride_vch, stride_vcd,
+    stride_btb, stride_btc,
+    stride_ot, stride_oh, stride_od,
+    SKIP_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq).to(tl.int64)
+    q_len = (tl.load(qsl_ptr + seq + 1) - q_start).to(tl.int32)
+    if tile * BLOCK_M >= q_len:
+        return
+    if SKIP_DECODE:
+        if q_len == 1:
+            return  # served by the decode kernel
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    kvh = h // group
+
+    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_mask = i < q_len
+    q_pos = seq_len - q_len + i  # bottom-right aligned causal positions
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q = tl.load(
+        q_ptr + (q_start + i)[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
+        mask=i_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+
+    first_pos = seq_len - q_len + tile * BLOCK_M
+    hi = seq_len - q_len + tl.minimum((tile + 1) * BLOCK_M, q_len)  # last visible key + 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + seq * stride_btb
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < hi
+        blk = tl.load(bt_row + (pos // block_size) * stride_btc, mask=p_mask, other=0).to(tl.int64)
+        off = pos % block_size
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kco + kvh * stride_kch
+            + d[None, :] * stride_kcd,
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vco + kvh * stride_vch
+            + d[None, :] * stride_vcd,
+            mask=kv_mask, other=0.0,
+        )
+        s = _dot(q, tl.trans(k), F32)  # [M, N]
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+        else:
+            s = s * scale_log2
+        visible = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32:
+            pv = _dot(p, v, F32)
+        else:
+            pv = _dot(p.to(v.dtype), v, F32)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :],
+    )
+
+
+def _prefill_blocks(head_dim_block: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the prefill kernel."""
+    if head_dim_block >= 256:
+        return 64, 32, 8
+    if head_dim_block >= 128:
+        return 64, 64, 4
+    return 64, 64, 4
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [B, max_blocks] int
+    query_start_loc: torch.Tensor,  # [B + 1] int
+    seq_lens: torch.Tensor,  # [B] int: context length after this step (includes the queries)
+    max_q_len: int,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    *,
+    skip_decode: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its whole paged context; returns ``[T, H, D]``.
+
+    Query ``i`` of a sequence with ``q_len`` queries and context ``L`` sits at position
+    ``L - q_len + i`` and sees keys ``0..L - q_len + i`` (those within the sliding window when
+    one is given: key ``j`` is visible iff ``j > pos - window``). The K/V of the queries must
+    already be in the cache. ``skip_decode``: sequences with one query are left to the decode
+    kernel (their rows of ``out`` are untouched).
+    """
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0 or max_q_len <= 0:
+        return out
+    if scale is None:
+        scale = head_dim ** -0.5
+    block_d = _pow2(head_dim, 16)
+    block_m, block_n, warps = _prefill_blocks(block_d)
+    block_m = min(block_m, _pow2(max_q_len, 16))
+    grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
+        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        num_heads // num_kv_heads, head_dim, block_size,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
+        SKIP_DECODE=skip_decode, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        F32=_upcast(q, k_cache),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=warps,
+    )
+    return out
+
