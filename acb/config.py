@@ -19,7 +19,6 @@ ATTN_BACKENDS = ("torch", "triton")
 NOT_YET_SUPPORTED: dict[str, str] = {
     "max_blocks_per_request": "only used by the flash-attn decode path, not built yet",
     "use_cuda_graph": "CUDA graphs are not built yet",
-    "use_async_batching": "double-buffered async batching is not built yet",
     "q_padding_interval_size": "CUDA graphs are not built yet",
     "kv_padding_interval_size": "CUDA graphs are not built yet",
     "varlen_compile_config": "torch.compile paths are not built yet",
@@ -139,6 +138,7 @@ class ResolvedConfig:
     device: str
     kv_cache_bytes: int
     num_swap_blocks: int = 0  # host-memory KV offload space, in blocks
+    async_batching: bool = False  # schedule step N+1 while step N runs
 
     @property
     def max_blocks_per_seq(self) -> int:

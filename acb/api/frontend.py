@@ -111,6 +111,7 @@ class Frontend:
                 safety_margin=cfg.safety_margin,
                 enable_prefix_caching=self.config.allow_block_sharing,
                 num_swap_blocks=cfg.num_swap_blocks,
+                async_batching=cfg.async_batching,
                 deliver=make_deliver(self.cancel),
                 on_dequeued=self.gate.release,
             )

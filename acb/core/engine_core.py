@@ -34,6 +34,9 @@ logger = logging.getLogger("acb")
 Delivery = tuple[Any, list[int], Any, Any, Any, int]
 
 
+_FAILED = object()  # _launch: the step raised and its requests were failed
+
+
 class Runner(Protocol):
     def execute(self, sched: SchedulerOutput) -> Any: ...
     def finish(self, step: Any) -> Any: ...  # -> object with .sampled and .logprobs
@@ -86,6 +89,7 @@ class EngineCore:
         num_swap_blocks: int = 0,
         deliver: Callable[[list[Delivery]], None],
         on_dequeued: Callable[[int], None] | None = None,
+        async_batching: bool = False,
     ) -> None:
         self.runner = runner
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
@@ -95,6 +99,8 @@ class EngineCore:
             swap=SwapSpace(num_swap_blocks) if num_swap_blocks else None,
         )
         self._deliver = deliver
+        self.async_batching = async_batching
+        self._inflight: tuple | None = None  # async batching: the launched step not yet completed
         self._on_dequeued = on_dequeued or (lambda n: None)
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
@@ -178,9 +184,12 @@ class EngineCore:
             while True:
                 self._drain_inbox()
                 if self._stopping and (not self._drain_on_stop or not self.scheduler.has_work()):
+                    self._flush_inflight()
                     self._cancel_all()
                     break
                 if not self.scheduler.has_work():
+                    if self._flush_inflight():
+                        continue
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -245,31 +254,80 @@ class EngineCore:
                 self._drain_on_stop = cmd[1]
 
     def step(self) -> None:
-        """One engine step: schedule, run, record, deliver."""
+        """One engine step: schedule, run, record, deliver.
+
+        With async batching the step launched here is completed in the next call, after the
+        following step has been scheduled and launched (its decode inputs taken on the device
+        from this one's samples), so scheduling overlaps the device's work.
+        """
+        launched = self._launch()
+        if launched is _FAILED:  # its requests were failed; the engine carries on
+            launched = None
+            if not self.async_batching:
+                return
+        elif launched is None and not (self.async_batching and self._inflight is not None):
+            self._no_progress()
+        if not self.async_batching:
+            self._complete(launched)
+            return
+        prev, self._inflight = self._inflight, launched
+        if prev is not None:
+            self._complete(prev)
+
+    def _flush_inflight(self) -> bool:
+        """Complete the launched step, if any (async batching); True if there was one."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return False
+        self._complete(prev)
+        return True
+
+    def _no_progress(self) -> None:
+        raise RuntimeError(
+            f"scheduler made no progress with {len(self.scheduler.running)} running and "
+            f"{len(self.scheduler.waiting)} waiting requests ({self.pool.num_free} free blocks)"
+        )
+
+    def _launch(self) -> Any:
+        """Schedule a step and launch it on the runner: its handle tuple, None when nothing could
+        be scheduled, or ``_FAILED`` when launching raised (its requests are failed)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched is None:
-            raise RuntimeError(
-                f"scheduler made no progress with {len(self.scheduler.running)} running and "
-                f"{len(self.scheduler.waiting)} waiting requests ({self.pool.num_free} free blocks)"
-            )
+            return None
         if sched.newly_admitted:
             self._on_dequeued(len(sched.newly_admitted))
         t1 = time.perf_counter()
         try:
-            inflight = self.runner.execute(sched)
-            t2 = time.perf_counter()
-            result = self.runner.finish(inflight)
+            handle = self.runner.execute(sched)
         except Exception as exc:  # noqa: BLE001 - fail only this step's requests
-            logger.exception("acb: step %d failed; failing its %d requests", sched.step_id, sched.num_seqs)
-            msg = f"{type(exc).__name__}: {exc}"
-            failed = [r for r in sched.requests if not r.status.is_terminal]
-            for req in failed:
-                req.finish_reason = FinishReason.ERROR
-                self.scheduler.fail(req, msg)
-            self._failed += len(failed)
-            self._emit_final(failed)
-            self._publish_stats()
+            self._fail_step(sched, exc)
+            return _FAILED
+        t2 = time.perf_counter()
+        return (sched, handle, t1 - t0, getattr(self.runner, "last_stage_s", 0.0), t2 - t1)
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
+        logger.error("acb: step %d failed; failing its %d requests", sched.step_id, sched.num_seqs,
+                     exc_info=exc)
+        msg = f"{type(exc).__name__}: {exc}"
+        failed = [r for r in sched.requests if not r.status.is_terminal]
+        for req in failed:
+            req.finish_reason = FinishReason.ERROR
+            self.scheduler.fail(req, msg)
+        for req in sched.sample_reqs:
+            req.pending = max(0, req.pending - 1)
+        self._failed += len(failed)
+        self._emit_final(failed)
+        self._publish_stats()
+
+    def _complete(self, launched: tuple) -> None:
+        """Read a launched step's samples (the sync), record them, deliver."""
+        sched, handle, t_sched, t_stage, t_launch = launched
+        t2 = time.perf_counter()
+        try:
+            result = self.runner.finish(handle)
+        except Exception as exc:  # noqa: BLE001
+            self._fail_step(sched, exc)
             return
         t3 = time.perf_counter()
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
@@ -286,15 +344,14 @@ class EngineCore:
             self._deliver(items)
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
-        stage = getattr(self.runner, "last_stage_s", 0.0)
         tm = self.timing
-        tm[0] += t1 - t0
-        tm[1] += stage
-        tm[2] += (t2 - t1 - stage) + (t3 - t2)
+        tm[0] += t_sched
+        tm[1] += t_stage
+        tm[2] += (t_launch - t_stage) + (t3 - t2)
         tm[3] += t4 - t3
         if self.step_log is not None:
             self.step_log.append((sched.num_seqs, sched.num_tokens, sched.num_decode_tokens,
-                                  t1 - t0, stage, t2 - t1 - stage + (t3 - t2), t4 - t3))
+                                  t_sched, t_stage, t_launch - t_stage + (t3 - t2), t4 - t3))
         self._publish_stats()
 
     def _final_of(self, req: Request) -> GenerationOutput | None:

@@ -21,7 +21,7 @@ class Request:
         "block_ids", "row", "arrival_seq", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "num_preemptions",
         "num_cached_tokens", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
-        "block_hashes", "num_registered", "cache_salt", "swapped",
+        "block_hashes", "num_registered", "cache_salt", "swapped", "pending", "last_sample",
     )
 
     def __init__(
@@ -77,6 +77,9 @@ class Request:
         self.num_registered = 0  # leading blocks already registered in the prefix cache
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
         self.swapped: tuple[list[int], int] | None = None  # (host blocks, tokens) while offloaded
+        # tokens scheduled for sampling whose values are not back yet (async batching: up to 2)
+        self.pending = 0
+        self.last_sample = (-1, -1)  # (step id, index among that step's samples) of the latest sample
 
     @property
     def num_tokens(self) -> int:

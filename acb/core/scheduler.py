@@ -57,6 +57,9 @@ class SchedulerOutput:
     block_copies_after: list[tuple[int, int]]  # (src, dst) KV blocks to copy after the forward
     swap_out: list[tuple[int, int]]  # (device block, host block): offload before the forward
     swap_in: list[tuple[int, int]]  # (host block, device block): restore before the forward (after swap_out)
+    # async batching: (index in input_ids, index among the previous step's samples) of tokens that
+    # are not known yet; the runner fills them on the device from the previous step's sampled ids
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -221,10 +224,9 @@ class Scheduler:
             return []
         return self.pool.lookup(self._digests(req, (req.num_tokens - 1) // self.block_size))
 
-    def _register(self, req: Request) -> None:
-        """Make the request's newly completed full blocks findable in the prefix cache."""
-        full = req.num_computed_tokens // self.block_size
-        if full <= req.num_registered:
+    def _register(self, req: Request, full: int) -> None:
+        """Make the request's first ``full`` blocks (computed) findable in the prefix cache."""
+        if full <= req.num_registered or full > len(req.block_ids):
             return
         digests = self._digests(req, full)
         register = self.pool.register
@@ -257,8 +259,8 @@ class Scheduler:
             if not preempted:
                 budget = self._admit(out, budget, reserve=0)
         else:  # prefill_first
-            prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-            decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+            prefilling = [r for r in self.running if r.num_tokens + r.pending - r.num_computed_tokens > 1]
+            decoding = [r for r in self.running if r.num_tokens + r.pending - r.num_computed_tokens == 1]
             budget, preempted = self._schedule_running(out, budget, prefilling)
             if not preempted:
                 reserve = sum(1 for r in decoding if self._blocks_needed(r, 1) > 0)
@@ -293,8 +295,10 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             toks = req.token_ids
-            pending = len(toks) - computed
-            if pending == 1 and computed >= req.prompt_len and not req.children and (
+            if req.pending and len(toks) - req.prompt_len + req.pending >= req.max_new_tokens:
+                continue  # its last token is in flight: it finishes when that arrives
+            todo = len(toks) + req.pending - computed
+            if todo == 1 and computed >= req.prompt_len and not req.children and (
                 computed % bs or pool.num_free
             ):
                 if computed % bs == 0:  # the new token starts a block
@@ -306,8 +310,14 @@ class Scheduler:
                 rows.append(req.row)
                 num_new_l.append(1)
                 start_pos.append(computed)
-                input_ids.append(toks[computed])
+                if computed < len(toks):
+                    input_ids.append(toks[computed])
+                else:  # the token sampled by the step in flight
+                    out.placeholders.append((len(input_ids), self._placeholder_src(out, req)))
+                    input_ids.append(0)
                 req.num_computed_tokens = computed + 1
+                req.pending += 1
+                req.last_sample = (out.step_id, len(sample_reqs))
                 sample_idx.append(i)
                 sample_reqs.append(req)
                 sample_rows.append(req.row)
@@ -316,7 +326,7 @@ class Scheduler:
                 scheduled.add(id(req))
                 budget -= 1
                 continue
-            num_new = min(pending, budget)
+            num_new = min(todo, budget)
             if num_new <= 0:
                 continue
             need = self._blocks_needed(req, num_new)
@@ -353,8 +363,8 @@ class Scheduler:
             req = self.waiting[0]
             # the samples of n > 1 hold their rows from admission, so that they can always fork
             rowless = [c for c in req.children or () if c.row < 0 and not c.status.is_terminal]
-            if len(rowless) + 1 > len(self._free_rows):
-                break
+            if len(rowless) + 1 > len(self._free_rows) or req.pending:
+                break  # (a preempted request waits for its in-flight token before it resumes)
             if req.swapped is not None:  # resume from host memory: no prefix lookup, no recompute
                 hits, computed = [], req.swapped[1]
             else:
@@ -419,21 +429,37 @@ class Scheduler:
         out.rows.append(req.row)
         out.num_new.append(num_new)
         out.start_pos.append(start)
-        out.input_ids.extend(req.token_ids[start : start + num_new])
         end = start + num_new
+        known = len(req.token_ids)
+        out.input_ids.extend(req.token_ids[start : min(end, known)])
+        if end > known:  # the one token sampled by the step in flight (async batching)
+            assert end == known + 1 and req.pending == 1, f"{req}: {end - known} unknown tokens"
+            out.placeholders.append((len(out.input_ids), self._placeholder_src(out, req)))
+            out.input_ids.append(0)
         req.num_computed_tokens = end
-        if end == req.num_tokens:
+        if end == known + req.pending:
             i = len(out.requests) - 1
-            out.sample_idx.append(i)
-            out.sample_reqs.append(req)
-            out.sample_rows.append(req.row)
-            out.sample_gen_idx.append(end - req.prompt_len)
+            self._add_sample(out, req, i, end - req.prompt_len)
             if req.children:
                 self._fork(out, req, i)
         if num_new == 1 and start >= req.prompt_len:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
+
+    def _add_sample(self, out: SchedulerOutput, req: Request, logits_i: int, gen_idx: int) -> None:
+        req.pending += 1
+        req.last_sample = (out.step_id, len(out.sample_reqs))
+        out.sample_idx.append(logits_i)
+        out.sample_reqs.append(req)
+        out.sample_rows.append(req.row)
+        out.sample_gen_idx.append(gen_idx)
+
+    @staticmethod
+    def _placeholder_src(out: SchedulerOutput, req: Request) -> int:
+        step, k = req.last_sample
+        assert step == out.step_id - 1, f"{req}: its pending token is not from the step in flight"
+        return k
 
     def _fork(self, out: SchedulerOutput, parent: Request, logits_i: int) -> None:
         """n > 1: the parent's prompt is computed in this step; its samples start from it.
@@ -464,10 +490,7 @@ class Scheduler:
             self.running.append(child)
             out.block_updates.append((child.row, 0, list(child.block_ids)))
             out.row_inits.append(child)
-            out.sample_idx.append(logits_i)
-            out.sample_reqs.append(child)
-            out.sample_rows.append(child.row)
-            out.sample_gen_idx.append(0)
+            self._add_sample(out, child, logits_i, 0)
         assert not copies, "fork copy blocks left over"
         parent.children = None
 
@@ -486,12 +509,15 @@ class Scheduler:
         now = time.perf_counter()
         if self.pool.enable_caching:
             bs = self.block_size
-            for req in out.requests:  # their blocks now hold this step's K/V
-                if req.num_computed_tokens // bs > req.num_registered and req.status < _TERMINAL:
-                    self._register(req)
+            for req, start, n in zip(out.requests, out.start_pos, out.num_new):
+                # blocks whose K/V this step wrote; a later step may already be scheduled (async)
+                upto = min(start + n, len(req.token_ids)) // bs
+                if upto > req.num_registered and req.status < _TERMINAL:
+                    self._register(req, upto)
         progressed: list[Request] = []
         finished: list[Request] = []
         for k, req in enumerate(out.sample_reqs):
+            req.pending -= 1
             if req.status >= _TERMINAL:  # cancelled while its step was in flight
                 continue
             want = req.want_logprobs

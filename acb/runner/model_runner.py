@@ -165,6 +165,7 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
         device=str(device),
         kv_cache_bytes=num_blocks * per_block,
         num_swap_blocks=swap_bytes // per_block,
+        async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
     )
     return resolved, spec
 
@@ -189,6 +190,7 @@ class ModelRunner:
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
+        self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
         self._supports_logits_to_keep = bool(
             getattr(model, "_supports_logits_to_keep", lambda: False)()
         )
@@ -229,6 +231,11 @@ class ModelRunner:
         if sched.swap_in:
             self.kv_cache.swap_in(sched.swap_in)
         batch = self.inputs.prepare(sched)
+        if sched.placeholders:  # async batching: tokens sampled by the previous step, taken on the device
+            dev = batch.input_ids.device
+            at = torch.tensor([i for i, _ in sched.placeholders], dtype=torch.long, device=dev)
+            src = torch.tensor([k for _, k in sched.placeholders], dtype=torch.long, device=dev)
+            batch.input_ids[0, at] = self._prev_ids[src]
         ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
         step = sampling.step(sched.sample_rows, sched.sample_gen_idx)
         self.last_stage_s = time.perf_counter() - t0
@@ -236,6 +243,7 @@ class ModelRunner:
         for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
             self.kv_cache.copy_block(src, dst)
         packed = sample(logits, step, sampling)
+        self._prev_ids = packed if packed.dim() == 1 else packed[:, 0].long()
         return InFlightStep(sched, packed, max(step.max_logprobs, 0))
 
     def _forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
