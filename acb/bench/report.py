@@ -24,9 +24,10 @@ def _mib(b: float | None) -> str:
 def markdown_for(doc: dict[str, Any]) -> str:
     """One workload's table in Markdown."""
     r, m, model = doc["result"], doc["machine"], doc["model"]
+    what = (f"{model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}"
+            if r["workload"] != "overhead" else "null model (a 1-layer tiny Llama whose forward is skipped)")
     head = (f"**{r['workload']}** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, "
-            f"transformers {m['transformers']}; model: {model['arch']}, {model['params'] / 1e6:.1f}M params, "
-            f"{model['dtype']}; size `{doc['size']}`\n\n")
+            f"transformers {m['transformers']}; model: {what}; size `{doc['size']}`\n\n")
     w = r["workload"]
     lines: list[str] = []
     if w in ("offline", "shared-prefix"):
