@@ -11,6 +11,7 @@ sampled ids, and logprobs when asked).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -91,6 +92,17 @@ def model_max_len(model: torch.nn.Module) -> int:
     return int(getattr(text, "max_position_embeddings", None) or 1 << 20)
 
 
+def default_backend(device: torch.device) -> str:
+    """Triton on CUDA when it imports (flash-attn is not wired in yet), else the torch reference."""
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is not None:
+            return "triton"
+        logger.warning("acb: triton is not installed; using the torch attention backend on CUDA")
+    return "torch"
+
+
 def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
     """A generous estimate of one step's transient memory: activations of ``max_batch_tokens``
     tokens through one layer (hidden states, q/k/v/o, the MLP's widest tensors) and the
@@ -146,7 +158,7 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
             )
     # a single request may hold at most what the cache holds and what the model can position
     max_model_len = min(max_len, (num_blocks - 1) * block_size)
-    backend = config.attn_backend or "torch"
+    backend = config.attn_backend or default_backend(device)
     swap_bytes = int((config.cpu_offload_space or 0.0) * 2**30)
     if config.cpu_offload_space_safety_threshold > 0:
         swap_bytes = min(swap_bytes, int(config.cpu_offload_space_safety_threshold * total_host_memory()))
@@ -186,6 +198,14 @@ class ModelRunner:
                 "attn_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels "
                 "in Triton's interpreter, for testing); use attn_backend='torch' on CPU"
             )
+        if self.cfg.attn_backend == "triton" and config.attn_backend is None:
+            from acb.runner.attention.triton_backend import self_check
+
+            problem = self_check(self.device, spec.dtype)
+            if problem is not None:
+                logger.warning("acb: the Triton attention backend failed its start-up check (%s); "
+                               "falling back to the torch backend", problem)
+                self.cfg = dataclasses.replace(self.cfg, attn_backend="torch")
         self.backend = make_backend(self.cfg.attn_backend)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)

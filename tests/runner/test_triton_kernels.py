@@ -256,3 +256,13 @@ def test_generate_batch_matches_torch_backend(arch, max_batch_tokens):
         results[backend] = [o.generated_tokens for o in out.values()]
     assert all(len(toks) == 6 for toks in results["torch"])
     assert results["triton"] == results["torch"]
+
+
+def test_backend_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
+    from acb.runner.attention import triton_backend
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert triton_backend.self_check(dev, torch.float32, head_dim=32, block_size=8) is None
+    monkeypatch.setattr(triton_backend.tk, "paged_decode_attention", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("broken")))
+    assert "broken" in triton_backend.self_check(dev, torch.float32, head_dim=32, block_size=8)
