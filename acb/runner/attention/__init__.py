@@ -85,6 +85,13 @@ def acb_attention_forward(
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(f"{type(module).__name__} uses {what} ({name}), which acb does not support")
+    spec = ctx.kv_cache.spec
+    if key.shape[1] != spec.num_kv_heads or key.shape[3] != spec.head_dim:
+        raise RuntimeError(
+            f"layer {module.layer_idx}: keys have {key.shape[1]} heads of {key.shape[3]} but the KV cache "
+            f"holds {spec.num_kv_heads} of {spec.head_dim}; the model's config does not describe its "
+            "attention layers"
+        )
     out = ctx.backend.forward(
         module.layer_idx, query, key, value, ctx,
         scaling=scaling, sliding_window=sliding_window, softcap=softcap,

@@ -121,11 +121,6 @@ class TorchBackend:
         k_flat, v_flat = cache.flat_k(layer), cache.flat_v(layer)
         k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
         v_new = value[0].transpose(0, 1)
-        if k_new.shape[1:] != k_flat.shape[1:]:
-            raise RuntimeError(
-                f"layer {layer}: key shape {tuple(k_new.shape[1:])} does not match the KV cache "
-                f"{tuple(k_flat.shape[1:])}; the model's config does not describe its attention layers"
-            )
         k_flat.index_copy_(0, md.slot_mapping, k_new.to(k_flat.dtype))
         v_flat.index_copy_(0, md.slot_mapping, v_new.to(v_flat.dtype))
 

@@ -77,11 +77,6 @@ class TritonBackend:
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         k_new = key[0].transpose(0, 1)  # [T, Hkv, D] (a view: strides go to the kernel)
         v_new = value[0].transpose(0, 1)
-        if k_new.shape[1:] != k_cache.shape[2:]:
-            raise RuntimeError(
-                f"layer {layer}: key shape {tuple(k_new.shape[1:])} does not match the KV cache "
-                f"{tuple(k_cache.shape[2:])}; the model's config does not describe its attention layers"
-            )
         tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
 
         q = query[0].transpose(0, 1)  # [T, H, D]
