@@ -96,7 +96,7 @@ def run_transformers_cb(spec: ModelSpec, prompts: list[list[int]], outs: list[in
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     model = spec.build()
-    bs = TfConfig.block_size
+    bs = TfConfig().block_size or 256  # transformers >= 5.2x resolves None at start; 256 was its default
 
     def cfg_for(ps: list[list[int]], os_: list[int]) -> TfConfig:
         return TfConfig(block_size=bs, num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, os_)], bs),
