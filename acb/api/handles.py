@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -141,7 +142,7 @@ class AsyncSink:
 class ThreadSink:
     """For consumers on plain threads; pushed to directly by the engine thread."""
 
-    __slots__ = ("state", "_cond", "on_final", "on_push")
+    __slots__ = ("state", "_cond", "_waiting", "on_final", "on_push")
 
     loop = None
 
@@ -153,6 +154,7 @@ class ThreadSink:
     ) -> None:
         self.state = _SinkState(request_id)
         self._cond = threading.Condition()
+        self._waiting = 0  # consumers blocked in wait(): the engine thread notifies only then
         self.on_final = on_final
         self.on_push = on_push
 
@@ -160,7 +162,8 @@ class ThreadSink:
              top: list | None = None, sample: int = 0) -> None:
         with self._cond:
             self.state.add(token_ids, logprobs, final, top, sample)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
         if self.on_push is not None:
             self.on_push(token_ids, logprobs, final)
         if final is not None and self.on_final is not None:
@@ -173,14 +176,24 @@ class ThreadSink:
     def next_delta(self, timeout: float | None = None) -> StreamDelta | None:
         with self._cond:
             while (item := self.state.poll()) is WAIT:
-                if not self._cond.wait(timeout):
+                if not self._wait(timeout):
                     raise TimeoutError(f"no result for request {self.state.request_id!r} within {timeout}s")
             return item
 
+    def _wait(self, timeout: float | None) -> bool:
+        self._waiting += 1
+        try:
+            return self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
+
     def result(self, timeout: float | None = None) -> GenerationOutput:
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if not self._cond.wait_for(lambda: self.state.final is not None, timeout):
-                raise TimeoutError(f"request {self.state.request_id!r} not finished within {timeout}s")
+            while self.state.final is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or not self._wait(left):
+                    raise TimeoutError(f"request {self.state.request_id!r} not finished within {timeout}s")
             final = self.state.final
         err = _error_of(final)
         if err is not None:
