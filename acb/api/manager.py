@@ -177,6 +177,12 @@ class ContinuousBatchingManager:
         sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop, **per_request)
         rid = request_id if request_id is not None else self._next_id()
         router = self.output_router
+        if streaming and (sampling.n or self._engine._fe.defaults.n or 1) > 1:
+            raise ValueError(
+                "streaming=True with num_return_sequences > 1 is not supported by the manager: its partial "
+                "outputs hold one token list; use streaming=False (the final output lists every sample) or "
+                "acb.AsyncEngine, whose stream deltas carry sample_index"
+            )
         if streaming:
             acc: list[int] = []
             acc_lp: list[float] = []

@@ -126,3 +126,20 @@ def test_manager_stop_flushes_pending():
     manager.stop(block=True)  # finishes what was added
     outs = [manager.get_result(i, timeout=1) for i in ids]
     assert all(o is not None and o.status == acb.RequestStatus.FINISHED for o in outs)
+
+
+def test_manager_num_return_sequences():
+    from transformers import GenerationConfig
+
+    model = get_model("llama")
+    gc = GenerationConfig(max_new_tokens=4, do_sample=True, temperature=1.0, num_return_sequences=3, eos_token_id=-1)
+    m = acb.ContinuousBatchingManager(model, gc, acb.ContinuousBatchingConfig(**CFG))
+    m.start()
+    try:
+        rid = m.add_request([5, 6, 7])
+        out = m.get_result(rid, timeout=30)
+        assert len(out.samples) == 3 and all(len(s.generated_tokens) == 4 for s in out.samples)
+        with pytest.raises(ValueError, match="num_return_sequences"):
+            m.add_request([5, 6, 7], streaming=True)
+    finally:
+        m.stop()
