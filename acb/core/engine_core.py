@@ -310,6 +310,7 @@ class EngineCore:
         logger.error("acb: step %d failed; failing its %d requests", sched.step_id, sched.num_seqs,
                      exc_info=exc)
         msg = f"{type(exc).__name__}: {exc}"
+        self.scheduler.abandon_step(sched.step_id)
         failed = [r for r in sched.requests if not r.status.is_terminal]
         for req in failed:
             req.finish_reason = FinishReason.ERROR

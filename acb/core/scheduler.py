@@ -118,7 +118,9 @@ class Scheduler:
         self._freed_rows: list[int] = []
         self._fork_copies: list[int] = []
         self._host_to_free: list[int] = []
-        self._pending: set[bytes] = set()  # digests of blocks being computed in the step being built
+        # step id -> digests of the prompt blocks that step computes, until its output is recorded
+        # (with async batching the previous step is still in flight while the next is built)
+        self._pending: dict[int, set[bytes]] = {}
         self._step_id = 0
         self.stats = SchedulerStats()
 
@@ -145,6 +147,10 @@ class Scheduler:
         self._finish(req, RequestStatus.CANCELLED)
         self.stats.cancelled += 1
         return req
+
+    def abandon_step(self, step_id: int) -> None:
+        """A step failed: nothing it computed will be recorded."""
+        self._pending.pop(step_id, None)
 
     def fail(self, req: Request, error: str) -> None:
         req.error = error
@@ -243,7 +249,7 @@ class Scheduler:
         return need
 
     def schedule(self) -> SchedulerOutput | None:
-        self._pending.clear()
+        self._pending[self._step_id] = set()
         if self._host_to_free:  # read by the previous step's swap-ins, which are ordered before ours
             self.swap.free(self._host_to_free)
             self._host_to_free = []
@@ -268,6 +274,7 @@ class Scheduler:
             decoding = [r for r in decoding if r.row >= 0]  # some may have been preempted
             budget, _ = self._schedule_running(out, budget, decoding)
         if not out.requests:
+            self._pending.pop(self._step_id, None)
             return None
         self._step_id += 1
         st = self.stats
@@ -370,7 +377,8 @@ class Scheduler:
             else:
                 hits = self._lookup(req)
                 computed = len(hits) * self.block_size
-                if self._pending and len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in self._pending:
+                nxt = req.block_hashes[len(hits)] if len(hits) < len(req.block_hashes) else None
+                if nxt is not None and any(nxt in p for p in self._pending.values()):
                     # its next block is being computed in this step by another request: wait one
                     # step and hit it, rather than computing the same prefix twice
                     break
@@ -424,7 +432,7 @@ class Scheduler:
         if self.pool.enable_caching and start < req.prompt_len:
             full = (start + num_new) // self.block_size
             if full > start // self.block_size:
-                self._pending.update(self._digests(req, full)[start // self.block_size :])
+                self._pending[out.step_id].update(self._digests(req, full)[start // self.block_size :])
         out.requests.append(req)
         out.rows.append(req.row)
         out.num_new.append(num_new)
@@ -507,6 +515,7 @@ class Scheduler:
         Finished requests have left the running list and their blocks are free when this returns.
         """
         now = time.perf_counter()
+        self._pending.pop(out.step_id, None)
         if self.pool.enable_caching:
             bs = self.block_size
             for req, start, n in zip(out.requests, out.start_pos, out.num_new):

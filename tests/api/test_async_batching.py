@@ -92,3 +92,20 @@ def test_cancel_during_in_flight_step(monkeypatch):
     assert outs[0].status == acb.RequestStatus.CANCELLED and 3 <= len(outs[0].generated_tokens) < 16
     assert outs[0].generated_tokens == refs[0][: len(outs[0].generated_tokens)]
     assert [outs[1].generated_tokens, outs[2].generated_tokens] == [refs[1], refs[2]]
+
+
+def test_async_shared_prefix_is_computed_once():
+    # with the previous step still in flight, same-prefix requests wait for its blocks to be recorded
+    model = get_model("llama")
+    prefix = prompts_of_lengths([40], seed=75)[0]
+    prompts = [prefix + [3 + i] for i in range(6)]
+    refs = [reference_generate(model, p, 6) for p in prompts]
+    with acb.Engine(model, cfg(max_batch_tokens=48)) as eng:
+        gate = threading.Event()
+        eng._fe.core.call(lambda c: gate.wait())
+        hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=6)) for p in prompts]
+        gate.set()
+        outs = [h.result(timeout=60) for h in hs]
+        prefilled = eng.stats.prefill_tokens
+    assert [o.generated_tokens for o in outs] == refs
+    assert prefilled == 41 + 5 * (41 - 40)  # 40 = 5 full blocks of 8, computed once
