@@ -21,12 +21,9 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "use_cuda_graph": "CUDA graphs are not built yet",
     "q_padding_interval_size": "CUDA graphs are not built yet",
     "kv_padding_interval_size": "CUDA graphs are not built yet",
-    "varlen_compile_config": "torch.compile paths are not built yet",
-    "decode_compile_config": "torch.compile paths are not built yet",
-    "default_compile_level": "torch.compile paths are not built yet",
     "disable_nccl_graph_mixing": "tensor parallelism is not supported",
     "cpu_group_timeout": "tensor parallelism is not supported",
-    "use_default_compile_configs": "deprecated in transformers; torch.compile paths are not built yet",
+    "use_default_compile_configs": "deprecated in transformers: use default_compile_level",
     "max_cached_graphs": "deprecated in transformers",
 }
 

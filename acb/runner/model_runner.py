@@ -17,6 +17,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -207,6 +208,7 @@ class ModelRunner:
                                "falling back to the torch backend", problem)
                 self.cfg = dataclasses.replace(self.cfg, attn_backend="torch")
         self.backend = make_backend(self.cfg.attn_backend)
+        self._setup_compile(config)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
@@ -266,8 +268,36 @@ class ModelRunner:
         self._prev_ids = packed if packed.dim() == 1 else packed[:, 0].long()
         return InFlightStep(sched, packed, max(step.max_logprobs, 0))
 
+    def _setup_compile(self, config: ContinuousBatchingConfig) -> None:
+        """``torch.compile`` the forward for the decode-only and the mixed (varlen) paths, as
+        ``decode_compile_config`` / ``varlen_compile_config`` / ``default_compile_level`` ask.
+        acb's attention is a graph break (its metadata is host-side), so ``fullgraph`` is
+        forced off, and inductor's CUDA-graph mode ("reduce-overhead") is replaced by "default"."""
+        levels = {1: dict(mode="default", dynamic=True), 2: dict(mode="max-autotune-no-cudagraphs", dynamic=True),
+                  3: dict(mode="max-autotune-no-cudagraphs", dynamic=False)}
+        self._compiled: dict[str, Any] = {}
+        for path, cc in (("decode", config.decode_compile_config), ("varlen", config.varlen_compile_config)):
+            if cc is None and config.default_compile_level:
+                cc = levels[min(config.default_compile_level, 3)]
+            if cc is None:
+                continue
+            kw = dict(cc.to_dict() if hasattr(cc, "to_dict") else cc)
+            kw["fullgraph"] = False
+            if kw.get("mode") == "reduce-overhead":
+                kw["mode"] = "default"
+            kw = {k: v for k, v in kw.items() if k in ("fullgraph", "dynamic", "backend", "mode", "options")}
+            if kw.get("mode") and kw.get("options"):
+                kw.pop("mode")  # torch.compile takes one of the two
+            self._compiled[path] = torch.compile(self._model_forward, **kw)
+
     def _forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
+        fn = self._compiled.get("decode" if batch.input_ids.shape[1] == len(batch.attn.num_new) else "varlen")
+        if fn is not None:
+            return fn(batch, ctx)
+        return self._model_forward(batch, ctx)
+
+    def _model_forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         if self._supports_logits_to_keep:
             return self.model(
                 input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,

@@ -64,6 +64,7 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
+@torch.compiler.disable  # host-side metadata: a graph break when the model is compiled
 def acb_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
