@@ -216,7 +216,7 @@ class ModelRunner:
         self._supports_logits_to_keep = bool(
             getattr(model, "_supports_logits_to_keep", lambda: False)()
         )
-        register_with_transformers()
+        register_with_transformers(compiled=bool(self._compiled))
         self._original_attn = model.config._attn_implementation
         self._set_attn(ATTN_IMPL_NAME)
         logger.info(

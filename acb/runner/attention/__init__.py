@@ -64,7 +64,6 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
-@torch.compiler.disable  # host-side metadata: a graph break when the model is compiled
 def acb_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -100,11 +99,14 @@ def acb_attention_forward(
     return out, None
 
 
-def register_with_transformers() -> None:
-    """Idempotently register acb's attention function with transformers."""
+def register_with_transformers(compiled: bool = False) -> None:
+    """Register acb's attention function with transformers (idempotent). ``compiled``: wrap it in
+    ``torch.compiler.disable`` so that a compiled model graph-breaks there (its metadata is
+    host-side); only then, because importing dynamo disturbs Triton's interpreter."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_IMPL_NAME, acb_attention_forward)
+    fn = torch.compiler.disable(acb_attention_forward) if compiled else acb_attention_forward
+    AttentionInterface.register(ATTN_IMPL_NAME, fn)
 
 
 def make_backend(name: str) -> AttentionBackend:
