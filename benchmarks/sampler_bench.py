@@ -14,6 +14,7 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import torch
@@ -23,30 +24,24 @@ from acb.core.request import Request
 from acb.runner.sampler import SamplingState, sample
 from acb.sampling_params import FALLBACK
 
+MIXED = [
+    acb.SamplingParams(temperature=0.0),
+    acb.SamplingParams(temperature=0.7, top_p=0.9),
+    acb.SamplingParams(temperature=1.0, top_k=50),
+    acb.SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.1),
+    acb.SamplingParams(temperature=1.0, top_k=40, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3),
+    acb.SamplingParams(temperature=0.6, logprobs=5),
+    acb.SamplingParams(temperature=0.0, logprobs=0, logprobs_mode="processed", logit_bias={5: 2.0}),
+    acb.SamplingParams(temperature=1.2, seed=1234, min_new_tokens=4),
+]
+# the same, but every top-p row also has a top-k: no full-vocabulary sort
+MIXED_TOPK = [replace(sp, top_k=100) if sp.top_p is not None and not sp.top_k else sp for sp in MIXED]
+
 MIXES = {
     "greedy": lambda i: acb.SamplingParams(temperature=0.0),
     "temperature": lambda i: acb.SamplingParams(temperature=0.8),
-    "mixed": lambda i: [
-        acb.SamplingParams(temperature=0.0),
-        acb.SamplingParams(temperature=0.7, top_p=0.9),
-        acb.SamplingParams(temperature=1.0, top_k=50),
-        acb.SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.1),
-        acb.SamplingParams(temperature=1.0, top_k=40, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3),
-        acb.SamplingParams(temperature=0.6, logprobs=5),
-        acb.SamplingParams(temperature=0.0, logprobs=0, logprobs_mode="processed", logit_bias={5: 2.0}),
-        acb.SamplingParams(temperature=1.2, seed=1234, min_new_tokens=4),
-    ][i % 8],
-    # the same, but every top-p row also has a top-k: no full-vocabulary sort
-    "mixed-topk": lambda i: [
-        acb.SamplingParams(temperature=0.0),
-        acb.SamplingParams(temperature=0.7, top_k=100, top_p=0.9),
-        acb.SamplingParams(temperature=1.0, top_k=50),
-        acb.SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.1),
-        acb.SamplingParams(temperature=1.0, top_k=40, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3),
-        acb.SamplingParams(temperature=0.6, logprobs=5),
-        acb.SamplingParams(temperature=0.0, logprobs=0, logprobs_mode="processed", logit_bias={5: 2.0}),
-        acb.SamplingParams(temperature=1.2, seed=1234, min_new_tokens=4),
-    ][i % 8],
+    "mixed": lambda i: MIXED[i % len(MIXED)],
+    "mixed-topk": lambda i: MIXED_TOPK[i % len(MIXED_TOPK)],
 }
 
 

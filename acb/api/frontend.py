@@ -132,13 +132,9 @@ class Frontend:
 
     @property
     def resolved(self) -> ResolvedConfig:
-        if self.runner is None and self.core is None:
+        runner = self.runner or (self.core.runner if self.core is not None else None)
+        if runner is None:
             raise EngineNotRunningError("the engine has not been started")
-        return self._cfg
-
-    @property
-    def _cfg(self) -> ResolvedConfig:
-        runner = self.runner or self.core.runner
         return runner.cfg
 
     @property

@@ -261,16 +261,14 @@ class EngineCore:
         from this one's samples), so scheduling overlaps the device's work.
         """
         launched = self._launch()
+        if launched is None and self._inflight is None:
+            self._no_progress()
         if launched is _FAILED:  # its requests were failed; the engine carries on
             launched = None
-            if not self.async_batching:
-                return
-        elif launched is None and not (self.async_batching and self._inflight is not None):
-            self._no_progress()
-        if not self.async_batching:
-            self._complete(launched)
-            return
-        prev, self._inflight = self._inflight, launched
+        if self.async_batching:
+            prev, self._inflight = self._inflight, launched
+        else:
+            prev = launched
         if prev is not None:
             self._complete(prev)
 

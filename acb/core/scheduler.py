@@ -85,7 +85,6 @@ class SchedulerStats:
     swapped_out_blocks: int = 0  # KV blocks offloaded to host memory at preemption
     swapped_in_blocks: int = 0
     recomputed_preemptions: int = 0  # preemptions that dropped the KV (no offload space)
-    history: list[int] = field(default_factory=list, repr=False)
 
 
 class Scheduler:

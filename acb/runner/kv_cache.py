@@ -63,19 +63,21 @@ class KVCache:
 
         Synchronous on CUDA (a second host sync in the rare steps that offload): the device
         blocks may be reused by the very next kernels."""
-        dev = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.k[0].device)
-        host = torch.tensor([h for _, h in pairs], dtype=torch.long)
-        for src, dst in ((self.k, self.swap_k), (self.v, self.swap_v)):
-            for s, d in zip(src, dst):
-                d.index_copy_(0, host, s.index_select(0, dev).to("cpu"))
+        self._copy_blocks(pairs, (self.k, self.v), (self.swap_k, self.swap_v), non_blocking=False)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks back to device blocks, ``(host, device)`` pairs."""
-        host = torch.tensor([h for h, _ in pairs], dtype=torch.long)
-        dev = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.k[0].device)
-        for dst, src in ((self.k, self.swap_k), (self.v, self.swap_v)):
-            for d, s in zip(dst, src):
-                d.index_copy_(0, dev, s.index_select(0, host).to(d.device, non_blocking=True))
+        self._copy_blocks(pairs, (self.swap_k, self.swap_v), (self.k, self.v), non_blocking=True)
+
+    @staticmethod
+    def _copy_blocks(pairs: list[tuple[int, int]], src: tuple[list, list], dst: tuple[list, list],
+                     non_blocking: bool) -> None:
+        """Per layer, for K and V: ``dst[b] = src[a]`` for each ``(a, b)`` pair, across devices."""
+        src_idx = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=src[0][0].device)
+        dst_idx = torch.tensor([b for _, b in pairs], dtype=torch.long, device=dst[0][0].device)
+        for src_layers, dst_layers in zip(src, dst):
+            for s, d in zip(src_layers, dst_layers):
+                d.index_copy_(0, dst_idx, s.index_select(0, src_idx).to(d.device, non_blocking=non_blocking))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a shared partial block)."""
