@@ -21,7 +21,7 @@ import torch
 
 import acb
 from acb.core.request import Request
-from acb.runner.sampler import SamplingState, sample
+from acb.runner.sampler import SamplingState, sample, stage_standalone
 from acb.sampling_params import FALLBACK
 
 MIXED = [
@@ -54,14 +54,14 @@ def bench(rows: int, vocab: int, device: torch.device, mix: str, iters: int) -> 
         req = Request(f"r{r}", prompt, max_new_tokens=100, stop_token_ids=frozenset({2}), params=sp, seed=r)
         req.token_ids += torch.randint(3, vocab, (16,), generator=g).tolist()
         state.init_row(r, req)
-    step = state.step(list(range(rows)), [16] * rows)
+    step, dev = stage_standalone(state, list(range(rows)), [16] * rows)
     logits = torch.randn(rows, vocab, generator=g).to(device)
     times = []
     for i in range(iters + 3):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = sample(logits, step, state)
+        out = sample(logits, step, state, dev)
         if device.type == "cuda":
             torch.cuda.synchronize()
         else:

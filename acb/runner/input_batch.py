@@ -1,8 +1,23 @@
-"""Host-side preparation of one flattened batch: positions, slot mapping, block table rows.
+"""Host-to-device staging of each step's inputs, double-buffered, and the device block table.
 
-The block table is persistent (one row per running request, updated by the scheduler's
-``block_updates``), so a step copies only what changed. Everything here is vectorised numpy:
-no Python loop over tokens.
+A step's host arrays (ids, positions, slot mapping, sampling rows and parameters, block-table
+updates, ...) are packed into one pinned staging buffer and sent with **one** host-to-device
+copy on the copy stream; the compute stream waits for that copy with an event. There are two
+staging sets, used alternately, so step N+1 is packed and copied while step N computes:
+
+* a set's host buffer is rewritten only after its previous copy finished (``copied`` event;
+  by then it is two steps old, so the wait is normally free);
+* a set's device buffer is overwritten only after the compute that read it finished (the copy
+  stream waits for the ``consumed`` event recorded on the compute stream).
+
+The block table lives on the device (one row per block-table row, plus one all-zero row,
+:attr:`InputBatch.scratch_row`, for padded rows, which then read scratch block 0). The
+scheduler's ``block_updates`` reach it as a scatter of the staged (index, block) pairs; a step
+gathers its own rows. A host copy is kept to compute slot mappings with numpy (no device
+round trip). No Python loop over tokens.
+
+On CPU the same bookkeeping runs synchronously (no pinned memory, no streams, events that are
+complete at once), so CI exercises it.
 """
 
 from __future__ import annotations
@@ -15,6 +30,120 @@ import torch
 from acb.core.scheduler import SchedulerOutput
 from acb.runner.attention import BatchInputs
 
+_ALIGN = 16  # bytes; every staged array starts aligned, so byte views can be re-typed
+
+
+class _DoneEvent:
+    """A CPU stand-in for ``torch.cuda.Event``: work on CPU is synchronous, so it is always complete."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class DeviceStreams:
+    """The compute stream (the current one), a host-to-device copy stream and a
+    device-to-host copy stream, with events ordering them. ``None`` streams on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.compute = torch.cuda.current_stream(device) if self.cuda else None
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def event(self) -> torch.cuda.Event | _DoneEvent:
+        return torch.cuda.Event() if self.cuda else _DoneEvent()
+
+    def wait(self, stream: torch.cuda.Stream | None, event: torch.cuda.Event | _DoneEvent) -> None:
+        """Make ``stream`` wait for ``event`` (no host sync)."""
+        if stream is not None:
+            stream.wait_event(event)
+
+
+class StagingSet:
+    """One of the two staging sets: a host buffer (pinned on CUDA) and a device buffer, both bytes."""
+
+    def __init__(self, index: int, capacity: int, device: torch.device, streams: DeviceStreams) -> None:
+        self.index = index
+        self.device = device
+        self.streams = streams
+        self.capacity = 0
+        self.copied = streams.event()  # host buffer free again once this completes
+        self.consumed = streams.event()  # device buffer free again once this completes
+        self.uses = 0
+        self._arrays: list[tuple[str, np.ndarray]] = []
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        if self.capacity:  # rare: wait for every copy and compute using the old buffers
+            self.copied.synchronize()
+            self.consumed.synchronize()
+        self.capacity = capacity
+        self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.streams.cuda)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        """Queue a host array (int64, float32 or bool) for this step's copy."""
+        self._arrays.append((name, np.ascontiguousarray(array)))
+
+    def send(self) -> dict[str, torch.Tensor]:
+        """Pack the queued arrays, copy them to the device in one transfer on the copy stream,
+        make the compute stream wait for it, and return device views by name."""
+        layout = []
+        off = 0
+        for name, a in self._arrays:
+            layout.append((name, a, off))
+            off += -(-a.nbytes // _ALIGN) * _ALIGN
+        total = max(off, _ALIGN)
+        if total > self.capacity:
+            self._grow(max(total, 2 * self.capacity))
+        self.copied.synchronize()  # the previous copy out of this host buffer is done (two steps ago)
+        buf = self.host_np
+        for _, a, o in layout:
+            buf[o : o + a.nbytes] = a.reshape(-1).view(np.uint8)
+        s = self.streams
+        if s.cuda:
+            with torch.cuda.stream(s.h2d):
+                s.h2d.wait_event(self.consumed)  # the device buffer's last reader is done
+                self.dev[:total].copy_(self.host[:total], non_blocking=True)
+                self.copied.record(s.h2d)
+            s.compute.wait_event(self.copied)
+        else:
+            self.dev[:total].copy_(self.host[:total])
+        views = {}
+        for name, a, o in layout:
+            dtype = _TORCH_DTYPE[a.dtype.type]
+            views[name] = self.dev[o : o + a.nbytes].view(dtype).view(a.shape)
+        self._arrays = []
+        self.uses += 1
+        return views
+
+    def release(self) -> None:
+        """Mark, on the compute stream, the point after which this set's device views are unused."""
+        self.consumed.record(self.streams.compute) if self.streams.cuda else None
+
+
+_TORCH_DTYPE = {np.int64: torch.int64, np.float32: torch.float32, np.bool_: torch.bool, np.int32: torch.int32}
+
+
+class StagingRing:
+    """The two staging sets, handed out alternately (step N uses set N % 2)."""
+
+    def __init__(self, capacity: int, device: torch.device, streams: DeviceStreams) -> None:
+        self.sets = [StagingSet(i, capacity, device, streams) for i in range(2)]
+        self._next = 0
+
+    def begin(self) -> StagingSet:
+        s = self.sets[self._next]
+        self._next ^= 1
+        return s
+
 
 @dataclass
 class PreparedBatch:
@@ -22,19 +151,30 @@ class PreparedBatch:
     position_ids: torch.Tensor  # [1, T] long
     logits_indices: torch.Tensor  # [S] long: rows of the flattened batch that sample
     attn: BatchInputs
+    rows: torch.Tensor  # [B] long: block-table rows of the scheduled sequences
+    decode_only: bool
 
 
 class InputBatch:
+    """The block table (host copy and device copy) and the per-step input arrays."""
+
     def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
-        self.block_table = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
+        self.scratch_row = max_rows  # all zeros: padded rows read scratch block 0
+        self.block_table = np.zeros((max_rows + 1, max_blocks_per_seq), dtype=np.int64)
+        self.block_table_dev = torch.zeros((max_rows + 1, max_blocks_per_seq), dtype=torch.long, device=device)
 
-    def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+    def stage(self, out: SchedulerOutput, st: StagingSet) -> "_HostBatch":
+        """Compute the step's host arrays and queue them on ``st``."""
         bs = self.block_size
         bt = self.block_table
+        cols = bt.shape[1]
+        upd_idx, upd_val = [], []
         for row, col, blocks in out.block_updates:
             bt[row, col : col + len(blocks)] = blocks
+            upd_idx.append(np.arange(row * cols + col, row * cols + col + len(blocks), dtype=np.int64))
+            upd_val.append(np.asarray(blocks, dtype=np.int64))
         num_new = np.asarray(out.num_new, dtype=np.int64)
         start = np.asarray(out.start_pos, dtype=np.int64)
         seq_lens = start + num_new
@@ -43,28 +183,55 @@ class InputBatch:
         total = int(qsl[-1])
         seq_of_tok = np.repeat(np.arange(len(num_new)), num_new)
         positions = np.arange(total, dtype=np.int64) + np.repeat(start - qsl[:-1], num_new)
-        max_seq_len = int(seq_lens.max())
-        rows = bt[np.asarray(out.rows, dtype=np.int64), : -(-max_seq_len // bs)]  # [B, cols]
-        slots = rows[seq_of_tok, positions // bs] * bs + positions % bs
+        rows = np.asarray(out.rows, dtype=np.int64)
+        slots = bt[rows[seq_of_tok], positions // bs] * bs + positions % bs
         logits_idx = qsl[1:][np.asarray(out.sample_idx, dtype=np.int64)] - 1  # may repeat (n > 1)
+        st.add("input_ids", np.asarray(out.input_ids, dtype=np.int64))
+        st.add("positions", positions)
+        st.add("slots", slots)
+        st.add("logits_idx", logits_idx)
+        st.add("seq_lens", seq_lens)
+        st.add("qsl", qsl)
+        st.add("rows", rows)
+        if upd_idx:
+            st.add("bt_idx", np.concatenate(upd_idx))
+            st.add("bt_val", np.concatenate(upd_val))
+        if out.placeholders:
+            ph = np.asarray(out.placeholders, dtype=np.int64)
+            st.add("ph_at", ph[:, 0])
+            st.add("ph_src", ph[:, 1])
+        return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new))
 
-        dev = self.device
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
+    def build(self, host: "_HostBatch", dev: dict[str, torch.Tensor], prev_ids: torch.Tensor) -> PreparedBatch:
+        """Device side (compute stream): apply block-table updates, fill placeholders, gather rows."""
+        if "bt_idx" in dev:
+            self.block_table_dev.view(-1).index_copy_(0, dev["bt_idx"], dev["bt_val"])
+        input_ids = dev["input_ids"]
+        if "ph_at" in dev:  # async batching: tokens sampled by the previous step, taken on the device
+            input_ids.index_copy_(0, dev["ph_at"], prev_ids.index_select(0, dev["ph_src"]))
+        cols = -(-host.max_seq_len // self.block_size)
         attn = BatchInputs(
-            slot_mapping=t(slots),
-            block_table=t(np.ascontiguousarray(rows)),
-            seq_lens=t(seq_lens),
-            query_start_loc=t(qsl),
-            num_new=out.num_new,
-            start_pos=out.start_pos,
-            max_seq_len=max_seq_len,
+            slot_mapping=dev["slots"],
+            block_table=self.block_table_dev[:, :cols].index_select(0, dev["rows"]),
+            seq_lens=dev["seq_lens"],
+            query_start_loc=dev["qsl"],
+            num_new=host.num_new,
+            start_pos=host.start_pos,
+            max_seq_len=host.max_seq_len,
         )
         return PreparedBatch(
-            input_ids=t(np.asarray(out.input_ids, dtype=np.int64))[None],
-            position_ids=t(positions)[None],
-            logits_indices=t(logits_idx),
+            input_ids=input_ids[None],
+            position_ids=dev["positions"][None],
+            logits_indices=dev["logits_idx"],
             attn=attn,
+            rows=dev["rows"],
+            decode_only=host.decode_only,
         )
+
+
+@dataclass
+class _HostBatch:
+    num_new: list[int]
+    start_pos: list[int]
+    max_seq_len: int
+    decode_only: bool

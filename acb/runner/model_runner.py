@@ -25,7 +25,7 @@ from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, StepContext, make_backend, register_with_transformers
-from acb.runner.input_batch import InputBatch, PreparedBatch
+from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget, total_host_memory
 from acb.runner.sampler import SamplingState, sample
 
@@ -47,8 +47,17 @@ class InFlightStep:
     """A launched step; its results are read (the step's one sync) by ``ModelRunner.finish``."""
 
     sched: SchedulerOutput
-    packed: torch.Tensor  # [S] ids, or [S, 2 + 2k] (id, logprob, k ids, k logprobs)
+    result: "HostResult"
     num_top: int
+
+
+@dataclass
+class HostResult:
+    """Sampled ids on their way to the host: ``[S]`` ids, or ``[S, 2 + 2k]`` (id, logprob, k ids,
+    k logprobs), pinned on CUDA; ``done`` completes when the copy has landed (None on CPU)."""
+
+    tensor: torch.Tensor
+    done: Any
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -116,6 +125,13 @@ def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows
     activations = max_batch_tokens * (6 * hidden + 3 * inter) * elem
     logits = max_rows * vocab * 4 * 6  # logits, processed, probabilities, cumsum, sort keys/indices
     return activations + logits
+
+
+def staging_bytes(cfg: ResolvedConfig) -> int:
+    """Initial size of a staging set: a full step's token arrays and per-row arrays, with room
+    for sampling parameters and block-table updates (it grows if a step ever needs more)."""
+    tokens, rows = cfg.max_batch_tokens, cfg.max_requests_per_batch
+    return 8 * (4 * tokens + 8 * rows + 16) + 4 * 16 * rows + 8 * 2 * 4 * rows
 
 
 def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> tuple[ResolvedConfig, KVSpec]:
@@ -210,6 +226,9 @@ class ModelRunner:
         self.backend = make_backend(self.cfg.attn_backend)
         self._setup_compile(config)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
+        self.streams = DeviceStreams(self.device)
+        self.staging = StagingRing(staging_bytes(self.cfg), self.device, self.streams)
+        self.graphs = None  # decode CUDA graphs (acb.runner.cuda_graphs.DecodeGraphs), set up by warmup()
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
@@ -241,7 +260,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> InFlightStep:
-        """Launch the forward and the sampler for one step (no host sync)."""
+        """Launch one step (no host sync): stage its inputs (one copy), run the forward and the
+        sampler on the compute stream, and start copying the sampled ids back to the host."""
         t0 = time.perf_counter()
         sampling = self.sampling
         for row in sched.freed_rows:
@@ -252,21 +272,41 @@ class ModelRunner:
             self.kv_cache.swap_out(sched.swap_out)
         if sched.swap_in:
             self.kv_cache.swap_in(sched.swap_in)
-        batch = self.inputs.prepare(sched)
-        if sched.placeholders:  # async batching: tokens sampled by the previous step, taken on the device
-            dev = batch.input_ids.device
-            at = torch.tensor([i for i, _ in sched.placeholders], dtype=torch.long, device=dev)
-            src = torch.tensor([k for _, k in sched.placeholders], dtype=torch.long, device=dev)
-            batch.input_ids[0, at] = self._prev_ids[src]
-        ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
-        step = sampling.step(sched.sample_rows, sched.sample_gen_idx)
+        st = self.staging.begin()
+        host = self.inputs.stage(sched, st)
+        step = sampling.stage(st, sched.sample_rows, sched.sample_gen_idx)
+        dev = st.send()
         self.last_stage_s = time.perf_counter() - t0
-        logits = self._forward(batch, ctx)
+        sampling.apply_inits(dev)
+        batch = self.inputs.build(host, dev, self._prev_ids)
+        logits = None
+        if self.graphs is not None and batch.decode_only:
+            logits = self.graphs.run(batch)  # None when no captured graph fits this step
+        if logits is None:
+            ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
+            logits = self._forward(batch, ctx)
         for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
             self.kv_cache.copy_block(src, dst)
-        packed = sample(logits, step, sampling)
+        packed = sample(logits, step, sampling, dev)
+        st.release()
         self._prev_ids = packed if packed.dim() == 1 else packed[:, 0].long()
-        return InFlightStep(sched, packed, max(step.max_logprobs, 0))
+        return InFlightStep(sched, self._to_host(packed), max(step.max_logprobs, 0))
+
+    def _to_host(self, packed: torch.Tensor) -> "HostResult":
+        """Start the copy of the sampled ids to (pinned) host memory on the device-to-host stream."""
+        s = self.streams
+        if not s.cuda:
+            return HostResult(packed, None)
+        sampled = s.event()
+        sampled.record(s.compute)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        with torch.cuda.stream(s.d2h):
+            s.d2h.wait_event(sampled)
+            host.copy_(packed, non_blocking=True)
+            packed.record_stream(s.d2h)
+            done = s.event()
+            done.record(s.d2h)
+        return HostResult(host, done)
 
     def _setup_compile(self, config: ContinuousBatchingConfig) -> None:
         """``torch.compile`` the forward for the decode-only and the mixed (varlen) paths, as
@@ -292,7 +332,7 @@ class ModelRunner:
 
     def _forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
-        fn = self._compiled.get("decode" if batch.input_ids.shape[1] == len(batch.attn.num_new) else "varlen")
+        fn = self._compiled.get("decode" if batch.decode_only else "varlen")
         if fn is not None:
             return fn(batch, ctx)
         return self._model_forward(batch, ctx)
@@ -308,9 +348,15 @@ class ModelRunner:
         ).logits[0, batch.logits_indices]
 
     def finish(self, step: InFlightStep) -> ModelRunnerOutput:
-        """Sync: read the step's sampled ids (with logprobs when asked) on the host, in one copy."""
-        rows = step.packed.tolist()
-        if step.packed.dim() == 1:
+        """Sync: wait for the step's sampled ids (with logprobs when asked) to reach the host.
+
+        Waits on the device-to-host copy's event only, so a step launched after this one
+        keeps running on the device meanwhile."""
+        res = step.result
+        if res.done is not None:
+            res.done.synchronize()
+        rows = res.tensor.tolist()
+        if res.tensor.dim() == 1:
             return ModelRunnerOutput(sampled=rows, logprobs=None, top=None)
         k = step.num_top
         sampled = [int(r[0]) for r in rows]

@@ -81,6 +81,7 @@ class SamplingState:
         self.counts: torch.Tensor | None = None  # [rows, V] float32: generated-token counts (no cast per step)
         self.bias: torch.Tensor | None = None  # [rows, V] float32
         self.stop_mask: torch.Tensor | None = None  # [rows, V] bool: tokens min_new_tokens suppresses
+        self._pending = _pending_ops()  # row initialisations not yet staged
 
     def _buf(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         t = getattr(self, name)
@@ -105,49 +106,85 @@ class SamplingState:
         t[C_SEED_HI] = (req.seed >> 32) & 0x7FFFFFFF
         t[C_NLOGPROBS] = -1 if sp.logprobs is None else sp.logprobs
         t[C_PROCESSED] = 1.0 if sp.logprobs_mode == "processed" else 0.0
-        dev = self.device
         penalty = t[C_REP] != 1.0 or t[C_PRES] != 0.0 or t[C_FREQ] != 0.0
         self.live_penalty[row] = penalty
-        if penalty:
-            seen, counts = self._buf("seen", torch.bool), self._buf("counts", torch.float32)
-            seen[row].zero_()
-            counts[row].zero_()
-            seen[row, torch.tensor(req.token_ids, dtype=torch.long, device=dev)] = True
+        ops = self._pending
+        if penalty:  # seen: prompt and generated tokens; counts: generated ones
+            ops["pen_rows"].append(row)
+            ops["seen_r"].append(np.full(len(req.token_ids), row, dtype=np.int64))
+            ops["seen_c"].append(np.asarray(req.token_ids, dtype=np.int64))
             gen = req.token_ids[req.prompt_len:]
-            if gen:
-                g = torch.tensor(gen, dtype=torch.long, device=dev)
-                counts[row].index_put_((g,), torch.ones_like(g, dtype=torch.float32), accumulate=True)
+            ops["cnt_r"].append(np.full(len(gen), row, dtype=np.int64))
+            ops["cnt_c"].append(np.asarray(gen, dtype=np.int64))
         self.live_bias[row] = bool(sp.logit_bias)
         if sp.logit_bias:
-            bias = self._buf("bias", torch.float32)
-            bias[row].zero_()
-            ids = torch.tensor(list(sp.logit_bias.keys()), dtype=torch.long, device=dev)
-            bias[row, ids] = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32, device=dev)
+            ops["bias_rows"].append(row)
+            ops["bias_r"].append(np.full(len(sp.logit_bias), row, dtype=np.int64))
+            ops["bias_c"].append(np.fromiter(sp.logit_bias.keys(), dtype=np.int64))
+            ops["bias_v"].append(np.fromiter(sp.logit_bias.values(), dtype=np.float32))
         self.live_min_new[row] = bool(sp.min_new_tokens) and bool(req.stop_token_ids) and not sp.ignore_eos
         if self.live_min_new[row]:
-            mask = self._buf("stop_mask", torch.bool)
-            mask[row].zero_()
-            mask[row, torch.tensor(sorted(req.stop_token_ids), dtype=torch.long, device=dev)] = True
+            ops["stop_rows"].append(row)
+            ops["stop_r"].append(np.full(len(req.stop_token_ids), row, dtype=np.int64))
+            ops["stop_c"].append(np.asarray(sorted(req.stop_token_ids), dtype=np.int64))
 
     def free_row(self, row: int) -> None:
         self.live_penalty[row] = self.live_bias[row] = self.live_min_new[row] = False
 
-    def step(self, rows: list[int], gen_idx: list[int]) -> StepSampling:
+    def stage(self, st, rows: list[int], gen_idx: list[int]) -> StepSampling:
+        """This step's sampling inputs, queued on the staging set ``st`` (an
+        ``acb.runner.input_batch.StagingSet``) with the row (re)initialisations since the last step."""
         r = np.asarray(rows, dtype=np.int64)
         params = self.table[r]
         sampled = params[:, C_TEMP] > 0
         trunc = sampled & ((params[:, C_TOPK] > 0) | (params[:, C_TOPP] < 1))
         # top-p then runs on the top-k survivors, so only top-p without top-k needs every token
         widths = np.where(params[:, C_TOPK] > 0, np.minimum(params[:, C_TOPK], self.vocab), self.vocab)
+        gen = np.asarray(gen_idx, dtype=np.int64)
+        st.add("sp_rows", r)
+        st.add("sp_params", params.astype(np.float32))
+        st.add("sp_gen", gen)
+        any_sampling = bool(sampled.any())
+        if any_sampling:
+            st.add("sp_seeds", (params[:, C_SEED_HI].astype(np.int64) << 32) | params[:, C_SEED_LO].astype(np.int64))
+        for name, parts in self._pending.items():
+            if parts:
+                st.add(name, np.asarray(parts, dtype=np.int64) if name.endswith("_rows") else np.concatenate(parts))
+        self._pending = _pending_ops()
         return StepSampling(
             rows=r,
-            gen_idx=np.asarray(gen_idx, dtype=np.int64),
+            gen_idx=gen,
             params=params,
-            any_sampling=bool(sampled.any()),
+            any_sampling=any_sampling,
             top_kp_width=int(widths[trunc].max()) if trunc.any() else 0,
             any_min_p=bool((sampled & (params[:, C_MINP] > 0)).any()),
             max_logprobs=int(params[:, C_NLOGPROBS].max()) if len(r) else -1,
         )
+
+    def apply_inits(self, dev: dict[str, torch.Tensor]) -> None:
+        """On the device: write the staged row initialisations into the history tables."""
+        if "pen_rows" in dev:
+            seen, counts = self._buf("seen", torch.bool), self._buf("counts", torch.float32)
+            seen.index_fill_(0, dev["pen_rows"], False)
+            counts.index_fill_(0, dev["pen_rows"], 0.0)
+            seen[dev["seen_r"], dev["seen_c"]] = True
+            if "cnt_r" in dev:
+                counts.index_put_((dev["cnt_r"], dev["cnt_c"]), torch.ones_like(dev["cnt_r"], dtype=torch.float32),
+                                  accumulate=True)
+        if "bias_rows" in dev:
+            bias = self._buf("bias", torch.float32)
+            bias.index_fill_(0, dev["bias_rows"], 0.0)
+            bias[dev["bias_r"], dev["bias_c"]] = dev["bias_v"]
+        if "stop_rows" in dev:
+            mask = self._buf("stop_mask", torch.bool)
+            mask.index_fill_(0, dev["stop_rows"], False)
+            mask[dev["stop_r"], dev["stop_c"]] = True
+
+
+def _pending_ops() -> dict[str, list]:
+    names = ("pen_rows", "seen_r", "seen_c", "cnt_r", "cnt_c", "bias_rows", "bias_r", "bias_c", "bias_v",
+             "stop_rows", "stop_r", "stop_c")
+    return {n: [] for n in names}
 
 
 @dataclass
@@ -237,14 +274,12 @@ def sample(
     logits: torch.Tensor,  # [S, V] any float dtype
     step: StepSampling,
     state: SamplingState,
+    dev: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """Sampled ids, packed with logprobs when asked: ``[S]`` long, or ``[S, 2 + 2k]`` float64
     rows of (id, chosen logprob, k alternative ids, k alternative logprobs)."""
-    dev = logits.device
     raw = logits.float()
-    rows = torch.from_numpy(step.rows).to(dev, non_blocking=True)
-    p = torch.from_numpy(step.params.astype(np.float32)).to(dev, non_blocking=True)
-    gen_idx = torch.from_numpy(step.gen_idx).to(dev, non_blocking=True)
+    rows, p, gen_idx = dev["sp_rows"], dev["sp_params"], dev["sp_gen"]  # staged by SamplingState.stage
     use_penalty = bool(state.live_penalty.any())
     pr = process_logits(
         raw, p, gen_idx, rows, state,
@@ -255,10 +290,7 @@ def sample(
     ids = pr.x.argmax(dim=-1)
     temp = p[:, C_TEMP]
     if step.any_sampling:
-        seeds = torch.from_numpy(
-            (step.params[:, C_SEED_HI].astype(np.int64) << 32) | step.params[:, C_SEED_LO].astype(np.int64)
-        ).to(dev, non_blocking=True)
-        u = seeded_uniforms(seeds, gen_idx)
+        u = seeded_uniforms(dev["sp_seeds"], gen_idx)
         plain = pr.plain
         sampled = _inverse_cdf((plain - plain.amax(dim=-1, keepdim=True)).exp(), u)
         if pr.cand_vals is not None:
@@ -281,3 +313,15 @@ def sample(
         top_lp, top_ids = lp.topk(step.max_logprobs, dim=-1)
         cols += [top_ids.double(), top_lp.double()]
     return torch.cat(cols, dim=1)
+
+
+def stage_standalone(state: SamplingState, rows: list[int], gen_idx: list[int]) -> tuple[StepSampling, dict[str, torch.Tensor]]:
+    """Stage and apply one step's sampling inputs outside an engine (tests, benchmarks):
+    returns what :func:`sample` and :func:`process_logits` take."""
+    from acb.runner.input_batch import DeviceStreams, StagingSet
+
+    st = StagingSet(0, 1 << 12, state.device, DeviceStreams(state.device))
+    step = state.stage(st, rows, gen_idx)
+    dev = st.send()
+    state.apply_inits(dev)
+    return step, dev

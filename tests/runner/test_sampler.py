@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 
 import acb
 from acb.core.request import Request
-from acb.runner.sampler import C_TEMP, SamplingState, process_logits, sample, seeded_uniforms
+from acb.runner.sampler import C_TEMP, SamplingState, process_logits, sample, seeded_uniforms, stage_standalone
 
 V = 64
 EOS = 2
@@ -70,10 +70,10 @@ def _run_process(cases, logits, prompts, gens):
     reqs = [make_req(i, sp.merged_over(acb.sampling_params.FALLBACK), prompts[i], gens[i]) for i, sp in enumerate(cases)]
     for r in reqs:
         state.init_row(r.row, r)
-    step = state.step([r.row for r in reqs], [len(g) for g in gens])
-    p = torch.from_numpy(step.params.astype(np.float32))
+    step, dev = stage_standalone(state, [r.row for r in reqs], [len(g) for g in gens])
+    p = dev["sp_params"]
     pr = process_logits(
-        logits, p, torch.from_numpy(step.gen_idx), torch.from_numpy(step.rows), state,
+        logits, p, dev["sp_gen"], dev["sp_rows"], state,
         use_penalty=bool(state.live_penalty.any()), use_bias=False, use_min_new=bool(state.live_min_new.any()),
         any_sampling=step.any_sampling, top_kp_width=step.top_kp_width, any_min_p=step.any_min_p,
     )
@@ -102,8 +102,8 @@ def test_presence_frequency_and_bias():
     state = SamplingState(1, V, torch.device("cpu"))
     r = make_req(0, sp.merged_over(acb.sampling_params.FALLBACK), [3, 4], generated=[5, 5, 6])
     state.init_row(0, r)
-    step = state.step([0], [3])
-    p = torch.from_numpy(step.params.astype(np.float32))
+    step, dev = stage_standalone(state, [0], [3])
+    p = dev["sp_params"]
     x = process_logits(logits, p, torch.tensor([3]), torch.tensor([0]), state, use_penalty=True, use_bias=True,
                        use_min_new=False, any_sampling=False).x
     expected = torch.zeros(V)
@@ -141,8 +141,8 @@ def test_sampling_frequencies_match_processed_softmax(sp):
     params = sp.merged_over(acb.sampling_params.FALLBACK)
     for i in range(n):  # n independent draws: same logits, different seeds
         state.init_row(i, make_req(i, params, [3, 4, 5], seed=1000 + i))
-    step = state.step(list(range(n)), [0] * n)
-    ids = sample(base.expand(n, V).contiguous(), step, state)
+    step, dev = stage_standalone(state, list(range(n)), [0] * n)
+    ids = sample(base.expand(n, V).contiguous(), step, state, dev)
     counts = torch.bincount(ids, minlength=V).double() / n
     _, x, y = _run_process([params], base, [[3, 4, 5]], [[]])
     probs = torch.softmax(y[0].double(), -1)

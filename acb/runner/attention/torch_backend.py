@@ -52,7 +52,9 @@ class TorchBackend:
             nb = -(-lmax // block_size)
             decode_gather = (bt[:, :nb].repeat_interleave(block_size, dim=1)[:, :lmax] * block_size) + (pos % block_size)
         prefills = []
-        qsl = batch.query_start_loc.tolist() if len(dec) < len(batch.num_new) else None
+        qsl = [0]  # host copy of query_start_loc (no device read)
+        for n in batch.num_new:
+            qsl.append(qsl[-1] + n)
         for i, n in enumerate(batch.num_new):
             if n == 1:
                 continue
