@@ -13,14 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
-ATTN_BACKENDS = ("torch", "triton")
+ATTN_BACKENDS = ("torch", "triton", "flash_attn")
 
 # field -> why it has no effect yet
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "max_blocks_per_request": "only used by the flash-attn decode path, not built yet",
-    "use_cuda_graph": "CUDA graphs are not built yet",
-    "q_padding_interval_size": "CUDA graphs are not built yet",
-    "kv_padding_interval_size": "CUDA graphs are not built yet",
+    "max_blocks_per_request": "acb's block tables always span max_model_len",
+    "kv_padding_interval_size": "acb's decode graphs read context lengths from the device, so KV lengths need no padding",
     "disable_nccl_graph_mixing": "tensor parallelism is not supported",
     "cpu_group_timeout": "tensor parallelism is not supported",
     "use_default_compile_configs": "deprecated in transformers: use default_compile_level",
@@ -65,7 +63,7 @@ class ContinuousBatchingConfig:
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
     # acb only
-    attn_backend: str | None = None  # "torch"; None = the best available
+    attn_backend: str | None = None  # "torch", "triton", "flash_attn"; None = the best available
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions
     _warned: bool = field(default=False, repr=False, compare=False)
 
@@ -97,6 +95,17 @@ class ContinuousBatchingConfig:
             raise ValueError(f"ContinuousBatchingConfig.safety_margin must be in [0, 1), got {self.safety_margin}")
         if isinstance(self.max_queue_size, bool) or not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
             raise ValueError(f"ContinuousBatchingConfig.max_queue_size must be an int >= 0, got {self.max_queue_size!r}")
+        g = self.use_cuda_graph
+        if not (g is None or isinstance(g, bool) or (isinstance(g, tuple) and len(g) == 2
+                                                      and all(isinstance(x, bool) for x in g))):
+            raise ValueError(
+                "ContinuousBatchingConfig.use_cuda_graph must be None, a bool, or a (varlen, decode) tuple of "
+                f"bools, got {g!r}"
+            )
+        if isinstance(self.q_padding_interval_size, bool) or not isinstance(self.q_padding_interval_size, int) \
+                or self.q_padding_interval_size < 0:
+            raise ValueError("ContinuousBatchingConfig.q_padding_interval_size must be an int >= 0, "
+                             f"got {self.q_padding_interval_size!r}")
         if self.attn_backend is not None and self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(
                 f"ContinuousBatchingConfig.attn_backend must be one of {ATTN_BACKENDS} or None, "
@@ -136,6 +145,8 @@ class ResolvedConfig:
     kv_cache_bytes: int
     num_swap_blocks: int = 0  # host-memory KV offload space, in blocks
     async_batching: bool = False  # schedule step N+1 while step N runs
+    cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (the eager twin on CPU)
+    graph_step: int | None = None  # batch-size granularity of the decode graphs (q_padding_interval_size)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -92,7 +92,13 @@ class Frontend:
         if self.runner is None:
             from acb.runner.model_runner import ModelRunner  # the only place the API reaches torch code
 
-            self.runner = ModelRunner(self.model, self.config)
+            runner = ModelRunner(self.model, self.config)
+            try:
+                runner.warmup()  # captures the decode CUDA graphs when enabled
+            except BaseException:
+                runner.close()
+                raise
+            self.runner = runner
 
     def start(self) -> None:
         with self._start_lock:

@@ -153,6 +153,7 @@ class PreparedBatch:
     attn: BatchInputs
     rows: torch.Tensor  # [B] long: block-table rows of the scheduled sequences
     decode_only: bool
+    logits_identity: bool = False  # sequence i samples row i, once each (logits_indices is arange(B))
 
 
 class InputBatch:
@@ -200,7 +201,8 @@ class InputBatch:
             ph = np.asarray(out.placeholders, dtype=np.int64)
             st.add("ph_at", ph[:, 0])
             st.add("ph_src", ph[:, 1])
-        return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new))
+        identity = len(out.sample_idx) == len(num_new) and out.sample_idx == list(range(len(num_new)))
+        return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new), identity)
 
     def build(self, host: "_HostBatch", dev: dict[str, torch.Tensor], prev_ids: torch.Tensor) -> PreparedBatch:
         """Device side (compute stream): apply block-table updates, fill placeholders, gather rows."""
@@ -226,6 +228,7 @@ class InputBatch:
             attn=attn,
             rows=dev["rows"],
             decode_only=host.decode_only,
+            logits_identity=host.logits_identity,
         )
 
 
@@ -235,3 +238,4 @@ class _HostBatch:
     start_pos: list[int]
     max_seq_len: int
     decode_only: bool
+    logits_identity: bool

@@ -199,6 +199,16 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
     return resolved, spec
 
 
+def _decode_graph_flag(use_cuda_graph: bool | tuple[bool, bool] | None) -> bool | None:
+    """transformers' ``use_cuda_graph`` (a bool for both paths, or (varlen, decode)) -> the decode flag."""
+    if isinstance(use_cuda_graph, tuple):
+        if use_cuda_graph[0]:
+            logger.warning("acb: CUDA graphs for mixed (varlen) steps are not used: acb runs them eagerly "
+                           "and replays graphs for decode-only steps")
+        return use_cuda_graph[1]
+    return use_cuda_graph
+
+
 class ModelRunner:
     """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
 
@@ -224,6 +234,8 @@ class ModelRunner:
                                "falling back to the torch backend", problem)
                 self.cfg = dataclasses.replace(self.cfg, attn_backend="torch")
         self.backend = make_backend(self.cfg.attn_backend)
+        self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
+        self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs(), graph_step=config.q_padding_interval_size or None)
         self._setup_compile(config)
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.streams = DeviceStreams(self.device)
@@ -240,11 +252,54 @@ class ModelRunner:
         self._set_attn(ATTN_IMPL_NAME)
         logger.info(
             "acb: %d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
-            "max_model_len=%d, offload space %d blocks, backend=%s, device=%s",
+            "max_model_len=%d, offload space %d blocks, backend=%s, decode graphs=%s, device=%s",
             self.cfg.num_blocks, self.cfg.block_size, self.cfg.kv_cache_bytes / 2**20, self.cfg.max_batch_tokens,
             self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
-            self.cfg.attn_backend, self.device,
+            self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
         )
+
+    def _want_graphs(self) -> bool:
+        """Decode graphs: on by default on CUDA with a backend that supports them; on CPU only when
+        asked for (the eager twin, for tests)."""
+        asked = self._graphs_requested
+        ok = getattr(self.backend, "supports_graphs", False)
+        if asked is None:
+            return self.device.type == "cuda" and ok
+        if asked and not ok:
+            logger.warning("acb: use_cuda_graph is ignored: the %r attention backend sizes its work from host "
+                           "values each step, so it cannot be captured (use 'triton' or 'flash_attn')", self.backend.name)
+            return False
+        if asked and self.device.type != "cuda":
+            logger.info("acb: use_cuda_graph on %s runs the eager twin of the decode graphs (static buffers and "
+                        "padding, no capture)", self.device)
+        return asked
+
+    def warmup(self) -> None:
+        """Capture the decode CUDA graphs (when enabled) and check a replay against eager.
+
+        When graphs were asked for explicitly, a failure raises; when they were chosen
+        automatically, it logs a warning and the engine runs eagerly."""
+        if not self.cfg.cuda_graphs or self.graphs is not None:
+            return
+        from acb.runner.cuda_graphs import DecodeGraphs, graph_sizes
+
+        graphs = DecodeGraphs(self, graph_sizes(self.cfg.max_requests_per_batch, self.cfg.graph_step),
+                              twin=self.device.type != "cuda")
+        try:
+            graphs.capture_all()
+            problem = graphs.self_check()
+        except Exception as exc:  # noqa: BLE001 - reported below, with the cause
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is None:
+            self.graphs = graphs
+            return
+        del graphs
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self._graphs_requested:
+            raise RuntimeError(f"acb: capturing the decode CUDA graphs failed: {problem}")
+        logger.warning("acb: decode CUDA graphs disabled, their capture or check failed (%s)", problem)
+        self.cfg = dataclasses.replace(self.cfg, cuda_graphs=False)
 
     def _set_attn(self, impl: str) -> None:
         try:

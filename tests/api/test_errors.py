@@ -143,8 +143,12 @@ def test_config_validation():
         acb.ContinuousBatchingConfig(num_blocks=1)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         acb.ContinuousBatchingConfig(max_batch_tokens=0)
-    with pytest.warns(UserWarning, match="use_cuda_graph"):
-        acb.ContinuousBatchingConfig(use_cuda_graph=True).warn_unsupported()
+    with pytest.warns(UserWarning, match="kv_padding_interval_size"):
+        acb.ContinuousBatchingConfig(kv_padding_interval_size=64).warn_unsupported()
+    with pytest.raises(ValueError, match="use_cuda_graph"):
+        acb.ContinuousBatchingConfig(use_cuda_graph=(True,))
+    with pytest.raises(ValueError, match="q_padding_interval_size"):
+        acb.ContinuousBatchingConfig(q_padding_interval_size=-8)
 
 
 def test_model_attention_restored_after_engine(model):

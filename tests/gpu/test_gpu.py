@@ -29,16 +29,21 @@ def _reference(model, prompt, n):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
-@pytest.mark.parametrize("async_batching", [False, True])
-def test_cuda_parity_triton(arch, async_batching):
+@pytest.mark.parametrize("async_batching,graphs", [(False, False), (True, False), (True, None)])
+def test_cuda_parity_triton(arch, async_batching, graphs):
+    """graphs=None: the default, decode CUDA graphs on; they must have been captured and replayed."""
     model = _model(arch)
     prompts = prompts_of_lengths([1, 9, 40, 97, 130], seed=90)
     refs = [_reference(model, p, 16) for p in prompts]
     cfg = acb.ContinuousBatchingConfig(block_size=16, num_blocks=512, max_batch_tokens=64,
-                                       use_async_batching=async_batching)
+                                       use_async_batching=async_batching, use_cuda_graph=graphs,
+                                       max_requests_per_batch=32)
     with acb.Engine(model, cfg) as eng:
         assert eng.config.attn_backend == "triton", "the Triton backend failed its start-up check"
         outs = [h.result(timeout=300) for h in [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]]
+        if graphs is None:
+            assert eng.config.cuda_graphs, "decode graphs were not captured (see the log for why)"
+            assert sum(eng._fe.runner.graphs.replays.values()) > 0
     assert [o.generated_tokens for o in outs] == refs
 
 

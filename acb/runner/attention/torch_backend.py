@@ -37,6 +37,7 @@ class TorchMetadata:
 
 class TorchBackend:
     name = "torch"
+    supports_graphs = False  # gathers are sized from host lengths
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
         dec = [i for i, n in enumerate(batch.num_new) if n == 1]

@@ -33,10 +33,33 @@ class TritonMetadata:
     has_prefill: bool  # some sequence has more than one
     max_q_len: int
     max_decode_seq_len: int  # longest context among the decode sequences (0 when none)
+    num_splits: int | None = None  # decode split count fixed by the caller (CUDA graphs); None: chosen per layer
 
 
 class TritonBackend:
     name = "triton"
+    supports_graphs = True  # decode reads every length from device tensors: only the split count is baked
+
+    def graph_variants(self, num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> list[int]:
+        """Decode split counts worth a graph at this padded batch size: one split (short contexts)
+        and, when longer contexts would split, the count chosen for ``max_len``. Any count is
+        correct for any length (empty splits weigh nothing), so a graph never computes stale
+        results, only a suboptimal partition."""
+        return sorted({1, tk.choose_num_splits(num_seqs, num_kv_heads, max_len, device)})
+
+    def graph_variant(self, variants: list[int], num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+        """The variant for a step whose longest context is ``max_seq_len`` (a host value)."""
+        return variants[0] if tk.choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) == 1 else variants[-1]
+
+    def graph_metadata(self, batch: BatchInputs, variant: int) -> TritonMetadata:
+        """Metadata of a decode-only step captured in a graph: device tensors plus the split count."""
+        n = batch.seq_lens.shape[0]
+        return TritonMetadata(
+            slot_mapping=batch.slot_mapping, block_table=batch.block_table, seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc, num_tokens=n, num_seqs=n, num_decode=n, has_prefill=False,
+            max_q_len=1, max_decode_seq_len=0, num_splits=variant,
+        )
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TritonMetadata:
         device = batch.slot_mapping.device
@@ -84,8 +107,10 @@ class TritonBackend:
         window = sliding_window if sliding_window else None
         cap = softcap if softcap else None
         if md.num_decode:
-            eff_len = min(md.max_decode_seq_len, window) if window else md.max_decode_seq_len
-            splits = tk.choose_num_splits(md.num_decode, k_cache.shape[2], eff_len, q.device)
+            splits = md.num_splits
+            if splits is None:
+                eff_len = min(md.max_decode_seq_len, window) if window else md.max_decode_seq_len
+                splits = tk.choose_num_splits(md.num_decode, k_cache.shape[2], eff_len, q.device)
             tk.paged_decode_attention(
                 q, k_cache, v_cache, md.block_table, md.seq_lens, scaling, window, cap, splits,
                 # a decode-only step has one row per sequence, in order: no query_start_loc needed

@@ -1,0 +1,203 @@
+"""CUDA graphs for decode-only steps: capture at padded batch sizes, replay with static inputs.
+
+A decode-only step of ``B`` sequences runs as the replay of the graph captured for the smallest
+padded size ``>= B`` (``graph_sizes``: 1, 2, 4, 8, then steps of 8 to 64, then of 16 up to the
+request cap). Its inputs are copied into one static ``[5, max_size]`` buffer (ids, positions,
+slots, context lengths, block-table rows); padded rows get slot -1 (nothing stored), context
+length 0 (nothing read) and the block table's all-zero scratch row. The graph gathers its block
+table rows from the device-resident table inside the replay, so no host value of the step is
+baked in except the batch size and the decode split count, which form the graph key (the
+backend's ``graph_variants``). The forward is captured up to the sampling rows' logits;
+sampling runs eagerly after the replay (its kernel set depends on each step's parameters).
+
+All graphs share one memory pool, captured largest first. Mixed prefill/decode steps run
+eagerly. ``warmup()`` captures everything, logs capture time and memory, and checks a replay
+against the eager forward; a failure there turns graphs off with a warning instead of failing.
+
+On CPU the same code runs with :class:`EagerGraph` (the CPU twin): "capture" freezes the step
+closure built from the static buffers and "replay" calls it again, reading whatever the static
+buffers hold, which is what a CUDA graph does. CI tests the padding, static buffers and keys
+this way (with the Triton kernels in the interpreter).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from acb.runner.attention import BatchInputs, StepContext
+from acb.runner.input_batch import PreparedBatch
+
+logger = logging.getLogger("acb")
+
+IDS, POS, SLOT, LEN, ROW = range(5)
+
+
+def graph_sizes(max_batch: int, step: int | None = None) -> list[int]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, then multiples of 8 to 64 and of 16 beyond
+    (or multiples of ``step``), always ending at ``max_batch``."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch]
+    n = 8
+    while n < max_batch:
+        n += step or (8 if n < 64 else 16)
+        sizes.append(min(n, max_batch))
+    sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class EagerGraph:
+    """The CPU twin of ``torch.cuda.CUDAGraph``: replay re-runs the closure frozen at capture."""
+
+    def __init__(self) -> None:
+        self._fn: Callable[[], torch.Tensor] | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self._fn = fn
+        return fn()
+
+    def replay(self) -> torch.Tensor:
+        assert self._fn is not None
+        return self._fn()
+
+
+class CudaGraph:
+    """One captured CUDA graph; ``replay`` returns the (static) output tensor."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.graph = torch.cuda.CUDAGraph()
+        self.out: torch.Tensor | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        side = torch.cuda.Stream()  # warm-up runs (kernel compilation, library workspaces) off the capture
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.out = fn()
+        return self.out
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        assert self.out is not None
+        return self.out
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one runner, keyed by (padded batch size, backend variant)."""
+
+    def __init__(self, runner: Any, sizes: list[int], *, twin: bool) -> None:
+        self.runner = runner
+        self.sizes = sizes
+        self.twin = twin
+        dev = runner.device
+        max_b = sizes[-1]
+        self.static = torch.zeros((5, max_b), dtype=torch.long, device=dev)
+        self.pad = torch.tensor([0, 0, -1, 0, runner.inputs.scratch_row], dtype=torch.long, device=dev)[:, None]
+        self.static.copy_(self.pad.expand(5, max_b))
+        self.qsl = torch.arange(max_b + 1, dtype=torch.long, device=dev)
+        self.graphs: dict[tuple[int, int], EagerGraph | CudaGraph] = {}
+        self.variants: dict[int, list[int]] = {}
+        self.replays: dict[tuple[int, int], int] = {}  # how often each graph ran (tests, stats)
+        self.capture_s = 0.0
+        self.capture_bytes = 0
+
+    # ------------------------------------------------------------------ capture
+    def _step_fn(self, b: int, variant: int) -> Callable[[], torch.Tensor]:
+        """The closure a graph freezes: a decode step of ``b`` rows read from the static buffer."""
+        r = self.runner
+        st = self.static
+        table = r.inputs.block_table_dev
+        rows = st[ROW, :b]
+        ids, pos = st[IDS : IDS + 1, :b], st[POS : POS + 1, :b]
+        logits_idx = self.qsl[:b]
+
+        def step() -> torch.Tensor:
+            attn = BatchInputs(slot_mapping=st[SLOT, :b], block_table=table.index_select(0, rows),
+                               seq_lens=st[LEN, :b], query_start_loc=self.qsl[: b + 1],
+                               num_new=[1] * b, start_pos=[0] * b, max_seq_len=0)
+            ctx = StepContext(r.kv_cache, r.backend, r.backend.graph_metadata(attn, variant))
+            batch = PreparedBatch(input_ids=ids, position_ids=pos, logits_indices=logits_idx, attn=attn,
+                                  rows=rows, decode_only=True)
+            return r._forward(batch, ctx)
+
+        return step
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        r = self.runner
+        kvh = r.kv_cache.spec.num_kv_heads
+        t0 = time.perf_counter()
+        cuda = not self.twin
+        if cuda:
+            torch.cuda.synchronize(r.device)
+            free_before = torch.cuda.mem_get_info(r.device)[0]
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            self.variants[b] = r.backend.graph_variants(b, kvh, r.cfg.max_model_len, r.device)
+            for v in self.variants[b]:
+                g = EagerGraph() if self.twin else CudaGraph(pool)
+                g.capture(self._step_fn(b, v))
+                self.graphs[(b, v)] = g
+                self.replays[(b, v)] = 0
+        if cuda:
+            torch.cuda.synchronize(r.device)
+            self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
+        self.capture_s = time.perf_counter() - t0
+        logger.info("acb: captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB",
+                    len(self.graphs), self.sizes, self.capture_s, self.capture_bytes / 2**20)
+
+    # ------------------------------------------------------------------ replay
+    def key_for(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        if i == len(self.sizes):
+            return None
+        b = self.sizes[i]
+        r = self.runner
+        v = r.backend.graph_variant(self.variants[b], b, r.kv_cache.spec.num_kv_heads, max_seq_len, r.device)
+        return b, v
+
+    def run(self, batch: PreparedBatch) -> torch.Tensor | None:
+        """Replay the graph for this decode-only step; logits of its sampling rows, or None when
+        no graph fits (more sequences than the largest size)."""
+        n = len(batch.attn.num_new)
+        key = self.key_for(n, batch.attn.max_seq_len)
+        if key is None:
+            return None
+        b = key[0]
+        st = self.static
+        a = batch.attn
+        st[:, :n] = torch.stack((batch.input_ids[0], batch.position_ids[0], a.slot_mapping, a.seq_lens, batch.rows))
+        if b > n:
+            st[:, n:b] = self.pad  # rows a larger earlier step left behind
+        out = self.graphs[key].replay()
+        self.replays[key] += 1
+        return out[:n] if batch.logits_identity else out.index_select(0, batch.logits_indices)
+
+    # ------------------------------------------------------------------ check
+    @torch.inference_mode()
+    def self_check(self) -> str | None:
+        """Replay vs the eager forward on a synthetic step at the smallest and largest sizes (every
+        row one token at position 0 in scratch slot 0); None when they agree."""
+        r = self.runner
+        for b in (self.sizes[0], self.sizes[-1]):
+            v = self.variants[b][0]
+            st = self.static
+            st[:, :b] = torch.tensor([7, 0, 0, 1, r.inputs.scratch_row], device=st.device)[:, None]
+            fn = self._step_fn(b, v)
+            want = fn().float()
+            got = self.graphs[(b, v)].replay()[:b].float()
+            st.copy_(self.pad.expand_as(st))
+            if not torch.isfinite(want).all():
+                return f"eager logits at batch {b} are not finite"
+            tol = 1e-3 * max(1.0, want.abs().max().item())
+            err = (want - got).abs().max().item()
+            if not err <= tol:
+                return f"replay at batch {b} differs from eager by {err:.3g} (tolerance {tol:.3g})"
+        return None

@@ -1,0 +1,154 @@
+"""Decode CUDA graphs: padded batch sizes, static buffers, graph keys, replay parity.
+
+On CPU this runs the eager twin (``acb.runner.cuda_graphs.EagerGraph``) with the Triton kernels
+in the interpreter (``TRITON_INTERPRET=1``, set here before triton is imported); on a CUDA
+machine run with ``TRITON_INTERPRET=0`` and the same tests capture and replay real graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import acb  # noqa: E402
+from acb.models import tiny_model  # noqa: E402
+from acb.runner import cuda_graphs  # noqa: E402
+from acb.runner.attention import triton_kernels as tk  # noqa: E402
+from tests.conftest import prompts_of_lengths  # noqa: E402
+
+if tk.interpreted():
+    DEVICE = torch.device("cpu")
+elif torch.cuda.is_available():
+    DEVICE = torch.device("cuda")
+else:
+    pytest.skip("compiled Triton kernels need CUDA (set TRITON_INTERPRET=1 on CPU)", allow_module_level=True)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")
+
+
+def test_graph_sizes():
+    assert cuda_graphs.graph_sizes(1) == [1]
+    assert cuda_graphs.graph_sizes(6) == [1, 2, 4, 6]
+    s = cuda_graphs.graph_sizes(256)
+    assert s[:8] == [1, 2, 4, 8, 16, 24, 32, 40] and s[-3:] == [224, 240, 256]
+    assert all(b - a == 16 for a, b in zip(s[s.index(64):], s[s.index(64) + 1:]))
+    assert cuda_graphs.graph_sizes(50, step=16) == [1, 2, 4, 8, 24, 40, 50]
+
+
+def _reference(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=DEVICE))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_decode_graphs_match_generate_across_sizes_and_context_lengths(monkeypatch, async_batching):
+    # splits start at 32 tokens of context here, so both graph variants of a size are used:
+    # the long-context one while the 40-token prompt decodes, the one-split one after it ends
+    monkeypatch.setattr(tk, "MIN_TOKENS_PER_SPLIT", 32)
+    model = tiny_model("llama").to(DEVICE)
+    prompts = prompts_of_lengths([3, 9, 2, 40, 5], seed=7)
+    news = [12, 12, 12, 4, 7]
+    refs = [_reference(model, p, n) for p, n in zip(prompts, news)]
+    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
+                                       max_requests_per_batch=6, use_async_batching=async_batching)
+    with acb.Engine(model, cfg) as eng:
+        graphs = eng._fe.runner.graphs
+        assert graphs is not None and graphs.sizes == [1, 2, 4, 6]
+        assert graphs.twin == (DEVICE.type == "cpu")
+        hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, news)]
+        outs = [h.result(timeout=600) for h in hs]
+        # then a lone request: the batch-1 graph
+        lone = prompts_of_lengths([6], seed=8)[0]
+        lone_out = eng.generate(lone, acb.SamplingParams(max_new_tokens=5))
+        replays = dict(graphs.replays)
+    assert [o.generated_tokens for o in outs] == refs
+    assert lone_out.generated_tokens == _reference(model, lone, 5)
+    used = {k for k, n in replays.items() if n}
+    assert any(v > 1 for _, v in used), f"no long-context graph replayed: {replays}"
+    assert any(v == 1 and b > 1 for b, v in used), f"no one-split graph replayed: {replays}"
+    assert (1, 1) in used
+    assert any(b == 6 for b, _ in used) or any(b == 4 for b, _ in used)  # 5 requests: padded to 6
+
+
+def test_graph_replay_equals_eager_with_sampling_and_n(monkeypatch):
+    model = tiny_model("qwen3").to(DEVICE)
+    prompts = prompts_of_lengths([4, 11, 1], seed=9)
+    sp = [acb.SamplingParams(max_new_tokens=8, temperature=0.9, top_k=20, seed=3),
+          acb.SamplingParams(max_new_tokens=8, n=2, temperature=1.1, seed=4, logprobs=2),
+          acb.SamplingParams(max_new_tokens=8)]
+    results = {}
+    for graphs in (False, True):
+        cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=64, attn_backend="triton",
+                                           use_cuda_graph=graphs, max_requests_per_batch=8)
+        with acb.Engine(model, cfg) as eng:
+            outs = [h.result(timeout=600) for h in [eng.submit(p, s) for p, s in zip(prompts, sp)]]
+            if graphs:
+                assert sum(eng._fe.runner.graphs.replays.values()) > 0
+        results[graphs] = [(o.generated_tokens, o.logprobs, [(s.generated_tokens, s.logprobs, s.top_logprobs)
+                                                            for s in o.samples or []]) for o in outs]
+    if DEVICE.type == "cpu":
+        assert results[True] == results[False]
+    else:  # a padded batch may take different GEMM kernels: logprobs agree to rounding
+        for a, b in zip(results[True], results[False]):
+            assert a[0] == b[0] and [s[0] for s in a[2]] == [s[0] for s in b[2]]
+            if a[1]:
+                torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(b[1]), atol=1e-4, rtol=1e-4)
+    assert len(results[True][1][2]) == 2 and all(len(s[0]) == 8 for s in results[True][1][2])
+
+
+def test_graphs_refused_by_the_torch_backend(caplog):
+    model = tiny_model("llama").to(DEVICE)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=16, attn_backend="torch", use_cuda_graph=True)
+    with caplog.at_level(logging.WARNING, logger="acb"), acb.Engine(model, cfg) as eng:
+        assert not eng.config.cuda_graphs and eng._fe.runner.graphs is None
+        assert len(eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=3)).generated_tokens) == 3
+    assert "use_cuda_graph is ignored" in caplog.text
+
+
+def test_failed_graph_check_raises_when_graphs_were_asked_for(monkeypatch):
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "self_check", lambda self: "replay differs")
+    model = tiny_model("llama").to(DEVICE)
+    before = model.config._attn_implementation
+    cfg = acb.ContinuousBatchingConfig(num_blocks=16, attn_backend="triton", use_cuda_graph=True,
+                                       max_requests_per_batch=2)
+    with pytest.raises(RuntimeError, match="replay differs"):
+        acb.Engine(model, cfg).start()
+    assert model.config._attn_implementation == before
+
+
+def test_padded_rows_are_reset_when_the_batch_shrinks():
+    from acb.runner.attention import BatchInputs
+    from acb.runner.input_batch import PreparedBatch
+
+    model = tiny_model("llama").to(DEVICE)
+    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True,
+                                       max_requests_per_batch=4)
+    with acb.Engine(model, cfg) as eng:
+        runner = eng._fe.runner
+        graphs = runner.graphs
+
+        def batch(n):  # harmless rows: nothing stored (slot -1), nothing read (length 0)
+            ar = torch.arange(n, device=DEVICE)
+            attn = BatchInputs(slot_mapping=torch.full((n,), -1, device=DEVICE), block_table=None,
+                               seq_lens=torch.zeros(n, dtype=torch.long, device=DEVICE),
+                               query_start_loc=torch.arange(n + 1, device=DEVICE), num_new=[1] * n,
+                               start_pos=[0] * n, max_seq_len=1)
+            return PreparedBatch(input_ids=(ar + 10)[None], position_ids=(ar + 20)[None], logits_indices=ar,
+                                 attn=attn, rows=torch.full((n,), runner.inputs.scratch_row, device=DEVICE),
+                                 decode_only=True, logits_identity=True)
+
+        with torch.inference_mode():
+            assert graphs.run(batch(4)).shape[0] == 4
+            assert graphs.static[0, :4].tolist() == [10, 11, 12, 13]
+            assert graphs.run(batch(3)).shape[0] == 3
+        assert graphs.static[:, 3].tolist() == graphs.pad[:, 0].tolist()
+        assert graphs.replays[(4, 1)] == 2
