@@ -102,15 +102,26 @@ def model_max_len(model: torch.nn.Module) -> int:
     return int(getattr(text, "max_position_embeddings", None) or 1 << 20)
 
 
-def default_backend(device: torch.device) -> str:
-    """Triton on CUDA when it imports (flash-attn is not wired in yet), else the torch reference."""
+def default_backend(device: torch.device, dtype: torch.dtype, block_size: int | None) -> str:
+    """flash-attn on CUDA when it is installed and fits (fp16/bf16, blocks of 256k tokens), else
+    Triton on CUDA when it imports, else the torch reference."""
     if device.type == "cuda":
         import importlib.util
 
+        from acb.runner.attention import flash_attn_backend
+
+        if flash_attn_backend.unavailable_reason(device, dtype, block_size) is None:
+            return "flash_attn"
         if importlib.util.find_spec("triton") is not None:
             return "triton"
         logger.warning("acb: triton is not installed; using the torch attention backend on CUDA")
     return "torch"
+
+
+def block_size_for(backend: str, block_size: int | None) -> int:
+    from acb.runner.attention.flash_attn_backend import PAGE_MULTIPLE
+
+    return block_size or (PAGE_MULTIPLE if backend == "flash_attn" else DEFAULT_BLOCK_SIZE)
 
 
 def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
@@ -146,7 +157,14 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     spec = kv_spec_of(model, dtype)
-    block_size = config.block_size or DEFAULT_BLOCK_SIZE
+    backend = config.attn_backend or default_backend(device, dtype, config.block_size)
+    if backend == "flash_attn":
+        from acb.runner.attention import flash_attn_backend
+
+        problem = flash_attn_backend.unavailable_reason(device, dtype, config.block_size)
+        if problem is not None:
+            raise ValueError(f"attn_backend='flash_attn' cannot run here: {problem}")
+    block_size = block_size_for(backend, config.block_size)
     max_len = model_max_len(model)
     if config.max_model_len is not None:
         max_len = min(max_len, config.max_model_len)
@@ -175,7 +193,6 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
             )
     # a single request may hold at most what the cache holds and what the model can position
     max_model_len = min(max_len, (num_blocks - 1) * block_size)
-    backend = config.attn_backend or default_backend(device)
     swap_bytes = int((config.cpu_offload_space or 0.0) * 2**30)
     if config.cpu_offload_space_safety_threshold > 0:
         swap_bytes = min(swap_bytes, int(config.cpu_offload_space_safety_threshold * total_host_memory()))
@@ -225,15 +242,7 @@ class ModelRunner:
                 "attn_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels "
                 "in Triton's interpreter, for testing); use attn_backend='torch' on CPU"
             )
-        if self.cfg.attn_backend == "triton" and config.attn_backend is None:
-            from acb.runner.attention.triton_backend import self_check
-
-            problem = self_check(self.device, spec.dtype)
-            if problem is not None:
-                logger.warning("acb: the Triton attention backend failed its start-up check (%s); "
-                               "falling back to the torch backend", problem)
-                self.cfg = dataclasses.replace(self.cfg, attn_backend="torch")
-        self.backend = make_backend(self.cfg.attn_backend)
+        self.backend = self._checked_backend(config, spec.dtype)
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs(), graph_step=config.q_padding_interval_size or None)
         self._setup_compile(config)
@@ -257,6 +266,27 @@ class ModelRunner:
             self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
             self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
         )
+
+    def _checked_backend(self, config: ContinuousBatchingConfig, dtype: torch.dtype) -> Any:
+        """The configured backend; when it was picked automatically, it must first agree with the
+        torch reference on this device (flash_attn falls back to triton, triton to torch)."""
+        from acb.runner.attention import check_backend
+
+        name = self.cfg.attn_backend
+        while config.attn_backend is None and name != "torch":
+            try:
+                backend = make_backend(name)
+                problem = check_backend(backend, self.device, dtype, block_size=self.cfg.block_size)
+            except Exception as exc:  # noqa: BLE001 - reported, then the next backend
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                return backend
+            fallback = "triton" if name == "flash_attn" else "torch"
+            logger.warning("acb: the %s attention backend failed its start-up check (%s); falling back to %s",
+                           name, problem, fallback)
+            name = fallback
+            self.cfg = dataclasses.replace(self.cfg, attn_backend=name)
+        return make_backend(name)
 
     def _want_graphs(self) -> bool:
         """Decode graphs: on by default on CUDA with a backend that supports them; on CPU only when

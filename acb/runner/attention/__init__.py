@@ -110,6 +110,7 @@ def register_with_transformers(compiled: bool = False) -> None:
 
 
 def make_backend(name: str) -> AttentionBackend:
+    """The backend called ``name`` ("torch", "triton" or "flash_attn")."""
     if name == "torch":
         from acb.runner.attention.torch_backend import TorchBackend
 
@@ -118,4 +119,71 @@ def make_backend(name: str) -> AttentionBackend:
         from acb.runner.attention.triton_backend import TritonBackend
 
         return TritonBackend()
+    if name == "flash_attn":
+        from acb.runner.attention.flash_attn_backend import FlashAttnBackend
+
+        return FlashAttnBackend()
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def check_backend(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int = 64,
+                  block_size: int = 16) -> str | None:
+    """Run ``backend`` against the torch reference on a small mixed step (decode rows, a fresh
+    prompt and a chunk after cached context, GQA) on ``device``; None if they agree, else what
+    went wrong. Used when a backend is picked automatically, so that a GPU where its kernels fail
+    to build or disagree falls back to another backend instead of failing."""
+    candidate = backend
+    try:
+        # a mixed step (decode rows, a fresh prompt, a chunk after cached context), then decode only
+        for num_new, start in (([1, 1, 9, 5], [20, 37, 0, 16]), ([1, 1, 1], [20, 37, 4])):
+            problem = _compare_once(candidate, device, dtype, head_dim, block_size, num_new, start)
+            if problem is not None:
+                return problem
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not use it"
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _compare_once(candidate: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int,
+                  block_size: int, num_new: list[int], start: list[int]) -> str | None:
+    from acb.runner.attention.torch_backend import TorchBackend
+    from acb.runner.kv_cache import KVCache, KVSpec
+
+    g = torch.Generator().manual_seed(0)
+    hkv, heads = 2, 4
+    lens = [s + n for s, n in zip(start, num_new)]
+    cols = max(-(-n // block_size) for n in lens)
+    perm = torch.randperm(len(lens) * cols, generator=g) + 1  # block 0 is scratch
+    table = perm.view(len(lens), cols).long()
+    slots = []
+    for i, (s, n) in enumerate(zip(start, num_new)):
+        for p in range(s, s + n):
+            slots.append(int(table[i, p // block_size]) * block_size + p % block_size)
+    qsl = [0]
+    for n in num_new:
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1]
+    batch = BatchInputs(
+        slot_mapping=torch.tensor(slots, device=device), block_table=table.to(device),
+        seq_lens=torch.tensor(lens, device=device), query_start_loc=torch.tensor(qsl, device=device),
+        num_new=num_new, start_pos=start, max_seq_len=max(lens),
+    )
+    spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype)
+    outs = []
+    q = torch.randn(1, heads, t, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(1, hkv, t, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(1, hkv, t, head_dim, generator=g).to(device, dtype)
+    context = torch.randn(1 + len(lens) * cols, block_size, hkv, head_dim, generator=g).to(device, dtype)
+    for backend in (TorchBackend(), candidate):
+        cache = KVCache(spec, 1 + len(lens) * cols, block_size, device)
+        cache.k[0].copy_(context)
+        cache.v[0].copy_(context.flip(0))
+        ctx = StepContext(cache, backend, backend.build_metadata(batch, block_size))
+        outs.append(backend.forward(0, q, k, v, ctx, scaling=head_dim**-0.5, sliding_window=None, softcap=None))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    err = (outs[0].float() - outs[1].float()).abs().max().item()
+    if not err <= tol:
+        return f"max abs difference {err:.3g} from the torch backend (tolerance {tol})"
+    return None

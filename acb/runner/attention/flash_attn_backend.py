@@ -1,0 +1,141 @@
+"""The flash-attn backend: FlashAttention-2's paged-KV entry points over acb's block cache.
+
+* decode-only steps: ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens``
+  (one query per sequence);
+* any other step: ``flash_attn_varlen_func`` with ``block_table`` (flash-attn >= 2.6), over the
+  whole flattened batch, causal aligned bottom-right.
+
+New K/V are written into the cache first (acb's Triton store kernel, which skips padded rows).
+flash-attn's paged KV needs blocks of a multiple of 256 tokens and fp16/bf16; acb picks this
+backend automatically only when both hold (``block_size`` unset means 256 with this backend).
+Decode reads every length from device tensors and its block table has a fixed width, so its
+steps can be captured in CUDA graphs. This is the only module that imports ``flash_attn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from acb.runner.attention import BatchInputs, StepContext
+
+PAGE_MULTIPLE = 256  # flash-attn's paged KV cache: page_block_size % 256 == 0
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _import() -> Any:
+    try:
+        import flash_attn
+    except ImportError as exc:
+        raise ImportError(
+            "attn_backend='flash_attn' needs the flash-attn package (pip install flash-attn --no-build-isolation, "
+            "on a CUDA machine)"
+        ) from exc
+    return flash_attn
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype, block_size: int | None) -> str | None:
+    """Why this backend cannot run here (None when it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed"
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device, not {device}"
+    if dtype not in DTYPES:
+        return f"flash-attn runs fp16/bf16 models, not {dtype}"
+    if block_size is not None and block_size % PAGE_MULTIPLE:
+        return f"flash-attn's paged KV cache needs block_size to be a multiple of {PAGE_MULTIPLE}, got {block_size}"
+    return None
+
+
+@dataclass
+class FlashMetadata:
+    slot_mapping: torch.Tensor  # [T] long
+    block_table: torch.Tensor  # [B, cols] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+    max_q_len: int
+    max_seq_len: int
+    decode_only: bool
+
+
+class FlashAttnBackend:
+    name = "flash_attn"
+    supports_graphs = True
+
+    def __init__(self) -> None:
+        fa = _import()
+        self._varlen = fa.flash_attn_varlen_func
+        self._kvcache = fa.flash_attn_with_kvcache
+
+    def build_metadata(self, batch: BatchInputs, block_size: int) -> FlashMetadata:
+        seq_lens = batch.seq_lens.to(torch.int32)
+        decode_only = batch.slot_mapping.numel() == len(batch.num_new)
+        cu_k = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
+        if not decode_only:
+            torch.cumsum(seq_lens, 0, out=cu_k[1:])
+        return FlashMetadata(
+            slot_mapping=batch.slot_mapping,
+            block_table=batch.block_table.to(torch.int32),
+            seq_lens=seq_lens,
+            cu_seqlens_q=batch.query_start_loc.to(torch.int32),
+            cu_seqlens_k=cu_k,
+            max_q_len=max(batch.num_new) if batch.num_new else 0,
+            max_seq_len=batch.max_seq_len,
+            decode_only=decode_only,
+        )
+
+    # CUDA graphs: one variant per batch size (flash-attn picks its own splits from static shapes)
+    def graph_variants(self, num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> list[int]:
+        return [0]
+
+    def graph_variant(self, variants: list[int], num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+        return 0
+
+    def graph_metadata(self, batch: BatchInputs, variant: int) -> FlashMetadata:
+        n = batch.seq_lens.shape[0]
+        return FlashMetadata(
+            slot_mapping=batch.slot_mapping, block_table=batch.block_table.to(torch.int32),
+            seq_lens=batch.seq_lens.to(torch.int32), cu_seqlens_q=batch.query_start_loc[: n + 1].to(torch.int32),
+            cu_seqlens_k=batch.query_start_loc[: n + 1].to(torch.int32),  # unused by decode
+            max_q_len=1, max_seq_len=0, decode_only=True,
+        )
+
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,  # [1, H, T, D]
+        key: torch.Tensor,  # [1, Hkv, T, D]
+        value: torch.Tensor,
+        ctx: StepContext,
+        *,
+        scaling: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        from acb.runner.attention import triton_kernels as tk
+
+        md: FlashMetadata = ctx.metadata
+        cache = ctx.kv_cache
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        tk.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        # transformers' sliding window w: a query sees itself and the w - 1 keys before it
+        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        cap = float(softcap) if softcap else 0.0
+        if md.decode_only:
+            out = self._kvcache(
+                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens, block_table=md.block_table,
+                softmax_scale=scaling, causal=True, window_size=window, softcap=cap,
+            )  # [B, 1, H, D]
+            return out.transpose(0, 1)  # [1, T, H, D]
+        out = self._varlen(
+            q, k_cache, v_cache, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q_len, md.max_seq_len,
+            softmax_scale=scaling, causal=True, window_size=window, softcap=cap, block_table=md.block_table,
+        )  # [T, H, D]
+        return out.unsqueeze(0)
