@@ -1,17 +1,22 @@
 """The one-command GPU check: tests under the ``gpu`` marker, then the GPU benchmark.
 
-    python benchmarks/gpu_check.py [--quick] [--json benchmarks/results/gpu_check.json]
+    python benchmarks/gpu_check.py [--quick] [--skip-tests] [--skip-b] [--json benchmarks/results/gpu_check.json]
+    python benchmarks/gpu_check.py --cpu-smoke    # the same code paths on CPU with tiny shapes (CI)
 
-1. ``pytest -m gpu`` (CUDA parity with the Triton backend and async batching) and the Triton
-   kernel tests compiled for the GPU (``TRITON_INTERPRET=0``).
+1. ``tests/gpu`` (CUDA parity with the Triton backend, async batching and decode graphs) and the
+   Triton kernel and CUDA-graph tests compiled for the GPU (``TRITON_INTERPRET=0``).
 2. Workload A (nano-vllm's shape): 256 requests, prompt and output lengths uniform in
    [100, 1024], random ids, EOS ignored, a Qwen3-0.6B-shaped model with random bf16 weights;
    workload B: the same with a Llama-3.1-8B-shaped model. Output tokens/s of acb and of
    transformers' continuous batching, same process, same prompts.
-3. Decode step time at batch 1/64/256 (prompts of 512 tokens) against the memory-bandwidth
-   floor: (weight bytes + KV bytes read per step) / measured device copy bandwidth.
-4. GPU idle fraction over decode steps, with and without async batching: 1 - (CUDA kernel
-   time / wall time), from the torch profiler.
+   Workload A also runs with ``default_compile_level=1`` (torch.compile) to decide whether
+   compiling is worth turning on by default.
+3. Decode step time at batch 1/64/256 (prompts of 512 tokens, 64 new tokens): the median
+   period between consecutive all-decode steps, against the memory-bandwidth floor
+   (weight bytes + KV bytes read per step) / measured device copy bandwidth; in three modes:
+   async + graphs (the default), async without graphs, neither.
+4. GPU idle fraction over those runs: 1 - (CUDA kernel time / wall time), from the torch
+   profiler.
 
 Prints a short table last and writes everything, with the device named, to ``--json``. Each
 section records its error instead of stopping the others.
@@ -32,6 +37,11 @@ from typing import Any
 
 import torch
 
+SMOKE_SHAPES = {  # --cpu-smoke: the same code paths with a tiny model on CPU
+    "A: Qwen3-0.6B": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                          max_position_embeddings=4096),
+}
 SHAPES = {
     "A: Qwen3-0.6B": dict(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -42,18 +52,37 @@ SHAPES = {
 }
 
 
+DEVICE = "cuda"
+LENGTHS = (100, 1024)  # prompt and output lengths, uniform
+
+
 def build(shape: dict[str, Any]) -> Any:
     from acb.models import tiny_model
 
     kw = dict(shape)
     arch = kw.pop("arch")
     kw["initializer_range"] = 0.02
-    return tiny_model(arch, dtype=torch.bfloat16, **kw).to("cuda")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    return tiny_model(arch, dtype=dtype, **kw).to(DEVICE)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_tests() -> dict[str, Any]:
     env = dict(os.environ, TRITON_INTERPRET="0")
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests/gpu", "tests/runner/test_triton_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/gpu", "tests/runner/test_triton_kernels.py",
+           "tests/runner/test_cuda_graphs.py"]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
@@ -62,27 +91,49 @@ def run_tests() -> dict[str, Any]:
 
 def workload(n: int, seed: int = 0, vocab: int = 32000) -> tuple[list[list[int]], list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(100, 1025, (n,), generator=g).tolist()
-    outs = torch.randint(100, 1025, (n,), generator=g).tolist()
+    lo, hi = LENGTHS
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    outs = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens], outs
 
 
-def throughput(name: str, shape: dict[str, Any], n: int) -> dict[str, Any]:
+def _acb_run(model: Any, prompts: list[list[int]], outs: list[int], cfg: Any = None) -> dict[str, Any]:
+    import acb
+
+    t_start = time.perf_counter()
+    with acb.Engine(model, cfg) as eng:  # defaults: best backend, async batching, decode graphs on CUDA
+        start_s = time.perf_counter() - t_start
+        eng.generate(prompts[0][:16], acb.SamplingParams(max_new_tokens=4))
+        sync()
+        t0 = time.perf_counter()
+        hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
+        got = sum(len(h.result().generated_tokens) for h in hs)
+        dt = time.perf_counter() - t0
+        graphs = eng._fe.runner.graphs
+        return {"tokens_per_s": got / dt, "seconds": dt, "tokens": got, "engine_start_s": start_s,
+                "backend": eng.config.attn_backend, "cuda_graphs": eng.config.cuda_graphs,
+                "graph_capture_s": graphs.capture_s if graphs else None,
+                "graph_capture_mib": graphs.capture_bytes / 2**20 if graphs else None, "config": str(eng.config)}
+
+
+def throughput(name: str, shape: dict[str, Any], n: int, compile_too: bool) -> dict[str, Any]:
     import acb
 
     prompts, outs = workload(n, vocab=shape["vocab_size"])
     res: dict[str, Any] = {"workload": name, "requests": n, "output_tokens": sum(outs)}
     model = build(shape)
-    with acb.Engine(model) as eng:  # defaults: triton backend, async batching, memory from free GPU memory
-        eng.generate(prompts[0][:16], acb.SamplingParams(max_new_tokens=4))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
-        got = sum(len(h.result().generated_tokens) for h in hs)
-        dt = time.perf_counter() - t0
-        res["acb"] = {"tokens_per_s": got / dt, "seconds": dt, "tokens": got, "config": str(eng.config)}
+    res["acb"] = _acb_run(model, prompts, outs)
+    if compile_too:
+        try:
+            res["acb_compiled"] = _acb_run(model, prompts, outs, acb.ContinuousBatchingConfig(default_compile_level=1))
+            res["compiled_vs_eager"] = res["acb_compiled"]["tokens_per_s"] / res["acb"]["tokens_per_s"]
+        except Exception as exc:  # noqa: BLE001
+            res["acb_compiled"] = {"error": f"{type(exc).__name__}: {exc}"}
     del model
-    torch.cuda.empty_cache()
+    free_memory()
+    if DEVICE != "cuda":
+        res["transformers_cb"] = {"skipped": "CPU smoke run"}
+        return res
     try:
         from transformers import GenerationConfig
 
@@ -112,54 +163,62 @@ def throughput(name: str, shape: dict[str, Any], n: int) -> dict[str, Any]:
 
 def copy_bandwidth() -> float:
     """Device memory bandwidth (bytes/s) measured with a large copy (read + write counted)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    x = torch.empty(1 << (30 if DEVICE == "cuda" else 26), dtype=torch.uint8, device=DEVICE)
     y = torch.empty_like(x)
     y.copy_(x)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(10):
         y.copy_(x)
-    torch.cuda.synchronize()
+    sync()
     return 2 * x.numel() * 10 / (time.perf_counter() - t0)
 
 
-def decode_steps(shape: dict[str, Any], batches: list[int], bw: float, async_batching: bool) -> list[dict[str, Any]]:
+def decode_steps(shape: dict[str, Any], batches: list[int], bw: float, async_batching: bool,
+                 graphs: bool | None) -> list[dict[str, Any]]:
+    """Decode step period at each batch size against the bandwidth floor, and GPU idle fraction."""
     import acb
+    from torch.profiler import ProfilerActivity, profile
 
+    prompt_len, new = (512, 64) if DEVICE == "cuda" else (24, 8)
     model = build(shape)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for b in batches:
-        cfg = acb.ContinuousBatchingConfig(max_requests_per_batch=max(b, 1), use_async_batching=async_batching)
+        cfg = acb.ContinuousBatchingConfig(max_requests_per_batch=max(b, 1), use_async_batching=async_batching,
+                                           use_cuda_graph=graphs)
         with acb.Engine(model, cfg) as eng:
             core = eng._fe.core
             kv_per_token = eng._fe.runner.kv_cache.spec.bytes_per_block(1)
             gate = threading.Event()
             core.call(lambda c: gate.wait())  # start all b requests together
             g = torch.Generator().manual_seed(b)
-            hs = [eng.submit(torch.randint(3, 1000, (512,), generator=g).tolist(),
-                             acb.SamplingParams(max_new_tokens=64, ignore_eos=True)) for _ in range(b)]
+            hs = [eng.submit(torch.randint(3, shape["vocab_size"], (prompt_len,), generator=g).tolist(),
+                             acb.SamplingParams(max_new_tokens=new, ignore_eos=True)) for _ in range(b)]
             core.step_log = []
-            gate.set()
-            # GPU busy fraction over the decode phase, from the profiler
-            time.sleep(0)
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CUDA] if DEVICE == "cuda" else [ProfilerActivity.CPU]
+            with profile(activities=activities) as prof:
+                gate.set()
                 t0 = time.perf_counter()
                 for h in hs:
                     h.result()
                 wall = time.perf_counter() - t0
-            busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+            busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 if DEVICE == "cuda" else None
+            # all-decode steps with every request running: consecutive, so their completion times
+            # give the step period (what async batching and graphs shorten)
             log = [s for s in core.step_log if s[0] == b and s[2] == b]
-        steps = [s[3] + s[4] + s[5] + s[6] for s in log]
-        step = statistics.median(steps) if steps else float("nan")
-        floor = (weight_bytes + b * (512 + 32) * kv_per_token) / bw
+            used_graphs = eng.config.cuda_graphs
+        ends = [s[7] for s in log]
+        periods = [y - x for x, y in zip(ends, ends[1:])]
+        step = statistics.median(periods) if periods else float("nan")
+        mid_ctx = prompt_len + new // 2
+        floor = (weight_bytes + b * mid_ctx * kv_per_token) / bw
         rows.append({"batch": b, "step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
-                     "gpu_idle_fraction": max(0.0, 1 - busy / wall), "async_batching": async_batching,
-                     "steps_measured": len(log)})
+                     "gpu_idle_fraction": None if busy is None else max(0.0, 1 - busy / wall),
+                     "async_batching": async_batching, "cuda_graphs": used_graphs, "steps_measured": len(periods)})
+        free_memory()
     del model
-    torch.cuda.empty_cache()
+    free_memory()
     return rows
 
 
@@ -176,31 +235,43 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="32 requests per workload, batches 1/64 only")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-b", action="store_true", help="skip the 8B-shaped workload")
-    ap.add_argument("--json", default="benchmarks/results/gpu_check.json")
+    ap.add_argument("--skip-compile", action="store_true", help="skip the torch.compile run of workload A")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run every section on CPU with a tiny model and short lengths (checks the script, not speed)")
+    ap.add_argument("--json", default=None, help="default: benchmarks/results/gpu_check.json (cpu_smoke.json with --cpu-smoke)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing to check", file=sys.stderr)
+    global DEVICE, LENGTHS
+    shapes = SHAPES
+    if args.cpu_smoke:
+        DEVICE, LENGTHS, shapes = "cpu", (8, 24), SMOKE_SHAPES
+        args.skip_tests = True
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (--cpu-smoke runs the script on CPU)", file=sys.stderr)
         return 2
+    json_path = args.json or f"benchmarks/results/{'cpu_smoke' if args.cpu_smoke else 'gpu_check'}.json"
     from acb.bench.common import machine_info
 
-    results: dict[str, Any] = {"machine": machine_info("cuda")}
-    n = 32 if args.quick else 256
+    results: dict[str, Any] = {"machine": machine_info(DEVICE)}
+    n = 4 if args.cpu_smoke else 32 if args.quick else 256
     if not args.skip_tests:
         section(results, "tests", run_tests)
     section(results, "bandwidth_bytes_per_s", copy_bandwidth)
-    for name, shape in SHAPES.items():
+    for name, shape in shapes.items():
         if args.skip_b and name.startswith("B"):
             continue
-        section(results, f"throughput {name}", throughput, name, shape, n)
+        section(results, f"throughput {name}", throughput, name, shape, n,
+                name.startswith("A") and not args.skip_compile)
     bw = results.get("bandwidth_bytes_per_s")
     if isinstance(bw, float):
-        batches = [1, 64] if args.quick else [1, 64, 256]
-        for mode in (True, False):
-            section(results, f"decode A async={mode}", decode_steps, SHAPES["A: Qwen3-0.6B"], batches, bw, mode)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
+        batches = [1, 4] if args.cpu_smoke else [1, 64] if args.quick else [1, 64, 256]
+        shape_a = shapes["A: Qwen3-0.6B"]
+        for async_mode, graphs in ((True, None), (True, False), (False, False)):
+            section(results, f"decode A async={async_mode} graphs={graphs}", decode_steps, shape_a, batches, bw,
+                    async_mode, graphs)
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
         json.dump(results, f, indent=2, default=str)
-    print(f"\ndevice: {results['machine'].get('gpu')}  torch {results['machine']['torch']}  "
+    print(f"\ndevice: {results['machine'].get('gpu') or DEVICE}  torch {results['machine']['torch']}  "
           f"transformers {results['machine']['transformers']}  {results['machine']['date']}")
     if "tests" in results:
         t = results["tests"]
@@ -209,14 +280,20 @@ def main() -> int:
         if key.startswith("throughput") and "acb" in r:
             tf = r.get("transformers_cb", {})
             print(f"{r['workload']:<18} acb {r['acb']['tokens_per_s']:>9.0f} tok/s   transformers CB "
-                  f"{tf.get('tokens_per_s', float('nan')):>9.0f} tok/s   ratio {r.get('acb_vs_transformers', float('nan')):.2f}x")
+                  f"{tf.get('tokens_per_s', float('nan')):>9.0f} tok/s   ratio {r.get('acb_vs_transformers', float('nan')):.2f}x"
+                  f"   (backend {r['acb']['backend']}, graphs {r['acb']['cuda_graphs']})")
+            if "compiled_vs_eager" in r:
+                print(f"{'':<18} with torch.compile (level 1): {r['acb_compiled']['tokens_per_s']:.0f} tok/s "
+                      f"({r['compiled_vs_eager']:.2f}x)")
         elif key.startswith("decode") and isinstance(r, list):
             for row in r:
-                print(f"decode batch {row['batch']:>4} async={row['async_batching']!s:<5} step {row['step_ms']:.2f} ms  "
-                      f"floor {row['floor_ms']:.2f} ms  ({row['ratio_to_floor']:.2f}x)  GPU idle {row['gpu_idle_fraction']:.1%}")
+                idle = row["gpu_idle_fraction"]
+                print(f"decode batch {row['batch']:>4} async={row['async_batching']!s:<5} graphs={row['cuda_graphs']!s:<5} "
+                      f"step {row['step_ms']:.2f} ms  floor {row['floor_ms']:.2f} ms  ({row['ratio_to_floor']:.2f}x)  "
+                      f"GPU idle {'n/a' if idle is None else format(idle, '.1%')}")
         elif isinstance(r, dict) and "error" in r:
             print(f"{key}: ERROR {r['error']}")
-    print(f"wrote {args.json}")
+    print(f"wrote {json_path}")
     return 0
 
 

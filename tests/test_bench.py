@@ -67,3 +67,22 @@ def test_update_readme(results, tmp_path):
     assert "old" not in text and text.startswith("intro") and text.rstrip().endswith("rest")
     for w in WORKLOADS:
         assert f"**{w}**" in text
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    """The GPU check's own code paths, on CPU with a tiny model, so the first GPU run does not die on a typo."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "smoke.json"
+    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--skip-compile", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    a = res["throughput A: Qwen3-0.6B"]["acb"]
+    assert a["tokens"] == res["throughput A: Qwen3-0.6B"]["output_tokens"] and a["tokens_per_s"] > 0
+    rows = [r for k, v in res.items() if k.startswith("decode") for r in v]
+    assert len(rows) == 6 and all(r["steps_measured"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert "decode batch" in p.stdout and "wrote" in p.stdout

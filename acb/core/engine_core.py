@@ -117,7 +117,7 @@ class EngineCore:
         self.on_exit: Callable[[], None] | None = None  # run on the engine thread as it exits
         # seconds spent in: schedule, stage inputs, forward + sample + sync, process outputs
         self.timing = [0.0, 0.0, 0.0, 0.0]
-        # per-step (seqs, tokens, decode tokens, schedule, stage, compute, process) when enabled
+        # per-step (seqs, tokens, decode tokens, schedule, stage, compute, process, completed at) when enabled
         self.step_log: list[tuple] | None = None
 
     # ------------------------------------------------------------ callers
@@ -350,7 +350,7 @@ class EngineCore:
         tm[3] += t4 - t3
         if self.step_log is not None:
             self.step_log.append((sched.num_seqs, sched.num_tokens, sched.num_decode_tokens,
-                                  t_sched, t_stage, t_launch - t_stage + (t3 - t2), t4 - t3))
+                                  t_sched, t_stage, t_launch - t_stage + (t3 - t2), t4 - t3, t4))
         self._publish_stats()
 
     def _final_of(self, req: Request) -> GenerationOutput | None:
