@@ -58,3 +58,15 @@ def kv_leak_check(monkeypatch):
 def prompts_of_lengths(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def triton_test_device() -> torch.device:
+    """Where Triton kernel tests run: CPU under the interpreter (``TRITON_INTERPRET=1``, which
+    the module must set before importing triton), else CUDA; skips the module otherwise."""
+    from acb.runner.attention import triton_kernels as tk
+
+    if tk.interpreted():
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("compiled Triton kernels need CUDA (set TRITON_INTERPRET=1 on CPU)", allow_module_level=True)

@@ -21,14 +21,9 @@ import acb  # noqa: E402
 from acb.models import tiny_model  # noqa: E402
 from acb.runner import cuda_graphs  # noqa: E402
 from acb.runner.attention import triton_kernels as tk  # noqa: E402
-from tests.conftest import prompts_of_lengths  # noqa: E402
+from tests.conftest import prompts_of_lengths, triton_test_device  # noqa: E402
 
-if tk.interpreted():
-    DEVICE = torch.device("cpu")
-elif torch.cuda.is_available():
-    DEVICE = torch.device("cuda")
-else:
-    pytest.skip("compiled Triton kernels need CUDA (set TRITON_INTERPRET=1 on CPU)", allow_module_level=True)
+DEVICE = triton_test_device()
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")
 

@@ -22,13 +22,9 @@ from acb.runner.attention import triton_kernels as tk  # noqa: E402
 from acb.runner.attention.torch_backend import TorchBackend  # noqa: E402
 from acb.runner.attention.triton_backend import TritonBackend  # noqa: E402
 from acb.runner.kv_cache import KVCache, KVSpec  # noqa: E402
+from tests.conftest import triton_test_device  # noqa: E402
 
-if tk.interpreted():
-    DEVICE = torch.device("cpu")
-elif torch.cuda.is_available():
-    DEVICE = torch.device("cuda")
-else:
-    pytest.skip("compiled Triton kernels need CUDA (set TRITON_INTERPRET=1 on CPU)", allow_module_level=True)
+DEVICE = triton_test_device()
 
 # the interpreter's own numpy deprecation noise
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")
