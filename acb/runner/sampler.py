@@ -278,13 +278,17 @@ def sample(
 ) -> torch.Tensor:
     """Sampled ids, packed with logprobs when asked: ``[S]`` long, or ``[S, 2 + 2k]`` float64
     rows of (id, chosen logprob, k alternative ids, k alternative logprobs)."""
-    raw = logits.float()
     rows, p, gen_idx = dev["sp_rows"], dev["sp_params"], dev["sp_gen"]  # staged by SamplingState.stage
     use_penalty = bool(state.live_penalty.any())
+    use_bias, use_min_new = bool(state.live_bias.any()), bool(state.live_min_new.any())
+    if not (use_penalty or use_bias or use_min_new or step.any_sampling) and step.max_logprobs < 0:
+        # plain greedy: argmax of the model's logits as they are (the float32 upcast would pick
+        # the same first maximum), without materialising a float32 copy of [S, V]
+        return logits.argmax(dim=-1)
+    raw = logits.float()
     pr = process_logits(
         raw, p, gen_idx, rows, state,
-        use_penalty=use_penalty, use_bias=bool(state.live_bias.any()),
-        use_min_new=bool(state.live_min_new.any()), any_sampling=step.any_sampling,
+        use_penalty=use_penalty, use_bias=use_bias, use_min_new=use_min_new, any_sampling=step.any_sampling,
         top_kp_width=step.top_kp_width, any_min_p=step.any_min_p,
     )
     ids = pr.x.argmax(dim=-1)

@@ -149,3 +149,15 @@ def test_sampling_frequencies_match_processed_softmax(sp):
     tv = 0.5 * (counts - probs).abs().sum().item()
     assert tv < 0.03, f"total variation {tv:.4f} between sampled frequencies and the processed softmax"
     assert counts[probs == 0].sum() == 0, "sampled a token the processors removed"
+
+
+def test_plain_greedy_on_half_precision_logits_equals_the_float32_argmax():
+    g = torch.Generator().manual_seed(3)
+    n = 64
+    logits = (torch.randn(n, V, generator=g) * 2).round().to(torch.bfloat16)  # many ties
+    state = SamplingState(n, V, torch.device("cpu"))
+    for i in range(n):
+        state.init_row(i, make_req(i, acb.SamplingParams().merged_over(acb.sampling_params.FALLBACK), [3, 4]))
+    step, dev = stage_standalone(state, list(range(n)), [0] * n)
+    ids = sample(logits, step, state, dev)
+    assert ids.dtype == torch.long and torch.equal(ids, logits.float().argmax(dim=-1))

@@ -96,6 +96,56 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
+@triton.jit
+def _load_kv_tile(
+    k_cache_ptr, v_cache_ptr, bt_row, pos, p_mask, d, d_mask, kvh, block_size,
+    stride_btc, stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
+):
+    """K and V ``[N, D]`` of one KV head at context positions ``pos`` (masked rows are zeros),
+    through the sequence's block-table row ``bt_row``."""
+    blk = tl.load(bt_row + (pos // block_size) * stride_btc, mask=p_mask, other=0).to(tl.int64)
+    off = pos % block_size
+    kv_mask = p_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kco + kvh * stride_kch
+        + d[None, :] * stride_kcd,
+        mask=kv_mask, other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vco + kvh * stride_vch
+        + d[None, :] * stride_vcd,
+        mask=kv_mask, other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
+def _scores(q, k, scale_log2, scale, softcap, HAS_SOFTCAP: tl.constexpr, F32: tl.constexpr):
+    """``q @ k.T`` scaled (and soft-capped) in base 2: ready for ``exp2``."""
+    s = _dot(q, tl.trans(k), F32)
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+    else:
+        s = s * scale_log2
+    return s
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, F32: tl.constexpr):
+    """One online-softmax update with a tile of masked scores ``s`` [R, N] and values ``v`` [N, D]:
+    the new running max, sum and unnormalised accumulator (rows with nothing visible stay 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if F32:
+        pv = _dot(p, v, F32)
+    else:
+        pv = _dot(p.to(v.dtype), v, F32)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 # ---------------------------------------------------------------------------------------------
 # (a) store new K/V into the paged cache
 # ---------------------------------------------------------------------------------------------
@@ -213,36 +263,13 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         p_mask = pos < end
-        blk = tl.load(bt_row + (pos // block_size) * stride_btc, mask=p_mask, other=0).to(tl.int64)
-        off = pos % block_size
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kco + kvh * stride_kch
-            + d[None, :] * stride_kcd,
-            mask=kv_mask, other=0.0,
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, pos, p_mask, d, d_mask, kvh, block_size,
+            stride_btc, stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
         )
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vco + kvh * stride_vch
-            + d[None, :] * stride_vcd,
-            mask=kv_mask, other=0.0,
-        )
-        s = _dot(q, tl.trans(k), F32)  # [G, N]
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
-        else:
-            s = s * scale_log2
+        s = _scores(q, k, scale_log2, scale, softcap, HAS_SOFTCAP, F32)  # [G, N]
         s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if F32:
-            pv = _dot(p, v, F32)
-        else:
-            pv = _dot(p.to(v.dtype), v, F32)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, F32)
 
     if SINGLE_SPLIT:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -446,39 +473,16 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         p_mask = pos < hi
-        blk = tl.load(bt_row + (pos // block_size) * stride_btc, mask=p_mask, other=0).to(tl.int64)
-        off = pos % block_size
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kco + kvh * stride_kch
-            + d[None, :] * stride_kcd,
-            mask=kv_mask, other=0.0,
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, pos, p_mask, d, d_mask, kvh, block_size,
+            stride_btc, stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
         )
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vco + kvh * stride_vch
-            + d[None, :] * stride_vcd,
-            mask=kv_mask, other=0.0,
-        )
-        s = _dot(q, tl.trans(k), F32)  # [M, N]
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
-        else:
-            s = s * scale_log2
+        s = _scores(q, k, scale_log2, scale, softcap, HAS_SOFTCAP, F32)  # [M, N]
         visible = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if F32:
-            pv = _dot(p, v, F32)
-        else:
-            pv = _dot(p.to(v.dtype), v, F32)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, F32)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
