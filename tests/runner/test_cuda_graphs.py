@@ -25,7 +25,9 @@ from tests.conftest import prompts_of_lengths, triton_test_device  # noqa: E402
 
 DEVICE = triton_test_device()
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")
+# the interpreter's own numpy deprecation noise; compiled for a GPU, these are `gpu` tests too
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")] + (
+    [pytest.mark.gpu] if DEVICE.type == "cuda" else [])
 
 
 def test_graph_sizes():

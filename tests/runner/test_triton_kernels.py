@@ -26,8 +26,9 @@ from tests.conftest import triton_test_device  # noqa: E402
 
 DEVICE = triton_test_device()
 
-# the interpreter's own numpy deprecation noise
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")
+# the interpreter's own numpy deprecation noise; compiled for a GPU, these are `gpu` tests too
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")] + (
+    [pytest.mark.gpu] if DEVICE.type == "cuda" else [])
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
