@@ -88,6 +88,11 @@ def test_graph_replay_equals_eager_with_sampling_and_n(monkeypatch):
                                            use_cuda_graph=graphs, max_requests_per_batch=8)
         with acb.Engine(model, cfg) as eng:
             outs = [h.result(timeout=600) for h in [eng.submit(p, s) for p, s in zip(prompts, sp)]]
+            # one-token prompts, one with n=3: their first step is decode-only and samples rows
+            # 0, 0, 0, 1 of the logits (logits_indices is not the identity)
+            pair = [eng.submit([9], acb.SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=6)),
+                    eng.submit([11], acb.SamplingParams(max_new_tokens=4))]
+            outs += [h.result(timeout=600) for h in pair]
             if graphs:
                 assert sum(eng._fe.runner.graphs.replays.values()) > 0
         results[graphs] = [(o.generated_tokens, o.logprobs, [(s.generated_tokens, s.logprobs, s.top_logprobs)
