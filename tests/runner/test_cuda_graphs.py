@@ -154,3 +154,23 @@ def test_padded_rows_are_reset_when_the_batch_shrinks():
             assert graphs.run(batch(3)).shape[0] == 3
         assert graphs.static[:, 3].tolist() == graphs.pad[:, 0].tolist()
         assert graphs.replays[(4, 1)] == 2
+
+
+def test_graphs_with_async_preemption_offload_prefix_cache_and_groups():
+    """Rows freed and re-initialised by preemption, blocks swapped out and in, shared prefixes
+    and forked samples, all through graph replays: the block table the replays gather from
+    must follow every change."""
+    model = tiny_model("llama").to(DEVICE)
+    base = prompts_of_lengths([30], seed=71)[0]
+    prompts = [base[:20], base, base[:9] + [5, 6], base[:28]] + prompts_of_lengths([17, 25, 12], seed=72)
+    refs = [_reference(model, p, 14) for p in prompts]
+    cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=24, safety_margin=0.0, cpu_offload_space=0.01,
+                                       attn_backend="triton", use_cuda_graph=True, use_async_batching=True,
+                                       max_requests_per_batch=8)
+    with acb.Engine(model, cfg) as eng:
+        hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=14, n=2 if i == 1 else 1)) for i, p in enumerate(prompts)]
+        outs = [h.result(timeout=600) for h in hs]
+        assert eng.stats.preemptions > 0
+        assert sum(eng._fe.runner.graphs.replays.values()) > 0
+    assert [o.generated_tokens for o in outs] == refs
+    assert [s.generated_tokens for s in outs[1].samples] == [refs[1]] * 2
