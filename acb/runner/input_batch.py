@@ -31,6 +31,7 @@ from acb.core.scheduler import SchedulerOutput
 from acb.runner.attention import BatchInputs
 
 _ALIGN = 16  # bytes; every staged array starts aligned, so byte views can be re-typed
+_TORCH_DTYPE = {np.int64: torch.int64, np.float32: torch.float32, np.bool_: torch.bool, np.int32: torch.int32}
 
 
 class _DoneEvent:
@@ -59,11 +60,6 @@ class DeviceStreams:
     def event(self) -> torch.cuda.Event | _DoneEvent:
         return torch.cuda.Event() if self.cuda else _DoneEvent()
 
-    def wait(self, stream: torch.cuda.Stream | None, event: torch.cuda.Event | _DoneEvent) -> None:
-        """Make ``stream`` wait for ``event`` (no host sync)."""
-        if stream is not None:
-            stream.wait_event(event)
-
 
 class StagingSet:
     """One of the two staging sets: a host buffer (pinned on CUDA) and a device buffer, both bytes."""
@@ -75,7 +71,7 @@ class StagingSet:
         self.capacity = 0
         self.copied = streams.event()  # host buffer free again once this completes
         self.consumed = streams.event()  # device buffer free again once this completes
-        self.uses = 0
+        self.uses = 0  # steps staged through this set (tests read it)
         self._arrays: list[tuple[str, np.ndarray]] = []
         self._grow(capacity)
 
@@ -126,10 +122,9 @@ class StagingSet:
 
     def release(self) -> None:
         """Mark, on the compute stream, the point after which this set's device views are unused."""
-        self.consumed.record(self.streams.compute) if self.streams.cuda else None
+        if self.streams.cuda:
+            self.consumed.record(self.streams.compute)
 
-
-_TORCH_DTYPE = {np.int64: torch.int64, np.float32: torch.float32, np.bool_: torch.bool, np.int32: torch.int32}
 
 
 class StagingRing:

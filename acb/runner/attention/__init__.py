@@ -126,13 +126,12 @@ def make_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-def check_backend(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int = 64,
+def check_backend(candidate: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int = 64,
                   block_size: int = 16) -> str | None:
-    """Run ``backend`` against the torch reference on a small mixed step (decode rows, a fresh
+    """Run ``candidate`` against the torch reference on a small mixed step (decode rows, a fresh
     prompt and a chunk after cached context, GQA) on ``device``; None if they agree, else what
     went wrong. Used when a backend is picked automatically, so that a GPU where its kernels fail
     to build or disagree falls back to another backend instead of failing."""
-    candidate = backend
     try:
         # a mixed step (decode rows, a fresh prompt, a chunk after cached context), then decode only
         for num_new, start in (([1, 1, 9, 5], [20, 37, 0, 16]), ([1, 1, 1], [20, 37, 4])):
