@@ -24,6 +24,7 @@ import acb
 from acb.bench.common import (
     ModelSpec, blocks_for_all, peak_memory_bytes, random_prompts, reset_peak_memory,
 )
+from acb.runner.kv_cache import meminfo_bytes
 
 SIZES = {
     "tiny": dict(num_prompts=8, min_prompt_len=4, max_prompt_len=32, min_new=4, max_new=8, batch_size=4),
@@ -31,14 +32,6 @@ SIZES = {
 }
 MAX_BATCH_TOKENS = 2048
 MAX_REQUESTS = 128
-
-
-def _meminfo_bytes(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def patch_transformers_cpu_memory() -> str | None:
@@ -53,7 +46,7 @@ def patch_transformers_cpu_memory() -> str | None:
     from transformers.generation.continuous_batching import cache as tf_cache
 
     def breakdown() -> tuple[torch.device, int, int, int]:
-        total = _meminfo_bytes("MemTotal")
+        total = meminfo_bytes("MemTotal") or 0
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return torch.device("cpu"), total, rss, rss

@@ -91,34 +91,35 @@ class KVCache:
         return self.spec.bytes_per_block(self.block_size) * self.num_blocks
 
 
-def total_host_memory() -> int:
-    """Bytes of RAM on this machine (Linux ``MemTotal``; a sysconf fallback)."""
+def meminfo_bytes(key: str) -> int | None:
+    """A ``/proc/meminfo`` figure (e.g. ``MemTotal``) in bytes; None where there is none (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _sysconf_bytes(pages: str, default: int) -> int:
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return 8 << 30
+        return default
+
+
+def total_host_memory() -> int:
+    """Bytes of RAM on this machine (Linux ``MemTotal``; a sysconf fallback)."""
+    found = meminfo_bytes("MemTotal")
+    return found if found is not None else _sysconf_bytes("SC_PHYS_PAGES", 8 << 30)
 
 
 def available_host_memory() -> int:
     """Bytes of RAM available to this process now (Linux ``MemAvailable``; a sysconf fallback)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 2 << 30
+    found = meminfo_bytes("MemAvailable")
+    return found if found is not None else _sysconf_bytes("SC_AVPHYS_PAGES", 2 << 30)
 
 
 # On CPU the cache shares RAM with everything else: take a modest share, capped
