@@ -158,7 +158,7 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
     dtype = next(model.parameters()).dtype
     spec = kv_spec_of(model, dtype)
     backend = config.attn_backend or default_backend(device, dtype, config.block_size)
-    if backend == "flash_attn":
+    if config.attn_backend == "flash_attn":  # an automatic pick has passed this check already
         from acb.runner.attention import flash_attn_backend
 
         problem = flash_attn_backend.unavailable_reason(device, dtype, config.block_size)

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 import acb  # noqa: E402
 from acb.models import tiny_model  # noqa: E402
-from acb.runner.attention import BatchInputs, StepContext  # noqa: E402
+from acb.runner.attention import BatchInputs, StepContext, check_backend  # noqa: E402
 from acb.runner.attention import triton_kernels as tk  # noqa: E402
 from acb.runner.attention.torch_backend import TorchBackend  # noqa: E402
 from acb.runner.attention.triton_backend import TritonBackend  # noqa: E402
@@ -259,7 +259,7 @@ def test_backend_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     from acb.runner.attention import triton_backend
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    assert triton_backend.self_check(dev, torch.float32, head_dim=32, block_size=8) is None
+    assert check_backend(TritonBackend(), dev, torch.float32, head_dim=32, block_size=8) is None
     monkeypatch.setattr(triton_backend.tk, "paged_decode_attention", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("broken")))
-    assert "broken" in triton_backend.self_check(dev, torch.float32, head_dim=32, block_size=8)
+    assert "broken" in check_backend(TritonBackend(), dev, torch.float32, head_dim=32, block_size=8)

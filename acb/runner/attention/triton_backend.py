@@ -124,9 +124,3 @@ class TritonBackend:
             )
         return out.unsqueeze(0)  # [1, T, H, D]
 
-
-def self_check(device: torch.device, dtype: torch.dtype, head_dim: int = 64, block_size: int = 16) -> str | None:
-    """:func:`acb.runner.attention.check_backend` for the Triton backend."""
-    from acb.runner.attention import check_backend
-
-    return check_backend(TritonBackend(), device, dtype, head_dim=head_dim, block_size=block_size)
