@@ -98,13 +98,8 @@ class FlashAttnBackend:
         return 0
 
     def graph_metadata(self, batch: BatchInputs, variant: int) -> FlashMetadata:
-        n = batch.seq_lens.shape[0]
-        return FlashMetadata(
-            slot_mapping=batch.slot_mapping, block_table=batch.block_table.to(torch.int32),
-            seq_lens=batch.seq_lens.to(torch.int32), cu_seqlens_q=batch.query_start_loc[: n + 1].to(torch.int32),
-            cu_seqlens_k=batch.query_start_loc[: n + 1].to(torch.int32),  # unused by decode
-            max_q_len=1, max_seq_len=0, decode_only=True,
-        )
+        """A decode-only step's metadata (``batch`` holds one query per row): all device tensors."""
+        return self.build_metadata(batch, 0)
 
     def forward(
         self,

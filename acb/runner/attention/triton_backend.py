@@ -13,7 +13,7 @@ every layer. Needs a CUDA device, or the Triton interpreter (``TRITON_INTERPRET=
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,13 +53,9 @@ class TritonBackend:
         return variants[0] if tk.choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) == 1 else variants[-1]
 
     def graph_metadata(self, batch: BatchInputs, variant: int) -> TritonMetadata:
-        """Metadata of a decode-only step captured in a graph: device tensors plus the split count."""
-        n = batch.seq_lens.shape[0]
-        return TritonMetadata(
-            slot_mapping=batch.slot_mapping, block_table=batch.block_table, seq_lens=batch.seq_lens,
-            query_start_loc=batch.query_start_loc, num_tokens=n, num_seqs=n, num_decode=n, has_prefill=False,
-            max_q_len=1, max_decode_seq_len=0, num_splits=variant,
-        )
+        """Metadata of a decode-only step captured in a graph (``batch`` holds one query per row):
+        device tensors plus the split count ``variant``."""
+        return replace(self.build_metadata(batch, 0), num_splits=variant)
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TritonMetadata:
         device = batch.slot_mapping.device
