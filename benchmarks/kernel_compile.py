@@ -1,0 +1,268 @@
+"""Compile acb's Triton kernels for a GPU architecture on a machine without one, and report their resources.
+
+Triton compiles ahead of time when it is given a target: its NVIDIA backend lowers to PTX and runs
+the bundled ``ptxas``, with no driver and no GPU. This script drives the real launch path (the
+``TritonBackend`` forward that the engine calls, so the same views, strides and integer
+specialisations) with a stand-in driver that reports the target architecture; each kernel's
+``_do_compile`` is intercepted, so nothing is launched, and every specialisation it asked for is
+then compiled to a cubin for the target. ``cuobjdump -res-usage`` reads registers, spills (local
+memory) and shared memory off each cubin.
+
+What it catches without a GPU: kernels that do not lower for the real target (the interpreter
+accepts things that the compiler rejects: ``tl.dot`` shapes and dtypes, layouts), shared memory
+over the architecture's per-block limit, and register spills. It says nothing about speed.
+
+    python benchmarks/kernel_compile.py                     # full matrix, sm_90 and sm_80
+    python benchmarks/kernel_compile.py --quick --arch 90   # the CI subset
+
+Writes ``benchmarks/results/kernel_compile.json`` (``--json`` to change) and prints a table; exits
+1 when a kernel fails to compile or exceeds the shared-memory limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("kernel_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+# per-block dynamic shared memory limit (bytes) by compute capability (CUDA programming guide)
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention layer's step: shapes of a model family, and which kernels the step takes."""
+
+    head_dim: int
+    dtype: str
+    heads: int
+    kv_heads: int
+    step: str  # "decode" (one split), "decode_split" (split-K + reduction), "mixed" (prefill + decode rows), "prefill"
+    window: int | None = None
+    softcap: float | None = None
+
+
+class _TargetDriver:
+    """Stands in for Triton's CUDA driver: reports ``target`` and device 0; launches nothing."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def cases(quick: bool) -> list[Case]:
+    """The matrix: every head dim the issue names, every dtype, GQA groups 1 and 4, each step kind,
+    and the window and softcap variants (constexpr switches). ``quick``: the model shapes acb is
+    benchmarked on (Qwen3-0.6B and Llama-3.1-8B: head dim 128 bf16), plus head dim 256 with
+    window and softcap (Gemma-2) and one fp32 and one fp16 shape."""
+    steps = ("decode", "decode_split", "mixed", "prefill")
+    if quick:
+        out = [Case(128, "bf16", 16, 8, s) for s in steps]
+        out += [Case(128, "bf16", 32, 8, s) for s in steps]
+        out += [Case(256, "bf16", 8, 4, s, window=4096, softcap=50.0) for s in steps]
+        out += [Case(80, "fp32", 4, 4, s) for s in steps]
+        out += [Case(96, "fp16", 32, 32, "mixed")]
+        return out
+    out = []
+    for hd, dt, (h, kv), s in itertools.product((64, 80, 96, 128, 256), DTYPES, ((8, 8), (16, 4)), steps):
+        out.append(Case(hd, dt, h, kv, s))
+    for hd, s in itertools.product((128, 256), steps):
+        out.append(Case(hd, "bf16", 16, 4, s, window=4096))
+        out.append(Case(hd, "bf16", 16, 4, s, softcap=50.0))
+    return out
+
+
+def _drive(case: Case) -> None:
+    """Run one layer of ``case`` through ``TritonBackend.forward`` on CPU tensors (nothing launches)."""
+    from acb.runner.attention import StepContext
+    from acb.runner.attention.triton_backend import TritonBackend, TritonMetadata
+    from acb.runner.kv_cache import KVCache, KVSpec
+
+    dtype = DTYPES[case.dtype]
+    block_size, blocks, cols = 16, 64, 32
+    num_new, lens = {
+        "mixed": ([1, 1, 7, 40], [300, 20, 30, 40]),
+        "prefill": ([7, 40], [30, 300]),  # a fresh prompt and a chunk after cached context
+    }.get(case.step, ([1, 1, 1], [300, 20, 400]))
+    b, t = len(num_new), sum(num_new)
+    qsl = [0]
+    for n in num_new:
+        qsl.append(qsl[-1] + n)
+    md = TritonMetadata(
+        slot_mapping=torch.zeros(t, dtype=torch.long), block_table=torch.zeros(b, cols, dtype=torch.long),
+        seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(qsl), num_tokens=t, num_seqs=b,
+        num_decode=num_new.count(1), has_prefill=max(num_new) > 1, max_q_len=max(num_new),
+        max_decode_seq_len=max((n for n, q in zip(lens, num_new) if q == 1), default=0),
+        num_splits=4 if case.step == "decode_split" else 1,
+    )
+    cache = KVCache(KVSpec(num_layers=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=dtype),
+                    blocks, block_size, torch.device("cpu"))
+    # the model's layout: projections viewed as [1, T, H, D] and transposed to [1, H, T, D]
+    q = torch.zeros(1, t, case.heads, case.head_dim, dtype=dtype).transpose(1, 2)
+    k = torch.zeros(1, t, case.kv_heads, case.head_dim, dtype=dtype).transpose(1, 2)
+    backend = TritonBackend()
+    backend.forward(0, q, k, k.clone(), StepContext(cache, backend, md), scaling=case.head_dim ** -0.5,
+                    sliding_window=case.window, softcap=case.softcap)
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    fields = dict(item.split(":", 1) for item in line.split())
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
+            "spill_bytes": int(fields["LOCAL"])}
+
+
+def _ptx_summary(ptx: str) -> dict[str, object]:
+    """How the kernel reads memory and multiplies: the matrix instruction family (``wgmma`` is
+    Hopper's warpgroup MMA, ``mma.sync`` the Ampere one, ``none`` for FMA-only) and the count of
+    asynchronous global-to-shared copies (``cp.async``: Triton's software pipelining)."""
+    if "wgmma.mma_async" in ptx:
+        mma = "wgmma"
+    elif "mma.sync" in ptx:
+        mma = "mma.sync"
+    else:
+        mma = "none"
+    return {"mma": mma, "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global", ptx))}
+
+
+def compile_cases(arch: int, todo: list[Case]) -> list[dict]:
+    """Every kernel specialisation that ``todo`` launches, compiled for ``sm_<arch>``; one record each."""
+    from acb.runner.attention import triton_kernels as tk
+
+    if tk.interpreted():
+        raise RuntimeError("triton_kernels was imported under TRITON_INTERPRET=1")
+    kernels = (tk._store_kv_kernel, tk._decode_split_kernel, tk._decode_reduce_kernel, tk._prefill_kernel)
+    target = GPUTarget("cuda", arch, 32)
+    asked: dict[tuple, tuple] = {}
+    current: list[Case] = []
+
+    def interceptor(kernel):
+        def _do_compile(key, signature, device, constexprs, options, attrs, warmup):
+            ident = (kernel.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
+                     repr(sorted(attrs.items())), options.num_warps, options.num_stages)
+            asked.setdefault(ident, (kernel, signature, constexprs, attrs, options, current[0]))
+            return None  # run() returns without launching
+        return _do_compile
+
+    saved = {k: k.__dict__.get("_do_compile") for k in kernels}
+    driver.set_active(_TargetDriver(target))
+    try:
+        for k in kernels:
+            k._do_compile = interceptor(k)
+            k.device_caches.clear()  # binders are made per target
+        for case in todo:
+            current[:] = [case]
+            _drive(case)
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                del k._do_compile
+            else:
+                k._do_compile = old
+            k.device_caches.clear()
+        driver.set_active(None)  # the real driver again, made on first use
+
+    records = []
+    limit = SHARED_LIMIT.get(arch)
+    for kernel, signature, constexprs, attrs, options, case in asked.values():
+        rec = {"arch": f"sm_{arch}", "kernel": kernel.__name__.lstrip("_"), "case": asdict(case),
+               "num_warps": options.num_warps, "num_stages": options.num_stages,
+               # constexprs are keyed by argument position: name them (integers Triton
+               # specialised because they equal 1 show up here too)
+               "constexprs": {kernel.arg_names[path[0]]: v for path, v in constexprs.items()
+                              if isinstance(v, (bool, int, float))}}
+        t0 = time.perf_counter()
+        try:
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
+        except Exception as exc:  # noqa: BLE001 - reported per kernel
+            rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+        else:
+            rec.update(ok=True, shared_bytes=compiled.metadata.shared, **_resources(compiled.asm["cubin"]),
+                       **_ptx_summary(compiled.asm["ptx"]))
+            if limit is not None and rec["shared_bytes"] > limit:
+                rec.update(ok=False, error=f"shared memory {rec['shared_bytes']} B over the sm_{arch} limit {limit} B")
+        rec["compile_s"] = round(time.perf_counter() - t0, 2)
+        records.append(rec)
+    return records
+
+
+def _table(records: list[dict]) -> str:
+    head = "| arch | kernel | dtype | head dim | H/Hkv | step | regs | spill B | shared KiB | mma | ok |"
+    rows = [head, "|" + "---|" * 11]
+    for r in records:
+        c = r["case"]
+        extra = "+window" if c["window"] else ""
+        extra += "+softcap" if c["softcap"] else ""
+        rows.append(
+            f"| {r['arch']} | {r['kernel']} | {c['dtype']} | {c['head_dim']} | {c['heads']}/{c['kv_heads']} | "
+            f"{c['step']}{extra} | {r.get('registers', '-')} | {r.get('spill_bytes', '-')} | "
+            f"{r['shared_bytes'] / 1024:.1f} | {r['mma']} | yes |" if r["ok"] else
+            f"| {r['arch']} | {r['kernel']} | {c['dtype']} | {c['head_dim']} | {c['heads']}/{c['kv_heads']} | "
+            f"{c['step']}{extra} | - | - | - | - | NO: {r['error'][:120]} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90 and 80)")
+    ap.add_argument("--quick", action="store_true", help="the CI subset of shapes")
+    ap.add_argument("--first", type=int, help="only the first N cases of the matrix")
+    ap.add_argument("--json", default="benchmarks/results/kernel_compile.json")
+    args = ap.parse_args(argv)
+    archs = args.arch or [90, 80]
+    todo = cases(args.quick)[: args.first]
+    t0 = time.perf_counter()
+    records = [r for arch in archs for r in compile_cases(arch, todo)]
+    wall = time.perf_counter() - t0
+    failed = [r for r in records if not r["ok"]]
+    spilled = [r for r in records if r["ok"] and r["spill_bytes"]]
+    doc = {
+        "triton": triton.__version__, "torch": torch.__version__, "archs": [f"sm_{a}" for a in archs],
+        "quick": args.quick, "cases": len(todo), "kernels_compiled": len(records), "failed": len(failed),
+        "spilling": len(spilled), "wall_s": round(wall, 1), "records": records,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(_table(records))
+    print(f"\n{len(records)} kernel specialisations for {', '.join(doc['archs'])} in {wall:.0f} s: "
+          f"{len(failed)} failed, {len(spilled)} spill registers")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
