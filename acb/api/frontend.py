@@ -90,14 +90,15 @@ class Frontend:
     def prepare(self) -> None:
         """Check the model, size and allocate the KV cache (idempotent; ``start`` calls it)."""
         if self.runner is None:
-            from acb.runner.model_runner import ModelRunner  # the only place the API reaches torch code
+            from acb.runner.model_runner import ModelRunner, device_scope, model_device  # the API's only torch code
 
-            runner = ModelRunner(self.model, self.config)
-            try:
-                runner.warmup()  # captures the decode CUDA graphs when enabled
-            except BaseException:
-                runner.close()
-                raise
+            with device_scope(model_device(self.model)):
+                runner = ModelRunner(self.model, self.config)
+                try:
+                    runner.warmup()  # captures the decode CUDA graphs when enabled
+                except BaseException:
+                    runner.close()
+                    raise
             self.runner = runner
 
     def start(self) -> None:

@@ -83,6 +83,10 @@ class StagingSet:
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.streams.cuda)
         self.host_np = self.host.numpy()
         self.dev = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        if self.streams.cuda:
+            # the allocator may hand back memory that kernels queued on the compute stream still
+            # use (it orders reuse on the allocating stream only); the copy stream writes it
+            self.streams.h2d.wait_stream(self.streams.compute)
 
     def add(self, name: str, array: np.ndarray) -> None:
         """Queue a host array (int64, float32 or bool) for this step's copy."""

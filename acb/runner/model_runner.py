@@ -11,6 +11,7 @@ sampled ids, and logprobs when asked).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -154,7 +155,7 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
     that cannot hold one request of ``max_model_len`` tokens, start fails with the figures.
     With ``num_blocks`` set, ``max_model_len`` is lowered to what the cache holds.
     """
-    device = next(model.parameters()).device
+    device = model_device(model)
     dtype = next(model.parameters()).dtype
     spec = kv_spec_of(model, dtype)
     backend = config.attn_backend or default_backend(device, dtype, config.block_size)
@@ -226,14 +227,33 @@ def _decode_graph_flag(use_cuda_graph: bool | tuple[bool, bool] | None) -> bool 
     return use_cuda_graph
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def device_scope(device: torch.device, stream: "torch.cuda.Stream | None" = None) -> contextlib.AbstractContextManager:
+    """On CUDA: ``device`` (and ``stream``) made current for the block. Triton launches, new
+    streams, graph capture and pools all follow the current device, and the engine thread's
+    current device is 0 whatever the model's; a caller's stream context must not leak in either."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    if stream is not None:
+        stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
 class ModelRunner:
     """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
 
     def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
         check_model(model)
         self.model = model.eval()
+        self.device = model_device(model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
         self.cfg, spec = resolve_config(model, config)
-        self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else int(model.config.get_text_config().vocab_size)
         self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
         self.kv_cache.allocate_swap(self.cfg.num_swap_blocks)
@@ -338,15 +358,24 @@ class ModelRunner:
             self.model.config._attn_implementation = impl
 
     def close(self) -> None:
-        """Give the model its own attention implementation back."""
+        """Give the model its own attention implementation back, and drop the KV cache, the
+        graphs and the step buffers, so that a stopped engine's device memory is free for the next
+        start (the stopped engine core still holds this runner). The runner is unusable after."""
         if self._original_attn is not None:
             self._set_attn(self._original_attn)
             self._original_attn = None
+        self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
+        self.kv_cache = self.staging = self.sampling = self.inputs = None
+        self._prev_ids = None
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> InFlightStep:
         """Launch one step (no host sync): stage its inputs (one copy), run the forward and the
         sampler on the compute stream, and start copying the sampled ids back to the host."""
+        with device_scope(self.device, self.streams.compute):
+            return self._execute(sched)
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> InFlightStep:
         t0 = time.perf_counter()
         sampling = self.sampling
         for row in sched.freed_rows:

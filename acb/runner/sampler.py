@@ -82,6 +82,9 @@ class SamplingState:
         self.bias: torch.Tensor | None = None  # [rows, V] float32
         self.stop_mask: torch.Tensor | None = None  # [rows, V] bool: tokens min_new_tokens suppresses
         self._pending = _pending_ops()  # row initialisations not yet staged
+        # a device-side True for index_put_: assigning a Python scalar through tensor indices
+        # copies it from host memory on every call, a blocking copy on CUDA
+        self.true = torch.ones((), dtype=torch.bool, device=device)
 
     def _buf(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         t = getattr(self, name)
@@ -167,7 +170,7 @@ class SamplingState:
             seen, counts = self._buf("seen", torch.bool), self._buf("counts", torch.float32)
             seen.index_fill_(0, dev["pen_rows"], False)
             counts.index_fill_(0, dev["pen_rows"], 0.0)
-            seen[dev["seen_r"], dev["seen_c"]] = True
+            seen.index_put_((dev["seen_r"], dev["seen_c"]), self.true)
             if "cnt_r" in dev:
                 counts.index_put_((dev["cnt_r"], dev["cnt_c"]), torch.ones_like(dev["cnt_r"], dtype=torch.float32),
                                   accumulate=True)
@@ -178,7 +181,7 @@ class SamplingState:
         if "stop_rows" in dev:
             mask = self._buf("stop_mask", torch.bool)
             mask.index_fill_(0, dev["stop_rows"], False)
-            mask[dev["stop_r"], dev["stop_c"]] = True
+            mask.index_put_((dev["stop_r"], dev["stop_c"]), self.true)
 
 
 def _pending_ops() -> dict[str, list]:
@@ -303,7 +306,7 @@ def sample(
             sampled = torch.where(pr.trunc_rows, pr.cand_ids.gather(1, pick[:, None])[:, 0], sampled)
         ids = torch.where(temp > 0, sampled, ids)
     if use_penalty:  # history for the next step, updated on the device
-        state.seen[rows, ids] = True
+        state.seen.index_put_((rows, ids), state.true)
         state.counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     if step.max_logprobs < 0:
         return ids

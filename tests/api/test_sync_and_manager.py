@@ -95,6 +95,37 @@ def test_manager_api():
     assert manager.get_result(timeout=0.1) is None
 
 
+def test_manager_restart_frees_the_stopped_engines_cache():
+    """A stopped manager starts again with a fresh cache, and the first one's KV tensors are
+    gone (the stopped engine core still holds its runner): on a GPU the second start would
+    otherwise size its cache from what the dead one left free."""
+    import gc
+    import weakref
+
+    model = get_model("llama")
+    prompts = prompts_of_lengths([5, 11], seed=22)
+    refs = [reference_generate(model, p, 5) for p in prompts]
+    manager = acb.ContinuousBatchingManager(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    first_cache = None
+    for _ in range(2):
+        manager.start()
+        runner = manager._engine._fe.runner
+        if first_cache is None:
+            first_cache = weakref.ref(runner.kv_cache.k[0])
+        else:
+            assert runner.kv_cache.k[0] is not first_cache()
+        ids = manager.add_requests(prompts, max_new_tokens=5, eos_token_id=-1)
+        outs = {}
+        while len(outs) < len(ids):
+            out = manager.get_result(timeout=30)
+            outs[out.request_id] = out
+        assert [outs[i].generated_tokens for i in ids] == refs
+        manager.stop(block=True)
+        del runner
+        gc.collect()
+        assert first_cache() is None  # freed at the first stop, not kept by the stopped core
+
+
 async def test_manager_result_handler():
     model = get_model("llama")
     manager = acb.ContinuousBatchingManager(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
