@@ -22,6 +22,7 @@ Writes ``benchmarks/results/kernel_compile.json`` (``--json`` to change) and pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -156,34 +157,34 @@ def _ptx_summary(ptx: str) -> dict[str, object]:
     return {"mma": mma, "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global", ptx))}
 
 
-def compile_cases(arch: int, todo: list[Case]) -> list[dict]:
-    """Every kernel specialisation that ``todo`` launches, compiled for ``sm_<arch>``; one record each."""
+@contextlib.contextmanager
+def intercepted(arch: int):
+    """Within the block, launches of acb's kernels compile and run nothing: each specialisation
+    Triton would compile for ``sm_<arch>`` is recorded instead, in the dict yielded (identity ->
+    (kernel, signature, constexprs, attrs, options, tag)); set ``tag[0]`` to label what follows."""
     from acb.runner.attention import triton_kernels as tk
 
     if tk.interpreted():
         raise RuntimeError("triton_kernels was imported under TRITON_INTERPRET=1")
     kernels = (tk._store_kv_kernel, tk._decode_split_kernel, tk._decode_reduce_kernel, tk._prefill_kernel)
-    target = GPUTarget("cuda", arch, 32)
     asked: dict[tuple, tuple] = {}
-    current: list[Case] = []
+    tag: list = [None]
 
     def interceptor(kernel):
         def _do_compile(key, signature, device, constexprs, options, attrs, warmup):
             ident = (kernel.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
                      repr(sorted(attrs.items())), options.num_warps, options.num_stages)
-            asked.setdefault(ident, (kernel, signature, constexprs, attrs, options, current[0]))
+            asked.setdefault(ident, (kernel, signature, constexprs, attrs, options, tag[0]))
             return None  # run() returns without launching
         return _do_compile
 
     saved = {k: k.__dict__.get("_do_compile") for k in kernels}
-    driver.set_active(_TargetDriver(target))
+    driver.set_active(_TargetDriver(GPUTarget("cuda", arch, 32)))
     try:
         for k in kernels:
             k._do_compile = interceptor(k)
             k.device_caches.clear()  # binders are made per target
-        for case in todo:
-            current[:] = [case]
-            _drive(case)
+        yield asked, tag
     finally:
         for k, old in saved.items():
             if old is None:
@@ -192,6 +193,15 @@ def compile_cases(arch: int, todo: list[Case]) -> list[dict]:
                 k._do_compile = old
             k.device_caches.clear()
         driver.set_active(None)  # the real driver again, made on first use
+
+
+def compile_cases(arch: int, todo: list[Case]) -> list[dict]:
+    """Every kernel specialisation that ``todo`` launches, compiled for ``sm_<arch>``; one record each."""
+    target = GPUTarget("cuda", arch, 32)
+    with intercepted(arch) as (asked, tag):
+        for case in todo:
+            tag[0] = case
+            _drive(case)
 
     records = []
     limit = SHARED_LIMIT.get(arch)
@@ -216,6 +226,62 @@ def compile_cases(arch: int, todo: list[Case]) -> list[dict]:
         rec["compile_s"] = round(time.perf_counter() - t0, 2)
         records.append(rec)
     return records
+
+
+def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0) -> list[str]:
+    """Specialisations a sweep of ``steps`` engine-like steps would compile after warm-up.
+
+    Warm-up is ``triton_kernels.precompile`` for the layer (what the backend runs on its first
+    forward). The sweep then sends random steps through ``TritonBackend.forward`` the way the
+    engine builds them: batch sizes 1-48, decode-only, prefill-only and mixed, contexts up to
+    4k tokens, the block table gathered to each step's width, split counts chosen per step or
+    fixed as in a graph. Returns the kernel names of specialisations first asked for in the
+    sweep (each would be a compile stall mid-serving); empty is the goal."""
+    import random
+
+    from acb.runner.attention import BatchInputs, StepContext
+    from acb.runner.attention import triton_kernels as tk
+    from acb.runner.attention.triton_backend import TritonBackend, metadata_for
+    from acb.runner.kv_cache import KVCache, KVSpec
+
+    rng = random.Random(seed)
+    dtype = DTYPES[case.dtype]
+    block_size, blocks, width = 16, 512, 256
+    cache = KVCache(KVSpec(num_layers=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=dtype),
+                    blocks, block_size, torch.device("cpu"))
+    table = torch.randint(1, blocks, (64, width))
+    scale = case.head_dim ** -0.5
+    with intercepted(arch) as (asked, tag):
+        tag[0] = "warm-up"
+        tk.precompile(case.heads, cache.k[0], cache.v[0], dtype, scale, case.window, case.softcap)
+        tag[0] = "sweep"
+        backend = TritonBackend()
+        for _ in range(steps):
+            b = rng.randint(1, 48)
+            kind = rng.choice(("decode", "prefill", "mixed"))
+            num_new = [1 if kind == "decode" or (kind == "mixed" and rng.random() < 0.7) else rng.randint(2, 300)
+                       for _ in range(b)]
+            start = [rng.randint(0, 4000) for _ in range(b)]
+            lens = [s + n for s, n in zip(start, num_new)]
+            cols = -(-max(lens) // block_size)
+            qsl = [0]
+            for n in num_new:
+                qsl.append(qsl[-1] + n)
+            t = qsl[-1]
+            batch = BatchInputs(
+                slot_mapping=torch.randint(0, blocks * block_size, (t,)),
+                block_table=table[:, :cols].index_select(0, torch.randint(0, 64, (b,))),
+                seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(qsl),
+                num_new=num_new, start_pos=start, max_seq_len=max(lens),
+            )
+            md = metadata_for(batch)
+            if kind == "decode" and rng.random() < 0.5:  # a graph replay: the split count is fixed
+                md.num_splits = rng.choice(backend.graph_variants(b, case.kv_heads, 4096, torch.device("cpu")))
+            q = torch.zeros(1, t, case.heads, case.head_dim, dtype=dtype).transpose(1, 2)
+            k = torch.zeros(1, t, case.kv_heads, case.head_dim, dtype=dtype).transpose(1, 2)
+            backend.forward(0, q, k, k.clone(), StepContext(cache, backend, md), scaling=scale,
+                            sliding_window=case.window, softcap=case.softcap)
+    return [entry[0].__name__.lstrip("_") for entry in asked.values() if entry[5] == "sweep"]
 
 
 def _table(records: list[dict]) -> str:
@@ -249,10 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     failed = [r for r in records if not r["ok"]]
     spilled = [r for r in records if r["ok"] and r["spill_bytes"]]
+    # after warm-up, no step shape may need a new compile (one family per dtype/head-dim/flags)
+    families = {(c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c for c in todo}
+    mid_serving = {f"{c.dtype} hd{c.head_dim} {c.heads}/{c.kv_heads}{' window' if c.window else ''}"
+                   f"{' softcap' if c.softcap else ''}": mid_serving_compiles(archs[0], c)
+                   for c in families.values()}
+    late = {k: v for k, v in mid_serving.items() if v}
     doc = {
         "triton": triton.__version__, "torch": torch.__version__, "archs": [f"sm_{a}" for a in archs],
         "quick": args.quick, "cases": len(todo), "kernels_compiled": len(records), "failed": len(failed),
-        "spilling": len(spilled), "wall_s": round(wall, 1), "records": records,
+        "spilling": len(spilled), "mid_serving_compiles": mid_serving, "wall_s": round(wall, 1), "records": records,
     }
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
@@ -261,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(records))
     print(f"\n{len(records)} kernel specialisations for {', '.join(doc['archs'])} in {wall:.0f} s: "
           f"{len(failed)} failed, {len(spilled)} spill registers")
-    return 1 if failed else 0
+    print(f"after warm-up, a sweep of step shapes over {len(mid_serving)} layer kinds asks for "
+          f"{sum(map(len, late.values()))} new specialisations" + (f": {late}" if late else ""))
+    return 1 if failed or late else 0
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ class ModelRunner:
                 "attn_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels "
                 "in Triton's interpreter, for testing); use attn_backend='torch' on CPU"
             )
-        self.backend = self._checked_backend(config, spec.dtype)
+        self.backend = self._checked_backend(config, spec)
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs(), graph_step=config.q_padding_interval_size or None)
         self._setup_compile(config)
@@ -287,7 +287,7 @@ class ModelRunner:
             self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
         )
 
-    def _checked_backend(self, config: ContinuousBatchingConfig, dtype: torch.dtype) -> Any:
+    def _checked_backend(self, config: ContinuousBatchingConfig, spec: KVSpec) -> Any:
         """The configured backend; when it was picked automatically, it must first agree with the
         torch reference on this device (flash_attn falls back to triton, triton to torch)."""
         from acb.runner.attention import check_backend
@@ -296,7 +296,9 @@ class ModelRunner:
         while config.attn_backend is None and name != "torch":
             try:
                 backend = make_backend(name)
-                problem = check_backend(backend, self.device, dtype, block_size=self.cfg.block_size)
+                problem = check_backend(backend, self.device, spec.dtype, head_dim=spec.head_dim,
+                                        block_size=self.cfg.block_size, kv_heads=spec.num_kv_heads,
+                                        heads=self.model.config.get_text_config().num_attention_heads)
             except Exception as exc:  # noqa: BLE001 - reported, then the next backend
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is None:

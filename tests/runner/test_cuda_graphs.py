@@ -127,6 +127,32 @@ def test_failed_graph_check_raises_when_graphs_were_asked_for(monkeypatch):
     assert model.config._attn_implementation == before
 
 
+def test_self_check_catches_a_graph_whose_inputs_were_frozen_at_capture(monkeypatch):
+    """The start-up check compares replay with eager on rows of different lengths and every
+    split variant: it passes on the real graphs and fails on graphs that replay with the
+    inputs they saw at capture (the bug class of a value baked into a graph)."""
+    monkeypatch.setattr(tk, "MIN_TOKENS_PER_SPLIT", 32)  # so the sizes have a split variant
+    model = tiny_model("llama").to(DEVICE)
+    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
+                                       max_requests_per_batch=4)
+    with acb.Engine(model, cfg) as eng:
+        graphs = eng._fe.runner.graphs
+        assert any(len(v) == 2 for v in graphs.variants.values())
+        assert graphs.self_check() is None
+        frozen = graphs.static.clone()  # what every capture saw: padding rows
+        for g in graphs.graphs.values():
+            def stale(replay=g.replay):
+                live = graphs.static.clone()
+                graphs.static.copy_(frozen)
+                try:
+                    return replay()
+                finally:
+                    graphs.static.copy_(live)
+            monkeypatch.setattr(g, "replay", stale)
+        problem = graphs.self_check()
+    assert problem is not None and "differs from eager" in problem
+
+
 def test_padded_rows_are_reset_when_the_batch_shrinks():
     from acb.runner.attention import BatchInputs
     from acb.runner.input_batch import PreparedBatch

@@ -49,6 +49,18 @@ def test_every_kernel_compiles_for_sm90(sm90):
     assert "0 failed" in p.stdout
 
 
+def test_warm_up_compiles_everything_serving_needs(sm90):
+    """After ``precompile`` (the backend's first forward of each layer kind), random engine-like
+    steps (batch sizes, contexts, block-table widths, split counts, decode/prefill/mixed) ask
+    Triton for no new specialisation: nothing compiles mid-serving. (Before the block table's
+    width was left unspecialised, contexts of <= 16 tokens or of a multiple of 256 recompiled.)"""
+    p, doc = sm90
+    assert doc is not None
+    assert len(doc["mid_serving_compiles"]) >= 4
+    assert all(v == [] for v in doc["mid_serving_compiles"].values()), doc["mid_serving_compiles"]
+    assert "asks for 0 new specialisations" in p.stdout
+
+
 def test_compiled_variants_cover_the_switches(sm90):
     """Each constexpr switch the engine flips was compiled both ways, for every dtype in the subset."""
     _, doc = sm90

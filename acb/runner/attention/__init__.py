@@ -127,15 +127,16 @@ def make_backend(name: str) -> AttentionBackend:
 
 
 def check_backend(candidate: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int = 64,
-                  block_size: int = 16) -> str | None:
+                  block_size: int = 16, heads: int = 4, kv_heads: int = 2) -> str | None:
     """Run ``candidate`` against the torch reference on a small mixed step (decode rows, a fresh
     prompt and a chunk after cached context, GQA) on ``device``; None if they agree, else what
     went wrong. Used when a backend is picked automatically, so that a GPU where its kernels fail
-    to build or disagree falls back to another backend instead of failing."""
+    to build or disagree falls back to another backend instead of failing. With the model's
+    head sizes, the kernels it compiles are the ones the engine then runs."""
     try:
         # a mixed step (decode rows, a fresh prompt, a chunk after cached context), then decode only
         for num_new, start in (([1, 1, 9, 5], [20, 37, 0, 16]), ([1, 1, 1], [20, 37, 4])):
-            problem = _compare_once(candidate, device, dtype, head_dim, block_size, num_new, start)
+            problem = _compare_once(candidate, device, dtype, head_dim, block_size, num_new, start, heads, kv_heads)
             if problem is not None:
                 return problem
         return None
@@ -144,12 +145,11 @@ def check_backend(candidate: AttentionBackend, device: torch.device, dtype: torc
 
 
 def _compare_once(candidate: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int,
-                  block_size: int, num_new: list[int], start: list[int]) -> str | None:
+                  block_size: int, num_new: list[int], start: list[int], heads: int, hkv: int) -> str | None:
     from acb.runner.attention.torch_backend import TorchBackend
     from acb.runner.kv_cache import KVCache, KVSpec
 
     g = torch.Generator().manual_seed(0)
-    hkv, heads = 2, 4
     lens = [s + n for s, n in zip(start, num_new)]
     cols = max(-(-n // block_size) for n in lens)
     perm = torch.randperm(len(lens) * cols, generator=g) + 1  # block 0 is scratch

@@ -36,9 +36,30 @@ class TritonMetadata:
     num_splits: int | None = None  # decode split count fixed by the caller (CUDA graphs); None: chosen per layer
 
 
+def metadata_for(batch: BatchInputs) -> TritonMetadata:
+    """A step's metadata: its device tensors plus the host values the launches are sized from."""
+    dec_lens = [s + 1 for s, n in zip(batch.start_pos, batch.num_new) if n == 1]
+    max_q_len = max(batch.num_new) if batch.num_new else 0
+    return TritonMetadata(
+        slot_mapping=batch.slot_mapping,
+        block_table=batch.block_table,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        num_tokens=batch.slot_mapping.numel(),
+        num_seqs=len(batch.num_new),
+        num_decode=len(dec_lens),
+        has_prefill=max_q_len > 1,
+        max_q_len=max_q_len,
+        max_decode_seq_len=max(dec_lens) if dec_lens else 0,
+    )
+
+
 class TritonBackend:
     name = "triton"
     supports_graphs = True  # decode reads every length from device tensors: only the split count is baked
+
+    def __init__(self) -> None:
+        self._warmed: set[tuple] = set()  # layer settings whose kernel variants are compiled
 
     def graph_variants(self, num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> list[int]:
         """Decode split counts worth a graph at this padded batch size: one split (short contexts)
@@ -64,20 +85,7 @@ class TritonBackend:
                 f"the 'triton' attention backend needs a CUDA device (got {device}); "
                 "on CPU set TRITON_INTERPRET=1 before importing triton, or use attn_backend='torch'"
             )
-        dec_lens = [s + 1 for s, n in zip(batch.start_pos, batch.num_new) if n == 1]
-        max_q_len = max(batch.num_new) if batch.num_new else 0
-        return TritonMetadata(
-            slot_mapping=batch.slot_mapping,
-            block_table=batch.block_table,
-            seq_lens=batch.seq_lens,
-            query_start_loc=batch.query_start_loc,
-            num_tokens=batch.slot_mapping.numel(),
-            num_seqs=len(batch.num_new),
-            num_decode=len(dec_lens),
-            has_prefill=max_q_len > 1,
-            max_q_len=max_q_len,
-            max_decode_seq_len=max(dec_lens) if dec_lens else 0,
-        )
+        return metadata_for(batch)
 
     def forward(
         self,
@@ -96,12 +104,16 @@ class TritonBackend:
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         k_new = key[0].transpose(0, 1)  # [T, Hkv, D] (a view: strides go to the kernel)
         v_new = value[0].transpose(0, 1)
-        tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
-
         q = query[0].transpose(0, 1)  # [T, H, D]
-        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
         window = sliding_window if sliding_window else None
         cap = softcap if softcap else None
+        warm = (q.shape[1], k_cache.shape[1:], k_cache.dtype, q.dtype, window, cap)
+        if warm not in self._warmed:  # first layer of its kind: compile every variant it can need
+            self._warmed.add(warm)
+            if not tk.interpreted() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                tk.precompile(q.shape[1], k_cache, v_cache, q.dtype, scaling, window, cap)
+        tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
         if md.num_decode:
             splits = md.num_splits
             if splits is None:

@@ -44,6 +44,7 @@ __all__ = [
     "paged_prefill_attention",
     "choose_num_splits",
     "interpreted",
+    "precompile",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -210,7 +211,9 @@ def store_kv(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# ``stride_btb`` is the gathered block table's width, which follows each step's longest context:
+# left to Triton's integer specialisation (== 1, % 16 == 0) it would recompile mid-serving
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -412,7 +415,8 @@ def paged_decode_attention(
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, qsl,
             num_splits, head_dim, *out.stride(),
-            HAS_QSL=query_start_loc is not None, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d,
+            # one width for every split count up to MAX_SPLITS: one compiled variant
+            HAS_QSL=query_start_loc is not None, BLOCK_S=_pow2(num_splits, MAX_SPLITS), BLOCK_D=block_d,
             num_warps=4,
         )
     return out
@@ -423,7 +427,7 @@ def paged_decode_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     scale_log2, scale, softcap, window,
@@ -536,8 +540,7 @@ def paged_prefill_attention(
     if scale is None:
         scale = head_dim ** -0.5
     block_d = _pow2(head_dim, 16)
-    block_m, block_n, warps = _prefill_blocks(block_d)
-    block_m = min(block_m, _pow2(max_q_len, 16))
+    block_m, block_n, warps = _prefill_blocks(block_d)  # not cut to max_q_len: one compiled variant
     grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
@@ -551,3 +554,44 @@ def paged_prefill_attention(
     )
     return out
 
+
+# ---------------------------------------------------------------------------------------------
+# warm-up: every specialisation the engine launches, compiled before the first real step
+# ---------------------------------------------------------------------------------------------
+
+
+def precompile(
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Launch every kernel variant a layer with these settings can need, on a few dummy rows, so
+    that Triton compiles them all now rather than in the middle of serving (each compile stalls
+    the engine thread for about a second; the disk cache makes later processes fast).
+
+    The variants: the K/V store; decode with one split and with a reduction, each alone and
+    beside prefill rows (``query_start_loc``); prefill alone and beside decode rows. Nothing is
+    written (every slot is -1) and only block 0, the scratch block, is read. Every integer that
+    varies between steps is either ``do_not_specialize`` or fixed per model, so these are the
+    same specialisations as the engine's launches (``tests/runner/test_kernel_compile.py``
+    checks this against a sweep of step shapes)."""
+    device = k_cache.device
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    long = dict(dtype=torch.long, device=device)
+    kv = torch.zeros(3, num_kv_heads, head_dim, dtype=dtype, device=device)
+    store_kv(kv, kv, k_cache, v_cache, torch.full((3,), -1, **long))
+    table = torch.zeros(2, 2, **long)
+    q = torch.zeros(3, num_heads, head_dim, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    lens = torch.tensor([2, 2], **long)
+    for splits in (1, 2):  # one split, and split-K with the reduction pass
+        paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits, out=out)
+        paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits,
+                               query_start_loc=torch.tensor([0, 1, 3], **long), out=out)
+    for skip_decode, qsl in ((True, [0, 1, 3]), (False, [0, 2, 3])):
+        paged_prefill_attention(q, k_cache, v_cache, table, torch.tensor(qsl, **long), lens, 2, scale,
+                                sliding_window, softcap, skip_decode=skip_decode, out=out)
