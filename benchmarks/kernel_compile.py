@@ -99,37 +99,56 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-def _drive(case: Case) -> None:
-    """Run one layer of ``case`` through ``TritonBackend.forward`` on CPU tensors (nothing launches)."""
-    from acb.runner.attention import StepContext
-    from acb.runner.attention.triton_backend import TritonBackend, TritonMetadata
+BLOCK_SIZE = 16
+
+
+def _cache(case: Case, blocks: int):
+    """A one-layer KV cache of ``case``'s shape, on CPU (the kernels never launch)."""
     from acb.runner.kv_cache import KVCache, KVSpec
 
+    spec = KVSpec(num_layers=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=DTYPES[case.dtype])
+    return KVCache(spec, blocks, BLOCK_SIZE, torch.device("cpu"))
+
+
+def _step(backend, cache, case: Case, num_new: list[int], start: list[int], table: torch.Tensor,
+          num_splits: int | None = None) -> None:
+    """One layer of one step through ``TritonBackend.forward``, with inputs laid out as the engine
+    builds them: the block table gathered to the step's width, the model's projection views."""
+    from acb.runner.attention import BatchInputs, StepContext
+    from acb.runner.attention.triton_backend import metadata_for
+
+    lens = [s + n for s, n in zip(start, num_new)]
+    qsl = [0]
+    for n in num_new:
+        qsl.append(qsl[-1] + n)
+    t, b = qsl[-1], len(num_new)
+    batch = BatchInputs(
+        slot_mapping=torch.zeros(t, dtype=torch.long),
+        block_table=table[:, : -(-max(lens) // BLOCK_SIZE)].index_select(0, torch.arange(b) % table.shape[0]),
+        seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(qsl),
+        num_new=num_new, start_pos=start, max_seq_len=max(lens),
+    )
+    md = metadata_for(batch)
+    md.num_splits = num_splits
     dtype = DTYPES[case.dtype]
-    block_size, blocks, cols = 16, 64, 32
+    # the model's layout: projections viewed as [1, T, H, D] and transposed to [1, H, T, D]
+    q = torch.zeros(1, t, case.heads, case.head_dim, dtype=dtype).transpose(1, 2)
+    k = torch.zeros(1, t, case.kv_heads, case.head_dim, dtype=dtype).transpose(1, 2)
+    backend.forward(0, q, k, k.clone(), StepContext(cache, backend, md), scaling=case.head_dim ** -0.5,
+                    sliding_window=case.window, softcap=case.softcap)
+
+
+def _drive(case: Case) -> None:
+    """Run one layer of ``case``'s step kind through the backend (nothing launches)."""
+    from acb.runner.attention.triton_backend import TritonBackend
+
     num_new, lens = {
         "mixed": ([1, 1, 7, 40], [300, 20, 30, 40]),
         "prefill": ([7, 40], [30, 300]),  # a fresh prompt and a chunk after cached context
     }.get(case.step, ([1, 1, 1], [300, 20, 400]))
-    b, t = len(num_new), sum(num_new)
-    qsl = [0]
-    for n in num_new:
-        qsl.append(qsl[-1] + n)
-    md = TritonMetadata(
-        slot_mapping=torch.zeros(t, dtype=torch.long), block_table=torch.zeros(b, cols, dtype=torch.long),
-        seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(qsl), num_tokens=t, num_seqs=b,
-        num_decode=num_new.count(1), has_prefill=max(num_new) > 1, max_q_len=max(num_new),
-        max_decode_seq_len=max((n for n, q in zip(lens, num_new) if q == 1), default=0),
-        num_splits=4 if case.step == "decode_split" else 1,
-    )
-    cache = KVCache(KVSpec(num_layers=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=dtype),
-                    blocks, block_size, torch.device("cpu"))
-    # the model's layout: projections viewed as [1, T, H, D] and transposed to [1, H, T, D]
-    q = torch.zeros(1, t, case.heads, case.head_dim, dtype=dtype).transpose(1, 2)
-    k = torch.zeros(1, t, case.kv_heads, case.head_dim, dtype=dtype).transpose(1, 2)
-    backend = TritonBackend()
-    backend.forward(0, q, k, k.clone(), StepContext(cache, backend, md), scaling=case.head_dim ** -0.5,
-                    sliding_window=case.window, softcap=case.softcap)
+    start = [n - q for n, q in zip(lens, num_new)]
+    _step(TritonBackend(), _cache(case, 64), case, num_new, start, torch.zeros(4, 32, dtype=torch.long),
+          num_splits=4 if case.step == "decode_split" else 1)
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -239,21 +258,17 @@ def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0)
     sweep (each would be a compile stall mid-serving); empty is the goal."""
     import random
 
-    from acb.runner.attention import BatchInputs, StepContext
     from acb.runner.attention import triton_kernels as tk
-    from acb.runner.attention.triton_backend import TritonBackend, metadata_for
-    from acb.runner.kv_cache import KVCache, KVSpec
+    from acb.runner.attention.triton_backend import TritonBackend
 
     rng = random.Random(seed)
-    dtype = DTYPES[case.dtype]
-    block_size, blocks, width = 16, 512, 256
-    cache = KVCache(KVSpec(num_layers=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=dtype),
-                    blocks, block_size, torch.device("cpu"))
-    table = torch.randint(1, blocks, (64, width))
-    scale = case.head_dim ** -0.5
+    blocks = 512
+    cache = _cache(case, blocks)
+    table = torch.randint(1, blocks, (64, 256))
     with intercepted(arch) as (asked, tag):
         tag[0] = "warm-up"
-        tk.precompile(case.heads, cache.k[0], cache.v[0], dtype, scale, case.window, case.softcap)
+        tk.precompile(case.heads, cache.k[0], cache.v[0], DTYPES[case.dtype], case.head_dim ** -0.5,
+                      case.window, case.softcap)
         tag[0] = "sweep"
         backend = TritonBackend()
         for _ in range(steps):
@@ -261,26 +276,11 @@ def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0)
             kind = rng.choice(("decode", "prefill", "mixed"))
             num_new = [1 if kind == "decode" or (kind == "mixed" and rng.random() < 0.7) else rng.randint(2, 300)
                        for _ in range(b)]
-            start = [rng.randint(0, 4000) for _ in range(b)]
-            lens = [s + n for s, n in zip(start, num_new)]
-            cols = -(-max(lens) // block_size)
-            qsl = [0]
-            for n in num_new:
-                qsl.append(qsl[-1] + n)
-            t = qsl[-1]
-            batch = BatchInputs(
-                slot_mapping=torch.randint(0, blocks * block_size, (t,)),
-                block_table=table[:, :cols].index_select(0, torch.randint(0, 64, (b,))),
-                seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(qsl),
-                num_new=num_new, start_pos=start, max_seq_len=max(lens),
-            )
-            md = metadata_for(batch)
+            splits = None
             if kind == "decode" and rng.random() < 0.5:  # a graph replay: the split count is fixed
-                md.num_splits = rng.choice(backend.graph_variants(b, case.kv_heads, 4096, torch.device("cpu")))
-            q = torch.zeros(1, t, case.heads, case.head_dim, dtype=dtype).transpose(1, 2)
-            k = torch.zeros(1, t, case.kv_heads, case.head_dim, dtype=dtype).transpose(1, 2)
-            backend.forward(0, q, k, k.clone(), StepContext(cache, backend, md), scaling=scale,
-                            sliding_window=case.window, softcap=case.softcap)
+                splits = rng.choice(backend.graph_variants(b, case.kv_heads, 4096, torch.device("cpu")))
+            rows = table[torch.randperm(64)[: min(b, 64)]]
+            _step(backend, cache, case, num_new, [rng.randint(0, 4000) for _ in range(b)], rows, splits)
     return [entry[0].__name__.lstrip("_") for entry in asked.values() if entry[5] == "sweep"]
 
 

@@ -185,9 +185,10 @@ class DecodeGraphs:
     def self_check(self) -> str | None:
         """Replay vs the eager forward at the smallest and largest sizes, every split variant, on a
         synthetic step whose rows have different context lengths (up to 4k tokens, 130 for the CPU
-        twin, so the split variant really splits) through the block table's scratch row (every page is block 0, and
-        the new K/V go to its slot 0); None when they agree. Same kernels on the same inputs, so
-        they should agree to rounding; a stale or mis-wired graph is off by far more."""
+        twin, so the split variant really splits) through the block table's scratch row (every
+        page is block 0, and the new K/V go to its slot 0); None when they agree. Same kernels on
+        the same inputs, so they should agree to rounding; a stale or mis-wired graph is off by
+        far more."""
         r = self.runner
         longest = max(1, min(r.cfg.max_model_len, 130 if self.twin else 4096))  # the interpreter is slow
         for b in (self.sizes[0], self.sizes[-1]):
