@@ -29,11 +29,12 @@ class AsyncEngine(EngineBase):
 
     # ------------------------------------------------------------------ life
     async def __aenter__(self) -> "AsyncEngine":
-        self.start()
+        self._enter_context()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.shutdown()
+        if self._exit_context():  # the outermost block: stop
+            await self.shutdown()
 
     async def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
         """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""

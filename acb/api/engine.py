@@ -33,11 +33,12 @@ class Engine(EngineBase):
     """
 
     def __enter__(self) -> "Engine":
-        self.start()
+        self._enter_context()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+        if self._exit_context():  # the outermost block: stop
+            self.shutdown()
 
     def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
         """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
@@ -136,6 +137,7 @@ def generate_batch(
             kwargs.pop(k)
     if kwargs:
         raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
+    inputs = _prompt_list(inputs)
     if not inputs:
         return {}
     if max_new_tokens is not None:
@@ -190,6 +192,19 @@ def generate_batch(
         logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
                      results[failed[0]].error)
     return {f"req_{i}": results[f"req_{i}"] for i in range(n)}
+
+
+def _prompt_list(inputs: Any) -> list[Any]:
+    """``inputs`` as a list of prompts: a list (or tuple) of prompts, or a ``[B, T]`` tensor/array
+    whose rows are the prompts (each prompt is validated at submit)."""
+    ndim = getattr(inputs, "ndim", None)
+    if ndim is not None and hasattr(inputs, "tolist"):
+        if ndim != 2:
+            raise ValueError(f"inputs as a tensor must be [batch, tokens], got shape {tuple(inputs.shape)}")
+        return list(inputs.tolist())
+    if isinstance(inputs, (str, bytes, dict)) or not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
+    return list(inputs)
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -12,9 +12,10 @@ import operator
 import random
 import threading
 from dataclasses import replace
+from collections.abc import Mapping, Set
 from typing import Any, Callable
 
-from acb.api.handles import AdmissionGate, make_deliver
+from acb.api.handles import AdmissionGate, deliver
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.engine_core import EngineCore, EngineStats
 from acb.core.request import Request, RequestGroup
@@ -25,12 +26,24 @@ from acb.sampling_params import FALLBACK, SamplingParams
 logger = logging.getLogger("acb")
 
 
-def _as_token_list(prompt_ids: Any) -> list[int]:
+def as_token_list(prompt_ids: Any) -> list[int]:
+    """One prompt as a list of ints: a sequence of ints, a 1-D tensor/array, or a ``[1, T]`` one."""
     if isinstance(prompt_ids, (str, bytes)):
         raise TypeError("prompt_ids must be a sequence of token ids, not text (tokenize it first)")
+    if isinstance(prompt_ids, (Mapping, Set)):
+        raise TypeError(
+            f"prompt_ids must be an ordered sequence of token ids, got a {type(prompt_ids).__name__} "
+            "(for a tokenizer's output, pass its 'input_ids')"
+        )
     if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, list):
-        if getattr(prompt_ids, "ndim", 1) != 1:
-            raise ValueError(f"prompt_ids must be 1-D, got shape {tuple(prompt_ids.shape)}")
+        ndim = getattr(prompt_ids, "ndim", 1)
+        if ndim == 2 and prompt_ids.shape[0] == 1:
+            prompt_ids = prompt_ids[0]
+        elif ndim != 1:
+            raise ValueError(
+                f"prompt_ids must be 1-D (or [1, T]), got shape {tuple(prompt_ids.shape)}; submit the rows of a "
+                "batch one by one, or pass them all to generate_batch"
+            )
         prompt_ids = prompt_ids.tolist()
     try:
         ids = list(prompt_ids)
@@ -45,6 +58,12 @@ def _as_token_list(prompt_ids: Any) -> list[int]:
 
 def _bool_token(t: bool) -> int:
     raise TypeError(f"prompt_ids must hold ints, found {t!r} (bool)")
+
+
+def _check_vocab(field: str, ids: Any, vocab: int) -> None:
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"{field} token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
 class Frontend:
@@ -119,7 +138,7 @@ class Frontend:
                 enable_prefix_caching=self.config.allow_block_sharing,
                 num_swap_blocks=cfg.num_swap_blocks,
                 async_batching=cfg.async_batching,
-                deliver=make_deliver(self.cancel),
+                deliver=deliver,
                 on_dequeued=self.gate.release,
             )
             core.on_exit = self._on_core_exit
@@ -158,12 +177,13 @@ class Frontend:
         sink_factory: Callable[[str], Any],
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate one submit and build its Request (claims the request id)."""
+        """Validate one submit and build its Request. Everything is checked before the request id
+        is claimed, so a refused submit leaves nothing behind."""
         core = self.core
         if core is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
         core.check_alive()
-        ids = _as_token_list(prompt_ids)
+        ids = as_token_list(prompt_ids)
         if not ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
         vocab = core.runner.vocab_size
@@ -176,11 +196,20 @@ class Frontend:
             sampling = SamplingParams()
         elif not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         params = sampling.merged_over(self.defaults)
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if t >= vocab]
-            if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        _check_vocab("logit_bias", params.logit_bias or (), vocab)
+        if sampling.stop_token_ids is not None:
+            _check_vocab("stop_token_ids", sampling.stop_token_ids, vocab)
+            stop_ids = frozenset(sampling.stop_token_ids)
+        else:  # the generation config's: an id the model cannot produce can never stop anything
+            stop_ids = frozenset(t for t in params.stop_token_ids or () if t < vocab)
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} asks for more alternatives than the vocabulary's "
+                             f"{vocab} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
         cfg = core.runner.cfg
@@ -191,50 +220,70 @@ class Frontend:
                 f"(prompt + at least one generated token), the smaller of the model's max positions and "
                 f"the KV cache's {cfg.capacity_tokens} tokens"
             )
-        if request_id is None:
-            request_id = f"req_{next(self._ids)}"
-            while not core.reserve_id(request_id):
-                request_id = f"req_{next(self._ids)}"
-        else:
-            if not isinstance(request_id, str):
-                raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-            if not core.reserve_id(request_id):
-                raise ValueError(f"request_id {request_id!r} is already used by a live request")
+        n = params.n
+        if n > cfg.max_requests_per_batch:
+            raise ValueError(
+                f"n={n} samples run side by side and need {n} of the engine's rows, but "
+                f"max_requests_per_batch is {cfg.max_requests_per_batch}"
+            )
+        if n > 1:
+            # the samples fork when the prompt is done: its full blocks are shared, and each
+            # sample needs its own copy of the partial last block at that moment
+            bs = cfg.block_size
+            fork_blocks = len(ids) // bs + (n if len(ids) % bs else 0)
+            usable = cfg.num_blocks - 1
+            if fork_blocks > usable:
+                raise ValueError(
+                    f"n={n} samples of a {len(ids)}-token prompt can never fit: forking them needs "
+                    f"{fork_blocks} KV blocks of {bs} tokens (the shared full blocks once, the partial "
+                    f"last block once per sample), and the cache has {usable}; lower n or raise num_blocks"
+                )
         max_new = min(params.max_new_tokens, limit - len(ids))
         min_new = min(params.min_new_tokens or 0, max_new)
         if min_new != (params.min_new_tokens or 0):
             params = replace(params, min_new_tokens=min_new)
-        sink = sink_factory(request_id)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        members = []
-        for i in range(params.n):
-            req = Request(
-                request_id if i == 0 else f"{request_id}#{i}",
-                ids,
-                max_new_tokens=max_new,
-                stop_token_ids=frozenset(params.stop_token_ids or ()),
-                ignore_eos=params.ignore_eos,
-                params=params,
-                # each sample has its own stream; sample 0 uses the request's seed itself
-                seed=base_seed if i == 0 else (base_seed * 1_000_003 + i) & ((1 << 63) - 1),
-                want_logprobs=params.logprobs is not None,
-                record_timestamps=record_timestamps,
-                sink=sink,
-            )
-            if params.stop:
-                req.stop_checker = StopStrings(self.tokenizer, params.stop)
-            if cache_salt:
-                req.cache_salt = cache_salt.encode()
-            members.append(req)
-        if params.n > 1:
-            taken = []
-            for m in members[1:]:  # the samples' internal ids must not collide with live requests
-                if not core.reserve_id(m.request_id):
-                    for t in [request_id, *taken]:
-                        core.release_id(t)
-                    raise ValueError(f"request id {m.request_id!r} (sample of {request_id!r}) is already live")
-                taken.append(m.request_id)
-            RequestGroup(request_id, members)
+        # every check passed: claim the ids (all of them, or none)
+        if request_id is None:
+            request_id = f"req_{next(self._ids)}"
+            while not core.reserve_id(request_id):
+                request_id = f"req_{next(self._ids)}"
+        elif not core.reserve_id(request_id):
+            raise ValueError(f"request_id {request_id!r} is already used by a live request")
+        member_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+        for k, mid in enumerate(member_ids[1:], 1):  # the samples' internal ids must not collide either
+            if not core.reserve_id(mid):
+                for taken in member_ids[:k]:
+                    core.release_id(taken)
+                raise ValueError(f"request id {mid!r} (sample of {request_id!r}) is already live")
+        try:
+            sink = sink_factory(request_id)
+            members = []
+            for i, mid in enumerate(member_ids):
+                req = Request(
+                    mid,
+                    ids,
+                    max_new_tokens=max_new,
+                    stop_token_ids=stop_ids,
+                    ignore_eos=params.ignore_eos,
+                    params=params,
+                    # each sample has its own stream; sample 0 uses the request's seed itself
+                    seed=base_seed if i == 0 else (base_seed * 1_000_003 + i) & ((1 << 63) - 1),
+                    want_logprobs=params.logprobs is not None,
+                    record_timestamps=record_timestamps,
+                    sink=sink,
+                )
+                if params.stop:
+                    req.stop_checker = StopStrings(self.tokenizer, params.stop)
+                if cache_salt:
+                    req.cache_salt = cache_salt.encode()
+                members.append(req)
+            if n > 1:
+                RequestGroup(request_id, members)
+        except BaseException:
+            for mid in member_ids:
+                core.release_id(mid)
+            raise
         return members[0]
 
     def enqueue(self, req: Request) -> None:
@@ -277,6 +326,21 @@ class EngineBase:
         tokenizer: Any = None,
     ) -> None:
         self._fe = Frontend(model, config, generation_config, tokenizer)
+        self._context_depth = 0
+        self._context_lock = threading.Lock()
+
+    def _enter_context(self) -> None:
+        """``with``/``async with``: start the engine; nested blocks share it (counted)."""
+        with self._context_lock:
+            if self._context_depth == 0:
+                self.start()
+            self._context_depth += 1
+
+    def _exit_context(self) -> bool:
+        """True when the outermost ``with`` block is left (the engine is then stopped)."""
+        with self._context_lock:
+            self._context_depth -= 1
+            return self._context_depth == 0
 
     def start(self) -> None:
         """Check the model, build the KV cache and start the engine thread (the context manager does this)."""

@@ -96,43 +96,65 @@ class _SinkState:
 
 
 class AsyncSink:
-    """Lives on one event loop; only that loop's thread touches it after creation."""
+    """Results of one request for asyncio consumers, awaitable from any event loop.
 
-    __slots__ = ("loop", "state", "_waiter")
+    The engine delivers to the sink's ``loop`` (the submitting loop, or the loop of the consumer
+    that waited last) with one ``call_soon_threadsafe`` per loop per step. A consumer waiting on
+    another loop is woken through its own loop, and the sink then follows it there. The state
+    is guarded by a lock, since a push and a consumer on another loop run on different threads.
+    """
+
+    __slots__ = ("loop", "state", "_lock", "_waiters")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.state = _SinkState(request_id)
-        self._waiter: asyncio.Future | None = None
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
              top: list | None = None, sample: int = 0) -> None:
-        self.state.add(token_ids, logprobs, final, top, sample)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        with self._lock:
+            self.state.add(token_ids, logprobs, final, top, sample)
+            waiters, self._waiters = self._waiters, []
+        if waiters:
+            try:
+                here = asyncio.get_running_loop()
+            except RuntimeError:  # pushed from a thread without a loop (the home loop was closed)
+                here = None
+            for loop, fut in waiters:
+                if loop is here:
+                    _wake(fut)
+                else:
+                    try:
+                        loop.call_soon_threadsafe(_wake, fut)
+                    except RuntimeError:  # that consumer's loop is closed: nobody waits there any more
+                        pass
 
     @property
     def done(self) -> bool:
         return self.state.final is not None
 
-    async def _wait(self) -> None:
-        self._waiter = self.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+    async def _next(self, read: Callable[[], Any]) -> Any:
+        """``read()`` under the lock until it returns something other than ``WAIT``; between tries,
+        wait for a push on the running loop (registered under the same lock: no lost wake-up)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                item = read()
+                if item is not WAIT:
+                    return item
+                fut = loop.create_future()
+                self._waiters.append((loop, fut))
+                self.loop = loop  # deliver here from now on
+            await fut
 
     async def next_delta(self) -> StreamDelta | None:
         """The next delta; None once the final delta has been returned. Raises on failure."""
-        while (item := self.state.poll()) is WAIT:
-            await self._wait()
-        return item
+        return await self._next(self.state.poll)
 
     async def result(self) -> GenerationOutput:
-        while self.state.final is None:
-            await self._wait()
-        final = self.state.final
+        final = await self._next(lambda: WAIT if self.state.final is None else self.state.final)
         err = _error_of(final)
         if err is not None:
             raise err
@@ -165,9 +187,9 @@ class ThreadSink:
             if self._waiting:
                 self._cond.notify_all()
         if self.on_push is not None:
-            self.on_push(token_ids, logprobs, final)
+            _call_back(self.on_push, self.state.request_id, token_ids, logprobs, final)
         if final is not None and self.on_final is not None:
-            self.on_final(final)
+            _call_back(self.on_final, self.state.request_id, final)
 
     @property
     def done(self) -> bool:
@@ -201,34 +223,38 @@ class ThreadSink:
         return final
 
 
+def _call_back(fn: Callable[..., Any], request_id: str, *args: Any) -> None:
+    """A user's callback must not take the engine (or other requests' results) down with it."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        logger.exception("acb: a result callback for request %r raised", request_id)
+
+
 def _push_all(batch: list[tuple[Any, list[int], Any, Any, Any, int]]) -> None:
     for sink, tokens, logprobs, final, top, sample in batch:
-        sink.push(tokens, logprobs, final, top, sample)
+        _call_back(sink.push, sink.state.request_id, tokens, logprobs, final, top, sample)
 
 
-def make_deliver(cancel: Callable[[str], None]) -> Callable[[list], None]:
-    """The engine's ``deliver`` callback: one ``call_soon_threadsafe`` per loop per step."""
-
-    def deliver(items: list) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for item in items:
-            sink = item[0]
-            if item[3] is not None:
-                record_request(item[3])
-            loop = sink.loop
-            if loop is None:
-                sink.push(*item[1:])
-            else:
-                per_loop.setdefault(loop, []).append(item)
-        for loop, batch in per_loop.items():
-            try:
-                loop.call_soon_threadsafe(_push_all, batch)
-            except RuntimeError:  # the consumer's loop is closed: nobody will read these
-                for sink, _t, _l, final, _top, _i in batch:
-                    if final is None:
-                        cancel(sink.state.request_id)
-
-    return deliver
+def deliver(items: list) -> None:
+    """The engine's ``deliver`` callback: one ``call_soon_threadsafe`` per loop per step. It never
+    raises: a failing sink or callback is logged, and the other results still go out."""
+    per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for item in items:
+        sink = item[0]
+        if item[3] is not None:
+            _call_back(record_request, sink.state.request_id, item[3])
+        loop = sink.loop
+        if loop is None:
+            _push_all([item])
+        else:
+            per_loop.setdefault(loop, []).append(item)
+    for loop, batch in per_loop.items():
+        try:
+            loop.call_soon_threadsafe(_push_all, batch)
+        except RuntimeError:  # that loop is closed: the sinks are thread-safe, so push from here
+            # (a consumer on another loop may still await them)
+            _push_all(batch)
 
 
 class _HandleBase:

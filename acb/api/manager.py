@@ -23,6 +23,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from acb.api.engine import Engine
+from acb.api.frontend import as_token_list
 from acb.api.handles import ThreadSink
 from acb.config import ContinuousBatchingConfig
 from acb.outputs import GenerationOutput, RequestStatus
@@ -171,9 +172,13 @@ class ContinuousBatchingManager:
                 if unknown:
                     raise ValueError(f"acb has no per-request processor for {sorted(unknown)}")
                 per_request = dict(logit_processor_kwargs)
+        input_ids = as_token_list(input_ids)  # a tensor prompt is reported back as a list of ints
         stop = None
         if eos_token_id is not None:
-            stop = tuple(e for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id) if e >= 0)
+            eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+            if isinstance(eos, (str, bytes)) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+                raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+            stop = tuple(e for e in eos if e >= 0)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop, **per_request)
         rid = request_id if request_id is not None else self._next_id()
         router = self.output_router

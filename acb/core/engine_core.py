@@ -113,7 +113,6 @@ class EngineCore:
         self.dead_error: BaseException | None = None
         self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
         self._generated = 0
-        self._failed = 0
         self.on_exit: Callable[[], None] | None = None  # run on the engine thread as it exits
         # seconds spent in: schedule, stage inputs, forward + sample + sync, process outputs
         self.timing = [0.0, 0.0, 0.0, 0.0]
@@ -240,8 +239,8 @@ class EngineCore:
                         ended.append(req)
                 if never_scheduled:
                     self._on_dequeued(1)
-                self._emit_final(ended)
                 self._publish_stats()
+                self._emit_final(ended)
             elif kind == "call":
                 fn, fut = cmd[1], cmd[2]
                 if fut.set_running_or_notify_cancel():
@@ -311,13 +310,11 @@ class EngineCore:
         self.scheduler.abandon_step(sched.step_id)
         failed = [r for r in sched.requests if not r.status.is_terminal]
         for req in failed:
-            req.finish_reason = FinishReason.ERROR
             self.scheduler.fail(req, msg)
         for req in sched.sample_reqs:
             req.pending = max(0, req.pending - 1)
-        self._failed += len(failed)
-        self._emit_final(failed)
         self._publish_stats()
+        self._emit_final(failed)
 
     def _complete(self, launched: tuple) -> None:
         """Read a launched step's samples (the sync), record them, deliver."""
@@ -339,8 +336,6 @@ class EngineCore:
                 top = [req.top_logprobs[-1]] if req.top_logprobs else None
             final = self._final_of(req) if req.status.is_terminal else None
             items.append((req.sink, [req.token_ids[-1]], lp, final, top, req.sample_index))
-        if items:
-            self._deliver(items)
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
         tm = self.timing
@@ -351,7 +346,9 @@ class EngineCore:
         if self.step_log is not None:
             self.step_log.append((sched.num_seqs, sched.num_tokens, sched.num_decode_tokens,
                                   t_sched, t_stage, t_launch - t_stage + (t3 - t2), t4 - t3, t4))
-        self._publish_stats()
+        self._publish_stats()  # before delivering: a caller holding every result sees them counted
+        if items:
+            self._deliver(items)
 
     def _final_of(self, req: Request) -> GenerationOutput | None:
         """The final output to deliver now that ``req`` ended: its own, or its group's once all
@@ -396,11 +393,13 @@ class EngineCore:
             if never_scheduled:
                 self._on_dequeued(1)
         # adds that arrive after the stop are cancelled by _drain_inbox
-        self._emit_final(reqs)
         self._publish_stats()
+        self._emit_final(reqs)
 
     def _fail_all(self, exc: BaseException) -> None:
-        """The engine is dying: every live request gets a FAILED outcome (best effort)."""
+        """The engine is dying: every live request gets a FAILED outcome. Nothing here may depend on
+        what can fail (decoding, a sink's callbacks): each final output falls back to a bare one,
+        and each delivery is tried on its own."""
         reqs = list(self.scheduler.live.values())
         pending_adds = [m for c in self._inbox if c[0] == "add"
                         for m in (c[1].group.members if c[1].group is not None else [c[1]])]
@@ -410,10 +409,20 @@ class EngineCore:
             req.finish_reason = FinishReason.ERROR
             req.error = msg
             req.finish_time = time.perf_counter()
-        try:
-            self._emit_final(reqs + pending_adds)
-        except BaseException:  # noqa: BLE001
-            logger.exception("acb: could not deliver failures after the engine died")
+        for req in reqs + pending_adds:
+            try:
+                final = self._final_of(req)
+            except BaseException:  # noqa: BLE001
+                logger.exception("acb: could not build the failed output of %r", req.request_id)
+                final = GenerationOutput(request_id=req.group.request_id if req.group else req.request_id,
+                                         prompt_ids=req.token_ids[: req.prompt_len], status=RequestStatus.FAILED,
+                                         finish_reason=FinishReason.ERROR, error=msg)
+            if final is None:
+                continue
+            try:
+                self._deliver([(req.sink, [], None, final, None, 0)])
+            except BaseException:  # noqa: BLE001
+                logger.exception("acb: could not deliver the failure of %r after the engine died", req.request_id)
 
     def _publish_stats(self) -> None:
         st = self.scheduler.stats
@@ -425,7 +434,7 @@ class EngineCore:
             preemptions=st.preemptions,
             finished=st.finished,
             cancelled=st.cancelled,
-            failed=self._failed,
+            failed=st.failed,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.pool.num_used,

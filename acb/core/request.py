@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from acb.outputs import FinishReason, GenerationOutput, RequestStatus, SampleOutput
+
+logger = logging.getLogger("acb")
 
 
 class Request:
@@ -124,8 +127,7 @@ class Request:
             generated_tokens=self.token_ids[self.prompt_len :],
             logprobs=list(self.logprobs),
             top_logprobs=[list(t) for t in self.top_logprobs] if self.top_logprobs is not None else None,
-            text=self.output_text if self.output_text is not None or self.stop_checker is None
-            else self.stop_checker.text(self),
+            text=self._text(),
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,
@@ -137,6 +139,17 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
         )
+
+    def _text(self) -> str | None:
+        """The output text (stop strings only); None if the tokenizer cannot decode it, so that
+        building an output, a failure's included, never raises."""
+        if self.output_text is not None or self.stop_checker is None:
+            return self.output_text
+        try:
+            return self.stop_checker.text(self)
+        except Exception:  # noqa: BLE001
+            logger.warning("acb: request %r: decoding its output text failed", self.request_id, exc_info=True)
+            return None
 
     def __repr__(self) -> str:
         return (

@@ -16,10 +16,19 @@ The contract, in one place:
 - Admission is strictly in order (the head of the queue is never skipped) and keeps
   ``safety_margin`` of the blocks free.
 - Preemption: when a running request needs a block and none is free, the newest running
-  request that is not yet scheduled in this step is preempted: its blocks are freed, its
-  generated tokens kept, and it goes to the front of the queue to be recomputed. The oldest
-  running request is therefore never preempted while others run, and since every admitted
-  request fits the cache on its own (checked at submit), progress is guaranteed.
+  request that is not in this step yet is preempted: its blocks are freed (its KV offloaded
+  to host memory first when there is room), its generated tokens kept, and it goes to the
+  front of the queue. The oldest running request is therefore never preempted while others
+  run, and since every admitted request fits the cache on its own (checked at submit, for
+  all ``n`` samples at their fork), progress is guaranteed. Never chosen: a sample forked in
+  this step (it is in the step through its parent's logits row), and, with async batching,
+  a request whose last token is in flight (it frees its blocks when that token lands; if
+  nobody else can give way, the request that needs the block waits a step).
+- Async batching: a request preempted while a token of it is in flight stays ``PENDING`` in
+  the queue when the token lands (and finishes there if it was its last); it is re-admitted
+  only once nothing of it is in flight.
+- A step that schedules nothing returns ``None``, but what it decided (rows freed, KV
+  offloads) goes out with the next step that runs, before anything can reuse those blocks.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from dataclasses import dataclass, field
 
 from acb.core.block_pool import BlockPool, SwapSpace, block_digest
 from acb.core.request import Request
-from acb.outputs import RequestStatus
+from acb.outputs import FinishReason, RequestStatus
 
 _TERMINAL = RequestStatus.FINISHED  # statuses from here on are terminal
 
@@ -85,6 +94,7 @@ class SchedulerStats:
     swapped_out_blocks: int = 0  # KV blocks offloaded to host memory at preemption
     swapped_in_blocks: int = 0
     recomputed_preemptions: int = 0  # preemptions that dropped the KV (no offload space)
+    failed: int = 0  # requests failed inside a step (the engine's own death is not counted)
 
 
 class Scheduler:
@@ -116,6 +126,7 @@ class Scheduler:
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._freed_rows: list[int] = []
         self._fork_copies: list[int] = []
+        self._swap_out_carry: list[tuple[int, int]] = []  # offloads decided by a step that ran nothing
         self._host_to_free: list[int] = []
         # step id -> digests of the prompt blocks that step computes, until its output is recorded
         # (with async batching the previous step is still in flight while the next is built)
@@ -153,7 +164,9 @@ class Scheduler:
 
     def fail(self, req: Request, error: str) -> None:
         req.error = error
+        req.finish_reason = FinishReason.ERROR
         self._finish(req, RequestStatus.FAILED)
+        self.stats.failed += 1
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req in self.running:
@@ -255,9 +268,10 @@ class Scheduler:
         out = SchedulerOutput(
             step_id=self._step_id, requests=[], rows=[], num_new=[], start_pos=[], input_ids=[],
             sample_idx=[], sample_reqs=[], sample_rows=[], sample_gen_idx=[], block_updates=[],
-            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies_after=[], swap_out=[], swap_in=[],
+            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies_after=[],
+            swap_out=self._swap_out_carry, swap_in=[],
         )
-        self._freed_rows = []
+        self._freed_rows, self._swap_out_carry = [], []
         budget = self.max_batch_tokens
         if self.policy == "fifo":
             budget, preempted = self._schedule_running(out, budget, self.running)
@@ -273,6 +287,10 @@ class Scheduler:
             decoding = [r for r in decoding if r.row >= 0]  # some may have been preempted
             budget, _ = self._schedule_running(out, budget, decoding)
         if not out.requests:
+            # nothing runs, but rows freed and KV offloads decided here must reach the runner
+            # before the blocks are reused: they go with the next step that runs
+            self._freed_rows = out.freed_rows + self._freed_rows
+            self._swap_out_carry = out.swap_out
             self._pending.pop(self._step_id, None)
             return None
         self._step_id += 1
@@ -301,8 +319,8 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             toks = req.token_ids
-            if req.pending and len(toks) - req.prompt_len + req.pending >= req.max_new_tokens:
-                continue  # its last token is in flight: it finishes when that arrives
+            if self._last_token_in_flight(req):
+                continue  # it finishes when that token arrives
             todo = len(toks) + req.pending - computed
             if todo == 1 and computed >= req.prompt_len and not req.children and (
                 computed % bs or pool.num_free
@@ -337,14 +355,20 @@ class Scheduler:
                 continue
             need = self._blocks_needed(req, num_new)
             while need > self.pool.num_free:
-                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
-                assert victim is not None, "no request left to preempt"
+                # the newest running request not yet in this step, except those whose last token is
+                # in flight (async batching): they give their blocks back when it arrives
+                # (a sample forked in this step is in it too, through its parent's row of logits)
+                victim = next((r for r in reversed(self.running)
+                               if id(r) not in scheduled and r.last_sample[0] != out.step_id
+                               and not self._last_token_in_flight(r)), None)
+                if victim is None:
+                    break
                 self._preempt(victim, out)
                 preempted_any = True
                 if victim is req:
                     break
-            if req.row < 0:
-                continue
+            if req.row < 0 or need > self.pool.num_free:
+                continue  # preempted, or waiting for the blocks of requests about to finish
             if need > 0:
                 new_blocks = self.pool.allocate(need)
                 assert new_blocks is not None
@@ -353,6 +377,10 @@ class Scheduler:
             scheduled.add(id(req))
             budget -= num_new
         return budget, preempted_any
+
+    @staticmethod
+    def _last_token_in_flight(req: Request) -> bool:
+        return bool(req.pending) and req.num_generated + req.pending >= req.max_new_tokens
 
     def _take_blocks(self, out: SchedulerOutput, req: Request, num_new: int, blocks: list[int]) -> None:
         """Give ``req`` the blocks it needs for ``num_new`` tokens; extras are fork copies (n > 1)."""
@@ -529,13 +557,19 @@ class Scheduler:
             if req.status >= _TERMINAL:  # cancelled while its step was in flight
                 continue
             want = req.want_logprobs
-            done = req.append_token(
-                sampled[k],
-                logprobs[k] if want and logprobs is not None else None,
-                now,
-                top[k][: req.params.logprobs] if want and top is not None else None,
-            )
-            req.status = RequestStatus.DECODING
+            try:
+                done = req.append_token(
+                    sampled[k],
+                    logprobs[k] if want and logprobs is not None else None,
+                    now,
+                    top[k][: req.params.logprobs] if want and top is not None else None,
+                )
+            except Exception as exc:  # noqa: BLE001 - a user-supplied stop check (its tokenizer) raised
+                self.fail(req, f"{type(exc).__name__} in the stop-string check: {exc}")
+                progressed.append(req)
+                continue
+            if req.status != RequestStatus.PENDING:  # (preempted while this token was in flight: it waits)
+                req.status = RequestStatus.DECODING
             progressed.append(req)
             if done:
                 self._finish(req, RequestStatus.FINISHED)

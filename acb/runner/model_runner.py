@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -244,6 +245,44 @@ def device_scope(device: torch.device, stream: "torch.cuda.Stream | None" = None
     return stack
 
 
+def _set_attn(model: torch.nn.Module, impl: str) -> None:
+    try:
+        model.set_attn_implementation(impl)
+    except (AttributeError, ValueError, KeyError, ImportError):
+        model.config._attn_implementation = impl
+
+
+class _AttentionSwap:
+    """acb's attention on a model for as long as any runner uses it, then the model's own back.
+
+    Counted per model object, so that two engines on one model both run acb's attention and
+    the model gets its own implementation back when the last of them stops, in any order.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[int, tuple[int, str | None]] = {}  # id(model) -> (runners, its own implementation)
+
+    def acquire(self, model: torch.nn.Module) -> None:
+        with self._lock:
+            users, own = self._users.get(id(model), (0, None))
+            if users == 0:
+                own = model.config._attn_implementation
+                _set_attn(model, ATTN_IMPL_NAME)
+            self._users[id(model)] = (users + 1, own)
+
+    def release(self, model: torch.nn.Module) -> None:
+        with self._lock:
+            users, own = self._users.pop(id(model))
+            if users > 1:
+                self._users[id(model)] = (users - 1, own)
+            elif own is not None:
+                _set_attn(model, own)
+
+
+_ATTN_SWAP = _AttentionSwap()
+
+
 class ModelRunner:
     """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
 
@@ -277,8 +316,8 @@ class ModelRunner:
             getattr(model, "_supports_logits_to_keep", lambda: False)()
         )
         register_with_transformers(compiled=bool(self._compiled))
-        self._original_attn = model.config._attn_implementation
-        self._set_attn(ATTN_IMPL_NAME)
+        _ATTN_SWAP.acquire(model)
+        self._holds_attn = True
         logger.info(
             "acb: %d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
             "max_model_len=%d, offload space %d blocks, backend=%s, decode graphs=%s, device=%s",
@@ -353,19 +392,13 @@ class ModelRunner:
         logger.warning("acb: decode CUDA graphs disabled, their capture or check failed (%s)", problem)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=False)
 
-    def _set_attn(self, impl: str) -> None:
-        try:
-            self.model.set_attn_implementation(impl)
-        except (AttributeError, ValueError, KeyError, ImportError):
-            self.model.config._attn_implementation = impl
-
     def close(self) -> None:
         """Give the model its own attention implementation back, and drop the KV cache, the
         graphs and the step buffers, so that a stopped engine's device memory is free for the next
         start (the stopped engine core still holds this runner). The runner is unusable after."""
-        if self._original_attn is not None:
-            self._set_attn(self._original_attn)
-            self._original_attn = None
+        if self._holds_attn:
+            _ATTN_SWAP.release(self.model)
+            self._holds_attn = False
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         self.kv_cache = self.staging = self.sampling = self.inputs = None
         self._prev_ids = None

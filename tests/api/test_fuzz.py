@@ -1,0 +1,272 @@
+"""A stateful random driver over the engine: finds bookkeeping bugs, not just known instances.
+
+Each example draws a configuration (async batching on/off, offload on/off, a KV cache small
+enough to preempt, chunked prefill, prefix caching on/off, either scheduler policy, and now
+and then the decode graphs' CPU twin with the Triton kernels in the interpreter) and then a
+program of rounds. A round holds the engine, submits a burst of requests (random prompt
+lengths from a few shared prefixes, ``n``, greedy or seeded sampling, logprobs, salts, stop
+tokens, ``min_new_tokens``), lets it go, cancels some live requests (every way a user can:
+``handle.cancel()``, ``engine.cancel(id)``, breaking out of ``async for``, cancelling the
+awaiting task) and waits a random number of steps.
+
+Invariants, after every round and at the end of the example:
+
+- the engine is alive; no request failed;
+- every request has exactly one outcome, and a streamed request's deltas add up to it;
+- every greedy request (each of its samples) equals ``model.generate`` on that prompt alone,
+  cut at its first stop token; a cancelled one is a prefix of that;
+- once all requests ended, no KV block (device or host) is held, and the pool's reference
+  counts agree with the running requests (``EngineCore.check_invariants``).
+
+``ACB_FUZZ_EXAMPLES`` (default 10, about a minute on 2 CPU cores) and ``ACB_FUZZ_SEED`` set
+the budget; a failure names the seed and the configuration, and
+``ACB_FUZZ_EXAMPLES=1 ACB_FUZZ_SEED=<seed>`` replays that example (the engine thread's
+timing can differ between runs; the program and the configuration do not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+from dataclasses import dataclass, field
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the graphs' CPU twin runs acb's Triton kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import acb  # noqa: E402
+from tests.conftest import get_model  # noqa: E402
+
+EXAMPLES = int(os.environ.get("ACB_FUZZ_EXAMPLES", "10"))
+SEED = int(os.environ.get("ACB_FUZZ_SEED", "0"))
+MAX_NEW = 24
+MAX_PROMPT = 56
+VOCAB = 256
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+class Reference:
+    """Greedy continuations of prompts run alone through ``model.generate`` (computed once each)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.cache: dict[tuple, list[int]] = {}
+
+    def __call__(self, prompt: list[int], max_new: int, stop: frozenset[int], min_new: int) -> list[int]:
+        key = (tuple(prompt), stop, min_new)
+        if key not in self.cache:
+            with torch.no_grad():
+                out = self.model.generate(
+                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=sorted(stop) or None, pad_token_id=0,
+                    min_new_tokens=min_new,
+                )
+            toks = out[0, len(prompt):].tolist()
+            for i, t in enumerate(toks):  # generate pads after the stop token
+                if t in stop:
+                    toks = toks[: i + 1]
+                    break
+            self.cache[key] = toks
+        return self.cache[key][:max_new]
+
+
+def random_config(rng: random.Random) -> dict:
+    bs = rng.choice([4, 8, 16])
+    longest = MAX_PROMPT + MAX_NEW
+    per_req = -(-longest // bs)
+    graphs = HAVE_TRITON and rng.random() < 0.15
+    return dict(
+        block_size=bs,
+        # from "one request at a time" (constant preemption) to roomy
+        num_blocks=1 + per_req + rng.choice([0, 1, 2, per_req // 2, per_req, 4 * per_req]),
+        max_batch_tokens=rng.choice([7, 16, 32, 64, 256]),
+        max_requests_per_batch=rng.choice([3, 4, 8, 16]),
+        use_async_batching=rng.random() < 0.6,
+        cpu_offload_space=rng.choice([0.0, 0.0, 2e-5, 1e-4, 0.01]),
+        allow_block_sharing=rng.random() < 0.7,
+        scheduler_type=rng.choice(["fifo", "prefill_first"]),
+        safety_margin=rng.choice([0.0, 0.0, 0.1]),
+        max_model_len=longest,
+        **(dict(attn_backend="triton", use_cuda_graph=True) if graphs else {}),
+    )
+
+
+@dataclass
+class Tracked:
+    prompt: list[int]
+    sp: acb.SamplingParams
+    handle: acb.RequestHandle
+    mode: str  # how the consumer reads it: result, stream, break
+    task: asyncio.Task | None = None
+    deltas: list = field(default_factory=list)
+    cancel_asked: bool = False
+    output: acb.GenerationOutput | None = None
+    error: BaseException | None = None
+
+
+def random_request(rng: random.Random, prefixes: list[list[int]], max_rows: int) -> tuple[list[int], acb.SamplingParams, str | None]:
+    base = rng.choice(prefixes)
+    cut = rng.randint(1, len(base))
+    prompt = base[:cut] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 8))]
+    prompt = prompt[:MAX_PROMPT]
+    kw: dict = dict(max_new_tokens=rng.randint(1, MAX_NEW))
+    r = rng.random()
+    if r < 0.6:
+        kw["ignore_eos"] = True
+    elif r < 0.8:
+        kw["stop_token_ids"] = tuple(rng.sample(range(3, VOCAB), rng.randint(1, 40)))
+        kw["min_new_tokens"] = rng.randint(0, kw["max_new_tokens"])
+    else:
+        kw["stop_token_ids"] = ()
+    if rng.random() < 0.25:
+        kw.update(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 5, 300]), seed=rng.randrange(1 << 30))
+    if rng.random() < 0.2:
+        kw["n"] = rng.randint(2, min(3, max_rows))
+    if rng.random() < 0.2:
+        kw["logprobs"] = rng.choice([0, 2])
+    salt = rng.choice([None, None, None, "tenant-a"])
+    return prompt, acb.SamplingParams(**kw), salt
+
+
+async def consume(t: Tracked, rng_value: float) -> None:
+    try:
+        if t.mode == "result":
+            t.output = await t.handle.result()
+            return
+        async for d in t.handle:
+            t.deltas.append(d)
+            if t.mode == "break" and len(t.deltas) >= 1 + int(rng_value * 6):
+                t.cancel_asked = True
+                break
+        t.output = await t.handle.result()
+    except asyncio.CancelledError:
+        t.cancel_asked = True
+        raise
+    except BaseException as exc:  # noqa: BLE001 - recorded, checked below
+        t.error = exc
+
+
+async def wait_steps(engine: acb.AsyncEngine, k: int, timeout: float = 60.0) -> None:
+    """Let the engine run ``k`` more steps (or until it is idle)."""
+    target = engine.stats.steps + k
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while engine.stats.steps < target and (engine.stats.running or engine.stats.waiting):
+        assert loop.time() < deadline, "the engine made no progress"
+        await asyncio.sleep(0.002)
+
+
+def check(t: Tracked, ref: Reference, max_len: int) -> None:
+    out = t.output
+    assert t.error is None, f"request failed: {t.error!r}"
+    assert out is not None
+    sp = t.sp
+    assert out.status in (acb.RequestStatus.FINISHED, acb.RequestStatus.CANCELLED), out.status
+    if out.status == acb.RequestStatus.CANCELLED:
+        assert t.cancel_asked, "cancelled without being asked"
+    if t.deltas:  # a stream's deltas add up to the output (for a request broken off: a prefix)
+        per: dict[int, list[int]] = {}
+        for d in t.deltas:
+            per.setdefault(d.sample_index, []).extend(d.token_ids)
+        samples = out.samples or [out]
+        for i, toks in per.items():
+            gen = samples[i].generated_tokens
+            assert toks == gen[: len(toks)], f"sample {i}: stream {toks} vs output {gen}"
+            if t.mode == "stream":
+                assert toks == gen, f"sample {i}: stream {toks} vs output {gen}"
+        if t.mode == "stream":
+            assert t.deltas[-1].finished
+    max_new = min(sp.max_new_tokens, max_len - len(t.prompt))
+    samples = out.samples or [out]
+    assert len(samples) == (sp.n or 1)
+    for s in samples:
+        toks = s.generated_tokens
+        assert len(toks) <= max_new and all(0 <= x < VOCAB for x in toks)
+        if sp.logprobs is not None:
+            assert len(s.logprobs) == len(toks)
+        if sp.temperature:
+            continue
+        stop = frozenset() if sp.ignore_eos else frozenset(sp.stop_token_ids or ())
+        want = ref(t.prompt, max_new, stop, sp.min_new_tokens or 0)
+        if s.status == acb.RequestStatus.FINISHED:
+            assert toks == want, f"greedy tokens differ from generate alone:\n got  {toks}\n want {want}"
+        else:
+            assert toks == want[: len(toks)], f"cancelled greedy tokens are not a prefix:\n got  {toks}\n want {want}"
+
+
+async def run_example(seed: int, model, ref: Reference) -> dict:
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(MAX_PROMPT)] for _ in range(3)]
+    tracked: list[Tracked] = []
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(**cfg)) as engine:
+        core = engine._fe.core
+        max_len = engine.config.max_model_len
+        for _round in range(rng.randint(2, 5)):
+            gate = threading.Event()
+            core.call(lambda c: gate.wait(30))  # hold the engine: the burst lands in one step
+            for _ in range(rng.randint(1, 8)):
+                prompt, sp, salt = random_request(rng, prefixes, cfg["max_requests_per_batch"])
+                h = await engine.submit(prompt, sp, cache_salt=salt)
+                t = Tracked(prompt, sp, h, rng.choice(["result", "result", "stream", "break"]))
+                t.task = asyncio.create_task(consume(t, rng.random()))
+                tracked.append(t)
+            gate.set()
+            await wait_steps(engine, rng.randint(0, 8))
+            live = [t for t in tracked if not t.handle.done]
+            for t in rng.sample(live, k=min(len(live), rng.randint(0, 2))):
+                how = rng.choice(["handle", "engine", "task"])
+                t.cancel_asked = True
+                if how == "handle":
+                    t.handle.cancel()
+                elif how == "engine":
+                    engine.cancel(t.handle.request_id)
+                else:
+                    t.task.cancel()
+            await wait_steps(engine, rng.randint(0, 4))
+            assert core.dead_error is None, f"the engine died: {core.dead_error!r}"
+        await asyncio.wait_for(asyncio.gather(*(t.task for t in tracked), return_exceptions=True), 120)
+        for t in tracked:
+            if t.output is None and t.error is None:  # its task was cancelled: the outcome is on the handle
+                try:
+                    t.output = await asyncio.wait_for(t.handle.result(), 60)
+                except BaseException as exc:  # noqa: BLE001
+                    t.error = exc
+        assert core.dead_error is None, f"the engine died: {core.dead_error!r}"
+        assert engine.is_running
+        await asyncio.wrap_future(core.call(lambda c: c.check_invariants()))
+        stats = engine.stats
+    for i, t in enumerate(tracked):
+        try:
+            check(t, ref, max_len)
+        except AssertionError as exc:
+            raise AssertionError(f"request {i} ({t.mode}, prompt of {len(t.prompt)}, {t.sp}): {exc}") from None
+    return dict(requests=len(tracked), preemptions=stats.preemptions, swapped_out=stats.swapped_out_blocks,
+                steps=stats.steps)
+
+
+@pytest.fixture(scope="module")
+def fuzz_model():
+    return get_model("llama")
+
+
+@pytest.mark.parametrize("seed", range(SEED, SEED + EXAMPLES))
+async def test_engine_fuzz(seed, fuzz_model):
+    ref = _REFS.setdefault(id(fuzz_model), Reference(fuzz_model))
+    cfg = random_config(random.Random(seed))
+    try:
+        await asyncio.wait_for(run_example(seed, fuzz_model, ref), 300)
+    except BaseException as exc:
+        raise AssertionError(f"fuzz example seed={seed} failed with config {cfg}: {exc!r}") from exc
+
+
+_REFS: dict[int, Reference] = {}
