@@ -5,13 +5,15 @@ enough to preempt, chunked prefill, prefix caching on/off, either scheduler poli
 and then the decode graphs' CPU twin with the Triton kernels in the interpreter) and then a
 program of rounds. A round holds the engine, submits a burst of requests (random prompt
 lengths from a few shared prefixes, ``n``, greedy or seeded sampling, logprobs, salts, stop
-tokens, ``min_new_tokens``), lets it go, cancels some live requests (every way a user can:
+tokens, ``min_new_tokens``; now and then first a submit that must be refused, under the id
+the good one then takes), lets it go, cancels some live requests (every way a user can:
 ``handle.cancel()``, ``engine.cancel(id)``, breaking out of ``async for``, cancelling the
 awaiting task) and waits a random number of steps.
 
 Invariants, after every round and at the end of the example:
 
-- the engine is alive; no request failed;
+- the engine is alive; no request failed; bad submits (and ``n`` samples that can never fork
+  in the cache) are refused at submit without claiming their request id;
 - every request has exactly one outcome, and a streamed request's deltas add up to it;
 - every greedy request (each of its samples) equals ``model.generate`` on that prompt alone,
   cut at its first stop token; a cancelled one is a prefix of that;
@@ -137,6 +139,30 @@ def random_request(rng: random.Random, prefixes: list[list[int]], max_rows: int)
     return prompt, acb.SamplingParams(**kw), salt
 
 
+def fork_fits(prompt_len: int, n: int, cfg) -> bool:
+    """Whether ``n`` samples of the prompt can fork in this cache (else submit refuses them)."""
+    bs = cfg.block_size
+    return n == 1 or prompt_len // bs + (n if prompt_len % bs else 0) <= cfg.num_blocks - 1
+
+
+async def refused(engine: acb.AsyncEngine, rng: random.Random, rid: str, live: list[str], max_rows: int) -> None:
+    """One of the submits that must be refused, leaving nothing behind. ``live``: ids submitted
+    behind the gate in this round, which cannot have ended yet."""
+    cases = [
+        (([5, 6],), dict(sampling=acb.SamplingParams(n=max_rows + 1)), ValueError),
+        (([5, 6],), dict(sampling=acb.SamplingParams(stop_token_ids=(VOCAB + 3,), min_new_tokens=2)), ValueError),
+        (([5, 6],), dict(cache_salt=b"tenant"), TypeError),
+        (([5, VOCAB],), {}, ValueError),
+        (({5: 1},), {}, TypeError),
+    ]
+    args, kw, exc = rng.choice(cases)
+    with pytest.raises(exc):
+        await engine.submit(*args, request_id=rid, **kw)
+    if live:
+        with pytest.raises(ValueError, match="already used"):
+            await engine.submit([5, 6], request_id=rng.choice(live))
+
+
 async def consume(t: Tracked, rng_value: float) -> None:
     try:
         if t.mode == "result":
@@ -161,6 +187,7 @@ async def wait_steps(engine: acb.AsyncEngine, k: int, timeout: float = 60.0) -> 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while engine.stats.steps < target and (engine.stats.running or engine.stats.waiting):
+        assert engine.is_running, "the engine stopped"
         assert loop.time() < deadline, "the engine made no progress"
         await asyncio.sleep(0.002)
 
@@ -214,9 +241,19 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
         for _round in range(rng.randint(2, 5)):
             gate = threading.Event()
             core.call(lambda c: gate.wait(30))  # hold the engine: the burst lands in one step
+            burst: list[str] = []
             for _ in range(rng.randint(1, 8)):
                 prompt, sp, salt = random_request(rng, prefixes, cfg["max_requests_per_batch"])
-                h = await engine.submit(prompt, sp, cache_salt=salt)
+                rid = None
+                if rng.random() < 0.15:  # a refused submit first, under the id the good one then takes
+                    rid = f"retry-{len(tracked)}"
+                    await refused(engine, rng, rid, burst, cfg["max_requests_per_batch"])
+                if not fork_fits(len(prompt), sp.n or 1, engine.config):
+                    with pytest.raises(ValueError, match="can never fit"):
+                        await engine.submit(prompt, sp, cache_salt=salt, request_id=rid)
+                    continue
+                h = await engine.submit(prompt, sp, cache_salt=salt, request_id=rid)
+                burst.append(h.request_id)
                 t = Tracked(prompt, sp, h, rng.choice(["result", "result", "stream", "break"]))
                 t.task = asyncio.create_task(consume(t, rng.random()))
                 tracked.append(t)

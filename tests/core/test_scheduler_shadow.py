@@ -10,6 +10,7 @@ still read, or a request finished twice shows up here, in pure Python, in millis
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -20,6 +21,9 @@ from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.outputs import FinishReason, RequestStatus
 
 VOCAB = 64
+# workloads per configuration: 40 by default (about 4 s in all); the engine fuzz's soak knob scales it
+SEEDS = 4 * max(10, int(os.environ.get("ACB_FUZZ_EXAMPLES", "10")))
+SEED = int(os.environ.get("ACB_FUZZ_SEED", "0"))
 
 
 def next_token(prefix: list[int]) -> int:
@@ -153,8 +157,11 @@ def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, p
 @pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
 def test_random_workloads_keep_kv_and_outcomes_right(async_batching, caching, swap_blocks, policy):
     preempted = swapped = 0
-    for seed in range(40):
-        s = drive(seed, async_batching=async_batching, caching=caching, swap_blocks=swap_blocks, policy=policy)
+    for seed in range(SEED, SEED + SEEDS):
+        try:
+            s = drive(seed, async_batching=async_batching, caching=caching, swap_blocks=swap_blocks, policy=policy)
+        except Exception as exc:
+            raise AssertionError(f"workload seed={seed}: {exc!r}") from exc
         preempted += s.stats.preemptions
         swapped += s.stats.swapped_out_blocks
     assert preempted > 0  # the workloads are tight enough to exercise preemption
