@@ -202,7 +202,7 @@ def _prompt_list(inputs: Any) -> list[Any]:
         if ndim != 2:
             raise ValueError(f"inputs as a tensor must be [batch, tokens], got shape {tuple(inputs.shape)}")
         return list(inputs.tolist())
-    if isinstance(inputs, (str, bytes, dict)) or not isinstance(inputs, (list, tuple)):
+    if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
     return list(inputs)
 

@@ -11,8 +11,8 @@ import logging
 import operator
 import random
 import threading
-from dataclasses import replace
 from collections.abc import Mapping, Set
+from dataclasses import replace
 from typing import Any, Callable
 
 from acb.api.handles import AdmissionGate, deliver
