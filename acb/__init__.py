@@ -13,7 +13,7 @@ from acb.errors import (
     RequestFailedError,
     UnsupportedModelError,
 )
-from acb.outputs import FinishReason, GenerationOutput, RequestStatus, StreamDelta
+from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus, StreamDelta
 from acb.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "EngineNotRunningError",
+    "FailureKind",
     "FinishReason",
     "GenerationOutput",
     "QueueFullError",

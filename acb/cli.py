@@ -346,11 +346,11 @@ def synthetic_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed:
     ]
 
 
-def _failed_output(spec: PromptSpec, rid: str, error: str) -> Any:
+def _failed_output(spec: PromptSpec, rid: str, error: str, failure: Any) -> Any:
     from acb.outputs import FinishReason, GenerationOutput, RequestStatus
 
     return GenerationOutput(request_id=rid, prompt_ids=list(spec.prompt_ids), status=RequestStatus.FAILED,
-                            finish_reason=FinishReason.ERROR, error=error)
+                            finish_reason=FinishReason.ERROR, error=error, failure=failure)
 
 
 def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.Namespace) -> list[Any]:
@@ -390,9 +390,9 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
                     results.append(h.result())
                 except acb.RequestFailedError as exc:
                     results.append(exc.output if exc.output is not None
-                                   else _failed_output(s, h.request_id, str(exc)))
+                                   else _failed_output(s, h.request_id, str(exc), acb.FailureKind.REQUEST))
                 except acb.EngineDeadError as exc:
-                    results.append(_failed_output(s, h.request_id, f"EngineDeadError: {exc}"))
+                    results.append(_failed_output(s, h.request_id, str(exc), acb.FailureKind.ENGINE_DEAD))
                 if bar is not None:
                     bar.update(1)
     finally:

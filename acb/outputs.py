@@ -24,6 +24,13 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED
 
 
+class FailureKind(str, enum.Enum):
+    """Why a ``FAILED`` request failed; decides what its handle raises."""
+
+    REQUEST = "request"  # a step it was in, or a check of its own, raised: RequestFailedError
+    ENGINE_DEAD = "engine_dead"  # the engine thread died (or stopped) before it finished: EngineDeadError
+
+
 class FinishReason(str, enum.Enum):
     """Why a request ended."""
 
@@ -66,6 +73,7 @@ class GenerationOutput:
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    failure: FailureKind | None = None  # set with status FAILED
     created_time: float = 0.0
     # perf_counter() of each generated token, when record_timestamps was asked for
     timestamps: list[float] | None = None

@@ -14,7 +14,7 @@ from acb.api.frontend import EngineBase
 from acb.api.handles import SyncRequestHandle, ThreadSink
 from acb.config import ContinuousBatchingConfig
 from acb.errors import AcbError, QueueFullError
-from acb.outputs import GenerationOutput, RequestStatus
+from acb.outputs import FailureKind, GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
 
 logger = logging.getLogger("acb")
@@ -172,6 +172,7 @@ def generate_batch(
                 except AcbError as exc:  # the engine died: the rest never ran
                     for r in reqs[k:]:
                         r.status, r.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
+                        r.failure = FailureKind.ENGINE_DEAD
                         done.put(r.to_output())
                     break
                 tokens += _drain(done, results, bar, t0, tokens, block=False)
@@ -180,7 +181,8 @@ def generate_batch(
                 if not engine.is_running and done.empty() and len(results) < n:
                     for r in reqs:  # cannot happen unless delivery itself broke; never hang
                         if r.request_id not in results:
-                            r.status, r.error = RequestStatus.FAILED, "EngineDeadError: engine stopped"
+                            r.status, r.error = RequestStatus.FAILED, "the engine stopped"
+                            r.failure = FailureKind.ENGINE_DEAD
                             results[r.request_id] = r.to_output()
         finally:
             if bar is not None:

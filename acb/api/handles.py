@@ -17,8 +17,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from acb.core.engine_core import Delivery
 from acb.errors import EngineDeadError, RequestFailedError
-from acb.outputs import GenerationOutput, RequestStatus, StreamDelta
+from acb.outputs import FailureKind, GenerationOutput, RequestStatus, StreamDelta
 from acb.telemetry import record_request
 
 logger = logging.getLogger("acb")
@@ -28,51 +29,62 @@ def _error_of(out: GenerationOutput) -> Exception | None:
     if out.status != RequestStatus.FAILED:
         return None
     msg = out.error or "request failed"
-    if msg.startswith("EngineDeadError"):
-        err: Exception = EngineDeadError(f"request {out.request_id!r}: {msg}")
-        return err
+    if out.failure == FailureKind.ENGINE_DEAD:
+        return EngineDeadError(f"request {out.request_id!r}: {msg}")
     return RequestFailedError(f"request {out.request_id!r} failed: {msg}", out)
 
 
 WAIT = object()  # poll(): nothing new yet
 
 
+class _Unread:
+    """What one sample's consumer has not read yet: steps coalesce here when it is slow."""
+
+    __slots__ = ("token_ids", "logprobs", "top")
+
+    def __init__(self, d: Delivery) -> None:
+        self.token_ids = list(d.token_ids)
+        self.logprobs = None if d.logprobs is None else list(d.logprobs)
+        self.top = None if d.top is None else list(d.top)
+
+    def extend(self, d: Delivery) -> None:
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + d.logprobs
+        if d.top is not None:
+            self.top = (self.top or []) + d.top
+
+
 class _SinkState:
     """Tokens not yet read by the consumer (per sample, for n > 1), and the final output once known."""
 
-    __slots__ = ("request_id", "pending", "final", "stream_done")
+    __slots__ = ("request_id", "unread", "final", "stream_done")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        # sample index -> [token ids, logprobs or None, top alternatives or None]
-        self.pending: dict[int, list] = {}
+        self.unread: dict[int, _Unread] = {}  # sample index -> what its consumer has not read
         self.final: GenerationOutput | None = None
         self.stream_done = False  # the final delta (or the failure) was handed out
 
-    def add(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
-            top: list | None = None, sample: int = 0) -> None:
-        if token_ids:
-            slot = self.pending.get(sample)
+    def add(self, d: Delivery) -> None:
+        if d.token_ids:
+            slot = self.unread.get(d.sample_index)
             if slot is None:
-                self.pending[sample] = [list(token_ids), None if logprobs is None else list(logprobs),
-                                        None if top is None else list(top)]
+                self.unread[d.sample_index] = _Unread(d)
             else:
-                slot[0].extend(token_ids)
-                if logprobs is not None:
-                    slot[1] = (slot[1] or []) + logprobs
-                if top is not None:
-                    slot[2] = (slot[2] or []) + top
-        if final is not None:
-            self.final = final
+                slot.extend(d)
+        if d.final is not None:
+            self.final = d.final
 
     def take(self) -> StreamDelta | None:
         """The coalesced delta of one sample since the last take, or None if there is nothing new.
         The final output rides on the last delta."""
-        if self.pending:
-            sample = next(iter(self.pending))
-            tokens, logprobs, top = self.pending.pop(sample)
-            last = self.final is not None and not self.pending
-            return StreamDelta(self.request_id, tokens, logprobs, last, self.final if last else None, top, sample)
+        if self.unread:
+            sample = next(iter(self.unread))
+            u = self.unread.pop(sample)
+            last = self.final is not None and not self.unread
+            return StreamDelta(self.request_id, u.token_ids, u.logprobs, last, self.final if last else None, u.top,
+                               sample)
         if self.final is None:
             return None
         return StreamDelta(self.request_id, [], None, True, self.final)
@@ -112,10 +124,9 @@ class AsyncSink:
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
-    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
-             top: list | None = None, sample: int = 0) -> None:
+    def push(self, d: Delivery) -> None:
         with self._lock:
-            self.state.add(token_ids, logprobs, final, top, sample)
+            self.state.add(d)
             waiters, self._waiters = self._waiters, []
         if waiters:
             try:
@@ -172,7 +183,7 @@ class ThreadSink:
         self,
         request_id: str,
         on_final: Callable[[GenerationOutput], None] | None = None,
-        on_push: Callable[[list[int], list[float] | None, GenerationOutput | None], None] | None = None,
+        on_push: Callable[[Delivery], None] | None = None,
     ) -> None:
         self.state = _SinkState(request_id)
         self._cond = threading.Condition()
@@ -180,16 +191,15 @@ class ThreadSink:
         self.on_final = on_final
         self.on_push = on_push
 
-    def push(self, token_ids: list[int], logprobs: list[float] | None, final: GenerationOutput | None,
-             top: list | None = None, sample: int = 0) -> None:
+    def push(self, d: Delivery) -> None:
         with self._cond:
-            self.state.add(token_ids, logprobs, final, top, sample)
+            self.state.add(d)
             if self._waiting:
                 self._cond.notify_all()
         if self.on_push is not None:
-            _call_back(self.on_push, self.state.request_id, token_ids, logprobs, final)
-        if final is not None and self.on_final is not None:
-            _call_back(self.on_final, self.state.request_id, final)
+            _call_back(self.on_push, self.state.request_id, d)
+        if d.final is not None and self.on_final is not None:
+            _call_back(self.on_final, self.state.request_id, d.final)
 
     @property
     def done(self) -> bool:
@@ -231,24 +241,23 @@ def _call_back(fn: Callable[..., Any], request_id: str, *args: Any) -> None:
         logger.exception("acb: a result callback for request %r raised", request_id)
 
 
-def _push_all(batch: list[tuple[Any, list[int], Any, Any, Any, int]]) -> None:
-    for sink, tokens, logprobs, final, top, sample in batch:
-        _call_back(sink.push, sink.state.request_id, tokens, logprobs, final, top, sample)
+def _push_all(batch: list[Delivery]) -> None:
+    for d in batch:
+        _call_back(d.sink.push, d.sink.state.request_id, d)
 
 
-def deliver(items: list) -> None:
+def deliver(items: list[Delivery]) -> None:
     """The engine's ``deliver`` callback: one ``call_soon_threadsafe`` per loop per step. It never
     raises: a failing sink or callback is logged, and the other results still go out."""
-    per_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for item in items:
-        sink = item[0]
-        if item[3] is not None:
-            _call_back(record_request, sink.state.request_id, item[3])
-        loop = sink.loop
+    per_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+    for d in items:
+        if d.final is not None:
+            _call_back(record_request, d.sink.state.request_id, d.final)
+        loop = d.sink.loop
         if loop is None:
-            _push_all([item])
+            _push_all([d])
         else:
-            per_loop.setdefault(loop, []).append(item)
+            per_loop.setdefault(loop, []).append(d)
     for loop, batch in per_loop.items():
         try:
             loop.call_soon_threadsafe(_push_all, batch)

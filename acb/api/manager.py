@@ -25,6 +25,7 @@ from typing import Any
 from acb.api.engine import Engine
 from acb.api.frontend import as_token_list
 from acb.api.handles import ThreadSink
+from acb.core.engine_core import Delivery
 from acb.config import ContinuousBatchingConfig
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
@@ -192,13 +193,13 @@ class ContinuousBatchingManager:
             acc: list[int] = []
             acc_lp: list[float] = []
 
-            def on_push(tokens: list[int], logprobs: list[float] | None, final: GenerationOutput | None) -> None:
-                if final is not None:
-                    router.put(final)
+            def on_push(d: Delivery) -> None:
+                if d.final is not None:
+                    router.put(d.final)
                     return
-                acc.extend(tokens)
-                if logprobs:
-                    acc_lp.extend(logprobs)
+                acc.extend(d.token_ids)
+                if d.logprobs:
+                    acc_lp.extend(d.logprobs)
                 router.put(GenerationOutput(
                     request_id=rid, prompt_ids=list(input_ids), generated_tokens=list(acc),
                     logprobs=list(acc_lp), status=RequestStatus.DECODING,

@@ -6,8 +6,8 @@
 
 Only this thread touches the scheduler, the runner and the requests' mutable state. Callers
 talk to it through :meth:`EngineCore.add`, :meth:`cancel` and :meth:`call` (the inbox) and
-receive results through the ``deliver`` callback, which gets one list of
-``(sink, token_ids, logprobs, final_output_or_None)`` per step.
+receive results through the ``deliver`` callback, which gets one list of :class:`Delivery`
+per step.
 """
 
 from __future__ import annotations
@@ -25,13 +25,20 @@ from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.request import Request
 from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.errors import EngineDeadError, EngineNotRunningError
-from acb.outputs import FinishReason, GenerationOutput, RequestStatus
+from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 
 logger = logging.getLogger("acb")
 
-# (sink, new token ids, their logprobs or None, final output or None, top alternatives or None,
-#  sample index)
-Delivery = tuple[Any, list[int], Any, Any, Any, int]
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One request's results of one step, handed from the engine thread to the request's sink."""
+
+    sink: Any  # opaque to the core: where the request's results go (``Request.sink``)
+    token_ids: list[int]  # tokens new in this step (empty when only the outcome is delivered)
+    logprobs: list[float] | None = None  # their logprobs, when the request asked
+    top: list[list[tuple[int, float]]] | None = None  # their top alternatives, when asked
+    sample_index: int = 0  # which of the request's ``n`` samples the tokens belong to
+    final: GenerationOutput | None = None  # the outcome, once the request (all its samples) ended
 
 
 _FAILED = object()  # _launch: the step raised and its requests were failed
@@ -207,7 +214,8 @@ class EngineCore:
                 if self.dead_error is None:
                     self._end_unscheduled(req, RequestStatus.CANCELLED)
                 else:
-                    req.error = f"EngineDeadError: {self.dead_error!r}"
+                    req.error = f"the engine died: {self.dead_error!r}"
+                    req.failure = FailureKind.ENGINE_DEAD
                     self._end_unscheduled(req, RequestStatus.FAILED)
             if self.on_exit is not None:
                 try:
@@ -335,7 +343,7 @@ class EngineCore:
                 lp = [req.logprobs[-1]]
                 top = [req.top_logprobs[-1]] if req.top_logprobs else None
             final = self._final_of(req) if req.status.is_terminal else None
-            items.append((req.sink, [req.token_ids[-1]], lp, final, top, req.sample_index))
+            items.append(Delivery(req.sink, [req.token_ids[-1]], lp, top, req.sample_index, final))
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
         tm = self.timing
@@ -369,7 +377,7 @@ class EngineCore:
         for req in reqs:
             final = self._final_of(req)
             if final is not None:
-                items.append((req.sink, [], None, final, None, 0))
+                items.append(Delivery(req.sink, [], final=final))
         if items:
             self._deliver(items)
 
@@ -378,7 +386,7 @@ class EngineCore:
         members = req.group.members if req.group is not None else [req]
         for m in members:
             m.status = status
-            m.error = req.error
+            m.error, m.failure = req.error, req.failure
             m.finish_reason = FinishReason.CANCELLED if status == RequestStatus.CANCELLED else FinishReason.ERROR
             m.finish_time = time.perf_counter()
         self._on_dequeued(1)
@@ -403,11 +411,11 @@ class EngineCore:
         reqs = list(self.scheduler.live.values())
         pending_adds = [m for c in self._inbox if c[0] == "add"
                         for m in (c[1].group.members if c[1].group is not None else [c[1]])]
-        msg = f"EngineDeadError: {type(exc).__name__}: {exc}"
+        msg = f"the engine died: {type(exc).__name__}: {exc}"
         for req in reqs + pending_adds:
             req.status = RequestStatus.FAILED
             req.finish_reason = FinishReason.ERROR
-            req.error = msg
+            req.error, req.failure = msg, FailureKind.ENGINE_DEAD
             req.finish_time = time.perf_counter()
         for req in reqs + pending_adds:
             try:
@@ -416,11 +424,12 @@ class EngineCore:
                 logger.exception("acb: could not build the failed output of %r", req.request_id)
                 final = GenerationOutput(request_id=req.group.request_id if req.group else req.request_id,
                                          prompt_ids=req.token_ids[: req.prompt_len], status=RequestStatus.FAILED,
-                                         finish_reason=FinishReason.ERROR, error=msg)
+                                         finish_reason=FinishReason.ERROR, error=msg,
+                                         failure=FailureKind.ENGINE_DEAD)
             if final is None:
                 continue
             try:
-                self._deliver([(req.sink, [], None, final, None, 0)])
+                self._deliver([Delivery(req.sink, [], final=final)])
             except BaseException:  # noqa: BLE001
                 logger.exception("acb: could not deliver the failure of %r after the engine died", req.request_id)
 

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from acb.outputs import FinishReason, GenerationOutput, RequestStatus, SampleOutput
+from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus, SampleOutput
 
 logger = logging.getLogger("acb")
 
@@ -22,7 +22,7 @@ class Request:
         "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids", "ignore_eos",
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "arrival_seq", "created_time", "first_scheduled_time", "first_token_time",
-        "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "num_preemptions",
+        "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
         "num_cached_tokens", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
         "block_hashes", "num_registered", "cache_salt", "swapped", "pending", "last_sample",
     )
@@ -67,6 +67,7 @@ class Request:
         self.top_logprobs: list[list[tuple[int, float]]] | None = None
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        self.failure: FailureKind | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.sink = sink  # opaque to core: where the engine delivers this request's results
@@ -131,6 +132,7 @@ class Request:
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,
+            failure=self.failure,
             created_time=c,
             timestamps=list(self.timestamps) if self.timestamps is not None else None,
             queue_time=None if self.first_scheduled_time is None else self.first_scheduled_time - c,
@@ -184,7 +186,8 @@ class RequestGroup:
         for bad in (RequestStatus.FAILED, RequestStatus.CANCELLED):
             if bad in statuses:
                 head.status = bad
-                head.error = next((o.error for o in outs if o.error), None)
+                first = next((o for o in outs if o.status == bad), head)
+                head.error, head.failure = first.error, first.failure
                 break
         head.samples = [
             SampleOutput(i, o.generated_tokens, o.logprobs, o.top_logprobs, o.status, o.finish_reason, o.text)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from acb.core.block_pool import BlockPool, SwapSpace, block_digest
 from acb.core.request import Request
-from acb.outputs import FinishReason, RequestStatus
+from acb.outputs import FailureKind, FinishReason, RequestStatus
 
 _TERMINAL = RequestStatus.FINISHED  # statuses from here on are terminal
 
@@ -164,6 +164,7 @@ class Scheduler:
 
     def fail(self, req: Request, error: str) -> None:
         req.error = error
+        req.failure = FailureKind.REQUEST
         req.finish_reason = FinishReason.ERROR
         self._finish(req, RequestStatus.FAILED)
         self.stats.failed += 1
@@ -183,7 +184,7 @@ class Scheduler:
         if req.children:  # samples that would have forked from this one end with it
             for child in req.children:
                 if not child.status.is_terminal:
-                    child.error = req.error
+                    child.error, child.failure = req.error, req.failure
                     child.finish_reason = req.finish_reason
                     self._finish(child, status)
             req.children = None
