@@ -50,7 +50,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         # front = evicted first
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self.evictions = 0
+        self.evictions = 0  # cached blocks handed out for new content (their digest forgotten)
 
     @property
     def num_usable(self) -> int:

@@ -75,6 +75,7 @@ class EngineStats:
     swapped_out_blocks: int = 0  # KV blocks offloaded to host memory by preemption
     swapped_in_blocks: int = 0
     recomputed_preemptions: int = 0  # preemptions that had to drop the KV (no offload space)
+    prefix_evictions: int = 0  # cached prefix blocks reused for other content (LRU)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -248,7 +249,7 @@ class EngineCore:
                 if never_scheduled:
                     self._on_dequeued(1)
                 self._publish_stats()
-                self._emit_final(ended)
+                self._deliver_final(ended)
             elif kind == "call":
                 fn, fut = cmd[1], cmd[2]
                 if fut.set_running_or_notify_cancel():
@@ -320,9 +321,9 @@ class EngineCore:
         for req in failed:
             self.scheduler.fail(req, msg)
         for req in sched.sample_reqs:
-            req.pending = max(0, req.pending - 1)
+            req.in_flight = max(0, req.in_flight - 1)
         self._publish_stats()
-        self._emit_final(failed)
+        self._deliver_final(failed)
 
     def _complete(self, launched: tuple) -> None:
         """Read a launched step's samples (the sync), record them, deliver."""
@@ -372,7 +373,7 @@ class EngineCore:
             self.release_id(m.request_id)
         return group.to_output()
 
-    def _emit_final(self, reqs: list[Request]) -> None:
+    def _deliver_final(self, reqs: list[Request]) -> None:
         items: list[Delivery] = []
         for req in reqs:
             final = self._final_of(req)
@@ -390,7 +391,7 @@ class EngineCore:
             m.finish_reason = FinishReason.CANCELLED if status == RequestStatus.CANCELLED else FinishReason.ERROR
             m.finish_time = time.perf_counter()
         self._on_dequeued(1)
-        self._emit_final(members)
+        self._deliver_final(members)
 
     def _cancel_all(self) -> None:
         reqs = list(self.scheduler.live.values())
@@ -402,22 +403,22 @@ class EngineCore:
                 self._on_dequeued(1)
         # adds that arrive after the stop are cancelled by _drain_inbox
         self._publish_stats()
-        self._emit_final(reqs)
+        self._deliver_final(reqs)
 
     def _fail_all(self, exc: BaseException) -> None:
         """The engine is dying: every live request gets a FAILED outcome. Nothing here may depend on
         what can fail (decoding, a sink's callbacks): each final output falls back to a bare one,
         and each delivery is tried on its own."""
         reqs = list(self.scheduler.live.values())
-        pending_adds = [m for c in self._inbox if c[0] == "add"
+        queued_adds = [m for c in self._inbox if c[0] == "add"
                         for m in (c[1].group.members if c[1].group is not None else [c[1]])]
         msg = f"the engine died: {type(exc).__name__}: {exc}"
-        for req in reqs + pending_adds:
+        for req in reqs + queued_adds:
             req.status = RequestStatus.FAILED
             req.finish_reason = FinishReason.ERROR
             req.error, req.failure = msg, FailureKind.ENGINE_DEAD
             req.finish_time = time.perf_counter()
-        for req in reqs + pending_adds:
+        for req in reqs + queued_adds:
             try:
                 final = self._final_of(req)
             except BaseException:  # noqa: BLE001
@@ -458,6 +459,7 @@ class EngineCore:
             swapped_out_blocks=st.swapped_out_blocks,
             swapped_in_blocks=st.swapped_in_blocks,
             recomputed_preemptions=st.recomputed_preemptions,
+            prefix_evictions=self.pool.evictions,
         )
 
     # -------------------------------------------------------------- checks

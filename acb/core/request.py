@@ -21,10 +21,10 @@ class Request:
     __slots__ = (
         "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids", "ignore_eos",
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
-        "block_ids", "row", "arrival_seq", "created_time", "first_scheduled_time", "first_token_time",
+        "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
         "num_cached_tokens", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
-        "block_hashes", "num_registered", "cache_salt", "swapped", "pending", "last_sample",
+        "block_hashes", "num_registered", "cache_salt", "swapped", "in_flight", "last_sample",
     )
 
     def __init__(
@@ -39,7 +39,6 @@ class Request:
         seed: int = 0,
         want_logprobs: bool = False,
         record_timestamps: bool = False,
-        arrival_seq: int = 0,
         sink: Any = None,
         created_time: float | None = None,
     ) -> None:
@@ -57,7 +56,6 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.row = -1  # row in the runner's persistent block table while running
-        self.arrival_seq = arrival_seq
         self.created_time = time.perf_counter() if created_time is None else created_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -82,7 +80,7 @@ class Request:
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
         self.swapped: tuple[list[int], int] | None = None  # (host blocks, tokens) while offloaded
         # tokens scheduled for sampling whose values are not back yet (async batching: up to 2)
-        self.pending = 0
+        self.in_flight = 0
         self.last_sample = (-1, -1)  # (step id, index among that step's samples) of the latest sample
 
     @property

@@ -41,8 +41,6 @@ from acb.core.block_pool import BlockPool, SwapSpace, block_digest
 from acb.core.request import Request
 from acb.outputs import FailureKind, FinishReason, RequestStatus
 
-_TERMINAL = RequestStatus.FINISHED  # statuses from here on are terminal
-
 
 @dataclass
 class SchedulerOutput:
@@ -130,7 +128,7 @@ class Scheduler:
         self._host_to_free: list[int] = []
         # step id -> digests of the prompt blocks that step computes, until its output is recorded
         # (with async batching the previous step is still in flight while the next is built)
-        self._pending: dict[int, set[bytes]] = {}
+        self._computing: dict[int, set[bytes]] = {}
         self._step_id = 0
         self.stats = SchedulerStats()
 
@@ -145,10 +143,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
     def cancel(self, request_id: str) -> Request | None:
         """Remove a live request and free its blocks; ``None`` if it is not live."""
         req = self.live.get(request_id)
@@ -160,7 +154,7 @@ class Scheduler:
 
     def abandon_step(self, step_id: int) -> None:
         """A step failed: nothing it computed will be recorded."""
-        self._pending.pop(step_id, None)
+        self._computing.pop(step_id, None)
 
     def fail(self, req: Request, error: str) -> None:
         req.error = error
@@ -262,7 +256,7 @@ class Scheduler:
         return need
 
     def schedule(self) -> SchedulerOutput | None:
-        self._pending[self._step_id] = set()
+        self._computing[self._step_id] = set()
         if self._host_to_free:  # read by the previous step's swap-ins, which are ordered before ours
             self.swap.free(self._host_to_free)
             self._host_to_free = []
@@ -279,8 +273,8 @@ class Scheduler:
             if not preempted:
                 budget = self._admit(out, budget, reserve=0)
         else:  # prefill_first
-            prefilling = [r for r in self.running if r.num_tokens + r.pending - r.num_computed_tokens > 1]
-            decoding = [r for r in self.running if r.num_tokens + r.pending - r.num_computed_tokens == 1]
+            prefilling = [r for r in self.running if r.num_tokens + r.in_flight - r.num_computed_tokens > 1]
+            decoding = [r for r in self.running if r.num_tokens + r.in_flight - r.num_computed_tokens == 1]
             budget, preempted = self._schedule_running(out, budget, prefilling)
             if not preempted:
                 reserve = sum(1 for r in decoding if self._blocks_needed(r, 1) > 0)
@@ -292,7 +286,7 @@ class Scheduler:
             # before the blocks are reused: they go with the next step that runs
             self._freed_rows = out.freed_rows + self._freed_rows
             self._swap_out_carry = out.swap_out
-            self._pending.pop(self._step_id, None)
+            self._computing.pop(self._step_id, None)
             return None
         self._step_id += 1
         st = self.stats
@@ -322,7 +316,7 @@ class Scheduler:
             toks = req.token_ids
             if self._last_token_in_flight(req):
                 continue  # it finishes when that token arrives
-            todo = len(toks) + req.pending - computed
+            todo = len(toks) + req.in_flight - computed
             if todo == 1 and computed >= req.prompt_len and not req.children and (
                 computed % bs or pool.num_free
             ):
@@ -341,7 +335,7 @@ class Scheduler:
                     out.placeholders.append((len(input_ids), self._placeholder_src(out, req)))
                     input_ids.append(0)
                 req.num_computed_tokens = computed + 1
-                req.pending += 1
+                req.in_flight += 1
                 req.last_sample = (out.step_id, len(sample_reqs))
                 sample_idx.append(i)
                 sample_reqs.append(req)
@@ -374,14 +368,14 @@ class Scheduler:
                 new_blocks = self.pool.allocate(need)
                 assert new_blocks is not None
                 self._take_blocks(out, req, num_new, new_blocks)
-            self._emit(out, req, num_new)
+            self._schedule_tokens(out, req, num_new)
             scheduled.add(id(req))
             budget -= num_new
         return budget, preempted_any
 
     @staticmethod
     def _last_token_in_flight(req: Request) -> bool:
-        return bool(req.pending) and req.num_generated + req.pending >= req.max_new_tokens
+        return bool(req.in_flight) and req.num_generated + req.in_flight >= req.max_new_tokens
 
     def _take_blocks(self, out: SchedulerOutput, req: Request, num_new: int, blocks: list[int]) -> None:
         """Give ``req`` the blocks it needs for ``num_new`` tokens; extras are fork copies (n > 1)."""
@@ -398,7 +392,7 @@ class Scheduler:
             req = self.waiting[0]
             # the samples of n > 1 hold their rows from admission, so that they can always fork
             rowless = [c for c in req.children or () if c.row < 0 and not c.status.is_terminal]
-            if len(rowless) + 1 > len(self._free_rows) or req.pending:
+            if len(rowless) + 1 > len(self._free_rows) or req.in_flight:
                 break  # (a preempted request waits for its in-flight token before it resumes)
             if req.swapped is not None:  # resume from host memory: no prefix lookup, no recompute
                 hits, computed = [], req.swapped[1]
@@ -406,7 +400,7 @@ class Scheduler:
                 hits = self._lookup(req)
                 computed = len(hits) * self.block_size
                 nxt = req.block_hashes[len(hits)] if len(hits) < len(req.block_hashes) else None
-                if nxt is not None and any(nxt in p for p in self._pending.values()):
+                if nxt is not None and any(nxt in p for p in self._computing.values()):
                     # its next block is being computed in this step by another request: wait one
                     # step and hit it, rather than computing the same prefix twice
                     break
@@ -451,16 +445,16 @@ class Scheduler:
                 now = time.perf_counter() if now is None else now
                 req.first_scheduled_time = now
                 out.newly_admitted.append(req)
-            self._emit(out, req, num_new)
+            self._schedule_tokens(out, req, num_new)
             budget -= num_new
         return budget
 
-    def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+    def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
         if self.pool.enable_caching and start < req.prompt_len:
             full = (start + num_new) // self.block_size
             if full > start // self.block_size:
-                self._pending[out.step_id].update(self._digests(req, full)[start // self.block_size :])
+                self._computing[out.step_id].update(self._digests(req, full)[start // self.block_size :])
         out.requests.append(req)
         out.rows.append(req.row)
         out.num_new.append(num_new)
@@ -469,11 +463,11 @@ class Scheduler:
         known = len(req.token_ids)
         out.input_ids.extend(req.token_ids[start : min(end, known)])
         if end > known:  # the one token sampled by the step in flight (async batching)
-            assert end == known + 1 and req.pending == 1, f"{req}: {end - known} unknown tokens"
+            assert end == known + 1 and req.in_flight == 1, f"{req}: {end - known} unknown tokens"
             out.placeholders.append((len(out.input_ids), self._placeholder_src(out, req)))
             out.input_ids.append(0)
         req.num_computed_tokens = end
-        if end == known + req.pending:
+        if end == known + req.in_flight:
             i = len(out.requests) - 1
             self._add_sample(out, req, i, end - req.prompt_len)
             if req.children:
@@ -484,7 +478,7 @@ class Scheduler:
             out.num_prefill_tokens += num_new
 
     def _add_sample(self, out: SchedulerOutput, req: Request, logits_i: int, gen_idx: int) -> None:
-        req.pending += 1
+        req.in_flight += 1
         req.last_sample = (out.step_id, len(out.sample_reqs))
         out.sample_idx.append(logits_i)
         out.sample_reqs.append(req)
@@ -494,7 +488,7 @@ class Scheduler:
     @staticmethod
     def _placeholder_src(out: SchedulerOutput, req: Request) -> int:
         step, k = req.last_sample
-        assert step == out.step_id - 1, f"{req}: its pending token is not from the step in flight"
+        assert step == out.step_id - 1, f"{req}: its in-flight token is not from the previous step"
         return k
 
     def _fork(self, out: SchedulerOutput, parent: Request, logits_i: int) -> None:
@@ -543,19 +537,19 @@ class Scheduler:
         Finished requests have left the running list and their blocks are free when this returns.
         """
         now = time.perf_counter()
-        self._pending.pop(out.step_id, None)
+        self._computing.pop(out.step_id, None)
         if self.pool.enable_caching:
             bs = self.block_size
             for req, start, n in zip(out.requests, out.start_pos, out.num_new):
                 # blocks whose K/V this step wrote; a later step may already be scheduled (async)
                 upto = min(start + n, len(req.token_ids)) // bs
-                if upto > req.num_registered and req.status < _TERMINAL:
+                if upto > req.num_registered and not req.status.is_terminal:
                     self._register(req, upto)
         progressed: list[Request] = []
         finished: list[Request] = []
         for k, req in enumerate(out.sample_reqs):
-            req.pending -= 1
-            if req.status >= _TERMINAL:  # cancelled while its step was in flight
+            req.in_flight -= 1
+            if req.status.is_terminal:  # cancelled while its step was in flight
                 continue
             want = req.want_logprobs
             try:

@@ -86,10 +86,6 @@ class KVCache:
         for t in self.v:
             t[dst].copy_(t[src])
 
-    @property
-    def nbytes(self) -> int:
-        return self.spec.bytes_per_block(self.block_size) * self.num_blocks
-
 
 def meminfo_bytes(key: str) -> int | None:
     """A ``/proc/meminfo`` figure (e.g. ``MemTotal``) in bytes; None where there is none (not Linux)."""

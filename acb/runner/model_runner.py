@@ -87,8 +87,6 @@ def check_model(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(f"{name} uses chunked attention (attention_chunk_size), not supported by acb")
     if getattr(text, "num_kv_shared_layers", 0):
         raise UnsupportedModelError(f"{name} shares KV caches across layers (num_kv_shared_layers), not supported")
-    if getattr(text, "use_sliding_window", True) is False:
-        pass  # Qwen2-style flag: the modules then pass sliding_window=None; nothing to refuse
 
 
 def kv_spec_of(model: torch.nn.Module, dtype: torch.dtype) -> KVSpec:

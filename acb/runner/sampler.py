@@ -81,7 +81,7 @@ class SamplingState:
         self.counts: torch.Tensor | None = None  # [rows, V] float32: generated-token counts (no cast per step)
         self.bias: torch.Tensor | None = None  # [rows, V] float32
         self.stop_mask: torch.Tensor | None = None  # [rows, V] bool: tokens min_new_tokens suppresses
-        self._pending = _pending_ops()  # row initialisations not yet staged
+        self._staged_inits = _no_inits()  # row initialisations not yet staged
         # a device-side True for index_put_: assigning a Python scalar through tensor indices
         # copies it from host memory on every call, a blocking copy on CUDA
         self.true = torch.ones((), dtype=torch.bool, device=device)
@@ -111,7 +111,7 @@ class SamplingState:
         t[C_PROCESSED] = 1.0 if sp.logprobs_mode == "processed" else 0.0
         penalty = t[C_REP] != 1.0 or t[C_PRES] != 0.0 or t[C_FREQ] != 0.0
         self.live_penalty[row] = penalty
-        ops = self._pending
+        ops = self._staged_inits
         if penalty:  # seen: prompt and generated tokens; counts: generated ones
             ops["pen_rows"].append(row)
             ops["seen_r"].append(np.full(len(req.token_ids), row, dtype=np.int64))
@@ -150,10 +150,10 @@ class SamplingState:
         any_sampling = bool(sampled.any())
         if any_sampling:
             st.add("sp_seeds", (params[:, C_SEED_HI].astype(np.int64) << 32) | params[:, C_SEED_LO].astype(np.int64))
-        for name, parts in self._pending.items():
+        for name, parts in self._staged_inits.items():
             if parts:
                 st.add(name, np.asarray(parts, dtype=np.int64) if name.endswith("_rows") else np.concatenate(parts))
-        self._pending = _pending_ops()
+        self._staged_inits = _no_inits()
         return StepSampling(
             rows=r,
             gen_idx=gen,
@@ -184,7 +184,7 @@ class SamplingState:
             mask.index_put_((dev["stop_r"], dev["stop_c"]), self.true)
 
 
-def _pending_ops() -> dict[str, list]:
+def _no_inits() -> dict[str, list]:
     names = ("pen_rows", "seen_r", "seen_c", "cnt_r", "cnt_c", "bias_rows", "bias_r", "bias_c", "bias_v",
              "stop_rows", "stop_r", "stop_c")
     return {n: [] for n in names}

@@ -75,3 +75,14 @@ async def test_async_reset_prefix_cache():
         await eng.generate(list(range(3, 30)), acb.SamplingParams(max_new_tokens=2))
         assert await eng.reset_prefix_cache() >= 3
         await asyncio.sleep(0)
+
+
+def test_evicted_prefix_blocks_are_counted_and_missed():
+    model = get_model("llama")
+    a, b = prompts_of_lengths([33, 33], seed=54)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=BS, num_blocks=7)) as eng:
+        eng.generate(a, acb.SamplingParams(max_new_tokens=2))
+        assert eng.stats.prefix_evictions == 0
+        eng.generate(b, acb.SamplingParams(max_new_tokens=2))  # 6 usable blocks: b reuses a's cached ones
+        assert eng.stats.prefix_evictions > 0
+        assert eng.generate(a, acb.SamplingParams(max_new_tokens=2)).num_cached_tokens < 32

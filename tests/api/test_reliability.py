@@ -81,9 +81,9 @@ def test_request_preempted_with_a_token_in_flight_stays_queued_and_can_be_cancel
     step1 = _async_step(s, step0)  # both decode position 3 (placeholders), still in their first block
     step2 = s.schedule()  # position 4: a takes the last free block, b must give its own back
     assert step2.requests == [a] and b.status == RequestStatus.PENDING and b in s.waiting
-    assert b.pending == 1  # the token b sampled in step 1 is still in flight
+    assert b.in_flight == 1  # the token b sampled in step 1 is still in flight
     s.update_from_output(step1, [9, 9], None)
-    assert b.pending == 0 and b.status == RequestStatus.PENDING  # it landed; b is still queued, not running
+    assert b.in_flight == 0 and b.status == RequestStatus.PENDING  # it landed; b is still queued, not running
     assert s.cancel("b") is b and b not in s.waiting and "b" not in s.live
 
 

@@ -12,8 +12,8 @@ from acb.core.scheduler import Scheduler
 from acb.outputs import FinishReason, RequestStatus
 
 
-def make(rid: str, prompt_len: int, max_new: int = 4, seq: int = 0) -> Request:
-    return Request(rid, list(range(3, 3 + prompt_len)), max_new_tokens=max_new, arrival_seq=seq)
+def make(rid: str, prompt_len: int, max_new: int = 4) -> Request:
+    return Request(rid, list(range(3, 3 + prompt_len)), max_new_tokens=max_new)
 
 
 def sched(num_blocks=64, block_size=4, budget=32, max_running=8, policy="fifo", margin=0.0,
@@ -97,7 +97,7 @@ def test_preempts_newest_and_keeps_generated_tokens():
     # 6 usable blocks of 4 tokens; three requests of 8 prompt tokens each take 2 blocks
     s = sched(num_blocks=7, block_size=4, budget=64)
     for i in range(3):
-        s.add(make(f"r{i}", 8, max_new=6, seq=i))
+        s.add(make(f"r{i}", 8, max_new=6))
     out, _, _ = run_step(s)
     assert len(out.requests) == 3 and s.pool.num_free == 0
     gen_before = list(s.live["r2"].token_ids)
@@ -115,7 +115,7 @@ def test_preempts_newest_and_keeps_generated_tokens():
 def test_random_workload_finishes_without_leaks(caching):
     rnd = random.Random(0)
     s = sched(num_blocks=20, block_size=4, budget=16, max_running=6, caching=caching)
-    reqs = [make(f"r{i}", rnd.randint(1, 30), max_new=rnd.randint(1, 12), seq=i) for i in range(30)]
+    reqs = [make(f"r{i}", rnd.randint(1, 30), max_new=rnd.randint(1, 12)) for i in range(30)]
     expected = {r.request_id: r.max_new_tokens for r in reqs}
     for r in reqs[:10]:
         s.add(r)
@@ -171,7 +171,7 @@ def test_oldest_always_progresses_under_pressure(policy):
     # a cache that fits exactly one max-length request: everything still finishes
     s = sched(num_blocks=5, block_size=4, budget=8, max_running=4, policy=policy)
     for i in range(5):
-        s.add(make(f"r{i}", 10, max_new=6, seq=i))
+        s.add(make(f"r{i}", 10, max_new=6))
     steps = 0
     while s.has_work():
         run_step(s)
