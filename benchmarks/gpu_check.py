@@ -108,7 +108,7 @@ def _acb_run(model: Any, prompts: list[list[int]], outs: list[int], cfg: Any = N
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
         got = sum(len(h.result().generated_tokens) for h in hs)
         dt = time.perf_counter() - t0
-        graphs = eng._fe.runner.graphs
+        graphs = eng.runner.graphs
         return {"tokens_per_s": got / dt, "seconds": dt, "tokens": got, "engine_start_s": start_s,
                 "backend": eng.config.attn_backend, "cuda_graphs": eng.config.cuda_graphs,
                 "graph_capture_s": graphs.capture_s if graphs else None,
@@ -187,8 +187,8 @@ def decode_steps(shape: dict[str, Any], batches: list[int], bw: float, async_bat
         cfg = acb.ContinuousBatchingConfig(max_requests_per_batch=max(b, 1), use_async_batching=async_batching,
                                            use_cuda_graph=graphs)
         with acb.Engine(model, cfg) as eng:
-            core = eng._fe.core
-            kv_per_token = eng._fe.runner.kv_cache.spec.bytes_per_block(1)
+            core = eng.core
+            kv_per_token = eng.runner.kv_cache.spec.bytes_per_block(1)
             gate = threading.Event()
             core.call(lambda c: gate.wait())  # start all b requests together
             g = torch.Generator().manual_seed(b)

@@ -52,7 +52,7 @@ def kv_leak_check(monkeypatch):
         core.check_invariants()
         assert core.pool.num_used == 0, f"{core.pool.num_used} KV blocks still held"
         assert not core.scheduler.live, f"requests left without an outcome: {list(core.scheduler.live)}"
-        assert not core._live_ids, f"request ids never released: {core._live_ids}"
+        assert not core.live_ids, f"request ids never released: {sorted(core.live_ids)}"
 
 
 def prompts_of_lengths(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from acb.api.frontend import EngineBase
+from acb.api.base import EngineBase
 from acb.api.handles import AsyncSink, RequestHandle
 from acb.errors import QueueFullError
 from acb.outputs import GenerationOutput
@@ -38,19 +38,18 @@ class AsyncEngine(EngineBase):
 
     async def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
         """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
-        await asyncio.to_thread(self._fe.stop, drain=not cancel_pending, timeout=timeout)
+        await asyncio.to_thread(self.stop, drain=not cancel_pending, timeout=timeout)
 
     # --------------------------------------------------------------- submit
     def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None,
               record_timestamps: bool, cache_salt: str | None):
         loop = asyncio.get_running_loop()
-        return self._fe.make_request(
-            prompt_ids, sampling, request_id, record_timestamps, lambda rid: AsyncSink(rid, loop), cache_salt
-        )
+        return self.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
+                                 request_id=request_id, record_timestamps=record_timestamps, cache_salt=cache_salt)
 
-    def _admit(self, req: Any) -> RequestHandle:
-        self._fe.admit(req)
-        return RequestHandle(req.request_id, req.sink, self._fe.cancel)
+    def _handle(self, req: Any) -> RequestHandle:
+        self.admit(req)
+        return RequestHandle(req.request_id, req.sink, self.cancel)
 
     async def submit(
         self,
@@ -68,11 +67,11 @@ class AsyncEngine(EngineBase):
         """
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt)
         try:
-            await self._fe.gate.acquire()
+            await self.gate.acquire()
         except BaseException:
-            self._fe.abandon(req)
+            self.abandon(req)
             raise
-        return self._admit(req)
+        return self._handle(req)
 
     def submit_nowait(
         self,
@@ -88,10 +87,10 @@ class AsyncEngine(EngineBase):
         Must be called from a running event loop (the handle belongs to it).
         """
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt)
-        if not self._fe.gate.try_acquire():
-            self._fe.abandon(req)
-            raise QueueFullError(f"{self._fe.gate.limit} requests are already waiting (max_queue_size)")
-        return self._admit(req)
+        if not self.gate.try_acquire():
+            self.abandon(req)
+            raise QueueFullError(f"{self.gate.limit} requests are already waiting (max_queue_size)")
+        return self._handle(req)
 
     async def generate(
         self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any

@@ -10,9 +10,10 @@ import queue
 import time
 from typing import Any
 
-from acb.api.frontend import EngineBase
+from acb.api.base import EngineBase
 from acb.api.handles import SyncRequestHandle, ThreadSink
 from acb.config import ContinuousBatchingConfig
+from acb.core.request import Request
 from acb.errors import AcbError, QueueFullError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
@@ -42,36 +43,25 @@ class Engine(EngineBase):
 
     def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
         """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
-        self._fe.stop(drain=not cancel_pending, timeout=timeout)
+        self.stop(drain=not cancel_pending, timeout=timeout)
 
-    def _submit(
-        self,
-        prompt_ids: Any,
-        sampling: SamplingParams | None,
-        request_id: str | None,
-        record_timestamps: bool,
-        wait: bool,
-        timeout: float | None,
-        sink: ThreadSink | None = None,
-        cache_salt: str | None = None,
-    ) -> SyncRequestHandle:
-        made: dict[str, ThreadSink] = {}
-
-        def factory(rid: str) -> ThreadSink:
-            s = sink if sink is not None else ThreadSink(rid)
-            s.state.request_id = rid
-            made["sink"] = s
-            return s
-
-        req = self._fe.make_request(prompt_ids, sampling, request_id, record_timestamps, factory, cache_salt)
-        ok = self._fe.gate.acquire_blocking(timeout) if wait else self._fe.gate.try_acquire()
+    def enqueue_blocking(self, req: Request, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Take a queue slot for a request from :meth:`make_request` (waiting while
+        ``max_queue_size`` requests wait, or raising :class:`QueueFullError` with ``wait=False``)
+        and hand it to the engine. On failure the request's id is given back."""
+        ok = self.gate.acquire_blocking(timeout) if wait else self.gate.try_acquire()
         if not ok:
-            self._fe.abandon(req)
+            self.abandon(req)
             if wait:
-                raise TimeoutError(f"no queue slot within {timeout}s (max_queue_size={self._fe.gate.limit})")
-            raise QueueFullError(f"{self._fe.gate.limit} requests are already waiting (max_queue_size)")
-        self._fe.admit(req)
-        return SyncRequestHandle(req.request_id, made["sink"], self._fe.cancel)
+                raise TimeoutError(f"no queue slot within {timeout}s (max_queue_size={self.gate.limit})")
+            raise QueueFullError(f"{self.gate.limit} requests are already waiting (max_queue_size)")
+        self.admit(req)
+
+    def _submit(self, prompt_ids: Any, sampling: SamplingParams | None, wait: bool, timeout: float | None,
+                **kw: Any) -> SyncRequestHandle:
+        req = self.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
+        self.enqueue_blocking(req, wait=wait, timeout=timeout)
+        return SyncRequestHandle(req.request_id, req.sink, self.cancel)
 
     def submit(
         self,
@@ -84,8 +74,8 @@ class Engine(EngineBase):
         cache_salt: str | None = None,
     ) -> SyncRequestHandle:
         """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting."""
-        return self._submit(prompt_ids, sampling, request_id, record_timestamps, True, timeout,
-                            cache_salt=cache_salt)
+        return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
+                            record_timestamps=record_timestamps, cache_salt=cache_salt)
 
     def submit_nowait(
         self,
@@ -97,7 +87,8 @@ class Engine(EngineBase):
         cache_salt: str | None = None,
     ) -> SyncRequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting."""
-        return self._submit(prompt_ids, sampling, request_id, record_timestamps, False, None, cache_salt=cache_salt)
+        return self._submit(prompt_ids, sampling, False, None, request_id=request_id,
+                            record_timestamps=record_timestamps, cache_salt=cache_salt)
 
     def generate(self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any) -> GenerationOutput:
         return self.submit(prompt_ids, sampling, **kwargs).result()
@@ -147,18 +138,18 @@ def generate_batch(
     n = len(inputs)
     engine.start()
     try:
-        fe = engine._fe
         reqs = []
         try:
             for i, prompt in enumerate(inputs):
                 try:
-                    reqs.append(fe.make_request(prompt, sampling, f"req_{i}", record_timestamps,
-                                                lambda rid: ThreadSink(rid, on_final=done.put)))
+                    reqs.append(engine.make_request(prompt, sampling, request_id=f"req_{i}",
+                                                    record_timestamps=record_timestamps,
+                                                    sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"inputs[{i}]: {exc}") from None
         except BaseException:
             for r in reqs:
-                fe.abandon(r)
+                engine.abandon(r)
             raise
         results: dict[str, GenerationOutput] = {}
         bar = _progress(n, progress_bar)
@@ -166,10 +157,11 @@ def generate_batch(
         t0 = time.perf_counter()
         try:
             for k, req in enumerate(reqs):
-                fe.gate.acquire_blocking()
                 try:
-                    fe.enqueue(req)
+                    engine.enqueue_blocking(req)
                 except AcbError as exc:  # the engine died: the rest never ran
+                    for r in reqs[k + 1:]:
+                        engine.abandon(r)
                     for r in reqs[k:]:
                         r.status, r.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
                         r.failure = FailureKind.ENGINE_DEAD

@@ -23,7 +23,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from acb.api.engine import Engine
-from acb.api.frontend import as_token_list
+from acb.api.base import as_token_list
 from acb.api.handles import ThreadSink
 from acb.core.engine_core import Delivery
 from acb.config import ContinuousBatchingConfig
@@ -81,6 +81,20 @@ class _OutputRouter:
         with self._cond:
             return not self._items
 
+    def set_handler(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop) -> list[GenerationOutput]:
+        """Route ``request_id``'s outputs to ``callback`` on ``loop`` from now on; returns (and
+        removes from the queue) the outputs that arrived before."""
+        with self._cond:
+            self.handlers[request_id] = (callback, loop)
+            early = [o for o in self._items if o.request_id == request_id]
+            for o in early:
+                self._items.remove(o)
+        return early
+
+    def drop_handler(self, request_id: str) -> None:
+        with self._cond:
+            self.handlers.pop(request_id, None)
+
 
 class ContinuousBatchingManager:
     """transformers-compatible manager running on acb's engine."""
@@ -101,10 +115,15 @@ class ContinuousBatchingManager:
         self._lock = threading.Lock()
         self.warmed_up = False
 
+    @property
+    def engine(self) -> Engine:
+        """The :class:`acb.Engine` the manager runs on (acb only)."""
+        return self._engine
+
     # ------------------------------------------------------------ control
     def warmup(self) -> None:
         """Check the model and allocate the KV cache now rather than at ``start``."""
-        self._engine._fe.prepare()
+        self._engine.prepare()
         self.warmed_up = True
 
     def is_running(self) -> bool:
@@ -126,17 +145,14 @@ class ContinuousBatchingManager:
         """Stop the engine thread. By default it first finishes the requests already added;
         ``hard_stop`` cancels them instead. ``keep_for_next_session`` is accepted; a stopped acb
         manager can always be started again."""
-        core = self._engine._fe.core
-        if core is None:
+        if self._engine.core is None:
             logger.warning("acb: manager not started")
             return
-        core.stop(drain=not hard_stop, timeout=timeout if block else 0)
+        self._engine.stop(drain=not hard_stop, timeout=timeout if block else 0)
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
         """Wait for the engine thread to exit (after ``stop``)."""
-        core = self._engine._fe.core
-        if core is not None and core._thread is not None:
-            core._thread.join(timeout)
+        self._engine.join(timeout)
 
     def destroy(self) -> None:
         if self.is_running():
@@ -183,7 +199,7 @@ class ContinuousBatchingManager:
         sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop, **per_request)
         rid = request_id if request_id is not None else self._next_id()
         router = self.output_router
-        if streaming and (sampling.n or self._engine._fe.defaults.n or 1) > 1:
+        if streaming and (sampling.n or self._engine.defaults.n or 1) > 1:
             raise ValueError(
                 "streaming=True with num_return_sequences > 1 is not supported by the manager: its partial "
                 "outputs hold one token list; use streaming=False (the final output lists every sample) or "
@@ -208,7 +224,9 @@ class ContinuousBatchingManager:
             sink = ThreadSink(rid, on_push=on_push)
         else:
             sink = ThreadSink(rid, on_final=router.put)
-        self._engine._submit(input_ids, sampling, rid, record_timestamps, True, None, sink=sink)
+        req = self._engine.make_request(input_ids, sampling, request_id=rid, record_timestamps=record_timestamps,
+                                        sink_factory=lambda _rid: sink)
+        self._engine.enqueue_blocking(req)
         return rid
 
     def add_requests(
@@ -252,18 +270,11 @@ class ContinuousBatchingManager:
 
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
         """Call ``callback(output)`` on the current event loop for each output of ``request_id``."""
-        loop = asyncio.get_running_loop()
-        with self.output_router._cond:
-            self.output_router.handlers[request_id] = (callback, loop)
-            # outputs that arrived before the handler was registered
-            early = [o for o in self.output_router._items if o.request_id == request_id]
-            for o in early:
-                self.output_router._items.remove(o)
-        for o in early:
+        early = self.output_router.set_handler(request_id, callback, asyncio.get_running_loop())
+        for o in early:  # outputs that arrived before the handler was registered
             callback(o)
             if o.is_finished():
-                with self.output_router._cond:
-                    self.output_router.handlers.pop(request_id, None)
+                self.output_router.drop_handler(request_id)
 
 
 def init_continuous_batching(

@@ -46,11 +46,10 @@ def _acb(n: int, steps: int) -> dict[str, float]:
     model = _null_model()
     cfg = acb.ContinuousBatchingConfig(block_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
                                        max_batch_tokens=max(2048, n * PROMPT_LEN))
-    eng = acb.Engine(model, cfg)
-    eng._fe.runner = NullModelRunner(model, cfg)
+    eng = acb.Engine(model, cfg, runner_cls=NullModelRunner)
     eng.start()
     try:
-        core = eng._fe.core
+        core = eng.core
         core.step_log = []
         # hold the engine thread while submitting, so that all n requests start together
         gate = threading.Event()

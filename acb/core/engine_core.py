@@ -133,6 +133,17 @@ class EngineCore:
         self._thread.start()
 
     @property
+    def thread(self) -> threading.Thread | None:
+        """The engine thread (None before ``start``)."""
+        return self._thread
+
+    @property
+    def live_ids(self) -> frozenset[str]:
+        """The request ids claimed by live requests (a snapshot)."""
+        with self._lock:
+            return frozenset(self._live_ids)
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -178,7 +189,11 @@ class EngineCore:
         if self._thread is None:
             return
         self._post(("stop", drain))
-        if threading.current_thread() is not self._thread:
+        self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to exit."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     def _post(self, cmd: tuple) -> None:
@@ -418,6 +433,14 @@ class EngineCore:
             req.finish_reason = FinishReason.ERROR
             req.error, req.failure = msg, FailureKind.ENGINE_DEAD
             req.finish_time = time.perf_counter()
+        # a dead engine holds nothing: blocks, rows and ids go back before anyone hears of the death
+        # (best effort: the state that killed it may be broken)
+        try:
+            self.scheduler.release_all()
+        except BaseException:  # noqa: BLE001
+            logger.exception("acb: could not release the dead engine's KV blocks")
+        with self._lock:
+            self._live_ids.clear()
         for req in reqs + queued_adds:
             try:
                 final = self._final_of(req)

@@ -152,6 +152,15 @@ class Scheduler:
         self.stats.cancelled += 1
         return req
 
+    def release_all(self) -> None:
+        """Drop every live request without an outcome (the engine died; they were failed already)
+        and give back what they held."""
+        for req in list(self.live.values()):
+            self._release(req)
+        self.running.clear()
+        self.waiting.clear()
+        self.live.clear()
+
     def abandon_step(self, step_id: int) -> None:
         """A step failed: nothing it computed will be recorded."""
         self._computing.pop(step_id, None)

@@ -477,6 +477,11 @@ class ModelRunner:
                 kw.pop("mode")  # torch.compile takes one of the two
             self._compiled[path] = torch.compile(self._model_forward, **kw)
 
+    @property
+    def compiled_paths(self) -> frozenset[str]:
+        """Which forward paths run through ``torch.compile`` ("decode", "varlen")."""
+        return frozenset(self._compiled)
+
     def _forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
         fn = self._compiled.get("decode" if batch.decode_only else "varlen")

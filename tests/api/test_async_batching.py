@@ -71,7 +71,7 @@ def test_cancel_during_in_flight_step(monkeypatch):
     prompts = prompts_of_lengths([6, 11, 19], seed=74)
     refs = [reference_generate(model, p, 16) for p in prompts]
     with acb.Engine(model, cfg()) as eng:
-        core = eng._fe.core
+        core = eng.core
         real = core.runner.execute
         seen = {"n": 0}
 
@@ -102,7 +102,7 @@ def test_async_shared_prefix_is_computed_once():
     refs = [reference_generate(model, p, 6) for p in prompts]
     with acb.Engine(model, cfg(max_batch_tokens=48)) as eng:
         gate = threading.Event()
-        eng._fe.core.call(lambda c: gate.wait())
+        eng.call(lambda c: gate.wait())
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=6)) for p in prompts]
         gate.set()
         outs = [h.result(timeout=60) for h in hs]

@@ -209,7 +209,7 @@ def _thread_cpu_ticks(native_id: int) -> int:
 async def test_engine_thread_sleeps_when_idle():
     async with engine() as eng:
         await eng.generate([5, 6], acb.SamplingParams(max_new_tokens=2))
-        tid = eng._fe.core._thread.native_id
+        tid = eng.core.thread.native_id
         before = _thread_cpu_ticks(tid)
         await asyncio.sleep(1.0)
         after = _thread_cpu_ticks(tid)

@@ -236,7 +236,7 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
     prefixes = [[rng.randrange(3, VOCAB) for _ in range(MAX_PROMPT)] for _ in range(3)]
     tracked: list[Tracked] = []
     async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(**cfg)) as engine:
-        core = engine._fe.core
+        core = engine.core
         max_len = engine.config.max_model_len
         for _round in range(rng.randint(2, 5)):
             gate = threading.Event()

@@ -109,7 +109,7 @@ def test_manager_restart_frees_the_stopped_engines_cache():
     first_cache = None
     for _ in range(2):
         manager.start()
-        runner = manager._engine._fe.runner
+        runner = manager.engine.runner
         if first_cache is None:
             first_cache = weakref.ref(runner.kv_cache.k[0])
         else:

@@ -43,7 +43,7 @@ def test_cuda_parity_triton(arch, async_batching, graphs):
         outs = [h.result(timeout=300) for h in [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]]
         if graphs is None:
             assert eng.config.cuda_graphs, "decode graphs were not captured (see the log for why)"
-            assert sum(eng._fe.runner.graphs.replays.values()) > 0
+            assert sum(eng.runner.graphs.replays.values()) > 0
     assert [o.generated_tokens for o in outs] == refs
 
 
@@ -101,7 +101,7 @@ def test_restart_frees_the_first_engines_memory():
     sizes = []
     for _ in range(2):
         manager.start()
-        sizes.append(manager._engine.config.num_blocks)
+        sizes.append(manager.engine.config.num_blocks)
         manager.stop(block=True)
         assert not manager.is_running()
     # library workspaces made during the first run stay allocated: allow a few percent; a cache

@@ -21,9 +21,9 @@ SCRIPT = textwrap.dedent("""
     cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, max_batch_tokens=16,
                                        decode_compile_config=cc, varlen_compile_config=cc)
     with acb.Engine(model, cfg) as eng:
-        assert set(eng._fe.core.runner._compiled) == {"decode", "varlen"}
+        assert eng.core.runner.compiled_paths == {"decode", "varlen"}
         outs = [h.result(timeout=300) for h in [eng.submit(p, acb.SamplingParams(max_new_tokens=8)) for p in prompts]]
-        eng._fe.core.call(lambda c: c.check_invariants()).result(timeout=30)
+        eng.call(lambda c: c.check_invariants()).result(timeout=30)
     assert [o.generated_tokens for o in outs] == refs, "compiled forward changed greedy tokens"
     print("OK")
 """)

@@ -58,7 +58,7 @@ def test_decode_graphs_match_generate_across_sizes_and_context_lengths(monkeypat
     cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
                                        max_requests_per_batch=6, use_async_batching=async_batching)
     with acb.Engine(model, cfg) as eng:
-        graphs = eng._fe.runner.graphs
+        graphs = eng.runner.graphs
         assert graphs is not None and graphs.sizes == [1, 2, 4, 6]
         assert graphs.twin == (DEVICE.type == "cpu")
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, news)]
@@ -94,7 +94,7 @@ def test_graph_replay_equals_eager_with_sampling_and_n(monkeypatch):
                     eng.submit([11], acb.SamplingParams(max_new_tokens=4))]
             outs += [h.result(timeout=600) for h in pair]
             if graphs:
-                assert sum(eng._fe.runner.graphs.replays.values()) > 0
+                assert sum(eng.runner.graphs.replays.values()) > 0
         results[graphs] = [(o.generated_tokens, o.logprobs, [(s.generated_tokens, s.logprobs, s.top_logprobs)
                                                             for s in o.samples or []]) for o in outs]
     if DEVICE.type == "cpu":
@@ -111,7 +111,7 @@ def test_graphs_refused_by_the_torch_backend(caplog):
     model = tiny_model("llama").to(DEVICE)
     cfg = acb.ContinuousBatchingConfig(num_blocks=16, attn_backend="torch", use_cuda_graph=True)
     with caplog.at_level(logging.WARNING, logger="acb"), acb.Engine(model, cfg) as eng:
-        assert not eng.config.cuda_graphs and eng._fe.runner.graphs is None
+        assert not eng.config.cuda_graphs and eng.runner.graphs is None
         assert len(eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=3)).generated_tokens) == 3
     assert "use_cuda_graph is ignored" in caplog.text
 
@@ -136,7 +136,7 @@ def test_self_check_catches_a_graph_whose_inputs_were_frozen_at_capture(monkeypa
     cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
                                        max_requests_per_batch=4)
     with acb.Engine(model, cfg) as eng:
-        graphs = eng._fe.runner.graphs
+        graphs = eng.runner.graphs
         assert any(len(v) == 2 for v in graphs.variants.values())
         assert graphs.self_check() is None
         frozen = graphs.static.clone()  # what every capture saw: padding rows
@@ -161,7 +161,7 @@ def test_padded_rows_are_reset_when_the_batch_shrinks():
     cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True,
                                        max_requests_per_batch=4)
     with acb.Engine(model, cfg) as eng:
-        runner = eng._fe.runner
+        runner = eng.runner
         graphs = runner.graphs
 
         def batch(n):  # harmless rows: nothing stored (slot -1), nothing read (length 0)
@@ -197,6 +197,6 @@ def test_graphs_with_async_preemption_offload_prefix_cache_and_groups():
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=14, n=2 if i == 1 else 1)) for i, p in enumerate(prompts)]
         outs = [h.result(timeout=600) for h in hs]
         assert eng.stats.preemptions > 0
-        assert sum(eng._fe.runner.graphs.replays.values()) > 0
+        assert sum(eng.runner.graphs.replays.values()) > 0
     assert [o.generated_tokens for o in outs] == refs
     assert [s.generated_tokens for s in outs[1].samples] == [refs[1]] * 2

@@ -1,4 +1,11 @@
-"""What the async and blocking engines share: start-up, validation at submit, the engine core.
+"""What the async and blocking engines share: :class:`EngineBase` (httpx style: one base,
+two facades with the same method names).
+
+Its public surface is what every facade (``AsyncEngine``, ``Engine``, ``generate_batch``,
+the manager) and every client of the library uses: ``prepare``/``start``/``stop``/``join``,
+``make_request`` (validate a submit and claim its id), ``admit``/``enqueue`` (hand it to
+the engine), ``abandon``, ``cancel``, ``call`` (run a function on the engine thread), and
+read-only ``core``, ``runner``, ``gate``, ``defaults``, ``config``, ``stats``.
 
 The API layer never touches the device: the runner is built here (which measures memory
 and swaps the attention implementation) but only ever driven by the engine thread.
@@ -13,6 +20,7 @@ import random
 import threading
 from collections.abc import Mapping, Set
 from dataclasses import replace
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from acb.api.handles import AdmissionGate, deliver
@@ -66,15 +74,22 @@ def _check_vocab(field: str, ids: Any, vocab: int) -> None:
         raise ValueError(f"{field} token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
-class Frontend:
-    """Owns the runner and the engine core for one engine, and validates every submit."""
+class EngineBase:
+    """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style:
+    start-up, validation at submit, the engine core and its thread.
+
+    ``runner_cls`` builds the model runner (default :class:`acb.runner.model_runner.ModelRunner`);
+    the overhead benchmark passes a runner whose forward costs nothing.
+    """
 
     def __init__(
         self,
         model: Any,
-        config: ContinuousBatchingConfig | None,
-        generation_config: Any,
+        config: ContinuousBatchingConfig | None = None,
+        generation_config: Any = None,
+        *,
         tokenizer: Any = None,
+        runner_cls: Any = None,
     ) -> None:
         if config is None:
             config = ContinuousBatchingConfig()
@@ -84,7 +99,7 @@ class Frontend:
             )
         config.warn_unsupported()
         self.model = model
-        self.config = config
+        self.cb_config = config  # as given; ``config`` is what it resolves to on this model and device
         if generation_config is None:
             generation_config = getattr(model, "generation_config", None)
         self.generation_config = generation_config
@@ -99,11 +114,14 @@ class Frontend:
         self.defaults = replace(defaults, logprobs_mode=defaults.logprobs_mode or "raw")
         # requests without a seed draw one here, so that the engine's seed makes runs repeatable
         self._seeds = random.Random(config.seed)
+        self._runner_cls = runner_cls
         self.core: EngineCore | None = None
         self.runner: Any = None
         self.gate = AdmissionGate(config.max_queue_size)
         self._ids = itertools.count()
         self._start_lock = threading.Lock()
+        self._context_depth = 0
+        self._context_lock = threading.Lock()
 
     # ------------------------------------------------------------------ life
     def prepare(self) -> None:
@@ -112,7 +130,7 @@ class Frontend:
             from acb.runner.model_runner import ModelRunner, device_scope, model_device  # the API's only torch code
 
             with device_scope(model_device(self.model)):
-                runner = ModelRunner(self.model, self.config)
+                runner = (self._runner_cls or ModelRunner)(self.model, self.cb_config)
                 try:
                     runner.warmup()  # captures the decode CUDA graphs when enabled
                 except BaseException:
@@ -121,12 +139,13 @@ class Frontend:
             self.runner = runner
 
     def start(self) -> None:
+        """Check the model, build the KV cache and start the engine thread (the context manager does this)."""
         with self._start_lock:
             if self.core is not None and self.core.is_running:
                 return
             self.prepare()
             cfg = self.runner.cfg
-            self.gate = AdmissionGate(self.config.max_queue_size)
+            self.gate = AdmissionGate(self.cb_config.max_queue_size)
             core = EngineCore(
                 self.runner,
                 num_blocks=cfg.num_blocks,
@@ -135,7 +154,7 @@ class Frontend:
                 max_running=cfg.max_requests_per_batch,
                 policy=cfg.scheduler_type,
                 safety_margin=cfg.safety_margin,
-                enable_prefix_caching=self.config.allow_block_sharing,
+                enable_prefix_caching=self.cb_config.allow_block_sharing,
                 num_swap_blocks=cfg.num_swap_blocks,
                 async_batching=cfg.async_batching,
                 deliver=deliver,
@@ -152,12 +171,36 @@ class Frontend:
             self.runner = None
 
     def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop the engine thread: ``drain`` finishes the live requests first, else they are cancelled."""
         core = self.core
         if core is not None:
             core.stop(drain=drain, timeout=timeout)
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to exit (after ``stop``)."""
+        if self.core is not None:
+            self.core.join(timeout)
+
+    def _enter_context(self) -> None:
+        """``with``/``async with``: start the engine; nested blocks share it (counted)."""
+        with self._context_lock:
+            if self._context_depth == 0:
+                self.start()
+            self._context_depth += 1
+
+    def _exit_context(self) -> bool:
+        """True when the outermost ``with`` block is left (the engine is then stopped)."""
+        with self._context_lock:
+            self._context_depth -= 1
+            return self._context_depth == 0
+
     @property
-    def resolved(self) -> ResolvedConfig:
+    def is_running(self) -> bool:
+        return self.core is not None and self.core.is_running
+
+    @property
+    def config(self) -> ResolvedConfig:
+        """The resolved settings (block counts, budgets) the engine runs with."""
         runner = self.runner or (self.core.runner if self.core is not None else None)
         if runner is None:
             raise EngineNotRunningError("the engine has not been started")
@@ -165,20 +208,36 @@ class Frontend:
 
     @property
     def stats(self) -> EngineStats:
+        """Counters and gauges, as of the last step."""
         return self.core.stats if self.core is not None else EngineStats()
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future:
+        """Run ``fn(core)`` on the engine thread between steps; returns a ``concurrent.futures.Future``."""
+        core = self.core
+        if core is None:
+            raise EngineNotRunningError("the engine is not running")
+        core.check_alive()
+        return core.call(fn)
+
+    def _reset_prefix_cache_future(self) -> Future:
+        return self.call(lambda c: c.pool.reset_cache())
 
     # --------------------------------------------------------------- submit
     def make_request(
         self,
         prompt_ids: Any,
-        sampling: SamplingParams | None,
-        request_id: str | None,
-        record_timestamps: bool,
+        sampling: SamplingParams | None = None,
+        *,
         sink_factory: Callable[[str], Any],
+        request_id: str | None = None,
+        record_timestamps: bool = False,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate one submit and build its Request. Everything is checked before the request id
-        is claimed, so a refused submit leaves nothing behind."""
+        """Validate one submit and build its Request, whose results go to
+        ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``). Everything is checked
+        before the request id is claimed, so a refused submit leaves nothing behind. Hand the
+        request to the engine with :meth:`admit` (or :meth:`enqueue` when holding a queue slot),
+        or give its id back with :meth:`abandon`."""
         core = self.core
         if core is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
@@ -287,6 +346,7 @@ class Frontend:
         return members[0]
 
     def enqueue(self, req: Request) -> None:
+        """Hand a validated request to the engine (the caller holds its queue slot)."""
         self.core.add(req)
 
     def admit(self, req: Request) -> None:
@@ -305,7 +365,7 @@ class Frontend:
             self.core.release_id(m.request_id)
 
     def cancel(self, request_id: str) -> bool:
-        """Ask the engine to cancel a request; False (and a log line) if no live request has that id."""
+        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
         core = self.core
         if core is None or not core.is_live(request_id):
             logger.info("acb: cancel(%r): no live request with that id; nothing to do", request_id)
@@ -314,59 +374,3 @@ class Frontend:
         return True
 
 
-class EngineBase:
-    """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style."""
-
-    def __init__(
-        self,
-        model: Any,
-        config: ContinuousBatchingConfig | None = None,
-        generation_config: Any = None,
-        *,
-        tokenizer: Any = None,
-    ) -> None:
-        self._fe = Frontend(model, config, generation_config, tokenizer)
-        self._context_depth = 0
-        self._context_lock = threading.Lock()
-
-    def _enter_context(self) -> None:
-        """``with``/``async with``: start the engine; nested blocks share it (counted)."""
-        with self._context_lock:
-            if self._context_depth == 0:
-                self.start()
-            self._context_depth += 1
-
-    def _exit_context(self) -> bool:
-        """True when the outermost ``with`` block is left (the engine is then stopped)."""
-        with self._context_lock:
-            self._context_depth -= 1
-            return self._context_depth == 0
-
-    def start(self) -> None:
-        """Check the model, build the KV cache and start the engine thread (the context manager does this)."""
-        self._fe.start()
-
-    @property
-    def is_running(self) -> bool:
-        return self._fe.core is not None and self._fe.core.is_running
-
-    @property
-    def config(self) -> ResolvedConfig:
-        """The resolved settings (block counts, budgets) the engine runs with."""
-        return self._fe.resolved
-
-    @property
-    def stats(self) -> EngineStats:
-        """Counters and gauges, as of the last step."""
-        return self._fe.stats
-
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
-        return self._fe.cancel(request_id)
-
-    def _reset_prefix_cache_future(self) -> Any:
-        core = self._fe.core
-        if core is None:
-            raise EngineNotRunningError("the engine is not running")
-        core.check_alive()
-        return core.call(lambda c: c.pool.reset_cache())
