@@ -31,7 +31,7 @@ PROMPT_LEN = 4
 class NullModelRunner(ModelRunner):
     """A runner whose forward costs nothing: zero logits for the sampling rows."""
 
-    def _forward(self, batch: Any, ctx: Any) -> torch.Tensor:
+    def forward(self, batch: Any, ctx: Any) -> torch.Tensor:
         return torch.zeros(batch.logits_indices.shape[0], self.vocab_size, device=self.device)
 
 

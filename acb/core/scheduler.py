@@ -140,6 +140,13 @@ class Scheduler:
             self.live[r.request_id] = r
         self.waiting.append(req)
 
+    @property
+    def host_blocks_held(self) -> int:
+        """Offload blocks held by requests (those read by the last step's swap-ins count as free)."""
+        if self.swap is None:
+            return 0
+        return self.swap.num_blocks - self.swap.num_free - len(self._host_to_free)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -227,6 +234,26 @@ class Scheduler:
         req.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping's invariants: the pool's own; each block's reference count equals
+        the running requests holding it; a running request holds the blocks of the tokens it has
+        computed; a queued one holds no block and no row; idle means no block (device or host) held."""
+        self.pool.check()
+        holders: dict[int, int] = {}
+        for r in self.running:
+            assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r}: too few blocks"
+            for b in r.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(1, self.pool.num_blocks):
+            rc = self.pool.ref_counts[b]
+            assert rc == holders.get(b, 0), f"block {b}: ref count {rc}, held by {holders.get(b, 0)} requests"
+        for r in self.waiting:
+            assert not r.block_ids and r.row < 0, f"{r} is queued but holds blocks or a row"
+        if not self.has_work():
+            assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"
+            held = self.host_blocks_held
+            assert held == 0, f"{held} offload blocks leaked with no live request"
 
     # --------------------------------------------------------------- schedule
     def _digests(self, req: Request, num_blocks: int) -> list[bytes]:

@@ -125,7 +125,7 @@ class DecodeGraphs:
             ctx = StepContext(r.kv_cache, r.backend, r.backend.graph_metadata(attn, variant))
             batch = PreparedBatch(input_ids=ids, position_ids=pos, logits_indices=logits_idx, attn=attn,
                                   rows=rows, decode_only=True)
-            return r._forward(batch, ctx)
+            return r.forward(batch, ctx)
 
         return step
 

@@ -431,7 +431,7 @@ class ModelRunner:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
-            logits = self._forward(batch, ctx)
+            logits = self.forward(batch, ctx)
         for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
             self.kv_cache.copy_block(src, dst)
         packed = sample(logits, step, sampling, dev)
@@ -482,7 +482,7 @@ class ModelRunner:
         """Which forward paths run through ``torch.compile`` ("decode", "varlen")."""
         return frozenset(self._compiled)
 
-    def _forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
+    def forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
         fn = self._compiled.get("decode" if batch.decode_only else "varlen")
         if fn is not None:

@@ -30,20 +30,6 @@ def run_step(s: Scheduler, token: int = 7):
     return out, progressed, finished
 
 
-def check_blocks(s: Scheduler):
-    s.pool.check()
-    holders: dict[int, int] = {}
-    for r in s.running:
-        for b in r.block_ids:
-            holders[b] = holders.get(b, 0) + 1
-    for b in range(1, s.pool.num_blocks):  # ref count == number of running requests holding it
-        assert s.pool.ref_counts[b] == holders.get(b, 0), f"block {b}"
-    for r in s.running:
-        assert len(r.block_ids) * s.block_size >= r.num_computed_tokens
-    for r in s.waiting:
-        assert not r.block_ids and r.row < 0
-
-
 def test_budget_and_chunking():
     s = sched(budget=10)
     s.add(make("a", 25))
@@ -57,7 +43,7 @@ def test_budget_and_chunking():
     out = s.schedule()  # last 5 of a, then 3 of b
     assert out.num_new == [5, 3] and out.start_pos == [20, 0] and out.sample_idx == [0, 1]
     assert out.num_tokens <= 10
-    check_blocks(s)
+    s.check_invariants()
 
 
 def test_decodes_first_then_admission_fifo():
@@ -108,7 +94,7 @@ def test_preempts_newest_and_keeps_generated_tokens():
     assert victim.token_ids == gen_before  # generated token kept for recompute
     assert victim.num_computed_tokens == 0 and not victim.block_ids
     assert s.waiting[0] is victim
-    check_blocks(s)
+    s.check_invariants()
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -131,7 +117,7 @@ def test_random_workload_finishes_without_leaks(caching):
             assert out.num_tokens <= 16 and out.num_seqs <= 6
         for r in done:
             finished[r.request_id] = r
-        check_blocks(s)
+        s.check_invariants()
         steps += 1
         assert steps < 5000, "no progress"
     assert len(finished) == 30
@@ -152,7 +138,7 @@ def test_cancel_frees_blocks_in_any_state():
     assert s.cancel("a") is not None and s.cancel("b") is not None
     assert s.cancel("nope") is None
     assert not s.has_work() and s.pool.num_used == 0
-    check_blocks(s)
+    s.check_invariants()
 
 
 def test_stop_token_finishes():
@@ -175,7 +161,7 @@ def test_oldest_always_progresses_under_pressure(policy):
     steps = 0
     while s.has_work():
         run_step(s)
-        check_blocks(s)
+        s.check_invariants()
         steps += 1
         assert steps < 2000
     assert s.stats.finished == 5 and s.pool.num_used == 0
@@ -200,7 +186,7 @@ def test_prefix_cache_hit_reuses_blocks_and_recomputes_last_token():
     s.add(c)
     out = s.schedule()
     assert out.start_pos[-1] == 4 and out.num_new[-1] == 4
-    check_blocks(s)
+    s.check_invariants()
 
 
 def test_prefix_cache_lru_eviction_and_no_handout_while_referenced():
@@ -227,7 +213,7 @@ def test_prefix_cache_lru_eviction_and_no_handout_while_referenced():
     assert not held & set(more)
     s.pool.free(more)
     s.update_from_output(out, [7] * len(out.sample_idx), None)
-    check_blocks(s)
+    s.check_invariants()
     assert cached_a  # sanity: a had cached blocks to begin with
 
 
@@ -238,7 +224,7 @@ def test_reset_prefix_cache_keeps_blocks_in_use():
     run_step(s)
     assert s.pool.num_cached == 3  # 12 computed prompt tokens = 3 full blocks
     assert s.pool.reset_cache() == 3 and s.pool.num_cached == 0
-    check_blocks(s)
+    s.check_invariants()
     while s.has_work():
         run_step(s)
     assert s.pool.num_used == 0
@@ -255,4 +241,4 @@ def test_same_prefix_in_one_step_waits_and_hits():
     out = s.schedule()
     assert [r.request_id for r in out.requests][1:] == ["r1", "r2"]
     assert out.start_pos[1:] == [8, 8]  # both hit the two cached blocks
-    check_blocks(s)
+    s.check_invariants()

@@ -133,11 +133,8 @@ def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, p
             complete(prev)
         elif out is None and s.has_work():
             raise AssertionError(f"no step could be scheduled: {s.running} running, {list(s.waiting)} waiting")
-    assert s.pool.num_used == 0 and not s.live
-    if s.swap is not None:
-        s.schedule()  # hands back the host blocks read by the last swap-ins
-        assert s.swap.num_free == s.swap.num_blocks
-    s.pool.check()
+        s.check_invariants()
+    assert s.pool.num_used == 0 and not s.live and s.host_blocks_held == 0
     for r in everyone:
         want = expected_tokens(r.token_ids[: r.prompt_len], r.max_new_tokens, r.stop_token_ids)
         got = r.token_ids[r.prompt_len:]
