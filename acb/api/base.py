@@ -144,22 +144,8 @@ class EngineBase:
             if self.core is not None and self.core.is_running:
                 return
             self.prepare()
-            cfg = self.runner.cfg
             self.gate = AdmissionGate(self.cb_config.max_queue_size)
-            core = EngineCore(
-                self.runner,
-                num_blocks=cfg.num_blocks,
-                block_size=cfg.block_size,
-                max_batch_tokens=cfg.max_batch_tokens,
-                max_running=cfg.max_requests_per_batch,
-                policy=cfg.scheduler_type,
-                safety_margin=cfg.safety_margin,
-                enable_prefix_caching=self.cb_config.allow_block_sharing,
-                num_swap_blocks=cfg.num_swap_blocks,
-                async_batching=cfg.async_batching,
-                deliver=deliver,
-                on_dequeued=self.gate.release,
-            )
+            core = EngineCore(self.runner, deliver=deliver, on_dequeued=self.gate.release)
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()

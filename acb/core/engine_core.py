@@ -12,6 +12,7 @@ per step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -45,13 +46,16 @@ _FAILED = object()  # _launch: the step raised and its requests were failed
 
 
 class Runner(Protocol):
+    cfg: Any  # acb.config.ResolvedConfig: the sizes and policies the engine runs with
+
     def execute(self, sched: SchedulerOutput) -> Any: ...
     def finish(self, step: Any) -> Any: ...  # -> object with .sampled and .logprobs
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot published after every step (safe to read from any thread)."""
+    """A snapshot published after every step (safe to read from any thread): every counter of
+    :class:`SchedulerStats` under the same name, and the engine's gauges and timings."""
 
     steps: int = 0
     prefill_tokens: int = 0
@@ -87,27 +91,20 @@ class EngineCore:
         self,
         runner: Runner,
         *,
-        num_blocks: int,
-        block_size: int,
-        max_batch_tokens: int,
-        max_running: int,
-        policy: str,
-        safety_margin: float,
-        enable_prefix_caching: bool = True,
-        num_swap_blocks: int = 0,
         deliver: Callable[[list[Delivery]], None],
         on_dequeued: Callable[[int], None] | None = None,
-        async_batching: bool = False,
     ) -> None:
+        """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device)."""
+        cfg = runner.cfg
         self.runner = runner
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(cfg.num_blocks, enable_caching=cfg.prefix_caching)
         self.scheduler = Scheduler(
-            self.pool, block_size=block_size, max_batch_tokens=max_batch_tokens,
-            max_running=max_running, policy=policy, safety_margin=safety_margin,
-            swap=SwapSpace(num_swap_blocks) if num_swap_blocks else None,
+            self.pool, block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
+            max_running=cfg.max_requests_per_batch, policy=cfg.scheduler_type, safety_margin=cfg.safety_margin,
+            swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
         )
         self._deliver = deliver
-        self.async_batching = async_batching
+        self.async_batching = cfg.async_batching
         self._inflight: tuple | None = None  # async batching: the launched step not yet completed
         self._on_dequeued = on_dequeued or (lambda n: None)
         self._inbox: deque[tuple] = deque()
@@ -458,31 +455,21 @@ class EngineCore:
                 logger.exception("acb: could not deliver the failure of %r after the engine died", req.request_id)
 
     def _publish_stats(self) -> None:
-        st = self.scheduler.stats
+        """A new snapshot: the scheduler's counters as they are (same names), and the engine's own."""
+        pool, tm = self.pool, self.timing
         self.stats = EngineStats(
-            steps=st.steps,
-            prefill_tokens=st.prefill_tokens,
-            decode_tokens=st.decode_tokens,
+            **dataclasses.asdict(self.scheduler.stats),
             generated_tokens=self._generated,
-            preemptions=st.preemptions,
-            finished=st.finished,
-            cancelled=st.cancelled,
-            failed=st.failed,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.pool.num_used,
-            kv_blocks_total=self.pool.num_usable,
-            kv_blocks_cached=self.pool.num_cached,
-            prefix_queries=st.prefix_queries,
-            prefix_hits=st.prefix_hits,
-            host_schedule_s=self.timing[0],
-            host_stage_s=self.timing[1],
-            compute_s=self.timing[2],
-            host_process_s=self.timing[3],
-            swapped_out_blocks=st.swapped_out_blocks,
-            swapped_in_blocks=st.swapped_in_blocks,
-            recomputed_preemptions=st.recomputed_preemptions,
-            prefix_evictions=self.pool.evictions,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_total=pool.num_usable,
+            kv_blocks_cached=pool.num_cached,
+            prefix_evictions=pool.evictions,
+            host_schedule_s=tm[0],
+            host_stage_s=tm[1],
+            compute_s=tm[2],
+            host_process_s=tm[3],
         )
 
     # -------------------------------------------------------------- checks

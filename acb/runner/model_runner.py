@@ -211,6 +211,7 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
         device=str(device),
         kv_cache_bytes=num_blocks * per_block,
         num_swap_blocks=swap_bytes // per_block,
+        prefix_caching=config.allow_block_sharing,
         async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
     )
     return resolved, spec

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from acb.config import ResolvedConfig
 from acb.core.engine_core import Delivery, EngineCore
 from acb.core.request import Request
 from acb.outputs import FailureKind, RequestStatus
@@ -32,6 +33,7 @@ class FakeRunner:
     device does, and checks that each placeholder points at its own request's last sample."""
 
     def __init__(self, fail_execute_at: int = -1, fail_finish_at: int = -1) -> None:
+        self.cfg: ResolvedConfig | None = None  # set by make_core
         self.calls: list[tuple[str, int]] = []
         self.prev: tuple[list, list[int]] | None = None  # (sample_reqs, sampled) of the last launched step
         self.fail_execute_at = fail_execute_at
@@ -85,8 +87,11 @@ class Collector:
 
 
 def make_core(runner, collector, *, async_batching, num_blocks=64, budget=16) -> EngineCore:
-    return EngineCore(runner, num_blocks=num_blocks, block_size=4, max_batch_tokens=budget, max_running=4,
-                      policy="fifo", safety_margin=0.0, deliver=collector, async_batching=async_batching)
+    runner.cfg = ResolvedConfig(
+        block_size=4, num_blocks=num_blocks, max_batch_tokens=budget, max_requests_per_batch=4, max_model_len=64,
+        scheduler_type="fifo", safety_margin=0.0, max_queue_size=0, return_logprobs=False, seed=None,
+        attn_backend="none", device="none", kv_cache_bytes=0, async_batching=async_batching)
+    return EngineCore(runner, deliver=collector)
 
 
 def requests(n: int = 6, max_new: int = 7) -> list[Request]:
