@@ -4,6 +4,10 @@ Workloads: ``offline``, ``shared-prefix``, ``online``, ``overhead`` (see each mo
 writes ``{kind}_{workload}.json`` (machine, device, versions, settings, figures) and a PNG
 (with matplotlib, ``pip install -e ".[bench]"``) to the output folder; ``report`` regenerates
 the README tables from those files.
+
+The workloads live in the package so that ``acb bench`` runs from an install; the one-off
+scripts (GPU check, kernel compile, sampler and compile benchmarks) and the results live in
+``benchmarks/`` of the repository.
 """
 
 from __future__ import annotations
