@@ -7,6 +7,7 @@ Block 0 is scratch (padded rows write there; nothing reads it).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -131,3 +132,42 @@ def kv_memory_budget(device: torch.device, max_memory_percent: float | None) -> 
         return int(free * (max_memory_percent if max_memory_percent is not None else 0.9))
     frac = max_memory_percent if max_memory_percent is not None else CPU_MEMORY_FRACTION
     return int(min(available_host_memory() * frac, CPU_MAX_KV_BYTES))
+
+
+def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
+    """A generous estimate of one step's transient memory: activations of ``max_batch_tokens``
+    tokens through one layer (hidden states, q/k/v/o, the MLP's widest tensors) and the
+    float32 logits of ``max_rows`` sampling rows with the sampler's working copies."""
+    text = model.config.get_text_config()
+    hidden = text.hidden_size
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    vocab = text.vocab_size
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    activations = max_batch_tokens * (6 * hidden + 3 * inter) * elem
+    logits = max_rows * vocab * 4 * 6  # logits, processed, probabilities, cumsum, sort keys/indices
+    return activations + logits
+
+
+def size_kv_cache(model: torch.nn.Module, spec: KVSpec, device: torch.device, max_memory_percent: float | None, *,
+                  block_size: int, max_len: int, max_reqs: int, max_batch_tokens: int) -> int:
+    """How many KV blocks (scratch block included) fit in the memory budget once one step's
+    transient memory is set aside, and no more than every running request at full length can
+    use. Raises ``ValueError`` with the figures when not even one ``max_len`` request fits."""
+    dtype = spec.dtype
+    per_block = spec.bytes_per_block(block_size)
+    budget = kv_memory_budget(device, max_memory_percent)
+    workspace = step_workspace_bytes(model, max_batch_tokens, max_reqs, dtype)
+    useful = max_reqs * math.ceil(max_len / block_size) + 1
+    num_blocks = max(0, min((budget - workspace) // per_block, useful))
+    needed = math.ceil(max_len / block_size) + 1
+    if num_blocks < needed:
+        cuda = device.type == "cuda"
+        raise ValueError(
+            f"not enough memory for one request of max_model_len={max_len} tokens: it needs "
+            f"{needed * per_block / 2**20:.1f} MiB of KV cache, but the budget is "
+            f"{budget / 2**20:.1f} MiB ({'max_memory_percent of free CUDA memory' if cuda else 'share of available RAM'}) "
+            f"minus {workspace / 2**20:.1f} MiB for a step of max_batch_tokens={max_batch_tokens} and "
+            f"max_requests_per_batch={max_reqs}. Lower max_model_len, max_batch_tokens or "
+            "max_requests_per_batch, raise max_memory_percent, or set num_blocks."
+        )
+    return num_blocks

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -28,7 +27,7 @@ from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, StepContext, make_backend, register_with_transformers
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
-from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget, total_host_memory
+from acb.runner.kv_cache import KVCache, KVSpec, size_kv_cache, total_host_memory
 from acb.runner.sampler import SamplingState, sample
 
 logger = logging.getLogger("acb")
@@ -124,20 +123,6 @@ def block_size_for(backend: str, block_size: int | None) -> int:
     return block_size or (PAGE_MULTIPLE if backend == "flash_attn" else DEFAULT_BLOCK_SIZE)
 
 
-def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
-    """A generous estimate of one step's transient memory: activations of ``max_batch_tokens``
-    tokens through one layer (hidden states, q/k/v/o, the MLP's widest tensors) and the
-    float32 logits of ``max_rows`` sampling rows with the sampler's working copies."""
-    text = model.config.get_text_config()
-    hidden = text.hidden_size
-    inter = getattr(text, "intermediate_size", None) or 4 * hidden
-    vocab = text.vocab_size
-    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
-    activations = max_batch_tokens * (6 * hidden + 3 * inter) * elem
-    logits = max_rows * vocab * 4 * 6  # logits, processed, probabilities, cumsum, sort keys/indices
-    return activations + logits
-
-
 def staging_bytes(cfg: ResolvedConfig) -> int:
     """Initial size of a staging set: a full step's token arrays and per-row arrays, with room
     for sampling parameters and block-table updates (it grows if a step ever needs more)."""
@@ -150,7 +135,7 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
 
     With ``num_blocks`` unset, the KV cache gets ``max_memory_percent`` of the device's free
     memory (CUDA; measured now, after the model is loaded) or a conservative share of the
-    available RAM (CPU), minus the step's transient memory (:func:`step_workspace_bytes`). If
+    available RAM (CPU), minus the step's transient memory (:func:`acb.runner.kv_cache.size_kv_cache`). If
     that cannot hold one request of ``max_model_len`` tokens, start fails with the figures.
     With ``num_blocks`` set, ``max_model_len`` is lowered to what the cache holds.
     """
@@ -175,22 +160,8 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        budget = kv_memory_budget(device, config.max_memory_percent)
-        workspace = step_workspace_bytes(model, max_batch_tokens, max_reqs, dtype)
-        kv_budget = budget - workspace
-        # no point holding more than every running request at its full length
-        useful = max_reqs * math.ceil(max_len / block_size) + 1
-        num_blocks = max(0, min(kv_budget // per_block, useful))
-        needed = math.ceil(max_len / block_size) + 1
-        if num_blocks < needed:
-            raise ValueError(
-                f"not enough memory for one request of max_model_len={max_len} tokens: it needs "
-                f"{needed * per_block / 2**20:.1f} MiB of KV cache, but the budget is "
-                f"{budget / 2**20:.1f} MiB ({'max_memory_percent of free CUDA memory' if cuda else 'share of available RAM'}) "
-                f"minus {workspace / 2**20:.1f} MiB for a step of max_batch_tokens={max_batch_tokens} and "
-                f"max_requests_per_batch={max_reqs}. Lower max_model_len, max_batch_tokens or "
-                "max_requests_per_batch, raise max_memory_percent, or set num_blocks."
-            )
+        num_blocks = size_kv_cache(model, spec, device, config.max_memory_percent, block_size=block_size,
+                                   max_len=max_len, max_reqs=max_reqs, max_batch_tokens=max_batch_tokens)
     # a single request may hold at most what the cache holds and what the model can position
     max_model_len = min(max_len, (num_blocks - 1) * block_size)
     swap_bytes = int((config.cpu_offload_space or 0.0) * 2**30)

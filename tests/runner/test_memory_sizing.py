@@ -8,7 +8,8 @@ import torch
 
 import acb
 from acb.runner import kv_cache
-from acb.runner.model_runner import resolve_config, step_workspace_bytes
+from acb.runner.kv_cache import step_workspace_bytes
+from acb.runner.model_runner import resolve_config
 from tests.conftest import get_model
 
 
