@@ -206,7 +206,7 @@ class EngineBase:
         return core.call(fn)
 
     def _reset_prefix_cache_future(self) -> Future:
-        return self.call(lambda c: c.pool.reset_cache())
+        return self.call(lambda c: c.reset_prefix_cache())
 
     # --------------------------------------------------------------- submit
     def make_request(

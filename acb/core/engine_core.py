@@ -472,6 +472,10 @@ class EngineCore:
             host_process_s=tm[3],
         )
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (engine thread); returns how many blocks were forgotten."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     # -------------------------------------------------------------- checks
     def check_invariants(self) -> None:
         """Assert the scheduler's and the block pool's invariants (call it on the engine thread,

@@ -37,7 +37,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from acb.core.block_pool import BlockPool, SwapSpace, block_digest
+from acb.core.block_pool import BlockPool, SwapSpace
+from acb.core.kv_manager import KVManager
 from acb.core.request import Request
 from acb.outputs import FailureKind, FinishReason, RequestStatus
 
@@ -108,11 +109,12 @@ class Scheduler:
         policy: str = "fifo",
         safety_margin: float = 0.0,
         swap: SwapSpace | None = None,
+        fast_decode: bool = True,
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
-        self.pool = pool
-        self.swap = swap
+        self.pool = pool  # read-only here (stats, tests): blocks are the KV manager's business
+        self.kv = KVManager(pool, block_size, swap)
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -123,12 +125,10 @@ class Scheduler:
         self.live: dict[str, Request] = {}
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._freed_rows: list[int] = []
-        self._fork_copies: list[int] = []
         self._swap_out_carry: list[tuple[int, int]] = []  # offloads decided by a step that ran nothing
-        self._host_to_free: list[int] = []
-        # step id -> digests of the prompt blocks that step computes, until its output is recorded
-        # (with async batching the previous step is still in flight while the next is built)
-        self._computing: dict[int, set[bytes]] = {}
+        # plain decodes take a shortcut past _schedule_tokens; False sends them the general way
+        # (the tests check both give the same SchedulerOutput)
+        self.fast_decode = fast_decode
         self._step_id = 0
         self.stats = SchedulerStats()
 
@@ -143,9 +143,7 @@ class Scheduler:
     @property
     def host_blocks_held(self) -> int:
         """Offload blocks held by requests (those read by the last step's swap-ins count as free)."""
-        if self.swap is None:
-            return 0
-        return self.swap.num_blocks - self.swap.num_free - len(self._host_to_free)
+        return self.kv.host_blocks_held
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -170,7 +168,7 @@ class Scheduler:
 
     def abandon_step(self, step_id: int) -> None:
         """A step failed: nothing it computed will be recorded."""
-        self._computing.pop(step_id, None)
+        self.kv.end_step(step_id)
 
     def fail(self, req: Request, error: str) -> None:
         req.error = error
@@ -200,12 +198,7 @@ class Scheduler:
             req.children = None
 
     def _release(self, req: Request) -> None:
-        if req.swapped is not None:
-            self.swap.free(req.swapped[0])
-            req.swapped = None
-        if req.block_ids:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
+        self.kv.free(req)
         if req.row >= 0:
             self._free_rows.append(req.row)
             self._freed_rows.append(req.row)
@@ -215,16 +208,10 @@ class Scheduler:
         """Take ``req`` off the device: offload its KV to host memory when there is room
         (it resumes where it was), else drop it (it is recomputed, its tokens kept)."""
         self.running.remove(req)
-        swapped = None
-        n = -(-req.num_computed_tokens // self.block_size)
-        if self.swap is not None and n:
-            host = self.swap.allocate(n)
-            if host is not None:
-                # copied before this step's forward, which may reuse the device blocks
-                out.swap_out.extend(zip(req.block_ids[:n], host))
-                swapped = (host, req.num_computed_tokens)
-                self.stats.swapped_out_blocks += n
-        if swapped is None:
+        swapped = self.kv.plan_swap_out(req, out)
+        if swapped is not None:
+            self.stats.swapped_out_blocks += len(swapped[0])
+        else:
             self.stats.recomputed_preemptions += 1
         self._release(req)
         req.swapped = swapped
@@ -236,66 +223,15 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping's invariants: the pool's own; each block's reference count equals
-        the running requests holding it; a running request holds the blocks of the tokens it has
-        computed; a queued one holds no block and no row; idle means no block (device or host) held."""
-        self.pool.check()
-        holders: dict[int, int] = {}
-        for r in self.running:
-            assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r}: too few blocks"
-            for b in r.block_ids:
-                holders[b] = holders.get(b, 0) + 1
-        for b in range(1, self.pool.num_blocks):
-            rc = self.pool.ref_counts[b]
-            assert rc == holders.get(b, 0), f"block {b}: ref count {rc}, held by {holders.get(b, 0)} requests"
+        """Assert the bookkeeping's invariants: the KV manager's (blocks, reference counts, host
+        blocks, nothing held when idle), and a queued request holds no row."""
+        self.kv.check(self.running, self.waiting, idle=not self.has_work())
         for r in self.waiting:
-            assert not r.block_ids and r.row < 0, f"{r} is queued but holds blocks or a row"
-        if not self.has_work():
-            assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"
-            held = self.host_blocks_held
-            assert held == 0, f"{held} offload blocks leaked with no live request"
+            assert r.row < 0, f"{r} is queued but holds a row"
 
     # --------------------------------------------------------------- schedule
-    def _digests(self, req: Request, num_blocks: int) -> list[bytes]:
-        """The request's first ``num_blocks`` block digests (computed once per block)."""
-        hashes = req.block_hashes
-        bs = self.block_size
-        toks = req.token_ids
-        while len(hashes) < num_blocks:
-            b = len(hashes)
-            hashes.append(block_digest(hashes[-1] if hashes else b"", toks[b * bs : (b + 1) * bs], req.cache_salt))
-        return hashes[:num_blocks]
-
-    def _lookup(self, req: Request) -> list[int]:
-        """Cached blocks for the longest known prefix of ``req`` (at least one token is left to
-        compute, so the whole last block is recomputed when the prompt is block-aligned)."""
-        if not self.pool.enable_caching:
-            return []
-        return self.pool.lookup(self._digests(req, (req.num_tokens - 1) // self.block_size))
-
-    def _register(self, req: Request, full: int) -> None:
-        """Make the request's first ``full`` blocks (computed) findable in the prefix cache."""
-        if full <= req.num_registered or full > len(req.block_ids):
-            return
-        digests = self._digests(req, full)
-        register = self.pool.register
-        for b in range(req.num_registered, full):
-            register(req.block_ids[b], digests[b])
-        req.num_registered = full
-
-    def _blocks_needed(self, req: Request, num_new: int) -> int:
-        total = req.num_computed_tokens + num_new
-        need = -(-total // self.block_size) - len(req.block_ids)
-        if req.children and total == req.num_tokens and req.prompt_len % self.block_size:
-            # the samples fork in this step: each gets its own copy of the partial last block
-            need += sum(1 for c in req.children if not c.status.is_terminal)
-        return need
-
     def schedule(self) -> SchedulerOutput | None:
-        self._computing[self._step_id] = set()
-        if self._host_to_free:  # read by the previous step's swap-ins, which are ordered before ours
-            self.swap.free(self._host_to_free)
-            self._host_to_free = []
+        self.kv.begin_step(self._step_id)
         out = SchedulerOutput(
             step_id=self._step_id, requests=[], rows=[], num_new=[], start_pos=[], input_ids=[],
             sample_idx=[], sample_reqs=[], sample_rows=[], sample_gen_idx=[], block_updates=[],
@@ -313,7 +249,7 @@ class Scheduler:
             decoding = [r for r in self.running if r.num_tokens + r.in_flight - r.num_computed_tokens == 1]
             budget, preempted = self._schedule_running(out, budget, prefilling)
             if not preempted:
-                reserve = sum(1 for r in decoding if self._blocks_needed(r, 1) > 0)
+                reserve = sum(1 for r in decoding if self.kv.blocks_needed(r, 1) > 0)
                 budget = self._admit(out, budget, reserve=reserve)
             decoding = [r for r in decoding if r.row >= 0]  # some may have been preempted
             budget, _ = self._schedule_running(out, budget, decoding)
@@ -322,7 +258,7 @@ class Scheduler:
             # before the blocks are reused: they go with the next step that runs
             self._freed_rows = out.freed_rows + self._freed_rows
             self._swap_out_carry = out.swap_out
-            self._computing.pop(self._step_id, None)
+            self.kv.end_step(self._step_id)
             return None
         self._step_id += 1
         st = self.stats
@@ -337,8 +273,7 @@ class Scheduler:
         """Schedule ``candidates`` (running requests, in order); preempt the newest when blocks run out."""
         preempted_any = False
         scheduled = {id(r) for r in out.requests}
-        bs = self.block_size
-        pool = self.pool
+        kv = self.kv
         # decode fast path: one token, at most one new block, no fork; appended straight to the lists
         requests, rows, num_new_l, start_pos = out.requests, out.rows, out.num_new, out.start_pos
         input_ids, sample_idx, sample_reqs = out.input_ids, out.sample_idx, out.sample_reqs
@@ -353,13 +288,8 @@ class Scheduler:
             if self._last_token_in_flight(req):
                 continue  # it finishes when that token arrives
             todo = len(toks) + req.in_flight - computed
-            if todo == 1 and computed >= req.prompt_len and not req.children and (
-                computed % bs or pool.num_free
-            ):
-                if computed % bs == 0:  # the new token starts a block
-                    new_block = pool.allocate(1)
-                    out.block_updates.append((req.row, len(req.block_ids), new_block))
-                    req.block_ids.extend(new_block)
+            if self.fast_decode and todo == 1 and computed >= req.prompt_len and not req.children and kv.can_decode(req):
+                kv.allocate_decode_slot(req, out)
                 i = len(requests)
                 requests.append(req)
                 rows.append(req.row)
@@ -384,8 +314,8 @@ class Scheduler:
             num_new = min(todo, budget)
             if num_new <= 0:
                 continue
-            need = self._blocks_needed(req, num_new)
-            while need > self.pool.num_free:
+            need = kv.blocks_needed(req, num_new)
+            while need > kv.num_free:
                 # the newest running request not yet in this step, except those whose last token is
                 # in flight (async batching): they give their blocks back when it arrives
                 # (a sample forked in this step is in it too, through its parent's row of logits)
@@ -398,12 +328,9 @@ class Scheduler:
                 preempted_any = True
                 if victim is req:
                     break
-            if req.row < 0 or need > self.pool.num_free:
+            if req.row < 0 or need > kv.num_free:
                 continue  # preempted, or waiting for the blocks of requests about to finish
-            if need > 0:
-                new_blocks = self.pool.allocate(need)
-                assert new_blocks is not None
-                self._take_blocks(out, req, num_new, new_blocks)
+            kv.allocate_slots(req, num_new, out)
             self._schedule_tokens(out, req, num_new)
             scheduled.add(id(req))
             budget -= num_new
@@ -412,14 +339,6 @@ class Scheduler:
     @staticmethod
     def _last_token_in_flight(req: Request) -> bool:
         return bool(req.in_flight) and req.num_generated + req.in_flight >= req.max_new_tokens
-
-    def _take_blocks(self, out: SchedulerOutput, req: Request, num_new: int, blocks: list[int]) -> None:
-        """Give ``req`` the blocks it needs for ``num_new`` tokens; extras are fork copies (n > 1)."""
-        own = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.block_ids)
-        first_col = len(req.block_ids)
-        req.block_ids.extend(blocks[:own])
-        out.block_updates.append((req.row, first_col, blocks[:own]))
-        self._fork_copies = blocks[own:]
 
     def _admit(self, out: SchedulerOutput, budget: int, reserve: int) -> int:
         """Admit waiting requests in order while budget, rows and blocks last."""
@@ -430,52 +349,37 @@ class Scheduler:
             rowless = [c for c in req.children or () if c.row < 0 and not c.status.is_terminal]
             if len(rowless) + 1 > len(self._free_rows) or req.in_flight:
                 break  # (a preempted request waits for its in-flight token before it resumes)
+            kv = self.kv
             if req.swapped is not None:  # resume from host memory: no prefix lookup, no recompute
                 hits, computed = [], req.swapped[1]
             else:
-                hits = self._lookup(req)
+                hits = kv.lookup(req)
                 computed = len(hits) * self.block_size
-                nxt = req.block_hashes[len(hits)] if len(hits) < len(req.block_hashes) else None
-                if nxt is not None and any(nxt in p for p in self._computing.values()):
-                    # its next block is being computed in this step by another request: wait one
-                    # step and hit it, rather than computing the same prefix twice
+                if kv.prefix_in_progress(req, hits):
+                    # its next block is being computed by another request's step: wait one step and
+                    # hit it, rather than computing the same prefix twice
                     break
             num_new = min(req.num_tokens - computed, budget)
-            req.num_computed_tokens, req.block_ids = computed, hits  # provisional, for _blocks_needed
-            need = self._blocks_needed(req, num_new)
-            req.num_computed_tokens, req.block_ids = 0, []
-            need_free = need + self.pool.num_free_among(hits)  # reviving a free cached block uses one
-            if need_free > self.pool.num_free - self.watermark_blocks - reserve:
+            need_free = kv.admission_cost(req, hits, computed, num_new)
+            if need_free > kv.num_free - self.watermark_blocks - reserve:
                 # an empty engine must still make progress whatever the margin
-                if self.running or out.requests or need_free > self.pool.num_free - reserve:
+                if self.running or out.requests or need_free > kv.num_free - reserve:
                     break
-            self.pool.take(hits)
-            blocks = self.pool.allocate(need)
-            assert blocks is not None
-            if req.swapped is not None:
-                host = req.swapped[0]
-                out.swap_in.extend(zip(host, blocks[: len(host)]))
-                self.stats.swapped_in_blocks += len(host)
-                # freed after this step, so no swap-out in this step can overwrite them first
-                self._host_to_free.extend(host)
-                req.swapped = None
+            resumed = req.swapped is not None
+            self.waiting.popleft()
+            req.row = self._free_rows.pop()
+            for c in rowless:
+                c.row = self._free_rows.pop()
+            swapped_in = kv.admit(req, hits, computed, num_new, out)
+            if resumed:
+                self.stats.swapped_in_blocks += swapped_in
             else:
                 self.stats.prefix_queries += req.num_tokens
                 self.stats.prefix_hits += computed
                 if req.first_scheduled_time is None:
                     req.num_cached_tokens = computed
-            req.block_ids = list(hits)
-            req.num_computed_tokens = computed
-            req.num_registered = len(hits)
-            self.waiting.popleft()
-            req.row = self._free_rows.pop()
-            if hits:
-                out.block_updates.append((req.row, 0, list(hits)))
-            for c in rowless:
-                c.row = self._free_rows.pop()
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
-            self._take_blocks(out, req, num_new, blocks)
             out.row_inits.append(req)
             if req.first_scheduled_time is None:
                 now = time.perf_counter() if now is None else now
@@ -487,10 +391,7 @@ class Scheduler:
 
     def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
-        if self.pool.enable_caching and start < req.prompt_len:
-            full = (start + num_new) // self.block_size
-            if full > start // self.block_size:
-                self._computing[out.step_id].update(self._digests(req, full)[start // self.block_size :])
+        self.kv.note_computing(out.step_id, req, start, num_new)
         out.requests.append(req)
         out.rows.append(req.row)
         out.num_new.append(num_new)
@@ -534,30 +435,17 @@ class Scheduler:
         partial last block, made after this step's forward writes it. Each draws its first
         token from the parent's logits, with its own random stream.
         """
-        bs = self.block_size
-        full = parent.prompt_len // bs
-        copies = self._fork_copies
-        self._fork_copies = []
-        shared = parent.block_ids[:full]
         for child in parent.children:
             if child.status.is_terminal:
                 continue
-            self.pool.incref(shared)
-            child.block_ids = list(shared)
-            child.block_hashes = parent.block_hashes[:full]
-            child.num_registered = min(parent.num_registered, full)
-            if parent.prompt_len % bs:
-                dst = copies.pop()
-                out.block_copies_after.append((parent.block_ids[full], dst))
-                child.block_ids.append(dst)
+            self.kv.fork(parent, child, out)
             child.num_computed_tokens = parent.prompt_len
             child.status = RequestStatus.PREFILLING
             child.first_scheduled_time = parent.first_scheduled_time
             self.running.append(child)
-            out.block_updates.append((child.row, 0, list(child.block_ids)))
             out.row_inits.append(child)
             self._add_sample(out, child, logits_i, 0)
-        assert not copies, "fork copy blocks left over"
+        self.kv.end_fork()
         parent.children = None
 
     # ----------------------------------------------------------------- update
@@ -573,14 +461,8 @@ class Scheduler:
         Finished requests have left the running list and their blocks are free when this returns.
         """
         now = time.perf_counter()
-        self._computing.pop(out.step_id, None)
-        if self.pool.enable_caching:
-            bs = self.block_size
-            for req, start, n in zip(out.requests, out.start_pos, out.num_new):
-                # blocks whose K/V this step wrote; a later step may already be scheduled (async)
-                upto = min(start + n, len(req.token_ids)) // bs
-                if upto > req.num_registered and not req.status.is_terminal:
-                    self._register(req, upto)
+        self.kv.end_step(out.step_id)
+        self.kv.register_computed(out)
         progressed: list[Request] = []
         finished: list[Request] = []
         for k, req in enumerate(out.sample_reqs):

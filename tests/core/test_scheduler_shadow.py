@@ -69,14 +69,27 @@ class ShadowKV:
             self.dev[dst] = list(self.dev[src])
 
 
-def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, policy: str) -> Scheduler:
+def comparable(out: SchedulerOutput | None):
+    """A step's output with requests named by id, for comparing two runs."""
+    if out is None:
+        return None
+    ids = lambda reqs: [r.request_id for r in reqs]  # noqa: E731
+    return (out.step_id, ids(out.requests), out.rows, out.num_new, out.start_pos, out.input_ids, out.sample_idx,
+            ids(out.sample_reqs), out.sample_rows, out.sample_gen_idx, out.block_updates, ids(out.newly_admitted),
+            ids(out.row_inits), out.freed_rows, out.block_copies_after, out.swap_out, out.swap_in,
+            out.placeholders, out.num_prefill_tokens, out.num_decode_tokens)
+
+
+def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, policy: str,
+          fast_decode: bool = True, record: list | None = None) -> Scheduler:
     rnd = random.Random(seed)
     bs = rnd.choice([2, 4, 8])
     longest = 40
     num_blocks = 1 + -(-longest // bs) + rnd.choice([0, 1, 3, 8])
     s = Scheduler(BlockPool(num_blocks, enable_caching=caching), block_size=bs,
                   max_batch_tokens=rnd.choice([5, 8, 16, 64]), max_running=rnd.choice([2, 3, 6]),
-                  policy=policy, safety_margin=0.0, swap=SwapSpace(swap_blocks) if swap_blocks else None)
+                  policy=policy, safety_margin=0.0, swap=SwapSpace(swap_blocks) if swap_blocks else None,
+                  fast_decode=fast_decode)
     kv = ShadowKV(num_blocks, swap_blocks, bs)
     base = [rnd.randrange(3, VOCAB) for _ in range(30)]
     todo: list[Request] = []
@@ -125,6 +138,8 @@ def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, p
         out = s.schedule()
         if out is not None:
             kv.run(out)
+        if record is not None:
+            record.append(comparable(out))
         if async_batching:
             prev, inflight = inflight, out
         else:
@@ -164,3 +179,14 @@ def test_random_workloads_keep_kv_and_outcomes_right(async_batching, caching, sw
     assert preempted > 0  # the workloads are tight enough to exercise preemption
     if swap_blocks:
         assert swapped > 0
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_decode_shortcut_gives_the_same_steps_as_the_general_path(async_batching):
+    for seed in range(SEED, SEED + SEEDS // 2):
+        for caching, swap_blocks, policy in ((False, 0, "fifo"), (True, 3, "prefill_first"), (True, 64, "fifo")):
+            fast, general = [], []
+            kw = dict(async_batching=async_batching, caching=caching, swap_blocks=swap_blocks, policy=policy)
+            drive(seed, fast_decode=True, record=fast, **kw)
+            drive(seed, fast_decode=False, record=general, **kw)
+            assert fast == general, f"seed {seed} {kw}: the steps differ"

@@ -1,0 +1,263 @@
+"""The KV cache's blocks as the scheduler sees them.
+
+The scheduler decides who runs; :class:`KVManager` owns everything about blocks: which
+request holds which device block (``Request.block_ids``, reference-counted in the
+:class:`BlockPool`), what is cached under which prefix digest, which host blocks hold
+offloaded KV (:class:`SwapSpace`), and the copies the runner must make for all of it
+(``SchedulerOutput.block_updates``, ``swap_out``, ``swap_in``, ``block_copies_after``). The
+scheduler never touches the pool or the swap space itself.
+
+The contract:
+
+- ``blocks_needed(req, n)``: device blocks ``req`` lacks to compute its next ``n`` tokens,
+  counting the copies of the partial prompt block its samples get when they fork in that
+  step. ``allocate_slots`` gives them (it must fit: check ``num_free`` first).
+- Admission: ``lookup`` finds the longest cached prefix (never the whole prompt: its last
+  token is always computed); ``prefix_in_progress`` says whether the next block of that
+  prefix is being computed by a step not yet recorded (async batching), so the request can
+  wait a step and hit it; ``admission_cost`` is what admitting takes from the free blocks;
+  ``admit`` takes the hits, allocates the rest, and plans the swap-in of an offloaded
+  request (its host blocks are freed after that step, so no offload in the same step can
+  overwrite them first).
+- ``fork``: the samples of ``n > 1`` share the parent's full prompt blocks and each gets a
+  copy of the partial last block, made after the forward that writes it.
+- ``plan_swap_out`` offloads a preempted request's computed KV to host blocks before the
+  step's forward (which may reuse its device blocks); ``free`` gives back everything a
+  request holds, device and host.
+- ``note_computing`` / ``register_computed``: a step's full prompt blocks become findable
+  in the prefix cache only once its output is recorded (``begin_step`` / ``end_step`` bracket
+  a step's life).
+"""
+
+from __future__ import annotations
+
+from acb.core.block_pool import BlockPool, SwapSpace, block_digest
+from acb.core.request import Request
+
+
+class KVManager:
+    """Device and host KV blocks of the requests, and the copies that move them."""
+
+    def __init__(self, pool: BlockPool, block_size: int, swap: SwapSpace | None = None) -> None:
+        self.pool = pool
+        self.swap = swap
+        self.block_size = block_size
+        self._fork_copies: list[int] = []  # blocks allocated in allocate_slots for the fork that follows
+        self._host_to_free: list[int] = []  # host blocks read by the last step's swap-ins
+        # step id -> digests of the prompt blocks that step computes, until its output is recorded
+        # (with async batching the previous step is still in flight while the next is built)
+        self._computing: dict[int, set[bytes]] = {}
+
+    # -------------------------------------------------------------- questions
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_usable(self) -> int:
+        return self.pool.num_usable
+
+    @property
+    def host_blocks_held(self) -> int:
+        """Offload blocks held by requests (those read by the last step's swap-ins count as free)."""
+        if self.swap is None:
+            return 0
+        return self.swap.num_blocks - self.swap.num_free - len(self._host_to_free)
+
+    def blocks_needed(self, req: Request, num_new: int) -> int:
+        total = req.num_computed_tokens + num_new
+        need = -(-total // self.block_size) - len(req.block_ids)
+        if req.children and total == req.num_tokens and req.prompt_len % self.block_size:
+            # the samples fork in this step: each gets its own copy of the partial last block
+            need += sum(1 for c in req.children if not c.status.is_terminal)
+        return need
+
+    def can_decode(self, req: Request) -> bool:
+        """Whether one more token of ``req`` fits without taking a block from anyone."""
+        return bool(req.num_computed_tokens % self.block_size or self.pool.num_free)
+
+    def lookup(self, req: Request) -> list[int]:
+        """Cached blocks for the longest known prefix of ``req`` (at least one token is left to
+        compute, so the whole last block is recomputed when the prompt is block-aligned)."""
+        if not self.pool.enable_caching:
+            return []
+        return self.pool.lookup(self._digests(req, (req.num_tokens - 1) // self.block_size))
+
+    def prefix_in_progress(self, req: Request, hits: list[int]) -> bool:
+        """Whether the block after ``req``'s cached prefix is being computed by a step whose output
+        is not recorded yet (another request with the same prefix)."""
+        hashes = req.block_hashes
+        nxt = hashes[len(hits)] if len(hits) < len(hashes) else None
+        return nxt is not None and any(nxt in p for p in self._computing.values())
+
+    def admission_cost(self, req: Request, hits: list[int], computed: int, num_new: int) -> int:
+        """Free blocks that admitting ``req`` (with ``hits`` cached, ``computed`` tokens known) for
+        ``num_new`` tokens uses up; reviving a free cached block uses one too."""
+        return self._new_blocks_at(req, hits, computed, num_new) + self.pool.num_free_among(hits)
+
+    # ---------------------------------------------------------------- actions
+    def begin_step(self, step_id: int) -> None:
+        self._computing[step_id] = set()
+        if self._host_to_free:  # read by the previous step's swap-ins, which are ordered before ours
+            self.swap.free(self._host_to_free)
+            self._host_to_free = []
+
+    def end_step(self, step_id: int) -> None:
+        """The step's output was recorded, or it failed, or it ran nothing."""
+        self._computing.pop(step_id, None)
+
+    def allocate_decode_slot(self, req: Request, out) -> None:
+        """The block for ``req``'s next token when it starts one (``can_decode`` was true)."""
+        if req.num_computed_tokens % self.block_size == 0:
+            new_block = self.pool.allocate(1)
+            out.block_updates.append((req.row, len(req.block_ids), new_block))
+            req.block_ids.extend(new_block)
+
+    def allocate_slots(self, req: Request, num_new: int, out) -> None:
+        """Give ``req`` the blocks it needs for ``num_new`` tokens (they must fit)."""
+        need = self.blocks_needed(req, num_new)
+        if need > 0:
+            blocks = self.pool.allocate(need)
+            assert blocks is not None, f"{req}: {need} blocks do not fit"
+            self._take_blocks(out, req, num_new, blocks)
+
+    def admit(self, req: Request, hits: list[int], computed: int, num_new: int, out) -> int:
+        """Give an admitted request (which has its row) its cached prefix and new blocks, and plan
+        the swap-in of an offloaded one. Returns the number of host blocks swapped in."""
+        need = self._new_blocks_at(req, hits, computed, num_new)
+        self.pool.take(hits)
+        blocks = self.pool.allocate(need)
+        assert blocks is not None
+        swapped_in = 0
+        if req.swapped is not None:
+            host = req.swapped[0]
+            out.swap_in.extend(zip(host, blocks[: len(host)]))
+            swapped_in = len(host)
+            # freed after this step, so no swap-out in this step can overwrite them first
+            self._host_to_free.extend(host)
+            req.swapped = None
+        req.block_ids = list(hits)
+        req.num_computed_tokens = computed
+        req.num_registered = len(hits)
+        if hits:
+            out.block_updates.append((req.row, 0, list(hits)))
+        self._take_blocks(out, req, num_new, blocks)
+        return swapped_in
+
+    def fork(self, parent: Request, child: Request, out) -> None:
+        """One sample of ``parent`` (whose prompt this step computes) starts from its KV."""
+        bs = self.block_size
+        full = parent.prompt_len // bs
+        shared = parent.block_ids[:full]
+        self.pool.incref(shared)
+        child.block_ids = list(shared)
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_registered = min(parent.num_registered, full)
+        if parent.prompt_len % bs:
+            dst = self._fork_copies.pop()
+            out.block_copies_after.append((parent.block_ids[full], dst))
+            child.block_ids.append(dst)
+        out.block_updates.append((child.row, 0, list(child.block_ids)))
+
+    def end_fork(self) -> None:
+        assert not self._fork_copies, "fork copy blocks left over"
+
+    def plan_swap_out(self, req: Request, out) -> tuple[list[int], int] | None:
+        """Offload ``req``'s computed KV to host blocks when there is room (copied before this
+        step's forward, which may reuse the device blocks). Returns ``(host blocks, tokens)`` to
+        keep in ``req.swapped`` once its device blocks are freed, or None (it will be recomputed)."""
+        n = -(-req.num_computed_tokens // self.block_size)
+        if self.swap is None or not n:
+            return None
+        host = self.swap.allocate(n)
+        if host is None:
+            return None
+        out.swap_out.extend(zip(req.block_ids[:n], host))
+        return host, req.num_computed_tokens
+
+    def free(self, req: Request) -> None:
+        """Give back every block ``req`` holds, device and host."""
+        if req.swapped is not None:
+            self.swap.free(req.swapped[0])
+            req.swapped = None
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+
+    def note_computing(self, step_id: int, req: Request, start: int, num_new: int) -> None:
+        """Full prompt blocks this step computes: same-prefix requests wait for them."""
+        if self.pool.enable_caching and start < req.prompt_len:
+            full = (start + num_new) // self.block_size
+            if full > start // self.block_size:
+                self._computing[step_id].update(self._digests(req, full)[start // self.block_size :])
+
+    def register_computed(self, out) -> None:
+        """The step's output is recorded: its full blocks become findable in the prefix cache (a
+        later step may already be scheduled, with async batching)."""
+        if not self.pool.enable_caching:
+            return
+        bs = self.block_size
+        for req, start, n in zip(out.requests, out.start_pos, out.num_new):
+            upto = min(start + n, len(req.token_ids)) // bs
+            if upto > req.num_registered and not req.status.is_terminal:
+                self._register(req, upto)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    # ------------------------------------------------------------------ checks
+    def check(self, running: list[Request], waiting, idle: bool) -> None:
+        """Assert the pool's invariants; each block's reference count equals the running requests
+        holding it; a running request holds the blocks of its computed tokens; a queued one holds
+        none; idle means no block (device or host) held."""
+        self.pool.check()
+        holders: dict[int, int] = {}
+        for r in running:
+            assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r}: too few blocks"
+            for b in r.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(1, self.pool.num_blocks):
+            rc = self.pool.ref_counts[b]
+            assert rc == holders.get(b, 0), f"block {b}: ref count {rc}, held by {holders.get(b, 0)} requests"
+        for r in waiting:
+            assert not r.block_ids, f"{r} is queued but holds blocks"
+        if idle:
+            assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"
+            held = self.host_blocks_held
+            assert held == 0, f"{held} offload blocks leaked with no live request"
+
+    # ---------------------------------------------------------------- helpers
+    def _new_blocks_at(self, req: Request, hits: list[int], computed: int, num_new: int) -> int:
+        """``blocks_needed`` of a queued request as if it held ``hits`` and had ``computed`` tokens."""
+        req.num_computed_tokens, req.block_ids = computed, hits  # provisional
+        need = self.blocks_needed(req, num_new)
+        req.num_computed_tokens, req.block_ids = 0, []
+        return need
+
+    def _take_blocks(self, out, req: Request, num_new: int, blocks: list[int]) -> None:
+        """Give ``req`` the blocks it needs for ``num_new`` tokens; extras are fork copies (n > 1)."""
+        own = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.block_ids)
+        first_col = len(req.block_ids)
+        req.block_ids.extend(blocks[:own])
+        out.block_updates.append((req.row, first_col, blocks[:own]))
+        self._fork_copies = blocks[own:]
+
+    def _digests(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The request's first ``num_blocks`` block digests (computed once per block)."""
+        hashes = req.block_hashes
+        bs = self.block_size
+        toks = req.token_ids
+        while len(hashes) < num_blocks:
+            b = len(hashes)
+            hashes.append(block_digest(hashes[-1] if hashes else b"", toks[b * bs : (b + 1) * bs], req.cache_salt))
+        return hashes[:num_blocks]
+
+    def _register(self, req: Request, full: int) -> None:
+        """Make the request's first ``full`` blocks (computed) findable in the prefix cache."""
+        if full <= req.num_registered or full > len(req.block_ids):
+            return
+        digests = self._digests(req, full)
+        register = self.pool.register
+        for b in range(req.num_registered, full):
+            register(req.block_ids[b], digests[b])
+        req.num_registered = full
