@@ -11,7 +11,8 @@ The contract:
 
 - ``blocks_needed(req, n)``: device blocks ``req`` lacks to compute its next ``n`` tokens,
   counting the copies of the partial prompt block its samples get when they fork in that
-  step. ``allocate_slots`` gives them (it must fit: check ``num_free`` first).
+  step. ``allocate_slots`` gives them (it must fit: check ``num_free`` first);
+  ``take_decode_slot`` is the one-token shortcut, which gives way when no block is free.
 - Admission: ``lookup`` finds the longest cached prefix (never the whole prompt: its last
   token is always computed); ``prefix_in_progress`` says whether the next block of that
   prefix is being computed by a step not yet recorded (async batching), so the request can
@@ -72,9 +73,6 @@ class KVManager:
             need += sum(1 for c in req.children if not c.status.is_terminal)
         return need
 
-    def can_decode(self, req: Request) -> bool:
-        """Whether one more token of ``req`` fits without taking a block from anyone."""
-        return bool(req.num_computed_tokens % self.block_size or self.pool.num_free)
 
     def lookup(self, req: Request) -> list[int]:
         """Cached blocks for the longest known prefix of ``req`` (at least one token is left to
@@ -106,12 +104,18 @@ class KVManager:
         """The step's output was recorded, or it failed, or it ran nothing."""
         self._computing.pop(step_id, None)
 
-    def allocate_decode_slot(self, req: Request, out) -> None:
-        """The block for ``req``'s next token when it starts one (``can_decode`` was true)."""
-        if req.num_computed_tokens % self.block_size == 0:
-            new_block = self.pool.allocate(1)
-            out.block_updates.append((req.row, len(req.block_ids), new_block))
-            req.block_ids.extend(new_block)
+    def take_decode_slot(self, req: Request, out) -> bool:
+        """Room for one more token of ``req`` without taking a block from anyone: a new block when
+        the token starts one (the decode hot path: one call per request per step). False if none
+        is free."""
+        if req.num_computed_tokens % self.block_size:
+            return True
+        new_block = self.pool.allocate(1)
+        if new_block is None:
+            return False
+        out.block_updates.append((req.row, len(req.block_ids), new_block))
+        req.block_ids.extend(new_block)
+        return True
 
     def allocate_slots(self, req: Request, num_new: int, out) -> None:
         """Give ``req`` the blocks it needs for ``num_new`` tokens (they must fit)."""

@@ -274,6 +274,7 @@ class Scheduler:
         preempted_any = False
         scheduled = {id(r) for r in out.requests}
         kv = self.kv
+        fast = self.fast_decode
         # decode fast path: one token, at most one new block, no fork; appended straight to the lists
         requests, rows, num_new_l, start_pos = out.requests, out.rows, out.num_new, out.start_pos
         input_ids, sample_idx, sample_reqs = out.input_ids, out.sample_idx, out.sample_reqs
@@ -285,11 +286,12 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             toks = req.token_ids
-            if self._last_token_in_flight(req):
-                continue  # it finishes when that token arrives
-            todo = len(toks) + req.in_flight - computed
-            if self.fast_decode and todo == 1 and computed >= req.prompt_len and not req.children and kv.can_decode(req):
-                kv.allocate_decode_slot(req, out)
+            in_flight = req.in_flight
+            if in_flight and len(toks) - req.prompt_len + in_flight >= req.max_new_tokens:
+                continue  # its last token is in flight: it finishes when that arrives
+            todo = len(toks) + in_flight - computed
+            if (fast and todo == 1 and computed >= req.prompt_len and not req.children
+                    and kv.take_decode_slot(req, out)):
                 i = len(requests)
                 requests.append(req)
                 rows.append(req.row)
@@ -338,6 +340,7 @@ class Scheduler:
 
     @staticmethod
     def _last_token_in_flight(req: Request) -> bool:
+        # (inlined in _schedule_running's loop, the hot path)
         return bool(req.in_flight) and req.num_generated + req.in_flight >= req.max_new_tokens
 
     def _admit(self, out: SchedulerOutput, budget: int, reserve: int) -> int:
