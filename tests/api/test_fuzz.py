@@ -16,7 +16,9 @@ Invariants, after every round and at the end of the example:
   in the cache) are refused at submit without claiming their request id;
 - every request has exactly one outcome, and a streamed request's deltas add up to it;
 - every greedy request (each of its samples) equals ``model.generate`` on that prompt alone,
-  cut at its first stop token; a cancelled one is a prefix of that;
+  cut at its first stop token (a cancelled one, a prefix of that), except where the
+  reference's two best logits tie to float noise (|gap| < 1e-4): from there the check
+  follows the engine's choice;
 - once all requests ended, no KV block (device or host) is held, and the pool's reference
   counts agree with the running requests (``EngineCore.check_invariants``).
 
@@ -47,6 +49,7 @@ SEED = int(os.environ.get("ACB_FUZZ_SEED", "0"))
 MAX_NEW = 24
 MAX_PROMPT = 56
 VOCAB = 256
+TIE = 1e-4  # two logits closer than this tie to float noise (the model's logits are O(1) to O(10))
 
 try:
     import triton  # noqa: F401
@@ -79,6 +82,32 @@ class Reference:
                     break
             self.cache[key] = toks
         return self.cache[key][:max_new]
+
+    def check(self, prompt: list[int], got: list[int], max_new: int, stop: frozenset[int], min_new: int,
+              finished: bool) -> None:
+        """``got`` equals the greedy continuation of ``prompt`` (a prefix of it if not ``finished``).
+
+        A greedy sequence may leave the reference only where the reference's two best logits
+        tie to float noise (the engine's batch composition changes the last bits of the
+        logits: the README's promise). There the check goes on from the engine's choice.
+        """
+        want = self(prompt, max_new, stop, min_new)
+        i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if i is None:
+            if finished:
+                assert got == want, f"greedy tokens differ from generate alone:\n got  {got}\n want {want}"
+            else:
+                assert len(got) <= len(want), f"greedy tokens run past generate's:\n got  {got}\n want {want}"
+            return
+        with torch.no_grad():
+            logits = self.model(torch.tensor([prompt + got[:i]])).logits[0, -1].double()
+        gap = abs(float(logits[got[i]] - logits[want[i]]))
+        assert gap < TIE, (f"greedy token {i} differs from generate alone, and the logits do not tie "
+                           f"(gap {gap:.3g}):\n got  {got}\n want {want}")
+        if got[i] in stop and i >= min_new:
+            assert got[i + 1:] == [], f"tokens after a stop token: {got}"
+            return
+        self.check(prompt + got[: i + 1], got[i + 1:], max_new - i - 1, stop, max(0, min_new - i - 1), finished)
 
 
 def random_config(rng: random.Random) -> dict:
@@ -223,11 +252,7 @@ def check(t: Tracked, ref: Reference, max_len: int) -> None:
         if sp.temperature:
             continue
         stop = frozenset() if sp.ignore_eos else frozenset(sp.stop_token_ids or ())
-        want = ref(t.prompt, max_new, stop, sp.min_new_tokens or 0)
-        if s.status == acb.RequestStatus.FINISHED:
-            assert toks == want, f"greedy tokens differ from generate alone:\n got  {toks}\n want {want}"
-        else:
-            assert toks == want[: len(toks)], f"cancelled greedy tokens are not a prefix:\n got  {toks}\n want {want}"
+        ref.check(t.prompt, toks, max_new, stop, sp.min_new_tokens or 0, s.status == acb.RequestStatus.FINISHED)
 
 
 async def run_example(seed: int, model, ref: Reference) -> dict:
@@ -286,7 +311,8 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
         try:
             check(t, ref, max_len)
         except AssertionError as exc:
-            raise AssertionError(f"request {i} ({t.mode}, prompt of {len(t.prompt)}, {t.sp}): {exc}") from None
+            raise AssertionError(f"request {i} ({t.mode}, prompt {t.prompt}, {t.sp}, "
+                                 f"{t.output.num_preemptions if t.output else '?'} preemptions): {exc}") from None
     return dict(requests=len(tracked), preemptions=stats.preemptions, swapped_out=stats.swapped_out_blocks,
                 steps=stats.steps)
 
