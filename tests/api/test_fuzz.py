@@ -44,6 +44,9 @@ import torch  # noqa: E402
 import acb  # noqa: E402
 from tests.conftest import get_model  # noqa: E402
 
+# the interpreter's own numpy deprecation noise, in the programs that run the graphs' CPU twin
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")
+
 EXAMPLES = int(os.environ.get("ACB_FUZZ_EXAMPLES", "10"))
 SEED = int(os.environ.get("ACB_FUZZ_SEED", "0"))
 MAX_NEW = 24
