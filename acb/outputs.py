@@ -112,3 +112,4 @@ class StreamDelta:
     output: GenerationOutput | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     sample_index: int = 0  # which sample the tokens belong to (n > 1)
+    text: str | None = None  # the text these tokens complete (the engine needs a tokenizer)

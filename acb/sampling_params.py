@@ -61,6 +61,8 @@ class SamplingParams:
         logprobs_mode: ``"raw"``: log-softmax of the model's logits before any processing;
             ``"processed"``: log-softmax of the logits the token was drawn from (after bias,
             penalties and, when sampling, temperature and truncation).
+        skip_special_tokens: leave special tokens out of the streamed and final text (default
+            True; the engine needs a tokenizer for text).
     """
 
     max_new_tokens: int | None = None
@@ -81,6 +83,7 @@ class SamplingParams:
     n: int | None = None
     logprobs: int | None = None
     logprobs_mode: str | None = None
+    skip_special_tokens: bool | None = None
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -154,6 +157,8 @@ class SamplingParams:
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.skip_special_tokens is not None and not isinstance(self.skip_special_tokens, bool):
+            raise TypeError(f"skip_special_tokens must be a bool, got {type(self.skip_special_tokens).__name__}")
 
     def merged_over(self, defaults: "SamplingParams") -> "SamplingParams":
         """These params with every ``None`` field taken from ``defaults``."""

@@ -42,10 +42,11 @@ class AsyncEngine(EngineBase):
 
     # --------------------------------------------------------------- submit
     def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None,
-              record_timestamps: bool, cache_salt: str | None):
+              record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None):
         loop = asyncio.get_running_loop()
         return self.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
-                                 request_id=request_id, record_timestamps=record_timestamps, cache_salt=cache_salt)
+                                 request_id=request_id, record_timestamps=record_timestamps, cache_salt=cache_salt,
+                                 chat_template_kwargs=chat_template_kwargs)
 
     def _handle(self, req: Any) -> RequestHandle:
         self.admit(req)
@@ -59,13 +60,17 @@ class AsyncEngine(EngineBase):
         request_id: str | None = None,
         record_timestamps: bool = False,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestHandle:
         """Validate and admit a request; waits while ``max_queue_size`` requests are waiting.
 
-        Raises ``ValueError``/``TypeError`` for bad input (nothing else is affected).
+        ``prompt_ids``: token ids, or (with a tokenizer) a string or a chat (a list of
+        ``{"role", "content"}`` messages, rendered with the tokenizer's chat template and
+        ``chat_template_kwargs``). Raises ``ValueError``/``TypeError`` for bad input (nothing
+        else is affected).
         ``cache_salt`` keeps the request's prefix-cache entries apart from other salts'.
         """
-        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt)
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
         try:
             await self.gate.acquire()
         except BaseException:
@@ -81,12 +86,13 @@ class AsyncEngine(EngineBase):
         request_id: str | None = None,
         record_timestamps: bool = False,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting.
 
         Must be called from a running event loop (the handle belongs to it).
         """
-        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt)
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
         if not self.gate.try_acquire():
             self.abandon(req)
             raise QueueFullError(f"{self.gate.limit} requests are already waiting (max_queue_size)")

@@ -19,17 +19,18 @@ import operator
 import random
 import threading
 from collections.abc import Mapping, Set
-from dataclasses import replace
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Callable
 
 from acb.api.handles import AdmissionGate, deliver
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.engine_core import EngineCore, EngineStats
 from acb.core.request import Request, RequestGroup
-from acb.errors import EngineNotRunningError
 from acb.core.stop_strings import StopStrings
+from acb.errors import EngineNotRunningError
 from acb.sampling_params import FALLBACK, SamplingParams
+from acb.text import IncrementalDetokenizer, encode_prompt, text_tokenizer
 
 logger = logging.getLogger("acb")
 
@@ -197,6 +198,29 @@ class EngineBase:
         """Counters and gauges, as of the last step."""
         return self.core.stats if self.core is not None else EngineStats()
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        config: ContinuousBatchingConfig | None = None,
+        *,
+        dtype: Any = "auto",
+        device: Any = None,
+        tokenizer: Any = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """An engine (not started) for a checkpoint: the model, its tokenizer and its generation
+        config, loaded by transformers from a local directory or a hub id. ``device``: where the
+        model goes (``"cuda"``, ``"cpu"``...); ``model_kwargs`` go to ``from_pretrained``."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        if device is not None:
+            model = model.to(device)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model.eval(), config, getattr(model, "generation_config", None), tokenizer=tokenizer)
+
     def call(self, fn: Callable[[EngineCore], Any]) -> Future:
         """Run ``fn(core)`` on the engine thread between steps; returns a ``concurrent.futures.Future``."""
         core = self.core
@@ -218,6 +242,7 @@ class EngineBase:
         request_id: str | None = None,
         record_timestamps: bool = False,
         cache_salt: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Request:
         """Validate one submit and build its Request, whose results go to
         ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``). Everything is checked
@@ -228,7 +253,7 @@ class EngineBase:
         if core is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
         core.check_alive()
-        ids = as_token_list(prompt_ids)
+        ids = as_token_list(encode_prompt(self.tokenizer, prompt_ids, chat_template_kwargs))
         if not ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
         vocab = core.runner.vocab_size
@@ -303,6 +328,9 @@ class EngineBase:
                 raise ValueError(f"request id {mid!r} (sample of {request_id!r}) is already live")
         try:
             sink = sink_factory(request_id)
+            if self.tokenizer is not None:  # text for the stream and the output, decoded on the consumer's side
+                skip = params.skip_special_tokens is not False
+                sink.state.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip) for _ in range(n)]
             members = []
             for i, mid in enumerate(member_ids):
                 req = Request(
@@ -319,7 +347,7 @@ class EngineBase:
                     sink=sink,
                 )
                 if params.stop:
-                    req.stop_checker = StopStrings(self.tokenizer, params.stop)
+                    req.stop_checker = StopStrings(text_tokenizer(self.tokenizer), params.stop)
                 if cache_salt:
                     req.cache_salt = cache_salt.encode()
                 members.append(req)

@@ -72,10 +72,13 @@ class Engine(EngineBase):
         record_timestamps: bool = False,
         timeout: float | None = None,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> SyncRequestHandle:
-        """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting."""
+        """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting.
+        Prompts as for :meth:`acb.AsyncEngine.submit` (ids, or text and chats with a tokenizer)."""
         return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
-                            record_timestamps=record_timestamps, cache_salt=cache_salt)
+                            record_timestamps=record_timestamps, cache_salt=cache_salt,
+                            chat_template_kwargs=chat_template_kwargs)
 
     def submit_nowait(
         self,
@@ -85,10 +88,12 @@ class Engine(EngineBase):
         request_id: str | None = None,
         record_timestamps: bool = False,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> SyncRequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting."""
         return self._submit(prompt_ids, sampling, False, None, request_id=request_id,
-                            record_timestamps=record_timestamps, cache_salt=cache_salt)
+                            record_timestamps=record_timestamps, cache_salt=cache_salt,
+                            chat_template_kwargs=chat_template_kwargs)
 
     def generate(self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any) -> GenerationOutput:
         return self.submit(prompt_ids, sampling, **kwargs).result()
@@ -113,6 +118,7 @@ def generate_batch(
     progress_bar: bool = True,
     sampling: SamplingParams | None = None,
     max_new_tokens: int | None = None,
+    tokenizer: Any = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt in ``inputs`` with continuous batching; block until all are done.
@@ -133,7 +139,7 @@ def generate_batch(
         return {}
     if max_new_tokens is not None:
         sampling = SamplingParams(max_new_tokens=max_new_tokens).merged_over(sampling or SamplingParams())
-    engine = Engine(model, continuous_batching_config, generation_config)
+    engine = Engine(model, continuous_batching_config, generation_config, tokenizer=tokenizer)
     done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     n = len(inputs)
     engine.start()

@@ -21,6 +21,7 @@ from acb.core.engine_core import Delivery
 from acb.errors import EngineDeadError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, StreamDelta
 from acb.telemetry import record_request
+from acb.text import IncrementalDetokenizer
 
 logger = logging.getLogger("acb")
 
@@ -40,12 +41,16 @@ WAIT = object()  # poll(): nothing new yet
 class _Unread:
     """What one sample's consumer has not read yet: steps coalesce here when it is slow."""
 
-    __slots__ = ("token_ids", "logprobs", "top")
+    __slots__ = ("token_ids", "logprobs", "top", "text")
 
     def __init__(self, d: Delivery) -> None:
         self.token_ids = list(d.token_ids)
         self.logprobs = None if d.logprobs is None else list(d.logprobs)
         self.top = None if d.top is None else list(d.top)
+        self.text: str | None = None
+
+    def add_text(self, piece: str) -> None:
+        self.text = piece if self.text is None else self.text + piece
 
     def extend(self, d: Delivery) -> None:
         self.token_ids.extend(d.token_ids)
@@ -58,23 +63,56 @@ class _Unread:
 class _SinkState:
     """Tokens not yet read by the consumer (per sample, for n > 1), and the final output once known."""
 
-    __slots__ = ("request_id", "unread", "final", "stream_done")
+    __slots__ = ("request_id", "unread", "final", "stream_done", "detokenizers")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.unread: dict[int, _Unread] = {}  # sample index -> what its consumer has not read
         self.final: GenerationOutput | None = None
         self.stream_done = False  # the final delta (or the failure) was handed out
+        # one per sample when the engine has a tokenizer: the text of the stream and the output
+        self.detokenizers: list[IncrementalDetokenizer] | None = None
 
     def add(self, d: Delivery) -> None:
         if d.token_ids:
             slot = self.unread.get(d.sample_index)
             if slot is None:
-                self.unread[d.sample_index] = _Unread(d)
+                slot = self.unread[d.sample_index] = _Unread(d)
             else:
                 slot.extend(d)
+            if self.detokenizers is not None:
+                try:
+                    slot.add_text(self.detokenizers[d.sample_index].push(d.token_ids))
+                except Exception:  # noqa: BLE001 - a tokenizer that cannot decode must not lose the result
+                    self._drop_text()
         if d.final is not None:
+            if self.detokenizers is not None:
+                try:
+                    self._finish_text(d.final)
+                except Exception:  # noqa: BLE001
+                    self._drop_text()
             self.final = d.final
+
+    def _drop_text(self) -> None:
+        logger.warning("acb: request %r: decoding its text failed; its deltas and output carry no more text",
+                       self.request_id, exc_info=True)
+        self.detokenizers = None
+
+    def _finish_text(self, final: GenerationOutput) -> None:
+        """Flush each sample's held-back text into the stream, and give the output its text (the
+        stop-string cut, when a stop string ended it, is kept)."""
+        samples = final.samples
+        for i, detok in enumerate(self.detokenizers):
+            piece = detok.flush()
+            if piece:
+                slot = self.unread.get(i)
+                if slot is None:
+                    slot = self.unread[i] = _Unread(Delivery(None, []))
+                slot.add_text(piece)
+            if samples is not None and i < len(samples) and samples[i].text is None:
+                samples[i].text = detok.text
+        if final.text is None:
+            final.text = self.detokenizers[0].text
 
     def take(self) -> StreamDelta | None:
         """The coalesced delta of one sample since the last take, or None if there is nothing new.
@@ -84,7 +122,7 @@ class _SinkState:
             u = self.unread.pop(sample)
             last = self.final is not None and not self.unread
             return StreamDelta(self.request_id, u.token_ids, u.logprobs, last, self.final if last else None, u.top,
-                               sample)
+                               sample, u.text)
         if self.final is None:
             return None
         return StreamDelta(self.request_id, [], None, True, self.final)

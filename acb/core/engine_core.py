@@ -353,13 +353,22 @@ class EngineCore:
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
         self._generated += len(progressed)
         items: list[Delivery] = []
+        ended: list[Request] = []
         for req in progressed:
             lp = top = None
             if req.want_logprobs:
                 lp = [req.logprobs[-1]]
                 top = [req.top_logprobs[-1]] if req.top_logprobs else None
-            final = self._final_of(req) if req.status.is_terminal else None
-            items.append(Delivery(req.sink, [req.token_ids[-1]], lp, top, req.sample_index, final))
+            items.append(Delivery(req.sink, [req.token_ids[-1]], lp, top, req.sample_index))
+            if req.status.is_terminal:
+                ended.append(req)
+        if ended:  # an outcome rides on its sink's last item of the step (after every sample's token)
+            last = {id(d.sink): i for i, d in enumerate(items)}
+            for req in ended:
+                final = self._final_of(req)
+                if final is not None:
+                    i = last[id(req.sink)]
+                    items[i] = items[i]._replace(final=final)
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
         tm = self.timing

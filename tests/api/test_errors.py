@@ -26,7 +26,7 @@ async def test_bad_inputs_rejected_others_unaffected(model):
             (([5, 256],), {}, ValueError, r"prompt_ids\[1\] = 256 is outside the model's vocabulary \[0, 256\)"),
             (([5, -1],), {}, ValueError, "outside the model's vocabulary"),
             ((list(range(3, 200)),), {}, ValueError, "can never fit"),
-            (("hello",), {}, TypeError, "not text"),
+            (("hello",), {}, TypeError, "the prompt is text, but the engine has no tokenizer"),
             (([1.5, 2],), {}, TypeError, "must hold ints"),
             (([1, 2],), {"request_id": good.request_id}, ValueError, "already used by a live request"),
             (([1, 2], "greedy"), {}, TypeError, "SamplingParams"),

@@ -1,0 +1,108 @@
+"""The tokenizer side: prompts as text or chats, and streaming detokenization.
+
+The engine core only ever sees token ids. This module turns what a user submits into ids
+(:func:`encode_prompt`) and the ids a request generates back into text, a few tokens at a
+time (:class:`IncrementalDetokenizer`), for the stream deltas and the final output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# what a chat message looks like: {"role": ..., "content": ...}
+_CHAT_KEYS = {"role", "content"}
+
+
+def text_tokenizer(tokenizer: Any) -> Any:
+    """The text tokenizer of a tokenizer or a processor that wraps one (``processor.tokenizer``)."""
+    if tokenizer is None:
+        return None
+    inner = getattr(tokenizer, "tokenizer", None)
+    return inner if inner is not None and hasattr(inner, "decode") else tokenizer
+
+
+def is_chat(prompt: Any) -> bool:
+    """A chat: a non-empty list of ``{"role", "content"}`` mappings."""
+    return (isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)) and len(prompt) > 0
+            and all(isinstance(m, Mapping) and _CHAT_KEYS <= set(m) for m in prompt))
+
+
+def encode_prompt(tokenizer: Any, prompt: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Token ids for a text or chat prompt; anything else is returned as it is (ids, checked later).
+
+    Text is tokenized as transformers does by default (with the model's special tokens); a
+    chat is rendered with the tokenizer's chat template, ``add_generation_prompt=True``.
+    """
+    text_like = isinstance(prompt, str) or is_chat(prompt)
+    if not text_like:
+        return prompt
+    if tokenizer is None:
+        kind = "text" if isinstance(prompt, str) else "a chat"
+        raise TypeError(
+            f"the prompt is {kind}, but the engine has no tokenizer: pass tokenizer=... to the engine "
+            "(or use Engine.from_pretrained / AsyncEngine.from_pretrained), or submit token ids"
+        )
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is an empty string: a request needs at least one prompt token")
+        return list(text_tokenizer(tokenizer)(prompt)["input_ids"])
+    kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
+    if getattr(text_tokenizer(tokenizer), "chat_template", None) is None and getattr(
+            tokenizer, "chat_template", None) is None:
+        raise ValueError("the prompt is a chat, but the tokenizer has no chat template (set tokenizer.chat_template)")
+    ids = tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=True, **kwargs)
+    if isinstance(ids, Mapping):  # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, in pieces: amortised O(new tokens) per step.
+
+    Each call decodes only a short window: the tokens from the last emitted boundary's
+    predecessor on, and the same window without the new tokens; the difference is the new
+    text. Starting both decodes at the same earlier token keeps tokenizers whose decode of a
+    token depends on its neighbour (SentencePiece's leading space) right, and text that ends in
+    an incomplete UTF-8 character (U+FFFD) is held back until the character is complete, so a
+    byte-level emoji split over tokens comes out whole. ``flush`` at the end emits whatever is
+    left, so the pieces always add up to ``decode(all ids)``.
+    """
+
+    __slots__ = ("tokenizer", "skip_special_tokens", "ids", "prefix", "read", "text")
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = text_tokenizer(tokenizer)
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # the window's first token (context for the first new one)
+        self.read = 0  # tokens whose text has been emitted
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add tokens; return the text they complete (possibly empty)."""
+        self.ids.extend(new_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the very end)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.read >= len(self.ids):
+            return ""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""  # nothing printable yet, or a character still incomplete
+        piece = after[len(before) :]
+        # the next window starts where this piece did: its tokens are the context of the next ones
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += piece
+        return piece
