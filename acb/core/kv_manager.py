@@ -55,10 +55,6 @@ class KVManager:
         return self.pool.num_free
 
     @property
-    def num_usable(self) -> int:
-        return self.pool.num_usable
-
-    @property
     def host_blocks_held(self) -> int:
         """Offload blocks held by requests (those read by the last step's swap-ins count as free)."""
         if self.swap is None:
