@@ -15,7 +15,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypedDict
 
 DEFAULT_MAX_NEW_TOKENS = 128
 LOGPROBS_MODES = ("raw", "processed")
@@ -223,6 +223,62 @@ class SamplingParams:
             stop_token_ids=stop,
             n=int(get("num_return_sequences") or 1),
         )
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """The fields of :class:`SamplingParams`, as keyword arguments of ``submit``, ``generate``
+    and ``generate_batch`` (``engine.generate(ids, max_new_tokens=8, temperature=0.7)``)."""
+
+    max_new_tokens: int
+    min_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: Mapping[int, float]
+    stop_token_ids: int | tuple[int, ...] | list[int]
+    ignore_eos: bool
+    stop: str | tuple[str, ...] | list[str]
+    seed: int
+    n: int
+    logprobs: int
+    logprobs_mode: str
+    skip_special_tokens: bool
+
+
+# Names other libraries use for a field, for the error that refuses them.
+_OTHER_NAMES = {
+    "max_tokens": "max_new_tokens",  # vLLM, OpenAI
+    "min_tokens": "min_new_tokens",  # vLLM
+    "num_return_sequences": "n",  # transformers
+    "eos_token_id": "stop_token_ids",  # transformers
+    "stop_strings": "stop",  # transformers
+    "top_logprobs": "logprobs",  # OpenAI
+}
+
+
+def with_overrides(method: str, sampling: SamplingParams | None, overrides: Mapping[str, Any]) -> SamplingParams | None:
+    """``sampling`` (or the defaults) with the sampling keyword arguments ``method`` was called
+    with laid over it: ``engine.generate(ids, temperature=0.7)``. Errors name ``method``."""
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(f"{method}(): sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}")
+    if not overrides:
+        return sampling
+    names = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        hints = [f"{k!r} is called {_OTHER_NAMES[k]!r} here" for k in unknown if k in _OTHER_NAMES]
+        raise TypeError(f"{method}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}"
+                        + (f" ({'; '.join(hints)})" if hints else "")
+                        + "; sampling keywords are the fields of acb.SamplingParams")
+    try:
+        return replace(sampling or SamplingParams(), **overrides)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{method}(): {exc}") from None
 
 
 # What a request gets when neither it nor the engine's generation config says otherwise.

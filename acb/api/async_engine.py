@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from acb.api.base import EngineBase
 from acb.api.handles import AsyncSink, RequestHandle
 from acb.errors import QueueFullError
 from acb.outputs import GenerationOutput
-from acb.sampling_params import SamplingParams
+from acb.sampling_params import SamplingParams, with_overrides
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from acb.sampling_params import SamplingKwargs
 
 
 class AsyncEngine(EngineBase):
@@ -61,6 +66,7 @@ class AsyncEngine(EngineBase):
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> RequestHandle:
         """Validate and admit a request; waits while ``max_queue_size`` requests are waiting.
 
@@ -69,7 +75,10 @@ class AsyncEngine(EngineBase):
         ``chat_template_kwargs``). Raises ``ValueError``/``TypeError`` for bad input (nothing
         else is affected).
         ``cache_salt`` keeps the request's prefix-cache entries apart from other salts'.
+        Sampling keywords (``max_new_tokens=8, temperature=0.7``, the fields of
+        :class:`SamplingParams`) override those of ``sampling``.
         """
+        sampling = with_overrides("submit", sampling, sampling_kwargs)
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
         try:
             await self.gate.acquire()
@@ -87,11 +96,13 @@ class AsyncEngine(EngineBase):
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> RequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting.
 
         Must be called from a running event loop (the handle belongs to it).
         """
+        sampling = with_overrides("submit_nowait", sampling, sampling_kwargs)
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
         if not self.gate.try_acquire():
             self.abandon(req)
@@ -99,10 +110,20 @@ class AsyncEngine(EngineBase):
         return self._handle(req)
 
     async def generate(
-        self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+        cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> GenerationOutput:
-        """Submit and await the final output in one call."""
-        handle = await self.submit(prompt_ids, sampling, **kwargs)
+        """Submit and await the final output in one call (arguments as for :meth:`submit`)."""
+        sampling = with_overrides("generate", sampling, sampling_kwargs)
+        handle = await self.submit(prompt_ids, sampling, request_id=request_id, record_timestamps=record_timestamps,
+                                   cache_salt=cache_salt, chat_template_kwargs=chat_template_kwargs)
         return await handle.result()
 
 

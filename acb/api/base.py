@@ -32,7 +32,7 @@ from acb.errors import EngineNotRunningError
 from acb.sampling_params import FALLBACK, SamplingParams
 from acb.text import IncrementalDetokenizer, encode_prompt, text_tokenizer
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 
 def as_token_list(prompt_ids: Any) -> list[int]:
@@ -382,7 +382,7 @@ class EngineBase:
         """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
         core = self.core
         if core is None or not core.is_live(request_id):
-            logger.info("acb: cancel(%r): no live request with that id; nothing to do", request_id)
+            logger.info("cancel(%r): no live request with that id; nothing to do", request_id)
             return False
         core.cancel(request_id)
         return True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from acb.api.base import EngineBase
 from acb.api.handles import SyncRequestHandle, ThreadSink
@@ -16,9 +16,14 @@ from acb.config import ContinuousBatchingConfig
 from acb.core.request import Request
 from acb.errors import AcbError, QueueFullError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus
-from acb.sampling_params import SamplingParams
+from acb.sampling_params import SamplingParams, with_overrides
 
-logger = logging.getLogger("acb")
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from acb.sampling_params import SamplingKwargs
+
+logger = logging.getLogger(__name__)
 
 
 class Engine(EngineBase):
@@ -73,9 +78,11 @@ class Engine(EngineBase):
         timeout: float | None = None,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> SyncRequestHandle:
         """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting.
-        Prompts as for :meth:`acb.AsyncEngine.submit` (ids, or text and chats with a tokenizer)."""
+        Prompts and sampling keywords as for :meth:`acb.AsyncEngine.submit`."""
+        sampling = with_overrides("submit", sampling, sampling_kwargs)
         return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
                             record_timestamps=record_timestamps, cache_salt=cache_salt,
                             chat_template_kwargs=chat_template_kwargs)
@@ -89,23 +96,38 @@ class Engine(EngineBase):
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> SyncRequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting."""
+        sampling = with_overrides("submit_nowait", sampling, sampling_kwargs)
         return self._submit(prompt_ids, sampling, False, None, request_id=request_id,
                             record_timestamps=record_timestamps, cache_salt=cache_salt,
                             chat_template_kwargs=chat_template_kwargs)
 
-    def generate(self, prompt_ids: Any, sampling: SamplingParams | None = None, **kwargs: Any) -> GenerationOutput:
-        return self.submit(prompt_ids, sampling, **kwargs).result()
+    def generate(
+        self,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+        timeout: float | None = None,
+        cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **sampling_kwargs: Unpack[SamplingKwargs],
+    ) -> GenerationOutput:
+        """Submit and wait for the final output in one call (arguments as for :meth:`submit`;
+        ``timeout`` bounds the wait for a queue slot)."""
+        sampling = with_overrides("generate", sampling, sampling_kwargs)
+        return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
+                            record_timestamps=record_timestamps, cache_salt=cache_salt,
+                            chat_template_kwargs=chat_template_kwargs).result()
 
     def reset_prefix_cache(self, timeout: float | None = None) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
         requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
         return self._reset_prefix_cache_future().result(timeout)
 
-
-
-_IGNORED_TRANSFORMERS_KWARGS = ("persistent_manager", "warmup")
 
 
 def generate_batch(
@@ -116,10 +138,12 @@ def generate_batch(
     *,
     record_timestamps: bool = False,
     progress_bar: bool = True,
+    persistent_manager: bool = False,
+    warmup: bool = True,
     sampling: SamplingParams | None = None,
     max_new_tokens: int | None = None,
     tokenizer: Any = None,
-    **kwargs: Any,
+    **kwargs: Unpack[SamplingKwargs],
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt in ``inputs`` with continuous batching; block until all are done.
 
@@ -127,18 +151,17 @@ def generate_batch(
     transformers' ``generate_batch``). A request that fails keeps its place with
     ``status == FAILED`` and ``error`` set. Every input is validated before any runs.
     ``persistent_manager`` and ``warmup`` (transformers' arguments) are accepted and have no
-    effect. A tqdm bar shows requests done and output tokens/s.
+    effect. Sampling keywords (``temperature=0.7``, the fields of :class:`SamplingParams`)
+    override those of ``sampling`` for every prompt. A tqdm bar shows requests done and output
+    tokens/s.
     """
-    for k in list(kwargs):
-        if k in _IGNORED_TRANSFORMERS_KWARGS:
-            kwargs.pop(k)
-    if kwargs:
-        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
+    del persistent_manager, warmup  # transformers' knobs: acb's engine needs neither
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
+    sampling = with_overrides("generate_batch", sampling, kwargs)
     inputs = _prompt_list(inputs)
     if not inputs:
         return {}
-    if max_new_tokens is not None:
-        sampling = SamplingParams(max_new_tokens=max_new_tokens).merged_over(sampling or SamplingParams())
     engine = Engine(model, continuous_batching_config, generation_config, tokenizer=tokenizer)
     done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     n = len(inputs)

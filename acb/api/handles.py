@@ -23,7 +23,7 @@ from acb.outputs import FailureKind, GenerationOutput, RequestStatus, StreamDelt
 from acb.telemetry import record_request
 from acb.text import IncrementalDetokenizer
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 
 def _error_of(out: GenerationOutput) -> Exception | None:
@@ -94,7 +94,7 @@ class _SinkState:
             self.final = d.final
 
     def _drop_text(self) -> None:
-        logger.warning("acb: request %r: decoding its text failed; its deltas and output carry no more text",
+        logger.warning("request %r: decoding its text failed; its deltas and output carry no more text",
                        self.request_id, exc_info=True)
         self.detokenizers = None
 
@@ -276,7 +276,7 @@ def _call_back(fn: Callable[..., Any], request_id: str, *args: Any) -> None:
     try:
         fn(*args)
     except Exception:  # noqa: BLE001
-        logger.exception("acb: a result callback for request %r raised", request_id)
+        logger.exception("a result callback for request %r raised", request_id)
 
 
 def _push_all(batch: list[Delivery]) -> None:

@@ -30,7 +30,7 @@ from acb.config import ContinuousBatchingConfig
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 # per-request processor arguments (transformers' logit_processor_kwargs) acb maps onto SamplingParams
 _PROCESSOR_KWARGS = {
@@ -58,7 +58,7 @@ class _OutputRouter:
         try:
             loop.call_soon_threadsafe(callback, out)
         except RuntimeError:
-            logger.warning("acb: result handler loop for %r is closed; output dropped", out.request_id)
+            logger.warning("result handler loop for %r is closed; output dropped", out.request_id)
 
     def get(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -131,7 +131,7 @@ class ContinuousBatchingManager:
 
     def start(self) -> None:
         if self.is_running():
-            logger.warning("acb: manager is already running")
+            logger.warning("manager is already running")
             return
         self._engine.start()
 
@@ -146,7 +146,7 @@ class ContinuousBatchingManager:
         ``hard_stop`` cancels them instead. ``keep_for_next_session`` is accepted; a stopped acb
         manager can always be started again."""
         if self._engine.core is None:
-            logger.warning("acb: manager not started")
+            logger.warning("manager not started")
             return
         self._engine.stop(drain=not hard_stop, timeout=timeout if block else 0)
 
@@ -181,7 +181,7 @@ class ContinuousBatchingManager:
             if not self.continuous_batching_config.per_request_processors:
                 # transformers' meaning: without per_request_processors every request uses the defaults
                 warnings.warn(
-                    f"acb: per-request processor arguments {sorted(logit_processor_kwargs)} are ignored because "
+                    f"per-request processor arguments {sorted(logit_processor_kwargs)} are ignored because "
                     "ContinuousBatchingConfig.per_request_processors is False", stacklevel=2,
                 )
             else:

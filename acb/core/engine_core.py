@@ -28,7 +28,7 @@ from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 class Delivery(NamedTuple):
     """One request's results of one step, handed from the engine thread to the request's sink.
@@ -237,7 +237,7 @@ class EngineCore:
                 try:
                     self.on_exit()
                 except Exception:  # noqa: BLE001
-                    logger.exception("acb: error while shutting the engine down")
+                    logger.exception("error while shutting the engine down")
 
     def _drain_inbox(self) -> None:
         inbox = self._inbox
@@ -328,7 +328,7 @@ class EngineCore:
         return (sched, handle, t1 - t0, getattr(self.runner, "last_stage_s", 0.0), t2 - t1)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
-        logger.error("acb: step %d failed; failing its %d requests", sched.step_id, sched.num_seqs,
+        logger.error("step %d failed; failing its %d requests", sched.step_id, sched.num_seqs,
                      exc_info=exc)
         msg = f"{type(exc).__name__}: {exc}"
         self.scheduler.abandon_step(sched.step_id)
@@ -447,14 +447,14 @@ class EngineCore:
         try:
             self.scheduler.release_all()
         except BaseException:  # noqa: BLE001
-            logger.exception("acb: could not release the dead engine's KV blocks")
+            logger.exception("could not release the dead engine's KV blocks")
         with self._lock:
             self._live_ids.clear()
         for req in reqs + queued_adds:
             try:
                 final = self._final_of(req)
             except BaseException:  # noqa: BLE001
-                logger.exception("acb: could not build the failed output of %r", req.request_id)
+                logger.exception("could not build the failed output of %r", req.request_id)
                 final = GenerationOutput(request_id=req.group.request_id if req.group else req.request_id,
                                          prompt_ids=req.token_ids[: req.prompt_len], status=RequestStatus.FAILED,
                                          finish_reason=FinishReason.ERROR, error=msg,
@@ -464,7 +464,7 @@ class EngineCore:
             try:
                 self._deliver([Delivery(req.sink, [], final=final)])
             except BaseException:  # noqa: BLE001
-                logger.exception("acb: could not deliver the failure of %r after the engine died", req.request_id)
+                logger.exception("could not deliver the failure of %r after the engine died", req.request_id)
 
     def _publish_stats(self) -> None:
         """A new snapshot: the scheduler's counters as they are (same names), and the engine's own."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus, SampleOutput
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 
 class Request:
@@ -148,7 +148,7 @@ class Request:
         try:
             return self.stop_checker.text(self)
         except Exception:  # noqa: BLE001
-            logger.warning("acb: request %r: decoding its output text failed", self.request_id, exc_info=True)
+            logger.warning("request %r: decoding its output text failed", self.request_id, exc_info=True)
             return None
 
     def __repr__(self) -> str:

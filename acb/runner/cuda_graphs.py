@@ -32,7 +32,7 @@ import torch
 from acb.runner.attention import BatchInputs, StepContext
 from acb.runner.input_batch import PreparedBatch
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 IDS, POS, SLOT, LEN, ROW = range(5)
 
@@ -150,7 +150,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(r.device)
             self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
         self.capture_s = time.perf_counter() - t0
-        logger.info("acb: captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB",
+        logger.info("captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB",
                     len(self.graphs), self.sizes, self.capture_s, self.capture_bytes / 2**20)
 
     # ------------------------------------------------------------------ replay

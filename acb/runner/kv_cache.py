@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

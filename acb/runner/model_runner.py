@@ -30,7 +30,7 @@ from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, Sta
 from acb.runner.kv_cache import KVCache, KVSpec, size_kv_cache, total_host_memory
 from acb.runner.sampler import SamplingState, sample
 
-logger = logging.getLogger("acb")
+logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 DEFAULT_BLOCK_SIZE = 32
@@ -113,7 +113,7 @@ def default_backend(device: torch.device, dtype: torch.dtype, block_size: int | 
             return "flash_attn"
         if importlib.util.find_spec("triton") is not None:
             return "triton"
-        logger.warning("acb: triton is not installed; using the torch attention backend on CUDA")
+        logger.warning("triton is not installed; using the torch attention backend on CUDA")
     return "torch"
 
 
@@ -192,7 +192,7 @@ def _decode_graph_flag(use_cuda_graph: bool | tuple[bool, bool] | None) -> bool 
     """transformers' ``use_cuda_graph`` (a bool for both paths, or (varlen, decode)) -> the decode flag."""
     if isinstance(use_cuda_graph, tuple):
         if use_cuda_graph[0]:
-            logger.warning("acb: CUDA graphs for mixed (varlen) steps are not used: acb runs them eagerly "
+            logger.warning("CUDA graphs for mixed (varlen) steps are not used: acb runs them eagerly "
                            "and replays graphs for decode-only steps")
         return use_cuda_graph[1]
     return use_cuda_graph
@@ -289,7 +289,7 @@ class ModelRunner:
         _ATTN_SWAP.acquire(model)
         self._holds_attn = True
         logger.info(
-            "acb: %d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
+            "%d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
             "max_model_len=%d, offload space %d blocks, backend=%s, decode graphs=%s, device=%s",
             self.cfg.num_blocks, self.cfg.block_size, self.cfg.kv_cache_bytes / 2**20, self.cfg.max_batch_tokens,
             self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
@@ -313,7 +313,7 @@ class ModelRunner:
             if problem is None:
                 return backend
             fallback = "triton" if name == "flash_attn" else "torch"
-            logger.warning("acb: the %s attention backend failed its start-up check (%s); falling back to %s",
+            logger.warning("the %s attention backend failed its start-up check (%s); falling back to %s",
                            name, problem, fallback)
             name = fallback
             self.cfg = dataclasses.replace(self.cfg, attn_backend=name)
@@ -327,11 +327,11 @@ class ModelRunner:
         if asked is None:
             return self.device.type == "cuda" and ok
         if asked and not ok:
-            logger.warning("acb: use_cuda_graph is ignored: the %r attention backend sizes its work from host "
+            logger.warning("use_cuda_graph is ignored: the %r attention backend sizes its work from host "
                            "values each step, so it cannot be captured (use 'triton' or 'flash_attn')", self.backend.name)
             return False
         if asked and self.device.type != "cuda":
-            logger.info("acb: use_cuda_graph on %s runs the eager twin of the decode graphs (static buffers and "
+            logger.info("use_cuda_graph on %s runs the eager twin of the decode graphs (static buffers and "
                         "padding, no capture)", self.device)
         return asked
 
@@ -358,8 +358,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self._graphs_requested:
-            raise RuntimeError(f"acb: capturing the decode CUDA graphs failed: {problem}")
-        logger.warning("acb: decode CUDA graphs disabled, their capture or check failed (%s)", problem)
+            raise RuntimeError(f"capturing the decode CUDA graphs failed: {problem}")
+        logger.warning("decode CUDA graphs disabled, their capture or check failed (%s)", problem)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=False)
 
     def close(self) -> None:
