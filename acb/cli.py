@@ -1,8 +1,10 @@
 """The ``acb`` command line.
 
 ``acb generate`` runs a batch of prompts through the continuous-batching engine and writes
-one JSON line per request. Subcommands are ``argparse`` subparsers, so more (``acb bench``)
-can be added next to it with :func:`_add_generate`'s pattern.
+one JSON line per request, as results come in (in input order), to a file or to stdout.
+Ctrl-C stops it cleanly: what has finished is written, the rest is cancelled, exit 130.
+Subcommands are ``argparse`` subparsers, so more (``acb bench``) can be added next to it
+with :func:`_add_generate`'s pattern.
 """
 
 from __future__ import annotations
@@ -11,13 +13,23 @@ import argparse
 import json
 import logging
 import os
+import queue
 import random
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any, Sequence
 
 DEFAULT_OUTPUT = "acb_generate_out.jsonl"
+STDOUT = "-"  # --output - : results on stdout, every human-facing line on stderr
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+# the embedded default tokenizer has no chat template of its own; "messages" lines get this one
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 SPECIAL_IDS = (0, 1, 2)  # excluded from synthetic prompts (pad, bos, eos of the default tokenizer)
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -76,19 +88,26 @@ def _add_generate(sub: Any) -> None:
         help="generate for a batch of prompts and write JSONL results",
         description=(
             "Generate for a batch of prompts with continuous batching and write one JSON line per "
-            "request (in input order) to --output. Without --model, runs on acb's embedded default "
+            "request to --output (a file, or - for stdout), in input order, each as soon as it and "
+            "every line before it have ended. Without --model, runs on acb's embedded default "
             "model: a small Llama with RANDOM weights and a byte-level tokenizer, useful to exercise "
             "and time the engine; its text is meaningless. Without --prompts, makes --num-prompts "
             "synthetic prompts of random token ids."
         ),
         epilog=(
-            "Prompts file (JSONL): one JSON object per line with either \"prompt\" (text, tokenized "
-            "with the model's tokenizer) or \"prompt_ids\" (list of ints), and optionally \"id\" "
+            "Prompts file (JSONL): one JSON object per line with one of \"prompt\" (text, tokenized "
+            "with the model's tokenizer), \"messages\" (a chat: a list of {\"role\", \"content\"} "
+            "objects, rendered with the tokenizer's chat template and a generation prompt; optional "
+            "\"chat_template_kwargs\" object) or \"prompt_ids\" (list of ints), and optionally \"id\" "
             "(kept in the output; default req_<index>) and \"max_new_tokens\" (overrides "
             "--max-new-tokens for that line). Blank lines are skipped. "
-            "Output lines hold id, prompt_len, generated_ids, text, finish_reason, status, error. "
-            "A summary goes to stderr. Exit status: 0 if every request finished, 1 if any failed, "
-            "2 for bad arguments or input."
+            "Output lines hold index (0-based position among the prompts), id, prompt_len, "
+            "generated_ids, text, finish_reason, status, error. The progress bar and a summary go to "
+            "stderr; tokens/s in both is the generated tokens of the requests ended so far divided by "
+            "the time since the first submit. Ctrl-C stops: finished results are written (input order), "
+            "the rest are cancelled and not written, and the summary says how many of each. "
+            "Exit status: 0 if every request finished, 1 if any failed, 2 for bad arguments or input, "
+            "130 when interrupted."
         ),
     )
     src = p.add_argument_group("model")
@@ -132,14 +151,15 @@ def _add_generate(sub: Any) -> None:
                      help="token budget per step (default: resolved by the engine)")
     eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
                      help="KV cache blocks (default: from available memory)")
-    eng.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
-                     help="tokens per KV block (default: resolved by the engine)")
+    eng.add_argument("--page-size", "--block-size", dest="page_size", type=_positive_int, default=None,
+                     metavar="N", help="tokens per KV block (default: resolved by the engine)")
     eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
                      help="most sequences in one step (default: resolved by the engine)")
 
     out = p.add_argument_group("output")
     out.add_argument("--output", "-o", metavar="FILE.jsonl", default=DEFAULT_OUTPUT,
-                     help=f"where to write results (default: ./{DEFAULT_OUTPUT}); stdout is not used")
+                     help=f"where to write results, - for stdout (default: ./{DEFAULT_OUTPUT}); "
+                          "stdout carries nothing else")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
     p.set_defaults(func=cmd_generate, _parser=p)
@@ -147,12 +167,16 @@ def _add_generate(sub: Any) -> None:
 
 # --------------------------------------------------------------------------- entry point
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return args.func(args)
-    except CliError as exc:
-        args._parser.error(str(exc))  # one line on stderr, exit status 2
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        try:
+            return args.func(args)
+        except CliError as exc:
+            args._parser.error(str(exc))  # one line on stderr, exit status 2
+    except KeyboardInterrupt:  # while loading, or a second Ctrl-C during a run: no traceback
+        print("acb: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 2  # unreachable
 
 
@@ -221,7 +245,7 @@ def _check_paths(args: argparse.Namespace) -> None:
     if args.model is not None and not os.path.isdir(args.model):
         raise CliError(f"--model: not a local checkpoint directory: {args.model}")
     parent = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(parent):
+    if args.output != STDOUT and not os.path.isdir(parent):
         raise CliError(f"--output: directory does not exist: {parent}")
     if args.prompts is None and args.min_prompt_len > args.max_prompt_len:
         raise CliError(
@@ -245,7 +269,10 @@ def _load_tokenizer(args: argparse.Namespace) -> Any:
     if args.model is None:
         from acb.models import build_tokenizer
 
-        return build_tokenizer()
+        tok = build_tokenizer()
+        if getattr(tok, "chat_template", None) is None:
+            tok.chat_template = DEFAULT_CHAT_TEMPLATE
+        return tok
     from transformers import AutoTokenizer
 
     try:
@@ -290,8 +317,18 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+
+
 def load_prompts(path: str, tokenizer: Any) -> list[PromptSpec]:
-    """Parse a JSONL prompts file; raises :class:`CliError` naming the offending line."""
+    """Parse a JSONL prompts file; raises :class:`CliError` naming the offending line.
+
+    Text and chats are tokenized here, with the engine's own :func:`acb.text.encode_prompt`
+    (so a chat renders exactly as ``engine.submit(messages)`` would), so that a bad line is
+    reported with its line number before anything runs.
+    """
+    from acb.text import encode_prompt, is_chat
+
     specs: list[PromptSpec] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -304,29 +341,49 @@ def load_prompts(path: str, tokenizer: Any) -> list[PromptSpec]:
                 raise CliError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(obj, dict):
                 raise CliError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            has_text, has_ids = "prompt" in obj, "prompt_ids" in obj
-            if not has_text and not has_ids:
-                raise CliError(f"{where}: needs \"prompt\" (text) or \"prompt_ids\" (list of ints)")
-            if has_text and has_ids:
-                raise CliError(f"{where}: give either \"prompt\" or \"prompt_ids\", not both")
-            if has_ids:
+            given = [k for k in _PROMPT_KEYS if k in obj]
+            if not given:
+                raise CliError(f"{where}: needs \"prompt\" (text), \"messages\" (a chat) or "
+                               "\"prompt_ids\" (list of ints)")
+            if len(given) > 1:
+                raise CliError(f"{where}: give one of \"prompt\", \"messages\", \"prompt_ids\", not "
+                               + " and ".join(f'"{k}"' for k in given))
+            kind = given[0]
+            if "chat_template_kwargs" in obj and kind != "messages":
+                raise CliError(f"{where}: \"chat_template_kwargs\" only applies to \"messages\" lines")
+            if kind == "prompt_ids":
                 ids = obj["prompt_ids"]
                 if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
                     raise CliError(f"{where}: \"prompt_ids\" must be a list of ints")
-            else:
+            elif kind == "prompt":
                 text = obj["prompt"]
                 if not isinstance(text, str):
                     raise CliError(f"{where}: \"prompt\" must be a string")
                 if tokenizer is None:
                     raise CliError(f"{where}: text prompt but no tokenizer could be loaded; use \"prompt_ids\"")
                 ids = list(tokenizer.encode(text))
+            else:
+                messages, kwargs = obj["messages"], obj.get("chat_template_kwargs")
+                if not is_chat(messages):
+                    raise CliError(f"{where}: \"messages\" must be a non-empty list of "
+                                   "{\"role\": ..., \"content\": ...} objects")
+                if kwargs is not None and not isinstance(kwargs, dict):
+                    raise CliError(f"{where}: \"chat_template_kwargs\" must be an object")
+                if tokenizer is None:
+                    raise CliError(f"{where}: chat prompt but no tokenizer could be loaded; use \"prompt_ids\"")
+                try:
+                    ids = encode_prompt(tokenizer, messages, kwargs)
+                except ValueError as exc:  # no chat template
+                    raise CliError(f"{where}: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - the template itself failed (jinja, a missing key...)
+                    raise CliError(f"{where}: the chat template failed: {type(exc).__name__}: {exc}") from None
             if not ids:
                 raise CliError(f"{where}: the prompt is empty (a request needs at least one token)")
             max_new = obj.get("max_new_tokens")
             if max_new is not None and (not _is_int(max_new) or max_new <= 0):
                 raise CliError(f"{where}: \"max_new_tokens\" must be a positive int, got {max_new!r}")
             rid = obj["id"] if "id" in obj else f"req_{len(specs)}"
-            specs.append(PromptSpec(rid, ids, max_new))
+            specs.append(PromptSpec(rid, [int(t) for t in ids], max_new))
     if not specs:
         raise CliError(f"--prompts: {path} holds no prompts")
     return specs
@@ -353,58 +410,240 @@ def _failed_output(spec: PromptSpec, rid: str, error: str, failure: Any) -> Any:
                             finish_reason=FinishReason.ERROR, error=error, failure=failure)
 
 
-def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.Namespace) -> list[Any]:
-    """Run every request; returns their ``GenerationOutput`` in input order."""
+def _generated_count(out: Any) -> int:
+    """Generated tokens of one output: every sample's with ``n > 1``."""
+    return sum(len(s.generated_tokens) for s in out.samples) if out.samples else len(out.generated_tokens)
+
+
+def _is_cancelled(out: Any) -> bool:
+    return out.status.name == "CANCELLED"
+
+
+class ResultWriter:
+    """One JSON line per request, in input order: a result is written (and flushed) as soon as
+    it and every request before it have ended. Cancelled requests (an interrupted run) are not
+    written, so every line is a request that ran to its end: finished, or failed with ``error``."""
+
+    def __init__(self, stream: IO[str], specs: list[PromptSpec], tokenizer: Any) -> None:
+        self.stream = stream
+        self.specs = specs
+        self.tokenizer = tokenizer
+        self.next = 0  # the first index not written (nor skipped) yet
+        self.held: dict[int, Any] = {}  # ended out of order, waiting for the ones before them
+        self.finished = 0
+        self.failed = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.first_failure: Any = None
+
+    @property
+    def written(self) -> int:
+        return self.finished + self.failed
+
+    def add(self, index: int, out: Any) -> None:
+        self.held[index] = out
+        while self.next in self.held:
+            self._write(self.next, self.held.pop(self.next))
+            self.next += 1
+
+    def flush_held(self) -> None:
+        """After an interrupt: what ended after a request that never will, still in input order."""
+        for i in sorted(self.held):
+            self._write(i, self.held.pop(i))
+
+    def _write(self, index: int, out: Any) -> None:
+        if _is_cancelled(out):
+            return
+        self.stream.write(json.dumps(_record(index, self.specs[index], out, self.tokenizer), ensure_ascii=False)
+                          + "\n")
+        self.stream.flush()  # a reader (or an interrupt) only ever sees whole lines
+        if out.status.name == "FAILED":
+            self.failed += 1
+            self.first_failure = self.first_failure or out
+        else:
+            self.finished += 1
+        self.prompt_tokens += len(self.specs[index].prompt_ids)
+        self.generated_tokens += _generated_count(out)
+
+
+class _Interrupt:
+    """SIGINT while requests run: the first sets a flag that the run loop polls every 0.1 s (so
+    nothing is cut half-way); a second raises ``KeyboardInterrupt`` to quit at once."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> "_Interrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.flag.is_set():
+            raise KeyboardInterrupt
+        self.flag.set()  # no printing here: the main thread may be inside a write to stderr
+
+    def is_set(self) -> bool:
+        return self.flag.is_set()
+
+
+@dataclass
+class RunResult:
+    """What the run loop saw; the bar and the summary's tokens/s both read ``tokens / elapsed``."""
+
+    total: int
+    submitted: int = 0
+    ended: int = 0  # finished or failed (the requests that are written)
+    cancelled: int = 0
+    tokens: int = 0  # generated tokens of the ended requests
+    t_first_submit: float = 0.0
+    t_last_result: float = 0.0
+    interrupted: bool = False
+    pending: set[int] = field(default_factory=set)
+
+    @property
+    def elapsed(self) -> float:
+        """First submit to the last result that ended on its own (0 before any)."""
+        return max(self.t_last_result - self.t_first_submit, 0.0)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+
+def _sampling(args: argparse.Namespace) -> Any:
     import acb
 
     try:
-        sampling = acb.SamplingParams(
+        return acb.SamplingParams(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
             n=args.n, logprobs=args.logprobs,
         )
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
-    if all(s.max_new_tokens is None for s in specs):
-        out = acb.generate_batch(model, [s.prompt_ids for s in specs], continuous_batching_config=cfg,
-                                 sampling=sampling, progress_bar=not args.no_progress)
-        return [out[f"req_{i}"] for i in range(len(specs))]
 
-    # some lines have their own max_new_tokens: one SamplingParams per request
+
+def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.Namespace,
+                 open_output: Any, tokenizer: Any) -> tuple[RunResult, ResultWriter]:
+    """Run every request, writing results as they end (see :class:`ResultWriter`).
+
+    Every prompt is validated before any runs (a bad one raises :class:`CliError` and nothing is
+    written); ``open_output()`` is called after that. A Ctrl-C stops submitting, cancels what is
+    running and queued, and returns with ``interrupted`` set once every result is in.
+    """
     from dataclasses import replace
 
-    bar = None
-    if not args.no_progress:
-        from tqdm.auto import tqdm
+    import acb
+    from acb.api.handles import ThreadSink
 
-        bar = tqdm(total=len(specs), desc="acb generate", unit="req", dynamic_ncols=True)
-    results = []
+    sampling = _sampling(args)
+    run = RunResult(total=len(specs))
+    done: queue.SimpleQueue[Any] = queue.SimpleQueue()  # final outputs, pushed by the engine thread
+    engine = acb.Engine(model, cfg)
+    engine.start()
+    bar = None
     try:
-        with acb.Engine(model, cfg) as engine:
-            handles = []
+        reqs = []
+        try:
             for i, s in enumerate(specs):
                 sp = sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens)
-                handles.append(engine.submit(s.prompt_ids, sp, request_id=f"req_{i}"))
-            for s, h in zip(specs, handles):
+                reqs.append(engine.make_request(s.prompt_ids, sp, request_id=f"req_{i}",
+                                                sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
+        except (ValueError, TypeError) as exc:  # e.g. a prompt that can never fit the cache
+            for r in reqs:
+                engine.abandon(r)
+            i = len(reqs)
+            raise CliError(f"prompt {i} (id {specs[i].id!r}): {exc}") from None
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        writer = ResultWriter(open_output(), specs, tokenizer)
+        if not args.no_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(specs), desc="acb generate", unit="req", dynamic_ncols=True, file=sys.stderr)
+
+        def collect(block: bool) -> None:
+            items = []
+            try:
+                items.append(done.get(timeout=0.1) if block else done.get_nowait())
+                while True:
+                    items.append(done.get_nowait())
+            except queue.Empty:
+                pass
+            now = time.perf_counter()
+            ended = 0
+            for out in items:
+                i = index[out.request_id]
+                run.pending.discard(i)
+                if _is_cancelled(out):
+                    run.cancelled += 1
+                else:
+                    ended += 1
+                    run.tokens += _generated_count(out)
+                    run.t_last_result = now
+                writer.add(i, out)
+            run.ended += ended
+            if bar is not None and ended:
+                bar.set_postfix_str(f"{run.rate:,.1f} generated tok/s", refresh=False)
+                bar.update(ended)
+
+        with _Interrupt() as interrupt:
+            run.t_first_submit = time.perf_counter()
+            for k, req in enumerate(reqs):
+                if interrupt.is_set():
+                    for r in reqs[k:]:
+                        engine.abandon(r)
+                    break
                 try:
-                    results.append(h.result())
-                except acb.RequestFailedError as exc:
-                    results.append(exc.output if exc.output is not None
-                                   else _failed_output(s, h.request_id, str(exc), acb.FailureKind.REQUEST))
-                except acb.EngineDeadError as exc:
-                    results.append(_failed_output(s, h.request_id, str(exc), acb.FailureKind.ENGINE_DEAD))
+                    engine.enqueue_blocking(req)
+                except acb.AcbError as exc:  # the engine died: the rest never ran
+                    for r in reqs[k + 1:]:
+                        engine.abandon(r)
+                    for j in range(k, len(reqs)):
+                        done.put(_failed_output(specs[j], reqs[j].request_id, f"{type(exc).__name__}: {exc}",
+                                                acb.FailureKind.ENGINE_DEAD))
+                    run.submitted = len(reqs)
+                    run.pending.update(range(k, len(reqs)))
+                    break
+                run.submitted += 1
+                run.pending.add(k)
+                collect(block=False)
+            while run.pending and not interrupt.is_set():
+                collect(block=True)
+                if run.pending and not engine.is_running and done.empty():
+                    for i in sorted(run.pending):  # cannot happen unless delivery itself broke; never hang
+                        done.put(_failed_output(specs[i], reqs[i].request_id, "the engine stopped",
+                                                acb.FailureKind.ENGINE_DEAD))
+            if interrupt.is_set():
+                run.interrupted = True
                 if bar is not None:
-                    bar.update(1)
+                    bar.close()
+                    bar = None
+                print(f"acb generate: interrupted: cancelling {len(run.pending)} running or queued requests "
+                      "(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+                # every live request gets its final (finished or cancelled) before the thread exits
+                engine.shutdown(cancel_pending=True, timeout=30)
+                collect(block=False)
+                writer.flush_held()
     finally:
         if bar is not None:
             bar.close()
-    return results
+        engine.shutdown()
+    return run, writer
 
 
-def _record(spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str, Any]:
+def _record(index: int, spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str, Any]:
     gen = [int(t) for t in out.generated_tokens]
     text = tokenizer.decode(gen, skip_special_tokens=True) if tokenizer is not None else None
     rec = {
+        "index": index,
         "id": spec.id,
         "prompt_len": len(spec.prompt_ids),
         "generated_ids": gen,
@@ -429,6 +668,7 @@ def _record(spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
     _check_paths(args)
     device = _check_device(args.device)
     if args.verbose:
@@ -439,7 +679,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         cfg = acb.ContinuousBatchingConfig(
-            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, block_size=args.block_size,
+            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, page_size=args.page_size,
             max_requests_per_batch=args.max_requests_per_batch, seed=args.seed,
         )
     except ValueError as exc:
@@ -459,39 +699,53 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if bad is not None:
                 raise CliError(f"prompt {i} (id {s.id!r}): token id {bad} is outside the model's vocabulary [0, {vocab})")
 
-    t0 = time.perf_counter()
+    to_stdout = args.output == STDOUT
+    opened: list[IO[str]] = []
+
+    def open_output() -> IO[str]:
+        stream = sys.stdout if to_stdout else open(args.output, "w", encoding="utf-8")
+        opened.append(stream)
+        return stream
+
     try:
-        outputs = run_requests(model, specs, cfg, args)
-    except (ValueError, TypeError) as exc:  # rejected at submit (e.g. a prompt that can never fit)
+        run, writer = run_requests(model, specs, cfg, args, open_output, tokenizer)
+    except (ValueError, TypeError) as exc:  # rejected at submit
         raise CliError(str(exc)) from None
     except acb.UnsupportedModelError as exc:
         raise CliError(f"unsupported model: {exc}") from None
-    wall = time.perf_counter() - t0
-
-    with open(args.output, "w", encoding="utf-8") as f:
-        for spec, out in zip(specs, outputs):
-            f.write(json.dumps(_record(spec, out, tokenizer), ensure_ascii=False) + "\n")
+    finally:
+        for stream in opened:
+            if stream is not sys.stdout:
+                stream.close()
 
     n = len(specs)
-    prompt_tokens = sum(len(s.prompt_ids) for s in specs)
-    gen_tokens = sum(sum(len(x.generated_tokens) for x in o.samples) if o.samples else len(o.generated_tokens)
-                     for o in outputs)
-    failed = sum(1 for o in outputs if o.status.name == "FAILED")
-    cancelled = sum(1 for o in outputs if o.status.name == "CANCELLED")
-    w = max(wall, 1e-9)
+    lost = n - writer.written
+    if run.interrupted:
+        head = (f"acb generate: interrupted: {n} requests: {writer.finished} finished and {writer.failed} failed "
+                f"(written), {lost} lost (cancelled or never started; not written)")
+    else:
+        head = f"acb generate: {n} requests: {writer.finished} finished, {writer.failed} failed" + (
+            f", {lost} cancelled (not written)" if lost else "")
+    w = run.elapsed
+    startup = run.t_first_submit - t_start
+    where = "stdout" if to_stdout else os.path.abspath(args.output)
     lines = [
-        f"acb generate: {n} requests ({n - failed - cancelled} finished, {failed} failed, {cancelled} cancelled)",
-        f"  prompt tokens:     {prompt_tokens}",
-        f"  generated tokens:  {gen_tokens}",
-        f"  wall time:         {wall:.3f} s (engine start included)",
-        f"  throughput:        {gen_tokens / w:.1f} generated tokens/s, {n / w:.2f} requests/s",
-        f"  results written to {os.path.abspath(args.output)}",
+        head,
+        f"  prompt tokens:     {writer.prompt_tokens} (of the written results)",
+        f"  generated tokens:  {writer.generated_tokens} (of the written results, every sample's with -n)",
+        f"  generation time:   {w:.3f} s (first submit to last result; loading and engine start, "
+        f"{startup:.2f} s, come before)",
+        f"  throughput:        {run.rate:.1f} generated tokens/s (generated tokens / generation time), "
+        f"{writer.written / w if w > 0 else 0.0:.2f} requests/s",
+        f"  results written to {where} (input order; 'index' is the prompt's 0-based position)",
     ]
-    if failed:
-        first = next(o for o in outputs if o.status.name == "FAILED")
+    if writer.first_failure is not None:
+        first = writer.first_failure
         lines.append(f"  first failure:     {first.request_id}: {first.error}")
-    print("\n".join(lines), file=sys.stderr)
-    return 1 if failed else 0
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    if run.interrupted:
+        return EXIT_INTERRUPTED
+    return 1 if writer.failed or lost else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,40 +1,67 @@
 """``ContinuousBatchingConfig``: transformers' field names, acb's validation and resolved defaults.
 
-Every field of transformers' ``ContinuousBatchingConfig`` is accepted so that moving over is
-a one-line change. Fields that acb does not implement yet are listed in ``NOT_YET_SUPPORTED``:
-setting one to a non-default value warns once, naming it (never silently ignored).
+Every field of transformers' ``ContinuousBatchingConfig`` (5.23) is accepted under its name, and
+so are its deprecated aliases, with transformers' deprecation behaviour, so that moving over is a
+one-line change; a transformers instance itself is converted by :func:`as_config`. Fields that
+acb does not act on are listed in ``NOT_YET_SUPPORTED``: setting one to a non-default value warns
+once, naming it (never silently ignored).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 ATTN_BACKENDS = ("torch", "triton", "flash_attn")
 
-# field -> why it has no effect yet
+# field -> why it has no effect
 NOT_YET_SUPPORTED: dict[str, str] = {
     "max_blocks_per_request": "acb's block tables always span max_model_len",
     "kv_padding_interval_size": "acb's decode graphs read context lengths from the device, so KV lengths need no padding",
+    "auto_switch_to_flash": "acb always runs its own paged attention, whatever the model's attn_implementation; "
+                            "attn_backend=None picks flash_attn when it is installed and fits, else triton, else "
+                            "torch; set attn_backend='triton' or 'torch' to keep flash-attn out",
     "disable_nccl_graph_mixing": "tensor parallelism is not supported",
     "cpu_group_timeout": "tensor parallelism is not supported",
-    "use_default_compile_configs": "deprecated in transformers: use default_compile_level",
-    "max_cached_graphs": "deprecated in transformers",
 }
+
+# transformers' deprecated fields: their effect lands on another field in ``__post_init__``
+DEPRECATED = ("use_default_compile_configs", "max_cached_graphs", "block_size")
 
 
 @dataclass
 class ContinuousBatchingConfig:
-    """Settings of the engine. Field names and meanings follow transformers'.
+    """Settings of the engine. Field names, order and meanings follow transformers' 5.23
+    ``ContinuousBatchingConfig``; a transformers instance is accepted wherever this one is.
 
     ``None`` means "resolve a sensible default at engine start" (see :class:`ResolvedConfig`).
-    acb's own additions: ``attn_backend``, ``max_model_len``.
+
+    Differences from transformers:
+
+    - ``page_size`` (tokens per KV block) defaults to ``None``: 32 tokens, or 256 with the
+      flash_attn backend (flash-attn's paged cache needs multiples of 256); transformers' default
+      is 256. A transformers instance left at its default page size gets acb's default.
+    - ``auto_switch_to_flash``: acb never uses the model's attention implementation, so the default
+      (``True``) is what ``attn_backend=None`` already does; ``False`` has no effect and warns.
+    - ``max_blocks_per_request``, ``kv_padding_interval_size``, ``disable_nccl_graph_mixing`` and
+      ``cpu_group_timeout`` have no effect (``NOT_YET_SUPPORTED``; non-default values warn).
+    - ``use_cuda_graph`` applies to decode-only steps; mixed steps always run eagerly.
+    - acb's own additions: ``attn_backend``, ``max_model_len``.
+
+    Deprecated aliases behave as in transformers (a logged warning, the same message):
+    ``block_size`` is copied to ``page_size`` (it wins if both are given),
+    ``use_default_compile_configs`` sets ``default_compile_level`` to 3 (``True``) or 0, and
+    ``max_cached_graphs`` has no effect.
     """
 
-    block_size: int | None = None  # tokens per KV block; default 32 (transformers: 256)
+    page_size: int | None = None  # tokens per KV block; default 32 (flash_attn: 256; transformers: 256)
     num_blocks: int | None = None  # default: from available memory
     max_batch_tokens: int | None = None  # token budget per step
     max_memory_percent: float | None = None  # of free device memory for the KV cache (CUDA)
@@ -53,77 +80,177 @@ class ContinuousBatchingConfig:
     safety_margin: float | None = None
     return_logprobs: bool = False
     seed: int | None = None
-    cpu_offload_space: float | None = 0.0
+    auto_switch_to_flash: bool = True
+    cpu_offload_space: float | None = 0.0  # GiB of host memory for offloaded KV blocks; None or 0: none
     cpu_offload_space_safety_threshold: float = 0.8
     max_queue_size: int = 0  # most requests waiting to be scheduled; 0 = unlimited
     per_request_processors: bool = False
     drop_unsupported_processors: bool = True
     disable_nccl_graph_mixing: bool = True
     cpu_group_timeout: float | None = 300.0
+    # deprecated in transformers (5.11, 5.13, 5.17)
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
+    block_size: int | None = None  # use page_size
     # acb only
     attn_backend: str | None = None  # "torch", "triton", "flash_attn"; None = the best available
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions
-    _warned: bool = field(default=False, repr=False, compare=False)
+    _warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # transformers' deprecations, mirrored: same messages, logged (not ``warnings``), same precedence
+        if self.use_default_compile_configs is not None:
+            if self.use_default_compile_configs:
+                level_msg = "setting default_compile_level to 3. Consider using a lower level for faster warmup time."
+                self.default_compile_level = 3
+            else:
+                level_msg = "setting default_compile_level to 0."
+                self.default_compile_level = 0
+            logger.warning(
+                "use_default_compile_configs is deprecated: please use default_compile_level instead. For backwards "
+                f"compatibility, {level_msg}"
+            )
+        if self.max_cached_graphs is not None:
+            logger.warning(
+                "max_cached_graphs is deprecated: maximum number of graph is no longer an issue. Deprecated in 5.13."
+            )
+        if self.block_size is not None:
+            logger.warning(
+                "block_size is deprecated: please use page_size instead. For backwards compatibility, block_size will "
+                "be used as the full attention page size."
+            )
+            self.page_size = self.block_size
         self.validate()
 
-    def validate(self) -> None:
-        def pos_int(name: str, allow_none: bool = True) -> None:
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"ContinuousBatchingConfig.{name} must be a positive int, got {v!r}")
+    @classmethod
+    def from_transformers(cls, config: Any) -> ContinuousBatchingConfig:
+        """acb's config from a ``transformers.ContinuousBatchingConfig``, field by field.
 
-        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_model_len"):
-            pos_int(name)
+        Fields left at transformers' defaults get acb's (so ``page_size=256``, transformers'
+        default, becomes acb's automatic page size). Deprecated fields are skipped: transformers
+        has already applied them to ``page_size``/``default_compile_level`` and warned. Fields acb
+        does not know (a newer transformers) warn by name and are dropped; fields acb knows but
+        does not act on warn when the engine starts (``NOT_YET_SUPPORTED``)."""
+        if not is_transformers_config(config):
+            raise TypeError(f"expected a transformers.ContinuousBatchingConfig, got {type(config).__name__}")
+        ours = {f.name for f in fields(cls) if f.init}
+        kwargs: dict[str, Any] = {}
+        unknown: list[str] = []
+        for name, default in transformers_fields(type(config)).items():
+            value = getattr(config, name, default)
+            if name in DEPRECATED or (default is not MISSING and _same(value, default)):
+                continue
+            if name in ours:
+                kwargs[name] = value
+            else:
+                unknown.append(name)
+        if unknown:
+            warnings.warn(f"transformers ContinuousBatchingConfig fields {unknown} are not known to acb and have no "
+                          "effect", stacklevel=2)
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        def check(name: str, ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"ContinuousBatchingConfig.{name} must be {what}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        for name in ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_model_len",
+                     "block_size"):
+            v = getattr(self, name)
+            check(name, v is None or (is_int(v) and v > 0), "a positive int")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("ContinuousBatchingConfig.num_blocks must be >= 2 (block 0 is scratch)")
-        if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
-            raise ValueError(
-                f"ContinuousBatchingConfig.max_memory_percent must be in (0, 1], got {self.max_memory_percent}"
-            )
-        if self.scheduler_type not in SCHEDULER_TYPES:
-            raise ValueError(
-                f"ContinuousBatchingConfig.scheduler_type must be one of {SCHEDULER_TYPES}, "
-                f"got {self.scheduler_type!r}"
-            )
-        if self.safety_margin is not None and not 0 <= self.safety_margin < 1:
-            raise ValueError(f"ContinuousBatchingConfig.safety_margin must be in [0, 1), got {self.safety_margin}")
-        if isinstance(self.max_queue_size, bool) or not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
-            raise ValueError(f"ContinuousBatchingConfig.max_queue_size must be an int >= 0, got {self.max_queue_size!r}")
+        for name in ("allow_block_sharing", "return_logprobs", "auto_switch_to_flash", "per_request_processors",
+                     "drop_unsupported_processors", "disable_nccl_graph_mixing"):
+            check(name, isinstance(getattr(self, name), bool), "a bool")
+        for name in ("use_async_batching", "use_default_compile_configs"):
+            check(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")
+        v = self.max_memory_percent
+        check("max_memory_percent", v is None or (is_num(v) and 0 < v <= 1), "in (0, 1]")
+        check("scheduler_type", self.scheduler_type in SCHEDULER_TYPES, f"one of {SCHEDULER_TYPES}")
+        v = self.safety_margin
+        check("safety_margin", v is None or (is_num(v) and 0 <= v < 1), "in [0, 1)")
+        for name in ("max_queue_size", "q_padding_interval_size", "kv_padding_interval_size", "default_compile_level"):
+            check(name, is_int(getattr(self, name)) and getattr(self, name) >= 0, "an int >= 0")
+        for name in ("max_blocks_per_request", "max_cached_graphs"):
+            v = getattr(self, name)
+            check(name, v is None or (is_int(v) and v >= 0), "None or an int >= 0")
+        check("seed", self.seed is None or is_int(self.seed), "None or an int")
+        v = self.cpu_offload_space
+        check("cpu_offload_space", v is None or (is_num(v) and v >= 0), "None or a number of GiB >= 0")
+        v = self.cpu_offload_space_safety_threshold
+        check("cpu_offload_space_safety_threshold", is_num(v) and v >= 0, "a fraction >= 0")
+        v = self.cpu_group_timeout
+        check("cpu_group_timeout", v is None or (is_num(v) and v > 0), "None or a number of seconds > 0")
         g = self.use_cuda_graph
-        if not (g is None or isinstance(g, bool) or (isinstance(g, tuple) and len(g) == 2
-                                                      and all(isinstance(x, bool) for x in g))):
-            raise ValueError(
-                "ContinuousBatchingConfig.use_cuda_graph must be None, a bool, or a (varlen, decode) tuple of "
-                f"bools, got {g!r}"
-            )
-        if isinstance(self.q_padding_interval_size, bool) or not isinstance(self.q_padding_interval_size, int) \
-                or self.q_padding_interval_size < 0:
-            raise ValueError("ContinuousBatchingConfig.q_padding_interval_size must be an int >= 0, "
-                             f"got {self.q_padding_interval_size!r}")
-        if self.attn_backend is not None and self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(
-                f"ContinuousBatchingConfig.attn_backend must be one of {ATTN_BACKENDS} or None, "
-                f"got {self.attn_backend!r}"
-            )
+        check("use_cuda_graph", g is None or isinstance(g, bool) or (
+            isinstance(g, tuple) and len(g) == 2 and all(isinstance(x, bool) for x in g)),
+            "None, a bool, or a (varlen, decode) tuple of bools")
+        check("attn_backend", self.attn_backend is None or self.attn_backend in ATTN_BACKENDS,
+              f"one of {ATTN_BACKENDS} or None")
 
     def warn_unsupported(self) -> list[str]:
-        """Warn once about fields set to values acb does not act on yet; return their names."""
+        """Warn once about fields set to values acb does not act on; return their names."""
         defaults = ContinuousBatchingConfig.__dataclass_fields__
         names = []
         for name, why in NOT_YET_SUPPORTED.items():
-            default = defaults[name].default
-            if getattr(self, name) != default:
+            value = getattr(self, name)
+            if value != defaults[name].default:
                 names.append(name)
                 if not self._warned:
-                    warnings.warn(f"ContinuousBatchingConfig.{name} is accepted but has no effect yet: {why}", stacklevel=3)
+                    warnings.warn(f"ContinuousBatchingConfig.{name}={value!r} is accepted but has no effect in acb: "
+                                  f"{why}", stacklevel=3)
         self._warned = True
         return names
+
+
+def is_transformers_config(config: Any) -> bool:
+    """Whether ``config`` is a ``transformers.ContinuousBatchingConfig`` (or a subclass), told
+    by its class, so that ``import acb`` need not import transformers."""
+    return any(c.__name__ == "ContinuousBatchingConfig" and c.__module__.split(".")[0] == "transformers"
+               for c in type(config).__mro__)
+
+
+def transformers_fields(cls: type) -> dict[str, Any]:
+    """The fields of transformers' ``ContinuousBatchingConfig`` class and their defaults
+    (``MISSING`` when required): its dataclass fields, or its ``__init__`` parameters if a later
+    version stops being a dataclass."""
+    if is_dataclass(cls):
+        return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+                for f in fields(cls) if f.init}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(cls).parameters.values()  # the constructor's, without self
+    return {p.name: MISSING if p.default is inspect.Parameter.empty else p.default for p in params if p.kind in kinds}
+
+
+def as_config(config: Any) -> ContinuousBatchingConfig:
+    """The config an engine runs with: acb's as given, a transformers one converted
+    (:meth:`ContinuousBatchingConfig.from_transformers`), ``None`` for the defaults."""
+    if config is None:
+        return ContinuousBatchingConfig()
+    if isinstance(config, ContinuousBatchingConfig):
+        return config
+    if is_transformers_config(config):
+        return ContinuousBatchingConfig.from_transformers(config)
+    hint = " (for a dict, pass acb.ContinuousBatchingConfig(**d))" if isinstance(config, dict) else ""
+    raise TypeError(
+        "config must be an acb.ContinuousBatchingConfig or a transformers.ContinuousBatchingConfig, "
+        f"got {type(config).__name__}{hint}"
+    )
+
+
+def _same(value: Any, default: Any) -> bool:
+    """``value == default`` that never raises (tensors, odd objects compare as different)."""
+    try:
+        return bool(value == default) and type(value) is type(default)
+    except Exception:  # noqa: BLE001 - an uncomparable value is not the default
+        return False
 
 
 @dataclass(frozen=True)

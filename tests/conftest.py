@@ -1,8 +1,14 @@
-"""Shared fixtures: tiny models, reference generation, and the KV-leak check after every engine test."""
+"""Shared fixtures: tiny models, reference generation, and the KV-leak check after every engine test.
+
+Async tests run on asyncio (pytest-asyncio) unless marked ``anyio``: those run once per anyio
+backend, asyncio and trio (anyio's pytest plugin, ``anyio_backend`` below).
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -11,6 +17,38 @@ from acb.core.engine_core import EngineCore
 from acb.models import tiny_model
 
 torch.set_num_threads(2)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector, name, obj):
+    """Give the ``asyncio`` mark to every coroutine test not marked ``anyio``.
+
+    pytest-asyncio runs in strict mode (pyproject): in auto mode it takes every coroutine test,
+    anyio's included, and runs it on asyncio, so a ``[trio]`` test would silently run on asyncio.
+    This keeps auto mode's behaviour for the other async tests. Runs before the test items are
+    built (``tryfirst``), which read the marks from the function.
+    """
+    if not collector.istestfunction(obj, name):
+        return None
+    inner = obj.hypothesis.inner_test if hasattr(obj, "hypothesis") else obj
+    if not inspect.iscoroutinefunction(inner):
+        return None
+    own = {m.name for m in getattr(obj, "pytestmark", ())}
+    if own & {"anyio", "asyncio"} or collector.get_closest_marker("anyio") or \
+            collector.get_closest_marker("asyncio") or "anyio_backend" in inspect.signature(inner).parameters:
+        return None
+    pytest.mark.asyncio(obj)
+    return None
+
+
+@pytest.fixture(scope="module", params=[
+    "asyncio",
+    pytest.param("trio", marks=pytest.mark.skipif(importlib.util.find_spec("trio") is None,
+                                                  reason="trio is not installed (pip install -e .[test])")),
+])
+def anyio_backend(request):
+    """The backends ``anyio``-marked tests run on: asyncio and trio."""
+    return request.param
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,21 +1,25 @@
-"""``acb generate`` (acb/cli.py): in-process runs on the embedded default model, small sizes."""
+"""``acb generate`` (acb/cli.py): in-process runs on the embedded default model, small sizes,
+and two subprocess runs (``-o -`` on stdout; Ctrl-C)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from acb.cli import DEFAULT_OUTPUT, main
+from acb.cli import DEFAULT_OUTPUT, EXIT_INTERRUPTED, main
 from acb.models import build_tokenizer
 
 # a small KV cache: the CPU default sizes one for 128 full-length requests (slow to allocate)
 SMALL = ["--num-blocks", "64", "--block-size", "16", "--no-progress"]
-KEYS = {"id", "prompt_len", "generated_ids", "text", "finish_reason", "status", "error"}
+KEYS = {"index", "id", "prompt_len", "generated_ids", "text", "finish_reason", "status", "error"}
 
 
 def _read(path: Path) -> list[dict]:
@@ -25,6 +29,34 @@ def _read(path: Path) -> list[dict]:
 def _write_prompts(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def _cli(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
+    """``python -m acb ARGS`` in a subprocess, on this checkout."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, "-m", "acb", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def _summary(err: str) -> tuple[int, float, float]:
+    """(generated tokens, generation time, tokens/s) as the summary prints them."""
+    gen = int(re.search(r"generated tokens:\s+(\d+)", err).group(1))
+    secs = float(re.search(r"generation time:\s+([\d.]+) s", err).group(1))
+    rate = float(re.search(r"throughput:\s+([\d.]+) generated tokens/s", err).group(1))
+    return gen, secs, rate
+
+
+def _check_rate(rows: list[dict], err: str) -> float:
+    """The summary's tokens/s is the output's generated tokens over its generation time, to rounding."""
+    gen, secs, rate = _summary(err)
+    assert gen == sum(len(r["generated_ids"]) for r in rows) > 0
+    assert secs > 0
+    # time printed to 1 ms and the rate to 0.1 token/s: the exact rate lies within that rounding
+    lo, hi = gen / (secs + 0.0005) - 0.05, gen / max(secs - 0.0005, 1e-9) + 0.05
+    assert lo <= rate <= hi, (gen, secs, rate)
+    return rate
 
 
 def test_synthetic_prompts_default_output_path(tmp_path, monkeypatch, capsys):
@@ -39,7 +71,7 @@ def test_synthetic_prompts_default_output_path(tmp_path, monkeypatch, capsys):
     assert len(rows) == 4
     for i, row in enumerate(rows):
         assert set(row) == KEYS
-        assert row["id"] == f"req_{i}"
+        assert row["id"] == f"req_{i}" and row["index"] == i
         assert 5 <= row["prompt_len"] <= 20
         assert 1 <= len(row["generated_ids"]) <= 4
         assert all(isinstance(t, int) for t in row["generated_ids"])
@@ -55,6 +87,7 @@ def test_synthetic_prompts_default_output_path(tmp_path, monkeypatch, capsys):
     assert f"generated tokens:  {gen}" in err
     assert "tokens/s" in err and "requests/s" in err
     assert str(out) in err
+    _check_rate(rows, err)
 
 
 def test_greedy_is_deterministic_and_ignore_eos_fills(tmp_path):
@@ -87,6 +120,7 @@ def test_prompts_file_text_and_ids_keeps_order_and_ids(tmp_path):
                  "--output", str(out), *SMALL]) == 0
     rows = _read(out)
     assert [r["id"] for r in rows] == ["alpha", "req_1", 42, "last"]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3]
     assert [r["prompt_len"] for r in rows] == [len(tok.encode("hello world")), 4, len(tok.encode("x")), 2]
     for r in rows:
         assert len(r["generated_ids"]) == 3
@@ -126,7 +160,32 @@ def test_per_line_max_new_tokens(tmp_path):
     assert _read(out_u)[0]["generated_ids"] == rows[1]["generated_ids"]
 
 
-def test_local_checkpoint(tmp_path):
+def test_chat_messages_use_the_chat_template(tmp_path):
+    from acb.cli import DEFAULT_CHAT_TEMPLATE
+    from acb.text import encode_prompt
+
+    tok = build_tokenizer()
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE  # what the CLI gives the embedded tokenizer
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rendered = "system: be brief\nuser: hi\nassistant: "
+    prompts = _write_prompts(tmp_path / "p.jsonl", [
+        {"id": "chat", "messages": chat},
+        {"prompt": rendered},  # the same text, as a plain prompt
+        {"messages": chat, "chat_template_kwargs": {"add_generation_prompt": False}},
+        {"prompt_ids": [5, 6, 7]},
+    ])
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--prompts", str(prompts), "--max-new-tokens", "3", "--ignore-eos",
+                 "--output", str(out), *SMALL]) == 0
+    rows = _read(out)
+    assert [r["id"] for r in rows] == ["chat", "req_1", "req_2", "req_3"]
+    assert rows[0]["prompt_len"] == len(encode_prompt(tok, chat)) == len(tok.encode(rendered))
+    assert rows[0]["generated_ids"] == rows[1]["generated_ids"]
+    assert rows[2]["prompt_len"] == len(tok.encode(rendered)) - len("assistant: ")
+    assert all(r["status"] == "FINISHED" and len(r["generated_ids"]) == 3 for r in rows)
+
+
+def test_local_checkpoint(tmp_path, capsys):
     from acb.models import tiny_model
 
     ckpt = tmp_path / "ckpt"
@@ -139,6 +198,15 @@ def test_local_checkpoint(tmp_path):
     rows = _read(out)
     assert [r["prompt_len"] for r in rows] == [8, 3]
     assert [len(r["generated_ids"]) for r in rows] == [3, 3]
+
+    # this checkpoint's tokenizer has no chat template: a chat line is refused, naming its line
+    chat = _write_prompts(tmp_path / "chat.jsonl", [{"prompt": "hi"}, {"messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(ckpt), "--prompts", str(chat), "--output", str(tmp_path / "c.jsonl"), *SMALL])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "chat.jsonl:2" in err and "chat template" in err
+    assert not (tmp_path / "c.jsonl").exists()
 
 
 def test_prompt_that_can_never_fit_exits_2(tmp_path, capsys):
@@ -160,6 +228,12 @@ def test_prompt_that_can_never_fit_exits_2(tmp_path, capsys):
         ([{"prompt": "a", "prompt_ids": [5]}], "p.jsonl:1"),
         ([{"prompt_ids": [5], "max_new_tokens": 0}], "p.jsonl:1"),
         ([{"prompt_ids": [5, 100000]}], "vocabulary"),
+        ([{"messages": "hello"}], "p.jsonl:1"),
+        ([{"messages": []}], "p.jsonl:1"),
+        ([{"messages": [{"role": "user"}]}], "p.jsonl:1"),
+        ([{"prompt": "a", "messages": [{"role": "user", "content": "a"}]}], "p.jsonl:1"),
+        ([{"prompt": "a", "chat_template_kwargs": {}}], "p.jsonl:1"),
+        ([{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": [1]}], "p.jsonl:1"),
     ],
 )
 def test_bad_prompts_file_exits_2(tmp_path, capsys, rows, needle):
@@ -203,22 +277,71 @@ def test_help(capsys):
     assert exc.value.code == 2
 
 
-def test_python_dash_m(tmp_path):
+def test_stdout_output_is_pure_jsonl_and_rates_agree(tmp_path):
+    """``python -m acb generate -o -``: stdout holds only result lines, while the progress bar and
+    the summary (on stderr) report the same generated tokens/s, which matches the output."""
+    proc = _cli(["generate", "--num-prompts", "6", "--max-new-tokens", "5", "--max-prompt-len", "20",
+                 "--ignore-eos", "--num-blocks", "64", "--block-size", "16", "-o", "-"], cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]  # every stdout line is a JSON result
+    assert [r["index"] for r in rows] == list(range(6))
+    assert all(set(r) == KEYS and len(r["generated_ids"]) == 5 for r in rows)
+    assert "6 requests: 6 finished, 0 failed" in err and "results written to stdout" in err
+    assert not list(tmp_path.iterdir())  # no output file
+    rate = _check_rate(rows, err)
+    # the bar is labelled for the CLI, and its last tokens/s is the summary's
+    bar = [seg for seg in re.split(r"[\r\n]", err) if seg.startswith("acb generate:") and "tok/s" in seg]
+    assert bar, err
+    assert float(re.search(r"([\d,.]+) generated tok/s", bar[-1]).group(1).replace(",", "")) == pytest.approx(rate)
+
+
+def test_ctrl_c_writes_finished_results_and_exits_130(tmp_path):
+    """SIGINT mid-run: exit 130, no traceback, the output holds only whole lines of finished
+    results (input order), and the summary's finished/lost counts match it."""
+    # even lines end after 3 tokens; odd ones would run for 2,000 (seconds on CPU)
+    prompts = _write_prompts(tmp_path / "p.jsonl", [
+        {"prompt": f"prompt {i}", "max_new_tokens": 3 if i % 2 == 0 else 2000} for i in range(8)])
     out = tmp_path / "o.jsonl"
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "acb", "generate", "--num-prompts", "2", "--max-new-tokens", "2",
-         "--no-progress", "--output", str(out), "--num-blocks", "64", "--block-size", "16"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == ""
-    rows = _read(out)
-    assert len(rows) == 2
-    assert all(1 <= len(r["generated_ids"]) <= 2 for r in rows)
-    assert "2 requests" in proc.stderr
+    proc = _cli(["generate", "--prompts", str(prompts), "--ignore-eos", "--num-blocks", "600",
+                 "--block-size", "16", "-o", str(out)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out.exists() and out.read_text(encoding="utf-8").count("\n") >= 1):  # a result is out
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no result within 90 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert "Traceback" not in err
+    text = out.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert rows and all(r["status"] == "FINISHED" for r in rows)
+    assert all(len(r["generated_ids"]) == 3 for r in rows)  # none of the long ones got to finish
+    assert [r["index"] for r in rows] == sorted(r["index"] for r in rows)  # input order
+    assert {r["index"] % 2 for r in rows} == {0}
+    m = re.search(r"interrupted: 8 requests: (\d+) finished and (\d+) failed \(written\), (\d+) lost", err)
+    assert m, err
+    assert (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (len(rows), 0, 8 - len(rows))
+    _check_rate(rows, err)
+
+
+def test_generate_batch_bar_is_labelled_for_the_library(capsys):
+    import acb
+    from acb.models import tiny_model
+
+    cfg = acb.ContinuousBatchingConfig(num_blocks=16)
+    out = acb.generate_batch(tiny_model(), [[5, 6, 7], [8, 9]], continuous_batching_config=cfg,
+                             max_new_tokens=2, progress_bar=True)
+    assert len(out) == 2
+    err = capsys.readouterr().err
+    assert "generate_batch:" in err and "tok/s" in err
+    assert "acb generate" not in err
 
 
 def test_sampling_flags_and_samples(tmp_path):

@@ -25,7 +25,7 @@ def test_request_metrics_recorded():
     try:
         acb.generate_batch(get_model("llama"), [[5, 6], [7]], max_new_tokens=3, progress_bar=False,
                            sampling=acb.SamplingParams(ignore_eos=True),
-                           continuous_batching_config=acb.ContinuousBatchingConfig(block_size=8, num_blocks=32))
+                           continuous_batching_config=acb.ContinuousBatchingConfig(page_size=8, num_blocks=32))
     finally:
         tel._instruments = saved
     data = reader.get_metrics_data()

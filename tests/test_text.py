@@ -82,7 +82,7 @@ def model():
 
 
 def cfg():
-    return acb.ContinuousBatchingConfig(block_size=8, num_blocks=64)
+    return acb.ContinuousBatchingConfig(page_size=8, num_blocks=64)
 
 
 async def test_text_and_chat_prompts_stream_text(model):

@@ -21,16 +21,25 @@ import threading
 from collections.abc import Mapping, Set
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from acb.api.handles import AdmissionGate, deliver
-from acb.config import ContinuousBatchingConfig, ResolvedConfig
+from acb.config import ContinuousBatchingConfig, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats
 from acb.core.request import Request, RequestGroup
 from acb.core.stop_strings import StopStrings
 from acb.errors import EngineNotRunningError
 from acb.sampling_params import FALLBACK, SamplingParams
 from acb.text import IncrementalDetokenizer, encode_prompt, text_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Self
+
+    from transformers import GenerationConfig, PreTrainedModel
+
+    from acb.runner.model_runner import ModelRunner
+    from acb.text import TokenizerLike
 
 logger = logging.getLogger(__name__)
 
@@ -85,22 +94,17 @@ class EngineBase:
 
     def __init__(
         self,
-        model: Any,
+        model: PreTrainedModel,
         config: ContinuousBatchingConfig | None = None,
-        generation_config: Any = None,
+        generation_config: GenerationConfig | None = None,
         *,
-        tokenizer: Any = None,
-        runner_cls: Any = None,
+        tokenizer: TokenizerLike | None = None,
+        runner_cls: type[ModelRunner] | None = None,
     ) -> None:
-        if config is None:
-            config = ContinuousBatchingConfig()
-        if not isinstance(config, ContinuousBatchingConfig):
-            raise TypeError(
-                f"config must be an acb.ContinuousBatchingConfig, got {type(config).__name__}"
-            )
+        config = as_config(config)  # the one entry point: None, acb's, or a transformers instance
         config.warn_unsupported()
         self.model = model
-        self.cb_config = config  # as given; ``config`` is what it resolves to on this model and device
+        self.cb_config = config  # acb's form of what was given; ``config`` is what it resolves to here
         if generation_config is None:
             generation_config = getattr(model, "generation_config", None)
         self.generation_config = generation_config
@@ -117,7 +121,7 @@ class EngineBase:
         self._seeds = random.Random(config.seed)
         self._runner_cls = runner_cls
         self.core: EngineCore | None = None
-        self.runner: Any = None
+        self.runner: ModelRunner | None = None
         self.gate = AdmissionGate(config.max_queue_size)
         self._ids = itertools.count()
         self._start_lock = threading.Lock()
@@ -145,8 +149,10 @@ class EngineBase:
             if self.core is not None and self.core.is_running:
                 return
             self.prepare()
+            runner = self.runner
+            assert runner is not None  # prepare() built it
             self.gate = AdmissionGate(self.cb_config.max_queue_size)
-            core = EngineCore(self.runner, deliver=deliver, on_dequeued=self.gate.release)
+            core = EngineCore(runner, deliver=deliver, on_dequeued=self.gate.release)
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()
@@ -204,24 +210,26 @@ class EngineBase:
         path: str,
         config: ContinuousBatchingConfig | None = None,
         *,
-        dtype: Any = "auto",
-        device: Any = None,
-        tokenizer: Any = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | int | None = None,
+        tokenizer: TokenizerLike | None = None,
         **model_kwargs: Any,
-    ) -> Any:
+    ) -> Self:
         """An engine (not started) for a checkpoint: the model, its tokenizer and its generation
         config, loaded by transformers from a local directory or a hub id. ``device``: where the
         model goes (``"cuda"``, ``"cpu"``...); ``model_kwargs`` go to ``from_pretrained``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
         if device is not None:
-            model = model.to(device)
+            # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to): mypy sees it unbound
+            model = model.to(device)  # type: ignore[arg-type]
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model.eval(), config, getattr(model, "generation_config", None), tokenizer=tokenizer)
+        model = model.eval()  # type: ignore[no-untyped-call]  # unannotated in transformers; returns the model
+        return cls(model, config, getattr(model, "generation_config", None), tokenizer=tokenizer)
 
-    def call(self, fn: Callable[[EngineCore], Any]) -> Future:
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run ``fn(core)`` on the engine thread between steps; returns a ``concurrent.futures.Future``."""
         core = self.core
         if core is None:
@@ -229,7 +237,7 @@ class EngineBase:
         core.check_alive()
         return core.call(fn)
 
-    def _reset_prefix_cache_future(self) -> Future:
+    def _reset_prefix_cache_future(self) -> Future[int]:
         return self.call(lambda c: c.reset_prefix_cache())
 
     # --------------------------------------------------------------- submit
@@ -290,7 +298,8 @@ class EngineBase:
                 f"(prompt + at least one generated token), the smaller of the model's max positions and "
                 f"the KV cache's {cfg.capacity_tokens} tokens"
             )
-        n = params.n
+        n, max_new_tokens = params.n, params.max_new_tokens
+        assert n is not None and max_new_tokens is not None  # the defaults (over FALLBACK) set them
         if n > cfg.max_requests_per_batch:
             raise ValueError(
                 f"n={n} samples run side by side and need {n} of the engine's rows, but "
@@ -308,7 +317,7 @@ class EngineBase:
                     f"{fork_blocks} KV blocks of {bs} tokens (the shared full blocks once, the partial "
                     f"last block once per sample), and the cache has {usable}; lower n or raise num_blocks"
                 )
-        max_new = min(params.max_new_tokens, limit - len(ids))
+        max_new = min(max_new_tokens, limit - len(ids))
         min_new = min(params.min_new_tokens or 0, max_new)
         if min_new != (params.min_new_tokens or 0):
             params = replace(params, min_new_tokens=min_new)
@@ -359,14 +368,20 @@ class EngineBase:
             raise
         return members[0]
 
+    def _made_core(self) -> EngineCore:
+        """The core of a request from :meth:`make_request` (which needed one; it is never unset)."""
+        core = self.core
+        assert core is not None
+        return core
+
     def enqueue(self, req: Request) -> None:
         """Hand a validated request to the engine (the caller holds its queue slot)."""
-        self.core.add(req)
+        self._made_core().add(req)
 
     def admit(self, req: Request) -> None:
         """Hand a validated request, holding a queue slot, to the engine; undo both on failure."""
         try:
-            self.core.check_alive()
+            self._made_core().check_alive()
             self.enqueue(req)
         except BaseException:
             self.gate.release()
@@ -375,8 +390,9 @@ class EngineBase:
 
     def abandon(self, req: Request) -> None:
         """Undo ``make_request`` for a request that will not be enqueued."""
+        core = self._made_core()
         for m in req.group.members if req.group is not None else [req]:
-            self.core.release_id(m.request_id)
+            core.release_id(m.request_id)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""

@@ -141,7 +141,6 @@ def generate_batch(
     persistent_manager: bool = False,
     warmup: bool = True,
     sampling: SamplingParams | None = None,
-    max_new_tokens: int | None = None,
     tokenizer: Any = None,
     **kwargs: Unpack[SamplingKwargs],
 ) -> dict[str, GenerationOutput]:
@@ -156,8 +155,6 @@ def generate_batch(
     tokens/s.
     """
     del persistent_manager, warmup  # transformers' knobs: acb's engine needs neither
-    if max_new_tokens is not None:
-        kwargs["max_new_tokens"] = max_new_tokens
     sampling = with_overrides("generate_batch", sampling, kwargs)
     inputs = _prompt_list(inputs)
     if not inputs:
@@ -235,7 +232,8 @@ def _progress(total: int, enabled: bool) -> Any:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="acb generate", unit="req", dynamic_ncols=True)
+    # labelled for the library call; ``acb generate`` draws its own bar
+    return tqdm(total=total, desc="generate_batch", unit="req", dynamic_ncols=True)
 
 
 def _drain(
@@ -246,7 +244,9 @@ def _drain(
     tokens_before: int,
     block: bool,
 ) -> int:
-    """Collect finished outputs; returns the number of generated tokens they hold."""
+    """Collect ended outputs; returns the number of generated tokens they hold (every sample's
+    with ``n > 1``). The bar's tok/s is those tokens, summed over the requests ended so far,
+    divided by the time since ``t0`` (the first submit)."""
     got = 0
     items = []
     try:
@@ -257,9 +257,9 @@ def _drain(
         pass
     for out in items:
         results[out.request_id] = out
-        got += len(out.generated_tokens)
+        got += sum(len(s.generated_tokens) for s in out.samples) if out.samples else len(out.generated_tokens)
     if bar is not None and items:
-        bar.update(len(items))
         elapsed = max(time.perf_counter() - t0, 1e-9)
         bar.set_postfix_str(f"{(tokens_before + got) / elapsed:,.0f} tok/s", refresh=False)
+        bar.update(len(items))  # refreshes with the new rate
     return got

@@ -18,17 +18,28 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
-from acb.runner.attention import ATTN_IMPL_NAME, StepContext, make_backend, register_with_transformers
+from acb.runner.attention import (
+    ATTN_IMPL_NAME,
+    AttentionBackend,
+    StepContext,
+    make_backend,
+    register_with_transformers,
+)
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec, size_kv_cache, total_host_memory
 from acb.runner.sampler import SamplingState, sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from acb.runner.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +69,10 @@ class HostResult:
     k logprobs), pinned on CUDA; ``done`` completes when the copy has landed (None on CPU)."""
 
     tensor: torch.Tensor
-    done: Any
+    done: torch.cuda.Event | None
 
 
-def check_model(model: torch.nn.Module) -> None:
+def check_model(model: PreTrainedModel) -> None:
     """Refuse, with the reason, models acb cannot run correctly."""
     cfg = model.config
     name = type(model).__name__
@@ -88,7 +99,7 @@ def check_model(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(f"{name} shares KV caches across layers (num_kv_shared_layers), not supported")
 
 
-def kv_spec_of(model: torch.nn.Module, dtype: torch.dtype) -> KVSpec:
+def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -96,7 +107,7 @@ def kv_spec_of(model: torch.nn.Module, dtype: torch.dtype) -> KVSpec:
     return KVSpec(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
 
-def model_max_len(model: torch.nn.Module) -> int:
+def model_max_len(model: PreTrainedModel) -> int:
     text = model.config.get_text_config()
     return int(getattr(text, "max_position_embeddings", None) or 1 << 20)
 
@@ -130,7 +141,7 @@ def staging_bytes(cfg: ResolvedConfig) -> int:
     return 8 * (4 * tokens + 8 * rows + 16) + 4 * 16 * rows + 8 * 2 * 4 * rows
 
 
-def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> tuple[ResolvedConfig, KVSpec]:
+def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> tuple[ResolvedConfig, KVSpec]:
     """Concrete sizes for this model on its device (the only place memory is measured).
 
     With ``num_blocks`` unset, the KV cache gets ``max_memory_percent`` of the device's free
@@ -142,14 +153,14 @@ def resolve_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> 
     device = model_device(model)
     dtype = next(model.parameters()).dtype
     spec = kv_spec_of(model, dtype)
-    backend = config.attn_backend or default_backend(device, dtype, config.block_size)
+    backend = config.attn_backend or default_backend(device, dtype, config.page_size)
     if config.attn_backend == "flash_attn":  # an automatic pick has passed this check already
         from acb.runner.attention import flash_attn_backend
 
-        problem = flash_attn_backend.unavailable_reason(device, dtype, config.block_size)
+        problem = flash_attn_backend.unavailable_reason(device, dtype, config.page_size)
         if problem is not None:
             raise ValueError(f"attn_backend='flash_attn' cannot run here: {problem}")
-    block_size = block_size_for(backend, config.block_size)
+    block_size = block_size_for(backend, config.page_size)
     max_len = model_max_len(model)
     if config.max_model_len is not None:
         max_len = min(max_len, config.max_model_len)
@@ -215,7 +226,7 @@ def device_scope(device: torch.device, stream: "torch.cuda.Stream | None" = None
     return stack
 
 
-def _set_attn(model: torch.nn.Module, impl: str) -> None:
+def _set_attn(model: PreTrainedModel, impl: str) -> None:
     try:
         model.set_attn_implementation(impl)
     except (AttributeError, ValueError, KeyError, ImportError):
@@ -233,7 +244,7 @@ class _AttentionSwap:
         self._lock = threading.Lock()
         self._users: dict[int, tuple[int, str | None]] = {}  # id(model) -> (runners, its own implementation)
 
-    def acquire(self, model: torch.nn.Module) -> None:
+    def acquire(self, model: PreTrainedModel) -> None:
         with self._lock:
             users, own = self._users.get(id(model), (0, None))
             if users == 0:
@@ -241,7 +252,7 @@ class _AttentionSwap:
                 _set_attn(model, ATTN_IMPL_NAME)
             self._users[id(model)] = (users + 1, own)
 
-    def release(self, model: torch.nn.Module) -> None:
+    def release(self, model: PreTrainedModel) -> None:
         with self._lock:
             users, own = self._users.pop(id(model))
             if users > 1:
@@ -256,9 +267,9 @@ _ATTN_SWAP = _AttentionSwap()
 class ModelRunner:
     """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
 
-    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
+    def __init__(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> None:
         check_model(model)
-        self.model = model.eval()
+        self.model: PreTrainedModel = model.eval()
         self.device = model_device(model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
@@ -278,7 +289,7 @@ class ModelRunner:
         self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.streams = DeviceStreams(self.device)
         self.staging = StagingRing(staging_bytes(self.cfg), self.device, self.streams)
-        self.graphs = None  # decode CUDA graphs (acb.runner.cuda_graphs.DecodeGraphs), set up by warmup()
+        self.graphs: DecodeGraphs | None = None  # decode CUDA graphs, set up by warmup()
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
@@ -296,7 +307,7 @@ class ModelRunner:
             self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
         )
 
-    def _checked_backend(self, config: ContinuousBatchingConfig, spec: KVSpec) -> Any:
+    def _checked_backend(self, config: ContinuousBatchingConfig, spec: KVSpec) -> AttentionBackend:
         """The configured backend; when it was picked automatically, it must first agree with the
         torch reference on this device (flash_attn falls back to triton, triton to torch)."""
         from acb.runner.attention import check_backend
@@ -370,8 +381,9 @@ class ModelRunner:
             _ATTN_SWAP.release(self.model)
             self._holds_attn = False
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
-        self.kv_cache = self.staging = self.sampling = self.inputs = None
-        self._prev_ids = None
+        # the runner is unusable after close, so these are not typed Optional
+        self.kv_cache = self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]
+        self._prev_ids = None  # type: ignore[assignment]
 
     def execute(self, sched: SchedulerOutput) -> InFlightStep:
         """Launch one step (no host sync): stage its inputs (one copy), run the forward and the
@@ -416,15 +428,17 @@ class ModelRunner:
         s = self.streams
         if not s.cuda:
             return HostResult(packed, None)
-        sampled = s.event()
+        d2h = s.d2h
+        assert d2h is not None  # the streams exist on CUDA
+        sampled = torch.cuda.Event()
         sampled.record(s.compute)
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        with torch.cuda.stream(s.d2h):
-            s.d2h.wait_event(sampled)
+        with torch.cuda.stream(d2h):
+            d2h.wait_event(sampled)
             host.copy_(packed, non_blocking=True)
-            packed.record_stream(s.d2h)
-            done = s.event()
-            done.record(s.d2h)
+            packed.record_stream(d2h)
+            done = torch.cuda.Event()
+            done.record(d2h)
         return HostResult(host, done)
 
     def _setup_compile(self, config: ContinuousBatchingConfig) -> None:

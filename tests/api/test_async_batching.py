@@ -15,7 +15,7 @@ LENGTHS = [1, 7, 8, 9, 23, 40, 64]
 
 
 def cfg(**kw) -> acb.ContinuousBatchingConfig:
-    return acb.ContinuousBatchingConfig(**{"block_size": 8, "num_blocks": 256, "use_async_batching": True, **kw})
+    return acb.ContinuousBatchingConfig(**{"page_size": 8, "num_blocks": 256, "use_async_batching": True, **kw})
 
 
 @pytest.mark.parametrize("arch,extra", [
@@ -39,7 +39,7 @@ def test_async_preemption_offload_prefix_cache_and_groups():
     prompts = [base[:20], base, base[:9] + [5, 6], base[:28]] + prompts_of_lengths([17, 25, 12], seed=72)
     refs = [reference_generate(model, p, 14) for p in prompts]
     for offload in (0.0, 0.01):
-        c = cfg(block_size=4, num_blocks=24, safety_margin=0.0, cpu_offload_space=offload)
+        c = cfg(page_size=4, num_blocks=24, safety_margin=0.0, cpu_offload_space=offload)
         with acb.Engine(model, c) as eng:
             hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=14, n=2 if i == 1 else 1))
                   for i, p in enumerate(prompts)]

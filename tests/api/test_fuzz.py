@@ -119,7 +119,7 @@ def random_config(rng: random.Random) -> dict:
     per_req = -(-longest // bs)
     graphs = HAVE_TRITON and rng.random() < 0.15
     return dict(
-        block_size=bs,
+        page_size=bs,
         # from "one request at a time" (constant preemption) to roomy
         num_blocks=1 + per_req + rng.choice([0, 1, 2, per_req // 2, per_req, 4 * per_req]),
         max_batch_tokens=rng.choice([7, 16, 32, 64, 256]),

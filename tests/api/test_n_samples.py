@@ -23,7 +23,7 @@ def test_greedy_samples_equal_generate_and_prefill_once(prompt_len):
     model = get_model("llama")
     prompt = prompts_of_lengths([prompt_len], seed=40)[0]
     ref = _hf_greedy(model, prompt, 10, repetition_penalty=1.2)
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=64)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=64)) as eng:
         out = eng.generate(prompt, acb.SamplingParams(n=4, max_new_tokens=10, repetition_penalty=1.2))
         stats = eng.stats
     assert out.status == acb.RequestStatus.FINISHED and len(out.samples) == 4
@@ -37,7 +37,7 @@ def test_sampled_samples_differ_and_sample_zero_matches_seed():
     model = get_model("llama")
     prompt = prompts_of_lengths([21], seed=41)[0]
     sp = acb.SamplingParams(n=5, max_new_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=64)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=64)) as eng:
         out = eng.generate(prompt, sp)
         single = eng.generate(prompt, acb.SamplingParams(max_new_tokens=16, temperature=1.0, seed=77, ignore_eos=True))
         again = eng.generate(prompt, sp)
@@ -51,7 +51,7 @@ def test_sampled_samples_differ_and_sample_zero_matches_seed():
 
 async def test_stream_and_cancel_groups():
     model = get_model("llama")
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=64)) as eng:
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=64)) as eng:
         h = await eng.submit([5, 6, 7, 8, 9], acb.SamplingParams(n=3, max_new_tokens=7, temperature=0.9,
                                                                   ignore_eos=True, logprobs=0))
         per = {0: [], 1: [], 2: []}
@@ -80,7 +80,7 @@ def test_groups_under_preemption():
     model = get_model("qwen2")
     prompts = prompts_of_lengths([11, 14, 9], seed=42)
     refs = [_hf_greedy(model, p, 14) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=30, safety_margin=0.0)
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=30, safety_margin=0.0)
     with acb.Engine(model, cfg) as eng:
         hs = [eng.submit(p, acb.SamplingParams(n=3, max_new_tokens=14)) for p in prompts]
         outs = [h.result(timeout=120) for h in hs]

@@ -12,7 +12,7 @@ MAX_NEW = 16
 def _run(offload_gib: float, **kw):
     model = get_model("llama")
     # 16 usable blocks of 4 tokens for 8 requests of ~40 tokens: preemption is certain
-    cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False,
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False,
                                        cpu_offload_space=offload_gib, **kw)
     with acb.Engine(model, cfg) as eng:
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW)) for p in PROMPTS]
@@ -48,7 +48,7 @@ def test_offload_full_falls_back_to_recompute():
 
 def test_cancel_while_offloaded_frees_host_blocks():
     model = get_model("llama")
-    cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False,
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False,
                                        cpu_offload_space=0.01)
     with acb.Engine(model, cfg) as eng:
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=200, ignore_eos=True)) for p in PROMPTS]

@@ -27,7 +27,7 @@ def _check(model, prompts, outputs, max_new=MAX_NEW):
 def test_generate_batch_matches_generate(arch):
     model = get_model(arch)
     prompts = prompts_of_lengths(LENGTHS, seed=1)
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=256)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=256)
     res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
                              progress_bar=False)
     assert list(res) == [f"req_{i}" for i in range(len(prompts))]
@@ -38,7 +38,7 @@ def test_sliding_window_beyond_window():
     # Mistral with a 24-token window: prompts and generations well past it
     model = get_model("mistral")
     prompts = prompts_of_lengths([30, 50, 5], seed=2)
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=128, max_batch_tokens=16)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=16)
     res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=30,
                              progress_bar=False)
     _check(model, prompts, res.values(), max_new=30)
@@ -47,7 +47,7 @@ def test_sliding_window_beyond_window():
 def test_chunked_prefill_small_budget():
     model = get_model("llama")
     prompts = prompts_of_lengths(LENGTHS, seed=3)
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=256, max_batch_tokens=10)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=256, max_batch_tokens=10)
     with acb.Engine(model, cfg) as engine:
         handles = [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW)) for p in prompts]
         outs = [h.result(timeout=120) for h in handles]
@@ -61,7 +61,7 @@ def test_preemption_small_cache(policy):
     model = get_model("qwen2")
     prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17, 28, 14], seed=4)
     # 16 usable blocks of 4 tokens = 64 tokens for 8 requests of ~40 tokens each: preemption must happen
-    cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=17, scheduler_type=policy, safety_margin=0.0)
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, scheduler_type=policy, safety_margin=0.0)
     with acb.Engine(model, cfg) as engine:
         handles = [engine.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]
         outs = [h.result(timeout=120) for h in handles]
@@ -73,7 +73,7 @@ def test_preemption_small_cache(policy):
 async def test_async_arrivals_while_decoding():
     model = get_model("llama")
     prompts = prompts_of_lengths([5, 33, 12, 60, 3, 18], seed=5)
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=128, max_batch_tokens=24)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=24)
     async with acb.AsyncEngine(model, cfg) as engine:
         first = await engine.submit(prompts[0], acb.SamplingParams(max_new_tokens=MAX_NEW))
         handles = [first]
@@ -91,7 +91,7 @@ def test_stop_token_and_max_len():
     prompt = prompts_of_lengths([10], seed=6)[0]
     ref = reference_generate(model, prompt, 20)
     stop = ref[5]
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=64)) as engine:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=64)) as engine:
         out = engine.generate(prompt, acb.SamplingParams(max_new_tokens=20, stop_token_ids=(stop,)))
         assert out.finish_reason == acb.FinishReason.STOP
         assert out.generated_tokens == ref[: ref.index(stop) + 1]
@@ -104,7 +104,7 @@ def test_gemma2_softcap_and_sliding_window():
     # Gemma 2 caps attention logits (not expressible in SDPA): compare with transformers' eager
     model = get_model("gemma2", attn_implementation="eager")
     prompts = prompts_of_lengths([1, 9, 30, 45], seed=7)
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=128, max_batch_tokens=20)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=20)
     res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
                              progress_bar=False)
     _check(model, prompts, res.values())

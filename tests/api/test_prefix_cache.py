@@ -11,7 +11,7 @@ BS = 8
 
 
 def _run(model, prompts, caching, **kw):
-    cfg = acb.ContinuousBatchingConfig(block_size=BS, num_blocks=128, allow_block_sharing=caching, **kw)
+    cfg = acb.ContinuousBatchingConfig(page_size=BS, num_blocks=128, allow_block_sharing=caching, **kw)
     with acb.Engine(model, cfg) as eng:
         outs = []
         for wave in (prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]):  # 2nd wave can hit the 1st
@@ -39,7 +39,7 @@ def test_outputs_equal_with_and_without_prefix_cache():
 
 def test_second_identical_request_prefills_only_its_tail():
     model = get_model("qwen3")
-    cfg = acb.ContinuousBatchingConfig(block_size=BS, num_blocks=64)
+    cfg = acb.ContinuousBatchingConfig(page_size=BS, num_blocks=64)
     for n in (37, 40):  # mid-block and block-aligned prompts
         prompt = prompts_of_lengths([n], seed=52)[0]
         with acb.Engine(model, cfg) as eng:
@@ -56,7 +56,7 @@ def test_second_identical_request_prefills_only_its_tail():
 def test_cache_salt_isolates_and_reset_forgets():
     model = get_model("llama")
     prompt = prompts_of_lengths([33], seed=53)[0]
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=BS, num_blocks=64)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=BS, num_blocks=64)) as eng:
         eng.generate(prompt, acb.SamplingParams(max_new_tokens=2), cache_salt="tenant-a")
         assert eng.generate(prompt, acb.SamplingParams(max_new_tokens=2), cache_salt="tenant-b").num_cached_tokens == 0
         assert eng.generate(prompt, acb.SamplingParams(max_new_tokens=2), cache_salt="tenant-a").num_cached_tokens == 32
@@ -71,7 +71,7 @@ def test_cache_salt_isolates_and_reset_forgets():
 
 async def test_async_reset_prefix_cache():
     model = get_model("llama")
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=BS, num_blocks=64)) as eng:
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=BS, num_blocks=64)) as eng:
         await eng.generate(list(range(3, 30)), acb.SamplingParams(max_new_tokens=2))
         assert await eng.reset_prefix_cache() >= 3
         await asyncio.sleep(0)
@@ -80,7 +80,7 @@ async def test_async_reset_prefix_cache():
 def test_evicted_prefix_blocks_are_counted_and_missed():
     model = get_model("llama")
     a, b = prompts_of_lengths([33, 33], seed=54)
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=BS, num_blocks=7)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=BS, num_blocks=7)) as eng:
         eng.generate(a, acb.SamplingParams(max_new_tokens=2))
         assert eng.stats.prefix_evictions == 0
         eng.generate(b, acb.SamplingParams(max_new_tokens=2))  # 6 usable blocks: b reuses a's cached ones

@@ -56,7 +56,7 @@ def test_async_preemption_with_last_tokens_in_flight(model):
     # the shape of the report (async batching, a cache that forces preemption, lengths that end
     # at every step), scaled down
     prompts, news = random_workload(11, 40, 40, 40)
-    cfg = acb.ContinuousBatchingConfig(use_async_batching=True, num_blocks=12, max_batch_tokens=64, block_size=8,
+    cfg = acb.ContinuousBatchingConfig(use_async_batching=True, num_blocks=12, max_batch_tokens=64, page_size=8,
                                        max_requests_per_batch=8, safety_margin=0.0)
     outs, stats = run_gated(model, cfg, prompts, news)
     assert stats.preemptions > 0 and stats.failed == 0
@@ -115,7 +115,7 @@ def test_offloaded_request_resumes_with_its_own_kv(model, async_batching):
     # two usable blocks of 8: a (older) ends after 2 tokens; b needs a second block at position 8
     # while a's last token is in flight, so b offloads itself in a step that runs nothing else
     a, b = prompts_of_lengths([5, 7], seed=15)
-    cfg = acb.ContinuousBatchingConfig(use_async_batching=async_batching, num_blocks=3, block_size=8,
+    cfg = acb.ContinuousBatchingConfig(use_async_batching=async_batching, num_blocks=3, page_size=8,
                                        cpu_offload_space=0.001, safety_margin=0.0)
     outs, stats = run_gated(model, cfg, [a, b], [2, 9])
     if async_batching:
@@ -127,7 +127,7 @@ def test_offloaded_request_resumes_with_its_own_kv(model, async_batching):
 
 
 async def test_submit_time_limits(model):
-    cfg = acb.ContinuousBatchingConfig(block_size=16, num_blocks=8, max_requests_per_batch=16)
+    cfg = acb.ContinuousBatchingConfig(page_size=16, num_blocks=8, max_requests_per_batch=16)
     prompt = prompts_of_lengths([37], seed=13)[0]
     async with acb.AsyncEngine(model, cfg) as eng:
         bystander = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=6, min_new_tokens=3))
@@ -153,7 +153,7 @@ async def test_submit_time_limits(model):
 
 async def test_logprobs_beyond_a_small_vocabulary_refused():  # defect 6
     small = tiny_model("llama", vocab_size=8)
-    async with acb.AsyncEngine(small, acb.ContinuousBatchingConfig(block_size=8, num_blocks=16)) as eng:
+    async with acb.AsyncEngine(small, acb.ContinuousBatchingConfig(page_size=8, num_blocks=16)) as eng:
         with pytest.raises(ValueError, match="logprobs=20 asks for more alternatives than the vocabulary's 8"):
             await eng.submit([3, 4], acb.SamplingParams(logprobs=20))
         out = await eng.generate([3, 4], acb.SamplingParams(logprobs=8, max_new_tokens=3, ignore_eos=True))
@@ -163,7 +163,7 @@ async def test_logprobs_beyond_a_small_vocabulary_refused():  # defect 6
 def test_generation_config_stop_ids_outside_the_vocabulary_are_ignored(model):
     gc = model.generation_config.__class__(eos_token_id=[2, 999], max_new_tokens=6)
     prompt = [5, 6, 7]
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=16), gc) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=16), gc) as eng:
         out = eng.generate(prompt, acb.SamplingParams(min_new_tokens=2))
     assert out.status == acb.RequestStatus.FINISHED
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_two_engines_on_one_model(model, stop_first):
     prompts = prompts_of_lengths([9, 17, 4], seed=14)
     refs = [reference_generate(model, p, 10) for p in prompts]
     own = model.config._attn_implementation
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=32)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)
     a, b = acb.Engine(model, cfg), acb.Engine(model, cfg)
     a.start()
     b.start()
@@ -219,7 +219,7 @@ class BrokenDecode:
 
 
 async def test_failing_decode_fails_only_its_request(model):
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=32),
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32),
                                tokenizer=BrokenDecode(ok=2)) as eng:
         other = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=8, ignore_eos=True))
         bad = await eng.submit([8, 9], acb.SamplingParams(max_new_tokens=8, stop=["zz"], ignore_eos=False))
@@ -233,7 +233,7 @@ async def test_failing_decode_fails_only_its_request(model):
 
 
 async def test_engine_death_reaches_every_handle_even_if_decoding_fails(model, monkeypatch):
-    eng = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=32),
+    eng = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32),
                           tokenizer=BrokenDecode(ok=1_000_000))
     eng.start()
     core = eng.core
@@ -255,7 +255,7 @@ async def test_engine_death_reaches_every_handle_even_if_decoding_fails(model, m
 
 def test_a_raising_result_callback_does_not_stop_the_engine(model, caplog):
     manager = acb.init_continuous_batching(model, continuous_batching_config=acb.ContinuousBatchingConfig(
-        block_size=8, num_blocks=32))
+        page_size=8, num_blocks=32))
     manager.start()
     router_put = manager.output_router.put
     try:
@@ -282,7 +282,7 @@ def test_a_raising_result_callback_does_not_stop_the_engine(model, caplog):
 
 
 async def test_handle_awaited_on_another_loop(model):
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=32)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)
     async with acb.AsyncEngine(model, cfg) as eng:
         h = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=12, ignore_eos=True))
         h2 = await eng.submit([8, 9], acb.SamplingParams(max_new_tokens=12, ignore_eos=True))
@@ -301,7 +301,7 @@ async def test_handle_awaited_on_another_loop(model):
 
 
 def test_handle_submitted_on_a_closed_loop_is_still_delivered(model):
-    eng = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=32))
+    eng = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32))
     eng.start()
     try:
         h = asyncio.run(eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=6, ignore_eos=True)))
@@ -312,14 +312,14 @@ def test_handle_submitted_on_a_closed_loop_is_still_delivered(model):
 
 
 async def test_nested_context_managers_share_the_engine(model):
-    eng = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=32))
+    eng = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32))
     async with eng:
         async with eng:
             assert (await eng.generate([5, 6], acb.SamplingParams(max_new_tokens=2))).generated_tokens
         assert eng.is_running
         assert len((await eng.generate([5, 6], acb.SamplingParams(max_new_tokens=2))).generated_tokens) == 2
     assert not eng.is_running
-    sync = acb.Engine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=32))
+    sync = acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32))
     with sync:
         with sync:
             pass
@@ -328,7 +328,7 @@ async def test_nested_context_managers_share_the_engine(model):
 
 
 async def test_prompt_shapes(model):
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=32)) as eng:
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
         with pytest.raises(TypeError, match="ordered sequence of token ids, got a dict"):
             await eng.submit({5: 1, 6: 1})
         with pytest.raises(TypeError, match="got a set"):
@@ -340,7 +340,7 @@ async def test_prompt_shapes(model):
 
 
 def test_generate_batch_takes_a_2d_tensor(model):
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=32)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)
     batch = torch.tensor([[5, 6, 7], [9, 10, 11]])
     outs = acb.generate_batch(model, batch, continuous_batching_config=cfg, max_new_tokens=4, progress_bar=False)
     assert [o.generated_tokens for o in outs.values()] == [reference_generate(model, r, 4) for r in batch.tolist()]
@@ -352,7 +352,7 @@ def test_generate_batch_takes_a_2d_tensor(model):
 
 def test_manager_prompt_and_eos_checks(model):
     manager = acb.init_continuous_batching(model, continuous_batching_config=acb.ContinuousBatchingConfig(
-        block_size=8, num_blocks=32))
+        page_size=8, num_blocks=32))
     manager.start()
     try:
         with pytest.raises(TypeError, match="eos_token_id must be an int or a list of ints, got 'x'"):
@@ -366,7 +366,7 @@ def test_manager_prompt_and_eos_checks(model):
 
 
 async def test_stats_count_every_result_already_delivered(model):
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=32)) as eng:
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
         for k in range(1, 6):
             await eng.generate([5, 6, k + 3], acb.SamplingParams(max_new_tokens=k))
             st = eng.stats

@@ -9,7 +9,7 @@ import acb
 from acb.models import build_tokenizer
 from tests.conftest import get_model, prompts_of_lengths, reference_generate
 
-CFG = dict(block_size=8, num_blocks=256)
+CFG = dict(page_size=8, num_blocks=256)
 
 
 def test_seeded_request_same_alone_batched_and_preempted():
@@ -35,7 +35,7 @@ def test_seeded_request_same_alone_batched_and_preempted():
             x.result(timeout=120)
     assert batched == alone
     # under forced preemption (a tiny cache)
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=4, num_blocks=24, safety_margin=0.0)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=4, num_blocks=24, safety_margin=0.0)) as eng:
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in others[20:28]]
         h = eng.submit(prompt, seeded)
         preempted = h.result(timeout=120)
@@ -124,7 +124,7 @@ def test_stop_strings_cut_text_keep_tokens():
     tok = build_tokenizer()
     model = acb.models.default_model()
     prompt = tok("The quick brown fox").input_ids
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=16, num_blocks=64), tokenizer=tok) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=64), tokenizer=tok) as eng:
         free = eng.generate(prompt, acb.SamplingParams(max_new_tokens=40, ignore_eos=True))
         gen = free.generated_tokens
         text = tok.decode(gen)

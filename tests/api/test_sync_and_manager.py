@@ -10,7 +10,7 @@ import pytest
 import acb
 from tests.conftest import get_model, prompts_of_lengths, reference_generate
 
-CFG = dict(block_size=8, num_blocks=128)
+CFG = dict(page_size=8, num_blocks=128)
 
 
 def test_sync_engine_stream_and_break_cancels():

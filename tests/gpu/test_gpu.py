@@ -35,7 +35,7 @@ def test_cuda_parity_triton(arch, async_batching, graphs):
     model = _model(arch)
     prompts = prompts_of_lengths([1, 9, 40, 97, 130], seed=90)
     refs = [_reference(model, p, 16) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(block_size=16, num_blocks=512, max_batch_tokens=64,
+    cfg = acb.ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=64,
                                        use_async_batching=async_batching, use_cuda_graph=graphs,
                                        max_requests_per_batch=32)
     with acb.Engine(model, cfg) as eng:
@@ -51,7 +51,7 @@ def test_cuda_preemption_and_offload():
     model = _model("llama")
     prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17, 28, 14], seed=91)
     refs = [_reference(model, p, 16) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=17, safety_margin=0.0, cpu_offload_space=0.01,
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, cpu_offload_space=0.01,
                                        allow_block_sharing=False)
     with acb.Engine(model, cfg) as eng:
         outs = [h.result(timeout=300) for h in [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]]
@@ -68,7 +68,7 @@ def test_steps_make_no_hidden_host_syncs():
     async batching (the defaults)."""
     model = _model("llama")
     prompts = prompts_of_lengths([3, 17, 40, 66, 9, 120], seed=92)
-    cfg = acb.ContinuousBatchingConfig(block_size=16, num_blocks=512, max_batch_tokens=64, max_requests_per_batch=32)
+    cfg = acb.ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=64, max_requests_per_batch=32)
     params = [
         acb.SamplingParams(max_new_tokens=24, ignore_eos=True),
         acb.SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=50, seed=1),
@@ -95,7 +95,7 @@ def test_restart_frees_the_first_engines_memory():
     """A stopped engine's KV cache, graphs and buffers are freed, so a restarted manager sizes
     the same cache again instead of failing or shrinking to what the dead one left free."""
     model = _model("llama")
-    cfg = acb.ContinuousBatchingConfig(block_size=16, max_batch_tokens=64, max_requests_per_batch=32,
+    cfg = acb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=32,
                                        max_memory_percent=0.5)
     manager = acb.ContinuousBatchingManager(model, cfg)
     sizes = []

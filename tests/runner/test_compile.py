@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     prompts = prompts_of_lengths([3, 17, 30], seed=80)
     refs = [reference_generate(model, p, 8) for p in prompts]
     cc = {"backend": "eager", "dynamic": True}
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, max_batch_tokens=16,
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=16,
                                        decode_compile_config=cc, varlen_compile_config=cc)
     with acb.Engine(model, cfg) as eng:
         assert eng.core.runner.compiled_paths == {"decode", "varlen"}

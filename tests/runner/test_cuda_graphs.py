@@ -55,7 +55,7 @@ def test_decode_graphs_match_generate_across_sizes_and_context_lengths(monkeypat
     prompts = prompts_of_lengths([3, 9, 2, 40, 5], seed=7)
     news = [12, 12, 12, 4, 7]
     refs = [_reference(model, p, n) for p, n in zip(prompts, news)]
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
                                        max_requests_per_batch=6, use_async_batching=async_batching)
     with acb.Engine(model, cfg) as eng:
         graphs = eng.runner.graphs
@@ -84,7 +84,7 @@ def test_graph_replay_equals_eager_with_sampling_and_n(monkeypatch):
           acb.SamplingParams(max_new_tokens=8)]
     results = {}
     for graphs in (False, True):
-        cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=64, attn_backend="triton",
+        cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=64, attn_backend="triton",
                                            use_cuda_graph=graphs, max_requests_per_batch=8)
         with acb.Engine(model, cfg) as eng:
             outs = [h.result(timeout=600) for h in [eng.submit(p, s) for p, s in zip(prompts, sp)]]
@@ -133,7 +133,7 @@ def test_self_check_catches_a_graph_whose_inputs_were_frozen_at_capture(monkeypa
     inputs they saw at capture (the bug class of a value baked into a graph)."""
     monkeypatch.setattr(tk, "MIN_TOKENS_PER_SPLIT", 32)  # so the sizes have a split variant
     model = tiny_model("llama").to(DEVICE)
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
                                        max_requests_per_batch=4)
     with acb.Engine(model, cfg) as eng:
         graphs = eng.runner.graphs
@@ -158,7 +158,7 @@ def test_padded_rows_are_reset_when_the_batch_shrinks():
     from acb.runner.input_batch import PreparedBatch
 
     model = tiny_model("llama").to(DEVICE)
-    cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True,
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True,
                                        max_requests_per_batch=4)
     with acb.Engine(model, cfg) as eng:
         runner = eng.runner
@@ -190,7 +190,7 @@ def test_graphs_with_async_preemption_offload_prefix_cache_and_groups():
     base = prompts_of_lengths([30], seed=71)[0]
     prompts = [base[:20], base, base[:9] + [5, 6], base[:28]] + prompts_of_lengths([17, 25, 12], seed=72)
     refs = [_reference(model, p, 14) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(block_size=4, num_blocks=24, safety_margin=0.0, cpu_offload_space=0.01,
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=24, safety_margin=0.0, cpu_offload_space=0.01,
                                        attn_backend="triton", use_cuda_graph=True, use_async_batching=True,
                                        max_requests_per_batch=8)
     with acb.Engine(model, cfg) as eng:

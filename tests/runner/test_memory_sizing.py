@@ -16,7 +16,7 @@ from tests.conftest import get_model
 def test_auto_sizing_counts_workspace(monkeypatch):
     model = get_model("llama")
     monkeypatch.setattr(kv_cache, "available_host_memory", lambda: 64 << 20)  # 64 MiB of RAM
-    cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(block_size=16, max_memory_percent=0.5,
+    cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, max_memory_percent=0.5,
                                                                    max_batch_tokens=256, max_requests_per_batch=8))
     budget = (64 << 20) // 2
     workspace = step_workspace_bytes(model, 256, 8, torch.float32)
@@ -30,9 +30,9 @@ def test_too_little_memory_for_one_request_is_a_clear_error(monkeypatch):
     model = get_model("llama")
     monkeypatch.setattr(kv_cache, "available_host_memory", lambda: 1 << 20)
     with pytest.raises(ValueError, match="not enough memory for one request of max_model_len=1024"):
-        resolve_config(model, acb.ContinuousBatchingConfig(block_size=16, max_memory_percent=0.5))
+        resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, max_memory_percent=0.5))
     # a shorter max_model_len fits
-    cfg, _ = resolve_config(model, acb.ContinuousBatchingConfig(block_size=16, max_memory_percent=0.5,
+    cfg, _ = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, max_memory_percent=0.5,
                                                                 max_model_len=64, max_batch_tokens=64,
                                                                 max_requests_per_batch=4))
     assert cfg.max_model_len == 64 and cfg.num_blocks >= 5
@@ -40,7 +40,7 @@ def test_too_little_memory_for_one_request_is_a_clear_error(monkeypatch):
 
 def test_max_model_len_limits_requests():
     model = get_model("llama")
-    with acb.Engine(model, acb.ContinuousBatchingConfig(block_size=8, num_blocks=64, max_model_len=40)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_model_len=40)) as eng:
         with pytest.raises(ValueError, match="at most 40 tokens"):
             eng.submit(list(range(3, 43)))
         out = eng.generate(list(range(3, 33)), acb.SamplingParams(max_new_tokens=50, ignore_eos=True))
@@ -50,7 +50,7 @@ def test_max_model_len_limits_requests():
 def test_offload_space_clamped_by_safety_threshold(monkeypatch):
     model = get_model("llama")
     monkeypatch.setattr("acb.runner.model_runner.total_host_memory", lambda: 1 << 20)
-    cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(block_size=16, num_blocks=32, cpu_offload_space=1.0,
+    cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=32, cpu_offload_space=1.0,
                                                                    cpu_offload_space_safety_threshold=0.5))
     assert cfg.num_swap_blocks == (1 << 19) // spec.bytes_per_block(16)
 

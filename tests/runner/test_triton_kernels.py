@@ -247,7 +247,7 @@ def test_generate_batch_matches_torch_backend(arch, max_batch_tokens):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 5, 17, 41)]
     results = {}
     for backend in ("torch", "triton"):
-        cfg = acb.ContinuousBatchingConfig(block_size=8, num_blocks=128, attn_backend=backend,
+        cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, attn_backend=backend,
                                            max_batch_tokens=max_batch_tokens)
         out = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=6, progress_bar=False)
         results[backend] = [o.generated_tokens for o in out.values()]
