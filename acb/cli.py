@@ -25,6 +25,7 @@ from typing import IO, Any, Sequence
 DEFAULT_OUTPUT = "acb_generate_out.jsonl"
 STDOUT = "-"  # --output - : results on stdout, every human-facing line on stderr
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 # the embedded default tokenizer has no chat template of its own; "messages" lines get this one
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -177,6 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # while loading, or a second Ctrl-C during a run: no traceback
         print("acb: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `acb generate -o - | head`: the reader left; stop quietly, as cat does
+        # stdout's buffer still holds lines; point it at /dev/null so flushing at exit cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        print("acb: the output pipe was closed; stopped", file=sys.stderr, flush=True)
+        return EXIT_BROKEN_PIPE
     return 2  # unreachable
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from acb.cli import DEFAULT_OUTPUT, EXIT_INTERRUPTED, main
+from acb.cli import DEFAULT_OUTPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, main
 from acb.models import build_tokenizer
 
 # a small KV cache: the CPU default sizes one for 128 full-length requests (slow to allocate)
-SMALL = ["--num-blocks", "64", "--block-size", "16", "--no-progress"]
+SMALL = ["--num-blocks", "64", "--page-size", "16", "--no-progress"]
 KEYS = {"index", "id", "prompt_len", "generated_ids", "text", "finish_reason", "status", "error"}
 
 
@@ -212,7 +212,7 @@ def test_local_checkpoint(tmp_path, capsys):
 def test_prompt_that_can_never_fit_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--num-prompts", "2", "--min-prompt-len", "40", "--max-prompt-len", "40",
-              "--num-blocks", "2", "--block-size", "16", "--no-progress", "--output", str(tmp_path / "o.jsonl")])
+              "--num-blocks", "2", "--page-size", "16", "--no-progress", "--output", str(tmp_path / "o.jsonl")])
     assert exc.value.code == 2
     assert "can never fit" in capsys.readouterr().err
 
@@ -281,7 +281,7 @@ def test_stdout_output_is_pure_jsonl_and_rates_agree(tmp_path):
     """``python -m acb generate -o -``: stdout holds only result lines, while the progress bar and
     the summary (on stderr) report the same generated tokens/s, which matches the output."""
     proc = _cli(["generate", "--num-prompts", "6", "--max-new-tokens", "5", "--max-prompt-len", "20",
-                 "--ignore-eos", "--num-blocks", "64", "--block-size", "16", "-o", "-"], cwd=tmp_path)
+                 "--ignore-eos", "--num-blocks", "64", "--page-size", "16", "-o", "-"], cwd=tmp_path)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     rows = [json.loads(line) for line in out.splitlines()]  # every stdout line is a JSON result
@@ -304,7 +304,7 @@ def test_ctrl_c_writes_finished_results_and_exits_130(tmp_path):
         {"prompt": f"prompt {i}", "max_new_tokens": 3 if i % 2 == 0 else 2000} for i in range(8)])
     out = tmp_path / "o.jsonl"
     proc = _cli(["generate", "--prompts", str(prompts), "--ignore-eos", "--num-blocks", "600",
-                 "--block-size", "16", "-o", str(out)], cwd=tmp_path)
+                 "--page-size", "16", "-o", str(out)], cwd=tmp_path)
     try:
         deadline = time.monotonic() + 90
         while not (out.exists() and out.read_text(encoding="utf-8").count("\n") >= 1):  # a result is out
@@ -331,6 +331,25 @@ def test_ctrl_c_writes_finished_results_and_exits_130(tmp_path):
     _check_rate(rows, err)
 
 
+def test_reader_leaving_stdout_stops_quietly(tmp_path):
+    """``acb generate -o - | head -1``: when the reader closes the pipe, the CLI stops with 141
+    (as a shell reports SIGPIPE) and one line on stderr, not a traceback. (--block-size is the older
+    spelling of --page-size.)"""
+    proc = _cli(["generate", "--num-prompts", "40", "--max-new-tokens", "64", "--ignore-eos", "--num-blocks", "256",
+                 "--block-size", "16", "-o", "-"], cwd=tmp_path)
+    try:
+        first = proc.stdout.readline()
+        assert json.loads(first)["index"] == 0
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_BROKEN_PIPE, err
+    assert "Traceback" not in err and "output pipe was closed" in err
+
+
 def test_generate_batch_bar_is_labelled_for_the_library(capsys):
     import acb
     from acb.models import tiny_model
@@ -348,7 +367,7 @@ def test_sampling_flags_and_samples(tmp_path):
     out = tmp_path / "s.jsonl"
     rc = main(["generate", "--num-prompts", "2", "--max-new-tokens", "3", "--min-prompt-len", "4", "--max-prompt-len", "12",
                    "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "-n", "3", "--logprobs", "2",
-                   "--ignore-eos", "--num-blocks", "64", "--block-size", "16", "--no-progress", "--output", str(out)])
+                   "--ignore-eos", "--num-blocks", "64", "--page-size", "16", "--no-progress", "--output", str(out)])
     assert rc == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 2
