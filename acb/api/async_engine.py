@@ -1,12 +1,13 @@
-"""``AsyncEngine``: the asyncio-native front of acb."""
+"""``AsyncEngine``: the async front of acb, for asyncio and trio (any anyio backend)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from acb.api.base import EngineBase
-from acb.api.handles import AsyncSink, RequestHandle
+from acb.api.handles import AsyncSink, RequestHandle, await_future, current_loop
 from acb.errors import QueueFullError
 from acb.outputs import GenerationOutput
 from acb.sampling_params import SamplingParams, with_overrides
@@ -14,11 +15,13 @@ from acb.sampling_params import SamplingParams, with_overrides
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from acb.core.request import Request
+
     from acb.sampling_params import SamplingKwargs
 
 
 class AsyncEngine(EngineBase):
-    """Continuous batching for a transformers causal LM, awaited from asyncio.
+    """Continuous batching for a transformers causal LM, awaited from asyncio or trio.
 
     ::
 
@@ -28,8 +31,9 @@ class AsyncEngine(EngineBase):
                 print(delta.token_ids)
             output = await handle.result()      # the final GenerationOutput
 
-    Handles may be awaited from any event loop (and several at once). The engine runs on
-    its own thread; the model's attention implementation is acb's while the engine runs.
+    Handles may be awaited from any event loop (and several at once), asyncio's or trio's. The
+    engine runs on its own thread; the model's attention implementation is acb's while the engine
+    runs.
     """
 
     # ------------------------------------------------------------------ life
@@ -39,16 +43,24 @@ class AsyncEngine(EngineBase):
 
     async def __aexit__(self, *exc: Any) -> None:
         if self._exit_context():  # the outermost block: stop
-            await self.shutdown()
+            # shielded: leaving the block stops the engine even when leaving it because of a
+            # cancellation (under trio, an unshielded wait in a cancelled scope would not even start)
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
 
     async def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
-        await asyncio.to_thread(self.stop, drain=not cancel_pending, timeout=timeout)
+        """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish).
+
+        The stop is requested at once; then the engine thread is awaited (``timeout`` seconds at
+        most) from a worker thread. Cancelling this call stops the wait, not the stop.
+        """
+        self.stop(drain=not cancel_pending, timeout=0)  # post the stop; join(0) does not block
+        await anyio.to_thread.run_sync(self.join, timeout)
 
     # --------------------------------------------------------------- submit
     def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None,
-              record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None):
-        loop = asyncio.get_running_loop()
+              record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None) -> Request:
+        loop = current_loop()  # the handle's home loop (asyncio's, or the trio run's)
         return self.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
                                  request_id=request_id, record_timestamps=record_timestamps, cache_salt=cache_salt,
                                  chat_template_kwargs=chat_template_kwargs)
@@ -130,4 +142,5 @@ class AsyncEngine(EngineBase):
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
         requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
-        return await asyncio.wrap_future(self._reset_prefix_cache_future())
+        forgotten: int = await await_future(self._reset_prefix_cache_future())
+        return forgotten

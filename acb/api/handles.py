@@ -1,21 +1,29 @@
 """Request handles and the sinks that carry results from the engine thread to callers.
 
 The engine thread hands each step's results to :func:`deliver` as one list. Results for
-requests awaited on an event loop are grouped per loop and sent with **one**
-``loop.call_soon_threadsafe`` per loop per step; on the loop, each request's
-:class:`AsyncSink` appends the new tokens to what its consumer has not read yet, so a slow
-consumer gets several steps coalesced into one delta. Requests consumed from plain threads
-use :class:`ThreadSink` (a ``threading.Condition``; no event loop needed).
+requests awaited on an event loop are grouped per loop and sent with **one** thread-safe,
+non-blocking call per loop per step; on the loop, each request's :class:`AsyncSink` appends
+the new tokens to what its consumer has not read yet, so a slow consumer gets several steps
+coalesced into one delta. Requests consumed from plain threads use :class:`ThreadSink` (a
+``threading.Condition``; no event loop needed).
+
+Event loops of either anyio backend are served: an asyncio loop is used as it is
+(``loop.call_soon_threadsafe``, ``loop.create_future``); a trio run is seen through a
+:class:`_TrioLoop` with the same two methods (``TrioToken.run_sync_soon``, a ``trio.Event``),
+so the code below is written once against that small surface. trio is never imported here:
+it is only used when the caller is already running it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from typing import Any, cast
 
 from acb.core.engine_core import Delivery
 from acb.errors import EngineDeadError, RequestFailedError
@@ -33,6 +41,129 @@ def _error_of(out: GenerationOutput) -> Exception | None:
     if out.failure == FailureKind.ENGINE_DEAD:
         return EngineDeadError(f"request {out.request_id!r}: {msg}")
     return RequestFailedError(f"request {out.request_id!r} failed: {msg}", out)
+
+
+# ---------------------------------------------------------------- event loops
+# A consumer's event loop, whichever anyio backend runs it: an asyncio loop itself, or the
+# _TrioLoop of a trio run. Both have ``call_soon_threadsafe(fn, *args)`` (callable from any
+# thread, never blocks, raises RuntimeError once that loop is gone) and ``create_future()`` (a
+# one-shot waiter: ``await fut`` until ``fut.set_result(None)`` on that loop).
+
+
+class _TrioFuture:
+    """trio's stand-in for the bit of ``asyncio.Future`` used here: awaited once, set once."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.is_set())
+
+    def set_result(self, _value: None) -> None:
+        self._event.set()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        waiting: Generator[Any, None, None] = self._event.wait().__await__()
+        return waiting
+
+
+class _TrioLoop:
+    """One trio run, seen as an event loop (one per run, kept in a ``RunVar``)."""
+
+    __slots__ = ("_token", "_trio")
+
+    def __init__(self, trio: Any) -> None:
+        self._trio = trio
+        self._token = trio.lowlevel.current_trio_token()
+
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the run (from any thread, without blocking); RuntimeError once
+        the run has finished. Once queued, trio runs it before ``trio.run`` returns."""
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except self._trio.RunFinishedError:
+            raise RuntimeError("that trio run has finished") from None
+
+    def create_future(self) -> _TrioFuture:
+        return _TrioFuture(self._trio.Event())
+
+    def __repr__(self) -> str:
+        return f"<trio run {self._token!r}>"
+
+
+_trio_loops: Any = None  # trio.lowlevel.RunVar, created on first use under trio
+
+
+def _trio_loop() -> _TrioLoop:
+    global _trio_loops
+    trio = sys.modules["trio"]
+    if _trio_loops is None:
+        _trio_loops = trio.lowlevel.RunVar("acb_event_loop")
+    try:
+        return cast(_TrioLoop, _trio_loops.get())
+    except LookupError:
+        loop = _TrioLoop(trio)
+        _trio_loops.set(loop)
+        return loop
+
+
+def current_loop() -> Any:
+    """The running event loop (asyncio's, or the :class:`_TrioLoop` of the running trio run).
+    RuntimeError if there is none, or it belongs to another library."""
+    sniffio = sys.modules.get("sniffio")  # trio imports it, and names itself there while it runs
+    if sniffio is not None and sniffio.thread_local.name == "trio":
+        return _trio_loop()
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    library = None
+    if sniffio is not None:
+        try:
+            library = sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            pass
+    if library is None:
+        raise RuntimeError("no running event loop: AsyncEngine is used from asyncio or trio (for plain "
+                           "threads, use acb.Engine)")
+    raise RuntimeError(f"AsyncEngine runs on asyncio or trio (any anyio backend), not on {library}")
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is the running library's cancellation (asyncio's or trio's)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and isinstance(exc, trio.Cancelled)
+
+
+def _wake(fut: Any) -> None:
+    """Set a waiter (on its own loop); a waiter already set or cancelled is left alone."""
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _wake_threadsafe(loop: Any, fut: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(_wake, fut)
+    except RuntimeError:  # that loop is closed: nobody is waiting there any more
+        pass
+
+
+async def await_future(fut: concurrent.futures.Future[Any]) -> Any:
+    """Await a ``concurrent.futures.Future`` (set on another thread) on the running loop;
+    cancelling the wait cancels the future if it has not started."""
+    loop = current_loop()
+    done = loop.create_future()
+    fut.add_done_callback(lambda _: _wake_threadsafe(loop, done))
+    try:
+        await done
+    except BaseException:
+        fut.cancel()
+        raise
+    return fut.result()
 
 
 WAIT = object()  # poll(): nothing new yet
@@ -102,7 +233,9 @@ class _SinkState:
         """Flush each sample's held-back text into the stream, and give the output its text (the
         stop-string cut, when a stop string ended it, is kept)."""
         samples = final.samples
-        for i, detok in enumerate(self.detokenizers):
+        detokenizers = self.detokenizers
+        assert detokenizers is not None
+        for i, detok in enumerate(detokenizers):
             piece = detok.flush()
             if piece:
                 slot = self.unread.get(i)
@@ -112,7 +245,7 @@ class _SinkState:
             if samples is not None and i < len(samples) and samples[i].text is None:
                 samples[i].text = detok.text
         if final.text is None:
-            final.text = self.detokenizers[0].text
+            final.text = detokenizers[0].text
 
     def take(self) -> StreamDelta | None:
         """The coalesced delta of one sample since the last take, or None if there is nothing new.
@@ -146,7 +279,7 @@ class _SinkState:
 
 
 class AsyncSink:
-    """Results of one request for asyncio consumers, awaitable from any event loop.
+    """Results of one request for event-loop consumers (asyncio or trio), awaitable from any loop.
 
     The engine delivers to the sink's ``loop`` (the submitting loop, or the loop of the consumer
     that waited last) with one ``call_soon_threadsafe`` per loop per step. A consumer waiting on
@@ -156,29 +289,23 @@ class AsyncSink:
 
     __slots__ = ("loop", "state", "_lock", "_waiters")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, request_id: str, loop: Any) -> None:
+        self.loop = loop  # an asyncio loop or a _TrioLoop
         self.state = _SinkState(request_id)
         self._lock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._waiters: list[tuple[Any, Any]] = []  # (loop, future) of consumers waiting for a push
 
-    def push(self, d: Delivery) -> None:
+    def push(self, d: Delivery, here: Any = None) -> None:
+        """Add one delivery; ``here`` is the loop this runs on (None: another thread, when the
+        sink's loop is closed). Waiters on ``here`` are woken directly, others through their loop."""
         with self._lock:
             self.state.add(d)
             waiters, self._waiters = self._waiters, []
-        if waiters:
-            try:
-                here = asyncio.get_running_loop()
-            except RuntimeError:  # pushed from a thread without a loop (the home loop was closed)
-                here = None
-            for loop, fut in waiters:
-                if loop is here:
-                    _wake(fut)
-                else:
-                    try:
-                        loop.call_soon_threadsafe(_wake, fut)
-                    except RuntimeError:  # that consumer's loop is closed: nobody waits there any more
-                        pass
+        for loop, fut in waiters:
+            if loop is here:
+                _wake(fut)
+            else:
+                _wake_threadsafe(loop, fut)
 
     @property
     def done(self) -> bool:
@@ -187,7 +314,7 @@ class AsyncSink:
     async def _next(self, read: Callable[[], Any]) -> Any:
         """``read()`` under the lock until it returns something other than ``WAIT``; between tries,
         wait for a push on the running loop (registered under the same lock: no lost wake-up)."""
-        loop = asyncio.get_running_loop()
+        loop = current_loop()
         while True:
             with self._lock:
                 item = read()
@@ -200,10 +327,10 @@ class AsyncSink:
 
     async def next_delta(self) -> StreamDelta | None:
         """The next delta; None once the final delta has been returned. Raises on failure."""
-        return await self._next(self.state.poll)
+        return cast("StreamDelta | None", await self._next(self.state.poll))
 
     async def result(self) -> GenerationOutput:
-        final = await self._next(lambda: WAIT if self.state.final is None else self.state.final)
+        final: GenerationOutput = await self._next(lambda: WAIT if self.state.final is None else self.state.final)
         err = _error_of(final)
         if err is not None:
             raise err
@@ -248,7 +375,7 @@ class ThreadSink:
             while (item := self.state.poll()) is WAIT:
                 if not self._wait(timeout):
                     raise TimeoutError(f"no result for request {self.state.request_id!r} within {timeout}s")
-            return item
+            return cast("StreamDelta | None", item)
 
     def _wait(self, timeout: float | None) -> bool:
         self._waiting += 1
@@ -279,26 +406,27 @@ def _call_back(fn: Callable[..., Any], request_id: str, *args: Any) -> None:
         logger.exception("a result callback for request %r raised", request_id)
 
 
-def _push_all(batch: list[Delivery]) -> None:
+def _push_all(batch: list[Delivery], here: Any = None) -> None:
+    """Push a batch of deliveries into their AsyncSinks, on loop ``here`` (None: on another thread)."""
     for d in batch:
-        _call_back(d.sink.push, d.sink.state.request_id, d)
+        _call_back(d.sink.push, d.sink.state.request_id, d, here)
 
 
 def deliver(items: list[Delivery]) -> None:
     """The engine's ``deliver`` callback: one ``call_soon_threadsafe`` per loop per step. It never
     raises: a failing sink or callback is logged, and the other results still go out."""
-    per_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+    per_loop: dict[Any, list[Delivery]] = {}
     for d in items:
         if d.final is not None:
             _call_back(record_request, d.sink.state.request_id, d.final)
         loop = d.sink.loop
-        if loop is None:
-            _push_all([d])
+        if loop is None:  # a ThreadSink (or a caller's own sink without a loop): push from here
+            _call_back(d.sink.push, d.sink.state.request_id, d)
         else:
             per_loop.setdefault(loop, []).append(d)
     for loop, batch in per_loop.items():
         try:
-            loop.call_soon_threadsafe(_push_all, batch)
+            loop.call_soon_threadsafe(_push_all, batch, loop)
         except RuntimeError:  # that loop is closed: the sinks are thread-safe, so push from here
             # (a consumer on another loop may still await them)
             _push_all(batch)
@@ -313,7 +441,7 @@ class _HandleBase:
     @property
     def done(self) -> bool:
         """Whether the final outcome has arrived."""
-        return self._sink.done
+        return bool(self._sink.done)
 
     def cancel(self) -> None:
         """Cancel the request (a no-op once it has ended)."""
@@ -325,12 +453,13 @@ class _HandleBase:
 
 
 class RequestHandle(_HandleBase):
-    """An admitted request, awaited on an event loop.
+    """An admitted request, awaited on an event loop (asyncio or trio, any of them).
 
     ``async for delta in handle`` streams new tokens; ``await handle.result()`` gives the final
-    :class:`GenerationOutput`. Leaving the loop early, or cancelling the task that awaits, cancels
-    the request. A cancelled request's result has ``status == RequestStatus.CANCELLED``; a failed
-    one raises :class:`RequestFailedError` (or :class:`EngineDeadError`).
+    :class:`GenerationOutput`. Leaving the loop early, or cancelling the task that awaits (a
+    cancel scope under trio), cancels the request. A cancelled request's result has
+    ``status == RequestStatus.CANCELLED``; a failed one raises :class:`RequestFailedError` (or
+    :class:`EngineDeadError`).
     """
 
     _sink: AsyncSink
@@ -338,20 +467,65 @@ class RequestHandle(_HandleBase):
     async def result(self) -> GenerationOutput:
         try:
             return await self._sink.result()
-        except asyncio.CancelledError:
-            self.cancel()
+        except BaseException as exc:
+            if is_cancellation(exc):
+                self.cancel()
             raise
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        return self._stream()
+        return HandleStream(self)
 
-    async def _stream(self) -> AsyncIterator[StreamDelta]:
+
+class HandleStream:
+    """One ``async for`` over a :class:`RequestHandle`.
+
+    A plain iterator rather than an async generator, so that leaving the loop early cancels the
+    request at once, under any library: when the loop is left (``break``, an exception in its
+    body) the iterator is dropped and ``__del__`` cancels; a cancelled ``__anext__`` (task
+    cancelled, trio cancel scope) cancels before re-raising. ``aclose()`` cancels explicitly
+    (for ``aclosing``). An async generator would depend on the loop's finalizer hook instead,
+    which trio runs later, with a ResourceWarning.
+    """
+
+    __slots__ = ("_handle", "_open")
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._handle = handle
+        self._open = True  # False once the stream has ended, or was given up (request cancelled)
+
+    def __aiter__(self) -> "HandleStream":
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if not self._open:
+            raise StopAsyncIteration
         try:
-            while (delta := await self._sink.next_delta()) is not None:
-                yield delta
-        finally:
-            # break, task cancellation or an exception in the consumer: the request is not wanted
-            self.cancel()
+            delta = await self._handle._sink.next_delta()
+        except BaseException:
+            # cancellation, or the request's failure: in every case nobody reads on; cancelling
+            # an ended request is a no-op
+            self._open = False
+            self._handle.cancel()
+            raise
+        if delta is None:
+            self._open = False
+            raise StopAsyncIteration
+        return delta
+
+    async def aclose(self) -> None:
+        """Stop reading: cancels the request unless it has ended."""
+        self._give_up()
+
+    def _give_up(self) -> None:
+        if self._open:
+            self._open = False
+            self._handle.cancel()
+
+    def __del__(self) -> None:
+        try:
+            self._give_up()  # the consumer left the loop early: the request is not wanted
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
+            pass
 
 
 class SyncRequestHandle(_HandleBase):
@@ -382,7 +556,7 @@ class AdmissionGate:
         self.limit = limit
         self._count = 0
         self._cond = threading.Condition()
-        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._async_waiters: list[tuple[Any, Any]] = []  # (loop, future) of waiting submits
 
     def try_acquire(self) -> bool:
         if self.limit <= 0:
@@ -411,10 +585,7 @@ class AdmissionGate:
         waiters, self._async_waiters = self._async_waiters, []
         self._cond.notify_all()
         for loop, fut in waiters:
-            try:
-                loop.call_soon_threadsafe(_wake, fut)
-            except RuntimeError:  # that loop is closed: nobody is waiting there any more
-                pass
+            _wake_threadsafe(loop, fut)
 
     def acquire_blocking(self, timeout: float | None = None) -> bool:
         if self.limit <= 0:
@@ -426,9 +597,11 @@ class AdmissionGate:
             return ok
 
     async def acquire(self) -> None:
+        """Take a slot, waiting (on the running loop) while none is free. Cancelled while waiting,
+        it takes nothing."""
         if self.limit <= 0:
             return
-        loop = asyncio.get_running_loop()
+        loop = current_loop()
         while True:
             with self._cond:
                 if self.limit <= 0 or self._count < self.limit:
@@ -438,7 +611,3 @@ class AdmissionGate:
                 self._async_waiters.append((loop, fut))
             await fut
 
-
-def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
