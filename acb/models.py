@@ -6,9 +6,12 @@ random, so the text they produce is meaningless: they exist to exercise and time
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 # Small shapes per architecture; every field a tiny model needs to be exercised properly
 # (GQA, head_dim not hidden/heads, sliding windows, q/k norms...).
@@ -35,7 +38,10 @@ _TINY: dict[str, dict[str, Any]] = {
 TINY_ARCHS = tuple(_TINY)
 
 
-def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: int = 1024, **overrides: Any) -> Any:
+def tiny_config(
+    arch: str, *, vocab_size: int = 256, max_position_embeddings: int = 1024, **overrides: Any
+) -> PreTrainedConfig:
+    """The config of a tiny ``arch`` model (``TINY_ARCHS``); ``overrides`` replace its fields."""
     from transformers import AutoConfig
 
     if arch not in _TINY:
@@ -50,7 +56,7 @@ def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: in
 
 
 def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
-               attn_implementation: str = "sdpa", **overrides: Any) -> Any:
+               attn_implementation: str = "sdpa", **overrides: Any) -> PreTrainedModel:
     """A tiny random causal LM of the given architecture, in eval mode."""
     from transformers import AutoModelForCausalLM
 
@@ -67,7 +73,9 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = dict(
 )
 
 
-def default_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+def default_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """``acb generate``'s default model: random weights, :data:`DEFAULT_MODEL_CONFIG`, the vocabulary of
+    :func:`build_tokenizer`."""
     tok = build_tokenizer()
     return tiny_model("llama", seed=seed, dtype=dtype, vocab_size=len(tok), **DEFAULT_MODEL_CONFIG)
 
@@ -75,7 +83,7 @@ def default_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: pad, bos, eos
 
 
-def build_tokenizer() -> Any:
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer built in code: ids 0-2 are <pad>, <s>, </s>, then the 256 bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

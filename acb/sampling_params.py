@@ -15,7 +15,10 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedConfig
 
 DEFAULT_MAX_NEW_TOKENS = 128
 LOGPROBS_MODES = ("raw", "processed")
@@ -175,7 +178,11 @@ class SamplingParams:
 
     @classmethod
     def from_generation_config(
-        cls, generation_config: Any, model_config: Any = None, *, drop_unsupported: bool = True
+        cls,
+        generation_config: GenerationConfig,
+        model_config: PreTrainedConfig | None = None,
+        *,
+        drop_unsupported: bool = True,
     ) -> "SamplingParams":
         """Engine-wide defaults from a transformers ``GenerationConfig``.
 
@@ -183,7 +190,10 @@ class SamplingParams:
         dropped with a warning naming them, or refused with ``drop_unsupported=False``.
         """
         gc = generation_config
-        get = lambda name, default=None: getattr(gc, name, default)  # noqa: E731
+
+        def get(name: str, default: Any = None) -> Any:
+            return getattr(gc, name, default)
+
         do_sample = bool(get("do_sample", False))
         eos = get("eos_token_id")
         if eos is None and model_config is not None:

@@ -8,27 +8,42 @@ time (:class:`IncrementalDetokenizer`), for the stream deltas and the final outp
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast, overload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+    # what the engines take as ``tokenizer=``: a tokenizer, or a processor that wraps one
+    TokenizerLike: TypeAlias = "PreTrainedTokenizerBase | ProcessorMixin"
 
 # what a chat message looks like: {"role": ..., "content": ...}
 _CHAT_KEYS = {"role", "content"}
 
 
-def text_tokenizer(tokenizer: Any) -> Any:
+@overload
+def text_tokenizer(tokenizer: None) -> None: ...
+@overload
+def text_tokenizer(tokenizer: TokenizerLike) -> PreTrainedTokenizerBase: ...
+def text_tokenizer(tokenizer: TokenizerLike | None) -> PreTrainedTokenizerBase | None:
     """The text tokenizer of a tokenizer or a processor that wraps one (``processor.tokenizer``)."""
     if tokenizer is None:
         return None
-    inner = getattr(tokenizer, "tokenizer", None)
-    return inner if inner is not None and hasattr(inner, "decode") else tokenizer
+    inner: PreTrainedTokenizerBase | None = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and hasattr(inner, "decode"):
+        return inner
+    # a tokenizer, or a processor without a text tokenizer that is used as one (called, decode)
+    return cast("PreTrainedTokenizerBase", tokenizer)
 
 
-def is_chat(prompt: Any) -> bool:
+def is_chat(prompt: object) -> bool:
     """A chat: a non-empty list of ``{"role", "content"}`` mappings."""
     return (isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)) and len(prompt) > 0
             and all(isinstance(m, Mapping) and _CHAT_KEYS <= set(m) for m in prompt))
 
 
-def encode_prompt(tokenizer: Any, prompt: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> Any:
+def encode_prompt(
+    tokenizer: TokenizerLike | None, prompt: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> Any:
     """Token ids for a text or chat prompt; anything else is returned as it is (ids, checked later).
 
     Text is tokenized as transformers does by default (with the model's special tokens); a
@@ -73,7 +88,7 @@ class IncrementalDetokenizer:
 
     __slots__ = ("tokenizer", "skip_special_tokens", "ids", "prefix", "read", "text")
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: TokenizerLike, skip_special_tokens: bool = True) -> None:
         self.tokenizer = text_tokenizer(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -82,8 +97,9 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        # one sequence of ids decodes to one str (decode is typed for batches too)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                               clean_up_tokenization_spaces=False))
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (possibly empty)."""

@@ -20,7 +20,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from acb.api.engine import Engine
 from acb.api.base import as_token_list
@@ -29,6 +29,10 @@ from acb.core.engine_core import Delivery
 from acb.config import ContinuousBatchingConfig
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ class _OutputRouter:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: deque[GenerationOutput] = deque()
-        self.handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
+        self.handlers: dict[str, tuple[Callable[[GenerationOutput], object], asyncio.AbstractEventLoop]] = {}
 
     def put(self, out: GenerationOutput) -> None:
         with self._cond:
@@ -81,7 +85,9 @@ class _OutputRouter:
         with self._cond:
             return not self._items
 
-    def set_handler(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop) -> list[GenerationOutput]:
+    def set_handler(
+        self, request_id: str, callback: Callable[[GenerationOutput], object], loop: asyncio.AbstractEventLoop
+    ) -> list[GenerationOutput]:
         """Route ``request_id``'s outputs to ``callback`` on ``loop`` from now on; returns (and
         removes from the queue) the outputs that arrived before."""
         with self._cond:
@@ -101,10 +107,10 @@ class ContinuousBatchingManager:
 
     def __init__(
         self,
-        model: Any,
-        generation_config: Any = None,
+        model: PreTrainedModel,
+        generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
-        workload_hints: Any = None,
+        workload_hints: WorkloadHints | None = None,
     ) -> None:
         self.model = model
         self.generation_config = generation_config if generation_config is not None else model.generation_config
@@ -278,10 +284,10 @@ class ContinuousBatchingManager:
 
 
 def init_continuous_batching(
-    model: Any,
-    generation_config: Any = None,
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
-    workload_hints: Any = None,
+    workload_hints: WorkloadHints | None = None,
 ) -> ContinuousBatchingManager:
     """acb's ``model.init_continuous_batching(...)``: a manager, not yet started."""
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config, workload_hints)

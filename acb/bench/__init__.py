@@ -34,7 +34,7 @@ def run_workload(name: str, size: str = "default", device: str = "cpu", out_dir:
     spec = ModelSpec(size=size, device=device)
     machine = machine_info(device)
     model = spec.build()
-    doc = {"size": size, "machine": machine, "model": spec.describe(model)}
+    doc: dict[str, Any] = {"size": size, "machine": machine, "model": spec.describe(model)}
     del model
     doc["result"] = _module(name).run(size, spec, baselines=baselines)
     if out_dir is not None:

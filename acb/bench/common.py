@@ -30,16 +30,20 @@ class ModelSpec:
     device: str = "cpu"
 
     def build(self) -> Any:
+        """The benchmark's model on its device: a transformers causal LM (``Any``: the baselines
+        call its GenerationMixin methods, which ``PreTrainedModel`` does not declare)."""
         from acb.models import tiny_model
 
-        model = tiny_model("llama", seed=self.seed, dtype=self.dtype, **MODEL_SHAPES[self.size])
-        return model.to(self.device)
+        shape: dict[str, Any] = MODEL_SHAPES[self.size]  # keyword arguments of tiny_model
+        model = tiny_model("llama", seed=self.seed, dtype=self.dtype, **shape)
+        # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to): mypy sees it unbound
+        return model.to(self.device)  # type: ignore[arg-type]
 
     @property
     def vocab(self) -> int:
         return MODEL_SHAPES[self.size]["vocab_size"]
 
-    def describe(self, model: Any) -> dict[str, Any]:
+    def describe(self, model: torch.nn.Module) -> dict[str, Any]:
         n = sum(p.numel() for p in model.parameters())
         return {"arch": "llama (random weights)", "params": n, "dtype": str(self.dtype).replace("torch.", ""),
                 **MODEL_SHAPES[self.size]}

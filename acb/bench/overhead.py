@@ -21,7 +21,7 @@ import acb
 from acb.bench.common import ModelSpec
 from acb.runner.model_runner import ModelRunner
 
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(running=[1, 4, 16], steps=12),
     "default": dict(running=[1, 16, 64, 256, 1024], steps=24),
 }
@@ -50,6 +50,7 @@ def _acb(n: int, steps: int) -> dict[str, float]:
     eng.start()
     try:
         core = eng.core
+        assert core is not None  # started
         core.step_log = []
         # hold the engine thread while submitting, so that all n requests start together
         gate = threading.Event()

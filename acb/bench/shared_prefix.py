@@ -25,7 +25,8 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     prompts = [prefix + torch.randint(3, spec.vocab, (p["suffix_len"],), generator=g).tolist()
                for _ in range(p["num_prompts"])]
     sp = acb.SamplingParams(max_new_tokens=p["max_new"], ignore_eos=True)
-    rows, outputs = [], {}
+    rows: list[dict[str, Any]] = []
+    outputs: dict[str, list[list[int]]] = {}
     for name, caching in (("acb, prefix cache on", True), ("acb, prefix cache off", False)):
         cfg = acb.ContinuousBatchingConfig(block_size=32, allow_block_sharing=caching)
         with acb.Engine(model, cfg) as eng:

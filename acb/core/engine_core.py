@@ -20,13 +20,16 @@ import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.request import Request
 from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
+
+if TYPE_CHECKING:
+    from acb.config import ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,10 @@ _FAILED = object()  # _launch: the step raised and its requests were failed
 
 
 class Runner(Protocol):
-    cfg: Any  # acb.config.ResolvedConfig: the sizes and policies the engine runs with
+    """What the core needs of a model runner (:class:`acb.runner.model_runner.ModelRunner`)."""
+
+    cfg: ResolvedConfig  # the sizes and policies the engine runs with
+    vocab_size: int
 
     def execute(self, sched: SchedulerOutput) -> Any: ...
     def finish(self, step: Any) -> Any: ...  # -> object with .sampled and .logprobs

@@ -32,8 +32,14 @@ The contract:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from acb.core.block_pool import BlockPool, SwapSpace, block_digest
 from acb.core.request import Request
+
+if TYPE_CHECKING:
+    from acb.core.scheduler import SchedulerOutput
 
 
 class KVManager:
@@ -93,14 +99,16 @@ class KVManager:
     def begin_step(self, step_id: int) -> None:
         self._computing[step_id] = set()
         if self._host_to_free:  # read by the previous step's swap-ins, which are ordered before ours
-            self.swap.free(self._host_to_free)
+            swap = self.swap
+            assert swap is not None  # host blocks exist only with a swap space
+            swap.free(self._host_to_free)
             self._host_to_free = []
 
     def end_step(self, step_id: int) -> None:
         """The step's output was recorded, or it failed, or it ran nothing."""
         self._computing.pop(step_id, None)
 
-    def take_decode_slot(self, req: Request, out) -> bool:
+    def take_decode_slot(self, req: Request, out: SchedulerOutput) -> bool:
         """Room for one more token of ``req`` without taking a block from anyone: a new block when
         the token starts one (the decode hot path: one call per request per step). False if none
         is free."""
@@ -113,7 +121,7 @@ class KVManager:
         req.block_ids.extend(new_block)
         return True
 
-    def allocate_slots(self, req: Request, num_new: int, out) -> None:
+    def allocate_slots(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         """Give ``req`` the blocks it needs for ``num_new`` tokens (they must fit)."""
         need = self.blocks_needed(req, num_new)
         if need > 0:
@@ -121,7 +129,7 @@ class KVManager:
             assert blocks is not None, f"{req}: {need} blocks do not fit"
             self._take_blocks(out, req, num_new, blocks)
 
-    def admit(self, req: Request, hits: list[int], computed: int, num_new: int, out) -> int:
+    def admit(self, req: Request, hits: list[int], computed: int, num_new: int, out: SchedulerOutput) -> int:
         """Give an admitted request (which has its row) its cached prefix and new blocks, and plan
         the swap-in of an offloaded one. Returns the number of host blocks swapped in."""
         need = self._new_blocks_at(req, hits, computed, num_new)
@@ -144,7 +152,7 @@ class KVManager:
         self._take_blocks(out, req, num_new, blocks)
         return swapped_in
 
-    def fork(self, parent: Request, child: Request, out) -> None:
+    def fork(self, parent: Request, child: Request, out: SchedulerOutput) -> None:
         """One sample of ``parent`` (whose prompt this step computes) starts from its KV."""
         bs = self.block_size
         full = parent.prompt_len // bs
@@ -162,7 +170,7 @@ class KVManager:
     def end_fork(self) -> None:
         assert not self._fork_copies, "fork copy blocks left over"
 
-    def plan_swap_out(self, req: Request, out) -> tuple[list[int], int] | None:
+    def plan_swap_out(self, req: Request, out: SchedulerOutput) -> tuple[list[int], int] | None:
         """Offload ``req``'s computed KV to host blocks when there is room (copied before this
         step's forward, which may reuse the device blocks). Returns ``(host blocks, tokens)`` to
         keep in ``req.swapped`` once its device blocks are freed, or None (it will be recomputed)."""
@@ -178,7 +186,9 @@ class KVManager:
     def free(self, req: Request) -> None:
         """Give back every block ``req`` holds, device and host."""
         if req.swapped is not None:
-            self.swap.free(req.swapped[0])
+            swap = self.swap
+            assert swap is not None  # a request is swapped out only into the swap space
+            swap.free(req.swapped[0])
             req.swapped = None
         if req.block_ids:
             self.pool.free(req.block_ids)
@@ -191,7 +201,7 @@ class KVManager:
             if full > start // self.block_size:
                 self._computing[step_id].update(self._digests(req, full)[start // self.block_size :])
 
-    def register_computed(self, out) -> None:
+    def register_computed(self, out: SchedulerOutput) -> None:
         """The step's output is recorded: its full blocks become findable in the prefix cache (a
         later step may already be scheduled, with async batching)."""
         if not self.pool.enable_caching:
@@ -206,7 +216,7 @@ class KVManager:
         return self.pool.reset_cache()
 
     # ------------------------------------------------------------------ checks
-    def check(self, running: list[Request], waiting, idle: bool) -> None:
+    def check(self, running: list[Request], waiting: Iterable[Request], idle: bool) -> None:
         """Assert the pool's invariants; each block's reference count equals the running requests
         holding it; a running request holds the blocks of its computed tokens; a queued one holds
         none; idle means no block (device or host) held."""
@@ -234,7 +244,7 @@ class KVManager:
         req.num_computed_tokens, req.block_ids = 0, []
         return need
 
-    def _take_blocks(self, out, req: Request, num_new: int, blocks: list[int]) -> None:
+    def _take_blocks(self, out: SchedulerOutput, req: Request, num_new: int, blocks: list[int]) -> None:
         """Give ``req`` the blocks it needs for ``num_new`` tokens; extras are fork copies (n > 1)."""
         own = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.block_ids)
         first_col = len(req.block_ids)

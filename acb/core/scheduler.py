@@ -438,7 +438,9 @@ class Scheduler:
         partial last block, made after this step's forward writes it. Each draws its first
         token from the parent's logits, with its own random stream.
         """
-        for child in parent.children:
+        children = parent.children
+        assert children is not None  # only a parent of n > 1 samples forks
+        for child in children:
             if child.status.is_terminal:
                 continue
             self.kv.fork(parent, child, out)

@@ -83,10 +83,11 @@ class StagingSet:
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.streams.cuda)
         self.host_np = self.host.numpy()
         self.dev = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        if self.streams.cuda:
+        h2d, compute = self.streams.h2d, self.streams.compute
+        if h2d is not None and compute is not None:  # CUDA
             # the allocator may hand back memory that kernels queued on the compute stream still
             # use (it orders reuse on the allocating stream only); the copy stream writes it
-            self.streams.h2d.wait_stream(self.streams.compute)
+            h2d.wait_stream(compute)
 
     def add(self, name: str, array: np.ndarray) -> None:
         """Queue a host array (int64, float32 or bool) for this step's copy."""
@@ -109,11 +110,15 @@ class StagingSet:
             buf[o : o + a.nbytes] = a.reshape(-1).view(np.uint8)
         s = self.streams
         if s.cuda:
-            with torch.cuda.stream(s.h2d):
-                s.h2d.wait_event(self.consumed)  # the device buffer's last reader is done
+            h2d, compute = s.h2d, s.compute
+            assert h2d is not None and compute is not None  # the streams exist on CUDA
+            # the events are torch.cuda.Events here; their type also allows the CPU stand-in
+            with torch.cuda.stream(h2d):
+                # the device buffer's last reader is done
+                h2d.wait_event(self.consumed)  # type: ignore[arg-type]
                 self.dev[:total].copy_(self.host[:total], non_blocking=True)
-                self.copied.record(s.h2d)
-            s.compute.wait_event(self.copied)
+                self.copied.record(h2d)
+            compute.wait_event(self.copied)  # type: ignore[arg-type]
         else:
             self.dev[:total].copy_(self.host[:total])
         views = {}

@@ -10,8 +10,12 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +138,7 @@ def kv_memory_budget(device: torch.device, max_memory_percent: float | None) -> 
     return int(min(available_host_memory() * frac, CPU_MAX_KV_BYTES))
 
 
-def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
+def step_workspace_bytes(model: PreTrainedModel, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
     """A generous estimate of one step's transient memory: activations of ``max_batch_tokens``
     tokens through one layer (hidden states, q/k/v/o, the MLP's widest tensors) and the
     float32 logits of ``max_rows`` sampling rows with the sampler's working copies."""
@@ -148,7 +152,7 @@ def step_workspace_bytes(model: torch.nn.Module, max_batch_tokens: int, max_rows
     return activations + logits
 
 
-def size_kv_cache(model: torch.nn.Module, spec: KVSpec, device: torch.device, max_memory_percent: float | None, *,
+def size_kv_cache(model: PreTrainedModel, spec: KVSpec, device: torch.device, max_memory_percent: float | None, *,
                   block_size: int, max_len: int, max_reqs: int, max_batch_tokens: int) -> int:
     """How many KV blocks (scratch block included) fit in the memory budget once one step's
     transient memory is set aside, and no more than every running request at full length can

@@ -15,9 +15,14 @@ candidates, so only a row using top-p without top-k costs a full sort).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from acb.core.request import Request
+    from acb.runner.input_batch import StagingSet
 
 # columns of the per-row parameter table
 (C_TEMP, C_TOPK, C_TOPP, C_MINP, C_REP, C_PRES, C_FREQ, C_MINNEW, C_SEED_LO, C_SEED_HI, C_NLOGPROBS,
@@ -93,7 +98,7 @@ class SamplingState:
             setattr(self, name, t)
         return t
 
-    def init_row(self, row: int, req) -> None:  # req: acb.core.request.Request
+    def init_row(self, row: int, req: Request) -> None:
         """(Re)fill a row for a request admitted to it (fresh, or resumed after preemption)."""
         sp = req.params
         t = self.table[row]
@@ -134,7 +139,7 @@ class SamplingState:
     def free_row(self, row: int) -> None:
         self.live_penalty[row] = self.live_bias[row] = self.live_min_new[row] = False
 
-    def stage(self, st, rows: list[int], gen_idx: list[int]) -> StepSampling:
+    def stage(self, st: StagingSet, rows: list[int], gen_idx: list[int]) -> StepSampling:
         """This step's sampling inputs, queued on the staging set ``st`` (an
         ``acb.runner.input_batch.StagingSet``) with the row (re)initialisations since the last step."""
         r = np.asarray(rows, dtype=np.int64)
@@ -212,8 +217,10 @@ class Processed:
             return self.x
         y = self.plain
         if self.cand_vals is not None:
-            scattered = torch.full_like(y, float("-inf")).scatter_(1, self.cand_ids, self.cand_vals)
-            y = torch.where(self.trunc_rows[:, None], scattered, y)
+            cand_ids, trunc_rows = self.cand_ids, self.trunc_rows
+            assert cand_ids is not None and trunc_rows is not None  # set together with cand_vals
+            scattered = torch.full_like(y, float("-inf")).scatter_(1, cand_ids, self.cand_vals)
+            y = torch.where(trunc_rows[:, None], scattered, y)
         return torch.where((temp > 0)[:, None], y, self.x)
 
 
@@ -234,15 +241,22 @@ def process_logits(
     """The processors, in transformers' order, batched over rows with different parameters."""
     neg_inf = float("-inf")
     x = logits
+    # the history buffers a flag asks for were allocated when a row first needed them (apply_inits)
     if use_bias:
-        x = x + state.bias[rows]
+        bias = state.bias
+        assert bias is not None
+        x = x + bias[rows]
     if use_penalty:
+        seen, counts = state.seen, state.counts
+        assert seen is not None and counts is not None
         rep = p[:, C_REP, None]
-        x = torch.where(state.seen[rows], torch.where(x < 0, x * rep, x / rep), x)
-        cnt = state.counts[rows]
+        x = torch.where(seen[rows], torch.where(x < 0, x * rep, x / rep), x)
+        cnt = counts[rows]
         x = x - p[:, C_FREQ, None] * cnt - p[:, C_PRES, None] * (cnt > 0).to(x.dtype)
     if use_min_new:
-        suppress = state.stop_mask[rows] & (gen_idx < p[:, C_MINNEW].long())[:, None]
+        stop_mask = state.stop_mask
+        assert stop_mask is not None
+        suppress = stop_mask[rows] & (gen_idx < p[:, C_MINNEW].long())[:, None]
         x = x.masked_fill(suppress, neg_inf)
     if not any_sampling:
         return Processed(x, None, None, None, None)
@@ -299,15 +313,19 @@ def sample(
     if step.any_sampling:
         u = seeded_uniforms(dev["sp_seeds"], gen_idx)
         plain = pr.plain
+        assert plain is not None  # set whenever any row samples
         sampled = _inverse_cdf((plain - plain.amax(dim=-1, keepdim=True)).exp(), u)
-        if pr.cand_vals is not None:
-            cv = pr.cand_vals
+        cv, cand_ids, trunc_rows = pr.cand_vals, pr.cand_ids, pr.trunc_rows
+        if cv is not None:
+            assert cand_ids is not None and trunc_rows is not None  # set together with cand_vals
             pick = _inverse_cdf((cv - cv[:, :1]).exp(), u)  # candidates are sorted: column 0 is the max
-            sampled = torch.where(pr.trunc_rows, pr.cand_ids.gather(1, pick[:, None])[:, 0], sampled)
+            sampled = torch.where(trunc_rows, cand_ids.gather(1, pick[:, None])[:, 0], sampled)
         ids = torch.where(temp > 0, sampled, ids)
     if use_penalty:  # history for the next step, updated on the device
-        state.seen.index_put_((rows, ids), state.true)
-        state.counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        seen, counts = state.seen, state.counts
+        assert seen is not None and counts is not None  # allocated by apply_inits
+        seen.index_put_((rows, ids), state.true)
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     if step.max_logprobs < 0:
         return ids
     src = raw

@@ -9,11 +9,14 @@ function as the ``acb_ctx`` forward kwarg, which transformers passes down to att
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from acb.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from acb.runner.kv_cache import KVCache
 
 ATTN_IMPL_NAME = "acb_paged"
 
@@ -54,7 +57,7 @@ class AttentionBackend(Protocol):
 class StepContext:
     """What the attention function needs for one forward: the cache, the backend, its metadata."""
 
-    kv_cache: Any  # acb.runner.kv_cache.KVCache
+    kv_cache: KVCache
     backend: AttentionBackend
     metadata: Any
 
@@ -93,7 +96,7 @@ def acb_attention_forward(
             "attention layers"
         )
     out = ctx.backend.forward(
-        module.layer_idx, query, key, value, ctx,
+        module.layer_idx, query, key, value, ctx,  # type: ignore[arg-type]  # an int on HF attention layers
         scaling=scaling, sliding_window=sliding_window, softcap=softcap,
     )
     return out, None

@@ -32,7 +32,7 @@ class TorchMetadata:
     decode_gather: torch.Tensor | None  # [Bd, Lmax] flat slots (padded with slot 0)
     decode_seq_lens: torch.Tensor | None  # [Bd]
     prefills: list[_Prefill]
-    _masks: dict = field(default_factory=dict)
+    _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
 
 
 class TorchBackend:
@@ -81,9 +81,11 @@ class TorchBackend:
         key = ("d", window)
         m = md._masks.get(key)
         if m is None:
-            lmax = md.decode_gather.shape[1]
-            pos = torch.arange(lmax, device=md.decode_gather.device)[None, :]
-            lens = md.decode_seq_lens[:, None]
+            gather, seq_lens = md.decode_gather, md.decode_seq_lens
+            assert gather is not None and seq_lens is not None  # called for decode rows only
+            lmax = gather.shape[1]
+            pos = torch.arange(lmax, device=gather.device)[None, :]
+            lens = seq_lens[:, None]
             m = pos < lens
             if window is not None:
                 m &= pos > (lens - 1 - window)

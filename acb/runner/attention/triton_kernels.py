@@ -33,6 +33,7 @@ the query rows and no host sync.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -581,7 +582,7 @@ def precompile(
     checks this against a sweep of step shapes)."""
     device = k_cache.device
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    long = dict(dtype=torch.long, device=device)
+    long: dict[str, Any] = dict(dtype=torch.long, device=device)
     kv = torch.zeros(3, num_kv_heads, head_dim, dtype=dtype, device=device)
     store_kv(kv, kv, k_cache, v_cache, torch.full((3,), -1, **long))
     table = torch.zeros(2, 2, **long)
