@@ -14,7 +14,10 @@ import logging
 import math
 import warnings
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from transformers import ContinuousBatchingConfig as TransformersConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class ContinuousBatchingConfig:
     return_logprobs: bool = False
     seed: int | None = None
     auto_switch_to_flash: bool = True
-    cpu_offload_space: float | None = 0.0  # GiB of host memory for offloaded KV blocks; None or 0: none
+    cpu_offload_space: float | None = 0.0  # GiB of host memory for offloaded KV blocks; 0: none; None: the cap
     cpu_offload_space_safety_threshold: float = 0.8
     max_queue_size: int = 0  # most requests waiting to be scheduled; 0 = unlimited
     per_request_processors: bool = False
@@ -123,12 +126,13 @@ class ContinuousBatchingConfig:
         self.validate()
 
     @classmethod
-    def from_transformers(cls, config: Any) -> ContinuousBatchingConfig:
+    def from_transformers(cls, config: TransformersConfig) -> ContinuousBatchingConfig:
         """acb's config from a ``transformers.ContinuousBatchingConfig``, field by field.
 
         Fields left at transformers' defaults get acb's (so ``page_size=256``, transformers'
         default, becomes acb's automatic page size). Deprecated fields are skipped: transformers
-        has already applied them to ``page_size``/``default_compile_level`` and warned. Fields acb
+        has already applied them to ``page_size``/``default_compile_level`` and warned (before
+        5.23, which has no ``page_size``, ``block_size`` is the page size and is taken as such). Fields acb
         does not know (a newer transformers) warn by name and are dropped; fields acb knows but
         does not act on warn when the engine starts (``NOT_YET_SUPPORTED``)."""
         if not is_transformers_config(config):
@@ -136,9 +140,15 @@ class ContinuousBatchingConfig:
         ours = {f.name for f in fields(cls) if f.init}
         kwargs: dict[str, Any] = {}
         unknown: list[str] = []
-        for name, default in transformers_fields(type(config)).items():
+        theirs = transformers_fields(type(config))
+        for name, default in theirs.items():
             value = getattr(config, name, default)
-            if name in DEPRECATED or (default is not MISSING and _same(value, default)):
+            if default is not MISSING and _same(value, default):
+                continue
+            if name == "block_size" and "page_size" not in theirs:
+                kwargs["page_size"] = value  # transformers before 5.23: block_size is the page size itself
+                continue
+            if name in DEPRECATED:
                 continue
             if name in ours:
                 kwargs[name] = value
@@ -229,7 +239,11 @@ def transformers_fields(cls: type) -> dict[str, Any]:
     return {p.name: MISSING if p.default is inspect.Parameter.empty else p.default for p in params if p.kind in kinds}
 
 
-def as_config(config: Any) -> ContinuousBatchingConfig:
+# What the engines, generate_batch and the manager take as their config.
+ConfigLike = Union[ContinuousBatchingConfig, "TransformersConfig"]
+
+
+def as_config(config: ConfigLike | None) -> ContinuousBatchingConfig:
     """The config an engine runs with: acb's as given, a transformers one converted
     (:meth:`ContinuousBatchingConfig.from_transformers`), ``None`` for the defaults."""
     if config is None:

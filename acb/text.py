@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast, overload
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
+    import numpy as np
+    import torch
+
     # what the engines take as ``tokenizer=``: a tokenizer, or a processor that wraps one
     TokenizerLike: TypeAlias = "PreTrainedTokenizerBase | ProcessorMixin"
+    # what they take as a prompt: token ids (a list, a 1-D tensor or array, a [1, T] tensor),
+    # a string, or a chat (a list of {"role", "content"} messages)
+    Prompt: TypeAlias = "str | Sequence[int] | Sequence[Mapping[str, Any]] | torch.Tensor | np.ndarray"
 
 # what a chat message looks like: {"role": ..., "content": ...}
 _CHAT_KEYS = {"role", "content"}
@@ -42,7 +48,7 @@ def is_chat(prompt: object) -> bool:
 
 
 def encode_prompt(
-    tokenizer: TokenizerLike | None, prompt: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+    tokenizer: TokenizerLike | None, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None
 ) -> Any:
     """Token ids for a text or chat prompt; anything else is returned as it is (ids, checked later).
 
@@ -66,7 +72,8 @@ def encode_prompt(
     if getattr(text_tokenizer(tokenizer), "chat_template", None) is None and getattr(
             tokenizer, "chat_template", None) is None:
         raise ValueError("the prompt is a chat, but the tokenizer has no chat template (set tokenizer.chat_template)")
-    ids = tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=True, **kwargs)
+    chat = cast("Sequence[Mapping[str, Any]]", prompt)  # is_chat checked it
+    ids = tokenizer.apply_chat_template([dict(m) for m in chat], tokenize=True, **kwargs)
     if isinstance(ids, Mapping):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     if ids and isinstance(ids[0], list):

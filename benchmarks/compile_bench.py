@@ -31,7 +31,7 @@ def one(level: int, device: str, prompts: int) -> dict:
     g = torch.Generator().manual_seed(1)
     outs = torch.randint(16, 65, (prompts,), generator=g).tolist()
     cfg = acb.ContinuousBatchingConfig(
-        block_size=32, num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, outs)], 32) + 1,
+        page_size=32, num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, outs)], 32) + 1,
         max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, default_compile_level=level)
     t0 = time.perf_counter()
     with acb.Engine(model, cfg) as eng:

@@ -240,6 +240,20 @@ def test_unknown_transformers_field_warns_by_name():
         as_config(Newer())
 
 
+def test_older_transformers_block_size_is_the_page_size():
+    """transformers 5.17-5.22 (the GPU image has 5.17) name the page size block_size, default
+    256, and have no page_size: a non-default block_size there is the page size."""
+
+    @dataclasses.dataclass
+    class ContinuousBatchingConfig:
+        block_size: int = 256
+        num_blocks: int | None = None
+
+    ContinuousBatchingConfig.__module__ = "transformers.generation.configuration_utils"
+    assert as_config(ContinuousBatchingConfig(block_size=16, num_blocks=40)).page_size == 16
+    assert as_config(ContinuousBatchingConfig()).page_size is None  # transformers' default: acb's
+
+
 def test_conversion_validates():
     with pytest.raises(ValueError, match="safety_margin"):
         as_config(TF(safety_margin=1.5))

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from acb.core.request import Request
 
     from acb.sampling_params import SamplingKwargs
+    from acb.text import Prompt
 
 
 class AsyncEngine(EngineBase):
@@ -58,7 +59,7 @@ class AsyncEngine(EngineBase):
         await anyio.to_thread.run_sync(self.join, timeout)
 
     # --------------------------------------------------------------- submit
-    def _make(self, prompt_ids: Any, sampling: SamplingParams | None, request_id: str | None,
+    def _make(self, prompt_ids: Prompt, sampling: SamplingParams | None, request_id: str | None,
               record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None) -> Request:
         loop = current_loop()  # the handle's home loop (asyncio's, or the trio run's)
         return self.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
@@ -71,7 +72,7 @@ class AsyncEngine(EngineBase):
 
     async def submit(
         self,
-        prompt_ids: Any,
+        prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -101,7 +102,7 @@ class AsyncEngine(EngineBase):
 
     def submit_nowait(
         self,
-        prompt_ids: Any,
+        prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -123,7 +124,7 @@ class AsyncEngine(EngineBase):
 
     async def generate(
         self,
-        prompt_ids: Any,
+        prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from acb.api.handles import AdmissionGate, deliver
-from acb.config import ContinuousBatchingConfig, ResolvedConfig, as_config
+from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats
 from acb.core.request import Request, RequestGroup
 from acb.core.stop_strings import StopStrings
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
 
     from acb.runner.model_runner import ModelRunner
-    from acb.text import TokenizerLike
+    from acb.text import Prompt, TokenizerLike
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class EngineBase:
     def __init__(
         self,
         model: PreTrainedModel,
-        config: ContinuousBatchingConfig | None = None,
+        config: ConfigLike | None = None,
         generation_config: GenerationConfig | None = None,
         *,
         tokenizer: TokenizerLike | None = None,
@@ -208,7 +208,7 @@ class EngineBase:
     def from_pretrained(
         cls,
         path: str,
-        config: ContinuousBatchingConfig | None = None,
+        config: ConfigLike | None = None,
         *,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | int | None = None,
@@ -243,7 +243,7 @@ class EngineBase:
     # --------------------------------------------------------------- submit
     def make_request(
         self,
-        prompt_ids: Any,
+        prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
         sink_factory: Callable[[str], Any],

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from acb.api.base import EngineBase
 from acb.api.handles import SyncRequestHandle, ThreadSink
-from acb.config import ContinuousBatchingConfig
+from acb.config import ConfigLike
 from acb.core.request import Request
 from acb.errors import AcbError, QueueFullError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus
@@ -21,7 +21,12 @@ from acb.sampling_params import SamplingParams, with_overrides
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from collections.abc import Sequence
+
+    import torch
+
     from acb.sampling_params import SamplingKwargs
+    from acb.text import Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ class Engine(EngineBase):
             raise QueueFullError(f"{self.gate.limit} requests are already waiting (max_queue_size)")
         self.admit(req)
 
-    def _submit(self, prompt_ids: Any, sampling: SamplingParams | None, wait: bool, timeout: float | None,
+    def _submit(self, prompt_ids: Prompt, sampling: SamplingParams | None, wait: bool, timeout: float | None,
                 **kw: Any) -> SyncRequestHandle:
         req = self.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
         self.enqueue_blocking(req, wait=wait, timeout=timeout)
@@ -70,7 +75,7 @@ class Engine(EngineBase):
 
     def submit(
         self,
-        prompt_ids: Any,
+        prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -89,7 +94,7 @@ class Engine(EngineBase):
 
     def submit_nowait(
         self,
-        prompt_ids: Any,
+        prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -106,7 +111,7 @@ class Engine(EngineBase):
 
     def generate(
         self,
-        prompt_ids: Any,
+        prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -132,9 +137,9 @@ class Engine(EngineBase):
 
 def generate_batch(
     model: Any,
-    inputs: list[list[int]],
+    inputs: Sequence[Prompt] | torch.Tensor,
     generation_config: Any = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: ConfigLike | None = None,
     *,
     record_timestamps: bool = False,
     progress_bar: bool = True,

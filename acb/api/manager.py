@@ -13,7 +13,6 @@ step that gave them a token, then the final one.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -24,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from acb.api.engine import Engine
 from acb.api.base import as_token_list
-from acb.api.handles import ThreadSink
+from acb.api.handles import ThreadSink, current_loop
 from acb.core.engine_core import Delivery
-from acb.config import ContinuousBatchingConfig
+from acb.config import ConfigLike, ContinuousBatchingConfig
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
 
@@ -47,7 +46,7 @@ class _OutputRouter:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: deque[GenerationOutput] = deque()
-        self.handlers: dict[str, tuple[Callable[[GenerationOutput], object], asyncio.AbstractEventLoop]] = {}
+        self.handlers: dict[str, tuple[Callable[[GenerationOutput], object], Any]] = {}
 
     def put(self, out: GenerationOutput) -> None:
         with self._cond:
@@ -86,7 +85,7 @@ class _OutputRouter:
             return not self._items
 
     def set_handler(
-        self, request_id: str, callback: Callable[[GenerationOutput], object], loop: asyncio.AbstractEventLoop
+        self, request_id: str, callback: Callable[[GenerationOutput], object], loop: Any
     ) -> list[GenerationOutput]:
         """Route ``request_id``'s outputs to ``callback`` on ``loop`` from now on; returns (and
         removes from the queue) the outputs that arrived before."""
@@ -109,12 +108,13 @@ class ContinuousBatchingManager:
         self,
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
-        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        continuous_batching_config: ConfigLike | None = None,
         workload_hints: WorkloadHints | None = None,
     ) -> None:
         self.model = model
         self.generation_config = generation_config if generation_config is not None else model.generation_config
-        self.continuous_batching_config = continuous_batching_config or ContinuousBatchingConfig()
+        self.continuous_batching_config = (
+            ContinuousBatchingConfig() if continuous_batching_config is None else continuous_batching_config)
         self._engine = Engine(model, self.continuous_batching_config, self.generation_config)
         self.output_router = _OutputRouter()
         self._counter = 0
@@ -275,8 +275,9 @@ class ContinuousBatchingManager:
                     return
 
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
-        """Call ``callback(output)`` on the current event loop for each output of ``request_id``."""
-        early = self.output_router.set_handler(request_id, callback, asyncio.get_running_loop())
+        """Call ``callback(output)`` on the current event loop (asyncio's or trio's) for each output
+        of ``request_id``."""
+        early = self.output_router.set_handler(request_id, callback, current_loop())
         for o in early:  # outputs that arrived before the handler was registered
             callback(o)
             if o.is_finished():
@@ -286,7 +287,7 @@ class ContinuousBatchingManager:
 def init_continuous_batching(
     model: PreTrainedModel,
     generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: ConfigLike | None = None,
     workload_hints: WorkloadHints | None = None,
 ) -> ContinuousBatchingManager:
     """acb's ``model.init_continuous_batching(...)``: a manager, not yet started."""

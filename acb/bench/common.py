@@ -113,3 +113,11 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) ->
 def blocks_for_all(lengths: list[int], block_size: int) -> int:
     """KV blocks that hold every request at full length at once (no side ever preempts)."""
     return sum(math.ceil(n / block_size) for n in lengths) + 4
+
+
+def tf_page(size: int) -> dict[str, Any]:
+    """The page-size keyword of the installed transformers' ``ContinuousBatchingConfig``:
+    ``page_size`` from 5.23, ``block_size`` before (the GPU image has 5.17)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig as TfConfig
+
+    return {"page_size" if "page_size" in TfConfig.__dataclass_fields__ else "block_size": size}

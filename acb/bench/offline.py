@@ -22,7 +22,7 @@ import torch
 
 import acb
 from acb.bench.common import (
-    ModelSpec, blocks_for_all, peak_memory_bytes, random_prompts, reset_peak_memory,
+    ModelSpec, blocks_for_all, peak_memory_bytes, random_prompts, reset_peak_memory, tf_page,
 )
 from acb.runner.kv_cache import meminfo_bytes
 
@@ -59,7 +59,7 @@ def run_acb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[
     model = spec.build()
     bs = 32
     cfg = acb.ContinuousBatchingConfig(
-        block_size=bs, num_blocks=blocks_for_all([len(p) + o for p, o in zip(prompts, outs)], bs) + 1,
+        page_size=bs, num_blocks=blocks_for_all([len(p) + o for p, o in zip(prompts, outs)], bs) + 1,
         max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, seed=0,
     )
     acb.generate_batch(model, prompts[:2], sampling=acb.SamplingParams(max_new_tokens=4, ignore_eos=True),
@@ -78,7 +78,7 @@ def run_acb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[
     finally:
         engine.shutdown()
     return dict(engine="acb", seconds=dt, setup_s=setup, tokens=[r.generated_tokens for r in results],
-                settings=f"block_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
+                settings=f"page_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
                          f"max_requests_per_batch={MAX_REQUESTS}",
                 steps=stats.steps, peak_memory=peak_memory_bytes(spec.device))
 
@@ -89,10 +89,10 @@ def run_transformers_cb(spec: ModelSpec, prompts: list[list[int]], outs: list[in
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     model = spec.build()
-    bs = TfConfig().block_size or 256  # transformers >= 5.2x resolves None at start; 256 was its default
+    bs = 256  # transformers' default page size
 
     def cfg_for(ps: list[list[int]], os_: list[int]) -> TfConfig:
-        return TfConfig(block_size=bs, num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, os_)], bs),
+        return TfConfig(**tf_page(bs), num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, os_)], bs),
                         max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, seed=0)
 
     def gen(n: int) -> GenerationConfig:
@@ -125,7 +125,7 @@ def run_transformers_cb(spec: ModelSpec, prompts: list[list[int]], outs: list[in
         cm.__exit__(None, None, None)
     return dict(engine="transformers CB", seconds=dt, setup_s=setup,
                 tokens=[list(got[f"req_{i}"].generated_tokens) for i in range(len(prompts))],
-                settings=f"paged|sdpa block_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
+                settings=f"paged|sdpa page_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
                          f"max_requests_per_batch={MAX_REQUESTS}",
                 peak_memory=peak_memory_bytes(spec.device))
 

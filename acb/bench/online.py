@@ -29,7 +29,7 @@ async def _one_rate(model: Any, prompts: list[list[int]], outs: list[int], rate:
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(block_size=32)) as eng:
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=32)) as eng:
         await eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=2))  # warm-up
 
         async def client(p: list[int], n: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import acb
-from acb.bench.common import ModelSpec
+from acb.bench.common import ModelSpec, tf_page
 from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -44,7 +44,7 @@ def _null_model() -> Any:
 
 def _acb(n: int, steps: int) -> dict[str, float]:
     model = _null_model()
-    cfg = acb.ContinuousBatchingConfig(block_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
+    cfg = acb.ContinuousBatchingConfig(page_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
                                        max_batch_tokens=max(2048, n * PROMPT_LEN))
     eng = acb.Engine(model, cfg, runner_cls=NullModelRunner)
     eng.start()
@@ -106,7 +106,7 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
         model.generate_batch(
             inputs=prompts, generation_config=GenerationConfig(max_new_tokens=steps + 2, do_sample=False,
                                                                eos_token_id=-1),
-            continuous_batching_config=TfConfig(block_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
+            continuous_batching_config=TfConfig(**tf_page(16), num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
                                                 max_batch_tokens=max(2048, n * PROMPT_LEN)),
             progress_bar=False,
         )

@@ -28,7 +28,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
     for name, caching in (("acb, prefix cache on", True), ("acb, prefix cache off", False)):
-        cfg = acb.ContinuousBatchingConfig(block_size=32, allow_block_sharing=caching)
+        cfg = acb.ContinuousBatchingConfig(page_size=32, allow_block_sharing=caching)
         with acb.Engine(model, cfg) as eng:
             eng.generate([5, 6, 7, 8], acb.SamplingParams(max_new_tokens=2))  # warm-up, another prefix
             base = eng.stats
@@ -43,7 +43,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             engine=name, seconds=dt, output_tokens=tokens, tokens_per_s=tokens / dt,
             requests_per_s=len(prompts) / dt, prefill_tokens=st.prefill_tokens - base.prefill_tokens,
             prefix_hit_rate=(st.prefix_hits - base.prefix_hits) / queries if queries else 0.0,
-            peak_memory=peak_memory_bytes(spec.device), settings=f"block_size=32 allow_block_sharing={caching}",
+            peak_memory=peak_memory_bytes(spec.device), settings=f"page_size=32 allow_block_sharing={caching}",
         ))
         outputs[name] = [o.generated_tokens for o in outs]
     for r in rows:

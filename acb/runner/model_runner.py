@@ -33,7 +33,7 @@ from acb.runner.attention import (
     register_with_transformers,
 )
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
-from acb.runner.kv_cache import KVCache, KVSpec, size_kv_cache, total_host_memory
+from acb.runner.kv_cache import KVCache, KVSpec, available_host_memory, size_kv_cache
 from acb.runner.sampler import SamplingState, sample
 
 if TYPE_CHECKING:
@@ -175,9 +175,11 @@ def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> 
                                    max_len=max_len, max_reqs=max_reqs, max_batch_tokens=max_batch_tokens)
     # a single request may hold at most what the cache holds and what the model can position
     max_model_len = min(max_len, (num_blocks - 1) * block_size)
-    swap_bytes = int((config.cpu_offload_space or 0.0) * 2**30)
-    if config.cpu_offload_space_safety_threshold > 0:
-        swap_bytes = min(swap_bytes, int(config.cpu_offload_space_safety_threshold * total_host_memory()))
+    # as transformers: the offload space is capped at the threshold's share of the RAM available
+    # now (0 turns offload off), and None sizes it to that cap
+    swap_cap = int(config.cpu_offload_space_safety_threshold * available_host_memory())
+    space = config.cpu_offload_space
+    swap_bytes = swap_cap if space is None else min(int(space * 2**30), swap_cap)
     resolved = ResolvedConfig(
         block_size=block_size,
         num_blocks=num_blocks,

@@ -149,6 +149,35 @@ async def test_manager_result_handler():
         manager.stop()
 
 
+def test_manager_result_handler_under_trio():
+    trio = pytest.importorskip("trio")
+    model = get_model("llama")
+    manager = acb.ContinuousBatchingManager(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    manager.start()
+    seen = []
+
+    async def main():
+        done = trio.Event()
+        run_thread = threading.get_ident()
+
+        def cb(out):
+            assert threading.get_ident() == run_thread  # called on the trio run, not the engine thread
+            seen.append(out)
+            if out.is_finished():
+                done.set()
+
+        rid = manager.add_request([5, 6, 7], max_new_tokens=4, streaming=True)
+        manager.register_result_handler(rid, cb)
+        with trio.fail_after(30):
+            await done.wait()
+
+    try:
+        trio.run(main)
+    finally:
+        manager.stop()
+    assert seen and seen[-1].is_finished() and len(seen[-1].generated_tokens) <= 4
+
+
 def test_manager_stop_flushes_pending():
     model = get_model("llama")
     manager = acb.ContinuousBatchingManager(model, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))

@@ -49,10 +49,18 @@ def test_max_model_len_limits_requests():
 
 def test_offload_space_clamped_by_safety_threshold(monkeypatch):
     model = get_model("llama")
-    monkeypatch.setattr("acb.runner.model_runner.total_host_memory", lambda: 1 << 20)
-    cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=32, cpu_offload_space=1.0,
-                                                                   cpu_offload_space_safety_threshold=0.5))
-    assert cfg.num_swap_blocks == (1 << 19) // spec.bytes_per_block(16)
+    monkeypatch.setattr("acb.runner.model_runner.available_host_memory", lambda: 1 << 20)
+
+    def swap_blocks(**kw):
+        cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=32, **kw))
+        return cfg.num_swap_blocks, spec.bytes_per_block(16)
+
+    blocks, per_block = swap_blocks(cpu_offload_space=1.0, cpu_offload_space_safety_threshold=0.5)
+    assert blocks == (1 << 19) // per_block  # 1 GiB asked, half of the 1 MiB available granted
+    # transformers' meaning of the edge values: threshold 0 turns offload off, None sizes it to the cap
+    assert swap_blocks(cpu_offload_space=1.0, cpu_offload_space_safety_threshold=0.0)[0] == 0
+    assert swap_blocks(cpu_offload_space=None, cpu_offload_space_safety_threshold=0.25)[0] == (1 << 18) // per_block
+    assert swap_blocks(cpu_offload_space=0.0)[0] == 0
 
 
 def test_triton_backend_refused_on_cpu_without_interpreter(monkeypatch):
