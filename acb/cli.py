@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"acb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
     return parser
 
@@ -185,6 +186,84 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("acb: the output pipe was closed; stopped", file=sys.stderr, flush=True)
         return EXIT_BROKEN_PIPE
     return 2  # unreachable
+
+
+# --------------------------------------------------------------------------- serve
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
+        description=(
+            "Serve a local checkpoint (or the embedded random-weight model) with the OpenAI API: "
+            "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, plus GET /health (200 once "
+            "the engine runs) and GET /metrics (Prometheus). SIGINT/SIGTERM stop accepting, let in-flight "
+            "requests finish for --grace-period seconds (then cancel them) and exit 0."
+        ),
+    )
+    src = p.add_argument_group("model")
+    src.add_argument("--model", metavar="PATH", default=None,
+                     help="local checkpoint directory (model + tokenizer). Default: the embedded random-weight "
+                          "model (meaningless text)")
+    src.add_argument("--served-model-name", metavar="NAME", default=None,
+                     help="the model's name in the API (default: the checkpoint directory's name)")
+    src.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype (default: float32)")
+    src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    http = p.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    http.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on /v1 (default: $ACB_API_KEY, else none)")
+    http.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20, metavar="N",
+                      help="largest request body accepted; larger ones get 413 (default: 16 MiB)")
+    http.add_argument("--grace-period", type=_non_negative_float, default=30.0, metavar="S",
+                      help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 30)")
+    eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
+    eng.add_argument("--max-queue-size", type=int, default=0, metavar="N",
+                     help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)")
+    eng.add_argument("--max-batch-tokens", type=_positive_int, default=None, metavar="N",
+                     help="token budget per step (default: resolved by the engine)")
+    eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
+                     help="KV cache blocks (default: from available memory)")
+    eng.add_argument("--page-size", "--block-size", dest="page_size", type=_positive_int, default=None,
+                     metavar="N", help="tokens per KV block (default: resolved by the engine)")
+    eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
+                     help="most sequences in one step (default: resolved by the engine)")
+    eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
+    p.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
+    p.set_defaults(func=cmd_serve, _parser=p, no_progress=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model is not None and not os.path.isdir(args.model):
+        raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    device = _check_device(args.device)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.verbose:
+        logging.getLogger("acb").setLevel(logging.INFO)
+    try:
+        import acb.serve
+    except ImportError as exc:
+        raise CliError(str(exc)) from None
+    import acb
+
+    try:
+        cfg = acb.ContinuousBatchingConfig(
+            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, page_size=args.page_size,
+            max_requests_per_batch=args.max_requests_per_batch, max_queue_size=args.max_queue_size, seed=args.seed,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "acb-default")
+    if args.model is None:
+        print("acb serve: no --model: serving the embedded random-weight model (its text is meaningless) as "
+              f"{name!r}", file=sys.stderr, flush=True)
+    tokenizer = _load_tokenizer(args)
+    model = _load_model(args, device)
+    engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
+    acb.serve.run(engine, name, host=args.host, port=args.port,
+                  api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
+                  max_body_bytes=args.max_body_bytes, grace_period=args.grace_period)
+    return 0
 
 
 # --------------------------------------------------------------------------- bench

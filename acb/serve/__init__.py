@@ -1,0 +1,35 @@
+"""``acb serve``: an OpenAI-compatible HTTP server on :class:`acb.AsyncEngine` (extra ``serve``:
+FastAPI, uvicorn, prometheus-client). :func:`build_app` gives the app; :func:`run` serves it."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+try:
+    import fastapi  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import uvicorn
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(f"acb serve needs the serve extra: pip install 'acb-batching[serve]' ({exc})") from None
+
+import acb
+from acb.serve.app import DEFAULT_MAX_BODY_BYTES, build_app
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "run"]
+
+
+def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+        api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_period: float = 30.0,
+        log_level: str = "warning", announce: Any = None) -> None:
+    """Serve ``engine`` until SIGINT/SIGTERM; then stop accepting, give in-flight requests
+    ``grace_period`` seconds to finish (the rest are cancelled) and stop the engine."""
+
+    def ready() -> None:
+        line = f"acb serve: {model_name!r} ready at http://{host}:{port} (OpenAI API under /v1)"
+        print(line, file=announce or sys.stdout, flush=True)
+
+    app = build_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=ready)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=max(1, round(grace_period)),
+                            access_log=False)
+    uvicorn.Server(config).run()
