@@ -7,6 +7,7 @@ time (:class:`IncrementalDetokenizer`), for the stream deltas and the final outp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast, overload
 
@@ -93,15 +94,24 @@ class IncrementalDetokenizer:
     left, so the pieces always add up to ``decode(all ids)``.
     """
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "ids", "prefix", "read", "text")
+    __slots__ = ("tokenizer", "skip_special_tokens", "stops", "hold", "ids", "prefix", "read", "text", "emitted",
+                 "cut")
 
-    def __init__(self, tokenizer: TokenizerLike, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: TokenizerLike, skip_special_tokens: bool = True,
+                 stops: Sequence[str] = ()) -> None:
         self.tokenizer = text_tokenizer(tokenizer)
         self.skip_special_tokens = skip_special_tokens
+        # with stop strings, the stream never shows one: it keeps back the longest one's length
+        # - 1 characters (a stop string may be forming) and ends where the first one starts, as
+        # the engine's output text does
+        self.stops = tuple(stops)
+        self.hold = max((len(st) for st in self.stops), default=1) - 1
+        self.cut: int | None = None  # where the first stop string starts, once seen
         self.ids: list[int] = []
         self.prefix = 0  # the window's first token (context for the first new one)
-        self.read = 0  # tokens whose text has been emitted
-        self.text = ""  # everything emitted so far
+        self.read = 0  # tokens whose text has been decoded
+        self.text = ""  # everything decoded so far
+        self.emitted = 0  # characters of it handed out
 
     def _decode(self, ids: list[int]) -> str:
         # one sequence of ids decodes to one str (decode is typed for batches too)
@@ -111,21 +121,73 @@ class IncrementalDetokenizer:
     def push(self, new_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (possibly empty)."""
         self.ids.extend(new_ids)
-        return self._advance(final=False)
+        self._advance(final=False)
+        return self._emit(len(self.text) - self.hold)
 
-    def flush(self) -> str:
-        """The text still held back (an incomplete character at the very end)."""
-        return self._advance(final=True)
+    def flush(self, limit: int | None = None) -> str:
+        """The text still held back (an incomplete character at the very end, the ``hold``),
+        up to character ``limit`` of the whole text (where a stop string cut it)."""
+        self._advance(final=True)
+        return self._emit(len(self.text) if limit is None else limit)
 
-    def _advance(self, final: bool) -> str:
-        if self.read >= len(self.ids):
+    def _emit(self, upto: int) -> str:
+        if self.stops:
+            if self.cut is None:
+                start = max(0, self.emitted - self.hold)  # text before it was checked already
+                found = [i for i in (self.text.find(st, start) for st in self.stops) if i >= 0]
+                if found:
+                    self.cut = min(found)
+            if self.cut is not None:
+                upto = min(upto, self.cut)
+        if upto <= self.emitted:
             return ""
+        piece = self.text[self.emitted : upto]
+        self.emitted = upto
+        return piece
+
+    def _advance(self, final: bool) -> None:
+        if self.read >= len(self.ids):
+            return
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
         if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
-            return ""  # nothing printable yet, or a character still incomplete
-        piece = after[len(before) :]
+            return  # nothing printable yet, or a character still incomplete
         # the next window starts where this piece did: its tokens are the context of the next ones
         self.prefix, self.read = self.read, len(self.ids)
-        self.text += piece
-        return piece
+        self.text += after[len(before) :]
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(tokenizer: TokenizerLike, token_id: int) -> bytes:
+    """The bytes one token stands for, even when they are only part of a UTF-8 character
+    (what OpenAI's logprobs ``bytes`` hold): byte-level BPE pieces mapped back through the
+    byte alphabet, SentencePiece byte-fallback pieces (``<0xE2>``), else the token's text."""
+    tok = text_tokenizer(tokenizer)
+    piece = tok.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        backend = getattr(tok, "backend_tokenizer", None)
+        decoder = type(getattr(backend, "decoder", None)).__name__
+        if decoder == "ByteLevel" and piece not in tok.all_special_tokens:
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+    return str(tok.decode([int(token_id)], skip_special_tokens=False)).encode()

@@ -90,3 +90,22 @@ def test_chat_template_kwargs_reach_the_template(model):
         styled = eng.generate(CHAT, max_new_tokens=1, chat_template_kwargs={"persona": "pirate"})
     assert plain.prompt_ids == tok("héllo 😀>", add_special_tokens=False)["input_ids"]
     assert styled.prompt_ids == tok("[pirate]héllo 😀>", add_special_tokens=False)["input_ids"]
+
+
+async def test_streamed_text_never_shows_a_stop_string(model):
+    """The deltas' texts add up to output.text, which ends before the stop string, even when the
+    stop string arrives inside one token or spread over several (n > 1 too)."""
+    tok = byte_tokenizer()
+    async with acb.AsyncEngine(model, _cfg(), tokenizer=tok) as eng:
+        full = (await eng.generate(TEXT, max_new_tokens=16, ignore_eos=True)).text
+        assert full and len(full) > 4
+        for stop in (full[3], full[2:4], full[3:5] + "never"):  # one char, two chars, never complete
+            h = await eng.submit(TEXT, max_new_tokens=16, stop=stop, n=2, seed=0)
+            streamed: dict[int, str] = {}
+            async for d in h:
+                streamed[d.sample_index] = streamed.get(d.sample_index, "") + (d.text or "")
+            out = await h.result()
+            for s in out.samples:
+                assert streamed.get(s.index, "") == s.text
+                assert stop not in s.text
+                assert full.startswith(s.text)  # greedy: the same text, ended by the stop string or EOS

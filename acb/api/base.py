@@ -339,7 +339,8 @@ class EngineBase:
             sink = sink_factory(request_id)
             if self.tokenizer is not None:  # text for the stream and the output, decoded on the consumer's side
                 skip = params.skip_special_tokens is not False
-                sink.state.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip) for _ in range(n)]
+                stops = () if params.ignore_eos else params.stop or ()  # ignore_eos runs through them too
+                sink.state.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip, stops) for _ in range(n)]
             members = []
             for i, mid in enumerate(member_ids):
                 req = Request(

@@ -236,7 +236,9 @@ class _SinkState:
         detokenizers = self.detokenizers
         assert detokenizers is not None
         for i, detok in enumerate(detokenizers):
-            piece = detok.flush()
+            # a stop string cut the engine's text: the stream ends where it does
+            cut = samples[i].text if samples is not None and i < len(samples) else final.text
+            piece = detok.flush(None if cut is None else len(cut))
             if piece:
                 slot = self.unread.get(i)
                 if slot is None:

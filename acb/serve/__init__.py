@@ -3,7 +3,9 @@ FastAPI, uvicorn, prometheus-client). :func:`build_app` gives the app; :func:`ru
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 try:
@@ -32,4 +34,16 @@ def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", po
     app = build_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=ready)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=max(1, round(grace_period)),
                             access_log=False)
-    uvicorn.Server(config).run()
+    _Server(config).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, exiting 0 after a signal-driven drain: uvicorn re-raises the signals it
+    caught once it has stopped (so the process would die by SIGTERM); acb's drain is the
+    intended end of the process."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()

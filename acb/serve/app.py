@@ -32,6 +32,7 @@ from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, R
 from acb.outputs import GenerationOutput
 from acb.serve.metrics import ServerMetrics
 from acb.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from acb.text import token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class ServerState:
         self.closing = False
         self.created = int(time.time())
         self.metrics = ServerMetrics()
+        self.token_cache: dict[int, tuple[str, list[int]]] = {}
 
     @property
     def tokenizer(self) -> Any:
@@ -197,9 +199,19 @@ def _finish_reason(out: Any) -> str | None:
     return None if reason is None else str(reason.value)
 
 
+def _token(state: ServerState, token: int) -> tuple[str, list[int]]:
+    """A token's text and bytes for logprobs. A token that is only part of a UTF-8 character
+    keeps its own bytes, and its text shows them escaped (``\\xe2``), so tokens stay distinct."""
+    found = state.token_cache.get(token)
+    if found is None:
+        tok = state.tokenizer
+        raw = b"" if tok is None else token_bytes(tok, token)
+        found = state.token_cache[token] = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
+    return found
+
+
 def _token_text(state: ServerState, token: int) -> str:
-    tok = state.tokenizer
-    return "" if tok is None else str(tok.decode([token], skip_special_tokens=False))
+    return _token(state, token)[0]
 
 
 def _chat_logprobs(state: ServerState, tokens: list[int], logprobs: list[float] | None,
@@ -210,9 +222,9 @@ def _chat_logprobs(state: ServerState, tokens: list[int], logprobs: list[float] 
     for i, (t, lp) in enumerate(zip(tokens, logprobs)):
         text = _token_text(state, t)
         alts = top[i] if top is not None and i < len(top) else []
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+        content.append({"token": text, "logprob": lp, "bytes": _token(state, t)[1],
                         "top_logprobs": [{"token": _token_text(state, a), "logprob": alp,
-                                          "bytes": list(_token_text(state, a).encode())} for a, alp in alts]})
+                                          "bytes": _token(state, a)[1]} for a, alp in alts]})
     return {"content": content}
 
 
