@@ -14,7 +14,8 @@ from acb.bench.report import markdown_for, update_readme
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    docs = {w: run_workload(w, size="tiny", out_dir=str(out), plot=True) for w in WORKLOADS}
+    # serve: acb serve alone (its baselines, transformers serve and the in-process engine, take ~25 s more)
+    docs = {w: run_workload(w, size="tiny", out_dir=str(out), plot=True, baselines=w != "serve") for w in WORKLOADS}
     return out, docs
 
 
@@ -48,6 +49,13 @@ def test_workload_json(results, workload):
             assert a["steps_measured"] > 0 and a["host_us"] == pytest.approx(
                 a["schedule_us"] + a["stage_us"] + a["process_us"])
             assert r["transformers"]["host_us"] > 0
+    elif workload == "serve":  # acb serve over HTTP: every level, the exact token counts, latencies measured
+        assert [r["engine"] for r in rows] == ["acb serve"] * 3
+        assert [r.get("concurrency", r.get("rate")) for r in rows] == [1, 4, 20.0]
+        for r in rows:
+            assert r["counts_ok"] and r["output_tokens"] == r["requests"] * 8 and r["tokens_per_s"] > 0
+            assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
+        assert data["model"]["vocab_size"] == 259  # the saved checkpoint's, not the in-process model's
     assert markdown_for(data).count("|") > 8
     try:
         import matplotlib  # noqa: F401

@@ -1,6 +1,6 @@
 """``acb bench``: named workloads measured side by side with baselines run in the same process.
 
-Workloads: ``offline``, ``shared-prefix``, ``online``, ``overhead`` (see each module). Each run
+Workloads: ``offline``, ``shared-prefix``, ``online``, ``overhead``, ``serve`` (see each module). Each run
 writes ``{kind}_{workload}.json`` (machine, device, versions, settings, figures) and a PNG
 (with matplotlib, ``pip install -e ".[bench]"``) to the output folder; ``report`` regenerates
 the README tables from those files.
@@ -17,13 +17,14 @@ from typing import Any
 
 from acb.bench.common import ModelSpec, machine_info, write_json
 
-WORKLOADS = ("offline", "shared-prefix", "online", "overhead")
+WORKLOADS = ("offline", "shared-prefix", "online", "overhead", "serve")
 
 
 def _module(name: str) -> Any:
-    from acb.bench import offline, online, overhead, shared_prefix
+    from acb.bench import offline, online, overhead, serve, shared_prefix
 
-    return {"offline": offline, "shared-prefix": shared_prefix, "online": online, "overhead": overhead}[name]
+    return {"offline": offline, "shared-prefix": shared_prefix, "online": online, "overhead": overhead,
+            "serve": serve}[name]
 
 
 def run_workload(name: str, size: str = "default", device: str = "cpu", out_dir: str | None = None,
@@ -37,6 +38,8 @@ def run_workload(name: str, size: str = "default", device: str = "cpu", out_dir:
     doc: dict[str, Any] = {"size": size, "machine": machine, "model": spec.describe(model)}
     del model
     doc["result"] = _module(name).run(size, spec, baselines=baselines)
+    if "model" in doc["result"]:  # a workload that runs its own checkpoint describes it
+        doc["model"] = doc["result"].pop("model")
     if out_dir is not None:
         kind = "gpu" if device.startswith("cuda") else "cpu"
         stem = os.path.join(out_dir, f"{kind}_{name}" + ("" if size == "default" else f"_{size}"))

@@ -14,7 +14,7 @@ from typing import Any
 
 from acb.bench.common import device_name
 
-ORDER = ("offline", "shared-prefix", "online", "overhead")
+ORDER = ("offline", "shared-prefix", "online", "overhead", "serve")
 
 
 def _mib(b: float | None) -> str:
@@ -23,6 +23,10 @@ def _mib(b: float | None) -> str:
 
 def markdown_for(doc: dict[str, Any]) -> str:
     """One workload's table in Markdown."""
+    if doc["result"]["workload"] == "serve":  # its own tables (per load level, three engines)
+        from acb.bench.serve import markdown
+
+        return markdown(doc)
     r, m, model = doc["result"], doc["machine"], doc["model"]
     what = (f"{model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}"
             if r["workload"] != "overhead" else "null model (a 1-layer tiny Llama whose forward is skipped)")
@@ -102,6 +106,10 @@ def update_readme(readme: str, results_dir: str, kind: str) -> bool:
 
 def plot(doc: dict[str, Any], path: str) -> str | None:
     """A PNG for one workload; returns None (and the reason is printed by the caller) without matplotlib."""
+    if doc["result"]["workload"] == "serve":
+        from acb.bench.serve import plot as serve_plot
+
+        return serve_plot(doc, path)
     try:
         import matplotlib
 
@@ -132,7 +140,8 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         n = [row["running"] for row in r["rows"]]
         ax.plot(n, [row["acb"]["host_us"] for row in r["rows"]], "-o", label="acb (schedule+stage+process)")
         if any(row.get("transformers") for row in r["rows"]):
-            ax.plot(n, [(row.get("transformers") or {}).get("host_us") for row in r["rows"]], "-o",
+            tf_us = [(row.get("transformers") or {}).get("host_us") for row in r["rows"]]
+            ax.plot(n, [float("nan") if v is None else v for v in tf_us], "-o",  # a gap where it did not run
                     label="transformers CB (prepare+update)")
         ax.set_xscale("log")
         ax.set_yscale("log")
