@@ -24,6 +24,7 @@ its rows are left out and the reason is recorded in the JSON's notes.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import random
 import shutil
@@ -155,9 +156,7 @@ def transformers_serve_missing() -> str | None:
         return f"transformers has no serve CLI ({exc})"
     if not is_serve_available():
         return "transformers serve needs pydantic, fastapi, uvicorn and openai: pip install 'transformers[serving]'"
-    try:
-        import accelerate  # type: ignore[import-untyped]  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("accelerate") is None:  # transformers serve imports it, not acb
         return ("transformers serve loads with a device_map, which needs accelerate (ValueError: Using a `device_map` "
                 "... requires `accelerate`): pip install accelerate")
     return None
