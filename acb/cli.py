@@ -64,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_engine_flags(eng: Any) -> None:
+    """The ContinuousBatchingConfig fields that `generate` and `serve` both expose."""
+    eng.add_argument("--max-batch-tokens", type=_positive_int, default=None, metavar="N",
+                     help="token budget per step (default: resolved by the engine)")
+    eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
+                     help="KV cache blocks (default: from available memory)")
+    eng.add_argument("--page-size", "--block-size", dest="page_size", type=_positive_int, default=None,
+                     metavar="N", help="tokens per KV block (default: resolved by the engine)")
+    eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
+                     help="most sequences in one step (default: resolved by the engine)")
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -149,14 +161,7 @@ def _add_generate(sub: Any) -> None:
                     help="keep generating through end-of-sequence tokens until max_new_tokens")
 
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
-    eng.add_argument("--max-batch-tokens", type=_positive_int, default=None, metavar="N",
-                     help="token budget per step (default: resolved by the engine)")
-    eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
-                     help="KV cache blocks (default: from available memory)")
-    eng.add_argument("--page-size", "--block-size", dest="page_size", type=_positive_int, default=None,
-                     metavar="N", help="tokens per KV block (default: resolved by the engine)")
-    eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
-                     help="most sequences in one step (default: resolved by the engine)")
+    _add_engine_flags(eng)
 
     out = p.add_argument_group("output")
     out.add_argument("--output", "-o", metavar="FILE.jsonl", default=DEFAULT_OUTPUT,
@@ -220,14 +225,7 @@ def _add_serve(sub: Any) -> None:
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument("--max-queue-size", type=int, default=0, metavar="N",
                      help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)")
-    eng.add_argument("--max-batch-tokens", type=_positive_int, default=None, metavar="N",
-                     help="token budget per step (default: resolved by the engine)")
-    eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
-                     help="KV cache blocks (default: from available memory)")
-    eng.add_argument("--page-size", "--block-size", dest="page_size", type=_positive_int, default=None,
-                     metavar="N", help="tokens per KV block (default: resolved by the engine)")
-    eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
-                     help="most sequences in one step (default: resolved by the engine)")
+    _add_engine_flags(eng)
     eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
     p.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
     p.set_defaults(func=cmd_serve, _parser=p, no_progress=True)
