@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Sequence
 
+from acb.config import ATTN_BACKENDS, SCHEDULER_TYPES
+
 DEFAULT_OUTPUT = "acb_generate_out.jsonl"
 STDOUT = "-"  # --output - : results on stdout, every human-facing line on stderr
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
@@ -74,6 +76,36 @@ def _add_engine_flags(eng: Any) -> None:
                      metavar="N", help="tokens per KV block (default: resolved by the engine)")
     eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
                      help="most sequences in one step (default: resolved by the engine)")
+    eng.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                     help="most tokens (prompt + generated) per request (default: the model's max positions)")
+    eng.add_argument("--async-batching", dest="use_async_batching", action=argparse.BooleanOptionalAction,
+                     default=None, help="schedule step N+1 while step N runs (default: on for CUDA, off for CPU)")
+    eng.add_argument("--cuda-graphs", dest="use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
+                     help="replay CUDA graphs for decode steps (default: on for CUDA)")
+    eng.add_argument("--prefix-caching", dest="allow_block_sharing", action=argparse.BooleanOptionalAction,
+                     default=True, help="share KV blocks between requests with a common prefix (default: on)")
+    eng.add_argument("--cpu-offload-space", type=_non_negative_float, default=0.0, metavar="GIB",
+                     help="GiB of host memory to offload preempted requests' KV blocks to (default: 0 = none)")
+    eng.add_argument("--attn-backend", choices=ATTN_BACKENDS, default=None,
+                     help="attention kernels (default: the best available)")
+    eng.add_argument("--scheduler", dest="scheduler_type", choices=SCHEDULER_TYPES, default="fifo",
+                     help="scheduling policy (default: fifo)")
+
+
+def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
+    """The engine's config from the shared engine flags (plus ``extra`` fields)."""
+    import acb
+
+    try:
+        return acb.ContinuousBatchingConfig(
+            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, page_size=args.page_size,
+            max_requests_per_batch=args.max_requests_per_batch, max_model_len=args.max_model_len,
+            use_async_batching=args.use_async_batching, use_cuda_graph=args.use_cuda_graph,
+            allow_block_sharing=args.allow_block_sharing, cpu_offload_space=args.cpu_offload_space,
+            attn_backend=args.attn_backend, scheduler_type=args.scheduler_type, **extra,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -244,13 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     import acb
 
-    try:
-        cfg = acb.ContinuousBatchingConfig(
-            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, page_size=args.page_size,
-            max_requests_per_batch=args.max_requests_per_batch, max_queue_size=args.max_queue_size, seed=args.seed,
-        )
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    cfg = _engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "acb-default")
     if args.model is None:
         print("acb serve: no --model: serving the embedded random-weight model (its text is meaningless) as "
@@ -591,6 +617,7 @@ class RunResult:
     t_last_result: float = 0.0
     interrupted: bool = False
     pending: set[int] = field(default_factory=set)
+    stats: Any = None  # the engine's last EngineStats
 
     @property
     def elapsed(self) -> float:
@@ -720,6 +747,7 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
         if bar is not None:
             bar.close()
         engine.shutdown()
+        run.stats = engine.stats
     return run, writer
 
 
@@ -761,13 +789,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import acb
 
-    try:
-        cfg = acb.ContinuousBatchingConfig(
-            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, page_size=args.page_size,
-            max_requests_per_batch=args.max_requests_per_batch, seed=args.seed,
-        )
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    cfg = _engine_config(args, seed=args.seed)
 
     tokenizer = _load_tokenizer(args)
     specs = load_prompts(args.prompts, tokenizer) if args.prompts is not None else None
@@ -823,6 +845,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{writer.written / w if w > 0 else 0.0:.2f} requests/s",
         f"  results written to {where} (input order; 'index' is the prompt's 0-based position)",
     ]
+    st = run.stats
+    if st is not None:
+        lines.insert(-1, f"  engine:            {st.steps} steps, {st.preemptions} preemptions ({st.swapped_out_blocks} "
+                         f"KV blocks offloaded to host memory, {st.recomputed_preemptions} recomputed), prefix cache "
+                         f"hit rate {st.prefix_hit_rate:.1%}")
     if writer.first_failure is not None:
         first = writer.first_failure
         lines.append(f"  first failure:     {first.request_id}: {first.error}")

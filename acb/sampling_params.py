@@ -53,7 +53,9 @@ class SamplingParams:
         logit_bias: ``{token_id: bias}`` added to the raw logits.
         stop_token_ids: tokens that end generation (kept in the output, as ``model.generate`` does).
             ``None``: the generation config's ``eos_token_id``.
-        ignore_eos: keep generating through stop tokens (and stop strings) until ``max_new_tokens``.
+        ignore_eos: keep generating through the model's EOS tokens (the generation config's) until
+            ``max_new_tokens``, as vLLM's ``ignore_eos``. ``stop_token_ids`` and ``stop`` given
+            explicitly still end the request.
         stop: strings that end generation (the engine needs a tokenizer); see the README for
             how the output is cut.
         seed: makes sampling reproducible whatever else is in the batch. Requests without a

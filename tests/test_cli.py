@@ -106,6 +106,36 @@ def test_greedy_is_deterministic_and_ignore_eos_fills(tmp_path):
     assert c.read_text() != a.read_text()
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_engine_flags_reach_the_config(command):
+    from acb.cli import _engine_config, build_parser
+
+    flags = ["--async-batching", "--no-cuda-graphs", "--no-prefix-caching", "--cpu-offload-space", "0.5",
+             "--attn-backend", "torch", "--scheduler", "prefill_first", "--max-model-len", "300", "--page-size", "8"]
+    cfg = _engine_config(build_parser().parse_args([command, *flags]))
+    assert (cfg.use_async_batching, cfg.use_cuda_graph, cfg.allow_block_sharing, cfg.cpu_offload_space,
+            cfg.attn_backend, cfg.scheduler_type, cfg.max_model_len, cfg.page_size) == \
+        (True, False, False, 0.5, "torch", "prefill_first", 300, 8)
+    default = _engine_config(build_parser().parse_args([command]))
+    assert (default.use_async_batching, default.use_cuda_graph, default.allow_block_sharing,
+            default.cpu_offload_space) == (None, None, True, 0.0)  # the engine's own defaults
+
+
+def test_async_batching_and_offload_flags_keep_greedy_output(tmp_path, capsys):
+    """The same greedy output with async batching on and a cache small enough to preempt and offload
+    (the summary says how often it did)."""
+    args = ["generate", "--num-prompts", "6", "--max-new-tokens", "12", "--min-prompt-len", "20",
+            "--max-prompt-len", "40", "--ignore-eos", "--no-progress", "--page-size", "16"]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert main([*args, "--num-blocks", "64", "--output", str(a)]) == 0
+    assert main([*args, "--num-blocks", "9", "--async-batching", "--cpu-offload-space", "0.01",
+                 "--output", str(b)]) == 0
+    assert a.read_text() == b.read_text()
+    line = next(x for x in capsys.readouterr().err.splitlines()[::-1] if x.strip().startswith("engine:"))
+    m = re.search(r"(\d+) preemptions \((\d+) KV blocks offloaded to host memory, (\d+) recomputed\)", line)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, line
+
+
 def test_prompts_file_text_and_ids_keeps_order_and_ids(tmp_path):
     tok = build_tokenizer()
     prompts = _write_prompts(tmp_path / "p.jsonl", [

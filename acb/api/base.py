@@ -283,6 +283,8 @@ class EngineBase:
         if sampling.stop_token_ids is not None:
             _check_vocab("stop_token_ids", sampling.stop_token_ids, vocab)
             stop_ids = frozenset(sampling.stop_token_ids)
+        elif params.ignore_eos:  # as vLLM: the model's EOS is ignored; stops the caller gives still apply
+            stop_ids = frozenset()
         else:  # the generation config's: an id the model cannot produce can never stop anything
             stop_ids = frozenset(t for t in params.stop_token_ids or () if t < vocab)
         if params.logprobs is not None and params.logprobs > vocab:
@@ -339,7 +341,7 @@ class EngineBase:
             sink = sink_factory(request_id)
             if self.tokenizer is not None:  # text for the stream and the output, decoded on the consumer's side
                 skip = params.skip_special_tokens is not False
-                stops = () if params.ignore_eos else params.stop or ()  # ignore_eos runs through them too
+                stops = params.stop or ()
                 sink.state.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip, stops) for _ in range(n)]
             members = []
             for i, mid in enumerate(member_ids):
@@ -348,7 +350,6 @@ class EngineBase:
                     ids,
                     max_new_tokens=max_new,
                     stop_token_ids=stop_ids,
-                    ignore_eos=params.ignore_eos,
                     params=params,
                     # each sample has its own stream; sample 0 uses the request's seed itself
                     seed=base_seed if i == 0 else (base_seed * 1_000_003 + i) & ((1 << 63) - 1),

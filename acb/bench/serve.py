@@ -98,6 +98,27 @@ def _healthy(port: int) -> bool:
         return False
 
 
+def thread_cpu(pid: int) -> dict[str, float] | None:
+    """CPU seconds of process ``pid`` so far: its main thread (for a server, the event loop:
+    HTTP, JSON, streaming) and all its other threads (the engine and torch's workers). Linux
+    only (``/proc``); None elsewhere."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {"main": 0.0, "other": 0.0}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        fields = stat[stat.rindex(")") + 2:].split()
+        out["main" if int(tid) == pid else "other"] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
 class Server:
     """A server subprocess: started, waited for (/health 200), stopped (SIGINT, then kill)."""
 
@@ -177,8 +198,8 @@ class Target:
     """Where requests go: an OpenAI-compatible server, or the in-process engine."""
 
     def __init__(self, name: str, *, port: int | None = None, model: str = "", extra_body: dict[str, Any] | None = None,
-                 engine: Any = None) -> None:
-        self.name, self.model, self.extra_body, self.engine = name, model, extra_body or {}, engine
+                 engine: Any = None, pid: int | None = None) -> None:
+        self.name, self.model, self.extra_body, self.engine, self.pid = name, model, extra_body or {}, engine, pid
         self.client: Any = None
         if port is not None:
             import openai
@@ -236,9 +257,29 @@ async def at_concurrency(target: Target, chats: list[list[dict[str, str]]], c: i
         while queue:
             records.append(await target.one(queue.pop(), max_tokens))
 
+    server0, client0 = _cpu(target), time.process_time()
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(c)))
-    return dict(mode="concurrency", concurrency=c, **_summary(records, start, time.perf_counter(), max_tokens))
+    end = time.perf_counter()
+    return dict(mode="concurrency", concurrency=c, **_summary(records, start, end, max_tokens),
+                cpu_s=_cpu_used(target, server0, client0, end - start))
+
+
+def _cpu(target: Target) -> dict[str, float] | None:
+    return thread_cpu(target.pid) if target.pid is not None else None
+
+
+def _cpu_used(target: Target, server0: dict[str, float] | None, client0: float, wall: float) -> dict[str, Any]:
+    """CPU seconds spent during a level: by the load generator's process (for the in-process
+    engine, that process is the engine too), and by the server's event loop and its other
+    threads; ``cores`` is the machine's."""
+    used: dict[str, Any] = {"client_process": time.process_time() - client0, "wall": wall,
+                            "cores": os.cpu_count()}
+    server1 = _cpu(target)
+    if server0 is not None and server1 is not None:
+        used["server_event_loop"] = server1["main"] - server0["main"]
+        used["server_engine_threads"] = server1["other"] - server0["other"]
+    return used
 
 
 async def at_rate(target: Target, chats: list[list[dict[str, str]]], rate: float, max_tokens: int, seed: int
@@ -311,7 +352,8 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             try:
                 ready_s = server.wait_ready()
                 servers[name] = dict(argv=server.proc.args, ready_s=ready_s)
-                rows += asyncio.run(drive(Target(name, port=server.port, model=model_name, extra_body=extra), p, chats))
+                rows += asyncio.run(drive(Target(name, port=server.port, model=model_name, extra_body=extra,
+                                                 pid=server.proc.pid), p, chats))
             except Exception as exc:
                 if name == ACB:
                     raise
@@ -371,7 +413,30 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{_ms(row['ttft_s'])} | {_ms(row['itl_s'])} | {'–' if tp is None else f'{tp * 1e3:.0f}'} | "
                      f"{'' if sp is None else f'{sp:.2f}x'} |")
     notes = "".join(f"\n_{n}_\n" for n in r.get("notes", []))
-    return head + "\n".join(lines) + "\n" + notes
+    return head + "\n".join(lines) + "\n" + _cpu_table(rows) + notes
+
+
+def _cpu_table(rows: list[dict[str, Any]]) -> str:
+    """Where the machine's CPU went at each concurrency level (rows measured with ``cpu_s``)."""
+    have = [r for r in rows if r["mode"] == "concurrency" and r.get("cpu_s")]
+    if not have:
+        return ""
+    lines = ["", "CPU seconds used during each concurrency level, and their share of the machine's core-seconds "
+             "(cores x wall time). The load generator (one `AsyncOpenAI` process: HTTP, SSE and pydantic parsing "
+             "of every chunk) shares the cores with the server; for the in-process engine it is the engine's own "
+             "process.", "",
+             "| streams | engine | load generator | server event loop (HTTP) | server engine threads |",
+             "|---|---|---|---|---|"]
+
+    def cell(v: float | None, total: float) -> str:
+        return "–" if v is None else f"{v:.1f} s ({v / total:.0%})"
+
+    for r in have:
+        c = r["cpu_s"]
+        total = (c.get("cores") or 1) * c["wall"]
+        lines.append(f"| {r['concurrency']} | {r['engine']} | {cell(c['client_process'], total)} | "
+                     f"{cell(c.get('server_event_loop'), total)} | {cell(c.get('server_engine_threads'), total)} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(doc: dict[str, Any], path: str) -> str | None:

@@ -19,7 +19,7 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids", "ignore_eos",
+        "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids",
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
@@ -34,7 +34,6 @@ class Request:
         *,
         max_new_tokens: int,
         stop_token_ids: frozenset[int] = frozenset(),
-        ignore_eos: bool = False,
         params: Any = None,
         seed: int = 0,
         want_logprobs: bool = False,
@@ -47,7 +46,6 @@ class Request:
         self.prompt_len = len(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = stop_token_ids
-        self.ignore_eos = ignore_eos
         self.params = params  # resolved acb.SamplingParams (read by the runner's sampler)
         self.seed = seed
         self.want_logprobs = want_logprobs
@@ -106,10 +104,10 @@ class Request:
             self.timestamps.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
-        if not self.ignore_eos and token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids:
             self.finish_reason = FinishReason.STOP
             return True
-        if self.stop_checker is not None and not self.ignore_eos and self.stop_checker(self):
+        if self.stop_checker is not None and self.stop_checker(self):
             self.finish_reason = FinishReason.STOP
             return True
         if len(self.token_ids) - self.prompt_len >= self.max_new_tokens:

@@ -130,7 +130,7 @@ class SamplingState:
             ops["bias_r"].append(np.full(len(sp.logit_bias), row, dtype=np.int64))
             ops["bias_c"].append(np.fromiter(sp.logit_bias.keys(), dtype=np.int64))
             ops["bias_v"].append(np.fromiter(sp.logit_bias.values(), dtype=np.float32))
-        self.live_min_new[row] = bool(sp.min_new_tokens) and bool(req.stop_token_ids) and not sp.ignore_eos
+        self.live_min_new[row] = bool(sp.min_new_tokens) and bool(req.stop_token_ids)
         if self.live_min_new[row]:
             ops["stop_rows"].append(row)
             ops["stop_r"].append(np.full(len(req.stop_token_ids), row, dtype=np.int64))

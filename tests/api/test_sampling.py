@@ -87,6 +87,33 @@ def test_min_new_tokens_suppresses_eos_as_transformers():
     assert eos not in held.generated_tokens[:6]
 
 
+def test_ignore_eos_ignores_the_models_eos_only():
+    """As vLLM: ``ignore_eos`` runs through the generation config's EOS; explicit
+    ``stop_token_ids`` and ``stop`` strings still end the request."""
+    from transformers import GenerationConfig
+
+    tok = build_tokenizer()
+    model = get_model("llama", vocab_size=len(tok))
+    prompt = prompts_of_lengths([9], seed=35, vocab=len(tok))[0]
+    free = reference_generate(model, prompt, 24)
+    eos = free[2]
+    gc = GenerationConfig(eos_token_id=eos)  # the engine's default stop token: the 3rd greedy token
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG), gc, tokenizer=tok) as eng:
+        stopped = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24))
+        ignored = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24, ignore_eos=True))
+        explicit = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                                           stop_token_ids=[free[5]]))
+        i = next(i for i in range(6, 24) if tok.decode(free[i:i + 1]).isascii() and tok.decode(free[i:i + 1]).isprintable())
+        stop = tok.decode(free[i:i + 1])
+        text = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=[stop]))
+    assert stopped.generated_tokens == free[:free.index(eos) + 1] and stopped.finish_reason == acb.FinishReason.STOP
+    assert ignored.generated_tokens == free and ignored.finish_reason == acb.FinishReason.LENGTH
+    assert explicit.generated_tokens == free[:free.index(free[5]) + 1]
+    assert explicit.finish_reason == acb.FinishReason.STOP
+    assert text.finish_reason == acb.FinishReason.STOP and stop not in text.text
+    assert text.generated_tokens == free[:len(text.generated_tokens)] and len(text.generated_tokens) <= i + 1
+
+
 def test_logprobs_match_model_logits():
     model = get_model("llama")
     prompt = prompts_of_lengths([13], seed=34)[0]

@@ -4,10 +4,11 @@ where the client hides what is under test (status lines, headers, SSE framing, d
 
 Three servers at most, each a ``python -m acb serve`` on this checkout:
 
-- the main one (``--api-key``, ``--served-model-name``, a small ``--max-body-bytes``), for the
-  endpoints, greedy parity with ``model.generate``, streaming, logprobs, metrics and errors;
-- a small one (queue of one, one request per step, no key, default name), for 429 and for
-  SIGTERM past ``--grace-period``;
+- the main one (``--api-key``, ``--served-model-name``, a small ``--max-body-bytes``, and
+  ``--async-batching``, the CUDA default), for the endpoints, greedy parity with
+  ``model.generate``, streaming, logprobs, metrics and errors;
+- a small one (queue of one, one request per step, no key, default name, the CPU default of
+  synchronous batching), for 429 and for SIGTERM past ``--grace-period``;
 - one for a graceful SIGTERM with a request in flight.
 
 The checkpoint is a tiny random Llama saved with a byte-level tokenizer and a chat template.
@@ -253,7 +254,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     yield from _serve(checkpoint, tmp_path_factory, "main", [
-        "--served-model-name", NAME, "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), *SMALL_KV])
+        "--served-model-name", NAME, "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--async-batching",
+        *SMALL_KV])
 
 
 @pytest.fixture(scope="module")
@@ -472,8 +474,8 @@ def _greedy_text_with_an_ascii_char(client, checkpoint):
 
 def test_stop_string(client, checkpoint):
     prompt, text, j = _greedy_text_with_an_ascii_char(client, checkpoint)
-    # (no ignore_eos: in acb it runs through stop strings too)
-    kw = dict(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
+    # ignore_eos (as vLLM's) leaves explicit stop strings in force
+    kw = dict(model=NAME, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     r = client.completions.create(**kw, stop=[text[j], "\u2603never"])
     assert r.choices[0].text == text[:j]  # cut before the stop string
     assert r.choices[0].finish_reason == "stop"
@@ -597,6 +599,51 @@ def test_client_disconnect_cancels_the_request(server):
     status, _, body = raw(server.port, "POST", "/v1/completions", headers=AUTH,
                           body={"model": NAME, "prompt": "still there?", "max_tokens": 2})
     assert status == 200, body
+
+
+def test_a_slow_reader_does_not_stall_others(server):
+    """A stream whose client stops reading: its request still runs to the end in the engine
+    while another stream is served start to end; when it reads again it gets every token.
+    (What the socket's buffers cannot take waits in the request's handle, coalesced; on Linux
+    loopback they hold megabytes, so the coalescing itself is tested in-process by
+    tests/api/test_async_engine.py::test_slow_consumer_gets_coalesced_deltas.)"""
+    m0 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0)
+    n = 400
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server must wait on it
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", server.port))
+    slow = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    slow.sock = sock
+    slow.request("POST", "/v1/chat/completions", headers={**AUTH, "Content-Type": "application/json"},
+                 body=json.dumps({"model": NAME, "messages": CHAT, "max_tokens": n, "ignore_eos": True,
+                                  "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 20,
+                                  "stream_options": {"include_usage": True}}))
+    resp = slow.getresponse()
+    assert resp.status == 200
+    first = resp.read(64)  # then it stops reading
+    # another client is served meanwhile, start to end
+    t0 = time.monotonic()
+    with openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=60) as c:
+        chunks = list(c.completions.create(model=NAME, prompt="meanwhile", max_tokens=16, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}))
+    assert sum(len(ch.choices[0].text) for ch in chunks if ch.choices) > 0
+    other_s = time.monotonic() - t0
+    # the slow one's request runs to its end while nobody reads it
+    done = wait_metrics(server.port, lambda m: m["acb_generation_tokens_total"] - m0["acb_generation_tokens_total"]
+                        >= n + 16, timeout=60)
+    assert done["acb_generation_tokens_total"] - m0["acb_generation_tokens_total"] >= n + 16, done
+    assert done["acb_requests_running"] == 0, done
+    events = sse_events(first + resp.read())
+    slow.close()
+    assert events[-1] == "[DONE]"
+    docs = [json.loads(e) for e in events[:-1]]
+    usage = docs[-1]["usage"]
+    assert usage["completion_tokens"] == n
+    content = [lp for d in docs for ch in d["choices"] for lp in ((ch.get("logprobs") or {}).get("content") or [])]
+    assert len(content) == n  # every token came through
+    assert all(len(lp["top_logprobs"]) == 20 for lp in content)
+    assert other_s < 30
 
 
 # ---------------------------------------------------------------------------------------------
