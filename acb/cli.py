@@ -92,6 +92,23 @@ def _add_engine_flags(eng: Any) -> None:
                      help="scheduling policy (default: fifo)")
 
 
+def _add_telemetry_flags(p: Any) -> None:
+    tel = p.add_argument_group("telemetry (OpenTelemetry; needs the otel extra for OTLP)")
+    tel.add_argument("--otlp-endpoint", metavar="URL", default=None,
+                     help="export spans and metrics over OTLP to this collector base URL, e.g. http://localhost:4318 "
+                          "(default: $OTEL_EXPORTER_OTLP_ENDPOINT and the other standard variables; none: no export)")
+    tel.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
+                     help="OTLP protocol (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)")
+    tel.add_argument("--otel-capture-content", action="store_true",
+                     help="record prompt and output text in the spans (off by default)")
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """The model's name in the API and in telemetry: the checkpoint directory's name, or acb-default."""
+    name = getattr(args, "served_model_name", None)
+    return name or (os.path.basename(os.path.normpath(args.model)) if args.model else "acb-default")
+
+
 def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
     """The engine's config from the shared engine flags (plus ``extra`` fields)."""
     import acb
@@ -194,6 +211,7 @@ def _add_generate(sub: Any) -> None:
 
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     _add_engine_flags(eng)
+    _add_telemetry_flags(p)
 
     out = p.add_argument_group("output")
     out.add_argument("--output", "-o", metavar="FILE.jsonl", default=DEFAULT_OUTPUT,
@@ -258,6 +276,7 @@ def _add_serve(sub: Any) -> None:
     eng.add_argument("--max-queue-size", type=int, default=0, metavar="N",
                      help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)")
     _add_engine_flags(eng)
+    _add_telemetry_flags(p)
     eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
     p.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
     p.set_defaults(func=cmd_serve, _parser=p, no_progress=True)
@@ -277,7 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import acb
 
     cfg = _engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed)
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "acb-default")
+    name = _model_name(args)
     if args.model is None:
         print("acb serve: no --model: serving the embedded random-weight model (its text is meaningless) as "
               f"{name!r}", file=sys.stderr, flush=True)
@@ -286,7 +305,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
     acb.serve.run(engine, name, host=args.host, port=args.port,
                   api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-                  max_body_bytes=args.max_body_bytes, grace_period=args.grace_period)
+                  max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
+                  otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
+                  capture_content=args.otel_capture_content)
     return 0
 
 
@@ -659,6 +680,7 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
     run = RunResult(total=len(specs))
     done: queue.SimpleQueue[Any] = queue.SimpleQueue()  # final outputs, pushed by the engine thread
     engine = acb.Engine(model, cfg)
+    engine.model_name = _model_name(args)
     engine.start()
     bar = None
     try:
@@ -787,9 +809,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("acb").setLevel(logging.INFO)
 
-    import acb
-
     cfg = _engine_config(args, seed=args.seed)
+    tel = _configure_telemetry(args)
+    try:
+        return _generate(args, cfg, device, t_start)
+    finally:
+        if tel is not None:
+            tel.shutdown()  # export what is left before the process exits
+
+
+def _configure_telemetry(args: argparse.Namespace) -> Any:
+    """OTLP export when ``--otlp-endpoint`` (or an ``OTEL_EXPORTER_OTLP_*ENDPOINT``) is given."""
+    from acb import telemetry
+
+    if args.otlp_endpoint is None and not telemetry.otlp_endpoint_configured():
+        return None
+    try:
+        return telemetry.configure(args.otlp_endpoint, args.otlp_protocol, capture_content=args.otel_capture_content)
+    except ImportError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -> int:
+    import acb
 
     tokenizer = _load_tokenizer(args)
     specs = load_prompts(args.prompts, tokenizer) if args.prompts is not None else None

@@ -82,6 +82,8 @@ class GenerationOutput:
     total_time: float | None = None  # submit -> final outcome
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # ("preempted" | "resumed", perf_counter time) of each time it left the device and came back
+    events: list[tuple[str, float]] | None = None
     # n > 1: every sample (the top-level token fields then repeat sample 0); None when n == 1
     samples: list[SampleOutput] | None = None
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from acb import telemetry
 from acb.api.handles import AdmissionGate, deliver
 from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats
@@ -109,6 +110,8 @@ class EngineBase:
             generation_config = getattr(model, "generation_config", None)
         self.generation_config = generation_config
         self.tokenizer = tokenizer
+        # the model's name in telemetry (gen_ai.request.model); acb serve sets the served name
+        self.model_name: str = (getattr(model.config, "name_or_path", "") or model.config.model_type or "model")
         defaults = FALLBACK
         if generation_config is not None:
             defaults = SamplingParams.from_generation_config(
@@ -156,6 +159,7 @@ class EngineBase:
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()
+            telemetry.watch_engine(self, self.model_name)
 
     def _on_core_exit(self) -> None:
         self.gate.close()
@@ -339,6 +343,7 @@ class EngineBase:
                 raise ValueError(f"request id {mid!r} (sample of {request_id!r}) is already live")
         try:
             sink = sink_factory(request_id)
+            sink.state.trace = telemetry.begin(prompt_ids, self.model_name, params)
             if self.tokenizer is not None:  # text for the stream and the output, decoded on the consumer's side
                 skip = params.skip_special_tokens is not False
                 stops = params.stop or ()

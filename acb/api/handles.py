@@ -28,7 +28,8 @@ from typing import Any, cast
 from acb.core.engine_core import Delivery
 from acb.errors import EngineDeadError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, StreamDelta
-from acb.telemetry import record_request
+from acb import telemetry
+from acb.telemetry import RequestTrace
 from acb.text import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class _Unread:
 class _SinkState:
     """Tokens not yet read by the consumer (per sample, for n > 1), and the final output once known."""
 
-    __slots__ = ("request_id", "unread", "final", "stream_done", "detokenizers")
+    __slots__ = ("request_id", "unread", "final", "stream_done", "detokenizers", "trace")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -203,6 +204,7 @@ class _SinkState:
         self.stream_done = False  # the final delta (or the failure) was handed out
         # one per sample when the engine has a tokenizer: the text of the stream and the output
         self.detokenizers: list[IncrementalDetokenizer] | None = None
+        self.trace: RequestTrace | None = None  # for its span and metrics, recorded when it ends
 
     def add(self, d: Delivery) -> None:
         if d.token_ids:
@@ -223,6 +225,9 @@ class _SinkState:
                 except Exception:  # noqa: BLE001
                     self._drop_text()
             self.final = d.final
+            if self.trace is not None:  # on the consumer's side (its loop), never per token
+                telemetry.end(self.trace, d.final)
+                self.trace = None
 
     def _drop_text(self) -> None:
         logger.warning("request %r: decoding its text failed; its deltas and output carry no more text",
@@ -419,8 +424,6 @@ def deliver(items: list[Delivery]) -> None:
     raises: a failing sink or callback is logged, and the other results still go out."""
     per_loop: dict[Any, list[Delivery]] = {}
     for d in items:
-        if d.final is not None:
-            _call_back(record_request, d.sink.state.request_id, d.final)
         loop = d.sink.loop
         if loop is None:  # a ThreadSink (or a caller's own sink without a loop): push from here
             _call_back(d.sink.push, d.sink.state.request_id, d)

@@ -23,7 +23,7 @@ class Request:
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
-        "num_cached_tokens", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
+        "num_cached_tokens", "events", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
         "block_hashes", "num_registered", "cache_salt", "swapped", "in_flight", "last_sample",
     )
 
@@ -65,6 +65,7 @@ class Request:
         self.error: str | None = None
         self.failure: FailureKind | None = None
         self.num_preemptions = 0
+        self.events: list[tuple[str, float]] | None = None  # ("preempted" | "resumed", perf_counter time)
         self.num_cached_tokens = 0
         self.sink = sink  # opaque to core: where the engine delivers this request's results
         # optional callable(request) -> True when a stop string has appeared (it trims the output)
@@ -136,6 +137,7 @@ class Request:
             total_time=None if self.finish_time is None else self.finish_time - c,
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
+            events=list(self.events) if self.events is not None else None,
         )
 
     def _text(self) -> str | None:
@@ -194,4 +196,5 @@ class RequestGroup:
         totals = [o.total_time for o in outs if o.total_time is not None]
         head.total_time = max(totals) if totals else None
         head.num_preemptions = sum(o.num_preemptions for o in outs)
+        head.events = sorted(e for o in outs for e in o.events or ()) or None
         return head

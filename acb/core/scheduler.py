@@ -219,6 +219,9 @@ class Scheduler:
         req.num_registered = 0
         req.status = RequestStatus.PENDING
         req.num_preemptions += 1
+        if req.events is None:
+            req.events = []
+        req.events.append(("preempted", time.perf_counter()))
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
 
@@ -374,6 +377,8 @@ class Scheduler:
             for c in rowless:
                 c.row = self._free_rows.pop()
             swapped_in = kv.admit(req, hits, computed, num_new, out)
+            if req.num_preemptions and req.events is not None:
+                req.events.append(("resumed", time.perf_counter()))
             if resumed:
                 self.stats.swapped_in_blocks += swapped_in
             else:

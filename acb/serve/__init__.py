@@ -1,5 +1,6 @@
 """``acb serve``: an OpenAI-compatible HTTP server on :class:`acb.AsyncEngine` (extra ``serve``:
-FastAPI, uvicorn, prometheus-client). :func:`build_app` gives the app; :func:`run` serves it."""
+FastAPI, uvicorn, the OpenTelemetry SDK and its Prometheus exporter). :func:`build_app` gives the
+app; :func:`run` serves it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any
 
 try:
     import fastapi  # noqa: F401
-    import prometheus_client  # noqa: F401
+    import opentelemetry.exporter.prometheus  # noqa: F401
+    import opentelemetry.sdk  # noqa: F401
     import uvicorn
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"acb serve needs the serve extra: pip install 'acb-batching[serve]' ({exc})") from None
 
 import acb
+from acb import telemetry
 from acb.serve.app import DEFAULT_MAX_BODY_BYTES, build_app
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "run"]
@@ -23,18 +26,27 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "run"]
 
 def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
         api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_period: float = 30.0,
-        log_level: str = "warning", announce: Any = None) -> None:
+        log_level: str = "warning", announce: Any = None, otlp_endpoint: str | None = None,
+        otlp_protocol: str | None = None, capture_content: bool = False) -> None:
     """Serve ``engine`` until SIGINT/SIGTERM; then stop accepting, give in-flight requests
-    ``grace_period`` seconds to finish (the rest are cancelled) and stop the engine."""
+    ``grace_period`` seconds to finish (the rest are cancelled) and stop the engine.
+
+    Telemetry: ``/metrics`` always (OpenTelemetry's Prometheus reader); spans and metrics over
+    OTLP too when ``otlp_endpoint`` is given or ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set."""
+    tel = telemetry.configure(otlp_endpoint, otlp_protocol, prometheus=True, capture_content=capture_content)
 
     def ready() -> None:
         line = f"acb serve: {model_name!r} ready at http://{host}:{port} (OpenAI API under /v1)"
         print(line, file=announce or sys.stdout, flush=True)
 
-    app = build_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=ready)
+    app = build_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=ready,
+                    telemetry=tel)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=max(1, round(grace_period)),
                             access_log=False)
-    _Server(config).run()
+    try:
+        _Server(config).run()
+    finally:
+        tel.shutdown()  # export what is left
 
 
 class _Server(uvicorn.Server):

@@ -30,8 +30,8 @@ from pydantic import ValidationError
 import acb
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput
-from acb.serve.metrics import ServerMetrics
 from acb.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from acb.telemetry import ServerSpan, Telemetry
 from acb.text import token_bytes
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class ServerState:
     """What the app shares between requests."""
 
     def __init__(self, engine: acb.AsyncEngine, model_name: str, api_key: str | None, max_body_bytes: int,
-                 on_ready: Callable[[], None] | None) -> None:
+                 on_ready: Callable[[], None] | None, telemetry: Telemetry | None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -52,7 +52,7 @@ class ServerState:
         self.ready = False
         self.closing = False
         self.created = int(time.time())
-        self.metrics = ServerMetrics()
+        self.telemetry = telemetry
         self.token_cache: dict[int, tuple[str, list[int]]] = {}
 
     @property
@@ -61,10 +61,14 @@ class ServerState:
 
 
 def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Callable[[], None] | None = None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Callable[[], None] | None = None,
+              telemetry: Telemetry | None = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
-    when the app starts (``/health`` says when it is ready) and stopped when it stops."""
-    state = ServerState(engine, model_name, api_key, max_body_bytes, on_ready)
+    when the app starts (``/health`` says when it is ready) and stopped when it stops.
+    ``telemetry`` (from ``acb.telemetry.configure(prometheus=True)``) gives ``/metrics``; each
+    request gets a SERVER span when a tracer provider is set."""
+    state = ServerState(engine, model_name, api_key, max_body_bytes, on_ready, telemetry)
+    engine.model_name = model_name  # the name in the engine's spans and metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,8 +96,11 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(engine.stats if state.ready else None),
-                        media_type="text/plain; version=0.0.4")
+        tel = state.telemetry
+        if tel is None or tel.prometheus_registry is None:
+            raise APIError(404, "metrics are not configured (acb.telemetry.configure(prometheus=True))",
+                           code="not_found")
+        return Response(tel.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -109,8 +116,14 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
             raise APIError(400, "the served model has no tokenizer: chat needs one", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         sampling = body.sampling(body.max_new_tokens(), body.logprobs_k())
-        handles = [_submit(state, messages, sampling, chat_template_kwargs=body.chat_template_kwargs)]
-        return await _respond(state, request, body, handles, chat=True)
+        span = _server_span(state, request, "chat", sampling, body.stream)
+        try:
+            with span.active():
+                handles = [_submit(state, messages, sampling, chat_template_kwargs=body.chat_template_kwargs)]
+        except APIError as exc:
+            span.finish(error_type=str(exc.status), message=str(exc))
+            raise
+        return await _respond(state, request, body, handles, span, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -120,15 +133,19 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         if any(isinstance(p, str) for p in prompts) and state.tokenizer is None:
             raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
         sampling = body.sampling(body.max_tokens, body.logprobs)
+        span = _server_span(state, request, "text_completion", sampling, body.stream)
         handles: list[Any] = []
         try:
-            for p in prompts:
-                handles.append(_submit(state, p, sampling))
-        except BaseException:
+            with span.active():
+                for p in prompts:
+                    handles.append(_submit(state, p, sampling))
+        except BaseException as exc:
             for h in handles:
                 h.cancel()
+            span.finish(error_type=str(exc.status) if isinstance(exc, APIError) else type(exc).__name__,
+                        message=str(exc))
             raise
-        return await _respond(state, request, body, handles, chat=False)
+        return await _respond(state, request, body, handles, span, chat=False)
 
     return app
 
@@ -178,6 +195,21 @@ async def _parse(state: ServerState, request: Request, schema: type[ChatCompleti
                        param="model", code="model_not_found")
     body.check_refused()
     return body
+
+
+def _server_span(state: ServerState, request: Request, operation: str, sampling: acb.SamplingParams,
+                 stream: bool) -> ServerSpan:
+    """The request's SERVER span (continuing the caller's ``traceparent``)."""
+    p = sampling
+    attrs = {"gen_ai.request.max_tokens": p.max_new_tokens, "gen_ai.request.temperature": p.temperature,
+             "gen_ai.request.top_p": p.top_p, "gen_ai.request.top_k": p.top_k, "gen_ai.request.seed": p.seed,
+             "gen_ai.request.frequency_penalty": p.frequency_penalty,
+             "gen_ai.request.presence_penalty": p.presence_penalty,
+             "gen_ai.request.stop_sequences": list(p.stop) if p.stop else None,
+             "gen_ai.request.choice.count": p.n if p.n != 1 else None, "gen_ai.request.stream": stream,
+             "http.request.method": request.method, "url.path": request.url.path,
+             "server.address": request.url.hostname, "server.port": request.url.port}
+    return ServerSpan(request.headers, operation, state.model_name, attrs)
 
 
 def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, **kw: Any) -> Any:
@@ -255,13 +287,14 @@ def _usage(outs: list[GenerationOutput]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _respond(state: ServerState, request: Request, body: Any, handles: list[Any], *, chat: bool) -> Response:
+async def _respond(state: ServerState, request: Request, body: Any, handles: list[Any], span: ServerSpan, *,
+                   chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, rid, body, handles, chat, include_usage),
+        return StreamingResponse(_stream(state, rid, body, handles, span, chat, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    outs = await _await_all(state, request, handles)
+    outs = await _await_all(state, request, handles, span)
     n = body.n
     choices = []
     for p, out in enumerate(outs):
@@ -284,7 +317,8 @@ async def _respond(state: ServerState, request: Request, body: Any, handles: lis
     return JSONResponse(result)
 
 
-async def _await_all(state: ServerState, request: Request, handles: list[Any]) -> list[GenerationOutput]:
+async def _await_all(state: ServerState, request: Request, handles: list[Any], span: ServerSpan
+                     ) -> list[GenerationOutput]:
     """Every handle's final output; the client going away cancels them all."""
     outs: list[GenerationOutput | None] = [None] * len(handles)
 
@@ -304,22 +338,24 @@ async def _await_all(state: ServerState, request: Request, handles: list[Any]) -
                     inner.start_soon(one, i)
             tg.cancel_scope.cancel()  # all done: stop watching
     except RequestFailedError as exc:
+        span.finish(error_type="request", message=str(exc))
         raise APIError(500, str(exc), type="server_error") from None
     except EngineDeadError as exc:
+        span.finish(error_type="engine_dead", message=str(exc))
         raise APIError(503, str(exc), type="server_error") from None
     finally:
         for h in handles:
             h.cancel()  # a no-op for ended requests; the rest: the client left
-    if any(o is None for o in outs):  # the client disconnected
-        state.metrics.disconnected()
+        if any(o is None for o in outs):  # the client disconnected (or the server is stopping)
+            span.finish(error_type="cancelled", message="client disconnected")
+    if any(o is None for o in outs):
         raise APIError(499, "client disconnected")
     done = [o for o in outs if o is not None]
-    for o in done:
-        state.metrics.finished(o)
+    span.finish(done)
     return done
 
 
-async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], chat: bool,
+async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], span: ServerSpan, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -361,7 +397,6 @@ async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], c
                         offsets[index] = off + len(delta.text or "")
                 if delta.finished and delta.output is not None:
                     finals.append(delta.output)
-                    state.metrics.finished(delta.output)
                     for s in _samples(delta.output):
                         i = p * n + getattr(s, "index", 0)
                         same = next((c for c in choices if c["index"] == i), None)
@@ -376,12 +411,14 @@ async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], c
         if include_usage:
             yield chunk([], _usage(finals))
         ended = True
+        span.finish(finals)
         yield "data: [DONE]\n\n"
     except (RequestFailedError, EngineDeadError) as exc:
+        span.finish(error_type="request" if isinstance(exc, RequestFailedError) else "engine_dead", message=str(exc))
         err = APIError(500, str(exc), type="server_error")
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
         for h in handles:
             h.cancel()
         if not ended:
-            state.metrics.disconnected()
+            span.finish(error_type="cancelled", message="client disconnected")

@@ -95,7 +95,11 @@ def test_stop_token_and_max_len():
         out = engine.generate(prompt, acb.SamplingParams(max_new_tokens=20, stop_token_ids=(stop,)))
         assert out.finish_reason == acb.FinishReason.STOP
         assert out.generated_tokens == ref[: ref.index(stop) + 1]
+        # ignore_eos (vLLM's meaning) leaves stop tokens given explicitly in force
         out = engine.generate(prompt, acb.SamplingParams(max_new_tokens=20, stop_token_ids=(stop,), ignore_eos=True))
+        assert out.finish_reason == acb.FinishReason.STOP
+        assert out.generated_tokens == ref[: ref.index(stop) + 1]
+        out = engine.generate(prompt, acb.SamplingParams(max_new_tokens=20, ignore_eos=True))
         assert out.finish_reason == acb.FinishReason.LENGTH
         assert out.generated_tokens == ref
 

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
+from tests.otlp_receiver import Receiver  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-acb-test"
@@ -54,8 +55,13 @@ CHAT_TEMPLATE = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}"
                  "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo wörld"}]
-METRIC_NAMES = ("acb_requests_running", "acb_requests_waiting", "acb_kv_cache_usage", "acb_prompt_tokens_total",
-                "acb_generation_tokens_total", "acb_requests_total")
+# OpenTelemetry names as Prometheus spells them (dots -> underscores, unit and _total suffixes)
+PROMPT_TOKENS = "gen_ai_client_token_usage_sum|gen_ai_token_type=input"
+GENERATED = "gen_ai_client_token_usage_sum|gen_ai_token_type=output"
+METRIC_NAMES = ("acb_requests_running", "acb_requests_waiting", "acb_kv_cache_usage", "acb_requests_total",
+                "gen_ai_client_token_usage_sum", "gen_ai_server_request_duration_seconds_count",
+                "gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
+                "acb_engine_steps_total", "acb_preemptions_total", "acb_prefix_cache_hit_rate")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,16 +109,16 @@ def sse_events(raw_body: bytes) -> list[str]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text: each sample name -> the sum of its values over all label sets."""
+    """Prometheus text, parsed by prometheus-client's own parser (it raises on malformed text):
+    each sample name -> the sum of its values over all label sets, and ``name|label=value`` ->
+    the sum over the label sets with that label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     vals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, rest = line[: line.index("{")], line[line.rindex("}") + 1:].split()
-        else:
-            name, *rest = line.split()
-        vals[name] = vals.get(name, 0.0) + float(rest[0])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for key in (sample.name, *(f"{sample.name}|{k}={v}" for k, v in sample.labels.items())):
+                vals[key] = vals.get(key, 0.0) + sample.value
     return vals
 
 
@@ -158,7 +164,7 @@ def ref_logprobs(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
 class Server:
     """``python -m acb serve`` in a subprocess on a free port; its output goes to a log file."""
 
-    def __init__(self, model_dir: Path, args: list[str], log: Path) -> None:
+    def __init__(self, model_dir: Path, args: list[str], log: Path, extra_env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log_path = log
@@ -168,6 +174,7 @@ class Server:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("ACB_API_KEY", None)
+        env.update(extra_env or {})
         self._log = open(log, "w", encoding="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "acb", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
@@ -219,8 +226,8 @@ class Server:
         return None if checked_by_test else rc
 
 
-def _serve(checkpoint, tmp_path_factory, name: str, args: list[str]):
-    s = Server(checkpoint.dir, args, tmp_path_factory.mktemp("serve-logs") / f"{name}.log")
+def _serve(checkpoint, tmp_path_factory, name: str, args: list[str], extra_env: dict[str, str] | None = None):
+    s = Server(checkpoint.dir, args, tmp_path_factory.mktemp("serve-logs") / f"{name}.log", extra_env)
     try:
         s.wait_ready()
         yield s
@@ -252,10 +259,19 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def otlp():
+    """A real OTLP/HTTP receiver the main server exports its spans and metrics to."""
+    with Receiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory, otlp):
     yield from _serve(checkpoint, tmp_path_factory, "main", [
         "--served-model-name", NAME, "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--async-batching",
-        *SMALL_KV])
+        "--otlp-endpoint", otlp.http_endpoint, *SMALL_KV],
+        # export spans within 0.2 s and metrics every second, not after 5 s and 60 s
+        {"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
 
 
 @pytest.fixture(scope="module")
@@ -565,17 +581,56 @@ async def test_fifty_concurrent_streams_equal_their_non_streamed_answers(server,
 
 
 def test_metrics(server, client):
-    text, m0 = metrics(server.port)
-    for name in METRIC_NAMES:
-        assert any(line.startswith(name) for line in text.splitlines()), f"no {name} in /metrics:\n{text}"
+    _, m0 = metrics(server.port)
     r = client.completions.create(model=NAME, prompt="count me", max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
-    want = {"acb_requests_total": 1, "acb_prompt_tokens_total": r.usage.prompt_tokens,
-            "acb_generation_tokens_total": r.usage.completion_tokens}
+    want = {"acb_requests_total|acb_request_outcome=finished": 1, PROMPT_TOKENS: r.usage.prompt_tokens,
+            GENERATED: r.usage.completion_tokens, "gen_ai_server_request_duration_seconds_count": 1,
+            "gen_ai_server_time_to_first_token_seconds_count": 1,
+            f"gen_ai_server_request_duration_seconds_count|gen_ai_request_model={NAME}": 1}
     m1 = wait_metrics(server.port, lambda m: all(m.get(k, 0) - m0.get(k, 0) >= v for k, v in want.items()))
     assert {k: m1.get(k, 0) - m0.get(k, 0) for k in want} == want
     assert m1["acb_requests_running"] == 0 and m1["acb_requests_waiting"] == 0
     assert 0 <= m1["acb_kv_cache_usage"] <= 1
+    text, _ = metrics(server.port)
+    for name in METRIC_NAMES:
+        assert name in m1, f"no {name} in /metrics:\n{text}"
+    # the conventions' buckets
+    assert 'gen_ai_server_time_to_first_token_seconds_bucket{' in text and 'le="0.001"' in text
+
+
+def test_traceparent_gives_a_server_span_in_the_callers_trace(server, otlp):
+    trace_id, parent_id = os.urandom(16).hex(), os.urandom(8).hex()
+    status, _, body = raw(server.port, "POST", "/v1/completions", headers={
+        **AUTH, "traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=x"},
+        body={"model": NAME, "prompt": ["traced", "twice"], "max_tokens": 3, "ignore_eos": True, "temperature": 0})
+    assert status == 200, body
+    usage = json.loads(body)["usage"]
+
+    def mine(c):
+        return [s for s in c.spans if s["trace_id"] == trace_id]
+
+    assert otlp.collected.wait(lambda c: len(mine(c)) >= 3), otlp.collected.spans[-5:]
+    spans = mine(otlp.collected)
+    servers = [s for s in spans if s["kind"] == "SERVER" and s["scope"] == "acb"]
+    assert len(servers) == 1, spans
+    srv = servers[0]
+    assert srv["parent_span_id"] == parent_id and srv["name"] == f"text_completion {NAME}"
+    a = srv["attrs"]
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == NAME
+    assert a["gen_ai.request.max_tokens"] == 3 and a["gen_ai.request.temperature"] == 0.0
+    assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 6
+    assert a["gen_ai.response.finish_reasons"] == ["length", "length"]
+    # one INTERNAL span per prompt, children of the SERVER span
+    engine = [s for s in spans if s["kind"] == "INTERNAL" and s["scope"] == "acb"]
+    assert len(engine) == 2 and {s["parent_span_id"] for s in engine} == {srv["span_id"]}
+    assert sorted(s["attrs"]["gen_ai.usage.output_tokens"] for s in engine) == [3, 3]
+    assert all(s["resource"]["service.name"] == "acb" for s in spans if s["scope"] == "acb")
+    # the metrics go out over OTLP too
+    assert otlp.collected.wait(lambda c: "gen_ai.server.request.duration" in c.latest_metrics())
+    dur = otlp.collected.latest_metrics()["gen_ai.server.request.duration"]
+    assert dur["unit"] == "s" and dur["kind"] == "histogram"
 
 
 def test_client_disconnect_cancels_the_request(server):
@@ -593,7 +648,7 @@ def test_client_disconnect_cancels_the_request(server):
                       timeout=5)
     assert m1["acb_requests_running"] == 0 and m1["acb_requests_waiting"] == 0, m1
     assert m1["acb_kv_cache_usage"] == 0, m1  # its KV is freed
-    generated = m1["acb_generation_tokens_total"] - m0["acb_generation_tokens_total"]
+    generated = m1.get(GENERATED, 0) - m0.get(GENERATED, 0)
     assert generated < n, "the request ran to the end after its client left"
     # the server carries on
     status, _, body = raw(server.port, "POST", "/v1/completions", headers=AUTH,
@@ -630,9 +685,9 @@ def test_a_slow_reader_does_not_stall_others(server):
     assert sum(len(ch.choices[0].text) for ch in chunks if ch.choices) > 0
     other_s = time.monotonic() - t0
     # the slow one's request runs to its end while nobody reads it
-    done = wait_metrics(server.port, lambda m: m["acb_generation_tokens_total"] - m0["acb_generation_tokens_total"]
+    done = wait_metrics(server.port, lambda m: m.get(GENERATED, 0) - m0.get(GENERATED, 0)
                         >= n + 16, timeout=60)
-    assert done["acb_generation_tokens_total"] - m0["acb_generation_tokens_total"] >= n + 16, done
+    assert done.get(GENERATED, 0) - m0.get(GENERATED, 0) >= n + 16, done
     assert done["acb_requests_running"] == 0, done
     events = sse_events(first + resp.read())
     slow.close()
