@@ -13,7 +13,8 @@ through the OpenTelemetry API (a core dependency), at no cost when no SDK is con
 - **Metrics**: ``gen_ai.server.request.duration``, ``gen_ai.server.time_to_first_token``,
   ``gen_ai.server.time_per_output_token`` and ``gen_ai.client.token.usage`` (the only token
   metric the conventions define; ``gen_ai.token.type`` input/output), with the conventions'
-  units and bucket boundaries; ``acb.requests`` by outcome; and the engines' gauges and
+  units and bucket boundaries (``error.type`` on the duration of cancelled and failed
+  requests); and the engines' gauges and
   counters (``acb.requests.running``, ``acb.kv_cache.*``, ``acb.prefix_cache.*``,
   ``acb.preemptions``, ``acb.engine.*``), observed from the engine's stats snapshot when a
   reader collects (nothing is recorded per step).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -130,8 +132,6 @@ class _Instruments:
             except TypeError:
                 h = meter.create_histogram(name, unit=unit, description=desc)
             self.histograms[name] = h
-        self.requests = meter.create_counter("acb.requests", unit="{request}",
-                                             description="requests ended, by acb.request.outcome")
         obs = [
             ("acb.requests.running", "gauge", "{request}", "requests being computed",
              lambda s: s.running),
@@ -233,16 +233,50 @@ def begin(prompt: Any, model: str, params: SamplingParams) -> RequestTrace | Non
 
 
 def end(rt: RequestTrace | None, out: GenerationOutput) -> None:
-    """Record an ended request: its span and its measurements. Never raises."""
-    if rt is None:
+    """Record an ended request: its span and its measurements, built by a background thread
+    (the caller, often the engine thread, only queues them). Never raises."""
+    if rt is None or not (_metering() or _tracing()):
         return
-    try:
-        if _metering():
-            _measure(rt, out)
-        if _tracing():
-            _span(rt, out)
-    except Exception:  # noqa: BLE001 - telemetry must never cost a result
-        logger.warning("recording telemetry for request %r failed", out.request_id, exc_info=True)
+    global _worker
+    if _worker is None:
+        with _lock:
+            if _worker is None:
+                _worker = threading.Thread(target=_work, name="acb-telemetry", daemon=True)
+                _worker.start()
+                import atexit
+
+                atexit.register(flush)  # runs before the SDK's own exit hooks (registered earlier)
+    _queue.put((rt, out))
+
+
+def flush(timeout: float = 10.0) -> bool:
+    """Wait until every ended request queued so far is recorded (spans handed to the SDK's
+    processors); False on timeout. :meth:`Telemetry.force_flush` and ``shutdown`` call it."""
+    if _worker is None:
+        return True
+    done = threading.Event()
+    _queue.put(done)
+    return done.wait(timeout)
+
+
+def _work() -> None:
+    while True:
+        item = _queue.get()
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        rt, out = item
+        try:
+            if _metering():
+                _measure(rt, out)
+            if _tracing():
+                _span(rt, out)
+        except Exception:  # noqa: BLE001 - telemetry must never cost a result
+            logger.warning("recording telemetry for request %r failed", out.request_id, exc_info=True)
+
+
+_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_worker: threading.Thread | None = None
 
 
 def _outcome(out: GenerationOutput) -> tuple[str, str | None]:
@@ -267,12 +301,11 @@ def _base_attrs(rt: RequestTrace) -> dict[str, Any]:
 def _measure(rt: RequestTrace, out: GenerationOutput) -> None:
     inst = _get()
     base = _base_attrs(rt)
-    outcome, error = _outcome(out)
-    inst.requests.add(1, {**base, "acb.request.outcome": outcome})
+    _, error = _outcome(out)
     h = inst.histograms
     if out.total_time is not None:
         h[REQUEST_DURATION].record(out.total_time, base if error is None else {**base, "error.type": error})
-    inst.histograms[TOKEN_USAGE].record(len(out.prompt_ids), {**base, "gen_ai.token.type": "input"})
+    h[TOKEN_USAGE].record(len(out.prompt_ids), {**base, "gen_ai.token.type": "input"})
     generated = sum(len(s.generated_tokens) for s in _samples(out))
     h[TOKEN_USAGE].record(generated, {**base, "gen_ai.token.type": "output"})
     if error is None:  # TTFT and TPOT describe successful requests
@@ -423,12 +456,14 @@ class Telemetry:
         self.prometheus_registry = prometheus_registry
 
     def force_flush(self, timeout_s: float = 10.0) -> None:
+        flush(timeout_s)
         for p in (self.tracer_provider, self.meter_provider):
             if p is not None:
                 p.force_flush(int(timeout_s * 1000))
 
     def shutdown(self) -> None:
         """Export what is left and stop the exporters (also done at interpreter exit)."""
+        flush()
         for p in (self.tracer_provider, self.meter_provider):
             if p is not None:
                 p.shutdown()

@@ -146,10 +146,6 @@ def test_metrics_names_units_and_points(http_run):
     texts = [o for o in outs if o is not results["chat"]]
     assert usage["input"]["sum"] == sum(o["prompt_len"] for o in texts)
     assert usage["output"]["sum"] == sum(o["output_tokens"] for o in texts)
-    outcomes: dict = {}
-    for p in m["acb.requests"]["points"]:
-        outcomes[p["attrs"]["acb.request.outcome"]] = outcomes.get(p["attrs"]["acb.request.outcome"], 0) + p["value"]
-    assert outcomes == {"finished": 4, "cancelled": 1, "failed": 1}
     # the engine's own, observed from its stats
     assert m["acb.preemptions"]["points"][0]["value"] == results["stats"]["preemptions"]
     assert m["acb.kv_cache.blocks.total"]["points"][0]["value"] == 13

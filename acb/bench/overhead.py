@@ -22,9 +22,11 @@ from acb.bench.common import ModelSpec, tf_page
 from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(running=[1, 4, 16], steps=12),
-    "default": dict(running=[1, 16, 64, 256, 1024], steps=24),
+    "tiny": dict(running=[1, 4, 16], steps=12, telemetry_running=16),
+    "default": dict(running=[1, 16, 64, 256, 1024], steps=24, telemetry_running=256),
 }
+TELEMETRY_MODES = ("off", "api", "sdk")
+TELEMETRY_ROUNDS = 3  # OTEL_SDK_DISABLED; the API alone (no SDK); SDK + OTLP exporter
 PROMPT_LEN = 4
 
 
@@ -42,7 +44,7 @@ def _null_model() -> Any:
                       num_key_value_heads=1, vocab_size=256, max_position_embeddings=4096)
 
 
-def _acb(n: int, steps: int) -> dict[str, float]:
+def _acb(n: int, steps: int, finals: list[Any] | None = None) -> dict[str, float]:
     model = _null_model()
     cfg = acb.ContinuousBatchingConfig(page_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
                                        max_batch_tokens=max(2048, n * PROMPT_LEN))
@@ -60,7 +62,9 @@ def _acb(n: int, steps: int) -> dict[str, float]:
                          acb.SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for _ in range(n)]
         gate.set()
         for h in hs:
-            h.result()
+            out = h.result()
+            if finals is not None:
+                finals.append(out)
     finally:
         eng.shutdown()  # joins the engine thread: its step log is complete
     log = [s for s in core.step_log if s[0] == n and s[2] == n]  # every request decoding
@@ -123,6 +127,86 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
                 host_us=(statistics.median(prep) + statistics.median(upd)) * 1e6, steps_measured=len(upd))
 
 
+# ------------------------------------------------------------------ telemetry's cost
+def telemetry_child(mode: str, n: int, steps: int) -> dict[str, Any]:
+    """In a fresh process (the OpenTelemetry providers are set once per process): host time
+    per step at ``n`` running requests with telemetry in ``mode``, and the cost of recording
+    one ended request (span + metrics)."""
+    import os
+
+    from acb import telemetry
+
+    server = None
+    if mode == "off":
+        os.environ["OTEL_SDK_DISABLED"] = "true"
+    elif mode == "sdk":  # an OTLP/HTTP sink in this process that accepts everything
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Sink(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        tel = telemetry.configure(f"http://127.0.0.1:{server.server_address[1]}", "http/protobuf",
+                                  export_interval_s=1.0)
+    finals: list[Any] = []
+    _acb(n, steps)  # warm-up (first-use imports and instrument creation)
+    res = _acb(n, max(steps, 48), finals)
+    # one ended request's recording, as the handle does it when the final output arrives
+    trace = telemetry.begin([5, 6, 7], "null-model", acb.SamplingParams(max_new_tokens=steps + 2))
+    t0 = time.perf_counter()
+    for out in finals:
+        telemetry.end(trace, out)
+    t1 = time.perf_counter()
+    telemetry.flush()
+    k = max(len(finals), 1)
+    res["queue_us_per_request"] = (t1 - t0) / k * 1e6  # on the caller's thread (the engine's, for Engine)
+    res["record_us_per_request"] = (time.perf_counter() - t0) / k * 1e6  # until recorded by the worker
+    import sys
+
+    res["sdk_imported"] = any(m.startswith("opentelemetry.sdk") for m in sys.modules)
+    if mode == "sdk":
+        tel.shutdown()
+    if server is not None:
+        server.shutdown()
+    return res
+
+
+def _telemetry(n: int, steps: int) -> list[dict[str, Any]]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in TELEMETRY_MODES}
+    for _ in range(TELEMETRY_ROUNDS):  # the modes interleaved, each in a fresh process
+        for mode in TELEMETRY_MODES:
+            code = ("import json, sys; from acb.bench.overhead import telemetry_child; "
+                    f"print(json.dumps(telemetry_child({mode!r}, {n}, {steps})))")
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+            if p.returncode != 0:
+                raise RuntimeError(f"overhead telemetry mode {mode}: {p.stderr[-2000:]}")
+            runs[mode].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    rows = []
+    for mode, rs in runs.items():  # the median round of each figure
+        row: dict[str, Any] = dict(mode=mode, running=n, rounds=len(rs))
+        for key in ("host_us", "schedule_us", "stage_us", "process_us", "queue_us_per_request",
+                    "record_us_per_request"):
+            row[key] = statistics.median(r[key] for r in rs)
+        row["host_us_rounds"] = [r["host_us"] for r in rs]
+        row["sdk_imported"] = any(r["sdk_imported"] for r in rs)
+        rows.append(row)
+    return rows
+
+
 def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     p = SIZES[size]
     rows = []
@@ -140,4 +224,9 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             row["transformers"] = tf
             row["ratio"] = tf["host_us"] / row["acb"]["host_us"] if tf else None
         rows.append(row)
-    return dict(workload="overhead", settings=dict(p, prompt_len=PROMPT_LEN, null_model=True), rows=rows, notes=notes)
+    tel = _telemetry(p["telemetry_running"], p["steps"])
+    off = next(r for r in tel if r["mode"] == "off")["host_us"]
+    for r in tel:
+        r["vs_off"] = r["host_us"] / off - 1.0
+    return dict(workload="overhead", settings=dict(p, prompt_len=PROMPT_LEN, null_model=True), rows=rows,
+                telemetry=tel, notes=notes)

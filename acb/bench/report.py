@@ -73,6 +73,19 @@ def markdown_for(doc: dict[str, Any]) -> str:
             ratio = f"{row['ratio']:.1f}x" if row.get("ratio") else ""
             lines.append(f"| {row['running']} | {a['schedule_us']:.0f} / {a['stage_us']:.0f} / {a['process_us']:.0f} | "
                          f"{a['host_us']:.0f} | {tf_us} | {ratio} |")
+        if r.get("telemetry"):
+            n = r["telemetry"][0]["running"]
+            lines += ["", f"Telemetry's cost at {n} running requests (each mode in its own process): off "
+                      "(`OTEL_SDK_DISABLED=true`), the OpenTelemetry API alone (no SDK configured: the default), "
+                      "and the SDK exporting over OTLP/HTTP to a local receiver. Per step, and per ended request: "
+                      "what its thread spends to queue its record, and the time until the telemetry thread has "
+                      "built its span and measurements.", "",
+                      "| telemetry | host µs per step | vs off | µs per ended request: queued / recorded |",
+                      "|---|---|---|---|"]
+            labels = {"off": "off", "api": "API only (default)", "sdk": "SDK + OTLP exporter"}
+            for t in r["telemetry"]:
+                lines.append(f"| {labels.get(t['mode'], t['mode'])} | {t['host_us']:.0f} | {t['vs_off']:+.1%} | "
+                             f"{t.get('queue_us_per_request', 0):.1f} / {t['record_us_per_request']:.1f} |")
     notes = "".join(f"\n_{n}_\n" for n in r.get("notes", []))
     return head + "\n".join(lines) + "\n" + notes
 

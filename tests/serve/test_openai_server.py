@@ -58,7 +58,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 # OpenTelemetry names as Prometheus spells them (dots -> underscores, unit and _total suffixes)
 PROMPT_TOKENS = "gen_ai_client_token_usage_sum|gen_ai_token_type=input"
 GENERATED = "gen_ai_client_token_usage_sum|gen_ai_token_type=output"
-METRIC_NAMES = ("acb_requests_running", "acb_requests_waiting", "acb_kv_cache_usage", "acb_requests_total",
+METRIC_NAMES = ("acb_requests_running", "acb_requests_waiting", "acb_kv_cache_usage",
                 "gen_ai_client_token_usage_sum", "gen_ai_server_request_duration_seconds_count",
                 "gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
                 "acb_engine_steps_total", "acb_preemptions_total", "acb_prefix_cache_hit_rate")
@@ -584,7 +584,7 @@ def test_metrics(server, client):
     _, m0 = metrics(server.port)
     r = client.completions.create(model=NAME, prompt="count me", max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
-    want = {"acb_requests_total|acb_request_outcome=finished": 1, PROMPT_TOKENS: r.usage.prompt_tokens,
+    want = {PROMPT_TOKENS: r.usage.prompt_tokens,
             GENERATED: r.usage.completion_tokens, "gen_ai_server_request_duration_seconds_count": 1,
             "gen_ai_server_time_to_first_token_seconds_count": 1,
             f"gen_ai_server_request_duration_seconds_count|gen_ai_request_model={NAME}": 1}
@@ -650,6 +650,9 @@ def test_client_disconnect_cancels_the_request(server):
     assert m1["acb_kv_cache_usage"] == 0, m1  # its KV is freed
     generated = m1.get(GENERATED, 0) - m0.get(GENERATED, 0)
     assert generated < n, "the request ran to the end after its client left"
+    cancelled = "gen_ai_server_request_duration_seconds_count|error_type=cancelled"
+    m2 = wait_metrics(server.port, lambda m: m.get(cancelled, 0) > m0.get(cancelled, 0))
+    assert m2.get(cancelled, 0) == m0.get(cancelled, 0) + 1  # recorded as cancelled
     # the server carries on
     status, _, body = raw(server.port, "POST", "/v1/completions", headers=AUTH,
                           body={"model": NAME, "prompt": "still there?", "max_tokens": 2})
