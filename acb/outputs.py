@@ -84,6 +84,10 @@ class GenerationOutput:
     num_preemptions: int = 0
     # ("preempted" | "resumed", perf_counter time) of each time it left the device and came back
     events: list[tuple[str, float]] | None = None
+    # prompt_logprobs=k: the logprob of each prompt token after the first given those before it
+    # (len(prompt_ids) - 1 values), and its top-k alternatives as (token id, logprob)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # n > 1: every sample (the top-level token fields then repeat sample 0); None when n == 1
     samples: list[SampleOutput] | None = None
 

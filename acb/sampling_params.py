@@ -68,6 +68,11 @@ class SamplingParams:
             penalties and, when sampling, temperature and truncation).
         skip_special_tokens: leave special tokens out of the streamed and final text (default
             True; the engine needs a tokenizer for text).
+        prompt_logprobs: ``None``: none; ``k >= 0``: for every prompt token after the first,
+            its logprob given the tokens before it (raw logits) and the top ``k`` alternatives
+            (``output.prompt_logprobs`` / ``output.prompt_top_logprobs``). Such a request does
+            not read the prefix cache (a cached prefix has no logits): its whole prompt is
+            computed; it still fills the cache for others.
     """
 
     max_new_tokens: int | None = None
@@ -89,6 +94,7 @@ class SamplingParams:
     logprobs: int | None = None
     logprobs_mode: str | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -128,6 +134,9 @@ class SamplingParams:
         check_int("top_k", 0)
         check_int("n", 1)
         check_int("logprobs", 0)
+        check_int("prompt_logprobs", 0)
+        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         if self.max_new_tokens is not None and self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
@@ -260,6 +269,7 @@ class SamplingKwargs(TypedDict, total=False):
     logprobs: int
     logprobs_mode: str
     skip_special_tokens: bool
+    prompt_logprobs: int
 
 
 # Names other libraries use for a field, for the error that refuses them.

@@ -294,6 +294,9 @@ class EngineBase:
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} asks for more alternatives than the vocabulary's "
                              f"{vocab} tokens")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} asks for more alternatives than the "
+                             f"vocabulary's {vocab} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
         cfg = core.runner.cfg
@@ -364,6 +367,8 @@ class EngineBase:
                 )
                 if params.stop:
                     req.stop_checker = StopStrings(text_tokenizer(self.tokenizer), params.stop)
+                if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
+                    req.prompt_lps, req.prompt_tops = [], []
                 if cache_salt:
                     req.cache_salt = cache_salt.encode()
                 members.append(req)

@@ -356,6 +356,10 @@ class EngineCore:
             self._fail_step(sched, exc)
             return
         t3 = time.perf_counter()
+        prompt = getattr(result, "prompt", None)
+        if prompt:
+            for (req, lo, _, _, _), (values, tops) in zip(sched.prompt_lp, prompt):
+                req.add_prompt_logprobs(lo, values, tops)
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
         self._generated += len(progressed)
         items: list[Delivery] = []

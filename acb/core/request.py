@@ -23,7 +23,7 @@ class Request:
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
-        "num_cached_tokens", "events", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
+        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
         "block_hashes", "num_registered", "cache_salt", "swapped", "in_flight", "last_sample",
     )
 
@@ -66,6 +66,9 @@ class Request:
         self.failure: FailureKind | None = None
         self.num_preemptions = 0
         self.events: list[tuple[str, float]] | None = None  # ("preempted" | "resumed", perf_counter time)
+        # prompt_logprobs: one entry per prompt position done (a recompute after preemption skips them)
+        self.prompt_lps: list[float] | None = None
+        self.prompt_tops: list[list[tuple[int, float]]] | None = None
         self.num_cached_tokens = 0
         self.sink = sink  # opaque to core: where the engine delivers this request's results
         # optional callable(request) -> True when a stop string has appeared (it trims the output)
@@ -116,6 +119,18 @@ class Request:
             return True
         return False
 
+    def add_prompt_logprobs(self, lo: int, values: list[float], tops: list[list[tuple[int, float]]]) -> None:
+        """Record prompt logprobs for positions ``lo``.. (those already recorded are skipped: a
+        recompute after preemption computes them again)."""
+        lps, top = self.prompt_lps, self.prompt_tops
+        if lps is None or top is None:
+            return
+        skip = len(lps) - lo
+        if skip < 0:  # a gap cannot happen: chunks are recorded in order
+            return
+        lps.extend(values[skip:])
+        top.extend(tops[skip:])
+
     def to_output(self) -> GenerationOutput:
         """A snapshot (copies of the lists) that is safe to hand to another thread."""
         c = self.created_time
@@ -138,6 +153,8 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
             events=list(self.events) if self.events is not None else None,
+            prompt_logprobs=list(self.prompt_lps) if self.prompt_lps is not None else None,
+            prompt_top_logprobs=[list(t) for t in self.prompt_tops] if self.prompt_tops is not None else None,
         )
 
     def _text(self) -> str | None:

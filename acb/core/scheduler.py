@@ -68,6 +68,9 @@ class SchedulerOutput:
     # async batching: (index in input_ids, index among the previous step's samples) of tokens that
     # are not known yet; the runner fills them on the device from the previous step's sampled ids
     placeholders: list[tuple[int, int]] = field(default_factory=list)
+    # prompt_logprobs: (request, first prompt position, count, its row in the flattened batch,
+    # the prompt tokens those positions predict)
+    prompt_lp: list[tuple[Request, int, int, int, list[int]]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -356,8 +359,11 @@ class Scheduler:
             if len(rowless) + 1 > len(self._free_rows) or req.in_flight:
                 break  # (a preempted request waits for its in-flight token before it resumes)
             kv = self.kv
+            hits: list[int]
             if req.swapped is not None:  # resume from host memory: no prefix lookup, no recompute
                 hits, computed = [], req.swapped[1]
+            elif req.prompt_lps is not None:  # prompt logprobs need every prompt position's logits
+                hits, computed = [], 0
             else:
                 hits = kv.lookup(req)
                 computed = len(hits) * self.block_size
@@ -406,6 +412,11 @@ class Scheduler:
         out.start_pos.append(start)
         end = start + num_new
         known = len(req.token_ids)
+        if req.prompt_lps is not None:  # positions whose next token is a prompt token, not yet done
+            lo, hi = max(start, len(req.prompt_lps)), min(end, req.prompt_len - 1)
+            if hi > lo:
+                out.prompt_lp.append((req, lo, hi - lo, len(out.input_ids) + lo - start,
+                                      req.token_ids[lo + 1 : hi + 1]))
         out.input_ids.extend(req.token_ids[start : min(end, known)])
         if end > known:  # the one token sampled by the step in flight (async batching)
             assert end == known + 1 and req.in_flight == 1, f"{req}: {end - known} unknown tokens"

@@ -52,6 +52,8 @@ class ModelRunnerOutput:
     sampled: list[int]  # one per sample, in SchedulerOutput.sample_reqs order
     logprobs: list[float] | None  # the chosen tokens' logprobs, when anyone asked
     top: list[list[tuple[int, float]]] | None  # top alternatives per sample, when anyone asked
+    # per SchedulerOutput.prompt_lp entry: the prompt tokens' logprobs and their top-k alternatives
+    prompt: list[tuple[list[float], list[list[tuple[int, float]]]]] | None = None
 
 
 @dataclass
@@ -61,6 +63,7 @@ class InFlightStep:
     sched: SchedulerOutput
     result: "HostResult"
     num_top: int
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logprobs, top ids, top logprobs
 
 
 @dataclass
@@ -412,18 +415,38 @@ class ModelRunner:
         self.last_stage_s = time.perf_counter() - t0
         sampling.apply_inits(dev)
         batch = self.inputs.build(host, dev, self._prev_ids)
+        num_samples = len(sched.sample_idx)
+        if sched.prompt_lp:  # prompt_logprobs: the head also runs on those prompt rows
+            rows = torch.tensor([f + j for _, _, c, f, _ in sched.prompt_lp for j in range(c)], dtype=torch.long)
+            batch = dataclasses.replace(batch, logits_indices=torch.cat([batch.logits_indices, rows.to(self.device)]),
+                                        logits_identity=False, decode_only=False)
         logits = None
         if self.graphs is not None and batch.decode_only:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
             logits = self.forward(batch, ctx)
+        prompt = None
+        if sched.prompt_lp:
+            logits, prompt = logits[:num_samples], self._prompt_logprobs(logits[num_samples:], sched)
         for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
             self.kv_cache.copy_block(src, dst)
         packed = sample(logits, step, sampling, dev)
         st.release()
         self._prev_ids = packed if packed.dim() == 1 else packed[:, 0].long()
-        return InFlightStep(sched, self._to_host(packed), max(step.max_logprobs, 0))
+        return InFlightStep(sched, self._to_host(packed), max(step.max_logprobs, 0), prompt)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, sched: SchedulerOutput
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-softmax of the raw logits at prompt positions: the next prompt token's logprob and
+        the top-k (the largest k asked for in the step)."""
+        targets = torch.tensor([t for *_, toks in sched.prompt_lp for t in toks], dtype=torch.long, device=self.device)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, targets[:, None])[:, 0]
+        k = max(req.params.prompt_logprobs for req, *_ in sched.prompt_lp)
+        top = lp.topk(k, dim=-1) if k else None
+        empty = torch.empty((lp.shape[0], 0), device=self.device)
+        return chosen, (top.indices if top is not None else empty.long()), (top.values if top is not None else empty)
 
     def _to_host(self, packed: torch.Tensor) -> "HostResult":
         """Start the copy of the sampled ids to (pinned) host memory on the device-to-host stream."""
@@ -496,10 +519,22 @@ class ModelRunner:
         if res.done is not None:
             res.done.synchronize()
         rows = res.tensor.tolist()
+        prompt = self._prompt_to_host(step) if step.prompt is not None else None
         if res.tensor.dim() == 1:
-            return ModelRunnerOutput(sampled=rows, logprobs=None, top=None)
+            return ModelRunnerOutput(sampled=rows, logprobs=None, top=None, prompt=prompt)
         k = step.num_top
         sampled = [int(r[0]) for r in rows]
         logprobs = [r[1] for r in rows]
         top = [list(zip(map(int, r[2 : 2 + k]), r[2 + k :])) for r in rows] if k else None
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, top=top)
+        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, top=top, prompt=prompt)
+
+    @staticmethod
+    def _prompt_to_host(step: InFlightStep) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        assert step.prompt is not None
+        chosen, ids, vals = (t.tolist() for t in step.prompt)  # rare: a plain sync is fine
+        out, i = [], 0
+        for req, _, c, _, _ in step.sched.prompt_lp:
+            k = req.params.prompt_logprobs
+            out.append((chosen[i : i + c], [list(zip(ids[j][:k], vals[j][:k])) for j in range(i, i + c)]))
+            i += c
+        return out
