@@ -105,6 +105,7 @@ class EngineCore:
     ) -> None:
         """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device)."""
         cfg = runner.cfg
+        self.weight_resets = 0  # times the prefix cache was dropped because the weights changed
         self.runner = runner
         self.pool = BlockPool(cfg.num_blocks, enable_caching=cfg.prefix_caching)
         self.scheduler = Scheduler(
@@ -319,6 +320,8 @@ class EngineCore:
         """Schedule a step and launch it on the runner: its handle tuple, None when nothing could
         be scheduled, or ``_FAILED`` when launching raised (its requests are failed)."""
         t0 = time.perf_counter()
+        if self.scheduler.waiting and self.scheduler.kv.pool.enable_caching:
+            self._check_weights()
         sched = self.scheduler.schedule()
         if sched is None:
             return None
@@ -493,6 +496,17 @@ class EngineCore:
             compute_s=tm[2],
             host_process_s=tm[3],
         )
+
+    def _check_weights(self) -> None:
+        """Before admitting requests: if the model's weights changed since the cached prefixes were
+        computed (an optimizer step, ``load_state_dict``), forget them, so that no request reads
+        K/V computed with other weights."""
+        changed = getattr(self.runner, "weights_changed", None)
+        if changed is not None and changed():
+            n = self.reset_prefix_cache()
+            self.weight_resets += 1
+            if n:
+                logger.info("the model's weights changed: %d cached prefix blocks forgotten", n)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (engine thread); returns how many blocks were forgotten."""

@@ -31,6 +31,7 @@ from acb.runner.attention import (
     StepContext,
     make_backend,
     register_with_transformers,
+    set_own_implementation,
 )
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec, available_host_memory, size_kv_cache
@@ -254,6 +255,7 @@ class _AttentionSwap:
             users, own = self._users.get(id(model), (0, None))
             if users == 0:
                 own = model.config._attn_implementation
+                set_own_implementation(_configs(model), own)
                 _set_attn(model, ATTN_IMPL_NAME)
             self._users[id(model)] = (users + 1, own)
 
@@ -264,6 +266,16 @@ class _AttentionSwap:
                 self._users[id(model)] = (users - 1, own)
             elif own is not None:
                 _set_attn(model, own)
+                set_own_implementation(_configs(model), None)
+
+
+def _configs(model: PreTrainedModel) -> list[Any]:
+    """The config objects the model's modules may hold (the model's and its text config)."""
+    out = [model.config]
+    text = model.config.get_text_config()
+    if text is not model.config:
+        out.append(text)
+    return out
 
 
 _ATTN_SWAP = _AttentionSwap()
@@ -274,7 +286,11 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> None:
         check_model(model)
+        self._user_training = model.training  # given back at close()
         self.model: PreTrainedModel = model.eval()
+        # the weights' identity and in-place version: a change invalidates the prefix cache
+        self._params = [p for p in model.parameters()]
+        self._weights_seen = self._weights_key()
         self.device = model_device(model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
@@ -298,6 +314,7 @@ class ModelRunner:
         self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
+        self._no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)
         self._supports_logits_to_keep = bool(
             getattr(model, "_supports_logits_to_keep", lambda: False)()
         )
@@ -378,6 +395,19 @@ class ModelRunner:
         logger.warning("decode CUDA graphs disabled, their capture or check failed (%s)", problem)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=False)
 
+    def _weights_key(self) -> tuple[int, int]:
+        """(sum of the parameters' version counters, sum of their storage addresses): an in-place
+        update bumps the first, a replaced ``.data`` changes the second."""
+        return sum(p._version for p in self._params), sum(p.data_ptr() for p in self._params)
+
+    def weights_changed(self) -> bool:
+        """Whether the weights changed since the last call (or construction)."""
+        key = self._weights_key()
+        if key == self._weights_seen:
+            return False
+        self._weights_seen = key
+        return True
+
     def close(self) -> None:
         """Give the model its own attention implementation back, and drop the KV cache, the
         graphs and the step buffers, so that a stopped engine's device memory is free for the next
@@ -385,6 +415,8 @@ class ModelRunner:
         if self._holds_attn:
             _ATTN_SWAP.release(self.model)
             self._holds_attn = False
+        if self._user_training and not self.model.training:  # the user's mode, unless they set one since
+            self.model.train()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         # the runner is unusable after close, so these are not typed Optional
         self.kv_cache = self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]
@@ -396,8 +428,19 @@ class ModelRunner:
         with device_scope(self.device, self.streams.compute):
             return self._execute(sched)
 
-    @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> InFlightStep:
+        if not self.model.training:
+            return self._execute_eval(sched)
+        # the user put the model in train mode (an RL loop between rounds): the step runs in eval
+        # semantics (no dropout), and the user's mode is given back right after
+        self.model.eval()
+        try:
+            return self._execute_eval(sched)
+        finally:
+            self.model.train()
+
+    @torch.inference_mode()
+    def _execute_eval(self, sched: SchedulerOutput) -> InFlightStep:
         t0 = time.perf_counter()
         sampling = self.sampling
         for row in sched.freed_rows:
@@ -495,20 +538,17 @@ class ModelRunner:
 
     def forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
-        fn = self._compiled.get("decode" if batch.decode_only else "varlen")
-        if fn is not None:
-            return fn(batch, ctx)
-        return self._model_forward(batch, ctx)
+        fn = self._compiled.get("decode" if batch.decode_only else "varlen") or self._model_forward
+        return fn(batch, ctx)
 
     def _model_forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
+        # a 4-D "mask" is returned as-is by transformers' mask creation: no mask is built (acb's
+        # attention needs none) and nothing inspects the flattened positions (a host sync)
+        kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=self._no_mask,
+                  use_cache=False, acb_ctx=ctx)
         if self._supports_logits_to_keep:
-            return self.model(
-                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                logits_to_keep=batch.logits_indices, acb_ctx=ctx,
-            ).logits[0]
-        return self.model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, acb_ctx=ctx,
-        ).logits[0, batch.logits_indices]
+            return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]
+        return self.model(**kw).logits[0, batch.logits_indices]
 
     def finish(self, step: InFlightStep) -> ModelRunnerOutput:
         """Sync: wait for the step's sampled ids (with logprobs when asked) to reach the host.

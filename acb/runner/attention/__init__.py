@@ -1,8 +1,9 @@
 """Attention backends behind one interface, and acb's hook into transformers' AttentionInterface.
 
 acb registers one attention function (``ATTN_IMPL_NAME``) with transformers'
-``AttentionInterface``. It is not registered with ``AttentionMaskInterface``, so the model's
-mask creation returns ``None`` (no dense mask is ever built). Per-step metadata reaches the
+``AttentionInterface``. An engine step passes a 4-D placeholder ``attention_mask``, which
+transformers' mask creation returns as-is, so no dense mask is ever built; acb's mask function
+(registered with ``AttentionMaskInterface``) serves forwards outside a step, with the model's own. Per-step metadata reaches the
 function as the ``acb_ctx`` forward kwarg, which transformers passes down to attention.
 """
 
@@ -80,11 +81,9 @@ def acb_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     ctx: StepContext | None = kwargs.get("acb_ctx")
-    if ctx is None:
-        raise RuntimeError(
-            f"the '{ATTN_IMPL_NAME}' attention implementation only runs inside an acb engine step; "
-            "stop the engine (which restores the model's own implementation) before calling the model directly"
-        )
+    if ctx is None:  # the model called outside an engine step (a training forward between rounds)
+        return own_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     sliding_window=sliding_window, softcap=softcap, **kwargs)
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(f"{type(module).__name__} uses {what} ({name}), which acb does not support")
@@ -102,6 +101,53 @@ def acb_attention_forward(
     return out, None
 
 
+# ------------------------------------------------------------------ outside an engine step
+# While an engine runs, the model's attention implementation is acb's. A forward the user runs
+# themselves meanwhile (training between RL rounds) gets the model's own implementation: its
+# masks and its attention function, looked up by the config the model's modules share.
+_OWN: dict[int, str] = {}  # id(config) -> the model's own implementation
+
+
+def set_own_implementation(configs: list[Any], impl: str | None) -> None:
+    for c in configs:
+        if impl is None:
+            _OWN.pop(id(c), None)
+        else:
+            _OWN[id(c)] = impl
+
+
+def _own_name(config: Any) -> str:
+    name = _OWN.get(id(config))
+    if name is None:
+        raise RuntimeError(f"the '{ATTN_IMPL_NAME}' attention implementation runs only on a model an acb engine uses")
+    return name
+
+
+def own_attention(module: torch.nn.Module) -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = _own_name(getattr(module, "config", None))
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    import sys
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"no {name!r} attention function for {type(module).__name__} outside an engine step")
+    return eager
+
+
+def acb_mask(*args: Any, **kwargs: Any) -> Any:
+    """The mask function of acb's implementation, for forwards outside an engine step: the model's
+    own mask. (An engine step passes a 4-D placeholder mask, which transformers returns as-is
+    without calling this.)"""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    name = _own_name(kwargs.get("config"))
+    fn: Any = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    return None if fn is None else fn(*args, **kwargs)
+
+
 def register_with_transformers(compiled: bool = False) -> None:
     """Register acb's attention function with transformers (idempotent). ``compiled``: wrap it in
     ``torch.compiler.disable`` so that a compiled model graph-breaks there (its metadata is
@@ -110,6 +156,9 @@ def register_with_transformers(compiled: bool = False) -> None:
 
     fn = torch.compiler.disable(acb_attention_forward) if compiled else acb_attention_forward
     AttentionInterface.register(ATTN_IMPL_NAME, fn)
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(ATTN_IMPL_NAME, torch.compiler.disable(acb_mask) if compiled else acb_mask)
 
 
 def make_backend(name: str) -> AttentionBackend:

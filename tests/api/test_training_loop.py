@@ -1,0 +1,86 @@
+"""An engine that stays up while its model trains between rounds (RL): weights changed in place
+invalidate the prefix cache (detected from the parameters' version counters), a model left in
+train() mode generates without dropout, and the user's mode is given back."""
+
+from __future__ import annotations
+
+import torch
+
+import acb
+from acb.models import tiny_model
+from tests.conftest import prompts_of_lengths, reference_generate
+
+CFG = dict(page_size=8, num_blocks=64)
+
+
+def _model(**kw):
+    return tiny_model("llama", seed=7, **kw)
+
+
+def test_weights_changed_in_place_invalidate_the_prefix_cache():
+    model = _model()
+    prompt = prompts_of_lengths([40], seed=50)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        first = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8))
+        hit = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8))
+        assert hit.num_cached_tokens >= 32 and hit.generated_tokens == first.generated_tokens
+        # an optimizer step on the live model (its weights change in place)
+        model.train()
+        loss = model(torch.tensor([prompt]), labels=torch.tensor([prompt])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8))
+        assert after.num_cached_tokens == 0  # the stale prefix was not read
+        assert eng.core.weight_resets >= 1
+        # load_state_dict (copy_ into the parameters) is caught too
+        state = {k: v.clone() * 0.9 for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        again = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8))
+        assert again.num_cached_tokens == 0
+    model.eval()
+    assert again.generated_tokens == reference_generate(model, prompt, 8)
+
+
+def test_a_model_in_train_mode_generates_without_dropout_and_keeps_its_mode():
+    model = _model(attention_dropout=0.5)  # dropout that would change every forward in train mode
+    prompt = prompts_of_lengths([12], seed=51)[0]
+    ref = reference_generate(model.eval(), prompt, 10)
+    model.train()
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, use_async_batching=True)) as eng:
+        assert not model.training  # the engine runs the model in eval mode ...
+        out = eng.generate(prompt, acb.SamplingParams(max_new_tokens=10))
+        model.train()  # ... and a model put back in train mode (between rounds) ...
+        again = eng.generate(prompt, acb.SamplingParams(max_new_tokens=10))
+        assert model.training  # ... keeps it: each step runs in eval semantics, then gives it back
+    assert out.generated_tokens == again.generated_tokens == ref  # no dropout in either
+    assert model.training  # the user's mode when the engine started, given back when it stopped
+    model.eval()
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        eng.generate(prompt, acb.SamplingParams(max_new_tokens=2))
+    assert not model.training
+
+
+def test_the_users_own_forward_while_the_engine_runs_is_the_models_own():
+    """A forward the user runs while an engine holds the model (a padded training batch) gets the
+    model's own attention and masks: the same logits as with no engine."""
+    import pytest
+
+    for impl in ("sdpa", "eager"):
+        model = tiny_model("llama", seed=8, attn_implementation=impl)
+        ids = torch.tensor(prompts_of_lengths([10, 10], seed=52))
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0  # left padding in the second row
+        with torch.no_grad():
+            alone = model(ids, attention_mask=mask).logits
+        with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+            eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=2))
+            with torch.no_grad():
+                during = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(during, alone, atol=1e-5, rtol=0, msg=impl)
+        assert model.config._attn_implementation == impl
+    with pytest.raises(RuntimeError, match="only on a model an acb engine uses"):
+        from acb.runner.attention import _own_name
+
+        _own_name(object())
