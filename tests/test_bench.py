@@ -49,6 +49,9 @@ def test_workload_json(results, workload):
             assert a["steps_measured"] > 0 and a["host_us"] == pytest.approx(
                 a["schedule_us"] + a["stage_us"] + a["process_us"])
             assert r["transformers"]["host_us"] > 0
+        tel = {t["mode"]: t for t in data["result"]["telemetry"]}
+        assert set(tel) == {"off", "api", "sdk"} and all(t["host_us"] > 0 for t in tel.values())
+        assert not tel["off"]["sdk_imported"] and not tel["api"]["sdk_imported"] and tel["sdk"]["sdk_imported"]
     elif workload == "serve":  # acb serve over HTTP: every level, the exact token counts, latencies measured
         assert [r["engine"] for r in rows] == ["acb serve"] * 3
         assert [r.get("concurrency", r.get("rate")) for r in rows] == [1, 4, 20.0]

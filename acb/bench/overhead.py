@@ -22,11 +22,10 @@ from acb.bench.common import ModelSpec, tf_page
 from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(running=[1, 4, 16], steps=12, telemetry_running=16),
-    "default": dict(running=[1, 16, 64, 256, 1024], steps=24, telemetry_running=256),
+    "tiny": dict(running=[1, 4, 16], steps=12, telemetry_running=16, telemetry_rounds=1),
+    "default": dict(running=[1, 16, 64, 256, 1024], steps=24, telemetry_running=256, telemetry_rounds=3),
 }
-TELEMETRY_MODES = ("off", "api", "sdk")
-TELEMETRY_ROUNDS = 3  # OTEL_SDK_DISABLED; the API alone (no SDK); SDK + OTLP exporter
+TELEMETRY_MODES = ("off", "api", "sdk")  # OTEL_SDK_DISABLED; the API alone (no SDK); SDK + OTLP exporter
 PROMPT_LEN = 4
 
 
@@ -158,7 +157,7 @@ def telemetry_child(mode: str, n: int, steps: int) -> dict[str, Any]:
                                   export_interval_s=1.0)
     finals: list[Any] = []
     _acb(n, steps)  # warm-up (first-use imports and instrument creation)
-    res = _acb(n, max(steps, 48), finals)
+    res = _acb(n, steps * 2, finals)
     # one ended request's recording, as the handle does it when the final output arrives
     trace = telemetry.begin([5, 6, 7], "null-model", acb.SamplingParams(max_new_tokens=steps + 2))
     t0 = time.perf_counter()
@@ -179,7 +178,7 @@ def telemetry_child(mode: str, n: int, steps: int) -> dict[str, Any]:
     return res
 
 
-def _telemetry(n: int, steps: int) -> list[dict[str, Any]]:
+def _telemetry(n: int, steps: int, rounds: int) -> list[dict[str, Any]]:
     import json
     import os
     import subprocess
@@ -187,7 +186,7 @@ def _telemetry(n: int, steps: int) -> list[dict[str, Any]]:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in TELEMETRY_MODES}
-    for _ in range(TELEMETRY_ROUNDS):  # the modes interleaved, each in a fresh process
+    for _ in range(rounds):  # the modes interleaved, each in a fresh process
         for mode in TELEMETRY_MODES:
             code = ("import json, sys; from acb.bench.overhead import telemetry_child; "
                     f"print(json.dumps(telemetry_child({mode!r}, {n}, {steps})))")
@@ -224,7 +223,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             row["transformers"] = tf
             row["ratio"] = tf["host_us"] / row["acb"]["host_us"] if tf else None
         rows.append(row)
-    tel = _telemetry(p["telemetry_running"], p["steps"])
+    tel = _telemetry(p["telemetry_running"], p["steps"], p["telemetry_rounds"])
     off = next(r for r in tel if r["mode"] == "off")["host_us"]
     for r in tel:
         r["vs_off"] = r["host_us"] / off - 1.0
