@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_every_example_is_tested():
-    tested = {"eval_dataset.py", "tracing.py"}
+    tested = {"eval_dataset.py", "tracing.py", "openai_client.py", "async_app.py"}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
 
 
@@ -48,3 +51,61 @@ def test_tracing(tmp_path):
     assert {s["parent_span_id"] for s in requests} == {parent[0]["span_id"]}
     assert all(s["attrs"]["gen_ai.usage.output_tokens"] == 16 for s in requests)
     assert all(s["resource"]["service.name"] == "acb-example" for s in spans)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serving(argv: list[str], port: int, path: str, cwd: Path):
+    """Start a server process and wait until ``path`` answers 200."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail("the server did not start")
+
+
+def test_openai_client_against_acb_serve(tmp_path):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    port = _port()
+    server = _serving([sys.executable, "-m", "acb", "serve", "--port", str(port), "--num-blocks", "128",
+                       "--page-size", "16"], port, "/health", tmp_path)
+    try:
+        p = _run("openai_client.py", "--base-url", f"http://127.0.0.1:{port}/v1", cwd=tmp_path)
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert "chat:" in p.stdout and "streamed tokens:" in p.stdout
+    streamed = int(p.stdout.split("streamed tokens:")[1].split()[0])
+    assert 1 <= streamed <= 16
+
+
+def test_async_app_streams_text(tmp_path):
+    pytest.importorskip("fastapi")
+    port = _port()
+    app = _serving([sys.executable, str(ROOT / "examples" / "async_app.py"), "--port", str(port)], port,
+                   "/generate?prompt=warm&max_new_tokens=1", tmp_path)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", "/generate?prompt=Hello&max_new_tokens=12")
+        r = conn.getresponse()
+        body = r.read().decode("utf-8")
+        assert r.status == 200 and r.getheader("content-type").startswith("text/plain")
+        assert len(body) > 0
+    finally:
+        app.terminate()
+        app.wait(30)
