@@ -293,14 +293,28 @@ def _samples(out: GenerationOutput) -> list[Any]:
     return list(out.samples) if out.samples else [out]
 
 
-def _base_attrs(rt: RequestTrace) -> dict[str, Any]:
+def _base_attrs(operation: str, model: str) -> dict[str, Any]:
     key, value = _provider_attr()
-    return {"gen_ai.operation.name": rt.operation, key: value, "gen_ai.request.model": rt.model}
+    return {"gen_ai.operation.name": operation, key: value, "gen_ai.request.model": model}
+
+
+def request_attributes(p: SamplingParams) -> dict[str, Any]:
+    """The ``gen_ai.request.*`` attributes of a request's sampling parameters (None: left out)."""
+    return {"gen_ai.request.max_tokens": p.max_new_tokens, "gen_ai.request.temperature": p.temperature,
+            "gen_ai.request.top_p": p.top_p, "gen_ai.request.top_k": p.top_k, "gen_ai.request.seed": p.seed,
+            "gen_ai.request.frequency_penalty": p.frequency_penalty,
+            "gen_ai.request.presence_penalty": p.presence_penalty,
+            "gen_ai.request.stop_sequences": list(p.stop) if p.stop else None,
+            "gen_ai.request.choice.count": p.n if p.n not in (None, 1) else None}
+
+
+def _reason(sample: Any) -> str:
+    return sample.finish_reason.value if sample.finish_reason is not None else "error"
 
 
 def _measure(rt: RequestTrace, out: GenerationOutput) -> None:
     inst = _get()
-    base = _base_attrs(rt)
+    base = _base_attrs(rt.operation, rt.model)
     _, error = _outcome(out)
     h = inst.histograms
     if out.total_time is not None:
@@ -320,22 +334,12 @@ def _span(rt: RequestTrace, out: GenerationOutput) -> None:
     from opentelemetry.trace import SpanKind, Status, StatusCode
 
     tracer = otel_trace.get_tracer("acb", _version())
-    p = rt.params
     c = out.created_time
-    attrs = _base_attrs(rt)
-    attrs["gen_ai.request.max_tokens"] = int(p.max_new_tokens) if p.max_new_tokens is not None else None
-    for key, value in (("temperature", p.temperature), ("top_p", p.top_p), ("top_k", p.top_k), ("seed", p.seed),
-                       ("frequency_penalty", p.frequency_penalty), ("presence_penalty", p.presence_penalty)):
-        attrs[f"gen_ai.request.{key}"] = value
-    if p.stop:
-        attrs["gen_ai.request.stop_sequences"] = list(p.stop)
-    if p.n != 1:
-        attrs["gen_ai.request.choice.count"] = p.n
+    attrs = {**_base_attrs(rt.operation, rt.model), **request_attributes(rt.params)}
     samples = _samples(out)
     attrs["gen_ai.response.id"] = out.request_id
     attrs["gen_ai.response.model"] = rt.model
-    attrs["gen_ai.response.finish_reasons"] = [s.finish_reason.value if s.finish_reason is not None else "error"
-                                               for s in samples]
+    attrs["gen_ai.response.finish_reasons"] = [_reason(s) for s in samples]
     attrs["gen_ai.usage.input_tokens"] = len(out.prompt_ids)
     attrs["gen_ai.usage.output_tokens"] = sum(len(s.generated_tokens) for s in samples)
     attrs["gen_ai.usage.cache_read.input_tokens"] = out.num_cached_tokens
@@ -388,7 +392,7 @@ def _input_messages(prompt: Any) -> list[dict[str, Any]]:
 
 def _output_messages(samples: list[Any]) -> list[dict[str, Any]]:
     return [{"role": "assistant", "parts": [{"type": "text", "content": s.text or ""}],
-             "finish_reason": s.finish_reason.value if s.finish_reason is not None else "error"} for s in samples]
+             "finish_reason": _reason(s)} for s in samples]
 
 
 # ------------------------------------------------------------------ an HTTP server's span
@@ -405,7 +409,7 @@ class ServerSpan:
         from opentelemetry.trace import SpanKind
 
         carrier = {k.lower(): v for k, v in headers.items()}
-        attrs = {**_base_attrs(RequestTrace(operation, model, None)), **attributes}  # type: ignore[arg-type]
+        attrs = {**_base_attrs(operation, model), **attributes}
         self.span = otel_trace.get_tracer("acb", _version()).start_span(
             f"{operation} {model}", context=extract(carrier), kind=SpanKind.SERVER,
             attributes={k: v for k, v in attrs.items() if v is not None})
@@ -426,8 +430,7 @@ class ServerSpan:
 
         if outs:
             samples = [s for o in outs for s in _samples(o)]
-            span.set_attribute("gen_ai.response.finish_reasons",
-                               [s.finish_reason.value if s.finish_reason is not None else "error" for s in samples])
+            span.set_attribute("gen_ai.response.finish_reasons", [_reason(s) for s in samples])
             span.set_attribute("gen_ai.usage.input_tokens", sum(len(o.prompt_ids) for o in outs))
             span.set_attribute("gen_ai.usage.output_tokens", sum(len(s.generated_tokens) for s in samples))
             span.set_attribute("gen_ai.usage.cache_read.input_tokens", sum(o.num_cached_tokens for o in outs))

@@ -31,7 +31,7 @@ import acb
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput
 from acb.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from acb.telemetry import ServerSpan, Telemetry
+from acb.telemetry import ServerSpan, Telemetry, request_attributes
 from acb.text import token_bytes
 
 logger = logging.getLogger(__name__)
@@ -200,13 +200,7 @@ async def _parse(state: ServerState, request: Request, schema: type[ChatCompleti
 def _server_span(state: ServerState, request: Request, operation: str, sampling: acb.SamplingParams,
                  stream: bool) -> ServerSpan:
     """The request's SERVER span (continuing the caller's ``traceparent``)."""
-    p = sampling
-    attrs = {"gen_ai.request.max_tokens": p.max_new_tokens, "gen_ai.request.temperature": p.temperature,
-             "gen_ai.request.top_p": p.top_p, "gen_ai.request.top_k": p.top_k, "gen_ai.request.seed": p.seed,
-             "gen_ai.request.frequency_penalty": p.frequency_penalty,
-             "gen_ai.request.presence_penalty": p.presence_penalty,
-             "gen_ai.request.stop_sequences": list(p.stop) if p.stop else None,
-             "gen_ai.request.choice.count": p.n if p.n != 1 else None, "gen_ai.request.stream": stream,
+    attrs = {**request_attributes(sampling), "gen_ai.request.stream": stream,
              "http.request.method": request.method, "url.path": request.url.path,
              "server.address": request.url.hostname, "server.port": request.url.port}
     return ServerSpan(request.headers, operation, state.model_name, attrs)
