@@ -92,6 +92,17 @@ def _add_engine_flags(eng: Any) -> None:
                      help="scheduling policy (default: fifo)")
 
 
+def _add_model_flags(p: Any) -> Any:
+    """--model, --dtype, --device (the "model" group, returned for more)."""
+    src = p.add_argument_group("model")
+    src.add_argument("--model", metavar="PATH", default=None,
+                     help="local checkpoint directory (model + tokenizer; nothing is downloaded). "
+                          "Default: the embedded random-weight model (meaningless text).")
+    src.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype (default: float32)")
+    src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    return src
+
+
 def _add_telemetry_flags(p: Any) -> None:
     tel = p.add_argument_group("telemetry (OpenTelemetry; needs the otel extra for OTLP)")
     tel.add_argument("--otlp-endpoint", metavar="URL", default=None,
@@ -173,12 +184,7 @@ def _add_generate(sub: Any) -> None:
             "130 when interrupted."
         ),
     )
-    src = p.add_argument_group("model")
-    src.add_argument("--model", metavar="PATH", default=None,
-                     help="local checkpoint directory (model + tokenizer; nothing is downloaded). "
-                          "Default: the embedded random-weight model (meaningless text).")
-    src.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype (default: float32)")
-    src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    _add_model_flags(p)
 
     pr = p.add_argument_group("prompts")
     pr.add_argument("--prompts", metavar="FILE.jsonl", default=None,
@@ -255,14 +261,9 @@ def _add_serve(sub: Any) -> None:
             "requests finish for --grace-period seconds (then cancel them) and exit 0."
         ),
     )
-    src = p.add_argument_group("model")
-    src.add_argument("--model", metavar="PATH", default=None,
-                     help="local checkpoint directory (model + tokenizer). Default: the embedded random-weight "
-                          "model (meaningless text)")
+    src = _add_model_flags(p)
     src.add_argument("--served-model-name", metavar="NAME", default=None,
                      help="the model's name in the API (default: the checkpoint directory's name)")
-    src.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype (default: float32)")
-    src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
     http = p.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
