@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from acb.core.request import Request
+    from acb.runner.model_runner import MemoryReleased
 
     from acb.sampling_params import SamplingKwargs
     from acb.text import Prompt
@@ -139,9 +140,34 @@ class AsyncEngine(EngineBase):
                                    cache_salt=cache_salt, chat_template_kwargs=chat_template_kwargs)
         return await handle.result()
 
-
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
         requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
         forgotten: int = await await_future(self._reset_prefix_cache_future())
         return forgotten
+
+    # ------------------------------------------------------ pause and sleep
+    async def pause(self, mode: str = "wait") -> None:
+        """Stop running steps, e.g. while the model trains between rounds; returns once paused.
+
+        ``mode``: ``"wait"`` lets the live requests finish first, ``"cancel"`` cancels them,
+        ``"keep"`` parks them where they are (they continue after :meth:`resume`). Requests
+        submitted while paused are accepted and wait.
+        """
+        await await_future(self._pause_future(mode))
+
+    async def resume(self) -> None:
+        """Run steps again after :meth:`pause`."""
+        await await_future(self._resume_future())
+
+    async def sleep(self) -> MemoryReleased:
+        """Free the KV cache, the decode graphs and the step buffers (the model stays) and return
+        the bytes freed. Pauses first if not paused (mode ``"keep"``); running requests are taken
+        off the device and recomputed after :meth:`wake_up`; the prefix cache is emptied."""
+        released: MemoryReleased = await await_future(self._sleep_future())
+        return released
+
+    async def wake_up(self) -> None:
+        """Allocate again what :meth:`sleep` freed (and capture the graphs); resumes if ``sleep``
+        paused the engine, else it stays paused until :meth:`resume`."""
+        await await_future(self._wake_up_future())

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from transformers import GenerationConfig, PreTrainedModel
 
-    from acb.runner.model_runner import ModelRunner
+    from acb.runner.model_runner import MemoryReleased, ModelRunner
     from acb.text import Prompt, TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -108,18 +108,10 @@ class EngineBase:
         self.cb_config = config  # acb's form of what was given; ``config`` is what it resolves to here
         if generation_config is None:
             generation_config = getattr(model, "generation_config", None)
-        self.generation_config = generation_config
         self.tokenizer = tokenizer
         # the model's name in telemetry (gen_ai.request.model); acb serve sets the served name
         self.model_name: str = (getattr(model.config, "name_or_path", "") or model.config.model_type or "model")
-        defaults = FALLBACK
-        if generation_config is not None:
-            defaults = SamplingParams.from_generation_config(
-                generation_config, model.config, drop_unsupported=config.drop_unsupported_processors
-            ).merged_over(FALLBACK)
-        if config.return_logprobs:  # transformers' meaning: logprobs of the processed logits
-            defaults = replace(defaults, logprobs=defaults.logprobs or 0, logprobs_mode="processed")
-        self.defaults = replace(defaults, logprobs_mode=defaults.logprobs_mode or "raw")
+        self.set_generation_config(generation_config)
         # requests without a seed draw one here, so that the engine's seed makes runs repeatable
         self._seeds = random.Random(config.seed)
         self._runner_cls = runner_cls
@@ -130,6 +122,20 @@ class EngineBase:
         self._start_lock = threading.Lock()
         self._context_depth = 0
         self._context_lock = threading.Lock()
+
+    def set_generation_config(self, generation_config: GenerationConfig | None) -> None:
+        """Make ``generation_config`` the defaults of the requests submitted from now on (a live
+        engine kept across calls that each bring their own, as a trainer's rollouts do)."""
+        config = self.cb_config
+        defaults = FALLBACK
+        if generation_config is not None:
+            defaults = SamplingParams.from_generation_config(
+                generation_config, self.model.config, drop_unsupported=config.drop_unsupported_processors
+            ).merged_over(FALLBACK)
+        if config.return_logprobs:  # transformers' meaning: logprobs of the processed logits
+            defaults = replace(defaults, logprobs=defaults.logprobs or 0, logprobs_mode="processed")
+        self.generation_config = generation_config
+        self.defaults = replace(defaults, logprobs_mode=defaults.logprobs_mode or "raw")
 
     # ------------------------------------------------------------------ life
     def prepare(self) -> None:
@@ -235,14 +241,41 @@ class EngineBase:
 
     def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run ``fn(core)`` on the engine thread between steps; returns a ``concurrent.futures.Future``."""
+        return self._live_core().call(fn)
+
+    def _reset_prefix_cache_future(self) -> Future[int]:
+        return self.call(lambda c: c.reset_prefix_cache())
+
+    # ------------------------------------------------------ pause and sleep
+    # the blocking and async forms (Engine, AsyncEngine) wrap these futures
+    def _pause_future(self, mode: str) -> Future[None]:
+        return self._live_core().pause(mode)
+
+    def _resume_future(self) -> Future[None]:
+        return self._live_core().resume()
+
+    def _sleep_future(self) -> Future[MemoryReleased]:
+        return self.call(lambda c: c.sleep())
+
+    def _wake_up_future(self) -> Future[None]:
+        return self.call(lambda c: c.wake_up())
+
+    def _live_core(self) -> EngineCore:
         core = self.core
         if core is None:
             raise EngineNotRunningError("the engine is not running")
         core.check_alive()
-        return core.call(fn)
+        return core
 
-    def _reset_prefix_cache_future(self) -> Future[int]:
-        return self.call(lambda c: c.reset_prefix_cache())
+    @property
+    def is_paused(self) -> bool:
+        """Whether :meth:`pause` (or ``sleep``) holds the steps back."""
+        return self.core is not None and self.core.paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether ``sleep`` freed the KV cache (``wake_up`` brings it back)."""
+        return self.core is not None and self.core.runner_asleep()
 
     # --------------------------------------------------------------- submit
     def make_request(

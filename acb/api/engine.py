@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from acb.runner.model_runner import MemoryReleased
     from acb.sampling_params import SamplingKwargs
     from acb.text import Prompt
 
@@ -133,6 +134,105 @@ class Engine(EngineBase):
         requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
         return self._reset_prefix_cache_future().result(timeout)
 
+    def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
+        """Stop running steps, e.g. while the model trains between rounds; returns once paused.
+
+        ``mode``: ``"wait"`` lets the live requests finish first, ``"cancel"`` cancels them,
+        ``"keep"`` parks them where they are (they continue after :meth:`resume`). Requests
+        submitted while paused are accepted and wait. ``timeout`` bounds the wait (``"wait"``).
+        """
+        self._pause_future(mode).result(timeout)
+
+    def resume(self, timeout: float | None = None) -> None:
+        """Run steps again after :meth:`pause`."""
+        self._resume_future().result(timeout)
+
+    def sleep(self, timeout: float | None = None) -> MemoryReleased:
+        """Free the KV cache, the decode graphs and the step buffers (the model stays) and return
+        the bytes freed. Pauses first if not paused (mode ``"keep"``); running requests are taken
+        off the device and recomputed after :meth:`wake_up`; the prefix cache is emptied."""
+        released: MemoryReleased = self._sleep_future().result(timeout)
+        return released
+
+    def wake_up(self, timeout: float | None = None) -> None:
+        """Allocate again what :meth:`sleep` freed (and capture the graphs); resumes if ``sleep``
+        paused the engine, else it stays paused until :meth:`resume`."""
+        self._wake_up_future().result(timeout)
+
+    def generate_batch(
+        self,
+        inputs: Sequence[Prompt] | torch.Tensor,
+        sampling: SamplingParams | None = None,
+        *,
+        record_timestamps: bool = False,
+        progress_bar: bool = True,
+        **kwargs: Unpack[SamplingKwargs],
+    ) -> dict[str, GenerationOutput]:
+        """:func:`acb.generate_batch` on this running engine (kept across calls: a trainer's
+        rounds, an evaluation's batches): submit every prompt, block until all ended, return
+        ``{"req_0": output, ...}`` in input order. Ids are ``req_<i>`` of this call; they must not
+        be live already (two concurrent calls on one engine need their own ids: use ``submit``)."""
+        sampling = with_overrides("generate_batch", sampling, kwargs)
+        inputs = _prompt_list(inputs)
+        if not inputs:
+            return {}
+        done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        n = len(inputs)
+        reqs = []
+        try:
+            for i, prompt in enumerate(inputs):
+                try:
+                    reqs.append(self.make_request(prompt, sampling, request_id=f"req_{i}",
+                                                  record_timestamps=record_timestamps,
+                                                  sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"inputs[{i}]: {exc}") from None
+        except BaseException:
+            for r in reqs:
+                self.abandon(r)
+            raise
+        results: dict[str, GenerationOutput] = {}
+        bar = _progress(n, progress_bar)
+        tokens = 0
+        t0 = time.perf_counter()
+        enqueued = 0
+        try:
+            for k, req in enumerate(reqs):
+                try:
+                    self.enqueue_blocking(req)
+                    enqueued += 1
+                except AcbError as exc:  # the engine died: the rest never ran
+                    for r in reqs[k + 1:]:
+                        self.abandon(r)
+                    for r in reqs[k:]:
+                        r.status, r.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
+                        r.failure = FailureKind.ENGINE_DEAD
+                        done.put(r.to_output())
+                    break
+                tokens += _drain(done, results, bar, t0, tokens, block=False)
+            while len(results) < n:
+                tokens += _drain(done, results, bar, t0, tokens, block=True)
+                if not self.is_running and done.empty() and len(results) < n:
+                    for r in reqs:  # cannot happen unless delivery itself broke; never hang
+                        if r.request_id not in results:
+                            r.status, r.error = RequestStatus.FAILED, "the engine stopped"
+                            r.failure = FailureKind.ENGINE_DEAD
+                            results[r.request_id] = r.to_output()
+        except BaseException:  # interrupted: the engine outlives this call, its requests must not
+            for r in reqs[enqueued:]:
+                self.abandon(r)
+            for r in reqs[:enqueued]:
+                if r.request_id not in results:
+                    self.cancel(r.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
+        if failed:
+            logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
+                         results[failed[0]].error)
+        return {f"req_{i}": results[f"req_{i}"] for i in range(n)}
 
 
 def generate_batch(
@@ -165,58 +265,11 @@ def generate_batch(
     if not inputs:
         return {}
     engine = Engine(model, continuous_batching_config, generation_config, tokenizer=tokenizer)
-    done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-    n = len(inputs)
     engine.start()
     try:
-        reqs = []
-        try:
-            for i, prompt in enumerate(inputs):
-                try:
-                    reqs.append(engine.make_request(prompt, sampling, request_id=f"req_{i}",
-                                                    record_timestamps=record_timestamps,
-                                                    sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
-                except (ValueError, TypeError) as exc:
-                    raise type(exc)(f"inputs[{i}]: {exc}") from None
-        except BaseException:
-            for r in reqs:
-                engine.abandon(r)
-            raise
-        results: dict[str, GenerationOutput] = {}
-        bar = _progress(n, progress_bar)
-        tokens = 0
-        t0 = time.perf_counter()
-        try:
-            for k, req in enumerate(reqs):
-                try:
-                    engine.enqueue_blocking(req)
-                except AcbError as exc:  # the engine died: the rest never ran
-                    for r in reqs[k + 1:]:
-                        engine.abandon(r)
-                    for r in reqs[k:]:
-                        r.status, r.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
-                        r.failure = FailureKind.ENGINE_DEAD
-                        done.put(r.to_output())
-                    break
-                tokens += _drain(done, results, bar, t0, tokens, block=False)
-            while len(results) < n:
-                tokens += _drain(done, results, bar, t0, tokens, block=True)
-                if not engine.is_running and done.empty() and len(results) < n:
-                    for r in reqs:  # cannot happen unless delivery itself broke; never hang
-                        if r.request_id not in results:
-                            r.status, r.error = RequestStatus.FAILED, "the engine stopped"
-                            r.failure = FailureKind.ENGINE_DEAD
-                            results[r.request_id] = r.to_output()
-        finally:
-            if bar is not None:
-                bar.close()
+        return engine.generate_batch(inputs, sampling, record_timestamps=record_timestamps, progress_bar=progress_bar)
     finally:
         engine.shutdown()
-    failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
-    if failed:
-        logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
-                     results[failed[0]].error)
-    return {f"req_{i}": results[f"req_{i}"] for i in range(n)}
 
 
 def _prompt_list(inputs: Any) -> list[Any]:

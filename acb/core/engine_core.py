@@ -49,6 +49,7 @@ class Delivery(NamedTuple):
 
 
 _FAILED = object()  # _launch: the step raised and its requests were failed
+PAUSE_MODES = ("wait", "cancel", "keep")
 
 
 class Runner(Protocol):
@@ -89,6 +90,8 @@ class EngineStats:
     swapped_in_blocks: int = 0
     recomputed_preemptions: int = 0  # preemptions that had to drop the KV (no offload space)
     prefix_evictions: int = 0  # cached prefix blocks reused for other content (LRU)
+    paused: bool = False  # pause() (or sleep()) holds the steps back
+    asleep: bool = False  # sleep() freed the KV cache and the step buffers
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -125,6 +128,12 @@ class EngineCore:
         self._stopping = False
         self._closed = False  # set (under _lock) as the thread exits; adds are refused after
         self._drain_on_stop = False
+        # pause(): None (running), "draining" (mode wait: live requests finish, new ones are held),
+        # "paused" (no steps run; new requests queue in the scheduler)
+        self._pause_state: str | None = None
+        self._held: deque[Request] = deque()  # requests added while draining for a pause
+        self._pause_waiters: list[Future] = []  # pause() calls waiting for the drain to end
+        self._slept_paused = False  # sleep() paused the engine (wake_up() resumes it)
         self.dead_error: BaseException | None = None
         self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
         self._generated = 0
@@ -191,6 +200,27 @@ class EngineCore:
         self._post(("call", fn, fut))
         return fut
 
+    def pause(self, mode: str = "wait") -> Future:
+        """Stop running steps; the Future completes once paused. ``mode``: ``"wait"`` lets the
+        live requests finish first (requests submitted meanwhile wait for :meth:`resume`),
+        ``"cancel"`` cancels them, ``"keep"`` parks them where they are (they continue on resume)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        fut: Future = Future()
+        self._post(("pause", mode, fut))
+        return fut
+
+    def resume(self) -> Future:
+        """Run steps again after :meth:`pause` (the Future completes once resumed)."""
+        fut: Future = Future()
+        self._post(("resume", fut))
+        return fut
+
+    @property
+    def paused(self) -> bool:
+        """Whether steps are held back (paused, or draining for a pause)."""
+        return self._pause_state is not None
+
     def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the thread. ``drain``: finish live requests first; otherwise cancel them."""
         if self._thread is None:
@@ -216,9 +246,11 @@ class EngineCore:
                     self._flush_inflight()
                     self._cancel_all()
                     break
-                if not self.scheduler.has_work():
+                if self._pause_state == "paused" or not self.scheduler.has_work():
                     if self._flush_inflight():
                         continue
+                    if self._pause_state == "draining":
+                        self._enter_paused()
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -231,6 +263,9 @@ class EngineCore:
             self._stopping = True
             with self._lock:
                 self._closed = True
+            waiters, self._pause_waiters = self._pause_waiters, []
+            for w in waiters:
+                w.set_exception(EngineNotRunningError("the engine stopped before the pause completed"))
             leftover = [c[1] for c in self._inbox if c[0] == "add" and not c[1].status.is_terminal]
             self._inbox.clear()
             for req in leftover:
@@ -255,11 +290,18 @@ class EngineCore:
                 req = cmd[1]
                 if self._stopping and not self._drain_on_stop:
                     self._end_unscheduled(req, RequestStatus.CANCELLED)
+                elif self._pause_state == "draining":
+                    self._held.append(req)
                 else:
                     self.scheduler.add(req)
             elif kind == "cancel":
                 head = self.scheduler.live.get(cmd[1])
                 if head is None:
+                    held = next((r for r in self._held if r.request_id == cmd[1]), None)
+                    if held is not None:
+                        self._held.remove(held)
+                        held.finish_reason = FinishReason.CANCELLED
+                        self._end_unscheduled(held, RequestStatus.CANCELLED)
                     continue
                 never_scheduled = head.first_scheduled_time is None
                 members = head.group.members if head.group is not None else [head]
@@ -279,9 +321,96 @@ class EngineCore:
                         fut.set_result(fn(self))
                     except BaseException as exc:  # noqa: BLE001
                         fut.set_exception(exc)
+            elif kind == "pause":
+                self._pause(cmd[1], cmd[2])
+            elif kind == "resume":
+                self._resume(cmd[1])
             elif kind == "stop":
                 self._stopping = True
                 self._drain_on_stop = cmd[1]
+                if self._pause_state is not None:  # a stop ends a pause: drained or cancelled, nothing stays parked
+                    if self.runner_asleep() and self._drain_on_stop and self.scheduler.has_work():
+                        self._wake_runner()
+                    self._leave_pause()
+
+    # ---------------------------------------------------------- pause, sleep
+    def _pause(self, mode: str, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        if self._stopping:
+            fut.set_exception(EngineNotRunningError("the engine is stopping"))
+            return
+        self._slept_paused = False  # an explicit pause: wake_up() leaves the engine paused
+        if mode == "wait" and self._pause_state is None:
+            self._pause_state = "draining"
+            self._pause_waiters.append(fut)
+            return
+        if mode == "wait" and self._pause_state == "draining":
+            self._pause_waiters.append(fut)
+            return
+        self._flush_inflight()
+        if mode == "cancel":
+            self._cancel_all()
+        self._enter_paused()
+        fut.set_result(None)
+
+    def _enter_paused(self) -> None:
+        """No more steps: requests held while draining join the queue (they run on resume)."""
+        self._pause_state = "paused"
+        while self._held:
+            self.scheduler.add(self._held.popleft())
+        self._publish_stats()
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for w in waiters:
+            w.set_result(None)
+
+    def _leave_pause(self) -> None:
+        self._enter_paused()  # held requests join the queue; pause() callers hear it ended
+        self._pause_state = None
+        self._slept_paused = False
+        self._publish_stats()
+
+    def _resume(self, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        if self.runner_asleep():
+            fut.set_exception(RuntimeError("the engine is asleep: call wake_up() before resume()"))
+            return
+        self._leave_pause()
+        fut.set_result(None)
+
+    def runner_asleep(self) -> bool:
+        return bool(getattr(self.runner, "asleep", False))
+
+    def sleep(self) -> Any:
+        """(Engine thread.) Pause, if not paused (parking the live requests), take every running
+        request off the device (recomputed after waking), forget the prefix cache and free the
+        runner's cache and buffers; returns what the runner freed."""
+        if self.runner_asleep():
+            return self.runner.sleep()  # type: ignore[attr-defined]  # nothing more to free
+        if self._pause_state != "paused":
+            fut: Future = Future()
+            self._pause("keep", fut)  # settles at once: keep does not drain
+            fut.result()
+            self._slept_paused = True
+        self._flush_inflight()
+        self.scheduler.preempt_all()
+        self.reset_prefix_cache()
+        released = self.runner.sleep()  # type: ignore[attr-defined]
+        self._publish_stats()
+        return released
+
+    def wake_up(self) -> None:
+        """(Engine thread.) Allocate what :meth:`sleep` freed; resume if ``sleep`` paused."""
+        if not self.runner_asleep():
+            return
+        self._wake_runner()
+        if self._slept_paused:
+            self._leave_pause()
+        self._publish_stats()
+
+    def _wake_runner(self) -> None:
+        self.runner.wake_up()  # type: ignore[attr-defined]
 
     def step(self) -> None:
         """One engine step: schedule, run, record, deliver.
@@ -431,6 +560,10 @@ class EngineCore:
         self._deliver_final(members)
 
     def _cancel_all(self) -> None:
+        while self._held:  # added while draining for a pause: never reached the scheduler
+            held = self._held.popleft()
+            held.finish_reason = FinishReason.CANCELLED
+            self._end_unscheduled(held, RequestStatus.CANCELLED)
         reqs = list(self.scheduler.live.values())
         for req in reqs:
             never_scheduled = req.first_scheduled_time is None and req.sample_index == 0
@@ -447,8 +580,9 @@ class EngineCore:
         what can fail (decoding, a sink's callbacks): each final output falls back to a bare one,
         and each delivery is tried on its own."""
         reqs = list(self.scheduler.live.values())
-        queued_adds = [m for c in self._inbox if c[0] == "add"
-                        for m in (c[1].group.members if c[1].group is not None else [c[1]])]
+        queued = [c[1] for c in self._inbox if c[0] == "add"] + list(self._held)
+        self._held.clear()
+        queued_adds = [m for r in queued for m in (r.group.members if r.group is not None else [r])]
         msg = f"the engine died: {type(exc).__name__}: {exc}"
         for req in reqs + queued_adds:
             req.status = RequestStatus.FAILED
@@ -495,6 +629,8 @@ class EngineCore:
             host_stage_s=tm[1],
             compute_s=tm[2],
             host_process_s=tm[3],
+            paused=self._pause_state is not None,
+            asleep=self.runner_asleep(),
         )
 
     def _check_weights(self) -> None:

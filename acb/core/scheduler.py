@@ -207,11 +207,20 @@ class Scheduler:
             self._freed_rows.append(req.row)
             req.row = -1
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Take ``req`` off the device: offload its KV to host memory when there is room
-        (it resumes where it was), else drop it (it is recomputed, its tokens kept)."""
+    def preempt_all(self) -> int:
+        """Take every running request off the device to be recomputed later (its tokens kept),
+        as ``sleep`` needs; no step may be in flight. Returns how many were preempted."""
+        victims = self.running[::-1]
+        for req in victims:  # the last admitted first: appendleft keeps the queue's order
+            self._preempt(req, None)
+        return len(victims)
+
+    def _preempt(self, req: Request, out: SchedulerOutput | None) -> None:
+        """Take ``req`` off the device: offload its KV to host memory when there is room and a
+        step to carry the copy (it resumes where it was), else drop it (it is recomputed, its
+        tokens kept)."""
         self.running.remove(req)
-        swapped = self.kv.plan_swap_out(req, out)
+        swapped = self.kv.plan_swap_out(req, out) if out is not None else None
         if swapped is not None:
             self.stats.swapped_out_blocks += len(swapped[0])
         else:

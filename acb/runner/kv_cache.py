@@ -39,12 +39,26 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.device = device
+        self._flat_shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.restore()
+
+    def restore(self) -> None:
+        """(Re)allocate the device blocks (after :meth:`release`); their content starts as zeros."""
+        spec = self.spec
+        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: padded gathers read slots that were never written, and masked-out
         # garbage that happens to be NaN/inf would still poison SDPA's weighted sum (0 * NaN)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self._flat_shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+
+    def release(self) -> int:
+        """Drop the device blocks (the host offload space stays); returns their bytes."""
+        freed = sum(t.nbytes for t in self.k + self.v)
+        self.k, self.v = [], []
+        return freed
 
     def flat_k(self, layer: int) -> torch.Tensor:  # [num_blocks * block_size, kv_heads, head_dim]
         return self.k[layer].view(self._flat_shape)
@@ -59,7 +73,7 @@ class KVCache:
             self.swap_k = self.swap_v = []
             return
         shape = (num_blocks, *self.k[0].shape[1:])
-        pin = self.k[0].is_cuda
+        pin = self.device.type == "cuda"
         self.swap_k = [torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin) for _ in self.k]
         self.swap_v = [torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin) for _ in self.v]
 

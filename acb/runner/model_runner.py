@@ -17,10 +17,12 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.core.scheduler import SchedulerOutput
@@ -46,6 +48,21 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 DEFAULT_BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class MemoryReleased:
+    """What :meth:`acb.Engine.sleep` gave back, in bytes, by kind."""
+
+    kv_cache: int
+    graphs: int  # CUDA: the memory the capture took; the eager twin: its static buffers
+    staging: int  # the two staging sets (host and device buffers)
+    other: int  # the device block table and the sampling buffers
+    device_measured: int | None  # CUDA: the drop in the allocator's reserved bytes (None elsewhere)
+
+    @property
+    def total(self) -> int:
+        return self.kv_cache + self.graphs + self.staging + self.other
 
 
 @dataclass
@@ -281,6 +298,20 @@ def _configs(model: PreTrainedModel) -> list[Any]:
 _ATTN_SWAP = _AttentionSwap()
 
 
+def _step_counter(runner: "weakref.ref[ModelRunner]") -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+    """A global optimizer post-step hook counting the steps that updated the runner's weights."""
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        r = runner()
+        if r is None:
+            return
+        ids = r._param_ids
+        if any(id(p) in ids for group in opt.param_groups for p in group["params"]):
+            r._optimizer_steps += 1
+
+    return hook
+
+
 class ModelRunner:
     """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
 
@@ -288,9 +319,13 @@ class ModelRunner:
         check_model(model)
         self._user_training = model.training  # given back at close()
         self.model: PreTrainedModel = model.eval()
-        # the weights' identity and in-place version: a change invalidates the prefix cache
+        # the weights' identity and in-place version, and the optimizer steps taken on them: a
+        # change invalidates the prefix cache
         self._params = [p for p in model.parameters()]
+        self._param_ids = frozenset(id(p) for p in self._params)
+        self._optimizer_steps = 0  # written by the training thread's optimizer hook only
         self._weights_seen = self._weights_key()
+        self._step_hook = register_optimizer_step_post_hook(_step_counter(weakref.ref(self)))
         self.device = model_device(model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
@@ -307,13 +342,11 @@ class ModelRunner:
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs(), graph_step=config.q_padding_interval_size or None)
         self._setup_compile(config)
-        self.inputs = InputBatch(self.cfg.max_requests_per_batch, self.cfg.max_blocks_per_seq, self.cfg.block_size, self.device)
         self.streams = DeviceStreams(self.device)
-        self.staging = StagingRing(staging_bytes(self.cfg), self.device, self.streams)
+        self._step_buffers()
         self.graphs: DecodeGraphs | None = None  # decode CUDA graphs, set up by warmup()
-        self.sampling = SamplingState(self.cfg.max_requests_per_batch, self.vocab_size, self.device)
+        self.asleep = False  # sleep() dropped the cache and the step buffers; wake_up() brings them back
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
-        self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
         self._no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)
         self._supports_logits_to_keep = bool(
             getattr(model, "_supports_logits_to_keep", lambda: False)()
@@ -328,6 +361,56 @@ class ModelRunner:
             self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
             self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
         )
+
+    def _step_buffers(self) -> None:
+        """The block table, the staging buffers, the per-row sampling state and the last samples:
+        what a step needs besides the KV cache (built at start and by ``wake_up``, with no request
+        holding a row)."""
+        cfg = self.cfg
+        self.inputs = InputBatch(cfg.max_requests_per_batch, cfg.max_blocks_per_seq, cfg.block_size, self.device)
+        self.staging = StagingRing(staging_bytes(cfg), self.device, self.streams)
+        self.sampling = SamplingState(cfg.max_requests_per_batch, self.vocab_size, self.device)
+        self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
+
+    def sleep(self) -> "MemoryReleased":
+        """Free the device memory the engine holds besides the model: the KV cache, the decode
+        graphs, the staging buffers, the block table and the sampling buffers. No request may hold
+        KV blocks or a row (the engine preempts them first); the cache's content is lost. The host
+        offload space is kept (offloaded requests resume from it)."""
+        if self.asleep:
+            return MemoryReleased(0, 0, 0, 0, 0 if self.device.type == "cuda" else None)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+        kv = self.kv_cache.release()
+        graphs = 0
+        if self.graphs is not None:
+            g = self.graphs
+            graphs = g.capture_bytes if cuda else g.static.nbytes + g.qsl.nbytes
+            self.graphs = None
+        staging = sum(s.host.nbytes + s.dev.nbytes for s in self.staging.sets)
+        other = self.inputs.block_table_dev.nbytes + sum(
+            t.nbytes for t in (self.sampling.seen, self.sampling.counts, self.sampling.bias, self.sampling.stop_mask)
+            if t is not None)
+        self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]
+        self._prev_ids = None  # type: ignore[assignment]
+        measured = None
+        if cuda:
+            torch.cuda.empty_cache()
+            measured = max(0, reserved - torch.cuda.memory_reserved(self.device))
+        self.asleep = True
+        return MemoryReleased(kv, graphs, staging, other, measured)
+
+    def wake_up(self) -> None:
+        """Allocate again what :meth:`sleep` freed and capture the decode graphs again."""
+        if not self.asleep:
+            return
+        with device_scope(self.device):
+            self.kv_cache.restore()
+            self._step_buffers()
+            self.asleep = False
+            self.warmup()
 
     def _checked_backend(self, config: ContinuousBatchingConfig, spec: KVSpec) -> AttentionBackend:
         """The configured backend; when it was picked automatically, it must first agree with the
@@ -395,10 +478,15 @@ class ModelRunner:
         logger.warning("decode CUDA graphs disabled, their capture or check failed (%s)", problem)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=False)
 
-    def _weights_key(self) -> tuple[int, int]:
-        """(sum of the parameters' version counters, sum of their storage addresses): an in-place
-        update bumps the first, a replaced ``.data`` changes the second."""
-        return sum(p._version for p in self._params), sum(p.data_ptr() for p in self._params)
+    def _weights_key(self) -> tuple[int, int, int]:
+        """(sum of the parameters' version counters, sum of their storage addresses, optimizer
+        steps on them): an in-place update bumps the first, a replaced ``.data`` changes the
+        second, and a ``torch.optim`` step counts in the third. That last one is needed: fused
+        optimizers (AdamW(fused=True), transformers' Trainer default) write the parameters
+        without bumping their version counters. Not seen: in-place writes through ``.data``
+        outside an optimizer (call ``reset_prefix_cache()`` after those)."""
+        return (sum(p._version for p in self._params), sum(p.data_ptr() for p in self._params),
+                self._optimizer_steps)
 
     def weights_changed(self) -> bool:
         """Whether the weights changed since the last call (or construction)."""
@@ -415,6 +503,7 @@ class ModelRunner:
         if self._holds_attn:
             _ATTN_SWAP.release(self.model)
             self._holds_attn = False
+        self._step_hook.remove()
         if self._user_training and not self.model.training:  # the user's mode, unless they set one since
             self.model.train()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now

@@ -84,3 +84,23 @@ def test_the_users_own_forward_while_the_engine_runs_is_the_models_own():
         from acb.runner.attention import _own_name
 
         _own_name(object())
+
+
+def test_a_fused_optimizer_step_is_noticed():
+    """Fused AdamW (transformers' Trainer default) writes the parameters without bumping their
+    version counters: the engine counts optimizer steps on its model's parameters instead."""
+    model = _model()
+    prompt = prompts_of_lengths([40], seed=53)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        eng.generate(prompt, acb.SamplingParams(max_new_tokens=4))
+        versions = [p._version for p in model.parameters()]
+        model(torch.tensor([prompt]), labels=torch.tensor([prompt])).loss.backward()
+        opt.step()
+        assert [p._version for p in model.parameters()] == versions  # invisible to version counters
+        other = torch.optim.SGD(tiny_model("llama", seed=9).parameters(), lr=0.1)
+        other.step()  # another model's optimizer: not this engine's business
+        after = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8))
+        assert after.num_cached_tokens == 0 and eng.core.weight_resets == 1
+    model.eval()
+    assert after.generated_tokens == reference_generate(model, prompt, 8)
