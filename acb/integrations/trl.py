@@ -1,0 +1,167 @@
+"""TRL's ``GRPOTrainer`` generating its rollouts through acb (``pip install acb[trl]``).
+
+TRL's trainer can generate through transformers' continuous batching: with
+``GRPOConfig(use_transformers_continuous_batching=True)`` it calls the policy model's
+``generate_batch(prompt_ids, generation_config=..., continuous_batching_config=...,
+progress_bar=False)`` and reads ``output.generated_tokens`` of each result. :func:`use_acb` points
+that method of the trainer's model at one acb engine kept for the trainer's life::
+
+    from trl import GRPOConfig, GRPOTrainer
+    from acb.integrations.trl import use_acb
+
+    args = GRPOConfig(..., use_transformers_continuous_batching=True)
+    trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward, train_dataset=ds)
+    with use_acb(trainer):
+        trainer.train()
+
+Between rounds the model trains in place: the engine stays up (no start-up per round), its prefix
+cache is dropped when the weights change (detected from the parameters' version counters), the
+model's train/eval mode is left as TRL sets it, and with ``sleep=True`` (the default on CUDA) the
+KV cache and step buffers are freed after each round so the backward pass has the memory, and
+allocated again for the next round. TRL's own argument ``continuous_batching_config`` (a
+transformers ``ContinuousBatchingConfig``) sizes the engine, as it would transformers' manager.
+
+Logprobs: TRL's continuous-batching path recomputes the old policy's logprobs itself (logits
+divided by the temperature) and takes none from the generator. Code that samples through acb
+directly and wants the sampler's own logprobs asks for ``logprobs=0, logprobs_mode="processed"``:
+the log-softmax of the logits after the processors (penalties, temperature, top-k/top-p masking),
+the distribution each token was drawn from, per token and per sample of ``n``; with neither
+top-k nor top-p (nor penalties) that is exactly what a trainer computes from ``logits /
+temperature`` on the same weights, so importance ratios start at 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from acb.api.engine import Engine
+from acb.config import as_config
+
+if TYPE_CHECKING:
+    from acb.outputs import GenerationOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AcbRollouts:
+    """The ``generate_batch`` that :func:`use_acb` installs on the model: one acb engine, started
+    on the first call and kept until :meth:`close` (rebuilt if the model's dtype or device, or
+    the continuous-batching config it is called with, changes)."""
+
+    def __init__(self, model: Any, config: Any = None, *, sleep: bool | None = None, tokenizer: Any = None) -> None:
+        self.model = model
+        self.config = config  # acb's or transformers' config; None: TRL's, from each call
+        self.sleep = sleep
+        self.tokenizer = tokenizer
+        self.engine: Engine | None = None
+        self._key: tuple | None = None
+        self.calls = 0  # rounds generated (tests and logs read them)
+        self.completions = 0
+        self._installed = False
+
+    # ------------------------------------------------------------ install
+    def install(self) -> "AcbRollouts":
+        """Shadow the model's ``generate_batch`` with this object (an instance attribute)."""
+        if "generate_batch" in vars(self.model):
+            raise RuntimeError("the model's generate_batch is already replaced (use_acb called twice?)")
+        self.model.generate_batch = self
+        self._installed = True
+        return self
+
+    def close(self) -> None:
+        """Stop the engine and give the model its own ``generate_batch`` back."""
+        if self._installed:
+            if vars(self.model).get("generate_batch") is self:
+                del self.model.generate_batch
+            self._installed = False
+        self._stop_engine()
+
+    def __enter__(self) -> "AcbRollouts":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ rounds
+    def __call__(
+        self,
+        inputs: Any,
+        generation_config: Any = None,
+        continuous_batching_config: Any = None,
+        *,
+        progress_bar: bool = True,
+        **kwargs: Any,
+    ) -> dict[str, GenerationOutput]:
+        """transformers' ``model.generate_batch`` signature; returns ``{req_i: GenerationOutput}``
+        in input order (``.generated_tokens`` as transformers gives them)."""
+        for ignored in ("persistent_manager", "warmup"):
+            kwargs.pop(ignored, None)
+        # a call without a config (the user's own) runs on the engine TRL's calls started
+        engine = self._engine_for(self.config if self.config is not None else continuous_batching_config)
+        engine.set_generation_config(generation_config if generation_config is not None
+                                     else getattr(self.model, "generation_config", None))
+        if engine.is_sleeping:
+            engine.wake_up()
+        try:
+            out = engine.generate_batch(inputs, progress_bar=progress_bar, **kwargs)
+        finally:
+            if self._sleeps(engine):
+                engine.sleep()
+        self.calls += 1
+        self.completions += len(out)
+        return out
+
+    def _sleeps(self, engine: Engine) -> bool:
+        return self.sleep if self.sleep is not None else next(self.model.parameters()).is_cuda
+
+    def _engine_for(self, config: Any) -> Engine:
+        param = next(self.model.parameters())
+        key = (param.dtype, param.device, repr(as_config(config)))
+        live = self.engine is not None and self.engine.is_running
+        if live and (key == self._key or (config is None and key[:2] == self._key[:2])):  # type: ignore[index]
+            return self.engine  # type: ignore[return-value]  # live implies set
+
+        if self.engine is not None:  # TRL cast the model (bf16) or passed another config: rebuild
+            logger.info("acb rollouts: the model's dtype/device or the engine config changed; restarting the engine")
+            self._stop_engine()
+        engine = Engine(self.model, config, tokenizer=self.tokenizer)
+        was_training = self.model.training
+        engine.start()
+        if was_training:
+            self.model.train()  # TRL's mode stays TRL's: steps run in eval semantics regardless
+        self.engine, self._key = engine, key
+        return engine
+
+    def _stop_engine(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            was_training = self.model.training
+            engine.shutdown()
+            if was_training != self.model.training:
+                self.model.train(was_training)
+
+
+def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> AcbRollouts:
+    """Make a TRL trainer (or a model) generate through acb; returns the installed
+    :class:`AcbRollouts` (a context manager: leaving it stops the engine and undoes the change).
+
+    ``target``: a ``GRPOTrainer`` built with ``use_transformers_continuous_batching=True``, or
+    the model itself. ``config``: acb's (or transformers') continuous-batching config, overriding
+    the one TRL passes. ``sleep``: free the KV cache between rounds (default: on CUDA).
+    """
+    model = target
+    tokenizer = None
+    if hasattr(target, "accelerator") and hasattr(target, "model"):  # a trainer
+        if not getattr(target, "use_transformers_continuous_batching", False):
+            raise ValueError("the trainer does not generate through continuous batching: build it with "
+                             "GRPOConfig(use_transformers_continuous_batching=True) for use_acb to take over")
+        model = target.accelerator.unwrap_model(target.model)
+        tokenizer = getattr(target, "processing_class", None)
+        if not hasattr(tokenizer, "decode"):  # a multimodal processor: rollouts are token ids anyway
+            tokenizer = None
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
+        raise TypeError(f"use_acb needs a TRL trainer or a transformers model, got {type(target).__name__}")
+    return AcbRollouts(model, config, sleep=sleep, tokenizer=tokenizer).install()
