@@ -27,8 +27,27 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_every_example_is_tested():
-    tested = {"eval_dataset.py", "tracing.py", "openai_client.py", "async_app.py"}
+    tested = {"eval_dataset.py", "tracing.py", "openai_client.py", "async_app.py", "grpo_loop.py", "grpo_trl.py",
+              "lm_eval_acb.py"}  # lm_eval_acb.py: tests/integrations/test_lm_eval.py
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
+
+
+def test_grpo_loop(tmp_path):
+    import re
+
+    p = _run("grpo_loop.py", "--rounds", "2", "-n", "3", "--max-new-tokens", "8", cwd=tmp_path)
+    rounds = re.findall(r"round (\d): 4 prompts x 3 samples, .* max \|sampler - trainer logprob\| (\S+), "
+                        r"slept freeing (\S+) MiB", p.stdout)
+    assert [r[0] for r in rounds] == ["1", "2"], p.stdout
+    assert all(float(r[1]) < 1e-4 and float(r[2]) > 0 for r in rounds)  # importance ratios start at 1
+    resets = re.search(r"engine: 24 sequences generated, prefix cache dropped (\d+) times", p.stdout)
+    assert resets and int(resets.group(1)) >= 1, p.stdout  # round 2 saw the optimizer step
+
+
+def test_grpo_trl(tmp_path):
+    pytest.importorskip("trl")
+    p = _run("grpo_trl.py", "--steps", "2", cwd=tmp_path)
+    assert "trained 2 steps" in p.stdout and "acb generated 16 completions in 2 rounds" in p.stdout, p.stdout
 
 
 def test_eval_dataset(tmp_path):

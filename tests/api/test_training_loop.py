@@ -104,3 +104,25 @@ def test_a_fused_optimizer_step_is_noticed():
         assert after.num_cached_tokens == 0 and eng.core.weight_resets == 1
     model.eval()
     assert after.generated_tokens == reference_generate(model, prompt, 8)
+
+
+def test_processed_logprobs_of_every_sample_are_what_a_trainer_recomputes():
+    """GRPO's importance ratio compares the sampler's logprob of each token with the trainer's
+    recomputation, ``log_softmax(logits / temperature)`` on the same weights: with
+    ``logprobs_mode="processed"`` (and no truncation) they agree for every sample of ``n``;
+    ``"raw"`` is the same without the temperature."""
+    model = tiny_model("llama", seed=12)
+    prompt = prompts_of_lengths([11], seed=54)[0]
+    temp = 0.7
+    for mode, scale in (("processed", temp), ("raw", 1.0)):
+        sp = acb.SamplingParams(max_new_tokens=10, n=4, do_sample=True, temperature=temp, top_k=0, top_p=1.0,
+                                logprobs=0, logprobs_mode=mode, seed=5, ignore_eos=True)
+        with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, use_async_batching=True)) as eng:
+            out = eng.generate(prompt, sp)
+        assert out.samples is not None and len({tuple(s.generated_tokens) for s in out.samples}) > 1
+        for s in out.samples:
+            ids = torch.tensor([prompt + s.generated_tokens])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1: -1]
+            trainer = (logits / scale).log_softmax(-1).gather(-1, torch.tensor(s.generated_tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(s.logprobs), trainer, atol=1e-5, rtol=1e-5)
