@@ -1,0 +1,408 @@
+"""lm-evaluation-harness model ``"acb"``: lm-eval's requests run through one acb :class:`~acb.Engine`.
+
+Importing this module registers the model with lm-eval (extra ``eval``: ``pip install
+'acb-batching[eval]'``)::
+
+    import lm_eval
+    import acb.integrations.lm_eval  # noqa: F401 - registers "acb"
+
+    results = lm_eval.simple_evaluate(model="acb", model_args="pretrained=PATH,dtype=bfloat16",
+                                      tasks=["hellaswag"], device="cuda")
+
+lm-eval has no plug-in mechanism for models defined outside its tree, so its own ``lm_eval``
+command does not know ``--model acb``. This module's ``main`` is that command with the model
+registered first; it takes lm-eval's arguments unchanged::
+
+    python -m acb.integrations.lm_eval --model acb --model_args pretrained=PATH --tasks hellaswag --device cuda
+
+What the three request types become:
+
+- ``loglikelihood`` (multiple choice): one request per (context, continuation) with
+  ``prompt_logprobs=1`` and ``max_new_tokens=1``, all submitted at once so the engine batches
+  them; the continuation's logprobs are summed, and it is greedy when each of its tokens is
+  the top-1 alternative. Tokenization, the empty-context case and the left truncation are
+  lm-eval's own (``TemplateLM``) and those of its ``hf`` backend, so the numbers match it.
+- ``loglikelihood_rolling`` (perplexity): lm-eval's rolling windows, scored as above.
+- ``generate_until``: one request per context with the task's stop strings; the text is decoded
+  and cut before the first stop string as the ``hf`` backend does.
+
+The context window is two tokens shorter than the model's maximum (``max_model_len - 2``, the
+``max_length`` property): acb scores a token by feeding it as part of the prompt, and every
+request needs room for the one token the engine samples after its prompt. ``hf``'s window is the
+model's full length, so inputs longer than acb's window are cut two tokens shorter than ``hf``
+cuts them (pass ``max_length`` to both for identical windows).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import weakref
+from dataclasses import asdict, fields
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from tqdm.auto import tqdm
+
+from acb import ContinuousBatchingConfig, Engine, SamplingParams
+
+try:
+    # lm_eval.models registers the built-in backends (lazily), which lm-eval itself only does while
+    # its model registry is empty: importing it before "acb" is registered keeps "hf" & co. findable
+    importlib.import_module("lm_eval.models")
+    from lm_eval.api.model import TemplateLM  # type: ignore[import-untyped]
+    from lm_eval.api.registry import model_registry  # type: ignore[import-untyped]
+    from lm_eval.models.utils import (  # type: ignore[import-untyped]
+        handle_stop_sequences,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # type: ignore[import-untyped]
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "acb.integrations.lm_eval needs lm-evaluation-harness: pip install 'acb-batching[eval]'"
+    ) from exc
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+    from lm_eval.api.instance import Instance  # type: ignore[import-untyped]
+    from transformers import PreTrainedModel
+
+    from acb import GenerationOutput, SyncRequestHandle
+    from acb.text import TokenizerLike
+
+logger = logging.getLogger(__name__)
+
+# lm-eval generation keywords that map one to one onto SamplingParams fields
+_SAMPLING_KEYS = frozenset({"top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                            "frequency_penalty", "seed", "min_new_tokens"})
+_ENGINE_KEYS = frozenset(f.name for f in fields(ContinuousBatchingConfig) if f.init)
+
+_T = TypeVar("_T")
+# loglikelihood request as TemplateLM hands it over: ((context, continuation) or None, context ids, continuation ids)
+_TokenRequest = tuple["tuple[str, str] | None", list[int], list[int]]
+
+
+class AcbLM(TemplateLM):
+    """lm-eval model backed by one acb engine, started here and kept for the object's life.
+
+    Args:
+        pretrained: a checkpoint (local directory or hub id), loaded with ``Engine.from_pretrained``,
+            or a ``PreTrainedModel`` already built (``dtype``, ``device``, ``revision`` and
+            ``trust_remote_code`` then do not apply, as with lm-eval's ``hf``).
+        tokenizer: a tokenizer, or where to load one from; default: ``pretrained``'s (for a
+            model object, its ``name_or_path``).
+        dtype: ``"auto"`` (the checkpoint's), ``"bfloat16"``, ``"float16"``, ``"float32"`` or a
+            ``torch.dtype``.
+        device: where the model goes; default ``cuda`` when available, else ``cpu``.
+        max_length: the context window of ``loglikelihood`` and ``generate_until``; at most (and by
+            default) the engine's ``max_model_len - 2`` (see the module docstring).
+        max_gen_toks: generated tokens when a task does not say (lm-eval's default, 256).
+        add_bos_token, prefix_token_id: as for lm-eval's ``hf`` (tokenization of the inputs; the
+            token an empty context is replaced by, default BOS, else EOS).
+        chat_template_args: keyword arguments of the tokenizer's ``apply_chat_template``.
+        batch_size, max_batch_size: accepted because lm-eval passes them; acb schedules its own
+            batches (``max_batch_tokens``, ``max_requests_per_batch``).
+        engine_settings: fields of :class:`acb.ContinuousBatchingConfig` (``num_blocks``,
+            ``max_batch_tokens``, ``use_async_batching``, ``max_model_len``, ...).
+
+    ``close()`` (or leaving a ``with`` block) stops the engine; so does garbage collection of an
+    object that was not closed, and the interpreter's exit.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | PreTrainedModel,
+        tokenizer: str | TokenizerLike | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        chat_template_args: dict[str, Any] | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        **engine_settings: Any,
+    ) -> None:
+        super().__init__()
+        unknown = sorted(set(engine_settings) - _ENGINE_KEYS)
+        if unknown:
+            raise TypeError(f"AcbLM got unknown argument(s) {unknown}: the model arguments are AcbLM's own "
+                            "and the fields of acb.ContinuousBatchingConfig")
+        if batch_size not in (None, 1, "1") or max_batch_size is not None:
+            logger.info("acb schedules its own batches: batch_size=%s / max_batch_size=%s have no effect "
+                        "(set max_batch_tokens or max_requests_per_batch instead)", batch_size, max_batch_size)
+        config = ContinuousBatchingConfig(**engine_settings)
+        hub_kwargs: dict[str, Any] = {"revision": revision} if revision is not None else {}
+        if trust_remote_code:
+            hub_kwargs["trust_remote_code"] = True
+        tok = _load_tokenizer(tokenizer, pretrained, hub_kwargs)
+        if isinstance(pretrained, str):
+            import torch
+
+            if device is None:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            if isinstance(dtype, str) and dtype != "auto":
+                if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                    raise ValueError(f"dtype={dtype!r}: expected 'auto' or a torch dtype name such as 'bfloat16'")
+                dtype = getattr(torch, dtype)
+            engine = Engine.from_pretrained(pretrained, config, dtype=dtype, device=device, tokenizer=tok,
+                                            **hub_kwargs)
+        else:
+            engine = Engine(pretrained, config, tokenizer=tok)
+        self.engine = engine
+        self.tokenizer = tok
+        engine.start()
+        # stops the engine thread when this object is closed, collected, or at exit; it holds the
+        # engine only, so it does not keep this object alive
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+        limit = engine.config.max_model_len - 2
+        if max_length is not None and not 0 < max_length <= limit:
+            self.close()
+            raise ValueError(f"max_length={max_length}: acb can score a window of at most {limit} tokens with "
+                             f"this engine (max_model_len {engine.config.max_model_len} - 2)")
+        self._max_length = max_length or limit
+        self._max_gen_toks = max_gen_toks
+        self.add_bos_token = add_bos_token
+        self.custom_prefix_token_id = prefix_token_id
+        self.chat_template_args = dict(chat_template_args or {})
+        self._device = engine.config.device
+
+    # ------------------------------------------------------------------ life
+    def close(self) -> None:
+        """Stop the engine (cancelling whatever still runs); idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> AcbLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------- properties
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.custom_prefix_token_id is not None:
+            return int(self.custom_prefix_token_id)
+        bos = self.tokenizer.bos_token_id
+        return int(bos) if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What lm-eval records in the results' ``config``: the model and the engine's settings."""
+        model = self.engine.model
+        return {
+            "model_num_parameters": sum(p.numel() for p in model.parameters()),
+            "model_dtype": str(next(model.parameters()).dtype),
+            "acb_engine": asdict(self.engine.config),
+        }
+
+    # --------------------------------------------------------------- tokens
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   left_truncate_len: int | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of ``string`` as lm-eval's ``hf`` makes them: the tokenizer's special tokens
+        (or ``add_bos_token``), none when the string already starts with the prefix token."""
+        special: dict[str, bool] = {}
+        if add_special_tokens is not None:
+            special["add_special_tokens"] = add_special_tokens
+        elif self.add_bos_token is not None:
+            special["add_special_tokens"] = self.add_bos_token
+        if add_special_tokens is None:
+            prefix = self.tokenizer.decode(self.prefix_token_id)
+            if prefix and string.startswith(prefix):
+                special["add_special_tokens"] = False
+        ids: list[int] = self.tokenizer.encode(string, **special)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as one prompt string, rendered by the tokenizer's template (as ``hf``: retried
+        without the system message when the template rejects it)."""
+        from jinja2.exceptions import TemplateError
+
+        def render(chat: list[dict[str, str]]) -> str:
+            return str(self.tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt, **self.chat_template_args))
+
+        try:
+            return render(chat_history)
+        except TemplateError:
+            logger.warning("the chat template failed; retrying without the system message")
+            return render([m for m in chat_history if m["role"] != "system"])
+
+    # ------------------------------------------------------------- requests
+    def _loglikelihood_tokens(self, requests: list[_TokenRequest], disable_tqdm: bool = False,
+                              **kwargs: Any) -> list[tuple[float, bool]]:
+        """Score every continuation in one batch of engine requests (a repeated request once).
+        Each prompt is the window ``hf`` scores: context and continuation, cut from the left to
+        ``max_length + 1`` tokens (the last one is scored, never fed to predict another)."""
+        slot: dict[tuple[tuple[int, ...], int], int] = {}
+        unique: list[tuple[list[int], int]] = []  # (window, continuation length)
+        order = []
+        for _, ctx, cont in requests:
+            if not cont:
+                raise ValueError("loglikelihood: the continuation encodes to no tokens")
+            if len(cont) > self.max_length:
+                raise ValueError(f"loglikelihood: a continuation of {len(cont)} tokens does not fit the "
+                                 f"context window of {self.max_length} tokens")
+            window = (ctx + cont)[-(self.max_length + 1):]
+            i = slot.setdefault((tuple(window), len(cont)), len(unique))
+            if i == len(unique):
+                unique.append((window, len(cont)))
+            order.append(i)
+        params = SamplingParams(max_new_tokens=1, do_sample=False, prompt_logprobs=1)
+        scored = self._run([w for w, _ in unique], [params] * len(unique), "acb loglikelihood", disable_tqdm,
+                           lambda i, out: _score(out, unique[i][1]))
+        results = []
+        for (request_str, _, _), i in zip(requests, order):
+            if request_str is not None:  # rolling windows are cached per document, by the caller
+                self.cache_hook.add_partial("loglikelihood", request_str, scored[i])
+            results.append(scored[i])
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """Each text's logprob over lm-eval's disjoint rolling windows of ``max_length`` tokens
+        (the first conditioned on the prefix token), all windows of all texts in one batch."""
+        windows: list[_TokenRequest] = []
+        counts = []
+        for (string,) in (req.args for req in requests):
+            pairs = get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                                              max_seq_len=self.max_length, context_len=1)
+            doc = [(None, ctx, cont) for ctx, cont in map(make_disjoint_window, pairs)]
+            windows.extend(doc)
+            counts.append(len(doc))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = []
+        start = 0
+        for req, n in zip(requests, counts):
+            total = sum(lp for lp, _ in scores[start:start + n])
+            start += n
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+            totals.append(total)
+        return totals
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Generate for every context at once, each with its own stop strings and token budget;
+        the text is cut before the first stop string (the model's EOS text is one), as ``hf``."""
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        prompts: list[list[int]] = []
+        params: list[SamplingParams] = []
+        stops: list[list[str]] = []
+        for context, gen_kwargs in (req.args for req in requests):
+            sp, until, max_gen_toks = self._sampling(gen_kwargs, eos)
+            # room for the generated tokens, as hf: the context is cut from the left
+            ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen_toks)
+            prompts.append(ids or [self.prefix_token_id])  # an empty context: the prefix token, as loglikelihood
+            params.append(sp)
+            stops.append(until)
+
+        def text_of(i: int, out: GenerationOutput) -> str:
+            return str(postprocess_generated_text(self.tok_decode(out.generated_tokens), stops[i], None))
+
+        texts = self._run(prompts, params, "acb generate_until", disable_tqdm, text_of)
+        for req, text in zip(requests, texts):
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return texts
+
+    def _sampling(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[SamplingParams, list[str], int]:
+        """A task's generation keywords as SamplingParams, its stop strings (with the EOS text) and
+        its token budget. Keywords acb has no equivalent for are refused: another decoding than
+        the task asks for would change the score."""
+        kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
+        until: list[str] = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        max_gen_toks = int(kwargs.pop("max_gen_toks"))
+        if max_gen_toks >= self.max_length:
+            raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for the context in a window of "
+                             f"{self.max_length} tokens")
+        do_sample = bool(kwargs.pop("do_sample"))
+        temperature = float(kwargs.pop("temperature", 0.0))
+        if kwargs.pop("num_beams", 1) != 1:
+            raise ValueError("acb does not do beam search (generation keyword num_beams)")
+        unknown = sorted(set(kwargs) - _SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"generation keyword(s) {unknown} have no acb equivalent (known: do_sample, "
+                             f"temperature, until, max_gen_toks, {', '.join(sorted(_SAMPLING_KEYS))})")
+        sp = SamplingParams(max_new_tokens=max_gen_toks, do_sample=do_sample,
+                            temperature=temperature if do_sample else 0.0,
+                            stop=tuple(s for s in until if s), **kwargs)
+        return sp, until, max_gen_toks
+
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], desc: str, disable_tqdm: bool,
+             keep: Callable[[int, GenerationOutput], _T]) -> list[_T]:
+        """Submit every prompt, then collect the outputs in order, keeping ``keep(i, output)`` of
+        each (an output's per-token lists are dropped as soon as it is read). Submitting everything
+        first lets the engine batch freely; if anything fails, the requests still running are
+        cancelled."""
+        handles: list[SyncRequestHandle] = []
+        try:
+            for ids, sp in zip(prompts, params):
+                handles.append(self.engine.submit(ids, sp))
+            kept = []
+            with tqdm(total=len(handles), desc=desc, disable=disable_tqdm) as bar:
+                for i, h in enumerate(handles):
+                    kept.append(keep(i, h.result()))
+                    bar.update(1)
+            return kept
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+
+
+def _score(out: GenerationOutput, n: int) -> tuple[float, bool]:
+    """(sum of the last ``n`` prompt tokens' logprobs, whether each was the top-1 alternative)."""
+    lps, tops = out.prompt_logprobs, out.prompt_top_logprobs
+    assert lps is not None and tops is not None and len(lps) == len(out.prompt_ids) - 1
+    cont = out.prompt_ids[-n:]
+    return float(sum(lps[-n:])), all(top[0][0] == tok for top, tok in zip(tops[-n:], cont))
+
+
+def _load_tokenizer(tokenizer: str | TokenizerLike | None, pretrained: str | PreTrainedModel,
+                    hub_kwargs: dict[str, Any]) -> Any:
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    source = tokenizer if tokenizer is not None else (
+        pretrained if isinstance(pretrained, str) else getattr(pretrained.config, "name_or_path", ""))
+    if not source:
+        raise ValueError("AcbLM needs a tokenizer with a model object that has no name_or_path: pass tokenizer=...")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source, **hub_kwargs)
+
+
+# A placeholder rather than the class: ``python -m acb.integrations.lm_eval`` runs this file as
+# ``__main__`` too, and lm-eval refuses a second, different class under the same name.
+model_registry.register("acb", target="acb.integrations.lm_eval:AcbLM")
+
+
+def main() -> None:
+    """lm-eval's command line (``lm_eval ...``, arguments from ``sys.argv``) with ``--model acb`` known."""
+    from lm_eval.__main__ import cli_evaluate  # type: ignore[import-untyped]
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
