@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from acb import telemetry
-from acb.api.handles import AdmissionGate, deliver
+from acb.api.handles import AdmissionGate, _SinkState, deliver
 from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats
 from acb.core.request import Request, RequestGroup
@@ -161,7 +161,16 @@ class EngineBase:
             runner = self.runner
             assert runner is not None  # prepare() built it
             self.gate = AdmissionGate(self.cb_config.max_queue_size)
-            core = EngineCore(runner, deliver=deliver, on_dequeued=self.gate.release)
+            sync = None
+            from acb.distributed.tp import StepSync, tp_group
+
+            group = tp_group(self.model)
+            if group is not None:  # tensor parallel: every rank's engine runs the leader's requests
+                sync = StepSync(group)
+            follower = sync is not None and not sync.is_leader
+            core = EngineCore(runner, deliver=deliver, on_dequeued=None if follower else self.gate.release, sync=sync)
+            if follower:
+                core.remote_request = self._remote_request
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()
@@ -174,10 +183,29 @@ class EngineBase:
             self.runner = None
 
     def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
-        """Stop the engine thread: ``drain`` finishes the live requests first, else they are cancelled."""
+        """Stop the engine thread: ``drain`` finishes the live requests first, else they are cancelled.
+        On a tensor-parallel follower rank the leader's stop ends the engine: this waits for it."""
         core = self.core
         if core is not None:
-            core.stop(drain=drain, timeout=timeout)
+            if self.is_follower:
+                core.join(timeout)
+            else:
+                core.stop(drain=drain, timeout=timeout)
+
+    @property
+    def is_follower(self) -> bool:
+        """Whether this is a tensor-parallel rank other than the leader (the group's first rank):
+        its engine runs the leader's requests in lock step and takes none of its own."""
+        core = self.core
+        return core is not None and core.sync is not None and not core.sync.is_leader
+
+    def _remote_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                        cache_salt: str | None, record_timestamps: bool) -> Request:
+        """(Follower, engine thread.) The leader's request, built as the leader built it."""
+        req = self.make_request(prompt_ids, params, sink_factory=_FollowerSink, request_id=request_id,
+                                record_timestamps=record_timestamps, cache_salt=cache_salt)
+        req.sink.state.trace = None  # the leader reports it
+        return req
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the engine thread to exit (after ``stop``)."""
@@ -244,7 +272,7 @@ class EngineBase:
         return self._live_core().call(fn)
 
     def _reset_prefix_cache_future(self) -> Future[int]:
-        return self.call(lambda c: c.reset_prefix_cache())
+        return self._live_core().command("reset_prefix")
 
     # ------------------------------------------------------ pause and sleep
     # the blocking and async forms (Engine, AsyncEngine) wrap these futures
@@ -255,10 +283,10 @@ class EngineBase:
         return self._live_core().resume()
 
     def _sleep_future(self) -> Future[MemoryReleased]:
-        return self.call(lambda c: c.sleep())
+        return self._live_core().command("sleep")
 
     def _wake_up_future(self) -> Future[None]:
-        return self.call(lambda c: c.wake_up())
+        return self._live_core().command("wake")
 
     def _live_core(self) -> EngineCore:
         core = self.core
@@ -298,6 +326,10 @@ class EngineBase:
         if core is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
         core.check_alive()
+        if core.sync is not None and not core.sync.is_leader and threading.current_thread() is not core.thread:
+            raise RuntimeError(
+                f"this is a tensor-parallel follower (rank {core.sync.rank}): submit requests on the leader, rank "
+                f"{core.sync.leader_rank}, whose engine runs them on every rank (generate_batch returns {{}} here)")
         ids = as_token_list(encode_prompt(self.tokenizer, prompt_ids, chat_template_kwargs))
         if not ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -449,3 +481,15 @@ class EngineBase:
         return True
 
 
+class _FollowerSink:
+    """Where a tensor-parallel follower's copies of the leader's requests deliver: nowhere."""
+
+    __slots__ = ("state",)
+    loop = None
+    done = False
+
+    def __init__(self, request_id: str) -> None:
+        self.state = _SinkState(request_id)
+
+    def push(self, d: Any) -> None:
+        pass

@@ -171,7 +171,12 @@ class Engine(EngineBase):
         """:func:`acb.generate_batch` on this running engine (kept across calls: a trainer's
         rounds, an evaluation's batches): submit every prompt, block until all ended, return
         ``{"req_0": output, ...}`` in input order. Ids are ``req_<i>`` of this call; they must not
-        be live already (two concurrent calls on one engine need their own ids: use ``submit``)."""
+        be live already (two concurrent calls on one engine need their own ids: use ``submit``).
+
+        On a tensor-parallel follower rank (``is_follower``) this returns ``{}`` at once: the
+        leader's call runs the batch on every rank, and its result is the answer."""
+        if self.is_follower:
+            return {}
         sampling = with_overrides("generate_batch", sampling, kwargs)
         inputs = _prompt_list(inputs)
         if not inputs:

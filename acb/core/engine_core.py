@@ -27,6 +27,7 @@ from acb.core.request import Request
 from acb.core.scheduler import Scheduler, SchedulerOutput
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
+from acb.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from acb.config import ResolvedConfig
@@ -50,6 +51,7 @@ class Delivery(NamedTuple):
 
 _FAILED = object()  # _launch: the step raised and its requests were failed
 PAUSE_MODES = ("wait", "cancel", "keep")
+HEARTBEAT_S = 1.0  # an idle tensor-parallel leader's broadcast period
 
 
 class Runner(Protocol):
@@ -60,6 +62,14 @@ class Runner(Protocol):
 
     def execute(self, sched: SchedulerOutput) -> Any: ...
     def finish(self, step: Any) -> Any: ...  # -> object with .sampled and .logprobs
+
+
+class StepSyncLike(Protocol):
+    is_leader: bool
+    rank: int
+    leader_rank: int
+
+    def exchange(self, cmds: list[tuple] | None) -> list[tuple]: ...
 
 
 @dataclass(frozen=True)
@@ -105,8 +115,11 @@ class EngineCore:
         *,
         deliver: Callable[[list[Delivery]], None],
         on_dequeued: Callable[[int], None] | None = None,
+        sync: StepSyncLike | None = None,
     ) -> None:
-        """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device)."""
+        """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device).
+        ``sync``: the tensor-parallel command broadcast (:mod:`acb.distributed.tp`), when the
+        model is sharded over several ranks."""
         cfg = runner.cfg
         self.weight_resets = 0  # times the prefix cache was dropped because the weights changed
         self.runner = runner
@@ -117,6 +130,10 @@ class EngineCore:
             swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
         )
         self._deliver = deliver
+        self.sync = sync
+        # a follower's requests come from the leader: (id, prompt ids, params, cache salt,
+        # record timestamps) -> the Request its engine front builds (set by EngineBase)
+        self.remote_request: Callable[[str, list[int], SamplingParams, str | None, bool], Request] | None = None
         self.async_batching = cfg.async_batching
         self._inflight: tuple | None = None  # async batching: the launched step not yet completed
         self._on_dequeued = on_dequeued or (lambda n: None)
@@ -216,6 +233,12 @@ class EngineCore:
         self._post(("resume", fut))
         return fut
 
+    def command(self, kind: str) -> Future:
+        """Post ``"reset_prefix"``, ``"sleep"`` or ``"wake"``; the Future gets the result."""
+        fut: Future = Future()
+        self._post((kind, fut))
+        return fut
+
     @property
     def paused(self) -> bool:
         """Whether steps are held back (paused, or draining for a pause)."""
@@ -251,7 +274,11 @@ class EngineCore:
                         continue
                     if self._pause_state == "draining":
                         self._enter_paused()
-                    self._wake.wait()
+                    if self.sync is None:
+                        self._wake.wait()
+                    elif self.sync.is_leader:  # an empty frame now and then: the followers see it is alive
+                        self._wake.wait(HEARTBEAT_S)
+                    # (a follower waits in the next iteration's broadcast instead)
                     self._wake.clear()
                     continue
                 self.step()
@@ -282,77 +309,153 @@ class EngineCore:
                     logger.exception("error while shutting the engine down")
 
     def _drain_inbox(self) -> None:
+        """Apply the callers' commands. Under tensor parallelism the leader then sends the ones it
+        applied to the other ranks, which apply them too (one broadcast per loop iteration)."""
+        sync = self.sync
+        sent: list[tuple] | None = [] if sync is not None and sync.is_leader else None
         inbox = self._inbox
         while inbox:
             cmd = inbox.popleft()
-            kind = cmd[0]
-            if kind == "add":
-                req = cmd[1]
-                if self._stopping and not self._drain_on_stop:
-                    self._end_unscheduled(req, RequestStatus.CANCELLED)
-                elif self._pause_state == "draining":
-                    self._held.append(req)
+            if self._apply(cmd) and sent is not None:
+                sent.append(self._wire(cmd))
+        if sync is None:
+            return
+        if sent is not None and self.scheduler.waiting and self.pool.enable_caching:
+            # the leader alone decides when the weights changed, so that every rank forgets its
+            # prefix cache at the same point
+            if self.runner.weights_changed():  # type: ignore[attr-defined]
+                self._apply(("reset_prefix", Future()), weights=True)
+                sent.append(("reset_prefix",))
+        for wire in sync.exchange(sent):
+            if sent is None:  # a follower: the leader's commands, in its order
+                self._apply(self._unwire(wire))
+
+    def _wire(self, cmd: tuple) -> tuple:
+        """A command as the other ranks receive it: plain values, no futures or objects."""
+        kind = cmd[0]
+        if kind == "add":
+            req = cmd[1]
+            params = dataclasses.replace(req.params, seed=req.seed)  # the seed drawn here, for every rank
+            return ("add", req.request_id, req.token_ids[: req.prompt_len],
+                    [getattr(params, f.name) for f in dataclasses.fields(params)],
+                    req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps)
+        if kind in ("cancel", "stop", "pause"):
+            return (kind, cmd[1])
+        return (kind,)
+
+    def _unwire(self, wire: tuple) -> tuple:
+        kind = wire[0]
+        if kind == "add":
+            assert self.remote_request is not None
+            values = dict(zip((f.name for f in dataclasses.fields(SamplingParams)), wire[3]))
+            params = SamplingParams(**values)
+            return ("add", self.remote_request(wire[1], list(wire[2]), params, wire[4], wire[5]))
+        if kind == "pause":
+            return ("pause", wire[1], Future())
+        if kind in ("cancel", "stop"):
+            return wire
+        return (kind, Future())
+
+    def _apply(self, cmd: tuple, *, weights: bool = False) -> bool:
+        """Apply one command; True when it changed what the engine runs (and so must be applied
+        on every tensor-parallel rank)."""
+        kind = cmd[0]
+        if kind == "add":
+            req = cmd[1]
+            if self._stopping and not self._drain_on_stop:
+                self._end_unscheduled(req, RequestStatus.CANCELLED)
+                return False
+            if self._pause_state == "draining":
+                self._held.append(req)
+            else:
+                self.scheduler.add(req)
+            return True
+        if kind == "cancel":
+            return self._cancel(cmd[1])
+        if kind == "call":
+            fn, fut = cmd[1], cmd[2]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except BaseException as exc:  # noqa: BLE001
+                    fut.set_exception(exc)
+            return False
+        if kind == "pause":
+            return self._pause(cmd[1], cmd[2])
+        if kind == "resume":
+            return self._resume(cmd[1])
+        if kind in ("reset_prefix", "sleep", "wake"):
+            fut = cmd[1]
+            if not fut.set_running_or_notify_cancel():
+                return False
+            try:
+                result: Any = None
+                if kind == "reset_prefix":
+                    result = self.reset_prefix_cache()
+                    self.weight_resets += weights
+                elif kind == "sleep":
+                    result = self.sleep()
                 else:
-                    self.scheduler.add(req)
-            elif kind == "cancel":
-                head = self.scheduler.live.get(cmd[1])
-                if head is None:
-                    held = next((r for r in self._held if r.request_id == cmd[1]), None)
-                    if held is not None:
-                        self._held.remove(held)
-                        held.finish_reason = FinishReason.CANCELLED
-                        self._end_unscheduled(held, RequestStatus.CANCELLED)
-                    continue
-                never_scheduled = head.first_scheduled_time is None
-                members = head.group.members if head.group is not None else [head]
-                ended = []
-                for req in members:
-                    if self.scheduler.cancel(req.request_id) is not None:
-                        req.finish_reason = FinishReason.CANCELLED
-                        ended.append(req)
-                if never_scheduled:
-                    self._on_dequeued(1)
-                self._publish_stats()
-                self._deliver_final(ended)
-            elif kind == "call":
-                fn, fut = cmd[1], cmd[2]
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(self))
-                    except BaseException as exc:  # noqa: BLE001
-                        fut.set_exception(exc)
-            elif kind == "pause":
-                self._pause(cmd[1], cmd[2])
-            elif kind == "resume":
-                self._resume(cmd[1])
-            elif kind == "stop":
-                self._stopping = True
-                self._drain_on_stop = cmd[1]
-                if self._pause_state is not None:  # a stop ends a pause: drained or cancelled, nothing stays parked
-                    if self.runner_asleep() and self._drain_on_stop and self.scheduler.has_work():
-                        self._wake_runner()
-                    self._leave_pause()
+                    self.wake_up()
+            except BaseException as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+                return False
+            fut.set_result(result)
+            return True
+        if kind == "stop":
+            self._stopping = True
+            self._drain_on_stop = cmd[1]
+            if self._pause_state is not None:  # a stop ends a pause: drained or cancelled, nothing stays parked
+                if self.runner_asleep() and self._drain_on_stop and self.scheduler.has_work():
+                    self._wake_runner()
+                self._leave_pause()
+            return True
+        raise ValueError(f"unknown engine command {kind!r}")
+
+    def _cancel(self, request_id: str) -> bool:
+        head = self.scheduler.live.get(request_id)
+        if head is None:
+            held = next((r for r in self._held if r.request_id == request_id), None)
+            if held is None:
+                return False
+            self._held.remove(held)
+            held.finish_reason = FinishReason.CANCELLED
+            self._end_unscheduled(held, RequestStatus.CANCELLED)
+            return True
+        never_scheduled = head.first_scheduled_time is None
+        members = head.group.members if head.group is not None else [head]
+        ended = []
+        for req in members:
+            if self.scheduler.cancel(req.request_id) is not None:
+                req.finish_reason = FinishReason.CANCELLED
+                ended.append(req)
+        if never_scheduled:
+            self._on_dequeued(1)
+        self._publish_stats()
+        self._deliver_final(ended)
+        return True
 
     # ---------------------------------------------------------- pause, sleep
-    def _pause(self, mode: str, fut: Future) -> None:
+    def _pause(self, mode: str, fut: Future) -> bool:
         if not fut.set_running_or_notify_cancel():
-            return
+            return False
         if self._stopping:
             fut.set_exception(EngineNotRunningError("the engine is stopping"))
-            return
+            return False
         self._slept_paused = False  # an explicit pause: wake_up() leaves the engine paused
         if mode == "wait" and self._pause_state is None:
             self._pause_state = "draining"
             self._pause_waiters.append(fut)
-            return
+            return True
         if mode == "wait" and self._pause_state == "draining":
             self._pause_waiters.append(fut)
-            return
+            return True
         self._flush_inflight()
         if mode == "cancel":
             self._cancel_all()
         self._enter_paused()
         fut.set_result(None)
+        return True
 
     def _enter_paused(self) -> None:
         """No more steps: requests held while draining join the queue (they run on resume)."""
@@ -370,14 +473,15 @@ class EngineCore:
         self._slept_paused = False
         self._publish_stats()
 
-    def _resume(self, fut: Future) -> None:
+    def _resume(self, fut: Future) -> bool:
         if not fut.set_running_or_notify_cancel():
-            return
+            return False
         if self.runner_asleep():
             fut.set_exception(RuntimeError("the engine is asleep: call wake_up() before resume()"))
-            return
+            return False
         self._leave_pause()
         fut.set_result(None)
+        return True
 
     def runner_asleep(self) -> bool:
         return bool(getattr(self.runner, "asleep", False))
@@ -389,9 +493,7 @@ class EngineCore:
         if self.runner_asleep():
             return self.runner.sleep()  # type: ignore[attr-defined]  # nothing more to free
         if self._pause_state != "paused":
-            fut: Future = Future()
-            self._pause("keep", fut)  # settles at once: keep does not drain
-            fut.result()
+            self._pause("keep", Future())  # settles at once: keep does not drain
             self._slept_paused = True
         self._flush_inflight()
         self.scheduler.preempt_all()
@@ -449,8 +551,8 @@ class EngineCore:
         """Schedule a step and launch it on the runner: its handle tuple, None when nothing could
         be scheduled, or ``_FAILED`` when launching raised (its requests are failed)."""
         t0 = time.perf_counter()
-        if self.scheduler.waiting and self.scheduler.kv.pool.enable_caching:
-            self._check_weights()
+        if self.sync is None and self.scheduler.waiting and self.scheduler.kv.pool.enable_caching:
+            self._check_weights()  # (under tensor parallelism the leader checks, in _drain_inbox)
         sched = self.scheduler.schedule()
         if sched is None:
             return None
@@ -466,6 +568,10 @@ class EngineCore:
         return (sched, handle, t1 - t0, getattr(self.runner, "last_stage_s", 0.0), t2 - t1)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
+        if self.sync is not None:
+            # the ranks' collectives are out of step once one rank's step failed: nothing can
+            # carry on, so the engine dies (every handle fails) on every rank
+            raise exc
         logger.error("step %d failed; failing its %d requests", sched.step_id, sched.num_seqs,
                      exc_info=exc)
         msg = f"{type(exc).__name__}: {exc}"

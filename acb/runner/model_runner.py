@@ -25,6 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
+from acb.distributed.tp import agree_min, tp_group, tp_size_of
 from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import (
@@ -125,7 +126,23 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    # tensor parallel (from_pretrained(tp_plan=...)): the config holds the global head counts, but
+    # each rank's k_proj is column-sharded, so its attention sees (and its cache holds) a slice
+    kv_heads = local_kv_heads(model, kv_heads)
     return KVSpec(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+
+
+def local_kv_heads(model: PreTrainedModel, kv_heads: int) -> int:
+    """The KV heads this rank's attention layers hold."""
+    tp = tp_size_of(model)
+    if tp == 1:
+        return kv_heads
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    local = get_kv_heads_per_rank(getattr(model, "tp_plan", None) or {}, kv_heads, tp)
+    if not isinstance(local, int):
+        raise UnsupportedModelError(f"{kv_heads} KV heads cannot be split evenly over {tp} tensor-parallel ranks")
+    return int(local)
 
 
 def model_max_len(model: PreTrainedModel) -> int:
@@ -194,13 +211,16 @@ def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> 
     else:
         num_blocks = size_kv_cache(model, spec, device, config.max_memory_percent, block_size=block_size,
                                    max_len=max_len, max_reqs=max_reqs, max_batch_tokens=max_batch_tokens)
-    # a single request may hold at most what the cache holds and what the model can position
-    max_model_len = min(max_len, (num_blocks - 1) * block_size)
     # as transformers: the offload space is capped at the threshold's share of the RAM available
     # now (0 turns offload off), and None sizes it to that cap
     swap_cap = int(config.cpu_offload_space_safety_threshold * available_host_memory())
     space = config.cpu_offload_space
     swap_bytes = swap_cap if space is None else min(int(space * 2**30), swap_cap)
+    group = tp_group(model)
+    if group is not None:  # tensor parallel: every rank runs the same schedule, so the smallest sizes
+        num_blocks, swap_bytes = agree_min(group, [num_blocks, swap_bytes])
+    # a single request may hold at most what the cache holds and what the model can position
+    max_model_len = min(max_len, (num_blocks - 1) * block_size)
     resolved = ResolvedConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -423,7 +443,8 @@ class ModelRunner:
                 backend = make_backend(name)
                 problem = check_backend(backend, self.device, spec.dtype, head_dim=spec.head_dim,
                                         block_size=self.cfg.block_size, kv_heads=spec.num_kv_heads,
-                                        heads=self.model.config.get_text_config().num_attention_heads)
+                                        heads=self.model.config.get_text_config().num_attention_heads
+                                        // tp_size_of(self.model))
             except Exception as exc:  # noqa: BLE001 - reported, then the next backend
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is None:

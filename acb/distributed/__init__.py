@@ -1,0 +1,1 @@
+"""Scale-out on existing engines: tensor parallel under torchrun (``acb.distributed.tp``)."""
