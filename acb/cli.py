@@ -303,6 +303,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{name!r}", file=sys.stderr, flush=True)
     tokenizer = _load_tokenizer(args)
     model = _load_model(args, device)
+    if _is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
+        return _follow(model, cfg)
     engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
     acb.serve.run(engine, name, host=args.host, port=args.port,
                   api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
@@ -415,8 +417,67 @@ def _load_tokenizer(args: argparse.Namespace) -> Any:
         return None
 
 
+def _under_torchrun() -> bool:
+    """Launched by ``torchrun`` with more than one process: the model is loaded tensor-parallel."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+
+
+def _load_tp_model(path: str | None, dtype: Any) -> Any:
+    """Under torchrun: ``from_pretrained(..., tp_plan="auto")`` (the embedded model is saved to a
+    temporary directory first: every rank builds the same seeded weights)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if path is None:
+            from acb.models import default_model
+
+            default_model(dtype=dtype).save_pretrained(tmp)
+            path = tmp
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"), local_files_only=True)
+        except Exception as exc:
+            raise CliError(f"--model: cannot load {path} tensor-parallel: {type(exc).__name__}: {exc}") from None
+    return model.eval()
+
+
+def _is_tp_follower(model: Any) -> bool:
+    """A tensor-parallel rank other than the group's first: its engine follows the leader's."""
+    from acb.distributed.tp import tp_group
+
+    group = tp_group(model)
+    if group is None:
+        return False
+    import torch.distributed as dist
+
+    return dist.get_rank() != dist.get_process_group_ranks(group)[0]
+
+
+def _follow(model: Any, cfg: Any) -> int:
+    """A follower rank's whole job: run the leader's requests in lock step until it stops."""
+    import signal
+
+    import acb
+
+    # torchrun passes SIGTERM (and a terminal's Ctrl-C reaches every rank): the leader stops the
+    # engines of all ranks, so a follower leaving on its own would only break the leader's step
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    engine = acb.Engine(model, cfg)
+    engine.start()
+    engine.join()
+    if engine.core is not None and engine.core.dead_error is not None:
+        raise CliError(f"the tensor-parallel engine died: {engine.core.dead_error!r}")
+    return 0
+
+
 def _load_model(args: argparse.Namespace, device: Any) -> Any:
     dtype = _torch_dtype(args.dtype)
+    if _under_torchrun():
+        return _load_tp_model(args.model, dtype)
     if args.model is None:
         from acb.models import default_model
 
@@ -837,6 +898,8 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
     tokenizer = _load_tokenizer(args)
     specs = load_prompts(args.prompts, tokenizer) if args.prompts is not None else None
     model = _load_model(args, device)
+    if _is_tp_follower(model):  # torchrun: rank 0 submits and writes the results, the other ranks follow
+        return _follow(model, cfg)
     vocab = _vocab_size(model)
     if specs is None:
         exclude = set(SPECIAL_IDS) | set(getattr(tokenizer, "all_special_ids", None) or ())

@@ -33,8 +33,10 @@ def prompts() -> list[list[int]]:
 def load(models: str, arch: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(os.path.join(models, arch), tp_plan="auto",
-                                                dtype=torch.float32).eval()
+    from transformers.distributed import DistributedConfig
+
+    return AutoModelForCausalLM.from_pretrained(os.path.join(models, arch), dtype=torch.float32,
+                                                distributed_config=DistributedConfig(tp_plan="auto")).eval()
 
 
 def engine_facts(eng) -> dict:
