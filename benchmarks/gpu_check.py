@@ -229,6 +229,78 @@ def section(results: dict[str, Any], key: str, fn: Any, *args: Any) -> None:
         results[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
 
 
+def tensor_parallel(args: Any, shape: dict[str, Any]) -> int:
+    """``--tp N``: relaunch under ``torchrun --nproc-per-node N``; every rank loads workload A's
+    model tensor-parallel, rank 0 compares greedy outputs with the same model on one device and
+    times the TP engine (tokens/s, and the per-iteration command broadcast)."""
+    if "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.tp), __file__, *sys.argv[1:]]
+        return subprocess.call(cmd)
+    import tempfile
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import acb
+    from acb.bench.common import machine_info
+
+    dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", timeout=timedelta(seconds=600))
+    rank = dist.get_rank()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    n = 4 if args.cpu_smoke else 32 if args.quick else 256
+    prompts, outs = workload(n, vocab=shape["vocab_size"])
+    sp = [acb.SamplingParams(max_new_tokens=o, ignore_eos=True) for o in outs]
+    result: dict[str, Any] = {"machine": machine_info(DEVICE), "tp": dist.get_world_size(), "requests": n}
+    with tempfile.TemporaryDirectory() as tmp:
+        single = build(shape)  # the same seeded weights on every rank
+        single.save_pretrained(tmp)
+        if rank == 0:  # the reference: the same model on one device
+            with acb.Engine(single) as eng:
+                hs = [eng.submit(p, s) for p, s in zip(prompts, sp)]
+                ref = [h.result().generated_tokens for h in hs]
+        del single
+        free_memory()
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
+                                                     distributed_config=DistributedConfig(tp_plan="auto")).eval()
+    with acb.Engine(model) as eng:
+        sync_ = eng.core.sync  # type: ignore[union-attr]
+        spent = [0.0, 0]
+        real = sync_.exchange
+
+        def timed(cmds: Any) -> Any:
+            t0 = time.perf_counter()
+            out = real(cmds)
+            spent[0] += time.perf_counter() - t0
+            spent[1] += 1
+            return out
+
+        sync_.exchange = timed
+        t0 = time.perf_counter()
+        got = []
+        if rank == 0:
+            hs = [eng.submit(p, s) for p, s in zip(prompts, sp)]
+            got = [h.result().generated_tokens for h in hs]
+        wall = time.perf_counter() - t0
+        steps = eng.stats.steps
+    if rank == 0:
+        same = sum(a == b for a, b in zip(got, ref))
+        result.update(identical_to_one_device=f"{same}/{n}", tokens_per_s=round(sum(outs) / wall, 1),
+                      steps=steps, broadcast_us=round(1e6 * spent[0] / max(spent[1], 1), 1),
+                      broadcast_share=round(spent[0] / wall, 4))
+        path = args.json or f"benchmarks/results/{'cpu_smoke_tp' if args.cpu_smoke else 'gpu_check_tp'}.json"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"tp={result['tp']}: {result['identical_to_one_device']} outputs identical to one device (bf16 on GPU "
+              f"may differ by reduction order), {result['tokens_per_s']} tok/s, broadcast {result['broadcast_us']} µs "
+              f"({100 * result['broadcast_share']:.2f}% of the wall time); wrote {path}")
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="32 requests per workload, batches 1/64 only")
@@ -238,6 +310,9 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every section on CPU with a tiny model and short lengths (checks the script, not speed)")
     ap.add_argument("--json", default=None, help="default: benchmarks/results/gpu_check.json (cpu_smoke.json with --cpu-smoke)")
+    ap.add_argument("--tp", type=int, default=0, metavar="N",
+                    help="instead: workload A tensor-parallel over N GPUs under torchrun (greedy parity with one "
+                         "GPU, tokens/s, the lock-step broadcast's cost); writes results/gpu_check_tp.json")
     args = ap.parse_args()
     global DEVICE, LENGTHS
     shapes = SHAPES
@@ -247,6 +322,8 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (--cpu-smoke runs the script on CPU)", file=sys.stderr)
         return 2
+    if args.tp:
+        return tensor_parallel(args, shapes["A: Qwen3-0.6B"])
     json_path = args.json or f"benchmarks/results/{'cpu_smoke' if args.cpu_smoke else 'gpu_check'}.json"
     from acb.bench.common import machine_info
 
