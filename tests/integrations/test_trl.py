@@ -13,6 +13,7 @@ from transformers import GenerationConfig, TrainerCallback  # noqa: E402
 from transformers.generation import ContinuousBatchingConfig  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import acb  # noqa: E402
 from acb.integrations.trl import AcbRollouts, use_acb  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 
@@ -40,16 +41,18 @@ def _trainer(model, tok, reward, *, greedy: bool, callbacks=(), tmp_path):
 
 
 class _Recorder:
-    """A reward function that records the rollouts TRL scored (and rewards their diversity)."""
+    """A reward function that records the rollouts TRL scored. Its reward (the token ids' sum,
+    folded) differs between almost any two completions, so sampled groups have non-zero
+    advantages and every step changes the weights."""
 
-    __name__ = "diversity"
+    __name__ = "token_sum"
 
     def __init__(self):
         self.rollouts: list[list[list[int]]] = []
 
     def __call__(self, prompts, completions, completion_ids, **kw):
         self.rollouts.append([list(c) for c in completion_ids])
-        return [len(set(c)) / (1.0 + len(c)) for c in completion_ids]
+        return [(sum(c) % 97) / 97.0 for c in completion_ids]
 
 
 def _transformers_cb(model, prompt_ids, gc):
@@ -101,7 +104,9 @@ def test_sampled_grpo_keeps_one_engine_across_optimizer_steps(tmp_path):
     rec = _Recorder()
     trainer = _trainer(model, tok, rec, greedy=False, callbacks=[AfterStep()], tmp_path=tmp_path)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    with use_acb(trainer, sleep=True) as rollouts:
+    # acb's own config (a seed for the engine's sampling: the run is repeatable)
+    config = acb.ContinuousBatchingConfig(**TF_CB, seed=0)
+    with use_acb(trainer, config, sleep=True) as rollouts:
         trainer.train()
         engine = rollouts.engine
         assert engine is not None and engine.is_sleeping  # slept after the last round
