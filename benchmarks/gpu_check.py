@@ -246,17 +246,17 @@ def tensor_parallel(args: Any, shape: dict[str, Any]) -> int:
     import acb
     from acb.bench.common import machine_info
 
-    dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", timeout=timedelta(seconds=600))
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     n = 4 if args.cpu_smoke else 32 if args.quick else 256
     prompts, outs = workload(n, vocab=shape["vocab_size"])
     sp = [acb.SamplingParams(max_new_tokens=o, ignore_eos=True) for o in outs]
-    result: dict[str, Any] = {"machine": machine_info(DEVICE), "tp": dist.get_world_size(), "requests": n}
     with tempfile.TemporaryDirectory() as tmp:
         single = build(shape)  # the same seeded weights on every rank
-        single.save_pretrained(tmp)
+        single.save_pretrained(tmp)  # before the process group exists: save_pretrained then writes on every rank
+        dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", timeout=timedelta(seconds=600))
+        result: dict[str, Any] = {"machine": machine_info(DEVICE), "tp": dist.get_world_size(), "requests": n}
         if rank == 0:  # the reference: the same model on one device
             with acb.Engine(single) as eng:
                 hs = [eng.submit(p, s) for p, s in zip(prompts, sp)]

@@ -32,14 +32,16 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/tp_overhead_cpu.json")
     p.add_argument("--new-tokens", type=int, default=64)
     a = p.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank = dist.get_rank()
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     with tempfile.TemporaryDirectory() as tmp:
+        # each rank saves its own copy of the same seeded weights, before the process group
+        # exists (once it does, save_pretrained writes on rank 0 only)
         default_model().save_pretrained(tmp)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
         model = AutoModelForCausalLM.from_pretrained(tmp, distributed_config=DistributedConfig(tp_plan="auto")).eval()
+    rank = dist.get_rank()
     rows = []
     for running in (1, 64):
         cfg = acb.ContinuousBatchingConfig(num_blocks=1024, max_requests_per_batch=64)

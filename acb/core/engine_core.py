@@ -335,7 +335,9 @@ class EngineCore:
         kind = cmd[0]
         if kind == "add":
             req = cmd[1]
-            params = dataclasses.replace(req.params, seed=req.seed)  # the seed drawn here, for every rank
+            # as this rank resolved them: the seed it drew, and the stop ids it settled on (the
+            # merged params cannot tell the generation config's EOS from ids the caller gave)
+            params = dataclasses.replace(req.params, seed=req.seed, stop_token_ids=tuple(sorted(req.stop_token_ids)))
             return ("add", req.request_id, req.token_ids[: req.prompt_len],
                     [getattr(params, f.name) for f in dataclasses.fields(params)],
                     req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps)
