@@ -279,6 +279,12 @@ def _add_serve(sub: Any) -> None:
     _add_engine_flags(eng)
     _add_telemetry_flags(p)
     eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
+    dp = p.add_argument_group("data parallel (acb/serve/router.py)")
+    dp.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
+                    help="run N engine replicas (one `acb serve` process each; one GPU each with --device cuda "
+                         "and N GPUs) behind one endpoint that routes by load and prefix affinity (default: 1)")
+    dp.add_argument("--router-default-max-tokens", type=_positive_int, default=256, metavar="N",
+                    help="the router's load estimate for a chat request without max_tokens (default: 256)")
     p.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
     p.set_defaults(func=cmd_serve, _parser=p, no_progress=True)
 
@@ -286,6 +292,13 @@ def _add_serve(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.isdir(args.model):
         raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    if args.data_parallel > 1:  # a router process in front of N `acb serve` replicas
+        _check_device(args.device)
+        try:
+            from acb.serve.router import serve_data_parallel
+        except ImportError as exc:
+            raise CliError(str(exc)) from None
+        return serve_data_parallel(args)
     device = _check_device(args.device)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.verbose:
