@@ -28,7 +28,8 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_every_example_is_tested():
     tested = {"eval_dataset.py", "tracing.py", "openai_client.py", "async_app.py", "grpo_loop.py", "grpo_trl.py",
-              "lm_eval_acb.py"}  # lm_eval_acb.py: tests/integrations/test_lm_eval.py
+              "lm_eval_acb.py", "ray_data_offline.py"}
+    # lm_eval_acb.py: tests/integrations/test_lm_eval.py; ray_data_offline.py: tests/distributed/test_ray.py
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
 
 
