@@ -121,3 +121,52 @@ def tf_page(size: int) -> dict[str, Any]:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig as TfConfig
 
     return {"page_size" if "page_size" in TfConfig.__dataclass_fields__ else "block_size": size}
+
+
+def workload_flops(shape: dict[str, int], prompt_lens: list[int], outs: list[int]) -> dict[str, float]:
+    """The least arithmetic a generation workload needs on a Llama-shaped model (2 FLOP per
+    multiply-add): every prompt token and every generated token but the last through the
+    body's linear layers; causal attention over each token's context (QK^T and PV, no KV
+    padding); the LM head only for the rows that are sampled (one per generated token).
+    Elementwise work (norms, rotary, activation, softmax) is not counted."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
+    head_dim = shape.get("head_dim", h // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_token_linear = 2 * layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    body_tokens = sum(p + o - 1 for p, o in zip(prompt_lens, outs))
+    # a token at position i (0-based) attends to i + 1 keys: sum over i < n of (i + 1) = n (n + 1) / 2
+    ctx_pairs = sum((p + o - 1) * (p + o) // 2 for p, o in zip(prompt_lens, outs))
+    attention = 2 * 2 * layers * heads * head_dim * ctx_pairs
+    head = 2 * h * vocab * sum(outs)
+    linear = per_token_linear * body_tokens
+    return dict(total=float(linear + attention + head), linear=float(linear), attention=float(attention),
+                lm_head=float(head), body_tokens=float(body_tokens))
+
+
+def matmul_peak_gflops(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> dict[str, Any]:
+    """This machine's matmul throughput, measured now: the best GFLOP/s of square and
+    model-shaped (tall-skinny) ``torch.mm`` calls, each repeated for about ``seconds``."""
+    import time
+
+    dev = torch.device(device)
+    shapes = [(1024, 1024, 1024), (2048, 2048, 2048), (2048, 512, 2048), (512, 512, 8192)]
+    best: dict[str, Any] = {"gflops": 0.0, "shape": None}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=dev, dtype=dtype)
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        torch.mm(a, b)
+        reps, elapsed = 0, 0.0
+        t0 = time.perf_counter()
+        while elapsed < seconds / len(shapes) or reps < 3:
+            torch.mm(a, b)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            reps += 1
+            elapsed = time.perf_counter() - t0
+        g = 2 * m * k * n * reps / elapsed / 1e9
+        if g > best["gflops"]:
+            best = {"gflops": g, "shape": [m, k, n]}
+    best["dtype"] = str(dtype).replace("torch.", "")
+    best["threads"] = torch.get_num_threads()
+    return best

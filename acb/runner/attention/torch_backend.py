@@ -1,9 +1,15 @@
 """The reference attention backend: gather each sequence's pages and run SDPA.
 
-Decode rows (one query token) of a step are batched into one padded SDPA call per layer;
-prefill chunks run one SDPA call each. Causal masks are aligned bottom-right (a chunk's
-queries sit at the end of its context). Masks and gather indices are built once per step
-and shared by all layers.
+Decode rows (one query token) are sorted by context length and split into a few groups whose
+lengths are close, so that padding to a group's longest context wastes little; each group is
+one SDPA call per layer. Prefill chunks run one SDPA call each. Causal masks are aligned
+bottom-right (a chunk's queries sit at the end of its context). Masks, groups and gather
+indices are built once per step and shared by all layers.
+
+The pages are gathered whole (``index_select`` over the block dimension: one contiguous copy
+per page) into a workspace the backend keeps between steps. A fresh tensor per gather costs
+more than the copy itself on CPU: allocations this large come from the OS, zeroed page by
+page, every time.
 """
 
 from __future__ import annotations
@@ -15,86 +21,114 @@ import torch.nn.functional as F
 
 from acb.runner.attention import BatchInputs, StepContext
 
+# a decode row starts a new group when its pages are fewer than this share of the group's
+# longest row's (so a group pads at most ~1/0.7 of its real context), up to MAX_GROUPS groups
+GROUP_RATIO = 0.7
+MAX_GROUPS = 6
+
 
 @dataclass
 class _Prefill:
     q_start: int
     q_len: int
     ctx_len: int  # keys visible to the last query (= start + q_len)
-    gather: torch.Tensor | None  # [ctx_len] flat slots; None when the chunk is the whole context
+    blocks: torch.Tensor | None  # [ceil(ctx_len / block_size)] its pages; None when the chunk is the whole context
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [G] token index of each query
+    blocks: torch.Tensor  # [G * num_blocks] the rows' pages, row-major (padded with page 0)
+    seq_lens: torch.Tensor  # [G]
+    num_blocks: int  # pages per row (the group's longest)
 
 
 @dataclass
 class TorchMetadata:
     slot_mapping: torch.Tensor  # [T]
     num_tokens: int
-    decode_rows: torch.Tensor | None  # [Bd] token index of each decode query
-    decode_gather: torch.Tensor | None  # [Bd, Lmax] flat slots (padded with slot 0)
-    decode_seq_lens: torch.Tensor | None  # [Bd]
+    block_size: int
+    decode: list[_DecodeGroup]
     prefills: list[_Prefill]
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+
+
+def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
+    """Indices into ``lengths`` (context lengths of decode rows), longest first, split where a
+    row's page count falls below ``GROUP_RATIO`` of its group's first (at most ``MAX_GROUPS``)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    top = 0
+    for i in order:
+        nb = -(-lengths[i] // block_size)
+        if not groups or (nb < GROUP_RATIO * top and len(groups) < MAX_GROUPS):
+            groups.append([])
+            top = nb
+        groups[-1].append(i)
+    return groups
 
 
 class TorchBackend:
     name = "torch"
     supports_graphs = False  # gathers are sized from host lengths
 
+    def __init__(self) -> None:
+        self._workspace: dict[str, torch.Tensor] = {}  # "k" / "v": gathered pages, reused across steps
+
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
-        dec = [i for i, n in enumerate(batch.num_new) if n == 1]
         device = batch.slot_mapping.device
-        decode_rows = decode_gather = decode_lens = None
-        if dec:
-            idx = torch.tensor(dec, dtype=torch.long, device=device)
-            decode_rows = batch.query_start_loc[idx]
-            decode_lens = batch.seq_lens[idx]
-            lmax = int(max(batch.start_pos[i] for i in dec)) + 1
-            pos = torch.arange(lmax, device=device)
-            bt = batch.block_table[idx]  # [Bd, max_blocks]
-            nb = -(-lmax // block_size)
-            decode_gather = (bt[:, :nb].repeat_interleave(block_size, dim=1)[:, :lmax] * block_size) + (pos % block_size)
-        prefills = []
         qsl = [0]  # host copy of query_start_loc (no device read)
         for n in batch.num_new:
             qsl.append(qsl[-1] + n)
+        dec = [i for i, n in enumerate(batch.num_new) if n == 1]
+        groups = []
+        for members in decode_groups([batch.start_pos[i] + 1 for i in dec], block_size):
+            rows = [dec[j] for j in members]
+            nb = -(-(batch.start_pos[rows[0]] + 1) // block_size)
+            idx = torch.tensor(rows, dtype=torch.long, device=device)
+            groups.append(_DecodeGroup(
+                rows=torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device),
+                blocks=batch.block_table[idx, :nb].reshape(-1), seq_lens=batch.seq_lens[idx], num_blocks=nb,
+            ))
+        prefills = []
         for i, n in enumerate(batch.num_new):
             if n == 1:
                 continue
             start = batch.start_pos[i]
             ctx_len = start + n
-            gather = None
-            if start > 0:
-                pos = torch.arange(ctx_len, device=device)
-                bt = batch.block_table[i]
-                gather = bt[pos // block_size] * block_size + pos % block_size
-            prefills.append(_Prefill(qsl[i], n, ctx_len, gather))
-        return TorchMetadata(
-            slot_mapping=batch.slot_mapping,
-            num_tokens=batch.slot_mapping.numel(),
-            decode_rows=decode_rows,
-            decode_gather=decode_gather,
-            decode_seq_lens=decode_lens,
-            prefills=prefills,
-        )
+            blocks = batch.block_table[i, : -(-ctx_len // block_size)] if start > 0 else None
+            prefills.append(_Prefill(qsl[i], n, ctx_len, blocks))
+        return TorchMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.slot_mapping.numel(),
+                             block_size=block_size, decode=groups, prefills=prefills)
+
+    def _gather(self, pages: torch.Tensor, blocks: torch.Tensor, which: str) -> torch.Tensor:
+        """``pages[blocks]`` (``[n, block_size, Hkv, D]``) into the workspace."""
+        n = blocks.numel()
+        ws = self._workspace.get(which)
+        if ws is None or ws.shape[0] < n or ws.shape[1:] != pages.shape[1:] or ws.dtype != pages.dtype \
+                or ws.device != pages.device:
+            ws = torch.empty((max(n, 3 * (ws.shape[0] if ws is not None else 0) // 2), *pages.shape[1:]),
+                             dtype=pages.dtype, device=pages.device)
+            self._workspace[which] = ws
+        return torch.index_select(pages, 0, blocks, out=ws[:n])
 
     # masks ----------------------------------------------------------------
-    def _decode_mask(self, md: TorchMetadata, window: int | None) -> torch.Tensor:
-        key = ("d", window)
+    def _decode_mask(self, md: TorchMetadata, g: int, window: int | None) -> torch.Tensor:
+        key = ("d", g, window)
         m = md._masks.get(key)
         if m is None:
-            gather, seq_lens = md.decode_gather, md.decode_seq_lens
-            assert gather is not None and seq_lens is not None  # called for decode rows only
-            lmax = gather.shape[1]
-            pos = torch.arange(lmax, device=gather.device)[None, :]
-            lens = seq_lens[:, None]
+            group = md.decode[g]
+            pos = torch.arange(group.num_blocks * md.block_size, device=group.seq_lens.device)[None, :]
+            lens = group.seq_lens[:, None]
             m = pos < lens
             if window is not None:
                 m &= pos > (lens - 1 - window)
-            m = m[:, None, None, :]  # [Bd, 1, 1, Lmax]
+            m = m[:, None, None, :]  # [G, 1, 1, L]
             md._masks[key] = m
         return m
 
     def _prefill_mask(self, md: TorchMetadata, k: int, p: _Prefill, window: int | None) -> torch.Tensor | None:
-        if p.gather is None and window is None:
+        if p.blocks is None and window is None:
             return None  # plain causal over the chunk: SDPA's is_causal
         key = ("p", k, window)
         m = md._masks.get(key)
@@ -123,6 +157,7 @@ class TorchBackend:
     ) -> torch.Tensor:
         md: TorchMetadata = ctx.metadata
         cache = ctx.kv_cache
+        k_pages, v_pages = cache.k[layer], cache.v[layer]  # [num_blocks, block_size, Hkv, D]
         k_flat, v_flat = cache.flat_k(layer), cache.flat_v(layer)
         k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
         v_new = value[0].transpose(0, 1)
@@ -131,21 +166,24 @@ class TorchBackend:
 
         q = query[0]  # [H, T, D]
         out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
-        if md.decode_rows is not None:
-            qd = q[:, md.decode_rows, :].transpose(0, 1).unsqueeze(2)  # [Bd, H, 1, D]
-            kd = k_flat[md.decode_gather].transpose(1, 2)  # [Bd, Hkv, Lmax, D]
-            vd = v_flat[md.decode_gather].transpose(1, 2)
-            o = _attend(qd, kd, vd, self._decode_mask(md, sliding_window), False, scaling, softcap)
-            out[md.decode_rows] = o[:, :, 0, :]
+        hkv, d = k_pages.shape[2], k_pages.shape[3]
+        for g, group in enumerate(md.decode):
+            rows = group.rows
+            length = group.num_blocks * md.block_size
+            qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
+            kd = self._gather(k_pages, group.blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
+            vd = self._gather(v_pages, group.blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
+            o = _attend(qd, kd, vd, self._decode_mask(md, g, sliding_window), False, scaling, softcap)
+            out[rows] = o[:, :, 0, :]
         for k, p in enumerate(md.prefills):
             s, n = p.q_start, p.q_len
             qp = q[:, s : s + n, :].unsqueeze(0)  # [1, H, n, D]
-            if p.gather is None:
+            if p.blocks is None:
                 kp = key[:, :, s : s + n, :]
                 vp = value[:, :, s : s + n, :]
             else:
-                kp = k_flat[p.gather].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-                vp = v_flat[p.gather].transpose(0, 1).unsqueeze(0)
+                kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+                vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
             mask = self._prefill_mask(md, k, p, sliding_window)
             o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap)
             out[s : s + n] = o[0].transpose(0, 1)
