@@ -31,10 +31,16 @@ def test_workload_json(results, workload):
     assert data["model"]["params"] > 0 and data["size"] == "tiny"
     rows = data["result"]["rows"]
     assert rows
-    if workload == "offline":
+    if workload in ("offline", "offline-uniform"):
         assert [r["engine"] for r in rows] == ["acb", "transformers CB", "padded generate"]
         assert all(r["counts_ok"] and r["tokens_per_s"] > 0 for r in rows)
         assert data["result"]["greedy_tokens_match_transformers"] is True
+        roof = data["result"]["roofline"]
+        assert roof["matmul_peak_gflops"] > 0 and roof["total"] == pytest.approx(
+            roof["linear"] + roof["attention"] + roof["lm_head"])
+        assert all(r["roofline_pct"] == pytest.approx(100 * r["gflops"] / roof["matmul_peak_gflops"]) for r in rows)
+        if workload == "offline-uniform":
+            assert rows[2]["wasted_tokens"] == 0
     elif workload == "shared-prefix":
         assert data["result"]["outputs_identical"] is True
         on, off = rows

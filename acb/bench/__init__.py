@@ -1,6 +1,6 @@
 """``acb bench``: named workloads measured side by side with baselines run in the same process.
 
-Workloads: ``offline``, ``shared-prefix``, ``online``, ``overhead``, ``serve`` (see each module). Each run
+Workloads: ``offline``, ``offline-uniform``, ``shared-prefix``, ``online``, ``overhead``, ``serve`` (see each module). Each run
 writes ``{kind}_{workload}.json`` (machine, device, versions, settings, figures) and a PNG
 (with matplotlib, ``pip install -e ".[bench]"``) to the output folder; ``report`` regenerates
 the README tables from those files.
@@ -17,13 +17,13 @@ from typing import Any
 
 from acb.bench.common import ModelSpec, machine_info, write_json
 
-WORKLOADS = ("offline", "shared-prefix", "online", "overhead", "serve")
+WORKLOADS = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve")
 
 
 def _module(name: str) -> Any:
-    from acb.bench import offline, online, overhead, serve, shared_prefix
+    from acb.bench import offline, offline_uniform, online, overhead, serve, shared_prefix
 
-    return {"offline": offline, "shared-prefix": shared_prefix, "online": online, "overhead": overhead,
+    return {"offline": offline, "offline-uniform": offline_uniform, "shared-prefix": shared_prefix, "online": online, "overhead": overhead,
             "serve": serve}[name]
 
 

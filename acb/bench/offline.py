@@ -10,6 +10,14 @@ allocation, warm-up) is outside the timed region on both sides. The padded basel
 ``model.generate`` on consecutive groups of 32 prompts (left-padded,
 ``min_new_tokens = max_new_tokens =`` the group's largest target); only each request's own
 tokens are credited.
+
+``offline-uniform`` is padded ``generate``'s best case: every prompt the same length and every
+output the same length, so its padding wastes nothing.
+
+Both report a roofline: the workload's least FLOP count (``workload_flops``: every prompt
+token and every generated token but the last through the body, causal attention, the LM head
+on sampled rows) over each side's wall time, against this machine's matmul peak measured in
+the same run (``matmul_peak_gflops``).
 """
 
 from __future__ import annotations
@@ -22,13 +30,18 @@ import torch
 
 import acb
 from acb.bench.common import (
-    ModelSpec, blocks_for_all, peak_memory_bytes, random_prompts, reset_peak_memory, tf_page,
+    MODEL_SHAPES, ModelSpec, blocks_for_all, matmul_peak_gflops, peak_memory_bytes, random_prompts,
+    reset_peak_memory, tf_page, workload_flops,
 )
 from acb.runner.kv_cache import meminfo_bytes
 
 SIZES = {
     "tiny": dict(num_prompts=8, min_prompt_len=4, max_prompt_len=32, min_new=4, max_new=8, batch_size=4),
     "default": dict(num_prompts=128, min_prompt_len=16, max_prompt_len=256, min_new=16, max_new=128, batch_size=32),
+}
+UNIFORM_SIZES = {
+    "tiny": dict(num_prompts=8, min_prompt_len=16, max_prompt_len=16, min_new=8, max_new=8, batch_size=4),
+    "default": dict(num_prompts=96, min_prompt_len=128, max_prompt_len=128, min_new=64, max_new=64, batch_size=32),
 }
 MAX_BATCH_TOKENS = 2048
 MAX_REQUESTS = 128
@@ -162,8 +175,10 @@ def run_generate(spec: ModelSpec, prompts: list[list[int]], outs: list[int], bat
                 peak_memory=peak_memory_bytes(spec.device))
 
 
-def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
-    p = SIZES[size]
+def run(size: str, spec: ModelSpec, baselines: bool = True, uniform: bool = False) -> dict[str, Any]:
+    p = (UNIFORM_SIZES if uniform else SIZES)[size]
+    secs = 2.0 if size == "default" else 0.2
+    peak = matmul_peak_gflops(spec.device, spec.dtype, seconds=secs)
     prompts = random_prompts(p["num_prompts"], p["min_prompt_len"], p["max_prompt_len"], spec.vocab, seed=1)
     g = torch.Generator().manual_seed(2)
     outs = torch.randint(p["min_new"], p["max_new"] + 1, (len(prompts),), generator=g).tolist()
@@ -175,7 +190,10 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             notes.append(note)
         sides.append(run_transformers_cb(spec, prompts, outs))
         sides.append(run_generate(spec, prompts, outs, p["batch_size"]))
+    after = matmul_peak_gflops(spec.device, spec.dtype, seconds=secs)  # before and after: the better one
+    peak = after if after["gflops"] > peak["gflops"] else peak
     expected = sum(outs)
+    flops = workload_flops(MODEL_SHAPES[size], [len(q) for q in prompts], outs)
     acb_tps = None
     rows = []
     for side in sides:
@@ -184,13 +202,16 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
         acb_tps = acb_tps or tps
         rows.append({k: v for k, v in side.items() if k != "tokens"} | dict(
             output_tokens=expected, tokens_per_s=tps, requests_per_s=len(prompts) / side["seconds"],
-            counts_ok=counts_ok, acb_speedup=acb_tps / tps,
+            counts_ok=counts_ok, acb_speedup=acb_tps / tps, gflops=flops["total"] / side["seconds"] / 1e9,
+            roofline_pct=100 * flops["total"] / side["seconds"] / 1e9 / peak["gflops"],
         ))
     match = None
     if baselines:
         match = sides[0]["tokens"][:4] == sides[1]["tokens"][:4]
     return dict(
-        workload="offline",
+        workload="offline-uniform" if uniform else "offline",
         settings=dict(p, greedy=True, ignore_eos=True, prompt_tokens=sum(map(len, prompts))),
         rows=rows, greedy_tokens_match_transformers=match, notes=notes,
+        roofline=dict(flops, matmul_peak_gflops=peak["gflops"], peak_shape=peak["shape"], threads=peak["threads"],
+                      floor_s=flops["total"] / peak["gflops"] / 1e9),
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 from acb.bench.common import device_name
 
-ORDER = ("offline", "shared-prefix", "online", "overhead", "serve")
+ORDER = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve")
 
 
 def _mib(b: float | None) -> str:
@@ -34,22 +34,33 @@ def markdown_for(doc: dict[str, Any]) -> str:
             f"transformers {m['transformers']}; model: {what}; size `{doc['size']}`\n\n")
     w = r["workload"]
     lines: list[str] = []
-    if w in ("offline", "shared-prefix"):
+    if w in ("offline", "offline-uniform", "shared-prefix"):
         s = r["settings"]
         if w == "offline":
             head += (f"{s['num_prompts']} prompts, lengths uniform in [{s['min_prompt_len']}, {s['max_prompt_len']}], "
                      f"outputs uniform in [{s['min_new']}, {s['max_new']}], greedy, EOS ignored.\n\n")
+        elif w == "offline-uniform":
+            head += (f"{s['num_prompts']} prompts of {s['min_prompt_len']} tokens, {s['min_new']} output tokens each "
+                     f"(padded generate's best case: no padding), greedy, EOS ignored.\n\n")
         else:
             head += (f"{s['num_prompts']} prompts = {s['prefix_len']}-token shared prefix + {s['suffix_len']}-token "
                      f"suffix, {s['max_new']} output tokens each, greedy.\n\n")
         extra = "prefix hit rate" if w == "shared-prefix" else "peak memory"
-        lines.append(f"| engine | output tokens | seconds | tokens/s | requests/s | acb speed-up | {extra} |")
-        lines.append("|---|---|---|---|---|---|---|")
+        roof = r.get("roofline")
+        lines.append(f"| engine | output tokens | seconds | tokens/s | requests/s | acb speed-up | {extra} |"
+                     + (" GFLOP/s (% of matmul peak) |" if roof else ""))
+        lines.append("|---|---|---|---|---|---|---|" + ("---|" if roof else ""))
         for row in r["rows"]:
             tail = f"{row['prefix_hit_rate']:.1%}" if w == "shared-prefix" else _mib(row.get("peak_memory"))
             lines.append(f"| {row['engine']} | {row['output_tokens']:,} | {row['seconds']:.2f} | "
                          f"{row['tokens_per_s']:,.1f} | {row['requests_per_s']:.2f} | {row['acb_speedup']:.2f}x | "
-                         f"{tail} |")
+                         f"{tail} |" + (f" {row['gflops']:.1f} ({row['roofline_pct']:.0f}%) |" if roof else ""))
+        if roof:
+            lines += ["", f"Roofline: the workload needs at least {roof['total'] / 1e12:.3f} TFLOP "
+                      f"({roof['linear'] / 1e12:.3f} in linear layers, {roof['attention'] / 1e12:.3f} attention, "
+                      f"{roof['lm_head'] / 1e12:.3f} LM head); this machine's float32 matmul peak, measured in the same "
+                      f"run, was {roof['matmul_peak_gflops']:.0f} GFLOP/s ({roof['threads']} threads), so the floor is "
+                      f"{roof['floor_s']:.1f} s."]
     elif w == "online":
         s = r["settings"]
         head += (f"{s['num_requests']} requests per rate, Poisson arrivals, streaming through `AsyncEngine`, prompts "
@@ -134,7 +145,7 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
     w = r["workload"]
     fig, ax = plt.subplots(figsize=(7, 4))
     title = f"{w} — {device_name(doc['machine'])}"
-    if w in ("offline", "shared-prefix"):
+    if w in ("offline", "offline-uniform", "shared-prefix"):
         names = [row["engine"] for row in r["rows"]]
         vals = [row["tokens_per_s"] for row in r["rows"]]
         bars = ax.bar(names, vals, color=["#2a7"] + ["#888"] * (len(vals) - 1))
