@@ -35,6 +35,7 @@ from acb.runner.attention import (
     make_backend,
     register_with_transformers,
     set_own_implementation,
+    step_context,
 )
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec, available_host_memory, size_kv_cache
@@ -648,12 +649,16 @@ class ModelRunner:
 
     def forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
-        fn = self._compiled.get("decode" if batch.decode_only else "varlen") or self._model_forward
-        return fn(batch, ctx)
+        fn = self._compiled.get("decode" if batch.decode_only else "varlen")
+        if fn is None:
+            return self._model_forward(batch, ctx)
+        with step_context(ctx):  # attention finds it there: the graph takes tensors only
+            return fn(batch, True)
 
-    def _model_forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
+    def _model_forward(self, batch: PreparedBatch, ctx: StepContext | bool) -> torch.Tensor:
         # a 4-D "mask" is returned as-is by transformers' mask creation: no mask is built (acb's
-        # attention needs none) and nothing inspects the flattened positions (a host sync)
+        # attention needs none) and nothing inspects the flattened positions (a host sync).
+        # ctx is True under torch.compile: attention then reads the thread's step context
         kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=self._no_mask,
                   use_cache=False, acb_ctx=ctx)
         if self._supports_logits_to_keep:

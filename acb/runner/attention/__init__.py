@@ -9,6 +9,9 @@ function as the ``acb_ctx`` forward kwarg, which transformers passes down to att
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -80,8 +83,11 @@ def acb_attention_forward(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    ctx: StepContext | None = kwargs.get("acb_ctx")
-    if ctx is None:  # the model called outside an engine step (a training forward between rounds)
+    ctx: StepContext | bool | None = kwargs.get("acb_ctx")
+    if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
+        out = torch.ops.acb.paged_attention(query, key, value, module.layer_idx, scaling, sliding_window, softcap)
+        return out, None
+    if ctx is None or ctx is False:  # the model called outside an engine step (a training forward between rounds)
         return own_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
     for name, what in _UNSUPPORTED_KWARGS.items():
@@ -99,6 +105,43 @@ def acb_attention_forward(
         scaling=scaling, sliding_window=sliding_window, softcap=softcap,
     )
     return out, None
+
+
+# ------------------------------------------------------------------ compiled steps
+# Under torch.compile the step's context (host-side metadata, the cache) is not a graph input:
+# the runner sets it for its thread around the forward, and attention is one opaque custom op
+# that reads it, so the rest of the model compiles into one graph around the layers' attention.
+_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[None]:
+    """Make ``ctx`` the context of ``acb::paged_attention`` calls on this thread."""
+    prev = getattr(_STEP, "ctx", None)
+    _STEP.ctx = ctx
+    try:
+        yield
+    finally:
+        _STEP.ctx = prev
+
+
+@torch.library.custom_op("acb::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                    scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention of one layer over the paged KV cache of the thread's current step (it also
+    writes the step's keys and values into the cache: a side effect the graph cannot see, and
+    needs not, since nothing else in the graph reads the cache). [1, T, heads, head_dim]."""
+    ctx: StepContext | None = getattr(_STEP, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("acb::paged_attention ran outside an engine step")
+    return ctx.backend.forward(layer, query, key, value, ctx, scaling=scaling, sliding_window=sliding_window,
+                               softcap=softcap)
+
+
+@paged_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float | None,
+      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 
 # ------------------------------------------------------------------ outside an engine step
@@ -149,13 +192,13 @@ def acb_mask(*args: Any, **kwargs: Any) -> Any:
 
 
 def register_with_transformers(compiled: bool = False) -> None:
-    """Register acb's attention function with transformers (idempotent). ``compiled``: wrap it in
-    ``torch.compiler.disable`` so that a compiled model graph-breaks there (its metadata is
-    host-side); only then, because importing dynamo disturbs Triton's interpreter."""
+    """Register acb's attention function with transformers (idempotent). A compiled step reaches
+    the cache through the ``acb::paged_attention`` op (traced, no graph break); ``compiled``
+    keeps dynamo out of the mask function (it is only called outside a step), and only then,
+    because importing dynamo disturbs Triton's interpreter."""
     from transformers import AttentionInterface
 
-    fn = torch.compiler.disable(acb_attention_forward) if compiled else acb_attention_forward
-    AttentionInterface.register(ATTN_IMPL_NAME, fn)
+    AttentionInterface.register(ATTN_IMPL_NAME, acb_attention_forward)
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionMaskInterface.register(ATTN_IMPL_NAME, torch.compiler.disable(acb_mask) if compiled else acb_mask)
