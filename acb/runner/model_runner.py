@@ -59,7 +59,7 @@ class MemoryReleased:
     kv_cache: int
     graphs: int  # CUDA: the memory the capture took; the eager twin: its static buffers
     staging: int  # the two staging sets (host and device buffers)
-    other: int  # the device block table and the sampling buffers
+    other: int  # the device block table, the sampling buffers and the attention backend's workspace
     device_measured: int | None  # CUDA: the drop in the allocator's reserved bytes (None elsewhere)
 
     @property
@@ -414,6 +414,9 @@ class ModelRunner:
         other = self.inputs.block_table_dev.nbytes + sum(
             t.nbytes for t in (self.sampling.seen, self.sampling.counts, self.sampling.bias, self.sampling.stop_mask)
             if t is not None)
+        release = getattr(self.backend, "release", None)  # a backend's own buffers (the torch backend's workspace)
+        if release is not None:
+            other += release()
         self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]
         self._prev_ids = None  # type: ignore[assignment]
         measured = None

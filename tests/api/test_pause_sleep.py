@@ -153,9 +153,12 @@ def test_sleep_frees_the_kv_cache_and_wake_up_restores_service():
         hs = [eng.submit(p, max_new_tokens=MAX_NEW) for p in PROMPTS]
         _in_flight(eng, len(hs))
         kv = weakref.ref(eng.runner.kv_cache.k[0])
+        backend = eng.runner.backend  # the torch backend: its gather workspace goes too
+        workspace = sum(t.nbytes for t in list(backend._workspace.values()))  # only grows while running
         gc.collect()
         before = _rss()
         freed = eng.sleep()
+        assert backend._workspace == {} and freed.other >= workspace
         gc.collect()
         dropped = before - _rss()
         assert freed.kv_cache == eng.config.kv_cache_bytes == 4 * 64 * 2**20

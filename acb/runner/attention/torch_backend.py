@@ -101,6 +101,12 @@ class TorchBackend:
         return TorchMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.slot_mapping.numel(),
                              block_size=block_size, decode=groups, prefills=prefills)
 
+    def release(self) -> int:
+        """Drop the workspace (engine sleep); returns its bytes. The next gather allocates it again."""
+        freed = sum(t.nbytes for t in self._workspace.values())
+        self._workspace.clear()
+        return freed
+
     def _gather(self, pages: torch.Tensor, blocks: torch.Tensor, which: str) -> torch.Tensor:
         """``pages[blocks]`` (``[n, block_size, Hkv, D]``) into the workspace."""
         n = blocks.numel()
