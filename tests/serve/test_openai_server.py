@@ -659,6 +659,23 @@ def test_client_disconnect_cancels_the_request(server):
     assert status == 200, body
 
 
+def test_client_disconnect_cancels_a_non_streamed_request(server):
+    """A non-streamed request whose client closes the connection while it waits for the whole
+    answer is cancelled too: the server watches for the disconnect while the engine runs it."""
+    m0 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0)
+    n = LONG
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    body = json.dumps({"model": NAME, "messages": CHAT, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    wait_metrics(server.port, lambda m: m["acb_requests_running"] >= 1)
+    sock.close()
+    m1 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0 and m["acb_requests_waiting"] == 0,
+                      timeout=5)
+    assert m1["acb_requests_running"] == 0 and m1["acb_kv_cache_usage"] == 0, m1
+    assert m1.get(GENERATED, 0) - m0.get(GENERATED, 0) < n, "the request ran to the end after its client left"
+
+
 def test_a_slow_reader_does_not_stall_others(server):
     """A stream whose client stops reading: its request still runs to the end in the engine
     while another stream is served start to end; when it reads again it gets every token.
