@@ -30,7 +30,7 @@ from pydantic import ValidationError
 import acb
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput
-from acb.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from acb.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, read_body
 from acb.telemetry import ServerSpan, Telemetry, request_attributes
 from acb.text import token_bytes
 
@@ -173,18 +173,9 @@ async def _parse(state: ServerState, request: Request, schema: type[ChatCompleti
     if not state.ready or state.closing:
         raise APIError(503, "the engine is not ready" if not state.closing else "the server is shutting down",
                        type="server_error", headers={"Retry-After": "1"})
-    length = request.headers.get("content-length")
-    too_big = APIError(413, f"request body is larger than {state.max_body_bytes} bytes", code="body_too_large")
-    if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise too_big
-        chunks.append(chunk)
+    raw = await read_body(request, state.max_body_bytes)
     try:
-        body = schema.model_validate_json(b"".join(chunks))
+        body = schema.model_validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ()))

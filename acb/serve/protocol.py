@@ -10,11 +10,14 @@ implement (tools, response formats, ...) are refused with a 400 naming them. acb
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from acb.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 
 class APIError(Exception):
@@ -33,6 +36,22 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, refused with a 413 once it passes ``max_bytes`` (by its declared
+    Content-Length, or while it streams in without one)."""
+    too_big = APIError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class StreamOptions(BaseModel):

@@ -60,7 +60,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from acb.serve.protocol import APIError
+from acb.serve.protocol import APIError, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -283,26 +283,13 @@ class Router:
             headers["authorization"] = f"Bearer {self.api_key}"
         return headers
 
-    async def read_body(self, request: Request) -> bytes:
-        too_big = APIError(413, f"request body is larger than {self.max_body_bytes} bytes", code="body_too_large")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         """Send the request to the chosen replica; a replica that cannot be connected to is
         taken out and the next is tried (nothing was sent), a failure later is a 502."""
         self.authorize(request)
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "1"})
-        body = await self.read_body(request)
+        body = await read_body(request, self.max_body_bytes)
         info = RequestInfo.of(body, chat=chat, default_max_tokens=self.default_max_tokens)
         tried: set[int] = set()
         while True:
