@@ -95,24 +95,16 @@ def breakdown(prof: torch.profiler.profile) -> dict[str, Any]:
     for ev in events:
         if ev.name in PHASES or ev.name.startswith("ProfilerStep"):
             continue
-        phase, parent = None, ev.cpu_parent
+        phase, in_forward, parent = None, False, ev.cpu_parent
         while parent is not None:
             if parent.name in PHASES:
                 phase = parent.name.split("::")[1]
+            in_forward |= parent.name == "acb::forward"
             parent = parent.cpu_parent
         if phase is None:
-            phase = "body" if _inside_forward(ev) else "engine"
+            phase = "body" if in_forward else "engine"
         table[phase][_kind(ev.name)] += ev.self_cpu_time_total
     return {p: dict(k) for p, k in table.items()}
-
-
-def _inside_forward(ev: Any) -> bool:
-    parent = ev.cpu_parent
-    while parent is not None:
-        if parent.name == "acb::forward":
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 def run(size: str, profile: bool) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -658,7 +658,7 @@ class ModelRunner:
         with step_context(ctx):  # attention finds it there: the graph takes tensors only
             return fn(batch, True)
 
-    def _model_forward(self, batch: PreparedBatch, ctx: StepContext | bool) -> torch.Tensor:
+    def _model_forward(self, batch: PreparedBatch, ctx: StepContext | Literal[True]) -> torch.Tensor:
         # a 4-D "mask" is returned as-is by transformers' mask creation: no mask is built (acb's
         # attention needs none) and nothing inspects the flattened positions (a host sync).
         # ctx is True under torch.compile: attention then reads the thread's step context

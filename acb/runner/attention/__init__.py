@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -83,11 +83,11 @@ def acb_attention_forward(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    ctx: StepContext | bool | None = kwargs.get("acb_ctx")
+    ctx: StepContext | Literal[True] | None = kwargs.get("acb_ctx")
     if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
         out = torch.ops.acb.paged_attention(query, key, value, module.layer_idx, scaling, sliding_window, softcap)
         return out, None
-    if ctx is None or ctx is False:  # the model called outside an engine step (a training forward between rounds)
+    if ctx is None:  # the model called outside an engine step (a training forward between rounds)
         return own_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
     for name, what in _UNSUPPORTED_KWARGS.items():

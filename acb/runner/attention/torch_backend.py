@@ -38,7 +38,8 @@ class _Prefill:
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor  # [G] token index of each query
-    blocks: torch.Tensor  # [G * num_blocks] the rows' pages, row-major (padded with page 0)
+    blocks: torch.Tensor  # [G * num_blocks] the rows' pages, row-major (a shorter row's tail: whatever its
+    # block-table row holds there, valid page ids whose keys the mask hides)
     seq_lens: torch.Tensor  # [G]
     num_blocks: int  # pages per row (the group's longest)
 
