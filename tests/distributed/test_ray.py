@@ -266,3 +266,24 @@ def test_argument_errors():
         AcbPredictor()
     with pytest.raises(ValueError, match="n > 1 is not supported"):
         AcbPredictor(model_factory=tiny_with_tokenizer, config=CONFIG, sampling={"n": 2})
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_async_batching_preemption_and_offload_in_the_actor_engine(offload):
+    """The actor's engine with async batching on (the CUDA default) and a KV cache too small
+    for the batch, so that requests are preempted (recomputed, or offloaded to host memory):
+    the rows still equal the reference, and no KV block leaks (tests/conftest.py)."""
+    prompts = token_prompts(24)
+    batch = {"prompt": np.empty(len(prompts), dtype=object)}
+    batch["prompt"][:] = [np.asarray(p) for p in prompts]
+    config = {"page_size": 16, "num_blocks": 8, "use_async_batching": True,
+              "cpu_offload_space": 0.01 if offload else 0.0}
+    predictor = AcbPredictor(model_factory=tiny_with_tokenizer, config=config, sampling={"max_new_tokens": MAX_NEW})
+    try:
+        out = predictor(batch)
+        stats = predictor.engine.stats
+    finally:
+        predictor.close()
+    assert [list(t) for t in out["generated_token_ids"]] == [r.generated_tokens for r in reference(prompts)]
+    assert stats.preemptions > 0
+    assert (stats.swapped_out_blocks > 0) == offload
