@@ -56,7 +56,7 @@ class ContinuousBatchingConfig:
     - ``max_blocks_per_request``, ``kv_padding_interval_size``, ``disable_nccl_graph_mixing`` and
       ``cpu_group_timeout`` have no effect (``NOT_YET_SUPPORTED``; non-default values warn).
     - ``use_cuda_graph`` applies to decode-only steps; mixed steps always run eagerly.
-    - acb's own additions: ``attn_backend``, ``max_model_len``.
+    - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``.
 
     Deprecated aliases behave as in transformers (a logged warning, the same message):
     ``block_size`` is copied to ``page_size`` (it wins if both are given),
@@ -98,6 +98,10 @@ class ContinuousBatchingConfig:
     # acb only
     attn_backend: str | None = None  # "torch", "triton", "flash_attn"; None = the best available
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions
+    # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights (None: on
+    # when the model is on CPU, not compiled and not tensor parallel; they take the linear weights'
+    # size in host memory once more)
+    cpu_packed_linears: bool | None = None
     _warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -179,7 +183,7 @@ class ContinuousBatchingConfig:
         for name in ("allow_block_sharing", "return_logprobs", "auto_switch_to_flash", "per_request_processors",
                      "drop_unsupported_processors", "disable_nccl_graph_mixing"):
             check(name, isinstance(getattr(self, name), bool), "a bool")
-        for name in ("use_async_batching", "use_default_compile_configs"):
+        for name in ("use_async_batching", "use_default_compile_configs", "cpu_packed_linears"):
             check(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")
         v = self.max_memory_percent
         check("max_memory_percent", v is None or (is_num(v) and 0 < v <= 1), "in (0, 1]")
@@ -289,6 +293,7 @@ class ResolvedConfig:
     async_batching: bool = False  # schedule step N+1 while step N runs
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (the eager twin on CPU)
     graph_step: int | None = None  # batch-size granularity of the decode graphs (q_padding_interval_size)
+    packed_linears: int = 0  # CPU: float32 linears whose forward runs on oneDNN-packed weights
 
     @property
     def max_blocks_per_seq(self) -> int:

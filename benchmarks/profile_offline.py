@@ -38,7 +38,8 @@ from acb.bench.common import MODEL_SHAPES, ModelSpec, machine_info, matmul_peak_
 from acb.bench.offline import MAX_BATCH_TOKENS, MAX_REQUESTS, SIZES  # noqa: E402
 
 PHASES = ("acb::attention", "acb::lm_head", "acb::sampler", "acb::metadata", "acb::stage")
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
+          "mkldnn::_linear_pointwise"}
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")
 GATHER = {"aten::index", "aten::index_copy_", "aten::index_select", "aten::gather", "aten::index_put_",
           "aten::_index_put_impl_", "aten::take"}
@@ -107,7 +108,7 @@ def breakdown(prof: torch.profiler.profile) -> dict[str, Any]:
     return {p: dict(k) for p, k in table.items()}
 
 
-def run(size: str, profile: bool) -> dict[str, Any]:
+def run(size: str, profile: bool, packed: bool | None = None) -> dict[str, Any]:
     p = SIZES[size]
     spec = ModelSpec(size)
     prompts = random_prompts(p["num_prompts"], p["min_prompt_len"], p["max_prompt_len"], spec.vocab, seed=1)
@@ -115,7 +116,7 @@ def run(size: str, profile: bool) -> dict[str, Any]:
     outs = torch.randint(p["min_new"], p["max_new"] + 1, (len(prompts),), generator=g).tolist()
     model = spec.build()
     cfg = acb.ContinuousBatchingConfig(page_size=32, num_blocks=2048, max_batch_tokens=MAX_BATCH_TOKENS,
-                                       max_requests_per_batch=MAX_REQUESTS, seed=0)
+                                       max_requests_per_batch=MAX_REQUESTS, seed=0, cpu_packed_linears=packed)
     engine = acb.Engine(model, cfg)
     engine.start()
     try:
@@ -148,13 +149,17 @@ def run(size: str, profile: bool) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="default", choices=sorted(SIZES))
+    ap.add_argument("--packed-linears", choices=("on", "off"), default=None,
+                    help="cpu_packed_linears (default: the engine's default, on for CPU)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "profile_offline_cpu.json"))
     args = ap.parse_args()
     peak = matmul_peak_gflops()
-    plain = run(args.size, profile=False)
-    prof = run(args.size, profile=True)
+    packed = None if args.packed_linears is None else args.packed_linears == "on"
+    plain = run(args.size, profile=False, packed=packed)
+    prof = run(args.size, profile=True, packed=packed)
     total = sum(v for kinds in prof["breakdown_us"].values() for v in kinds.values())
-    doc = dict(machine=machine_info(), size=args.size, matmul_peak=peak, plain=plain, profiled=prof,
+    doc = dict(machine=machine_info(), size=args.size, cpu_packed_linears=args.packed_linears or "default (on)",
+               matmul_peak=peak, plain=plain, profiled=prof,
                roofline_pct=100 * plain["achieved_gflops"] / peak["gflops"])
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
     print(f"matmul peak {peak['gflops']:.1f} GFLOP/s; workload {plain['flops']['total'] / 1e12:.3f} TFLOP; "

@@ -499,8 +499,8 @@ class EngineCore:
             self._slept_paused = True
         self._flush_inflight()
         self.scheduler.preempt_all()
-        self.reset_prefix_cache()
-        released = self.runner.sleep()  # type: ignore[attr-defined]
+        self.scheduler.kv.reset_prefix_cache()
+        released = self.runner.sleep()  # type: ignore[attr-defined]  # frees the packed linears too
         self._publish_stats()
         return released
 
@@ -753,7 +753,12 @@ class EngineCore:
                 logger.info("the model's weights changed: %d cached prefix blocks forgotten", n)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (engine thread); returns how many blocks were forgotten."""
+        """Forget every cached prefix (engine thread), and whatever else the runner derived from
+        the weights (the packed CPU linears, packed again by the next step); returns how many
+        blocks were forgotten."""
+        forget = getattr(self.runner, "forget_weights", None)
+        if forget is not None:
+            forget()
         return self.scheduler.kv.reset_prefix_cache()
 
     # -------------------------------------------------------------- checks

@@ -28,6 +28,7 @@ from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.distributed.tp import agree_min, tp_group, tp_size_of
 from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
+from acb.runner.cpu_linear import PackedLinears, packable
 from acb.runner.attention import (
     ATTN_IMPL_NAME,
     AttentionBackend,
@@ -59,7 +60,8 @@ class MemoryReleased:
     kv_cache: int
     graphs: int  # CUDA: the memory the capture took; the eager twin: its static buffers
     staging: int  # the two staging sets (host and device buffers)
-    other: int  # the device block table, the sampling buffers and the attention backend's workspace
+    other: int  # the device block table, the sampling buffers, the attention backend's workspace and
+    # (CPU) the packed linear weights
     device_measured: int | None  # CUDA: the drop in the allocator's reserved bytes (None elsewhere)
 
     @property
@@ -350,7 +352,11 @@ class ModelRunner:
         self.device = model_device(model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
+        # before the cache is sized: the packed copies take host memory
+        self.packed = self._packed_linears(model, config)
         self.cfg, spec = resolve_config(model, config)
+        if self.packed is not None:
+            self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else int(model.config.get_text_config().vocab_size)
         self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
         self.kv_cache.allocate_swap(self.cfg.num_swap_blocks)
@@ -382,6 +388,28 @@ class ModelRunner:
             self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
             self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
         )
+
+    def _packed_linears(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> PackedLinears | None:
+        """oneDNN-packed copies of the float32 linear weights, for the CPU forward (see
+        :mod:`acb.runner.cpu_linear`); None where they do not apply or were turned off."""
+        want = config.cpu_packed_linears
+        if want is False:
+            return None
+        problem = packable(model)
+        if problem is None and (config.default_compile_level or config.decode_compile_config is not None
+                                or config.varlen_compile_config is not None):
+            problem = "the forward is compiled (inductor packs weights itself)"
+        if problem is None and tp_size_of(model) > 1:
+            problem = "the model is tensor parallel"
+        packed = PackedLinears(model, lambda: self._optimizer_steps) if problem is None else None
+        if packed is not None and not len(packed):
+            packed, problem = None, "the model has no plain float32 nn.Linear"
+        if packed is None:
+            if want:
+                logger.warning("cpu_packed_linears is ignored: %s", problem)
+            return None
+        packed.refresh()
+        return packed
 
     def _step_buffers(self) -> None:
         """The block table, the staging buffers, the per-row sampling state and the last samples:
@@ -417,6 +445,8 @@ class ModelRunner:
         release = getattr(self.backend, "release", None)  # a backend's own buffers (the torch backend's workspace)
         if release is not None:
             other += release()
+        if self.packed is not None:  # packed again by the first step after wake_up
+            other += self.packed.release()
         self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]
         self._prev_ids = None  # type: ignore[assignment]
         measured = None
@@ -521,6 +551,12 @@ class ModelRunner:
         self._weights_seen = key
         return True
 
+    def forget_weights(self) -> None:
+        """Drop what was derived from the weights (the packed linears); the next step rebuilds it.
+        For weight changes the version counters cannot see (writes through ``.data``)."""
+        if self.packed is not None:
+            self.packed.release()
+
     def close(self) -> None:
         """Give the model its own attention implementation back, and drop the KV cache, the
         graphs and the step buffers, so that a stopped engine's device memory is free for the next
@@ -532,6 +568,7 @@ class ModelRunner:
         if self._user_training and not self.model.training:  # the user's mode, unless they set one since
             self.model.train()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
+        self.packed = None
         # the runner is unusable after close, so these are not typed Optional
         self.kv_cache = self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]
         self._prev_ids = None  # type: ignore[assignment]
@@ -626,8 +663,9 @@ class ModelRunner:
     def _setup_compile(self, config: ContinuousBatchingConfig) -> None:
         """``torch.compile`` the forward for the decode-only and the mixed (varlen) paths, as
         ``decode_compile_config`` / ``varlen_compile_config`` / ``default_compile_level`` ask.
-        acb's attention is a graph break (its metadata is host-side), so ``fullgraph`` is
-        forced off, and inductor's CUDA-graph mode ("reduce-overhead") is replaced by "default"."""
+        acb's attention is an opaque custom op (its metadata is host-side, read from the step
+        context); ``fullgraph`` is still forced off, and inductor's CUDA-graph mode
+        ("reduce-overhead") is replaced by "default"."""
         levels = {1: dict(mode="default", dynamic=True), 2: dict(mode="max-autotune-no-cudagraphs", dynamic=True),
                   3: dict(mode="max-autotune-no-cudagraphs", dynamic=False)}
         self._compiled: dict[str, Any] = {}
@@ -664,9 +702,10 @@ class ModelRunner:
         # ctx is True under torch.compile: attention then reads the thread's step context
         kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=self._no_mask,
                   use_cache=False, acb_ctx=ctx)
-        if self._supports_logits_to_keep:
-            return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]
-        return self.model(**kw).logits[0, batch.logits_indices]
+        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+            if self._supports_logits_to_keep:
+                return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]
+            return self.model(**kw).logits[0, batch.logits_indices]
 
     def finish(self, step: InFlightStep) -> ModelRunnerOutput:
         """Sync: wait for the step's sampled ids (with logprobs when asked) to reach the host.

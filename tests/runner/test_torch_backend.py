@@ -4,7 +4,7 @@ Decode rows are split into groups of similar context length and their pages gath
 reused workspace; these tests check that the grouping covers every row once and that the
 output of a mixed step (decode rows of very different lengths, a fresh prompt, a chunk after
 cached context, GQA, sliding window) equals plain per-sequence attention, on two steps in a
-row (the workspace reused, then grown).
+row (the workspace reused, then grown), with a group attended whole or a row at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from acb.runner.attention import BatchInputs, StepContext
+from acb.runner.attention import torch_backend
 from acb.runner.attention.torch_backend import GROUP_RATIO, MAX_GROUPS, TorchBackend, decode_groups
 from acb.runner.kv_cache import KVCache, KVSpec
 
@@ -67,8 +68,11 @@ def _reference(cache: KVCache, batch: BatchInputs, q: torch.Tensor, window: int 
     return out[None]
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
 @pytest.mark.parametrize("window", [None, 20])
-def test_mixed_steps_equal_per_sequence_attention(window):
+def test_mixed_steps_equal_per_sequence_attention(window, chunk_bytes, monkeypatch):
+    if chunk_bytes is not None:  # every decode row gathered and attended on its own
+        monkeypatch.setattr(torch_backend, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
     spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
     cache = KVCache(spec, 512, BS, torch.device("cpu"))

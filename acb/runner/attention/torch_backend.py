@@ -9,7 +9,8 @@ indices are built once per step and shared by all layers.
 The pages are gathered whole (``index_select`` over the block dimension: one contiguous copy
 per page) into a workspace the backend keeps between steps. A fresh tensor per gather costs
 more than the copy itself on CPU: allocations this large come from the OS, zeroed page by
-page, every time.
+page, every time. A decode group is gathered and attended a few MB of K/V at a time
+(``CHUNK_BYTES``), which SDPA then reads from cache rather than from memory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from acb.runner.attention import BatchInputs, StepContext
 # longest row's (so a group pads at most ~1/0.7 of its real context), up to MAX_GROUPS groups
 GROUP_RATIO = 0.7
 MAX_GROUPS = 6
+# a decode group's rows are gathered and attended this many bytes of K and V at a time: a whole
+# group's (tens of MB) is out of the CPU's cache by the time SDPA reads it back, a chunk's is not
+# (1.8x faster for 128 rows of 256 tokens on a 32 MiB L3)
+CHUNK_BYTES = 8 << 20
 
 
 @dataclass
@@ -175,13 +180,18 @@ class TorchBackend:
         out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
         hkv, d = k_pages.shape[2], k_pages.shape[3]
         for g, group in enumerate(md.decode):
-            rows = group.rows
             length = group.num_blocks * md.block_size
-            qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
-            kd = self._gather(k_pages, group.blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
-            vd = self._gather(v_pages, group.blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
-            o = _attend(qd, kd, vd, self._decode_mask(md, g, sliding_window), False, scaling, softcap)
-            out[rows] = o[:, :, 0, :]
+            dmask = self._decode_mask(md, g, sliding_window)
+            # a chunk of rows at a time, so that its gathered K/V is still in cache when SDPA reads it
+            chunk = max(1, CHUNK_BYTES // (2 * length * hkv * d * k_pages.element_size()))
+            for a in range(0, group.rows.numel(), chunk):
+                rows = group.rows[a : a + chunk]
+                blocks = group.blocks[a * group.num_blocks : (a + chunk) * group.num_blocks]
+                qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
+                kd = self._gather(k_pages, blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
+                vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
+                o = _attend(qd, kd, vd, dmask[a : a + chunk], False, scaling, softcap)
+                out[rows] = o[:, :, 0, :]
         for k, p in enumerate(md.prefills):
             s, n = p.q_start, p.q_len
             qp = q[:, s : s + n, :].unsqueeze(0)  # [1, H, n, D]

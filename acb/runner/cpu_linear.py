@@ -1,0 +1,119 @@
+"""oneDNN-packed copies of a model's linear weights, for the engine's forward on CPU.
+
+On CPU, ``torch.nn.functional.linear`` calls MKL's sgemm on the weight as the model holds it.
+oneDNN's inner-product primitive on a weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, what inductor's weight prepacking uses) is
+1.2-2x faster at the row counts a decode step has (tens of rows; ``benchmarks/cpu_matmul.py``
+measures both), and its rows do not depend on how many rows share the call.
+
+The user's model is not touched: the packed copies live here, and a ``TorchFunctionMode``
+entered around the engine's forward (on the engine thread only) sends ``F.linear`` calls on
+packed weights to oneDNN. Every other call, and every call outside the engine's step, runs
+as before. The copies cost the linear weights' size in host memory once more, and are made
+again when the weights change: an in-place update (version counters), a replaced ``.data``
+(storage addresses) or an optimizer step (the runner's counter, since fused optimizers do not
+bump versions). In-place writes through ``.data`` outside an optimizer are not seen: call
+``reset_prefix_cache()`` after those, which drops the copies too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_LINEAR = torch.nn.functional.linear
+
+
+def packable(model: torch.nn.Module) -> str | None:
+    """None when the model's linears can be packed for its device, else why not."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu":
+        return "not on CPU"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return "this torch build has no oneDNN weight prepacking"
+    return None
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The plain float32 ``nn.Linear`` modules (subclasses, quantized or sharded weights are left alone)."""
+    out = []
+    for m in model.modules():
+        if type(m) is not torch.nn.Linear:
+            continue
+        w = m.weight
+        if type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous():
+            out.append(m)
+    return out
+
+
+class _PackedMode(TorchFunctionMode):
+    def __init__(self, table: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.table = table
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if func is _LINEAR:
+            packed = self.table.get(id(args[1] if len(args) > 1 else kwargs["weight"]))
+            if packed is not None:
+                bias = args[2] if len(args) > 2 else (kwargs or {}).get("bias")
+                x = args[0] if args else kwargs["input"]
+                if x.dtype == torch.float32 and x.device.type == "cpu":
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return func(*args, **(kwargs or {}))
+
+
+class PackedLinears:
+    """The packed weights of a model's float32 linears, kept in step with the weights."""
+
+    def __init__(self, model: torch.nn.Module, optimizer_steps: Callable[[], int]) -> None:
+        self._weights = [m.weight for m in _linears(model)]
+        self._optimizer_steps = optimizer_steps
+        self._table: dict[int, torch.Tensor] = {}
+        self._key: tuple[int, int, int] | None = None
+        self.packs = 0  # how many times the weights were packed (tests, logs)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the packed copies (their logical size; oneDNN may pad a little)."""
+        return sum(w.numel() * w.element_size() for w in self._weights) if self._table else 0
+
+    def _weights_key(self) -> tuple[int, int, int]:
+        ws = self._weights
+        return sum(w._version for w in ws), sum(w.data_ptr() for w in ws), self._optimizer_steps()
+
+    def refresh(self) -> None:
+        """Pack the weights, unless the copies are current."""
+        key = self._weights_key()
+        if key == self._key and self._table:
+            return
+        with torch.no_grad():
+            self._table = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) for w in self._weights}
+        self._key = key
+        self.packs += 1
+        logger.debug("packed %d linear weights for oneDNN (%.1f MiB)", len(self._weights), self.nbytes / 2**20)
+
+    def release(self) -> int:
+        """Drop the copies (``sleep``, or weights changed in a way the key cannot see); the next
+        step packs again. Returns the bytes freed."""
+        n = self.nbytes
+        self._table = {}
+        self._key = None
+        return n
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The packed path for ``F.linear`` calls in this block (this thread only)."""
+        self.refresh()
+        with _PackedMode(self._table):
+            yield

@@ -1,0 +1,172 @@
+"""oneDNN-packed linear weights on CPU (``cpu_packed_linears``, on by default there).
+
+The engine's forward runs its float32 ``nn.Linear`` layers on packed copies of their weights.
+These tests check that the copies are used, that they follow every kind of weight change (an
+in-place update, a replaced ``.data``, a fused optimizer step, and a ``.data`` write followed by
+``reset_prefix_cache()``), that the tokens stay those of ``model.generate`` with async batching
+on, that nothing leaks into the user's own forward, and that sleep frees them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import acb
+from acb.models import tiny_model
+from acb.runner.cpu_linear import PackedLinears, _PackedMode
+from tests.conftest import prompts_of_lengths, reference_generate
+
+CFG = dict(page_size=8, num_blocks=96)
+
+
+def _linears(model):
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def test_the_mode_sends_linear_calls_on_packed_weights_to_onednn():
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(32, 48)
+    other = torch.nn.Linear(32, 8, bias=False)
+    packed = PackedLinears(torch.nn.Sequential(lin, other), lambda: 0)
+    packed.refresh()
+    assert len(packed) == 2 and packed.packs == 1 and packed.nbytes == (32 * 48 + 32 * 8) * 4
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(a[1])
+            return real(*a)
+
+    x = torch.randn(3, 5, 32, generator=g)
+    with torch.no_grad():
+        want = [torch.nn.functional.linear(x, lin.weight, lin.bias), torch.nn.functional.linear(x, other.weight)]
+        mode = _PackedMode(packed._table)
+        orig = torch.ops.mkldnn._linear_pointwise
+        try:
+            torch.ops.mkldnn._linear_pointwise = Spy()  # type: ignore[attr-defined]
+            with mode:
+                got = [lin(x), torch.nn.functional.linear(input=x, weight=other.weight), other(x)]
+                plain = torch.nn.functional.linear(x, torch.randn(4, 32, generator=g))  # not packed: the usual path
+                wide = lin.to(torch.float64)(x.double())  # a float64 call falls through too
+        finally:
+            torch.ops.mkldnn._linear_pointwise = orig  # type: ignore[attr-defined]
+    assert len(calls) == 3 and all(c.is_mkldnn for c in calls)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[2], want[1], atol=1e-5, rtol=1e-5)
+    assert plain.shape == (3, 5, 4) and wide.dtype == torch.float64
+
+
+def test_on_by_default_on_cpu_with_generate_parity_and_async_batching():
+    model = tiny_model("qwen3", seed=3)
+    prompts = prompts_of_lengths([5, 17, 30, 9], seed=60)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, use_async_batching=True)) as eng:
+        runner = eng.core.runner
+        assert runner.packed is not None and runner.cfg.packed_linears == len(_linears(model)) > 0
+        handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=12)) for p in prompts]
+        outs = [h.result() for h in handles]
+        assert runner.packed.packs == 1  # packed once, at start
+    assert [o.generated_tokens for o in outs] == [reference_generate(model, p, 12) for p in prompts]
+
+
+def test_off_when_asked_or_when_it_does_not_apply(caplog):
+    model = tiny_model("llama", seed=3)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, cpu_packed_linears=False)) as eng:
+        assert eng.core.runner.packed is None and eng.core.runner.cfg.packed_linears == 0
+    bf16 = tiny_model("llama", seed=3, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING"), acb.Engine(bf16, acb.ContinuousBatchingConfig(**CFG, cpu_packed_linears=True)) as eng:
+        assert eng.core.runner.packed is None
+    assert "cpu_packed_linears is ignored: the model has no plain float32 nn.Linear" in caplog.text
+
+
+def _perturbed(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g) * 0.2 for n, p in model.named_parameters() if p.dim() == 2}
+
+
+def test_the_copies_follow_every_kind_of_weight_change():
+    """Each change below alters the greedy tokens; each time the engine's equal model.generate's
+    on the new weights, so the packed copies were made again."""
+    model = tiny_model("llama", seed=11)
+    prompt = prompts_of_lengths([20], seed=61)[0]
+    params = dict(model.named_parameters())
+    sp = acb.SamplingParams(max_new_tokens=10)
+    seen = []
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, allow_block_sharing=False)) as eng:
+        packed = eng.core.runner.packed
+
+        def check(what):
+            out = eng.generate(prompt, sp).generated_tokens
+            assert out == reference_generate(model, prompt, 10), what
+            seen.append(out)
+
+        check("start")
+        with torch.no_grad():  # in place: the version counters move
+            for n, d in _perturbed(model, 1).items():
+                params[n].add_(d)
+        check("in place")
+        for n, d in _perturbed(model, 2).items():  # a new .data: the storages move
+            params[n].data = params[n].data + d
+        check("replaced .data")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)  # invisible to version counters
+        model(torch.tensor([prompt]), labels=torch.tensor([prompt])).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        check("fused optimizer step")
+        before = packed.packs
+        for n, d in _perturbed(model, 3).items():  # through .data in place: unseen until told
+            params[n].data.add_(d)
+        eng.reset_prefix_cache()
+        check("reset_prefix_cache after a .data write")
+        assert packed.packs == before + 1
+    assert len({tuple(s) for s in seen}) == len(seen)  # every change changed the tokens
+
+
+def test_the_users_forward_on_another_thread_is_untouched():
+    model = tiny_model("llama", seed=12)
+    ids = torch.tensor(prompts_of_lengths([16], seed=62))
+    with torch.no_grad():
+        alone = model(ids).logits
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=40, ignore_eos=True))
+                   for p in prompts_of_lengths([8] * 6, seed=63)]
+        # the engine thread is inside its packed forwards meanwhile; this thread's forward and
+        # backward see no mode and take the model's own linears
+        assert torch._C._len_torch_function_stack() == 0
+        model.train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        model.eval()
+        assert all(p.grad is not None for p in model.parameters() if p.dim() == 2)
+        with torch.no_grad():
+            during = model(ids).logits
+        for h in handles:
+            h.result()
+    torch.testing.assert_close(during, alone, atol=0, rtol=0)
+
+
+def test_sleep_frees_the_copies_and_wake_up_packs_again():
+    model = tiny_model("llama", seed=13)
+    prompt = prompts_of_lengths([12], seed=64)[0]
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        packed = eng.core.runner.packed
+        nbytes = packed.nbytes
+        assert nbytes == sum(m.weight.numel() * 4 for m in _linears(model)) > 0
+        released = eng.sleep()
+        assert released.other >= nbytes and packed.nbytes == 0
+        eng.wake_up()
+        out = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8))
+        assert packed.nbytes == nbytes and packed.packs == 2
+    assert out.generated_tokens == reference_generate(model, prompt, 8)
+
+
+@pytest.mark.parametrize("level", [1])
+def test_a_compiled_forward_is_left_to_inductor(level, caplog):
+    model = tiny_model("llama", seed=3)
+    cfg = acb.ContinuousBatchingConfig(**CFG, default_compile_level=level, cpu_packed_linears=True)
+    with caplog.at_level("WARNING"), acb.Engine(model, cfg) as eng:
+        assert eng.core.runner.packed is None
+    assert "the forward is compiled" in caplog.text
