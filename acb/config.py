@@ -98,9 +98,10 @@ class ContinuousBatchingConfig:
     # acb only
     attn_backend: str | None = None  # "torch", "triton", "flash_attn"; None = the best available
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions
-    # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights (None: on
-    # when the model is on CPU, not compiled and not tensor parallel; they take the linear weights'
-    # size in host memory once more)
+    # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights in steps of
+    # at most 128 tokens (None: on when the model is on CPU, not compiled, not tensor parallel and
+    # has at least 2M linear parameters per layer; the copies take the linear weights' size in
+    # host memory once more)
     cpu_packed_linears: bool | None = None
     _warned: bool = field(default=False, init=False, repr=False, compare=False)
 

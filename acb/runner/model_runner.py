@@ -28,7 +28,7 @@ from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.distributed.tp import agree_min, tp_group, tp_size_of
 from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
-from acb.runner.cpu_linear import PackedLinears, packable
+from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.attention import (
     ATTN_IMPL_NAME,
     AttentionBackend,
@@ -401,6 +401,8 @@ class ModelRunner:
             problem = "the forward is compiled (inductor packs weights itself)"
         if problem is None and tp_size_of(model) > 1:
             problem = "the model is tensor parallel"
+        if problem is None and want is None and linear_params_per_layer(model) < MIN_LAYER_PARAMS:
+            return None  # too small to gain: the mode's per-call cost outweighs the faster matmuls
         packed = PackedLinears(model, lambda: self._optimizer_steps) if problem is None else None
         if packed is not None and not len(packed):
             packed, problem = None, "the model has no plain float32 nn.Linear"
@@ -702,7 +704,7 @@ class ModelRunner:
         # ctx is True under torch.compile: attention then reads the thread's step context
         kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=self._no_mask,
                   use_cache=False, acb_ctx=ctx)
-        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+        with self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext():
             if self._supports_logits_to_keep:
                 return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]
             return self.model(**kw).logits[0, batch.logits_indices]

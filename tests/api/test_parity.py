@@ -23,11 +23,15 @@ def _check(model, prompts, outputs, max_new=MAX_NEW):
         )
 
 
+@pytest.mark.parametrize("packed", [None, True], ids=["default", "packed-linears-async"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gemma3_text"])
-def test_generate_batch_matches_generate(arch):
+def test_generate_batch_matches_generate(arch, packed):
+    """Also with the CPU's oneDNN-packed linears (off by default for models this small) and
+    async batching on."""
     model = get_model(arch)
     prompts = prompts_of_lengths(LENGTHS, seed=1)
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=256)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=256, cpu_packed_linears=packed,
+                                       use_async_batching=True if packed else None)
     res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
                              progress_bar=False)
     assert list(res) == [f"req_{i}" for i in range(len(prompts))]

@@ -1,6 +1,8 @@
 """oneDNN-packed linear weights on CPU (``cpu_packed_linears``, on by default there).
 
-The engine's forward runs its float32 ``nn.Linear`` layers on packed copies of their weights.
+The engine's forward runs its float32 ``nn.Linear`` layers on packed copies of their weights
+(by default for models of at least 2M linear parameters per layer, on steps of at most 128
+tokens; the tiny models here turn it on explicitly).
 These tests check that the copies are used, that they follow every kind of weight change (an
 in-place update, a replaced ``.data``, a fused optimizer step, and a ``.data`` write followed by
 ``reset_prefix_cache()``), that the tokens stay those of ``model.generate`` with async batching
@@ -14,10 +16,11 @@ import torch
 
 import acb
 from acb.models import tiny_model
-from acb.runner.cpu_linear import PackedLinears, _PackedMode
+from acb.runner.cpu_linear import MAX_STEP_TOKENS, MIN_LAYER_PARAMS, PackedLinears, _PackedMode, linear_params_per_layer
 from tests.conftest import prompts_of_lengths, reference_generate
 
 CFG = dict(page_size=8, num_blocks=96)
+ON = dict(CFG, cpu_packed_linears=True)
 
 
 def _linears(model):
@@ -59,10 +62,26 @@ def test_the_mode_sends_linear_calls_on_packed_weights_to_onednn():
     assert plain.shape == (3, 5, 4) and wide.dtype == torch.float64
 
 
-def test_on_by_default_on_cpu_with_generate_parity_and_async_batching():
+def test_on_by_default_for_models_large_enough_and_for_small_steps_only():
+    big = tiny_model("llama", seed=3, hidden_size=512, intermediate_size=1536, num_hidden_layers=1,
+                     num_attention_heads=8, num_key_value_heads=4, vocab_size=256)
+    assert linear_params_per_layer(big) >= MIN_LAYER_PARAMS
+    with acb.Engine(big, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        packed = eng.core.runner.packed
+        assert packed is not None and eng.core.runner.cfg.packed_linears == len(_linears(big))
+        assert isinstance(packed.active(MAX_STEP_TOKENS), _PackedMode)
+        assert not isinstance(packed.active(MAX_STEP_TOKENS + 1), _PackedMode)  # prefill chunks: MKL
+    small = tiny_model("llama", seed=3)
+    assert linear_params_per_layer(small) < MIN_LAYER_PARAMS
+    with acb.Engine(small, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        assert eng.core.runner.packed is None
+
+
+def test_generate_parity_with_async_batching_and_steps_on_both_sides_of_the_limit():
     model = tiny_model("qwen3", seed=3)
-    prompts = prompts_of_lengths([5, 17, 30, 9], seed=60)
-    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, use_async_batching=True)) as eng:
+    prompts = prompts_of_lengths([5, 17, 30, 9, 150], seed=60)  # the 150-token prefill step runs unpacked
+    cfg = acb.ContinuousBatchingConfig(**CFG, use_async_batching=True, cpu_packed_linears=True)
+    with acb.Engine(model, cfg) as eng:
         runner = eng.core.runner
         assert runner.packed is not None and runner.cfg.packed_linears == len(_linears(model)) > 0
         handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=12)) for p in prompts]
@@ -94,7 +113,7 @@ def test_the_copies_follow_every_kind_of_weight_change():
     params = dict(model.named_parameters())
     sp = acb.SamplingParams(max_new_tokens=10)
     seen = []
-    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, allow_block_sharing=False)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**ON, allow_block_sharing=False)) as eng:
         packed = eng.core.runner.packed
 
         def check(what):
@@ -130,7 +149,8 @@ def test_the_users_forward_on_another_thread_is_untouched():
     ids = torch.tensor(prompts_of_lengths([16], seed=62))
     with torch.no_grad():
         alone = model(ids).logits
-    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**ON)) as eng:
+        assert eng.core.runner.packed is not None
         handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=40, ignore_eos=True))
                    for p in prompts_of_lengths([8] * 6, seed=63)]
         # the engine thread is inside its packed forwards meanwhile; this thread's forward and
@@ -151,7 +171,7 @@ def test_the_users_forward_on_another_thread_is_untouched():
 def test_sleep_frees_the_copies_and_wake_up_packs_again():
     model = tiny_model("llama", seed=13)
     prompt = prompts_of_lengths([12], seed=64)[0]
-    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**ON)) as eng:
         packed = eng.core.runner.packed
         nbytes = packed.nbytes
         assert nbytes == sum(m.weight.numel() * 4 for m in _linears(model)) > 0
