@@ -88,6 +88,9 @@ def _add_engine_flags(eng: Any) -> None:
                      help="GiB of host memory to offload preempted requests' KV blocks to (default: 0 = none)")
     eng.add_argument("--attn-backend", choices=ATTN_BACKENDS, default=None,
                      help="attention kernels (default: the best available)")
+    eng.add_argument("--cpu-packed-linears", dest="cpu_packed_linears", action=argparse.BooleanOptionalAction,
+                     default=None, help="CPU: run float32 linear layers of decode steps on oneDNN-packed weight "
+                                        "copies (default: on for models of at least 2M linear params per layer)")
     eng.add_argument("--scheduler", dest="scheduler_type", choices=SCHEDULER_TYPES, default="fifo",
                      help="scheduling policy (default: fifo)")
 
@@ -130,7 +133,8 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
             max_requests_per_batch=args.max_requests_per_batch, max_model_len=args.max_model_len,
             use_async_batching=args.use_async_batching, use_cuda_graph=args.use_cuda_graph,
             allow_block_sharing=args.allow_block_sharing, cpu_offload_space=args.cpu_offload_space,
-            attn_backend=args.attn_backend, scheduler_type=args.scheduler_type, **extra,
+            attn_backend=args.attn_backend, scheduler_type=args.scheduler_type,
+            cpu_packed_linears=args.cpu_packed_linears, **extra,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -111,14 +111,17 @@ def test_engine_flags_reach_the_config(command):
     from acb.cli import _engine_config, build_parser
 
     flags = ["--async-batching", "--no-cuda-graphs", "--no-prefix-caching", "--cpu-offload-space", "0.5",
-             "--attn-backend", "torch", "--scheduler", "prefill_first", "--max-model-len", "300", "--page-size", "8"]
+             "--attn-backend", "torch", "--scheduler", "prefill_first", "--max-model-len", "300", "--page-size", "8",
+             "--cpu-packed-linears"]
     cfg = _engine_config(build_parser().parse_args([command, *flags]))
     assert (cfg.use_async_batching, cfg.use_cuda_graph, cfg.allow_block_sharing, cfg.cpu_offload_space,
-            cfg.attn_backend, cfg.scheduler_type, cfg.max_model_len, cfg.page_size) == \
-        (True, False, False, 0.5, "torch", "prefill_first", 300, 8)
+            cfg.attn_backend, cfg.scheduler_type, cfg.max_model_len, cfg.page_size, cfg.cpu_packed_linears) == \
+        (True, False, False, 0.5, "torch", "prefill_first", 300, 8, True)
     default = _engine_config(build_parser().parse_args([command]))
     assert (default.use_async_batching, default.use_cuda_graph, default.allow_block_sharing,
-            default.cpu_offload_space) == (None, None, True, 0.0)  # the engine's own defaults
+            default.cpu_offload_space, default.cpu_packed_linears) == (None, None, True, 0.0, None)  # the engine's own defaults
+    off = _engine_config(build_parser().parse_args([command, "--no-cpu-packed-linears"]))
+    assert off.cpu_packed_linears is False
 
 
 def test_async_batching_and_offload_flags_keep_greedy_output(tmp_path, capsys):
