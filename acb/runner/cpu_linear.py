@@ -9,19 +9,19 @@ measures both), and its rows do not depend on how many rows share the call.
 The user's model is not touched: the packed copies live here, and a ``TorchFunctionMode``
 entered around the engine's forward (on the engine thread only) sends ``F.linear`` calls on
 packed weights to oneDNN. The mode costs a few microseconds per torch call of the forward, so
-it is used only where it was measured to pay (``MIN_LAYER_PARAMS``, ``MAX_STEP_TOKENS``). Every other call, and every call outside the engine's step, runs
-as before. The copies cost the linear weights' size in host memory once more, and are made
-again when the weights change: an in-place update (version counters), a replaced ``.data``
-(storage addresses) or an optimizer step (the runner's counter, since fused optimizers do not
-bump versions). In-place writes through ``.data`` outside an optimizer are not seen: call
-``reset_prefix_cache()`` after those, which drops the copies too.
+it is used only where it was measured to pay (``MIN_LAYER_PARAMS``, ``MAX_STEP_TOKENS``).
+Every other call, and every call outside the engine's step, runs as before. The copies cost
+the linear weights' size in host memory once more, and are made again when the weights change,
+by the same key that guards the prefix cache (``ModelRunner._weights_key``: version counters,
+storage addresses, optimizer steps). In-place writes through ``.data`` outside an optimizer are
+not seen: call ``reset_prefix_cache()`` after those, which drops the copies too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -93,13 +93,13 @@ class _PackedMode(TorchFunctionMode):
 class PackedLinears:
     """The packed weights of a model's float32 linears, kept in step with the weights."""
 
-    def __init__(self, model: torch.nn.Module, optimizer_steps: Callable[[], int],
+    def __init__(self, model: torch.nn.Module, weights_key: Callable[[], Hashable],
                  max_step_tokens: int = MAX_STEP_TOKENS) -> None:
         self._weights = [m.weight for m in _linears(model)]
         self.max_step_tokens = max_step_tokens  # larger steps run the model's own linears
-        self._optimizer_steps = optimizer_steps
+        self._weights_key = weights_key  # changes when the weights do (the runner's, shared with the prefix cache)
         self._table: dict[int, torch.Tensor] = {}
-        self._key: tuple[int, int, int] | None = None
+        self._key: Hashable | None = None
         self.packs = 0  # how many times the weights were packed (tests, logs)
 
     def __len__(self) -> int:
@@ -109,10 +109,6 @@ class PackedLinears:
     def nbytes(self) -> int:
         """Host memory of the packed copies (their logical size; oneDNN may pad a little)."""
         return sum(w.numel() * w.element_size() for w in self._weights) if self._table else 0
-
-    def _weights_key(self) -> tuple[int, int, int]:
-        ws = self._weights
-        return sum(w._version for w in ws), sum(w.data_ptr() for w in ws), self._optimizer_steps()
 
     def refresh(self) -> None:
         """Pack the weights, unless the copies are current."""

@@ -403,7 +403,7 @@ class ModelRunner:
             problem = "the model is tensor parallel"
         if problem is None and want is None and linear_params_per_layer(model) < MIN_LAYER_PARAMS:
             return None  # too small to gain: the mode's per-call cost outweighs the faster matmuls
-        packed = PackedLinears(model, lambda: self._optimizer_steps) if problem is None else None
+        packed = PackedLinears(model, self._weights_key) if problem is None else None
         if packed is not None and not len(packed):
             packed, problem = None, "the model has no plain float32 nn.Linear"
         if packed is None:
@@ -538,7 +538,8 @@ class ModelRunner:
     def _weights_key(self) -> tuple[int, int, int]:
         """(sum of the parameters' version counters, sum of their storage addresses, optimizer
         steps on them): an in-place update bumps the first, a replaced ``.data`` changes the
-        second, and a ``torch.optim`` step counts in the third. That last one is needed: fused
+        second, and a ``torch.optim`` step counts in the third (the key of the prefix cache's
+        check and of the packed linears' copies). That last one is needed: fused
         optimizers (AdamW(fused=True), transformers' Trainer default) write the parameters
         without bumping their version counters. Not seen: in-place writes through ``.data``
         outside an optimizer (call ``reset_prefix_cache()`` after those)."""
