@@ -6,7 +6,8 @@ tokens; the tiny models here turn it on explicitly).
 These tests check that the copies are used, that they follow every kind of weight change (an
 in-place update, a replaced ``.data``, a fused optimizer step, and a ``.data`` write followed by
 ``reset_prefix_cache()``), that the tokens stay those of ``model.generate`` with async batching
-on, that nothing leaks into the user's own forward, and that sleep frees them.
+on (also with preemption and offload), that nothing leaks into the user's own forward, and
+that sleep frees them.
 """
 
 from __future__ import annotations
@@ -190,3 +191,24 @@ def test_a_compiled_forward_is_left_to_inductor(level, caplog):
     with caplog.at_level("WARNING"), acb.Engine(model, cfg) as eng:
         assert eng.core.runner.packed is None
     assert "the forward is compiled" in caplog.text
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_packed_and_chunked_under_async_batching_preemption_and_offload(offload, monkeypatch):
+    """Packed linears with the torch backend attending one decode row per chunk, async batching
+    on and a KV cache too small for the batch (requests preempted: recomputed, or offloaded):
+    every request still equals model.generate, and no KV block leaks (tests/conftest.py)."""
+    from acb.runner.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "CHUNK_BYTES", 1)
+    model = tiny_model("qwen2", seed=14)
+    prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17, 28, 14], seed=65)
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, use_async_batching=True,
+                                       cpu_packed_linears=True, cpu_offload_space=0.01 if offload else 0.0)
+    with acb.Engine(model, cfg) as eng:
+        assert eng.core.runner.packed is not None
+        handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]
+        outs = [h.result(timeout=120) for h in handles]
+        stats = eng.stats
+    assert stats.preemptions > 0 and (stats.swapped_out_blocks > 0) == offload
+    assert [o.generated_tokens for o in outs] == [reference_generate(model, p, 16) for p in prompts]
