@@ -21,7 +21,9 @@ What the three request types become:
   ``prompt_logprobs=1`` and ``max_new_tokens=1``, all submitted at once so the engine batches
   them; the continuation's logprobs are summed, and it is greedy when each of its tokens is
   the top-1 alternative. Tokenization, the empty-context case and the left truncation are
-  lm-eval's own (``TemplateLM``) and those of its ``hf`` backend, so the numbers match it.
+  lm-eval's own (``TemplateLM``) and those of its ``hf`` backend, so the numbers match it; a
+  context that is not empty but encodes to no tokens (whitespace alone, with a tokenizer that
+  adds no BOS) is refused with a ``ValueError``, where ``hf`` fails an assertion.
 - ``loglikelihood_rolling`` (perplexity): lm-eval's rolling windows, scored as above.
 - ``generate_until``: one request per context with the task's stop strings; the text is decoded
   and cut before the first stop string as the ``hf`` backend does.
@@ -261,7 +263,16 @@ class AcbLM(TemplateLM):
         slot: dict[tuple[tuple[int, ...], int], int] = {}
         unique: list[tuple[list[int], int]] = []  # (window, continuation length)
         order = []
-        for _, ctx, cont in requests:
+        for request_str, ctx, cont in requests:
+            if not ctx:
+                # TemplateLM puts the prefix token before an empty context ("") only; a context that
+                # is not empty but encodes to nothing (whitespace alone, which _encode_pair moves into
+                # the continuation) comes here bare, and hf asserts on it: refuse it as hf does
+                # rather than score the continuation without its first token
+                context = repr(request_str[0]) if request_str is not None else "of a rolling window"
+                raise ValueError(f"loglikelihood: the context {context} encodes to no tokens, so the "
+                                 "continuation's first token has nothing to be scored after (lm-eval's hf "
+                                 "backend refuses it too; only an empty context gets the prefix token)")
             if not cont:
                 raise ValueError("loglikelihood: the continuation encodes to no tokens")
             if len(cont) > self.max_length:

@@ -251,6 +251,24 @@ def test_refuses_what_it_cannot_honour(workdir):
                 lm.generate_until([req])
 
 
+def test_a_context_that_encodes_to_nothing_is_refused_as_hf_does(workdir):
+    """A context of spaces alone: TemplateLM moves the spaces into the continuation and the
+    context encodes to no tokens (the byte-level tokenizer adds no BOS). hf asserts on it; acb
+    refuses it too, where it used to score the continuation without its first token. The empty
+    context next to it gets the prefix token, with hf's numbers."""
+    from lm_eval.models.huggingface import HFLM
+
+    hf = HFLM(pretrained=workdir["model"], tokenizer=workdir["tok"], max_length=MAX_LENGTH, device="cpu")
+    blank, empty = (Instance("loglikelihood", {}, (ctx, " yes no"), 0) for ctx in ("  ", ""))
+    with pytest.raises(AssertionError):
+        hf.loglikelihood([blank])
+    with AcbLM(workdir["model"], tokenizer=workdir["tok"], max_length=MAX_LENGTH) as lm:
+        with pytest.raises(ValueError, match="context '  ' encodes to no tokens"):
+            lm.loglikelihood([empty, blank])
+        assert lm.engine.stats.finished == 0  # refused before anything was submitted
+        _same(hf.loglikelihood([empty]), lm.loglikelihood([empty]), "empty context")
+
+
 def test_chat_template_falls_back_without_the_system_message(workdir):
     tok = build_tokenizer()
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
