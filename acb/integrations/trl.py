@@ -33,6 +33,7 @@ temperature`` on the same weights, so importance ratios start at 1.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 class AcbRollouts:
     """The ``generate_batch`` that :func:`use_acb` installs on the model: one acb engine, started
     on the first call and kept until :meth:`close` (rebuilt if the model's dtype or device, or
-    the continuous-batching config it is called with, changes)."""
+    the continuous-batching config it is called with, changes). A closed object refuses to be
+    called or installed again (it would start an engine that nothing stops): call
+    :func:`use_acb` again for a new one."""
 
     def __init__(self, model: Any, config: Any = None, *, sleep: bool | None = None, tokenizer: Any = None) -> None:
         self.model = model
@@ -61,10 +64,13 @@ class AcbRollouts:
         self.calls = 0  # rounds generated (tests and logs read them)
         self.completions = 0
         self._installed = False
+        self._closed = False
+        self._lock = threading.Lock()  # close() against a call starting the engine in another thread
 
     # ------------------------------------------------------------ install
     def install(self) -> "AcbRollouts":
         """Shadow the model's ``generate_batch`` with this object (an instance attribute)."""
+        self._check_open()
         if "generate_batch" in vars(self.model):
             raise RuntimeError("the model's generate_batch is already replaced (use_acb called twice?)")
         self.model.generate_batch = self
@@ -72,12 +78,23 @@ class AcbRollouts:
         return self
 
     def close(self) -> None:
-        """Stop the engine and give the model its own ``generate_batch`` back."""
-        if self._installed:
-            if vars(self.model).get("generate_batch") is self:
-                del self.model.generate_batch
-            self._installed = False
-        self._stop_engine()
+        """Stop the engine and give the model its own ``generate_batch`` back; idempotent."""
+        with self._lock:
+            self._closed = True
+            if self._installed:
+                if vars(self.model).get("generate_batch") is self:
+                    del self.model.generate_batch
+                self._installed = False
+            self._stop_engine()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("these acb rollouts are closed (their engine is stopped and the model has its own "
+                               "generate_batch back): call use_acb(...) again for new ones")
 
     def __enter__(self) -> "AcbRollouts":
         return self
@@ -99,8 +116,10 @@ class AcbRollouts:
         in input order (``.generated_tokens`` as transformers gives them)."""
         for ignored in ("persistent_manager", "warmup"):
             kwargs.pop(ignored, None)
-        # a call without a config (the user's own) runs on the engine TRL's calls started
-        engine = self._engine_for(self.config if self.config is not None else continuous_batching_config)
+        with self._lock:
+            self._check_open()
+            # a call without a config (the user's own) runs on the engine TRL's calls started
+            engine = self._engine_for(self.config if self.config is not None else continuous_batching_config)
         engine.set_generation_config(generation_config if generation_config is not None
                                      else getattr(self.model, "generation_config", None))
         if engine.is_sleeping:

@@ -138,3 +138,14 @@ def test_use_acb_needs_a_continuous_batching_trainer(tmp_path):
                                    progress_bar=False)
         assert rollouts.calls == 1 and len(out["req_0"].generated_tokens) == 3
     assert "generate_batch" not in vars(model)
+    # closed: a stale reference refuses to start an engine that nothing would stop
+    with pytest.raises(RuntimeError, match="closed"):
+        rollouts([[5, 6, 7]], generation_config=GenerationConfig(do_sample=False, max_new_tokens=3),
+                 progress_bar=False)
+    assert rollouts.engine is None and rollouts.calls == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        rollouts.install()
+    assert "generate_batch" not in vars(model)
+    rollouts.close()  # idempotent
+    with use_acb(model) as again:  # a new one works
+        assert again.closed is False
