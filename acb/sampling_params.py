@@ -23,6 +23,17 @@ if TYPE_CHECKING:
 DEFAULT_MAX_NEW_TOKENS = 128
 LOGPROBS_MODES = ("raw", "processed")
 MAX_LOGPROBS = 20
+# Range limits, so that no value a request carries can overflow on the engine thread: every int
+# fits the int64 that the sampler's tables and the tensor-parallel wire hold, and every float stays
+# finite through what the sampler does with it in float32 (logits / temperature, logits /
+# repetition_penalty, logits + bias: a model's logits are far below 1e4, and 1e4 / 1e-2 / 1e-2 + 100
+# is nowhere near float32's 3.4e38).
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+MIN_TEMPERATURE = 1e-2  # a positive temperature below this samples at this one (as vLLM)
+MAX_TEMPERATURE = 1e4
+PENALTY_RANGE = (1e-2, 1e2)  # repetition_penalty
+MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's range); -inf bans a token
 
 
 def _is_int(v: Any) -> bool:
@@ -31,6 +42,12 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _short(v: Any) -> str:
+    """A value for an error message: a 400-digit int is not repeated whole."""
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
 
 
 @dataclass(frozen=True)
@@ -42,15 +59,19 @@ class SamplingParams:
         min_new_tokens: stop tokens are suppressed until this many tokens were generated.
         do_sample: ``False`` forces greedy decoding whatever the temperature (a request that sets
             only ``temperature`` samples when it is > 0).
-        temperature: 0 means greedy (argmax); > 0 samples from ``softmax(logits / temperature)``.
-            The engine default comes from the generation config (0 unless ``do_sample=True``).
+        temperature: 0 means greedy (argmax); > 0 samples from ``softmax(logits / temperature)``
+            (at most 1e4; a temperature in (0, 0.01) samples at 0.01, as vLLM does: a smaller one
+            overflows the float32 logits). The engine default comes from the generation config (0
+            unless ``do_sample=True``).
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1 = off).
         min_p: drop tokens less likely than ``min_p`` times the most likely one (0 = off).
-        repetition_penalty: transformers' repetition penalty over prompt and generated tokens (1 = off).
+        repetition_penalty: transformers' repetition penalty over prompt and generated tokens (1 = off;
+            in [0.01, 100]).
         presence_penalty: subtracted once from the logit of every token already generated (0 = off).
         frequency_penalty: subtracted from a token's logit once per time it was generated (0 = off).
-        logit_bias: ``{token_id: bias}`` added to the raw logits.
+        logit_bias: ``{token_id: bias}`` added to the raw logits; a bias is in [-100, 100] (OpenAI's
+            range, enough to force or ban a token) or ``-inf`` (never sample it).
         stop_token_ids: tokens that end generation (kept in the output, as ``model.generate`` does).
             ``None``: the generation config's ``eos_token_id``.
         ignore_eos: keep generating through the model's EOS tokens (the generation config's) until
@@ -58,7 +79,8 @@ class SamplingParams:
             explicitly still end the request.
         stop: strings that end generation (the engine needs a tokenizer); see the README for
             how the output is cut.
-        seed: makes sampling reproducible whatever else is in the batch. Requests without a
+        seed: makes sampling reproducible whatever else is in the batch (a signed 64-bit int).
+            Requests without a
             seed get one from the engine's generator (seeded by ``ContinuousBatchingConfig.seed``).
         n: number of samples; the prompt is prefilled once and shared.
         logprobs: ``None``: none; ``k >= 0``: the chosen token's logprob and the top ``k``
@@ -118,6 +140,8 @@ class SamplingParams:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
+            if v > INT64_MAX:  # the engine's tables and the tensor-parallel wire hold int64
+                raise ValueError(f"{name} must be <= {INT64_MAX} (2**63 - 1), got {_short(v)}")
 
         def check_float(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
             v = getattr(self, name)
@@ -125,9 +149,10 @@ class SamplingParams:
                 return
             if not _is_num(v):
                 raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-            if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
-                bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-                raise ValueError(f"{name} must be in {bound}, got {v}")
+            # (an int is compared as is: float() of a 400-digit one overflows)
+            if isinstance(v, float) and not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+                bound = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+                raise ValueError(f"{name} must be in {bound}, got {_short(v)}")
 
         check_int("max_new_tokens", 1)
         check_int("min_new_tokens", 0)
@@ -141,10 +166,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         if self.max_new_tokens is not None and self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
-        check_float("temperature", 0.0, math.inf)
+        check_float("temperature", 0.0, MAX_TEMPERATURE)
         check_float("top_p", 0.0, 1.0, lo_open=True)
         check_float("min_p", 0.0, 1.0)
-        check_float("repetition_penalty", 0.0, math.inf, lo_open=True)
+        check_float("repetition_penalty", *PENALTY_RANGE)
         check_float("presence_penalty", -2.0, 2.0)
         check_float("frequency_penalty", -2.0, 2.0)
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
@@ -155,20 +180,24 @@ class SamplingParams:
             for tok in self.stop_token_ids:
                 if not _is_int(tok):
                     raise TypeError(f"stop_token_ids must hold ints, got {tok!r}")
-                if tok < 0:
-                    raise ValueError(f"stop_token_ids must be >= 0, got {tok}")
+                if tok < 0 or tok > INT64_MAX:
+                    raise ValueError(f"stop_token_ids must be in [0, 2**63 - 1], got {_short(tok)}")
         if self.stop is not None:
             for s in self.stop:
                 if not isinstance(s, str) or not s:
                     raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if self.logit_bias is not None:
             for tok, b in self.logit_bias.items():
-                if not _is_int(tok) or tok < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
-                if not _is_num(b) or not math.isfinite(b) and b != -math.inf:
-                    raise ValueError(f"logit_bias[{tok}] must be a finite number or -inf, got {b!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+                if not _is_int(tok) or tok < 0 or tok > INT64_MAX:
+                    raise ValueError(f"logit_bias keys must be token ids in [0, 2**63 - 1], got {_short(tok)}")
+                if not _is_num(b) or not (-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS) and b != -math.inf:
+                    raise ValueError(f"logit_bias[{tok}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or -inf, "
+                                     f"got {_short(b)}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+            if not INT64_MIN <= self.seed <= INT64_MAX:
+                raise ValueError(f"seed must be a signed 64-bit int, got {_short(self.seed)}")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.skip_special_tokens is not None and not isinstance(self.skip_special_tokens, bool):

@@ -28,6 +28,12 @@ The contract:
 - ``note_computing`` / ``register_computed``: a step's full prompt blocks become findable
   in the prefix cache only once its output is recorded (``begin_step`` / ``end_step`` bracket
   a step's life).
+- ``reset_prefix_cache`` starts a new *epoch* (the weights changed): the cache is emptied, and
+  KV computed in an older epoch is never registered again. Each request carries the epoch its
+  KV belongs to (``Request.kv_epoch``, set when it starts computing from the current cache and
+  kept through offload and forks), so a step launched before the reset and recorded after it
+  (async batching), or a request that was running across the change, cannot put K/V of the old
+  weights, or K/V that attended to it, back in the cache.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class KVManager:
         # step id -> digests of the prompt blocks that step computes, until its output is recorded
         # (with async batching the previous step is still in flight while the next is built)
         self._computing: dict[int, set[bytes]] = {}
+        self.epoch = 0  # moves on with every reset_prefix_cache (see the module docstring)
 
     # -------------------------------------------------------------- questions
     @property
@@ -137,7 +144,9 @@ class KVManager:
         blocks = self.pool.allocate(need)
         assert blocks is not None
         swapped_in = 0
-        if req.swapped is not None:
+        if req.swapped is None:  # computed from the current cache (offloaded KV keeps its epoch)
+            req.kv_epoch = self.epoch
+        else:
             host = req.swapped[0]
             out.swap_in.extend(zip(host, blocks[: len(host)]))
             swapped_in = len(host)
@@ -161,6 +170,7 @@ class KVManager:
         child.block_ids = list(shared)
         child.block_hashes = parent.block_hashes[:full]
         child.num_registered = min(parent.num_registered, full)
+        child.kv_epoch = parent.kv_epoch
         if parent.prompt_len % bs:
             dst = self._fork_copies.pop()
             out.block_copies_after.append((parent.block_ids[full], dst))
@@ -196,7 +206,7 @@ class KVManager:
 
     def note_computing(self, step_id: int, req: Request, start: int, num_new: int) -> None:
         """Full prompt blocks this step computes: same-prefix requests wait for them."""
-        if self.pool.enable_caching and start < req.prompt_len:
+        if self.pool.enable_caching and start < req.prompt_len and req.kv_epoch == self.epoch:
             full = (start + num_new) // self.block_size
             if full > start // self.block_size:
                 self._computing[step_id].update(self._digests(req, full)[start // self.block_size :])
@@ -206,13 +216,16 @@ class KVManager:
         later step may already be scheduled, with async batching)."""
         if not self.pool.enable_caching:
             return
-        bs = self.block_size
+        bs, epoch = self.block_size, self.epoch
         for req, start, n in zip(out.requests, out.start_pos, out.num_new):
             upto = min(start + n, len(req.token_ids)) // bs
-            if upto > req.num_registered and not req.status.is_terminal:
+            if upto > req.num_registered and not req.status.is_terminal and req.kv_epoch == epoch:
                 self._register(req, upto)
 
     def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix and start a new epoch; returns how many blocks were forgotten."""
+        self.epoch += 1
+        self._computing = {step: set() for step in self._computing}  # nothing in flight will be registered
         return self.pool.reset_cache()
 
     # ------------------------------------------------------------------ checks

@@ -24,7 +24,7 @@ class Request:
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
         "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
-        "block_hashes", "num_registered", "cache_salt", "swapped", "in_flight", "last_sample",
+        "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
     )
 
     def __init__(
@@ -79,6 +79,9 @@ class Request:
         self.children: list[Request] | None = None  # n > 1, on sample 0 until its prompt is prefilled
         self.block_hashes: list[bytes] = []  # prefix-cache digests of this request's full blocks
         self.num_registered = 0  # leading blocks already registered in the prefix cache
+        # the prefix cache's epoch (KVManager.epoch: it moves on when the weights change) in which
+        # this request's KV was computed: KV from another epoch is never registered
+        self.kv_epoch = 0
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
         self.swapped: tuple[list[int], int] | None = None  # (host blocks, tokens) while offloaded
         # tokens scheduled for sampling whose values are not back yet (async batching: up to 2)

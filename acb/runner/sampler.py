@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from acb.sampling_params import MIN_TEMPERATURE
+
 if TYPE_CHECKING:
     from acb.core.request import Request
     from acb.runner.input_batch import StagingSet
@@ -102,8 +104,10 @@ class SamplingState:
         """(Re)fill a row for a request admitted to it (fresh, or resumed after preemption)."""
         sp = req.params
         t = self.table[row]
-        t[C_TEMP] = 0.0 if sp.is_greedy else sp.temperature
-        t[C_TOPK] = sp.top_k or 0
+        # (validated at submit; a temperature below MIN_TEMPERATURE would overflow the logits, and
+        # a top_k past the vocabulary keeps it all)
+        t[C_TEMP] = 0.0 if sp.is_greedy else max(sp.temperature or 0.0, MIN_TEMPERATURE)
+        t[C_TOPK] = min(sp.top_k or 0, self.vocab)
         t[C_TOPP] = sp.top_p if sp.top_p is not None else 1.0
         t[C_MINP] = sp.min_p or 0.0
         t[C_REP] = sp.repetition_penalty or 1.0

@@ -137,3 +137,59 @@ def test_model_attention_restored_after_engine(model):
         assert model.config._attn_implementation == "acb_paged"
         eng.generate([5, 6], acb.SamplingParams(max_new_tokens=2))
     assert model.config._attn_implementation == before
+
+
+# Values that pass a type check but overflow what the engine computes with (issue 26 item 1): each
+# is refused when the SamplingParams is built, naming the field.
+HUGE = [
+    (dict(top_k=10**400), "top_k"), (dict(max_new_tokens=10**30), "max_new_tokens"), (dict(n=2**63), "n"),
+    (dict(min_new_tokens=2**64), "min_new_tokens"), (dict(logprobs=10**30), "logprobs"),
+    (dict(prompt_logprobs=2**63), "prompt_logprobs"), (dict(seed=2**63), "seed"), (dict(seed=-(2**63) - 1), "seed"),
+    (dict(temperature=10**400), "temperature"), (dict(temperature=1e300), "temperature"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty"), (dict(repetition_penalty=1e39), "repetition_penalty"),
+    (dict(logit_bias={5: 1e39}), "logit_bias"), (dict(logit_bias={5: 10**400}), "logit_bias"),
+    (dict(logit_bias={5: float("inf")}), "logit_bias"), (dict(logit_bias={2**64: 1.0}), "logit_bias"),
+    (dict(stop_token_ids=(2**63,)), "stop_token_ids"), (dict(top_p=10**400), "top_p"),
+    (dict(presence_penalty=-(10**400)), "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+async def test_numeric_extremes_are_refused_or_harmless(model, async_batching):
+    """Every int fits int64 and every float stays finite through the sampler: out-of-range values
+    are refused at construction (with a short message), and the extreme values that are allowed
+    (the largest ints, a temperature of 1e-40, biases of +-100 and -inf) run without touching the
+    other requests of the step, which stay exact."""
+    for bad, field in HUGE:
+        with pytest.raises(ValueError, match=field) as ei:
+            acb.SamplingParams(**bad)
+        assert len(str(ei.value)) < 200  # a 400-digit int is not echoed whole
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    refs = [reference_generate(model, p, 6) for p in prompts]
+    top = 2**63 - 1
+    allowed = [
+        acb.SamplingParams(max_new_tokens=top, top_k=top, seed=top, do_sample=True, temperature=1.0, ignore_eos=True),
+        acb.SamplingParams(max_new_tokens=6, seed=-(2**63), temperature=1e4, top_k=top),
+        acb.SamplingParams(max_new_tokens=6, min_new_tokens=6, stop_token_ids=(5,), seed=1,
+                           temperature=0.5, repetition_penalty=100.0),
+        acb.SamplingParams(max_new_tokens=6, seed=2, temperature=0.5, repetition_penalty=0.01,
+                           logit_bias={3: 100.0, 4: -100.0, 7: float("-inf")}),
+        acb.SamplingParams(max_new_tokens=6, seed=3, temperature=1e-40),
+    ]
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, use_async_batching=async_batching)
+    async with acb.AsyncEngine(model, cfg) as eng:
+        held = eng.core.call(lambda c: __import__("time").sleep(0.2))  # the whole burst lands in one step
+        handles = [await eng.submit(p, acb.SamplingParams(max_new_tokens=6)) for p in prompts]
+        odd = [await eng.submit([5, 6, 7], sp) for sp in allowed]
+        held.result()
+        outs = [await h.result() for h in handles]
+        odd_outs = [await h.result() for h in odd]
+        # a temperature below 0.01 samples at 0.01: the same draws as asking for 0.01
+        clamped = await eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=6, seed=3, temperature=0.01))
+    assert [o.generated_tokens for o in outs] == refs
+    assert all(o.status == acb.RequestStatus.FINISHED for o in odd_outs)
+    assert odd_outs[0].finish_reason == acb.FinishReason.LENGTH  # max_new_tokens clamped to the capacity
+    assert len(odd_outs[0].generated_tokens) == eng.config.max_model_len - 3
+    assert 7 not in odd_outs[3].generated_tokens
+    assert odd_outs[4].generated_tokens == clamped.generated_tokens
+    assert odd_outs[4].generated_tokens != [255] * 6  # not the last vocabulary id every step (inf logits)

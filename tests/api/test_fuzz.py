@@ -163,6 +163,10 @@ def random_request(rng: random.Random, prefixes: list[list[int]], max_rows: int)
         kw["stop_token_ids"] = ()
     if rng.random() < 0.25:
         kw.update(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 5, 300]), seed=rng.randrange(1 << 30))
+        if rng.random() < 0.3:  # the extremes that are allowed: they must not touch the other requests
+            kw.update(rng.choice([dict(top_k=2**63 - 1), dict(temperature=1e-40), dict(seed=-(2**63)),
+                                  dict(seed=2**63 - 1, temperature=1e4), dict(logit_bias={7: 100.0, 8: float("-inf")}),
+                                  dict(repetition_penalty=0.01), dict(repetition_penalty=100.0)]))
     if rng.random() < 0.2:
         kw["n"] = rng.randint(2, min(3, max_rows))
     if rng.random() < 0.2:
@@ -186,6 +190,13 @@ async def refused(engine: acb.AsyncEngine, rng: random.Random, rid: str, live: l
         (([5, 6],), dict(cache_salt=b"tenant"), TypeError),
         (([5, VOCAB],), {}, ValueError),
         (({5: 1},), {}, TypeError),
+        # numbers that pass a type check but overflow the engine's int64 tables, the wire or float32
+        (([5, 6],), dict(top_k=10**400), ValueError),
+        (([5, 6],), dict(max_new_tokens=2**63), ValueError),
+        (([5, 6],), dict(seed=2**64, temperature=1.0), ValueError),
+        (([5, 6],), dict(logit_bias={5: 1e39}), ValueError),
+        (([5, 6],), dict(repetition_penalty=1e-40), ValueError),
+        (([5, 6],), dict(temperature=1e300), ValueError),
     ]
     args, kw, exc = rng.choice(cases)
     with pytest.raises(exc):

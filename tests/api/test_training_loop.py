@@ -126,3 +126,52 @@ def test_processed_logprobs_of_every_sample_are_what_a_trainer_recomputes():
                 logits = model(ids).logits[0, len(prompt) - 1: -1]
             trainer = (logits / scale).log_softmax(-1).gather(-1, torch.tensor(s.generated_tokens)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(s.logprobs), trainer, atol=1e-5, rtol=1e-5)
+
+
+def _perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+def test_a_step_in_flight_across_a_weight_change_does_not_fill_the_prefix_cache(async_batching):
+    """The weights change while a step that prefills a prompt is in flight (async batching
+    registers its blocks only after the next step was launched, and the next launch is where the
+    change is seen): those blocks hold K/V of the old weights and must not be found by a later
+    request with the same prefix. Issue 26 item 2: with async batching the later request read 32
+    stale tokens and its greedy output differed from ``model.generate``."""
+    model = _model()
+    prompt = prompts_of_lengths([40], seed=56)[0]
+    cfg = acb.ContinuousBatchingConfig(**CFG, max_requests_per_batch=1, use_async_batching=async_batching)
+    with acb.Engine(model, cfg) as eng:
+        runner = eng.runner
+        original = runner.execute
+        calls = []
+
+        def execute(sched):
+            handle = original(sched)
+            calls.append(sched.num_tokens)
+            if len(calls) == 1:  # the prefill of the first request has run: the trainer steps now
+                _perturb(model, 3)
+            return handle
+
+        runner.execute = execute
+        try:
+            # one row: the second request waits while the first decodes, so the engine looks at
+            # the weights again at the next launch (it does so when requests are waiting)
+            first, second = eng.generate_batch([prompt, prompt], acb.SamplingParams(max_new_tokens=6),
+                                               progress_bar=False).values()
+        finally:
+            runner.execute = original
+        assert eng.core.weight_resets == 1
+        assert second.num_cached_tokens == 0, "the later request read K/V computed with the old weights"
+        third = eng.generate(prompt, acb.SamplingParams(max_new_tokens=6))
+        assert third.num_cached_tokens >= 32  # the new weights' prefix is cached and found again
+    model.eval()
+    want = reference_generate(model, prompt, 6)
+    assert second.generated_tokens == want and third.generated_tokens == want
