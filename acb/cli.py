@@ -43,11 +43,17 @@ class CliError(Exception):
 
 @dataclass
 class PromptSpec:
-    """One request: its output ``id``, token ids, and optional own ``max_new_tokens``."""
+    """One request: its output ``id``, token ids, optional own ``max_new_tokens``, and where it
+    came from (``FILE:LINE`` of a ``--prompts`` line; None for a synthetic prompt)."""
 
     id: Any
     prompt_ids: list[int]
     max_new_tokens: int | None = None
+    where: str | None = None
+
+    def describe(self, index: int) -> str:
+        """How an error names this prompt: ``FILE:LINE``, else its position and id."""
+        return self.where if self.where is not None else f"prompt {index} (id {self.id!r})"
 
 
 # --------------------------------------------------------------------------- parser
@@ -593,7 +599,7 @@ def load_prompts(path: str, tokenizer: Any) -> list[PromptSpec]:
             if max_new is not None and (not _is_int(max_new) or max_new <= 0):
                 raise CliError(f"{where}: \"max_new_tokens\" must be a positive int, got {max_new!r}")
             rid = obj["id"] if "id" in obj else f"req_{len(specs)}"
-            specs.append(PromptSpec(rid, [int(t) for t in ids], max_new))
+            specs.append(PromptSpec(rid, [int(t) for t in ids], max_new, where))
     if not specs:
         raise CliError(f"--prompts: {path} holds no prompts")
     return specs
@@ -773,7 +779,7 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
             for r in reqs:
                 engine.abandon(r)
             i = len(reqs)
-            raise CliError(f"prompt {i} (id {specs[i].id!r}): {exc}") from None
+            raise CliError(f"{specs[i].describe(i)}: {exc}") from None
         index = {r.request_id: i for i, r in enumerate(reqs)}
         writer = ResultWriter(open_output(), specs, tokenizer)
         if not args.no_progress:
@@ -926,7 +932,7 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
         for i, s in enumerate(specs):
             bad = next((t for t in s.prompt_ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise CliError(f"prompt {i} (id {s.id!r}): token id {bad} is outside the model's vocabulary [0, {vocab})")
+                raise CliError(f"{s.describe(i)}: token id {bad} is outside the model's vocabulary [0, {vocab})")
 
     to_stdout = args.output == STDOUT
     opened: list[IO[str]] = []

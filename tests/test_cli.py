@@ -260,7 +260,10 @@ def test_prompt_that_can_never_fit_exits_2(tmp_path, capsys):
         ([{"prompt_ids": []}], "p.jsonl:1"),
         ([{"prompt": "a", "prompt_ids": [5]}], "p.jsonl:1"),
         ([{"prompt_ids": [5], "max_new_tokens": 0}], "p.jsonl:1"),
-        ([{"prompt_ids": [5, 100000]}], "vocabulary"),
+        # the engine's checks name the line too (a blank line: line 3 is the second prompt)
+        ([{"prompt_ids": [5]}, "", {"prompt_ids": [5, 100000]}],
+         "p.jsonl:3: token id 100000 is outside the model's vocabulary"),
+        ([{"prompt_ids": [5]}, "", {"id": "big", "prompt_ids": [5] * 4000}], "p.jsonl:3: prompt of 4000 tokens can never fit"),
         ([{"messages": "hello"}], "p.jsonl:1"),
         ([{"messages": []}], "p.jsonl:1"),
         ([{"messages": [{"role": "user"}]}], "p.jsonl:1"),
