@@ -18,10 +18,13 @@ through the OpenTelemetry API (a core dependency), at no cost when no SDK is con
   counters (``acb.requests.running``, ``acb.kv_cache.*``, ``acb.prefix_cache.*``,
   ``acb.preemptions``, ``acb.engine.*``), observed from the engine's stats snapshot when a
   reader collects (nothing is recorded per step).
-- ``OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental`` selects the latest experimental
-  GenAI conventions (``gen_ai.provider.name``, content as ``gen_ai.input.messages`` /
-  ``gen_ai.output.messages``); without it acb emits the v1.36 form (``gen_ai.system``, content
-  as span events). Everything else is the same in both.
+- **Conventions' version**: the latest GenAI conventions by default (``gen_ai.provider.name``
+  on spans and metrics, content as ``gen_ai.input.messages`` / ``gen_ai.output.messages``). The
+  conventions ask *existing* instrumentations to keep their v1.36 output unless
+  ``OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental``; acb is a new one, so it starts
+  at the latest (that opt-in is accepted and changes nothing). ``ACB_OTEL_GENAI_CONVENTIONS=v1.36``
+  (or ``configure(genai_conventions="v1.36")``) opts out to the v1.36 names (``gen_ai.system``,
+  content as span events). Everything else is the same in both.
 - Prompt and output text are recorded only with ``capture_content=True`` (or
   ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``).
 - ``OTEL_SDK_DISABLED=true`` turns all of it off.
@@ -51,8 +54,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROVIDER_NAME = "acb"  # gen_ai.provider.name (gen_ai.system in the v1.36 conventions)
-OPT_IN_ENV = "OTEL_SEMCONV_STABILITY_OPT_IN"
-OPT_IN_VALUE = "gen_ai_latest_experimental"
+CONVENTIONS_ENV = "ACB_OTEL_GENAI_CONVENTIONS"  # "v1.36": the opt-out to the old names
+CONVENTIONS = ("latest", "v1.36")
 CAPTURE_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 
 # the conventions' advised explicit bucket boundaries
@@ -86,9 +89,32 @@ def disabled() -> bool:
     return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
+_conventions: str | None = None  # set by configure(genai_conventions=...); None: the environment decides
+_warned_conventions: set[str] = set()
+
+
+def conventions() -> str:
+    """The GenAI conventions' version acb emits: ``"latest"`` (the default) or ``"v1.36"``
+    (``configure(genai_conventions="v1.36")``, else ``ACB_OTEL_GENAI_CONVENTIONS=v1.36``).
+    ``OTEL_SEMCONV_STABILITY_OPT_IN`` is how *existing* instrumentations are moved to the latest
+    conventions; acb starts there, so that variable does not change what it emits."""
+    if _conventions is not None:
+        return _conventions
+    value = os.environ.get(CONVENTIONS_ENV, "").strip().lower()
+    if value in ("", "latest"):
+        return "latest"
+    if value.lstrip("v") in ("1.36", "1.36.0"):
+        return "v1.36"
+    if value not in _warned_conventions:
+        _warned_conventions.add(value)
+        logger.warning("%s=%r is not one of %s: acb emits the latest GenAI conventions", CONVENTIONS_ENV, value,
+                       ", ".join(CONVENTIONS))
+    return "latest"
+
+
 def latest_conventions() -> bool:
-    """Whether ``OTEL_SEMCONV_STABILITY_OPT_IN`` lists ``gen_ai_latest_experimental``."""
-    return OPT_IN_VALUE in (v.strip() for v in os.environ.get(OPT_IN_ENV, "").split(","))
+    """Whether the latest GenAI conventions are emitted (see :func:`conventions`)."""
+    return conventions() == "latest"
 
 
 _capture_content: bool | None = None  # set by configure(); None: the environment decides
@@ -515,7 +541,7 @@ def _exporter(signal: str, endpoint: str | None, protocol: str | None) -> Any:
 
 def configure(endpoint: str | None = None, protocol: str | None = None, service_name: str | None = None, *,
               traces: bool = True, metrics: bool = True, capture_content: bool = False, prometheus: bool = False,
-              export_interval_s: float | None = None) -> Telemetry:
+              export_interval_s: float | None = None, genai_conventions: str | None = None) -> Telemetry:
     """Set up the OpenTelemetry SDK to export acb's spans and metrics over OTLP.
 
     ``endpoint`` is the collector's base URL (``http://localhost:4318`` for http/protobuf,
@@ -526,12 +552,15 @@ def configure(endpoint: str | None = None, protocol: str | None = None, service_
     ``prometheus=True`` also keeps the metrics for :meth:`Telemetry.prometheus_text` (``acb
     serve``'s ``/metrics``); with ``endpoint=None`` and no endpoint in the environment, only
     that reader is set up. ``export_interval_s`` is the metric export period (default:
-    ``OTEL_METRIC_EXPORT_INTERVAL``, else 60 s).
+    ``OTEL_METRIC_EXPORT_INTERVAL``, else 60 s). ``genai_conventions``: ``"latest"`` or
+    ``"v1.36"`` (default: ``ACB_OTEL_GENAI_CONVENTIONS``, else the latest; see the module docstring).
 
     The providers become the global ones; if the application already set its own, acb's are
     not installed (a warning says so) and acb reports through the application's.
     """
-    global _capture_content
+    global _capture_content, _conventions
+    if genai_conventions is not None and genai_conventions not in CONVENTIONS:
+        raise ValueError(f"genai_conventions={genai_conventions!r}: expected one of {', '.join(CONVENTIONS)}")
     try:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
@@ -543,6 +572,7 @@ def configure(endpoint: str | None = None, protocol: str | None = None, service_
         raise ImportError(f"acb.telemetry.configure needs the OpenTelemetry SDK: pip install 'acb-batching[otel]' "
                           f"({exc})") from None
     _capture_content = capture_content or None
+    _conventions = genai_conventions
     attrs = {"service.name": service_name or os.environ.get("OTEL_SERVICE_NAME") or "acb"}
     resource = Resource.create(attrs)
     export = bool(endpoint) or otlp_endpoint_configured() or not prometheus

@@ -65,7 +65,8 @@ def test_request_spans_carry_the_conventions_attributes(http_run):
         s = spans[o["request_id"]]
         a = s["attrs"]
         assert s["kind"] == "INTERNAL" and s["via"] == "http"
-        assert a["gen_ai.system"] == telemetry.PROVIDER_NAME and "gen_ai.provider.name" not in a  # v1.36 form
+        # the latest conventions by default (acb is a new instrumentation), not the v1.36 form
+        assert a["gen_ai.provider.name"] == telemetry.PROVIDER_NAME and "gen_ai.system" not in a
         assert a["gen_ai.request.model"] == MODEL
         assert a["gen_ai.usage.input_tokens"] == o["prompt_len"]
         assert a["gen_ai.usage.output_tokens"] == o["output_tokens"]
@@ -87,11 +88,12 @@ def test_request_spans_carry_the_conventions_attributes(http_run):
     assert text["parent_span_id"] == results["user_span_id"] and text["trace_id"] == results["user_trace_id"]
     chat = spans[results["chat"]["request_id"]]
     assert chat["name"] == f"chat {MODEL}" and chat["attrs"]["gen_ai.request.choice.count"] == 2
-    # content was asked for: the v1.36 form puts it in span events
-    prompt_ev = next(e for e in chat["events"] if e[0] == "gen_ai.content.prompt")
-    assert json.loads(prompt_ev[2]["gen_ai.prompt"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
-    done_ev = next(e for e in chat["events"] if e[0] == "gen_ai.content.completion")
-    assert [m["parts"][0]["content"] for m in json.loads(done_ev[2]["gen_ai.completion"])] == results["chat"]["texts"]
+    # content was asked for: the latest form puts it in attributes (JSON)
+    a = chat["attrs"]
+    assert json.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
+    out = json.loads(a["gen_ai.output.messages"])
+    assert [m["parts"][0]["content"] for m in out] == results["chat"]["texts"]
+    assert not any(e[0].startswith("gen_ai.content") for e in chat["events"])
 
 
 def test_outcomes_status_and_error_type(http_run):
@@ -138,7 +140,7 @@ def test_metrics_names_units_and_points(http_run):
         errors[p["attrs"].get("error.type")] = errors.get(p["attrs"].get("error.type"), 0) + p["count"]
     assert errors == {None: 4, "cancelled": 1, "request": 1}
     assert all(p["attrs"]["gen_ai.operation.name"] in ("chat", "text_completion") and
-               p["attrs"]["gen_ai.system"] == "acb" for p in dur)
+               p["attrs"]["gen_ai.provider.name"] == "acb" and "gen_ai.system" not in p["attrs"] for p in dur)
     # TTFT and TPOT: the successful requests only
     assert sum(p["count"] for p in m["gen_ai.server.time_to_first_token"]["points"]) == 4
     usage = {p["attrs"]["gen_ai.token.type"]: p for p in m["gen_ai.client.token.usage"]["points"]
@@ -156,25 +158,51 @@ def test_metrics_names_units_and_points(http_run):
         assert name in m
 
 
-def test_grpc_and_the_latest_conventions():
+def test_grpc_and_the_v1_36_opt_out():
+    """``ACB_OTEL_GENAI_CONVENTIONS=v1.36``: the v1.36 names, on spans and metrics; acb's own
+    variable wins over a process-wide opt-in meant for the instrumentations that need one."""
     grpc = pytest.importorskip("grpc")
     assert grpc
     pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
     with Receiver(grpc=True) as r:
-        results = _run_script(r.grpc_endpoint, "grpc", OTEL_SEMCONV_STABILITY_OPT_IN="http,gen_ai_latest_experimental")
+        results = _run_script(r.grpc_endpoint, "grpc", ACB_OTEL_GENAI_CONVENTIONS="v1.36",
+                              OTEL_SEMCONV_STABILITY_OPT_IN="http,gen_ai_latest_experimental")
         collected = r.collected
     spans = _engine_spans(collected)
     assert spans and all(s["via"] == "grpc" for s in collected.spans)
+    for s in spans.values():
+        assert s["attrs"]["gen_ai.system"] == "acb" and "gen_ai.provider.name" not in s["attrs"]
     chat = spans[results["chat"]["request_id"]]
-    a = chat["attrs"]
-    assert a["gen_ai.provider.name"] == "acb" and "gen_ai.system" not in a
-    # content as attributes in the latest form
-    assert json.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
-    out = json.loads(a["gen_ai.output.messages"])
-    assert [m["parts"][0]["content"] for m in out] == results["chat"]["texts"]
-    assert not any(e[0].startswith("gen_ai.content") for e in chat["events"])
+    # content as span events in the v1.36 form
+    assert not any(k.startswith(("gen_ai.input", "gen_ai.output")) for k in chat["attrs"])
+    prompt_ev = next(e for e in chat["events"] if e[0] == "gen_ai.content.prompt")
+    assert json.loads(prompt_ev[2]["gen_ai.prompt"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
+    done_ev = next(e for e in chat["events"] if e[0] == "gen_ai.content.completion")
+    assert [m["parts"][0]["content"] for m in json.loads(done_ev[2]["gen_ai.completion"])] == results["chat"]["texts"]
     dur = collected.latest_metrics()["gen_ai.server.request.duration"]["points"]
-    assert all(p["attrs"]["gen_ai.provider.name"] == "acb" for p in dur)
+    assert dur and all(p["attrs"]["gen_ai.system"] == "acb" and "gen_ai.provider.name" not in p["attrs"]
+                       for p in dur)
+
+
+def test_which_conventions(monkeypatch, caplog):
+    """The latest by default, whatever OTEL_SEMCONV_STABILITY_OPT_IN says; v1.36 on acb's opt-out;
+    an unknown value is named in a warning and changes nothing."""
+    monkeypatch.setattr(telemetry, "_conventions", None)
+    monkeypatch.delenv(telemetry.CONVENTIONS_ENV, raising=False)
+    for opt_in in (None, "http", "gen_ai_latest_experimental"):
+        if opt_in is None:
+            monkeypatch.delenv("OTEL_SEMCONV_STABILITY_OPT_IN", raising=False)
+        else:
+            monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", opt_in)
+        assert telemetry.conventions() == "latest"
+        assert telemetry._base_attrs("chat", "m")["gen_ai.provider.name"] == "acb"
+    for value in ("v1.36", "1.36.0", " V1.36 "):
+        monkeypatch.setenv(telemetry.CONVENTIONS_ENV, value)
+        assert telemetry.conventions() == "v1.36" and telemetry._base_attrs("chat", "m")["gen_ai.system"] == "acb"
+    monkeypatch.setenv(telemetry.CONVENTIONS_ENV, "v2")
+    assert telemetry.conventions() == "latest" and "ACB_OTEL_GENAI_CONVENTIONS='v2'" in caplog.text
+    with pytest.raises(ValueError, match="genai_conventions='1.36'"):
+        telemetry.configure("http://127.0.0.1:9", genai_conventions="1.36")
 
 
 def test_telemetry_off_imports_no_sdk_and_changes_nothing(http_run):
