@@ -38,6 +38,7 @@ from acb.runner.attention import (
     set_own_implementation,
     step_context,
 )
+from acb.runner.eval_mode import DROPOUT_GUARD, engine_forward
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec, available_host_memory, size_kv_cache
 from acb.runner.sampler import SamplingState, sample
@@ -340,8 +341,9 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> None:
         check_model(model)
-        self._user_training = model.training  # given back at close()
-        self.model: PreTrainedModel = model.eval()
+        # the model's train/eval flags stay the user's: steps run in eval semantics through
+        # acb.runner.eval_mode (dropout off on the engine thread only), never by model.eval()
+        self.model: PreTrainedModel = model
         # the weights' identity and in-place version, and the optimizer steps taken on them: a
         # change invalidates the prefix cache
         self._params = [p for p in model.parameters()]
@@ -380,6 +382,7 @@ class ModelRunner:
         )
         register_with_transformers(compiled=bool(self._compiled))
         _ATTN_SWAP.acquire(model)
+        DROPOUT_GUARD.acquire(model)
         self._holds_attn = True
         logger.info(
             "%d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
@@ -566,10 +569,9 @@ class ModelRunner:
         start (the stopped engine core still holds this runner). The runner is unusable after."""
         if self._holds_attn:
             _ATTN_SWAP.release(self.model)
+            DROPOUT_GUARD.release(self.model)
             self._holds_attn = False
         self._step_hook.remove()
-        if self._user_training and not self.model.training:  # the user's mode, unless they set one since
-            self.model.train()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         self.packed = None
         # the runner is unusable after close, so these are not typed Optional
@@ -582,19 +584,8 @@ class ModelRunner:
         with device_scope(self.device, self.streams.compute):
             return self._execute(sched)
 
-    def _execute(self, sched: SchedulerOutput) -> InFlightStep:
-        if not self.model.training:
-            return self._execute_eval(sched)
-        # the user put the model in train mode (an RL loop between rounds): the step runs in eval
-        # semantics (no dropout), and the user's mode is given back right after
-        self.model.eval()
-        try:
-            return self._execute_eval(sched)
-        finally:
-            self.model.train()
-
     @torch.inference_mode()
-    def _execute_eval(self, sched: SchedulerOutput) -> InFlightStep:
+    def _execute(self, sched: SchedulerOutput) -> InFlightStep:
         t0 = time.perf_counter()
         sampling = self.sampling
         for row in sched.freed_rows:
@@ -694,10 +685,11 @@ class ModelRunner:
     def forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
         fn = self._compiled.get("decode" if batch.decode_only else "varlen")
-        if fn is None:
-            return self._model_forward(batch, ctx)
-        with step_context(ctx):  # attention finds it there: the graph takes tensors only
-            return fn(batch, True)
+        with engine_forward():  # eval semantics on this thread only (the model's flags stay the user's)
+            if fn is None:
+                return self._model_forward(batch, ctx)
+            with step_context(ctx):  # attention finds it there: the graph takes tensors only
+                return fn(batch, True)
 
     def _model_forward(self, batch: PreparedBatch, ctx: StepContext | Literal[True]) -> torch.Tensor:
         # a 4-D "mask" is returned as-is by transformers' mask creation: no mask is built (acb's

@@ -49,13 +49,14 @@ def test_a_model_in_train_mode_generates_without_dropout_and_keeps_its_mode():
     ref = reference_generate(model.eval(), prompt, 10)
     model.train()
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, use_async_batching=True)) as eng:
-        assert not model.training  # the engine runs the model in eval mode ...
+        assert model.training  # the engine leaves the model's mode alone ...
         out = eng.generate(prompt, acb.SamplingParams(max_new_tokens=10))
-        model.train()  # ... and a model put back in train mode (between rounds) ...
+        model.eval()
+        model.train()  # ... whatever the user sets between rounds ...
         again = eng.generate(prompt, acb.SamplingParams(max_new_tokens=10))
-        assert model.training  # ... keeps it: each step runs in eval semantics, then gives it back
+        assert model.training  # ... and its steps run in eval semantics all the same
     assert out.generated_tokens == again.generated_tokens == ref  # no dropout in either
-    assert model.training  # the user's mode when the engine started, given back when it stopped
+    assert model.training
     model.eval()
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
         eng.generate(prompt, acb.SamplingParams(max_new_tokens=2))
@@ -175,3 +176,52 @@ def test_a_step_in_flight_across_a_weight_change_does_not_fill_the_prefix_cache(
     model.eval()
     want = reference_generate(model, prompt, 6)
     assert second.generated_tokens == want and third.generated_tokens == want
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+def test_training_on_another_thread_while_the_engine_generates(async_batching):
+    """An RL trainer training the engine's model on its own thread at the same time (dropout 0.5
+    in train mode): the engine's steps run without dropout and the trainer's forwards with it,
+    every one of them, and ``model.training`` stays what the trainer set. Issue 26 item 7: engine
+    steps flipped the shared flag; 12/12 greedy outputs were wrong and 23% of the user's dropout
+    calls ran in eval mode."""
+    import threading
+
+    model = tiny_model("phi3", seed=11, resid_pdrop=0.5, attention_dropout=0.5)
+    prompts = prompts_of_lengths([9, 13, 17, 11, 8, 15, 12, 10, 14, 16, 7, 9], seed=57)
+    refs = [reference_generate(model.eval(), p, 8) for p in prompts]
+    drop = next(m for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    seen = {"engine": [0, 0], "user": [0, 0]}  # [calls, calls that changed their input]
+    engine_thread: list[threading.Thread] = []
+
+    def hook(module, args, out):
+        who = "engine" if engine_thread and threading.current_thread() is engine_thread[0] else "user"
+        seen[who][0] += 1
+        seen[who][1] += int(not torch.equal(args[0], out))
+
+    handle = drop.register_forward_hook(hook)
+    model.train()
+    stop = threading.Event()
+    flags: list[bool] = []
+
+    def trainer():
+        ids = torch.tensor([prompts[0]])
+        while not stop.is_set():
+            with torch.no_grad():
+                model(ids)
+            flags.append(model.training)
+
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, use_async_batching=async_batching)) as eng:
+        engine_thread.append(eng.core.thread)
+        t = threading.Thread(target=trainer)
+        t.start()
+        try:
+            outs = eng.generate_batch(prompts, acb.SamplingParams(max_new_tokens=8), progress_bar=False)
+        finally:
+            stop.set()
+            t.join()
+    handle.remove()
+    assert [o.generated_tokens for o in outs.values()] == refs
+    assert seen["engine"][0] > 0 and seen["engine"][1] == 0  # no dropout in any engine step
+    assert seen["user"][0] > 0 and seen["user"][1] == seen["user"][0]  # dropout in every user forward
+    assert flags and all(flags) and model.training
