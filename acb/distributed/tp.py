@@ -18,6 +18,10 @@ quiet leader from a dead one (the group's timeout, ``ACB_TP_TIMEOUT_S``, default
 
 Requests travel as their token ids and their fully resolved :class:`~acb.SamplingParams` (the
 seed drawn on the leader included), encoded field by field into the frame (no pickling).
+
+Lock step needs the same engine settings on every rank: at start the runner compares the ranks'
+resolved settings (:func:`check_same_settings`, one all-gather) and every rank refuses to start,
+naming each setting that differs, rather than abort later in a mismatched collective.
 """
 
 from __future__ import annotations
@@ -62,6 +66,72 @@ def agree_min(group: "dist_t.ProcessGroup", values: list[int]) -> list[int]:
     t = torch.tensor(values, dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group(group))
     return [int(v) for v in t.tolist()]
+
+
+# ResolvedConfig fields that may differ between ranks: the device, the cache's bytes (the
+# block count is agreed), and what only the leader's front reads (its admission queue, the
+# seeds it draws, the logprob defaults it resolves requests with before they are sent)
+PER_RANK_SETTINGS = frozenset({"device", "kv_cache_bytes", "seed", "max_queue_size", "return_logprobs"})
+# the ContinuousBatchingConfig field behind a resolved setting, where the names differ
+_CONFIG_FIELD = {"block_size": "page_size", "async_batching": "use_async_batching",
+                 "prefix_caching": "allow_block_sharing", "cuda_graphs": "use_cuda_graph",
+                 "graph_step": "q_padding_interval_size", "num_swap_blocks": "cpu_offload_space",
+                 "packed_linears": "cpu_packed_linears"}
+
+
+def check_same_settings(group: "dist_t.ProcessGroup", settings: Any) -> None:
+    """Refuse to run when the ranks' engines resolved different settings.
+
+    Every rank runs the same schedule from the same commands, so a setting that shapes the
+    schedule or the step (``max_batch_tokens``, ``max_requests_per_batch``, async batching, the
+    block size, the decode graphs, ...) must be the same on every rank; otherwise the ranks'
+    forwards stop matching and the model's collectives fail (gloo aborts the process) or hang. ``settings``: this rank's :class:`~acb.config.ResolvedConfig` (or a mapping of
+    setting names to plain values); :data:`PER_RANK_SETTINGS` are left out. One all-gather of
+    one frame on the group's gloo twin, before any step; every rank then raises the same
+    ``ValueError``, naming each differing setting and its value on every rank.
+    """
+    import torch.distributed as dist
+
+    mine = {k: v for k, v in _as_mapping(settings).items() if k not in PER_RANK_SETTINGS}
+    out = bytearray()
+    _put(out, mine)
+    data = bytes(out)
+    if len(data) > FRAME_BYTES - 8:
+        raise ValueError(f"the engine settings take {len(data)} bytes encoded, more than a frame holds")
+    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    view = frame.numpy()
+    view[:8] = np.frombuffer(struct.pack("<q", len(data)), dtype=np.uint8)
+    view[8 : 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    cpu = _cpu_group(group)
+    frames = [torch.empty_like(frame) for _ in range(dist.get_world_size(cpu))]
+    dist.all_gather(frames, frame, group=cpu)
+    ranks = dist.get_process_group_ranks(group)
+    every = []
+    for f in frames:
+        (n,) = struct.unpack("<q", f.numpy()[:8].tobytes())
+        every.append(_get(memoryview(f.numpy()[8 : 8 + n].tobytes()), 0)[0])
+    names = sorted({k for s in every for k in s}, key=lambda k: (k not in mine, k))
+    differing = [k for k in names if any(s.get(k, _MISSING) != every[0].get(k, _MISSING) for s in every)]
+    if differing:
+        def show(k: str) -> str:
+            field = _CONFIG_FIELD.get(k)
+            values = ", ".join(f"{s.get(k, '(unset)')!r} on rank {r}" for r, s in zip(ranks, every))
+            return f"{k}{f' (ContinuousBatchingConfig.{field})' if field else ''}: {values}"
+
+        raise ValueError("the tensor-parallel ranks' engines were started with different settings; every rank "
+                         "runs the same steps, so give each the same ContinuousBatchingConfig. Differing: "
+                         + "; ".join(show(k) for k in differing))
+
+
+_MISSING = object()
+
+
+def _as_mapping(settings: Any) -> dict[str, Any]:
+    import dataclasses
+
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
+        return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    return dict(settings)
 
 
 _CPU_GROUPS: dict[Any, Any] = {}

@@ -3,8 +3,9 @@ engine on its shard of a ``tp_plan="auto"`` model and runs rank 0's requests in 
 
 One torchrun (``tp_run.py``) serves the module: greedy parity with the single-process
 ``model.generate`` for Llama and Qwen3 with GQA (chunked prefill, preemption, prefix caching,
-async batching), an AsyncEngine on rank 0 streaming and cancelling, and a rank whose step fails
-making every handle on rank 0 fail instead of hanging."""
+async batching), an AsyncEngine on rank 0 streaming and cancelling, ranks started with different
+settings refused at start on every rank, and a rank whose step fails making every handle on rank 0
+fail instead of hanging."""
 
 from __future__ import annotations
 
@@ -85,6 +86,24 @@ def test_async_engine_on_rank_0_streams_and_cancels(run):
     assert lead["facts"]["cancelled"] == follow["facts"]["cancelled"] == 1
     assert lead["facts"]["steps"] == follow["facts"]["steps"]
     assert "submit requests on the leader, rank 0" in files["parity_rank1.json"]["submit_refused"]
+
+
+def test_ranks_started_with_different_settings_are_refused(run):
+    """No SIGABRT inside gloo, no hang: every rank raises, naming each differing setting with its
+    value on each rank; the group is still usable after."""
+    models, files = run
+    assert {"mismatch_rank0.json", "mismatch_rank1.json"} <= set(files), "the ranks did not survive it"
+    for rank in (0, 1):
+        got = files[f"mismatch_rank{rank}.json"]
+        error = got["error"]
+        assert error is not None and "different settings" in error, got
+        assert "max_batch_tokens: 16 on rank 0, 8 on rank 1" in error
+        assert "max_requests_per_batch: 4 on rank 0, 2 on rank 1" in error
+        assert "async_batching (ContinuousBatchingConfig.use_async_batching): False on rank 0, True on rank 1" in error
+        assert "num_blocks" not in error and "device" not in error  # what agrees, or may differ, is not named
+        assert got["seconds"] < 15
+    assert files["mismatch_rank0.json"]["after"] == _reference(models, "llama", 4)[:2]
+    assert files["mismatch_rank1.json"]["after"] == []
 
 
 def test_a_failing_rank_fails_every_handle(run):

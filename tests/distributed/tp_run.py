@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/distributed/tp_run.py OUT_DIR MODELS_DIR
 
-Every rank writes ``OUT_DIR/{parity,die}_rank<r>.json`` (``die`` last: it breaks the group); the tests compare rank 0's outputs with a
+Every rank writes ``OUT_DIR/{parity,mismatch,die}_rank<r>.json`` (``die`` last: it breaks the group); the tests compare rank 0's outputs with a
 single-process ``model.generate`` and check that the ranks ran the same steps.
 """
 
@@ -99,6 +99,27 @@ def parity(models: str, rank: int) -> dict:
     return result
 
 
+def mismatch(models: str, rank: int) -> dict:
+    """Rank 1 starts its engine with other settings than rank 0's: both refuse at start, naming
+    the settings; then engines started alike on the same group run as usual."""
+    model = load(models, "llama")
+    mine = {"max_batch_tokens": 16, "max_requests_per_batch": 4, "use_async_batching": False} if rank == 0 else \
+        {"max_batch_tokens": 8, "max_requests_per_batch": 2, "use_async_batching": True}
+    t0 = time.perf_counter()
+    try:
+        with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=4, num_blocks=64, **mine)) as eng:
+            # (unrefused, the ranks' steps differ here: gloo aborts a process, SIGABRT)
+            eng.generate_batch(prompts(), max_new_tokens=6, ignore_eos=True, progress_bar=False)
+            error = None
+    except ValueError as exc:
+        error = str(exc)
+    result: dict = {"error": error, "seconds": time.perf_counter() - t0}
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=4, num_blocks=64)) as eng:
+        outs = eng.generate_batch(prompts()[:2], max_new_tokens=4, ignore_eos=True, progress_bar=False)
+    result["after"] = [o.generated_tokens for o in outs.values()]
+    return result
+
+
 def die(models: str, rank: int) -> dict:
     """Rank 1's step fails mid-generation: every handle on rank 0 fails instead of hanging."""
     model = load(models, "llama")
@@ -135,7 +156,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    for scenario in (parity, die):
+    for scenario in (parity, mismatch, die):
         result = scenario(models, rank)
         with open(os.path.join(out, f"{scenario.__name__}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
