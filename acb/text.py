@@ -48,14 +48,41 @@ def is_chat(prompt: object) -> bool:
             and all(isinstance(m, Mapping) and _CHAT_KEYS <= set(m) for m in prompt))
 
 
+class RenderedChat(list):  # type: ignore[type-arg]  # list[dict[str, Any]]
+    """A chat (a list of ``{"role", "content"}`` messages) with its token ids already rendered:
+    :func:`encode_prompt` takes the ids as they are. A caller that renders chats elsewhere (``acb
+    serve`` does it in worker threads, off its event loop, within a time bound) submits this, and
+    the request still reads as a chat (telemetry's operation name and captured content)."""
+
+    def __init__(self, messages: Sequence[Mapping[str, Any]], token_ids: Sequence[int]) -> None:
+        super().__init__(dict(m) for m in messages)
+        self.token_ids = list(token_ids)
+
+
+class TokenizedText(str):
+    """A text prompt with its token ids already made (as :class:`RenderedChat` for a chat)."""
+
+    token_ids: list[int]
+
+    def __new__(cls, text: str, token_ids: Sequence[int]) -> TokenizedText:
+        obj = super().__new__(cls, text)
+        obj.token_ids = list(token_ids)
+        return obj
+
+
 def encode_prompt(
     tokenizer: TokenizerLike | None, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None
 ) -> Any:
     """Token ids for a text or chat prompt; anything else is returned as it is (ids, checked later).
 
     Text is tokenized as transformers does by default (with the model's special tokens); a
-    chat is rendered with the tokenizer's chat template, ``add_generation_prompt=True``.
+    chat is rendered with the tokenizer's chat template, ``add_generation_prompt=True``. A chat
+    template that raises (``raise_exception(...)``, as templates do for chats their model does
+    not take, or any other template error) is a ``ValueError`` naming it. A
+    :class:`RenderedChat` or :class:`TokenizedText` gives its ids.
     """
+    if isinstance(prompt, (RenderedChat, TokenizedText)):
+        return list(prompt.token_ids)
     text_like = isinstance(prompt, str) or is_chat(prompt)
     if not text_like:
         return prompt
@@ -69,17 +96,38 @@ def encode_prompt(
         if not prompt:
             raise ValueError("the prompt is an empty string: a request needs at least one prompt token")
         return list(text_tokenizer(tokenizer)(prompt)["input_ids"])
+    return render_chat(tokenizer, cast("Sequence[Mapping[str, Any]]", prompt), chat_template_kwargs)
+
+
+def render_chat(tokenizer: TokenizerLike, chat: Sequence[Mapping[str, Any]],
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """A chat's token ids by the tokenizer's chat template (``add_generation_prompt=True`` unless
+    the kwargs say otherwise). Template errors become ``ValueError``: a template that calls
+    ``raise_exception`` refuses that chat, which is bad input like any other."""
     kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
     if getattr(text_tokenizer(tokenizer), "chat_template", None) is None and getattr(
-            tokenizer, "chat_template", None) is None:
+            tokenizer, "chat_template", None) is None and kwargs.get("chat_template") is None:
         raise ValueError("the prompt is a chat, but the tokenizer has no chat template (set tokenizer.chat_template)")
-    chat = cast("Sequence[Mapping[str, Any]]", prompt)  # is_chat checked it
-    ids = tokenizer.apply_chat_template([dict(m) for m in chat], tokenize=True, **kwargs)
+    try:
+        ids = tokenizer.apply_chat_template([dict(m) for m in chat], tokenize=True, **kwargs)
+    except _template_errors() as exc:
+        raise ValueError(f"the chat template refused this chat: {type(exc).__name__}: {exc}") from None
     if isinstance(ids, Mapping):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     return list(ids)
+
+
+@functools.lru_cache(maxsize=1)
+def _template_errors() -> tuple[type[BaseException], ...]:
+    """jinja2's ``TemplateError`` (what ``raise_exception`` raises, and syntax, undefined and
+    sandbox errors), when jinja2 (which chat templates need) is installed."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers' chat templates need jinja2
+        return ()
+    return (TemplateError,)
 
 
 class IncrementalDetokenizer:

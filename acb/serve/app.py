@@ -1,92 +1,301 @@
 """The OpenAI-compatible HTTP app: FastAPI on one :class:`acb.AsyncEngine`.
 
 A client of the library like any user's code: it only calls the engine's public API
-(``submit_nowait``, handles, ``stats``, ``start``/``shutdown``).
+(``submit_nowait``, handles, ``config``, ``stats``, ``start``/``shutdown``).
 
 - ``/health`` answers 200 once the engine has started, 503 before and while shutting down.
 - Every error is an OpenAI-style body (:class:`APIError`): 400 bad parameters (the engine's
-  own validation messages), 401 bad API key, 404 unknown model, 413 body over the limit,
-  429 queue full (``Retry-After``), 503 not ready.
+  own validation messages, a chat template that refuses the chat, too many prompts), 401 bad
+  API key, 404 unknown model or path, 413 body over the limit, 429 queue full
+  (``Retry-After``), 500 a request that failed in the engine (or any other failure), 503 not
+  ready or shutting down. A stream that fails after it started ends with an error event and
+  ``[DONE]``.
+- Work that grows with what a client sends stays off the event loop: chats are rendered and
+  prompts tokenized by a :class:`RenderPool` (daemon threads, each job within a time bound), and
+  a request may ask for at most ``max_prompts_per_request`` completions (prompts × ``n``).
 - A client that goes away cancels its request: a stream's task is cancelled by the server,
   and a non-streamed request watches for the disconnect while it waits.
+- SIGINT/SIGTERM: a :class:`~acb.serve.protocol.Drain` keeps the port open (``/health`` and new
+  requests 503) while requests in flight get the grace period; those still running then end
+  with a 503 error body (a stream: an error event, then ``[DONE]``), and the server stops.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import hmac
 import json
 import logging
+import queue
+import sys
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import acb
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
-from acb.outputs import GenerationOutput
-from acb.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, read_body
+from acb.outputs import GenerationOutput, RequestStatus
+from acb.serve.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, Drain, DrainMiddleware, ShutdownExpired, check_choices,
+    internal_error, read_body, shutdown_error,
+)
 from acb.telemetry import ServerSpan, Telemetry, request_attributes
-from acb.text import token_bytes
+from acb.text import RenderedChat, TokenizedText, render_chat, text_tokenizer, token_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024  # completions (prompts × n) one request may ask for
+DEFAULT_RENDER_TIMEOUT = 10.0  # seconds a request's chat rendering / tokenizing may take
+DEFAULT_RENDER_THREADS = 4
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    """:func:`build_app`'s settings beyond the engine and the name (see its docstring)."""
+
+    trust_request_chat_template: bool = False
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    grace_period: float | None = None
+    render_timeout: float = DEFAULT_RENDER_TIMEOUT
+    render_threads: int = DEFAULT_RENDER_THREADS
+
+
+_options: contextvars.ContextVar[AppOptions] = contextvars.ContextVar("acb_serve_app_options", default=AppOptions())
+
+
+@contextmanager
+def app_options(**options: Any) -> Iterator[AppOptions]:
+    """Within the block, :func:`build_app` takes these (fields of :class:`AppOptions`) for the
+    arguments it is not given: how ``acb serve`` passes its flags through
+    :func:`acb.serve.run`, which does not take them itself."""
+    token = _options.set(replace(_options.get(), **options))
+    try:
+        yield _options.get()
+    finally:
+        _options.reset(token)
+
+
+class RenderTimeout(BaseException):
+    """A render job ran past its deadline. A BaseException, so that no ``except Exception`` in
+    a template runtime or tokenizer swallows it."""
+
+
+@dataclass
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[tuple[bool, Any]]
+    started: bool = field(default=False)
+
+
+class RenderPool:
+    """A few daemon threads that render chats and tokenize prompts for the server, off its event
+    loop, each job within ``timeout`` seconds of being queued.
+
+    A job that runs past its deadline is stopped where it can be: its thread carries a profile
+    hook that raises :class:`RenderTimeout` at the job's next Python or C function call after the
+    deadline, which ends a chat template's loops (every iteration calls into the template
+    runtime). A thread cannot be killed, so what cannot be stopped that way (one long C call,
+    such as tokenizing a huge text) holds its thread until it ends; that is why the threads are
+    few (``threads``: at most that many jobs run at once, whatever clients send), are daemon
+    threads (never holding the process at exit), and why a job still queued at its deadline is
+    skipped. anyio's worker threads would do neither: they are not daemon, and a wait that gives
+    up frees its slot while the thread runs on.
+
+    :meth:`run` raises :class:`APIError`: 400 when a job ran past its deadline (the request's
+    own work; not 408, which clients retry), 503 when it never got a thread in time.
+    """
+
+    def __init__(self, threads: int = DEFAULT_RENDER_THREADS, timeout: float = DEFAULT_RENDER_TIMEOUT) -> None:
+        if threads < 1 or not timeout > 0:
+            raise ValueError(f"a render pool needs threads >= 1 and timeout > 0, got {threads} and {timeout}")
+        self.timeout = timeout
+        self.size = threads
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        with self._lock:
+            while len(self._threads) < self.size:
+                t = threading.Thread(target=self._work, name=f"acb-render-{len(self._threads)}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def close(self) -> None:
+        """Let idle threads exit (a running job finishes first)."""
+        with self._lock:
+            for _ in self._threads:
+                self._jobs.put(None)
+            self._threads.clear()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a pool thread, within the time bound; its exceptions are re-raised."""
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, args, time.monotonic() + self.timeout, loop, loop.create_future())
+        self._start()
+        self._jobs.put(job)
+        result: tuple[bool, Any] | None = None
+        with anyio.move_on_after(self.timeout + 0.05):  # the hook's own margin: a job that cannot be stopped
+            result = await job.future
+        if result is None or isinstance(result[1], RenderTimeout):
+            job.future.cancel()  # a job not started yet is skipped
+            if job.started:
+                raise APIError(400, f"rendering the prompt took longer than this server's {self.timeout:g} s",
+                               code="render_timeout")
+            raise APIError(503, "the server is busy preparing other requests' prompts", type="server_error",
+                           headers={"Retry-After": "1"})
+        ok, value = result
+        if not ok:
+            raise value
+        return value
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.future.cancelled() or time.monotonic() >= job.deadline:
+                self._settle(job, (False, RenderTimeout()))
+                continue
+            job.started = True
+            try:
+                outcome: tuple[bool, Any] = (True, _bounded(job.fn, job.args, job.deadline))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
+                outcome = (False, exc)
+            self._settle(job, outcome)
+
+    @staticmethod
+    def _settle(job: _Job, outcome: tuple[bool, Any]) -> None:
+        def settle() -> None:
+            if not job.future.done():
+                job.future.set_result(outcome)
+
+        try:
+            job.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
+
+
+def _bounded(fn: Callable[..., Any], args: tuple[Any, ...], deadline: float) -> Any:
+    """``fn(*args)`` in this thread, raising :class:`RenderTimeout` at its first function call past
+    ``deadline``. CPython removes a profile hook that raised, so the unwinding runs unhooked."""
+    clock = time.monotonic
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if clock() > deadline:
+            raise RenderTimeout
+
+    sys.setprofile(hook)
+    try:
+        return fn(*args)
+    finally:
+        sys.setprofile(None)
 
 
 class ServerState:
     """What the app shares between requests."""
 
     def __init__(self, engine: acb.AsyncEngine, model_name: str, api_key: str | None, max_body_bytes: int,
-                 on_ready: Callable[[], None] | None, telemetry: Telemetry | None) -> None:
+                 on_ready: Callable[[], None] | None, telemetry: Telemetry | None, options: AppOptions) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.on_ready = on_ready
+        self.options = options
         self.ready = False
-        self.closing = False
+        self.stopped = False
         self.created = int(time.time())
         self.telemetry = telemetry
         self.token_cache: dict[int, tuple[str, list[int]]] = {}
+        self.drain = Drain(options.grace_period)
+        self.renderer = RenderPool(options.render_threads, options.render_timeout)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def closing(self) -> bool:
+        return self.drain.closing or self.stopped
+
 
 def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Callable[[], None] | None = None,
-              telemetry: Telemetry | None = None) -> FastAPI:
+              telemetry: Telemetry | None = None, trust_request_chat_template: bool | None = None,
+              max_prompts_per_request: int | None = None, grace_period: float | None = None,
+              render_timeout: float | None = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
     when the app starts (``/health`` says when it is ready) and stopped when it stops.
     ``telemetry`` (from ``acb.telemetry.configure(prometheus=True)``) gives ``/metrics``; each
-    request gets a SERVER span when a tracer provider is set."""
-    state = ServerState(engine, model_name, api_key, max_body_bytes, on_ready, telemetry)
+    request gets a SERVER span when a tracer provider is set.
+
+    ``trust_request_chat_template``: accept a chat template in the request (``chat_template``,
+    or in ``chat_template_kwargs``); by default a 400, since the server would run the client's
+    code. ``max_prompts_per_request``: the most completions (prompts × ``n``) one request may ask
+    for; more is a 400. ``grace_period``: seconds requests in flight get after SIGINT/SIGTERM
+    (default: the server's own, uvicorn's ``timeout_graceful_shutdown``). ``render_timeout``:
+    seconds a request's chat rendering and tokenizing may take (a 400 past it). Arguments not
+    given come from :func:`app_options`, else :class:`AppOptions`' defaults."""
+    given: dict[str, Any] = {"trust_request_chat_template": trust_request_chat_template,
+             "max_prompts_per_request": max_prompts_per_request, "grace_period": grace_period,
+             "render_timeout": render_timeout}
+    options = replace(_options.get(), **{k: v for k, v in given.items() if v is not None})
+    if options.max_prompts_per_request < 1:
+        raise ValueError(f"max_prompts_per_request must be >= 1, got {options.max_prompts_per_request}")
+    state = ServerState(engine, model_name, api_key, max_body_bytes, on_ready, telemetry, options)
     engine.model_name = model_name  # the name in the engine's spans and metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_start_engine, state)
+            tg.start_soon(state.drain.watch_signals)
             try:
                 yield
             finally:
-                state.closing = True
+                state.stopped = True
                 tg.cancel_scope.cancel()
         await engine.shutdown(cancel_pending=True)
+        state.renderer.close()
 
     app = FastAPI(title="acb", lifespan=lifespan)
     app.state.acb = state
+    app.add_middleware(DrainMiddleware, drain=state.drain)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ShutdownExpired)
+    async def _expired(request: Request, exc: ShutdownExpired) -> JSONResponse:
+        err = shutdown_error()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("acb serve: %s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(internal_error(exc).body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -114,14 +323,18 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         assert isinstance(body, ChatCompletionRequest)
         if state.tokenizer is None:
             raise APIError(400, "the served model has no tokenizer: chat needs one", param="messages")
+        kwargs = body.template_kwargs(state.options.trust_request_chat_template)
+        check_choices(1, body.n, state.options.max_prompts_per_request)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         sampling = body.sampling(body.max_new_tokens(), body.logprobs_k())
         span = _server_span(state, request, "chat", sampling, body.stream)
         try:
             with span.active():
-                handles = [_submit(state, messages, sampling, chat_template_kwargs=body.chat_template_kwargs)]
-        except APIError as exc:
-            span.finish(error_type=str(exc.status), message=str(exc))
+                prompt = await state.drain.until_expired(
+                    lambda: state.renderer.run(_render, state.tokenizer, messages, kwargs, _max_len(state)))
+                handles = [_submit(state, prompt, sampling)]
+        except BaseException as exc:
+            _span_failed(span, exc)
             raise
         return await _respond(state, request, body, handles, span, chat=True)
 
@@ -130,6 +343,7 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         body = await _parse(state, request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
         prompts = body.prompts()
+        check_choices(len(prompts), body.n, state.options.max_prompts_per_request)
         if any(isinstance(p, str) for p in prompts) and state.tokenizer is None:
             raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
         sampling = body.sampling(body.max_tokens, body.logprobs)
@@ -137,17 +351,74 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         handles: list[Any] = []
         try:
             with span.active():
-                for p in prompts:
+                encoded = await state.drain.until_expired(
+                    lambda: state.renderer.run(_tokenize, state.tokenizer, prompts, _max_len(state)))
+                for i, p in enumerate(encoded):
                     handles.append(_submit(state, p, sampling))
+                    if i % 32 == 31:
+                        await anyio.sleep(0)  # each submit checks its prompt: let others in meanwhile
         except BaseException as exc:
             for h in handles:
                 h.cancel()
-            span.finish(error_type=str(exc.status) if isinstance(exc, APIError) else type(exc).__name__,
-                        message=str(exc))
+            _span_failed(span, exc)
             raise
         return await _respond(state, request, body, handles, span, chat=False)
 
     return app
+
+
+def _span_failed(span: ServerSpan, exc: BaseException) -> None:
+    kind = str(exc.status) if isinstance(exc, APIError) else "503" if isinstance(exc, ShutdownExpired) \
+        else type(exc).__name__
+    span.finish(error_type=kind, message=str(exc))
+
+
+# ------------------------------------------------------------------ prompts (in the render pool)
+def _max_len(state: ServerState) -> int:
+    return int(state.engine.config.max_model_len)
+
+
+def _check_fits(ids: Sequence[int], limit: int, where: str) -> None:
+    # the engine says the same at submit, after checking every token id on the event loop
+    if len(ids) >= limit:
+        raise ValueError(f"{where} of {len(ids)} tokens can never fit: a request may hold at most {limit} tokens "
+                         "(prompt + at least one generated token)")
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, limit: int
+            ) -> RenderedChat:
+    """The chat's token ids by the chat template. Any failure of the template is the request's
+    (400): the template refused the chat (``raise_exception``) or broke on it."""
+    try:
+        ids = render_chat(tokenizer, messages, kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the template raised on this chat
+        raise APIError(400, f"the chat template failed on this chat: {type(exc).__name__}: {exc}",
+                       param="messages") from None
+    try:
+        _check_fits(ids, limit, "the rendered chat")
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    return RenderedChat(messages, ids)
+
+
+def _tokenize(tokenizer: Any, prompts: list[str | list[int]], limit: int) -> list[TokenizedText | list[int]]:
+    """Each text prompt with its token ids (one batched tokenizer call); token-id prompts as they are."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    try:
+        if any(not t for t in texts):
+            raise ValueError("the prompt is an empty string: a request needs at least one prompt token")
+        ids = iter(list(text_tokenizer(tokenizer)(texts)["input_ids"]) if texts else [])
+        out: list[TokenizedText | list[int]] = []
+        for i, p in enumerate(prompts):
+            item: TokenizedText | list[int] = TokenizedText(p, next(ids)) if isinstance(p, str) else p
+            _check_fits(item.token_ids if isinstance(item, TokenizedText) else item, limit,
+                        "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            out.append(item)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), param="prompt") from None
+    return out
 
 
 async def _start_engine(state: ServerState) -> None:
@@ -304,36 +575,47 @@ async def _respond(state: ServerState, request: Request, body: Any, handles: lis
 
 async def _await_all(state: ServerState, request: Request, handles: list[Any], span: ServerSpan
                      ) -> list[GenerationOutput]:
-    """Every handle's final output; the client going away cancels them all."""
+    """Every handle's final output; the client going away, or the end of the server's grace
+    period, cancels them all."""
     outs: list[GenerationOutput | None] = [None] * len(handles)
+    failures: list[Exception] = []
 
-    async def one(i: int) -> None:
-        outs[i] = await handles[i].result()
+    def cancel_all() -> None:
+        for h in handles:
+            h.cancel()  # a no-op for ended requests
 
     try:
-        async with anyio.create_task_group() as tg:
-            async def watch() -> None:
-                while not await request.is_disconnected():
-                    await anyio.sleep(0.05)
-                tg.cancel_scope.cancel()
+        with state.drain.on_expire(cancel_all):
+            async with anyio.create_task_group() as tg:
+                async def one(i: int) -> None:
+                    try:
+                        outs[i] = await handles[i].result()
+                    except (RequestFailedError, EngineDeadError) as exc:  # raised below as itself, not in
+                        failures.append(exc)  # the ExceptionGroup a task group would wrap it in
+                        tg.cancel_scope.cancel()
 
-            tg.start_soon(watch)
-            async with anyio.create_task_group() as inner:
-                for i in range(len(handles)):
-                    inner.start_soon(one, i)
-            tg.cancel_scope.cancel()  # all done: stop watching
-    except RequestFailedError as exc:
-        span.finish(error_type="request", message=str(exc))
-        raise APIError(500, str(exc), type="server_error") from None
-    except EngineDeadError as exc:
-        span.finish(error_type="engine_dead", message=str(exc))
-        raise APIError(503, str(exc), type="server_error") from None
+                async def watch() -> None:
+                    while not state.drain.expired and not await request.is_disconnected():
+                        await anyio.sleep(0.05)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                async with anyio.create_task_group() as inner:
+                    for i in range(len(handles)):
+                        inner.start_soon(one, i)
+                tg.cancel_scope.cancel()  # all done: stop watching
     finally:
-        for h in handles:
-            h.cancel()  # a no-op for ended requests; the rest: the client left
-        if any(o is None for o in outs):  # the client disconnected (or the server is stopping)
-            span.finish(error_type="cancelled", message="client disconnected")
+        cancel_all()  # the rest: the client left, or the server is stopping
+    if failures:
+        exc = failures[0]
+        dead = isinstance(exc, EngineDeadError)
+        span.finish(error_type="engine_dead" if dead else "request", message=str(exc))
+        raise APIError(503 if dead else 500, str(exc), type="server_error")
+    if state.drain.expired and any(o is None or o.status == RequestStatus.CANCELLED for o in outs):
+        span.finish(error_type="503", message="the server shut down")
+        raise ShutdownExpired
     if any(o is None for o in outs):
+        span.finish(error_type="cancelled", message="client disconnected")
         raise APIError(499, "client disconnected")
     done = [o for o in outs if o is not None]
     span.finish(done)
@@ -344,7 +626,6 @@ async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], s
                   include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
-    n = body.n
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": state.model_name,
@@ -353,57 +634,76 @@ async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], s
             data["usage"] = usage
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+    def cancel_all() -> None:
+        for h in handles:
+            h.cancel()  # a no-op for ended requests
+
     finals: list[GenerationOutput] = []
     offsets: dict[int, int] = {}
     ended = False
     try:
         if chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(len(handles) * n)])
+                          "finish_reason": None} for i in range(len(handles) * body.n)])
         # one prompt after the other (no task group across yields): all of them run in the
         # engine meanwhile, and a later prompt's deltas wait, coalesced, in its handle
-        for p, handle in enumerate(handles):
-            async for delta in handle:
-                index = p * n + delta.sample_index
-                choices = []
-                if delta.token_ids or delta.text:
-                    lp = delta.logprobs if (body.logprobs if chat else body.logprobs is not None) else None
-                    if chat:
-                        choices.append({"index": index, "delta": {"content": delta.text or ""},
-                                        "logprobs": _chat_logprobs(state, delta.token_ids, lp,
-                                                                   delta.top_logprobs),
-                                        "finish_reason": None})
-                    else:
-                        off = offsets.get(index, 0)
-                        choices.append({"index": index, "text": delta.text or "",
-                                        "logprobs": _text_logprobs(state, delta.token_ids, lp,
-                                                                   delta.top_logprobs, off),
-                                        "finish_reason": None})
-                        offsets[index] = off + len(delta.text or "")
-                if delta.finished and delta.output is not None:
-                    finals.append(delta.output)
-                    for s in _samples(delta.output):
-                        i = p * n + getattr(s, "index", 0)
-                        same = next((c for c in choices if c["index"] == i), None)
-                        if same is not None:  # the sample's last piece carries its finish reason
-                            same["finish_reason"] = _finish_reason(s)
-                            continue
-                        end: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": _finish_reason(s)}
-                        end.update(delta={}) if chat else end.update(text="")
-                        choices.append(end)
-                if choices:
-                    yield chunk(choices)
+        with state.drain.on_expire(cancel_all):  # the end of the grace period cancels them
+            for p, handle in enumerate(handles):
+                async for delta in handle:
+                    if state.drain.expired:
+                        raise ShutdownExpired
+                    choices = _delta_choices(state, body, delta, p, chat, offsets, finals)
+                    if choices:
+                        yield chunk(choices)
         if include_usage:
             yield chunk([], _usage(finals))
         ended = True
         span.finish(finals)
         yield "data: [DONE]\n\n"
+    except ShutdownExpired:
+        span.finish(error_type="503", message="the server shut down")
+        yield shutdown_error().sse()
     except (RequestFailedError, EngineDeadError) as exc:
         span.finish(error_type="request" if isinstance(exc, RequestFailedError) else "engine_dead", message=str(exc))
-        err = APIError(500, str(exc), type="server_error")
-        yield f"data: {json.dumps(err.body())}\n\n"
+        yield APIError(500, str(exc), type="server_error").sse()
+    except Exception as exc:  # noqa: BLE001 - the stream has begun: its end is an error event
+        logger.error("acb serve: a stream failed", exc_info=exc)
+        span.finish(error_type=type(exc).__name__, message=str(exc))
+        yield internal_error(exc).sse()
     finally:
-        for h in handles:
-            h.cancel()
+        cancel_all()
         if not ended:
             span.finish(error_type="cancelled", message="client disconnected")
+
+
+def _delta_choices(state: ServerState, body: Any, delta: Any, p: int, chat: bool, offsets: dict[int, int],
+                   finals: list[GenerationOutput]) -> list[dict[str, Any]]:
+    """One stream delta of prompt ``p`` as chunk choices (a sample's last piece carries its
+    finish reason); a final delta's output goes to ``finals``."""
+    n = body.n
+    index = p * n + delta.sample_index
+    choices: list[dict[str, Any]] = []
+    if delta.token_ids or delta.text:
+        lp = delta.logprobs if (body.logprobs if chat else body.logprobs is not None) else None
+        if chat:
+            choices.append({"index": index, "delta": {"content": delta.text or ""},
+                            "logprobs": _chat_logprobs(state, delta.token_ids, lp, delta.top_logprobs),
+                            "finish_reason": None})
+        else:
+            off = offsets.get(index, 0)
+            choices.append({"index": index, "text": delta.text or "",
+                            "logprobs": _text_logprobs(state, delta.token_ids, lp, delta.top_logprobs, off),
+                            "finish_reason": None})
+            offsets[index] = off + len(delta.text or "")
+    if delta.finished and delta.output is not None:
+        finals.append(delta.output)
+        for s in _samples(delta.output):
+            i = p * n + getattr(s, "index", 0)
+            same = next((c for c in choices if c["index"] == i), None)
+            if same is not None:
+                same["finish_reason"] = _finish_reason(s)
+                continue
+            end: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": _finish_reason(s)}
+            end.update(delta={}) if chat else end.update(text="")
+            choices.append(end)
+    return choices

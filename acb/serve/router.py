@@ -21,9 +21,15 @@ a stream), new requests go to the others, and with none left the answer is 503. 
 task polls the processes and their ``/health`` every :data:`POLL_INTERVAL` seconds (a replica
 whose process still runs comes back once its health does).
 
-Shutdown: SIGINT/SIGTERM stop accepting, in-flight requests get ``--grace-period`` seconds,
-then the replicas get SIGTERM (SIGKILL after :data:`REPLICA_STOP_TIMEOUT` s) and the router
-exits 0. Replicas never outlive the router: they are stopped in a ``finally``, and on Linux
+Shutdown: on SIGINT/SIGTERM the router answers 503 to new requests and to ``/health`` (the
+port stays open), in-flight requests get ``--grace-period`` seconds, and those still running
+then end with an OpenAI error (a 503 body, or an SSE error event and ``[DONE]``), as ``acb
+serve`` does (:class:`~acb.serve.protocol.Drain`); then the replicas get SIGTERM (SIGKILL after
+:data:`REPLICA_STOP_TIMEOUT` s) and the router exits 0.
+
+Bodies the router cannot read (not JSON, nested too deeply, lone UTF-16 surrogates) are routed
+with the default estimate and answered by the replica (its 400); any failure of the router's
+own is a 500 with an OpenAI error body. Replicas never outlive the router: they are stopped in a ``finally``, and on Linux
 they also get SIGTERM from the kernel if the router dies (``PR_SET_PDEATHSIG``).
 
 Why not Ray Serve: it adds a dependency and a cluster layer (a head node, actors, its own
@@ -59,8 +65,11 @@ import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from acb.serve.protocol import APIError, read_body
+from acb.serve.protocol import (
+    APIError, Drain, DrainMiddleware, ShutdownExpired, internal_error, read_body, shutdown_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +82,7 @@ POLL_INTERVAL = 1.0
 HEALTH_TIMEOUT = 5.0
 REPLICA_START_TIMEOUT = 600.0
 REPLICA_STOP_TIMEOUT = 10.0  # after the grace period: idle replicas exit in about a second
+PARSE_OFF_LOOP_BYTES = 256 << 10  # bodies this large are parsed for routing in a worker thread
 _PR_SET_PDEATHSIG = 1
 # router-only flags, and those the router hands replicas another way (host, port, key)
 _NOT_FORWARDED = {"help", "host", "port", "api_key", "data_parallel", "router_default_max_tokens"}
@@ -141,7 +151,7 @@ class RequestInfo:
         gets an empty key and the default cost (the replica answers its 400)."""
         try:
             doc = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             doc = None
         if not isinstance(doc, dict):
             return cls(b"", default_max_tokens, False)
@@ -163,7 +173,9 @@ class RequestInfo:
         if not isinstance(max_tokens, int) or max_tokens < 0:
             max_tokens = default_max_tokens
         salt = doc.get("cache_salt")
-        key = ("salt:" + salt).encode() if isinstance(salt, str) and salt else text[:AFFINITY_CHARS].encode()
+        # surrogatepass: JSON may hold lone UTF-16 surrogates ("\\ud800"), which UTF-8 cannot
+        key = (("salt:" + salt) if isinstance(salt, str) and salt else text[:AFFINITY_CHARS]).encode(
+            "utf-8", "surrogatepass")
         return cls(key, prompt_tokens + max_tokens * n * num_prompts, doc.get("stream") is True)
 
 
@@ -184,15 +196,20 @@ def _messages_text(messages: Any) -> str:
 
 
 def _prompt_text(prompt: Any) -> tuple[str, int, int]:
-    """(the first prompt as text, estimated prompt tokens over all prompts, number of prompts)."""
+    """(the first prompt as text, estimated prompt tokens over all prompts, number of prompts).
+    A prompt is text, token ids, or a list of either; nothing deeper is looked into."""
+    prompts = prompt if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt) \
+        else [prompt]
+    texts = [_one_prompt_text(p) for p in prompts]
+    return texts[0][0], sum(t[1] for t in texts), len(texts)
+
+
+def _one_prompt_text(prompt: Any) -> tuple[str, int]:
     if isinstance(prompt, str):
-        return prompt, len(prompt) // 4 + 1, 1
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(x, int) for x in prompt):
-            return ",".join(map(str, prompt[:AFFINITY_CHARS // 4])), len(prompt), 1
-        texts = [_prompt_text(p) for p in prompt]
-        return texts[0][0], sum(t[1] for t in texts), len(texts)
-    return "", 1, 1
+        return prompt, len(prompt) // 4 + 1
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        return ",".join(map(str, prompt[:AFFINITY_CHARS // 4])), len(prompt)
+    return "", 1
 
 
 def _rendezvous(key: bytes, replica: Replica) -> int:
@@ -220,13 +237,18 @@ class Router:
     """The replicas, how to reach them, and the public app that proxies to them."""
 
     def __init__(self, replicas: list[Replica], *, api_key: str | None, max_body_bytes: int,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, grace_period: float | None = None) -> None:
         self.replicas = replicas
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
-        self.closing = False
+        self.drain = Drain(grace_period)
+        self.stopped = False
         self.started = time.monotonic()
+
+    @property
+    def closing(self) -> bool:
+        return self.drain.closing or self.stopped
 
     # -------------------------------------------------------------- books
     def mark_dead(self, replica: Replica, reason: str) -> None:
@@ -290,7 +312,11 @@ class Router:
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "1"})
         body = await read_body(request, self.max_body_bytes)
-        info = RequestInfo.of(body, chat=chat, default_max_tokens=self.default_max_tokens)
+        if len(body) >= PARSE_OFF_LOOP_BYTES:  # parsing takes time in proportion: not on the event loop
+            info = await anyio.to_thread.run_sync(
+                lambda: RequestInfo.of(body, chat=chat, default_max_tokens=self.default_max_tokens))
+        else:
+            info = RequestInfo.of(body, chat=chat, default_max_tokens=self.default_max_tokens)
         tried: set[int] = set()
         while True:
             replica, hit = choose(self.replicas, info.key, tried)
@@ -299,8 +325,8 @@ class Router:
             upstream_request = replica.client.build_request("POST", path, content=body,
                                                             headers=self.upstream_headers(request))
             try:
-                upstream = await self._unless_disconnected(
-                    request, lambda: replica.client.send(upstream_request, stream=True))
+                upstream = await self.drain.until_expired(lambda: self._unless_disconnected(
+                    request, lambda: replica.client.send(upstream_request, stream=True)))
             except httpx.HTTPError as exc:
                 self._release(replica, info.cost)
                 replica.failures += 1
@@ -323,7 +349,7 @@ class Router:
         if info.stream and upstream.status_code == 200:
             return StreamingResponse(self._relay(replica, upstream, info.cost), status_code=200, headers=headers)
         try:
-            content = await self._unless_disconnected(request, upstream.aread)
+            content = await self.drain.until_expired(lambda: self._unless_disconnected(request, upstream.aread))
         except httpx.HTTPError as exc:
             replica.failures += 1
             self.mark_dead(replica, f"{type(exc).__name__}: {exc}")
@@ -375,11 +401,18 @@ class Router:
         return result[0] if result else None
 
     async def _relay(self, replica: Replica, upstream: Any, cost: int) -> AsyncIterator[bytes]:
-        """SSE through, whole events at a time, so that a failure mid-event can still end the
-        stream with a well-formed error event."""
+        """SSE through, whole events at a time, so that a failure mid-event (or the end of the
+        grace period) can still end the stream with a well-formed error event and ``[DONE]``."""
         buf = b""
+        chunks = upstream.aiter_bytes().__aiter__()
         try:
-            async for chunk in upstream.aiter_bytes():
+            while True:
+                try:
+                    # once the server is stopping, each read may be cut short by the grace period's end
+                    chunk = await (self.drain.until_expired(chunks.__anext__) if self.drain.closing
+                                   else chunks.__anext__())
+                except StopAsyncIteration:
+                    break
                 buf += chunk
                 end = buf.rfind(b"\n\n")
                 if end >= 0:
@@ -387,12 +420,14 @@ class Router:
                     buf = buf[end + 2:]
             if buf:
                 yield buf
+        except ShutdownExpired:
+            yield shutdown_error().sse().encode()
         except httpx.HTTPError as exc:
             replica.failures += 1
             self.mark_dead(replica, f"{type(exc).__name__}: {exc}")
             err = APIError(502, f"replica {replica.index} failed mid-stream: {type(exc).__name__}",
                            type="server_error")
-            yield f"data: {json.dumps(err.body())}\n\n".encode()
+            yield err.sse().encode()
         finally:  # also when our client went away (the generator is closed or cancelled)
             self._release(replica, cost)
             await self._close(upstream)
@@ -469,20 +504,37 @@ def build_app(router: Router) -> FastAPI:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(router.poll)
+                tg.start_soon(router.drain.watch_signals)
                 try:
                     yield
                 finally:
-                    router.closing = True
+                    router.stopped = True
                     tg.cancel_scope.cancel()
         finally:
             for r in router.replicas:
                 await r.client.aclose()
 
     app = FastAPI(title="acb router", lifespan=lifespan)
+    app.add_middleware(DrainMiddleware, drain=router.drain)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ShutdownExpired)
+    async def _expired(request: Request, exc: ShutdownExpired) -> JSONResponse:
+        err = shutdown_error()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("acb router: %s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(internal_error(exc).body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -673,7 +725,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
             return 1
         signal.signal(signal.SIGTERM, previous)
         router = Router(replicas, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                        default_max_tokens=args.router_default_max_tokens)
+                        default_max_tokens=args.router_default_max_tokens, grace_period=args.grace_period)
         config = uvicorn.Config(build_app(router), host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=max(1, round(args.grace_period)), access_log=False)
         server = _Server(config)
