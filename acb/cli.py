@@ -283,6 +283,11 @@ def _add_serve(sub: Any) -> None:
                       help="largest request body accepted; larger ones get 413 (default: 16 MiB)")
     http.add_argument("--grace-period", type=_non_negative_float, default=30.0, metavar="S",
                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 30)")
+    http.add_argument("--max-prompts-per-request", type=_positive_int, default=1024, metavar="N",
+                      help="most completions (prompts x n) one request may ask for; more get 400 (default: 1024)")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="accept a chat template in the request (chat_template): it is code the server runs "
+                           "(default: refused with 400)")
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument("--max-queue-size", type=int, default=0, metavar="N",
                      help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)")
@@ -329,11 +334,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if _is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
         return _follow(model, cfg)
     engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
-    acb.serve.run(engine, name, host=args.host, port=args.port,
-                  api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-                  max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
-                  otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
-                  capture_content=args.otel_capture_content)
+    from acb.serve.app import app_options  # the flags acb.serve.run does not take itself
+
+    with app_options(max_prompts_per_request=args.max_prompts_per_request, grace_period=args.grace_period,
+                     trust_request_chat_template=args.trust_request_chat_template):
+        acb.serve.run(engine, name, host=args.host, port=args.port,
+                      api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
+                      max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
+                      otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
+                      capture_content=args.otel_capture_content)
     return 0
 
 
