@@ -145,12 +145,17 @@ class EngineCore:
         self._stopping = False
         self._closed = False  # set (under _lock) as the thread exits; adds are refused after
         self._drain_on_stop = False
-        # pause(): None (running), "draining" (mode wait: live requests finish, new ones are held),
-        # "paused" (no steps run; new requests queue in the scheduler)
+        # The lifecycle is two independent holds, so that they compose:
+        # - the caller's pause(): None (running), "draining" (mode wait: live requests finish,
+        #   new ones are held), "paused" (no steps run; new requests queue in the scheduler);
+        #   only resume() (or stop) ends it;
+        # - sleep(): the runner freed its memory and every request was taken off the device; no
+        #   steps run until wake_up(), which gives back exactly the pause state there was (a drain
+        #   that sleep() interrupted goes on; an explicit pause stays).
+        # Steps run when neither holds them: see _may_step.
         self._pause_state: str | None = None
         self._held: deque[Request] = deque()  # requests added while draining for a pause
         self._pause_waiters: list[Future] = []  # pause() calls waiting for the drain to end
-        self._slept_paused = False  # sleep() paused the engine (wake_up() resumes it)
         self.dead_error: BaseException | None = None
         self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
         self._generated = 0
@@ -241,8 +246,8 @@ class EngineCore:
 
     @property
     def paused(self) -> bool:
-        """Whether steps are held back (paused, or draining for a pause)."""
-        return self._pause_state is not None
+        """Whether steps are held back: paused, draining for a pause, or asleep."""
+        return self._pause_state is not None or self.runner_asleep()
 
     def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the thread. ``drain``: finish live requests first; otherwise cancel them."""
@@ -269,10 +274,10 @@ class EngineCore:
                     self._flush_inflight()
                     self._cancel_all()
                     break
-                if self._pause_state == "paused" or not self.scheduler.has_work():
+                if not self._may_step() or not self.scheduler.has_work():
                     if self._flush_inflight():
                         continue
-                    if self._pause_state == "draining":
+                    if self._pause_state == "draining" and not self.scheduler.has_work():
                         self._enter_paused()
                     if self.sync is None:
                         self._wake.wait()
@@ -407,9 +412,9 @@ class EngineCore:
         if kind == "stop":
             self._stopping = True
             self._drain_on_stop = cmd[1]
+            if self.runner_asleep() and self._drain_on_stop and self.scheduler.has_work():
+                self._wake_runner()  # a draining stop runs what is left
             if self._pause_state is not None:  # a stop ends a pause: drained or cancelled, nothing stays parked
-                if self.runner_asleep() and self._drain_on_stop and self.scheduler.has_work():
-                    self._wake_runner()
                 self._leave_pause()
             return True
         raise ValueError(f"unknown engine command {kind!r}")
@@ -444,7 +449,6 @@ class EngineCore:
         if self._stopping:
             fut.set_exception(EngineNotRunningError("the engine is stopping"))
             return False
-        self._slept_paused = False  # an explicit pause: wake_up() leaves the engine paused
         if mode == "wait" and self._pause_state is None:
             self._pause_state = "draining"
             self._pause_waiters.append(fut)
@@ -472,7 +476,6 @@ class EngineCore:
     def _leave_pause(self) -> None:
         self._enter_paused()  # held requests join the queue; pause() callers hear it ended
         self._pause_state = None
-        self._slept_paused = False
         self._publish_stats()
 
     def _resume(self, fut: Future) -> bool:
@@ -488,15 +491,16 @@ class EngineCore:
     def runner_asleep(self) -> bool:
         return bool(getattr(self.runner, "asleep", False))
 
+    def _may_step(self) -> bool:
+        """Whether steps may run: not paused (a drain still runs its live requests) and awake."""
+        return self._pause_state != "paused" and not self.runner_asleep()
+
     def sleep(self) -> Any:
-        """(Engine thread.) Pause, if not paused (parking the live requests), take every running
-        request off the device (recomputed after waking), forget the prefix cache and free the
-        runner's cache and buffers; returns what the runner freed."""
+        """(Engine thread.) Hold the steps, take every running request off the device (recomputed
+        after waking), forget the prefix cache and free the runner's cache and buffers; returns
+        what the runner freed. The pause state is left as it is: :meth:`wake_up` gives it back."""
         if self.runner_asleep():
             return self.runner.sleep()  # type: ignore[attr-defined]  # nothing more to free
-        if self._pause_state != "paused":
-            self._pause("keep", Future())  # settles at once: keep does not drain
-            self._slept_paused = True
         self._flush_inflight()
         self.scheduler.preempt_all()
         self.scheduler.kv.reset_prefix_cache()
@@ -505,12 +509,11 @@ class EngineCore:
         return released
 
     def wake_up(self) -> None:
-        """(Engine thread.) Allocate what :meth:`sleep` freed; resume if ``sleep`` paused."""
+        """(Engine thread.) Allocate what :meth:`sleep` freed; steps run again unless a pause
+        holds them (an explicit pause stays, a drain goes on)."""
         if not self.runner_asleep():
             return
         self._wake_runner()
-        if self._slept_paused:
-            self._leave_pause()
         self._publish_stats()
 
     def _wake_runner(self) -> None:
@@ -737,7 +740,7 @@ class EngineCore:
             host_stage_s=tm[1],
             compute_s=tm[2],
             host_process_s=tm[3],
-            paused=self._pause_state is not None,
+            paused=self.paused,
             asleep=self.runner_asleep(),
         )
 

@@ -248,3 +248,103 @@ async def test_async_engine_pause_sleep_wake_resume():
         await eng.pause("wait")
         await eng.resume()
         assert (await eng.generate(PROMPTS[0], max_new_tokens=8)).generated_tokens == refs[0]
+
+
+LIFECYCLE_OPS = ("pause_wait", "pause_keep", "pause_cancel", "resume", "sleep", "wake")
+
+
+class LifecycleModel:
+    """What the engine's lifecycle must do, as two independent holds: the caller's pause (None,
+    "draining", "paused"; only resume ends it) and sleep (only wake_up ends it)."""
+
+    def __init__(self) -> None:
+        self.pause: str | None = None
+        self.asleep = False
+        self.cancelled = False  # pause("cancel") ended the live requests
+
+    def apply(self, op: str) -> str | None:
+        """Apply ``op``; returns the error it must raise, if any."""
+        if op == "pause_wait":
+            self.pause = self.pause or "draining"
+        elif op in ("pause_keep", "pause_cancel"):
+            self.pause = "paused"
+            self.cancelled |= op == "pause_cancel"
+        elif op == "resume":
+            if self.asleep:
+                return "wake_up"
+            self.pause = None
+        elif op == "sleep":
+            self.asleep = True
+        else:
+            self.asleep = False
+        return None
+
+
+def _post(core, op: str):
+    if op.startswith("pause_"):
+        return core.pause(op[len("pause_"):])
+    if op == "resume":
+        return core.resume()
+    return core.command("sleep" if op == "sleep" else "wake")
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_lifecycle_transitions_compose_pairwise(async_batching):
+    """Every ordered pair of lifecycle calls, posted back to back right after four requests (so
+    the second lands while the first is in effect: a pause("wait") still draining when sleep()
+    comes, issue 26 item 8), against :class:`LifecycleModel`: whether steps are held, what a pause waits
+    for, which requests end how. A small cache (preemption) and offload."""
+    model = get_model("llama")
+    refs = _refs(model, 12)
+    cfg = _cfg(async_batching, num_blocks=14, cpu_offload_space=0.01, max_requests_per_batch=4)
+    with acb.Engine(model, cfg) as eng:
+        core = eng.core
+        for a in LIFECYCLE_OPS:
+            for b in LIFECYCLE_OPS:
+                label = f"{a} then {b}"
+                gate = threading.Event()
+                core.call(lambda c: gate.wait(30))  # what follows lands in one drain of the inbox
+                live = [eng.submit(p, max_new_tokens=12) for p in PROMPTS[:4]]
+                want = LifecycleModel()
+                futs = []
+                for op in (a, b):
+                    futs.append((op, _post(core, op), want.apply(op)))
+                late = eng.submit(PROMPTS[4], max_new_tokens=12)  # after both calls
+                gate.set()
+                for op, fut, err in futs:
+                    if err is not None:
+                        with pytest.raises(RuntimeError, match=err):
+                            fut.result(30)
+                    elif op != "pause_wait" or not want.asleep:
+                        fut.result(30)  # a drain interrupted by sleep() completes only after wake_up()
+                assert eng.is_sleeping == want.asleep, label
+                assert eng.is_paused == (want.pause is not None or want.asleep), label
+                if want.asleep or want.pause == "paused":
+                    assert _still(eng, 0.1) == 0, f"{label}: steps ran while held"
+                    if not want.cancelled:
+                        assert not any(h.done for h in live), f"{label}: a parked request ended"
+                elif want.pause == "draining":
+                    # the live requests finish, the one submitted after the pause is held
+                    outs = [h.result(30) for h in live]
+                    assert [o.generated_tokens for o in outs] == refs[:4], label
+                    _until(lambda: eng.is_paused and eng.stats.running == 0)
+                    assert _still(eng, 0.1) == 0 and not late.done, label
+                # back to running: wake (a drain goes on), resume, and everything ends
+                if want.asleep:
+                    eng.wake_up()
+                    assert eng.is_paused == (want.pause is not None), label
+                    if want.pause == "draining":
+                        assert [h.result(30).generated_tokens for h in live] == refs[:4], label
+                        assert not late.done, label
+                        for op, fut, err in futs:
+                            if op == "pause_wait":
+                                fut.result(30)  # the drain's pause() returns once it is done
+                eng.resume()
+                assert not eng.is_paused, label
+                for h, ref in zip(live + [late], refs[:4] + [refs[4]]):
+                    out = h.result(30)
+                    if want.cancelled and h is not late:
+                        assert out.status == acb.RequestStatus.CANCELLED, label
+                    else:
+                        assert out.generated_tokens == ref, label
+                eng.call(lambda c: c.check_invariants()).result(30)
