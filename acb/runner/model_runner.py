@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
-from acb.distributed.tp import agree_min, tp_group, tp_size_of
+from acb.distributed.tp import agree_min, check_same_settings, tp_group, tp_size_of
 from acb.core.scheduler import SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
@@ -350,7 +350,6 @@ class ModelRunner:
         self._param_ids = frozenset(id(p) for p in self._params)
         self._optimizer_steps = 0  # written by the training thread's optimizer hook only
         self._weights_seen = self._weights_key()
-        self._step_hook = register_optimizer_step_post_hook(_step_counter(weakref.ref(self)))
         self.device = model_device(model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
@@ -370,6 +369,9 @@ class ModelRunner:
         self.backend = self._checked_backend(config, spec)
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs(), graph_step=config.q_padding_interval_size or None)
+        group = tp_group(model)
+        if group is not None:  # before any collective of the model's: the ranks must run the same steps
+            check_same_settings(group, self.cfg)
         self._setup_compile(config)
         self.streams = DeviceStreams(self.device)
         self._step_buffers()
@@ -381,6 +383,8 @@ class ModelRunner:
             getattr(model, "_supports_logits_to_keep", lambda: False)()
         )
         register_with_transformers(compiled=bool(self._compiled))
+        # registered last, after everything that can refuse the model (a failed start leaves no hook)
+        self._step_hook = register_optimizer_step_post_hook(_step_counter(weakref.ref(self)))
         _ATTN_SWAP.acquire(model)
         DROPOUT_GUARD.acquire(model)
         self._holds_attn = True
