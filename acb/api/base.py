@@ -431,7 +431,9 @@ class EngineBase:
                     sink=sink,
                 )
                 if params.stop:
-                    req.stop_checker = StopStrings(text_tokenizer(self.tokenizer), params.stop)
+                    # the text the caller gets is the one searched (same skip_special_tokens)
+                    req.stop_checker = StopStrings(text_tokenizer(self.tokenizer), params.stop,
+                                                   params.skip_special_tokens is not False)
                 if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
                     req.prompt_lps, req.prompt_tops = [], []
                 if cache_salt:
