@@ -4,14 +4,17 @@ where the client hides what is under test (status lines, headers, SSE framing, d
 
 Three servers at most, each a ``python -m acb serve`` on this checkout:
 
-- the main one (``--api-key``, ``--served-model-name``, a small ``--max-body-bytes``, and
-  ``--async-batching``, the CUDA default), for the endpoints, greedy parity with
-  ``model.generate``, streaming, logprobs, metrics and errors;
+- the main one (``--api-key``, ``--served-model-name``, a small ``--max-body-bytes``, a small
+  ``--max-prompts-per-request``, and ``--async-batching``, the CUDA default), for the
+  endpoints, greedy parity with ``model.generate``, streaming, logprobs, metrics and errors;
 - a small one (queue of one, one request per step, no key, default name, the CPU default of
-  synchronous batching), for 429 and for SIGTERM past ``--grace-period``;
-- one for a graceful SIGTERM with a request in flight.
+  synchronous batching, ``--trust-request-chat-template``), for 429, a client's chat template,
+  and for SIGTERM past ``--grace-period``;
+- one for SIGTERM with requests in flight: one that finishes in the grace period, eight that
+  do not.
 
-The checkpoint is a tiny random Llama saved with a byte-level tokenizer and a chat template.
+The checkpoint is a tiny random Llama saved with a byte-level tokenizer and a chat template
+(which refuses developer messages, as some models' templates refuse roles they lack).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,9 +54,13 @@ SMALL_KV = ["--page-size", "16", "--num-blocks", "256"]
 MAX_BODY = 100_000
 MAX_POS = 4096
 LONG = 3000  # tokens of a request meant to be cut short (about 2 ms a token on a CPU core)
-# the chat template of tests/test_text.py, plus an optional variable for chat_template_kwargs
+MAX_PROMPTS = 16  # the main server's --max-prompts-per-request
+# the chat template of tests/test_text.py, plus an optional variable for chat_template_kwargs, and
+# a refusal (raise_exception, as Gemma's and Mistral's templates refuse chats they cannot take)
 CHAT_TEMPLATE = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}"
-                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% for m in messages %}{% if m['role'] == 'developer' %}"
+                 "{{ raise_exception('this model takes no developer messages') }}{% endif %}"
+                 "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo wörld"}]
 # OpenTelemetry names as Prometheus spells them (dots -> underscores, unit and _total suffixes)
@@ -269,7 +277,7 @@ def otlp():
 def server(checkpoint, tmp_path_factory, otlp):
     yield from _serve(checkpoint, tmp_path_factory, "main", [
         "--served-model-name", NAME, "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--async-batching",
-        "--otlp-endpoint", otlp.http_endpoint, *SMALL_KV],
+        "--max-prompts-per-request", str(MAX_PROMPTS), "--otlp-endpoint", otlp.http_endpoint, *SMALL_KV],
         # export spans within 0.2 s and metrics every second, not after 5 s and 60 s
         {"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
 
@@ -282,9 +290,11 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def small_server(checkpoint, tmp_path_factory):
-    """One request per step, one waiting at most: more get 429. No key; the dir's name."""
+    """One request per step, one waiting at most: more get 429. No key; the dir's name. Clients
+    may bring their own chat template."""
     yield from _serve(checkpoint, tmp_path_factory, "small", [
-        "--max-queue-size", "1", "--max-requests-per-batch", "1", "--grace-period", "1", *SMALL_KV])
+        "--max-queue-size", "1", "--max-requests-per-batch", "1", "--grace-period", "1",
+        "--trust-request-chat-template", *SMALL_KV])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -793,6 +803,77 @@ def test_413_body_too_large(server, client):
     assert client.completions.create(model=NAME, prompt="ok", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_400_a_clients_own_chat_template(server, client):
+    """A chat template is code the server runs: a request's own is refused (the server was not
+    started with --trust-request-chat-template), in chat_template_kwargs or at the top level,
+    and so are tokenizer options smuggled in chat_template_kwargs."""
+    own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for extra, param in [({"chat_template_kwargs": {"chat_template": own}}, "chat_template_kwargs"),
+                         ({"chat_template": own}, "chat_template"),
+                         ({"chat_template_kwargs": {"padding": "max_length", "max_length": 10**9}},
+                          "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2, extra_body=extra)
+        assert e.value.param == param, (extra, e.value.param, e.value.message)
+        status, _, data = raw(server.port, "POST", "/v1/chat/completions", headers=AUTH,
+                              body={"model": NAME, "messages": CHAT, "max_tokens": 2, **extra})
+        assert status == 400
+        check_error_body(data, status)
+    with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):
+        client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2, extra_body={"chat_template": own})
+
+
+def test_trusted_client_chat_template_is_used(small_server, checkpoint):
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    with openai.OpenAI(base_url=small_server.url, api_key="x", max_retries=0, timeout=60) as c:
+        for extra in ({"chat_template": own}, {"chat_template_kwargs": {"chat_template": own}}):
+            out = c.chat.completions.create(model=checkpoint.dir.name, messages=CHAT, max_tokens=1, extra_body=extra)
+            assert out.usage.prompt_tokens == len(chat_ids(checkpoint.tok, CHAT, chat_template=own))
+
+
+def test_400_when_the_chat_template_refuses_the_chat(server, client):
+    """The model's own template raising (raise_exception) is the request's problem: a 400 with
+    the template's message, streamed or not; not a plain-text 500."""
+    chat = [{"role": "developer", "content": "be terse"}, *CHAT]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="this model takes no developer messages") as e:
+            client.chat.completions.create(model=NAME, messages=chat, max_tokens=2, stream=stream)
+        assert e.value.param == "messages"
+    status, _, data = raw(server.port, "POST", "/v1/chat/completions", headers=AUTH,
+                          body={"model": NAME, "messages": chat, "max_tokens": 2})
+    assert status == 400
+    check_error_body(data, status)
+
+
+def test_400_too_many_prompts(server, client):
+    """At most --max-prompts-per-request completions (prompts x n) in one request; 15,000
+    prompts are refused at once, not worked through on the event loop."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=["x"] * (MAX_PROMPTS + 1), max_tokens=1)
+    assert e.value.param == "prompt" and str(MAX_PROMPTS) in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=["x"] * 6, max_tokens=1, n=3)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, n=MAX_PROMPTS + 1)
+    assert e.value.param == "n"
+    t0 = time.monotonic()
+    status, _, data = raw(server.port, "POST", "/v1/completions", headers=AUTH,
+                          body={"model": NAME, "prompt": [[5]] * 15_000, "max_tokens": 1})
+    assert status == 400 and check_error_body(data, status)["param"] == "prompt"
+    assert time.monotonic() - t0 < 2
+    # as many as allowed: served
+    out = client.completions.create(model=NAME, prompt=["x"] * (MAX_PROMPTS // 2), max_tokens=1, n=2)
+    assert len(out.choices) == MAX_PROMPTS
+
+
+def test_404_unknown_path_is_an_error_body(server):
+    status, _, data = raw(server.port, "GET", "/v1/nothing-here", headers=AUTH)
+    assert status == 404
+    assert check_error_body(data, status)["code"] == "not_found"
+
+
 # ---------------------------------------------------------------------------------------------
 # the small server: default name, no key, queue full, SIGTERM past the grace period
 
@@ -858,56 +939,112 @@ def _read_events(resp, until_first: bool = False) -> list[str]:
 
 
 def test_sigterm_past_the_grace_period_cancels_and_exits_0(small_server, checkpoint):
+    """Past the grace period, a stream still running ends with an error event and [DONE] (not
+    cut mid-chunk); meanwhile /health answers 503 (the port stays open)."""
     conn, resp = _open_stream(small_server.port, {"model": checkpoint.dir.name, "prompt": "never ending",
                                                   "max_tokens": LONG, "ignore_eos": True, "stream": True})
     try:
         first = _read_events(resp, until_first=True)
         t0 = time.monotonic()
         small_server.terminate()
+        time.sleep(0.3)
+        health = raw(small_server.port, "GET", "/health", timeout=10)
         rest = _read_events(resp)  # the stream ends: it must not hang
     finally:
         conn.close()
     elapsed = time.monotonic() - t0
     rc = small_server.wait_exit(30)
-    docs = [json.loads(e) for e in first + rest if e != "[DONE]"]
+    assert health[0] == 503 and health[2] == b"shutting down", health
+    assert rest[-1] == "[DONE]", rest[-3:]
+    err = check_error_body(rest[-2].encode(), 503)
+    assert err["code"] == "server_shutdown" and err["type"] == "server_error", err
+    docs = [json.loads(e) for e in first + rest[:-2]]
     reasons = [ch.get("finish_reason") for d in docs for ch in d["choices"] if ch.get("finish_reason")]
-    assert "length" not in reasons, "the request ran to its end: it was not cancelled after the grace period"
-    assert elapsed < 15, elapsed  # grace period 1 s, then cancelled
+    assert not reasons, "the request ran to its end: it was not cancelled after the grace period"
+    assert 1 <= elapsed < 15, elapsed  # grace period 1 s, then cancelled
     assert rc == 0, f"exit status {rc}:\n{small_server.tail()}"
 
 
 # ---------------------------------------------------------------------------------------------
-# graceful SIGTERM with a request in flight
+# SIGTERM with requests in flight: one finishes in the grace period, eight do not
 
 
-def test_sigterm_lets_the_request_in_flight_finish(checkpoint, tmp_path_factory):
-    s = Server(checkpoint.dir, ["--grace-period", "30", *SMALL_KV], tmp_path_factory.mktemp("serve-logs") / "term.log")
+def _long_request(port: int, name: str, stream: bool, via_openai: bool) -> dict:
+    """One request that cannot finish in the grace period, and how it ended."""
+    body = {"model": name, "prompt": f"endless {stream} {via_openai}", "max_tokens": LONG, "ignore_eos": True,
+            "stream": stream}
+    if via_openai:
+        kw = {k: v for k, v in body.items() if k != "ignore_eos"}
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as c:
+            try:
+                if stream:
+                    chunks = list(c.completions.create(**kw, extra_body={"ignore_eos": True}))
+                    return {"kind": "finished", "chunks": chunks}
+                c.completions.create(**kw, extra_body={"ignore_eos": True})
+                return {"kind": "finished"}
+            except openai.APIStatusError as exc:
+                return {"kind": "status", "status": exc.status_code, "message": exc.message}
+            except openai.APIError as exc:  # an error event in the stream
+                return {"kind": "stream_error", "message": exc.message, "body": exc.body}
+    status, headers, data = raw(port, "POST", "/v1/completions", body=body, timeout=60)
+    return {"kind": "raw", "status": status, "headers": headers, "data": data}
+
+
+def test_sigterm_every_client_gets_a_proper_end(checkpoint, tmp_path_factory):
+    """SIGTERM with nine requests in flight and a grace period of 3 s: the port stays open
+    (/health and new requests get 503), the one that can finish does, and each of the eight
+    that cannot gets an OpenAI error at the end of the grace period (non-streamed: a 503 body;
+    streamed: an error event, then [DONE]); then the server exits 0."""
+    grace = 3.0
+    s = Server(checkpoint.dir, ["--grace-period", str(grace), "--page-size", "16", "--num-blocks", "2048"],
+               tmp_path_factory.mktemp("serve-logs") / "term.log")
     try:
         s.wait_ready()
         name = checkpoint.dir.name
-        n = 300
-        with openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=60) as c:
-            stream = c.completions.create(model=name, prompt="finish me", max_tokens=n, temperature=0, stream=True,
+        with openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=60) as c, ThreadPoolExecutor(8) as pool:
+            # 400 tokens: still running when all nine are, done well within the grace period
+            stream = c.completions.create(model=name, prompt="finish me", max_tokens=400, temperature=0, stream=True,
                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             it = iter(stream)
             chunks = [next(it)]
+            kinds = [(st, via) for st in (True, False) for via in (True, True, False, False)]
+            futures = [pool.submit(_long_request, s.port, name, st, via) for st, via in kinds]
+            running = wait_metrics(s.port, lambda m: m["acb_requests_running"] + m["acb_requests_waiting"] >= 9)
+            assert running["acb_requests_running"] + running["acb_requests_waiting"] >= 9, running
             s.terminate()
-            time.sleep(0.5)
-            # no new work is taken: the port is closed, or the server answers 503
-            try:
-                status, _, _ = raw(s.port, "POST", "/v1/completions", timeout=10,
-                                   body={"model": name, "prompt": "late", "max_tokens": 2})
-            except OSError:
-                status = None
+            t0 = time.monotonic()
+            time.sleep(0.3)
+            health = raw(s.port, "GET", "/health", timeout=10)
+            late = raw(s.port, "POST", "/v1/completions", body={"model": name, "prompt": "late", "max_tokens": 2},
+                       timeout=10)
             chunks += list(it)
+            results = [f.result(timeout=60) for f in futures]
+            ended = time.monotonic() - t0
         rc = s.wait_exit(40)
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
             s.proc.wait()
         s._log.close()
-    assert status in (None, 503), status
+    assert health[0] == 503 and health[2] == b"shutting down", health
+    assert late[0] == 503 and late[1].get("retry-after") == "1", late
+    assert "shutting down" in check_error_body(late[2], 503)["message"]
     reasons = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
     assert reasons == ["length"]  # it ran to its end
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == n
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 400
+    for (stream, via_openai), r in zip(kinds, results):
+        if via_openai and stream:
+            assert r["kind"] == "stream_error" and "shut down" in r["message"], r
+        elif via_openai:
+            assert r["kind"] == "status" and r["status"] == 503 and "shut down" in r["message"], r
+        elif stream:
+            assert r["status"] == 200, r
+            events = sse_events(r["data"])
+            assert events[-1] == "[DONE]", events[-3:]
+            assert check_error_body(events[-2].encode(), 503)["code"] == "server_shutdown"
+            assert not any(ch.get("finish_reason") for e in events[:-2] for ch in json.loads(e)["choices"])
+        else:
+            assert r["status"] == 503 and r["headers"].get("retry-after") == "1", r
+            assert check_error_body(r["data"], 503)["code"] == "server_shutdown"
+    assert grace - 0.5 <= ended < grace + 10, ended
     assert rc == 0, f"exit status {rc}:\n{s.tail()}"
