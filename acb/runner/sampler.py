@@ -83,6 +83,9 @@ class SamplingState:
         self.table = np.zeros((max_rows, NUM_COLS), dtype=np.float64)
         self.live_penalty = np.zeros(max_rows, dtype=bool)
         self.live_bias = np.zeros(max_rows, dtype=bool)
+        # rows whose bias table row holds a former owner's biases: the bias of every row of a step
+        # is added whenever one row has any, so a row is zeroed before its next owner runs
+        self.bias_dirty = np.zeros(max_rows, dtype=bool)
         self.live_min_new = np.zeros(max_rows, dtype=bool)
         self.seen: torch.Tensor | None = None  # [rows, V] bool: prompt and generated tokens
         self.counts: torch.Tensor | None = None  # [rows, V] float32: generated-token counts (no cast per step)
@@ -129,8 +132,10 @@ class SamplingState:
             ops["cnt_r"].append(np.full(len(gen), row, dtype=np.int64))
             ops["cnt_c"].append(np.asarray(gen, dtype=np.int64))
         self.live_bias[row] = bool(sp.logit_bias)
+        if sp.logit_bias or self.bias_dirty[row]:
+            ops["bias_rows"].append(row)  # zeroed, then this request's biases (if any) written
+            self.bias_dirty[row] = bool(sp.logit_bias)
         if sp.logit_bias:
-            ops["bias_rows"].append(row)
             ops["bias_r"].append(np.full(len(sp.logit_bias), row, dtype=np.int64))
             ops["bias_c"].append(np.fromiter(sp.logit_bias.keys(), dtype=np.int64))
             ops["bias_v"].append(np.fromiter(sp.logit_bias.values(), dtype=np.float32))
@@ -186,7 +191,8 @@ class SamplingState:
         if "bias_rows" in dev:
             bias = self._buf("bias", torch.float32)
             bias.index_fill_(0, dev["bias_rows"], 0.0)
-            bias[dev["bias_r"], dev["bias_c"]] = dev["bias_v"]
+            if "bias_r" in dev:  # (rows only zeroed for an owner without biases have no entries)
+                bias[dev["bias_r"], dev["bias_c"]] = dev["bias_v"]
         if "stop_rows" in dev:
             mask = self._buf("stop_mask", torch.bool)
             mask.index_fill_(0, dev["stop_rows"], False)

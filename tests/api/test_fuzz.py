@@ -8,7 +8,9 @@ lengths from a few shared prefixes, ``n``, greedy or seeded sampling, logprobs, 
 tokens, ``min_new_tokens``; now and then first a submit that must be refused, under the id
 the good one then takes), lets it go, cancels some live requests (every way a user can:
 ``handle.cancel()``, ``engine.cancel(id)``, breaking out of ``async for``, cancelling the
-awaiting task) and waits a random number of steps.
+awaiting task), now and then posts a few pause/resume/sleep/wake calls back to back (numbers
+at the edges of their ranges are among the sampling values, and among the refused submits),
+and waits a random number of steps.
 
 Invariants, after every round and at the end of the example:
 
@@ -206,6 +208,28 @@ async def refused(engine: acb.AsyncEngine, rng: random.Random, rid: str, live: l
             await engine.submit([5, 6], request_id=rng.choice(live))
 
 
+async def lifecycle_burst(engine: acb.AsyncEngine, rng: random.Random) -> None:
+    """A few pause/resume/sleep/wake calls posted back to back while requests run (checked against
+    the lifecycle's model, ``tests.api.test_pause_sleep.LifecycleModel``), then back to running."""
+    from tests.api.test_pause_sleep import LifecycleModel, _post
+
+    core = engine.core
+    want = LifecycleModel()
+    ops = [rng.choice(["pause_wait", "pause_keep", "sleep", "wake", "resume"]) for _ in range(rng.randint(1, 4))]
+    futs = [(_post(core, op), want.apply(op)) for op in ops]
+    await asyncio.sleep(rng.random() * 0.02)
+    assert engine.is_sleeping == want.asleep or not all(f.done() for f, _ in futs)
+    for f in (_post(core, "wake"), _post(core, "resume")):
+        await asyncio.wrap_future(f)
+    for f, err in futs:
+        if err is None:
+            await asyncio.wrap_future(f)  # a pause("wait") ends once resumed, drained or not
+        else:
+            with pytest.raises(RuntimeError, match=err):
+                await asyncio.wrap_future(f)
+    assert not engine.is_paused and not engine.is_sleeping
+
+
 async def consume(t: Tracked, rng_value: float) -> None:
     try:
         if t.mode == "result":
@@ -297,6 +321,8 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
                 t.task = asyncio.create_task(consume(t, rng.random()))
                 tracked.append(t)
             gate.set()
+            if rng.random() < 0.3:
+                await lifecycle_burst(engine, rng)
             await wait_steps(engine, rng.randint(0, 8))
             live = [t for t in tracked if not t.handle.done]
             for t in rng.sample(live, k=min(len(live), rng.randint(0, 2))):

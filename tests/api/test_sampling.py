@@ -261,3 +261,26 @@ async def test_stop_strings_search_the_text_the_caller_gets(async_batching):
     want = raw.find(stop)
     assert raw_out.text == raw_streamed == (raw[:want] if want >= 0 else raw)
     assert (raw_out.finish_reason == acb.FinishReason.STOP) == (want >= 0)
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_a_rows_logit_bias_does_not_outlive_its_request(async_batching):
+    """Found by the stateful fuzz once it drew logit biases: a request that takes over the sampler
+    row of a finished request with a logit bias ran with that bias whenever another row of the step
+    had one (the bias table is added for every row then)."""
+    model = get_model("llama")
+    prompt = prompts_of_lengths([10], seed=36)[0]
+    ref = reference_generate(model, prompt, 8)
+    cfg = acb.ContinuousBatchingConfig(**CFG, max_requests_per_batch=2, use_async_batching=async_batching)
+    with acb.Engine(model, cfg) as eng:
+        import threading
+
+        gate = threading.Event()
+        eng.call(lambda c: gate.wait(30))
+        first = eng.submit(prompt, max_new_tokens=2, logit_bias={7: 100.0})  # leaves its row soon
+        other = eng.submit(prompt, max_new_tokens=20, ignore_eos=True, logit_bias={9: float("-inf")})
+        plain = eng.submit(prompt, max_new_tokens=8)  # waits for a row: takes the first one's
+        gate.set()
+        assert first.result(30).generated_tokens == [7, 7]
+        assert 9 not in other.result(30).generated_tokens
+        assert plain.result(30).generated_tokens == ref
