@@ -1,7 +1,8 @@
 """``acb serve --data-parallel 2`` (acb/serve/router.py): one router process in front of two
 ``acb serve`` replicas, as a real subprocess on the embedded default model, driven with the
 ``openai`` client. One router serves the whole module; the tests run in order, and the last
-two take a replica down and then the router.
+two take a replica down and then the router (SIGTERM with requests in flight: one finishes in
+the grace period, eight do not and get a proper end).
 
 Also unit tests of the routing rule and the metrics merge, without processes.
 """
@@ -105,15 +106,27 @@ def _free_port() -> int:
 
 
 def _get(port: int, path: str, timeout: float = 10) -> tuple[int, bytes]:
+    return _request(port, "GET", path, timeout=timeout)[::2]
+
+
+def _request(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 10
+             ) -> tuple[int, dict[str, str], bytes]:
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("GET", path, headers=AUTH)
+        conn.request(method, path, body=body, headers={**AUTH, "Content-Type": "application/json"})
         r = conn.getresponse()
-        return r.status, r.read()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     finally:
         conn.close()
+
+
+def _error(body: bytes) -> dict:
+    """An OpenAI-style error body's ``error``."""
+    doc = json.loads(body)
+    assert set(doc) == {"error"} and {"message", "type", "param", "code"} <= set(doc["error"]), doc
+    return doc["error"]
 
 
 def _stats(port: int) -> list[dict]:
@@ -226,7 +239,23 @@ def test_health_models_and_greedy_parity(router, client, reference):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reference["completion"]
 
     status, body = _get(router.port, "/v1/nothing")
-    assert status == 404
+    assert status == 404 and _error(body)["code"] == "not_found"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", b'{"model": "%s", "prompt": "lone \\ud800 surrogate", "max_tokens": 2}' % NAME.encode()),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}'
+     % NAME.encode()),
+    ("/v1/completions", b'{"model": "%s", "prompt": ' % NAME.encode() + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("/v1/completions", b'{"model": "%s", "prompt": ' % NAME.encode() + b"[" * 500 + b"1" + b"]" * 500 + b"}"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": ' % NAME.encode() + b"[" * 100_000 + b"]" * 100_000
+     + b"}"),
+], ids=["surrogate-prompt", "surrogate-message", "deep-json", "deep-prompt", "deep-messages"])
+def test_bodies_the_router_cannot_read_get_the_servers_400(router, path, body):
+    """Lone UTF-16 surrogates and deeply nested JSON: the replica's 400, not the router's 500."""
+    status, _, data = _request(router.port, "POST", path, body)
+    assert status == 400, data[:300]
+    assert _error(data)["type"] == "invalid_request_error"
 
 
 def test_load_spreads_over_both_replicas(router, client):
@@ -336,16 +365,53 @@ def test_replica_death_fails_its_requests_and_spares_the_rest(router, client):
     assert not dead["alive"] and dead["returncode"] is not None and dead["dead_reason"], dead
 
 
+def _long_request(port: int, stream: bool, i: int) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps({"model": NAME, "prompt": f"endless {stream} {i}", "max_tokens": 2000, "temperature": 0,
+                       "ignore_eos": True, "stream": stream}).encode()
+    return _request(port, "POST", "/v1/completions", body, timeout=60)
+
+
+def _events(data: bytes) -> list[str]:
+    return [line[5:].strip() for line in data.decode().splitlines() if line.startswith("data:")]
+
+
 def test_sigterm_drains_then_stops_replicas(router, client):
+    """SIGTERM with nine requests in flight: /health and new requests get 503 during the grace
+    period (the port stays open); the one that can finish does; each of the eight that cannot
+    ends at the end of the grace period with an OpenAI error (a 503 body, or an error event and
+    [DONE]); then the router stops the replicas and exits 0."""
     pids = [r["pid"] for r in _stats(router.port)]
     stream = client.completions.create(model=NAME, prompt="finish me", max_tokens=60, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it)
-    router.proc.send_signal(signal.SIGTERM)
-    t0 = time.monotonic()
-    reasons = [c.choices[0].finish_reason for c in it if c.choices and c.choices[0].finish_reason]
-    assert reasons == ["length"]  # the in-flight request was let finish
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_long_request, router.port, i % 2 == 0, i) for i in range(8)]
+        deadline = time.monotonic() + 30
+        while sum(r["in_flight"] for r in _stats(router.port)) < 9:
+            assert time.monotonic() < deadline, _stats(router.port)
+            time.sleep(0.02)
+        router.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        health = _get(router.port, "/health")
+        late = _request(router.port, "POST", "/v1/completions",
+                        json.dumps({"model": NAME, "prompt": "late", "max_tokens": 2}).encode())
+        reasons = [c.choices[0].finish_reason for c in it if c.choices and c.choices[0].finish_reason]
+        results = [f.result(timeout=60) for f in futures]
+    ended = time.monotonic() - t0
+    assert reasons == ["length"]  # the in-flight request that could finish did
+    assert health == (503, b"shutting down"), health
+    assert late[0] == 503 and late[1].get("retry-after") == "1" and "shutting down" in _error(late[2])["message"]
+    for i, (status, headers, data) in enumerate(results):
+        if i % 2 == 0:  # streamed: cut at a whole event, then an error event and [DONE]
+            assert status == 200, data[-300:]
+            events = _events(data)
+            assert events[-1] == "[DONE]" and _error(events[-2].encode())["code"] == "server_shutdown", events[-3:]
+            assert not any(ch.get("finish_reason") for e in events[:-2] for ch in json.loads(e)["choices"])
+        else:
+            assert status == 503 and _error(data)["code"] == "server_shutdown", (status, data)
+    assert GRACE - 0.5 <= ended < GRACE + 10, ended
     rc = router.proc.wait(GRACE + 15)
     print(f"router exit {time.monotonic() - t0:.2f} s after SIGTERM")
     assert rc == 0, router.tail()
