@@ -236,6 +236,44 @@ def test_error_rows():
         predictor.close()
 
 
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                     "{{ raise_exception('this model takes no system messages') }}{% endif %}"
+                     "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def tiny_refusing_system_messages() -> tuple:
+    """A tokenizer whose chat template refuses system messages (``raise_exception``), as some
+    models' templates refuse roles they lack."""
+    model, tok = tiny_with_tokenizer()
+    tok.chat_template = REFUSING_TEMPLATE
+    return model, tok
+
+
+def test_a_chat_the_template_refuses_is_one_error_row():
+    """on_error="row": a chat the chat template refuses is an error row, the others are
+    generated (the template's exception used to fail the whole batch); on_error="raise" names
+    the row."""
+    chats = np.empty(3, dtype=object)
+    chats[:] = [[{"role": "user", "content": "hi"}],
+                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                [{"role": "user", "content": "hello"}]]
+    predictor = AcbPredictor(model_factory=tiny_refusing_system_messages, config=CONFIG, on_error="row",
+                             sampling={"max_new_tokens": 3, "ignore_eos": True})
+    try:
+        out = predictor({"prompt": chats})
+    finally:
+        predictor.close()
+    assert list(out["finish_reason"]) == ["length", "error", "length"]
+    assert "this model takes no system messages" in out["error"][1] and out["error"][0] is None
+    assert list(out["num_generated_tokens"]) == [3, 0, 3]
+    predictor = AcbPredictor(model_factory=tiny_refusing_system_messages, config=CONFIG)
+    try:
+        with pytest.raises(ValueError, match="row 1 of the batch: the chat template refused this chat"):
+            predictor({"prompt": chats})
+    finally:
+        predictor.close()
+
+
 def test_checkpoint_path(tmp_path):
     """model= loads a checkpoint with Engine.from_pretrained (model and tokenizer)."""
     model, tok = tiny_with_tokenizer()
