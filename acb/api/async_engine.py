@@ -162,12 +162,14 @@ class AsyncEngine(EngineBase):
 
     async def sleep(self) -> MemoryReleased:
         """Free the KV cache, the decode graphs and the step buffers (the model stays) and return
-        the bytes freed. Pauses first if not paused (mode ``"keep"``); running requests are taken
-        off the device and recomputed after :meth:`wake_up`; the prefix cache is emptied."""
+        the bytes freed. No steps run until :meth:`wake_up`; running requests are taken off the
+        device and recomputed after it; the prefix cache is emptied. A pause in effect (or a
+        ``pause("wait")`` still draining) is left as it is and holds after waking."""
         released: MemoryReleased = await await_future(self._sleep_future())
         return released
 
     async def wake_up(self) -> None:
-        """Allocate again what :meth:`sleep` freed (and capture the graphs); resumes if ``sleep``
-        paused the engine, else it stays paused until :meth:`resume`."""
+        """Allocate again what :meth:`sleep` freed (and capture the graphs); steps run again
+        unless a :meth:`pause` holds them (a paused engine stays paused until :meth:`resume`; a
+        drain that ``sleep`` interrupted goes on)."""
         await await_future(self._wake_up_future())

@@ -149,14 +149,16 @@ class Engine(EngineBase):
 
     def sleep(self, timeout: float | None = None) -> MemoryReleased:
         """Free the KV cache, the decode graphs and the step buffers (the model stays) and return
-        the bytes freed. Pauses first if not paused (mode ``"keep"``); running requests are taken
-        off the device and recomputed after :meth:`wake_up`; the prefix cache is emptied."""
+        the bytes freed. No steps run until :meth:`wake_up`; running requests are taken off the
+        device and recomputed after it; the prefix cache is emptied. A pause in effect (or a
+        ``pause("wait")`` still draining) is left as it is and holds after waking."""
         released: MemoryReleased = self._sleep_future().result(timeout)
         return released
 
     def wake_up(self, timeout: float | None = None) -> None:
-        """Allocate again what :meth:`sleep` freed (and capture the graphs); resumes if ``sleep``
-        paused the engine, else it stays paused until :meth:`resume`."""
+        """Allocate again what :meth:`sleep` freed (and capture the graphs); steps run again
+        unless a :meth:`pause` holds them (a paused engine stays paused until :meth:`resume`; a
+        drain that ``sleep`` interrupted goes on)."""
         self._wake_up_future().result(timeout)
 
     def generate_batch(
