@@ -294,7 +294,7 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("acb serve: %s %s failed", request.method, request.url.path, exc_info=exc)
+        # Starlette re-raises the exception after this answer, and uvicorn logs it
         return JSONResponse(internal_error(exc).body(), status_code=500)
 
     @app.get("/health")

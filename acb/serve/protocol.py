@@ -302,6 +302,8 @@ class Drain:
     requests, cancel scopes end what waits), and they answer with :func:`shutdown_error` (a 503
     body, or an SSE error event then ``[DONE]``). Only then is the server's own handler called,
     and it stops as usual, with nothing left to cut. A second signal ends the grace period at once.
+    (A request whose end cannot come, an engine step that never returns or a client that stopped
+    reading, is still cut by the server's own timeout after that, as before.)
 
     In flight means an ``/v1`` POST between its arrival and its response's last byte
     (:class:`DrainMiddleware` counts them).

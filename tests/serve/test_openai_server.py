@@ -970,8 +970,9 @@ def test_sigterm_past_the_grace_period_cancels_and_exits_0(small_server, checkpo
 
 
 def _long_request(port: int, name: str, stream: bool, via_openai: bool) -> dict:
-    """One request that cannot finish in the grace period, and how it ended."""
-    body = {"model": name, "prompt": f"endless {stream} {via_openai}", "max_tokens": LONG, "ignore_eos": True,
+    """One request that cannot finish in the grace period (4000 tokens: 12 s here, eight at a
+    time), and how it ended."""
+    body = {"model": name, "prompt": f"endless {stream} {via_openai}", "max_tokens": 4000, "ignore_eos": True,
             "stream": stream}
     if via_openai:
         kw = {k: v for k, v in body.items() if k != "ignore_eos"}
@@ -996,7 +997,8 @@ def test_sigterm_every_client_gets_a_proper_end(checkpoint, tmp_path_factory):
     that cannot gets an OpenAI error at the end of the grace period (non-streamed: a 503 body;
     streamed: an error event, then [DONE]); then the server exits 0."""
     grace = 3.0
-    s = Server(checkpoint.dir, ["--grace-period", str(grace), "--page-size", "16", "--num-blocks", "2048"],
+    # a KV cache for all nine at full length: none is preempted
+    s = Server(checkpoint.dir, ["--grace-period", str(grace), "--page-size", "16", "--num-blocks", "2304"],
                tmp_path_factory.mktemp("serve-logs") / "term.log")
     try:
         s.wait_ready()
