@@ -86,8 +86,13 @@ class GenerationOutput:
     events: list[tuple[str, float]] | None = None
     # prompt_logprobs=k: the logprob of each prompt token after the first given those before it
     # (len(prompt_ids) - 1 values), and its top-k alternatives as (token id, logprob)
+    # (a scoring request: the continuation's tokens only, see ``Engine.score``)
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # a scoring request whose continuations are single tokens: their logprobs after the whole
+    # prompt, and that position's top alternatives (the greedy token first)
+    next_token_logprobs: list[float] | None = None
+    next_token_top_logprobs: list[tuple[int, float]] | None = None
     # n > 1: every sample (the top-level token fields then repeat sample 0); None when n == 1
     samples: list[SampleOutput] | None = None
 
@@ -119,3 +124,42 @@ class StreamDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     sample_index: int = 0  # which sample the tokens belong to (n > 1)
     text: str | None = None  # the text these tokens complete (the engine needs a tokenizer)
+
+
+@dataclass
+class ContinuationScore:
+    """How likely the model finds one continuation of a context (see ``Engine.score``).
+
+    ``logprobs``: each continuation token's log-probability given everything before it (the
+    raw log-softmax of the model's logits: no temperature, bias or penalty); ``greedy``: whether
+    every token is the model's most likely one there (greedy decoding would produce it);
+    ``top_logprobs``: per token, the ``top_logprobs`` most likely tokens at that position as
+    ``(token id, logprob)``, most likely first (None unless asked for).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    greedy: bool
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def logprob(self) -> float:
+        """The continuation's log-probability: the sum of its tokens'."""
+        return float(sum(self.logprobs))
+
+
+@dataclass
+class ScoreOutput:
+    """The scores of a context's continuations, in the order they were given.
+
+    ``num_cached_tokens``: the context tokens that were read from the prefix cache rather than
+    computed, summed over the engine requests the scoring took (one per continuation of two or
+    more tokens, plus one for all single-token continuations together).
+    """
+
+    request_id: str
+    context_ids: list[int]
+    continuations: list[ContinuationScore]
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.FINISHED
+    error: str | None = None

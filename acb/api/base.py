@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from acb import telemetry
 from acb.api.handles import AdmissionGate, _SinkState, deliver
+from acb.api.scoring import ScoreSpec
 from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats
 from acb.core.request import Request, RequestGroup
@@ -316,12 +317,15 @@ class EngineBase:
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        scoring: ScoreSpec | None = None,
     ) -> Request:
         """Validate one submit and build its Request, whose results go to
         ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``). Everything is checked
         before the request id is claimed, so a refused submit leaves nothing behind. Hand the
         request to the engine with :meth:`admit` (or :meth:`enqueue` when holding a queue slot),
-        or give its id back with :meth:`abandon`."""
+        or give its id back with :meth:`abandon`. ``scoring`` makes it a scoring request
+        (:mod:`acb.api.scoring`): it records prompt logprobs from ``scoring.lp_start`` and samples
+        nothing."""
         core = self.core
         if core is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
@@ -348,6 +352,9 @@ class EngineBase:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         params = sampling.merged_over(self.defaults)
+        if scoring is not None:  # nothing is sampled: the raw logprobs of the scored positions only
+            _check_vocab("continuation", scoring.next_tokens or (), vocab)
+            params = replace(FALLBACK, prompt_logprobs=max(scoring.top_logprobs, 1), logprobs_mode="raw")
         _check_vocab("logit_bias", params.logit_bias or (), vocab)
         if sampling.stop_token_ids is not None:
             _check_vocab("stop_token_ids", sampling.stop_token_ids, vocab)
@@ -366,7 +373,11 @@ class EngineBase:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
         cfg = core.runner.cfg
         limit = cfg.max_model_len
-        if len(ids) >= limit:
+        if scoring is not None and len(ids) > limit:
+            raise ValueError(f"context and continuation ({len(ids)} tokens) can never fit: a request may hold "
+                             f"at most {limit} tokens (the model's max positions, and the KV cache's "
+                             f"{cfg.capacity_tokens} tokens)")
+        if scoring is None and len(ids) >= limit:
             raise ValueError(
                 f"prompt of {len(ids)} tokens can never fit: a request may hold at most {limit} tokens "
                 f"(prompt + at least one generated token), the smaller of the model's max positions and "
@@ -391,7 +402,7 @@ class EngineBase:
                     f"{fork_blocks} KV blocks of {bs} tokens (the shared full blocks once, the partial "
                     f"last block once per sample), and the cache has {usable}; lower n or raise num_blocks"
                 )
-        max_new = min(max_new_tokens, limit - len(ids))
+        max_new = min(max_new_tokens, limit - len(ids)) if scoring is None else 0
         min_new = min(params.min_new_tokens or 0, max_new)
         if min_new != (params.min_new_tokens or 0):
             params = replace(params, min_new_tokens=min_new)
@@ -412,7 +423,7 @@ class EngineBase:
         try:
             sink = sink_factory(request_id)
             sink.state.trace = telemetry.begin(prompt_ids, self.model_name, params)
-            if self.tokenizer is not None:  # text for the stream and the output, decoded on the consumer's side
+            if self.tokenizer is not None and scoring is None:  # text for the stream and the output, decoded on the consumer's side
                 skip = params.skip_special_tokens is not False
                 stops = params.stop or ()
                 sink.state.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip, stops) for _ in range(n)]
@@ -436,6 +447,9 @@ class EngineBase:
                                                    params.skip_special_tokens is not False)
                 if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
                     req.prompt_lps, req.prompt_tops = [], []
+                if scoring is not None:
+                    req.scoring, req.lp_start = True, scoring.lp_start
+                    req.score_next = list(scoring.next_tokens) if scoring.next_tokens is not None else None
                 if cache_salt:
                     req.cache_salt = cache_salt.encode()
                 members.append(req)

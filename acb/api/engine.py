@@ -10,12 +10,13 @@ import queue
 import time
 from typing import TYPE_CHECKING, Any
 
+from acb.api import scoring
 from acb.api.base import EngineBase
 from acb.api.handles import SyncRequestHandle, ThreadSink
 from acb.config import ConfigLike
 from acb.core.request import Request
-from acb.errors import AcbError, QueueFullError
-from acb.outputs import FailureKind, GenerationOutput, RequestStatus
+from acb.errors import AcbError, QueueFullError, RequestFailedError
+from acb.outputs import FailureKind, GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import SamplingParams, with_overrides
 
 if TYPE_CHECKING:
@@ -198,8 +199,21 @@ class Engine(EngineBase):
             for r in reqs:
                 self.abandon(r)
             raise
+        results = self._run_made(reqs, done, _progress(n, progress_bar))
+        failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
+        if failed:
+            logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
+                         results[failed[0]].error)
+        return {f"req_{i}": results[f"req_{i}"] for i in range(n)}
+
+    def _run_made(self, reqs: list[Request], done: "queue.SimpleQueue[GenerationOutput]", bar: Any
+                  ) -> dict[str, GenerationOutput]:
+        """Enqueue requests from :meth:`make_request` (whose sinks put their final output on
+        ``done``) in order, taking queue slots as they free up, and block until every one ended;
+        their outputs by request id. Interrupted (Ctrl-C), it cancels what it started and gives
+        back the rest, so the engine outlives the call with nothing of it left."""
+        n = len(reqs)
         results: dict[str, GenerationOutput] = {}
-        bar = _progress(n, progress_bar)
         tokens = 0
         t0 = time.perf_counter()
         enqueued = 0
@@ -235,12 +249,80 @@ class Engine(EngineBase):
         finally:
             if bar is not None:
                 bar.close()
-        failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
-        if failed:
-            logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
-                         results[failed[0]].error)
-        return {f"req_{i}": results[f"req_{i}"] for i in range(n)}
+        return results
 
+    def score(
+        self,
+        context: Prompt,
+        continuations: Sequence[Prompt],
+        *,
+        top_logprobs: int = 0,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> ScoreOutput:
+        """How likely each continuation of ``context`` is: every continuation token's logprob (raw
+        log-softmax), whether the continuation is the greedy one, and optionally the top
+        alternatives. Nothing is sampled. ``context`` and ``continuations`` are token ids (or text,
+        with a tokenizer; see :func:`acb.api.scoring.as_ids`). The context's prefix is read from and
+        written to the prefix cache like any prompt's, one-token continuations all come from one
+        forward of the context, and the LM head runs only on the scored rows
+        (:mod:`acb.api.scoring`). Raises ``RequestFailedError`` if the engine failed it."""
+        (out,) = self.score_batch([(context, continuations)], top_logprobs=top_logprobs, cache_salt=cache_salt,
+                                  progress_bar=False, request_ids=[request_id] if request_id else None)
+        if out.status != RequestStatus.FINISHED:
+            raise RequestFailedError(out.error or f"scoring {out.request_id!r} ended {out.status.name}")
+        return out
+
+    def score_batch(
+        self,
+        items: Sequence[tuple[Prompt, Sequence[Prompt]]],
+        *,
+        top_logprobs: int = 0,
+        cache_salt: str | None = None,
+        progress_bar: bool = True,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[ScoreOutput]:
+        """:meth:`score` for many ``(context, continuations)`` items at once, in input order (ids
+        ``score_<i>`` unless ``request_ids``). Every item is validated before any runs; the
+        engine requests are submitted sorted by their tokens, so that contexts sharing a prefix (a
+        task's few-shot preamble) meet in the prefix cache. A failed item keeps its place with
+        ``status`` FAILED and ``error`` set. A tqdm bar counts engine requests."""
+        if self.is_follower:
+            return []
+        self._live_core()
+        plans = []
+        for i, (context, continuations) in enumerate(items):
+            try:
+                ctx = scoring.as_ids(context, "context", self.tokenizer, context=True)
+                conts = [scoring.as_ids(c, f"continuations[{k}]", self.tokenizer, context=False)
+                         for k, c in enumerate(continuations)]
+                plans.append((ctx, conts, scoring.plan(ctx, conts, top_logprobs)))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"items[{i}]: {exc}") from None
+        ids = list(request_ids) if request_ids is not None else [f"score_{i}" for i in range(len(plans))]
+        if len(ids) != len(plans):
+            raise ValueError(f"request_ids has {len(ids)} ids for {len(plans)} items")
+        members = [(i, j, m) for i, (_, _, ms) in enumerate(plans) for j, m in enumerate(ms)]
+        done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        reqs: list[Request] = []
+        try:
+            for k in scoring.prefix_order([m.prompt_ids for _, _, m in members]):
+                i, j, m = members[k]
+                try:
+                    reqs.append(self.make_request(
+                        m.prompt_ids, None, request_id=f"{ids[i]}#s{j}", cache_salt=cache_salt, scoring=m.spec,
+                        sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"items[{i}]: {exc}") from None
+        except BaseException:
+            for r in reqs:
+                self.abandon(r)
+            raise
+        bar = _progress(len(reqs), progress_bar, desc="score_batch")
+        results = self._run_made(reqs, done, bar)
+        return [scoring.assemble(ids[i], ctx, conts, ms, [results[f"{ids[i]}#s{j}"] for j in range(len(ms))],
+                                 top_logprobs)
+                for i, (ctx, conts, ms) in enumerate(plans)]
 
 def generate_batch(
     model: Any,
@@ -292,13 +374,13 @@ def _prompt_list(inputs: Any) -> list[Any]:
     return list(inputs)
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(total: int, enabled: bool, desc: str = "generate_batch") -> Any:
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
     # labelled for the library call; ``acb generate`` draws its own bar
-    return tqdm(total=total, desc="generate_batch", unit="req", dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
 
 
 def _drain(

@@ -603,6 +603,10 @@ class EngineCore:
         if prompt:
             for (req, lo, _, _, _), (values, tops) in zip(sched.prompt_lp, prompt):
                 req.add_prompt_logprobs(lo, values, tops)
+        nxt = getattr(result, "next", None)
+        if nxt:
+            for (req, _, _), (values, top) in zip(sched.next_lp, nxt):
+                req.next_lps, req.next_top = values, top
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
         self._generated += len(progressed)
         items: list[Delivery] = []
@@ -622,6 +626,12 @@ class EngineCore:
                 if final is not None:
                     i = last[id(req.sink)]
                     items[i] = items[i]._replace(final=final)
+        if sched.scored:  # scoring requests end with no token of their own
+            for req in sched.scored:
+                if req.status == RequestStatus.FINISHED:  # (not cancelled meanwhile)
+                    final = self._final_of(req)
+                    if final is not None:
+                        items.append(Delivery(req.sink, [], final=final))
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
         tm = self.timing

@@ -85,10 +85,12 @@ class KVManager:
 
     def lookup(self, req: Request) -> list[int]:
         """Cached blocks for the longest known prefix of ``req`` (at least one token is left to
-        compute, so the whole last block is recomputed when the prompt is block-aligned)."""
+        compute, so the whole last block is recomputed when the prompt is block-aligned; a request
+        that records prompt logprobs from position ``lp_start`` computes that position and on)."""
         if not self.pool.enable_caching:
             return []
-        return self.pool.lookup(self._digests(req, (req.num_tokens - 1) // self.block_size))
+        upto = req.num_tokens - 1 if req.prompt_lps is None else min(req.num_tokens - 1, req.lp_start)
+        return self.pool.lookup(self._digests(req, upto // self.block_size))
 
     def prefix_in_progress(self, req: Request, hits: list[int]) -> bool:
         """Whether the block after ``req``'s cached prefix is being computed by a step whose output

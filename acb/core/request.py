@@ -25,6 +25,7 @@ class Request:
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
         "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
         "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
+        "scoring", "lp_start", "score_next", "next_lps", "next_top",
     )
 
     def __init__(
@@ -69,6 +70,17 @@ class Request:
         # prompt_logprobs: one entry per prompt position done (a recompute after preemption skips them)
         self.prompt_lps: list[float] | None = None
         self.prompt_tops: list[list[tuple[int, float]]] | None = None
+        # the first prompt position whose next token's logprob is recorded (0: every position;
+        # a scoring request's context length - 1: its continuation's tokens only). The prefix
+        # cache is read for the positions before it.
+        self.lp_start = 0
+        # a scoring request samples nothing: it ends once its prompt is computed
+        self.scoring = False
+        # scoring: tokens scored at the last prompt position (the continuations of one token of a
+        # context that is the whole prompt), their logprobs, and that position's top alternatives
+        self.score_next: list[int] | None = None
+        self.next_lps: list[float] | None = None
+        self.next_top: list[tuple[int, float]] | None = None
         self.num_cached_tokens = 0
         self.sink = sink  # opaque to core: where the engine delivers this request's results
         # optional callable(request) -> True when a stop string has appeared (it trims the output)
@@ -128,7 +140,7 @@ class Request:
         lps, top = self.prompt_lps, self.prompt_tops
         if lps is None or top is None:
             return
-        skip = len(lps) - lo
+        skip = self.lp_start + len(lps) - lo
         if skip < 0:  # a gap cannot happen: chunks are recorded in order
             return
         lps.extend(values[skip:])
@@ -158,6 +170,8 @@ class Request:
             events=list(self.events) if self.events is not None else None,
             prompt_logprobs=list(self.prompt_lps) if self.prompt_lps is not None else None,
             prompt_top_logprobs=[list(t) for t in self.prompt_tops] if self.prompt_tops is not None else None,
+            next_token_logprobs=list(self.next_lps) if self.next_lps is not None else None,
+            next_token_top_logprobs=list(self.next_top) if self.next_top is not None else None,
         )
 
     def _text(self) -> str | None:

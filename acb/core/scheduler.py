@@ -71,6 +71,12 @@ class SchedulerOutput:
     # prompt_logprobs: (request, first prompt position, count, its row in the flattened batch,
     # the prompt tokens those positions predict)
     prompt_lp: list[tuple[Request, int, int, int, list[int]]] = field(default_factory=list)
+    # scoring requests whose prompt this step completes (they end when its output is recorded),
+    # and those of them with tokens scored after the whole prompt: (request, its last row in the
+    # flattened batch, the tokens)
+    scored: list[Request] = field(default_factory=list)
+    next_lp: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    scored_rows: int = 0  # rows of logits this step computes for prompt logprobs and scoring
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -113,6 +119,7 @@ class Scheduler:
         safety_margin: float = 0.0,
         swap: SwapSpace | None = None,
         fast_decode: bool = True,
+        max_scored_rows: int = 256,
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
@@ -132,6 +139,7 @@ class Scheduler:
         # plain decodes take a shortcut past _schedule_tokens; False sends them the general way
         # (the tests check both give the same SchedulerOutput)
         self.fast_decode = fast_decode
+        self.max_scored_rows = max_scored_rows
         self._step_id = 0
         self.stats = SchedulerStats()
 
@@ -329,6 +337,8 @@ class Scheduler:
                 budget -= 1
                 continue
             num_new = min(todo, budget)
+            if req.prompt_lps is not None:
+                num_new = self._cap_scored(out, req, computed, num_new)
             if num_new <= 0:
                 continue
             need = kv.blocks_needed(req, num_new)
@@ -371,16 +381,16 @@ class Scheduler:
             hits: list[int]
             if req.swapped is not None:  # resume from host memory: no prefix lookup, no recompute
                 hits, computed = [], req.swapped[1]
-            elif req.prompt_lps is not None:  # prompt logprobs need every prompt position's logits
-                hits, computed = [], 0
-            else:
+            else:  # (prompt logprobs: the cache is read for the positions before lp_start only)
                 hits = kv.lookup(req)
                 computed = len(hits) * self.block_size
                 if kv.prefix_in_progress(req, hits):
                     # its next block is being computed by another request's step: wait one step and
                     # hit it, rather than computing the same prefix twice
                     break
-            num_new = min(req.num_tokens - computed, budget)
+            num_new = self._cap_scored(out, req, computed, min(req.num_tokens - computed, budget))
+            if num_new <= 0:
+                break  # this step's rows of logits for scoring are taken: next step
             need_free = kv.admission_cost(req, hits, computed, num_new)
             if need_free > kv.num_free - self.watermark_blocks - reserve:
                 # an empty engine must still make progress whatever the margin
@@ -422,17 +432,24 @@ class Scheduler:
         end = start + num_new
         known = len(req.token_ids)
         if req.prompt_lps is not None:  # positions whose next token is a prompt token, not yet done
-            lo, hi = max(start, len(req.prompt_lps)), min(end, req.prompt_len - 1)
+            lo, hi = max(start, req.lp_start + len(req.prompt_lps)), min(end, req.prompt_len - 1)
             if hi > lo:
                 out.prompt_lp.append((req, lo, hi - lo, len(out.input_ids) + lo - start,
                                       req.token_ids[lo + 1 : hi + 1]))
+                out.scored_rows += hi - lo
         out.input_ids.extend(req.token_ids[start : min(end, known)])
         if end > known:  # the one token sampled by the step in flight (async batching)
             assert end == known + 1 and req.in_flight == 1, f"{req}: {end - known} unknown tokens"
             out.placeholders.append((len(out.input_ids), self._placeholder_src(out, req)))
             out.input_ids.append(0)
         req.num_computed_tokens = end
-        if end == known + req.in_flight:
+        if req.scoring and end == known:  # its prompt is done: it ends with this step, sampling nothing
+            req.in_flight += 1  # (so that nothing schedules it again meanwhile)
+            out.scored.append(req)
+            if req.score_next:
+                out.next_lp.append((req, len(out.input_ids) - 1, req.score_next))
+                out.scored_rows += 1
+        elif end == known + req.in_flight:
             i = len(out.requests) - 1
             self._add_sample(out, req, i, end - req.prompt_len)
             if req.children:
@@ -441,6 +458,22 @@ class Scheduler:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
+
+    def _cap_scored(self, out: SchedulerOutput, req: Request, start: int, num_new: int) -> int:
+        """``num_new`` cut so that the step's rows of logits for prompt logprobs stay within
+        ``max_scored_rows`` (each row is vocabulary-sized: a 4,000-token context scored at once
+        would be a [4000, vocab] tensor)."""
+        if req.prompt_lps is None:
+            return num_new
+        first = max(start, req.lp_start + len(req.prompt_lps))  # the first position that needs a row
+        last = min(start + num_new, req.prompt_len - 1)
+        rows = max(0, last - first) + (1 if req.score_next and start + num_new >= req.prompt_len else 0)
+        room = self.max_scored_rows - out.scored_rows
+        if rows <= room:
+            return num_new
+        # up to the first scored position, then as many rows as there is room for (the row after
+        # the whole prompt, when cut off, comes in a later step of its own)
+        return max(first - start, 0) + max(room, 0) if room > 0 else max(first - start, 0)
 
     def _add_sample(self, out: SchedulerOutput, req: Request, logits_i: int, gen_idx: int) -> None:
         req.in_flight += 1
@@ -518,4 +551,12 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED)
                 self.stats.finished += 1
                 finished.append(req)
+        for req in out.scored:  # scoring requests end with their prompt (nothing is sampled)
+            req.in_flight -= 1
+            if req.status.is_terminal:
+                continue
+            req.finish_reason = FinishReason.LENGTH
+            self._finish(req, RequestStatus.FINISHED)
+            self.stats.finished += 1
+            finished.append(req)
         return progressed, finished

@@ -77,6 +77,9 @@ class ModelRunnerOutput:
     top: list[list[tuple[int, float]]] | None  # top alternatives per sample, when anyone asked
     # per SchedulerOutput.prompt_lp entry: the prompt tokens' logprobs and their top-k alternatives
     prompt: list[tuple[list[float], list[list[tuple[int, float]]]]] | None = None
+    # per SchedulerOutput.next_lp entry: the scored tokens' logprobs after the whole prompt, and
+    # that position's top alternatives
+    next: list[tuple[list[float], list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -87,6 +90,8 @@ class InFlightStep:
     result: "HostResult"
     num_top: int
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logprobs, top ids, top logprobs
+    # scored tokens after whole prompts (flat, SchedulerOutput.next_lp order), top ids, top logprobs
+    next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -608,8 +613,10 @@ class ModelRunner:
         sampling.apply_inits(dev)
         batch = self.inputs.build(host, dev, self._prev_ids)
         num_samples = len(sched.sample_idx)
-        if sched.prompt_lp:  # prompt_logprobs: the head also runs on those prompt rows
-            rows = torch.tensor([f + j for _, _, c, f, _ in sched.prompt_lp for j in range(c)], dtype=torch.long)
+        scored = sched.prompt_lp or sched.next_lp
+        if scored:  # prompt logprobs and scoring: the head also runs on those rows (and on no other)
+            rows = torch.tensor([f + j for _, _, c, f, _ in sched.prompt_lp for j in range(c)]
+                                + [r for _, r, _ in sched.next_lp], dtype=torch.long)
             batch = dataclasses.replace(batch, logits_indices=torch.cat([batch.logits_indices, rows.to(self.device)]),
                                         logits_identity=False, decode_only=False)
         logits = None
@@ -618,27 +625,49 @@ class ModelRunner:
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
             logits = self.forward(batch, ctx)
-        prompt = None
-        if sched.prompt_lp:
-            logits, prompt = logits[:num_samples], self._prompt_logprobs(logits[num_samples:], sched)
+        prompt = nxt = None
+        if scored:
+            n_prompt = logits.shape[0] - num_samples - len(sched.next_lp)
+            if sched.prompt_lp:
+                targets = [t for *_, toks in sched.prompt_lp for t in toks]
+                prompt = self._scored_logprobs(logits[num_samples : num_samples + n_prompt], targets,
+                                               max(req.params.prompt_logprobs for req, *_ in sched.prompt_lp))
+            if sched.next_lp:
+                nxt = self._next_logprobs(logits[num_samples + n_prompt :], sched)
+            logits = logits[:num_samples]
         for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
             self.kv_cache.copy_block(src, dst)
-        packed = sample(logits, step, sampling, dev)
+        if num_samples:
+            packed = sample(logits, step, sampling, dev)
+        else:  # a step of scoring requests only: nothing to sample
+            packed = torch.empty(0, dtype=torch.long, device=self.device)
         st.release()
         self._prev_ids = packed if packed.dim() == 1 else packed[:, 0].long()
-        return InFlightStep(sched, self._to_host(packed), max(step.max_logprobs, 0), prompt)
+        return InFlightStep(sched, self._to_host(packed), max(step.max_logprobs, 0), prompt, nxt)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, sched: SchedulerOutput
+    def _scored_logprobs(self, logits: torch.Tensor, targets: list[int], k: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-softmax of the raw logits at prompt positions: the next prompt token's logprob and
-        the top-k (the largest k asked for in the step)."""
-        targets = torch.tensor([t for *_, toks in sched.prompt_lp for t in toks], dtype=torch.long, device=self.device)
+        """Log-softmax of the raw logits of scored rows (``[R, V]``, R bounded by the scheduler's
+        ``max_scored_rows``): each row's target's logprob and the row's top-k."""
+        tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
         lp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = lp.gather(1, targets[:, None])[:, 0]
-        k = max(req.params.prompt_logprobs for req, *_ in sched.prompt_lp)
+        chosen = lp.gather(1, tgt[:, None])[:, 0]
         top = lp.topk(k, dim=-1) if k else None
         empty = torch.empty((lp.shape[0], 0), device=self.device)
         return chosen, (top.indices if top is not None else empty.long()), (top.values if top is not None else empty)
+
+    def _next_logprobs(self, logits: torch.Tensor, sched: SchedulerOutput
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows after whole prompts (one per ``next_lp`` entry, ``[E, V]``): the scored tokens'
+        logprobs (flat, in entry order) and each row's top-k (the largest k asked for, at least 1:
+        the greedy token)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        row = torch.tensor([i for i, (_, _, toks) in enumerate(sched.next_lp) for _ in toks], dtype=torch.long,
+                           device=self.device)
+        tok = torch.tensor([t for _, _, toks in sched.next_lp for t in toks], dtype=torch.long, device=self.device)
+        k = max(max(req.params.prompt_logprobs or 0, 1) for req, _, _ in sched.next_lp)
+        top = lp.topk(k, dim=-1)
+        return lp[row, tok], top.indices, top.values
 
     def _to_host(self, packed: torch.Tensor) -> "HostResult":
         """Start the copy of the sampled ids to (pinned) host memory on the device-to-host stream."""
@@ -716,13 +745,25 @@ class ModelRunner:
             res.done.synchronize()
         rows = res.tensor.tolist()
         prompt = self._prompt_to_host(step) if step.prompt is not None else None
+        nxt = self._next_to_host(step) if step.next is not None else None
         if res.tensor.dim() == 1:
-            return ModelRunnerOutput(sampled=rows, logprobs=None, top=None, prompt=prompt)
+            return ModelRunnerOutput(sampled=rows, logprobs=None, top=None, prompt=prompt, next=nxt)
         k = step.num_top
         sampled = [int(r[0]) for r in rows]
         logprobs = [r[1] for r in rows]
         top = [list(zip(map(int, r[2 : 2 + k]), r[2 + k :])) for r in rows] if k else None
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, top=top, prompt=prompt)
+        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, top=top, prompt=prompt, next=nxt)
+
+    @staticmethod
+    def _next_to_host(step: InFlightStep) -> list[tuple[list[float], list[tuple[int, float]]]]:
+        assert step.next is not None
+        values, ids, vals = (t.tolist() for t in step.next)  # scoring steps: a plain sync is fine
+        out, i = [], 0
+        for e, (req, _, toks) in enumerate(step.sched.next_lp):
+            k = max(req.params.prompt_logprobs or 0, 1)
+            out.append((values[i : i + len(toks)], list(zip(ids[e][:k], vals[e][:k]))))
+            i += len(toks)
+        return out
 
     @staticmethod
     def _prompt_to_host(step: InFlightStep) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
