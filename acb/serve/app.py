@@ -253,8 +253,8 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
     seconds a request's chat rendering and tokenizing may take (a 400 past it). Arguments not
     given come from :func:`app_options`, else :class:`AppOptions`' defaults."""
     given: dict[str, Any] = {"trust_request_chat_template": trust_request_chat_template,
-             "max_prompts_per_request": max_prompts_per_request, "grace_period": grace_period,
-             "render_timeout": render_timeout}
+                             "max_prompts_per_request": max_prompts_per_request, "grace_period": grace_period,
+                             "render_timeout": render_timeout}
     options = replace(_options.get(), **{k: v for k, v in given.items() if v is not None})
     if options.max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {options.max_prompts_per_request}")
