@@ -13,7 +13,15 @@ from acb.errors import (
     RequestFailedError,
     UnsupportedModelError,
 )
-from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus, StreamDelta
+from acb.outputs import (
+    ContinuationScore,
+    FailureKind,
+    FinishReason,
+    GenerationOutput,
+    RequestStatus,
+    ScoreOutput,
+    StreamDelta,
+)
 from acb.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -21,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcbError",
     "AsyncEngine",
+    "ContinuationScore",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "Engine",
@@ -34,6 +43,7 @@ __all__ = [
     "RequestHandle",
     "RequestStatus",
     "SamplingParams",
+    "ScoreOutput",
     "StreamDelta",
     "SyncRequestHandle",
     "UnsupportedModelError",

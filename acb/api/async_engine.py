@@ -6,13 +6,16 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from acb.api import scoring
 from acb.api.base import EngineBase
 from acb.api.handles import AsyncSink, RequestHandle, await_future, current_loop
-from acb.errors import QueueFullError
-from acb.outputs import GenerationOutput
+from acb.errors import QueueFullError, RequestFailedError
+from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import SamplingParams, with_overrides
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from typing_extensions import Unpack
 
     from acb.core.request import Request
@@ -139,6 +142,79 @@ class AsyncEngine(EngineBase):
         handle = await self.submit(prompt_ids, sampling, request_id=request_id, record_timestamps=record_timestamps,
                                    cache_salt=cache_salt, chat_template_kwargs=chat_template_kwargs)
         return await handle.result()
+
+    async def score(
+        self,
+        context: Prompt,
+        continuations: Sequence[Prompt],
+        *,
+        top_logprobs: int = 0,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> ScoreOutput:
+        """How likely each continuation of ``context`` is (as :meth:`acb.Engine.score`): every
+        continuation token's raw logprob, whether it is greedy, optionally the top alternatives.
+        Raises ``RequestFailedError`` if the engine failed it; cancelling the awaiting task
+        cancels its engine requests."""
+        (out,) = await self.score_batch([(context, continuations)], top_logprobs=top_logprobs,
+                                        cache_salt=cache_salt, request_ids=[request_id] if request_id else None)
+        if out.status != RequestStatus.FINISHED:
+            raise RequestFailedError(out.error or f"scoring {out.request_id!r} ended {out.status.name}")
+        return out
+
+    async def score_batch(
+        self,
+        items: Sequence[tuple[Prompt, Sequence[Prompt]]],
+        *,
+        top_logprobs: int = 0,
+        cache_salt: str | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[ScoreOutput]:
+        """:meth:`score` for many ``(context, continuations)`` items, in input order (as
+        :meth:`acb.Engine.score_batch`: validated first, submitted sorted by tokens for prefix
+        reuse; a failed item keeps its place with ``status`` FAILED)."""
+        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer)
+        ids = scoring.batch_ids(request_ids, len(plans))
+        members = [(i, j, m) for i, (_, _, ms) in enumerate(plans) for j, m in enumerate(ms)]
+        loop = current_loop()
+        reqs: list[Request] = []
+        try:
+            for k in scoring.prefix_order([m.prompt_ids for _, _, m in members]):
+                i, j, m = members[k]
+                try:
+                    reqs.append(self.make_request(
+                        m.prompt_ids, None, request_id=f"{ids[i]}#s{j}", cache_salt=cache_salt, scoring=m.spec,
+                        sink_factory=lambda rid: AsyncSink(rid, loop)))
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"items[{i}]: {exc}") from None
+        except BaseException:
+            for r in reqs:
+                self.abandon(r)
+            raise
+        handles: list[RequestHandle] = []
+        outputs: dict[str, GenerationOutput] = {}
+        try:
+            for k, req in enumerate(reqs):
+                try:
+                    await self.gate.acquire()
+                except BaseException:
+                    for r in reqs[k:]:
+                        self.abandon(r)
+                    raise
+                handles.append(self._handle(req))
+            for h in handles:
+                try:
+                    outputs[h.request_id] = await h.result()
+                except RequestFailedError as exc:
+                    assert exc.output is not None
+                    outputs[h.request_id] = exc.output
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return [scoring.assemble(ids[i], ctx, conts, ms, [outputs[f"{ids[i]}#s{j}"] for j in range(len(ms))],
+                                 top_logprobs)
+                for i, (ctx, conts, ms) in enumerate(plans)]
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while

@@ -290,18 +290,8 @@ class Engine(EngineBase):
         if self.is_follower:
             return []
         self._live_core()
-        plans = []
-        for i, (context, continuations) in enumerate(items):
-            try:
-                ctx = scoring.as_ids(context, "context", self.tokenizer, context=True)
-                conts = [scoring.as_ids(c, f"continuations[{k}]", self.tokenizer, context=False)
-                         for k, c in enumerate(continuations)]
-                plans.append((ctx, conts, scoring.plan(ctx, conts, top_logprobs)))
-            except (ValueError, TypeError) as exc:
-                raise type(exc)(f"items[{i}]: {exc}") from None
-        ids = list(request_ids) if request_ids is not None else [f"score_{i}" for i in range(len(plans))]
-        if len(ids) != len(plans):
-            raise ValueError(f"request_ids has {len(ids)} ids for {len(plans)} items")
+        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer)
+        ids = scoring.batch_ids(request_ids, len(plans))
         members = [(i, j, m) for i, (_, _, ms) in enumerate(plans) for j, m in enumerate(ms)]
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         reqs: list[Request] = []

@@ -4,11 +4,13 @@
 evaluation harness needs for multiple-choice and perplexity tasks. It is planned here as engine
 requests that go through the one submit path (:meth:`acb.api.base.EngineBase.make_request`):
 
-- the continuations of one token are scored together by **one** request whose prompt is the
-  context: the logits after its last token give all of them (one context prefill, no extra
-  forward per choice: a 4-way one-letter multiple choice costs one request);
-- each longer continuation is a request whose prompt is context + continuation, recording the
-  logprobs of the continuation's tokens only (rows from the last context token on).
+- a request's prompt is the context and a continuation without its last token; it records the
+  logprobs of that continuation part (rows from the last context token on) and, from the row
+  after its whole prompt, those of the last token of every continuation that shares the part:
+  the continuations of one token all come from **one** request whose prompt is the context (one
+  context prefill, no extra forward per choice: a 4-way one-letter multiple choice is one
+  request), and no request feeds a token it only scores (a window of N + 1 tokens takes N
+  positions, as the model's own forward over it does).
 
 Every such request reads the prefix cache for its context like any request, so a few-shot
 preamble shared by a task's documents is computed once per engine, and the tail of a context
@@ -66,21 +68,49 @@ def as_ids(value: Any, what: str, tokenizer: Any, *, context: bool) -> list[int]
 
 
 def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: int) -> list[Member]:
-    """The engine requests that score ``continuations`` of ``context_ids``."""
+    """The engine requests that score ``continuations`` of ``context_ids``: one per distinct
+    continuation-but-its-last-token, whose prompt is the context and that part, and which scores
+    the last token of each of its continuations after the whole prompt (so the one-token
+    continuations of a context share one request, and no request feeds a token it only scores:
+    a window of N + 1 tokens needs N positions, as a model's own forward does)."""
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
     if not continuations:
         raise ValueError("score() needs at least one continuation")
-    last = len(context_ids) - 1
-    singles = tuple(i for i, c in enumerate(continuations) if len(c) == 1)
-    members = []
-    if singles:
-        members.append(Member(list(context_ids), ScoreSpec(last, tuple(continuations[i][0] for i in singles),
-                                                           top_logprobs), singles))
+    groups: dict[tuple[int, ...], list[int]] = {}
     for i, c in enumerate(continuations):
-        if len(c) > 1:
-            members.append(Member(context_ids + c, ScoreSpec(last, None, top_logprobs), (i,)))
-    return members
+        groups.setdefault(tuple(c[:-1]), []).append(i)
+    last = len(context_ids) - 1
+    return [Member(context_ids + list(body), ScoreSpec(last, tuple(continuations[i][-1] for i in idx), top_logprobs),
+                   tuple(idx))
+            for body, idx in groups.items()]
+
+
+Plan = tuple[list[int], list[list[int]], list[Member]]  # (context ids, continuations' ids, members)
+
+
+def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, tokenizer: Any) -> list[Plan]:
+    """Every item of a ``score_batch`` call validated and planned (errors name the item)."""
+    plans = []
+    for i, item in enumerate(items):
+        try:
+            context, continuations = item
+            if isinstance(continuations, (str, bytes)) or not isinstance(continuations, Sequence):
+                raise TypeError("continuations must be a list of continuations (token ids or text), got "
+                                f"{type(continuations).__name__}")
+            ctx = as_ids(context, "context", tokenizer, context=True)
+            conts = [as_ids(c, f"continuations[{k}]", tokenizer, context=False) for k, c in enumerate(continuations)]
+            plans.append((ctx, conts, plan(ctx, conts, top_logprobs)))
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"items[{i}]: {exc}") from None
+    return plans
+
+
+def batch_ids(request_ids: Sequence[str] | None, n: int) -> list[str]:
+    ids = list(request_ids) if request_ids is not None else [f"score_{i}" for i in range(n)]
+    if len(ids) != n:
+        raise ValueError(f"request_ids has {len(ids)} ids for {n} items")
+    return ids
 
 
 def assemble(request_id: str, context_ids: list[int], continuations: list[list[int]], members: list[Member],
@@ -93,20 +123,17 @@ def assemble(request_id: str, context_ids: list[int], continuations: list[list[i
         cached += out.num_cached_tokens
         if out.status != RequestStatus.FINISHED:
             continue
-        if m.spec.next_tokens is not None:
-            values, top = out.next_token_logprobs or [], out.next_token_top_logprobs or []
-            greedy_id = top[0][0] if top else None
-            for k, i in enumerate(m.continuations):
-                tok = continuations[i][0]
-                scores[i] = ContinuationScore([tok], [values[k]], tok == greedy_id,
-                                              [list(top[:top_logprobs])] if top_logprobs else None)
-        else:
-            (i,) = m.continuations
-            cont = continuations[i]
-            lps, tops = out.prompt_logprobs or [], out.prompt_top_logprobs or []
-            greedy = all(t and t[0][0] == tok for t, tok in zip(tops, cont)) and len(tops) == len(cont)
-            scores[i] = ContinuationScore(list(cont), list(lps), greedy,
-                                          [list(t[:top_logprobs]) for t in tops] if top_logprobs else None)
+        # the member's own continuation part (scored at rows of its prompt), then each last token
+        lps, tops = out.prompt_logprobs or [], out.prompt_top_logprobs or []
+        body = m.prompt_ids[len(context_ids):]
+        body_greedy = len(tops) == len(body) and all(t and t[0][0] == tok for t, tok in zip(tops, body))
+        values, top = out.next_token_logprobs or [], out.next_token_top_logprobs or []
+        greedy_id = top[0][0] if top else None
+        for k, i in enumerate(m.continuations):
+            tok = continuations[i][-1]
+            scores[i] = ContinuationScore(
+                list(continuations[i]), [*lps, values[k]], body_greedy and tok == greedy_id,
+                [*(list(t[:top_logprobs]) for t in tops), list(top[:top_logprobs])] if top_logprobs else None)
     if failed is not None:
         return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached,
                            failed.status, failed.error)
