@@ -17,10 +17,10 @@ registered first; it takes lm-eval's arguments unchanged::
 
 What the three request types become:
 
-- ``loglikelihood`` (multiple choice): one request per (context, continuation) with
-  ``prompt_logprobs=1`` and ``max_new_tokens=1``, all submitted at once so the engine batches
-  them; the continuation's logprobs are summed, and it is greedy when each of its tokens is
-  the top-1 alternative. Tokenization, the empty-context case and the left truncation are
+- ``loglikelihood`` (multiple choice): the continuations of each context scored through
+  :meth:`acb.Engine.score_batch`, all contexts at once, sorted so that shared prefixes meet in
+  the prefix cache; a continuation's logprobs are summed, and it is greedy when each of its
+  tokens is the top-1 alternative. Tokenization, the empty-context case and the left truncation are
   lm-eval's own (``TemplateLM``) and those of its ``hf`` backend, so the numbers match it; a
   context that is not empty but encodes to no tokens (whitespace alone, with a tokenizer that
   adds no BOS) is refused with a ``ValueError``, where ``hf`` fails an assertion.
@@ -28,11 +28,16 @@ What the three request types become:
 - ``generate_until``: one request per context with the task's stop strings; the text is decoded
   and cut before the first stop string as the ``hf`` backend does.
 
-The context window is two tokens shorter than the model's maximum (``max_model_len - 2``, the
-``max_length`` property): acb scores a token by feeding it as part of the prompt, and every
-request needs room for the one token the engine samples after its prompt. ``hf``'s window is the
-model's full length, so inputs longer than acb's window are cut two tokens shorter than ``hf``
-cuts them (pass ``max_length`` to both for identical windows).
+The context window is ``hf``'s: lm-eval's own resolution from the model's config and tokenizer
+(``resolve_max_length``: ``max_position_embeddings`` and kin, else 2,048), at most the engine's
+``max_model_len`` (a KV cache too small for it cuts it, with a warning). A scored window of
+``max_length + 1`` tokens takes ``max_length`` positions, as ``hf``'s forward does: its last token is
+scored, never fed.
+
+``loglikelihood`` runs on the engine's scoring requests (:meth:`acb.Engine.score_batch`): the
+continuations of one context are one item (one-token choices come from one forward of the
+context), the prefix cache is read for every context (a task's few-shot preamble is computed
+once per engine, not once per document), and the LM head runs only on the scored rows.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from tqdm.auto import tqdm
 
-from acb import ContinuousBatchingConfig, Engine, SamplingParams
+from acb import ContinuousBatchingConfig, Engine, RequestStatus, SamplingParams
 
 try:
     # lm_eval.models registers the built-in backends (lazily), which lm-eval itself only does while
@@ -57,6 +62,7 @@ try:
         handle_stop_sequences,
         normalize_gen_kwargs,
         postprocess_generated_text,
+        resolve_max_length,
     )
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # type: ignore[import-untyped]
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -98,8 +104,8 @@ class AcbLM(TemplateLM):
         dtype: ``"auto"`` (the checkpoint's), ``"bfloat16"``, ``"float16"``, ``"float32"`` or a
             ``torch.dtype``.
         device: where the model goes; default ``cuda`` when available, else ``cpu``.
-        max_length: the context window of ``loglikelihood`` and ``generate_until``; at most (and by
-            default) the engine's ``max_model_len - 2`` (see the module docstring).
+        max_length: the context window of ``loglikelihood`` and ``generate_until``; default
+            ``hf``'s (see the module docstring), at most the engine's ``max_model_len``.
         max_gen_toks: generated tokens when a task does not say (lm-eval's default, 256).
         add_bos_token, prefix_token_id: as for lm-eval's ``hf`` (tokenization of the inputs; the
             token an empty context is replaced by, default BOS, else EOS).
@@ -162,12 +168,18 @@ class AcbLM(TemplateLM):
         # stops the engine thread when this object is closed, collected, or at exit; it holds the
         # engine only, so it does not keep this object alive
         self._finalizer = weakref.finalize(self, engine.shutdown)
-        limit = engine.config.max_model_len - 2
+        limit = engine.config.max_model_len
         if max_length is not None and not 0 < max_length <= limit:
             self.close()
             raise ValueError(f"max_length={max_length}: acb can score a window of at most {limit} tokens with "
-                             f"this engine (max_model_len {engine.config.max_model_len} - 2)")
-        self._max_length = max_length or limit
+                             f"this engine (its max_model_len)")
+        if max_length is None:
+            max_length = resolve_max_length(engine.model.config, tok)  # what hf's window is
+            if max_length > limit:
+                logger.warning("the context window is %d tokens (the engine's max_model_len), not the model's %d: "
+                               "the KV cache is too small for a whole window", limit, max_length)
+                max_length = limit
+        self._max_length = max_length
         self._max_gen_toks = max_gen_toks
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
@@ -257,12 +269,14 @@ class AcbLM(TemplateLM):
     # ------------------------------------------------------------- requests
     def _loglikelihood_tokens(self, requests: list[_TokenRequest], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
-        """Score every continuation in one batch of engine requests (a repeated request once).
-        Each prompt is the window ``hf`` scores: context and continuation, cut from the left to
-        ``max_length + 1`` tokens (the last one is scored, never fed to predict another)."""
-        slot: dict[tuple[tuple[int, ...], int], int] = {}
-        unique: list[tuple[list[int], int]] = []  # (window, continuation length)
-        order = []
+        """Score every continuation through the engine's scoring requests, all at once: the
+        continuations of one context are one :meth:`acb.Engine.score` item (its one-token choices
+        a single forward of the context), and the items go in sorted by tokens, so that contexts
+        sharing a prefix (a task's few-shot preamble) meet in the prefix cache and it is computed
+        once. Each pair is the window ``hf`` scores: context and continuation cut from the left to
+        ``max_length + 1`` tokens (the last one is scored, never fed)."""
+        items: dict[tuple[int, ...], dict[tuple[int, ...], None]] = {}  # context -> its continuations
+        keys = []
         for request_str, ctx, cont in requests:
             if not ctx:
                 # TemplateLM puts the prefix token before an empty context ("") only; a context that
@@ -279,18 +293,22 @@ class AcbLM(TemplateLM):
                 raise ValueError(f"loglikelihood: a continuation of {len(cont)} tokens does not fit the "
                                  f"context window of {self.max_length} tokens")
             window = (ctx + cont)[-(self.max_length + 1):]
-            i = slot.setdefault((tuple(window), len(cont)), len(unique))
-            if i == len(unique):
-                unique.append((window, len(cont)))
-            order.append(i)
-        params = SamplingParams(max_new_tokens=1, do_sample=False, prompt_logprobs=1)
-        scored = self._run([w for w, _ in unique], [params] * len(unique), "acb loglikelihood", disable_tqdm,
-                           lambda i, out: _score(out, unique[i][1]))
+            key = (tuple(window[: len(window) - len(cont)]), tuple(cont))
+            items.setdefault(key[0], {})[key[1]] = None
+            keys.append(key)
+        batch = [(list(c), [list(x) for x in conts]) for c, conts in items.items()]
+        outs = self.engine.score_batch(batch, progress_bar=not disable_tqdm)
+        scored: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, bool]] = {}
+        for (ctx_key, conts), out in zip(items.items(), outs):
+            if out.status != RequestStatus.FINISHED:
+                raise RuntimeError(f"acb loglikelihood: scoring failed: {out.error}")
+            for cont_key, s in zip(conts, out.continuations):
+                scored[(ctx_key, cont_key)] = (s.logprob, s.greedy)
         results = []
-        for (request_str, _, _), i in zip(requests, order):
+        for (request_str, _, _), key in zip(requests, keys):
             if request_str is not None:  # rolling windows are cached per document, by the caller
-                self.cache_hook.add_partial("loglikelihood", request_str, scored[i])
-            results.append(scored[i])
+                self.cache_hook.add_partial("loglikelihood", request_str, scored[key])
+            results.append(scored[key])
         return results
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
@@ -380,14 +398,6 @@ class AcbLM(TemplateLM):
             for h in handles:
                 h.cancel()
             raise
-
-
-def _score(out: GenerationOutput, n: int) -> tuple[float, bool]:
-    """(sum of the last ``n`` prompt tokens' logprobs, whether each was the top-1 alternative)."""
-    lps, tops = out.prompt_logprobs, out.prompt_top_logprobs
-    assert lps is not None and tops is not None and len(lps) == len(out.prompt_ids) - 1
-    cont = out.prompt_ids[-n:]
-    return float(sum(lps[-n:])), all(top[0][0] == tok for top, tok in zip(tops[-n:], cont))
 
 
 def _load_tokenizer(tokenizer: str | TokenizerLike | None, pretrained: str | PreTrainedModel,

@@ -243,7 +243,10 @@ def test_refuses_what_it_cannot_honour(workdir):
     with pytest.raises(ValueError, match="max_length=300"):
         AcbLM(workdir["model"], tokenizer=workdir["tok"], max_length=300)  # the model holds 256 positions
     with AcbLM(workdir["model"], tokenizer=workdir["tok"]) as lm:
-        assert lm.max_length == 254
+        from lm_eval.models.huggingface import HFLM
+
+        hf = HFLM(pretrained=workdir["model"], tokenizer=workdir["tok"], device="cpu")
+        assert lm.max_length == hf.max_length == 256  # hf's window, the model's 256 positions (was 254)
         for kwargs, match in (({"num_beams": 4, "max_gen_toks": 8}, "beam search"),
                               ({"typical_p": 0.5, "max_gen_toks": 8}, "typical_p"), ({}, "no room")):
             req = Instance("generate_until", {}, ("Hello", {"until": ["\n"], **kwargs}), 0)
