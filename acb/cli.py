@@ -334,15 +334,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if _is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
         return _follow(model, cfg)
     engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
-    from acb.serve.app import app_options  # the flags acb.serve.run does not take itself
-
-    with app_options(max_prompts_per_request=args.max_prompts_per_request, grace_period=args.grace_period,
-                     trust_request_chat_template=args.trust_request_chat_template):
-        acb.serve.run(engine, name, host=args.host, port=args.port,
-                      api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-                      max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
-                      otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
-                      capture_content=args.otel_capture_content)
+    acb.serve.run(engine, name, host=args.host, port=args.port,
+                  api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
+                  max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
+                  otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
+                  capture_content=args.otel_capture_content,
+                  trust_request_chat_template=args.trust_request_chat_template,
+                  max_prompts_per_request=args.max_prompts_per_request)
     return 0
 
 

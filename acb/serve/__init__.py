@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 import acb
 from acb import telemetry
-from acb.serve.app import DEFAULT_MAX_BODY_BYTES, build_app
+from acb.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "run"]
 
@@ -27,12 +27,15 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "run"]
 def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
         api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_period: float = 30.0,
         log_level: str = "warning", announce: Any = None, otlp_endpoint: str | None = None,
-        otlp_protocol: str | None = None, capture_content: bool = False) -> None:
+        otlp_protocol: str | None = None, capture_content: bool = False,
+        trust_request_chat_template: bool = False,
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> None:
     """Serve ``engine`` until SIGINT/SIGTERM; then stop accepting, give in-flight requests
     ``grace_period`` seconds to finish (the rest are cancelled) and stop the engine.
 
     Telemetry: ``/metrics`` always (OpenTelemetry's Prometheus reader); spans and metrics over
-    OTLP too when ``otlp_endpoint`` is given or ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set."""
+    OTLP too when ``otlp_endpoint`` is given or ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set.
+    ``trust_request_chat_template`` and ``max_prompts_per_request``: see :func:`build_app`."""
     tel = telemetry.configure(otlp_endpoint, otlp_protocol, prometheus=True, capture_content=capture_content)
 
     def ready() -> None:
@@ -40,7 +43,8 @@ def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", po
         print(line, file=announce or sys.stdout, flush=True)
 
     app = build_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=ready,
-                    telemetry=tel)
+                    telemetry=tel, trust_request_chat_template=trust_request_chat_template,
+                    max_prompts_per_request=max_prompts_per_request, grace_period=grace_period)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=max(1, round(grace_period)),
                             access_log=False)
     try:

@@ -23,7 +23,6 @@ A client of the library like any user's code: it only calls the engine's public 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hmac
 import json
 import logging
@@ -33,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,21 +69,6 @@ class AppOptions:
     grace_period: float | None = None
     render_timeout: float = DEFAULT_RENDER_TIMEOUT
     render_threads: int = DEFAULT_RENDER_THREADS
-
-
-_options: contextvars.ContextVar[AppOptions] = contextvars.ContextVar("acb_serve_app_options", default=AppOptions())
-
-
-@contextmanager
-def app_options(**options: Any) -> Iterator[AppOptions]:
-    """Within the block, :func:`build_app` takes these (fields of :class:`AppOptions`) for the
-    arguments it is not given: how ``acb serve`` passes its flags through
-    :func:`acb.serve.run`, which does not take them itself."""
-    token = _options.set(replace(_options.get(), **options))
-    try:
-        yield _options.get()
-    finally:
-        _options.reset(token)
 
 
 class RenderTimeout(BaseException):
@@ -239,7 +223,7 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Callable[[], None] | None = None,
               telemetry: Telemetry | None = None, trust_request_chat_template: bool | None = None,
               max_prompts_per_request: int | None = None, grace_period: float | None = None,
-              render_timeout: float | None = None) -> FastAPI:
+              render_timeout: float | None = None, render_threads: int | None = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
     when the app starts (``/health`` says when it is ready) and stopped when it stops.
     ``telemetry`` (from ``acb.telemetry.configure(prometheus=True)``) gives ``/metrics``; each
@@ -250,12 +234,13 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
     code. ``max_prompts_per_request``: the most completions (prompts × ``n``) one request may ask
     for; more is a 400. ``grace_period``: seconds requests in flight get after SIGINT/SIGTERM
     (default: the server's own, uvicorn's ``timeout_graceful_shutdown``). ``render_timeout``:
-    seconds a request's chat rendering and tokenizing may take (a 400 past it). Arguments not
-    given come from :func:`app_options`, else :class:`AppOptions`' defaults."""
+    seconds a request's chat rendering and tokenizing may take (a 400 past it);
+    ``render_threads``: how many run at once. Arguments not given take :class:`AppOptions`'
+    defaults."""
     given: dict[str, Any] = {"trust_request_chat_template": trust_request_chat_template,
                              "max_prompts_per_request": max_prompts_per_request, "grace_period": grace_period,
-                             "render_timeout": render_timeout}
-    options = replace(_options.get(), **{k: v for k, v in given.items() if v is not None})
+                             "render_timeout": render_timeout, "render_threads": render_threads}
+    options = replace(AppOptions(), **{k: v for k, v in given.items() if v is not None})
     if options.max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {options.max_prompts_per_request}")
     state = ServerState(engine, model_name, api_key, max_body_bytes, on_ready, telemetry, options)

@@ -23,7 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import acb  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
-from acb.serve.app import app_options, build_app  # noqa: E402
+from acb.serve.app import build_app  # noqa: E402
 
 NAME = "m"
 FAIL_SEED = 4242  # a request with this seed fails inside an engine step
@@ -84,9 +84,8 @@ def served():
     model = tiny_model("llama", vocab_size=len(tok))
     engine = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=128), tokenizer=tok)
     ready = threading.Event()
-    with app_options(render_threads=1):
-        app = build_app(engine, NAME, on_ready=ready.set, trust_request_chat_template=True,
-                        render_timeout=RENDER_TIMEOUT)
+    app = build_app(engine, NAME, on_ready=ready.set, trust_request_chat_template=True,
+                    render_timeout=RENDER_TIMEOUT, render_threads=1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
