@@ -201,10 +201,17 @@ class EngineBase:
         return core is not None and core.sync is not None and not core.sync.is_leader
 
     def _remote_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        cache_salt: str | None, record_timestamps: bool) -> Request:
-        """(Follower, engine thread.) The leader's request, built as the leader built it."""
+                        cache_salt: str | None, record_timestamps: bool,
+                        score_wire: list[Any] | None = None) -> Request:
+        """(Follower, engine thread.) The leader's request, built as the leader built it
+        (``score_wire``: a scoring request's first scored position, tokens scored after the
+        prompt and top-k, as the leader's core sends them)."""
+        scoring = None
+        if score_wire is not None:
+            lp_start, nxt, k = score_wire  # (the leader's k is max(asked, 1): asking it again is the same)
+            scoring = ScoreSpec(lp_start, tuple(nxt) if nxt is not None else None, k)
         req = self.make_request(prompt_ids, params, sink_factory=_FollowerSink, request_id=request_id,
-                                record_timestamps=record_timestamps, cache_salt=cache_salt)
+                                record_timestamps=record_timestamps, cache_salt=cache_salt, scoring=scoring)
         req.sink.state.trace = None  # the leader reports it
         return req
 

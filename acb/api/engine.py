@@ -396,7 +396,8 @@ def _drain(
         results[out.request_id] = out
         got += sum(len(s.generated_tokens) for s in out.samples) if out.samples else len(out.generated_tokens)
     if bar is not None and items:
-        elapsed = max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix_str(f"{(tokens_before + got) / elapsed:,.0f} tok/s", refresh=False)
+        if tokens_before + got:  # (scoring requests generate nothing: no rate to show)
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{(tokens_before + got) / elapsed:,.0f} tok/s", refresh=False)
         bar.update(len(items))  # refreshes with the new rate
     return got

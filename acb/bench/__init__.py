@@ -1,6 +1,6 @@
 """``acb bench``: named workloads measured side by side with baselines run in the same process.
 
-Workloads: ``offline``, ``offline-uniform``, ``shared-prefix``, ``online``, ``overhead``, ``serve`` (see each module). Each run
+Workloads: ``offline``, ``offline-uniform``, ``shared-prefix``, ``online``, ``overhead``, ``serve``, ``eval`` (see each module). Each run
 writes ``{kind}_{workload}.json`` (machine, device, versions, settings, figures) and a PNG
 (with matplotlib, ``pip install -e ".[bench]"``) to the output folder; ``report`` regenerates
 the README tables from those files.
@@ -17,14 +17,14 @@ from typing import Any
 
 from acb.bench.common import ModelSpec, machine_info, write_json
 
-WORKLOADS = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve")
+WORKLOADS = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve", "eval")
 
 
 def _module(name: str) -> Any:
-    from acb.bench import offline, offline_uniform, online, overhead, serve, shared_prefix
+    from acb.bench import eval as eval_, offline, offline_uniform, online, overhead, serve, shared_prefix
 
     return {"offline": offline, "offline-uniform": offline_uniform, "shared-prefix": shared_prefix, "online": online, "overhead": overhead,
-            "serve": serve}[name]
+            "serve": serve, "eval": eval_}[name]
 
 
 def run_workload(name: str, size: str = "default", device: str = "cpu", out_dir: str | None = None,

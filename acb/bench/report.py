@@ -14,7 +14,7 @@ from typing import Any
 
 from acb.bench.common import device_name
 
-ORDER = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve")
+ORDER = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve", "eval")
 
 
 def _mib(b: float | None) -> str:
@@ -27,6 +27,16 @@ def markdown_for(doc: dict[str, Any]) -> str:
         from acb.bench.serve import markdown
 
         return markdown(doc)
+    if doc["result"]["workload"] == "eval":
+        from acb.bench import eval as eval_
+
+        m, model = doc["machine"], doc["model"]
+        s = doc["result"]["settings"]
+        head = (f"**eval** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, transformers {m['transformers']}; "
+                f"model: {model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}; size `{doc['size']}`\n\n"
+                f"lm-eval `simple_evaluate`, one call per task and backend ({s['timed']}); documents per task: "
+                + ", ".join(f"{t} {n}" for t, n in s["docs"].items()) + f"; max_gen_toks {s['max_gen_toks']}.\n\n")
+        return head + "\n".join(eval_.markdown(doc)) + "\n"
     r, m, model = doc["result"], doc["machine"], doc["model"]
     what = (f"{model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}"
             if r["workload"] != "overhead" else "null model (a 1-layer tiny Llama whose forward is skipped)")
@@ -159,6 +169,17 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         ax.set_xlabel("arrival rate (requests/s)")
         ax.set_ylabel("latency (ms)")
         ax.set_yscale("log")
+        ax.legend()
+    elif w == "eval":  # seconds per task, one group of bars per backend
+        from acb.bench.eval import TASKS
+
+        width = 0.8 / len(r["rows"])
+        for k, row in enumerate(r["rows"]):
+            xs = [i + k * width for i in range(len(TASKS))]
+            bars = ax.bar(xs, [row["per_task"][t] for t in TASKS], width, label=row["engine"])
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks([i + width * (len(r["rows"]) - 1) / 2 for i in range(len(TASKS))], list(TASKS))
+        ax.set_ylabel("seconds (lower is better)")
         ax.legend()
     elif w == "overhead":
         n = [row["running"] for row in r["rows"]]

@@ -133,7 +133,7 @@ class EngineCore:
         self.sync = sync
         # a follower's requests come from the leader: (id, prompt ids, params, cache salt,
         # record timestamps) -> the Request its engine front builds (set by EngineBase)
-        self.remote_request: Callable[[str, list[int], SamplingParams, str | None, bool], Request] | None = None
+        self.remote_request: Callable[..., Request] | None = None
         self.async_batching = cfg.async_batching
         self._inflight: tuple | None = None  # async batching: the launched step not yet completed
         self._on_dequeued = on_dequeued or (lambda n: None)
@@ -343,9 +343,11 @@ class EngineCore:
             # as this rank resolved them: the seed it drew, and the stop ids it settled on (the
             # merged params cannot tell the generation config's EOS from ids the caller gave)
             params = dataclasses.replace(req.params, seed=req.seed, stop_token_ids=tuple(sorted(req.stop_token_ids)))
+            # a scoring request: (first scored position, tokens scored after the prompt, top-k)
+            scoring = ([req.lp_start, req.score_next, (req.params.prompt_logprobs or 1)] if req.scoring else None)
             return ("add", req.request_id, req.token_ids[: req.prompt_len],
                     [getattr(params, f.name) for f in dataclasses.fields(params)],
-                    req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps)
+                    req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps, scoring)
         if kind in ("cancel", "stop", "pause"):
             return (kind, cmd[1])
         return (kind,)
@@ -356,7 +358,7 @@ class EngineCore:
             assert self.remote_request is not None
             values = dict(zip((f.name for f in dataclasses.fields(SamplingParams)), wire[3]))
             params = SamplingParams(**values)
-            return ("add", self.remote_request(wire[1], list(wire[2]), params, wire[4], wire[5]))
+            return ("add", self.remote_request(wire[1], list(wire[2]), params, wire[4], wire[5], wire[6]))
         if kind == "pause":
             return ("pause", wire[1], Future())
         if kind in ("cancel", "stop"):

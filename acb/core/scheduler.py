@@ -370,6 +370,16 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, reserve: int) -> int:
         """Admit waiting requests in order while budget, rows and blocks last."""
+        # requests waiting one step for a prefix block another request's step is computing: set
+        # aside (the ones behind them are admitted meanwhile), back at the head of the queue after
+        skipped: list[Request] = []
+        try:
+            return self._admit_queue(out, budget, reserve, skipped)
+        finally:
+            if skipped:
+                self.waiting.extendleft(reversed(skipped))
+
+    def _admit_queue(self, out: SchedulerOutput, budget: int, reserve: int, skipped: list[Request]) -> int:
         now = None
         while self.waiting and budget > 0 and self._free_rows:
             req = self.waiting[0]
@@ -386,8 +396,10 @@ class Scheduler:
                 computed = len(hits) * self.block_size
                 if kv.prefix_in_progress(req, hits):
                     # its next block is being computed by another request's step: wait one step and
-                    # hit it, rather than computing the same prefix twice
-                    break
+                    # hit it, rather than computing the same prefix twice (the requests behind it
+                    # go on being admitted: an evaluation's contexts come in groups sharing a prefix)
+                    skipped.append(self.waiting.popleft())
+                    continue
             num_new = self._cap_scored(out, req, computed, min(req.num_tokens - computed, budget))
             if num_new <= 0:
                 break  # this step's rows of logits for scoring are taken: next step

@@ -72,9 +72,11 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"acb.distributed.ray needs Ray Data: pip install 'acb-batching[ray]' ({exc})") from None
 
+from acb.api import scoring
 from acb.api.engine import Engine
 from acb.config import ContinuousBatchingConfig
 from acb.errors import RequestFailedError
+from acb.outputs import RequestStatus
 from acb.sampling_params import SamplingParams, with_overrides
 
 if TYPE_CHECKING:
@@ -92,7 +94,7 @@ logger = logging.getLogger(__name__)
 Batch = Union[dict[str, np.ndarray], "pd.DataFrame"]
 ModelFactory = Callable[[], tuple[Any, Any]]
 
-_COUNT_COLUMNS = frozenset({"num_prompt_tokens", "num_generated_tokens"})
+_COUNT_COLUMNS = frozenset({"num_prompt_tokens", "num_generated_tokens", "num_cached_tokens"})
 
 
 class AcbPredictor:
@@ -126,6 +128,13 @@ class AcbPredictor:
             fails fails the batch, and Ray the job. ``"row"``: such a row gets ``finish_reason``
             ``"error"`` and the message in an ``error`` column; the other rows are unaffected.
         worker_column: if set, a column naming the actor (``"hostname:pid"``) that made each row.
+        continuations_column: if set, the predictor scores instead of generating: each row's
+            prompt is a context and this column holds its continuations (a list of texts or of
+            token-id lists), scored with :meth:`acb.Engine.score_batch` (the prefix cache is read
+            and filled across the batch's rows; nothing is sampled). The output columns are then
+            ``continuation_logprobs`` (per continuation, its total logprob),
+            ``continuation_token_logprobs`` (per continuation, its tokens'), ``continuation_greedy``
+            (per continuation, whether greedy decoding would produce it) and ``num_cached_tokens``.
     """
 
     def __init__(
@@ -143,6 +152,7 @@ class AcbPredictor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         on_error: Literal["raise", "row"] = "raise",
         worker_column: str | None = None,
+        continuations_column: str | None = None,
     ) -> None:
         if (model is None) == (model_factory is None):
             raise ValueError("AcbPredictor needs exactly one of model (a checkpoint path) or model_factory")
@@ -157,6 +167,7 @@ class AcbPredictor:
         self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs else None
         self.on_error = on_error
         self.worker_column = worker_column
+        self.continuations_column = continuations_column
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         device = device or _default_device()
         if model is not None:
@@ -177,6 +188,13 @@ class AcbPredictor:
         logger.info("acb engine started in %s on %s", self.worker, device)
 
     def _output_columns(self) -> list[str]:
+        if self.continuations_column is not None:
+            cols = ["continuation_logprobs", "continuation_token_logprobs", "continuation_greedy", "num_cached_tokens"]
+            if self.on_error == "row":
+                cols.append("error")
+            if self.worker_column is not None:
+                cols.append(self.worker_column)
+            return cols
         cols = ["generated_token_ids", "num_prompt_tokens", "num_generated_tokens", "finish_reason"]
         if self.engine.tokenizer is not None:
             cols.insert(0, "generated_text")
@@ -211,8 +229,14 @@ class AcbPredictor:
         if self.prompt_column not in names:
             raise KeyError(f"the batch has no prompt column {self.prompt_column!r} (its columns: {names})")
         prompts = [_plain(p) for p in batch[self.prompt_column]]
-        overrides = list(batch[self.sampling_column]) if self.sampling_column in names else [None] * len(prompts)
-        columns = self._generate(prompts, overrides)
+        if self.continuations_column is not None:
+            if self.continuations_column not in names:
+                raise KeyError(f"the batch has no continuations column {self.continuations_column!r} (its columns: "
+                               f"{names})")
+            columns = self._score(prompts, [_plain(c) for c in batch[self.continuations_column]])
+        else:
+            overrides = list(batch[self.sampling_column]) if self.sampling_column in names else [None] * len(prompts)
+            columns = self._generate(prompts, overrides)
         if isinstance(batch, dict):
             return {**batch, **{name: _column(name, values) for name, values in columns.items()}}
         return batch.assign(**columns)
@@ -249,6 +273,50 @@ class AcbPredictor:
                     h.cancel()
             raise
         return self._columns(outputs, errors)
+
+    def _score(self, contexts: list[Any], continuations: list[Any]) -> dict[str, list[Any]]:
+        """Score every row's continuations in one ``score_batch`` (rows sharing a prefix meet in
+        the cache). With ``on_error="row"`` a row the engine refuses or fails gets an ``error``."""
+        items = list(zip(contexts, continuations))
+        errors: list[str | None] = [None] * len(items)
+        if self.on_error == "row":  # find the rows refused at submit, one by one (rare: the error path)
+            for i, item in enumerate(items):
+                try:
+                    scoring.plan_batch([item], 0, self.engine.tokenizer)
+                except (ValueError, TypeError) as exc:
+                    errors[i] = f"{type(exc).__name__}: {exc}"
+        good = [i for i, e in enumerate(errors) if e is None]
+        try:
+            outs = self.engine.score_batch([items[i] for i in good], progress_bar=False)
+        except (ValueError, TypeError) as exc:
+            if self.on_error == "raise":
+                raise type(exc)(f"a row of the batch: {exc}") from None
+            outs = []  # refused by the engine (vocabulary, length): score the rows alone to name them
+            for i in list(good):
+                try:
+                    outs.extend(self.engine.score_batch([items[i]], progress_bar=False))
+                except (ValueError, TypeError) as row_exc:
+                    errors[i] = f"{type(row_exc).__name__}: {row_exc}"
+                    good.remove(i)
+        by_row = dict(zip(good, outs))
+        cols: dict[str, list[Any]] = {name: [] for name in self.columns}
+        for i in range(len(items)):
+            out = by_row.get(i)
+            if out is not None and out.status != RequestStatus.FINISHED:
+                if self.on_error == "raise":
+                    raise RequestFailedError(f"row {i} of the batch: {out.error}")
+                errors[i] = out.error or out.status.name
+            ok = out is not None and errors[i] is None
+            row: dict[str, Any] = dict(
+                continuation_logprobs=[c.logprob for c in out.continuations] if ok and out else [],
+                continuation_token_logprobs=[list(c.logprobs) for c in out.continuations] if ok and out else [],
+                continuation_greedy=[c.greedy for c in out.continuations] if ok and out else [],
+                num_cached_tokens=out.num_cached_tokens if out is not None else 0, error=errors[i])
+            if self.worker_column is not None:
+                row[self.worker_column] = self.worker
+            for name in self.columns:
+                cols[name].append(row[name])
+        return cols
 
     def _row_sampling(self, override: Any) -> SamplingParams:
         if _is_missing(override):

@@ -325,3 +325,31 @@ def test_async_batching_preemption_and_offload_in_the_actor_engine(offload):
     assert [list(t) for t in out["generated_token_ids"]] == [r.generated_tokens for r in reference(prompts)]
     assert stats.preemptions > 0
     assert (stats.swapped_out_blocks > 0) == offload
+
+
+def test_a_scoring_column(local_ray):
+    """``continuations_column``: each row's context and continuations scored on the actors (two of
+    them, through a real Ray Data pipeline); every row equals one in-process ``score_batch``. A
+    row with an empty continuation is an error row with on_error="row"."""
+    rng = random.Random(5)
+    preamble = [rng.randrange(3, 259) for _ in range(40)]  # shared by every context: the cache pays
+    rows = [{"id": i, "prompt": preamble + [rng.randrange(3, 259) for _ in range(rng.randrange(1, 12))],
+             "choices": [[rng.randrange(3, 259)] for _ in range(3)] + [[rng.randrange(3, 259) for _ in range(3)]]}
+            for i in range(24)]
+    rows[5]["choices"] = [[7], []]
+    ds = ray.data.from_items(rows, override_num_blocks=4)
+    out = sorted(generate_dataset(ds, model_factory=tiny_with_tokenizer, concurrency=2, batch_size=6, config=CONFIG,
+                                  continuations_column="choices", on_error="row").take_all(), key=lambda r: r["id"])
+    model, tok = tiny_with_tokenizer()
+    good = [r for r in rows if r["id"] != 5]
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CONFIG), tokenizer=tok) as engine:
+        ref = engine.score_batch([(r["prompt"], r["choices"]) for r in good], progress_bar=False)
+    for r, want in zip([o for o in out if o["id"] != 5], ref):
+        assert r["error"] is None
+        np.testing.assert_allclose(list(r["continuation_logprobs"]), [c.logprob for c in want.continuations],
+                                   atol=1e-5)
+        assert [list(t) for t in r["continuation_token_logprobs"]] == pytest.approx(
+            [c.logprobs for c in want.continuations], abs=1e-5)
+        assert list(r["continuation_greedy"]) == [c.greedy for c in want.continuations]
+    assert "continuations[1] is empty" in out[5]["error"] and list(out[5]["continuation_logprobs"]) == []
+    assert sum(r["num_cached_tokens"] for r in out) > 0  # rows of a batch met in the prefix cache

@@ -23,7 +23,7 @@ from acb.models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_run import prompts  # noqa: E402
+from tp_run import SCORE_ITEMS, prompts  # noqa: E402
 
 ARCHS = ("llama", "qwen3")
 
@@ -75,6 +75,26 @@ def test_greedy_parity_and_lock_step(run, arch):
     assert lf["preemptions"] > 0 and lf["prefix_hits"] > 0
     assert lf["kv_heads"] == ff["kv_heads"] == 1  # each rank caches its own KV head
     assert lf["broadcasts"] <= lf["steps"] + 20  # one broadcast per loop iteration
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scoring_requests_under_tensor_parallel(run, arch):
+    """Engine.score_batch on rank 0 (rank 1 follows its scoring requests): each continuation
+    token's logprob is a single-process full forward's log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    models, files = run
+    lead, follow = files["parity_rank0.json"][arch], files["parity_rank1.json"][arch]
+    assert follow["scores"] == []
+    model = AutoModelForCausalLM.from_pretrained(models / arch, dtype=torch.float32).eval()
+    for (ctx, conts), got in zip(SCORE_ITEMS, lead["scores"]):
+        for cont, (lps, greedy) in zip(conts, got):
+            with torch.no_grad():
+                lp = model(torch.tensor([ctx + cont])).logits[0].double().log_softmax(-1)
+            rows = lp[len(ctx) - 1 : len(ctx) + len(cont) - 1]
+            want = rows[torch.arange(len(cont)), torch.tensor(cont)].tolist()
+            assert lps == pytest.approx(want, abs=1e-4)
+            assert greedy == (rows.argmax(-1).tolist() == cont)
 
 
 def test_async_engine_on_rank_0_streams_and_cancels(run):

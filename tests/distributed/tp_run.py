@@ -23,6 +23,9 @@ import acb
 SHARED = [7, 19, 33, 41, 58, 60, 77, 81, 90, 102, 111, 120]  # a 12-token prefix several prompts share
 
 
+SCORE_ITEMS = [(SHARED + [5, 9], [[3], [4], [30, 31, 32]]), ([8, 9, 10, 11, 12], [[13, 14], [15]])]
+
+
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     out = [SHARED + torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 9, 5)]
@@ -61,12 +64,15 @@ def parity(models: str, rank: int) -> dict:
             wall = time.perf_counter() - t0
             # a second round: the shared prefix is cached now; then a reset of the prefix cache
             again = eng.generate_batch(prompts()[:3], max_new_tokens=4, ignore_eos=True, progress_bar=False)
+            # scoring requests: the continuations of two contexts (one sharing the cached prefix)
+            scores = eng.score_batch(SCORE_ITEMS, top_logprobs=1, progress_bar=False)
             if not eng.is_follower:
                 eng.reset_prefix_cache()
         facts = engine_facts(eng)  # once stopped: a follower's engine ran until the leader's stopped
         facts["kv_heads"] = kv_heads
         result[arch] = {"outputs": [o.generated_tokens for o in outs.values()],
                         "again": [o.generated_tokens for o in again.values()],
+                        "scores": [[[c.logprobs, c.greedy] for c in o.continuations] for o in scores],
                         "facts": facts, "wall_s": wall}
     # an AsyncEngine on rank 0 (what acb serve runs): streaming and a cancellation; rank 1 follows
     model = load(models, "llama")

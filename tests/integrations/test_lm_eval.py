@@ -32,7 +32,7 @@ from acb.integrations.lm_eval import AcbLM  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS = ["acb_test_mc", "acb_test_gen", "acb_test_roll"]
+TASKS = ["acb_test_mc", "acb_test_gen", "acb_test_roll", "acb_test_fewshot"]
 MAX_LENGTH = 48
 MAX_GEN_TOKS = 12
 
@@ -96,7 +96,10 @@ def workdir(tmp_path_factory):
     target = min((refs[0].split(s)[0] for s in until), key=len)
     gen = [{"p": p, "t": target if i == 0 else "no such output"} for i, p in enumerate(GEN_PROMPTS)]
 
-    for name, rows in (("mc", mc), ("gen", gen), ("roll", [{"text": t} for t in ROLL_TEXTS])):
+    letters = [{"q": f"Q{i}: pick", "gold": i % 4} for i in range(8)]  # few-shot, one-letter answers (MMLU-like)
+    (d / "fewshot_train.jsonl").write_text("".join(json.dumps({"q": f"E{i}: pick", "gold": i % 4}) + "\n"
+                                                   for i in range(3)))
+    for name, rows in (("mc", mc), ("gen", gen), ("roll", [{"text": t} for t in ROLL_TEXTS]), ("fewshot", letters)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tasks = d / "tasks"
     tasks.mkdir()
@@ -108,6 +111,12 @@ def workdir(tmp_path_factory):
                 'output_type: generate_until\ndoc_to_text: "{{p}}"\ndoc_to_target: "{{t}}"\n'
                 f"generation_kwargs:\n  until: {json.dumps(until)}\n  max_gen_toks: {MAX_GEN_TOKS}\n"
                 "  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    (tasks / "fewshot.yaml").write_text(
+        f"task: acb_test_fewshot\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    train: {d / 'fewshot_train.jsonl'}\n"
+        f"    test: {d / 'fewshot.jsonl'}\ntest_split: test\nfewshot_split: train\nnum_fewshot: 3\n"
+        "fewshot_config:\n  sampler: first_n\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{q}}\\nAnswer:"\ndoc_to_choice: [" A", " B", " C", " D"]\ndoc_to_target: "{{gold}}"\n'
+        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n')
     _write_task(tasks / "roll.yaml", "acb_test_roll", d / "roll.jsonl",
                 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
                 "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
@@ -199,6 +208,9 @@ def test_the_tasks_exercise_what_they_should(hf_run):
 
 def test_by_name_in_async_mode_matches_hf(hf_run, acb_run):
     _assert_same_as_hf(hf_run, acb_run[0])
+    # the scoring requests read the prefix cache (contexts sharing a prefix: the few-shot preamble,
+    # a question's choices, rolling windows' documents)
+    assert acb_run[1][0].stats.prefix_hits > 0
 
 
 def test_the_engine_stops_when_lm_eval_drops_the_model(acb_run):

@@ -1,0 +1,307 @@
+"""``acb bench eval``: lm-eval's model ``acb`` against lm-eval's own ``hf`` backend, same process.
+
+Three local tasks shaped like the evaluations people run, generated here (no downloads), over a
+random-weight Llama saved to a temporary directory with a tokenizer built in code:
+
+- ``fewshot_letters`` (MMLU-like): 5-shot multiple choice (the same five examples before every
+  question, lm-eval's ``first_n`` sampler, as MMLU), four one-letter answers " A".." D";
+- ``endings`` (HellaSwag-like): 0-shot, four endings of several tokens each;
+- ``fewshot_gen`` (GSM8K-like): 4-shot ``generate_until``, greedy, stop strings.
+
+Each backend (``hf`` at batch size 16, and ``auto`` on a GPU: on a CPU its batch-size detection
+alone, a forward of 64 windows of ``max_length`` tokens, takes minutes; ``acb`` with the
+engine's defaults) first
+runs every task on a few documents untimed (imports, dataset caches, allocator warm-up); then
+each task is one timed ``lm_eval.simple_evaluate`` call (model loading included), the backends
+interleaved. The run checks that the numbers agree with ``hf`` (batch 16): every loglikelihood
+within 1e-4, greedy flags, generated texts and metrics equal.
+
+The floor: the least arithmetic the tasks need once every shared prefix is computed once (each
+distinct token position of all the scored and generated sequences through the model's linear
+layers and attention, the LM head on the scored rows and the generated tokens), against the
+float32 matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from acb.bench.common import ModelSpec, matmul_peak_gflops
+
+TASKS = ("fewshot_letters", "endings", "fewshot_gen")
+# documents per task: (fewshot_letters, endings, fewshot_gen)
+DOCS = {"default": (120, 120, 16), "tiny": (6, 6, 3)}
+MAX_GEN_TOKS = {"default": 48, "tiny": 8}
+SHAPES = {
+    # >= 15M parameters (the issue's 17M-parameter Llama), byte-level vocabulary
+    "default": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                    num_key_value_heads=4, max_position_embeddings=2048),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024),
+}
+WORDS = ("the of and to in is was for on that with as by at from his her they this which be not are "
+         "model token batch cache answer question river mountain seven blue quickly under over number "
+         "many apples each costs how total left more than").split()
+LETTERS = ("A", "B", "C", "D")
+
+
+def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+    n = rng.randint(lo, hi)
+    text = ""
+    while len(text) < n:
+        text += rng.choice(WORDS) + " "
+    return text[:n].strip()
+
+
+def _write_tasks(folder: str, size: str) -> None:
+    rng = random.Random(0)
+    n_letters, n_endings, n_gen = DOCS[size]
+
+    def dump(name: str, rows: list[dict[str, Any]]) -> str:
+        path = os.path.join(folder, f"{name}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        return path
+
+    def mcq() -> dict[str, Any]:
+        return {"q": _sentence(rng, 60, 200) + "?", "options": [_sentence(rng, 8, 40) for _ in LETTERS],
+                "gold": rng.randrange(4)}
+
+    def gen_doc() -> dict[str, Any]:
+        a, b = rng.randint(2, 40), rng.randint(2, 40)
+        return {"question": f"{_sentence(rng, 40, 120)} {a} and {b}, how many in total?",
+                "answer": f"{_sentence(rng, 20, 80)} so the total is {a + b}.\n#### {a + b}"}
+
+    letters_text = ('"{{q}}\\n' + "".join(f'{x}. {{{{options[{i}]}}}}\\n' for i, x in enumerate(LETTERS))
+                    + 'Answer:"')
+    tasks = {
+        "fewshot_letters": (
+            {"train": dump("letters_train", [mcq() for _ in range(5)]),
+             "test": dump("letters_test", [mcq() for _ in range(n_letters)])},
+            "output_type: multiple_choice\nfewshot_split: train\nnum_fewshot: 5\nfewshot_config:\n  sampler: first_n\n"
+            f"doc_to_text: {letters_text}\ndoc_to_choice: {json.dumps([' ' + x for x in LETTERS])}\n"
+            'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
+        "endings": (
+            {"test": dump("endings_test", [{"ctx": _sentence(rng, 80, 240),
+                                             "endings": [" " + _sentence(rng, 25, 80) for _ in range(4)],
+                                             "gold": rng.randrange(4)} for _ in range(n_endings)])},
+            'output_type: multiple_choice\ndoc_to_text: "{{ctx}}"\ndoc_to_choice: "{{endings}}"\n'
+            'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'),
+        "fewshot_gen": (
+            {"train": dump("gen_train", [gen_doc() for _ in range(4)]),
+             "test": dump("gen_test", [gen_doc() for _ in range(n_gen)])},
+            "output_type: generate_until\nfewshot_split: train\nnum_fewshot: 4\nfewshot_config:\n  sampler: first_n\n"
+            'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{answer}}"\n'
+            'target_delimiter: " "\nfewshot_delimiter: "\\n\\n"\n'
+            f'generation_kwargs:\n  until: ["Question:", "\\n\\n"]\n  max_gen_toks: {MAX_GEN_TOKS[size]}\n'
+            "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"),
+    }
+    for name, (files, body) in tasks.items():
+        splits = "".join(f"    {split}: {path}\n" for split, path in files.items())
+        with open(os.path.join(folder, f"{name}.yaml"), "w", encoding="utf-8") as f:
+            f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{splits}"
+                    f"test_split: test\n{body}")
+
+
+class _Recorder:
+    """The token sequences acb's lm-eval model sends to its engine (for the floor)."""
+
+    def __init__(self) -> None:
+        self.scored: list[tuple[list[int], list[int]]] = []  # (context, continuation)
+        self.generated: list[tuple[list[int], int]] = []  # (prompt, tokens generated)
+
+    def install(self) -> Any:
+        from acb.integrations.lm_eval import AcbLM
+
+        rec, ll, run = self, AcbLM._loglikelihood_tokens, AcbLM._run
+
+        def loglikelihood_tokens(lm: Any, requests: Any, *a: Any, **kw: Any) -> Any:
+            rec.scored.extend(((ctx + cont)[-(lm.max_length + 1):][: -len(cont)], cont) for _, ctx, cont in requests)
+            return ll(lm, requests, *a, **kw)
+
+        def run_(lm: Any, prompts: Any, params: Any, desc: Any, disable: Any, keep: Any) -> Any:
+            def keep2(i: int, out: Any) -> Any:
+                rec.generated.append((prompts[i], len(out.generated_tokens)))
+                return keep(i, out)
+            return run(lm, prompts, params, desc, disable, keep2)
+
+        setattr(AcbLM, "_loglikelihood_tokens", loglikelihood_tokens)
+        setattr(AcbLM, "_run", run_)
+
+        def undo() -> None:
+            setattr(AcbLM, "_loglikelihood_tokens", ll)
+            setattr(AcbLM, "_run", run)
+        return undo
+
+
+def floor_flops(shape: dict[str, int], vocab: int, rec: _Recorder) -> dict[str, float]:
+    """The least arithmetic of the recorded work once each distinct prefix is computed once (2 FLOP
+    per multiply-add): every distinct token position fed (a trie over all fed sequences) through
+    the linear layers and causal attention over its position's keys; the LM head on each distinct
+    scored row and on each generated token."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd = h // heads
+    per_token = 2 * layers * (h * (heads * hd + 2 * kv_heads * hd) + heads * hd * h + 3 * h * inter)
+    root: dict[int, Any] = {}
+    positions = keys = 0
+    rows: set[int] = set()  # trie nodes whose logits row is needed (one row scores every target there)
+    keep: list[dict[int, Any]] = []  # (the nodes stay alive: their ids are the rows' keys)
+
+    def feed(seq: list[int]) -> list[dict[int, Any]]:
+        nonlocal positions, keys
+        node, path = root, []
+        for depth, t in enumerate(seq):
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                positions += 1
+                keys += depth + 1
+            node = nxt
+            path.append(node)
+        return path
+
+    for ctx, cont in rec.scored:
+        path = feed(ctx + cont[:-1])  # the last continuation token is scored, never fed
+        for node in path[len(ctx) - 1:]:
+            rows.add(id(node))
+        keep.append(path[-1])
+    gen_tokens = 0
+    for prompt, n in rec.generated:
+        feed(prompt)
+        gen_tokens += n
+        positions += max(n - 1, 0)  # generated tokens are fed (but the last), each distinct
+        keys += sum(len(prompt) + i + 1 for i in range(max(n - 1, 0)))
+    linear = per_token * positions
+    attention = 2 * 2 * layers * heads * hd * keys
+    head = 2 * h * vocab * (len(rows) + gen_tokens)
+    return dict(total=float(linear + attention + head), linear=float(linear), attention=float(attention),
+                lm_head=float(head), positions=float(positions))
+
+
+def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
+    import lm_eval  # type: ignore[import-untyped]
+    from lm_eval.tasks import TaskManager  # type: ignore[import-untyped]
+
+    import acb.integrations.lm_eval  # noqa: F401 - registers "acb"
+    from acb.models import build_tokenizer, tiny_model
+
+    for name in ("lm_eval", "lm-eval", "datasets", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    folder = tempfile.mkdtemp(prefix="acb_bench_eval_")
+    tok = build_tokenizer()
+    shape: dict[str, Any] = dict(SHAPES[size], vocab_size=len(tok))
+    dtype = torch.float32 if spec.device == "cpu" else torch.bfloat16
+    model = tiny_model("llama", seed=spec.seed, dtype=dtype, **shape)
+    params = sum(p.numel() for p in model.parameters())
+    path = os.path.join(folder, "model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    del model
+    _write_tasks(folder, size)
+    manager = TaskManager(include_path=folder, include_defaults=False)
+
+    sides = {"acb": ("acb", f"pretrained={path}")}
+    if baselines:
+        sides["hf (batch 16)"] = ("hf", f"pretrained={path},batch_size=16")
+        if spec.device != "cpu":
+            # (on CPU, lm-eval's batch-size detection runs a max_length x 64 forward first: minutes)
+            sides["hf (batch auto)"] = ("hf", f"pretrained={path},batch_size=auto")
+
+    def evaluate(model_name: str, args: str, tasks: list[str], limit: int | None = None) -> tuple[dict, float]:
+        t0 = time.perf_counter()
+        out = lm_eval.simple_evaluate(model=model_name, model_args=args, tasks=tasks, task_manager=manager,
+                                      device=spec.device, limit=limit, log_samples=True, verbosity="ERROR")
+        return out, time.perf_counter() - t0
+
+    for model_name, args in sides.values():  # untimed warm-up
+        evaluate(model_name, args, list(TASKS), limit=2)
+    rec = _Recorder()
+    undo = rec.install()
+    seconds: dict[str, dict[str, float]] = {label: {} for label in sides}
+    outs: dict[str, dict[str, dict]] = {label: {} for label in sides}
+    try:
+        for task in TASKS:
+            for label, (model_name, args) in sides.items():  # interleaved: a slow spell hits every side
+                outs[label][task], seconds[label][task] = evaluate(model_name, args, [task])
+    finally:
+        undo()
+    peak = matmul_peak_gflops(spec.device)
+    floor = floor_flops(shape, len(tok), rec)
+    rows: list[dict[str, Any]] = []
+    for label in sides:
+        total = sum(seconds[label].values())
+        rows.append({"engine": label, "seconds": total, "per_task": seconds[label],
+                     "metrics": {t: {k: v for k, v in outs[label][t]["results"][t].items()
+                                     if isinstance(v, (int, float)) and "stderr" not in k} for t in TASKS}})
+    doc: dict[str, Any] = {
+        "workload": "eval", "rows": rows,
+        "model": {"arch": "llama (random weights)", "params": params, "dtype": str(dtype).replace("torch.", ""),
+                  **shape},
+        "settings": {"docs": dict(zip(TASKS, DOCS[size])), "max_gen_toks": MAX_GEN_TOKS[size],
+                     "timed": "model loading included, after an untimed 2-document run of every task"},
+        "floor": {**floor, "matmul_peak_gflops": peak["gflops"], "threads": peak["threads"],
+                  "floor_s": floor["total"] / (peak["gflops"] * 1e9)},
+    }
+    if baselines:
+        ref = next(r for r in rows if r["engine"] == "hf (batch 16)")
+        for r in rows:
+            r["hf_batch16_over_this"] = {t: ref["per_task"][t] / r["per_task"][t] for t in TASKS}
+            r["speedup_vs_hf_batch16"] = ref["seconds"] / r["seconds"]
+        doc["agreement"] = _agreement(outs["hf (batch 16)"], outs["acb"])
+    return doc
+
+
+def _agreement(hf: dict[str, dict], acb: dict[str, dict]) -> dict[str, Any]:
+    """Whether acb's numbers are hf's: the largest loglikelihood difference, and equal greedy flags,
+    generations and metrics."""
+    worst, same_flags, same_text = 0.0, True, True
+    for task in TASKS:
+        a = sorted(hf[task]["samples"][task], key=lambda s: s["doc_id"])
+        b = sorted(acb[task]["samples"][task], key=lambda s: s["doc_id"])
+        for x, y in zip(a, b):
+            for rx, ry in zip(x["resps"], y["resps"]):
+                rx, ry = rx[0], ry[0]
+                if isinstance(rx, (list, tuple)):
+                    worst = max(worst, abs(rx[0] - ry[0]))
+                    same_flags &= bool(rx[1]) == bool(ry[1])
+                else:
+                    same_text &= rx == ry
+    metrics = all(
+        abs(v - acb[t]["results"][t].get(k, float("nan"))) <= 1e-9 or (v != v)
+        for t in TASKS for k, v in hf[t]["results"][t].items() if isinstance(v, float) and "stderr" not in k)
+    return {"max_abs_loglikelihood_diff": worst, "greedy_flags_equal": same_flags, "generations_equal": same_text,
+            "metrics_equal": metrics, "ok": worst <= 1e-4 and same_flags and same_text and metrics}
+
+
+def markdown(doc: dict[str, Any]) -> list[str]:
+    r = doc["result"]
+    lines = ["| backend | " + " | ".join(f"{t} (s)" for t in TASKS) + " | total (s) | speed-up vs hf batch 16 |",
+             "|---|" + "---|" * (len(TASKS) + 2)]
+    for row in r["rows"]:
+        per = " | ".join(f"{row['per_task'][t]:.2f}" + (f" ({row['hf_batch16_over_this'][t]:.2f}x)"
+                                                        if "hf_batch16_over_this" in row else "") for t in TASKS)
+        sp = f"{row['speedup_vs_hf_batch16']:.2f}x" if "speedup_vs_hf_batch16" in row else ""
+        lines.append(f"| {row['engine']} | {per} | {row['seconds']:.2f} | {sp} |")
+    f = r["floor"]
+    lines += ["", f"Floor: once every shared prefix is computed once, the tasks need {f['total'] / 1e9:.1f} GFLOP "
+              f"({f['positions']:,.0f} distinct token positions; {f['linear'] / 1e9:.1f} linear, "
+              f"{f['attention'] / 1e9:.1f} attention, {f['lm_head'] / 1e9:.1f} LM head); at this run's float32 "
+              f"matmul peak of {f['matmul_peak_gflops']:.0f} GFLOP/s ({f['threads']} threads) that is "
+              f"{f['floor_s']:.2f} s."]
+    if "agreement" in r:
+        a = r["agreement"]
+        lines += ["", f"Numbers agree with hf (batch 16): {'yes' if a['ok'] else 'NO'} (largest loglikelihood "
+                  f"difference {a['max_abs_loglikelihood_diff']:.1e}; greedy flags, generations and metrics "
+                  f"{'equal' if a['greedy_flags_equal'] and a['generations_equal'] and a['metrics_equal'] else 'differ'})."]
+    return lines
