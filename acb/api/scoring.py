@@ -16,7 +16,8 @@ Every such request reads the prefix cache for its context like any request, so a
 preamble shared by a task's documents is computed once per engine, and the tail of a context
 past its last cached full block is what each continuation recomputes. The LM head runs on the
 rows a request scores and on no others, at most ``Scheduler.max_scored_rows`` rows a step (each
-row is vocabulary-sized). Nothing is sampled, and the request keeps no KV once it ends beyond
+row is vocabulary-sized: the engine allows 128 MiB of float32 logits a step,
+``acb.core.engine_core.SCORED_LOGITS_BYTES``). Nothing is sampled, and the request keeps no KV once it ends beyond
 what the prefix cache keeps.
 """
 

@@ -50,6 +50,14 @@ class Delivery(NamedTuple):
 
 
 _FAILED = object()  # _launch: the step raised and its requests were failed
+# the float32 logits of the rows scored in one step (prompt logprobs, scoring requests) stay
+# within this: 223 rows of a 150k vocabulary, 1,024 of a 32k one (the log-softmax is one more)
+SCORED_LOGITS_BYTES = 128 * 2**20
+
+
+def scored_rows_for(vocab_size: int) -> int:
+    """Rows of logits a step may compute for scoring, for this vocabulary (at least 16)."""
+    return max(16, SCORED_LOGITS_BYTES // (4 * max(vocab_size, 1)))
 PAUSE_MODES = ("wait", "cancel", "keep")
 HEARTBEAT_S = 1.0  # an idle tensor-parallel leader's broadcast period
 
@@ -128,6 +136,7 @@ class EngineCore:
             self.pool, block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
             max_running=cfg.max_requests_per_batch, policy=cfg.scheduler_type, safety_margin=cfg.safety_margin,
             swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
+            max_scored_rows=scored_rows_for(getattr(runner, "vocab_size", 0)),
         )
         self._deliver = deliver
         self.sync = sync

@@ -119,7 +119,7 @@ class Scheduler:
         safety_margin: float = 0.0,
         swap: SwapSpace | None = None,
         fast_decode: bool = True,
-        max_scored_rows: int = 256,
+        max_scored_rows: int = 1024,
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
