@@ -51,6 +51,12 @@ class SampleOutput:
     status: "RequestStatus"
     finish_reason: "FinishReason | None"
     text: str | None = None
+    # a scoring group's requests (see acb.api.scoring): what each one scored
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    next_token_logprobs: list[float] | None = None
+    next_token_top_logprobs: list[tuple[int, float]] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass

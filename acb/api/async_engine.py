@@ -173,17 +173,16 @@ class AsyncEngine(EngineBase):
         """:meth:`score` for many ``(context, continuations)`` items, in input order (as
         :meth:`acb.Engine.score_batch`: validated first, submitted sorted by tokens for prefix
         reuse; a failed item keeps its place with ``status`` FAILED)."""
-        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer)
+        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
         ids = scoring.batch_ids(request_ids, len(plans))
-        members = [(i, j, m) for i, (_, _, ms) in enumerate(plans) for j, m in enumerate(ms)]
         loop = current_loop()
         reqs: list[Request] = []
         try:
-            for k in scoring.prefix_order([m.prompt_ids for _, _, m in members]):
-                i, j, m = members[k]
+            for i, rid, group in scoring.ordered_groups(plans, ids):
                 try:
                     reqs.append(self.make_request(
-                        m.prompt_ids, None, request_id=f"{ids[i]}#s{j}", cache_salt=cache_salt, scoring=m.spec,
+                        group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt, scoring=group[0].spec,
+                        score_children=[(m.prompt_ids, m.spec) for m in group[1:]],
                         sink_factory=lambda rid: AsyncSink(rid, loop)))
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"items[{i}]: {exc}") from None
@@ -212,7 +211,7 @@ class AsyncEngine(EngineBase):
             for h in handles:
                 h.cancel()
             raise
-        return [scoring.assemble(ids[i], ctx, conts, ms, [outputs[f"{ids[i]}#s{j}"] for j in range(len(ms))],
+        return [scoring.assemble(ids[i], ctx, conts, ms, [outputs[f"{ids[i]}#g{j}"] for j in range(len(ms))],
                                  top_logprobs)
                 for i, (ctx, conts, ms) in enumerate(plans)]
 

@@ -18,7 +18,7 @@ import logging
 import operator
 import random
 import threading
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
@@ -206,12 +206,14 @@ class EngineBase:
         """(Follower, engine thread.) The leader's request, built as the leader built it
         (``score_wire``: a scoring request's first scored position, tokens scored after the
         prompt and top-k, as the leader's core sends them)."""
-        scoring = None
+        scoring, children = None, []
         if score_wire is not None:
-            lp_start, nxt, k = score_wire  # (the leader's k is max(asked, 1): asking it again is the same)
+            lp_start, nxt, k, kids = score_wire  # (the leader's k is max(asked, 1): asking it again is the same)
             scoring = ScoreSpec(lp_start, tuple(nxt) if nxt is not None else None, k)
+            children = [(list(ids), ScoreSpec(start, tuple(t) if t is not None else None, k)) for ids, start, t in kids]
         req = self.make_request(prompt_ids, params, sink_factory=_FollowerSink, request_id=request_id,
-                                record_timestamps=record_timestamps, cache_salt=cache_salt, scoring=scoring)
+                                record_timestamps=record_timestamps, cache_salt=cache_salt, scoring=scoring,
+                                score_children=children)
         req.sink.state.trace = None  # the leader reports it
         return req
 
@@ -325,6 +327,7 @@ class EngineBase:
         cache_salt: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         scoring: ScoreSpec | None = None,
+        score_children: Sequence[tuple[list[int], ScoreSpec]] = (),
     ) -> Request:
         """Validate one submit and build its Request, whose results go to
         ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``). Everything is checked
@@ -332,7 +335,8 @@ class EngineBase:
         request to the engine with :meth:`admit` (or :meth:`enqueue` when holding a queue slot),
         or give its id back with :meth:`abandon`. ``scoring`` makes it a scoring request
         (:mod:`acb.api.scoring`): it records prompt logprobs from ``scoring.lp_start`` and samples
-        nothing."""
+        nothing; ``score_children`` (prompts that extend this one, with their specs) fork from it
+        once its prompt is done, as the samples of ``n > 1`` do, in one group."""
         core = self.core
         if core is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
@@ -359,8 +363,14 @@ class EngineBase:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         params = sampling.merged_over(self.defaults)
+        children = [(as_token_list(c), spec) for c, spec in score_children]
         if scoring is not None:  # nothing is sampled: the raw logprobs of the scored positions only
             _check_vocab("continuation", scoring.next_tokens or (), vocab)
+            for c, spec in children:
+                _check_vocab("continuation", c, vocab)
+                _check_vocab("continuation", spec.next_tokens or (), vocab)
+                if c[: len(ids)] != ids or len(c) <= len(ids):
+                    raise ValueError("a scoring child's prompt must extend its parent's")
             params = replace(FALLBACK, prompt_logprobs=max(scoring.top_logprobs, 1), logprobs_mode="raw")
         _check_vocab("logit_bias", params.logit_bias or (), vocab)
         if sampling.stop_token_ids is not None:
@@ -380,8 +390,9 @@ class EngineBase:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
         cfg = core.runner.cfg
         limit = cfg.max_model_len
-        if scoring is not None and len(ids) > limit:
-            raise ValueError(f"context and continuation ({len(ids)} tokens) can never fit: a request may hold "
+        longest = max([len(ids)] + [len(c) for c, _ in children])
+        if scoring is not None and longest > limit:
+            raise ValueError(f"context and continuation ({longest} tokens) can never fit: a request may hold "
                              f"at most {limit} tokens (the model's max positions, and the KV cache's "
                              f"{cfg.capacity_tokens} tokens)")
         if scoring is None and len(ids) >= limit:
@@ -392,6 +403,8 @@ class EngineBase:
             )
         n, max_new_tokens = params.n, params.max_new_tokens
         assert n is not None and max_new_tokens is not None  # the defaults (over FALLBACK) set them
+        if scoring is not None:
+            n = 1 + len(children)
         if n > cfg.max_requests_per_batch:
             raise ValueError(
                 f"n={n} samples run side by side and need {n} of the engine's rows, but "
@@ -403,6 +416,12 @@ class EngineBase:
             bs = cfg.block_size
             fork_blocks = len(ids) // bs + (n if len(ids) % bs else 0)
             usable = cfg.num_blocks - 1
+            if fork_blocks > usable and scoring is not None:
+                raise ValueError(
+                    f"scoring {n - 1} continuation(s) of more than one token after a {len(ids)}-token context can "
+                    f"never fit: they fork from the context's KV, which needs {fork_blocks} KV blocks of {bs} tokens "
+                    f"(the shared full blocks once, the partial last block once per request), and the cache has "
+                    f"{usable}; score them one call at a time or raise num_blocks")
             if fork_blocks > usable:
                 raise ValueError(
                     f"n={n} samples of a {len(ids)}-token prompt can never fit: forking them needs "
@@ -438,7 +457,7 @@ class EngineBase:
             for i, mid in enumerate(member_ids):
                 req = Request(
                     mid,
-                    ids,
+                    ids if i == 0 or scoring is None else children[i - 1][0],
                     max_new_tokens=max_new,
                     stop_token_ids=stop_ids,
                     params=params,
@@ -455,8 +474,10 @@ class EngineBase:
                 if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
                     req.prompt_lps, req.prompt_tops = [], []
                 if scoring is not None:
-                    req.scoring, req.lp_start = True, scoring.lp_start
-                    req.score_next = list(scoring.next_tokens) if scoring.next_tokens is not None else None
+                    spec = scoring if i == 0 else children[i - 1][1]
+                    req.scoring, req.lp_start = True, spec.lp_start
+                    req.score_next = list(spec.next_tokens) if spec.next_tokens is not None else None
+                    req.prompt_lps, req.prompt_tops = [], []
                 if cache_salt:
                     req.cache_salt = cache_salt.encode()
                 members.append(req)

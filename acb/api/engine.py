@@ -289,18 +289,16 @@ class Engine(EngineBase):
         ``status`` FAILED and ``error`` set. A tqdm bar counts engine requests."""
         if self.is_follower:
             return []
-        self._live_core()
-        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer)
+        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
         ids = scoring.batch_ids(request_ids, len(plans))
-        members = [(i, j, m) for i, (_, _, ms) in enumerate(plans) for j, m in enumerate(ms)]
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         reqs: list[Request] = []
         try:
-            for k in scoring.prefix_order([m.prompt_ids for _, _, m in members]):
-                i, j, m = members[k]
+            for i, rid, group in scoring.ordered_groups(plans, ids):
                 try:
                     reqs.append(self.make_request(
-                        m.prompt_ids, None, request_id=f"{ids[i]}#s{j}", cache_salt=cache_salt, scoring=m.spec,
+                        group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt, scoring=group[0].spec,
+                        score_children=[(m.prompt_ids, m.spec) for m in group[1:]],
                         sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"items[{i}]: {exc}") from None
@@ -310,9 +308,10 @@ class Engine(EngineBase):
             raise
         bar = _progress(len(reqs), progress_bar, desc="score_batch")
         results = self._run_made(reqs, done, bar)
-        return [scoring.assemble(ids[i], ctx, conts, ms, [results[f"{ids[i]}#s{j}"] for j in range(len(ms))],
+        return [scoring.assemble(ids[i], ctx, conts, ms, [results[f"{ids[i]}#g{j}"] for j in range(len(ms))],
                                  top_logprobs)
                 for i, (ctx, conts, ms) in enumerate(plans)]
+
 
 def generate_batch(
     model: Any,

@@ -4,13 +4,19 @@
 evaluation harness needs for multiple-choice and perplexity tasks. It is planned here as engine
 requests that go through the one submit path (:meth:`acb.api.base.EngineBase.make_request`):
 
-- a request's prompt is the context and a continuation without its last token; it records the
-  logprobs of that continuation part (rows from the last context token on) and, from the row
-  after its whole prompt, those of the last token of every continuation that shares the part:
-  the continuations of one token all come from **one** request whose prompt is the context (one
-  context prefill, no extra forward per choice: a 4-way one-letter multiple choice is one
-  request), and no request feeds a token it only scores (a window of N + 1 tokens takes N
-  positions, as the model's own forward over it does).
+- a call is one engine request per group: a **context request** (prompt: the context) and, for
+  the continuations of two or more tokens, one **child** per distinct continuation-but-its-last-
+  token, forked from the context request when its prompt is done, as the samples of ``n > 1``
+  fork: the children share its full KV blocks and get a copy of its partial last block, so the
+  context is prefilled **once** and each child computes only its own tokens;
+- the context request scores, from the row after the context, the one-token continuations and
+  the first token of every child (no extra forward for a one-token choice: a 4-way one-letter
+  multiple choice is one forward of its context); a child scores the rest of its tokens, and
+  from the row after its whole prompt the last token of each continuation that shares it; no
+  token is fed only to be scored (a window of N + 1 tokens takes N positions, as the model's own
+  forward does);
+- a group has at most ``max_requests_per_batch`` requests (its children hold rows from its
+  admission on); more continuations make more groups, each with its own context request.
 
 Every such request reads the prefix cache for its context like any request, so a few-shot
 preamble shared by a task's documents is computed once per engine, and the tail of a context
@@ -42,11 +48,14 @@ class ScoreSpec:
 
 @dataclass(frozen=True)
 class Member:
-    """One engine request of a scoring call: its prompt and spec, and which continuations it scores."""
+    """One engine request of a scoring group: its prompt and spec; which continuations it ends
+    (their last token is scored after its whole prompt); for a child, the continuations it holds
+    (``body``: theirs but the last token, after the context)."""
 
     prompt_ids: list[int]
     spec: ScoreSpec
-    continuations: tuple[int, ...]  # indices into the call's continuations
+    continuations: tuple[int, ...]  # indices into the call's continuations scored after the prompt
+    body: tuple[int, ...] = ()  # a child: the continuation tokens its prompt adds to the context
 
 
 def as_ids(value: Any, what: str, tokenizer: Any, *, context: bool) -> list[int]:
@@ -68,29 +77,40 @@ def as_ids(value: Any, what: str, tokenizer: Any, *, context: bool) -> list[int]
     return list(ids)
 
 
-def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: int) -> list[Member]:
-    """The engine requests that score ``continuations`` of ``context_ids``: one per distinct
-    continuation-but-its-last-token, whose prompt is the context and that part, and which scores
-    the last token of each of its continuations after the whole prompt (so the one-token
-    continuations of a context share one request, and no request feeds a token it only scores:
-    a window of N + 1 tokens needs N positions, as a model's own forward does)."""
+def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: int,
+         max_group: int = 1 << 30) -> list[list[Member]]:
+    """The engine request groups that score ``continuations`` of ``context_ids``: each group is a
+    context request followed by its children (at most ``max_group`` requests a group)."""
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
     if not continuations:
         raise ValueError("score() needs at least one continuation")
-    groups: dict[tuple[int, ...], list[int]] = {}
+    bodies: dict[tuple[int, ...], list[int]] = {}
     for i, c in enumerate(continuations):
-        groups.setdefault(tuple(c[:-1]), []).append(i)
-    last = len(context_ids) - 1
-    return [Member(context_ids + list(body), ScoreSpec(last, tuple(continuations[i][-1] for i in idx), top_logprobs),
-                   tuple(idx))
-            for body, idx in groups.items()]
+        bodies.setdefault(tuple(c[:-1]), []).append(i)
+    singles = tuple(bodies.pop((), ()))
+    children = list(bodies.items())
+    per = max(max_group - 1, 1)
+    chunks: list[list[tuple[tuple[int, ...], list[int]]]] = [children[k:k + per] for k in range(0, len(children), per)]
+    chunks = chunks or [[]]
+    n = len(context_ids)
+    groups = []
+    for g, chunk in enumerate(chunks):
+        mine = singles if g == 0 else ()
+        # the context request: the one-token continuations, then each child's first token
+        head = Member(list(context_ids), ScoreSpec(n - 1, tuple(continuations[i][0] for i in mine)
+                                                   + tuple(body[0] for body, _ in chunk), top_logprobs), mine)
+        groups.append([head] + [Member(context_ids + list(body), ScoreSpec(n, tuple(continuations[i][-1] for i in idx),
+                                                                           top_logprobs), tuple(idx), body)
+                                for body, idx in chunk])
+    return groups
 
 
-Plan = tuple[list[int], list[list[int]], list[Member]]  # (context ids, continuations' ids, members)
+Plan = tuple[list[int], list[list[int]], list[list[Member]]]  # (context ids, continuations' ids, groups)
 
 
-def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, tokenizer: Any) -> list[Plan]:
+def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, tokenizer: Any,
+               max_group: int = 1 << 30) -> list[Plan]:
     """Every item of a ``score_batch`` call validated and planned (errors name the item)."""
     plans = []
     for i, item in enumerate(items):
@@ -101,7 +121,7 @@ def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, to
                                 f"{type(continuations).__name__}")
             ctx = as_ids(context, "context", tokenizer, context=True)
             conts = [as_ids(c, f"continuations[{k}]", tokenizer, context=False) for k, c in enumerate(continuations)]
-            plans.append((ctx, conts, plan(ctx, conts, top_logprobs)))
+            plans.append((ctx, conts, plan(ctx, conts, top_logprobs, max_group)))
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"items[{i}]: {exc}") from None
     return plans
@@ -114,32 +134,52 @@ def batch_ids(request_ids: Sequence[str] | None, n: int) -> list[str]:
     return ids
 
 
-def assemble(request_id: str, context_ids: list[int], continuations: list[list[int]], members: list[Member],
+def assemble(request_id: str, context_ids: list[int], continuations: list[list[int]], groups: list[list[Member]],
              outputs: Sequence[GenerationOutput], top_logprobs: int) -> ScoreOutput:
-    """The call's :class:`ScoreOutput` from its members' outputs (in ``members`` order)."""
+    """The call's :class:`ScoreOutput` from its groups' outputs (in ``groups`` order; a group of
+    several requests has one output with a sample per request)."""
     scores: list[ContinuationScore | None] = [None] * len(continuations)
     cached = 0
     failed = next((o for o in outputs if o.status != RequestStatus.FINISHED), None)
-    for m, out in zip(members, outputs):
-        cached += out.num_cached_tokens
+
+    def tops(t: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+        return list(t[:top_logprobs])
+
+    for group, out in zip(groups, outputs):
+        parts: Sequence[Any] = out.samples if out.samples is not None else [out]
+        cached += sum(p.num_cached_tokens for p in parts)
         if out.status != RequestStatus.FINISHED:
             continue
-        # the member's own continuation part (scored at rows of its prompt), then each last token
-        lps, tops = out.prompt_logprobs or [], out.prompt_top_logprobs or []
-        body = m.prompt_ids[len(context_ids):]
-        body_greedy = len(tops) == len(body) and all(t and t[0][0] == tok for t, tok in zip(tops, body))
-        values, top = out.next_token_logprobs or [], out.next_token_top_logprobs or []
+        head, head_out = group[0], parts[0]
+        values, top = head_out.next_token_logprobs or [], head_out.next_token_top_logprobs or []
         greedy_id = top[0][0] if top else None
-        for k, i in enumerate(m.continuations):
-            tok = continuations[i][-1]
-            scores[i] = ContinuationScore(
-                list(continuations[i]), [*lps, values[k]], body_greedy and tok == greedy_id,
-                [*(list(t[:top_logprobs]) for t in tops), list(top[:top_logprobs])] if top_logprobs else None)
+        for k, i in enumerate(head.continuations):
+            tok = continuations[i][0]
+            scores[i] = ContinuationScore([tok], [values[k]], tok == greedy_id, [tops(top)] if top_logprobs else None)
+        for j, (m, part) in enumerate(zip(group[1:], parts[1:])):
+            first = values[len(head.continuations) + j]  # the child's first token, after the context
+            lps, rows = part.prompt_logprobs or [], part.prompt_top_logprobs or []
+            body_greedy = greedy_id == m.body[0] and len(rows) == len(m.body) - 1 and all(
+                r and r[0][0] == tok for r, tok in zip(rows, m.body[1:]))
+            last_values, last_top = part.next_token_logprobs or [], part.next_token_top_logprobs or []
+            last_greedy = last_top[0][0] if last_top else None
+            for k, i in enumerate(m.continuations):
+                cont = continuations[i]
+                scores[i] = ContinuationScore(
+                    list(cont), [first, *lps, last_values[k]], body_greedy and cont[-1] == last_greedy,
+                    [tops(top), *(tops(r) for r in rows), tops(last_top)] if top_logprobs else None)
     if failed is not None:
         return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached,
                            failed.status, failed.error)
     assert all(s is not None for s in scores)
     return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached)
+
+
+def ordered_groups(plans: Sequence[Plan], ids: Sequence[str]) -> list[tuple[int, str, list[Member]]]:
+    """Every group of a batch as ``(item index, engine request id, group)``, in submission order:
+    sorted by the groups' context tokens (see :func:`prefix_order`)."""
+    groups = [(i, f"{ids[i]}#g{j}", g) for i, (_, _, gs) in enumerate(plans) for j, g in enumerate(gs)]
+    return [groups[k] for k in prefix_order([g[0].prompt_ids for _, _, g in groups])]
 
 
 def prefix_order(prompts: Sequence[list[int]]) -> list[int]:

@@ -353,7 +353,10 @@ class EngineCore:
             # merged params cannot tell the generation config's EOS from ids the caller gave)
             params = dataclasses.replace(req.params, seed=req.seed, stop_token_ids=tuple(sorted(req.stop_token_ids)))
             # a scoring request: (first scored position, tokens scored after the prompt, top-k)
-            scoring = ([req.lp_start, req.score_next, (req.params.prompt_logprobs or 1)] if req.scoring else None)
+            # and its group's children (prompt, first scored position, tokens scored after the prompt)
+            scoring = ([req.lp_start, req.score_next, (req.params.prompt_logprobs or 1),
+                        [[c.token_ids[: c.prompt_len], c.lp_start, c.score_next] for c in req.children or ()]]
+                       if req.scoring else None)
             return ("add", req.request_id, req.token_ids[: req.prompt_len],
                     [getattr(params, f.name) for f in dataclasses.fields(params)],
                     req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps, scoring)

@@ -222,7 +222,9 @@ class RequestGroup:
                 head.error, head.failure = first.error, first.failure
                 break
         head.samples = [
-            SampleOutput(i, o.generated_tokens, o.logprobs, o.top_logprobs, o.status, o.finish_reason, o.text)
+            SampleOutput(i, o.generated_tokens, o.logprobs, o.top_logprobs, o.status, o.finish_reason, o.text,
+                         o.prompt_logprobs, o.prompt_top_logprobs, o.next_token_logprobs, o.next_token_top_logprobs,
+                         o.num_cached_tokens)
             for i, o in enumerate(outs)
         ]
         times = [o.time_to_first_token for o in outs if o.time_to_first_token is not None]

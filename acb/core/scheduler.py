@@ -461,6 +461,8 @@ class Scheduler:
             if req.score_next:
                 out.next_lp.append((req, len(out.input_ids) - 1, req.score_next))
                 out.scored_rows += 1
+            if req.children:  # a scoring group's children start from its KV (their own tokens next)
+                self._fork(out, req, -1)
         elif end == known + req.in_flight:
             i = len(out.requests) - 1
             self._add_sample(out, req, i, end - req.prompt_len)
@@ -506,7 +508,8 @@ class Scheduler:
 
         They share the parent's full prompt blocks (ref counts) and each gets a copy of the
         partial last block, made after this step's forward writes it. Each draws its first
-        token from the parent's logits, with its own random stream.
+        token from the parent's logits, with its own random stream. A scoring group's children
+        (prompts that extend the parent's) fork the same way and then compute their own tokens.
         """
         children = parent.children
         assert children is not None  # only a parent of n > 1 samples forks
@@ -519,7 +522,8 @@ class Scheduler:
             child.first_scheduled_time = parent.first_scheduled_time
             self.running.append(child)
             out.row_inits.append(child)
-            self._add_sample(out, child, logits_i, 0)
+            if not child.scoring:  # (a scoring child computes its own tokens from the next step on)
+                self._add_sample(out, child, logits_i, 0)
         self.kv.end_fork()
         parent.children = None
 

@@ -71,9 +71,11 @@ def test_continuations_of_one_context(model, async_batching):
     check(model, out, ctx, conts, k=3)
     check(model, plain, ctx, conts)
     assert [s.greedy for s in out.continuations] == [True, False, True, False, False, False]
-    # four engine requests: the one-token continuations together, and one per distinct body
-    # (g[:2], [g[0], 9], [40]); the second call found their contexts' full blocks cached
-    assert plain.num_cached_tokens == 4 * (36 // 8 * 8)
+    # one group: the context request (it scores the one-token continuations and every first
+    # token) and three children forked from it, one per distinct body (g[:2], [g[0], 9], [40]);
+    # the second call found the context's full blocks cached (the children read the context
+    # request's blocks, not the cache)
+    assert out.num_cached_tokens == 0 and plain.num_cached_tokens == 36 // 8 * 8
 
 
 @pytest.mark.parametrize("async_batching", [False, True])
@@ -89,9 +91,10 @@ def test_a_context_longer_than_a_prefill_chunk_and_a_cached_preamble(model, asyn
         stats = eng.stats
     for (ctx, conts), out in zip(items, outs):
         check(model, out, ctx, conts)
-    # 10 engine requests; all but the first read the preamble's 8 full blocks
-    assert sum(o.num_cached_tokens for o in outs) >= 9 * 64
-    assert stats.prefill_tokens < 2 * 64 + sum(len(t) + 2 for t in tails) * 2
+    # one group per context; all but the first context request read the preamble's 8 full
+    # blocks, and every context is prefilled once (its children compute their own tokens only)
+    assert sum(o.num_cached_tokens for o in outs) >= 4 * 64
+    assert stats.prefill_tokens <= 64 + sum(len(t) + 7 + 2 for t in tails)
 
 
 @pytest.mark.parametrize("offload", [0.0, 0.01])
@@ -118,9 +121,9 @@ def test_preemption_under_a_tiny_cache(model, async_batching, offload):
 
 
 def test_the_lm_head_runs_on_the_scored_rows_alone(model):
-    """4 rows for a 60-token context with continuations [a] and [b, c, d]: the context's last row
-    (it scores a and b), then c's and d's rows; none for the other 59 positions. At most
-    ``max_scored_rows`` rows in one step."""
+    """3 rows for a 60-token context with continuations [a] and [b, c, d]: the context's last row
+    (it scores a and b), then the rows after b and c (they score c and d); none for the other 59
+    positions, and no position computed twice. At most ``max_scored_rows`` rows in one step."""
     head = model.get_output_embeddings()
     calls: list[int] = []
     hook = head.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[-2]))
@@ -128,7 +131,7 @@ def test_the_lm_head_runs_on_the_scored_rows_alone(model):
         ctx = prompts_of_lengths([60], seed=74)[0]
         with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
             eng.score(ctx, [[5], [6, 7, 8]])
-            assert sum(calls) == 4
+            assert sum(calls) == 3 and eng.stats.prefill_tokens == 62
             calls.clear()
             eng.call(lambda c: setattr(c.scheduler, "max_scored_rows", 5)).result()
             long = prompts_of_lengths([40], seed=75)[0]
@@ -180,7 +183,15 @@ def test_bad_scoring_input_is_refused(model):
             with pytest.raises(exc, match=match):
                 eng.score(*args, **kw)
         assert not eng.core.live_ids
-        # exactly the longest window that fits: limit - 1 context tokens and a continuation of 2
-        ctx = [3 + (i % 200) for i in range(limit - 1)]
-        out = eng.score(ctx, [[5, 6]])
-    check(model, out, ctx, [[5, 6]])
+        # the longest windows that fit: a context of limit tokens and a continuation of 1; a
+        # continuation of 2 forks a child from the context request, which then needs the context's
+        # full blocks and two partial ones: 61 * 8 + 7 = 495 context tokens in 63 blocks
+        assert limit == 63 * 8
+        ctx = [3 + (i % 200) for i in range(limit)]
+        out = eng.score(ctx, [[5]])
+        ctx2 = ctx[:495]
+        out2 = eng.score(ctx2, [[5, 6]])
+        with pytest.raises(ValueError, match="fork from the context's KV"):  # 62 full blocks + 2 partial > 63
+            eng.score(ctx[:502], [[5, 6]])
+    check(model, out, ctx, [[5]])
+    check(model, out2, ctx2, [[5, 6]])
