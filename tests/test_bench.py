@@ -49,6 +49,13 @@ def test_workload_json(results, workload):
     elif workload == "online":
         for r in rows:
             assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
+    elif workload == "eval":
+        assert [r["engine"] for r in rows] == ["acb", "hf (batch 16)"]  # (hf's batch "auto" on a GPU only)
+        assert all(set(r["per_task"]) == {"fewshot_letters", "endings", "fewshot_gen"} for r in rows)
+        assert data["result"]["agreement"]["ok"] is True  # acb's numbers are hf's
+        floor = data["result"]["floor"]
+        assert floor["total"] == pytest.approx(floor["linear"] + floor["attention"] + floor["lm_head"])
+        assert 0 < floor["floor_s"] and floor["positions"] > 0
     elif workload == "overhead":
         for r in rows:
             a = r["acb"]
