@@ -27,7 +27,6 @@ float32 matmul peak measured in the same run.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import tempfile
@@ -196,8 +195,6 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     import acb.integrations.lm_eval  # noqa: F401 - registers "acb"
     from acb.models import build_tokenizer, tiny_model
 
-    for name in ("lm_eval", "lm-eval", "datasets", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     folder = tempfile.mkdtemp(prefix="acb_bench_eval_")
