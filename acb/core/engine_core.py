@@ -24,7 +24,23 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.request import Request
-from acb.core.scheduler import Scheduler, SchedulerOutput
+from acb.core.messages import (
+    Add,
+    Call,
+    Cancel,
+    Command,
+    LaunchedStep,
+    Pause,
+    ResetPrefix,
+    Resume,
+    Runner,
+    SchedulerOutput,
+    Sleep,
+    Stop,
+    StepTimes,
+    Wake,
+)
+from acb.core.scheduler import Scheduler
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
@@ -60,16 +76,6 @@ def scored_rows_for(vocab_size: int) -> int:
     return max(16, SCORED_LOGITS_BYTES // (4 * max(vocab_size, 1)))
 PAUSE_MODES = ("wait", "cancel", "keep")
 HEARTBEAT_S = 1.0  # an idle tensor-parallel leader's broadcast period
-
-
-class Runner(Protocol):
-    """What the core needs of a model runner (:class:`acb.runner.model_runner.ModelRunner`)."""
-
-    cfg: ResolvedConfig  # the sizes and policies the engine runs with
-    vocab_size: int
-
-    def execute(self, sched: SchedulerOutput) -> Any: ...
-    def finish(self, step: Any) -> Any: ...  # -> object with .sampled and .logprobs
 
 
 class StepSyncLike(Protocol):
@@ -136,7 +142,7 @@ class EngineCore:
             self.pool, block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
             max_running=cfg.max_requests_per_batch, policy=cfg.scheduler_type, safety_margin=cfg.safety_margin,
             swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
-            max_scored_rows=scored_rows_for(getattr(runner, "vocab_size", 0)),
+            max_scored_rows=scored_rows_for(runner.vocab_size),
         )
         self._deliver = deliver
         self.sync = sync
@@ -144,9 +150,9 @@ class EngineCore:
         # record timestamps) -> the Request its engine front builds (set by EngineBase)
         self.remote_request: Callable[..., Request] | None = None
         self.async_batching = cfg.async_batching
-        self._inflight: tuple | None = None  # async batching: the launched step not yet completed
+        self._inflight: LaunchedStep | None = None  # async batching: the launched step not yet completed
         self._on_dequeued = on_dequeued or (lambda n: None)
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[Command] = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._live_ids: set[str] = set()
@@ -169,8 +175,7 @@ class EngineCore:
         self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
         self._generated = 0
         self.on_exit: Callable[[], None] | None = None  # run on the engine thread as it exits
-        # seconds spent in: schedule, stage inputs, forward + sample + sync, process outputs
-        self.timing = [0.0, 0.0, 0.0, 0.0]
+        self.timing = StepTimes()  # host seconds per phase
         # per-step (seqs, tokens, decode tokens, schedule, stage, compute, process, completed at) when enabled
         self.step_log: list[tuple] | None = None
 
@@ -220,15 +225,15 @@ class EngineCore:
         with self._lock:
             if self._closed:
                 raise EngineNotRunningError("the engine has stopped")
-            self._post(("add", req))
+            self._post(Add(req))
 
     def cancel(self, request_id: str) -> None:
-        self._post(("cancel", request_id))
+        self._post(Cancel(request_id))
 
     def call(self, fn: Callable[["EngineCore"], Any]) -> Future:
         """Run ``fn(core)`` on the engine thread between steps; returns its Future."""
         fut: Future = Future()
-        self._post(("call", fn, fut))
+        self._post(Call(fn, fut))
         return fut
 
     def pause(self, mode: str = "wait") -> Future:
@@ -238,19 +243,22 @@ class EngineCore:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         fut: Future = Future()
-        self._post(("pause", mode, fut))
+        self._post(Pause(mode, fut))
         return fut
 
     def resume(self) -> Future:
         """Run steps again after :meth:`pause` (the Future completes once resumed)."""
         fut: Future = Future()
-        self._post(("resume", fut))
+        self._post(Resume(fut))
         return fut
 
     def command(self, kind: str) -> Future:
         """Post ``"reset_prefix"``, ``"sleep"`` or ``"wake"``; the Future gets the result."""
         fut: Future = Future()
-        self._post((kind, fut))
+        commands = {"reset_prefix": ResetPrefix, "sleep": Sleep, "wake": Wake}
+        if kind not in commands:
+            raise ValueError(f"unknown engine command {kind!r}; expected one of {', '.join(commands)}")
+        self._post(commands[kind](fut))
         return fut
 
     @property
@@ -262,7 +270,7 @@ class EngineCore:
         """Stop the thread. ``drain``: finish live requests first; otherwise cancel them."""
         if self._thread is None:
             return
-        self._post(("stop", drain))
+        self._post(Stop(drain))
         self.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
@@ -270,7 +278,7 @@ class EngineCore:
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _post(self, cmd: tuple) -> None:
+    def _post(self, cmd: Command) -> None:
         self._inbox.append(cmd)
         self._wake.set()
 
@@ -307,7 +315,7 @@ class EngineCore:
             waiters, self._pause_waiters = self._pause_waiters, []
             for w in waiters:
                 w.set_exception(EngineNotRunningError("the engine stopped before the pause completed"))
-            leftover = [c[1] for c in self._inbox if c[0] == "add" and not c[1].status.is_terminal]
+            leftover = [c.req for c in self._inbox if isinstance(c, Add) and not c.req.status.is_terminal]
             self._inbox.clear()
             for req in leftover:
                 if self.dead_error is None:
@@ -337,101 +345,116 @@ class EngineCore:
         if sent is not None and self.scheduler.waiting and self.pool.enable_caching:
             # the leader alone decides when the weights changed, so that every rank forgets its
             # prefix cache at the same point
-            if self.runner.weights_changed():  # type: ignore[attr-defined]
-                self._apply(("reset_prefix", Future()), weights=True)
+            if self.runner.weights_changed():
+                self._apply(ResetPrefix(Future(), weights=True))
                 sent.append(("reset_prefix",))
         for wire in sync.exchange(sent):
             if sent is None:  # a follower: the leader's commands, in its order
                 self._apply(self._unwire(wire))
 
-    def _wire(self, cmd: tuple) -> tuple:
+    def _wire(self, cmd: Command) -> tuple:
         """A command as the other ranks receive it: plain values, no futures or objects."""
-        kind = cmd[0]
-        if kind == "add":
-            req = cmd[1]
-            # as this rank resolved them: the seed it drew, and the stop ids it settled on (the
-            # merged params cannot tell the generation config's EOS from ids the caller gave)
-            params = dataclasses.replace(req.params, seed=req.seed, stop_token_ids=tuple(sorted(req.stop_token_ids)))
-            # a scoring request: (first scored position, tokens scored after the prompt, top-k)
-            # and its group's children (prompt, first scored position, tokens scored after the prompt)
-            scoring = ([req.lp_start, req.score_next, (req.params.prompt_logprobs or 1),
-                        [[c.token_ids[: c.prompt_len], c.lp_start, c.score_next] for c in req.children or ()]]
-                       if req.scoring else None)
-            return ("add", req.request_id, req.token_ids[: req.prompt_len],
-                    [getattr(params, f.name) for f in dataclasses.fields(params)],
-                    req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps, scoring)
-        if kind in ("cancel", "stop", "pause"):
-            return (kind, cmd[1])
-        return (kind,)
+        match cmd:
+            case Add(req):
+                # as this rank resolved them: the seed it drew, and the stop ids it settled on (the
+                # merged params cannot tell the generation config's EOS from ids the caller gave)
+                params = dataclasses.replace(req.params, seed=req.seed,
+                                             stop_token_ids=tuple(sorted(req.stop_token_ids)))
+                # a scoring request: (first scored position, tokens scored after the prompt, top-k)
+                # and its group's children (prompt, first scored position, tokens scored after it)
+                scoring = ([req.lp_start, req.score_next, (req.params.prompt_logprobs or 1),
+                            [[c.token_ids[: c.prompt_len], c.lp_start, c.score_next] for c in req.children or ()]]
+                           if req.scoring else None)
+                return ("add", req.request_id, req.token_ids[: req.prompt_len],
+                        [getattr(params, f.name) for f in dataclasses.fields(params)],
+                        req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps, scoring)
+            case Cancel(request_id):
+                return ("cancel", request_id)
+            case Stop(drain):
+                return ("stop", drain)
+            case Pause(mode, _):
+                return ("pause", mode)
+            case Resume():
+                return ("resume",)
+            case ResetPrefix():
+                return ("reset_prefix",)
+            case Sleep():
+                return ("sleep",)
+            case Wake():
+                return ("wake",)
+        raise ValueError(f"{cmd!r} is not sent to the other ranks")
 
-    def _unwire(self, wire: tuple) -> tuple:
+    def _unwire(self, wire: tuple) -> Command:
         kind = wire[0]
         if kind == "add":
             assert self.remote_request is not None
             values = dict(zip((f.name for f in dataclasses.fields(SamplingParams)), wire[3]))
             params = SamplingParams(**values)
-            return ("add", self.remote_request(wire[1], list(wire[2]), params, wire[4], wire[5], wire[6]))
-        if kind == "pause":
-            return ("pause", wire[1], Future())
-        if kind in ("cancel", "stop"):
-            return wire
-        return (kind, Future())
+            return Add(self.remote_request(wire[1], list(wire[2]), params, wire[4], wire[5], wire[6]))
+        simple: dict[str, Callable[[], Command]] = {
+            "cancel": lambda: Cancel(wire[1]), "stop": lambda: Stop(wire[1]), "pause": lambda: Pause(wire[1], Future()),
+            "resume": lambda: Resume(Future()), "reset_prefix": lambda: ResetPrefix(Future()),
+            "sleep": lambda: Sleep(Future()), "wake": lambda: Wake(Future())}
+        return simple[kind]()
 
-    def _apply(self, cmd: tuple, *, weights: bool = False) -> bool:
+    def _apply(self, cmd: Command) -> bool:
         """Apply one command; True when it changed what the engine runs (and so must be applied
         on every tensor-parallel rank)."""
-        kind = cmd[0]
-        if kind == "add":
-            req = cmd[1]
-            if self._stopping and not self._drain_on_stop:
-                self._end_unscheduled(req, RequestStatus.CANCELLED)
-                return False
-            if self._pause_state == "draining":
-                self._held.append(req)
-            else:
-                self.scheduler.add(req)
-            return True
-        if kind == "cancel":
-            return self._cancel(cmd[1])
-        if kind == "call":
-            fn, fut = cmd[1], cmd[2]
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self))
-                except BaseException as exc:  # noqa: BLE001
-                    fut.set_exception(exc)
-            return False
-        if kind == "pause":
-            return self._pause(cmd[1], cmd[2])
-        if kind == "resume":
-            return self._resume(cmd[1])
-        if kind in ("reset_prefix", "sleep", "wake"):
-            fut = cmd[1]
-            if not fut.set_running_or_notify_cancel():
-                return False
-            try:
-                result: Any = None
-                if kind == "reset_prefix":
-                    result = self.reset_prefix_cache()
-                    self.weight_resets += weights
-                elif kind == "sleep":
-                    result = self.sleep()
+        match cmd:
+            case Add(req):
+                if self._stopping and not self._drain_on_stop:
+                    self._end_unscheduled(req, RequestStatus.CANCELLED)
+                    return False
+                if self._pause_state == "draining":
+                    self._held.append(req)
                 else:
-                    self.wake_up()
-            except BaseException as exc:  # noqa: BLE001
-                fut.set_exception(exc)
+                    self.scheduler.add(req)
+                return True
+            case Cancel(request_id):
+                return self._cancel(request_id)
+            case Call(fn, fut):
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self))
+                    except BaseException as exc:  # noqa: BLE001
+                        fut.set_exception(exc)
                 return False
-            fut.set_result(result)
-            return True
-        if kind == "stop":
-            self._stopping = True
-            self._drain_on_stop = cmd[1]
-            if self.runner_asleep() and self._drain_on_stop and self.scheduler.has_work():
-                self._wake_runner()  # a draining stop runs what is left
-            if self._pause_state is not None:  # a stop ends a pause: drained or cancelled, nothing stays parked
-                self._leave_pause()
-            return True
-        raise ValueError(f"unknown engine command {kind!r}")
+            case Pause(mode, fut):
+                return self._pause(mode, fut)
+            case Resume(fut):
+                return self._resume(fut)
+            case ResetPrefix(fut, weights):
+                return self._settle(fut, lambda: self._reset_for(weights))
+            case Sleep(fut):
+                return self._settle(fut, self.sleep)
+            case Wake(fut):
+                return self._settle(fut, self.wake_up)
+            case Stop(drain):
+                self._stopping = True
+                self._drain_on_stop = drain
+                if self.runner_asleep() and drain and self.scheduler.has_work():
+                    self._wake_runner()  # a draining stop runs what is left
+                if self._pause_state is not None:  # a stop ends a pause: drained or cancelled, nothing stays parked
+                    self._leave_pause()
+                return True
+        raise ValueError(f"unknown engine command {cmd!r}")
+
+    def _settle(self, fut: Future, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` for a command's Future (unless its caller cancelled it); True if it ran."""
+        if not fut.set_running_or_notify_cancel():
+            return False
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001
+            fut.set_exception(exc)
+            return False
+        fut.set_result(result)
+        return True
+
+    def _reset_for(self, weights: bool) -> int:
+        n = self.reset_prefix_cache()
+        self.weight_resets += weights
+        return n
 
     def _cancel(self, request_id: str) -> bool:
         head = self.scheduler.live.get(request_id)
@@ -503,7 +526,7 @@ class EngineCore:
         return True
 
     def runner_asleep(self) -> bool:
-        return bool(getattr(self.runner, "asleep", False))
+        return self.runner.asleep
 
     def _may_step(self) -> bool:
         """Whether steps may run: not paused (a drain still runs its live requests) and awake."""
@@ -514,11 +537,11 @@ class EngineCore:
         after waking), forget the prefix cache and free the runner's cache and buffers; returns
         what the runner freed. The pause state is left as it is: :meth:`wake_up` gives it back."""
         if self.runner_asleep():
-            return self.runner.sleep()  # type: ignore[attr-defined]  # nothing more to free
+            return self.runner.sleep()  # nothing more to free
         self._flush_inflight()
         self.scheduler.preempt_all()
         self.scheduler.kv.reset_prefix_cache()
-        released = self.runner.sleep()  # type: ignore[attr-defined]  # frees the packed linears too
+        released = self.runner.sleep()  # frees the packed linears too
         self._publish_stats()
         return released
 
@@ -531,7 +554,7 @@ class EngineCore:
         self._publish_stats()
 
     def _wake_runner(self) -> None:
-        self.runner.wake_up()  # type: ignore[attr-defined]
+        self.runner.wake_up()
 
     def step(self) -> None:
         """One engine step: schedule, run, record, deliver.
@@ -545,6 +568,7 @@ class EngineCore:
             self._no_progress()
         if launched is _FAILED:  # its requests were failed; the engine carries on
             launched = None
+        assert launched is None or isinstance(launched, LaunchedStep)
         if self.async_batching:
             prev, self._inflight = self._inflight, launched
         else:
@@ -566,8 +590,8 @@ class EngineCore:
             f"{len(self.scheduler.waiting)} waiting requests ({self.pool.num_free} free blocks)"
         )
 
-    def _launch(self) -> Any:
-        """Schedule a step and launch it on the runner: its handle tuple, None when nothing could
+    def _launch(self) -> LaunchedStep | object | None:
+        """Schedule a step and launch it on the runner: the launched step, None when nothing could
         be scheduled, or ``_FAILED`` when launching raised (its requests are failed)."""
         t0 = time.perf_counter()
         if self.sync is None and self.scheduler.waiting and self.scheduler.kv.pool.enable_caching:
@@ -584,7 +608,7 @@ class EngineCore:
             self._fail_step(sched, exc)
             return _FAILED
         t2 = time.perf_counter()
-        return (sched, handle, t1 - t0, getattr(self.runner, "last_stage_s", 0.0), t2 - t1)
+        return LaunchedStep(sched, handle, t1 - t0, self.runner.last_stage_s, t2 - t1)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
         if self.sync is not None:
@@ -603,9 +627,10 @@ class EngineCore:
         self._publish_stats()
         self._deliver_final(failed)
 
-    def _complete(self, launched: tuple) -> None:
+    def _complete(self, launched: LaunchedStep) -> None:
         """Read a launched step's samples (the sync), record them, deliver."""
-        sched, handle, t_sched, t_stage, t_launch = launched
+        sched, handle = launched.sched, launched.handle
+        t_sched, t_stage, t_launch = launched.schedule_s, launched.stage_s, launched.launch_s
         t2 = time.perf_counter()
         try:
             result = self.runner.finish(handle)
@@ -615,12 +640,12 @@ class EngineCore:
         t3 = time.perf_counter()
         prompt = getattr(result, "prompt", None)
         if prompt:
-            for (req, lo, _, _, _), (values, tops) in zip(sched.prompt_lp, prompt):
-                req.add_prompt_logprobs(lo, values, tops)
+            for rows, (values, tops) in zip(sched.prompt_lp, prompt):
+                rows.req.add_prompt_logprobs(rows.first, values, tops)
         nxt = getattr(result, "next", None)
         if nxt:
-            for (req, _, _), (values, top) in zip(sched.next_lp, nxt):
-                req.next_lps, req.next_top = values, top
+            for nrows, (values, top) in zip(sched.next_lp, nxt):
+                nrows.req.next_lps, nrows.req.next_top = values, top
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
         self._generated += len(progressed)
         items: list[Delivery] = []
@@ -649,10 +674,10 @@ class EngineCore:
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
         tm = self.timing
-        tm[0] += t_sched
-        tm[1] += t_stage
-        tm[2] += (t_launch - t_stage) + (t3 - t2)
-        tm[3] += t4 - t3
+        tm.schedule += t_sched
+        tm.stage += t_stage
+        tm.compute += (t_launch - t_stage) + (t3 - t2)
+        tm.process += t4 - t3
         if self.step_log is not None:
             self.step_log.append((sched.num_seqs, sched.num_tokens, sched.num_decode_tokens,
                                   t_sched, t_stage, t_launch - t_stage + (t3 - t2), t4 - t3, t4))
@@ -715,7 +740,7 @@ class EngineCore:
         what can fail (decoding, a sink's callbacks): each final output falls back to a bare one,
         and each delivery is tried on its own."""
         reqs = list(self.scheduler.live.values())
-        queued = [c[1] for c in self._inbox if c[0] == "add"] + list(self._held)
+        queued = [c.req for c in self._inbox if isinstance(c, Add)] + list(self._held)
         self._held.clear()
         queued_adds = [m for r in queued for m in (r.group.members if r.group is not None else [r])]
         msg = f"the engine died: {type(exc).__name__}: {exc}"
@@ -760,10 +785,10 @@ class EngineCore:
             kv_blocks_total=pool.num_usable,
             kv_blocks_cached=pool.num_cached,
             prefix_evictions=pool.evictions,
-            host_schedule_s=tm[0],
-            host_stage_s=tm[1],
-            compute_s=tm[2],
-            host_process_s=tm[3],
+            host_schedule_s=tm.schedule,
+            host_stage_s=tm.stage,
+            compute_s=tm.compute,
+            host_process_s=tm.process,
             paused=self.paused,
             asleep=self.runner_asleep(),
         )
@@ -772,8 +797,7 @@ class EngineCore:
         """Before admitting requests: if the model's weights changed since the cached prefixes were
         computed (an optimizer step, ``load_state_dict``), forget them, so that no request reads
         K/V computed with other weights."""
-        changed = getattr(self.runner, "weights_changed", None)
-        if changed is not None and changed():
+        if self.runner.weights_changed():
             n = self.reset_prefix_cache()
             self.weight_resets += 1
             if n:
@@ -783,9 +807,7 @@ class EngineCore:
         """Forget every cached prefix (engine thread), and whatever else the runner derived from
         the weights (the packed CPU linears, packed again by the next step); returns how many
         blocks were forgotten."""
-        forget = getattr(self.runner, "forget_weights", None)
-        if forget is not None:
-            forget()
+        self.runner.forget_weights()
         return self.scheduler.kv.reset_prefix_cache()
 
     # -------------------------------------------------------------- checks

@@ -45,7 +45,7 @@ from acb.core.block_pool import BlockPool, SwapSpace, block_digest
 from acb.core.request import Request
 
 if TYPE_CHECKING:
-    from acb.core.scheduler import SchedulerOutput
+    from acb.core.messages import SchedulerOutput
 
 
 class KVManager:

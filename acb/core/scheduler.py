@@ -13,8 +13,13 @@ The contract, in one place:
   first), then admits waiting requests in arrival order with the budget left.
   ``prefill_first`` continues unfinished prefills, then admits waiting requests (keeping back
   the blocks running decodes need), then runs decodes with the budget left.
-- Admission is strictly in order (the head of the queue is never skipped) and keeps
-  ``safety_margin`` of the blocks free.
+- Admission is in order and keeps ``safety_margin`` of the blocks free. One exception: a
+  request whose next prefix block is being computed by another request's step (not recorded
+  yet) waits that step out to hit it in the cache rather than compute it twice; the requests
+  behind it are admitted meanwhile, and it keeps its place at the head of the queue.
+- Scoring requests (``Request.scoring``) end with their prompt: the step that completes it
+  records their scored rows (``prompt_lp``, ``next_lp``), forks a scoring group's children,
+  and samples nothing. A step's scored rows stay within ``max_scored_rows``.
 - Preemption: when a running request needs a block and none is free, the newest running
   request that is not in this step yet is preempted: its blocks are freed (its KV offloaded
   to host memory first when there is room), its generated tokens kept, and it goes to the
@@ -39,54 +44,11 @@ from dataclasses import dataclass, field
 
 from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.kv_manager import KVManager
+from acb.core.messages import NextRows, PromptRows, SchedulerOutput
 from acb.core.request import Request
+
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 from acb.outputs import FailureKind, FinishReason, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch. Built and consumed on the engine thread; not mutated once returned."""
-
-    step_id: int
-    requests: list[Request]  # scheduled, in batch order
-    rows: list[int]  # each request's row in the persistent block table
-    num_new: list[int]  # query tokens of each request in this step
-    start_pos: list[int]  # position of each request's first query token (= computed before)
-    input_ids: list[int]  # all query tokens, flattened in batch order
-    sample_idx: list[int]  # indices (into requests) of the sequences whose last logits are sampled
-    sample_reqs: list[Request]  # who receives each sampled token (a child of n > 1 shares a row of logits)
-    sample_rows: list[int]  # their block-table rows (per-row sampling parameters live there)
-    sample_gen_idx: list[int]  # index of the token being generated, per sample (seeds, min_new_tokens)
-    # (row, first column, block ids) to write into the persistent block table before running
-    block_updates: list[tuple[int, int, list[int]]]
-    newly_admitted: list[Request]  # scheduled for the first time
-    row_inits: list[Request]  # requests given a row in this step (fresh or resumed)
-    freed_rows: list[int]  # rows given back since the previous step
-    block_copies_after: list[tuple[int, int]]  # (src, dst) KV blocks to copy after the forward
-    swap_out: list[tuple[int, int]]  # (device block, host block): offload before the forward
-    swap_in: list[tuple[int, int]]  # (host block, device block): restore before the forward (after swap_out)
-    # async batching: (index in input_ids, index among the previous step's samples) of tokens that
-    # are not known yet; the runner fills them on the device from the previous step's sampled ids
-    placeholders: list[tuple[int, int]] = field(default_factory=list)
-    # prompt_logprobs: (request, first prompt position, count, its row in the flattened batch,
-    # the prompt tokens those positions predict)
-    prompt_lp: list[tuple[Request, int, int, int, list[int]]] = field(default_factory=list)
-    # scoring requests whose prompt this step completes (they end when its output is recorded),
-    # and those of them with tokens scored after the whole prompt: (request, its last row in the
-    # flattened batch, the tokens)
-    scored: list[Request] = field(default_factory=list)
-    next_lp: list[tuple[Request, int, list[int]]] = field(default_factory=list)
-    scored_rows: int = 0  # rows of logits this step computes for prompt logprobs and scoring
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.requests)
 
 
 @dataclass
@@ -446,8 +408,8 @@ class Scheduler:
         if req.prompt_lps is not None:  # positions whose next token is a prompt token, not yet done
             lo, hi = max(start, req.lp_start + len(req.prompt_lps)), min(end, req.prompt_len - 1)
             if hi > lo:
-                out.prompt_lp.append((req, lo, hi - lo, len(out.input_ids) + lo - start,
-                                      req.token_ids[lo + 1 : hi + 1]))
+                out.prompt_lp.append(PromptRows(req, lo, hi - lo, len(out.input_ids) + lo - start,
+                                                req.token_ids[lo + 1 : hi + 1]))
                 out.scored_rows += hi - lo
         out.input_ids.extend(req.token_ids[start : min(end, known)])
         if end > known:  # the one token sampled by the step in flight (async batching)
@@ -459,7 +421,7 @@ class Scheduler:
             req.in_flight += 1  # (so that nothing schedules it again meanwhile)
             out.scored.append(req)
             if req.score_next:
-                out.next_lp.append((req, len(out.input_ids) - 1, req.score_next))
+                out.next_lp.append(NextRows(req, len(out.input_ids) - 1, req.score_next))
                 out.scored_rows += 1
             if req.children:  # a scoring group's children start from its KV (their own tokens next)
                 self._fork(out, req, -1)

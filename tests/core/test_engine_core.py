@@ -32,12 +32,29 @@ class FakeRunner:
     """Samples ``token_at``; fills async placeholders from its own previous samples, as the
     device does, and checks that each placeholder points at its own request's last sample."""
 
+    vocab_size = 256
+    asleep = False
+    last_stage_s = 0.0
+
     def __init__(self, fail_execute_at: int = -1, fail_finish_at: int = -1) -> None:
         self.cfg: ResolvedConfig | None = None  # set by make_core
         self.calls: list[tuple[str, int]] = []
         self.prev: tuple[list, list[int]] | None = None  # (sample_reqs, sampled) of the last launched step
         self.fail_execute_at = fail_execute_at
         self.fail_finish_at = fail_finish_at
+
+    # the rest of acb.core.messages.Runner: no memory to free, weights that never change
+    def sleep(self):
+        self.asleep = True
+
+    def wake_up(self):
+        self.asleep = False
+
+    def weights_changed(self) -> bool:
+        return False
+
+    def forget_weights(self) -> None:
+        pass
 
     def execute(self, sched):
         self.calls.append(("execute", sched.step_id))

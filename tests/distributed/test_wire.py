@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from acb.core.messages import Add
+
 import acb
 from acb.api.handles import ThreadSink
 from acb.distributed.tp import decode_commands, encode_commands
@@ -28,12 +30,13 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
         core = eng.core
         req = eng.make_request("some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink,
                                cache_salt="salt", record_timestamps=True)
-        wire = decode_commands(encode_commands([core._wire(("add", req))]))[0]  # through the frame codec
+        wire = decode_commands(encode_commands([core._wire(Add(req))]))[0]  # through the frame codec
         eng.abandon(req)  # its ids are free again for the rebuilt copy
         core.remote_request = eng._remote_request
-        kind, copy = core._unwire(wire)
+        cmd = core._unwire(wire)
         try:
-            assert kind == "add"
+            assert isinstance(cmd, Add)
+            copy = cmd.req
             members = [req, *(req.children or ())] if req.group is None else req.group.members
             copies = [copy, *(copy.children or ())] if copy.group is None else copy.group.members
             for a, b in zip(members, copies, strict=True):
@@ -55,3 +58,27 @@ def vars_of(params: acb.SamplingParams) -> dict:
     import dataclasses
 
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def test_a_scoring_group_crosses_to_the_followers_unchanged():
+    """A scoring group (context request and the children that fork from it) is rebuilt on a
+    follower with the same prompts, scored positions and tokens."""
+    from acb.api.scoring import plan
+
+    with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64)) as eng:
+        core = eng.core
+        (group,) = plan([5, 6, 7, 8, 9], [[3], [4, 5, 6], [4, 5, 7], [8, 9]], 2)
+        req = eng.make_request(group[0].prompt_ids, None, sink_factory=ThreadSink, scoring=group[0].spec,
+                               score_children=[(m.prompt_ids, m.spec) for m in group[1:]])
+        wire = decode_commands(encode_commands([core._wire(Add(req))]))[0]
+        eng.abandon(req)
+        core.remote_request = eng._remote_request
+        cmd = core._unwire(wire)
+        try:
+            assert isinstance(cmd, Add)
+            for a, b in zip(req.group.members, cmd.req.group.members, strict=True):
+                assert (a.request_id, a.token_ids, a.scoring, a.lp_start, a.score_next, a.params.prompt_logprobs) == \
+                       (b.request_id, b.token_ids, b.scoring, b.lp_start, b.score_next, b.params.prompt_logprobs)
+            assert [m.token_ids for m in cmd.req.group.members] == [m.prompt_ids for m in group]
+        finally:
+            eng.abandon(cmd.req)

@@ -1,0 +1,180 @@
+"""The typed hand-offs between the engine's stages (engine thread only; plain data, no logic).
+
+- :class:`SchedulerOutput`: one step's batch, from the scheduler (which builds it, with the KV
+  manager's block moves) to the runner and back to ``Scheduler.update_from_output``; its
+  scored rows are :class:`PromptRows` and :class:`NextRows`.
+- :class:`LaunchedStep`: a step the runner has launched, held by the core until its results
+  are read (the next step with async batching).
+- :class:`StepTimes`: the host time per phase of the steps so far.
+- :class:`Runner`: the whole surface the core uses of a model runner.
+- :data:`Command`: what callers post to the engine thread (``Add``, ``Cancel``, ``Call``,
+  ``Pause``, ``Resume``, ``ResetPrefix``, ``Sleep``, ``Wake``, ``Stop``).
+
+Results cross to the callers' threads as :class:`acb.core.engine_core.Delivery` (immutable).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
+
+if TYPE_CHECKING:
+    from acb.config import ResolvedConfig
+    from acb.core.request import Request
+
+
+class PromptRows(NamedTuple):
+    """Prompt positions of one request whose next token's logprob this step records."""
+
+    req: Request
+    first: int  # the first such prompt position
+    num: int  # how many consecutive positions
+    row: int  # the first one's row in the step's flattened batch
+    targets: list[int]  # the prompt tokens those positions predict
+
+
+class NextRows(NamedTuple):
+    """A scoring request's row after its whole prompt, and the tokens scored there."""
+
+    req: Request
+    row: int  # its last token's row in the step's flattened batch
+    tokens: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch. Built and consumed on the engine thread; not mutated once returned."""
+
+    step_id: int
+    requests: list[Request]  # scheduled, in batch order
+    rows: list[int]  # each request's row in the persistent block table
+    num_new: list[int]  # query tokens of each request in this step
+    start_pos: list[int]  # position of each request's first query token (= computed before)
+    input_ids: list[int]  # all query tokens, flattened in batch order
+    sample_idx: list[int]  # indices (into requests) of the sequences whose last logits are sampled
+    sample_reqs: list[Request]  # who receives each sampled token (a child of n > 1 shares a row of logits)
+    sample_rows: list[int]  # their block-table rows (per-row sampling parameters live there)
+    sample_gen_idx: list[int]  # index of the token being generated, per sample (seeds, min_new_tokens)
+    # (row, first column, block ids) to write into the persistent block table before running
+    block_updates: list[tuple[int, int, list[int]]]
+    newly_admitted: list[Request]  # scheduled for the first time
+    row_inits: list[Request]  # requests given a row in this step (fresh or resumed)
+    freed_rows: list[int]  # rows given back since the previous step
+    block_copies_after: list[tuple[int, int]]  # (src, dst) KV blocks to copy after the forward
+    swap_out: list[tuple[int, int]]  # (device block, host block): offload before the forward
+    swap_in: list[tuple[int, int]]  # (host block, device block): restore before the forward (after swap_out)
+    # async batching: (index in input_ids, index among the previous step's samples) of tokens that
+    # are not known yet; the runner fills them on the device from the previous step's sampled ids
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
+    # prompt logprobs and scoring: the rows of prompt positions this step records
+    prompt_lp: list[PromptRows] = field(default_factory=list)
+    # scoring requests whose prompt this step completes (they end when its output is recorded),
+    # and those of them with tokens scored after the whole prompt
+    scored: list[Request] = field(default_factory=list)
+    next_lp: list[NextRows] = field(default_factory=list)
+    scored_rows: int = 0  # rows of logits this step computes for prompt logprobs and scoring
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+
+
+@dataclass
+class StepTimes:
+    """Host seconds spent per phase, summed over the steps so far."""
+
+    schedule: float = 0.0
+    stage: float = 0.0  # the runner's input preparation, inside execute
+    compute: float = 0.0  # forward + sampling + the sync that reads the sampled ids
+    process: float = 0.0  # recording the outputs and building the deliveries
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step launched on the runner, waiting for its results to be read."""
+
+    sched: SchedulerOutput
+    handle: Any  # the runner's in-flight step (``InFlightStep``), passed back to ``Runner.finish``
+    schedule_s: float
+    stage_s: float
+    launch_s: float  # execute's whole time (stage included)
+
+
+class Runner(Protocol):
+    """What the core needs of a model runner (:class:`acb.runner.model_runner.ModelRunner`)."""
+
+    cfg: ResolvedConfig  # the sizes and policies the engine runs with
+    vocab_size: int
+    asleep: bool  # sleep() freed the cache and the step buffers
+    last_stage_s: float  # host time of the last execute's input staging
+
+    def execute(self, sched: SchedulerOutput) -> Any: ...  # -> a handle for finish (no sync)
+    def finish(self, step: Any) -> Any: ...  # -> .sampled, .logprobs, .top, .prompt, .next (the sync)
+    def sleep(self) -> Any: ...  # -> what was freed (MemoryReleased)
+    def wake_up(self) -> None: ...
+    def weights_changed(self) -> bool: ...
+    def forget_weights(self) -> None: ...
+
+
+# ---------------------------------------------------------------- the inbox's commands
+# What callers post to the engine thread (``EngineCore._post``); applied in order between steps
+# by ``EngineCore._apply``. Frozen: a command is handed from the caller's thread to the engine's.
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    req: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    fn: Any  # Callable[[EngineCore], Any]: run on the engine thread
+    fut: Future[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    mode: str  # "wait", "cancel" or "keep"
+    fut: Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    fut: Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefix:
+    fut: Future[int]
+    weights: bool = False  # the weights changed (counted in ``EngineCore.weight_resets``)
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    fut: Future[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    fut: Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    drain: bool  # finish the live requests first (else they are cancelled)
+
+
+Command = Union[Add, Cancel, Call, Pause, Resume, ResetPrefix, Sleep, Wake, Stop]
