@@ -31,8 +31,11 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "auto_switch_to_flash": "acb always runs its own paged attention, whatever the model's attn_implementation; "
                             "attn_backend=None picks flash_attn when it is installed and fits, else triton, else "
                             "torch; set attn_backend='triton' or 'torch' to keep flash-attn out",
-    "disable_nccl_graph_mixing": "tensor parallelism is not supported",
-    "cpu_group_timeout": "tensor parallelism is not supported",
+    # (acb runs tensor parallel under torchrun with its own step sync: acb.distributed.tp)
+    "disable_nccl_graph_mixing": "acb's tensor-parallel ranks keep their collectives and their decode graphs "
+                                 "in lock step themselves (acb.distributed.tp)",
+    "cpu_group_timeout": "acb's tensor-parallel step sync has its own timeout: the ACB_TP_TIMEOUT_S environment "
+                         "variable (default 300 s)",
 }
 
 # transformers' deprecated fields: their effect lands on another field in ``__post_init__``

@@ -13,6 +13,7 @@ per step.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
 import time
@@ -75,6 +76,14 @@ def scored_rows_for(vocab_size: int) -> int:
     """Rows of logits a step may compute for scoring, for this vocabulary (at least 16)."""
     return max(16, SCORED_LOGITS_BYTES // (4 * max(vocab_size, 1)))
 PAUSE_MODES = ("wait", "cancel", "keep")
+
+
+class PauseState(enum.Enum):
+    """The caller's hold on the steps (sleep is the other hold: ``Runner.asleep``)."""
+
+    RUNNING = "running"
+    DRAINING = "draining"  # pause("wait"): the live requests finish, new ones are held
+    PAUSED = "paused"  # no steps run
 HEARTBEAT_S = 1.0  # an idle tensor-parallel leader's broadcast period
 
 
@@ -161,14 +170,14 @@ class EngineCore:
         self._closed = False  # set (under _lock) as the thread exits; adds are refused after
         self._drain_on_stop = False
         # The lifecycle is two independent holds, so that they compose:
-        # - the caller's pause(): None (running), "draining" (mode wait: live requests finish,
-        #   new ones are held), "paused" (no steps run; new requests queue in the scheduler);
-        #   only resume() (or stop) ends it;
+        # - the caller's pause() (PauseState): RUNNING, DRAINING (mode wait: live requests
+        #   finish, new ones are held), PAUSED (no steps run; new requests queue in the
+        #   scheduler); only resume() (or stop) ends it;
         # - sleep(): the runner freed its memory and every request was taken off the device; no
         #   steps run until wake_up(), which gives back exactly the pause state there was (a drain
         #   that sleep() interrupted goes on; an explicit pause stays).
         # Steps run when neither holds them: see _may_step.
-        self._pause_state: str | None = None
+        self._pause_state = PauseState.RUNNING
         self._held: deque[Request] = deque()  # requests added while draining for a pause
         self._pause_waiters: list[Future] = []  # pause() calls waiting for the drain to end
         self.dead_error: BaseException | None = None
@@ -264,7 +273,7 @@ class EngineCore:
     @property
     def paused(self) -> bool:
         """Whether steps are held back: paused, draining for a pause, or asleep."""
-        return self._pause_state is not None or self.runner_asleep()
+        return self._pause_state is not PauseState.RUNNING or self.runner_asleep()
 
     def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the thread. ``drain``: finish live requests first; otherwise cancel them."""
@@ -294,7 +303,7 @@ class EngineCore:
                 if not self._may_step() or not self.scheduler.has_work():
                     if self._flush_inflight():
                         continue
-                    if self._pause_state == "draining" and not self.scheduler.has_work():
+                    if self._pause_state is PauseState.DRAINING and not self.scheduler.has_work():
                         self._enter_paused()
                     if self.sync is None:
                         self._wake.wait()
@@ -405,7 +414,7 @@ class EngineCore:
                 if self._stopping and not self._drain_on_stop:
                     self._end_unscheduled(req, RequestStatus.CANCELLED)
                     return False
-                if self._pause_state == "draining":
+                if self._pause_state is PauseState.DRAINING:
                     self._held.append(req)
                 else:
                     self.scheduler.add(req)
@@ -434,7 +443,7 @@ class EngineCore:
                 self._drain_on_stop = drain
                 if self.runner_asleep() and drain and self.scheduler.has_work():
                     self._wake_runner()  # a draining stop runs what is left
-                if self._pause_state is not None:  # a stop ends a pause: drained or cancelled, nothing stays parked
+                if self._pause_state is not PauseState.RUNNING:  # a stop ends a pause: drained or cancelled, nothing stays parked
                     self._leave_pause()
                 return True
         raise ValueError(f"unknown engine command {cmd!r}")
@@ -486,11 +495,11 @@ class EngineCore:
         if self._stopping:
             fut.set_exception(EngineNotRunningError("the engine is stopping"))
             return False
-        if mode == "wait" and self._pause_state is None:
-            self._pause_state = "draining"
+        if mode == "wait" and self._pause_state is PauseState.RUNNING:
+            self._pause_state = PauseState.DRAINING
             self._pause_waiters.append(fut)
             return True
-        if mode == "wait" and self._pause_state == "draining":
+        if mode == "wait" and self._pause_state is PauseState.DRAINING:
             self._pause_waiters.append(fut)
             return True
         self._flush_inflight()
@@ -502,7 +511,7 @@ class EngineCore:
 
     def _enter_paused(self) -> None:
         """No more steps: requests held while draining join the queue (they run on resume)."""
-        self._pause_state = "paused"
+        self._pause_state = PauseState.PAUSED
         while self._held:
             self.scheduler.add(self._held.popleft())
         self._publish_stats()
@@ -512,7 +521,7 @@ class EngineCore:
 
     def _leave_pause(self) -> None:
         self._enter_paused()  # held requests join the queue; pause() callers hear it ended
-        self._pause_state = None
+        self._pause_state = PauseState.RUNNING
         self._publish_stats()
 
     def _resume(self, fut: Future) -> bool:
@@ -530,7 +539,7 @@ class EngineCore:
 
     def _may_step(self) -> bool:
         """Whether steps may run: not paused (a drain still runs its live requests) and awake."""
-        return self._pause_state != "paused" and not self.runner_asleep()
+        return self._pause_state is not PauseState.PAUSED and not self.runner_asleep()
 
     def sleep(self) -> Any:
         """(Engine thread.) Hold the steps, take every running request off the device (recomputed

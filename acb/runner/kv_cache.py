@@ -125,12 +125,6 @@ def _sysconf_bytes(pages: str, default: int) -> int:
         return default
 
 
-def total_host_memory() -> int:
-    """Bytes of RAM on this machine (Linux ``MemTotal``; a sysconf fallback)."""
-    found = meminfo_bytes("MemTotal")
-    return found if found is not None else _sysconf_bytes("SC_PHYS_PAGES", 8 << 30)
-
-
 def available_host_memory() -> int:
     """Bytes of RAM available to this process now (Linux ``MemAvailable``; a sysconf fallback)."""
     found = meminfo_bytes("MemAvailable")
