@@ -476,7 +476,7 @@ def _load_tp_model(path: str | None, dtype: Any) -> Any:
 
 def _is_tp_follower(model: Any) -> bool:
     """A tensor-parallel rank other than the group's first: its engine follows the leader's."""
-    from acb.distributed.tp import tp_group
+    from acb.runner.tp_sync import tp_group
 
     group = tp_group(model)
     if group is None:

@@ -163,7 +163,7 @@ class EngineBase:
             assert runner is not None  # prepare() built it
             self.gate = AdmissionGate(self.cb_config.max_queue_size)
             sync = None
-            from acb.distributed.tp import StepSync, tp_group
+            from acb.runner.tp_sync import StepSync, tp_group
 
             group = tp_group(self.model)
             if group is not None:  # tensor parallel: every rank's engine runs the leader's requests

@@ -141,7 +141,7 @@ class EngineCore:
         sync: StepSyncLike | None = None,
     ) -> None:
         """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device).
-        ``sync``: the tensor-parallel command broadcast (:mod:`acb.distributed.tp`), when the
+        ``sync``: the tensor-parallel command broadcast (:mod:`acb.runner.tp_sync`), when the
         model is sharded over several ranks."""
         cfg = runner.cfg
         self.weight_resets = 0  # times the prefix cache was dropped because the weights changed

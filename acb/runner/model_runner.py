@@ -25,8 +25,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
-from acb.distributed.tp import agree_min, check_same_settings, tp_group, tp_size_of
-from acb.core.scheduler import SchedulerOutput
+from acb.runner.tp_sync import agree_min, check_same_settings, tp_group, tp_size_of
+from acb.core.messages import SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.attention import (
@@ -615,8 +615,8 @@ class ModelRunner:
         num_samples = len(sched.sample_idx)
         scored = sched.prompt_lp or sched.next_lp
         if scored:  # prompt logprobs and scoring: the head also runs on those rows (and on no other)
-            rows = torch.tensor([f + j for _, _, c, f, _ in sched.prompt_lp for j in range(c)]
-                                + [r for _, r, _ in sched.next_lp], dtype=torch.long)
+            rows = torch.tensor([p.row + j for p in sched.prompt_lp for j in range(p.num)]
+                                + [n.row for n in sched.next_lp], dtype=torch.long)
             batch = dataclasses.replace(batch, logits_indices=torch.cat([batch.logits_indices, rows.to(self.device)]),
                                         logits_identity=False, decode_only=False)
         logits = None
@@ -629,9 +629,9 @@ class ModelRunner:
         if scored:
             n_prompt = logits.shape[0] - num_samples - len(sched.next_lp)
             if sched.prompt_lp:
-                targets = [t for *_, toks in sched.prompt_lp for t in toks]
+                targets = [t for p in sched.prompt_lp for t in p.targets]
                 prompt = self._scored_logprobs(logits[num_samples : num_samples + n_prompt], targets,
-                                               max(req.params.prompt_logprobs for req, *_ in sched.prompt_lp))
+                                               max(p.req.params.prompt_logprobs for p in sched.prompt_lp))
             if sched.next_lp:
                 nxt = self._next_logprobs(logits[num_samples + n_prompt :], sched)
             logits = logits[:num_samples]
@@ -662,10 +662,10 @@ class ModelRunner:
         logprobs (flat, in entry order) and each row's top-k (the largest k asked for, at least 1:
         the greedy token)."""
         lp = torch.log_softmax(logits.float(), dim=-1)
-        row = torch.tensor([i for i, (_, _, toks) in enumerate(sched.next_lp) for _ in toks], dtype=torch.long,
+        row = torch.tensor([i for i, n in enumerate(sched.next_lp) for _ in n.tokens], dtype=torch.long,
                            device=self.device)
-        tok = torch.tensor([t for _, _, toks in sched.next_lp for t in toks], dtype=torch.long, device=self.device)
-        k = max(max(req.params.prompt_logprobs or 0, 1) for req, _, _ in sched.next_lp)
+        tok = torch.tensor([t for n in sched.next_lp for t in n.tokens], dtype=torch.long, device=self.device)
+        k = max(max(n.req.params.prompt_logprobs or 0, 1) for n in sched.next_lp)
         top = lp.topk(k, dim=-1)
         return lp[row, tok], top.indices, top.values
 
@@ -759,10 +759,10 @@ class ModelRunner:
         assert step.next is not None
         values, ids, vals = (t.tolist() for t in step.next)  # scoring steps: a plain sync is fine
         out, i = [], 0
-        for e, (req, _, toks) in enumerate(step.sched.next_lp):
-            k = max(req.params.prompt_logprobs or 0, 1)
-            out.append((values[i : i + len(toks)], list(zip(ids[e][:k], vals[e][:k]))))
-            i += len(toks)
+        for e, n in enumerate(step.sched.next_lp):
+            k = max(n.req.params.prompt_logprobs or 0, 1)
+            out.append((values[i : i + len(n.tokens)], list(zip(ids[e][:k], vals[e][:k]))))
+            i += len(n.tokens)
         return out
 
     @staticmethod
@@ -770,8 +770,8 @@ class ModelRunner:
         assert step.prompt is not None
         chosen, ids, vals = (t.tolist() for t in step.prompt)  # rare: a plain sync is fine
         out, i = [], 0
-        for req, _, c, _, _ in step.sched.prompt_lp:
-            k = req.params.prompt_logprobs
-            out.append((chosen[i : i + c], [list(zip(ids[j][:k], vals[j][:k])) for j in range(i, i + c)]))
-            i += c
+        for p in step.sched.prompt_lp:
+            k = p.req.params.prompt_logprobs
+            out.append((chosen[i : i + p.num], [list(zip(ids[j][:k], vals[j][:k])) for j in range(i, i + p.num)]))
+            i += p.num
         return out
