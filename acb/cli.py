@@ -766,7 +766,7 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
     from dataclasses import replace
 
     import acb
-    from acb.api.handles import ThreadSink
+    from acb.api.sinks import ThreadSink
 
     sampling = _sampling(args)
     run = RunResult(total=len(specs))

@@ -8,7 +8,9 @@ import anyio
 
 from acb.api import scoring
 from acb.api.base import EngineBase
-from acb.api.handles import AsyncSink, RequestHandle, await_future, current_loop
+from acb.api.handles import RequestHandle
+from acb.api.loops import await_future, current_loop
+from acb.api.sinks import AsyncSink
 from acb.errors import QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import SamplingParams, with_overrides

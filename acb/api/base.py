@@ -24,7 +24,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from acb import telemetry
-from acb.api.handles import AdmissionGate, _SinkState, deliver
+from acb.api.gate import AdmissionGate
+from acb.api.sinks import _SinkState, deliver
 from acb.api.scoring import ScoreSpec
 from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats

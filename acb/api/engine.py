@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from acb.api import scoring
 from acb.api.base import EngineBase
-from acb.api.handles import SyncRequestHandle, ThreadSink
+from acb.api.handles import SyncRequestHandle
+from acb.api.sinks import ThreadSink
 from acb.config import ConfigLike
 from acb.core.request import Request
 from acb.errors import AcbError, QueueFullError, RequestFailedError

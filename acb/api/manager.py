@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from acb.api.engine import Engine
 from acb.api.base import as_token_list
-from acb.api.handles import ThreadSink, current_loop
+from acb.api.loops import current_loop
+from acb.api.sinks import ThreadSink
 from acb.core.engine_core import Delivery
 from acb.config import ConfigLike, ContinuousBatchingConfig
 from acb.outputs import GenerationOutput, RequestStatus

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 import acb
-from acb.api import handles
+from acb.api import loops
 from acb.models import build_tokenizer
 from tests.conftest import get_model, reference_generate
 
@@ -41,9 +41,9 @@ async def wait_until(cond, timeout: float = 30) -> None:
 
 async def test_tests_run_on_the_backend_they_name(anyio_backend):
     # pytest-asyncio in auto mode would run the [trio] variants on asyncio (see tests/conftest.py)
-    loop = handles.current_loop()
+    loop = loops.current_loop()
     if anyio_backend == "trio":
-        assert isinstance(loop, handles._TrioLoop) and handles.current_loop() is loop  # one per run
+        assert isinstance(loop, loops._TrioLoop) and loops.current_loop() is loop  # one per run
         assert "trio" in sys.modules and sys.modules["sniffio"].current_async_library() == "trio"
     else:
         assert loop is asyncio.get_running_loop()

@@ -9,7 +9,7 @@ import pytest
 from acb.core.messages import Add
 
 import acb
-from acb.api.handles import ThreadSink
+from acb.api.sinks import ThreadSink
 from acb.distributed.tp import decode_commands, encode_commands
 from acb.models import build_tokenizer, default_model
 
