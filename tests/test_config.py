@@ -15,7 +15,7 @@ import transformers
 
 import acb
 from acb.config import DEPRECATED, NOT_YET_SUPPORTED, as_config, transformers_fields
-from acb.runner.model_runner import block_size_for
+from acb.runner.setup import block_size_for
 from tests.conftest import get_model
 
 TF = transformers.ContinuousBatchingConfig

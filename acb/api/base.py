@@ -143,7 +143,8 @@ class EngineBase:
     def prepare(self) -> None:
         """Check the model, size and allocate the KV cache (idempotent; ``start`` calls it)."""
         if self.runner is None:
-            from acb.runner.model_runner import ModelRunner, device_scope, model_device  # the API's only torch code
+            from acb.runner.model_runner import ModelRunner  # the API's only torch code
+            from acb.runner.setup import device_scope, model_device
 
             with device_scope(model_device(self.model)):
                 runner = (self._runner_cls or ModelRunner)(self.model, self.cb_config)

@@ -47,7 +47,7 @@ from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStat
 from acb.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from acb.config import ResolvedConfig
+    pass
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.kv_manager import KVManager

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -24,23 +23,29 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from acb.config import ContinuousBatchingConfig, ResolvedConfig
-from acb.runner.tp_sync import agree_min, check_same_settings, tp_group, tp_size_of
+from acb.config import ContinuousBatchingConfig
+from acb.runner.tp_sync import check_same_settings, tp_group, tp_size_of
 from acb.core.messages import SchedulerOutput
-from acb.errors import UnsupportedModelError
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.attention import (
-    ATTN_IMPL_NAME,
     AttentionBackend,
     StepContext,
     make_backend,
     register_with_transformers,
-    set_own_implementation,
     step_context,
 )
 from acb.runner.eval_mode import DROPOUT_GUARD, engine_forward
+from acb.runner.setup import (
+    _ATTN_SWAP,
+    _decode_graph_flag,
+    check_model,
+    device_scope,
+    model_device,
+    resolve_config,
+    staging_bytes,
+)
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
-from acb.runner.kv_cache import KVCache, KVSpec, available_host_memory, size_kv_cache
+from acb.runner.kv_cache import KVCache, KVSpec
 from acb.runner.sampler import SamplingState, sample
 
 if TYPE_CHECKING:
@@ -49,10 +54,6 @@ if TYPE_CHECKING:
     from acb.runner.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
-DEFAULT_BLOCK_SIZE = 32
-
 
 @dataclass(frozen=True)
 class MemoryReleased:
@@ -101,230 +102,6 @@ class HostResult:
 
     tensor: torch.Tensor
     done: torch.cuda.Event | None
-
-
-def check_model(model: PreTrainedModel) -> None:
-    """Refuse, with the reason, models acb cannot run correctly."""
-    cfg = model.config
-    name = type(model).__name__
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model; acb runs decoder-only causal LMs")
-    if not hasattr(model, "get_decoder") and not hasattr(model, "model"):
-        raise UnsupportedModelError(f"{name} is not a transformers causal LM")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"{name} does not route its attention through transformers' AttentionInterface "
-            "(_supports_attention_backend is False), so acb cannot page its KV cache"
-        )
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:
-        other = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
-        if other:
-            raise UnsupportedModelError(
-                f"{name} has layers of type {other}; acb supports only {sorted(SUPPORTED_LAYER_TYPES)}"
-            )
-    if getattr(text, "attention_chunk_size", None):
-        raise UnsupportedModelError(f"{name} uses chunked attention (attention_chunk_size), not supported by acb")
-    if getattr(text, "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(f"{name} shares KV caches across layers (num_kv_shared_layers), not supported")
-
-
-def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
-    text = model.config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    # tensor parallel (from_pretrained(tp_plan=...)): the config holds the global head counts, but
-    # each rank's k_proj is column-sharded, so its attention sees (and its cache holds) a slice
-    kv_heads = local_kv_heads(model, kv_heads)
-    return KVSpec(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-
-
-def local_kv_heads(model: PreTrainedModel, kv_heads: int) -> int:
-    """The KV heads this rank's attention layers hold."""
-    tp = tp_size_of(model)
-    if tp == 1:
-        return kv_heads
-    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
-
-    local = get_kv_heads_per_rank(getattr(model, "tp_plan", None) or {}, kv_heads, tp)
-    if not isinstance(local, int):
-        raise UnsupportedModelError(f"{kv_heads} KV heads cannot be split evenly over {tp} tensor-parallel ranks")
-    return int(local)
-
-
-def model_max_len(model: PreTrainedModel) -> int:
-    text = model.config.get_text_config()
-    return int(getattr(text, "max_position_embeddings", None) or 1 << 20)
-
-
-def default_backend(device: torch.device, dtype: torch.dtype, block_size: int | None) -> str:
-    """flash-attn on CUDA when it is installed and fits (fp16/bf16, blocks of 256k tokens), else
-    Triton on CUDA when it imports, else the torch reference."""
-    if device.type == "cuda":
-        import importlib.util
-
-        from acb.runner.attention import flash_attn_backend
-
-        if flash_attn_backend.unavailable_reason(device, dtype, block_size) is None:
-            return "flash_attn"
-        if importlib.util.find_spec("triton") is not None:
-            return "triton"
-        logger.warning("triton is not installed; using the torch attention backend on CUDA")
-    return "torch"
-
-
-def block_size_for(backend: str, block_size: int | None) -> int:
-    from acb.runner.attention.flash_attn_backend import PAGE_MULTIPLE
-
-    return block_size or (PAGE_MULTIPLE if backend == "flash_attn" else DEFAULT_BLOCK_SIZE)
-
-
-def staging_bytes(cfg: ResolvedConfig) -> int:
-    """Initial size of a staging set: a full step's token arrays and per-row arrays, with room
-    for sampling parameters and block-table updates (it grows if a step ever needs more)."""
-    tokens, rows = cfg.max_batch_tokens, cfg.max_requests_per_batch
-    return 8 * (4 * tokens + 8 * rows + 16) + 4 * 16 * rows + 8 * 2 * 4 * rows
-
-
-def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> tuple[ResolvedConfig, KVSpec]:
-    """Concrete sizes for this model on its device (the only place memory is measured).
-
-    With ``num_blocks`` unset, the KV cache gets ``max_memory_percent`` of the device's free
-    memory (CUDA; measured now, after the model is loaded) or a conservative share of the
-    available RAM (CPU), minus the step's transient memory (:func:`acb.runner.kv_cache.size_kv_cache`). If
-    that cannot hold one request of ``max_model_len`` tokens, start fails with the figures.
-    With ``num_blocks`` set, ``max_model_len`` is lowered to what the cache holds.
-    """
-    device = model_device(model)
-    dtype = next(model.parameters()).dtype
-    spec = kv_spec_of(model, dtype)
-    backend = config.attn_backend or default_backend(device, dtype, config.page_size)
-    if config.attn_backend == "flash_attn":  # an automatic pick has passed this check already
-        from acb.runner.attention import flash_attn_backend
-
-        problem = flash_attn_backend.unavailable_reason(device, dtype, config.page_size)
-        if problem is not None:
-            raise ValueError(f"attn_backend='flash_attn' cannot run here: {problem}")
-    block_size = block_size_for(backend, config.page_size)
-    max_len = model_max_len(model)
-    if config.max_model_len is not None:
-        max_len = min(max_len, config.max_model_len)
-    cuda = device.type == "cuda"
-    max_reqs = config.max_requests_per_batch or (256 if cuda else 128)
-    max_batch_tokens = config.max_batch_tokens or (8192 if cuda else 2048)
-    per_block = spec.bytes_per_block(block_size)
-    if config.num_blocks is not None:
-        num_blocks = config.num_blocks
-    else:
-        num_blocks = size_kv_cache(model, spec, device, config.max_memory_percent, block_size=block_size,
-                                   max_len=max_len, max_reqs=max_reqs, max_batch_tokens=max_batch_tokens)
-    # as transformers: the offload space is capped at the threshold's share of the RAM available
-    # now (0 turns offload off), and None sizes it to that cap
-    swap_cap = int(config.cpu_offload_space_safety_threshold * available_host_memory())
-    space = config.cpu_offload_space
-    swap_bytes = swap_cap if space is None else min(int(space * 2**30), swap_cap)
-    group = tp_group(model)
-    if group is not None:  # tensor parallel: every rank runs the same schedule, so the smallest sizes
-        num_blocks, swap_bytes = agree_min(group, [num_blocks, swap_bytes])
-    # a single request may hold at most what the cache holds and what the model can position
-    max_model_len = min(max_len, (num_blocks - 1) * block_size)
-    resolved = ResolvedConfig(
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=max_reqs,
-        max_model_len=max_model_len,
-        scheduler_type=config.scheduler_type,
-        safety_margin=0.01 if config.safety_margin is None else config.safety_margin,
-        max_queue_size=config.max_queue_size,
-        return_logprobs=config.return_logprobs,
-        seed=config.seed,
-        attn_backend=backend,
-        device=str(device),
-        kv_cache_bytes=num_blocks * per_block,
-        num_swap_blocks=swap_bytes // per_block,
-        prefix_caching=config.allow_block_sharing,
-        async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
-    )
-    return resolved, spec
-
-
-def _decode_graph_flag(use_cuda_graph: bool | tuple[bool, bool] | None) -> bool | None:
-    """transformers' ``use_cuda_graph`` (a bool for both paths, or (varlen, decode)) -> the decode flag."""
-    if isinstance(use_cuda_graph, tuple):
-        if use_cuda_graph[0]:
-            logger.warning("CUDA graphs for mixed (varlen) steps are not used: acb runs them eagerly "
-                           "and replays graphs for decode-only steps")
-        return use_cuda_graph[1]
-    return use_cuda_graph
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def device_scope(device: torch.device, stream: "torch.cuda.Stream | None" = None) -> contextlib.AbstractContextManager:
-    """On CUDA: ``device`` (and ``stream``) made current for the block. Triton launches, new
-    streams, graph capture and pools all follow the current device, and the engine thread's
-    current device is 0 whatever the model's; a caller's stream context must not leak in either."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.cuda.device(device))
-    if stream is not None:
-        stack.enter_context(torch.cuda.stream(stream))
-    return stack
-
-
-def _set_attn(model: PreTrainedModel, impl: str) -> None:
-    try:
-        model.set_attn_implementation(impl)
-    except (AttributeError, ValueError, KeyError, ImportError):
-        model.config._attn_implementation = impl
-
-
-class _AttentionSwap:
-    """acb's attention on a model for as long as any runner uses it, then the model's own back.
-
-    Counted per model object, so that two engines on one model both run acb's attention and
-    the model gets its own implementation back when the last of them stops, in any order.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users: dict[int, tuple[int, str | None]] = {}  # id(model) -> (runners, its own implementation)
-
-    def acquire(self, model: PreTrainedModel) -> None:
-        with self._lock:
-            users, own = self._users.get(id(model), (0, None))
-            if users == 0:
-                own = model.config._attn_implementation
-                set_own_implementation(_configs(model), own)
-                _set_attn(model, ATTN_IMPL_NAME)
-            self._users[id(model)] = (users + 1, own)
-
-    def release(self, model: PreTrainedModel) -> None:
-        with self._lock:
-            users, own = self._users.pop(id(model))
-            if users > 1:
-                self._users[id(model)] = (users - 1, own)
-            elif own is not None:
-                _set_attn(model, own)
-                set_own_implementation(_configs(model), None)
-
-
-def _configs(model: PreTrainedModel) -> list[Any]:
-    """The config objects the model's modules may hold (the model's and its text config)."""
-    out = [model.config]
-    text = model.config.get_text_config()
-    if text is not model.config:
-        out.append(text)
-    return out
-
-
-_ATTN_SWAP = _AttentionSwap()
 
 
 def _step_counter(runner: "weakref.ref[ModelRunner]") -> Callable[[torch.optim.Optimizer, Any, Any], None]:

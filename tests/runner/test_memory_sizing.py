@@ -9,7 +9,7 @@ import torch
 import acb
 from acb.runner import kv_cache
 from acb.runner.kv_cache import step_workspace_bytes
-from acb.runner.model_runner import resolve_config
+from acb.runner.setup import resolve_config
 from tests.conftest import get_model
 
 
@@ -49,7 +49,7 @@ def test_max_model_len_limits_requests():
 
 def test_offload_space_clamped_by_safety_threshold(monkeypatch):
     model = get_model("llama")
-    monkeypatch.setattr("acb.runner.model_runner.available_host_memory", lambda: 1 << 20)
+    monkeypatch.setattr("acb.runner.setup.available_host_memory", lambda: 1 << 20)
 
     def swap_blocks(**kw):
         cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=32, **kw))
