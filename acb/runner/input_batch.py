@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from acb.core.scheduler import SchedulerOutput
+from acb.core.messages import SchedulerOutput
 from acb.runner.attention import BatchInputs
 
 _ALIGN = 16  # bytes; every staged array starts aligned, so byte views can be re-typed
