@@ -1,4 +1,4 @@
-"""``acb generate`` (acb/cli.py): in-process runs on the embedded default model, small sizes,
+"""``acb generate`` (acb/cli/generate.py): in-process runs on the embedded default model, small sizes,
 and two subprocess runs (``-o -`` on stdout; Ctrl-C)."""
 
 from __future__ import annotations

@@ -1,0 +1,65 @@
+"""``acb bench``: the benchmark workloads (:mod:`acb.bench`) from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from acb.cli.common import (
+    CliError,
+)
+
+
+def _add_bench(sub: Any) -> None:
+    from acb.bench import WORKLOADS
+
+    p = sub.add_parser(
+        "bench",
+        help="run benchmark workloads side by side with baselines (writes JSON and PNG)",
+        description=(
+            "Run a named workload (or 'all') on acb and, where they apply, on transformers' continuous "
+            "batching and padded model.generate in the same process, then print a table and write "
+            "{cpu|gpu}_WORKLOAD.json (+ .png with matplotlib) to --out-dir. 'report' regenerates the "
+            "README's results tables from those JSON files."
+        ),
+    )
+    p.add_argument("workload", choices=[*WORKLOADS, "all", "report"], help="what to run")
+    p.add_argument("--size", choices=["tiny", "default"], default="default",
+                   help="tiny: seconds, for smoke tests; default: the documented workloads")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--out-dir", default="benchmarks/results", help="where JSON/PNG go (default: benchmarks/results)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the transformers / generate baselines")
+    p.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
+    p.add_argument("--update-readme", metavar="README", default=None,
+                   help="rewrite this README's generated results block(s) afterwards")
+    p.set_defaults(func=cmd_bench, _parser=p)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from acb.bench import WORKLOADS, run_workload
+    from acb.bench.report import markdown_for, update_readme
+
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--device cuda: CUDA is not available")
+    names = [] if args.workload == "report" else (list(WORKLOADS) if args.workload == "all" else [args.workload])
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    for name in names:
+        print(f"== {name} ({args.size}, {args.device})", file=sys.stderr, flush=True)
+        doc = run_workload(name, size=args.size, device=args.device, out_dir=args.out_dir,
+                           baselines=not args.no_baselines, plot=not args.no_plot)
+        print(markdown_for(doc))
+        print(f"wrote {doc['json_path']}" + (f" and {doc['png_path']}" if doc.get("png_path") else
+                                             " (no plot: matplotlib not installed)" if not args.no_plot else ""),
+              file=sys.stderr)
+    if args.update_readme:
+        for kind in ("cpu", "gpu"):
+            if update_readme(args.update_readme, args.out_dir, kind):
+                print(f"updated the {kind} results block of {args.update_readme}", file=sys.stderr)
+    return 0
+
+

@@ -1,0 +1,283 @@
+"""What the ``acb`` subcommands share: exit statuses, the error type, the engine, model and
+telemetry flags, and loading a model and its tokenizer (a local checkpoint, the embedded
+default model, or a tensor-parallel one under ``torchrun``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from acb.config import ATTN_BACKENDS, SCHEDULER_TYPES
+
+DEFAULT_OUTPUT = "acb_generate_out.jsonl"
+STDOUT = "-"  # --output - : results on stdout, every human-facing line on stderr
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
+# the embedded default tokenizer has no chat template of its own; "messages" lines get this one
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+SPECIAL_IDS = (0, 1, 2)  # excluded from synthetic prompts (pad, bos, eos of the default tokenizer)
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class CliError(Exception):
+    """A user error detected after argument parsing; reported as ``parser.error`` (exit 2)."""
+
+
+@dataclass
+class PromptSpec:
+    """One request: its output ``id``, token ids, optional own ``max_new_tokens``, and where it
+    came from (``FILE:LINE`` of a ``--prompts`` line; None for a synthetic prompt)."""
+
+    id: Any
+    prompt_ids: list[int]
+    max_new_tokens: int | None = None
+    where: str | None = None
+
+    def describe(self, index: int) -> str:
+        """How an error names this prompt: ``FILE:LINE``, else its position and id."""
+        return self.where if self.where is not None else f"prompt {index} (id {self.id!r})"
+
+
+
+
+def _add_engine_flags(eng: Any) -> None:
+    """The ContinuousBatchingConfig fields that `generate` and `serve` both expose."""
+    eng.add_argument("--max-batch-tokens", type=_positive_int, default=None, metavar="N",
+                     help="token budget per step (default: resolved by the engine)")
+    eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
+                     help="KV cache blocks (default: from available memory)")
+    eng.add_argument("--page-size", "--block-size", dest="page_size", type=_positive_int, default=None,
+                     metavar="N", help="tokens per KV block (default: resolved by the engine)")
+    eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
+                     help="most sequences in one step (default: resolved by the engine)")
+    eng.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                     help="most tokens (prompt + generated) per request (default: the model's max positions)")
+    eng.add_argument("--async-batching", dest="use_async_batching", action=argparse.BooleanOptionalAction,
+                     default=None, help="schedule step N+1 while step N runs (default: on for CUDA, off for CPU)")
+    eng.add_argument("--cuda-graphs", dest="use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
+                     help="replay CUDA graphs for decode steps (default: on for CUDA)")
+    eng.add_argument("--prefix-caching", dest="allow_block_sharing", action=argparse.BooleanOptionalAction,
+                     default=True, help="share KV blocks between requests with a common prefix (default: on)")
+    eng.add_argument("--cpu-offload-space", type=_non_negative_float, default=0.0, metavar="GIB",
+                     help="GiB of host memory to offload preempted requests' KV blocks to (default: 0 = none)")
+    eng.add_argument("--attn-backend", choices=ATTN_BACKENDS, default=None,
+                     help="attention kernels (default: the best available)")
+    eng.add_argument("--cpu-packed-linears", dest="cpu_packed_linears", action=argparse.BooleanOptionalAction,
+                     default=None, help="CPU: run float32 linear layers of decode steps on oneDNN-packed weight "
+                                        "copies (default: on for models of at least 2M linear params per layer)")
+    eng.add_argument("--scheduler", dest="scheduler_type", choices=SCHEDULER_TYPES, default="fifo",
+                     help="scheduling policy (default: fifo)")
+
+
+def _add_model_flags(p: Any) -> Any:
+    """--model, --dtype, --device (the "model" group, returned for more)."""
+    src = p.add_argument_group("model")
+    src.add_argument("--model", metavar="PATH", default=None,
+                     help="local checkpoint directory (model + tokenizer; nothing is downloaded). "
+                          "Default: the embedded random-weight model (meaningless text).")
+    src.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype (default: float32)")
+    src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    return src
+
+
+def _add_telemetry_flags(p: Any) -> None:
+    tel = p.add_argument_group("telemetry (OpenTelemetry; needs the otel extra for OTLP)")
+    tel.add_argument("--otlp-endpoint", metavar="URL", default=None,
+                     help="export spans and metrics over OTLP to this collector base URL, e.g. http://localhost:4318 "
+                          "(default: $OTEL_EXPORTER_OTLP_ENDPOINT and the other standard variables; none: no export)")
+    tel.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
+                     help="OTLP protocol (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)")
+    tel.add_argument("--otel-capture-content", action="store_true",
+                     help="record prompt and output text in the spans (off by default)")
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """The model's name in the API and in telemetry: the checkpoint directory's name, or acb-default."""
+    name = getattr(args, "served_model_name", None)
+    return name or (os.path.basename(os.path.normpath(args.model)) if args.model else "acb-default")
+
+
+def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
+    """The engine's config from the shared engine flags (plus ``extra`` fields)."""
+    import acb
+
+    try:
+        return acb.ContinuousBatchingConfig(
+            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, page_size=args.page_size,
+            max_requests_per_batch=args.max_requests_per_batch, max_model_len=args.max_model_len,
+            use_async_batching=args.use_async_batching, use_cuda_graph=args.use_cuda_graph,
+            allow_block_sharing=args.allow_block_sharing, cpu_offload_space=args.cpu_offload_space,
+            attn_backend=args.attn_backend, scheduler_type=args.scheduler_type,
+            cpu_packed_linears=args.cpu_packed_linears, **extra,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return v
+
+
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    if args.prompts is not None and not os.path.isfile(args.prompts):
+        raise CliError(f"--prompts: no such file: {args.prompts}")
+    if args.model is not None and not os.path.isdir(args.model):
+        raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    parent = os.path.dirname(os.path.abspath(args.output))
+    if args.output != STDOUT and not os.path.isdir(parent):
+        raise CliError(f"--output: directory does not exist: {parent}")
+    if args.prompts is None and args.min_prompt_len > args.max_prompt_len:
+        raise CliError(
+            f"--min-prompt-len ({args.min_prompt_len}) is larger than --max-prompt-len ({args.max_prompt_len})"
+        )
+
+
+def _check_device(device: str) -> Any:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(f"--device: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: CUDA is not available")
+    return dev
+
+
+def _load_tokenizer(args: argparse.Namespace) -> Any:
+    if args.model is None:
+        from acb.models import build_tokenizer
+
+        tok = build_tokenizer()
+        if getattr(tok, "chat_template", None) is None:
+            tok.chat_template = DEFAULT_CHAT_TEMPLATE
+        return tok
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    except Exception as exc:  # a checkpoint without a tokenizer can still run prompt_ids
+        print(f"acb generate: warning: no tokenizer loaded from {args.model} ({type(exc).__name__}: {exc}); "
+              "text prompts are rejected and outputs have text=null", file=sys.stderr)
+        return None
+
+
+def _under_torchrun() -> bool:
+    """Launched by ``torchrun`` with more than one process: the model is loaded tensor-parallel."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+
+
+def _load_tp_model(path: str | None, dtype: Any) -> Any:
+    """Under torchrun: ``from_pretrained(..., tp_plan="auto")`` (the embedded model is saved to a
+    temporary directory first: every rank builds the same seeded weights)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if path is None:
+            from acb.models import default_model
+
+            default_model(dtype=dtype).save_pretrained(tmp)
+            path = tmp
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"), local_files_only=True)
+        except Exception as exc:
+            raise CliError(f"--model: cannot load {path} tensor-parallel: {type(exc).__name__}: {exc}") from None
+    return model.eval()
+
+
+def _is_tp_follower(model: Any) -> bool:
+    """A tensor-parallel rank other than the group's first: its engine follows the leader's."""
+    from acb.runner.tp_sync import tp_group
+
+    group = tp_group(model)
+    if group is None:
+        return False
+    import torch.distributed as dist
+
+    return dist.get_rank() != dist.get_process_group_ranks(group)[0]
+
+
+def _follow(model: Any, cfg: Any) -> int:
+    """A follower rank's whole job: run the leader's requests in lock step until it stops."""
+
+    import acb
+
+    # torchrun passes SIGTERM (and a terminal's Ctrl-C reaches every rank): the leader stops the
+    # engines of all ranks, so a follower leaving on its own would only break the leader's step
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    engine = acb.Engine(model, cfg)
+    engine.start()
+    engine.join()
+    if engine.core is not None and engine.core.dead_error is not None:
+        raise CliError(f"the tensor-parallel engine died: {engine.core.dead_error!r}")
+    return 0
+
+
+def _load_model(args: argparse.Namespace, device: Any) -> Any:
+    dtype = _torch_dtype(args.dtype)
+    if _under_torchrun():
+        return _load_tp_model(args.model, dtype)
+    if args.model is None:
+        from acb.models import default_model
+
+        model = default_model(dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from transformers.utils import logging as hf_logging
+
+        bars_were_on = hf_logging.is_progress_bar_enabled()
+        if args.no_progress:
+            hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
+        except Exception as exc:
+            raise CliError(f"--model: cannot load {args.model}: {type(exc).__name__}: {exc}") from None
+        finally:
+            if bars_were_on:
+                hf_logging.enable_progress_bar()
+    return model.to(device).eval()
+
+
+def _vocab_size(model: Any) -> int:
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(text.vocab_size)
+
+

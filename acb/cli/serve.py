@@ -1,0 +1,111 @@
+"""``acb serve``: the OpenAI-compatible server (:mod:`acb.serve`) on one engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from acb.cli.common import (
+    CliError,
+    _add_engine_flags,
+    _add_model_flags,
+    _add_telemetry_flags,
+    _check_device,
+    _engine_config,
+    _follow,
+    _is_tp_follower,
+    _load_model,
+    _load_tokenizer,
+    _model_name,
+    _non_negative_float,
+    _positive_int,
+)
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
+        description=(
+            "Serve a local checkpoint (or the embedded random-weight model) with the OpenAI API: "
+            "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, plus GET /health (200 once "
+            "the engine runs) and GET /metrics (Prometheus). SIGINT/SIGTERM stop accepting, let in-flight "
+            "requests finish for --grace-period seconds (then cancel them) and exit 0."
+        ),
+    )
+    src = _add_model_flags(p)
+    src.add_argument("--served-model-name", metavar="NAME", default=None,
+                     help="the model's name in the API (default: the checkpoint directory's name)")
+    http = p.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    http.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on /v1 (default: $ACB_API_KEY, else none)")
+    http.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20, metavar="N",
+                      help="largest request body accepted; larger ones get 413 (default: 16 MiB)")
+    http.add_argument("--grace-period", type=_non_negative_float, default=30.0, metavar="S",
+                      help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 30)")
+    http.add_argument("--max-prompts-per-request", type=_positive_int, default=1024, metavar="N",
+                      help="most completions (prompts x n) one request may ask for; more get 400 (default: 1024)")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="accept a chat template in the request (chat_template): it is code the server runs "
+                           "(default: refused with 400)")
+    eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
+    eng.add_argument("--max-queue-size", type=int, default=0, metavar="N",
+                     help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)")
+    _add_engine_flags(eng)
+    _add_telemetry_flags(p)
+    eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
+    dp = p.add_argument_group("data parallel (acb/serve/router.py)")
+    dp.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
+                    help="run N engine replicas (one `acb serve` process each; one GPU each with --device cuda "
+                         "and N GPUs) behind one endpoint that routes by load and prefix affinity (default: 1)")
+    dp.add_argument("--router-default-max-tokens", type=_positive_int, default=256, metavar="N",
+                    help="the router's load estimate for a chat request without max_tokens (default: 256)")
+    p.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
+    p.set_defaults(func=cmd_serve, _parser=p, no_progress=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model is not None and not os.path.isdir(args.model):
+        raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    if args.data_parallel > 1:  # a router process in front of N `acb serve` replicas
+        _check_device(args.device)
+        try:
+            from acb.serve.router import serve_data_parallel
+        except ImportError as exc:
+            raise CliError(str(exc)) from None
+        return serve_data_parallel(args)
+    device = _check_device(args.device)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.verbose:
+        logging.getLogger("acb").setLevel(logging.INFO)
+    try:
+        import acb.serve
+    except ImportError as exc:
+        raise CliError(str(exc)) from None
+    import acb
+
+    cfg = _engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed)
+    name = _model_name(args)
+    if args.model is None:
+        print("acb serve: no --model: serving the embedded random-weight model (its text is meaningless) as "
+              f"{name!r}", file=sys.stderr, flush=True)
+    tokenizer = _load_tokenizer(args)
+    model = _load_model(args, device)
+    if _is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
+        return _follow(model, cfg)
+    engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
+    acb.serve.run(engine, name, host=args.host, port=args.port,
+                  api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
+                  max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
+                  otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
+                  capture_content=args.otel_capture_content,
+                  trust_request_chat_template=args.trust_request_chat_template,
+                  max_prompts_per_request=args.max_prompts_per_request)
+    return 0
+
+
