@@ -1,6 +1,6 @@
-"""Turn benchmark results into PNG plots and the README's results tables.
+"""Turn benchmark results into PNG plots and the results tables (``benchmarks/RESULTS.md``).
 
-The README tables are generated from the JSON files (``acb bench report --update-readme``),
+The tables are generated from the JSON files (``acb bench report --update-readme FILE``),
 between ``<!-- acb-bench:KIND:start -->`` and ``<!-- acb-bench:KIND:end -->`` markers, so
 no figure in them is typed by hand.
 """

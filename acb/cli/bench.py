@@ -32,8 +32,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--out-dir", default="benchmarks/results", help="where JSON/PNG go (default: benchmarks/results)")
     p.add_argument("--no-baselines", action="store_true", help="skip the transformers / generate baselines")
     p.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
-    p.add_argument("--update-readme", metavar="README", default=None,
-                   help="rewrite this README's generated results block(s) afterwards")
+    p.add_argument("--update-readme", metavar="FILE", default=None,
+                   help="rewrite the generated results block(s) of this file afterwards (the repository's is "
+                        "benchmarks/RESULTS.md)")
     p.set_defaults(func=cmd_bench, _parser=p)
 
 
