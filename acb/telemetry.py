@@ -514,6 +514,19 @@ def _protocol(signal: str, protocol: str | None) -> str:
     return value
 
 
+def sdk_missing(prometheus: bool = False) -> str | None:
+    """Why :func:`configure` could not run here (the OpenTelemetry SDK, or with ``prometheus``
+    its Prometheus exporter, not installed), or None. The SDK is imported in this module only."""
+    try:
+        import opentelemetry.sdk  # noqa: F401
+
+        if prometheus:
+            import opentelemetry.exporter.prometheus  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
 def otlp_endpoint_configured() -> bool:
     """Whether the environment names an OTLP endpoint (``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT``)."""
     return any(os.environ.get(f"OTEL_EXPORTER_OTLP_{s}ENDPOINT") for s in ("", "TRACES_", "METRICS_"))

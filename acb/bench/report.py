@@ -138,12 +138,9 @@ def update_readme(readme: str, results_dir: str, kind: str) -> bool:
     return True
 
 
-def plot(doc: dict[str, Any], path: str) -> str | None:
-    """A PNG for one workload; returns None (and the reason is printed by the caller) without matplotlib."""
-    if doc["result"]["workload"] == "serve":
-        from acb.bench.serve import plot as serve_plot
-
-        return serve_plot(doc, path)
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed (the
+    ``bench`` extra); the one module that imports it."""
     try:
         import matplotlib
 
@@ -151,6 +148,18 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    return plt
+
+
+def plot(doc: dict[str, Any], path: str) -> str | None:
+    """A PNG for one workload; returns None (and the reason is printed by the caller) without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    if doc["result"]["workload"] == "serve":
+        from acb.bench.serve import plot as serve_plot
+
+        return serve_plot(doc, path, plt)
     r = doc["result"]
     w = r["workload"]
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -439,15 +439,9 @@ def _cpu_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(doc: dict[str, Any], path: str) -> str | None:
-    """Output tokens/s and p99 TTFT per concurrency level, one line per engine (None without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def plot(doc: dict[str, Any], path: str, plt: Any) -> str:
+    """Output tokens/s and p99 TTFT per concurrency level, one line per engine (``plt``: pyplot,
+    from :func:`acb.bench.report.plot`)."""
     from acb.bench.common import device_name
 
     rows = [r for r in doc["result"]["rows"] if r["mode"] == "concurrency"]

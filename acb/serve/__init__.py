@@ -9,16 +9,18 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from acb import telemetry
+
 try:
     import fastapi  # noqa: F401
-    import opentelemetry.exporter.prometheus  # noqa: F401
-    import opentelemetry.sdk  # noqa: F401
     import uvicorn
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"acb serve needs the serve extra: pip install 'acb-batching[serve]' ({exc})") from None
+_missing = telemetry.sdk_missing(prometheus=True)  # /metrics: the SDK's Prometheus reader
+if _missing is not None:  # pragma: no cover - depends on the install
+    raise ImportError(f"acb serve needs the serve extra: pip install 'acb-batching[serve]' ({_missing})")
 
-import acb
-from acb import telemetry
+import acb  # noqa: E402
 from acb.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "run"]
