@@ -28,7 +28,7 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_every_example_is_tested():
     tested = {"eval_dataset.py", "tracing.py", "openai_client.py", "async_app.py", "grpo_loop.py", "grpo_trl.py",
-              "lm_eval_acb.py", "ray_data_offline.py"}
+              "lm_eval_acb.py", "ray_data_offline.py", "score_choices.py"}
     # lm_eval_acb.py: tests/integrations/test_lm_eval.py; ray_data_offline.py: tests/distributed/test_ray.py
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
 
@@ -56,6 +56,17 @@ def test_eval_dataset(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and all(isinstance(r["generated"], str) and "correct" in r for r in rows)
     assert f"{sum(r['correct'] for r in rows)}/5 correct" in p.stdout
+
+
+def test_score_choices(tmp_path):
+    """The four sample questions share the preamble: after the first, every context reads it
+    from the prefix cache."""
+    import re
+
+    p = _run("score_choices.py", cwd=tmp_path)
+    m = re.search(r"(\d)/4 correct \(.*\); (\d+) of (\d+) context tokens read from the prefix cache", p.stdout)
+    assert m, p.stdout
+    assert int(m.group(2)) >= 3 * 176  # the 3 later contexts read the 182-token preamble's 11 full blocks of 16
 
 
 def test_tracing(tmp_path):
