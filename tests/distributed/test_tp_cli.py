@@ -56,15 +56,19 @@ def test_acb_serve_under_torchrun(tmp_path):
                               stderr=subprocess.STDOUT, text=True)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        import httpx
+
         t0 = time.monotonic()
-        while True:
+        while True:  # /health is the readiness signal (/v1/models answers before the engine runs)
             try:
-                model = client.models.list().data[0].id
-                break
-            except Exception:
-                assert server.poll() is None, server.stdout.read()[-3000:] if server.stdout else ""
-                assert time.monotonic() - t0 < 120, "acb serve under torchrun did not come up"
-                time.sleep(0.5)
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, server.stdout.read()[-3000:] if server.stdout else ""
+            assert time.monotonic() - t0 < 120, "acb serve under torchrun did not come up"
+            time.sleep(0.5)
+        model = client.models.list().data[0].id
         full = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0)
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model=model, prompt="Hello", max_tokens=8, temperature=0, stream=True))
