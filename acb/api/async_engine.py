@@ -175,23 +175,9 @@ class AsyncEngine(EngineBase):
         """:meth:`score` for many ``(context, continuations)`` items, in input order (as
         :meth:`acb.Engine.score_batch`: validated first, submitted sorted by tokens for prefix
         reuse; a failed item keeps its place with ``status`` FAILED)."""
-        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
-        ids = scoring.batch_ids(request_ids, len(plans))
         loop = current_loop()
-        reqs: list[Request] = []
-        try:
-            for i, rid, group in scoring.ordered_groups(plans, ids):
-                try:
-                    reqs.append(self.make_request(
-                        group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt, scoring=group[0].spec,
-                        score_children=[(m.prompt_ids, m.spec) for m in group[1:]],
-                        sink_factory=lambda rid: AsyncSink(rid, loop)))
-                except (ValueError, TypeError) as exc:
-                    raise type(exc)(f"items[{i}]: {exc}") from None
-        except BaseException:
-            for r in reqs:
-                self.abandon(r)
-            raise
+        plans, ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
+                                                    lambda rid: AsyncSink(rid, loop))
         handles: list[RequestHandle] = []
         outputs: dict[str, GenerationOutput] = {}
         try:
@@ -213,9 +199,7 @@ class AsyncEngine(EngineBase):
             for h in handles:
                 h.cancel()
             raise
-        return [scoring.assemble(ids[i], ctx, conts, ms, [outputs[f"{ids[i]}#g{j}"] for j in range(len(ms))],
-                                 top_logprobs)
-                for i, (ctx, conts, ms) in enumerate(plans)]
+        return scoring.assemble_batch(plans, ids, outputs, top_logprobs)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from acb import telemetry
 from acb.api.gate import AdmissionGate
 from acb.api.sinks import _SinkState, deliver
+from acb.api import scoring
 from acb.api.scoring import ScoreSpec
 from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats
@@ -490,6 +491,35 @@ class EngineBase:
                 core.release_id(mid)
             raise
         return members[0]
+
+    def make_score_requests(
+        self,
+        items: Sequence[tuple[Prompt, Sequence[Prompt]]],
+        top_logprobs: int,
+        cache_salt: str | None,
+        request_ids: Sequence[str] | None,
+        sink_factory: Callable[[str], Any],
+    ) -> tuple[list[scoring.Plan], list[str], list[Request]]:
+        """Validate and plan a ``score_batch`` call and build its engine requests (one per group,
+        in submission order: sorted for prefix reuse), as :meth:`make_request` does for one
+        submit: all of them or, on an error naming the item, none. Returns the plans and item
+        ids (for :func:`acb.api.scoring.assemble_batch`) and the requests to enqueue."""
+        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
+        ids = scoring.batch_ids(request_ids, len(plans))
+        reqs: list[Request] = []
+        try:
+            for i, rid, group in scoring.ordered_groups(plans, ids):
+                try:
+                    reqs.append(self.make_request(
+                        group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt, scoring=group[0].spec,
+                        score_children=[(m.prompt_ids, m.spec) for m in group[1:]], sink_factory=sink_factory))
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"items[{i}]: {exc}") from None
+        except BaseException:
+            for r in reqs:
+                self.abandon(r)
+            raise
+        return plans, ids, reqs
 
     def _made_core(self) -> EngineCore:
         """The core of a request from :meth:`make_request` (which needed one; it is never unset)."""

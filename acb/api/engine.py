@@ -290,29 +290,11 @@ class Engine(EngineBase):
         ``status`` FAILED and ``error`` set. A tqdm bar counts engine requests."""
         if self.is_follower:
             return []
-        plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
-        ids = scoring.batch_ids(request_ids, len(plans))
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-        reqs: list[Request] = []
-        try:
-            for i, rid, group in scoring.ordered_groups(plans, ids):
-                try:
-                    reqs.append(self.make_request(
-                        group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt, scoring=group[0].spec,
-                        score_children=[(m.prompt_ids, m.spec) for m in group[1:]],
-                        sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
-                except (ValueError, TypeError) as exc:
-                    raise type(exc)(f"items[{i}]: {exc}") from None
-        except BaseException:
-            for r in reqs:
-                self.abandon(r)
-            raise
-        bar = _progress(len(reqs), progress_bar, desc="score_batch")
-        results = self._run_made(reqs, done, bar)
-        return [scoring.assemble(ids[i], ctx, conts, ms, [results[f"{ids[i]}#g{j}"] for j in range(len(ms))],
-                                 top_logprobs)
-                for i, (ctx, conts, ms) in enumerate(plans)]
-
+        plans, ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
+                                                    lambda rid: ThreadSink(rid, on_final=done.put))
+        results = self._run_made(reqs, done, _progress(len(reqs), progress_bar, desc="score_batch"))
+        return scoring.assemble_batch(plans, ids, results, top_logprobs)
 
 def generate_batch(
     model: Any,

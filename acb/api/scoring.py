@@ -29,7 +29,7 @@ what the prefix cache keeps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +180,15 @@ def ordered_groups(plans: Sequence[Plan], ids: Sequence[str]) -> list[tuple[int,
     sorted by the groups' context tokens (see :func:`prefix_order`)."""
     groups = [(i, f"{ids[i]}#g{j}", g) for i, (_, _, gs) in enumerate(plans) for j, g in enumerate(gs)]
     return [groups[k] for k in prefix_order([g[0].prompt_ids for _, _, g in groups])]
+
+
+def assemble_batch(plans: Sequence[Plan], ids: Sequence[str], results: Mapping[str, GenerationOutput],
+                   top_logprobs: int) -> list[ScoreOutput]:
+    """Every item's :class:`ScoreOutput`, in input order, from its groups' outputs by engine request
+    id (the ids :func:`ordered_groups` gave them)."""
+    return [assemble(ids[i], ctx, conts, groups, [results[f"{ids[i]}#g{j}"] for j in range(len(groups))],
+                     top_logprobs)
+            for i, (ctx, conts, groups) in enumerate(plans)]
 
 
 def prefix_order(prompts: Sequence[list[int]]) -> list[int]:
