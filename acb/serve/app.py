@@ -40,14 +40,13 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import acb
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.serve.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, Drain, DrainMiddleware, ShutdownExpired, check_choices,
-    internal_error, read_body, shutdown_error,
+    install_error_handlers, internal_error, read_body, shutdown_error,
 )
 from acb.telemetry import ServerSpan, Telemetry, request_attributes
 from acb.text import RenderedChat, TokenizedText, render_chat, text_tokenizer, token_bytes
@@ -263,24 +262,7 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
     app.state.acb = state
     app.add_middleware(DrainMiddleware, drain=state.drain)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(ShutdownExpired)
-    async def _expired(request: Request, exc: ShutdownExpired) -> JSONResponse:
-        err = shutdown_error()
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises the exception after this answer, and uvicorn logs it
-        return JSONResponse(internal_error(exc).body(), status_code=500)
+    install_error_handlers(app)  # OpenAI error bodies on every failure path
 
     @app.get("/health")
     async def health() -> Response:

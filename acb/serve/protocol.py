@@ -434,3 +434,31 @@ class DrainMiddleware:
             return
         with self.drain.counting():
             await self.app(scope, receive, send)
+
+
+def install_error_handlers(app: Any) -> None:
+    """Make every failure of a FastAPI ``app`` answer with an OpenAI error body: an
+    :class:`APIError` as it says, the end of a drain's grace period as a 503, Starlette's own
+    HTTP errors (404, 405) with their status, and anything else as a 500 (acb serve and the
+    data-parallel router both)."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ShutdownExpired)
+    async def _expired(request: Request, exc: ShutdownExpired) -> JSONResponse:
+        err = shutdown_error()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises the exception after this answer, and uvicorn logs it
+        return JSONResponse(internal_error(exc).body(), status_code=500)

@@ -64,11 +64,11 @@ from typing import Any
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from acb.serve.protocol import (
-    APIError, Drain, DrainMiddleware, ShutdownExpired, internal_error, read_body, shutdown_error,
+    APIError, Drain, DrainMiddleware, ShutdownExpired, install_error_handlers, read_body,
+    shutdown_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -517,24 +517,7 @@ def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="acb router", lifespan=lifespan)
     app.add_middleware(DrainMiddleware, drain=router.drain)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(ShutdownExpired)
-    async def _expired(request: Request, exc: ShutdownExpired) -> JSONResponse:
-        err = shutdown_error()
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises the exception after this answer, and uvicorn logs it
-        return JSONResponse(internal_error(exc).body(), status_code=500)
+    install_error_handlers(app)  # OpenAI error bodies on every failure path
 
     @app.get("/health")
     async def health() -> Response:
