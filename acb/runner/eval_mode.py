@@ -9,8 +9,9 @@ engine never writes it. Instead:
 - acb's attention function ignores the ``dropout`` argument that transformers' attention
   modules compute from ``self.training`` (it is called only by engine steps);
 - every dropout module of the model (``nn.Dropout`` and its kin) answers with its input when
-  called from a thread that is inside an engine forward (:func:`engine_forward`, a thread-local
-  flag), and as usual from any other thread.
+  called from a thread that is inside an engine forward (the thread's step context, which the
+  runner sets around every forward: ``acb.runner.attention.in_step``), and as usual from any
+  other thread.
 
 That covers the ``training``-dependent computation of the architectures transformers' attention
 interface serves (dropout and attention dropout). Python branches a model's own code takes on
@@ -20,32 +21,13 @@ still see the flag as the user set it; the README says so.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-_local = threading.local()
-
-
-def in_engine_forward() -> bool:
-    """Whether this thread is running an engine forward right now."""
-    return getattr(_local, "active", False)
-
-
-@contextlib.contextmanager
-def engine_forward() -> Iterator[None]:
-    """Mark this thread as running an engine forward (dropout off) for the block's duration."""
-    prev = getattr(_local, "active", False)
-    _local.active = True
-    try:
-        yield
-    finally:
-        _local.active = prev
-
+from acb.runner.attention import in_step
 
 _DROPOUTS = (nn.modules.dropout._DropoutNd,)
 
@@ -60,7 +42,7 @@ class _NoDropoutInEngine:
         self.module = module
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if getattr(_local, "active", False):
+        if in_step():
             return x
         return type(self.module).forward(self.module, x, *args, **kwargs)
 

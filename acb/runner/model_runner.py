@@ -34,7 +34,7 @@ from acb.runner.attention import (
     register_with_transformers,
     step_context,
 )
-from acb.runner.eval_mode import DROPOUT_GUARD, engine_forward
+from acb.runner.eval_mode import DROPOUT_GUARD
 from acb.runner.setup import (
     _ATTN_SWAP,
     _decode_graph_flag,
@@ -495,11 +495,13 @@ class ModelRunner:
     def forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
         fn = self._compiled.get("decode" if batch.decode_only else "varlen")
-        with engine_forward():  # eval semantics on this thread only (the model's flags stay the user's)
+        # the thread's step context: compiled attention finds it there (the graph takes tensors
+        # only), and the model's dropout is off inside it (acb.runner.eval_mode: eval semantics on
+        # this thread only, the model's flags stay the user's)
+        with step_context(ctx):
             if fn is None:
                 return self._model_forward(batch, ctx)
-            with step_context(ctx):  # attention finds it there: the graph takes tensors only
-                return fn(batch, True)
+            return fn(batch, True)
 
     def _model_forward(self, batch: PreparedBatch, ctx: StepContext | Literal[True]) -> torch.Tensor:
         # a 4-D "mask" is returned as-is by transformers' mask creation: no mask is built (acb's

@@ -114,9 +114,15 @@ def acb_attention_forward(
 _STEP = threading.local()
 
 
+def in_step() -> bool:
+    """Whether this thread is inside an engine step's forward (:func:`step_context`)."""
+    return getattr(_STEP, "ctx", None) is not None
+
+
 @contextlib.contextmanager
 def step_context(ctx: StepContext) -> Iterator[None]:
-    """Make ``ctx`` the context of ``acb::paged_attention`` calls on this thread."""
+    """Make ``ctx`` the context of ``acb::paged_attention`` calls on this thread (the runner
+    enters it around every engine forward, compiled or not)."""
     prev = getattr(_STEP, "ctx", None)
     _STEP.ctx = ctx
     try:
