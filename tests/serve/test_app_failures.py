@@ -7,8 +7,6 @@ bodies). The app trusts request chat templates, renders with one thread and a 1 
 
 from __future__ import annotations
 
-import http.client
-import json
 import socket
 import threading
 import time
@@ -24,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import acb  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from acb.serve.app import build_app  # noqa: E402
+from tests.serve.helpers import check_error_body, raw  # noqa: E402
 
 NAME = "m"
 FAIL_SEED = 4242  # a request with this seed fails inside an engine step
@@ -38,30 +37,12 @@ RUNAWAY = "{% for i in range(100000) %}{% for j in range(5000) %}{% endfor %}{% 
 CHAT = [{"role": "user", "content": "hello"}]
 
 
-def _raw(port: int, method: str, path: str, body=None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"} if body is not None else {})
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
-
-
-def _error(body: bytes) -> dict:
-    """An OpenAI-style error body's ``error``."""
-    doc = json.loads(body)
-    assert set(doc) == {"error"} and {"message", "type", "param", "code"} <= set(doc["error"]), doc
-    return doc["error"]
-
-
 def _health_latencies(port: int, stop: threading.Event) -> list[float]:
     """Seconds each ``GET /health`` took, polled until ``stop``."""
     out = []
     while not stop.is_set():
         t0 = time.monotonic()
-        status, _, _ = _raw(port, "GET", "/health", timeout=30)
+        status, _, _ = raw(port, "GET", "/health", timeout=30)
         out.append(time.monotonic() - t0)
         assert status == 200
         time.sleep(0.05)
@@ -125,21 +106,21 @@ def test_a_request_failing_in_the_engine_is_a_500_error_body(served):
     with pytest.raises(openai.InternalServerError) as e:
         served.client.completions.create(model=NAME, prompt="fail me", max_tokens=4, seed=FAIL_SEED)
     assert e.value.status_code == 500 and "injected step failure" in e.value.message
-    status, _, body = _raw(served.port, "POST", "/v1/chat/completions",
+    status, _, body = raw(served.port, "POST", "/v1/chat/completions",
                            {"model": NAME, "messages": CHAT, "max_tokens": 4, "seed": FAIL_SEED})
     assert status == 500
-    err = _error(body)
+    err = check_error_body(body)
     assert err["type"] == "server_error" and "injected step failure" in err["message"]
 
     with pytest.raises(openai.APIError, match="injected step failure"):
         for _ in served.client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, seed=FAIL_SEED,
                                                        stream=True):
             pass
-    status, _, body = _raw(served.port, "POST", "/v1/completions",
+    status, _, body = raw(served.port, "POST", "/v1/completions",
                            {"model": NAME, "prompt": "fail me", "max_tokens": 4, "seed": FAIL_SEED, "stream": True})
     assert status == 200
     events = [line[5:].strip() for line in body.decode().splitlines() if line.startswith("data:")]
-    assert events[-1] == "[DONE]" and "injected step failure" in _error(events[-2].encode())["message"], events
+    assert events[-1] == "[DONE]" and "injected step failure" in check_error_body(events[-2].encode())["message"], events
 
     out = served.client.completions.create(model=NAME, prompt="fine", max_tokens=3, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
@@ -149,14 +130,14 @@ def test_an_unplanned_error_is_a_500_error_body(served):
     for path, body in [("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "seed": BOOM_SEED}),
                        ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_tokens": 2,
                                                  "seed": BOOM_SEED})]:
-        status, _, data = _raw(served.port, "POST", path, body)
+        status, _, data = raw(served.port, "POST", path, body)
         assert status == 500, data
-        err = _error(data)
+        err = check_error_body(data)
         assert err["type"] == "server_error" and "injected surprise" in err["message"]
     with pytest.raises(openai.InternalServerError, match="injected surprise"):
         served.client.completions.create(model=NAME, prompt="x", max_tokens=2, seed=BOOM_SEED)
-    status, _, data = _raw(served.port, "GET", "/v1/no-such-path")
-    assert status == 404 and _error(data)["code"] == "not_found"
+    status, _, data = raw(served.port, "GET", "/v1/no-such-path")
+    assert status == 404 and check_error_body(data)["code"] == "not_found"
 
 
 def test_a_runaway_chat_template_is_stopped_at_the_time_bound(served):

@@ -4,7 +4,6 @@ server on a free port, in a thread, with the engine's start held back by the tes
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import threading
@@ -18,17 +17,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import acb  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from acb.serve import build_app  # noqa: E402
-
-
-def _get(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict[str, str], bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"} if body is not None else {})
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
+from tests.serve.helpers import raw  # noqa: E402
 
 
 def test_503_until_the_engine_has_started_then_served():
@@ -56,9 +45,9 @@ def test_503_until_the_engine_has_started_then_served():
         while not server.started:
             assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
             time.sleep(0.02)
-        status, _, body = _get(port, "GET", "/health")
+        status, _, body = raw(port, "GET", "/health")
         assert (status, body) == (503, b"starting")
-        status, headers, body = _get(port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+        status, headers, body = raw(port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
         assert status == 503 and headers.get("retry-after") == "1"
         err = json.loads(body)["error"]
         assert err["type"] == "server_error" and "not ready" in err["message"]
@@ -66,8 +55,8 @@ def test_503_until_the_engine_has_started_then_served():
 
         release.set()
         assert ready.wait(30)
-        assert _get(port, "GET", "/health")[:1] == (200,)
-        status, _, body = _get(port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3,
+        assert raw(port, "GET", "/health")[:1] == (200,)
+        status, _, body = raw(port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3,
                                                                  "ignore_eos": True})
         assert status == 200, body
         assert json.loads(body)["usage"]["completion_tokens"] == 3

@@ -28,6 +28,7 @@ pytest.importorskip("uvicorn")
 from acb.serve.router import (  # noqa: E402
     AFFINITY_SLACK_TOKENS, Replica, RequestInfo, _merge_exposition, choose,
 )
+from tests.serve.helpers import check_error_body, raw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-dp-test"
@@ -111,22 +112,7 @@ def _get(port: int, path: str, timeout: float = 10) -> tuple[int, bytes]:
 
 def _request(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 10
              ) -> tuple[int, dict[str, str], bytes]:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, body=body, headers={**AUTH, "Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
-
-
-def _error(body: bytes) -> dict:
-    """An OpenAI-style error body's ``error``."""
-    doc = json.loads(body)
-    assert set(doc) == {"error"} and {"message", "type", "param", "code"} <= set(doc["error"]), doc
-    return doc["error"]
+    return raw(port, method, path, body, headers=AUTH, timeout=timeout)
 
 
 def _stats(port: int) -> list[dict]:
@@ -239,7 +225,7 @@ def test_health_models_and_greedy_parity(router, client, reference):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reference["completion"]
 
     status, body = _get(router.port, "/v1/nothing")
-    assert status == 404 and _error(body)["code"] == "not_found"
+    assert status == 404 and check_error_body(body)["code"] == "not_found"
 
 
 @pytest.mark.parametrize("path,body", [
@@ -255,7 +241,7 @@ def test_bodies_the_router_cannot_read_get_the_servers_400(router, path, body):
     """Lone UTF-16 surrogates and deeply nested JSON: the replica's 400, not the router's 500."""
     status, _, data = _request(router.port, "POST", path, body)
     assert status == 400, data[:300]
-    assert _error(data)["type"] == "invalid_request_error"
+    assert check_error_body(data)["type"] == "invalid_request_error"
 
 
 def test_load_spreads_over_both_replicas(router, client):
@@ -402,15 +388,15 @@ def test_sigterm_drains_then_stops_replicas(router, client):
     ended = time.monotonic() - t0
     assert reasons == ["length"]  # the in-flight request that could finish did
     assert health == (503, b"shutting down"), health
-    assert late[0] == 503 and late[1].get("retry-after") == "1" and "shutting down" in _error(late[2])["message"]
+    assert late[0] == 503 and late[1].get("retry-after") == "1" and "shutting down" in check_error_body(late[2])["message"]
     for i, (status, headers, data) in enumerate(results):
         if i % 2 == 0:  # streamed: cut at a whole event, then an error event and [DONE]
             assert status == 200, data[-300:]
             events = _events(data)
-            assert events[-1] == "[DONE]" and _error(events[-2].encode())["code"] == "server_shutdown", events[-3:]
+            assert events[-1] == "[DONE]" and check_error_body(events[-2].encode())["code"] == "server_shutdown", events[-3:]
             assert not any(ch.get("finish_reason") for e in events[:-2] for ch in json.loads(e)["choices"])
         else:
-            assert status == 503 and _error(data)["code"] == "server_shutdown", (status, data)
+            assert status == 503 and check_error_body(data)["code"] == "server_shutdown", (status, data)
     assert GRACE - 0.5 <= ended < GRACE + 10, ended
     rc = router.proc.wait(GRACE + 15)
     print(f"router exit {time.monotonic() - t0:.2f} s after SIGTERM")

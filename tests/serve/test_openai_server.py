@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
 from tests.otlp_receiver import Receiver  # noqa: E402
+from tests.serve.helpers import check_error_body, raw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-acb-test"
@@ -80,31 +81,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def raw(port: int, method: str, path: str, body=None, headers=None, timeout: float = 60):
-    """One plain HTTP request: (status, lower-cased headers, body bytes)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
-    h = {"Content-Type": "application/json"} if data is not None else {}
-    h.update(headers or {})
-    try:
-        conn.request(method, path, body=data, headers=h)
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
-
-
-def check_error_body(body: bytes, status: int) -> dict:
-    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``."""
-    doc = json.loads(body)
-    assert set(doc) == {"error"}, (status, doc)
-    err = doc["error"]
-    assert {"message", "type", "param", "code"} <= set(err), (status, err)
-    assert isinstance(err["message"], str) and err["message"], (status, err)
-    assert isinstance(err["type"], str) and err["type"], (status, err)
-    return err
 
 
 def sse_events(raw_body: bytes) -> list[str]:
