@@ -54,11 +54,12 @@ WORDS = ("the of and to in is was for on that with as by at from his her they th
 LETTERS = ("A", "B", "C", "D")
 
 
-def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+def sentence(rng: random.Random, lo: int, hi: int, words: tuple[str, ...] | list[str] = WORDS) -> str:
+    """Random words, ``lo`` to ``hi`` characters (the benchmarks' stand-in for text)."""
     n = rng.randint(lo, hi)
     text = ""
     while len(text) < n:
-        text += rng.choice(WORDS) + " "
+        text += rng.choice(words) + " "
     return text[:n].strip()
 
 
@@ -73,13 +74,13 @@ def _write_tasks(folder: str, size: str) -> None:
         return path
 
     def mcq() -> dict[str, Any]:
-        return {"q": _sentence(rng, 60, 200) + "?", "options": [_sentence(rng, 8, 40) for _ in LETTERS],
+        return {"q": sentence(rng, 60, 200) + "?", "options": [sentence(rng, 8, 40) for _ in LETTERS],
                 "gold": rng.randrange(4)}
 
     def gen_doc() -> dict[str, Any]:
         a, b = rng.randint(2, 40), rng.randint(2, 40)
-        return {"question": f"{_sentence(rng, 40, 120)} {a} and {b}, how many in total?",
-                "answer": f"{_sentence(rng, 20, 80)} so the total is {a + b}.\n#### {a + b}"}
+        return {"question": f"{sentence(rng, 40, 120)} {a} and {b}, how many in total?",
+                "answer": f"{sentence(rng, 20, 80)} so the total is {a + b}.\n#### {a + b}"}
 
     letters_text = ('"{{q}}\\n' + "".join(f'{x}. {{{{options[{i}]}}}}\\n' for i, x in enumerate(LETTERS))
                     + 'Answer:"')
@@ -91,8 +92,8 @@ def _write_tasks(folder: str, size: str) -> None:
             f"doc_to_text: {letters_text}\ndoc_to_choice: {json.dumps([' ' + x for x in LETTERS])}\n"
             'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
         "endings": (
-            {"test": dump("endings_test", [{"ctx": _sentence(rng, 80, 240),
-                                             "endings": [" " + _sentence(rng, 25, 80) for _ in range(4)],
+            {"test": dump("endings_test", [{"ctx": sentence(rng, 80, 240),
+                                             "endings": [" " + sentence(rng, 25, 80) for _ in range(4)],
                                              "gold": rng.randrange(4)} for _ in range(n_endings)])},
             'output_type: multiple_choice\ndoc_to_text: "{{ctx}}"\ndoc_to_choice: "{{endings}}"\n'
             'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'),
