@@ -46,9 +46,9 @@ from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.kv_manager import KVManager
 from acb.core.messages import NextRows, PromptRows, SchedulerOutput
 from acb.core.request import Request
-
-__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 from acb.outputs import FailureKind, FinishReason, RequestStatus
+
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]  # SchedulerOutput: re-exported from acb.core.messages
 
 
 @dataclass
@@ -335,13 +335,6 @@ class Scheduler:
         # requests waiting one step for a prefix block another request's step is computing: set
         # aside (the ones behind them are admitted meanwhile), back at the head of the queue after
         skipped: list[Request] = []
-        try:
-            return self._admit_queue(out, budget, reserve, skipped)
-        finally:
-            if skipped:
-                self.waiting.extendleft(reversed(skipped))
-
-    def _admit_queue(self, out: SchedulerOutput, budget: int, reserve: int, skipped: list[Request]) -> int:
         now = None
         while self.waiting and budget > 0 and self._free_rows:
             req = self.waiting[0]
@@ -394,6 +387,8 @@ class Scheduler:
                 out.newly_admitted.append(req)
             self._schedule_tokens(out, req, num_new)
             budget -= num_new
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
         return budget
 
     def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
