@@ -21,7 +21,7 @@ import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.request import Request
@@ -45,9 +45,6 @@ from acb.core.scheduler import Scheduler
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -461,6 +458,7 @@ class EngineCore:
         return True
 
     def _reset_for(self, weights: bool) -> int:
+        """:meth:`reset_prefix_cache`, counted in ``weight_resets`` when the weights changed."""
         n = self.reset_prefix_cache()
         self.weight_resets += weights
         return n
@@ -807,8 +805,7 @@ class EngineCore:
         computed (an optimizer step, ``load_state_dict``), forget them, so that no request reads
         K/V computed with other weights."""
         if self.runner.weights_changed():
-            n = self.reset_prefix_cache()
-            self.weight_resets += 1
+            n = self._reset_for(weights=True)
             if n:
                 logger.info("the model's weights changed: %d cached prefix blocks forgotten", n)
 
