@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from acb.api import scoring
 from acb.api.base import EngineBase
@@ -166,10 +166,12 @@ class Engine(EngineBase):
     def generate_batch(
         self,
         inputs: Sequence[Prompt] | torch.Tensor,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         record_timestamps: bool = False,
         progress_bar: bool = True,
+        on_result: Callable[[int, GenerationOutput], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **kwargs: Unpack[SamplingKwargs],
     ) -> dict[str, GenerationOutput]:
         """:func:`acb.generate_batch` on this running engine (kept across calls: a trainer's
@@ -177,12 +179,28 @@ class Engine(EngineBase):
         ``{"req_0": output, ...}`` in input order. Ids are ``req_<i>`` of this call; they must not
         be live already (two concurrent calls on one engine need their own ids: use ``submit``).
 
+        ``sampling``: one :class:`SamplingParams` for every prompt, or a sequence of them, one per
+        prompt (sampling keywords are laid over each). ``on_result(index, output)`` is called on
+        this thread as each request ends (in the order they end), e.g. to write results as they
+        come. ``should_stop()`` is polled while the batch runs (every 0.5 s at least): once it
+        returns True nothing more is submitted, the running and queued requests are cancelled,
+        and the call returns when each of them has its final output (the prompts never submitted
+        are left out of the result). A ``KeyboardInterrupt`` likewise cancels what this call
+        started and gives back the rest before it propagates, so the engine outlives it.
+
         On a tensor-parallel follower rank (``is_follower``) this returns ``{}`` at once: the
         leader's call runs the batch on every rank, and its result is the answer."""
         if self.is_follower:
             return {}
-        sampling = with_overrides("generate_batch", sampling, kwargs)
         inputs = _prompt_list(inputs)
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(inputs):
+                raise ValueError(f"generate_batch(): {len(sampling)} SamplingParams for {len(inputs)} inputs "
+                                 "(give one for every prompt, or a single one for all)")
+            per_prompt = [with_overrides("generate_batch", sp, kwargs) for sp in sampling]
+        else:
+            one = with_overrides("generate_batch", sampling, kwargs)  # type: ignore[arg-type]
+            per_prompt = [one] * len(inputs)
         if not inputs:
             return {}
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
@@ -191,7 +209,7 @@ class Engine(EngineBase):
         try:
             for i, prompt in enumerate(inputs):
                 try:
-                    reqs.append(self.make_request(prompt, sampling, request_id=f"req_{i}",
+                    reqs.append(self.make_request(prompt, per_prompt[i], request_id=f"req_{i}",
                                                   record_timestamps=record_timestamps,
                                                   sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
                 except (ValueError, TypeError) as exc:
@@ -200,29 +218,51 @@ class Engine(EngineBase):
             for r in reqs:
                 self.abandon(r)
             raise
-        results = self._run_made(reqs, done, _progress(n, progress_bar))
+        results = self._run_made(reqs, done, _progress(n, progress_bar), on_result, should_stop)
         failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
         if failed:
             logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
                          results[failed[0]].error)
-        return {f"req_{i}": results[f"req_{i}"] for i in range(n)}
+        return {f"req_{i}": results[f"req_{i}"] for i in range(n) if f"req_{i}" in results}
 
-    def _run_made(self, reqs: list[Request], done: "queue.SimpleQueue[GenerationOutput]", bar: Any
-                  ) -> dict[str, GenerationOutput]:
-        """Enqueue requests from :meth:`make_request` (whose sinks put their final output on
-        ``done``) in order, taking queue slots as they free up, and block until every one ended;
-        their outputs by request id. Interrupted (Ctrl-C), it cancels what it started and gives
-        back the rest, so the engine outlives the call with nothing of it left."""
-        n = len(reqs)
+    def _run_made(self, reqs: list[Request], done: "queue.SimpleQueue[GenerationOutput]", bar: Any,
+                  on_result: Callable[[int, GenerationOutput], None] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> dict[str, GenerationOutput]:
+        """The one batch loop (``generate_batch``, ``score_batch``, ``acb generate``): enqueue
+        requests from :meth:`make_request` (whose sinks put their final output on ``done``) in
+        order, taking queue slots as they free up, and block until every request enqueued has
+        ended; their outputs by request id. ``should_stop`` and interrupts: see
+        :meth:`generate_batch`."""
+        index = {r.request_id: i for i, r in enumerate(reqs)}
         results: dict[str, GenerationOutput] = {}
-        tokens = 0
-        t0 = time.perf_counter()
-        enqueued = 0
+        meter = _Meter(bar)
+        expected = 0  # requests that will have an output: enqueued, or failed for a dead engine
+        stopping = given_back = False
+
+        def collect(block: bool) -> None:
+            for out in _take(done, block):
+                results[out.request_id] = out
+                meter.add(out)
+                if on_result is not None:
+                    on_result(index[out.request_id], out)
+
+        def stop_now() -> bool:
+            nonlocal stopping
+            if not stopping and should_stop is not None and should_stop():
+                stopping = True
+                for r in reqs[:expected]:
+                    if r.request_id not in results:
+                        self.cancel(r.request_id)
+            return stopping
+
         try:
             for k, req in enumerate(reqs):
+                while not stop_now() and not self.gate.acquire_blocking(0.5):
+                    collect(block=False)  # waiting for a slot: the bar and the callback go on
+                if stopping:
+                    break
                 try:
-                    self.enqueue_blocking(req)
-                    enqueued += 1
+                    self.admit(req)  # (on failure it gives back the slot and the id)
                 except AcbError as exc:  # the engine died: the rest never ran
                     for r in reqs[k + 1:]:
                         self.abandon(r)
@@ -230,20 +270,28 @@ class Engine(EngineBase):
                         r.status, r.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
                         r.failure = FailureKind.ENGINE_DEAD
                         done.put(r.to_output())
+                    expected = len(reqs)
                     break
-                tokens += _drain(done, results, bar, t0, tokens, block=False)
-            while len(results) < n:
-                tokens += _drain(done, results, bar, t0, tokens, block=True)
-                if not self.is_running and done.empty() and len(results) < n:
-                    for r in reqs:  # cannot happen unless delivery itself broke; never hang
+                expected = k + 1
+                collect(block=False)
+            if stopping:
+                given_back = True
+                for r in reqs[expected:]:
+                    self.abandon(r)
+            while len(results) < expected:
+                stop_now()
+                collect(block=True)
+                if not self.is_running and done.empty() and len(results) < expected:
+                    for r in reqs[:expected]:  # cannot happen unless delivery itself broke; never hang
                         if r.request_id not in results:
                             r.status, r.error = RequestStatus.FAILED, "the engine stopped"
                             r.failure = FailureKind.ENGINE_DEAD
-                            results[r.request_id] = r.to_output()
+                            done.put(r.to_output())
         except BaseException:  # interrupted: the engine outlives this call, its requests must not
-            for r in reqs[enqueued:]:
-                self.abandon(r)
-            for r in reqs[:enqueued]:
+            if not given_back:
+                for r in reqs[expected:]:
+                    self.abandon(r)
+            for r in reqs[:expected]:
                 if r.request_id not in results:
                     self.cancel(r.request_id)
             raise
@@ -355,18 +403,8 @@ def _progress(total: int, enabled: bool, desc: str = "generate_batch") -> Any:
     return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
 
 
-def _drain(
-    done: "queue.SimpleQueue[GenerationOutput]",
-    results: dict[str, GenerationOutput],
-    bar: Any,
-    t0: float,
-    tokens_before: int,
-    block: bool,
-) -> int:
-    """Collect ended outputs; returns the number of generated tokens they hold (every sample's
-    with ``n > 1``). The bar's tok/s is those tokens, summed over the requests ended so far,
-    divided by the time since ``t0`` (the first submit)."""
-    got = 0
+def _take(done: "queue.SimpleQueue[GenerationOutput]", block: bool) -> list[GenerationOutput]:
+    """The outputs waiting on ``done`` (after up to 0.5 s for the first, with ``block``)."""
     items = []
     try:
         items.append(done.get(block=block, timeout=0.5 if block else None))
@@ -374,12 +412,23 @@ def _drain(
             items.append(done.get_nowait())
     except queue.Empty:
         pass
-    for out in items:
-        results[out.request_id] = out
-        got += sum(len(s.generated_tokens) for s in out.samples) if out.samples else len(out.generated_tokens)
-    if bar is not None and items:
-        if tokens_before + got:  # (scoring requests generate nothing: no rate to show)
-            elapsed = max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix_str(f"{(tokens_before + got) / elapsed:,.0f} tok/s", refresh=False)
-        bar.update(len(items))  # refreshes with the new rate
-    return got
+    return items
+
+
+class _Meter:
+    """The progress bar of a batch: requests ended, and generated tokens per second (every
+    sample's with ``n > 1``, summed over the requests ended so far, divided by the time since
+    the first submit)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, out: GenerationOutput) -> None:
+        self.tokens += sum(len(s.generated_tokens) for s in out.samples) if out.samples else len(out.generated_tokens)
+        if self.bar is not None:
+            if self.tokens:  # (scoring requests generate nothing: no rate to show)
+                elapsed = max(time.perf_counter() - self.t0, 1e-9)
+                self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
+            self.bar.update(1)

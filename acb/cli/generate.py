@@ -8,13 +8,13 @@ import argparse
 import json
 import logging
 import os
-import queue
 import random
+import re
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any, Sequence
 
 from acb.cli.common import (
@@ -205,13 +205,6 @@ def synthetic_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed:
     ]
 
 
-def _failed_output(spec: PromptSpec, rid: str, error: str, failure: Any) -> Any:
-    from acb.outputs import FinishReason, GenerationOutput, RequestStatus
-
-    return GenerationOutput(request_id=rid, prompt_ids=list(spec.prompt_ids), status=RequestStatus.FAILED,
-                            finish_reason=FinishReason.ERROR, error=error, failure=failure)
-
-
 def _generated_count(out: Any) -> int:
     """Generated tokens of one output: every sample's with ``n > 1``."""
     return sum(len(s.generated_tokens) for s in out.samples) if out.samples else len(out.generated_tokens)
@@ -301,14 +294,12 @@ class RunResult:
     """What the run loop saw; the bar and the summary's tokens/s both read ``tokens / elapsed``."""
 
     total: int
-    submitted: int = 0
     ended: int = 0  # finished or failed (the requests that are written)
     cancelled: int = 0
     tokens: int = 0  # generated tokens of the ended requests
     t_first_submit: float = 0.0
     t_last_result: float = 0.0
     interrupted: bool = False
-    pending: set[int] = field(default_factory=set)
     stats: Any = None  # the engine's last EngineStats
 
     @property
@@ -336,106 +327,78 @@ def _sampling(args: argparse.Namespace) -> Any:
 
 def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.Namespace,
                  open_output: Any, tokenizer: Any) -> tuple[RunResult, ResultWriter]:
-    """Run every request, writing results as they end (see :class:`ResultWriter`).
+    """Run every request through :meth:`acb.Engine.generate_batch`, writing results as they end
+    (its ``on_result``; see :class:`ResultWriter`).
 
-    Every prompt is validated before any runs (a bad one raises :class:`CliError` and nothing is
-    written); ``open_output()`` is called after that. A Ctrl-C stops submitting, cancels what is
-    running and queued, and returns with ``interrupted`` set once every result is in.
+    Every prompt is validated before any runs (a bad one raises ``ValueError``/``TypeError`` and
+    nothing is written); ``open_output()`` is called after that. A Ctrl-C stops submitting,
+    cancels what is running and queued (``generate_batch``'s ``should_stop``), and returns with
+    ``interrupted`` set once every result is in; a second Ctrl-C quits at once.
     """
     from dataclasses import replace
 
     import acb
-    from acb.api.sinks import ThreadSink
 
     sampling = _sampling(args)
     run = RunResult(total=len(specs))
-    done: queue.SimpleQueue[Any] = queue.SimpleQueue()  # final outputs, pushed by the engine thread
+    per_prompt = [sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens)
+                  for s in specs]
     engine = acb.Engine(model, cfg)
     engine.model_name = _model_name(args)
     engine.start()
     bar = None
-    try:
-        reqs = []
-        try:
-            for i, s in enumerate(specs):
-                sp = sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens)
-                reqs.append(engine.make_request(s.prompt_ids, sp, request_id=f"req_{i}",
-                                                sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
-        except (ValueError, TypeError) as exc:  # e.g. a prompt that can never fit the cache
-            for r in reqs:
-                engine.abandon(r)
-            i = len(reqs)
-            raise CliError(f"{specs[i].describe(i)}: {exc}") from None
-        index = {r.request_id: i for i, r in enumerate(reqs)}
-        writer = ResultWriter(open_output(), specs, tokenizer)
-        if not args.no_progress:
-            from tqdm.auto import tqdm
+    writer: ResultWriter | None = None
 
-            bar = tqdm(total=len(specs), desc="acb generate", unit="req", dynamic_ncols=True, file=sys.stderr)
+    def opened() -> ResultWriter:
+        nonlocal writer, bar
+        if writer is None:  # the first result: every prompt was valid
+            writer = ResultWriter(open_output(), specs, tokenizer)
+            if not args.no_progress:
+                from tqdm.auto import tqdm
 
-        def collect(block: bool) -> None:
-            items = []
-            try:
-                items.append(done.get(timeout=0.1) if block else done.get_nowait())
-                while True:
-                    items.append(done.get_nowait())
-            except queue.Empty:
-                pass
-            now = time.perf_counter()
-            ended = 0
-            for out in items:
-                i = index[out.request_id]
-                run.pending.discard(i)
-                if _is_cancelled(out):
-                    run.cancelled += 1
-                else:
-                    ended += 1
-                    run.tokens += _generated_count(out)
-                    run.t_last_result = now
-                writer.add(i, out)
-            run.ended += ended
-            if bar is not None and ended:
+                bar = tqdm(total=len(specs), desc="acb generate", unit="req", dynamic_ncols=True, file=sys.stderr)
+        return writer
+
+    def on_result(i: int, out: Any) -> None:
+        w = opened()
+        if _is_cancelled(out):
+            run.cancelled += 1
+        else:
+            run.ended += 1
+            run.tokens += _generated_count(out)
+            run.t_last_result = time.perf_counter()
+            if bar is not None:
                 bar.set_postfix_str(f"{run.rate:,.1f} generated tok/s", refresh=False)
-                bar.update(ended)
+                bar.update(1)
+        w.add(i, out)
 
+    try:
         with _Interrupt() as interrupt:
+
+            def should_stop() -> bool:
+                nonlocal bar
+                if interrupt.is_set() and not run.interrupted:
+                    run.interrupted = True
+                    if bar is not None:
+                        bar.close()
+                        bar = None
+                    print(f"acb generate: interrupted: cancelling {len(specs) - run.ended - run.cancelled} running "
+                          "or queued requests (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+                return run.interrupted
+
             run.t_first_submit = time.perf_counter()
-            for k, req in enumerate(reqs):
-                if interrupt.is_set():
-                    for r in reqs[k:]:
-                        engine.abandon(r)
-                    break
-                try:
-                    engine.enqueue_blocking(req)
-                except acb.AcbError as exc:  # the engine died: the rest never ran
-                    for r in reqs[k + 1:]:
-                        engine.abandon(r)
-                    for j in range(k, len(reqs)):
-                        done.put(_failed_output(specs[j], reqs[j].request_id, f"{type(exc).__name__}: {exc}",
-                                                acb.FailureKind.ENGINE_DEAD))
-                    run.submitted = len(reqs)
-                    run.pending.update(range(k, len(reqs)))
-                    break
-                run.submitted += 1
-                run.pending.add(k)
-                collect(block=False)
-            while run.pending and not interrupt.is_set():
-                collect(block=True)
-                if run.pending and not engine.is_running and done.empty():
-                    for i in sorted(run.pending):  # cannot happen unless delivery itself broke; never hang
-                        done.put(_failed_output(specs[i], reqs[i].request_id, "the engine stopped",
-                                                acb.FailureKind.ENGINE_DEAD))
-            if interrupt.is_set():
-                run.interrupted = True
-                if bar is not None:
-                    bar.close()
-                    bar = None
-                print(f"acb generate: interrupted: cancelling {len(run.pending)} running or queued requests "
-                      "(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
-                # every live request gets its final (finished or cancelled) before the thread exits
-                engine.shutdown(cancel_pending=True, timeout=30)
-                collect(block=False)
-                writer.flush_held()
+            try:
+                engine.generate_batch([s.prompt_ids for s in specs], per_prompt, progress_bar=False,
+                                      on_result=on_result, should_stop=should_stop)
+            except (ValueError, TypeError) as exc:  # rejected at submit: name the prompt as its file does
+                m = re.match(r"inputs\[(\d+)\]: (.*)", str(exc), re.S)
+                if m is None:
+                    raise
+                i = int(m.group(1))
+                raise CliError(f"{specs[i].describe(i)}: {m.group(2)}") from None
+        writer = opened()
+        if run.interrupted:
+            writer.flush_held()
     finally:
         if bar is not None:
             bar.close()

@@ -203,3 +203,42 @@ def test_manager_num_return_sequences():
             m.add_request([5, 6, 7], streaming=True)
     finally:
         m.stop()
+
+
+@pytest.mark.parametrize("async_batching,offload", [(False, 0.0), (True, 0.0), (True, 0.01)])
+def test_generate_batch_callback_per_prompt_sampling_and_stop(async_batching, offload):
+    """``on_result`` sees every output once, as it ends, with its input index; ``sampling`` may be
+    one per prompt; ``should_stop`` ends the batch early with every started request's final
+    output (finished or cancelled), the unsubmitted ones left out and nothing left live. A
+    ``num_blocks`` small enough to preempt, with and without offload."""
+    model = get_model("llama")
+    prompts = prompts_of_lengths([5, 11, 3, 17, 8, 6], seed=31)
+    lengths = [3, 7, 1, 5, 4, 2]
+    refs = [reference_generate(model, p, k) for p, k in zip(prompts, lengths)]
+    # two waiting requests at most: generate_batch takes queue slots as they free up
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=16, max_queue_size=2,
+                                       use_async_batching=async_batching, cpu_offload_space=offload)
+    with acb.Engine(model, cfg) as eng:
+        seen: list[tuple[int, acb.GenerationOutput]] = []
+        res = eng.generate_batch(prompts, [acb.SamplingParams(max_new_tokens=k) for k in lengths],
+                                 progress_bar=False, on_result=lambda i, out: seen.append((i, out)))
+        assert [o.generated_tokens for o in res.values()] == refs
+        assert sorted(i for i, _ in seen) == list(range(len(prompts)))
+        assert all(res[f"req_{i}"] is out for i, out in seen)
+        with pytest.raises(ValueError, match="2 SamplingParams for 6 inputs"):
+            eng.generate_batch(prompts, [acb.SamplingParams()] * 2, progress_bar=False)
+
+        # stop after the first result: the rest are cancelled or never submitted
+        many = prompts_of_lengths([4] * 40, seed=32)
+        ended: list[int] = []
+        res = eng.generate_batch(many, max_new_tokens=60, ignore_eos=True, progress_bar=False,
+                                 on_result=lambda i, out: ended.append(i), should_stop=lambda: bool(ended))
+        assert 1 <= len(res) < len(many) and sorted(ended) == sorted(int(k[4:]) for k in res)
+        statuses = {o.status for o in res.values()}
+        assert statuses <= {acb.RequestStatus.FINISHED, acb.RequestStatus.CANCELLED}
+        assert acb.RequestStatus.CANCELLED in statuses
+        assert not any(eng.core.is_live(f"req_{i}") for i in range(len(many)))
+        # the engine outlives it: the same ids run again
+        again = eng.generate_batch(prompts[:2], max_new_tokens=3, progress_bar=False)
+        assert [o.generated_tokens for o in again.values()] == [r[:3] for r in
+                                                                [reference_generate(model, p, 3) for p in prompts[:2]]]
