@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from acb.api import scoring
-from acb.api.base import EngineBase
+from acb.api.base import EngineBase, Submission
 from acb.api.handles import RequestHandle
 from acb.api.loops import await_future, current_loop
 from acb.api.sinks import AsyncSink
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
     from typing_extensions import Unpack
 
-    from acb.core.request import Request
     from acb.runner.model_runner import MemoryReleased
 
     from acb.sampling_params import SamplingKwargs
@@ -66,13 +65,13 @@ class AsyncEngine(EngineBase):
 
     # --------------------------------------------------------------- submit
     def _make(self, prompt_ids: Prompt, sampling: SamplingParams | None, request_id: str | None,
-              record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None) -> Request:
+              record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None) -> Submission:
         loop = current_loop()  # the handle's home loop (asyncio's, or the trio run's)
         return self.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
                                  request_id=request_id, record_timestamps=record_timestamps, cache_salt=cache_salt,
                                  chat_template_kwargs=chat_template_kwargs)
 
-    def _handle(self, req: Any) -> RequestHandle:
+    def _handle(self, req: Submission) -> RequestHandle:
         self.admit(req)
         return RequestHandle(req.request_id, req.sink, self.cancel)
 

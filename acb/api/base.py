@@ -18,6 +18,7 @@ import logging
 import operator
 import random
 import threading
+import time
 from collections.abc import Mapping, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import replace
@@ -25,16 +26,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from acb import telemetry
 from acb.api.gate import AdmissionGate
-from acb.api.sinks import _SinkState, deliver
 from acb.api import scoring
 from acb.api.scoring import ScoreSpec
+from acb.api.sinks import SinkRegistry
 from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore, EngineStats
-from acb.core.request import Request, RequestGroup
-from acb.core.stop_strings import StopStrings
+from acb.core.messages import EngineRequest, ScoreTarget
 from acb.errors import EngineNotRunningError
+from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 from acb.sampling_params import FALLBACK, SamplingParams
-from acb.text import IncrementalDetokenizer, encode_prompt, text_tokenizer
+from acb.text import IncrementalDetokenizer, encode_prompt
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +89,28 @@ def _check_vocab(field: str, ids: Any, vocab: int) -> None:
         raise ValueError(f"{field} token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
+class Submission:
+    """A validated submit on the caller's side (what :meth:`EngineBase.make_request` returns):
+    the :class:`EngineRequest` to post, and the sink its results go to. Its request ids are
+    claimed until it is posted (:meth:`EngineBase.admit`) or given back (:meth:`EngineBase.abandon`)."""
+
+    __slots__ = ("engine_request", "sink")
+
+    def __init__(self, engine_request: EngineRequest, sink: Any) -> None:
+        self.engine_request = engine_request
+        self.sink = sink
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    def failed_output(self, error: str, failure: FailureKind) -> GenerationOutput:
+        """The outcome of a submit that never reached the engine (it died first)."""
+        er = self.engine_request
+        return GenerationOutput(request_id=er.request_id, prompt_ids=list(er.prompt_ids), status=RequestStatus.FAILED,
+                                finish_reason=FinishReason.ERROR, error=error, failure=failure)
+
+
 class EngineBase:
     """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style:
     start-up, validation at submit, the engine core and its thread.
@@ -121,6 +144,7 @@ class EngineBase:
         self.core: EngineCore | None = None
         self.runner: ModelRunner | None = None
         self.gate = AdmissionGate(config.max_queue_size)
+        self.sinks = SinkRegistry()  # where the engine delivers each submit's results
         self._ids = itertools.count()
         self._start_lock = threading.Lock()
         self._context_depth = 0
@@ -172,9 +196,8 @@ class EngineBase:
             if group is not None:  # tensor parallel: every rank's engine runs the leader's requests
                 sync = StepSync(group)
             follower = sync is not None and not sync.is_leader
-            core = EngineCore(runner, deliver=deliver, on_dequeued=None if follower else self.gate.release, sync=sync)
-            if follower:
-                core.remote_request = self._remote_request
+            core = EngineCore(runner, deliver=self.sinks.deliver, on_dequeued=None if follower else self.gate.release,
+                              sync=sync, tokenizer=self.tokenizer)
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()
@@ -202,23 +225,6 @@ class EngineBase:
         its engine runs the leader's requests in lock step and takes none of its own."""
         core = self.core
         return core is not None and core.sync is not None and not core.sync.is_leader
-
-    def _remote_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        cache_salt: str | None, record_timestamps: bool,
-                        score_wire: list[Any] | None = None) -> Request:
-        """(Follower, engine thread.) The leader's request, built as the leader built it
-        (``score_wire``: a scoring request's first scored position, tokens scored after the
-        prompt and top-k, as the leader's core sends them)."""
-        scoring, children = None, []
-        if score_wire is not None:
-            lp_start, nxt, k, kids = score_wire  # (the leader's k is max(asked, 1): asking it again is the same)
-            scoring = ScoreSpec(lp_start, tuple(nxt) if nxt is not None else None, k)
-            children = [(list(ids), ScoreSpec(start, tuple(t) if t is not None else None, k)) for ids, start, t in kids]
-        req = self.make_request(prompt_ids, params, sink_factory=_FollowerSink, request_id=request_id,
-                                record_timestamps=record_timestamps, cache_salt=cache_salt, scoring=scoring,
-                                score_children=children)
-        req.sink.state.trace = None  # the leader reports it
-        return req
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the engine thread to exit (after ``stop``)."""
@@ -331,12 +337,12 @@ class EngineBase:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         scoring: ScoreSpec | None = None,
         score_children: Sequence[tuple[list[int], ScoreSpec]] = (),
-    ) -> Request:
-        """Validate one submit and build its Request, whose results go to
-        ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``). Everything is checked
-        before the request id is claimed, so a refused submit leaves nothing behind. Hand the
-        request to the engine with :meth:`admit` (or :meth:`enqueue` when holding a queue slot),
-        or give its id back with :meth:`abandon`. ``scoring`` makes it a scoring request
+    ) -> Submission:
+        """The input processor: validate one submit and build its :class:`EngineRequest`, whose
+        results go to ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``).
+        Everything is checked before the request id is claimed, so a refused submit leaves
+        nothing behind. Hand it to the engine with :meth:`admit` (or :meth:`enqueue` when holding
+        a queue slot), or give its id back with :meth:`abandon`. ``scoring`` makes it a scoring request
         (:mod:`acb.api.scoring`): it records prompt logprobs from ``scoring.lp_start`` and samples
         nothing; ``score_children`` (prompts that extend this one, with their specs) fork from it
         once its prompt is done, as the samples of ``n > 1`` do, in one group."""
@@ -452,45 +458,22 @@ class EngineBase:
         try:
             sink = sink_factory(request_id)
             sink.state.trace = telemetry.begin(prompt_ids, self.model_name, params)
-            if self.tokenizer is not None and scoring is None:  # text for the stream and the output, decoded on the consumer's side
+            if self.tokenizer is not None and scoring is None and not params.stop:
+                # text for the stream and the output, decoded on the consumer's side (with stop
+                # strings, the engine thread decodes it as it matches them)
                 skip = params.skip_special_tokens is not False
-                stops = params.stop or ()
-                sink.state.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip, stops) for _ in range(n)]
-            members = []
-            for i, mid in enumerate(member_ids):
-                req = Request(
-                    mid,
-                    ids if i == 0 or scoring is None else children[i - 1][0],
-                    max_new_tokens=max_new,
-                    stop_token_ids=stop_ids,
-                    params=params,
-                    # each sample has its own stream; sample 0 uses the request's seed itself
-                    seed=base_seed if i == 0 else (base_seed * 1_000_003 + i) & ((1 << 63) - 1),
-                    want_logprobs=params.logprobs is not None,
-                    record_timestamps=record_timestamps,
-                    sink=sink,
-                )
-                if params.stop:
-                    # the text the caller gets is the one searched (same skip_special_tokens)
-                    req.stop_checker = StopStrings(text_tokenizer(self.tokenizer), params.stop,
-                                                   params.skip_special_tokens is not False)
-                if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
-                    req.prompt_lps, req.prompt_tops = [], []
-                if scoring is not None:
-                    spec = scoring if i == 0 else children[i - 1][1]
-                    req.scoring, req.lp_start = True, spec.lp_start
-                    req.score_next = list(spec.next_tokens) if spec.next_tokens is not None else None
-                    req.prompt_lps, req.prompt_tops = [], []
-                if cache_salt:
-                    req.cache_salt = cache_salt.encode()
-                members.append(req)
-            if n > 1:
-                RequestGroup(request_id, members)
+                sink.state.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip) for _ in range(n)]
+            targets = [ScoreTarget(tuple(p), spec.lp_start, spec.next_tokens)
+                       for p, spec in ([(ids, scoring)] + children if scoring is not None else [])]
+            er = EngineRequest(
+                request_id, self.sinks.register(sink), tuple(ids), params, max_new, stop_ids, base_seed, n,
+                time.perf_counter(), record_timestamps, cache_salt or None,
+                targets[0] if targets else None, tuple(targets[1:]))
         except BaseException:
             for mid in member_ids:
                 core.release_id(mid)
             raise
-        return members[0]
+        return Submission(er, sink)
 
     def make_score_requests(
         self,
@@ -499,14 +482,14 @@ class EngineBase:
         cache_salt: str | None,
         request_ids: Sequence[str] | None,
         sink_factory: Callable[[str], Any],
-    ) -> tuple[list[scoring.Plan], list[str], list[Request]]:
+    ) -> tuple[list[scoring.Plan], list[str], list[Submission]]:
         """Validate and plan a ``score_batch`` call and build its engine requests (one per group,
         in submission order: sorted for prefix reuse), as :meth:`make_request` does for one
         submit: all of them or, on an error naming the item, none. Returns the plans and item
         ids (for :func:`acb.api.scoring.assemble_batch`) and the requests to enqueue."""
         plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
         ids = scoring.batch_ids(request_ids, len(plans))
-        reqs: list[Request] = []
+        reqs: list[Submission] = []
         try:
             for i, rid, group in scoring.ordered_groups(plans, ids):
                 try:
@@ -527,11 +510,11 @@ class EngineBase:
         assert core is not None
         return core
 
-    def enqueue(self, req: Request) -> None:
+    def enqueue(self, req: Submission) -> None:
         """Hand a validated request to the engine (the caller holds its queue slot)."""
-        self._made_core().add(req)
+        self._made_core().add(req.engine_request)
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Submission) -> None:
         """Hand a validated request, holding a queue slot, to the engine; undo both on failure."""
         try:
             self._made_core().check_alive()
@@ -541,11 +524,12 @@ class EngineBase:
             self.abandon(req)
             raise
 
-    def abandon(self, req: Request) -> None:
+    def abandon(self, req: Submission) -> None:
         """Undo ``make_request`` for a request that will not be enqueued."""
         core = self._made_core()
-        for m in req.group.members if req.group is not None else [req]:
-            core.release_id(m.request_id)
+        self.sinks.discard(req.engine_request.sink_key)
+        for mid in req.engine_request.member_ids:
+            core.release_id(mid)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
@@ -555,17 +539,3 @@ class EngineBase:
             return False
         core.cancel(request_id)
         return True
-
-
-class _FollowerSink:
-    """Where a tensor-parallel follower's copies of the leader's requests deliver: nowhere."""
-
-    __slots__ = ("state",)
-    loop = None
-    done = False
-
-    def __init__(self, request_id: str) -> None:
-        self.state = _SinkState(request_id)
-
-    def push(self, d: Any) -> None:
-        pass

@@ -11,11 +11,10 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from acb.api import scoring
-from acb.api.base import EngineBase
+from acb.api.base import EngineBase, Submission
 from acb.api.handles import SyncRequestHandle
 from acb.api.sinks import ThreadSink
 from acb.config import ConfigLike
-from acb.core.request import Request
 from acb.errors import AcbError, QueueFullError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import SamplingParams, with_overrides
@@ -58,7 +57,7 @@ class Engine(EngineBase):
         """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
         self.stop(drain=not cancel_pending, timeout=timeout)
 
-    def enqueue_blocking(self, req: Request, *, wait: bool = True, timeout: float | None = None) -> None:
+    def enqueue_blocking(self, req: Submission, *, wait: bool = True, timeout: float | None = None) -> None:
         """Take a queue slot for a request from :meth:`make_request` (waiting while
         ``max_queue_size`` requests wait, or raising :class:`QueueFullError` with ``wait=False``)
         and hand it to the engine. On failure the request's id is given back."""
@@ -225,7 +224,7 @@ class Engine(EngineBase):
                          results[failed[0]].error)
         return {f"req_{i}": results[f"req_{i}"] for i in range(n) if f"req_{i}" in results}
 
-    def _run_made(self, reqs: list[Request], done: "queue.SimpleQueue[GenerationOutput]", bar: Any,
+    def _run_made(self, reqs: list[Submission], done: "queue.SimpleQueue[GenerationOutput]", bar: Any,
                   on_result: Callable[[int, GenerationOutput], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> dict[str, GenerationOutput]:
         """The one batch loop (``generate_batch``, ``score_batch``, ``acb generate``): enqueue
@@ -267,9 +266,7 @@ class Engine(EngineBase):
                     for r in reqs[k + 1:]:
                         self.abandon(r)
                     for r in reqs[k:]:
-                        r.status, r.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
-                        r.failure = FailureKind.ENGINE_DEAD
-                        done.put(r.to_output())
+                        done.put(r.failed_output(f"{type(exc).__name__}: {exc}", FailureKind.ENGINE_DEAD))
                     expected = len(reqs)
                     break
                 expected = k + 1
@@ -284,9 +281,7 @@ class Engine(EngineBase):
                 if not self.is_running and done.empty() and len(results) < expected:
                     for r in reqs[:expected]:  # cannot happen unless delivery itself broke; never hang
                         if r.request_id not in results:
-                            r.status, r.error = RequestStatus.FAILED, "the engine stopped"
-                            r.failure = FailureKind.ENGINE_DEAD
-                            done.put(r.to_output())
+                            done.put(r.failed_output("the engine stopped", FailureKind.ENGINE_DEAD))
         except BaseException:  # interrupted: the engine outlives this call, its requests must not
             if not given_back:
                 for r in reqs[expected:]:

@@ -12,11 +12,11 @@ from typing import Any
 
 from acb.api.gate import AdmissionGate
 from acb.api.loops import await_future, current_loop, is_cancellation
-from acb.api.sinks import AsyncSink, ThreadSink, deliver
+from acb.api.sinks import AsyncSink, ThreadSink
 from acb.outputs import GenerationOutput, StreamDelta
 
 __all__ = ["AdmissionGate", "AsyncSink", "HandleStream", "RequestHandle", "SyncRequestHandle", "ThreadSink",
-           "await_future", "current_loop", "deliver", "is_cancellation"]
+           "await_future", "current_loop", "is_cancellation"]
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,17 @@ requests awaited on an event loop are grouped per loop and sent with **one** thr
 non-blocking call per loop per step; on the loop, each request's :class:`AsyncSink` appends
 the new tokens to what its consumer has not read yet, so a slow consumer gets several steps
 coalesced into one delta. Requests consumed from plain threads use :class:`ThreadSink` (a
-``threading.Condition``; no event loop needed). Text is decoded on the consumer's side, here.
+``threading.Condition``; no event loop needed).
+
+Text is decoded in one place per request: here, on the consumer's side, by an
+:class:`acb.text.IncrementalDetokenizer` per sample; or, for requests with stop strings (which
+must be matched on the text as it grows), on the engine thread, whose deliveries then carry the
+text pieces (``Delivery.text``) and whose outputs carry the text. Never both.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -43,6 +49,7 @@ def _error_of(out: GenerationOutput) -> Exception | None:
 
 
 WAIT = object()  # poll(): nothing new yet
+_NO_TOKENS = Delivery(-1, [])
 
 
 class _Unread:
@@ -70,10 +77,12 @@ class _Unread:
 class _SinkState:
     """Tokens not yet read by the consumer (per sample, for n > 1), and the final output once known."""
 
-    __slots__ = ("request_id", "unread", "final", "stream_done", "detokenizers", "trace")
+    __slots__ = ("request_id", "unread", "final", "stream_done", "detokenizers", "trace", "streamed")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        # per sample, characters of text delivered so far by the engine thread (stop strings)
+        self.streamed: dict[int, int] = {}
         self.unread: dict[int, _Unread] = {}  # sample index -> what its consumer has not read
         self.final: GenerationOutput | None = None
         self.stream_done = False  # the final delta (or the failure) was handed out
@@ -88,13 +97,18 @@ class _SinkState:
                 slot = self.unread[d.sample_index] = _Unread(d)
             else:
                 slot.extend(d)
-            if self.detokenizers is not None:
+            if d.text is not None:  # decoded on the engine thread (stop strings)
+                slot.add_text(d.text)
+                self.streamed[d.sample_index] = self.streamed.get(d.sample_index, 0) + len(d.text)
+            elif self.detokenizers is not None:
                 try:
                     slot.add_text(self.detokenizers[d.sample_index].push(d.token_ids))
                 except Exception:  # noqa: BLE001 - a tokenizer that cannot decode must not lose the result
                     self._drop_text()
         if d.final is not None:
-            if self.detokenizers is not None:
+            if self.streamed:
+                self._end_engine_text(d.final)
+            elif self.detokenizers is not None:
                 try:
                     self._finish_text(d.final)
                 except Exception:  # noqa: BLE001
@@ -110,24 +124,32 @@ class _SinkState:
         self.detokenizers = None
 
     def _finish_text(self, final: GenerationOutput) -> None:
-        """Flush each sample's held-back text into the stream, and give the output its text (the
-        stop-string cut, when a stop string ended it, is kept)."""
+        """Flush each sample's held-back text into the stream, and give the output its text."""
         samples = final.samples
         detokenizers = self.detokenizers
         assert detokenizers is not None
         for i, detok in enumerate(detokenizers):
-            # a stop string cut the engine's text: the stream ends where it does
-            cut = samples[i].text if samples is not None and i < len(samples) else final.text
-            piece = detok.flush(None if cut is None else len(cut))
-            if piece:
-                slot = self.unread.get(i)
-                if slot is None:
-                    slot = self.unread[i] = _Unread(Delivery(None, []))
-                slot.add_text(piece)
+            self._add_text(i, detok.flush())
             if samples is not None and i < len(samples) and samples[i].text is None:
                 samples[i].text = detok.text
         if final.text is None:
             final.text = detokenizers[0].text
+
+    def _end_engine_text(self, final: GenerationOutput) -> None:
+        """The engine decoded the text: the stream ends with whatever of the output's text it has
+        not carried yet (what the engine held back when the request was cancelled or failed)."""
+        samples = final.samples
+        texts = [s.text for s in samples] if samples is not None else [final.text]
+        for i, text in enumerate(texts):
+            if text is not None:
+                self._add_text(i, text[self.streamed.get(i, 0):])
+
+    def _add_text(self, sample: int, piece: str) -> None:
+        if piece:
+            slot = self.unread.get(sample)
+            if slot is None:
+                slot = self.unread[sample] = _Unread(_NO_TOKENS)
+            slot.add_text(piece)
 
     def take(self) -> StreamDelta | None:
         """The coalesced delta of one sample since the last take, or None if there is nothing new.
@@ -288,27 +310,50 @@ def _call_back(fn: Callable[..., Any], request_id: str, *args: Any) -> None:
         logger.exception("a result callback for request %r raised", request_id)
 
 
-def _push_all(batch: list[Delivery], here: Any = None) -> None:
+def _push_all(batch: list[tuple[Any, Delivery]], here: Any = None) -> None:
     """Push a batch of deliveries into their AsyncSinks, on loop ``here`` (None: on another thread)."""
-    for d in batch:
-        _call_back(d.sink.push, d.sink.state.request_id, d, here)
+    for sink, d in batch:
+        _call_back(sink.push, sink.state.request_id, d, here)
 
 
-def deliver(items: list[Delivery]) -> None:
-    """The engine's ``deliver`` callback: one ``call_soon_threadsafe`` per loop per step. It never
-    raises: a failing sink or callback is logged, and the other results still go out."""
-    per_loop: dict[Any, list[Delivery]] = {}
-    for d in items:
-        loop = d.sink.loop
-        if loop is None:  # a ThreadSink (or a caller's own sink without a loop): push from here
-            _call_back(d.sink.push, d.sink.state.request_id, d)
-        else:
-            per_loop.setdefault(loop, []).append(d)
-    for loop, batch in per_loop.items():
-        try:
-            loop.call_soon_threadsafe(_push_all, batch, loop)
-        except RuntimeError:  # that loop is closed: the sinks are thread-safe, so push from here
-            # (a consumer on another loop may still await them)
-            _push_all(batch)
+class SinkRegistry:
+    """The sinks of the live submits, by ``EngineRequest.sink_key``; :meth:`deliver` is the
+    engine's ``deliver`` callback. A sink is registered before its request is posted and
+    dropped with its final output (or when its submit is given back). A key the registry does
+    not hold (a tensor-parallel follower's copy of the leader's request) is delivered nowhere."""
 
+    def __init__(self) -> None:
+        self._sinks: dict[int, Any] = {}
+        self._keys = itertools.count()
 
+    def register(self, sink: Any) -> int:
+        key = next(self._keys)
+        self._sinks[key] = sink
+        return key
+
+    def discard(self, key: int) -> None:
+        self._sinks.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._sinks)
+
+    def deliver(self, items: list[Delivery]) -> None:
+        """One ``call_soon_threadsafe`` per loop per step. It never raises: a failing sink or
+        callback is logged, and the other results still go out."""
+        sinks = self._sinks
+        per_loop: dict[Any, list[tuple[Any, Delivery]]] = {}
+        for d in items:
+            sink = sinks.pop(d.key, None) if d.final is not None else sinks.get(d.key)
+            if sink is None:
+                continue
+            loop = sink.loop
+            if loop is None:  # a ThreadSink (or a caller's own sink without a loop): push from here
+                _call_back(sink.push, sink.state.request_id, d)
+            else:
+                per_loop.setdefault(loop, []).append((sink, d))
+        for loop, batch in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, batch, loop)
+            except RuntimeError:  # that loop is closed: the sinks are thread-safe, so push from here
+                # (a consumer on another loop may still await them)
+                _push_all(batch)

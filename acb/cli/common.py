@@ -232,8 +232,9 @@ def _is_tp_follower(model: Any) -> bool:
     return dist.get_rank() != dist.get_process_group_ranks(group)[0]
 
 
-def _follow(model: Any, cfg: Any) -> int:
-    """A follower rank's whole job: run the leader's requests in lock step until it stops."""
+def _follow(model: Any, cfg: Any, tokenizer: Any) -> int:
+    """A follower rank's whole job: run the leader's requests in lock step until it stops (with
+    the tokenizer: the leader's stop strings end a request on every rank at the same token)."""
 
     import acb
 
@@ -241,7 +242,7 @@ def _follow(model: Any, cfg: Any) -> int:
     # engines of all ranks, so a follower leaving on its own would only break the leader's step
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    engine = acb.Engine(model, cfg)
+    engine = acb.Engine(model, cfg, tokenizer=tokenizer)
     engine.start()
     engine.join()
     if engine.core is not None and engine.core.dead_error is not None:

@@ -471,7 +471,7 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
     specs = load_prompts(args.prompts, tokenizer) if args.prompts is not None else None
     model = _load_model(args, device)
     if _is_tp_follower(model):  # torchrun: rank 0 submits and writes the results, the other ranks follow
-        return _follow(model, cfg)
+        return _follow(model, cfg, tokenizer)
     vocab = _vocab_size(model)
     if specs is None:
         exclude = set(SPECIAL_IDS) | set(getattr(tokenizer, "all_special_ids", None) or ())

@@ -97,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     model = _load_model(args, device)
     if _is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
-        return _follow(model, cfg)
+        return _follow(model, cfg, tokenizer)
     engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
     acb.serve.run(engine, name, host=args.host, port=args.port,
                   api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),

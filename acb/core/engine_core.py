@@ -21,12 +21,13 @@ import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 from acb.core.block_pool import BlockPool, SwapSpace
-from acb.core.request import Request
+from acb.core.request import Request, build_request
 from acb.core.messages import (
     Add,
+    EngineRequest,
     Call,
     Cancel,
     Command,
@@ -36,6 +37,7 @@ from acb.core.messages import (
     Resume,
     Runner,
     SchedulerOutput,
+    ScoreTarget,
     Sleep,
     Stop,
     StepTimes,
@@ -46,6 +48,9 @@ from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from acb.text import TokenizerLike
+
 logger = logging.getLogger(__name__)
 
 class Delivery(NamedTuple):
@@ -55,12 +60,15 @@ class Delivery(NamedTuple):
     one is built per request per step and a frozen dataclass costs 3x as much to build
     (1.3 µs against 0.4 µs here: about 1 ms per step at 1,024 running requests)."""
 
-    sink: Any  # opaque to the core: where the request's results go (``Request.sink``)
+    key: int  # the submit's ``EngineRequest.sink_key``: its sink is registered under it on the API's side
     token_ids: list[int]  # tokens new in this step (empty when only the outcome is delivered)
     logprobs: list[float] | None = None  # their logprobs, when the request asked
     top: list[list[tuple[int, float]]] | None = None  # their top alternatives, when asked
     sample_index: int = 0  # which of the request's ``n`` samples the tokens belong to
     final: GenerationOutput | None = None  # the outcome, once the request (all its samples) ended
+    # the text those tokens complete, for requests decoded here (stop strings); None: the
+    # consumer's side decodes the tokens itself
+    text: str | None = None
 
 
 _FAILED = object()  # _launch: the step raised and its requests were failed
@@ -73,6 +81,10 @@ def scored_rows_for(vocab_size: int) -> int:
     """Rows of logits a step may compute for scoring, for this vocabulary (at least 16)."""
     return max(16, SCORED_LOGITS_BYTES // (4 * max(vocab_size, 1)))
 PAUSE_MODES = ("wait", "cancel", "keep")
+
+
+def _target_wire(t: ScoreTarget) -> list[Any]:
+    return [list(t.prompt_ids), t.lp_start, None if t.next_tokens is None else list(t.next_tokens)]
 
 
 class PauseState(enum.Enum):
@@ -136,10 +148,12 @@ class EngineCore:
         deliver: Callable[[list[Delivery]], None],
         on_dequeued: Callable[[int], None] | None = None,
         sync: StepSyncLike | None = None,
+        tokenizer: TokenizerLike | None = None,
     ) -> None:
         """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device).
         ``sync``: the tensor-parallel command broadcast (:mod:`acb.runner.tp_sync`), when the
-        model is sharded over several ranks."""
+        model is sharded over several ranks. ``tokenizer``: decodes the text of requests with
+        stop strings (the only text decoded on the engine thread)."""
         cfg = runner.cfg
         self.weight_resets = 0  # times the prefix cache was dropped because the weights changed
         self.runner = runner
@@ -152,9 +166,7 @@ class EngineCore:
         )
         self._deliver = deliver
         self.sync = sync
-        # a follower's requests come from the leader: (id, prompt ids, params, cache salt,
-        # record timestamps) -> the Request its engine front builds (set by EngineBase)
-        self.remote_request: Callable[..., Request] | None = None
+        self.tokenizer = tokenizer
         self.async_batching = cfg.async_batching
         self._inflight: LaunchedStep | None = None  # async batching: the launched step not yet completed
         self._on_dequeued = on_dequeued or (lambda n: None)
@@ -227,7 +239,7 @@ class EngineCore:
         with self._lock:
             return request_id in self._live_ids
 
-    def add(self, req: Request) -> None:
+    def add(self, req: EngineRequest) -> None:
         with self._lock:
             if self._closed:
                 raise EngineNotRunningError("the engine has stopped")
@@ -321,7 +333,7 @@ class EngineCore:
             waiters, self._pause_waiters = self._pause_waiters, []
             for w in waiters:
                 w.set_exception(EngineNotRunningError("the engine stopped before the pause completed"))
-            leftover = [c.req for c in self._inbox if isinstance(c, Add) and not c.req.status.is_terminal]
+            leftover = [build_request(c.req, None) for c in self._inbox if isinstance(c, Add)]
             self._inbox.clear()
             for req in leftover:
                 if self.dead_error is None:
@@ -361,19 +373,11 @@ class EngineCore:
     def _wire(self, cmd: Command) -> tuple:
         """A command as the other ranks receive it: plain values, no futures or objects."""
         match cmd:
-            case Add(req):
-                # as this rank resolved them: the seed it drew, and the stop ids it settled on (the
-                # merged params cannot tell the generation config's EOS from ids the caller gave)
-                params = dataclasses.replace(req.params, seed=req.seed,
-                                             stop_token_ids=tuple(sorted(req.stop_token_ids)))
-                # a scoring request: (first scored position, tokens scored after the prompt, top-k)
-                # and its group's children (prompt, first scored position, tokens scored after it)
-                scoring = ([req.lp_start, req.score_next, (req.params.prompt_logprobs or 1),
-                            [[c.token_ids[: c.prompt_len], c.lp_start, c.score_next] for c in req.children or ()]]
-                           if req.scoring else None)
-                return ("add", req.request_id, req.token_ids[: req.prompt_len],
-                        [getattr(params, f.name) for f in dataclasses.fields(params)],
-                        req.cache_salt.decode() if req.cache_salt else None, req.record_timestamps, scoring)
+            case Add(req):  # plain values: the leader's resolved params, its seeds and stop ids
+                score = None if req.score is None else [_target_wire(t) for t in (req.score, *req.children)]
+                return ("add", req.request_id, list(req.prompt_ids),
+                        [getattr(req.params, f.name) for f in dataclasses.fields(req.params)], req.max_new_tokens,
+                        sorted(req.stop_token_ids), req.seed, req.n, req.record_timestamps, req.cache_salt, score)
             case Cancel(request_id):
                 return ("cancel", request_id)
             case Stop(drain):
@@ -393,10 +397,12 @@ class EngineCore:
     def _unwire(self, wire: tuple) -> Command:
         kind = wire[0]
         if kind == "add":
-            assert self.remote_request is not None
-            values = dict(zip((f.name for f in dataclasses.fields(SamplingParams)), wire[3]))
-            params = SamplingParams(**values)
-            return Add(self.remote_request(wire[1], list(wire[2]), params, wire[4], wire[5], wire[6]))
+            _, rid, prompt, values, max_new, stop_ids, seed, n, stamps, salt, score = wire
+            params = SamplingParams(**dict(zip((f.name for f in dataclasses.fields(SamplingParams)), values)))
+            targets = [ScoreTarget(tuple(p), start, None if nxt is None else tuple(nxt)) for p, start, nxt in score or ()]
+            return Add(EngineRequest(rid, -1, tuple(prompt), params, max_new, frozenset(stop_ids), seed, n,
+                                     time.perf_counter(), stamps, salt, targets[0] if targets else None,
+                                     tuple(targets[1:])))
         simple: dict[str, Callable[[], Command]] = {
             "cancel": lambda: Cancel(wire[1]), "stop": lambda: Stop(wire[1]), "pause": lambda: Pause(wire[1], Future()),
             "resume": lambda: Resume(Future()), "reset_prefix": lambda: ResetPrefix(Future()),
@@ -407,7 +413,12 @@ class EngineCore:
         """Apply one command; True when it changed what the engine runs (and so must be applied
         on every tensor-parallel rank)."""
         match cmd:
-            case Add(req):
+            case Add(er):
+                if er.params.stop and self.tokenizer is None:  # (a leader refuses them at submit)
+                    raise RuntimeError(f"request {er.request_id!r} has stop strings, and this tensor-parallel rank's "
+                                       "engine has no tokenizer to match them in lock step: give every rank's "
+                                       "engine the tokenizer")
+                req = build_request(er, self.tokenizer)
                 if self._stopping and not self._drain_on_stop:
                     self._end_unscheduled(req, RequestStatus.CANCELLED)
                     return False
@@ -662,22 +673,23 @@ class EngineCore:
             if req.want_logprobs:
                 lp = [req.logprobs[-1]]
                 top = [req.top_logprobs[-1]] if req.top_logprobs else None
-            items.append(Delivery(req.sink, [req.token_ids[-1]], lp, top, req.sample_index))
+            items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index,
+                                  text=req.new_text if req.detok is not None else None))
             if req.status.is_terminal:
                 ended.append(req)
         if ended:  # an outcome rides on its sink's last item of the step (after every sample's token)
-            last = {id(d.sink): i for i, d in enumerate(items)}
+            last = {d.key: i for i, d in enumerate(items)}
             for req in ended:
                 final = self._final_of(req)
                 if final is not None:
-                    i = last[id(req.sink)]
+                    i = last[req.key]
                     items[i] = items[i]._replace(final=final)
         if sched.scored:  # scoring requests end with no token of their own
             for req in sched.scored:
                 if req.status == RequestStatus.FINISHED:  # (not cancelled meanwhile)
                     final = self._final_of(req)
                     if final is not None:
-                        items.append(Delivery(req.sink, [], final=final))
+                        items.append(Delivery(req.key, [], final=final))
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
         tm = self.timing
@@ -711,7 +723,7 @@ class EngineCore:
         for req in reqs:
             final = self._final_of(req)
             if final is not None:
-                items.append(Delivery(req.sink, [], final=final))
+                items.append(Delivery(req.key, [], final=final))
         if items:
             self._deliver(items)
 
@@ -747,7 +759,12 @@ class EngineCore:
         what can fail (decoding, a sink's callbacks): each final output falls back to a bare one,
         and each delivery is tried on its own."""
         reqs = list(self.scheduler.live.values())
-        queued = [c.req for c in self._inbox if isinstance(c, Add)] + list(self._held)
+        with self._lock:  # the adds still in the inbox end here (add() posts under this lock)
+            adds = [c.req for c in self._inbox if isinstance(c, Add)]
+            keep = [c for c in self._inbox if not isinstance(c, Add)]
+            self._inbox.clear()
+            self._inbox.extend(keep)
+        queued = [build_request(er, None) for er in adds] + list(self._held)
         self._held.clear()
         queued_adds = [m for r in queued for m in (r.group.members if r.group is not None else [r])]
         msg = f"the engine died: {type(exc).__name__}: {exc}"
@@ -776,7 +793,7 @@ class EngineCore:
             if final is None:
                 continue
             try:
-                self._deliver([Delivery(req.sink, [], final=final)])
+                self._deliver([Delivery(req.key, [], final=final)])
             except BaseException:  # noqa: BLE001
                 logger.exception("could not deliver the failure of %r after the engine died", req.request_id)
 

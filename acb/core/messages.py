@@ -1,5 +1,9 @@
-"""The typed hand-offs between the engine's stages (engine thread only; plain data, no logic).
+"""The typed hand-offs between the engine's stages (plain data, no logic).
 
+- :class:`EngineRequest`: a validated submit, from the API's input processor
+  (``EngineBase.make_request``) to the engine thread, which builds its :class:`Request` state
+  from it; frozen, and plain values only (it is also what tensor parallelism sends the other
+  ranks). Its results go to the sink registered under its ``request_id`` on the API's side.
 - :class:`SchedulerOutput`: one step's batch, from the scheduler (which builds it, with the KV
   manager's block moves) to the runner and back to ``Scheduler.update_from_output``; its
   scored rows are :class:`PromptRows` and :class:`NextRows`.
@@ -22,6 +26,44 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
 if TYPE_CHECKING:
     from acb.config import ResolvedConfig
     from acb.core.request import Request
+    from acb.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreTarget:
+    """What a scoring request (or one of its group's children) records: the prompt positions
+    from ``lp_start`` on, and ``next_tokens`` scored after its whole prompt."""
+
+    prompt_ids: tuple[int, ...]
+    lp_start: int
+    next_tokens: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One validated submit: everything the engine needs, nothing of the caller's (no sink,
+    tokenizer or trace). ``n`` samples (``n > 1``) or a scoring group (``children``) become one
+    :class:`acb.core.request.RequestGroup` whose members are ``request_id`` and
+    ``request_id#1``..; every id was claimed on the core before this was built."""
+
+    request_id: str
+    sink_key: int  # where its results go: the API's sink registered under this key (never reused)
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams  # resolved over the engine's defaults (frozen)
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    seed: int  # sample 0's; sample i's is derived from it
+    n: int = 1
+    created_time: float = 0.0  # perf_counter() at submit (queue time and latency count from it)
+    record_timestamps: bool = False
+    cache_salt: str | None = None
+    # a scoring request (samples nothing): its own target, then its children's
+    score: ScoreTarget | None = None
+    children: tuple[ScoreTarget, ...] = ()
+
+    @property
+    def member_ids(self) -> list[str]:
+        return [self.request_id] + [f"{self.request_id}#{i}" for i in range(1, self.n)]
 
 
 class PromptRows(NamedTuple):
@@ -131,7 +173,7 @@ class Runner(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Add:
-    req: Request
+    req: EngineRequest
 
 
 @dataclass(frozen=True, slots=True)

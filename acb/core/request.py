@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus, SampleOutput
+from acb.text import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from acb.core.messages import EngineRequest
+    from acb.text import TokenizerLike
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +28,8 @@ class Request:
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
-        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "sink", "stop_checker", "output_text", "group", "sample_index", "children",
+        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "key", "detok", "new_text", "group", "sample_index",
+        "children",
         "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
         "scoring", "lp_start", "score_next", "next_lps", "next_top",
     )
@@ -39,7 +45,6 @@ class Request:
         seed: int = 0,
         want_logprobs: bool = False,
         record_timestamps: bool = False,
-        sink: Any = None,
         created_time: float | None = None,
     ) -> None:
         self.request_id = request_id
@@ -82,10 +87,11 @@ class Request:
         self.next_lps: list[float] | None = None
         self.next_top: list[tuple[int, float]] | None = None
         self.num_cached_tokens = 0
-        self.sink = sink  # opaque to core: where the engine delivers this request's results
-        # optional callable(request) -> True when a stop string has appeared (it trims the output)
-        self.stop_checker: Any = None
-        self.output_text: str | None = None
+        self.key = -1  # EngineRequest.sink_key: where its results are delivered (the group's, for n > 1)
+        # stop strings: the output text, decoded here (and only here) as tokens come, with the
+        # caller's skip_special_tokens; the stream's text pieces and the output's text are its
+        self.detok: IncrementalDetokenizer | None = None
+        self.new_text = ""  # the text completed by the latest token (stop strings only)
         self.group: RequestGroup | None = None  # n > 1: the samples submitted together
         self.sample_index = 0
         self.children: list[Request] | None = None  # n > 1, on sample 0 until its prompt is prefilled
@@ -123,16 +129,26 @@ class Request:
             self.timestamps.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
+        detok = self.detok
+        if detok is not None:  # (if decoding raises, the scheduler fails this request alone)
+            self.new_text = ""
+            self.new_text = detok.push((token_id,))
         if token_id in self.stop_token_ids:
             self.finish_reason = FinishReason.STOP
-            return True
-        if self.stop_checker is not None and self.stop_checker(self):
+            return self._text_ends()
+        if detok is not None and detok.cut is not None:  # a stop string appeared: the text ends where it starts
             self.finish_reason = FinishReason.STOP
-            return True
+            return self._text_ends()
         if len(self.token_ids) - self.prompt_len >= self.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
-            return True
+            return self._text_ends()
         return False
+
+    def _text_ends(self) -> bool:
+        """The request finished: its last text piece takes what the detokenizer held back."""
+        if self.detok is not None:
+            self.new_text += self.detok.flush()
+        return True
 
     def add_prompt_logprobs(self, lo: int, values: list[float], tops: list[list[tuple[int, float]]]) -> None:
         """Record prompt logprobs for positions ``lo``.. (those already recorded are skipped: a
@@ -175,15 +191,17 @@ class Request:
         )
 
     def _text(self) -> str | None:
-        """The output text (stop strings only); None if the tokenizer cannot decode it, so that
-        building an output, a failure's included, never raises."""
-        if self.output_text is not None or self.stop_checker is None:
-            return self.output_text
+        """The output text (stop strings only; None otherwise, or if the tokenizer cannot decode
+        it, so that building an output, a failure's included, never raises)."""
+        detok = self.detok
+        if detok is None:
+            return None
         try:
-            return self.stop_checker.text(self)
+            detok.flush()
         except Exception:  # noqa: BLE001
             logger.warning("request %r: decoding its output text failed", self.request_id, exc_info=True)
             return None
+        return detok.text if detok.cut is None else detok.text[: detok.cut]
 
     def __repr__(self) -> str:
         return (
@@ -234,3 +252,41 @@ class RequestGroup:
         head.num_preemptions = sum(o.num_preemptions for o in outs)
         head.events = sorted(e for o in outs for e in o.events or ()) or None
         return head
+
+
+def build_request(er: EngineRequest, tokenizer: TokenizerLike | None) -> Request:
+    """The engine-thread state of a submit: one :class:`Request`, or the group's first member
+    (``n`` samples, or a scoring group) with the others as its children. ``tokenizer`` decodes
+    the text of requests with stop strings."""
+    params = er.params
+    targets = (er.score, *er.children) if er.score is not None else ()
+    members = []
+    for i, mid in enumerate(er.member_ids):
+        target = targets[i] if targets else None
+        req = Request(
+            mid,
+            list(er.prompt_ids if target is None else target.prompt_ids),
+            max_new_tokens=er.max_new_tokens,
+            stop_token_ids=er.stop_token_ids,
+            params=params,
+            # each sample has its own stream; sample 0 uses the request's seed itself
+            seed=er.seed if i == 0 else (er.seed * 1_000_003 + i) & ((1 << 63) - 1),
+            want_logprobs=params.logprobs is not None,
+            record_timestamps=er.record_timestamps,
+            created_time=er.created_time,
+        )
+        req.key = er.sink_key
+        if params.stop and tokenizer is not None:
+            req.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens is not False, params.stop)
+        if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
+            req.prompt_lps, req.prompt_tops = [], []
+        if target is not None:
+            req.scoring, req.lp_start = True, target.lp_start
+            req.score_next = list(target.next_tokens) if target.next_tokens is not None else None
+            req.prompt_lps, req.prompt_tops = [], []
+        if er.cache_salt:
+            req.cache_salt = er.cache_salt.encode()
+        members.append(req)
+    if len(members) > 1:
+        RequestGroup(er.request_id, members)
+    return members[0]

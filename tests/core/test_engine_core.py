@@ -10,7 +10,9 @@ import pytest
 
 from acb.config import ResolvedConfig
 from acb.core.engine_core import Delivery, EngineCore
+from acb.core.messages import EngineRequest
 from acb.core.request import Request
+from acb.sampling_params import FALLBACK
 from acb.outputs import FailureKind, RequestStatus
 
 VOCAB = 50
@@ -111,14 +113,14 @@ def make_core(runner, collector, *, async_batching, num_blocks=64, budget=16) ->
     return EngineCore(runner, deliver=collector)
 
 
-def requests(n: int = 6, max_new: int = 7) -> list[Request]:
-    return [Request(f"r{i}", list(range(3 + i, 3 + i + 2 + 3 * i)), max_new_tokens=max_new, sink=f"sink{i}")
+def requests(n: int = 6, max_new: int = 7) -> list[EngineRequest]:
+    """Request ``r<i>``, delivered under sink key ``i``."""
+    return [EngineRequest(f"r{i}", i, tuple(range(3 + i, 3 + i + 2 + 3 * i)), FALLBACK, max_new, frozenset(), 0)
             for i in range(n)]
 
 
-def expected(r: Request, max_new: int) -> list[int]:
-    prompt = tuple(r.token_ids[: r.prompt_len])
-    return [token_at(prompt, r.prompt_len + j) for j in range(max_new)]
+def expected(r: EngineRequest, max_new: int) -> list[int]:
+    return [token_at(r.prompt_ids, len(r.prompt_ids) + j) for j in range(max_new)]
 
 
 @pytest.mark.parametrize("async_batching", [False, True])
@@ -135,7 +137,7 @@ def test_steps_in_order_and_outputs_right(async_batching):
         assert out.status == RequestStatus.FINISHED and out.generated_tokens == expected(r, 7)
     # streamed tokens add up to the outputs, and every sink got only its own request's results
     for i in range(6):
-        toks = [t for d in col.items if d.sink == f"sink{i}" for t in d.token_ids]
+        toks = [t for d in col.items if d.key == i for t in d.token_ids]
         assert toks == col.finals[f"r{i}"].generated_tokens
     calls = runner.calls
     launched = [s for kind, s in calls if kind == "execute"]

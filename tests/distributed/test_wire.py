@@ -4,9 +4,12 @@ differently would schedule differently and break the ranks' lock step). In-proce
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from acb.core.messages import Add
+from acb.core.request import build_request
 
 import acb
 from acb.api.sinks import ThreadSink
@@ -24,40 +27,35 @@ CASES = [
 ]
 
 
+def _crossed(core, er):
+    """``er`` as a follower's core receives it: through the wire and the frame codec."""
+    cmd = core._unwire(decode_commands(encode_commands([core._wire(Add(er))]))[0])
+    assert isinstance(cmd, Add)
+    return cmd.req
+
+
 @pytest.mark.parametrize("kw", CASES)
 def test_a_request_crosses_to_the_followers_unchanged(kw):
+    """The EngineRequest arrives equal (but for where the leader delivers it and when it came),
+    and the engine-thread state a follower builds from it is the leader's."""
     with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64), tokenizer=build_tokenizer()) as eng:
         core = eng.core
-        req = eng.make_request("some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink,
+        sub = eng.make_request("some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink,
                                cache_salt="salt", record_timestamps=True)
-        wire = decode_commands(encode_commands([core._wire(Add(req))]))[0]  # through the frame codec
-        eng.abandon(req)  # its ids are free again for the rebuilt copy
-        core.remote_request = eng._remote_request
-        cmd = core._unwire(wire)
-        try:
-            assert isinstance(cmd, Add)
-            copy = cmd.req
-            members = [req, *(req.children or ())] if req.group is None else req.group.members
-            copies = [copy, *(copy.children or ())] if copy.group is None else copy.group.members
-            for a, b in zip(members, copies, strict=True):
-                assert (a.request_id, a.token_ids, a.prompt_len, a.max_new_tokens, a.stop_token_ids, a.seed,
-                        a.want_logprobs, a.record_timestamps, a.cache_salt) == \
-                       (b.request_id, b.token_ids, b.prompt_len, b.max_new_tokens, b.stop_token_ids, b.seed,
-                        b.want_logprobs, b.record_timestamps, b.cache_salt)
-                assert (a.stop_checker is None) == (b.stop_checker is None)
-                assert (a.prompt_lps is None) == (b.prompt_lps is None)
-            # the sampling settings the sampler reads
-            skip = {"seed", "stop_token_ids"}
-            assert {k: v for k, v in vars_of(copy.params).items() if k not in skip} == \
-                   {k: v for k, v in vars_of(req.params).items() if k not in skip}
-        finally:
-            eng.abandon(copy)
-
-
-def vars_of(params: acb.SamplingParams) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+        er = sub.engine_request
+        eng.abandon(sub)
+        copy = _crossed(core, er)
+        assert copy.sink_key == -1  # a follower delivers nowhere
+        assert dataclasses.replace(copy, sink_key=er.sink_key, created_time=er.created_time) == er
+        a, b = build_request(er, eng.tokenizer), build_request(copy, eng.tokenizer)
+        members = lambda r: r.group.members if r.group is not None else [r]  # noqa: E731
+        for x, y in zip(members(a), members(b), strict=True):
+            assert (x.request_id, x.token_ids, x.prompt_len, x.max_new_tokens, x.stop_token_ids, x.seed,
+                    x.want_logprobs, x.record_timestamps, x.cache_salt, x.detok is None, x.prompt_lps is None) == \
+                   (y.request_id, y.token_ids, y.prompt_len, y.max_new_tokens, y.stop_token_ids, y.seed,
+                    y.want_logprobs, y.record_timestamps, y.cache_salt, y.detok is None, y.prompt_lps is None)
+        assert len(members(a)) == (kw.get("n") or 1)
+        assert (a.detok is not None) == bool(kw.get("stop"))
 
 
 def test_a_scoring_group_crosses_to_the_followers_unchanged():
@@ -68,17 +66,14 @@ def test_a_scoring_group_crosses_to_the_followers_unchanged():
     with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64)) as eng:
         core = eng.core
         (group,) = plan([5, 6, 7, 8, 9], [[3], [4, 5, 6], [4, 5, 7], [8, 9]], 2)
-        req = eng.make_request(group[0].prompt_ids, None, sink_factory=ThreadSink, scoring=group[0].spec,
+        sub = eng.make_request(group[0].prompt_ids, None, sink_factory=ThreadSink, scoring=group[0].spec,
                                score_children=[(m.prompt_ids, m.spec) for m in group[1:]])
-        wire = decode_commands(encode_commands([core._wire(Add(req))]))[0]
-        eng.abandon(req)
-        core.remote_request = eng._remote_request
-        cmd = core._unwire(wire)
-        try:
-            assert isinstance(cmd, Add)
-            for a, b in zip(req.group.members, cmd.req.group.members, strict=True):
-                assert (a.request_id, a.token_ids, a.scoring, a.lp_start, a.score_next, a.params.prompt_logprobs) == \
-                       (b.request_id, b.token_ids, b.scoring, b.lp_start, b.score_next, b.params.prompt_logprobs)
-            assert [m.token_ids for m in cmd.req.group.members] == [m.prompt_ids for m in group]
-        finally:
-            eng.abandon(cmd.req)
+        eng.abandon(sub)
+        er = sub.engine_request
+        copy = _crossed(core, er)
+        assert dataclasses.replace(copy, sink_key=er.sink_key, created_time=er.created_time) == er
+        a, b = build_request(er, None), build_request(copy, None)
+        for x, y in zip(a.group.members, b.group.members, strict=True):
+            assert (x.request_id, x.token_ids, x.scoring, x.lp_start, x.score_next, x.params.prompt_logprobs) == \
+                   (y.request_id, y.token_ids, y.scoring, y.lp_start, y.score_next, y.params.prompt_logprobs)
+        assert [m.token_ids for m in b.group.members] == [m.prompt_ids for m in group]

@@ -489,6 +489,24 @@ def test_stop_string(client, checkpoint):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
+def test_text_with_a_stop_string_is_a_prefix_of_the_text_without(client):
+    """One decode per request (issue 28): with special tokens generated mid-output (a logit bias
+    on ``<s>``), the text that a stop string cuts is a prefix of the same request's text without
+    one, whether special tokens are skipped or kept, streamed or not."""
+    for skip in (True, False):
+        kw = dict(model=NAME, prompt="special tokens mid-output", max_tokens=24, temperature=0,
+                  logit_bias={"1": 6}, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        free = client.completions.create(**kw).choices[0].text
+        if not skip:
+            assert "<s>" in free[1:]  # the case this is about: a special token inside the text
+        k = next(k for k in range(len(free) // 2, len(free) - 1) if free.find(free[k : k + 2]) == k)
+        stop = free[k : k + 2]
+        cut = client.completions.create(**kw, stop=[stop]).choices[0]
+        assert cut.text == free[:k] and cut.finish_reason == "stop"
+        chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == free[:k]
+
+
 def test_seed_reproducible(client):
     kw = dict(model=NAME, prompt="seeded", max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
     a = client.completions.create(**kw, seed=1234).choices[0].text

@@ -1,0 +1,137 @@
+"""The layering rules of DESIGN.md, checked on the source (static: every ``import`` that runs,
+i.e. outside ``if TYPE_CHECKING:`` blocks, at module level or inside functions).
+
+- ``acb.core`` is plain Python: no torch, no asyncio/anyio, and nothing from the layers above it.
+- ``acb.runner`` never imports asyncio and nothing above it (api, serve, distributed, ...).
+- ``acb.api`` does not import the server, the integrations, scale-out, the CLI or the benchmarks.
+- No import cycle among acb's modules (module-level imports).
+- Each optional dependency is imported in its one home module.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "acb"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path, *, module_level_only: bool = False) -> list[str]:
+    """The modules ``path`` imports at run time (``from a import b`` gives ``a`` and ``a.b``)."""
+    found: list[str] = []
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            test = node.test
+            if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING":
+                for n in node.orelse:
+                    self.visit(n)
+                return
+            self.generic_visit(node)
+
+        def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+            if not module_level_only:
+                self.generic_visit(node)
+
+        visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.extend(a.name for a in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            found.append(mod)
+            found.extend(f"{mod}.{a.name}" for a in node.names)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    return found
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _under(name: str, *prefixes: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+ABOVE_CORE = ("acb.api", "acb.runner", "acb.serve", "acb.distributed", "acb.integrations", "acb.cli", "acb.bench",
+              "acb.telemetry", "acb.structured")
+ABOVE_RUNNER = ("acb.api", "acb.serve", "acb.distributed", "acb.integrations", "acb.cli", "acb.bench")
+ABOVE_API = ("acb.serve", "acb.distributed", "acb.integrations", "acb.cli", "acb.bench")
+
+
+@pytest.mark.parametrize("layer,banned", [
+    ("acb.core", ("torch", "asyncio", "anyio", "numpy", *ABOVE_CORE)),
+    ("acb.runner", ("asyncio", "anyio", *ABOVE_RUNNER)),
+    ("acb.api", ABOVE_API),
+])
+def test_no_upward_imports(layer, banned):
+    bad = [(name, imp) for name, path in MODULES.items() if _under(name, layer)
+           for imp in _imports(path) if _under(imp, *banned)]
+    assert not bad, f"{layer} imports what it must not: {bad}"
+
+
+def test_no_import_cycles():
+    graph = {name: {imp for imp in _imports(path, module_level_only=True) if imp in MODULES and imp != name}
+             for name, path in MODULES.items()}
+    # a package's __init__ runs before its submodules: an edge into a package is not a dependency
+    # on what the package re-exports, unless the package itself imports back
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    packages = {n for n, p in MODULES.items() if p.name == "__init__.py"}
+    real = [c for c in cycles if not set(c) & packages]
+    assert not real, f"import cycles: {real}"
+
+
+# optional dependency -> the modules allowed to import it (the extra's home), and why more than one
+OPTIONAL = {
+    "xgrammar": {"acb.structured"},
+    "flash_attn": {"acb.runner.attention.flash_attn_backend"},
+    "triton": {"acb.runner.attention.triton_kernels",
+               "acb.structured"},  # only to ask whether xgrammar's GPU bitmask kernel can run
+    "matplotlib": {"acb.bench.report"},
+    "ray": {"acb.distributed.ray"},
+    "trl": {"acb.integrations.trl"},
+    # the benchmark runs lm-eval itself, as a user does, to time it against its own hf backend
+    "lm_eval": {"acb.integrations.lm_eval", "acb.bench.eval"},
+    "opentelemetry.sdk": {"acb.telemetry"},
+    "opentelemetry.exporter": {"acb.telemetry"},
+    "prometheus_client": {"acb.telemetry"},
+    # the server stack (extra "serve") lives in the acb.serve package alone
+    "fastapi": {"acb.serve", "acb.serve.app", "acb.serve.protocol", "acb.serve.router"},
+    "uvicorn": {"acb.serve", "acb.serve.router"},
+    "starlette": {"acb.serve.protocol"},
+}
+
+
+@pytest.mark.parametrize("dep", sorted(OPTIONAL))
+def test_optional_dependency_has_one_home(dep):
+    users = {name for name, path in MODULES.items() if any(_under(imp, dep) for imp in _imports(path))}
+    assert users <= OPTIONAL[dep], f"{dep} is imported outside its home: {sorted(users - OPTIONAL[dep])}"
