@@ -23,6 +23,7 @@ from acb.outputs import (
     StreamDelta,
 )
 from acb.sampling_params import SamplingParams
+from acb.structured_outputs import StructuredOutputs
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,7 @@ __all__ = [
     "SamplingParams",
     "ScoreOutput",
     "StreamDelta",
+    "StructuredOutputs",
     "SyncRequestHandle",
     "UnsupportedModelError",
     "generate_batch",

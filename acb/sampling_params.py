@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from acb.structured_outputs import StructuredOutputs
+
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedConfig
 
@@ -95,6 +97,12 @@ class SamplingParams:
             (``output.prompt_logprobs`` / ``output.prompt_top_logprobs``). Such a request does
             not read the prefix cache (a cached prefix has no logits): its whole prompt is
             computed; it still fills the cache for others.
+        structured_outputs: constrain the output to a JSON schema, any JSON object, a regex, a
+            choice among strings or an EBNF grammar (:class:`acb.StructuredOutputs`, or a dict of
+            its fields: vLLM's ``structured_outputs`` names). The engine needs a tokenizer and
+            xgrammar (``pip install 'acb-batching[structured]'``); a spec that cannot compile is
+            refused at submit with xgrammar's message. ``logprobs_mode="raw"`` logprobs are the
+            model's, before the grammar's mask; ``"processed"`` ones are after it.
     """
 
     max_new_tokens: int | None = None
@@ -117,6 +125,7 @@ class SamplingParams:
     logprobs_mode: str | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -125,6 +134,12 @@ class SamplingParams:
         st = self.stop
         if st is not None and not isinstance(st, tuple):
             object.__setattr__(self, "stop", (st,) if isinstance(st, str) else tuple(st))
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            object.__setattr__(self, "structured_outputs", StructuredOutputs(**so))
+        elif so is not None and not isinstance(so, StructuredOutputs):
+            raise TypeError(f"structured_outputs must be an acb.StructuredOutputs, a dict of its fields or None, "
+                            f"got {type(so).__name__}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise TypeError(f"logit_bias must be a mapping of token id -> bias, got {type(self.logit_bias).__name__}")
         self.validate()
@@ -299,6 +314,7 @@ class SamplingKwargs(TypedDict, total=False):
     logprobs_mode: str
     skip_special_tokens: bool
     prompt_logprobs: int
+    structured_outputs: StructuredOutputs | Mapping[str, Any]
 
 
 # Names other libraries use for a field, for the error that refuses them.

@@ -57,9 +57,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import perf_counter
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from acb.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
     import xgrammar
@@ -75,7 +77,6 @@ __all__ = [
     "apply_bitmask",
 ]
 
-Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 _INSTALL_HINT = "pip install 'acb-batching[structured]'"
 
@@ -87,122 +88,6 @@ def _xgr() -> ModuleType:
     except ImportError as exc:
         raise ImportError(f"constrained decoding needs xgrammar: {_INSTALL_HINT} ({exc})") from None
     return xgrammar
-
-
-# ---------------------------------------------------------------------------------------------
-# the spec
-
-@dataclass(frozen=True, eq=False)
-class StructuredOutputs:
-    """What a request's output must match; exactly one kind is set.
-
-    - ``json``: a JSON schema (a dict, or its JSON text). Objects carry only the properties the
-      schema declares (xgrammar's strict mode), in the schema's order.
-    - ``json_object``: any JSON object.
-    - ``regex``: a regular expression the whole output matches (xgrammar's dialect, close to
-      ECMAScript's).
-    - ``choice``: the output is exactly one of these strings.
-    - ``grammar``: an EBNF grammar (xgrammar's GBNF dialect) whose start rule is ``root``.
-
-    ``whitespace_flexible`` (``json``/``json_object`` only): by default JSON is compact, with no
-    whitespace outside strings (``{"a":1,"b":[2,3]}``), as OpenAI's structured outputs; when true
-    the model may put any whitespace between tokens, as ``json.loads`` accepts.
-
-    Two specs are equal (and hash equal) iff their ``key`` is: the kind, the payload (a schema
-    canonicalised with sorted keys and no spaces, so a dict and its text are one key) and the flag.
-    """
-
-    json: dict[str, Any] | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: Sequence[str] | None = None
-    grammar: str | None = None
-    whitespace_flexible: bool = False
-    key: str = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.json_object, bool):
-            raise TypeError(f"json_object must be a bool, got {type(self.json_object).__name__}")
-        if not isinstance(self.whitespace_flexible, bool):
-            raise TypeError(f"whitespace_flexible must be a bool, got {type(self.whitespace_flexible).__name__}")
-        given = [name for name, on in (("json", self.json is not None), ("json_object", self.json_object),
-                                       ("regex", self.regex is not None), ("choice", self.choice is not None),
-                                       ("grammar", self.grammar is not None)) if on]
-        if len(given) != 1:
-            raise ValueError("StructuredOutputs needs exactly one of json, json_object, regex, choice, grammar; "
-                             + (f"got {', '.join(given)}" if given else "got none"))
-        kind: Kind = given[0]  # type: ignore[assignment]
-        if self.whitespace_flexible and kind not in ("json", "json_object"):
-            raise ValueError(f"whitespace_flexible applies to json and json_object only, not {kind}")
-        payload: str
-        if kind == "json":
-            payload = _canonical_schema(self.json)
-        elif kind == "json_object":
-            payload = ""
-        elif kind == "regex":
-            payload = _nonempty_str("regex", self.regex)
-        elif kind == "grammar":
-            payload = _nonempty_str("grammar", self.grammar)
-        else:
-            choice = self.choice
-            if isinstance(choice, (str, bytes)) or not isinstance(choice, Sequence):
-                raise TypeError(f"choice must be a sequence of strings, got {type(choice).__name__}")
-            bad = [c for c in choice if not isinstance(c, str)]
-            if bad:
-                raise TypeError(f"choice must hold strings only, got {type(bad[0]).__name__} {bad[0]!r}")
-            if not choice:
-                raise ValueError("choice must hold at least one string")
-            # a tuple, so that the frozen spec is not changed through the caller's list
-            object.__setattr__(self, "choice", tuple(choice))
-            payload = _json.dumps(list(choice), ensure_ascii=False)
-        object.__setattr__(self, "key", f"{kind}|ws={int(self.whitespace_flexible)}|{payload}")
-
-    @property
-    def kind(self) -> Kind:
-        """Which of the five kinds is set."""
-        return self.key.split("|", 1)[0]  # type: ignore[return-value]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, StructuredOutputs) and other.key == self.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-
-def _nonempty_str(name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    if not value.strip():
-        raise ValueError(f"{name} must not be empty")
-    return value
-
-
-def _canonical_schema(schema: object) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = _json.loads(schema)
-        except ValueError as exc:
-            raise ValueError(f"json is not valid JSON text: {exc}") from None
-        if not isinstance(schema, dict):
-            # ValueError: a str is the right type; the JSON it holds is the wrong value
-            raise ValueError(f"json must be a JSON schema object, got JSON {type(schema).__name__}")  # noqa: TRY004
-    elif not isinstance(schema, dict):
-        raise TypeError(f"json must be a JSON schema as a dict or str, got {type(schema).__name__}")
-    try:
-        return _json.dumps(_sorted_keys(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"json schema is not JSON-serialisable: {exc}") from None
-
-
-def _sorted_keys(value: Any, keep_order: bool = False) -> Any:
-    """``value`` with every object's keys sorted, except a ``properties`` map: its order is the
-    order the generated object's keys come in, so two schemas differing there are different."""
-    if isinstance(value, dict):
-        items = list(value.items()) if keep_order else sorted(value.items())
-        return {k: _sorted_keys(v, keep_order=k == "properties" and not keep_order) for k, v in items}
-    if isinstance(value, (list, tuple)):
-        return [_sorted_keys(v) for v in value]
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +175,10 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._hits = 0
         self._misses = 0
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """A host bitmask for ``rows`` rows of this vocabulary, all allowed (:func:`allocate_bitmask`)."""
+        return allocate_bitmask(rows, self.vocab_size)
 
     def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
         """The compiled grammar for ``spec``, as a future (``asyncio.wrap_future`` to await it).

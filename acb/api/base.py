@@ -35,10 +35,13 @@ from acb.core.messages import EngineRequest, ScoreTarget
 from acb.errors import EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 from acb.sampling_params import FALLBACK, SamplingParams
-from acb.text import IncrementalDetokenizer, encode_prompt
+from acb.text import IncrementalDetokenizer, encode_prompt, text_tokenizer
 
 if TYPE_CHECKING:
     import torch
+
+    from acb.structured import CompiledGrammar, GrammarCompiler
+    from acb.structured_outputs import StructuredOutputs
     from typing_extensions import Self
 
     from transformers import GenerationConfig, PreTrainedModel
@@ -87,6 +90,15 @@ def _check_vocab(field: str, ids: Any, vocab: int) -> None:
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
         raise ValueError(f"{field} token id {bad} is outside the model's vocabulary [0, {vocab})")
+
+
+def compile_grammar(compiler: GrammarCompiler, spec: StructuredOutputs) -> CompiledGrammar:
+    """The compiled grammar of a request's structured outputs; one that cannot compile is the
+    submit's ``ValueError``, with xgrammar's message."""
+    try:
+        return compiler.compile_now(spec)
+    except ValueError as exc:
+        raise ValueError(f"structured_outputs: {exc}") from None
 
 
 class Submission:
@@ -145,6 +157,8 @@ class EngineBase:
         self.runner: ModelRunner | None = None
         self.gate = AdmissionGate(config.max_queue_size)
         self.sinks = SinkRegistry()  # where the engine delivers each submit's results
+        self._grammar_compiler: GrammarCompiler | None = None  # structured outputs: built on first use
+        self._grammar_lock = threading.Lock()
         self._ids = itertools.count()
         self._start_lock = threading.Lock()
         self._context_depth = 0
@@ -197,7 +211,7 @@ class EngineBase:
                 sync = StepSync(group)
             follower = sync is not None and not sync.is_leader
             core = EngineCore(runner, deliver=self.sinks.deliver, on_dequeued=None if follower else self.gate.release,
-                              sync=sync, tokenizer=self.tokenizer)
+                              sync=sync, tokenizer=self.tokenizer, grammars=self.grammars)
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()
@@ -205,6 +219,10 @@ class EngineBase:
 
     def _on_core_exit(self) -> None:
         self.gate.close()
+        with self._grammar_lock:
+            if self._grammar_compiler is not None:
+                self._grammar_compiler.close()
+                self._grammar_compiler = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -325,6 +343,22 @@ class EngineBase:
         return self.core is not None and self.core.runner_asleep()
 
     # --------------------------------------------------------------- submit
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler of structured outputs (built on first use: xgrammar reads the
+        tokenizer's whole vocabulary once). Its stop tokens are the engine's EOS ids."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs need a tokenizer: pass tokenizer=... to the engine")
+                from acb.structured import GrammarCompiler
+
+                core = self._live_core()
+                vocab = core.runner.vocab_size
+                eos = [t for t in self.defaults.stop_token_ids or () if 0 <= t < vocab]
+                self._grammar_compiler = GrammarCompiler(text_tokenizer(self.tokenizer), vocab,
+                                                         stop_token_ids=eos or None)
+            return self._grammar_compiler
+
     def make_request(
         self,
         prompt_ids: Prompt,
@@ -397,6 +431,8 @@ class EngineBase:
                              f"vocabulary's {vocab} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
+        if params.structured_outputs is not None and scoring is None:
+            compile_grammar(self.grammars(), params.structured_outputs)  # (a cache hit after an async submit)
         cfg = core.runner.cfg
         limit = cfg.max_model_len
         longest = max([len(ids)] + [len(c) for c, _ in children])

@@ -28,6 +28,8 @@ from acb.core.request import Request, build_request
 from acb.core.messages import (
     Add,
     EngineRequest,
+    GrammarMask,
+    GrammarSupport,
     Call,
     Cancel,
     Command,
@@ -47,6 +49,7 @@ from acb.core.scheduler import Scheduler
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
+from acb.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
     from acb.text import TokenizerLike
@@ -81,6 +84,11 @@ def scored_rows_for(vocab_size: int) -> int:
     """Rows of logits a step may compute for scoring, for this vocabulary (at least 16)."""
     return max(16, SCORED_LOGITS_BYTES // (4 * max(vocab_size, 1)))
 PAUSE_MODES = ("wait", "cancel", "keep")
+
+
+def _plain(value: Any) -> Any:
+    """A SamplingParams field as the wire carries it (a StructuredOutputs spec as its dict)."""
+    return value.to_dict() if isinstance(value, StructuredOutputs) else value
 
 
 def _target_wire(t: ScoreTarget) -> list[Any]:
@@ -149,11 +157,13 @@ class EngineCore:
         on_dequeued: Callable[[int], None] | None = None,
         sync: StepSyncLike | None = None,
         tokenizer: TokenizerLike | None = None,
+        grammars: Callable[[], GrammarSupport] | None = None,
     ) -> None:
         """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device).
         ``sync``: the tensor-parallel command broadcast (:mod:`acb.runner.tp_sync`), when the
         model is sharded over several ranks. ``tokenizer``: decodes the text of requests with
-        stop strings (the only text decoded on the engine thread)."""
+        stop strings (the only text decoded on the engine thread). ``grammars``: builds (once) the
+        grammar compiler of structured outputs, asked for when the first constrained request comes."""
         cfg = runner.cfg
         self.weight_resets = 0  # times the prefix cache was dropped because the weights changed
         self.runner = runner
@@ -167,6 +177,8 @@ class EngineCore:
         self._deliver = deliver
         self.sync = sync
         self.tokenizer = tokenizer
+        self._grammar_factory = grammars
+        self._grammars: GrammarSupport | None = None  # set by the first constrained request
         self.async_batching = cfg.async_batching
         self._inflight: LaunchedStep | None = None  # async batching: the launched step not yet completed
         self._on_dequeued = on_dequeued or (lambda n: None)
@@ -333,7 +345,7 @@ class EngineCore:
             waiters, self._pause_waiters = self._pause_waiters, []
             for w in waiters:
                 w.set_exception(EngineNotRunningError("the engine stopped before the pause completed"))
-            leftover = [build_request(c.req, None) for c in self._inbox if isinstance(c, Add)]
+            leftover = [build_request(c.req, None, runs=False) for c in self._inbox if isinstance(c, Add)]
             self._inbox.clear()
             for req in leftover:
                 if self.dead_error is None:
@@ -376,7 +388,7 @@ class EngineCore:
             case Add(req):  # plain values: the leader's resolved params, its seeds and stop ids
                 score = None if req.score is None else [_target_wire(t) for t in (req.score, *req.children)]
                 return ("add", req.request_id, list(req.prompt_ids),
-                        [getattr(req.params, f.name) for f in dataclasses.fields(req.params)], req.max_new_tokens,
+                        [_plain(getattr(req.params, f.name)) for f in dataclasses.fields(req.params)], req.max_new_tokens,
                         sorted(req.stop_token_ids), req.seed, req.n, req.record_timestamps, req.cache_salt, score)
             case Cancel(request_id):
                 return ("cancel", request_id)
@@ -418,7 +430,11 @@ class EngineCore:
                     raise RuntimeError(f"request {er.request_id!r} has stop strings, and this tensor-parallel rank's "
                                        "engine has no tokenizer to match them in lock step: give every rank's "
                                        "engine the tokenizer")
-                req = build_request(er, self.tokenizer)
+                if er.params.structured_outputs is not None and self._grammars is None:
+                    if self._grammar_factory is None:
+                        raise RuntimeError("a request has structured outputs and this engine has no grammar compiler")
+                    self._grammars = self._grammar_factory()
+                req = build_request(er, self.tokenizer, self._grammars)
                 if self._stopping and not self._drain_on_stop:
                     self._end_unscheduled(req, RequestStatus.CANCELLED)
                     return False
@@ -619,6 +635,8 @@ class EngineCore:
             return None
         if sched.newly_admitted:
             self._on_dequeued(len(sched.newly_admitted))
+        if self._grammars is not None:  # (an engine that never saw structured outputs skips this)
+            self._fill_grammar_masks(sched)
         t1 = time.perf_counter()
         try:
             handle = self.runner.execute(sched)
@@ -627,6 +645,19 @@ class EngineCore:
             return _FAILED
         t2 = time.perf_counter()
         return LaunchedStep(sched, handle, t1 - t0, self.runner.last_stage_s, t2 - t1)
+
+    def _fill_grammar_masks(self, sched: SchedulerOutput) -> None:
+        """Structured outputs: each constrained sample's row of the step's token bitmask, from its
+        matcher (up to date: a constrained request is never scheduled with a token in flight)."""
+        reqs = sched.sample_reqs
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return
+        assert self._grammars is not None
+        bitmask = self._grammars.bitmask(len(reqs))
+        for i in rows:
+            reqs[i].matcher.fill_mask(bitmask, i)
+        sched.grammar = GrammarMask(bitmask, rows)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
         if self.sync is not None:
@@ -764,7 +795,7 @@ class EngineCore:
             keep = [c for c in self._inbox if not isinstance(c, Add)]
             self._inbox.clear()
             self._inbox.extend(keep)
-        queued = [build_request(er, None) for er in adds] + list(self._held)
+        queued = [build_request(er, None, runs=False) for er in adds] + list(self._held)
         self._held.clear()
         queued_adds = [m for r in queued for m in (r.group.members if r.group is not None else [r])]
         msg = f"the engine died: {type(exc).__name__}: {exc}"

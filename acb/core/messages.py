@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
 
 if TYPE_CHECKING:
+    import torch
+
     from acb.config import ResolvedConfig
     from acb.core.request import Request
     from acb.sampling_params import SamplingParams
@@ -84,6 +86,21 @@ class NextRows(NamedTuple):
     tokens: list[int]
 
 
+class GrammarMask(NamedTuple):
+    """The token bitmask of a step's constrained samples (structured outputs), filled on the
+    engine thread by their matchers before the step is launched."""
+
+    bitmask: torch.Tensor  # host int32 [num samples, ceil(V / 32)]; rows not in ``rows`` allow all
+    rows: list[int]  # indices among the step's samples of the constrained ones
+
+
+class GrammarSupport(Protocol):
+    """What the core needs to constrain outputs (:class:`acb.structured.GrammarCompiler`)."""
+
+    def compile_now(self, spec: Any) -> Any: ...  # -> a compiled grammar with .matcher()
+    def bitmask(self, rows: int) -> torch.Tensor: ...
+
+
 @dataclass
 class SchedulerOutput:
     """One step's batch. Built and consumed on the engine thread; not mutated once returned."""
@@ -116,6 +133,7 @@ class SchedulerOutput:
     scored: list[Request] = field(default_factory=list)
     next_lp: list[NextRows] = field(default_factory=list)
     scored_rows: int = 0  # rows of logits this step computes for prompt logprobs and scoring
+    grammar: GrammarMask | None = None  # structured outputs: the masks of the constrained samples
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 

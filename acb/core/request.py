@@ -10,7 +10,7 @@ from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStat
 from acb.text import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from acb.core.messages import EngineRequest
+    from acb.core.messages import EngineRequest, GrammarSupport
     from acb.text import TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,8 @@ class Request:
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
-        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "key", "detok", "new_text", "group", "sample_index",
+        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "key", "detok", "new_text", "matcher", "group",
+        "sample_index",
         "children",
         "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
         "scoring", "lp_start", "score_next", "next_lps", "next_top",
@@ -92,6 +93,9 @@ class Request:
         # caller's skip_special_tokens; the stream's text pieces and the output's text are its
         self.detok: IncrementalDetokenizer | None = None
         self.new_text = ""  # the text completed by the latest token (stop strings only)
+        # structured outputs: the grammar's matcher (acb.structured.Matcher), advanced with each
+        # token; it fills this request's row of the step's token bitmask
+        self.matcher: Any = None
         self.group: RequestGroup | None = None  # n > 1: the samples submitted together
         self.sample_index = 0
         self.children: list[Request] | None = None  # n > 1, on sample 0 until its prompt is prefilled
@@ -133,6 +137,13 @@ class Request:
         if detok is not None:  # (if decoding raises, the scheduler fails this request alone)
             self.new_text = ""
             self.new_text = detok.push((token_id,))
+        matcher = self.matcher
+        if matcher is not None:
+            if not matcher.accept(token_id):  # (the mask allowed only what it accepts)
+                raise ValueError(f"token {token_id} does not continue the output's grammar")
+            if matcher.is_terminated():  # the grammar is complete and took its stop token
+                self.finish_reason = FinishReason.STOP
+                return self._text_ends()
         if token_id in self.stop_token_ids:
             self.finish_reason = FinishReason.STOP
             return self._text_ends()
@@ -254,11 +265,20 @@ class RequestGroup:
         return head
 
 
-def build_request(er: EngineRequest, tokenizer: TokenizerLike | None) -> Request:
+def build_request(er: EngineRequest, tokenizer: TokenizerLike | None,
+                  grammars: GrammarSupport | None = None, *, runs: bool = True) -> Request:
     """The engine-thread state of a submit: one :class:`Request`, or the group's first member
     (``n`` samples, or a scoring group) with the others as its children. ``tokenizer`` decodes
-    the text of requests with stop strings."""
+    the text of requests with stop strings; ``grammars`` gives each sample of a constrained
+    request its matcher (the grammar was compiled at submit: this is a cache hit). ``runs=False``:
+    only to report the outcome of a request that never ran (no matchers)."""
     params = er.params
+    compiled = None
+    if params.structured_outputs is not None and runs:
+        if grammars is None:
+            raise RuntimeError(f"request {er.request_id!r} has structured outputs, and this engine has no grammar "
+                               "compiler (a tensor-parallel rank without the tokenizer)")
+        compiled = grammars.compile_now(params.structured_outputs)
     targets = (er.score, *er.children) if er.score is not None else ()
     members = []
     for i, mid in enumerate(er.member_ids):
@@ -278,6 +298,8 @@ def build_request(er: EngineRequest, tokenizer: TokenizerLike | None) -> Request
         req.key = er.sink_key
         if params.stop and tokenizer is not None:
             req.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens is not False, params.stop)
+        if compiled is not None:
+            req.matcher = compiled.matcher()
         if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
             req.prompt_lps, req.prompt_tops = [], []
         if target is not None:

@@ -274,6 +274,8 @@ class Scheduler:
             in_flight = req.in_flight
             if in_flight and len(toks) - req.prompt_len + in_flight >= req.max_new_tokens:
                 continue  # its last token is in flight: it finishes when that arrives
+            if in_flight and req.matcher is not None:
+                continue  # structured outputs: its next mask needs the token in flight
             todo = len(toks) + in_flight - computed
             if (fast and todo == 1 and computed >= req.prompt_len and not req.children
                     and kv.take_decode_slot(req, out)):
@@ -514,7 +516,7 @@ class Scheduler:
                     top[k][: req.params.logprobs] if want and top is not None else None,
                 )
             except Exception as exc:  # noqa: BLE001 - a user-supplied stop check (its tokenizer) raised
-                self.fail(req, f"{type(exc).__name__} in the stop-string check: {exc}")
+                self.fail(req, f"{type(exc).__name__} in the output checks (stop strings, grammar): {exc}")
                 progressed.append(req)
                 continue
             if req.status != RequestStatus.PENDING:  # (preempted while this token was in flight: it waits)

@@ -415,7 +415,7 @@ class ModelRunner:
         for src, dst in sched.block_copies_after:  # n > 1: copy-on-write of the prompt's partial block
             self.kv_cache.copy_block(src, dst)
         if num_samples:
-            packed = sample(logits, step, sampling, dev)
+            packed = sample(logits, step, sampling, dev, sched.grammar)
         else:  # a step of scoring requests only: nothing to sample
             packed = torch.empty(0, dtype=torch.long, device=self.device)
         st.release()

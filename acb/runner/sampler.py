@@ -23,6 +23,7 @@ import torch
 from acb.sampling_params import MIN_TEMPERATURE
 
 if TYPE_CHECKING:
+    from acb.core.messages import GrammarMask
     from acb.core.request import Request
     from acb.runner.input_batch import StagingSet
 
@@ -302,10 +303,21 @@ def sample(
     step: StepSampling,
     state: SamplingState,
     dev: dict[str, torch.Tensor],
+    grammar: GrammarMask | None = None,
 ) -> torch.Tensor:
     """Sampled ids, packed with logprobs when asked: ``[S]`` long, or ``[S, 2 + 2k]`` float64
-    rows of (id, chosen logprob, k alternative ids, k alternative logprobs)."""
+    rows of (id, chosen logprob, k alternative ids, k alternative logprobs).
+
+    ``grammar`` (structured outputs): the constrained rows' token bitmask, applied to the logits
+    before every other processor; ``"raw"`` logprobs stay the model's (before the mask)."""
     rows, p, gen_idx = dev["sp_rows"], dev["sp_params"], dev["sp_gen"]  # staged by SamplingState.stage
+    unmasked = None
+    if grammar is not None:
+        from acb.structured import apply_bitmask  # (xgrammar's kernels; imported once a request asks)
+
+        unmasked = logits.float()
+        logits = unmasked.clone()
+        apply_bitmask(logits, grammar.bitmask, grammar.rows)
     use_penalty = bool(state.live_penalty.any())
     use_bias, use_min_new = bool(state.live_bias.any()), bool(state.live_min_new.any())
     if not (use_penalty or use_bias or use_min_new or step.any_sampling) and step.max_logprobs < 0:
@@ -338,7 +350,7 @@ def sample(
         counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     if step.max_logprobs < 0:
         return ids
-    src = raw
+    src = raw if unmasked is None else unmasked
     if bool((step.params[:, C_PROCESSED] > 0).any()):
         src = torch.where((p[:, C_PROCESSED] > 0)[:, None], pr.full(temp), raw)
     lp = torch.log_softmax(src, dim=-1)

@@ -223,7 +223,7 @@ async def test_failing_decode_fails_only_its_request(model):
                                tokenizer=BrokenDecode(ok=2)) as eng:
         other = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=8, ignore_eos=True))
         bad = await eng.submit([8, 9], acb.SamplingParams(max_new_tokens=8, stop=["zz"], ignore_eos=False))
-        with pytest.raises(acb.RequestFailedError, match="UnicodeDecodeError in the stop-string check") as err:
+        with pytest.raises(acb.RequestFailedError, match=r"UnicodeDecodeError in the output checks \(stop strings, grammar\)") as err:
             await asyncio.wait_for(bad.result(), 30)
         # the partial output is attached (the text decoder shares the tokenizer's budget of good calls)
         assert 1 <= len(err.value.output.generated_tokens) < 8

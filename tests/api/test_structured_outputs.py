@@ -1,0 +1,158 @@
+"""Structured outputs in the engine (issue 29): every constrained output is valid on a random
+model (which has no preference of its own), with greedy and seeded sampling, n > 1, async
+batching, a KV cache small enough to preempt, offload and prefix caching; free requests in the
+same batch still equal ``model.generate``; a spec that cannot compile is refused at submit."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import acb
+from acb.models import build_tokenizer, default_model
+from tests.conftest import reference_generate
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "size": {"enum": ["s", "m", "l"]},
+        "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    },
+    "required": ["name", "ok", "size", "tags"],
+    "additionalProperties": False,
+}
+CHOICES = ["yes", "no", "maybe so"]
+REGEX = r"[a-c]{2}-\d{3}"
+
+
+def check_schema(text: str) -> None:
+    """``text`` is compact JSON that fits SCHEMA (checked by hand: keys in order, types, bounds)."""
+    obj = json.loads(text)
+    assert list(obj) == ["name", "ok", "size", "tags"], obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
+    assert isinstance(obj["ok"], bool) and obj["size"] in ("s", "m", "l")
+    assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3
+    assert all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 9 for t in obj["tags"])
+    assert json.dumps(obj, separators=(",", ":"), ensure_ascii=False) == text  # compact: no free whitespace
+
+
+SPECS = [
+    (acb.StructuredOutputs(json=SCHEMA), check_schema),
+    (acb.StructuredOutputs(choice=CHOICES), lambda t: t in CHOICES),
+    (acb.StructuredOutputs(regex=REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
+    (acb.StructuredOutputs(grammar='root ::= "(" [0-9] ("+" [0-9])? ")"'), lambda t: re.fullmatch(r"\(\d(\+\d)?\)", t)),
+    (acb.StructuredOutputs(json_object=True), None),  # any object (a random model may not close it: length)
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return default_model()
+
+
+def _valid(spec_check, out) -> None:
+    texts = [s.text for s in out.samples] if out.samples else [out.text]
+    reasons = [s.finish_reason for s in out.samples] if out.samples else [out.finish_reason]
+    for text, reason in zip(texts, reasons):
+        assert reason == acb.FinishReason.STOP, (text, reason)
+        result = spec_check(text)
+        assert result is None or result, text
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(use_async_batching=True),
+    dict(use_async_batching=True, num_blocks=32, page_size=4, max_batch_tokens=32),  # preemption (recompute)
+    dict(num_blocks=32, page_size=4, max_batch_tokens=32, cpu_offload_space=0.01),  # preemption (offload)
+], ids=["sync", "async", "async-preempt", "offload"])
+def test_constrained_outputs_are_valid_beside_free_ones(model, tok, cfg):
+    config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, **cfg})
+    prompts = [tok(f"prompt number {i} says").input_ids for i in range(10)]
+    free_refs = [reference_generate(model, p, 12) for p in prompts[:4]]
+    constrained = [(spec, check) for spec, check in SPECS if check is not None]
+    with acb.Engine(model, config, tokenizer=tok) as eng:
+        sps = [acb.SamplingParams(max_new_tokens=12, ignore_eos=True) for _ in range(4)]
+        for k in range(6):
+            spec, _ = constrained[k % len(constrained)]
+            # greedy, seeded sampling, and n > 1 samples, each with the grammar
+            extra = [dict(), dict(temperature=1.0, seed=k), dict(temperature=0.8, n=2, seed=100 + k)][k % 3]
+            sps.append(acb.SamplingParams(max_new_tokens=80, structured_outputs=spec, **extra))
+        res = eng.generate_batch(prompts, sps, progress_bar=False)
+        assert [res[f"req_{i}"].generated_tokens for i in range(4)] == free_refs
+        for k in range(6):
+            _valid(constrained[k % len(constrained)][1], res[f"req_{4 + k}"])
+        # seeded sampling is reproducible with the grammar too
+        again = eng.generate(prompts[5], sps[5])
+        assert again.generated_tokens == res["req_5"].generated_tokens
+        assert eng.stats.preemptions > 0 or "num_blocks" not in cfg
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_length_ends_with_a_valid_prefix_and_logprobs(model, tok, async_batching):
+    """``max_new_tokens`` running out: ``length`` and a prefix of a valid output. Greedy
+    ``processed`` logprobs are after the mask (renormalised over the allowed tokens: never below
+    the ``raw`` ones, the model's own)."""
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, use_async_batching=async_batching)
+    spec = acb.StructuredOutputs(choice=["abcdefghij", "abcdefghijklmnop"])
+    with acb.Engine(model, cfg, tokenizer=tok) as eng:
+        out = eng.generate("hi", max_new_tokens=2, structured_outputs=spec)
+        assert out.finish_reason == acb.FinishReason.LENGTH
+        assert any(c.startswith(out.text) for c in spec.choice) and out.text
+        raw = eng.generate("hi", max_new_tokens=30, structured_outputs=spec, logprobs=0, logprobs_mode="raw")
+        proc = eng.generate("hi", max_new_tokens=30, structured_outputs=spec, logprobs=0,
+                            logprobs_mode="processed")
+    assert raw.generated_tokens == proc.generated_tokens and raw.text in spec.choice
+    assert all(p >= r - 1e-5 for p, r in zip(proc.logprobs, raw.logprobs))
+    assert any(p > r + 1e-3 for p, r in zip(proc.logprobs, raw.logprobs))  # the mask did change something
+
+
+async def test_async_engine_bad_specs_cancel_and_stream(model, tok):
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, use_async_batching=True)
+    async with acb.AsyncEngine(model, cfg, tokenizer=tok) as eng:
+        for bad, msg in [(dict(regex="(ab"), "parenthesis"), (dict(json={"type": "nope"}), "nope"),
+                         (dict(grammar="root ::= undefined_rule"), "undefined_rule")]:
+            with pytest.raises(ValueError, match=f"structured_outputs: .*{msg}"):
+                await eng.submit("x", structured_outputs=bad)
+        # streamed deltas add up to the output, which is valid
+        h = await eng.submit("stream me", max_new_tokens=80, structured_outputs={"json": SCHEMA})
+        text = "".join([d.text async for d in h])
+        out = await h.result()
+        assert text == out.text
+        check_schema(out.text)
+        # a constrained request cancelled mid-way leaves nothing behind (the KV check after the test)
+        h = await eng.submit("cancel me", max_new_tokens=10_000, ignore_eos=True, structured_outputs={"regex": "a+"})
+        async for _ in h:
+            break
+        assert (await h.result()).status == acb.RequestStatus.CANCELLED
+        assert not eng.core.live_ids
+
+
+def test_structured_outputs_need_a_tokenizer_and_flexible_whitespace(model, tok):
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32)) as eng:
+        with pytest.raises(ValueError, match="need a tokenizer"):
+            eng.generate([5, 6], structured_outputs={"json_object": True})
+    with pytest.raises(TypeError, match="structured_outputs must be"):
+        acb.SamplingParams(structured_outputs="json")
+    with pytest.raises(ValueError, match="exactly one of"):
+        acb.SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
+    # whitespace_flexible: the mask allows whitespace between JSON tokens (compact does not)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32), tokenizer=tok) as eng:
+        g = eng.grammars()
+        space = tok.convert_tokens_to_ids(" ") if " " in tok.get_vocab() else tok(" ").input_ids[-1]
+        for flexible, allowed in ((False, False), (True, True)):
+            m = g.compile_now(acb.StructuredOutputs(json=SCHEMA, whitespace_flexible=flexible)).matcher()
+            assert m.accept(tok("{").input_ids[-1])
+            mask = g.bitmask(1)
+            m.fill_mask(mask, 0)
+            assert bool((int(mask[0, space // 32]) >> (space % 32)) & 1) is allowed
