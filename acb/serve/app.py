@@ -44,6 +44,7 @@ from pydantic import ValidationError
 import acb
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus
+from acb.serve import shaping
 from acb.serve.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, Drain, DrainMiddleware, ShutdownExpired, check_choices,
     install_error_handlers, internal_error, read_body, shutdown_error,
@@ -68,6 +69,8 @@ class AppOptions:
     grace_period: float | None = None
     render_timeout: float = DEFAULT_RENDER_TIMEOUT
     render_threads: int = DEFAULT_RENDER_THREADS
+    tool_call_parser: str | None = None  # acb.serve.tool_parsers.TOOL_PARSERS: tool_choice "auto"
+    reasoning_parser: str | None = None  # acb.serve.reasoning.REASONING_PARSERS: reasoning_content
 
 
 class RenderTimeout(BaseException):
@@ -222,7 +225,8 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Callable[[], None] | None = None,
               telemetry: Telemetry | None = None, trust_request_chat_template: bool | None = None,
               max_prompts_per_request: int | None = None, grace_period: float | None = None,
-              render_timeout: float | None = None, render_threads: int | None = None) -> FastAPI:
+              render_timeout: float | None = None, render_threads: int | None = None,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
     when the app starts (``/health`` says when it is ready) and stopped when it stops.
     ``telemetry`` (from ``acb.telemetry.configure(prometheus=True)``) gives ``/metrics``; each
@@ -234,12 +238,16 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
     for; more is a 400. ``grace_period``: seconds requests in flight get after SIGINT/SIGTERM
     (default: the server's own, uvicorn's ``timeout_graceful_shutdown``). ``render_timeout``:
     seconds a request's chat rendering and tokenizing may take (a 400 past it);
-    ``render_threads``: how many run at once. Arguments not given take :class:`AppOptions`'
-    defaults."""
+    ``render_threads``: how many run at once. ``tool_call_parser`` (``hermes``, ``llama3_json``):
+    how ``tool_choice="auto"`` finds tool calls in the model's text (without one, ``auto`` is
+    refused). ``reasoning_parser`` (``deepseek_r1``, ``qwen3``): the model's ``<think>`` text is
+    returned as ``reasoning_content``. Arguments not given take :class:`AppOptions`' defaults."""
     given: dict[str, Any] = {"trust_request_chat_template": trust_request_chat_template,
                              "max_prompts_per_request": max_prompts_per_request, "grace_period": grace_period,
-                             "render_timeout": render_timeout, "render_threads": render_threads}
+                             "render_timeout": render_timeout, "render_threads": render_threads,
+                             "tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
     options = replace(AppOptions(), **{k: v for k, v in given.items() if v is not None})
+    shaping.check_parsers(options.tool_call_parser, options.reasoning_parser)
     if options.max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {options.max_prompts_per_request}")
     state = ServerState(engine, model_name, api_key, max_body_bytes, on_ready, telemetry, options)
@@ -331,6 +339,9 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
             raise
         return await _respond(state, request, body, handles, span, chat=False)
 
+    from acb.serve import responses  # (it builds on this module's helpers)
+
+    responses.add_routes(app, state)  # POST /v1/responses (the Responses API)
     return app
 
 
