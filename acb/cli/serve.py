@@ -53,6 +53,13 @@ def _add_serve(sub: Any) -> None:
     http.add_argument("--trust-request-chat-template", action="store_true",
                       help="accept a chat template in the request (chat_template): it is code the server runs "
                            "(default: refused with 400)")
+    out = p.add_argument_group("model output")
+    out.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                     help="how tool calls are found in the model's text for tool_choice='auto' (hermes: Hermes, "
+                          "Qwen2.5/3 <tool_call> JSON; llama3_json: Llama 3.x JSON calls). Without it, 'auto' is "
+                          "refused; 'required' and named tool choices work on any model (constrained decoding)")
+    out.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
+                     help="return the model's <think>...</think> text as reasoning_content (streamed too)")
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument("--max-queue-size", type=int, default=0, metavar="N",
                      help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)")
@@ -105,7 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
                   capture_content=args.otel_capture_content,
                   trust_request_chat_template=args.trust_request_chat_template,
-                  max_prompts_per_request=args.max_prompts_per_request)
+                  max_prompts_per_request=args.max_prompts_per_request,
+                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     return 0
 
 

@@ -31,13 +31,15 @@ def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", po
         log_level: str = "warning", announce: Any = None, otlp_endpoint: str | None = None,
         otlp_protocol: str | None = None, capture_content: bool = False,
         trust_request_chat_template: bool = False,
-        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> None:
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None) -> None:
     """Serve ``engine`` until SIGINT/SIGTERM; then stop accepting, give in-flight requests
     ``grace_period`` seconds to finish (the rest are cancelled) and stop the engine.
 
     Telemetry: ``/metrics`` always (OpenTelemetry's Prometheus reader); spans and metrics over
     OTLP too when ``otlp_endpoint`` is given or ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set.
-    ``trust_request_chat_template`` and ``max_prompts_per_request``: see :func:`build_app`."""
+    ``trust_request_chat_template``, ``max_prompts_per_request``, ``tool_call_parser`` and
+    ``reasoning_parser``: see :func:`build_app`."""
     tel = telemetry.configure(otlp_endpoint, otlp_protocol, prometheus=True, capture_content=capture_content)
 
     def ready() -> None:
@@ -46,7 +48,8 @@ def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", po
 
     app = build_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=ready,
                     telemetry=tel, trust_request_chat_template=trust_request_chat_template,
-                    max_prompts_per_request=max_prompts_per_request, grace_period=grace_period)
+                    max_prompts_per_request=max_prompts_per_request, grace_period=grace_period,
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=max(1, round(grace_period)),
                             access_log=False)
     try:

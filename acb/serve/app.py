@@ -300,8 +300,16 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
             raise APIError(400, "the served model has no tokenizer: chat needs one", param="messages")
         kwargs = body.template_kwargs(state.options.trust_request_chat_template)
         check_choices(1, body.n, state.options.max_prompts_per_request)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        sampling = body.sampling(body.max_new_tokens(), body.logprobs_k())
+        plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                  state.options.tool_call_parser)
+        if plan.template_tools is not None:  # the model's chat template renders the tools
+            kwargs = {**(kwargs or {}), "tools": plan.template_tools}
+        structured = shaping.one_constraint(
+            ("response_format", shaping.structured_from_response_format(body.response_format)),
+            ("structured_outputs", shaping.structured_from_extra(body.model_extra or {})),
+            ("tool_choice", plan.structured))
+        messages = [shaping.history_message(m.model_dump(), m.text()) for m in body.messages]
+        sampling = body.sampling(body.max_new_tokens(), body.logprobs_k(), structured)
         span = _server_span(state, request, "chat", sampling, body.stream)
         try:
             with span.active():
@@ -311,7 +319,9 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         except BaseException as exc:
             _span_failed(span, exc)
             raise
-        return await _respond(state, request, body, handles, span, chat=True)
+        tail = state.tokenizer.decode(prompt.token_ids[-64:]) if state.options.reasoning_parser else ""
+        return await _respond(state, request, body, handles, span, chat=True,
+                              shaper=lambda: shaping.OutputShaper(plan, state.options.reasoning_parser, tail))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -321,7 +331,7 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         check_choices(len(prompts), body.n, state.options.max_prompts_per_request)
         if any(isinstance(p, str) for p in prompts) and state.tokenizer is None:
             raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
-        sampling = body.sampling(body.max_tokens, body.logprobs)
+        sampling = body.sampling(body.max_tokens, body.logprobs, shaping.structured_from_extra(body.model_extra or {}))
         span = _server_span(state, request, "text_completion", sampling, body.stream)
         handles: list[Any] = []
         try:
@@ -522,11 +532,13 @@ def _usage(outs: list[GenerationOutput]) -> dict[str, Any]:
 
 
 async def _respond(state: ServerState, request: Request, body: Any, handles: list[Any], span: ServerSpan, *,
-                   chat: bool) -> Response:
+                   chat: bool, shaper: Callable[[], shaping.OutputShaper] | None = None) -> Response:
+    """The response to a chat or text completion request. ``shaper`` (chat) makes each choice's
+    text into a message: reasoning content, tool calls."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, rid, body, handles, span, chat, include_usage),
+        return StreamingResponse(_stream(state, rid, body, handles, span, chat, include_usage, shaper),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     outs = await _await_all(state, request, handles, span)
     n = body.n
@@ -536,10 +548,16 @@ async def _respond(state: ServerState, request: Request, body: Any, handles: lis
             index = p * n + getattr(s, "index", 0)
             text = s.text or ""
             if chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                reason = _finish_reason(s)
+                if shaper is not None:
+                    shaped = shaper()
+                    shaped.shape_whole(text)
+                    message, reason = shaped.message(), shaped.finish_reason(reason)
+                choices.append({"index": index, "message": message,
                                 "logprobs": _chat_logprobs(state, s.generated_tokens, s.logprobs if body.logprobs
                                                            else None, s.top_logprobs),
-                                "finish_reason": _finish_reason(s)})
+                                "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": text,
                                 "logprobs": _text_logprobs(state, s.generated_tokens, s.logprobs
@@ -601,7 +619,8 @@ async def _await_all(state: ServerState, request: Request, handles: list[Any], s
 
 
 async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], span: ServerSpan, chat: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, shaper: Callable[[], shaping.OutputShaper] | None = None
+                  ) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -618,6 +637,7 @@ async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], s
 
     finals: list[GenerationOutput] = []
     offsets: dict[int, int] = {}
+    shapers: dict[int, shaping.OutputShaper] | None = {} if shaper is not None else None
     ended = False
     try:
         if chat:
@@ -630,7 +650,7 @@ async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], s
                 async for delta in handle:
                     if state.drain.expired:
                         raise ShutdownExpired
-                    choices = _delta_choices(state, body, delta, p, chat, offsets, finals)
+                    choices = _delta_choices(state, body, delta, p, chat, offsets, finals, shapers, shaper)
                     if choices:
                         yield chunk(choices)
         if include_usage:
@@ -654,19 +674,45 @@ async def _stream(state: ServerState, rid: str, body: Any, handles: list[Any], s
             span.finish(error_type="cancelled", message="client disconnected")
 
 
+def _chat_delta(shaped: shaping.Shaped) -> dict[str, Any]:
+    """A chat chunk's ``delta`` from shaped text: content, ``reasoning_content``, ``tool_calls``."""
+    out: dict[str, Any] = {}
+    if shaped.reasoning:
+        out["reasoning_content"] = shaped.reasoning
+    if shaped.content or not shaped:
+        out["content"] = shaped.content
+    if shaped.tool_calls:
+        out["tool_calls"] = [c.to_openai() for c in shaped.tool_calls]
+    return out
+
+
 def _delta_choices(state: ServerState, body: Any, delta: Any, p: int, chat: bool, offsets: dict[int, int],
-                   finals: list[GenerationOutput]) -> list[dict[str, Any]]:
+                   finals: list[GenerationOutput], shapers: dict[int, shaping.OutputShaper] | None = None,
+                   shaper: Callable[[], shaping.OutputShaper] | None = None) -> list[dict[str, Any]]:
     """One stream delta of prompt ``p`` as chunk choices (a sample's last piece carries its
-    finish reason); a final delta's output goes to ``finals``."""
+    finish reason); a final delta's output goes to ``finals``. ``shapers``: each chat choice's
+    :class:`~acb.serve.shaping.OutputShaper` (made by ``shaper`` on its first delta)."""
     n = body.n
     index = p * n + delta.sample_index
     choices: list[dict[str, Any]] = []
+
+    def shaper_of(i: int) -> shaping.OutputShaper | None:
+        if shapers is None or shaper is None:
+            return None
+        if i not in shapers:
+            shapers[i] = shaper()
+        return shapers[i]
+
     if delta.token_ids or delta.text:
         lp = delta.logprobs if (body.logprobs if chat else body.logprobs is not None) else None
         if chat:
-            choices.append({"index": index, "delta": {"content": delta.text or ""},
-                            "logprobs": _chat_logprobs(state, delta.token_ids, lp, delta.top_logprobs),
-                            "finish_reason": None})
+            sh = shaper_of(index)
+            shaped = sh.feed(delta.text or "") if sh is not None else None
+            if shaped is None or shaped or lp is not None:  # (text a parser holds back: nothing to send yet)
+                content = {"content": delta.text or ""} if shaped is None else _chat_delta(shaped)
+                choices.append({"index": index, "delta": content,
+                                "logprobs": _chat_logprobs(state, delta.token_ids, lp, delta.top_logprobs),
+                                "finish_reason": None})
         else:
             off = offsets.get(index, 0)
             choices.append({"index": index, "text": delta.text or "",
@@ -677,11 +723,24 @@ def _delta_choices(state: ServerState, body: Any, delta: Any, p: int, chat: bool
         finals.append(delta.output)
         for s in _samples(delta.output):
             i = p * n + getattr(s, "index", 0)
+            reason = _finish_reason(s)
+            sh = shaper_of(i) if chat else None
+            tail = sh.finish() if sh is not None else None
+            if sh is not None:
+                reason = sh.finish_reason(reason)
             same = next((c for c in choices if c["index"] == i), None)
             if same is not None:
-                same["finish_reason"] = _finish_reason(s)
+                same["finish_reason"] = reason
+                if tail:  # what the parsers held until the end joins this chunk's delta
+                    merged = _chat_delta(tail)
+                    d = same["delta"]
+                    for key in ("content", "reasoning_content"):
+                        if merged.get(key):
+                            d[key] = (d.get(key) or "") + merged[key]
+                    if merged.get("tool_calls"):
+                        d["tool_calls"] = d.get("tool_calls", []) + merged["tool_calls"]
                 continue
-            end: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": _finish_reason(s)}
-            end.update(delta={}) if chat else end.update(text="")
+            end: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": reason}
+            end.update(delta=_chat_delta(tail) if tail else {}) if chat else end.update(text="")
             choices.append(end)
     return choices

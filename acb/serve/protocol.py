@@ -30,6 +30,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from acb.sampling_params import MAX_LOGPROBS, SamplingParams
+from acb.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -147,8 +148,11 @@ class _Common(BaseModel):
                 continue
             raise APIError(400, f"{name!r} is not supported by acb serve", param=name)
 
-    def sampling(self, max_new_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request as acb sampling settings; bad values raise :class:`APIError` (400)."""
+    def sampling(self, max_new_tokens: int | None, logprobs: int | None,
+                 structured: StructuredOutputs | None = None) -> SamplingParams:
+        """The request as acb sampling settings; bad values raise :class:`APIError` (400).
+        ``structured``: the output's constraint (``response_format``, a forced tool call, vLLM's
+        ``structured_outputs``)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         bias = None
         if self.logit_bias:
@@ -165,7 +169,7 @@ class _Common(BaseModel):
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=bias, stop=tuple(stop) if stop else None, seed=self.seed,
                 n=self.n, logprobs=logprobs, ignore_eos=self.ignore_eos,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
             )
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=_param_of(str(exc))) from None
@@ -208,6 +212,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's extra; only with --trust-request-chat-template
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     def template_kwargs(self, trust_request_chat_template: bool) -> dict[str, Any] | None:
         """``chat_template_kwargs`` for rendering: the template's variables. A client's own
@@ -232,8 +240,7 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "chat_template must be a string", param="chat_template")
         return kwargs or None
 
-    _refused = ("tools", "tool_choice", "functions", "function_call", "response_format", "audio",
-                "prediction", "parallel_tool_calls")
+    _refused = ("functions", "function_call", "audio", "prediction")
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,9 +1,563 @@
-"""``POST /v1/responses``: the OpenAI Responses API on acb serve (stateless)."""
+"""``POST /v1/responses``: the OpenAI Responses API on acb serve, stateless.
+
+The request is a chat in another shape: ``instructions`` (a system message first) and ``input``
+(a string, or message items, with ``function_call`` / ``function_call_output`` items of earlier
+turns rendered as an assistant message's ``tool_calls`` and a ``tool`` message). It goes through
+the chat endpoint's path (:mod:`acb.serve.app`'s helpers: parsing, rendering off the event loop,
+submit, spans, disconnect and drain handling) and :mod:`acb.serve.shaping` (``text.format`` and
+forced tool calls as constrained decoding, the output made into reasoning, text and calls).
+
+Stateless: nothing is stored. ``store`` is accepted and ignored (the response says
+``"store": false``; OpenAI lets a client that never retrieves a response not care), while what
+needs a stored response or conversation is a 400: ``previous_response_id``, ``conversation``,
+``background``, ``prompt`` (a stored prompt template) and ``item_reference`` input items. A
+client sends the whole conversation in ``input`` instead (with ``store=false``, as stateless
+clients do). Other refusals (400): non-function tools, non-text content, logprobs
+(``top_logprobs``, ``include=["message.output_text.logprobs"]``), ``max_tool_calls``, and
+``text.format`` together with a forced tool call. Unknown fields are ignored, as OpenAI does.
+
+The response: ``output`` holds a ``reasoning`` item (when the server has a ``--reasoning-parser``
+and the model reasoned), a ``message`` item with one ``output_text`` part (left out when the
+model only called tools, or only reasoned), then one ``function_call`` item per call. ``status``
+is ``completed``, or ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``
+when the length ran out (the last text item is then ``incomplete`` too).
+
+Streaming (``stream=true``): server-sent events, each ``event: <type>`` with a JSON body carrying
+``type`` and an increasing ``sequence_number``::
+
+    response.created, response.in_progress
+    [reasoning]  response.output_item.added, response.content_part.added,
+                 response.reasoning_text.delta..., response.reasoning_text.done,
+                 response.content_part.done, response.output_item.done
+    [message]    response.output_item.added, response.content_part.added,
+                 response.output_text.delta..., response.output_text.done,
+                 response.content_part.done, response.output_item.done
+    [each call]  response.output_item.added, response.function_call_arguments.delta,
+                 response.function_call_arguments.done, response.output_item.done
+    response.completed | response.incomplete   (the whole response, as without streaming)
+
+Function calls come after the message is done, even when the ``auto`` parser found one before
+the end: a call's text may be followed by more text, and the streamed items must be those of the
+non-streamed response, in its order (the parser emits a call whole anyway, so holding it back
+costs little). A failure after the stream began ends it with an ``error`` event (its ``code``,
+``message`` and ``param``, and the OpenAI error body under ``error``, which the ``openai``
+client raises as an ``APIError``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Union, cast
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+import acb
+from acb.errors import EngineDeadError, RequestFailedError
+from acb.outputs import GenerationOutput
+from acb.serve import shaping
+from acb.serve.app import (
+    ServerState, _await_all, _finish_reason, _max_len, _parse, _render, _samples, _server_span, _span_failed,
+    _submit, _token, _usage,
+)
+from acb.serve.protocol import APIError, ShutdownExpired, internal_error, shutdown_error
+from acb.serve.reasoning import REASONING_PARSERS
+from acb.serve.tool_parsers import ToolCall
+from acb.structured_outputs import StructuredOutputs
+from acb.telemetry import ServerSpan
+from acb.text import RenderedChat, text_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResponsesRequest", "add_routes", "input_messages"]
+
+# the engine's validation messages name SamplingParams' fields; the client knows these
+_PARAMS = {"max_new_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p",
+           "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed"}
 
 
-def add_routes(app: Any, state: Any) -> None:
-    """Add the Responses API's route to ``app`` (built by :func:`acb.serve.app.build_app`)."""
+class ResponsesRequest(BaseModel):
+    """The body of ``POST /v1/responses`` (the fields acb reads; others are ignored)."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
+
+    model: str
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    # acb's extras (``extra_body`` in the openai client), as on the chat endpoint
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+    def check_refused(self) -> None:
+        """400 for what would change the request's meaning and acb does not do (called by
+        :func:`acb.serve.app._parse`)."""
+        extra = self.model_extra or {}
+        stateful = {"previous_response_id": "a stored response", "conversation": "a stored conversation",
+                    "prompt": "a stored prompt template"}
+        for name, what in stateful.items():
+            if extra.get(name) is not None:
+                raise APIError(400, f"{name!r} refers to {what}, but acb serve is stateless: send the whole "
+                                    "conversation in 'input'", param=name)
+        if extra.get("background"):
+            raise APIError(400, "'background' needs stored responses; acb serve is stateless", param="background")
+        if extra.get("max_tool_calls") is not None:
+            raise APIError(400, "'max_tool_calls' is not supported by acb serve", param="max_tool_calls")
+        if extra.get("top_logprobs"):
+            raise APIError(400, "'top_logprobs' is not supported by acb serve's Responses API", param="top_logprobs")
+        include = extra.get("include") or []
+        if isinstance(include, list) and "message.output_text.logprobs" in include:
+            raise APIError(400, "logprobs are not supported by acb serve's Responses API", param="include")
+        if self.text is not None and not isinstance(self.text.get("format", {}), (Mapping, type(None))):
+            raise APIError(400, "text.format must be an object", param="text.format")
+
+    @property
+    def text_format(self) -> dict[str, Any] | None:
+        fmt = (self.text or {}).get("format")
+        return dict(fmt) if isinstance(fmt, Mapping) else None
+
+    def sampling(self, structured: StructuredOutputs | None) -> acb.SamplingParams:
+        """The request as engine sampling settings; bad values are 400s naming the field."""
+        try:
+            return acb.SamplingParams(
+                max_new_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
+                structured_outputs=structured)
+        except (ValueError, TypeError) as exc:
+            head = str(exc).split(" ", 1)[0].strip(":()")
+            raise APIError(400, str(exc), param=_PARAMS.get(head)) from None
+
+
+# ---------------------------------------------------------------------------- input
+def _text_of(content: Any, where: str) -> str:
+    """A message's (or a tool output's) text: a string, or ``input_text`` / ``output_text`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content parts", param="input")
+    pieces = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.content[{j}]: only input_text and output_text parts are supported "
+                                f"(acb serves text-only models), got type {kind!r}", param="input")
+        pieces.append(part["text"])
+    return "".join(pieces)
+
+
+def _required_str(item: Mapping[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}.{key} must be a string", param="input")
+    return value
+
+
+def input_messages(instructions: str | None, items: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The chat of a request, as chat templates take it (:func:`acb.serve.shaping.history_message`):
+    ``instructions`` as a system message first, then ``input``. Consecutive ``function_call`` items
+    (and one right after an assistant message) become that assistant turn's ``tool_calls``;
+    ``reasoning`` items of earlier turns are dropped (chat templates drop earlier reasoning)."""
+    chat: list[dict[str, Any]] = []  # chat-completions-shaped messages, made template-ready below
+    if instructions:
+        chat.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        chat.append({"role": "user", "content": items})
+        items = []
+    names: dict[str, str] = {}  # call_id -> function name, for the tool messages
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
+                               param="input")
+            chat.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call_id, name = _required_str(item, "call_id", where), _required_str(item, "name", where)
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": _required_str(item, "arguments", where)}}
+            names[call_id] = name
+            if chat and chat[-1]["role"] == "assistant":  # the same turn: its text, then its calls
+                chat[-1].setdefault("tool_calls", []).append(call)
+            else:
+                chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = _required_str(item, "call_id", where)
+            if call_id not in names:
+                raise APIError(400, f"{where}: no function_call item before it has call_id {call_id!r}",
+                               param="input")
+            chat.append({"role": "tool", "tool_call_id": call_id, "name": names[call_id],
+                         "content": _text_of(item.get("output"), where + ".output")})
+        elif kind == "reasoning":
+            continue
+        elif kind == "item_reference":
+            raise APIError(400, f"{where}: item references need stored items; acb serve is stateless",
+                           param="input")
+        else:
+            raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
+                                "function_call, function_call_output, reasoning)", param="input")
+    if not chat:
+        raise APIError(400, "input is empty", param="input")
+    return [shaping.history_message(m, m["content"]) for m in chat]
+
+
+def _structured(body: ResponsesRequest, plan: shaping.ToolPlan) -> tuple[StructuredOutputs | None, str]:
+    """The request's constrained decoding (``text.format``, a forced tool call, or vLLM's
+    ``structured_outputs`` extra) and the field it came from; two at once is a 400."""
+    found = [(spec, param) for spec, param in (
+        (shaping.structured_from_text_format(body.text_format), "text.format"),
+        (plan.structured, "tool_choice"),
+        (shaping.structured_from_extra(body.model_extra or {}), "structured_outputs")) if spec is not None]
+    if len(found) > 1:
+        raise APIError(400, f"{found[0][1]} and {found[1][1]} both constrain the output; send one",
+                       param=found[1][1])
+    return found[0] if found else (None, "")
+
+
+def _render_prompt(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, limit: int,
+                   with_text: bool) -> tuple[RenderedChat, str]:
+    """The chat rendered (:func:`acb.serve.app._render`, in the render pool) and, for the
+    reasoning parser (which reads whether the prompt opened ``<think>``), the prompt's text."""
+    chat = _render(tokenizer, messages, kwargs, limit)
+    text = str(text_tokenizer(tokenizer).decode(chat.token_ids, skip_special_tokens=False)) if with_text else ""
+    return chat, text
+
+
+async def _compile(state: ServerState, spec: StructuredOutputs, param: str) -> None:
+    """Compile the request's grammar off the event loop (the compiler's threads), so that the
+    submit finds it cached; a spec xgrammar refuses is a 400."""
+    try:
+        compiler = await anyio.to_thread.run_sync(state.engine.grammars)  # the first builds it: reads the vocab
+        await asyncio.wrap_future(compiler.submit(spec))
+    except ValueError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from None
+
+
+# ---------------------------------------------------------------------------- output
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [] if status == "in_progress" else [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if status != "in_progress" else "", "status": status}
+
+
+class _Ids:
+    """Output item ids, made once per response, so the streamed items and the final response agree."""
+
+    def __init__(self) -> None:
+        self.reasoning = _new_id("rs")
+        self.message = _new_id("msg")
+        self.calls: list[str] = []
+
+    def call(self, i: int) -> str:
+        while len(self.calls) <= i:
+            self.calls.append(_new_id("fc"))
+        return self.calls[i]
+
+
+def _final_items(shaper: shaping.OutputShaper, ids: _Ids, length: bool) -> list[dict[str, Any]]:
+    """The response's ``output`` once the text is shaped: reasoning, message, calls. An empty
+    message is left out when there is anything else; when the length ran out, the last text
+    item is ``incomplete``."""
+    items: list[dict[str, Any]] = []
+    with_message = bool(shaper.content) or not (shaper.tool_calls or shaper.has_reasoning)
+    if shaper.has_reasoning:
+        items.append(_reasoning_item(ids.reasoning, shaper.reasoning,
+                                     "incomplete" if length and not with_message else "completed"))
+    if with_message:
+        items.append(_message_item(ids.message, shaper.content, "incomplete" if length else "completed"))
+    items.extend(_call_item(ids.call(i), c, "completed") for i, c in enumerate(shaper.tool_calls))
+    return items
+
+
+def _reasoning_tokens(state: ServerState, shaper: shaping.OutputShaper, tokens: Sequence[int]) -> int:
+    """How many generated tokens were reasoning: those up to the one that completes the end tag
+    (all of them when the reasoning never ended). Token bytes, not a re-tokenized text: the
+    model's own tokens are counted."""
+    name = state.options.reasoning_parser
+    if name is None or not shaper.has_reasoning:
+        return 0
+    end = REASONING_PARSERS[name].end_tag.encode()
+    seen = bytearray()
+    for i, t in enumerate(tokens):
+        piece = bytes(_token(state, t)[1])
+        seen += piece
+        if end in seen[-(len(piece) + len(end)):]:
+            return i + 1
+    return len(tokens)
+
+
+class _Shell:
+    """What a response says besides its output: the request echoed, as OpenAI's response does."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, plan: shaping.ToolPlan) -> None:
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.model = state.model_name
+        strict = {t.get("name"): t.get("strict", True) for t in body.tools or [] if isinstance(t, Mapping)}
+        tools = [{"type": "function", "name": f["name"], "description": f.get("description"),
+                  "parameters": f["parameters"], "strict": bool(strict.get(f["name"], True))}
+                 for f in plan.functions]
+        choice: Any = {"type": "function", "name": plan.named} if plan.choice == "named" else plan.choice
+        text: dict[str, Any] = {"format": body.text_format or {"type": "text"}}
+        if body.text and body.text.get("verbosity") is not None:
+            text["verbosity"] = body.text["verbosity"]
+        self.echo: dict[str, Any] = {
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {}, "parallel_tool_calls": plan.parallel, "previous_response_id": None,
+            "reasoning": body.reasoning, "store": False, "temperature": body.temperature, "text": text,
+            "tool_choice": choice, "tools": tools, "top_p": body.top_p, "truncation": body.truncation or "disabled",
+            "user": body.user,
+        }
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        done = status in ("completed", "incomplete")
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "model": self.model, "output": output, "usage": usage if done else None, **self.echo}
+
+
+def _response_usage(state: ServerState, out: GenerationOutput, reasoning_tokens: int) -> dict[str, Any]:
+    u = _usage([out])
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"],
+            # cache_write_tokens: OpenAI's explicit prompt caching, which acb does not offer
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+
+
+def _finished(state: ServerState, shaper: shaping.OutputShaper, out: GenerationOutput
+              ) -> tuple[bool, int, dict[str, Any]]:
+    """``(length ran out, reasoning tokens, usage)`` of a finished output."""
+    sample = _samples(out)[0]
+    length = _finish_reason(sample) == "length"
+    reasoning = _reasoning_tokens(state, shaper, sample.generated_tokens)
+    return length, reasoning, _response_usage(state, out, reasoning)
+
+
+# ---------------------------------------------------------------------------- the route
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    """Add ``POST /v1/responses`` to ``app`` (called by :func:`acb.serve.app.build_app`)."""
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        # _parse reads any body schema with .model and .check_refused(); its annotation names chat's two
+        body = await _parse(state, request, cast(Any, ResponsesRequest))
+        assert isinstance(body, ResponsesRequest)
+        if state.tokenizer is None:
+            raise APIError(400, "the served model has no tokenizer: the Responses API needs one", param="input")
+        plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                  state.options.tool_call_parser)
+        structured, param = _structured(body, plan)
+        messages = input_messages(body.instructions, body.input)
+        sampling = body.sampling(structured)
+        kwargs = {"tools": plan.template_tools} if plan.template_tools else None
+        with_text = state.options.reasoning_parser is not None
+        span = _server_span(state, request, "chat", sampling, body.stream)
+        try:
+            with span.active():
+                prompt, prompt_text = await state.drain.until_expired(lambda: state.renderer.run(
+                    _render_prompt, state.tokenizer, messages, kwargs, _max_len(state), with_text))
+                if structured is not None:
+                    await state.drain.until_expired(lambda: _compile(state, structured, param))
+                handle = _submit(state, prompt, sampling)
+        except BaseException as exc:
+            _span_failed(span, exc)
+            raise
+        shell = _Shell(state, body, plan)
+        shaper = shaping.OutputShaper(plan, state.options.reasoning_parser, prompt_text)
+        if body.stream:
+            return StreamingResponse(_stream(state, shell, shaper, handle, span), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        (out,) = await _await_all(state, request, [handle], span)
+        shaper.shape_whole(_samples(out)[0].text or "")
+        length, _, usage = _finished(state, shaper, out)
+        output = _final_items(shaper, _Ids(), length)
+        return JSONResponse(shell.response("incomplete" if length else "completed", output, usage))
+
+
+# ---------------------------------------------------------------------------- streaming
+class _Events:
+    """SSE events with their ``sequence_number``, and the state of the output items streamed so
+    far (which one is open, what text each has sent)."""
+
+    def __init__(self, ids: _Ids) -> None:
+        self.ids = ids
+        self.seq = 0
+        self.index = 0  # output_index of the next item
+        self.open: str | None = None  # "reasoning" or "message": the item taking deltas
+        self.opened: set[str] = set()
+        self.sent = {"reasoning": "", "message": ""}
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def error(self, err: APIError) -> str:
+        # ResponseErrorEvent's fields, and the error body the openai client raises from
+        return self.event("error", code=err.code or err.type, message=err.message, param=err.param,
+                          error=err.body()["error"])
+
+    def _item_id(self, kind: str) -> str:
+        return self.ids.reasoning if kind == "reasoning" else self.ids.message
+
+    def _start(self, kind: str) -> list[str]:
+        self.open = kind
+        self.opened.add(kind)
+        item_id = self._item_id(kind)
+        item = (_reasoning_item if kind == "reasoning" else _message_item)(item_id, "", "in_progress")
+        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _text_part("")
+        return [self.event("response.output_item.added", output_index=self.index, item=item),
+                self.event("response.content_part.added", item_id=item_id, output_index=self.index,
+                           content_index=0, part=part)]
+
+    def close(self, item: dict[str, Any]) -> list[str]:
+        """End the open text item as ``item`` (its final form): the rest of its text, then done."""
+        kind = self.open
+        assert kind is not None and item["type"] == kind
+        text = item["content"][0]["text"]
+        out = self.text(kind, text[len(self.sent[kind]):])
+        item_id = self._item_id(kind)
+        where = {"item_id": item_id, "output_index": self.index, "content_index": 0}
+        if kind == "reasoning":
+            out.append(self.event("response.reasoning_text.done", text=text, **where))
+        else:
+            out.append(self.event("response.output_text.done", text=text, logprobs=[], **where))
+        out.append(self.event("response.content_part.done", part=item["content"][0], **where))
+        out.append(self.event("response.output_item.done", output_index=self.index, item=item))
+        self.open = None
+        self.index += 1
+        return out
+
+    def text(self, kind: str, delta: str) -> list[str]:
+        """A text delta of the reasoning or the message, opening its item first (and closing the
+        reasoning when the message begins)."""
+        if not delta:
+            return []
+        out: list[str] = []
+        if self.open != kind:
+            if self.open == "reasoning":  # the message began: the reasoning is complete
+                out += self.close(_reasoning_item(self.ids.reasoning, self.sent["reasoning"], "completed"))
+            out += self._start(kind)
+        self.sent[kind] += delta
+        where = {"item_id": self._item_id(kind), "output_index": self.index, "content_index": 0}
+        if kind == "reasoning":
+            out.append(self.event("response.reasoning_text.delta", delta=delta, **where))
+        else:
+            out.append(self.event("response.output_text.delta", delta=delta, logprobs=[], **where))
+        return out
+
+    def finish(self, items: list[dict[str, Any]]) -> list[str]:
+        """The rest of the output, given its final form: the open item closed, the items not
+        streamed yet (an empty message, the calls) added and done."""
+        out: list[str] = []
+        for item in items:
+            kind = item["type"]
+            if kind in ("reasoning", "message"):
+                if kind in self.opened and self.open != kind:
+                    continue  # streamed and closed already
+                if self.open != kind:
+                    if self.open is not None:
+                        # cannot happen: a reasoning item opened after the message
+                        raise AssertionError(f"{self.open} item still open before {kind}")
+                    out += self._start(kind)
+                out += self.close(item)
+            else:
+                added = {**item, "arguments": "", "status": "in_progress"}
+                out.append(self.event("response.output_item.added", output_index=self.index, item=added))
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=self.index, delta=item["arguments"]))
+                out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=self.index, arguments=item["arguments"], name=item["name"]))
+                out.append(self.event("response.output_item.done", output_index=self.index, item=item))
+                self.index += 1
+        return out
+
+
+async def _stream(state: ServerState, shell: _Shell, shaper: shaping.OutputShaper, handle: Any,
+                  span: ServerSpan) -> AsyncIterator[str]:
+    """The response as SSE events; see the module docstring for their order."""
+    ids = _Ids()
+    ev = _Events(ids)
+    ended = False
+    try:
+        yield ev.event("response.created", response=shell.response("in_progress", [], None))
+        yield ev.event("response.in_progress", response=shell.response("in_progress", [], None))
+        final: GenerationOutput | None = None
+        with state.drain.on_expire(handle.cancel):  # the end of the grace period cancels it
+            async for delta in handle:
+                if state.drain.expired:
+                    raise ShutdownExpired
+                if delta.text:
+                    shaped = shaper.feed(delta.text)
+                    for e in ev.text("reasoning", shaped.reasoning) + ev.text("message", shaped.content):
+                        yield e
+                if delta.finished:
+                    final = delta.output
+        if final is None:
+            raise RuntimeError("the request's stream ended without its final output")
+        shaper.finish()  # what it adds (the held text, the calls) is in the final items' text
+        length, _, usage = _finished(state, shaper, final)
+        output = _final_items(shaper, ids, length)
+        for e in ev.finish(output):
+            yield e
+        status = "incomplete" if length else "completed"
+        ended = True
+        span.finish([final])
+        yield ev.event(f"response.{status}", response=shell.response(status, output, usage))
+    except ShutdownExpired:
+        span.finish(error_type="503", message="the server shut down")
+        yield ev.error(shutdown_error())
+    except (RequestFailedError, EngineDeadError) as exc:
+        span.finish(error_type="request" if isinstance(exc, RequestFailedError) else "engine_dead", message=str(exc))
+        yield ev.error(APIError(500, str(exc), type="server_error"))
+    except Exception as exc:  # noqa: BLE001 - the stream has begun: its end is an error event
+        logger.error("acb serve: a Responses stream failed", exc_info=exc)
+        span.finish(error_type=type(exc).__name__, message=str(exc))
+        yield ev.error(internal_error(exc))
+    finally:
+        handle.cancel()  # a no-op for an ended request; the client left or the stream failed
+        if not ended:
+            span.finish(error_type="cancelled", message="client disconnected")

@@ -29,7 +29,8 @@ from acb.serve.reasoning import REASONING_PARSERS, ReasoningParser
 from acb.serve.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, new_tool_call_id
 from acb.structured_outputs import StructuredOutputs
 
-__all__ = ["OutputShaper", "Shaped", "ToolPlan", "check_parsers", "plan_tools", "structured_from_extra",
+__all__ = ["OutputShaper", "Shaped", "ToolPlan", "check_parsers", "history_message", "one_constraint", "plan_tools",
+           "structured_from_extra",
            "structured_from_response_format", "structured_from_text_format"]
 
 
@@ -109,6 +110,14 @@ def structured_from_extra(extra: Mapping[str, Any]) -> StructuredOutputs | None:
         raise APIError(400, f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}",
                        param="structured_outputs")
     return _spec("structured_outputs", **so)
+
+
+def one_constraint(*given: tuple[str, StructuredOutputs | None]) -> StructuredOutputs | None:
+    """The one constraint a request sets, among ``(field, spec)`` pairs; two are a 400."""
+    set_ = [(name, spec) for name, spec in given if spec is not None]
+    if len(set_) > 1:
+        raise APIError(400, f"{set_[0][0]} and {set_[1][0]} both constrain the output; give one", param=set_[1][0])
+    return set_[0][1] if set_ else None
 
 
 # ---------------------------------------------------------------------------- tools

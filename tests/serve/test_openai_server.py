@@ -761,8 +761,9 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     ("chat", {"n": 0}, "n"),
     ("chat", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"top_p": 1.5}, "top_p"),
-    ("chat", {"tools": TOOLS}, "tools"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": TOOLS}, "tool_choice"),  # auto (the default with tools) needs --tool-call-parser
+    ("chat", {"tools": [{"type": "code_interpreter"}]}, "tools"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
