@@ -52,7 +52,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Union, cast
+from typing import Any, cast
 
 import anyio
 from fastapi import FastAPI, Request
@@ -64,8 +64,18 @@ from acb.errors import EngineDeadError, RequestFailedError
 from acb.outputs import GenerationOutput
 from acb.serve import shaping
 from acb.serve.app import (
-    ServerState, _await_all, _finish_reason, _max_len, _parse, _render, _samples, _server_span, _span_failed,
-    _submit, _token, _usage,
+    ServerState,
+    _await_all,
+    _finish_reason,
+    _max_len,
+    _parse,
+    _render,
+    _samples,
+    _server_span,
+    _span_failed,
+    _submit,
+    _token,
+    _usage,
 )
 from acb.serve.protocol import APIError, ShutdownExpired, internal_error, shutdown_error
 from acb.serve.reasoning import REASONING_PARSERS
@@ -89,7 +99,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
 
     model: str
-    input: Union[str, list[dict[str, Any]]]
+    input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -97,7 +107,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
@@ -227,23 +237,21 @@ def input_messages(instructions: str | None, items: str | Sequence[Mapping[str, 
 def _structured(body: ResponsesRequest, plan: shaping.ToolPlan) -> tuple[StructuredOutputs | None, str]:
     """The request's constrained decoding (``text.format``, a forced tool call, or vLLM's
     ``structured_outputs`` extra) and the field it came from; two at once is a 400."""
-    found = [(spec, param) for spec, param in (
-        (shaping.structured_from_text_format(body.text_format), "text.format"),
-        (plan.structured, "tool_choice"),
-        (shaping.structured_from_extra(body.model_extra or {}), "structured_outputs")) if spec is not None]
-    if len(found) > 1:
-        raise APIError(400, f"{found[0][1]} and {found[1][1]} both constrain the output; send one",
-                       param=found[1][1])
-    return found[0] if found else (None, "")
+    given = (("text.format", shaping.structured_from_text_format(body.text_format)),
+             ("tool_choice", plan.structured),
+             ("structured_outputs", shaping.structured_from_extra(body.model_extra or {})))
+    spec = shaping.one_constraint(*given)
+    return spec, next((name for name, s in given if s is not None), "")
 
 
 def _render_prompt(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, limit: int,
                    with_text: bool) -> tuple[RenderedChat, str]:
     """The chat rendered (:func:`acb.serve.app._render`, in the render pool) and, for the
-    reasoning parser (which reads whether the prompt opened ``<think>``), the prompt's text."""
+    reasoning parser (which reads whether the prompt opened ``<think>``), the prompt's end as
+    text (its last 64 tokens, as the chat endpoint reads it)."""
     chat = _render(tokenizer, messages, kwargs, limit)
-    text = str(text_tokenizer(tokenizer).decode(chat.token_ids, skip_special_tokens=False)) if with_text else ""
-    return chat, text
+    tail = str(text_tokenizer(tokenizer).decode(chat.token_ids[-64:])) if with_text else ""
+    return chat, tail
 
 
 async def _compile(state: ServerState, spec: StructuredOutputs, param: str) -> None:
@@ -553,7 +561,7 @@ async def _stream(state: ServerState, shell: _Shell, shaper: shaping.OutputShape
     except (RequestFailedError, EngineDeadError) as exc:
         span.finish(error_type="request" if isinstance(exc, RequestFailedError) else "engine_dead", message=str(exc))
         yield ev.error(APIError(500, str(exc), type="server_error"))
-    except Exception as exc:  # noqa: BLE001 - the stream has begun: its end is an error event
+    except Exception as exc:
         logger.error("acb serve: a Responses stream failed", exc_info=exc)
         span.finish(error_type=type(exc).__name__, message=str(exc))
         yield ev.error(internal_error(exc))

@@ -1,0 +1,442 @@
+"""``POST /v1/responses`` (acb/serve/responses.py, issue 29): the Responses API of ``acb serve``,
+in a subprocess, driven with the real ``openai`` client (which parses every response and event
+against its models, and whose ``responses.stream`` helper checks the events' consistency), and
+with raw HTTP for status lines and SSE framing.
+
+One server for the module: a tiny random Llama with a byte-level tokenizer and a chat template
+that renders tools, tool calls and tool results (so that the prompt the server renders can be
+checked token for token), and opens ``<think>`` when the first message is "think first" (the
+server runs ``--reasoning-parser qwen3``, which then reads the whole output as reasoning). Greedy
+outputs are checked against ``model.generate`` on the same prompt, rendered here.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Literal
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from pydantic import BaseModel
+
+from acb.models import build_tokenizer, tiny_model
+from tests.conftest import reference_generate
+from tests.serve.helpers import check_error_body, raw
+from tests.serve.test_openai_server import SMALL_KV, _serve, decode, sse_events
+
+NAME = "tiny-responses"
+THINK = "think first"
+TEMPLATE = (
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %} <call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}>"
+    "{% endfor %}{% if m.tool_call_id %} [result of {{ m.tool_call_id }} {{ m.name }}]{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if messages[0]['content'] == '" + THINK + "' %}<think>"
+    "{% endif %}{% endif %}")
+LIGHT = {"type": "object", "properties": {"room": {"type": "string", "enum": ["kitchen", "hall"]},
+                                          "on": {"type": "boolean"}},
+         "required": ["room", "on"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "set_light", "description": "Switch a light", "parameters": LIGHT,
+        "strict": True}
+# the tool as the server hands it to the chat template (acb.serve.shaping's key order: name,
+# parameters, description; the template's tojson keeps the order, so the prompt depends on it)
+TOOL_CHAT = {"type": "function", "function": {"name": "set_light", "parameters": LIGHT,
+                                              "description": "Switch a light"}}
+# enums and booleans only: whatever a random model prefers, the constrained output ends
+PICK = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
+                                         "ok": {"type": "boolean"}},
+        "required": ["color", "ok"], "additionalProperties": False}
+
+
+class Pick(BaseModel):
+    color: Literal["red", "green", "blue"]
+    ok: bool
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = TEMPLATE
+    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048)
+    d = tmp_path_factory.mktemp("tiny-llama-responses")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return SimpleNamespace(dir=d, model=model, tok=AutoTokenizer.from_pretrained(d), eos=model.config.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    yield from _serve(checkpoint, tmp_path_factory, "responses", [
+        "--served-model-name", NAME, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", *SMALL_KV])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def prompt_ids(tok, messages, tools=None) -> list[int]:
+    ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def greedy(checkpoint, messages, n: int, tools=None) -> tuple[list[int], list[int]]:
+    """The prompt's ids and ``model.generate``'s greedy tokens after it."""
+    ids = prompt_ids(checkpoint.tok, messages, tools)
+    return ids, reference_generate(checkpoint.model, ids, n)
+
+
+def ended_by_length(ref: list[int], eos: int, n: int) -> bool:
+    return len(ref) == n and ref[-1] != eos
+
+
+def message_items(r) -> list:
+    return [o for o in r.output if o.type == "message"]
+
+
+# --------------------------------------------------------------------------------------- text
+def test_plain_input_equals_generate_and_chat(client, checkpoint):
+    messages = [{"role": "user", "content": "héllo wörld"}]
+    ids, ref = greedy(checkpoint, messages, 12)
+    r = client.responses.create(model=NAME, input="héllo wörld", max_output_tokens=12, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == NAME
+    assert r.output_text == decode(checkpoint.tok, ref)
+    (msg,) = r.output  # no reasoning (no <think>), no calls: one message
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert [p.type for p in msg.content] == ["output_text"]
+    length = ended_by_length(ref, checkpoint.eos, 12)
+    assert r.status == ("incomplete" if length else "completed")
+    assert msg.status == r.status
+    u = r.usage
+    assert (u.input_tokens, u.output_tokens, u.total_tokens) == (len(ids), len(ref), len(ids) + len(ref))
+    assert 0 <= u.input_tokens_details.cached_tokens <= u.input_tokens
+    assert u.output_tokens_details.reasoning_tokens == 0
+    # the echoed request
+    assert r.max_output_tokens == 12 and r.temperature == 0 and r.tools == [] and r.parallel_tool_calls is True
+    # the chat endpoint says the same for the same messages
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == r.output_text
+
+
+def test_instructions_and_message_list(client, checkpoint):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
+                {"role": "assistant", "content": "ok then"}, {"role": "user", "content": "second part"}]
+    ids, ref = greedy(checkpoint, messages, 10)
+    r = client.responses.create(model=NAME, instructions="be brief", temperature=0, max_output_tokens=10, input=[
+        {"role": "user", "content": "first"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok then"}]},
+        {"role": "user",
+         "content": [{"type": "input_text", "text": "second "}, {"type": "input_text", "text": "part"}]},
+    ])
+    assert r.usage.input_tokens == len(ids)  # the server rendered exactly these messages
+    assert r.output_text == decode(checkpoint.tok, ref)
+    assert r.instructions == "be brief"
+
+
+def test_max_output_tokens_incomplete(client, checkpoint):
+    messages = [{"role": "user", "content": "go on and on"}]
+    n = 3
+    _, ref = greedy(checkpoint, messages, n)
+    if not ended_by_length(ref, checkpoint.eos, n):
+        pytest.skip("the random model stops within 3 tokens on this prompt")
+    r = client.responses.create(model=NAME, input="go on and on", max_output_tokens=n, temperature=0)
+    assert r.status == "incomplete"
+    assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == n
+    assert r.output_text == decode(checkpoint.tok, ref)
+    assert message_items(r)[0].status == "incomplete"
+
+
+# ---------------------------------------------------------------------------------- streaming
+TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+               "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+               "response.content_part.done", "response.output_item.done"]
+
+
+def collapse(types: list[str]) -> list[str]:
+    """Event types with runs of the same delta type collapsed into one."""
+    out: list[str] = []
+    for t in types:
+        if not (t.endswith(".delta") and out and out[-1] == t):
+            out.append(t)
+    return out
+
+
+def test_stream_events_add_up_to_the_response(client, checkpoint):
+    kw = {"model": NAME, "input": "stream this", "max_output_tokens": 16, "temperature": 0}
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    types = [e.type for e in events]
+    end = "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    assert collapse(types) == TEXT_EVENTS + [end]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert done.text == whole.output_text
+    final = events[-1].response
+    assert final.status == whole.status and final.output_text == whole.output_text
+    assert final.id == events[0].response.id and events[0].response.status == "in_progress"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    item_ids = {e.item_id for e in events if hasattr(e, "item_id")}
+    assert item_ids == {final.output[0].id}
+
+
+def test_stream_sse_framing(server):
+    status, headers, body = raw(server.port, "POST", "/v1/responses", body={
+        "model": NAME, "input": "raw", "max_output_tokens": 4, "temperature": 0, "stream": True})
+    assert status == 200, body
+    assert headers["content-type"].startswith("text/event-stream")
+    names = [line[len("event:"):].strip() for line in body.decode().splitlines() if line.startswith("event:")]
+    docs = [json.loads(e) for e in sse_events(body)]
+    assert names == [d["type"] for d in docs]  # each event's name is its data's type
+    assert names[-1] in ("response.completed", "response.incomplete")
+
+
+# --------------------------------------------------------------------------------- reasoning
+def test_reasoning_item(client, checkpoint):
+    messages = [{"role": "system", "content": THINK}, {"role": "user", "content": "why?"}]
+    n = 10
+    ids, ref = greedy(checkpoint, messages, n)
+    assert ids[-7:] == list(checkpoint.tok("<think>")["input_ids"])
+    text = decode(checkpoint.tok, ref)
+    assert "</think>" not in text  # a random model does not close it: all of the output is reasoning
+    kw = {"model": NAME, "instructions": THINK, "input": "why?", "max_output_tokens": n, "temperature": 0}
+    r = client.responses.create(**kw)
+    (item,) = r.output  # the reasoning, and no empty message beside it
+    assert item.type == "reasoning" and item.id.startswith("rs_")
+    assert [c.text for c in item.content] == [text]
+    assert r.output_text == ""
+    assert r.usage.output_tokens_details.reasoning_tokens == len(ref) == r.usage.output_tokens
+    assert item.status == ("incomplete" if ended_by_length(ref, checkpoint.eos, n) else "completed")
+    events = list(client.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
+    assert collapse([e.type for e in events])[2:6] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done"]
+    assert events[-1].response.output[0].model_dump()["content"] == [
+        c.model_dump() for c in item.content]
+
+
+# ------------------------------------------------------------------------------- structured
+def test_text_format_json_schema(client):
+    kw = {"model": NAME, "input": "pick one", "max_output_tokens": 64, "temperature": 0,
+          "text": {"format": {"type": "json_schema", "name": "pick", "schema": PICK, "strict": True}}}
+    r = client.responses.create(**kw)
+    assert r.status == "completed", r.output_text
+    value = json.loads(r.output_text)
+    jsonschema.validate(value, PICK)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "pick"
+    streamed = list(client.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == r.output_text
+    # the client's own stream helper (it needs response.completed: a constrained output ends)
+    # accumulates the events into the same response
+    with client.responses.stream(**kw) as stream:
+        got = stream.get_final_response()
+    assert got.output_text == r.output_text and got.status == "completed"
+    # any JSON object
+    obj = client.responses.create(model=NAME, input="an object", max_output_tokens=48, temperature=0,
+                                  text={"format": {"type": "json_object"}})
+    if obj.status == "completed":  # a random model may write a long object: then it is cut
+        assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_responses_parse_pydantic(client):
+    r = client.responses.parse(model=NAME, input="pick with pydantic", max_output_tokens=64, temperature=0,
+                               text_format=Pick)
+    assert isinstance(r.output_parsed, Pick)
+    assert r.output_parsed == Pick.model_validate_json(r.output_text)
+
+
+# ------------------------------------------------------------------------------------- tools
+def test_named_tool_choice_calls_the_function(client):
+    kw = {"model": NAME, "input": "lights please", "tools": [TOOL], "max_output_tokens": 64, "temperature": 0,
+          "tool_choice": {"type": "function", "name": "set_light"}}
+    r = client.responses.create(**kw)
+    assert r.status == "completed"
+    (call,) = r.output  # a forced call and nothing else
+    assert call.type == "function_call" and call.name == "set_light"
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), LIGHT)
+    assert r.output_text == ""
+    assert r.tool_choice.type == "function" and r.tool_choice.name == "set_light"
+    assert [t.name for t in r.tools] == ["set_light"] and r.tools[0].parameters == LIGHT
+    events = list(client.responses.create(**kw, stream=True))
+    assert collapse([e.type for e in events]) == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    (args,) = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == call.arguments  # greedy: the same call
+    assert events[-1].response.output[0].arguments == call.arguments
+
+
+def test_required_tool_choice(client):
+    r = client.responses.create(model=NAME, input="do something", tools=[TOOL], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=96, temperature=0)
+    assert r.status == "completed"
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "set_light"
+    jsonschema.validate(json.loads(calls[0].arguments), LIGHT)
+
+
+def test_auto_tools_are_rendered(client, checkpoint):
+    """With tools and no tool_choice (auto, the hermes parser) the prompt carries the tools; a
+    random model calls none, so the output is the greedy text."""
+    messages = [{"role": "user", "content": "maybe call"}]
+    ids, ref = greedy(checkpoint, messages, 8, tools=[TOOL_CHAT])
+    r = client.responses.create(model=NAME, input="maybe call", tools=[TOOL], max_output_tokens=8, temperature=0)
+    assert r.usage.input_tokens == len(ids)
+    assert r.output_text == decode(checkpoint.tok, ref)
+    assert r.tool_choice == "auto"
+
+
+def test_function_call_history(client, checkpoint):
+    args = {"room": "hall", "on": True}
+    messages = [
+        {"role": "user", "content": "light the hall"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "set_light", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "set_light", "content": "done"},
+    ]
+    ids, ref = greedy(checkpoint, messages, 10, tools=[TOOL_CHAT])
+    r = client.responses.create(model=NAME, tools=[TOOL], tool_choice="none", max_output_tokens=10, temperature=0,
+                                input=[{"role": "user", "content": "light the hall"},
+                                       {"type": "function_call", "call_id": "call_1", "name": "set_light",
+                                        "arguments": json.dumps(args)},
+                                       {"type": "function_call_output", "call_id": "call_1", "output": "done"}])
+    assert r.usage.input_tokens == len(ids)  # the call and its result were rendered as above
+    assert r.output_text == decode(checkpoint.tok, ref)
+    # a previous response's output items go back in as they came (reasoning items are dropped)
+    first = client.responses.create(model=NAME, input="light the hall", tools=[TOOL], max_output_tokens=64,
+                                    temperature=0, tool_choice={"type": "function", "name": "set_light"})
+    call = first.output[0]
+    again = client.responses.create(
+        model=NAME, tools=[TOOL], max_output_tokens=4, temperature=0,
+        input=[{"role": "user", "content": "light the hall"}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "done"}])
+    hist = [messages[0], {"role": "assistant", "content": "", "tool_calls": [{
+        "id": call.call_id, "type": "function",
+        "function": {"name": "set_light", "arguments": json.loads(call.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "name": "set_light", "content": "done"}]
+    assert again.usage.input_tokens == len(prompt_ids(checkpoint.tok, hist, [TOOL_CHAT]))
+
+
+# ------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("body, param", [
+    ({"text": {"format": {"type": "json_schema", "name": "bad",
+                          "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}},
+     "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "bad", "schema": "not an object"}}}, "text.format"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "set_light"},
+      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_bad_requests_are_400s(server, client, body, param):
+    request = {"model": NAME, "input": "x", **body}
+    status, _, data = raw(server.port, "POST", "/v1/responses", body=request)
+    assert status == 400, data
+    err = check_error_body(data, status)
+    assert err["param"] == param, err
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**request)
+    assert e.value.status_code == 400
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="x")
+
+
+# ------------------------------------------------------------------ in-process: no server needed
+def test_input_items_to_chat():
+    from acb.serve.responses import input_messages
+
+    chat = input_messages("sys", [
+        {"role": "user", "content": "q"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me see"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": ""},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+    ])
+    assert chat == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "let me see", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {}}}]},
+        {"role": "tool", "content": "two", "tool_call_id": "c2", "name": "g"},
+        {"role": "tool", "content": "one", "tool_call_id": "c1", "name": "f"},
+    ]
+
+
+@pytest.mark.parametrize("pieces", [["<think>abc</think>hello"], ["<thi", "nk>a", "bc</th", "ink>hel", "lo"],
+                                    list("<think>abc</think>hello")])
+def test_stream_items_reasoning_then_message(pieces):
+    """The streamed events of a reasoning-then-text output, for any chunking: the reasoning item
+    is done before the message begins, and the items equal the non-streamed output."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from acb.serve import shaping
+    from acb.serve.responses import _Events, _final_items, _Ids
+
+    ids = _Ids()
+    ev = _Events(ids)
+    shaper = shaping.OutputShaper(None, "qwen3", "user: q\nassistant:")
+    frames = []
+    for p in pieces:
+        shaped = shaper.feed(p)
+        frames += ev.text("reasoning", shaped.reasoning) + ev.text("message", shaped.content)
+    shaper.finish()
+    items = _final_items(shaper, ids, length=False)
+    frames += ev.finish(items)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(json.loads(f.split("data: ", 1)[1])) for f in frames]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert collapse([e.type for e in events]) == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "abc"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "hello"
+    done = [e.item.model_dump(exclude_none=True) for e in events if e.type == "response.output_item.done"]
+    whole = shaping.OutputShaper(None, "qwen3", "user: q\nassistant:")
+    whole.shape_whole("".join(pieces))
+    assert done == [{k: v for k, v in i.items() if v is not None} for i in _final_items(whole, ids, length=False)]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+
+
+def test_error_event_is_the_apis():
+    from openai.types.responses import ResponseErrorEvent
+
+    from acb.serve.protocol import APIError
+    from acb.serve.responses import _Events, _Ids
+
+    ev = _Events(_Ids())
+    ev.seq = 7
+    frame = ev.error(APIError(500, "boom", type="server_error"))
+    head, data = frame.split("\n", 1)
+    assert head == "event: error" and frame.endswith("\n\n")
+    doc = json.loads(data[len("data: "):])
+    event = ResponseErrorEvent.model_validate(doc)
+    assert (event.type, event.sequence_number, event.message, event.code) == ("error", 7, "boom", "server_error")
+    # the OpenAI error body, which the openai client raises as an APIError
+    assert doc["error"] == {"message": "boom", "type": "server_error", "param": None, "code": None}
