@@ -40,6 +40,7 @@ import torch
 
 from acb.api.engine import Engine
 from acb.config import as_config
+from acb.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
     from acb.outputs import GenerationOutput
@@ -54,8 +55,12 @@ class AcbRollouts:
     called or installed again (it would start an engine that nothing stops): call
     :func:`use_acb` again for a new one."""
 
-    def __init__(self, model: Any, config: Any = None, *, sleep: bool | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, model: Any, config: Any = None, *, sleep: bool | None = None, tokenizer: Any = None,
+                 structured_outputs: StructuredOutputs | None = None) -> None:
         self.model = model
+        # every rollout's constraint (GRPOConfig.vllm_structured_outputs_regex, which TRL applies
+        # only on its vLLM path): acb constrains the transformers path too
+        self.structured_outputs = structured_outputs
         self.config = config  # acb's or transformers' config; None: TRL's, from each call
         self.sleep = sleep
         self.tokenizer = tokenizer
@@ -124,6 +129,8 @@ class AcbRollouts:
                                      else getattr(self.model, "generation_config", None))
         if engine.is_sleeping:
             engine.wake_up()
+        if self.structured_outputs is not None:
+            kwargs.setdefault("structured_outputs", self.structured_outputs)
         try:
             out = engine.generate_batch(inputs, progress_bar=progress_bar, **kwargs)
         finally:
@@ -170,9 +177,12 @@ def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> Ac
     ``target``: a ``GRPOTrainer`` built with ``use_transformers_continuous_batching=True``, or
     the model itself. ``config``: acb's (or transformers') continuous-batching config, overriding
     the one TRL passes. ``sleep``: free the KV cache between rounds (default: on CUDA).
+    A trainer's ``GRPOConfig.vllm_structured_outputs_regex`` constrains every rollout (TRL
+    itself applies it only when generating with vLLM).
     """
     model = target
     tokenizer = None
+    structured = None
     if hasattr(target, "accelerator") and hasattr(target, "model"):  # a trainer
         if not getattr(target, "use_transformers_continuous_batching", False):
             raise ValueError("the trainer does not generate through continuous batching: build it with "
@@ -181,6 +191,9 @@ def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> Ac
         tokenizer = getattr(target, "processing_class", None)
         if not hasattr(tokenizer, "decode"):  # a multimodal processor: rollouts are token ids anyway
             tokenizer = None
+        regex = getattr(getattr(target, "args", None), "vllm_structured_outputs_regex", None)
+        if regex:  # TRL's constrained rollouts, on acb's engine (needs the tokenizer and xgrammar)
+            structured = StructuredOutputs(regex=regex)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
         raise TypeError(f"use_acb needs a TRL trainer or a transformers model, got {type(target).__name__}")
-    return AcbRollouts(model, config, sleep=sleep, tokenizer=tokenizer).install()
+    return AcbRollouts(model, config, sleep=sleep, tokenizer=tokenizer, structured_outputs=structured).install()

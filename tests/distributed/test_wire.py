@@ -24,6 +24,9 @@ CASES = [
          logit_bias={3: -1.5, 7: 2.0}, repetition_penalty=1.2, logprobs=2, logprobs_mode="processed"),
     dict(max_new_tokens=6, n=3, do_sample=True, stop=("ab", "\n")),  # samples and stop strings
     dict(max_new_tokens=3, prompt_logprobs=1, seed=1234),
+    # structured outputs: the spec crosses as its fields; each rank compiles it and has its matchers
+    dict(max_new_tokens=9, n=2, structured_outputs={"json": {"type": "object", "properties": {"a": {"enum": [1, 2]}}}}),
+    dict(max_new_tokens=9, structured_outputs={"choice": ["x", "y z"]}),
 ]
 
 
@@ -47,7 +50,8 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
         copy = _crossed(core, er)
         assert copy.sink_key == -1  # a follower delivers nowhere
         assert dataclasses.replace(copy, sink_key=er.sink_key, created_time=er.created_time) == er
-        a, b = build_request(er, eng.tokenizer), build_request(copy, eng.tokenizer)
+        grammars = eng.grammars() if er.params.structured_outputs is not None else None
+        a, b = build_request(er, eng.tokenizer, grammars), build_request(copy, eng.tokenizer, grammars)
         members = lambda r: r.group.members if r.group is not None else [r]  # noqa: E731
         for x, y in zip(members(a), members(b), strict=True):
             assert (x.request_id, x.token_ids, x.prompt_len, x.max_new_tokens, x.stop_token_ids, x.seed,
@@ -56,6 +60,7 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
                     y.want_logprobs, y.record_timestamps, y.cache_salt, y.detok is None, y.prompt_lps is None)
         assert len(members(a)) == (kw.get("n") or 1)
         assert (a.detok is not None) == bool(kw.get("stop"))
+        assert all((m.matcher is not None) == ("structured_outputs" in kw) for m in members(b))
 
 
 def test_a_scoring_group_crosses_to_the_followers_unchanged():

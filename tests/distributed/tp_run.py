@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 import acb
+from acb.models import build_tokenizer
 
+CONSTRAINED_REGEX = r"[a-c]{2,5}![0-9]"
 SHARED = [7, 19, 33, 41, 58, 60, 77, 81, 90, 102, 111, 120]  # a 12-token prefix several prompts share
 
 
@@ -57,7 +59,8 @@ def parity(models: str, rank: int) -> dict:
         # 12 usable blocks of 4 tokens, 16 tokens a step: chunked prefill, preemption, prefix hits
         cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=13, max_batch_tokens=16, safety_margin=0.0,
                                            use_async_batching=async_batching)
-        with acb.Engine(model, cfg) as eng:
+        # every rank has the tokenizer: stop strings and grammars are matched on every rank
+        with acb.Engine(model, cfg, tokenizer=build_tokenizer()) as eng:
             kv_heads = eng.runner.kv_cache.spec.num_kv_heads
             t0 = time.perf_counter()
             outs = eng.generate_batch(prompts(), max_new_tokens=10, ignore_eos=True, progress_bar=False)
@@ -66,6 +69,10 @@ def parity(models: str, rank: int) -> dict:
             again = eng.generate_batch(prompts()[:3], max_new_tokens=4, ignore_eos=True, progress_bar=False)
             # scoring requests: the continuations of two contexts (one sharing the cached prefix)
             scores = eng.score_batch(SCORE_ITEMS, top_logprobs=1, progress_bar=False)
+            # structured outputs: each rank compiles the grammar and masks its own logits shard's
+            # samples alike (sampled, two samples each)
+            constrained = eng.generate_batch(prompts()[:4], max_new_tokens=16, temperature=1.0, seed=7, n=2,
+                                             structured_outputs={"regex": CONSTRAINED_REGEX}, progress_bar=False)
             if not eng.is_follower:
                 eng.reset_prefix_cache()
         facts = engine_facts(eng)  # once stopped: a follower's engine ran until the leader's stopped
@@ -73,6 +80,7 @@ def parity(models: str, rank: int) -> dict:
         result[arch] = {"outputs": [o.generated_tokens for o in outs.values()],
                         "again": [o.generated_tokens for o in again.values()],
                         "scores": [[[c.logprobs, c.greedy] for c in o.continuations] for o in scores],
+                        "constrained": [[s.text for s in o.samples] for o in constrained.values()],
                         "facts": facts, "wall_s": wall}
     # an AsyncEngine on rank 0 (what acb serve runs): streaming and a cancellation; rank 1 follows
     model = load(models, "llama")

@@ -149,3 +149,21 @@ def test_use_acb_needs_a_continuous_batching_trainer(tmp_path):
     rollouts.close()  # idempotent
     with use_acb(model) as again:  # a new one works
         assert again.closed is False
+
+
+def test_grpo_structured_outputs_regex_constrains_every_rollout(tmp_path):
+    """``GRPOConfig.vllm_structured_outputs_regex`` (TRL applies it on its vLLM path only): with
+    use_acb every sampled rollout of the real trainer matches it."""
+    import re
+
+    pytest.importorskip("xgrammar")
+    regex = r"(yes|no|maybe)![0-9]{1,2}"
+    model, tok = _model()
+    rec = _Recorder()
+    trainer = _trainer(model, tok, rec, greedy=False, tmp_path=tmp_path)
+    trainer.args.vllm_structured_outputs_regex = regex
+    with use_acb(trainer, acb.ContinuousBatchingConfig(**TF_CB, seed=0)) as rollouts:
+        assert rollouts.structured_outputs == acb.StructuredOutputs(regex=regex)
+        trainer.train()
+    texts = [tok.decode(c, skip_special_tokens=True) for step in rec.rollouts for c in step]
+    assert len(texts) == 2 * 4 and all(re.fullmatch(regex, t) for t in texts), texts
