@@ -99,8 +99,9 @@ class AsyncEngine(EngineBase):
         sampling = with_overrides("submit", sampling, sampling_kwargs)
         if sampling is not None and sampling.structured_outputs is not None and self.is_running:
             # compile off the loop (the compiler's threads) before make_request finds it cached
-            try:
-                await await_future(self.grammars().submit(sampling.structured_outputs))
+            try:  # (the first builds the compiler, which reads the whole vocabulary: in a worker thread)
+                compiler = await anyio.to_thread.run_sync(self.grammars)
+                await await_future(compiler.submit(sampling.structured_outputs))
             except ValueError as exc:
                 raise ValueError(f"structured_outputs: {exc}") from None
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)

@@ -49,6 +49,7 @@ from acb.serve.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, Drain, DrainMiddleware, ShutdownExpired, check_choices,
     install_error_handlers, internal_error, read_body, shutdown_error,
 )
+from acb.structured_outputs import StructuredOutputs
 from acb.telemetry import ServerSpan, Telemetry, request_attributes
 from acb.text import RenderedChat, TokenizedText, render_chat, text_tokenizer, token_bytes
 
@@ -313,6 +314,8 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         span = _server_span(state, request, "chat", sampling, body.stream)
         try:
             with span.active():
+                if structured is not None:
+                    await state.drain.until_expired(lambda: compile_grammar(state, structured, "response_format"))
                 prompt = await state.drain.until_expired(
                     lambda: state.renderer.run(_render, state.tokenizer, messages, kwargs, _max_len(state)))
                 handles = [_submit(state, prompt, sampling)]
@@ -331,11 +334,14 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
         check_choices(len(prompts), body.n, state.options.max_prompts_per_request)
         if any(isinstance(p, str) for p in prompts) and state.tokenizer is None:
             raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
-        sampling = body.sampling(body.max_tokens, body.logprobs, shaping.structured_from_extra(body.model_extra or {}))
+        structured = shaping.structured_from_extra(body.model_extra or {})
+        sampling = body.sampling(body.max_tokens, body.logprobs, structured)
         span = _server_span(state, request, "text_completion", sampling, body.stream)
         handles: list[Any] = []
         try:
             with span.active():
+                if structured is not None:
+                    await state.drain.until_expired(lambda: compile_grammar(state, structured, "structured_outputs"))
                 encoded = await state.drain.until_expired(
                     lambda: state.renderer.run(_tokenize, state.tokenizer, prompts, _max_len(state)))
                 for i, p in enumerate(encoded):
@@ -454,6 +460,17 @@ def _server_span(state: ServerState, request: Request, operation: str, sampling:
              "http.request.method": request.method, "url.path": request.url.path,
              "server.address": request.url.hostname, "server.port": request.url.port}
     return ServerSpan(request.headers, operation, state.model_name, attrs)
+
+
+async def compile_grammar(state: ServerState, spec: StructuredOutputs, param: str) -> None:
+    """Compile a request's grammar off the event loop (the compiler's own threads; the first
+    request also builds the compiler, which reads the whole vocabulary, in a worker thread), so
+    that its submit finds it cached; a spec xgrammar refuses is a 400."""
+    try:
+        compiler = await anyio.to_thread.run_sync(state.engine.grammars)
+        await asyncio.wrap_future(compiler.submit(spec))
+    except ValueError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from None
 
 
 def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, **kw: Any) -> Any:

@@ -46,7 +46,6 @@ client raises as an ``APIError``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -54,7 +53,6 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, cast
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -65,6 +63,7 @@ from acb.outputs import GenerationOutput
 from acb.serve import shaping
 from acb.serve.app import (
     ServerState,
+    compile_grammar,
     _await_all,
     _finish_reason,
     _max_len,
@@ -254,16 +253,6 @@ def _render_prompt(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[
     return chat, tail
 
 
-async def _compile(state: ServerState, spec: StructuredOutputs, param: str) -> None:
-    """Compile the request's grammar off the event loop (the compiler's threads), so that the
-    submit finds it cached; a spec xgrammar refuses is a 400."""
-    try:
-        compiler = await anyio.to_thread.run_sync(state.engine.grammars)  # the first builds it: reads the vocab
-        await asyncio.wrap_future(compiler.submit(spec))
-    except ValueError as exc:
-        raise APIError(400, f"{param}: {exc}", param=param) from None
-
-
 # ---------------------------------------------------------------------------- output
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -408,7 +397,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 prompt, prompt_text = await state.drain.until_expired(lambda: state.renderer.run(
                     _render_prompt, state.tokenizer, messages, kwargs, _max_len(state), with_text))
                 if structured is not None:
-                    await state.drain.until_expired(lambda: _compile(state, structured, param))
+                    await state.drain.until_expired(lambda: compile_grammar(state, structured, param))
                 handle = _submit(state, prompt, sampling)
         except BaseException as exc:
             _span_failed(span, exc)
