@@ -704,8 +704,10 @@ class EngineCore:
             if req.want_logprobs:
                 lp = [req.logprobs[-1]]
                 top = [req.top_logprobs[-1]] if req.top_logprobs else None
-            items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index,
-                                  text=req.new_text if req.detok is not None else None))
+            if req.detok is None:  # (positional: this runs once per request per step)
+                items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index))
+            else:  # the text its token completes, decoded here for its stop strings
+                items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index, None, req.new_text))
             if req.status.is_terminal:
                 ended.append(req)
         if ended:  # an outcome rides on its sink's last item of the step (after every sample's token)

@@ -28,7 +28,7 @@ class Request:
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
-        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "key", "detok", "new_text", "matcher", "group",
+        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "key", "detok", "new_text", "matcher", "checks", "group",
         "sample_index",
         "children",
         "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
@@ -96,6 +96,7 @@ class Request:
         # structured outputs: the grammar's matcher (acb.structured.Matcher), advanced with each
         # token; it fills this request's row of the step's token bitmask
         self.matcher: Any = None
+        self.checks = False  # detok or matcher is set: append_token takes the slower path
         self.group: RequestGroup | None = None  # n > 1: the samples submitted together
         self.sample_index = 0
         self.children: list[Request] | None = None  # n > 1, on sample 0 until its prompt is prefilled
@@ -133,6 +134,19 @@ class Request:
             self.timestamps.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
+        if self.checks:  # stop strings or a grammar (most requests have neither: one test)
+            return self._checked(token_id)
+        if token_id in self.stop_token_ids:
+            self.finish_reason = FinishReason.STOP
+            return True
+        if len(self.token_ids) - self.prompt_len >= self.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    def _checked(self, token_id: int) -> bool:
+        """``append_token``'s end for a request with stop strings (its text is decoded here) or
+        a grammar (its matcher advances)."""
         detok = self.detok
         if detok is not None:  # (if decoding raises, the scheduler fails this request alone)
             self.new_text = ""
@@ -300,6 +314,7 @@ def build_request(er: EngineRequest, tokenizer: TokenizerLike | None,
             req.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens is not False, params.stop)
         if compiled is not None:
             req.matcher = compiled.matcher()
+        req.checks = req.detok is not None or req.matcher is not None
         if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
             req.prompt_lps, req.prompt_tops = [], []
         if target is not None:
