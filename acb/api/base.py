@@ -13,13 +13,14 @@ and swaps the attention implementation) but only ever driven by the engine threa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
@@ -525,20 +526,28 @@ class EngineBase:
         ids (for :func:`acb.api.scoring.assemble_batch`) and the requests to enqueue."""
         plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
         ids = scoring.batch_ids(request_ids, len(plans))
-        reqs: list[Submission] = []
+        reqs = self.make_all("items", (
+            (i, functools.partial(self.make_request, group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt,
+                                  scoring=group[0].spec, score_children=[(m.prompt_ids, m.spec) for m in group[1:]],
+                                  sink_factory=sink_factory))
+            for i, rid, group in scoring.ordered_groups(plans, ids)))
+        return plans, ids, reqs
+
+    def make_all(self, field: str, makers: Iterable[tuple[int, Callable[[], Submission]]]) -> list[Submission]:
+        """Several submits validated together (a batch call): each ``maker()`` a
+        :meth:`make_request`; all of them, or, on an error naming ``field[i]``, none."""
+        made: list[Submission] = []
         try:
-            for i, rid, group in scoring.ordered_groups(plans, ids):
+            for i, make in makers:
                 try:
-                    reqs.append(self.make_request(
-                        group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt, scoring=group[0].spec,
-                        score_children=[(m.prompt_ids, m.spec) for m in group[1:]], sink_factory=sink_factory))
+                    made.append(make())
                 except (ValueError, TypeError) as exc:
-                    raise type(exc)(f"items[{i}]: {exc}") from None
+                    raise type(exc)(f"{field}[{i}]: {exc}") from None
         except BaseException:
-            for r in reqs:
+            for r in made:
                 self.abandon(r)
             raise
-        return plans, ids, reqs
+        return made
 
     def _made_core(self) -> EngineCore:
         """The core of a request from :meth:`make_request` (which needed one; it is never unset)."""

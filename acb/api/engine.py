@@ -5,6 +5,7 @@ Neither needs an event loop, so both work inside a running one (Jupyter) as well
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import time
@@ -204,19 +205,11 @@ class Engine(EngineBase):
             return {}
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         n = len(inputs)
-        reqs = []
-        try:
-            for i, prompt in enumerate(inputs):
-                try:
-                    reqs.append(self.make_request(prompt, per_prompt[i], request_id=f"req_{i}",
-                                                  record_timestamps=record_timestamps,
-                                                  sink_factory=lambda rid: ThreadSink(rid, on_final=done.put)))
-                except (ValueError, TypeError) as exc:
-                    raise type(exc)(f"inputs[{i}]: {exc}") from None
-        except BaseException:
-            for r in reqs:
-                self.abandon(r)
-            raise
+        sink = functools.partial(ThreadSink, on_final=done.put)
+        reqs = self.make_all("inputs", (
+            (i, functools.partial(self.make_request, prompt, per_prompt[i], request_id=f"req_{i}",
+                                  record_timestamps=record_timestamps, sink_factory=sink))
+            for i, prompt in enumerate(inputs)))
         results = self._run_made(reqs, done, _progress(n, progress_bar), on_result, should_stop)
         failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
         if failed:

@@ -57,43 +57,35 @@ def _schema_of(param: str, holder: Mapping[str, Any]) -> Any:
     return schema
 
 
-def structured_from_response_format(rf: Any) -> StructuredOutputs | None:
-    """Chat's ``response_format``: ``text`` (nothing), ``json_object``, or ``json_schema``
-    (``{"json_schema": {"name", "schema", "strict"}}``; strict or not, the output fits the schema)."""
-    if rf is None:
+def _from_format(value: Any, param: str, schema_holder: Any) -> StructuredOutputs | None:
+    """``text`` (nothing), ``json_object`` or ``json_schema`` (its schema in ``schema_holder(value)``)."""
+    if value is None:
         return None
-    if not isinstance(rf, Mapping):
-        raise APIError(400, "response_format must be an object", param="response_format")
-    kind = rf.get("type")
+    if not isinstance(value, Mapping):
+        raise APIError(400, f"{param} must be an object", param=param)
+    kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return _spec("response_format", json_object=True)
+        return _spec(param, json_object=True)
     if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, Mapping):
-            raise APIError(400, "response_format.json_schema must be an object", param="response_format")
-        return _spec("response_format", json=_schema_of("response_format.json_schema", js))
-    raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
-                   param="response_format")
+        holder = schema_holder(value)
+        if not isinstance(holder, Mapping):
+            raise APIError(400, f"{param}.json_schema must be an object", param=param)
+        return _spec(param, json=_schema_of(param, holder))
+    raise APIError(400, f"{param} type {kind!r} is not one of text, json_object, json_schema", param=param)
+
+
+def structured_from_response_format(rf: Any) -> StructuredOutputs | None:
+    """Chat's ``response_format``: ``text`` (nothing), ``json_object``, or ``json_schema``
+    (``{"json_schema": {"name", "schema", "strict"}}``; strict or not, the output fits the schema)."""
+    return _from_format(rf, "response_format", lambda v: v.get("json_schema"))
 
 
 def structured_from_text_format(fmt: Any) -> StructuredOutputs | None:
     """The Responses API's ``text.format``: ``text``, ``json_object`` or ``json_schema``
     (``{"type": "json_schema", "name", "schema", "strict"}``)."""
-    if fmt is None:
-        return None
-    if not isinstance(fmt, Mapping):
-        raise APIError(400, "text.format must be an object", param="text.format")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return _spec("text.format", json_object=True)
-    if kind == "json_schema":
-        return _spec("text.format", json=_schema_of("text.format", fmt))
-    raise APIError(400, f"text.format type {kind!r} is not one of text, json_object, json_schema",
-                   param="text.format")
+    return _from_format(fmt, "text.format", lambda v: v)
 
 
 def structured_from_extra(extra: Mapping[str, Any]) -> StructuredOutputs | None:
