@@ -20,59 +20,42 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from acb.core.block_pool import BlockPool, SwapSpace
-from acb.core.request import Request, build_request
 from acb.core.messages import (
     Add,
-    EngineRequest,
-    GrammarMask,
-    GrammarSupport,
     Call,
     Cancel,
     Command,
+    Delivery,
+    EngineRequest,
+    EngineStats,
+    GrammarMask,
+    GrammarSupport,
     LaunchedStep,
     Pause,
     ResetPrefix,
     Resume,
     Runner,
     SchedulerOutput,
-    ScoreTarget,
     Sleep,
-    Stop,
     StepTimes,
+    Stop,
     Wake,
 )
+from acb.core.request import Request, build_request
 from acb.core.scheduler import Scheduler
+from acb.core.wire import from_wire, to_wire
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
-from acb.sampling_params import SamplingParams
-from acb.structured_outputs import StructuredOutputs
+
+__all__ = ["Delivery", "EngineCore", "EngineStats", "PauseState", "Runner"]  # (Delivery, EngineStats: messages.py)
 
 if TYPE_CHECKING:
     from acb.text import TokenizerLike
 
 logger = logging.getLogger(__name__)
-
-class Delivery(NamedTuple):
-    """One request's results of one step, handed from the engine thread to the request's sink.
-
-    Immutable, with no per-instance dict; a NamedTuple rather than a frozen dataclass because
-    one is built per request per step and a frozen dataclass costs 3x as much to build
-    (1.3 µs against 0.4 µs here: about 1 ms per step at 1,024 running requests)."""
-
-    key: int  # the submit's ``EngineRequest.sink_key``: its sink is registered under it on the API's side
-    token_ids: list[int]  # tokens new in this step (empty when only the outcome is delivered)
-    logprobs: list[float] | None = None  # their logprobs, when the request asked
-    top: list[list[tuple[int, float]]] | None = None  # their top alternatives, when asked
-    sample_index: int = 0  # which of the request's ``n`` samples the tokens belong to
-    final: GenerationOutput | None = None  # the outcome, once the request (all its samples) ended
-    # the text those tokens complete, for requests decoded here (stop strings); None: the
-    # consumer's side decodes the tokens itself
-    text: str | None = None
-
 
 _FAILED = object()  # _launch: the step raised and its requests were failed
 # the float32 logits of the rows scored in one step (prompt logprobs, scoring requests) stay
@@ -84,15 +67,6 @@ def scored_rows_for(vocab_size: int) -> int:
     """Rows of logits a step may compute for scoring, for this vocabulary (at least 16)."""
     return max(16, SCORED_LOGITS_BYTES // (4 * max(vocab_size, 1)))
 PAUSE_MODES = ("wait", "cancel", "keep")
-
-
-def _plain(value: Any) -> Any:
-    """A SamplingParams field as the wire carries it (a StructuredOutputs spec as its dict)."""
-    return value.to_dict() if isinstance(value, StructuredOutputs) else value
-
-
-def _target_wire(t: ScoreTarget) -> list[Any]:
-    return [list(t.prompt_ids), t.lp_start, None if t.next_tokens is None else list(t.next_tokens)]
 
 
 class PauseState(enum.Enum):
@@ -110,42 +84,6 @@ class StepSyncLike(Protocol):
     leader_rank: int
 
     def exchange(self, cmds: list[tuple] | None) -> list[tuple]: ...
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot published after every step (safe to read from any thread): every counter of
-    :class:`SchedulerStats` under the same name, and the engine's gauges and timings."""
-
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_cached: int = 0  # full blocks findable in the prefix cache (in use or free)
-    prefix_queries: int = 0  # tokens looked up in the prefix cache when requests were admitted
-    prefix_hits: int = 0  # of which were found (not recomputed)
-    host_schedule_s: float = 0.0  # cumulative seconds per phase of the step
-    host_stage_s: float = 0.0
-    compute_s: float = 0.0  # forward + sampling + the sync that reads the sampled ids
-    host_process_s: float = 0.0
-    swapped_out_blocks: int = 0  # KV blocks offloaded to host memory by preemption
-    swapped_in_blocks: int = 0
-    recomputed_preemptions: int = 0  # preemptions that had to drop the KV (no offload space)
-    prefix_evictions: int = 0  # cached prefix blocks reused for other content (LRU)
-    paused: bool = False  # pause() (or sleep()) holds the steps back
-    asleep: bool = False  # sleep() freed the KV cache and the step buffers
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
 class EngineCore:
@@ -369,7 +307,7 @@ class EngineCore:
         while inbox:
             cmd = inbox.popleft()
             if self._apply(cmd) and sent is not None:
-                sent.append(self._wire(cmd))
+                sent.append(to_wire(cmd))
         if sync is None:
             return
         if sent is not None and self.scheduler.waiting and self.pool.enable_caching:
@@ -380,46 +318,7 @@ class EngineCore:
                 sent.append(("reset_prefix",))
         for wire in sync.exchange(sent):
             if sent is None:  # a follower: the leader's commands, in its order
-                self._apply(self._unwire(wire))
-
-    def _wire(self, cmd: Command) -> tuple:
-        """A command as the other ranks receive it: plain values, no futures or objects."""
-        match cmd:
-            case Add(req):  # plain values: the leader's resolved params, its seeds and stop ids
-                score = None if req.score is None else [_target_wire(t) for t in (req.score, *req.children)]
-                return ("add", req.request_id, list(req.prompt_ids),
-                        [_plain(getattr(req.params, f.name)) for f in dataclasses.fields(req.params)], req.max_new_tokens,
-                        sorted(req.stop_token_ids), req.seed, req.n, req.record_timestamps, req.cache_salt, score)
-            case Cancel(request_id):
-                return ("cancel", request_id)
-            case Stop(drain):
-                return ("stop", drain)
-            case Pause(mode, _):
-                return ("pause", mode)
-            case Resume():
-                return ("resume",)
-            case ResetPrefix():
-                return ("reset_prefix",)
-            case Sleep():
-                return ("sleep",)
-            case Wake():
-                return ("wake",)
-        raise ValueError(f"{cmd!r} is not sent to the other ranks")
-
-    def _unwire(self, wire: tuple) -> Command:
-        kind = wire[0]
-        if kind == "add":
-            _, rid, prompt, values, max_new, stop_ids, seed, n, stamps, salt, score = wire
-            params = SamplingParams(**dict(zip((f.name for f in dataclasses.fields(SamplingParams)), values)))
-            targets = [ScoreTarget(tuple(p), start, None if nxt is None else tuple(nxt)) for p, start, nxt in score or ()]
-            return Add(EngineRequest(rid, -1, tuple(prompt), params, max_new, frozenset(stop_ids), seed, n,
-                                     time.perf_counter(), stamps, salt, targets[0] if targets else None,
-                                     tuple(targets[1:])))
-        simple: dict[str, Callable[[], Command]] = {
-            "cancel": lambda: Cancel(wire[1]), "stop": lambda: Stop(wire[1]), "pause": lambda: Pause(wire[1], Future()),
-            "resume": lambda: Resume(Future()), "reset_prefix": lambda: ResetPrefix(Future()),
-            "sleep": lambda: Sleep(Future()), "wake": lambda: Wake(Future())}
-        return simple[kind]()
+                self._apply(from_wire(wire))
 
     def _apply(self, cmd: Command) -> bool:
         """Apply one command; True when it changed what the engine runs (and so must be applied

@@ -14,7 +14,9 @@
 - :data:`Command`: what callers post to the engine thread (``Add``, ``Cancel``, ``Call``,
   ``Pause``, ``Resume``, ``ResetPrefix``, ``Sleep``, ``Wake``, ``Stop``).
 
-Results cross to the callers' threads as :class:`acb.core.engine_core.Delivery` (immutable).
+Results cross to the callers' threads as :class:`Delivery` (immutable), and the engine's
+counters as :class:`EngineStats` snapshots. :mod:`acb.core.wire` is how the commands travel to
+the other tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
 
 if TYPE_CHECKING:
     import torch
+
+    from acb.outputs import GenerationOutput
 
     from acb.config import ResolvedConfig
     from acb.core.request import Request
@@ -238,3 +242,60 @@ class Stop:
 
 
 Command = Union[Add, Cancel, Call, Pause, Resume, ResetPrefix, Sleep, Wake, Stop]
+
+
+# ------------------------------------------------------------- to the callers' threads
+
+
+class Delivery(NamedTuple):
+    """One request's results of one step, handed from the engine thread to the request's sink.
+
+    Immutable, with no per-instance dict; a NamedTuple rather than a frozen dataclass because
+    one is built per request per step and a frozen dataclass costs 3x as much to build
+    (1.3 µs against 0.4 µs here: about 1 ms per step at 1,024 running requests)."""
+
+    key: int  # the submit's ``EngineRequest.sink_key``: its sink is registered under it on the API's side
+    token_ids: list[int]  # tokens new in this step (empty when only the outcome is delivered)
+    logprobs: list[float] | None = None  # their logprobs, when the request asked
+    top: list[list[tuple[int, float]]] | None = None  # their top alternatives, when asked
+    sample_index: int = 0  # which of the request's ``n`` samples the tokens belong to
+    final: GenerationOutput | None = None  # the outcome, once the request (all its samples) ended
+    # the text those tokens complete, for requests decoded here (stop strings); None: the
+    # consumer's side decodes the tokens itself
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published after every step (safe to read from any thread): every counter of
+    :class:`SchedulerStats` under the same name, and the engine's gauges and timings."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # full blocks findable in the prefix cache (in use or free)
+    prefix_queries: int = 0  # tokens looked up in the prefix cache when requests were admitted
+    prefix_hits: int = 0  # of which were found (not recomputed)
+    host_schedule_s: float = 0.0  # cumulative seconds per phase of the step
+    host_stage_s: float = 0.0
+    compute_s: float = 0.0  # forward + sampling + the sync that reads the sampled ids
+    host_process_s: float = 0.0
+    swapped_out_blocks: int = 0  # KV blocks offloaded to host memory by preemption
+    swapped_in_blocks: int = 0
+    recomputed_preemptions: int = 0  # preemptions that had to drop the KV (no offload space)
+    prefix_evictions: int = 0  # cached prefix blocks reused for other content (LRU)
+    paused: bool = False  # pause() (or sleep()) holds the steps back
+    asleep: bool = False  # sleep() freed the KV cache and the step buffers
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -10,6 +10,7 @@ import pytest
 
 from acb.core.messages import Add
 from acb.core.request import build_request
+from acb.core.wire import from_wire, to_wire
 
 import acb
 from acb.api.sinks import ThreadSink
@@ -32,7 +33,7 @@ CASES = [
 
 def _crossed(core, er):
     """``er`` as a follower's core receives it: through the wire and the frame codec."""
-    cmd = core._unwire(decode_commands(encode_commands([core._wire(Add(er))]))[0])
+    cmd = from_wire(decode_commands(encode_commands([to_wire(Add(er))]))[0])
     assert isinstance(cmd, Add)
     return cmd.req
 
