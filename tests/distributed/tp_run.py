@@ -69,6 +69,9 @@ def parity(models: str, rank: int) -> dict:
             again = eng.generate_batch(prompts()[:3], max_new_tokens=4, ignore_eos=True, progress_bar=False)
             # scoring requests: the continuations of two contexts (one sharing the cached prefix)
             scores = eng.score_batch(SCORE_ITEMS, top_logprobs=1, progress_bar=False)
+            # (one broadcast per loop iteration: counted before the constrained round, whose
+            # requests skip the async steps their mask waits for, in iterations that launch none)
+            before = {"steps": eng.stats.steps, "broadcasts": eng.core.sync.broadcasts}  # type: ignore[union-attr]
             # structured outputs: each rank compiles the grammar and masks its own logits shard's
             # samples alike (sampled, two samples each)
             constrained = eng.generate_batch(prompts()[:4], max_new_tokens=16, temperature=1.0, seed=7, n=2,
@@ -81,6 +84,7 @@ def parity(models: str, rank: int) -> dict:
                         "again": [o.generated_tokens for o in again.values()],
                         "scores": [[[c.logprobs, c.greedy] for c in o.continuations] for o in scores],
                         "constrained": [[s.text for s in o.samples] for o in constrained.values()],
+                        "before_constrained": before,
                         "facts": facts, "wall_s": wall}
     # an AsyncEngine on rank 0 (what acb serve runs): streaming and a cancellation; rank 1 follows
     model = load(models, "llama")
