@@ -315,8 +315,12 @@ def sample(
     if grammar is not None:
         from acb.structured import apply_bitmask  # (xgrammar's kernels; imported once a request asks)
 
-        unmasked = logits.float()
-        logits = unmasked.clone()
+        if step.max_logprobs >= 0:  # logprobs: "raw" ones are read from the logits before the mask
+            unmasked = logits.float()
+            logits = unmasked.clone()
+        elif logits.dtype != torch.float32:
+            logits = logits.float()
+        # (else masked in place: nothing reads this step's sampled rows' logits after the sampler)
         apply_bitmask(logits, grammar.bitmask, grammar.rows)
     use_penalty = bool(state.live_penalty.any())
     use_bias, use_min_new = bool(state.live_bias.any()), bool(state.live_min_new.any())
