@@ -156,3 +156,19 @@ def test_structured_outputs_need_a_tokenizer_and_flexible_whitespace(model, tok)
             mask = g.bitmask(1)
             m.fill_mask(mask, 0)
             assert bool((int(mask[0, space // 32]) >> (space % 32)) & 1) is allowed
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_stop_strings_and_prefix_cache_with_a_grammar(model, tok, async_batching):
+    """A stop string inside the constrained output ends it there (the text cut before it, a
+    prefix of a valid output); a constrained request reads the prefix cache like any other."""
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=4, use_async_batching=async_batching)
+    spec = acb.StructuredOutputs(regex=r"[a-c]{3}-[0-9]{2}")
+    prompt = tok("a shared prefix of some length, then the question").input_ids
+    with acb.Engine(model, cfg, tokenizer=tok) as eng:
+        free = eng.generate(prompt, max_new_tokens=20, structured_outputs=spec)
+        assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", free.text)
+        cut = eng.generate(prompt, max_new_tokens=20, structured_outputs=spec, stop=["-"])
+        assert cut.finish_reason == acb.FinishReason.STOP and cut.text == free.text.split("-")[0]
+        assert cut.generated_tokens == free.generated_tokens[: len(cut.generated_tokens)]
+        assert cut.num_cached_tokens > 0  # the same prompt's full blocks came from the cache
