@@ -36,7 +36,10 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; acb runs decoder-only causal LMs")
     if not hasattr(model, "get_decoder") and not hasattr(model, "model"):
         raise UnsupportedModelError(f"{name} is not a transformers causal LM")
-    if not getattr(model, "_supports_attention_backend", False):
+    from acb.runner.linear_state import linear_layers
+
+    hybrid = bool(linear_layers(model))  # linear-attention layers acb drives with per-request states
+    if not getattr(model, "_supports_attention_backend", False) and not hybrid:
         raise UnsupportedModelError(
             f"{name} does not route its attention through transformers' AttentionInterface "
             "(_supports_attention_backend is False), so acb cannot page its KV cache"
@@ -44,7 +47,7 @@ def check_model(model: PreTrainedModel) -> None:
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     layer_types = getattr(text, "layer_types", None)
     if layer_types is not None:
-        other = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
+        other = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES - ({"linear_attention"} if hybrid else set()))
         if other:
             raise UnsupportedModelError(
                 f"{name} has layers of type {other}; acb supports only {sorted(SUPPORTED_LAYER_TYPES)}"
