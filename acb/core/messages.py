@@ -138,6 +138,9 @@ class SchedulerOutput:
     next_lp: list[NextRows] = field(default_factory=list)
     scored_rows: int = 0  # rows of logits this step computes for prompt logprobs and scoring
     grammar: GrammarMask | None = None  # structured outputs: the masks of the constrained samples
+    # forks (n > 1, scoring groups): (parent row, child row) whose per-request recurrent state
+    # (hybrid models' linear-attention layers) the child copies after the forward
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 

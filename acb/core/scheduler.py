@@ -476,6 +476,7 @@ class Scheduler:
             if child.status.is_terminal:
                 continue
             self.kv.fork(parent, child, out)
+            out.state_copies_after.append((parent.row, child.row))
             child.num_computed_tokens = parent.prompt_len
             child.status = RequestStatus.PREFILLING
             child.first_scheduled_time = parent.first_scheduled_time

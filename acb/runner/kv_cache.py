@@ -22,10 +22,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVSpec:
-    num_layers: int
+    num_layers: int  # cache layers (K and V tensors of each); fewer than the model's when layers share
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # the model's layer index -> its cache layer; None: the identity. Layers that share K/V (Gemma
+    # 3n's last num_kv_shared_layers) map to their producer's cache layer and allocate none
+    layer_map: tuple[int, ...] | None = None
 
     def bytes_per_block(self, block_size: int) -> int:
         elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
@@ -53,6 +56,11 @@ class KVCache:
         # garbage that happens to be NaN/inf would still poison SDPA's weighted sum (0 * NaN)
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+
+    def layer_of(self, layer_idx: int) -> int:
+        """The cache layer (index into ``k``/``v``) of the model's layer ``layer_idx``."""
+        m = self.spec.layer_map
+        return layer_idx if m is None else m[layer_idx]
 
     def release(self) -> int:
         """Drop the device blocks (the host offload space stays); returns their bytes."""

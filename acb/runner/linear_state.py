@@ -1,10 +1,40 @@
-"""Linear-attention layers (hybrid models: Qwen3-Next, Qwen3.5): per-request recurrent state.
+"""Hybrid models' linear-attention layers (Qwen3-Next, Qwen3.5: the gated delta rule): the
+per-request recurrent state, kept beside the paged KV cache, and the interception that runs
+the model's own layers over a continuous batch.
 
-Work in progress (issue 30): :func:`linear_layers` finds the layers acb knows how to drive.
+A linear-attention layer keeps, per sequence, a convolution state (the last ``conv_kernel_size``
+columns of its mixed q/k/v projections) and a recurrent state (``[heads, k_dim, v_dim]``), which
+the model's code reads and writes through a cache object (``cache_params.get_conv_state``,
+``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``). The model's code
+assumes one padded batch, where a row is a sequence. acb's batch is one flattened sequence of
+many requests' tokens, so acb intercepts each linear layer's ``forward`` (as it intercepts
+attention, without re-implementing the model): within an engine step, the layer's own forward
+runs once per request segment of the batch, with a cache object (:class:`_RequestCache`) that
+speaks transformers' interface over that request's state in :class:`LinearStates`. Outside an
+engine step (a trainer's own forward) the layer runs as it always did.
+
+State lifecycle (by the request's persistent block-table row, never its position in the batch):
+- a request given a row (new, or resumed after a preemption) starts with no state, as the
+  model's own cache does at prefill (``reset``);
+- chunked prefill carries the state from chunk to chunk (the cache object hands the previous
+  chunk's state to the next);
+- ``n > 1`` and scoring groups: children fork from the parent's state after the step that
+  completes the parent's prompt (``SchedulerOutput.state_copies_after``, then ``copy``);
+- preemption recomputes (the state cannot be rebuilt from offloaded KV blocks: offload is off
+  for hybrid models), and prefix caching is off (a cached prefix has KV but no state; states
+  snapshotted at block boundaries would be the alternative, at ``[heads, k, v]`` floats per
+  layer per block).
+
+One Python loop over the batch's requests per linear layer per step: the model's torch code is
+the CPU reference (and the kernels it picks from the hub on GPU); a varlen kernel over all
+segments at once (flash-linear-attention's ``cu_seqlens`` kernels) is the GPU path to add.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,7 +42,146 @@ import torch
 # the linear-attention layer classes acb drives, by class name (transformers' own modules)
 LINEAR_LAYER_CLASSES = frozenset({"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"})
 
+_STEP = threading.local()
+
 
 def linear_layers(model: torch.nn.Module) -> list[Any]:
     """The model's linear-attention layers acb drives (empty for a plain attention model)."""
     return [m for m in model.modules() if type(m).__name__ in LINEAR_LAYER_CLASSES]
+
+
+class LinearStates:
+    """Each request row's conv and recurrent states, per linear layer (allocated at the first
+    write, from the shapes the layer gives: ``[rows, conv_dim, kernel]`` and ``[rows, heads,
+    k_dim, v_dim]``), and which layers of each row hold a state."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.rows = rows
+        self.device = device
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        self.valid: list[set[int]] = [set() for _ in range(rows)]
+
+    def reset(self, row: int) -> None:
+        """The row's request starts with no state (a new request, or a recompute)."""
+        self.valid[row].clear()
+
+    def copy(self, src: int, dst: int) -> None:
+        """A child forks from its parent's state."""
+        for layer in self.valid[src]:
+            self.conv[layer][dst].copy_(self.conv[layer][src])
+            self.recurrent[layer][dst].copy_(self.recurrent[layer][src])
+        self.valid[dst] = set(self.valid[src])
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.conv.values(), *self.recurrent.values()))
+
+    def bytes_per_request(self) -> int:
+        return self.nbytes() // max(self.rows, 1)
+
+    def _buffer(self, table: dict[int, torch.Tensor], layer: int, like: torch.Tensor) -> torch.Tensor:
+        buf = table.get(layer)
+        if buf is None:
+            buf = table[layer] = torch.zeros((self.rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        return buf
+
+
+class _RequestCache:
+    """transformers' linear-attention cache interface over one request's states (batch of one)."""
+
+    __slots__ = ("states", "row")
+
+    def __init__(self, states: LinearStates, row: int) -> None:
+        self.states = states
+        self.row = row
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        valid = self.states.valid[self.row]
+        return bool(valid) if layer_idx is None else layer_idx in valid
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if layer_idx not in self.states.valid[self.row]:
+            return None
+        return self.states.conv[layer_idx][self.row : self.row + 1]  # a view: decode updates it in place
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if layer_idx not in self.states.valid[self.row]:
+            return None
+        return self.states.recurrent[layer_idx][self.row : self.row + 1]
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+        """The columns the causal convolution needs (the kept state, then ``conv_states``);
+        keeps the last ``conv_kernel_size`` of them (as transformers' cache does)."""
+        k = int(conv_kernel_size or conv_states.shape[-1])
+        if layer_idx in self.states.valid[self.row]:
+            full = torch.cat([self.states.conv[layer_idx][self.row : self.row + 1], conv_states], dim=-1)
+        else:
+            full = conv_states
+            if full.shape[-1] < k:
+                full = torch.nn.functional.pad(full, (k - full.shape[-1], 0), value=0)
+        buf = self.states._buffer(self.states.conv, layer_idx, full[..., -k:])
+        buf[self.row].copy_(full[0, :, -k:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        buf = self.states._buffer(self.states.recurrent, layer_idx, recurrent_states)
+        buf[self.row].copy_(recurrent_states[0])
+        self.states.valid[self.row].add(layer_idx)
+        return buf[self.row : self.row + 1]
+
+
+class _Step:
+    __slots__ = ("states", "segments")
+
+    def __init__(self, states: LinearStates, segments: list[tuple[int, int, int]]) -> None:
+        self.states = states
+        self.segments = segments  # (first token, end, request row) of each request in the batch
+
+
+@contextlib.contextmanager
+def linear_step(states: LinearStates, num_new: list[int], rows: list[int]) -> Iterator[None]:
+    """Within the block, the intercepted linear layers of this thread's forward run per request
+    (``num_new`` tokens each, in batch order, with the states of their ``rows``)."""
+    segments, lo = [], 0
+    for n, row in zip(num_new, rows):
+        segments.append((lo, lo + n, row))
+        lo += n
+    prev = getattr(_STEP, "step", None)
+    _STEP.step = _Step(states, segments)
+    try:
+        yield
+    finally:
+        _STEP.step = prev
+
+
+def _forward(original: Any, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None,
+             **kwargs: Any) -> torch.Tensor:
+    step: _Step | None = getattr(_STEP, "step", None)
+    if step is None:  # not an engine step: the layer as it always was
+        return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    # (kwargs are acb's attention plumbing and transformers' flash kwargs: the layer's torch path
+    # needs none of them, and its conv kernel would take them for varlen arguments)
+    outs = [original(hidden_states[:, lo:hi], cache_params=_RequestCache(step.states, row), attention_mask=None)
+            for lo, hi, row in step.segments]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class LinearLayers:
+    """The interception of a model's linear layers (installed for an engine's life)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers = linear_layers(model)
+        for layer in self.layers:
+            original = layer.forward
+            layer.forward = lambda *a, _o=original, **k: _forward(_o, *a, **k)
+
+    def remove(self) -> None:
+        for layer in self.layers:
+            if "forward" in vars(layer):
+                del layer.forward
+        self.layers = []

@@ -46,6 +46,7 @@ from acb.runner.setup import (
 )
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec
+from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step
 from acb.runner.sampler import SamplingState, sample
 
 if TYPE_CHECKING:
@@ -138,6 +139,10 @@ class ModelRunner:
         # before the cache is sized: the packed copies take host memory
         self.packed = self._packed_linears(model, config)
         self.cfg, spec = resolve_config(model, config)
+        # hybrid models: linear-attention layers run per request with their recurrent state
+        self.linear = LinearLayers(model) if linear_layers(model) else None
+        if self.linear is not None:
+            self._hybrid_settings(config)
         if self.packed is not None:
             self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else int(model.config.get_text_config().vocab_size)
@@ -150,11 +155,14 @@ class ModelRunner:
             )
         self.backend = self._checked_backend(config, spec)
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
-        self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs(), graph_step=config.q_padding_interval_size or None)
+        self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs() and self.linear is None,
+                                       graph_step=config.q_padding_interval_size or None)
         group = tp_group(model)
         if group is not None:  # before any collective of the model's: the ranks must run the same steps
             check_same_settings(group, self.cfg)
-        self._setup_compile(config)
+        self._compiled: dict[str, Any] = {}
+        if self.linear is None:
+            self._setup_compile(config)
         self.streams = DeviceStreams(self.device)
         self._step_buffers()
         self.graphs: DecodeGraphs | None = None  # decode CUDA graphs, set up by warmup()
@@ -177,6 +185,23 @@ class ModelRunner:
             self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
             self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
         )
+
+    def _hybrid_settings(self, config: ContinuousBatchingConfig) -> None:
+        """A hybrid model's linear layers keep a recurrent state per request, which neither a
+        cached prefix nor offloaded KV blocks hold: prefix caching and offload are off (a
+        preempted request recomputes), and so are decode graphs and torch.compile (the layers
+        run once per request, from Python)."""
+        off = [name for name, on in (("prefix caching", self.cfg.prefix_caching),
+                                     ("KV offload", self.cfg.num_swap_blocks > 0)) if on]
+        if off:
+            logger.info("%s has linear-attention layers (per-request recurrent state): %s off for it",
+                        type(self.model).__name__, " and ".join(off))
+        self.cfg = dataclasses.replace(self.cfg, prefix_caching=False, num_swap_blocks=0)
+        if config.use_cuda_graph or config.default_compile_level or config.decode_compile_config is not None \
+                or config.varlen_compile_config is not None:
+            logger.warning("decode CUDA graphs and torch.compile are off for %s: its linear-attention layers "
+                           "run per request", type(self.model).__name__)
+        self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device)
 
     def _packed_linears(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> PackedLinears | None:
         """oneDNN-packed copies of the float32 linear weights, for the CPU forward (see
@@ -357,6 +382,8 @@ class ModelRunner:
             _ATTN_SWAP.release(self.model)
             DROPOUT_GUARD.release(self.model)
             self._holds_attn = False
+        if self.linear is not None:
+            self.linear.remove()
         self._step_hook.remove()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         self.packed = None
@@ -378,6 +405,10 @@ class ModelRunner:
             sampling.free_row(row)
         for req in sched.row_inits:
             sampling.init_row(req.row, req)
+        linear = self.states if self.linear is not None else None
+        if linear is not None:  # a request given a row starts with no recurrent state (new, or recomputed)
+            for req in sched.row_inits:
+                linear.reset(req.row)
         if sched.swap_out:  # before swap-ins and the forward, which may reuse these device blocks
             self.kv_cache.swap_out(sched.swap_out)
         if sched.swap_in:
@@ -401,7 +432,13 @@ class ModelRunner:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
-            logits = self.forward(batch, ctx)
+            if linear is None:
+                logits = self.forward(batch, ctx)
+            else:  # the linear layers run per request segment of the flattened batch
+                with linear_step(linear, sched.num_new, sched.rows):
+                    logits = self.forward(batch, ctx)
+                for src, dst in sched.state_copies_after:  # forks: children start from the parent's state
+                    linear.copy(src, dst)
         prompt = nxt = None
         if scored:
             n_prompt = logits.shape[0] - num_samples - len(sched.next_lp)
@@ -472,7 +509,7 @@ class ModelRunner:
         ("reduce-overhead") is replaced by "default"."""
         levels = {1: dict(mode="default", dynamic=True), 2: dict(mode="max-autotune-no-cudagraphs", dynamic=True),
                   3: dict(mode="max-autotune-no-cudagraphs", dynamic=False)}
-        self._compiled: dict[str, Any] = {}
+        self._compiled = {}
         for path, cc in (("decode", config.decode_compile_config), ("varlen", config.varlen_compile_config)):
             if cc is None and config.default_compile_level:
                 cc = levels[min(config.default_compile_level, 3)]

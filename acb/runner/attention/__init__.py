@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from acb.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from acb.runner.kv_cache import KVCache
@@ -54,6 +53,9 @@ class AttentionBackend(Protocol):
         scaling: float | None,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,  # [heads] learned sink logits (GPT-OSS), or None
+        chunk: int | None = None,  # chunked attention (Llama 4): keys of the query's own chunk only
+        store: bool = True,  # False: the step's K/V are already in this cache layer (a KV-shared layer)
     ) -> torch.Tensor: ...  # [1, T, heads, head_dim]
 
 
@@ -66,9 +68,24 @@ class StepContext:
     metadata: Any
 
 
-_UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks",
-}
+def layer_chunk(module: torch.nn.Module) -> int | None:
+    """The attention chunk of a chunked-attention layer (Llama 4's ``chunked_attention`` layers:
+    a query sees only the keys of its own ``attention_chunk_size`` positions), else None."""
+    cfg = getattr(module, "config", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if not chunk:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types is None or idx is None or types[idx] != "chunked_attention":
+        return None
+    return int(chunk)
+
+
+def layer_sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """Per-head attention-sink logits the model passes its attention function (GPT-OSS: ``s_aux``)."""
+    sinks = kwargs.get("s_aux")
+    return sinks if sinks is not None else kwargs.get("sinks")
 
 
 def acb_attention_forward(
@@ -84,27 +101,39 @@ def acb_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     ctx: StepContext | Literal[True] | None = kwargs.get("acb_ctx")
-    if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
-        out = torch.ops.acb.paged_attention(query, key, value, module.layer_idx, scaling, sliding_window, softcap)
-        return out, None
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
         return own_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
-    for name, what in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise UnsupportedModelError(f"{type(module).__name__} uses {what} ({name}), which acb does not support")
-    spec = ctx.kv_cache.spec
+    sinks = layer_sinks(kwargs)
+    chunk = layer_chunk(module)
+    # a KV-shared layer (Gemma 3n) gets the K/V its producer layer computed in this same forward,
+    # which the producer has written into the cache layer both read
+    shared = bool(getattr(module, "is_kv_shared_layer", False))
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]  # an int on HF attention layers
+    if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
+        out = torch.ops.acb.paged_attention(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks,
+                                            chunk, not shared)
+        return out, None
+    out = _forward(ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared)
+    return out, None
+
+
+def _forward(ctx: StepContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             scaling: float | None, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+             chunk: int | None, store: bool) -> torch.Tensor:
+    cache = ctx.kv_cache
+    spec = cache.spec
+    layer = cache.layer_of(layer_idx)
     if key.shape[1] != spec.num_kv_heads or key.shape[3] != spec.head_dim:
         raise RuntimeError(
-            f"layer {module.layer_idx}: keys have {key.shape[1]} heads of {key.shape[3]} but the KV cache "
+            f"layer {layer_idx}: keys have {key.shape[1]} heads of {key.shape[3]} but the KV cache "
             f"holds {spec.num_kv_heads} of {spec.head_dim}; the model's config does not describe its "
             "attention layers"
         )
-    out = ctx.backend.forward(
-        module.layer_idx, query, key, value, ctx,  # type: ignore[arg-type]  # an int on HF attention layers
-        scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+    return ctx.backend.forward(
+        layer, query, key, value, ctx, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+        sinks=sinks, chunk=chunk, store=store,
     )
-    return out, None
 
 
 # ------------------------------------------------------------------ compiled steps
@@ -133,20 +162,22 @@ def step_context(ctx: StepContext) -> Iterator[None]:
 
 @torch.library.custom_op("acb::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                    scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """Attention of one layer over the paged KV cache of the thread's current step (it also
-    writes the step's keys and values into the cache: a side effect the graph cannot see, and
-    needs not, since nothing else in the graph reads the cache). [1, T, heads, head_dim]."""
+                    scaling: float | None, sliding_window: int | None, softcap: float | None,
+                    sinks: torch.Tensor | None = None, chunk: int | None = None, store: bool = True) -> torch.Tensor:
+    """Attention of one layer (the model's layer index) over the paged KV cache of the thread's
+    current step (it also writes the step's keys and values into the cache: a side effect the
+    graph cannot see, and needs not, since nothing else in the graph reads the cache).
+    [1, T, heads, head_dim]."""
     ctx: StepContext | None = getattr(_STEP, "ctx", None)
     if ctx is None:
         raise RuntimeError("acb::paged_attention ran outside an engine step")
-    return ctx.backend.forward(layer, query, key, value, ctx, scaling=scaling, sliding_window=sliding_window,
-                               softcap=softcap)
+    return _forward(ctx, layer, query, key, value, scaling, sliding_window, softcap, sinks, chunk, store)
 
 
 @paged_attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float | None,
-      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+      sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None,
+      chunk: int | None = None, store: bool = True) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 

@@ -125,8 +125,8 @@ class TorchBackend:
         return torch.index_select(pages, 0, blocks, out=ws[:n])
 
     # masks ----------------------------------------------------------------
-    def _decode_mask(self, md: TorchMetadata, g: int, window: int | None) -> torch.Tensor:
-        key = ("d", g, window)
+    def _decode_mask(self, md: TorchMetadata, g: int, window: int | None, chunk: int | None) -> torch.Tensor:
+        key = ("d", g, window, chunk)
         m = md._masks.get(key)
         if m is None:
             group = md.decode[g]
@@ -135,14 +135,17 @@ class TorchBackend:
             m = pos < lens
             if window is not None:
                 m &= pos > (lens - 1 - window)
+            if chunk is not None:  # the query (position lens - 1) sees its own chunk only
+                m &= pos >= (lens - 1) // chunk * chunk
             m = m[:, None, None, :]  # [G, 1, 1, L]
             md._masks[key] = m
         return m
 
-    def _prefill_mask(self, md: TorchMetadata, k: int, p: _Prefill, window: int | None) -> torch.Tensor | None:
-        if p.blocks is None and window is None:
+    def _prefill_mask(self, md: TorchMetadata, k: int, p: _Prefill, window: int | None,
+                      chunk: int | None) -> torch.Tensor | None:
+        if p.blocks is None and window is None and chunk is None:
             return None  # plain causal over the chunk: SDPA's is_causal
-        key = ("p", k, window)
+        key = ("p", k, window, chunk)
         m = md._masks.get(key)
         if m is None:
             device = md.slot_mapping.device
@@ -151,6 +154,8 @@ class TorchBackend:
             m = kpos <= qpos
             if window is not None:
                 m &= kpos > qpos - window
+            if chunk is not None:
+                m &= kpos >= qpos // chunk * chunk
             md._masks[key] = m
         return m
 
@@ -166,31 +171,35 @@ class TorchBackend:
         scaling: float | None,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
+        store: bool = True,
     ) -> torch.Tensor:
         md: TorchMetadata = ctx.metadata
         cache = ctx.kv_cache
         k_pages, v_pages = cache.k[layer], cache.v[layer]  # [num_blocks, block_size, Hkv, D]
-        k_flat, v_flat = cache.flat_k(layer), cache.flat_v(layer)
-        k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
-        v_new = value[0].transpose(0, 1)
-        k_flat.index_copy_(0, md.slot_mapping, k_new.to(k_flat.dtype))
-        v_flat.index_copy_(0, md.slot_mapping, v_new.to(v_flat.dtype))
+        if store:
+            k_flat, v_flat = cache.flat_k(layer), cache.flat_v(layer)
+            k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
+            v_new = value[0].transpose(0, 1)
+            k_flat.index_copy_(0, md.slot_mapping, k_new.to(k_flat.dtype))
+            v_flat.index_copy_(0, md.slot_mapping, v_new.to(v_flat.dtype))
 
         q = query[0]  # [H, T, D]
         out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
         hkv, d = k_pages.shape[2], k_pages.shape[3]
         for g, group in enumerate(md.decode):
             length = group.num_blocks * md.block_size
-            dmask = self._decode_mask(md, g, sliding_window)
+            dmask = self._decode_mask(md, g, sliding_window, chunk)
             # a chunk of rows at a time, so that its gathered K/V is still in cache when SDPA reads it
-            chunk = max(1, CHUNK_BYTES // (2 * length * hkv * d * k_pages.element_size()))
-            for a in range(0, group.rows.numel(), chunk):
-                rows = group.rows[a : a + chunk]
-                blocks = group.blocks[a * group.num_blocks : (a + chunk) * group.num_blocks]
+            rows_per = max(1, CHUNK_BYTES // (2 * length * hkv * d * k_pages.element_size()))
+            for a in range(0, group.rows.numel(), rows_per):
+                rows = group.rows[a : a + rows_per]
+                blocks = group.blocks[a * group.num_blocks : (a + rows_per) * group.num_blocks]
                 qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
                 kd = self._gather(k_pages, blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
                 vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
-                o = _attend(qd, kd, vd, dmask[a : a + chunk], False, scaling, softcap)
+                o = _attend(qd, kd, vd, dmask[a : a + rows_per], False, scaling, softcap, sinks)
                 out[rows] = o[:, :, 0, :]
         for k, p in enumerate(md.prefills):
             s, n = p.q_start, p.q_len
@@ -201,8 +210,8 @@ class TorchBackend:
             else:
                 kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
                 vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-            mask = self._prefill_mask(md, k, p, sliding_window)
-            o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap)
+            mask = self._prefill_mask(md, k, p, sliding_window, chunk)
+            o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap, sinks)
             out[s : s + n] = o[0].transpose(0, 1)
         return out.unsqueeze(0)  # [1, T, H, D]
 
@@ -215,23 +224,33 @@ def _attend(
     causal: bool,
     scaling: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [H] sink logits: one more softmax column per head, whose value is 0
 ) -> torch.Tensor:
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
         )
-    # logit soft-capping (Gemma 2) is not expressible in SDPA: explicit attention, as transformers' eager
+    # logit soft-capping (Gemma 2) and attention sinks (GPT-OSS) are not expressible in SDPA:
+    # explicit attention, as transformers' eager
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     w = torch.matmul(q, k.transpose(2, 3)) * scale
-    w = torch.tanh(w / softcap) * softcap
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
     if causal:
         lq, lk = q.shape[2], k.shape[2]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         w = w.masked_fill(~mask, float("-inf"))
-    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(w, v)
+    # GPT-OSS's eager: softmax over [scores, sink] (max subtracted), the sink's column dropped
+    sink = sinks.to(w.dtype).reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1)
+    w = torch.cat([w, sink], dim=-1)
+    w = w - w.max(dim=-1, keepdim=True).values
+    w = torch.softmax(w, dim=-1, dtype=w.dtype)[..., :-1].to(v.dtype)
     return torch.matmul(w, v)
