@@ -135,6 +135,48 @@ class _RequestCache:
         return buf[self.row : self.row + 1]
 
 
+class _BatchCache:
+    """The same interface over several requests' states at once (decode rows: one token each,
+    every one with a state): gathered into a batch for the layer's batched kernels, written back
+    after (:meth:`scatter`)."""
+
+    __slots__ = ("states", "rows", "index", "conv", "recurrent")
+
+    def __init__(self, states: LinearStates, rows: list[int], layer: int) -> None:
+        self.states = states
+        self.rows = rows
+        self.index = torch.tensor(rows, dtype=torch.long, device=states.conv[layer].device)
+        self.conv = states.conv[layer].index_select(0, self.index)  # decode updates it in place
+        self.recurrent = states.recurrent[layer].index_select(0, self.index)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return True
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.recurrent
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+        full = torch.cat([self.conv, conv_states], dim=-1)
+        self.conv = full[..., -self.conv.shape[-1]:].clone()
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        self.recurrent = recurrent_states
+        return recurrent_states
+
+    def scatter(self, layer: int) -> None:
+        self.states.conv[layer].index_copy_(0, self.index, self.conv)
+        self.states.recurrent[layer].index_copy_(0, self.index, self.recurrent.to(self.states.recurrent[layer].dtype))
+
+
 class _Step:
     __slots__ = ("states", "segments")
 
@@ -159,16 +201,33 @@ def linear_step(states: LinearStates, num_new: list[int], rows: list[int]) -> It
         _STEP.step = prev
 
 
-def _forward(original: Any, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None,
-             **kwargs: Any) -> torch.Tensor:
+def _forward(original: Any, layer: int, hidden_states: torch.Tensor, cache_params: Any = None,
+             attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:
     step: _Step | None = getattr(_STEP, "step", None)
     if step is None:  # not an engine step: the layer as it always was
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     # (kwargs are acb's attention plumbing and transformers' flash kwargs: the layer's torch path
     # needs none of them, and its conv kernel would take them for varlen arguments)
-    outs = [original(hidden_states[:, lo:hi], cache_params=_RequestCache(step.states, row), attention_mask=None)
-            for lo, hi, row in step.segments]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    states = step.states
+    decode = [(lo, row) for lo, hi, row in step.segments if hi - lo == 1 and layer in states.valid[row]]
+    if len(decode) < 2:  # one call per request
+        outs = [original(hidden_states[:, lo:hi], cache_params=_RequestCache(states, row), attention_mask=None)
+                for lo, hi, row in step.segments]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    # the decode rows in one batched call of the layer (one token each, as model.generate's
+    # batched decode), the others one call per request
+    out = torch.empty_like(hidden_states)
+    batch = _BatchCache(states, [row for _, row in decode], layer)
+    at = torch.tensor([lo for lo, _ in decode], dtype=torch.long, device=hidden_states.device)
+    rows_out = original(hidden_states[0, at].unsqueeze(1), cache_params=batch, attention_mask=None)  # [B, 1, H]
+    batch.scatter(layer)
+    out[0, at] = rows_out[:, 0].to(out.dtype)
+    batched = set(batch.rows)
+    for lo, hi, row in step.segments:
+        if not (hi - lo == 1 and row in batched):
+            out[:, lo:hi] = original(hidden_states[:, lo:hi], cache_params=_RequestCache(states, row),
+                                     attention_mask=None)
+    return out
 
 
 class LinearLayers:
@@ -178,7 +237,7 @@ class LinearLayers:
         self.layers = linear_layers(model)
         for layer in self.layers:
             original = layer.forward
-            layer.forward = lambda *a, _o=original, **k: _forward(_o, *a, **k)
+            layer.forward = lambda *a, _o=original, _i=layer.layer_idx, **k: _forward(_o, _i, *a, **k)
 
     def remove(self) -> None:
         for layer in self.layers:
