@@ -265,6 +265,9 @@ class ModelRunner:
             other += self.packed.release()
         self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]
         self._prev_ids = None  # type: ignore[assignment]
+        if self.linear is not None:  # the requests are recomputed after wake_up: their states start anew
+            other += self.states.nbytes()
+            self.states = LinearStates(self.states.rows, self.device)
         measured = None
         if cuda:
             torch.cuda.empty_cache()

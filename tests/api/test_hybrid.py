@@ -103,3 +103,18 @@ def test_a_users_own_forward_is_untouched_while_the_engine_runs(hybrid):
         with torch.no_grad():
             during = hybrid(p).logits
     assert torch.equal(before, during)
+
+
+def test_sleep_and_wake_mid_run(hybrid):
+    """sleep() takes the running requests off the device and drops their states; after
+    wake_up() they are recomputed from no state, and the outputs are still the reference."""
+    prompts = _prompts([6, 19], seed=4)
+    refs = [reference_generate(hybrid, p, 12) for p in prompts]
+    with acb.Engine(hybrid, acb.ContinuousBatchingConfig(num_blocks=32, page_size=4)) as eng:
+        hs = [eng.submit(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        while not all(r.num_generated for r in list(eng.core.scheduler.running)) or len(eng.core.scheduler.running) < 2:
+            eng.core.call(lambda c: None).result(timeout=30)
+        eng.sleep()
+        assert eng.runner.states.nbytes() == 0  # the states were dropped with the cache
+        eng.wake_up()
+        assert [h.result(timeout=60).generated_tokens for h in hs] == refs
