@@ -1,0 +1,646 @@
+"""Catalogue sweep: every transformers causal-LM model type through acb, against ``model.generate``.
+
+For each model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny random model is built
+generically from the config class's defaults (:func:`tiny_config` shrinks the size fields of the
+config and of its sub-configs), then greedy tokens from plain ``model.generate`` are compared
+with acb's, once with the default step budget and once with ``max_batch_tokens=8`` (chunked
+prefill). Each model type gets one status:
+
+- ``exact``: acb's tokens equal ``model.generate``'s in both runs;
+- ``differs``: they do not (the first differing run, prompt and position are recorded, with the
+  reference's top-2 logit margin there: a margin near 0 is a near-tie, not a bug);
+- ``refused``: acb's start checks refused the model (``UnsupportedModelError``), with the reason;
+- ``failed``: acb raised anything else, failed a request, hung or crashed: an acb bug to report;
+- ``cannot build``: the generic tiny config, the model or the reference failed (not about acb).
+
+Each model runs in its own process (forked from a server that imported torch, transformers and acb
+once) with a timeout, at most ``--jobs`` at a time, so a hang
+or a crash only costs that model. A full sweep writes ``benchmarks/results/model_sweep.json``
+and ``docs/MODELS.md``; regenerate both with::
+
+    nice -n 10 python benchmarks/model_sweep.py
+
+``--only llama,qwen3`` or ``--sample 10 --seed 0`` sweep a part (printed, not written unless
+``--merge``); ``--check`` compares the statuses with the committed table and exits 1 when one
+changed (CI staleness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_PATH = ROOT / "benchmarks" / "results" / "model_sweep.json"
+DOCS_PATH = ROOT / "docs" / "MODELS.md"
+
+STATUSES = ("exact", "differs", "refused", "failed", "cannot build")
+PROMPT_LENGTHS = (5, 11, 17)
+MAX_NEW_TOKENS = 8
+SEED = 0
+FIRST_PROMPT_ID = 16  # ids below are reserved for the special tokens tiny_config places there
+DEFAULT_TIMEOUT_S = 240.0
+
+# --- the tiny config ---------------------------------------------------------------------------
+
+# Size fields, by exact key, shrunk to at most this value (``min``, so that a default already
+# smaller, e.g. one KV head for multi-query attention, or top-1 routing, is kept).
+EXACT_TARGETS: dict[str, int] = {
+    "hidden_size": 64, "n_embd": 64, "d_model": 64,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "n_kv_heads": 2, "multi_query_group_num": 2,
+    "num_global_key_value_heads": 2,
+    "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256, "max_seq_len": 256,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2, "top_k": 2,
+    "num_selected_experts": 2, "experts_per_token": 2,
+    "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "num_shared_experts": 1,
+    "sliding_window": 16, "attention_chunk_size": 16,
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "state_size": 16, "ssm_state_size": 16, "mamba_d_state": 16, "d_state": 16,
+    "time_step_rank": 8, "n_groups": 1, "mamba_n_groups": 1, "mamba_n_heads": 8,
+    "hidden_size_per_layer_input": 16,
+    "rotary_dim": 8, "d_head": 16,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+}
+# ... and by suffix (``linear_key_head_dim``, ``moe_intermediate_size``, ``vocab_size_per_layer_input``)
+SUFFIX_TARGETS: tuple[tuple[str, int], ...] = (
+    ("head_dim", 16), ("intermediate_size", 128), ("vocab_size", 256), ("vocab_size_per_layer_input", 256),
+)
+# fields some config classes leave None by default although their model needs a value (real
+# checkpoints set them): given their target then
+FILL_IF_NONE = ("head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts", "num_experts_per_tok")
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+# the other layer counts (encoder-decoder configs' decoder and encoder stacks), plainly set to 2
+OTHER_LAYER_COUNTS = ("encoder_layers", "decoder_layers", "num_decoder_layers", "n_decoder_layers")
+MAX_KEPT_LAYERS = 6  # the distinct per-layer patterns kept, at most
+# special tokens get fixed low ids (prompts use ids from FIRST_PROMPT_ID on, so a prompt never
+# holds an image/audio placeholder token by chance)
+FIXED_TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
+
+
+def _target(key: str) -> int | None:
+    if key in EXACT_TARGETS:
+        return EXACT_TARGETS[key]
+    for suffix, value in SUFFIX_TARGETS:
+        if key.endswith(suffix):
+            return value
+    return None
+
+
+def _is_config_dict(value: Any) -> bool:
+    return isinstance(value, dict) and "model_type" in value
+
+
+def _layer_count_key(d: dict[str, Any], aliases: dict[str, str]) -> str | None:
+    for key in LAYER_COUNT_KEYS:
+        real = aliases.get(key, key)
+        if isinstance(d.get(real), int) and not isinstance(d.get(real), bool):
+            return real
+    return None
+
+
+def _kept_layers(d: dict[str, Any], n: int) -> list[int]:
+    """The layers to keep out of ``n``: the first layer of each distinct per-layer pattern (layer
+    type first, then the other per-layer lists and layer-index lists), at least two."""
+    per_layer = [k for k, v in d.items() if isinstance(v, list) and len(v) == n and n > 2
+                 and all(isinstance(x, (str, int, float, bool)) or x is None for x in v)]
+    index_lists = [k for k, v in d.items() if isinstance(v, list) and ("layer" in k or "idx" in k) and v
+                   and len(v) < n and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in v)]
+    keep: list[int] = []
+    # the layer types matter most (acb's checks and attention depend on them): one of each, always
+    if isinstance(d.get("layer_types"), list) and len(d["layer_types"]) == n:
+        seen: set[Any] = set()
+        for i, t in enumerate(d["layer_types"]):
+            if t not in seen:
+                seen.add(t)
+                keep.append(i)
+    signatures: set[tuple[Any, ...]] = set()
+    for i in range(n):
+        sig = tuple(d[k][i] for k in per_layer) + tuple(i in d[k] for k in index_lists)
+        if i in keep:
+            signatures.add(sig)
+        elif sig not in signatures and len(keep) < MAX_KEPT_LAYERS:
+            signatures.add(sig)
+            keep.append(i)
+    for i in range(n):
+        if len(keep) >= min(2, n):
+            break
+        if i not in keep:
+            keep.append(i)
+    return sorted(keep)
+
+
+def _shrink_rope(rope: Any, head_dim: int) -> Any:
+    """Multimodal RoPE sections must add up to half the (new) head dim."""
+    if not isinstance(rope, dict) or not isinstance(rope.get("mrope_section"), list):
+        return rope
+    rope = dict(rope)
+    old = rope["mrope_section"]
+    total, half = sum(old), head_dim // 2
+    new = [max(1, x * half // total) for x in old]
+    new[0] += half - sum(new)
+    rope["mrope_section"] = new
+    return rope
+
+
+def _fit_ssm_heads(d: dict[str, Any]) -> None:
+    """Mamba-2 mixers need heads x head dim = expand x hidden size: the head dim follows."""
+    hidden = d.get("hidden_size")
+    for heads_key, dim_key, expand_key in (("num_heads", "head_dim", "expand"),
+                                           ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+                                           ("mamba_n_heads", "mamba_head_dim", "mamba_expand")):
+        heads, expand = d.get(heads_key), d.get(expand_key)
+        if isinstance(hidden, int) and isinstance(heads, int) and isinstance(expand, int) and dim_key in d \
+                and ("state_size" in d or "mamba_d_state" in d):
+            d[dim_key] = expand * hidden // heads
+
+
+def shrink_config_dict(d: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """A copy of one config's ``to_dict()`` with its size fields shrunk (sub-configs included)."""
+    d = copy.deepcopy(d)
+    for key, value in list(d.items()):
+        if _is_config_dict(value):
+            d[key] = shrink_config_dict(value, {})
+    # the layer count first: per-layer lists are cut to the kept layers before their values shrink
+    layer_key = _layer_count_key(d, aliases)
+    if layer_key is not None:
+        n = d[layer_key]
+        keep = _kept_layers(d, n)
+        shared = d.get("num_kv_shared_layers")
+        if isinstance(shared, int) and shared > 0:
+            # KV sharing (Gemma 3n): the last layers reuse the KV of earlier ones of the same type,
+            # so keep one of each type among the computing layers and again among the sharing ones
+            keep = keep + [n - len(keep) + i for i in range(len(keep))]
+            keep = sorted(set(keep))
+            d["num_kv_shared_layers"] = len(keep) // 2
+        for key, value in list(d.items()):
+            if isinstance(value, list) and len(value) == n and n > 2 and key != layer_key:
+                d[key] = [value[i] for i in keep]
+            elif isinstance(value, list) and ("layer" in key or "idx" in key) and value and \
+                    all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in value) and len(value) < n:
+                d[key] = [keep.index(x) for x in value if x in keep]
+        if isinstance(d.get("per_layer_config"), dict):  # per-layer overrides keyed by layer index
+            d["per_layer_config"] = {str(keep.index(int(i))): v for i, v in d["per_layer_config"].items()
+                                     if int(i) in keep}
+        d[layer_key] = len(keep)
+        for key in ("first_k_dense_replace", "num_dense_layers"):  # one dense layer, then MoE ones
+            if isinstance(d.get(key), int) and d[key] > 0:
+                d[key] = 1
+    for key in OTHER_LAYER_COUNTS:
+        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+            d[key] = min(d[key], 2)
+    for key in FILL_IF_NONE:
+        if key in d and d[key] is None:
+            d[key] = _target(key)
+    for key, value in list(d.items()):
+        target = _target(key)
+        if target is None:
+            target = next((_target(alias) for alias, real in aliases.items() if real == key and _target(alias)), None)
+        if target is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            d[key] = min(value, target)
+        elif isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            d[key] = [min(x, target) for x in value]
+    if "kv_lora_rank" in d:
+        # MLA: keys and values are expanded per query head from the latent, so there are as many
+        # KV heads as heads, and the RoPE part is what the config calls the head dim
+        for kv_key in ("num_key_value_heads", "num_kv_heads"):
+            if kv_key in d and isinstance(d.get("num_attention_heads"), int):
+                d[kv_key] = d["num_attention_heads"]
+        if "qk_rope_head_dim" in d and "head_dim" in d:
+            d["head_dim"] = d["qk_rope_head_dim"]
+    if isinstance(d.get("qk_nope_head_dim"), int) and isinstance(d.get("qk_rope_head_dim"), int) and "qk_head_dim" in d:
+        d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    _fit_ssm_heads(d)
+    head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else 16
+    for key in ("rope_parameters", "rope_scaling"):
+        if key in d:
+            d[key] = _shrink_rope(d[key], head_dim)
+    # special tokens inside the tiny vocabulary
+    extra = iter(range(3, FIRST_PROMPT_ID))
+    for key, value in list(d.items()):
+        if not (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_token_ids")):
+            continue
+        fixed = FIXED_TOKEN_IDS.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            d[key] = fixed if fixed is not None else next(extra, FIRST_PROMPT_ID - 1)
+        elif isinstance(value, list) and value and all(isinstance(x, int) for x in value):
+            d[key] = [fixed] if fixed is not None else [next(extra, FIRST_PROMPT_ID - 1) for _ in value]
+    # encoder-style classes used as causal LMs (BertLMHeadModel...) attend causally only as decoders
+    if "is_decoder" in d and not d.get("is_encoder_decoder"):
+        d["is_decoder"] = True
+    # a wider init makes logits peaked, so that greedy parity does not hinge on near-ties
+    if "initializer_range" in d:
+        d["initializer_range"] = 0.2
+    return d
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny random config of ``model_type``, from its config class's defaults."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    d = shrink_config_dict(default.to_dict(), dict(getattr(type(default), "attribute_map", {}) or {}))
+    # sub-configs are shrunk as dicts; their classes' aliases are known only as objects
+    d.pop("transformers_version", None)
+    return type(default).from_dict(d)
+
+
+# --- one model (in the worker subprocess) ------------------------------------------------------
+
+
+def _stage(name: str) -> None:
+    # the parent reports the last stage reached when a model hangs or crashes
+    if _stage_conn is not None:
+        _stage_conn.send(("stage", name))
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randint(FIRST_PROMPT_ID, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _reference(model: Any, prompts: list[list[int]]) -> tuple[list[list[int]], list[Any]]:
+    """Greedy tokens from plain ``model.generate``, one unpadded prompt at a time, EOS not
+    stopping (the generation config has none), and each step's raw logits."""
+    import torch
+
+    tokens, logits = [], []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=MAX_NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+            )
+        new = out.sequences[0, len(prompt):].tolist()
+        if len(new) != MAX_NEW_TOKENS:
+            raise RuntimeError(f"model.generate gave {len(new)} tokens, not {MAX_NEW_TOKENS}")
+        tokens.append(new)
+        logits.append([step[0].float() for step in out.logits])
+    return tokens, logits
+
+
+def _margin(step_logits: Any) -> float:
+    top = step_logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def _run_acb(model: Any, prompts: list[list[int]], max_batch_tokens: int | None) -> list[list[int]] | str:
+    """acb's greedy tokens, or the error of a failed request."""
+    import acb
+    from transformers import GenerationConfig
+
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, max_batch_tokens=max_batch_tokens)
+    gen = GenerationConfig(do_sample=False, eos_token_id=FIXED_TOKEN_IDS["eos_token_id"], pad_token_id=0)
+    engine = acb.Engine(model, cfg, gen)
+    engine.start()
+    try:
+        outs = engine.generate_batch(prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, progress_bar=False,
+                                     do_sample=False)
+    finally:
+        engine.shutdown()
+    result = []
+    for out in outs.values():
+        if out.status != acb.RequestStatus.FINISHED:
+            return f"request {out.request_id} ended {out.status.name}: {out.error}"
+        result.append(list(out.generated_tokens))
+    return result
+
+
+def _exc(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text[:400]
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame of the traceback (file:line in function), for the report."""
+    tb = traceback.extract_tb(e.__traceback__)
+    if not tb:
+        return ""
+    f = tb[-1]
+    path = f.filename
+    for marker in ("site-packages/", str(ROOT) + "/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    return f"{path}:{f.lineno} in {f.name}"
+
+
+def run_model(model_type: str) -> dict[str, Any]:
+    """Build ``model_type``'s tiny model and classify acb on it (runs in the worker)."""
+    import logging
+
+    import torch
+
+    torch.set_num_threads(1)  # two processes share two cores
+    logging.getLogger("acb").setLevel(logging.CRITICAL)  # a failed request is in the result already
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    rec: dict[str, Any] = {"model_type": model_type, "class": _class_name(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])}
+    _stage("build")
+    try:
+        cfg = tiny_config(model_type)
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        rec["class"] = type(model).__name__
+        rec["params"] = sum(p.numel() for p in model.parameters())
+        # greedy, no EOS: the reference runs all MAX_NEW_TOKENS (acb ignores EOS on its side)
+        model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+        vocab = int(model.config.get_text_config().vocab_size)
+        prompts = _prompts(vocab)
+    except Exception as e:  # noqa: BLE001 - any failure of the generic config is a result
+        return {**rec, "status": "cannot build", "reason": f"tiny config/model: {_exc(e)}", "where": _where(e)}
+    _stage("reference")
+    try:
+        ref, ref_logits = _reference(model, prompts)
+    except Exception as e:  # noqa: BLE001
+        return {**rec, "status": "cannot build", "reason": f"model.generate: {_exc(e)}", "where": _where(e)}
+    import acb
+
+    diffs = []
+    for run, budget in (("default", None), ("chunked", 8)):
+        _stage(f"acb {run}")
+        try:
+            got = _run_acb(model, prompts, budget)
+        except acb.UnsupportedModelError as e:
+            return {**rec, "status": "refused", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - any other acb exception is a bug to report
+            return {**rec, "status": "failed", "reason": f"{run} run: {_exc(e)}", "where": _where(e)}
+        if isinstance(got, str):
+            return {**rec, "status": "failed", "reason": f"{run} run: {got}"}
+        for p, (want, have) in enumerate(zip(ref, got)):
+            if want != have:
+                pos = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+                margin = _margin(ref_logits[p][pos]) if pos < len(ref_logits[p]) else None
+                diffs.append({"run": run, "prompt": p, "prompt_len": len(prompts[p]), "position": pos,
+                              "expected": want, "got": have, "ref_top2_margin": margin})
+                break
+    if diffs:
+        d = diffs[0]
+        margin = "" if d["ref_top2_margin"] is None else f", reference top-2 logit margin {d['ref_top2_margin']:.3g}"
+        runs = "+".join(sorted({x["run"] for x in diffs}))
+        return {**rec, "status": "differs", "diffs": diffs,
+                "reason": f"{runs}: first at new token {d['position']} of prompt {d['prompt']} "
+                          f"(len {d['prompt_len']}, {d['run']} run){margin}"}
+    return {**rec, "status": "exact", "reason": ""}
+
+
+def _class_name(value: Any) -> str:
+    return value if isinstance(value, str) else "/".join(value)
+
+
+# --- the sweep (parent) ------------------------------------------------------------------------
+
+
+def catalogue() -> dict[str, str]:
+    """``{model_type: causal-LM class name}`` of this transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {k: _class_name(v) for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+
+
+def sample_types(types: list[str], n: int, seed: int) -> list[str]:
+    """A deterministic sample of ``n`` model types (sorted)."""
+    return sorted(random.Random(seed).sample(sorted(types), min(n, len(types))))
+
+
+# The modules every model needs, imported once by the fork server: each model then runs in a
+# fresh fork of it (its own process, so a crash or a hang costs only that model) without paying
+# the ~4 s of importing torch and transformers again.
+PRELOAD = ("torch", "transformers", "transformers.activations", "transformers.modeling_utils",
+           "transformers.generation", "transformers.integrations.flash_attention",
+           "transformers.core_model_loading", "acb", "acb.runner.model_runner")
+
+
+def _child(model_type: str, conn: Any) -> None:
+    """The forked process of one model: send its stages, then its result."""
+    global _stage_conn
+    _stage_conn = conn
+    try:
+        rec = run_model(model_type)
+    except Exception as e:  # noqa: BLE001 - the sweep's own bug: reported as the model's result
+        rec = {"model_type": model_type, "class": "?", "status": "cannot build", "reason": f"sweep: {_exc(e)}"}
+    conn.send(("result", rec))
+    conn.close()
+
+
+_stage_conn: Any = None
+
+
+def _sweep_one(ctx: Any, model_type: str, class_name: str, timeout_s: float) -> dict[str, Any]:
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(model_type, child), daemon=True)
+    t0 = time.monotonic()
+    proc.start()
+    child.close()
+    stage, rec = "start", None
+    deadline = t0 + timeout_s
+    while rec is None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not parent.poll(left):
+            break
+        try:
+            kind, value = parent.recv()
+        except EOFError:  # the process died without a result
+            break
+        if kind == "stage":
+            stage = value
+        else:
+            rec = value
+    if rec is None:
+        proc.join(0.5)
+        if proc.is_alive():
+            why = f"timed out after {timeout_s:.0f} s"
+            proc.kill()
+        else:
+            why = f"the process died (exit code {proc.exitcode})"
+        proc.join()
+        # a hang or a crash: where it happened decides whose it is
+        status = "failed" if stage.startswith("acb") else "cannot build"
+        rec = {"model_type": model_type, "class": class_name, "status": status, "reason": f"{stage}: {why}"}
+    else:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    parent.close()
+    rec["seconds"] = round(time.monotonic() - t0, 1)
+    return rec
+
+
+def sweep(types: list[str], *, jobs: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
+          verbose: bool = True) -> dict[str, dict[str, Any]]:
+    """Run each model type in its own process (forked from a preloaded server), ``jobs`` at a time."""
+    import multiprocessing
+
+    # before the fork server starts: it and every model's process inherit these (two processes
+    # share two cores, one thread each)
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                      TRANSFORMERS_VERBOSITY="error")
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # the fork server imports this module by name to find _child
+        sys.path.insert(0, here)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    classes = catalogue()
+    results: dict[str, dict[str, Any]] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(_sweep_one, ctx, t, classes.get(t, "?"), timeout_s): t for t in types}
+        for fut in concurrent.futures.as_completed(futures):
+            rec = fut.result()
+            results[rec["model_type"]] = rec
+            if verbose:
+                print(f"[{len(results)}/{len(types)}] {rec['model_type']:28s} {rec['status']:12s} "
+                      f"{rec['seconds']:6.1f}s {rec['reason'][:110]}", flush=True)
+    return {t: results[t] for t in sorted(results)}
+
+
+def _acb_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=ROOT, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def make_table(results: dict[str, dict[str, Any]], acb_commit: str | None = None) -> dict[str, Any]:
+    import transformers
+
+    counts = Counter(r["status"] for r in results.values())
+    return {
+        "transformers_version": transformers.__version__,
+        "date": datetime.date.today().isoformat(),
+        "acb_commit": acb_commit or _acb_commit(),
+        "prompt_lengths": list(PROMPT_LENGTHS),
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "counts": {s: counts.get(s, 0) for s in STATUSES},
+        "models": results,
+    }
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(table: dict[str, Any]) -> str:
+    counts = ", ".join(f"{n} {s}" for s, n in table["counts"].items())
+    lines = [
+        "# Model catalogue",
+        "",
+        "<!-- generated by benchmarks/model_sweep.py; do not edit by hand -->",
+        "",
+        "Every causal-LM model type of transformers "
+        f"{table['transformers_version']} (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, {len(table['models'])} types), "
+        "built as a tiny random float32 model from its config class's defaults (hidden size 64, 2 layers "
+        "keeping one of each layer type, 4 heads, 2 KV heads, vocabulary 256, 4 experts with top-2...), "
+        f"and run through acb (commit {table.get('acb_commit') or '?'}, {table['date']}) against greedy "
+        f"`model.generate`: prompts of {', '.join(map(str, table['prompt_lengths']))} tokens, "
+        f"{table['max_new_tokens']} new tokens, with the default step budget and with `max_batch_tokens=8` "
+        "(chunked prefill).",
+        "",
+        f"Counts: {counts}.",
+        "",
+        "- **exact**: acb's tokens equal `model.generate`'s in both runs.",
+        "- **differs**: they do not; the first divergence is given (a reference top-2 logit margin near 0 "
+        "would be a near-tie rather than a bug).",
+        "- **refused**: acb refuses the model at start (`UnsupportedModelError`), for the reason given.",
+        "- **failed**: acb raised another exception, failed a request, hung or crashed: a bug.",
+        "- **cannot build**: the generic tiny config, the model or `model.generate` failed (not about acb).",
+        "",
+        "Regenerate (about 75 s on 2 cores): `nice -n 10 python benchmarks/model_sweep.py`. "
+        "`python benchmarks/model_sweep.py --check` reruns the sweep and fails when a status changed; "
+        "`tests/test_model_sweep.py` checks a sample of it in CI.",
+        "",
+        "| model type | class | status | reason |",
+        "|---|---|---|---|",
+    ]
+    for t, r in table["models"].items():
+        lines.append(f"| `{t}` | {_cell(r['class'])} | {r['status']} | {_cell(r.get('reason', ''))} |")
+    return "\n".join(lines) + "\n"
+
+
+def load_table(path: Path = RESULTS_PATH) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_table(table: dict[str, Any]) -> None:
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
+    DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    DOCS_PATH.write_text(render_markdown(table))
+
+
+def status_changes(results: dict[str, dict[str, Any]], committed: dict[str, Any] | None) -> list[str]:
+    """The model types whose status is not the committed table's (or that it lacks)."""
+    old = (committed or {}).get("models", {})
+    return [f"{t}: {old[t]['status'] if t in old else 'absent'} -> {r['status']} ({r['reason'][:160]})"
+            for t, r in results.items() if t not in old or old[t]["status"] != r["status"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated model types")
+    ap.add_argument("--sample", type=int, help="a random sample of this many model types")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    ap.add_argument("--jobs", type=int, default=2, help="models run in parallel")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per model")
+    ap.add_argument("--check", action="store_true", help="fail if a status differs from the committed table")
+    ap.add_argument("--merge", action="store_true", help="merge a partial sweep into the committed table")
+    args = ap.parse_args(argv)
+    cat = catalogue()
+    types = sorted(cat)
+    if args.only:
+        wanted = [t.strip() for t in args.only.split(",") if t.strip()]
+        unknown = [t for t in wanted if t not in cat]
+        if unknown:
+            ap.error(f"not causal-LM model types of this transformers: {unknown}")
+        types = sorted(wanted)
+    if args.sample:
+        types = sample_types(types, args.sample, args.seed)
+    partial = types != sorted(cat)
+    commit = _acb_commit()  # now: the acb the workers import is the checkout's at start
+    t0 = time.monotonic()
+    results = sweep(types, jobs=args.jobs, timeout_s=args.timeout)
+    counts = Counter(r["status"] for r in results.values())
+    print(f"{len(results)} model types in {time.monotonic() - t0:.0f} s: "
+          + ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES))
+    committed = load_table()
+    if args.check:
+        changes = status_changes(results, committed)
+        if not partial and committed:
+            changes += [f"{t}: in the table, no longer in the catalogue" for t in committed["models"] if t not in cat]
+        if changes:
+            print("the committed table is stale (regenerate: python benchmarks/model_sweep.py):\n  "
+                  + "\n  ".join(changes))
+            return 1
+        print("the committed table is up to date")
+        return 0
+    if partial and not args.merge:
+        return 0
+    if partial and committed:
+        results = {**committed["models"], **results}
+        results = {t: results[t] for t in sorted(results) if t in cat}
+    write_table(make_table(results, commit))
+    print(f"wrote {RESULTS_PATH.relative_to(ROOT)} and {DOCS_PATH.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
