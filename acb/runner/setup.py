@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -52,10 +52,71 @@ def check_model(model: PreTrainedModel) -> None:
             raise UnsupportedModelError(
                 f"{name} has layers of type {other}; acb supports only {sorted(SUPPORTED_LAYER_TYPES)}"
             )
-    if getattr(text, "attention_chunk_size", None):
-        raise UnsupportedModelError(f"{name} uses chunked attention (attention_chunk_size), not supported by acb")
+    if getattr(text, "attention_chunk_size", None) and "chunked_attention" not in (layer_types or ()):
+        # acb's attention applies the chunk to the layers named "chunked_attention" (Llama 4)
+        raise UnsupportedModelError(
+            f"{name} sets attention_chunk_size but names no 'chunked_attention' layer in layer_types, so acb "
+            "cannot tell which layers attend in chunks (chunked attention is supported through layer_types)"
+        )
     if getattr(text, "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(f"{name} shares KV caches across layers (num_kv_shared_layers), not supported")
+        kv_layer_map(model)  # raises when the sharing is not the form acb knows
+    if getattr(text, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"{name} uses bidirectional attention; acb runs causal attention only")
+
+
+def _attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
+    """The model's attention modules by layer index (modules with a ``layer_idx`` and q/o projections)."""
+    out: dict[int, torch.nn.Module] = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(m, "q_proj") and hasattr(m, "o_proj"):
+            out.setdefault(idx, m)
+    return out
+
+
+def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
+    """Which cache layer each model layer reads and writes; None when every layer has its own.
+
+    KV sharing across layers (Gemma 3n's ``num_kv_shared_layers``): the last layers reuse the K/V
+    of the last earlier layer of their type (``config.kv_sharing_modes``: "store" for that
+    producer, "reuse" for the consumers); a consumer gets its producer's cache layer and no cache
+    of its own. Raises :class:`UnsupportedModelError` for a form of sharing acb does not know.
+    """
+    text = model.config.get_text_config()
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    if not shared:
+        return None
+    name = type(model).__name__
+    layers = text.num_hidden_layers
+    try:
+        modes = list(text.kv_sharing_modes)
+    except (AttributeError, ValueError) as exc:
+        raise UnsupportedModelError(
+            f"{name} shares KV caches across layers (num_kv_shared_layers={shared}) in a way acb does not know "
+            f"({type(exc).__name__}: {exc}); acb follows Gemma 3n's config.kv_sharing_modes"
+        ) from None
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * layers)
+    mods = _attention_modules(model)
+    producer: dict[str, int] = {}  # layer type -> the cache layer of its latest non-shared layer
+    out: list[int] = []
+    n = 0
+    for i in range(layers):
+        m = mods.get(i)
+        reuse = modes[i] == "reuse"
+        if m is None or bool(getattr(m, "is_kv_shared_layer", False)) != reuse:
+            raise UnsupportedModelError(
+                f"{name}: layer {i}'s attention module does not say whether it reuses another layer's K/V "
+                "as its config's kv_sharing_modes does; acb cannot map its KV cache"
+            )
+        if reuse:
+            if types[i] not in producer:
+                raise UnsupportedModelError(f"{name}: layer {i} reuses K/V of a {types[i]} layer, but none precedes it")
+            out.append(producer[types[i]])
+        else:
+            producer[types[i]] = n
+            out.append(n)
+            n += 1
+    return tuple(out)
 
 
 def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
@@ -66,7 +127,9 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     # tensor parallel (from_pretrained(tp_plan=...)): the config holds the global head counts, but
     # each rank's k_proj is column-sharded, so its attention sees (and its cache holds) a slice
     kv_heads = local_kv_heads(model, kv_heads)
-    return KVSpec(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
+    num_layers = text.num_hidden_layers if layer_map is None else max(layer_map) + 1
+    return KVSpec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, layer_map=layer_map)
 
 
 def local_kv_heads(model: PreTrainedModel, kv_heads: int) -> int:

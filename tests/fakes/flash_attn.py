@@ -21,8 +21,9 @@ def _check_paged(k_cache, v_cache, block_table):
     assert block_table.dtype == torch.int32 and block_table.dim() == 2
 
 
-def _attend(q, k, v, scale, window, softcap):
-    """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D], causal bottom-right."""
+def _attend(q, k, v, scale, window, softcap, lse_out=None):
+    """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D], causal bottom-right; ``lse_out`` ([H, Lq]) gets
+    each row's log-sum-exp of the (scaled, soft-capped, masked) scores."""
     lq, heads, d = q.shape
     lk, hkv, _ = k.shape
     k = k.repeat_interleave(heads // hkv, dim=1).float()
@@ -39,6 +40,8 @@ def _attend(q, k, v, scale, window, softcap):
     if right >= 0:
         keep &= j <= i + right
     s = s.masked_fill(~keep, float("-inf"))
+    if lse_out is not None:
+        lse_out.copy_(torch.logsumexp(s, dim=-1))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with nothing visible gives zeros
     return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
 
@@ -58,6 +61,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
     assert causal and dropout_p == 0.0
     out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)  # [H, total_q]
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
@@ -65,8 +69,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if lq == 0:
             continue
         kb, vb = _gather(k, block_table[b], lk), _gather(v, block_table[b], lk)
-        out[cq[b] : cq[b + 1]] = _attend(q[cq[b] : cq[b + 1]], kb, vb, softmax_scale, window_size, softcap)
-    return out
+        out[cq[b] : cq[b + 1]] = _attend(q[cq[b] : cq[b + 1]], kb, vb, softmax_scale, window_size, softcap,
+                                         lse[:, cq[b] : cq[b + 1]])
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -78,9 +83,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_paged(k_cache, v_cache, block_table)
     assert cache_seqlens.dtype == torch.int32 and q.dim() == 4
     out = torch.zeros_like(q)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)  # [B, H, Lq]
     for b, n in enumerate(cache_seqlens.tolist()):
         if n == 0:
             continue
         kb, vb = _gather(k_cache, block_table[b], n), _gather(v_cache, block_table[b], n)
-        out[b] = _attend(q[b], kb, vb, softmax_scale, window_size, softcap)
-    return out
+        out[b] = _attend(q[b], kb, vb, softmax_scale, window_size, softcap, lse[b])
+    return (out, lse) if return_softmax_lse else out

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-
 if TYPE_CHECKING:
     from acb.runner.kv_cache import KVCache
 
@@ -106,21 +105,59 @@ def acb_attention_forward(
                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
     sinks = layer_sinks(kwargs)
     chunk = layer_chunk(module)
+    tuning = temperature_tuning(module)
     # a KV-shared layer (Gemma 3n) gets the K/V its producer layer computed in this same forward,
     # which the producer has written into the cache layer both read
     shared = bool(getattr(module, "is_kv_shared_layer", False))
     layer_idx: int = module.layer_idx  # type: ignore[assignment]  # an int on HF attention layers
     if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
         out = torch.ops.acb.paged_attention(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks,
-                                            chunk, not shared)
+                                            chunk, not shared, tuning)
         return out, None
-    out = _forward(ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared)
+    out = _forward(ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared,
+                   tuning)
     return out, None
+
+
+def temperature_tuning(module: torch.nn.Module) -> list[float] | None:
+    """``[floor_scale, attn_scale]`` of a Llama 4 no-RoPE layer with attention temperature tuning, else None.
+
+    Such a layer scales its queries by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``,
+    with positions ``p`` it counts from its cache (``arange(T) + past``). acb's forward has no
+    cache and one flattened sequence, so the model took the token's index in the step for ``p``;
+    :func:`_fix_temperature` puts the real position's scale in its place."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    return [float(module.floor_scale), float(module.attn_scale)]  # type: ignore[arg-type]
+
+
+def _temperature(pos: torch.Tensor, tuning: list[float]) -> torch.Tensor:
+    floor_scale, attn_scale = tuning
+    return torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def _fix_temperature(query: torch.Tensor, md: Any, tuning: list[float]) -> torch.Tensor:
+    """``query`` ([1, H, T, D]) scaled by its tokens' real positions' temperature instead of the
+    one their index in the flattened step gave (both 1.0, and the query unchanged bit for bit,
+    below ``floor_scale - 1``). Positions are computed on the device from the step's metadata."""
+    t = query.shape[2]
+    qsl = getattr(md, "query_start_loc", None)
+    if qsl is None:
+        qsl = md.cu_seqlens_q
+    seq_lens = md.seq_lens
+    idx = torch.arange(t, device=query.device)
+    seq = torch.searchsorted(qsl[1:].to(torch.long), idx, right=True).clamp_(max=seq_lens.numel() - 1)
+    pos = seq_lens.to(torch.long)[seq] - qsl.to(torch.long)[seq + 1] + idx
+    wrong, right = _temperature(idx, tuning), _temperature(pos, tuning)
+    # the model's own arithmetic: (query * scale).to(dtype), undone and redone
+    return (query.float() / wrong.view(1, 1, t, 1) * right.view(1, 1, t, 1)).to(query.dtype)
 
 
 def _forward(ctx: StepContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              scaling: float | None, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
-             chunk: int | None, store: bool) -> torch.Tensor:
+             chunk: int | None, store: bool, tuning: list[float] | None = None) -> torch.Tensor:
+    if tuning is not None:
+        query = _fix_temperature(query, ctx.metadata, tuning)
     cache = ctx.kv_cache
     spec = cache.spec
     layer = cache.layer_of(layer_idx)
@@ -163,7 +200,8 @@ def step_context(ctx: StepContext) -> Iterator[None]:
 @torch.library.custom_op("acb::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
                     scaling: float | None, sliding_window: int | None, softcap: float | None,
-                    sinks: torch.Tensor | None = None, chunk: int | None = None, store: bool = True) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, chunk: int | None = None, store: bool = True,
+                    tuning: list[float] | None = None) -> torch.Tensor:
     """Attention of one layer (the model's layer index) over the paged KV cache of the thread's
     current step (it also writes the step's keys and values into the cache: a side effect the
     graph cannot see, and needs not, since nothing else in the graph reads the cache).
@@ -171,13 +209,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ctx: StepContext | None = getattr(_STEP, "ctx", None)
     if ctx is None:
         raise RuntimeError("acb::paged_attention ran outside an engine step")
-    return _forward(ctx, layer, query, key, value, scaling, sliding_window, softcap, sinks, chunk, store)
+    return _forward(ctx, layer, query, key, value, scaling, sliding_window, softcap, sinks, chunk, store, tuning)
 
 
 @paged_attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float | None,
       sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None,
-      chunk: int | None = None, store: bool = True) -> torch.Tensor:
+      chunk: int | None = None, store: bool = True, tuning: list[float] | None = None) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 

@@ -5,6 +5,12 @@
 * any other step: ``flash_attn_varlen_func`` with ``block_table`` (flash-attn >= 2.6), over the
   whole flattened batch, causal aligned bottom-right.
 
+Attention sinks (GPT-OSS): flash-attn 2 has no sink argument, but a sink only adds ``exp(sink)``
+to each row's softmax denominator, so the output is flash-attn's scaled by
+``sigmoid(lse - sink)``, from the log-sum-exp it returns beside it (exact up to rounding).
+Chunked-attention layers (Llama 4) have no flash-attn mask: they run acb's Triton kernels over
+the same cache, from the same step's metadata.
+
 New K/V are written into the cache first (acb's Triton store kernel, which skips padded rows).
 flash-attn's paged KV needs blocks of a multiple of 256 tokens and fp16/bf16; acb picks this
 backend automatically only when both hold (``block_size`` unset means 256 with this backend).
@@ -61,6 +67,7 @@ class FlashMetadata:
     max_q_len: int
     max_seq_len: int
     decode_only: bool
+    triton: Any = None  # the step's Triton metadata, for chunked-attention layers
 
 
 class FlashAttnBackend:
@@ -71,8 +78,11 @@ class FlashAttnBackend:
         fa = _import()
         self._varlen = fa.flash_attn_varlen_func
         self._kvcache = fa.flash_attn_with_kvcache
+        self._triton: Any = None  # the Triton backend of chunked-attention layers, made on first use
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> FlashMetadata:
+        from acb.runner.attention.triton_backend import metadata_for
+
         seq_lens = batch.seq_lens.to(torch.int32)
         decode_only = batch.slot_mapping.numel() == len(batch.num_new)
         cu_k = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
@@ -87,6 +97,7 @@ class FlashAttnBackend:
             max_q_len=max(batch.num_new) if batch.num_new else 0,
             max_seq_len=batch.max_seq_len,
             decode_only=decode_only,
+            triton=metadata_for(batch),
         )
 
     # CUDA graphs: one variant per batch size (flash-attn picks its own splits from static shapes)
@@ -112,25 +123,52 @@ class FlashAttnBackend:
         scaling: float | None,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
+        store: bool = True,
     ) -> torch.Tensor:
         from acb.runner.attention import triton_kernels as tk
 
         md: FlashMetadata = ctx.metadata
+        if chunk:  # no chunked mask in flash-attn: acb's Triton kernels, same cache and step
+            from acb.runner.attention.triton_backend import TritonBackend
+
+            if self._triton is None:
+                self._triton = TritonBackend()
+            tctx = StepContext(ctx.kv_cache, self._triton, md.triton)
+            return self._triton.forward(layer, query, key, value, tctx, scaling=scaling, sliding_window=sliding_window,
+                                        softcap=softcap, sinks=sinks, chunk=chunk, store=store)
         cache = ctx.kv_cache
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        tk.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
+        if store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
+            tk.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
         q = query[0].transpose(0, 1)  # [T, H, D]
         # transformers' sliding window w: a query sees itself and the w - 1 keys before it
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         cap = float(softcap) if softcap else 0.0
+        lse_too = sinks is not None
         if md.decode_only:
-            out = self._kvcache(
+            res = self._kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens, block_table=md.block_table,
-                softmax_scale=scaling, causal=True, window_size=window, softcap=cap,
-            )  # [B, 1, H, D]
+                softmax_scale=scaling, causal=True, window_size=window, softcap=cap, return_softmax_lse=lse_too,
+            )  # [B, 1, H, D] (and the lse, [B, H, 1])
+            if lse_too:
+                out, lse = res
+                out = _with_sinks(out[:, 0], lse[:, :, 0], sinks)[:, None]
+            else:
+                out = res
             return out.transpose(0, 1)  # [1, T, H, D]
-        out = self._varlen(
+        res = self._varlen(
             q, k_cache, v_cache, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q_len, md.max_seq_len,
             softmax_scale=scaling, causal=True, window_size=window, softcap=cap, block_table=md.block_table,
-        )  # [T, H, D]
+            return_attn_probs=lse_too,
+        )  # [T, H, D] (and the lse, [H, T])
+        out = _with_sinks(res[0], res[1].transpose(0, 1), sinks) if lse_too else res
         return out.unsqueeze(0)
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out`` ([N, H, D]) with each head's sink logit added to its softmax: the
+    denominator ``exp(lse)`` becomes ``exp(lse) + exp(sink)``, i.e. ``out * sigmoid(lse - sink)``."""
+    w = torch.sigmoid(lse.float() - sinks.float()[None, :])  # [N, H]
+    return (out.float() * w[:, :, None]).to(out.dtype)

@@ -52,6 +52,8 @@ class _DecodeGroup:
 @dataclass
 class TorchMetadata:
     slot_mapping: torch.Tensor  # [T]
+    query_start_loc: torch.Tensor  # [B + 1]
+    seq_lens: torch.Tensor  # [B]
     num_tokens: int
     block_size: int
     decode: list[_DecodeGroup]
@@ -104,7 +106,8 @@ class TorchBackend:
             ctx_len = start + n
             blocks = batch.block_table[i, : -(-ctx_len // block_size)] if start > 0 else None
             prefills.append(_Prefill(qsl[i], n, ctx_len, blocks))
-        return TorchMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.slot_mapping.numel(),
+        return TorchMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
+                             seq_lens=batch.seq_lens, num_tokens=batch.slot_mapping.numel(),
                              block_size=block_size, decode=groups, prefills=prefills)
 
     def release(self) -> int:

@@ -98,6 +98,9 @@ class TritonBackend:
         scaling: float | None,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
+        store: bool = True,
     ) -> torch.Tensor:
         md: TritonMetadata = ctx.metadata
         cache = ctx.kv_cache
@@ -107,28 +110,34 @@ class TritonBackend:
         q = query[0].transpose(0, 1)  # [T, H, D]
         window = sliding_window if sliding_window else None
         cap = softcap if softcap else None
-        warm = (q.shape[1], k_cache.shape[1:], k_cache.dtype, q.dtype, window, cap)
+        chunk = chunk or None
+        if sinks is not None:
+            sinks = sinks.contiguous()
+        warm = (q.shape[1], k_cache.shape[1:], k_cache.dtype, q.dtype, window, cap,
+                None if sinks is None else sinks.dtype, chunk)
         if warm not in self._warmed:  # first layer of its kind: compile every variant it can need
             self._warmed.add(warm)
             if not tk.interpreted() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                tk.precompile(q.shape[1], k_cache, v_cache, q.dtype, scaling, window, cap)
-        tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+                tk.precompile(q.shape[1], k_cache, v_cache, q.dtype, scaling, window, cap, sinks, chunk)
+        if store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
+            tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
         out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
         if md.num_decode:
             splits = md.num_splits
             if splits is None:
                 eff_len = min(md.max_decode_seq_len, window) if window else md.max_decode_seq_len
+                eff_len = min(eff_len, chunk) if chunk else eff_len
                 splits = tk.choose_num_splits(md.num_decode, k_cache.shape[2], eff_len, q.device)
             tk.paged_decode_attention(
                 q, k_cache, v_cache, md.block_table, md.seq_lens, scaling, window, cap, splits,
                 # a decode-only step has one row per sequence, in order: no query_start_loc needed
                 query_start_loc=md.query_start_loc if md.has_prefill else None,
-                out=out,
+                out=out, sinks=sinks, chunk=chunk,
             )
         if md.has_prefill:
             tk.paged_prefill_attention(
                 q, k_cache, v_cache, md.block_table, md.query_start_loc, md.seq_lens, md.max_q_len,
-                scaling, window, cap, skip_decode=md.num_decode > 0, out=out,
+                scaling, window, cap, skip_decode=md.num_decode > 0, out=out, sinks=sinks, chunk=chunk,
             )
         return out.unsqueeze(0)  # [1, T, H, D]
 

@@ -24,6 +24,11 @@ Kernels
   one (sequence, head) and walks the key tiles it can see (causal, bottom-right aligned; only the
   window with a sliding window) with an online softmax.
 
+Both attention kernels take attention sinks (GPT-OSS: a per-head logit in the softmax's
+denominator with no value; the online softmax starts from it, in the decode kernel's first split
+only) and chunked attention (Llama 4: a query at position ``p`` sees keys ``j`` with
+``j // chunk == p // chunk``; the key loop starts at the chunk).
+
 Both attention kernels can also take the whole flattened step (``query_start_loc``): the decode
 kernel then serves only the sequences with exactly one query and the prefill kernel
 (``skip_decode=True``) only the others, both writing into one output. This needs no gather of
@@ -68,6 +73,12 @@ def _pow2(n: int, minimum: int = 1) -> int:
 def _upcast(*tensors: torch.Tensor) -> bool:
     """fp32 operands in the kernel's dots: always under the interpreter, and for fp32 caches."""
     return interpreted() or any(t.dtype == torch.float32 for t in tensors)
+
+
+def _check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be a contiguous [{num_heads}] tensor (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -217,8 +228,8 @@ def store_kv(
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, scale, softcap, window,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
+    scale_log2, scale, softcap, window, chunk,
     num_splits, group, head_dim, block_size,
     stride_qt, stride_qh, stride_qd,
     stride_kcb, stride_kco, stride_kch, stride_kcd,
@@ -226,6 +237,7 @@ def _decode_split_kernel(
     stride_btb, stride_btc,
     stride_ot, stride_oh, stride_od,
     HAS_QSL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_CHUNK: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, F32: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -245,6 +257,8 @@ def _decode_split_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
+    if HAS_CHUNK:  # the query (position seq_len - 1) sees its own chunk only
+        lo = tl.maximum(lo, (tl.maximum(seq_len, 1) - 1) // chunk * chunk)
     span = seq_len - lo
     chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
@@ -262,6 +276,10 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:
+        if split == 0:  # the sink joins the softmax once, as a key of score `sink` and value 0
+            m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_G], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + seq * stride_btb
     for n0 in range(start, end, BLOCK_N):
@@ -363,8 +381,14 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     query_start_loc: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns ``[B, H, D]``.
+
+    ``sinks`` ([H], attention sinks as GPT-OSS's): one more logit per head in the softmax's
+    denominator, with no value. ``chunk`` (chunked attention, Llama 4): the query at position
+    ``p`` sees only keys ``j`` with ``j // chunk == p // chunk``.
 
     ``num_splits=None`` picks a split count from ``max_seq_len`` (host int; when not given it is
     read from ``seq_lens``, a device sync). With ``query_start_loc`` ([B + 1]), ``q``/``out`` are
@@ -389,6 +413,7 @@ def paged_decode_attention(
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())
         eff = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+        eff = min(eff, chunk) if chunk else eff
         num_splits = choose_num_splits(num_seqs, num_kv_heads, eff, q.device)
     num_splits = max(1, int(num_splits))
     group = num_heads // num_kv_heads
@@ -401,14 +426,15 @@ def paged_decode_attention(
         part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     qsl = query_start_loc if query_start_loc is not None else seq_lens  # placeholder when unused
+    _check_sinks(sinks, num_heads)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, qsl,
-        out, part_acc, part_m, part_l,
-        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        out, part_acc, part_m, part_l, sinks if sinks is not None else seq_lens,
+        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0), int(chunk or 1),
         num_splits, group, head_dim, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
         HAS_QSL=query_start_loc is not None, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
-        SINGLE_SPLIT=single, F32=_upcast(q, k_cache),
+        HAS_SINKS=sinks is not None, HAS_CHUNK=bool(chunk), SINGLE_SPLIT=single, F32=_upcast(q, k_cache),
         BLOCK_G=_pow2(group, 16), BLOCK_N=_decode_block_n(block_d), BLOCK_D=block_d,
         num_warps=4,
     )
@@ -430,15 +456,16 @@ def paged_decode_attention(
 
 @triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    scale_log2, scale, softcap, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, sinks_ptr,
+    scale_log2, scale, softcap, window, chunk,
     group, head_dim, block_size,
     stride_qt, stride_qh, stride_qd,
     stride_kcb, stride_kco, stride_kch, stride_kcd,
     stride_vcb, stride_vco, stride_vch, stride_vcd,
     stride_btb, stride_btc,
     stride_ot, stride_oh, stride_od,
-    SKIP_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_CHUNK: tl.constexpr, F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -469,10 +496,15 @@ def _prefill_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_CHUNK:  # the tile's first query's chunk start: no query of the tile sees a key before it
+        lo = tl.maximum(lo, first_pos // chunk * chunk)
+    lo = (lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink joins the softmax as a key of score `sink` and value 0
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + seq * stride_btb
     for n0 in range(lo, hi, BLOCK_N):
@@ -486,6 +518,8 @@ def _prefill_kernel(
         visible = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if HAS_CHUNK:
+            visible = visible & (pos[None, :] >= (q_pos // chunk * chunk)[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, F32)
 
@@ -519,8 +553,12 @@ def paged_prefill_attention(
     *,
     skip_decode: bool = False,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its whole paged context; returns ``[T, H, D]``.
+
+    ``sinks`` and ``chunk`` as in :func:`paged_decode_attention`.
 
     Query ``i`` of a sequence with ``q_len`` queries and context ``L`` sits at position
     ``L - q_len + i`` and sees keys ``0..L - q_len + i`` (those within the sliding window when
@@ -542,14 +580,16 @@ def paged_prefill_attention(
         scale = head_dim ** -0.5
     block_d = _pow2(head_dim, 16)
     block_m, block_n, warps = _prefill_blocks(block_d)  # not cut to max_q_len: one compiled variant
+    _check_sinks(sinks, num_heads)
     grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
-        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        sinks if sinks is not None else seq_lens,
+        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0), int(chunk or 1),
         num_heads // num_kv_heads, head_dim, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
         SKIP_DECODE=skip_decode, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
-        F32=_upcast(q, k_cache),
+        HAS_SINKS=sinks is not None, HAS_CHUNK=bool(chunk), F32=_upcast(q, k_cache),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=warps,
     )
@@ -569,6 +609,8 @@ def precompile(
     scale: float | None,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> None:
     """Launch every kernel variant a layer with these settings can need, on a few dummy rows, so
     that Triton compiles them all now rather than in the middle of serving (each compile stalls
@@ -590,9 +632,10 @@ def precompile(
     out = torch.empty_like(q)
     lens = torch.tensor([2, 2], **long)
     for splits in (1, 2):  # one split, and split-K with the reduction pass
-        paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits, out=out)
+        paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits, out=out,
+                               sinks=sinks, chunk=chunk)
         paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits,
-                               query_start_loc=torch.tensor([0, 1, 3], **long), out=out)
+                               query_start_loc=torch.tensor([0, 1, 3], **long), out=out, sinks=sinks, chunk=chunk)
     for skip_decode, qsl in ((True, [0, 1, 3]), (False, [0, 2, 3])):
         paged_prefill_attention(q, k_cache, v_cache, table, torch.tensor(qsl, **long), lens, 2, scale,
-                                sliding_window, softcap, skip_decode=skip_decode, out=out)
+                                sliding_window, softcap, skip_decode=skip_decode, out=out, sinks=sinks, chunk=chunk)

@@ -1,0 +1,156 @@
+"""Model features beyond plain causal attention, greedy-exact against ``model.generate``:
+
+* attention sinks (GPT-OSS: per-head learned ``sinks`` logits passed as ``s_aux``; alternating
+  sliding-window layers; MoE);
+* chunked attention (Llama 4 text: ``attention_chunk_size`` on its ``chunked_attention`` layers,
+  no-RoPE full layers with attention temperature tuning, MoE);
+* KV sharing across layers (Gemma 3n text: the last ``num_kv_shared_layers`` read an earlier
+  layer's cache and have none of their own; altup, laurel, per-layer inputs).
+
+Each on the torch backend whole, with chunked prefill, preemption, ``n > 1``, async batching and
+the prefix cache, in mixed batches of very different lengths. The Triton and flash-attn backends
+(kernels and the engine) are in ``tests/runner/test_attention_features.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import acb
+from acb.errors import UnsupportedModelError
+from tests.conftest import prompts_of_lengths, reference_generate
+
+# tiny configs; windows and chunks far below the prompts' lengths, so that they matter
+FEATURE_CONFIGS: dict[str, dict] = {
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"]),
+    # floor_scale 8: the no-RoPE layer's query temperature changes from position 7 on
+    "llama4_text": dict(hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8,
+                        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, floor_scale=8,
+                        attn_scale=0.5),
+    "gemma3n_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, sliding_window=8, num_kv_shared_layers=2,
+                         vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, laurel_rank=4,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+}
+ARCHS = list(FEATURE_CONFIGS)
+MAX_NEW = 8
+
+
+def feature_model(arch: str, **overrides):
+    """A tiny random ``arch`` model (eager attention: GPT-OSS has no SDPA path in transformers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(FEATURE_CONFIGS[arch], vocab_size=256, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, initializer_range=0.2)
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw), attn_implementation="eager",
+                                             dtype=torch.float32)
+    return model.eval()
+
+
+model_of = functools.lru_cache(maxsize=None)(feature_model)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(arch: str, prompt: tuple[int, ...], max_new: int) -> list[int]:
+    return reference_generate(model_of(arch), list(prompt), max_new)
+
+
+def check(arch, prompts, outs, max_new=MAX_NEW):
+    for p, o in zip(prompts, outs):
+        assert o.status == acb.RequestStatus.FINISHED, o
+        assert o.generated_tokens == _reference(arch, tuple(p), max_new), f"{arch}: prompt of {len(p)} tokens"
+
+
+# very different lengths: one token, under a window/chunk, several chunks, many blocks
+LENGTHS = [1, 5, 17, 41, 70]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_whole_and_chunked_prefill(arch):
+    model = model_of(arch)
+    prompts = prompts_of_lengths(LENGTHS, seed=1)
+    for budget in (None, 8):  # whole prompts; then 8-token steps mixing decode rows and prefill chunks
+        cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=budget, attn_backend="torch")
+        res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
+                                 progress_bar=False)
+        check(arch, prompts, res.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption(arch):
+    model = model_of(arch)
+    prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17], seed=4)
+    # 12 usable blocks of 4 tokens for 6 requests of ~30 tokens: preemption must happen
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=13, safety_margin=0.0, attn_backend="torch")
+    with acb.Engine(model, cfg) as engine:
+        outs = [h.result(timeout=120) for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW))
+                                                for p in prompts]]
+        assert engine.stats.preemptions > 0
+    check(arch, prompts, outs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_n_samples_async_batching_and_prefix_cache(arch):
+    model = model_of(arch)
+    prompts = prompts_of_lengths([33, 6, 52], seed=7)
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, use_async_batching=True, max_batch_tokens=24,
+                                       attn_backend="torch")
+    with acb.Engine(model, cfg) as engine:
+        assert engine.runner.cfg.async_batching
+        first = [h.result(timeout=120) for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW))
+                                                 for p in prompts]]
+        # the same prompts again: their full blocks come from the prefix cache
+        again = [h.result(timeout=120) for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW))
+                                                 for p in prompts]]
+        assert sum(o.num_cached_tokens for o in again) >= 32 + 48
+        many = engine.generate(prompts[0], acb.SamplingParams(n=3, max_new_tokens=MAX_NEW))
+    check(arch, prompts, first)
+    check(arch, prompts, again)
+    assert len(many.samples) == 3
+    for s in many.samples:
+        assert s.generated_tokens == _reference(arch, tuple(prompts[0]), MAX_NEW)
+
+
+def test_gemma3n_shared_layers_have_no_cache():
+    model = model_of("gemma3n_text")
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=16, attn_backend="torch")) as eng:
+        cache = eng.runner.kv_cache
+        # layers 4 and 5 (sliding, full) reuse the last earlier layer of their type's K/V (layers 3 and
+        # 2): 4 cache layers for 6 model layers
+        assert len(cache.k) == len(cache.v) == 4
+        assert cache.spec.layer_map == (0, 1, 2, 3, 3, 2)
+
+
+# --- refused at start, with the feature named ------------------------------------------------------------
+
+
+def _refused(model, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=8)).start()
+
+
+def test_chunk_size_without_chunked_layers_is_refused():
+    model = feature_model("llama4_text", num_hidden_layers=2, layer_types=["full_attention", "full_attention"],
+                          no_rope_layers=[1, 1])
+    model.config.attention_chunk_size = 8  # set after the config's own checks, as a foreign config might
+    _refused(model, "attention_chunk_size")
+
+
+def test_unknown_kv_sharing_is_refused():
+    model = feature_model("gemma3n_text")
+    model.model.layers[5].self_attn.is_kv_shared_layer = False  # the modules disagree with the config
+    _refused(model, "reuses another layer's K/V")
+
+
+def test_unknown_layer_type_is_refused():
+    model = feature_model("gpt_oss")
+    model.config.layer_types = ["sliding_attention", "mystery_attention"]
+    _refused(model, "mystery_attention")
