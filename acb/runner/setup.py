@@ -36,6 +36,11 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; acb runs decoder-only causal LMs")
     if not hasattr(model, "get_decoder") and not hasattr(model, "model"):
         raise UnsupportedModelError(f"{name} is not a transformers causal LM")
+    from acb.runner.model_support import refusal
+
+    why = refusal(model)
+    if why is not None:
+        raise UnsupportedModelError(why)
     from acb.runner.linear_state import linear_layers
 
     hybrid = bool(linear_layers(model))  # linear-attention layers acb drives with per-request states
@@ -124,6 +129,10 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    nope, rope = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
+    if nope and rope:  # multi-head latent attention: keys are nope + rope wide, values v_head_dim
+        # (the cache holds both at the wider one: acb's attention pads the narrower with zeros)
+        head_dim = max(nope + rope, getattr(text, "v_head_dim", None) or nope + rope)
     # tensor parallel (from_pretrained(tp_plan=...)): the config holds the global head counts, but
     # each rank's k_proj is column-sharded, so its attention sees (and its cache holds) a slice
     kv_heads = local_kv_heads(model, kv_heads)

@@ -100,6 +100,8 @@ def acb_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     ctx: StepContext | Literal[True] | None = kwargs.get("acb_ctx")
+    if ctx is None:  # a decoder layer that drops its kwargs (Nemotron): the thread's step, if any
+        ctx = getattr(_STEP, "ctx", None)
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
         return own_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
@@ -110,13 +112,21 @@ def acb_attention_forward(
     # which the producer has written into the cache layer both read
     shared = bool(getattr(module, "is_kv_shared_layer", False))
     layer_idx: int = module.layer_idx  # type: ignore[assignment]  # an int on HF attention layers
+    k_dim, v_dim = key.shape[-1], value.shape[-1]
+    if k_dim != v_dim:  # latent attention (MLA): the cache holds keys and values at the wider width,
+        # the narrower zero-padded (zeros add nothing to q.k, and padded value columns are dropped)
+        width = max(k_dim, v_dim)
+        if scaling is None:
+            scaling = k_dim ** -0.5
+        query, key = (torch.nn.functional.pad(t, (0, width - k_dim)) for t in (query, key))
+        value = torch.nn.functional.pad(value, (0, width - v_dim))
     if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
         out = torch.ops.acb.paged_attention(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks,
                                             chunk, not shared, tuning)
-        return out, None
-    out = _forward(ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared,
-                   tuning)
-    return out, None
+    else:
+        out = _forward(ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared,
+                       tuning)
+    return (out if k_dim == v_dim else out[..., :v_dim].contiguous()), None
 
 
 def temperature_tuning(module: torch.nn.Module) -> list[float] | None:

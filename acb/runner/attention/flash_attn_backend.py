@@ -154,6 +154,7 @@ class FlashAttnBackend:
             )  # [B, 1, H, D] (and the lse, [B, H, 1])
             if lse_too:
                 out, lse = res
+                assert sinks is not None  # (lse_too is sinks is not None)
                 out = _with_sinks(out[:, 0], lse[:, :, 0], sinks)[:, None]
             else:
                 out = res
@@ -163,7 +164,7 @@ class FlashAttnBackend:
             softmax_scale=scaling, causal=True, window_size=window, softcap=cap, block_table=md.block_table,
             return_attn_probs=lse_too,
         )  # [T, H, D] (and the lse, [H, T])
-        out = _with_sinks(res[0], res[1].transpose(0, 1), sinks) if lse_too else res
+        out = _with_sinks(res[0], res[1].transpose(0, 1), sinks) if lse_too and sinks is not None else res
         return out.unsqueeze(0)
 
 

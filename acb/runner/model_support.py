@@ -1,0 +1,39 @@
+"""Architectures acb knows it cannot run exactly, and why: refused when the engine starts (the
+catalogue sweep, ``benchmarks/model_sweep.py``, found each of them failing or differing from
+``model.generate`` when let through). Rules by class, for what a config does not say, and by
+config, for what it does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# what these models do that acb's paged attention cannot reproduce
+REFUSED_CLASSES: dict[str, str] = {
+    "DogeForCausalLM": "builds a content-dependent attention bias from the attention mask before calling the "
+                       "attention function (dynamic mask attention); acb's paged attention takes no mask",
+    "DiffLlamaForCausalLM": "calls the attention function twice per layer on the same keys (differential "
+                            "attention); acb's paged cache takes one call per layer and step",
+    "MoshiForCausalLM": "applies its sliding window through the attention mask only (its attention layers do not "
+                        "pass it to the attention function), and acb's paged attention takes no mask",
+    "JetMoeForCausalLM": "routes its attention heads per token (mixture of attention heads: keys and values of "
+                         "num_key_value_heads x num_experts_per_tok heads)",
+    "MiMoV2FlashForCausalLM": "gives its sliding-window layers other KV head counts than its full-attention layers "
+                              "(per-layer KV shapes)",
+}
+
+
+def refusal(model: Any) -> str | None:
+    """Why acb cannot run ``model`` exactly, or None (the other start checks still apply)."""
+    name = type(model).__name__
+    if name in REFUSED_CLASSES:
+        return f"{name} {REFUSED_CLASSES[name]}"
+    cfg = model.config
+    if getattr(cfg, "is_decoder", None) is False:  # the BERT family: bidirectional unless configured as a decoder
+        return (f"{name} has bidirectional attention (config.is_decoder is False); acb runs causal decoders "
+                "(set is_decoder=True if the model was trained as one)")
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    try:
+        getattr(text, "head_dim", None)
+    except Exception as exc:  # noqa: BLE001 - transformers' per-layer configs refuse the global read
+        return f"{name} has per-layer attention shapes ({type(exc).__name__}: the head size differs by layer)"
+    return None
