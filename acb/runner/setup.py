@@ -89,6 +89,15 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
     """
     text = model.config.get_text_config()
     shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    types = list(getattr(text, "layer_types", None) or ())
+    if not shared and "linear_attention" in types:
+        # a hybrid model: only its attention layers have a KV cache (the linear layers keep a
+        # per-request state instead: acb.runner.linear_state); they never read the slot mapped here
+        attention = [i for i, t in enumerate(types) if t != "linear_attention"]
+        if not attention:
+            return None
+        index = {layer: n for n, layer in enumerate(attention)}
+        return tuple(index.get(i, 0) for i in range(len(types)))
     if not shared:
         return None
     name = type(model).__name__
