@@ -117,7 +117,7 @@ OPTIONAL = {
     "triton": {"acb.runner.attention.triton_kernels",
                "acb.structured"},  # only to ask whether xgrammar's GPU bitmask kernel can run
     "matplotlib": {"acb.bench.report"},
-    "ray": {"acb.distributed.ray"},
+    "ray": {"acb.distributed.ray", "acb.distributed.ray_serve"},  # Ray Data offline, Ray Serve online
     "trl": {"acb.integrations.trl"},
     # the benchmark runs lm-eval itself, as a user does, to time it against its own hf backend
     "lm_eval": {"acb.integrations.lm_eval", "acb.bench.eval"},

@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        args._argv = list(sys.argv[1:] if argv is None else argv)  # (acb serve --ray hands it to its replicas)
         try:
             return args.func(args)
         except CliError as exc:

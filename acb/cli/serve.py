@@ -66,6 +66,17 @@ def _add_serve(sub: Any) -> None:
     _add_engine_flags(eng)
     _add_telemetry_flags(p)
     eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
+    ray = p.add_argument_group("scale-out on Ray Serve (acb/distributed/ray_serve.py; extra ray)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: --num-replicas engine replicas (one GPU each with --device cuda) "
+                          "behind Ray Serve's HTTP proxy on --host/--port, each running this same command's flags")
+    ray.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
+                     help="replicas (default 1; with --min/--max-replicas, the initial count)")
+    ray.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
+                     help="autoscale between A and B replicas on ongoing requests")
+    ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="an existing Ray cluster (ray://host:10001 or auto); default: a local Ray started here")
     dp = p.add_argument_group("data parallel (acb/serve/router.py)")
     dp.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
                     help="run N engine replicas (one `acb serve` process each; one GPU each with --device cuda "
@@ -79,6 +90,8 @@ def _add_serve(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.isdir(args.model):
         raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    if args.ray:
+        return _serve_on_ray(args)
     if args.data_parallel > 1:  # a router process in front of N `acb serve` replicas
         _check_device(args.device)
         try:
@@ -117,3 +130,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+# flags of the Ray launcher itself, not the replicas' (each takes a value but --ray)
+_LAUNCHER_FLAGS = {"--ray": 0, "--num-replicas": 1, "--min-replicas": 1, "--max-replicas": 1, "--ray-address": 1,
+                   "--host": 1, "--port": 1, "--data-parallel": 1}
+
+
+def _replica_argv(argv: list[str]) -> list[str]:
+    """This command line without ``serve`` and the launcher's own flags: what every replica runs."""
+    out: list[str] = []
+    it = iter(argv[1:] if argv and argv[0] == "serve" else argv)
+    for a in it:
+        name = a.split("=", 1)[0]
+        if name in _LAUNCHER_FLAGS:
+            if _LAUNCHER_FLAGS[name] and "=" not in a:
+                next(it, None)
+            continue
+        out.append(a)
+    return out
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """``acb serve --ray``: the Ray Serve application on a local Ray (or ``--ray-address``), on
+    --host/--port, until SIGINT/SIGTERM; then Serve drains and stops the replicas."""
+    if args.data_parallel > 1:
+        raise CliError("--ray and --data-parallel are two ways to scale out: pick one (--ray --num-replicas N)")
+    try:
+        from acb.distributed import ray_serve
+    except ImportError as exc:
+        raise CliError(str(exc)) from None
+    app_args = {"argv": _replica_argv(list(getattr(args, "_argv", []))), "num_replicas": args.num_replicas,
+                "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                "num_gpus": 1.0 if str(args.device).startswith("cuda") else 0.0}
+    ray_serve.run(app_args, host=args.host, port=args.port, address=args.ray_address, name=_model_name(args),
+                  verbose=args.verbose)
+    return 0
