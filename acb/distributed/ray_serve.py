@@ -41,10 +41,19 @@ DEFAULT_MAX_ONGOING_REQUESTS = 256
 
 
 def _namespace(argv: Sequence[str]) -> argparse.Namespace:
-    """``acb serve``'s parsed flags for this command line (the CLI's own parser)."""
+    """``acb serve``'s parsed flags for this command line (the CLI's own parser); bad flags are a
+    ``ValueError`` with argparse's message (not its exit)."""
+    import contextlib
+    import io
+
     from acb.cli import build_parser
 
-    return build_parser().parse_args(["serve", *argv])
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_parser().parse_args(["serve", *argv])
+    except SystemExit:
+        raise ValueError(f"acb serve flags {list(argv)!r}: {err.getvalue().strip().splitlines()[-1]}") from None
 
 
 @serve.ingress()

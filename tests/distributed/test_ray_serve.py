@@ -107,3 +107,17 @@ def test_graceful_stop_finishes_the_request_in_flight(server, checkpoint):
     assert done.get("status") == 200, done
     assert json.loads(done["body"])["choices"][0]["finish_reason"] == "length"
     assert server.wait_exit(90) == 0, server.tail()
+
+
+def test_the_config_file_builder_checks_the_flags():
+    """``serve run``'s builder takes ``acb serve``'s flags as ``argv`` (a string or a list) and
+    refuses a bad one before any replica starts."""
+    from acb.distributed.ray_serve import build_application, deployment_options
+
+    app = build_application({"argv": "--num-blocks 64 --served-model-name x", "num_replicas": 2})
+    assert app is not None
+    with pytest.raises(ValueError, match="--no-such-flag"):
+        build_application({"argv": ["--no-such-flag"]})
+    auto = deployment_options(min_replicas=1, max_replicas=3)
+    assert auto["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in auto
+    assert deployment_options(num_replicas=2, num_gpus=1)["ray_actor_options"]["num_gpus"] == 1
