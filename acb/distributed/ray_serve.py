@@ -1,39 +1,52 @@
 """Online scale-out on Ray Serve (extra ``ray``): ``acb serve --ray --num-replicas N``, or a
 Ray Serve config file for ``serve run`` / ``serve deploy``.
 
-Each replica is one :class:`acb.AsyncEngine` (one GPU each on CUDA: ``num_gpus=1``) serving
-acb serve's own FastAPI app (:func:`acb.serve.app.build_app`: one implementation of the OpenAI
-protocol, not two), built inside the replica (``__serve_build_asgi_app__``) around its engine.
-Ray Serve's HTTP proxy routes the requests (least outstanding requests among two random
-replicas: its default router, which reads each replica's queue), streams SSE chunk by chunk,
-health-checks the replicas (:meth:`AcbReplica.check_health`: a dead engine fails it, and Serve
-replaces the replica), scales between ``min_replicas`` and ``max_replicas`` on ongoing
-requests, and drains a replica (its app's lifespan stops its engine) when it goes away.
+Two deployments:
 
-Every ``acb serve`` flag reaches every replica: the replica parses the same command line as
-plain ``acb serve`` (``argv``), so engine flags, the served name, the parsers and the chat
-template options mean the same thing here. Each response carries ``x-acb-replica``: the replica
-that served it.
+- ``AcbEngine`` replicas, each one :class:`acb.AsyncEngine` (one GPU each on CUDA) with acb
+  serve's own FastAPI app around it (:func:`acb.serve.app.build_app`: one implementation of the
+  OpenAI protocol, not two), built inside the replica. Every ``acb serve`` flag reaches every
+  replica: they parse the same command line (``argv``).
+- ``AcbIngress`` (no CPU of its own), behind Ray Serve's HTTP proxy: it reads each request's
+  body, derives its prefix key (the cache salt and the first :data:`AFFINITY_CHARS` characters of
+  the chat, prompt or input), and forwards the raw request to an engine replica by handle; the
+  replica runs it through its app and streams the response back, chunk by chunk.
 
-Not here yet: prefix-affinity routing. Ray Serve's HTTP proxy routes before reading a body (its
-request routers see the path and headers only), so a prompt's prefix cannot steer an HTTP
-request; that takes a two-tier design (an ingress deployment that reads the body and calls the
-engine replicas by handle with a prefix key) — see the README's scale-out section.
+Routing (:class:`PrefixAffinityRouter`, Ray Serve's request-router API): a request with a key
+prefers the replica its key hashes to (rendezvous hashing over the live replicas: requests that
+share a prompt prefix or a ``cache_salt`` meet the replica that holds it in its prefix cache,
+and a replica leaving moves only its own keys); the others come next, and Ray Serve takes the
+least loaded one with room among a rank. Ray Serve lacked only this key (its prefix-aware
+router reads LLM request objects with ``.messages``/``.prompt``; its HTTP proxy routes before
+reading a body).
+
+A replica that dies mid-request: the ingress answers an OpenAI error body (503) when nothing
+was sent yet, and ends a stream with an SSE error event and ``[DONE]``; Serve replaces the
+replica (health checks also fail a replica whose engine died). On SIGTERM Serve drains the
+replicas. Each response carries ``x-acb-replica``: the replica that served it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hashlib
+import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 try:
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.handle import DeploymentHandle
+    from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"acb's Ray Serve application needs Ray Serve: pip install 'acb-batching[ray]' ({exc})") from None
 
-__all__ = ["AcbReplica", "build_application", "deployment_options", "run"]
+__all__ = ["AcbEngine", "AcbIngress", "PrefixAffinityRouter", "affinity_key", "build_application",
+           "deployment_options", "run"]
 
 # a batching engine serves many requests at once: let the proxy send a replica that many (the
 # engine's own queue and max_queue_size decide what waits)
@@ -56,45 +69,134 @@ def _namespace(argv: Sequence[str]) -> argparse.Namespace:
         raise ValueError(f"acb serve flags {list(argv)!r}: {err.getvalue().strip().splitlines()[-1]}") from None
 
 
-@serve.ingress()
-class AcbReplica:
+AFFINITY_CHARS = 256  # characters of a prompt that make its prefix key
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """An HTTP request as the ingress hands it to an engine replica (``affinity``: its prefix key)."""
+
+    affinity: str | None
+    method: str
+    path: str
+    query: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Rendezvous hashing of each request's prefix key over the live replicas: the preferred
+    replica first, the others (least loaded first, by Ray Serve) next."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # all full: back off, not spin
+        key = None
+        if pending_request is not None and pending_request.args:
+            key = getattr(pending_request.args[0], "affinity", None)
+        if not key or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
+            f"{key}\0{r.replica_id.unique_id}".encode(), digest_size=8).digest())
+        return [[ranked[0]], ranked[1:]]
+
+
+def affinity_key(path: str, body: bytes) -> str | None:
+    """The prefix key of an OpenAI request: its ``cache_salt`` and the first
+    :data:`AFFINITY_CHARS` characters of its messages, prompt or input (None: not a generation)."""
+    if not path.rstrip("/").endswith(("/chat/completions", "/completions", "/responses")):
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    if "messages" in doc:
+        text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in doc["messages"] if isinstance(m, dict))
+    elif "prompt" in doc:
+        text = json.dumps(doc["prompt"])
+    else:
+        text = f"{doc.get('instructions')}\n{json.dumps(doc.get('input'))}"
+    return f"{doc.get('cache_salt') or ''}\0{text[:AFFINITY_CHARS]}"
+
+
+class AcbEngine:
     """One engine and acb serve's app around it (a Ray Serve deployment class; see the module
     docstring). ``argv``: ``acb serve``'s flags (``--model PATH --num-blocks 256 ...``)."""
 
     def __init__(self, argv: Sequence[str]) -> None:
+        import os
+
         import acb
         from acb.cli.common import _check_device, _engine_config, _load_model, _load_tokenizer, _model_name
+        from acb.serve.app import build_app
 
         args = _namespace(argv)
-        self.args = args
         device = _check_device(args.device)
         cfg = _engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed)
-        self.model_name = _model_name(args)
         self.engine = acb.AsyncEngine(_load_model(args, device), cfg, tokenizer=_load_tokenizer(args))
         self.engine.start()  # here, so that the replica is ready (and healthy) once it is built
         rid = getattr(serve.get_replica_context(), "replica_id", None)
         self.replica_id = str(getattr(rid, "unique_id", None) or rid or "replica")
+        self.app = build_app(self.engine, _model_name(args),
+                             api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
+                             max_body_bytes=args.max_body_bytes,
+                             trust_request_chat_template=args.trust_request_chat_template,
+                             max_prompts_per_request=args.max_prompts_per_request, grace_period=args.grace_period,
+                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        # (the app's lifespan starts the engine and watches signals in a plain `acb serve`; here
+        # the replica started the engine, and Serve handles the signals and the drain)
+        self.app.state.acb.ready = True
 
-    def __serve_build_asgi_app__(self) -> Any:
-        import os
+    async def forward(self, req: RoutedRequest) -> AsyncIterator[Any]:
+        """Run one HTTP request through the app: yields ``(status, headers)``, then body chunks.
+        Cancelled (the client left), the app sees a disconnect and cancels the request."""
+        sent = asyncio.Queue()  # type: asyncio.Queue[dict[str, Any]]
+        gone = asyncio.Event()
+        body_read = False
 
-        from acb.serve.app import build_app
+        async def receive() -> dict[str, Any]:
+            nonlocal body_read
+            if not body_read:
+                body_read = True
+                return {"type": "http.request", "body": req.body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
 
-        args = self.args
-        app = build_app(self.engine, self.model_name,
-                        api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-                        max_body_bytes=args.max_body_bytes, trust_request_chat_template=args.trust_request_chat_template,
-                        max_prompts_per_request=args.max_prompts_per_request, grace_period=args.grace_period,
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-        replica = self.replica_id
+        async def send(message: MutableMapping[str, Any]) -> None:
+            await sent.put(dict(message))
 
-        @app.middleware("http")
-        async def tag(request: Any, call_next: Any) -> Any:  # which replica served it (clients, tests)
-            response = await call_next(request)
-            response.headers["x-acb-replica"] = replica
-            return response
-
-        return app
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": req.method,
+                 "scheme": "http", "path": req.path, "raw_path": req.path.encode(), "root_path": "",
+                 "query_string": req.query.encode(), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req.headers]}
+        task = asyncio.ensure_future(self.app(scope, receive, send))
+        try:
+            while True:
+                get = asyncio.ensure_future(sent.get())
+                await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    task.result()  # (the app ended without finishing its response: raises, or returns)
+                    return
+                msg = get.result()
+                if msg["type"] == "http.response.start":
+                    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in msg.get("headers", [])]
+                    yield (msg["status"], [*headers, ("x-acb-replica", self.replica_id)])
+                elif msg["type"] == "http.response.body":
+                    if msg.get("body"):
+                        yield msg["body"]
+                    if not msg.get("more_body"):
+                        return
+        finally:
+            gone.set()
+            if not task.done():
+                try:
+                    await asyncio.wait_for(task, 5)
+                except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the response is over either way
+                    task.cancel()
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is replaced."""
@@ -103,6 +205,59 @@ class AcbReplica:
             raise RuntimeError(f"the engine died: {core.dead_error!r}")
         if not self.engine.is_running:
             raise RuntimeError("the engine is not running")
+
+
+@serve.ingress()
+class AcbIngress:
+    """Reads each request and forwards it to an engine replica by handle (see the module docstring)."""
+
+    def __init__(self, engines: DeploymentHandle, max_body_bytes: int = 16 << 20) -> None:
+        self.engines = engines
+        self.max_body_bytes = max_body_bytes
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        engines, limit = self.engines, self.max_body_bytes
+
+        def error(status: int, message: str, kind: str = "server_error") -> Any:
+            return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                                status_code=status)
+
+        async def forward(request: Any) -> Any:
+            body = await request.body()
+            if len(body) > limit:
+                return error(413, f"the request body is over {limit} bytes", "invalid_request_error")
+            routed = RoutedRequest(affinity_key(request.url.path, body), request.method, request.url.path,
+                                   request.url.query, tuple(request.headers.items()), body)
+            stream: Any = engines.options(stream=True).forward.remote(routed)  # a DeploymentResponseGenerator
+            try:
+                status, headers = await stream.__anext__()
+            except StopAsyncIteration:
+                return error(500, "the engine replica sent no response")
+            except Exception as exc:  # noqa: BLE001 - the replica died (or failed) before answering
+                return error(503, f"the engine replica failed: {type(exc).__name__}: {exc}")
+            sse = any(k.lower() == "content-type" and "text/event-stream" in v for k, v in headers)
+
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in stream:
+                        yield chunk
+                except Exception as exc:  # noqa: BLE001 - the replica died mid-response
+                    if sse:
+                        err = {"error": {"message": f"the engine replica failed: {type(exc).__name__}",
+                                         "type": "server_error", "param": None, "code": "replica_failed"}}
+                        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+            keep = [(k, v) for k, v in headers if k.lower() not in ("content-length", "transfer-encoding")]
+            response = StreamingResponse(chunks(), status_code=status)
+            response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in keep]
+            return response
+
+        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+        return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
 
 
 def deployment_options(*, num_replicas: int | None = None, min_replicas: int | None = None,
@@ -142,8 +297,13 @@ def build_application(args: dict[str, Any]) -> Any:
     opts = deployment_options(num_replicas=args.get("num_replicas"), min_replicas=args.get("min_replicas"),
                               max_replicas=args.get("max_replicas"), num_gpus=float(args.get("num_gpus", 0.0)),
                               num_cpus=float(args.get("num_cpus", 1.0)), grace_period=parsed.grace_period)
-    deployment = serve.deployment(AcbReplica, name="AcbReplica")
-    return deployment.options(**opts).bind(argv)  # type: ignore[attr-defined]  # (serve.deployment's overloads)
+    engines = serve.deployment(AcbEngine, name="AcbEngine").options(  # type: ignore[attr-defined]
+        request_router_config=RequestRouterConfig(
+            request_router_class="acb.distributed.ray_serve:PrefixAffinityRouter"),  # type: ignore[arg-type]
+        **opts).bind(argv)
+    ingress = serve.deployment(AcbIngress, name="AcbIngress").options(  # type: ignore[attr-defined]
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    return ingress.bind(engines, parsed.max_body_bytes)
 
 
 def run(app_args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,

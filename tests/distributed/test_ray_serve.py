@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -85,6 +86,54 @@ def test_concurrent_requests_spread_over_both_replicas(server, client, checkpoin
     assert len(replicas) == 2 and None not in replicas, replicas  # both replicas served some
     for p, (_, text) in zip(prompts, results):
         assert text == decode(tok, reference_generate(model, tok(p).input_ids, 24))
+
+
+def test_prefix_affinity_meets_the_replica_that_holds_the_prefix(client):
+    """Chats sharing a long system prompt (more than the key's 256 characters) go to one replica,
+    whose prefix cache then serves the shared part (cached_tokens)."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    seen, cached = set(), []
+    for i in range(6):
+        r = client.chat.completions.with_raw_response.create(
+            model=NAME, messages=[system, {"role": "user", "content": f"question {i}"}], max_tokens=2)
+        seen.add(r.headers["x-acb-replica"])
+        cached.append(r.parse().usage.prompt_tokens_details.cached_tokens)
+    assert len(seen) == 1, seen
+    assert all(c and c > 100 for c in cached[1:]), cached
+
+
+def test_a_replica_killed_mid_stream(server, client):
+    """Its stream ends with an SSE error event (the openai client raises); the next requests
+    succeed; Serve brings the replica back."""
+    import ray
+
+    stream = client.completions.with_streaming_response.create(
+        model=NAME, prompt="a long stream", max_tokens=1500, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    with stream as resp:
+        victim = resp.headers["x-acb-replica"]
+        lines = resp.iter_lines()
+        assert any(line.startswith("data:") for line in (next(lines), next(lines), next(lines)))
+        ray.init(address="auto", log_to_driver=False)
+        try:
+            names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                     if "AcbEngine" in a["name"] and victim in a["name"]]
+            assert len(names) == 1, names
+            ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+        finally:
+            ray.shutdown()
+        rest = [line for line in lines if line.startswith("data:")]
+    events = [json.loads(line[5:]) for line in rest if line.strip() != "data: [DONE]"]
+    assert "error" in events[-1] and rest[-1].strip() == "data: [DONE]", rest[-3:]
+    # the other replica serves meanwhile; then the killed one is replaced and serves again
+    deadline = time.monotonic() + 120
+    replicas = set()
+    while time.monotonic() < deadline and len(replicas) < 2:
+        r = client.completions.with_raw_response.create(model=NAME, prompt=f"after {time.monotonic()}",
+                                                         max_tokens=2)
+        assert r.parse().choices[0].finish_reason in ("length", "stop")
+        replicas.add(r.headers["x-acb-replica"])
+    assert len(replicas) == 2 and victim not in replicas, replicas
 
 
 def test_graceful_stop_finishes_the_request_in_flight(server, checkpoint):
