@@ -125,9 +125,9 @@ OPTIONAL = {
     "opentelemetry.exporter": {"acb.telemetry"},
     "prometheus_client": {"acb.telemetry"},
     # the server stack (extra "serve") lives in the acb.serve package alone
-    "fastapi": {"acb.serve", "acb.serve.app", "acb.serve.protocol", "acb.serve.responses", "acb.serve.router"},
-    "uvicorn": {"acb.serve", "acb.serve.router"},
-    "starlette": {"acb.serve.protocol"},
+    "fastapi": {"acb.serve", "acb.serve.app", "acb.serve.protocol", "acb.serve.responses"},
+    "uvicorn": {"acb.serve"},
+    "starlette": {"acb.serve.protocol", "acb.serve.ingress"},
 }
 
 

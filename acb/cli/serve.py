@@ -77,12 +77,9 @@ def _add_serve(sub: Any) -> None:
     ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B")
     ray.add_argument("--ray-address", default=None, metavar="ADDR",
                      help="an existing Ray cluster (ray://host:10001 or auto); default: a local Ray started here")
-    dp = p.add_argument_group("data parallel (acb/serve/router.py)")
-    dp.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
-                    help="run N engine replicas (one `acb serve` process each; one GPU each with --device cuda "
-                         "and N GPUs) behind one endpoint that routes by load and prefix affinity (default: 1)")
-    dp.add_argument("--router-default-max-tokens", type=_positive_int, default=256, metavar="N",
-                    help="the router's load estimate for a chat request without max_tokens (default: 256)")
+    ray.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
+                     help="the same as --ray --num-replicas N on a local Ray (one scale-out path for online "
+                          "serving: Ray Serve)")
     p.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
     p.set_defaults(func=cmd_serve, _parser=p, no_progress=True)
 
@@ -90,15 +87,12 @@ def _add_serve(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.isdir(args.model):
         raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    if args.data_parallel > 1:  # the former home-made router's flag: Ray Serve on this machine
+        if args.ray or args.num_replicas is not None:
+            raise CliError("--data-parallel N is --ray --num-replicas N: give one of them")
+        args.ray, args.num_replicas = True, args.data_parallel
     if args.ray:
         return _serve_on_ray(args)
-    if args.data_parallel > 1:  # a router process in front of N `acb serve` replicas
-        _check_device(args.device)
-        try:
-            from acb.serve.router import serve_data_parallel
-        except ImportError as exc:
-            raise CliError(str(exc)) from None
-        return serve_data_parallel(args)
     device = _check_device(args.device)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.verbose:
@@ -154,8 +148,6 @@ def _replica_argv(argv: list[str]) -> list[str]:
 def _serve_on_ray(args: argparse.Namespace) -> int:
     """``acb serve --ray``: the Ray Serve application on a local Ray (or ``--ray-address``), on
     --host/--port, until SIGINT/SIGTERM; then Serve drains and stops the replicas."""
-    if args.data_parallel > 1:
-        raise CliError("--ray and --data-parallel are two ways to scale out: pick one (--ray --num-replicas N)")
     try:
         from acb.distributed import ray_serve
     except ImportError as exc:

@@ -31,11 +31,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import shlex
 from collections.abc import AsyncIterator, MutableMapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from acb.serve.ingress import RoutedRequest, affinity_key
 
 try:
     from ray import serve
@@ -69,21 +69,6 @@ def _namespace(argv: Sequence[str]) -> argparse.Namespace:
         raise ValueError(f"acb serve flags {list(argv)!r}: {err.getvalue().strip().splitlines()[-1]}") from None
 
 
-AFFINITY_CHARS = 256  # characters of a prompt that make its prefix key
-
-
-@dataclass(frozen=True)
-class RoutedRequest:
-    """An HTTP request as the ingress hands it to an engine replica (``affinity``: its prefix key)."""
-
-    affinity: str | None
-    method: str
-    path: str
-    query: str
-    headers: tuple[tuple[str, str], ...]
-    body: bytes
-
-
 class PrefixAffinityRouter(RequestRouter):
     """Rendezvous hashing of each request's prefix key over the live replicas: the preferred
     replica first, the others (least loaded first, by Ray Serve) next."""
@@ -100,26 +85,6 @@ class PrefixAffinityRouter(RequestRouter):
         ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
             f"{key}\0{r.replica_id.unique_id}".encode(), digest_size=8).digest())
         return [[ranked[0]], ranked[1:]]
-
-
-def affinity_key(path: str, body: bytes) -> str | None:
-    """The prefix key of an OpenAI request: its ``cache_salt`` and the first
-    :data:`AFFINITY_CHARS` characters of its messages, prompt or input (None: not a generation)."""
-    if not path.rstrip("/").endswith(("/chat/completions", "/completions", "/responses")):
-        return None
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
-        return None
-    if "messages" in doc:
-        text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in doc["messages"] if isinstance(m, dict))
-    elif "prompt" in doc:
-        text = json.dumps(doc["prompt"])
-    else:
-        text = f"{doc.get('instructions')}\n{json.dumps(doc.get('input'))}"
-    return f"{doc.get('cache_salt') or ''}\0{text[:AFFINITY_CHARS]}"
 
 
 class AcbEngine:
@@ -150,7 +115,7 @@ class AcbEngine:
         # the replica started the engine, and Serve handles the signals and the drain)
         self.app.state.acb.ready = True
 
-    async def forward(self, req: RoutedRequest) -> AsyncIterator[Any]:
+    async def forward(self, req: RoutedRequest) -> AsyncIterator[Any]:  # noqa: C901
         """Run one HTTP request through the app: yields ``(status, headers)``, then body chunks.
         Cancelled (the client left), the app sees a disconnect and cancels the request."""
         sent = asyncio.Queue()  # type: asyncio.Queue[dict[str, Any]]
@@ -216,48 +181,10 @@ class AcbIngress:
         self.max_body_bytes = max_body_bytes
 
     def __serve_build_asgi_app__(self) -> Any:
-        from starlette.applications import Starlette
-        from starlette.responses import JSONResponse, StreamingResponse
-        from starlette.routing import Route
+        from acb.serve.ingress import forwarding_app
 
-        engines, limit = self.engines, self.max_body_bytes
-
-        def error(status: int, message: str, kind: str = "server_error") -> Any:
-            return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                                status_code=status)
-
-        async def forward(request: Any) -> Any:
-            body = await request.body()
-            if len(body) > limit:
-                return error(413, f"the request body is over {limit} bytes", "invalid_request_error")
-            routed = RoutedRequest(affinity_key(request.url.path, body), request.method, request.url.path,
-                                   request.url.query, tuple(request.headers.items()), body)
-            stream: Any = engines.options(stream=True).forward.remote(routed)  # a DeploymentResponseGenerator
-            try:
-                status, headers = await stream.__anext__()
-            except StopAsyncIteration:
-                return error(500, "the engine replica sent no response")
-            except Exception as exc:  # noqa: BLE001 - the replica died (or failed) before answering
-                return error(503, f"the engine replica failed: {type(exc).__name__}: {exc}")
-            sse = any(k.lower() == "content-type" and "text/event-stream" in v for k, v in headers)
-
-            async def chunks() -> AsyncIterator[bytes]:
-                try:
-                    async for chunk in stream:
-                        yield chunk
-                except Exception as exc:  # noqa: BLE001 - the replica died mid-response
-                    if sse:
-                        err = {"error": {"message": f"the engine replica failed: {type(exc).__name__}",
-                                         "type": "server_error", "param": None, "code": "replica_failed"}}
-                        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-
-            keep = [(k, v) for k, v in headers if k.lower() not in ("content-length", "transfer-encoding")]
-            response = StreamingResponse(chunks(), status_code=status)
-            response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in keep]
-            return response
-
-        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
-        return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
+        engines = self.engines
+        return forwarding_app(lambda routed: engines.options(stream=True).forward.remote(routed), self.max_body_bytes)
 
 
 def deployment_options(*, num_replicas: int | None = None, min_replicas: int | None = None,

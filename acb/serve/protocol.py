@@ -1,5 +1,5 @@
 """Request schemas of the OpenAI-compatible server (pydantic), OpenAI-style errors, and what
-``acb serve`` and its data-parallel router share about requests: the size-limited body reader
+``acb serve`` shares about requests: the size-limited body reader
 and the shutdown :class:`Drain`.
 
 Fields follow OpenAI's chat/completions and completions APIs. Unknown fields are ignored, as
@@ -446,8 +446,7 @@ class DrainMiddleware:
 def install_error_handlers(app: Any) -> None:
     """Make every failure of a FastAPI ``app`` answer with an OpenAI error body: an
     :class:`APIError` as it says, the end of a drain's grace period as a 503, Starlette's own
-    HTTP errors (404, 405) with their status, and anything else as a 500 (acb serve and the
-    data-parallel router both)."""
+    HTTP errors (404, 405) with their status, and anything else as a 500."""
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 

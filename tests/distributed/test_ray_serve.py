@@ -170,3 +170,18 @@ def test_the_config_file_builder_checks_the_flags():
     auto = deployment_options(min_replicas=1, max_replicas=3)
     assert auto["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in auto
     assert deployment_options(num_replicas=2, num_gpus=1)["ray_actor_options"]["num_gpus"] == 1
+
+
+def test_the_launcher_passes_every_other_flag_to_the_replicas():
+    """``acb serve --ray``'s own flags (and --host/--port: the proxy binds them) stay with the
+    launcher; every other flag goes to every replica, as written. ``--data-parallel N`` is
+    ``--ray --num-replicas N``, and giving both is refused."""
+    from acb.cli import main
+    from acb.cli.serve import _replica_argv
+
+    argv = ["serve", "--model", "/m", "--ray", "--num-replicas=2", "--host", "0.0.0.0", "--port", "9",
+            "--num-blocks", "64", "--ray-address", "auto", "--tool-call-parser", "hermes", "--data-parallel", "2"]
+    assert _replica_argv(argv) == ["--model", "/m", "--num-blocks", "64", "--tool-call-parser", "hermes"]
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--data-parallel", "2", "--ray", "--num-replicas", "3"])
+    assert exc.value.code == 2
