@@ -1,0 +1,48 @@
+"""The documentation (docs/, mkdocs.yml): the site builds in strict mode (a broken link, anchor
+or API reference fails it), the generated configuration page matches the code, and every
+public name has a reference entry."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("mkdocs")
+pytest.importorskip("mkdocstrings")
+
+
+def test_the_site_builds_strictly(tmp_path):
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "index.html").exists()
+
+
+def test_the_configuration_page_is_current():
+    p = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_config.py"), "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
+def test_every_public_name_has_a_reference_entry():
+    import acb
+
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    missing = [n for n in acb.__all__ if f"::: acb.{n}\n" not in reference]
+    assert not missing, f"docs/reference.md lacks {missing}"
+
+
+def test_the_readme_is_a_landing_page_whose_links_exist():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for target in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme):
+        assert (ROOT / target).exists(), target
