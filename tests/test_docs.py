@@ -46,3 +46,18 @@ def test_the_readme_is_a_landing_page_whose_links_exist():
     assert len(readme.splitlines()) <= 200
     for target in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme):
         assert (ROOT / target).exists(), target
+
+
+def test_the_benchmark_tables_are_current(tmp_path):
+    """benchmarks/RESULTS.md's generated blocks are what ``acb bench report`` makes of the
+    committed results (benchmarks/results/*.json)."""
+    import shutil
+
+    copy = tmp_path / "RESULTS.md"
+    shutil.copy(ROOT / "benchmarks" / "RESULTS.md", copy)
+    p = subprocess.run([sys.executable, "-m", "acb", "bench", "report", "--update-readme", str(copy), "--no-plot",
+                        "--out-dir", str(ROOT / "benchmarks" / "results")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert copy.read_text() == (ROOT / "benchmarks" / "RESULTS.md").read_text(), \
+        "benchmarks/RESULTS.md is stale: run acb bench report --update-readme benchmarks/RESULTS.md"
