@@ -72,31 +72,31 @@ class ContinuousBatchingConfig:
     max_batch_tokens: int | None = None  # token budget per step
     max_memory_percent: float | None = None  # of free device memory for the KV cache (CUDA)
     max_requests_per_batch: int | None = None  # most sequences in one step (and running at once)
-    max_blocks_per_request: int | None = None
-    allow_block_sharing: bool = True
-    use_async_batching: bool | None = None
-    use_cuda_graph: bool | tuple[bool, bool] | None = None
-    q_padding_interval_size: int = 0
-    kv_padding_interval_size: int = 0
-    varlen_compile_config: Any = None
-    decode_compile_config: Any = None
-    default_compile_level: int = 0
-    scheduler_type: str = "fifo"
+    max_blocks_per_request: int | None = None  # transformers' knob; no effect in acb (max_model_len bounds a request)
+    allow_block_sharing: bool = True  # prefix caching: requests share the KV blocks of a common prompt prefix
+    use_async_batching: bool | None = None  # schedule step N+1 while step N runs; default: on for CUDA, off on CPU
+    use_cuda_graph: bool | tuple[bool, bool] | None = None  # decode CUDA graphs (a tuple: (mixed, decode)); default: on for CUDA
+X
+    kv_padding_interval_size: int = 0  # transformers' knob; no effect in acb
+    varlen_compile_config: Any = None  # torch.compile options of mixed (prefill) steps
+    decode_compile_config: Any = None  # torch.compile options of decode-only steps
+    default_compile_level: int = 0  # 0: no compile; 1-3: torch.compile of both paths, more tuning each
+    scheduler_type: str = "fifo"  # "fifo", or "prefill_first"
     # fraction of blocks kept free when admitting new requests (fewer preemptions)
     safety_margin: float | None = None
-    return_logprobs: bool = False
-    seed: int | None = None
-    auto_switch_to_flash: bool = True
+    return_logprobs: bool = False  # every request returns its tokens' processed logprobs (transformers' meaning)
+    seed: int | None = None  # seeds the engine's draws of per-request seeds: a run is repeatable
+    auto_switch_to_flash: bool = True  # transformers' knob; acb picks its backend itself (attn_backend)
     cpu_offload_space: float | None = 0.0  # GiB of host memory for offloaded KV blocks; 0: none; None: the cap
-    cpu_offload_space_safety_threshold: float = 0.8
+    cpu_offload_space_safety_threshold: float = 0.8  # the most of available host memory offload may take
     max_queue_size: int = 0  # most requests waiting to be scheduled; 0 = unlimited
-    per_request_processors: bool = False
-    drop_unsupported_processors: bool = True
-    disable_nccl_graph_mixing: bool = True
-    cpu_group_timeout: float | None = 300.0
+    per_request_processors: bool = False  # the manager's add_request(temperature=...) kwargs apply per request
+    drop_unsupported_processors: bool = True  # a generation config's unsupported processors: dropped with a warning (else refused)
+    disable_nccl_graph_mixing: bool = True  # transformers' knob; no effect in acb
+    cpu_group_timeout: float | None = 300.0  # transformers' knob; no effect in acb
     # deprecated in transformers (5.11, 5.13, 5.17)
     use_default_compile_configs: bool | None = None
-    max_cached_graphs: int | None = None
+    max_cached_graphs: int | None = None  # deprecated in transformers; no effect
     block_size: int | None = None  # use page_size
     # acb only
     attn_backend: str | None = None  # "torch", "triton", "flash_attn"; None = the best available
