@@ -76,7 +76,7 @@ class ContinuousBatchingConfig:
     allow_block_sharing: bool = True  # prefix caching: requests share the KV blocks of a common prompt prefix
     use_async_batching: bool | None = None  # schedule step N+1 while step N runs; default: on for CUDA, off on CPU
     use_cuda_graph: bool | tuple[bool, bool] | None = None  # decode CUDA graphs (a tuple: (mixed, decode)); default: on for CUDA
-X
+    q_padding_interval_size: int = 0  # decode graphs' batch sizes past 8 step by this (0: 8 to 64, then 16)
     kv_padding_interval_size: int = 0  # transformers' knob; no effect in acb
     varlen_compile_config: Any = None  # torch.compile options of mixed (prefill) steps
     decode_compile_config: Any = None  # torch.compile options of decode-only steps
