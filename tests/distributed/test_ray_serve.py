@@ -47,10 +47,28 @@ def server(checkpoint, tmp_path_factory):
                tmp_path_factory.mktemp("ray-serve-logs") / "ray.log")
     try:
         s.wait_ready(timeout=240)
+        _both_replicas_known(s)
         yield s
     finally:
         rc = s.stop(timeout=60)
         assert rc in (0, None), f"acb serve --ray exited with {rc} on SIGTERM:\n{s.tail()}"
+
+
+def _both_replicas_known(server, timeout: float = 90) -> None:
+    """Serve's routers learn of replicas asynchronously: until both answered, the first requests
+    may all go to the one the ingress's router knew first."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    i = 0
+    while len(seen) < 2 and time.monotonic() < deadline:
+        status, headers, _ = raw(server.port, "POST", "/v1/completions",
+                                 {"model": NAME, "prompt": f"warm-up {i}", "max_tokens": 1})
+        i += 1
+        if status == 200:
+            seen.add(headers.get("x-acb-replica"))
+        else:
+            time.sleep(0.2)
+    assert len(seen) == 2, f"only {seen} answered within {timeout} s:\n{server.tail()}"
 
 
 @pytest.fixture(scope="module")
