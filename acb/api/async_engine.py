@@ -88,13 +88,26 @@ class AsyncEngine(EngineBase):
     ) -> RequestHandle:
         """Validate and admit a request; waits while ``max_queue_size`` requests are waiting.
 
-        ``prompt_ids``: token ids, or (with a tokenizer) a string or a chat (a list of
-        ``{"role", "content"}`` messages, rendered with the tokenizer's chat template and
-        ``chat_template_kwargs``). Raises ``ValueError``/``TypeError`` for bad input (nothing
-        else is affected).
-        ``cache_salt`` keeps the request's prefix-cache entries apart from other salts'.
-        Sampling keywords (``max_new_tokens=8, temperature=0.7``, the fields of
-        :class:`SamplingParams`) override those of ``sampling``.
+        Args:
+            prompt_ids: token ids, or (with a tokenizer) a string or a chat (a list of
+                ``{"role", "content"}`` messages, rendered with the tokenizer's chat template).
+            sampling: how to decode; ``None`` fields take the engine's defaults.
+            request_id: the request's id (default ``req_<n>``); it must not be live already.
+            record_timestamps: record each token's arrival time in the output.
+            cache_salt: keeps the request's prefix-cache entries apart from other salts'.
+            chat_template_kwargs: the chat template's variables (a chat prompt).
+            **sampling_kwargs: fields of :class:`SamplingParams` (``max_new_tokens=8,
+                temperature=0.7``) laid over ``sampling``.
+
+        Returns:
+            The request's handle: ``async for`` its deltas, ``await handle.result()``.
+
+        Raises:
+            ValueError: bad input (an empty prompt, a token id outside the vocabulary, a prompt
+                that can never fit, a bad sampling value, a live request id, a grammar that
+                cannot compile); nothing else is affected.
+            TypeError: an argument of the wrong type.
+            EngineNotRunningError: the engine is not started.
         """
         sampling = with_overrides("submit", sampling, sampling_kwargs)
         if sampling is not None and sampling.structured_outputs is not None and self.is_running:

@@ -179,17 +179,31 @@ class Engine(EngineBase):
         ``{"req_0": output, ...}`` in input order. Ids are ``req_<i>`` of this call; they must not
         be live already (two concurrent calls on one engine need their own ids: use ``submit``).
 
-        ``sampling``: one :class:`SamplingParams` for every prompt, or a sequence of them, one per
-        prompt (sampling keywords are laid over each). ``on_result(index, output)`` is called on
-        this thread as each request ends (in the order they end), e.g. to write results as they
-        come. ``should_stop()`` is polled while the batch runs (every 0.5 s at least): once it
-        returns True nothing more is submitted, the running and queued requests are cancelled,
-        and the call returns when each of them has its final output (the prompts never submitted
-        are left out of the result). A ``KeyboardInterrupt`` likewise cancels what this call
-        started and gives back the rest before it propagates, so the engine outlives it.
+        A ``KeyboardInterrupt`` cancels what this call started and gives back the rest before
+        it propagates, so the engine outlives it. On a tensor-parallel follower rank
+        (``is_follower``) this returns ``{}`` at once: the leader's call runs the batch on every
+        rank, and its result is the answer.
 
-        On a tensor-parallel follower rank (``is_follower``) this returns ``{}`` at once: the
-        leader's call runs the batch on every rank, and its result is the answer."""
+        Args:
+            inputs: the prompts (token ids, text or chats), or a ``[B, T]`` tensor of token ids.
+            sampling: one :class:`SamplingParams` for every prompt, or one per prompt.
+            record_timestamps: record each token's arrival time in the outputs.
+            progress_bar: a tqdm bar of requests done and tokens/s.
+            on_result: ``on_result(index, output)``, called on this thread as each request ends
+                (in the order they end), e.g. to write results as they come.
+            should_stop: polled while the batch runs (every 0.5 s at least); once it returns
+                True nothing more is submitted, the running and queued requests are cancelled,
+                and the call returns when each has its final output (the prompts never
+                submitted are left out of the result).
+            **kwargs: fields of :class:`SamplingParams` laid over each prompt's ``sampling``.
+
+        Returns:
+            ``{"req_<i>": GenerationOutput}`` in input order; a failed request keeps its place
+            with ``status`` FAILED and ``error`` set.
+
+        Raises:
+            ValueError: a bad input, named ``inputs[i]`` (every input is validated before any runs).
+            TypeError: an argument of the wrong type."""
         if self.is_follower:
             return {}
         inputs = _prompt_list(inputs)
@@ -348,13 +362,30 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt in ``inputs`` with continuous batching; block until all are done.
 
-    Returns ``{request_id: GenerationOutput}`` in input order, ids ``req_0, req_1, ...`` (as
-    transformers' ``generate_batch``). A request that fails keeps its place with
-    ``status == FAILED`` and ``error`` set. Every input is validated before any runs.
-    ``persistent_manager`` and ``warmup`` (transformers' arguments) are accepted and have no
-    effect. Sampling keywords (``temperature=0.7``, the fields of :class:`SamplingParams`)
-    override those of ``sampling`` for every prompt. A tqdm bar shows requests done and output
-    tokens/s.
+    An engine is started for the call and stopped after it (for many calls, keep an
+    :class:`Engine` and call its :meth:`Engine.generate_batch`).
+
+    Args:
+        model: a transformers causal LM.
+        inputs: the prompts (token ids, text or chats with a tokenizer), or a ``[B, T]`` tensor.
+        generation_config: the requests' defaults (default: the model's).
+        continuous_batching_config: acb's or transformers' ``ContinuousBatchingConfig``.
+        record_timestamps: record each token's arrival time in the outputs.
+        progress_bar: a tqdm bar of requests done and output tokens/s.
+        persistent_manager: transformers' argument; no effect.
+        warmup: transformers' argument; no effect.
+        sampling: the requests' :class:`SamplingParams` (over the generation config's).
+        tokenizer: needed for text prompts, chats and output text.
+        **kwargs: fields of :class:`SamplingParams` (``temperature=0.7``) laid over ``sampling``.
+
+    Returns:
+        ``{request_id: GenerationOutput}`` in input order, ids ``req_0, req_1, ...`` (as
+        transformers' ``generate_batch``); a request that fails keeps its place with
+        ``status == FAILED`` and ``error`` set.
+
+    Raises:
+        ValueError: a bad input, named ``inputs[i]`` (every input is validated before any runs).
+        UnsupportedModelError: the model cannot run in acb (the message says why).
     """
     del persistent_manager, warmup  # transformers' knobs: acb's engine needs neither
     sampling = with_overrides("generate_batch", sampling, kwargs)
