@@ -311,13 +311,26 @@ class Engine(EngineBase):
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> ScoreOutput:
-        """How likely each continuation of ``context`` is: every continuation token's logprob (raw
-        log-softmax), whether the continuation is the greedy one, and optionally the top
-        alternatives. Nothing is sampled. ``context`` and ``continuations`` are token ids (or text,
-        with a tokenizer; see :func:`acb.api.scoring.as_ids`). The context's prefix is read from and
-        written to the prefix cache like any prompt's, one-token continuations all come from one
-        forward of the context, and the LM head runs only on the scored rows
-        (:mod:`acb.api.scoring`). Raises ``RequestFailedError`` if the engine failed it."""
+        """How likely each continuation of ``context`` is. Nothing is sampled: the context's prefix
+        is read from and written to the prefix cache like any prompt's, one-token continuations
+        all come from one forward of the context, and the LM head runs only on the scored rows
+        (:mod:`acb.api.scoring`).
+
+        Args:
+            context: token ids (or text, with a tokenizer; see :func:`acb.api.scoring.as_ids`).
+            continuations: what may follow ``context``, each as token ids (or text).
+            top_logprobs: also return the ``k`` most likely tokens at each scored position.
+            request_id: the id of the (first) engine request (default ``score_<n>``).
+            cache_salt: keeps the prefix-cache entries apart from other salts'.
+
+        Returns:
+            A :class:`acb.ScoreOutput`: per continuation, every token's logprob (raw
+            log-softmax), whether it is the greedy one, and the top alternatives when asked.
+
+        Raises:
+            ValueError: a bad input (an empty context or continuation, a token outside the
+                vocabulary, more than can ever fit).
+            RequestFailedError: the engine failed the scoring request."""
         (out,) = self.score_batch([(context, continuations)], top_logprobs=top_logprobs, cache_salt=cache_salt,
                                   progress_bar=False, request_ids=[request_id] if request_id else None)
         if out.status != RequestStatus.FINISHED:
