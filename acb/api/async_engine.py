@@ -158,7 +158,25 @@ class AsyncEngine(EngineBase):
         chat_template_kwargs: dict[str, Any] | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> GenerationOutput:
-        """Submit and await the final output in one call (arguments as for :meth:`submit`)."""
+        """Submit and await the final output in one call.
+
+        Args:
+            prompt_ids: as for :meth:`submit`.
+            sampling: as for :meth:`submit`.
+            request_id: as for :meth:`submit`.
+            record_timestamps: as for :meth:`submit`.
+            cache_salt: as for :meth:`submit`.
+            chat_template_kwargs: as for :meth:`submit`.
+            **sampling_kwargs: as for :meth:`submit`.
+
+        Returns:
+            The request's :class:`acb.GenerationOutput`.
+
+        Raises:
+            ValueError: bad input, as for :meth:`submit`.
+            RequestFailedError: the engine failed the request (``.output`` has what it made).
+            EngineDeadError: the engine died.
+        """
         sampling = with_overrides("generate", sampling, sampling_kwargs)
         handle = await self.submit(prompt_ids, sampling, request_id=request_id, record_timestamps=record_timestamps,
                                    cache_salt=cache_salt, chat_template_kwargs=chat_template_kwargs)
@@ -173,10 +191,24 @@ class AsyncEngine(EngineBase):
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> ScoreOutput:
-        """How likely each continuation of ``context`` is (as :meth:`acb.Engine.score`): every
-        continuation token's raw logprob, whether it is greedy, optionally the top alternatives.
-        Raises ``RequestFailedError`` if the engine failed it; cancelling the awaiting task
-        cancels its engine requests."""
+        """How likely each continuation of ``context`` is (as :meth:`acb.Engine.score`).
+        Cancelling the awaiting task cancels its engine requests.
+
+        Args:
+            context: token ids (or text, with a tokenizer).
+            continuations: what may follow ``context``, each as token ids (or text).
+            top_logprobs: also return the ``k`` most likely tokens at each scored position.
+            request_id: the id of the (first) engine request.
+            cache_salt: keeps the prefix-cache entries apart from other salts'.
+
+        Returns:
+            A :class:`acb.ScoreOutput`: per continuation, every token's raw logprob, whether it
+            is the greedy one, and the top alternatives when asked.
+
+        Raises:
+            ValueError: a bad input.
+            RequestFailedError: the engine failed the scoring request.
+        """
         (out,) = await self.score_batch([(context, continuations)], top_logprobs=top_logprobs,
                                         cache_salt=cache_salt, request_ids=[request_id] if request_id else None)
         if out.status != RequestStatus.FINISHED:
@@ -191,9 +223,23 @@ class AsyncEngine(EngineBase):
         cache_salt: str | None = None,
         request_ids: Sequence[str] | None = None,
     ) -> list[ScoreOutput]:
-        """:meth:`score` for many ``(context, continuations)`` items, in input order (as
-        :meth:`acb.Engine.score_batch`: validated first, submitted sorted by tokens for prefix
-        reuse; a failed item keeps its place with ``status`` FAILED)."""
+        """:meth:`score` for many items at once (as :meth:`acb.Engine.score_batch`): every item
+        is validated before any runs, and the engine requests are submitted sorted by their
+        tokens, so that contexts sharing a prefix meet in the prefix cache.
+
+        Args:
+            items: ``(context, continuations)`` pairs.
+            top_logprobs: also return the ``k`` most likely tokens at each scored position.
+            cache_salt: keeps the prefix-cache entries apart from other salts'.
+            request_ids: one id per item (default ``score_<i>``).
+
+        Returns:
+            One :class:`acb.ScoreOutput` per item, in input order; a failed item keeps its
+            place with ``status`` FAILED and ``error`` set.
+
+        Raises:
+            ValueError: a bad item, named ``items[i]``.
+        """
         loop = current_loop()
         plans, ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
                                                     lambda rid: AsyncSink(rid, loop))
