@@ -89,7 +89,24 @@ class Engine(EngineBase):
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> SyncRequestHandle:
         """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting.
-        Prompts and sampling keywords as for :meth:`acb.AsyncEngine.submit`."""
+
+        Args:
+            prompt_ids: token ids, or (with a tokenizer) a string or a chat.
+            sampling: how to decode; ``None`` fields take the engine's defaults.
+            request_id: the request's id (default ``req_<n>``); it must not be live already.
+            record_timestamps: record each token's arrival time in the output.
+            timeout: the most seconds to wait for a queue slot.
+            cache_salt: keeps the request's prefix-cache entries apart from other salts'.
+            chat_template_kwargs: the chat template's variables (a chat prompt).
+            **sampling_kwargs: fields of :class:`SamplingParams` laid over ``sampling``.
+
+        Returns:
+            The request's handle: iterate it for deltas, ``handle.result()`` for the output.
+
+        Raises:
+            ValueError: bad input (as for :meth:`acb.AsyncEngine.submit`); nothing else is affected.
+            TimeoutError: no queue slot within ``timeout``.
+        """
         sampling = with_overrides("submit", sampling, sampling_kwargs)
         return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
                             record_timestamps=record_timestamps, cache_salt=cache_salt,
@@ -346,11 +363,24 @@ class Engine(EngineBase):
         progress_bar: bool = True,
         request_ids: Sequence[str] | None = None,
     ) -> list[ScoreOutput]:
-        """:meth:`score` for many ``(context, continuations)`` items at once, in input order (ids
-        ``score_<i>`` unless ``request_ids``). Every item is validated before any runs; the
+        """:meth:`score` for many items at once. Every item is validated before any runs; the
         engine requests are submitted sorted by their tokens, so that contexts sharing a prefix (a
-        task's few-shot preamble) meet in the prefix cache. A failed item keeps its place with
-        ``status`` FAILED and ``error`` set. A tqdm bar counts engine requests."""
+        task's few-shot preamble) meet in the prefix cache.
+
+        Args:
+            items: ``(context, continuations)`` pairs.
+            top_logprobs: also return the ``k`` most likely tokens at each scored position.
+            cache_salt: keeps the prefix-cache entries apart from other salts'.
+            progress_bar: a tqdm bar counting engine requests.
+            request_ids: one id per item (default ``score_<i>``).
+
+        Returns:
+            One :class:`acb.ScoreOutput` per item, in input order; a failed item keeps its place
+            with ``status`` FAILED and ``error`` set.
+
+        Raises:
+            ValueError: a bad item, named ``items[i]``.
+        """
         if self.is_follower:
             return []
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
