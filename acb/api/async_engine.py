@@ -55,10 +55,12 @@ class AsyncEngine(EngineBase):
                 await self.shutdown()
 
     async def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish).
+        """Stop the engine. The stop is requested at once; then the engine thread is awaited
+        from a worker thread. Cancelling this call stops the wait, not the stop.
 
-        The stop is requested at once; then the engine thread is awaited (``timeout`` seconds at
-        most) from a worker thread. Cancelling this call stops the wait, not the stop.
+        Args:
+            cancel_pending: cancel the live requests (else they finish first).
+            timeout: the most seconds to wait for the engine thread.
         """
         self.stop(drain=not cancel_pending, timeout=0)  # post the stop; join(0) does not block
         await anyio.to_thread.run_sync(self.join, timeout)
@@ -136,9 +138,24 @@ class AsyncEngine(EngineBase):
         chat_template_kwargs: dict[str, Any] | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> RequestHandle:
-        """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting.
+        """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting. Must be
+        called from a running event loop (the handle belongs to it).
 
-        Must be called from a running event loop (the handle belongs to it).
+        Args:
+            prompt_ids: as for :meth:`submit`.
+            sampling: as for :meth:`submit`.
+            request_id: as for :meth:`submit`.
+            record_timestamps: as for :meth:`submit`.
+            cache_salt: as for :meth:`submit`.
+            chat_template_kwargs: as for :meth:`submit`.
+            **sampling_kwargs: as for :meth:`submit`.
+
+        Returns:
+            The request's handle.
+
+        Raises:
+            QueueFullError: ``max_queue_size`` requests are already waiting.
+            ValueError: bad input, as for :meth:`submit`.
         """
         sampling = with_overrides("submit_nowait", sampling, sampling_kwargs)
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
@@ -275,10 +292,11 @@ class AsyncEngine(EngineBase):
     # ------------------------------------------------------ pause and sleep
     async def pause(self, mode: str = "wait") -> None:
         """Stop running steps, e.g. while the model trains between rounds; returns once paused.
+        Requests submitted while paused are accepted and wait.
 
-        ``mode``: ``"wait"`` lets the live requests finish first, ``"cancel"`` cancels them,
-        ``"keep"`` parks them where they are (they continue after :meth:`resume`). Requests
-        submitted while paused are accepted and wait.
+        Args:
+            mode: ``"wait"`` lets the live requests finish first, ``"cancel"`` cancels them,
+                ``"keep"`` parks them where they are (they continue after :meth:`resume`).
         """
         await await_future(self._pause_future(mode))
 

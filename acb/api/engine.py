@@ -55,7 +55,12 @@ class Engine(EngineBase):
             self.shutdown()
 
     def shutdown(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine: cancel live requests (or, with ``cancel_pending=False``, let them finish)."""
+        """Stop the engine and wait for its thread.
+
+        Args:
+            cancel_pending: cancel the live requests (else they finish first).
+            timeout: the most seconds to wait for the engine thread.
+        """
         self.stop(drain=not cancel_pending, timeout=timeout)
 
     def enqueue_blocking(self, req: Submission, *, wait: bool = True, timeout: float | None = None) -> None:
@@ -123,7 +128,24 @@ class Engine(EngineBase):
         chat_template_kwargs: dict[str, Any] | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> SyncRequestHandle:
-        """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting."""
+        """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting.
+
+        Args:
+            prompt_ids: as for :meth:`submit`.
+            sampling: as for :meth:`submit`.
+            request_id: as for :meth:`submit`.
+            record_timestamps: as for :meth:`submit`.
+            cache_salt: as for :meth:`submit`.
+            chat_template_kwargs: as for :meth:`submit`.
+            **sampling_kwargs: as for :meth:`submit`.
+
+        Returns:
+            The request's handle.
+
+        Raises:
+            QueueFullError: ``max_queue_size`` requests are already waiting.
+            ValueError: bad input, as for :meth:`submit`.
+        """
         sampling = with_overrides("submit_nowait", sampling, sampling_kwargs)
         return self._submit(prompt_ids, sampling, False, None, request_id=request_id,
                             record_timestamps=record_timestamps, cache_salt=cache_salt,
@@ -141,8 +163,25 @@ class Engine(EngineBase):
         chat_template_kwargs: dict[str, Any] | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> GenerationOutput:
-        """Submit and wait for the final output in one call (arguments as for :meth:`submit`;
-        ``timeout`` bounds the wait for a queue slot)."""
+        """Submit and wait for the final output in one call.
+
+        Args:
+            prompt_ids: as for :meth:`submit`.
+            sampling: as for :meth:`submit`.
+            request_id: as for :meth:`submit`.
+            record_timestamps: as for :meth:`submit`.
+            timeout: the most seconds to wait for a queue slot.
+            cache_salt: as for :meth:`submit`.
+            chat_template_kwargs: as for :meth:`submit`.
+            **sampling_kwargs: as for :meth:`submit`.
+
+        Returns:
+            The request's :class:`acb.GenerationOutput`.
+
+        Raises:
+            ValueError: bad input, as for :meth:`submit`.
+            RequestFailedError: the engine failed the request (``.output`` has what it made).
+        """
         sampling = with_overrides("generate", sampling, sampling_kwargs)
         return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
                             record_timestamps=record_timestamps, cache_salt=cache_salt,
@@ -155,10 +194,12 @@ class Engine(EngineBase):
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
         """Stop running steps, e.g. while the model trains between rounds; returns once paused.
+        Requests submitted while paused are accepted and wait.
 
-        ``mode``: ``"wait"`` lets the live requests finish first, ``"cancel"`` cancels them,
-        ``"keep"`` parks them where they are (they continue after :meth:`resume`). Requests
-        submitted while paused are accepted and wait. ``timeout`` bounds the wait (``"wait"``).
+        Args:
+            mode: ``"wait"`` lets the live requests finish first, ``"cancel"`` cancels them,
+                ``"keep"`` parks them where they are (they continue after :meth:`resume`).
+            timeout: the most seconds to wait (``"wait"``: for the live requests to finish).
         """
         self._pause_future(mode).result(timeout)
 
