@@ -189,7 +189,14 @@ class Engine(EngineBase):
 
     def reset_prefix_cache(self, timeout: float | None = None) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
-        requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
+        requests run: blocks in use stay in use.
+
+        Args:
+            timeout: the most seconds to wait for the engine thread to do it.
+
+        Returns:
+            How many blocks were forgotten.
+        """
         return self._reset_prefix_cache_future().result(timeout)
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
@@ -204,21 +211,36 @@ class Engine(EngineBase):
         self._pause_future(mode).result(timeout)
 
     def resume(self, timeout: float | None = None) -> None:
-        """Run steps again after :meth:`pause`."""
+        """Run steps again after :meth:`pause`.
+
+        Args:
+            timeout: the most seconds to wait for the engine thread to do it.
+        """
         self._resume_future().result(timeout)
 
     def sleep(self, timeout: float | None = None) -> MemoryReleased:
         """Free the KV cache, the decode graphs and the step buffers (the model stays) and return
         the bytes freed. No steps run until :meth:`wake_up`; running requests are taken off the
         device and recomputed after it; the prefix cache is emptied. A pause in effect (or a
-        ``pause("wait")`` still draining) is left as it is and holds after waking."""
+        ``pause("wait")`` still draining) is left as it is and holds after waking.
+
+        Args:
+            timeout: the most seconds to wait for the engine thread to do it.
+
+        Returns:
+            What was freed, in bytes by kind (:class:`acb.runner.model_runner.MemoryReleased`).
+        """
         released: MemoryReleased = self._sleep_future().result(timeout)
         return released
 
     def wake_up(self, timeout: float | None = None) -> None:
         """Allocate again what :meth:`sleep` freed (and capture the graphs); steps run again
         unless a :meth:`pause` holds them (a paused engine stays paused until :meth:`resume`; a
-        drain that ``sleep`` interrupted goes on)."""
+        drain that ``sleep`` interrupted goes on).
+
+        Args:
+            timeout: the most seconds to wait for the engine thread to do it.
+        """
         self._wake_up_future().result(timeout)
 
     def generate_batch(

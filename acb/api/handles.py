@@ -53,6 +53,15 @@ class RequestHandle(_HandleBase):
     _sink: AsyncSink
 
     async def result(self) -> GenerationOutput:
+        """Wait for the request's final output. Cancelling the awaiting task cancels the request.
+
+        Returns:
+            The :class:`GenerationOutput` (``status`` FINISHED, or CANCELLED).
+
+        Raises:
+            RequestFailedError: the engine failed the request (``.output`` has what it made).
+            EngineDeadError: the engine died.
+        """
         try:
             return await self._sink.result()
         except BaseException as exc:
@@ -122,6 +131,19 @@ class SyncRequestHandle(_HandleBase):
     _sink: ThreadSink
 
     def result(self, timeout: float | None = None) -> GenerationOutput:
+        """Block until the request's final output.
+
+        Args:
+            timeout: the most seconds to wait (``None``: no limit).
+
+        Returns:
+            The :class:`GenerationOutput` (``status`` FINISHED, or CANCELLED).
+
+        Raises:
+            TimeoutError: no output within ``timeout``.
+            RequestFailedError: the engine failed the request (``.output`` has what it made).
+            EngineDeadError: the engine died.
+        """
         return self._sink.result(timeout)
 
     def __iter__(self) -> Iterator[StreamDelta]:
