@@ -182,7 +182,25 @@ class ContinuousBatchingManager:
         eos_token_id: int | list[int] | None = None,
         **logit_processor_kwargs: Any,
     ) -> str:
-        """Queue one request; returns its id. Blocks while ``max_queue_size`` requests wait."""
+        """Queue one request (transformers' ``add_request``). Blocks while ``max_queue_size``
+        requests wait.
+
+        Args:
+            input_ids: the prompt's token ids.
+            request_id: its id (default ``req_<n>``).
+            max_new_tokens: most tokens to generate (default: the generation config's).
+            streaming: deliver partial outputs as tokens come (``get_result`` returns them).
+            record_timestamps: record each token's arrival time.
+            eos_token_id: the stop token(s) (default: the generation config's).
+            **logit_processor_kwargs: sampling settings (``temperature``, ``top_k``...), applied
+                per request with ``per_request_processors=True`` (else ignored with a warning).
+
+        Returns:
+            The request's id.
+
+        Raises:
+            ValueError: bad input; nothing else is affected.
+        """
         per_request: dict[str, Any] = {}
         if logit_processor_kwargs:
             if not self.continuous_batching_config.per_request_processors:
@@ -251,11 +269,23 @@ class ContinuousBatchingManager:
         ]
 
     def cancel_request(self, request_id: str) -> None:
-        """Cancel a request; unknown ids are a logged no-op."""
+        """Cancel a request; unknown ids are a logged no-op.
+
+        Args:
+            request_id: the request's id.
+        """
         self._engine.cancel(request_id)
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The next output (of ``request_id`` if given), or None after ``timeout`` seconds."""
+        """The next output.
+
+        Args:
+            request_id: only this request's (default: any request's).
+            timeout: the most seconds to wait (``None``: no limit).
+
+        Returns:
+            A :class:`GenerationOutput` (partial ones when streaming), or None after ``timeout``.
+        """
         if not self.is_running() and self.output_router.empty():
             return None
         return self.output_router.get(request_id, timeout)
@@ -267,7 +297,11 @@ class ContinuousBatchingManager:
                 yield out
 
     def request_id_iter(self, request_id: str) -> Generator[GenerationOutput, None, None]:
-        """Outputs of one request until its final one."""
+        """Outputs of one request until its final one.
+
+        Args:
+            request_id: the request's id.
+        """
         while self.is_running() or not self.output_router.empty():
             out = self.output_router.get(request_id, 0.1)
             if out is not None:
@@ -277,7 +311,13 @@ class ContinuousBatchingManager:
 
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
         """Call ``callback(output)`` on the current event loop (asyncio's or trio's) for each output
-        of ``request_id``."""
+        of ``request_id``.
+
+        Args:
+            request_id: the request's id.
+            callback: called with each :class:`GenerationOutput`; an exception it raises is
+                logged, and the engine goes on.
+        """
         early = self.output_router.set_handler(request_id, callback, current_loop())
         for o in early:  # outputs that arrived before the handler was registered
             callback(o)
