@@ -167,7 +167,11 @@ class EngineBase:
 
     def set_generation_config(self, generation_config: GenerationConfig | None) -> None:
         """Make ``generation_config`` the defaults of the requests submitted from now on (a live
-        engine kept across calls that each bring their own, as a trainer's rollouts do)."""
+        engine kept across calls that each bring their own, as a trainer's rollouts do).
+
+        Args:
+            generation_config: a transformers ``GenerationConfig`` (None: acb's defaults).
+        """
         config = self.cb_config
         defaults = FALLBACK
         if generation_config is not None:
@@ -229,8 +233,13 @@ class EngineBase:
             self.runner = None
 
     def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
-        """Stop the engine thread: ``drain`` finishes the live requests first, else they are cancelled.
-        On a tensor-parallel follower rank the leader's stop ends the engine: this waits for it."""
+        """Stop the engine thread. On a tensor-parallel follower rank the leader's stop ends the
+        engine: this waits for it.
+
+        Args:
+            drain: finish the live requests first (else they are cancelled).
+            timeout: the most seconds to wait for the engine thread.
+        """
         core = self.core
         if core is not None:
             if self.is_follower:
@@ -246,7 +255,11 @@ class EngineBase:
         return core is not None and core.sync is not None and not core.sync.is_leader
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for the engine thread to exit (after ``stop``)."""
+        """Wait for the engine thread to exit (after ``stop``).
+
+        Args:
+            timeout: the most seconds to wait.
+        """
         if self.core is not None:
             self.core.join(timeout)
 
@@ -306,7 +319,14 @@ class EngineBase:
         return cls(model, config, getattr(model, "generation_config", None), tokenizer=tokenizer)
 
     def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
-        """Run ``fn(core)`` on the engine thread between steps; returns a ``concurrent.futures.Future``."""
+        """Run ``fn(core)`` on the engine thread between steps.
+
+        Args:
+            fn: called with the :class:`acb.core.engine_core.EngineCore`.
+
+        Returns:
+            A ``concurrent.futures.Future`` of ``fn``'s result.
+        """
         return self._live_core().call(fn)
 
     def _reset_prefix_cache_future(self) -> Future[int]:
@@ -534,8 +554,18 @@ class EngineBase:
         return plans, ids, reqs
 
     def make_all(self, field: str, makers: Iterable[tuple[int, Callable[[], Submission]]]) -> list[Submission]:
-        """Several submits validated together (a batch call): each ``maker()`` a
-        :meth:`make_request`; all of them, or, on an error naming ``field[i]``, none."""
+        """Several submits validated together (a batch call): all of them, or none.
+
+        Args:
+            field: the argument's name in errors (``inputs[i]: ...``).
+            makers: ``(i, maker)`` pairs, each ``maker()`` a :meth:`make_request` call.
+
+        Returns:
+            The submissions, in order.
+
+        Raises:
+            ValueError: the first bad one, named ``field[i]`` (the others are given back).
+        """
         made: list[Submission] = []
         try:
             for i, make in makers:
@@ -556,11 +586,22 @@ class EngineBase:
         return core
 
     def enqueue(self, req: Submission) -> None:
-        """Hand a validated request to the engine (the caller holds its queue slot)."""
+        """Hand a validated request to the engine (the caller holds its queue slot).
+
+        Args:
+            req: what :meth:`make_request` returned.
+        """
         self._made_core().add(req.engine_request)
 
     def admit(self, req: Submission) -> None:
-        """Hand a validated request, holding a queue slot, to the engine; undo both on failure."""
+        """Hand a validated request, holding a queue slot, to the engine; undo both on failure.
+
+        Args:
+            req: what :meth:`make_request` returned.
+
+        Raises:
+            EngineDeadError: the engine died (the slot and the ids are given back).
+        """
         try:
             self._made_core().check_alive()
             self.enqueue(req)
@@ -570,14 +611,25 @@ class EngineBase:
             raise
 
     def abandon(self, req: Submission) -> None:
-        """Undo ``make_request`` for a request that will not be enqueued."""
+        """Undo ``make_request`` for a request that will not be enqueued.
+
+        Args:
+            req: what :meth:`make_request` returned.
+        """
         core = self._made_core()
         self.sinks.discard(req.engine_request.sink_key)
         for mid in req.engine_request.member_ids:
             core.release_id(mid)
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a request by id. Unknown or finished ids: a no-op that returns False (and logs)."""
+        """Cancel a request by id.
+
+        Args:
+            request_id: the request's id.
+
+        Returns:
+            Whether a live request had that id (unknown or finished ids: a logged no-op).
+        """
         core = self.core
         if core is None or not core.is_live(request_id):
             logger.info("cancel(%r): no live request with that id; nothing to do", request_id)
