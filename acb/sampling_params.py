@@ -219,7 +219,14 @@ class SamplingParams:
             raise TypeError(f"skip_special_tokens must be a bool, got {type(self.skip_special_tokens).__name__}")
 
     def merged_over(self, defaults: "SamplingParams") -> "SamplingParams":
-        """These params with every ``None`` field taken from ``defaults``."""
+        """These params with every ``None`` field taken from ``defaults``.
+
+        Args:
+            defaults: the values for the fields left ``None`` here.
+
+        Returns:
+            A new :class:`SamplingParams` (this one when nothing was ``None``).
+        """
         changes = {
             f.name: getattr(defaults, f.name)
             for f in fields(self)

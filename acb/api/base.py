@@ -397,10 +397,29 @@ class EngineBase:
         results go to ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``).
         Everything is checked before the request id is claimed, so a refused submit leaves
         nothing behind. Hand it to the engine with :meth:`admit` (or :meth:`enqueue` when holding
-        a queue slot), or give its id back with :meth:`abandon`. ``scoring`` makes it a scoring request
-        (:mod:`acb.api.scoring`): it records prompt logprobs from ``scoring.lp_start`` and samples
-        nothing; ``score_children`` (prompts that extend this one, with their specs) fork from it
-        once its prompt is done, as the samples of ``n > 1`` do, in one group."""
+        a queue slot), or give its id back with :meth:`abandon`.
+
+        Args:
+            prompt_ids: token ids, text or a chat (with a tokenizer).
+            sampling: how to decode (merged over the engine's defaults).
+            sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
+            request_id: its id (default ``req_<n>``).
+            record_timestamps: record each token's arrival time.
+            cache_salt: keeps its prefix-cache entries apart from other salts'.
+            chat_template_kwargs: the chat template's variables (a chat prompt).
+            scoring: makes it a scoring request (:mod:`acb.api.scoring`): it records prompt
+                logprobs from ``scoring.lp_start`` and samples nothing.
+            score_children: prompts that extend this one, with their specs: they fork from it
+                once its prompt is done, as the samples of ``n > 1`` do, in one group.
+
+        Returns:
+            The :class:`Submission` (its :class:`EngineRequest` and its sink).
+
+        Raises:
+            ValueError: bad input (the message names it); nothing is left behind.
+            TypeError: an argument of the wrong type.
+            EngineNotRunningError: the engine is not started.
+        """
         core = self.core
         if core is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
@@ -542,8 +561,22 @@ class EngineBase:
     ) -> tuple[list[scoring.Plan], list[str], list[Submission]]:
         """Validate and plan a ``score_batch`` call and build its engine requests (one per group,
         in submission order: sorted for prefix reuse), as :meth:`make_request` does for one
-        submit: all of them or, on an error naming the item, none. Returns the plans and item
-        ids (for :func:`acb.api.scoring.assemble_batch`) and the requests to enqueue."""
+        submit: all of them or, on an error naming the item, none.
+
+        Args:
+            items: ``(context, continuations)`` pairs.
+            top_logprobs: the top alternatives to record at each scored position.
+            cache_salt: keeps the prefix-cache entries apart from other salts'.
+            request_ids: one id per item (default ``score_<i>``).
+            sink_factory: makes each engine request's sink.
+
+        Returns:
+            The plans and item ids (for :func:`acb.api.scoring.assemble_batch`) and the
+            submissions to enqueue.
+
+        Raises:
+            ValueError: a bad item, named ``items[i]``.
+        """
         plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
         ids = scoring.batch_ids(request_ids, len(plans))
         reqs = self.make_all("items", (
