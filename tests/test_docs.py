@@ -61,3 +61,24 @@ def test_the_benchmark_tables_are_current(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert copy.read_text() == (ROOT / "benchmarks" / "RESULTS.md").read_text(), \
         "benchmarks/RESULTS.md is stale: run acb bench report --update-readme benchmarks/RESULTS.md"
+
+
+def test_every_public_method_documents_its_arguments():
+    """One docstring style (Google's): every public function and method of ``acb.__all__`` that
+    takes arguments has an ``Args:`` section (the API reference renders it as a table)."""
+    import inspect
+
+    import acb
+
+    missing = []
+    for name in acb.__all__:
+        obj = getattr(acb, name)
+        members = [(name, obj)] if inspect.isfunction(obj) else [
+            (f"{name}.{m}", f) for m, f in inspect.getmembers(obj)
+            if inspect.isclass(obj) and not m.startswith("_") and inspect.isfunction(f)
+            and f.__module__.startswith("acb.")]
+        for qual, f in members:
+            params = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
+            if params and "Args:" not in (inspect.getdoc(f) or ""):
+                missing.append(qual)
+    assert not missing, f"no Args: section: {missing}"

@@ -64,9 +64,18 @@ class Engine(EngineBase):
         self.stop(drain=not cancel_pending, timeout=timeout)
 
     def enqueue_blocking(self, req: Submission, *, wait: bool = True, timeout: float | None = None) -> None:
-        """Take a queue slot for a request from :meth:`make_request` (waiting while
-        ``max_queue_size`` requests wait, or raising :class:`QueueFullError` with ``wait=False``)
-        and hand it to the engine. On failure the request's id is given back."""
+        """Take a queue slot for a request from :meth:`make_request` and hand it to the engine.
+        On failure the request's id is given back.
+
+        Args:
+            req: what :meth:`make_request` returned.
+            wait: wait while ``max_queue_size`` requests wait (else raise at once).
+            timeout: the most seconds to wait for a slot.
+
+        Raises:
+            QueueFullError: ``wait=False`` and the queue is full.
+            TimeoutError: no slot within ``timeout``.
+        """
         ok = self.gate.acquire_blocking(timeout) if wait else self.gate.try_acquire()
         if not ok:
             self.abandon(req)

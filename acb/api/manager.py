@@ -149,16 +149,26 @@ class ContinuousBatchingManager:
         keep_for_next_session: bool = False,
         hard_stop: bool = False,
     ) -> None:
-        """Stop the engine thread. By default it first finishes the requests already added;
-        ``hard_stop`` cancels them instead. ``keep_for_next_session`` is accepted; a stopped acb
-        manager can always be started again."""
+        """Stop the engine thread (a stopped acb manager can always be started again).
+
+        Args:
+            block: wait for the engine thread (up to ``timeout``).
+            timeout: the most seconds to wait.
+            keep_for_next_session: transformers' argument; accepted, no effect.
+            hard_stop: cancel the requests already added (else they finish first).
+        """
         if self._engine.core is None:
             logger.warning("manager not started")
             return
         self._engine.stop(drain=not hard_stop, timeout=timeout if block else 0)
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
-        """Wait for the engine thread to exit (after ``stop``)."""
+        """Wait for the engine thread to exit (after ``stop``).
+
+        Args:
+            stop_trigger_time: transformers' argument; accepted, no effect.
+            timeout: the most seconds to wait.
+        """
         self._engine.join(timeout)
 
     def destroy(self) -> None:
@@ -262,6 +272,18 @@ class ContinuousBatchingManager:
         record_timestamps: bool = False,
         **logit_processor_kwargs: Any,
     ) -> list[str]:
+        """:meth:`add_request` for each prompt.
+
+        Args:
+            inputs: the prompts' token ids.
+            max_new_tokens: as for :meth:`add_request`.
+            streaming: as for :meth:`add_request`.
+            record_timestamps: as for :meth:`add_request`.
+            **logit_processor_kwargs: as for :meth:`add_request`.
+
+        Returns:
+            The requests' ids, in order.
+        """
         return [
             self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
                              record_timestamps=record_timestamps, **logit_processor_kwargs)
@@ -331,5 +353,15 @@ def init_continuous_batching(
     continuous_batching_config: ConfigLike | None = None,
     workload_hints: WorkloadHints | None = None,
 ) -> ContinuousBatchingManager:
-    """acb's ``model.init_continuous_batching(...)``: a manager, not yet started."""
+    """acb's ``model.init_continuous_batching(...)``: a manager, not yet started.
+
+    Args:
+        model: a transformers causal LM.
+        generation_config: the requests' defaults (default: the model's).
+        continuous_batching_config: acb's or transformers' ``ContinuousBatchingConfig``.
+        workload_hints: transformers' argument; accepted, no effect.
+
+    Returns:
+        A :class:`ContinuousBatchingManager` (call ``start()``).
+    """
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config, workload_hints)
