@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from acb.runner.model_runner import MemoryReleased
 
     from acb.sampling_params import SamplingKwargs
+    from acb.structured_outputs import StructuredOutputs
     from acb.text import Prompt
 
 
@@ -113,12 +114,7 @@ class AsyncEngine(EngineBase):
         """
         sampling = with_overrides("submit", sampling, sampling_kwargs)
         if sampling is not None and sampling.structured_outputs is not None and self.is_running:
-            # compile off the loop (the compiler's threads) before make_request finds it cached
-            try:  # (the first builds the compiler, which reads the whole vocabulary: in a worker thread)
-                compiler = await anyio.to_thread.run_sync(self.grammars)
-                await await_future(compiler.submit(sampling.structured_outputs))
-            except ValueError as exc:
-                raise ValueError(f"structured_outputs: {exc}") from None
+            await self.compile_structured_outputs(sampling.structured_outputs)  # (make_request finds it cached)
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
         try:
             await self.gate.acquire()
@@ -126,6 +122,24 @@ class AsyncEngine(EngineBase):
             self.abandon(req)
             raise
         return self._handle(req)
+
+    async def compile_structured_outputs(self, spec: StructuredOutputs) -> None:
+        """Compile a grammar off the event loop (the compiler's own threads; the first call also
+        builds the compiler, which reads the whole vocabulary, in a worker thread) and cache it:
+        a submit with this spec then finds it compiled. :meth:`submit` calls it; a caller of
+        :meth:`submit_nowait` (a server) awaits it first.
+
+        Args:
+            spec: the request's structured outputs.
+
+        Raises:
+            ValueError: the spec cannot compile (xgrammar's message), or the engine has no tokenizer.
+        """
+        try:
+            compiler = await anyio.to_thread.run_sync(self.grammars)
+            await await_future(compiler.submit(spec))
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs: {exc}") from None
 
     def submit_nowait(
         self,

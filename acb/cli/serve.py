@@ -113,15 +113,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if _is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
         return _follow(model, cfg, tokenizer)
     engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
-    acb.serve.run(engine, name, host=args.host, port=args.port,
-                  api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-                  max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
-                  otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol,
-                  capture_content=args.otel_capture_content,
-                  trust_request_chat_template=args.trust_request_chat_template,
-                  max_prompts_per_request=args.max_prompts_per_request,
-                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    acb.serve.run(engine, name, host=args.host, port=args.port, otlp_endpoint=args.otlp_endpoint,
+                  otlp_protocol=args.otlp_protocol, capture_content=args.otel_capture_content, **app_options(args))
     return 0
+
+
+def app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``acb serve``'s flags that shape its app (:func:`acb.serve.app.build_app`'s keywords): the
+    same for a plain server and for each Ray Serve replica."""
+    return dict(api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
+                max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
+                trust_request_chat_template=args.trust_request_chat_template,
+                max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser)
 
 
 

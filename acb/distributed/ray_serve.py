@@ -92,10 +92,10 @@ class AcbEngine:
     docstring). ``argv``: ``acb serve``'s flags (``--model PATH --num-blocks 256 ...``)."""
 
     def __init__(self, argv: Sequence[str]) -> None:
-        import os
 
         import acb
         from acb.cli.common import _check_device, _engine_config, _load_model, _load_tokenizer, _model_name
+        from acb.cli.serve import app_options
         from acb.serve.app import build_app
 
         args = _namespace(argv)
@@ -105,12 +105,7 @@ class AcbEngine:
         self.engine.start()  # here, so that the replica is ready (and healthy) once it is built
         rid = getattr(serve.get_replica_context(), "replica_id", None)
         self.replica_id = str(getattr(rid, "unique_id", None) or rid or "replica")
-        self.app = build_app(self.engine, _model_name(args),
-                             api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-                             max_body_bytes=args.max_body_bytes,
-                             trust_request_chat_template=args.trust_request_chat_template,
-                             max_prompts_per_request=args.max_prompts_per_request, grace_period=args.grace_period,
-                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        self.app = build_app(self.engine, _model_name(args), **app_options(args))
         # (the app's lifespan starts the engine and watches signals in a plain `acb serve`; here
         # the replica started the engine, and Serve handles the signals and the drain)
         self.app.state.acb.ready = True

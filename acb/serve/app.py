@@ -463,14 +463,12 @@ def _server_span(state: ServerState, request: Request, operation: str, sampling:
 
 
 async def compile_grammar(state: ServerState, spec: StructuredOutputs, param: str) -> None:
-    """Compile a request's grammar off the event loop (the compiler's own threads; the first
-    request also builds the compiler, which reads the whole vocabulary, in a worker thread), so
-    that its submit finds it cached; a spec xgrammar refuses is a 400."""
+    """Compile a request's grammar off the event loop before its submit
+    (:meth:`acb.AsyncEngine.compile_structured_outputs`); a spec xgrammar refuses is a 400."""
     try:
-        compiler = await anyio.to_thread.run_sync(state.engine.grammars)
-        await asyncio.wrap_future(compiler.submit(spec))
+        await state.engine.compile_structured_outputs(spec)
     except ValueError as exc:
-        raise APIError(400, f"{param}: {exc}", param=param) from None
+        raise APIError(400, f"{param}: {str(exc).removeprefix('structured_outputs: ')}", param=param) from None
 
 
 def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, **kw: Any) -> Any:
