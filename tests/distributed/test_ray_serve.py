@@ -11,16 +11,14 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve")
 
-from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
-from tests.serve.helpers import raw  # noqa: E402
+from tests.serve.helpers import raw, tiny_checkpoint  # noqa: E402
 from tests.serve.test_openai_server import Server, chat_ids, decode  # noqa: E402
 
 NAME = "tiny-ray"
@@ -31,13 +29,7 @@ CHAT = [{"role": "user", "content": "hello over ray"}]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    tok = build_tokenizer()
-    tok.chat_template = TEMPLATE
-    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=4096)
-    d = tmp_path_factory.mktemp("tiny-ray")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return SimpleNamespace(dir=d, model=model, tok=tok)
+    return tiny_checkpoint(tmp_path_factory, "tiny-ray", TEMPLATE, 4096)
 
 
 @pytest.fixture(scope="module")

@@ -29,3 +29,22 @@ def check_error_body(body: bytes, status: int | None = None) -> dict:
     assert isinstance(err["message"], str) and err["message"], (status, err)
     assert isinstance(err["type"], str) and err["type"], (status, err)
     return err
+
+
+def tiny_checkpoint(tmp_path_factory, name: str, chat_template: str, max_positions: int):
+    """A tiny random Llama and the byte-level tokenizer (with ``chat_template``) saved to a fresh
+    folder: ``.dir``, ``.model``, ``.tok`` (loaded back from the folder, as a server loads it)
+    and ``.eos``."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from acb.models import build_tokenizer, tiny_model
+
+    tok = build_tokenizer()
+    tok.chat_template = chat_template
+    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=max_positions)
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return SimpleNamespace(dir=d, model=model, tok=AutoTokenizer.from_pretrained(d), eos=model.config.eos_token_id)

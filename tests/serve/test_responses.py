@@ -13,7 +13,6 @@ outputs are checked against ``model.generate`` on the same prompt, rendered here
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Literal
 
 import pytest
@@ -26,9 +25,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from pydantic import BaseModel
 
-from acb.models import build_tokenizer, tiny_model
 from tests.conftest import reference_generate
-from tests.serve.helpers import check_error_body, raw
+from tests.serve.helpers import check_error_body, raw, tiny_checkpoint
 from tests.serve.test_openai_server import SMALL_KV, _serve, decode, sse_events
 
 NAME = "tiny-responses"
@@ -62,15 +60,7 @@ class Pick(BaseModel):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    tok = build_tokenizer()
-    tok.chat_template = TEMPLATE
-    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048)
-    d = tmp_path_factory.mktemp("tiny-llama-responses")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return SimpleNamespace(dir=d, model=model, tok=AutoTokenizer.from_pretrained(d), eos=model.config.eos_token_id)
+    return tiny_checkpoint(tmp_path_factory, "tiny-llama-responses", TEMPLATE, 2048)
 
 
 @pytest.fixture(scope="module")

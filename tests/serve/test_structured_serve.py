@@ -29,9 +29,9 @@ pydantic = pytest.importorskip("pydantic")
 
 import torch  # noqa: E402
 
-from acb.models import build_tokenizer, tiny_model  # noqa: E402
+from acb.models import build_tokenizer  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
-from tests.serve.helpers import check_error_body, raw  # noqa: E402
+from tests.serve.helpers import check_error_body, raw, tiny_checkpoint  # noqa: E402
 from tests.serve.test_openai_server import _serve, chat_ids, decode  # noqa: E402
 
 NAME = "tiny-structured"
@@ -75,13 +75,7 @@ def check_weather_args(args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    tok = build_tokenizer()
-    tok.chat_template = TEMPLATE
-    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=1024)
-    d = tmp_path_factory.mktemp("tiny-structured")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return SimpleNamespace(dir=d, model=model, tok=tok)
+    return tiny_checkpoint(tmp_path_factory, "tiny-structured", TEMPLATE, 1024)
 
 
 @pytest.fixture(scope="module", params=["async", "preempt-offload"])
