@@ -62,7 +62,9 @@ def _prompts(lengths, seed=1):
     dict(max_batch_tokens=8),  # chunked prefill: the state carries from chunk to chunk
     dict(use_async_batching=True),
     dict(num_blocks=16, page_size=4, max_batch_tokens=16),  # preemption: recomputed from no state
-], ids=["whole", "chunked", "async", "preempt"])
+    # offload asked for: turned off for a hybrid model (offloaded KV has no state), so it recomputes
+    dict(num_blocks=16, page_size=4, max_batch_tokens=16, cpu_offload_space=0.01, use_async_batching=True),
+], ids=["whole", "chunked", "async", "preempt", "offload-asked-async"])
 def test_greedy_parity(hybrid, cfg):
     prompts = _prompts([5, 17, 30, 9])
     refs = [reference_generate(hybrid, p, 8) for p in prompts]
