@@ -66,7 +66,8 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch
     return model.eval()
 
 
-# ``acb generate``'s embedded default: a small Llama (about 8M parameters).
+# ``acb generate``'s embedded default: a small Llama (3.3M parameters; docs/getting-started.md shows the
+# count computed from the model, and tests/test_docs_examples.py runs that block).
 DEFAULT_MODEL_CONFIG: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, max_position_embeddings=2048,
@@ -82,9 +83,33 @@ def default_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrain
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: pad, bos, eos
 
+# The embedded tokenizer's chat template: ``role: content`` lines, then ``assistant: `` for a
+# generation prompt. With ``tools`` it lists them first (one JSON object a line), an assistant
+# message's ``tool_calls`` follow its content as Hermes-style ``<tool_call>`` objects (what
+# ``acb serve --tool-call-parser hermes`` reads back), and a ``tool`` message names the call it
+# answers. A plain chat renders as ``acb generate``'s template did before the tokenizer had one.
+CHAT_TEMPLATE = (
+    "{% if tools %}tools:\n{% for t in tools %}{{ (t.function if t.function is defined else t) | tojson }}\n"
+    "{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string else '' }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}{% set f = c.function if c.function is defined else c %}"
+    "<tool_call>{\"name\": {{ f.name | tojson }}, \"arguments\": {{ f.arguments | tojson }}}</tool_call>"
+    "{% endfor %}{% endif %}"
+    "{% if m.tool_call_id is defined and m.tool_call_id %} (result of {{ m.tool_call_id }}){% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer built in code: ids 0-2 are <pad>, <s>, </s>, then the 256 bytes."""
+    """A byte-level tokenizer built in code: ids 0-2 are <pad>, <s>, </s>, then the 256 bytes.
+
+    It has a chat template (:data:`CHAT_TEMPLATE`, with tools), so chats, tool calls and
+    ``acb serve`` work on the embedded model as on a real checkpoint.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` of 259 tokens (no download).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -95,6 +120,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
     )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

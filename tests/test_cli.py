@@ -223,7 +223,9 @@ def test_local_checkpoint(tmp_path, capsys):
 
     ckpt = tmp_path / "ckpt"
     tiny_model("qwen3", vocab_size=259).save_pretrained(ckpt)
-    build_tokenizer().save_pretrained(ckpt)
+    tok = build_tokenizer()
+    tok.chat_template = None  # a checkpoint whose tokenizer has no chat template (see below)
+    tok.save_pretrained(ckpt)
     prompts = _write_prompts(tmp_path / "p.jsonl", [{"prompt": "hi there"}, {"prompt_ids": [7, 8, 9]}])
     out = tmp_path / "o.jsonl"
     assert main(["generate", "--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "3",
