@@ -23,6 +23,25 @@ class RequestStatus(enum.IntEnum):
     def is_terminal(self) -> bool:
         return self >= RequestStatus.FINISHED
 
+    def __str__(self) -> str:
+        """The name (``CANCELLED``), as a person reads it; ``int(status)`` is the number.
+
+        Returns:
+            The member's name.
+        """
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        """f-strings and ``format`` give the name too (``f"{status}"`` is ``CANCELLED``).
+
+        Args:
+            spec: the format spec, applied to the name.
+
+        Returns:
+            The formatted name.
+        """
+        return format(self.name, spec)
+
 
 class FailureKind(str, enum.Enum):
     """Why a ``FAILED`` request failed; decides what its handle raises."""

@@ -87,6 +87,8 @@ def test_synthetic_prompts_default_output_path(tmp_path, monkeypatch, capsys):
     assert f"generated tokens:  {gen}" in err
     assert "tokens/s" in err and "requests/s" in err
     assert str(out) in err
+    # said when the file is opened, not only in --help and the summary (issue 37)
+    assert f"acb generate: writing results to {out} (no -o given" in err.splitlines()[0]
     _check_rate(rows, err)
 
 
@@ -281,6 +283,8 @@ def test_bad_prompts_file_exits_2(tmp_path, capsys, rows, needle):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err
+    # the one useful line, not the usage text before it (issue 37); nothing is said about an output
+    assert err.startswith("acb generate: error: ") and err.count("\n") == 1, err
     assert not (tmp_path / "o.jsonl").exists()
 
 

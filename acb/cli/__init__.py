@@ -60,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args._argv = list(sys.argv[1:] if argv is None else argv)  # (acb serve --ray hands it to its replicas)
         try:
             return args.func(args)
-        except CliError as exc:
-            args._parser.error(str(exc))  # one line on stderr, exit status 2
+        except CliError as exc:  # bad input, not bad flags: the one useful line, no usage; exit status 2
+            args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
     except KeyboardInterrupt:  # while loading, or a second Ctrl-C during a run: no traceback
         print("acb: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

@@ -105,7 +105,7 @@ def _add_generate(sub: Any) -> None:
     _add_telemetry_flags(p)
 
     out = p.add_argument_group("output")
-    out.add_argument("--output", "-o", metavar="FILE.jsonl", default=DEFAULT_OUTPUT,
+    out.add_argument("--output", "-o", metavar="FILE.jsonl", default=None,
                      help=f"where to write results, - for stdout (default: ./{DEFAULT_OUTPUT}); "
                           "stdout carries nothing else")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -436,7 +436,21 @@ def _record(index: int, spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str,
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Run ``acb generate`` (parsed arguments in, exit status out).
+
+    Args:
+        args: the parsed command line (``acb generate --help``).
+
+    Returns:
+        The exit status: 0 all finished, 1 some failed, 130 interrupted.
+
+    Raises:
+        CliError: bad input (a prompts line, a path, a model), reported as one line, status 2.
+    """
     t_start = time.perf_counter()
+    args.output_defaulted = args.output is None  # no -o: say where the results go when the file opens
+    if args.output is None:
+        args.output = DEFAULT_OUTPUT
     _check_paths(args)
     device = _check_device(args.device)
     if args.verbose:
@@ -489,6 +503,9 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
     def open_output() -> IO[str]:
         stream = sys.stdout if to_stdout else open(args.output, "w", encoding="utf-8")
         opened.append(stream)
+        if getattr(args, "output_defaulted", False):
+            print(f"acb generate: writing results to {os.path.abspath(args.output)} (no -o given; -o FILE.jsonl "
+                  "to choose, -o - for stdout)", file=sys.stderr, flush=True)
         return stream
 
     try:
