@@ -262,7 +262,7 @@ class AsyncEngine(EngineBase):
             items: ``(context, continuations)`` pairs.
             top_logprobs: also return the ``k`` most likely tokens at each scored position.
             cache_salt: keeps the prefix-cache entries apart from other salts'.
-            request_ids: one id per item (default ``score_<i>``).
+            request_ids: one id per item (default: a fresh ``score_<n>`` each, unique per call).
 
         Returns:
             One :class:`acb.ScoreOutput` per item, in input order; a failed item keeps its
@@ -272,7 +272,7 @@ class AsyncEngine(EngineBase):
             ValueError: a bad item, named ``items[i]``.
         """
         loop = current_loop()
-        plans, ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
+        plans, ids, engine_ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
                                                     lambda rid: AsyncSink(rid, loop))
         handles: list[RequestHandle] = []
         outputs: dict[str, GenerationOutput] = {}
@@ -295,7 +295,7 @@ class AsyncEngine(EngineBase):
             for h in handles:
                 h.cancel()
             raise
-        return scoring.assemble_batch(plans, ids, outputs, top_logprobs)
+        return scoring.assemble_batch(plans, ids, engine_ids, outputs, top_logprobs)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while

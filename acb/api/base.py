@@ -93,6 +93,23 @@ def _check_vocab(field: str, ids: Any, vocab: int) -> None:
         raise ValueError(f"{field} token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
+def _member_ids(request_id: str, n: int) -> list[str]:
+    """The ids a request of ``n`` samples (or scoring members) claims: its own, then its samples'
+    (as :attr:`acb.core.messages.EngineRequest.member_ids` names them)."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+
+
+def _claim_all(core: EngineCore, ids: Sequence[str]) -> str | None:
+    """Claim every id of ``ids`` or, when one is live already, none; returns that live id (None
+    when all are claimed)."""
+    for k, mid in enumerate(ids):
+        if not core.reserve_id(mid):
+            for taken in ids[:k]:
+                core.release_id(taken)
+            return mid
+    return None
+
+
 def compile_grammar(compiler: GrammarCompiler, spec: StructuredOutputs) -> CompiledGrammar:
     """The compiled grammar of a request's structured outputs; one that cannot compile is the
     submit's ``ValueError``, with xgrammar's message."""
@@ -392,6 +409,7 @@ class EngineBase:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         scoring: ScoreSpec | None = None,
         score_children: Sequence[tuple[list[int], ScoreSpec]] = (),
+        id_prefix: str = "req",
     ) -> Submission:
         """The input processor: validate one submit and build its :class:`EngineRequest`, whose
         results go to ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``).
@@ -403,7 +421,8 @@ class EngineBase:
             prompt_ids: token ids, text or a chat (with a tokenizer).
             sampling: how to decode (merged over the engine's defaults).
             sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
-            request_id: its id (default ``req_<n>``).
+            request_id: its id (default ``<id_prefix>_<n>``, an id no live request has, nor its
+                samples: unique per call, whoever else submits at the same time).
             record_timestamps: record each token's arrival time.
             cache_salt: keeps its prefix-cache entries apart from other salts'.
             chat_template_kwargs: the chat template's variables (a chat prompt).
@@ -411,6 +430,7 @@ class EngineBase:
                 logprobs from ``scoring.lp_start`` and samples nothing.
             score_children: prompts that extend this one, with their specs: they fork from it
                 once its prompt is done, as the samples of ``n > 1`` do, in one group.
+            id_prefix: the default id's prefix (``score`` for scoring requests).
 
         Returns:
             The :class:`Submission` (its :class:`EngineRequest` and its sink).
@@ -519,18 +539,18 @@ class EngineBase:
             params = replace(params, min_new_tokens=min_new)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # every check passed: claim the ids (all of them, or none)
-        if request_id is None:
-            request_id = f"req_{next(self._ids)}"
-            while not core.reserve_id(request_id):
-                request_id = f"req_{next(self._ids)}"
+        if request_id is None:  # a fresh id whose samples' ids are free too (a caller may hold "req_3#1")
+            request_id = f"{id_prefix}_{next(self._ids)}"
+            while _claim_all(core, _member_ids(request_id, n)) is not None:
+                request_id = f"{id_prefix}_{next(self._ids)}"
         elif not core.reserve_id(request_id):
             raise ValueError(f"request_id {request_id!r} is already used by a live request")
-        member_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
-        for k, mid in enumerate(member_ids[1:], 1):  # the samples' internal ids must not collide either
-            if not core.reserve_id(mid):
-                for taken in member_ids[:k]:
-                    core.release_id(taken)
-                raise ValueError(f"request id {mid!r} (sample of {request_id!r}) is already live")
+        else:  # the samples' internal ids must not collide either
+            taken = _claim_all(core, _member_ids(request_id, n)[1:])
+            if taken is not None:
+                core.release_id(request_id)
+                raise ValueError(f"request id {taken!r} (sample of {request_id!r}) is already live")
+        member_ids = _member_ids(request_id, n)
         try:
             sink = sink_factory(request_id)
             sink.state.trace = telemetry.begin(prompt_ids, self.model_name, params)
@@ -558,7 +578,7 @@ class EngineBase:
         cache_salt: str | None,
         request_ids: Sequence[str] | None,
         sink_factory: Callable[[str], Any],
-    ) -> tuple[list[scoring.Plan], list[str], list[Submission]]:
+    ) -> tuple[list[scoring.Plan], list[str], list[list[str]], list[Submission]]:
         """Validate and plan a ``score_batch`` call and build its engine requests (one per group,
         in submission order: sorted for prefix reuse), as :meth:`make_request` does for one
         submit: all of them or, on an error naming the item, none.
@@ -567,24 +587,31 @@ class EngineBase:
             items: ``(context, continuations)`` pairs.
             top_logprobs: the top alternatives to record at each scored position.
             cache_salt: keeps the prefix-cache entries apart from other salts'.
-            request_ids: one id per item (default ``score_<i>``).
+            request_ids: one id per item (its groups are ``<id>#g<j>``); by default each group
+                gets a fresh ``score_<n>`` id, and an item's id is its first group's (unique per
+                call: concurrent calls never collide).
             sink_factory: makes each engine request's sink.
 
         Returns:
-            The plans and item ids (for :func:`acb.api.scoring.assemble_batch`) and the
-            submissions to enqueue.
+            The plans, the items' ids and each item's engine request ids by group (for
+            :func:`acb.api.scoring.assemble_batch`), and the submissions to enqueue.
 
         Raises:
             ValueError: a bad item, named ``items[i]``.
         """
         plans = scoring.plan_batch(items, top_logprobs, self.tokenizer, self._live_core().runner.cfg.max_requests_per_batch)
-        ids = scoring.batch_ids(request_ids, len(plans))
+        given = scoring.batch_ids(request_ids, len(plans))
+        order = scoring.ordered_groups(plans, given)
         reqs = self.make_all("items", (
             (i, functools.partial(self.make_request, group[0].prompt_ids, None, request_id=rid, cache_salt=cache_salt,
                                   scoring=group[0].spec, score_children=[(m.prompt_ids, m.spec) for m in group[1:]],
-                                  sink_factory=sink_factory))
-            for i, rid, group in scoring.ordered_groups(plans, ids)))
-        return plans, ids, reqs
+                                  sink_factory=sink_factory, id_prefix="score"))
+            for i, _, rid, group in order))
+        engine_ids: list[list[str]] = [[""] * len(gs) for _, _, gs in plans]
+        for (i, j, _, _), req in zip(order, reqs):
+            engine_ids[i][j] = req.request_id
+        ids = [rid if rid is not None else engine_ids[i][0] for i, rid in enumerate(given)]
+        return plans, ids, engine_ids, reqs
 
     def make_all(self, field: str, makers: Iterable[tuple[int, Callable[[], Submission]]]) -> list[Submission]:
         """Several submits validated together (a batch call): all of them, or none.

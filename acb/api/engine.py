@@ -265,8 +265,9 @@ class Engine(EngineBase):
     ) -> dict[str, GenerationOutput]:
         """:func:`acb.generate_batch` on this running engine (kept across calls: a trainer's
         rounds, an evaluation's batches): submit every prompt, block until all ended, return
-        ``{"req_0": output, ...}`` in input order. Ids are ``req_<i>`` of this call; they must not
-        be live already (two concurrent calls on one engine need their own ids: use ``submit``).
+        ``{"req_0": output, ...}`` in input order. The results are named ``req_<i>`` of this call
+        (the engine requests themselves take fresh ids, so calls from several threads, and submits
+        beside them, never collide).
 
         A ``KeyboardInterrupt`` cancels what this call started and gives back the rest before
         it propagates, so the engine outlives it. On a tensor-parallel follower rank
@@ -309,16 +310,25 @@ class Engine(EngineBase):
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         n = len(inputs)
         sink = functools.partial(ThreadSink, on_final=done.put)
+        # the engine requests take fresh ids (another call, or a submit, may be running beside this
+        # one); the results are named req_<i> of this call, as transformers' are
         reqs = self.make_all("inputs", (
-            (i, functools.partial(self.make_request, prompt, per_prompt[i], request_id=f"req_{i}",
+            (i, functools.partial(self.make_request, prompt, per_prompt[i],
                                   record_timestamps=record_timestamps, sink_factory=sink))
             for i, prompt in enumerate(inputs)))
-        results = self._run_made(reqs, done, _progress(n, progress_bar), on_result, should_stop)
-        failed = [rid for rid, out in results.items() if out.status == RequestStatus.FAILED]
+
+        def named(i: int, output: GenerationOutput) -> None:
+            output.request_id = f"req_{i}"  # (this call's own output object: its sink made it)
+            if on_result is not None:
+                on_result(i, output)
+
+        results = self._run_made(reqs, done, _progress(n, progress_bar), named, should_stop)
+        out = {f"req_{i}": results[r.request_id] for i, r in enumerate(reqs) if r.request_id in results}
+        failed = [rid for rid, o in out.items() if o.status == RequestStatus.FAILED]
         if failed:
             logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
-                         results[failed[0]].error)
-        return {f"req_{i}": results[f"req_{i}"] for i in range(n) if f"req_{i}" in results}
+                         out[failed[0]].error)
+        return out
 
     def _run_made(self, reqs: list[Submission], done: "queue.SimpleQueue[GenerationOutput]", bar: Any,
                   on_result: Callable[[int, GenerationOutput], None] | None = None,
@@ -409,7 +419,7 @@ class Engine(EngineBase):
             context: token ids (or text, with a tokenizer; see :func:`acb.api.scoring.as_ids`).
             continuations: what may follow ``context``, each as token ids (or text).
             top_logprobs: also return the ``k`` most likely tokens at each scored position.
-            request_id: the id of the (first) engine request (default ``score_<n>``).
+            request_id: the id of the (first) engine request (default: a fresh ``score_<n>``).
             cache_salt: keeps the prefix-cache entries apart from other salts'.
 
         Returns:
@@ -444,7 +454,7 @@ class Engine(EngineBase):
             top_logprobs: also return the ``k`` most likely tokens at each scored position.
             cache_salt: keeps the prefix-cache entries apart from other salts'.
             progress_bar: a tqdm bar counting engine requests.
-            request_ids: one id per item (default ``score_<i>``).
+            request_ids: one id per item (default: a fresh ``score_<n>`` each, unique per call).
 
         Returns:
             One :class:`acb.ScoreOutput` per item, in input order; a failed item keeps its place
@@ -456,10 +466,10 @@ class Engine(EngineBase):
         if self.is_follower:
             return []
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-        plans, ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
+        plans, ids, engine_ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
                                                     lambda rid: ThreadSink(rid, on_final=done.put))
         results = self._run_made(reqs, done, _progress(len(reqs), progress_bar, desc="score_batch"))
-        return scoring.assemble_batch(plans, ids, results, top_logprobs)
+        return scoring.assemble_batch(plans, ids, engine_ids, results, top_logprobs)
 
 def generate_batch(
     model: Any,

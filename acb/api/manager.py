@@ -118,8 +118,6 @@ class ContinuousBatchingManager:
             ContinuousBatchingConfig() if continuous_batching_config is None else continuous_batching_config)
         self._engine = Engine(model, self.continuous_batching_config, self.generation_config)
         self.output_router = _OutputRouter()
-        self._counter = 0
-        self._lock = threading.Lock()
         self.warmed_up = False
 
     @property
@@ -176,12 +174,6 @@ class ContinuousBatchingManager:
             self.stop(block=True, hard_stop=True)
 
     # ----------------------------------------------------------- requests
-    def _next_id(self) -> str:
-        with self._lock:
-            rid = f"req_{self._counter}"
-            self._counter += 1
-        return rid
-
     def add_request(
         self,
         input_ids: list[int],
@@ -197,7 +189,7 @@ class ContinuousBatchingManager:
 
         Args:
             input_ids: the prompt's token ids.
-            request_id: its id (default ``req_<n>``).
+            request_id: its id (default: a fresh ``req_<n>``, which no live request has).
             max_new_tokens: most tokens to generate (default: the generation config's).
             streaming: deliver partial outputs as tokens come (``get_result`` returns them).
             record_timestamps: record each token's arrival time.
@@ -232,7 +224,6 @@ class ContinuousBatchingManager:
                 raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
             stop = tuple(e for e in eos if e >= 0)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop, **per_request)
-        rid = request_id if request_id is not None else self._next_id()
         router = self.output_router
         if streaming and (sampling.n or self._engine.defaults.n or 1) > 1:
             raise ValueError(
@@ -240,7 +231,11 @@ class ContinuousBatchingManager:
                 "outputs hold one token list; use streaming=False (the final output lists every sample) or "
                 "acb.AsyncEngine, whose stream deltas carry sample_index"
             )
-        if streaming:
+
+        def make_sink(rid: str) -> ThreadSink:
+            # the id is the engine's: the caller's, or a fresh req_<n> no live request has
+            if not streaming:
+                return ThreadSink(rid, on_final=router.put)
             acc: list[int] = []
             acc_lp: list[float] = []
 
@@ -256,11 +251,11 @@ class ContinuousBatchingManager:
                     logprobs=list(acc_lp), status=RequestStatus.DECODING,
                 ))
 
-            sink = ThreadSink(rid, on_push=on_push)
-        else:
-            sink = ThreadSink(rid, on_final=router.put)
-        req = self._engine.make_request(input_ids, sampling, request_id=rid, record_timestamps=record_timestamps,
-                                        sink_factory=lambda _rid: sink)
+            return ThreadSink(rid, on_push=on_push)
+
+        req = self._engine.make_request(input_ids, sampling, request_id=request_id,
+                                        record_timestamps=record_timestamps, sink_factory=make_sink)
+        rid = req.request_id
         self._engine.enqueue_blocking(req)
         return rid
 

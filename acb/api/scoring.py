@@ -127,8 +127,10 @@ def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, to
     return plans
 
 
-def batch_ids(request_ids: Sequence[str] | None, n: int) -> list[str]:
-    ids = list(request_ids) if request_ids is not None else [f"score_{i}" for i in range(n)]
+def batch_ids(request_ids: Sequence[str] | None, n: int) -> list[str | None]:
+    """The ids a ``score_batch`` call's items were given (None for each when none were: the
+    engine then gives every group a fresh ``score_<n>`` id, unique whatever runs beside it)."""
+    ids: list[str | None] = list(request_ids) if request_ids is not None else [None] * n
     if len(ids) != n:
         raise ValueError(f"request_ids has {len(ids)} ids for {n} items")
     return ids
@@ -175,19 +177,21 @@ def assemble(request_id: str, context_ids: list[int], continuations: list[list[i
     return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached)
 
 
-def ordered_groups(plans: Sequence[Plan], ids: Sequence[str]) -> list[tuple[int, str, list[Member]]]:
-    """Every group of a batch as ``(item index, engine request id, group)``, in submission order:
-    sorted by the groups' context tokens (see :func:`prefix_order`)."""
-    groups = [(i, f"{ids[i]}#g{j}", g) for i, (_, _, gs) in enumerate(plans) for j, g in enumerate(gs)]
-    return [groups[k] for k in prefix_order([g[0].prompt_ids for _, _, g in groups])]
+def ordered_groups(plans: Sequence[Plan], ids: Sequence[str | None]
+                   ) -> list[tuple[int, int, str | None, list[Member]]]:
+    """Every group of a batch as ``(item index, group index, engine request id, group)``, in
+    submission order: sorted by the groups' context tokens (see :func:`prefix_order`). An item
+    given an id names its groups ``<id>#g<j>``; the others' ids are the engine's (None here)."""
+    groups = [(i, j, None if ids[i] is None else f"{ids[i]}#g{j}", g)
+              for i, (_, _, gs) in enumerate(plans) for j, g in enumerate(gs)]
+    return [groups[k] for k in prefix_order([g[0].prompt_ids for _, _, _, g in groups])]
 
 
-def assemble_batch(plans: Sequence[Plan], ids: Sequence[str], results: Mapping[str, GenerationOutput],
-                   top_logprobs: int) -> list[ScoreOutput]:
+def assemble_batch(plans: Sequence[Plan], ids: Sequence[str], engine_ids: Sequence[Sequence[str]],
+                   results: Mapping[str, GenerationOutput], top_logprobs: int) -> list[ScoreOutput]:
     """Every item's :class:`ScoreOutput`, in input order, from its groups' outputs by engine request
-    id (the ids :func:`ordered_groups` gave them)."""
-    return [assemble(ids[i], ctx, conts, groups, [results[f"{ids[i]}#g{j}"] for j in range(len(groups))],
-                     top_logprobs)
+    id (``engine_ids[i][j]``: item ``i``'s group ``j``; ``ids[i]``: the item's id)."""
+    return [assemble(ids[i], ctx, conts, groups, [results[rid] for rid in engine_ids[i]], top_logprobs)
             for i, (ctx, conts, groups) in enumerate(plans)]
 
 
