@@ -4,12 +4,20 @@ compiles and matches it)."""
 
 from __future__ import annotations
 
+import itertools
 import json as _json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["StructuredOutputs"]
+__all__ = ["MAX_SCHEMA_DEPTH", "StructuredOutputs"]
+
+# The deepest JSON schema accepted, in nested JSON containers (``{"type": "string"}`` is 1 deep;
+# each ``"properties"`` level adds 2). Deeper ones are refused when the spec is made: walking them
+# (canonical keys, JSON text, xgrammar's converter) recurses once per level, and Python's stack
+# ends near 1000 frames, so the refusal must come before any recursive walk.
+MAX_SCHEMA_DEPTH = 128
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -29,6 +37,9 @@ class StructuredOutputs:
     ``whitespace_flexible`` (``json``/``json_object`` only): by default JSON is compact, with no
     whitespace outside strings (``{"a":1,"b":[2,3]}``), as OpenAI's structured outputs; when true
     the model may put any whitespace between tokens, as ``json.loads`` accepts.
+
+    A ``json`` schema nested deeper than :data:`MAX_SCHEMA_DEPTH` JSON containers is refused
+    (``ValueError``).
 
     Two specs are equal (and hash equal) iff their ``key`` is: the kind, the payload (a schema
     canonicalised with sorted keys and no spaces, so a dict and its text are one key) and the flag.
@@ -113,6 +124,8 @@ def _canonical_schema(schema: object) -> str:
     if isinstance(schema, str):
         try:
             schema = _json.loads(schema)
+        except RecursionError:  # the C parser recurses per level: name the depth, from the text
+            raise ValueError(_too_deep(_text_depth(schema))) from None
         except ValueError as exc:
             raise ValueError(f"json is not valid JSON text: {exc}") from None
         if not isinstance(schema, dict):
@@ -120,10 +133,58 @@ def _canonical_schema(schema: object) -> str:
             raise ValueError(f"json must be a JSON schema object, got JSON {type(schema).__name__}")  # noqa: TRY004
     elif not isinstance(schema, dict):
         raise TypeError(f"json must be a JSON schema as a dict or str, got {type(schema).__name__}")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(_too_deep(depth))
     try:
         return _json.dumps(_sorted_keys(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json schema is not JSON-serialisable: {exc}") from None
+
+
+def _too_deep(depth: int) -> str:
+    return (f"json schema nests {depth} levels deep (JSON objects and arrays), more than the limit of "
+            f"{MAX_SCHEMA_DEPTH}")
+
+
+def _depth(value: object) -> int:
+    """How many JSON containers deep ``value`` nests, walked without recursion.
+
+    Raises:
+        ValueError: a dict or list contains itself (no JSON text can).
+    """
+    deepest = 0
+    on_path: set[int] = set()
+    # (node, depth, leaving): a container is on the path from its entry until its leave marker
+    stack: list[tuple[object, int, bool]] = [(value, 1, False)]
+    while stack:
+        node, d, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(node))
+            continue
+        if isinstance(node, dict):
+            items: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            items = node
+        else:
+            continue
+        if id(node) in on_path:
+            raise ValueError("json schema contains itself (a dict or list inside itself is no JSON)")
+        on_path.add(id(node))
+        deepest = max(deepest, d)
+        stack.append((node, d, True))
+        stack.extend((v, d + 1, False) for v in items)
+    return deepest
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _text_depth(text: str) -> int:
+    """The bracket depth of JSON text (strings left out), for text too deep to parse."""
+    steps = {"{": 1, "[": 1, "}": -1, "]": -1}
+    brackets = (steps[c] for c in _JSON_STRING.sub("", text) if c in steps)
+    return max(itertools.accumulate(brackets, initial=0))
 
 
 def _sorted_keys(value: Any, keep_order: bool = False) -> Any:

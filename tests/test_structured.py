@@ -342,6 +342,34 @@ def test_spec_validation(kwargs, exc, message):
         StructuredOutputs(**kwargs)
 
 
+@pytest.mark.parametrize("as_text", [False, True])
+def test_deep_schema_is_a_value_error_naming_depth_and_limit(as_text):
+    """Issue 36: a schema nested ~400 levels raised RecursionError while being canonicalised."""
+    from acb.structured_outputs import MAX_SCHEMA_DEPTH
+
+    levels = 400  # each level is an object schema holding a "properties" map: 2 JSON containers
+    if as_text:  # built as text: json.dumps itself would recurse
+        schema: object = '{"type":"object","properties":{"a":' * levels + "{}" + "}}" * levels
+    else:
+        schema = {}
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ValueError, match=rf"nests {2 * levels + 1} levels deep .* limit of {MAX_SCHEMA_DEPTH}"):
+        StructuredOutputs(json=schema)
+    # one level under the limit is a spec, and compiles
+    ok: dict = {}
+    for _ in range(MAX_SCHEMA_DEPTH - 1):
+        ok = {"type": "array", "items": ok}
+    assert StructuredOutputs(json=ok).kind == "json"
+    with pytest.raises(ValueError, match=f"nests {MAX_SCHEMA_DEPTH + 1} levels"):
+        StructuredOutputs(json={"type": "array", "items": ok})
+    # a self-containing dict is no JSON: refused, not a hang or a RecursionError
+    loop: dict = {"type": "object"}
+    loop["properties"] = {"a": loop}
+    with pytest.raises(ValueError, match="contains itself"):
+        StructuredOutputs(json=loop)
+
+
 def test_spec_key():
     a = StructuredOutputs(json={"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}})
     b = StructuredOutputs(json='{"properties": {"x": {"type": "integer"}}, "required": ["x"], "type": "object"}')
