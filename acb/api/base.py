@@ -510,6 +510,11 @@ class EngineBase:
         assert n is not None and max_new_tokens is not None  # the defaults (over FALLBACK) set them
         if scoring is not None:
             n = 1 + len(children)
+        if n > cfg.max_requests_per_batch and scoring is not None:  # (plan() makes groups that fit)
+            raise ValueError(
+                f"a scoring request with {n - 1} forked continuation(s) runs {n} requests side by side, but "
+                f"max_requests_per_batch is {cfg.max_requests_per_batch}: give it at most "
+                f"{cfg.max_requests_per_batch - 1} score_children (Engine.score plans groups that fit)")
         if n > cfg.max_requests_per_batch:
             raise ValueError(
                 f"n={n} samples run side by side and need {n} of the engine's rows, but "

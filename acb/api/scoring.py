@@ -16,7 +16,11 @@ requests that go through the one submit path (:meth:`acb.api.base.EngineBase.mak
   token is fed only to be scored (a window of N + 1 tokens takes N positions, as the model's own
   forward does);
 - a group has at most ``max_requests_per_batch`` requests (its children hold rows from its
-  admission on); more continuations make more groups, each with its own context request.
+  admission on); more continuations make more groups, each with its own context request;
+- with ``max_requests_per_batch=1`` there is no row for a child beside its context request: each
+  continuation of two or more tokens (each distinct body) is then a request of its own, whose
+  prompt is the context and the body, scored from the context's last position on; they run one
+  after another, and share the context's full blocks through the prefix cache.
 
 Every such request reads the prefix cache for its context like any request, so a few-shot
 preamble shared by a task's documents is computed once per engine, and the tail of a context
@@ -90,10 +94,19 @@ def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: i
         bodies.setdefault(tuple(c[:-1]), []).append(i)
     singles = tuple(bodies.pop((), ()))
     children = list(bodies.items())
-    per = max(max_group - 1, 1)
+    n = len(context_ids)
+    if max_group < 2:
+        # no row for a child beside its context request: each body is a request of its own (the
+        # context and the body as its prompt), scored from the context's last position on; the
+        # context's full blocks are shared through the prefix cache instead of a fork
+        solo = [[Member(list(context_ids), ScoreSpec(n - 1, tuple(continuations[i][0] for i in singles),
+                                                     top_logprobs), singles)]] if singles else []
+        return solo + [[Member(context_ids + list(body), ScoreSpec(n - 1, tuple(continuations[i][-1] for i in idx),
+                                                                   top_logprobs), tuple(idx), body)]
+                       for body, idx in children]
+    per = max_group - 1
     chunks: list[list[tuple[tuple[int, ...], list[int]]]] = [children[k:k + per] for k in range(0, len(children), per)]
     chunks = chunks or [[]]
-    n = len(context_ids)
     groups = []
     for g, chunk in enumerate(chunks):
         mine = singles if g == 0 else ()
@@ -153,28 +166,40 @@ def assemble(request_id: str, context_ids: list[int], continuations: list[list[i
         if out.status != RequestStatus.FINISHED:
             continue
         head, head_out = group[0], parts[0]
+        if head.body:  # a request of its own (no row for a fork): it scores its body from the context's last row
+            _score_body(scores, continuations, head, head_out, None, top_logprobs)
+            continue
         values, top = head_out.next_token_logprobs or [], head_out.next_token_top_logprobs or []
         greedy_id = top[0][0] if top else None
         for k, i in enumerate(head.continuations):
             tok = continuations[i][0]
             scores[i] = ContinuationScore([tok], [values[k]], tok == greedy_id, [tops(top)] if top_logprobs else None)
         for j, (m, part) in enumerate(zip(group[1:], parts[1:])):
-            first = values[len(head.continuations) + j]  # the child's first token, after the context
-            lps, rows = part.prompt_logprobs or [], part.prompt_top_logprobs or []
-            body_greedy = greedy_id == m.body[0] and len(rows) == len(m.body) - 1 and all(
-                r and r[0][0] == tok for r, tok in zip(rows, m.body[1:]))
-            last_values, last_top = part.next_token_logprobs or [], part.next_token_top_logprobs or []
-            last_greedy = last_top[0][0] if last_top else None
-            for k, i in enumerate(m.continuations):
-                cont = continuations[i]
-                scores[i] = ContinuationScore(
-                    list(cont), [first, *lps, last_values[k]], body_greedy and cont[-1] == last_greedy,
-                    [tops(top), *(tops(r) for r in rows), tops(last_top)] if top_logprobs else None)
+            # the child's first token, scored by the context request after the context
+            _score_body(scores, continuations, m, part, (values[len(head.continuations) + j], top), top_logprobs)
     if failed is not None:
         return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached,
                            failed.status, failed.error)
     assert all(s is not None for s in scores)
     return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached)
+
+
+def _score_body(scores: list[ContinuationScore | None], continuations: list[list[int]], m: Member, part: Any,
+                first: tuple[float, Sequence[tuple[int, float]]] | None, top_logprobs: int) -> None:
+    """The scores of the continuations a member with a body ends: its body's tokens (the first
+    one's ``(logprob, top row)`` given as ``first`` when the context request scored it, else in
+    the member's prompt logprobs), then each continuation's last token after its whole prompt."""
+    lps, rows = list(part.prompt_logprobs or []), list(part.prompt_top_logprobs or [])
+    if first is not None:
+        lps, rows = [first[0], *lps], [first[1], *rows]
+    body_greedy = len(rows) == len(m.body) and all(r and r[0][0] == tok for r, tok in zip(rows, m.body))
+    last_values, last_top = part.next_token_logprobs or [], part.next_token_top_logprobs or []
+    last_greedy = last_top[0][0] if last_top else None
+    for k, i in enumerate(m.continuations):
+        cont = continuations[i]
+        scores[i] = ContinuationScore(
+            list(cont), [*lps, last_values[k]], body_greedy and cont[-1] == last_greedy,
+            [*(list(r[:top_logprobs]) for r in rows), list(last_top[:top_logprobs])] if top_logprobs else None)
 
 
 def ordered_groups(plans: Sequence[Plan], ids: Sequence[str | None]

@@ -195,3 +195,25 @@ def test_bad_scoring_input_is_refused(model):
             eng.score(ctx[:502], [[5, 6]])
     check(model, out, ctx, [[5]])
     check(model, out2, ctx2, [[5, 6]])
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_one_request_per_batch_scores_every_continuation(model, async_batching):
+    """``max_requests_per_batch=1``: no row for a child beside its context request, so each
+    continuation of two or more tokens is a request of its own (context + its body, scored from the
+    context's last row), run one after another; the context's full blocks come from the prefix
+    cache. A cache of 12 blocks of 4: the requests' blocks are reclaimed from the cache between them."""
+    ctx = prompts_of_lengths([23], seed=77)[0]
+    g = greedy_after(model, ctx, 3)
+    conts = [[g[0]], g, [g[0], 9, 10], [40, 41], [77], [5, 6, 7, 8, 9, 10]]
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=12, max_requests_per_batch=1,
+                                       use_async_batching=async_batching)
+    with acb.Engine(model, cfg) as eng:
+        out = eng.score(ctx, conts, top_logprobs=2)
+        again = eng.score_batch([(ctx, conts), (ctx[:7], [[3, 4]])], progress_bar=False)
+        assert eng.stats.generated_tokens == 0
+    check(model, out, ctx, conts, k=2)
+    check(model, again[0], ctx, conts)
+    check(model, again[1], ctx[:7], [[3, 4]])
+    assert [s.greedy for s in out.continuations] == [True, True, False, False, False, False]
+    assert again[0].num_cached_tokens >= 5 * (len(ctx) // 4 * 4)  # every request read the context's blocks
