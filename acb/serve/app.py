@@ -305,17 +305,20 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
                                   state.options.tool_call_parser)
         if plan.template_tools is not None:  # the model's chat template renders the tools
             kwargs = {**(kwargs or {}), "tools": plan.template_tools}
-        structured = shaping.one_constraint(
-            ("response_format", shaping.structured_from_response_format(body.response_format)),
-            ("structured_outputs", shaping.structured_from_extra(body.model_extra or {})),
-            ("tool_choice", plan.structured))
-        messages = [shaping.history_message(m.model_dump(), m.text()) for m in body.messages]
+        constraint = shaping.one_constraint(
+            shaping.Constraint.of("response_format", shaping.structured_from_response_format(body.response_format)),
+            shaping.Constraint.of("structured_outputs", shaping.structured_from_extra(body.model_extra or {})),
+            plan.constraint)
+        structured = None if constraint is None else constraint.spec
+        messages = [shaping.history_message(m.model_dump(), m.text(), f"messages[{i}]")
+                    for i, m in enumerate(body.messages)]
         sampling = body.sampling(body.max_new_tokens(), body.logprobs_k(), structured)
         span = _server_span(state, request, "chat", sampling, body.stream)
         try:
             with span.active():
-                if structured is not None:
-                    await state.drain.until_expired(lambda: compile_grammar(state, structured, "response_format"))
+                if constraint is not None:
+                    spec, param = constraint.spec, constraint.param
+                    await state.drain.until_expired(lambda: compile_grammar(state, spec, param))
                 prompt = await state.drain.until_expired(
                     lambda: state.renderer.run(_render, state.tokenizer, messages, kwargs, _max_len(state)))
                 handles = [_submit(state, prompt, sampling)]
@@ -324,7 +327,8 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
             raise
         tail = state.tokenizer.decode(prompt.token_ids[-64:]) if state.options.reasoning_parser else ""
         return await _respond(state, request, body, handles, span, chat=True,
-                              shaper=lambda: shaping.OutputShaper(plan, state.options.reasoning_parser, tail))
+                              shaper=lambda: shaping.OutputShaper(plan, state.options.reasoning_parser, tail,
+                                                                  constrained=constraint is not None))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

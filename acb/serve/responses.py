@@ -206,8 +206,8 @@ def input_messages(instructions: str | None, items: str | Sequence[Mapping[str, 
             chat.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call_id, name = _required_str(item, "call_id", where), _required_str(item, "name", where)
-            call = {"id": call_id, "type": "function",
-                    "function": {"name": name, "arguments": _required_str(item, "arguments", where)}}
+            args = shaping.call_arguments(_required_str(item, "arguments", where), f"{where}.arguments", "input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             names[call_id] = name
             if chat and chat[-1]["role"] == "assistant":  # the same turn: its text, then its calls
                 chat[-1].setdefault("tool_calls", []).append(call)
@@ -230,17 +230,16 @@ def input_messages(instructions: str | None, items: str | Sequence[Mapping[str, 
                                 "function_call, function_call_output, reasoning)", param="input")
     if not chat:
         raise APIError(400, "input is empty", param="input")
-    return [shaping.history_message(m, m["content"]) for m in chat]
+    return [shaping.history_message(m, m["content"], "input", "input") for m in chat]
 
 
-def _structured(body: ResponsesRequest, plan: shaping.ToolPlan) -> tuple[StructuredOutputs | None, str]:
+def _structured(body: ResponsesRequest, plan: shaping.ToolPlan) -> shaping.Constraint | None:
     """The request's constrained decoding (``text.format``, a forced tool call, or vLLM's
-    ``structured_outputs`` extra) and the field it came from; two at once is a 400."""
-    given = (("text.format", shaping.structured_from_text_format(body.text_format)),
-             ("tool_choice", plan.structured),
-             ("structured_outputs", shaping.structured_from_extra(body.model_extra or {})))
-    spec = shaping.one_constraint(*given)
-    return spec, next((name for name, s in given if s is not None), "")
+    ``structured_outputs`` extra) and where it came from; two at once is a 400."""
+    return shaping.one_constraint(
+        shaping.Constraint.of("text.format", shaping.structured_from_text_format(body.text_format)),
+        plan.constraint,
+        shaping.Constraint.of("structured_outputs", shaping.structured_from_extra(body.model_extra or {})))
 
 
 def _render_prompt(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, limit: int,
@@ -330,10 +329,9 @@ class _Shell:
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.model = state.model_name
-        strict = {t.get("name"): t.get("strict", True) for t in body.tools or [] if isinstance(t, Mapping)}
         tools = [{"type": "function", "name": f["name"], "description": f.get("description"),
-                  "parameters": f["parameters"], "strict": bool(strict.get(f["name"], True))}
-                 for f in plan.functions]
+                  "parameters": f["parameters"], "strict": strict}
+                 for f, strict in zip(plan.functions, plan.strict)]
         choice: Any = {"type": "function", "name": plan.named} if plan.choice == "named" else plan.choice
         text: dict[str, Any] = {"format": body.text_format or {"type": "text"}}
         if body.text and body.text.get("verbosity") is not None:
@@ -386,24 +384,26 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "the served model has no tokenizer: the Responses API needs one", param="input")
         plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                                   state.options.tool_call_parser)
-        structured, param = _structured(body, plan)
+        constraint = _structured(body, plan)
         messages = input_messages(body.instructions, body.input)
-        sampling = body.sampling(structured)
+        sampling = body.sampling(None if constraint is None else constraint.spec)
         kwargs = {"tools": plan.template_tools} if plan.template_tools else None
         with_text = state.options.reasoning_parser is not None
+        shell = _Shell(state, body, plan)  # (everything is checked before the request is submitted)
         span = _server_span(state, request, "chat", sampling, body.stream)
         try:
             with span.active():
                 prompt, prompt_text = await state.drain.until_expired(lambda: state.renderer.run(
                     _render_prompt, state.tokenizer, messages, kwargs, _max_len(state), with_text))
-                if structured is not None:
-                    await state.drain.until_expired(lambda: compile_grammar(state, structured, param))
+                if constraint is not None:
+                    spec, param = constraint.spec, constraint.param
+                    await state.drain.until_expired(lambda: compile_grammar(state, spec, param))
                 handle = _submit(state, prompt, sampling)
         except BaseException as exc:
             _span_failed(span, exc)
             raise
-        shell = _Shell(state, body, plan)
-        shaper = shaping.OutputShaper(plan, state.options.reasoning_parser, prompt_text)
+        shaper = shaping.OutputShaper(plan, state.options.reasoning_parser, prompt_text,
+                                      constrained=constraint is not None)
         if body.stream:
             return StreamingResponse(_stream(state, shell, shaper, handle, span), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -486,6 +486,15 @@ class _Events:
             out.append(self.event("response.output_text.delta", delta=delta, logprobs=[], **where))
         return out
 
+    def shaped(self, reasoning: str, content: str, has_reasoning: bool) -> list[str]:
+        """The events of a stream delta's reasoning and content text (``has_reasoning``: whether
+        the output has a reasoning section, as far as is known). An empty reasoning section
+        (``</think>`` at once) still has its item, before the message's, as without streaming."""
+        out = self.text("reasoning", reasoning)
+        if content and has_reasoning and "reasoning" not in self.opened:
+            out += self._start("reasoning")
+        return out + self.text("message", content)
+
     def finish(self, items: list[dict[str, Any]]) -> list[str]:
         """The rest of the output, given its final form: the open item closed, the items not
         streamed yet (an empty message, the calls) added and done."""
@@ -529,7 +538,7 @@ async def _stream(state: ServerState, shell: _Shell, shaper: shaping.OutputShape
                     raise ShutdownExpired
                 if delta.text:
                     shaped = shaper.feed(delta.text)
-                    for e in ev.text("reasoning", shaped.reasoning) + ev.text("message", shaped.content):
+                    for e in ev.shaped(shaped.reasoning, shaped.content, shaper.has_reasoning):
                         yield e
                 if delta.finished:
                     final = delta.output

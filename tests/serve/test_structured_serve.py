@@ -4,7 +4,9 @@ real ``openai`` client against ``python -m acb serve`` subprocesses.
 A random model has no preferences, so every constrained output must be valid by construction:
 ``chat.completions.parse`` with pydantic models, regex and choice, named and ``required`` tool
 calls whose arguments fit the tool's schema. It all runs twice: on a server with async batching
-(the CUDA default), and on one whose KV cache is small enough to preempt, with offload.
+(the CUDA default) and ``--reasoning-parser deepseek_r1`` (which starts in reasoning: an output
+constrained from its first token must still be the content, or the call, never
+``reasoning_content``), and on one whose KV cache is small enough to preempt, with offload.
 
 ``tool_choice="auto"`` and ``reasoning_content`` need a model that writes tool calls and
 ``<think>``: a *scripted* model (GPT-2 whose only signal is a one-hot position embedding, with an
@@ -26,8 +28,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 pydantic = pytest.importorskip("pydantic")
+jsonschema = pytest.importorskip("jsonschema")
 
 import torch  # noqa: E402
+
+import acb  # noqa: E402
 
 from acb.models import build_tokenizer  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
@@ -80,7 +85,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["async", "preempt-offload"])
 def client(request, checkpoint, tmp_path_factory):
-    args = {"async": ["--async-batching", "--page-size", "16", "--num-blocks", "256"],
+    args = {"async": ["--async-batching", "--page-size", "16", "--num-blocks", "256",
+                      "--reasoning-parser", "deepseek_r1"],
             # 14 blocks of 8 tokens: concurrent requests preempt each other, parked in host memory
             "preempt-offload": ["--page-size", "8", "--num-blocks", "40", "--max-batch-tokens", "64",
                                 "--cpu-offload-space", "0.05"]}[request.param]
@@ -88,7 +94,23 @@ def client(request, checkpoint, tmp_path_factory):
                          ["--served-model-name", NAME, *args]):
         with openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120) as c:
             c.port = server.port  # type: ignore[attr-defined]
+            c.reasoning = request.param == "async"  # type: ignore[attr-defined]
             yield c
+
+
+def no_reasoning(client, message) -> None:
+    """A constrained output is never reasoning: ``reasoning_content`` is null where the server has
+    a reasoning parser (and absent where it has none)."""
+    extra = message.model_extra or {}
+    if client.reasoning:
+        assert "reasoning_content" in extra and extra["reasoning_content"] is None, extra
+    else:
+        assert "reasoning_content" not in extra, extra
+
+
+def streamed_reasoning(chunks) -> str:
+    return "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                   for ch in chunks if ch.choices)
 
 
 def test_parse_with_a_pydantic_model(client):
@@ -101,11 +123,13 @@ def test_parse_with_a_pydantic_model(client):
     assert isinstance(msg.parsed, Answer)
     assert msg.parsed == Answer.model_validate_json(msg.content)
     assert json.dumps(json.loads(msg.content), separators=(",", ":"), ensure_ascii=False) == msg.content  # compact
+    no_reasoning(client, msg)
     schema = openai.lib._pydantic.to_strict_json_schema(Answer)
     chunks = list(client.chat.completions.create(
         stream=True, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
                                                                              "strict": True}}, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert streamed_reasoning(chunks) == ""
 
 
 def test_regex_choice_and_json_object(client, checkpoint):
@@ -116,6 +140,8 @@ def test_regex_choice_and_json_object(client, checkpoint):
     r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=20, n=3, temperature=1.0, seed=5,
                                        extra_body={"structured_outputs": {"choice": choices}})
     assert [c.message.content in choices for c in r.choices] == [True] * 3
+    for c in r.choices:
+        no_reasoning(client, c.message)
     r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=60, temperature=0,
                                        response_format={"type": "json_object"})
     c = r.choices[0]
@@ -131,6 +157,7 @@ def test_named_and_required_tool_calls(client):
     r = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
+    no_reasoning(client, c.message)
     (call,) = c.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     check_weather_args(call.function.arguments)
@@ -142,14 +169,185 @@ def test_named_and_required_tool_calls(client):
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
         ["tool_calls"]
+    assert streamed_reasoning(chunks) == "" and "".join(ch.choices[0].delta.content or "" for ch in chunks
+                                                        if ch.choices) == ""
     # required, one call at most: a call to one of the tools, arguments valid for that tool
     r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    no_reasoning(client, r.choices[0].message)
     calls = r.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
     if calls[0].function.name == "get_weather":
         check_weather_args(calls[0].function.arguments)
     else:
         assert json.loads(calls[0].function.arguments)["zone"] in ("utc", "cet")
+
+
+class Spot(pydantic.BaseModel):
+    room: Literal["kitchen", "hall"]
+
+
+class Lamp(pydantic.BaseModel):
+    """Nested models: the tool's parameters carry ``$defs`` and ``$ref`` entries."""
+
+    spot: Spot
+    on: bool
+
+
+def _other_spot() -> type[pydantic.BaseModel]:
+    class Spot(pydantic.BaseModel):  # the same definition name as Lamp's, another model
+        floor: Literal["ground", "top"]
+
+    class Move(pydantic.BaseModel):
+        to: Spot
+        via: list[Spot] = pydantic.Field(max_length=2)
+
+    return Move
+
+
+LAMP = openai.pydantic_function_tool(Lamp)
+MOVE = openai.pydantic_function_tool(_other_spot())
+
+
+def check_call(call_name: str, arguments: str, tools: list[dict]) -> dict:
+    """The call names one of ``tools`` and its arguments fit that tool's own schema (its ``$ref`` entries
+    resolved in it), not another's."""
+    (tool,) = [t for t in tools if t["function"]["name"] == call_name]
+    args = json.loads(arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_tools_with_defs_and_refs(client):
+    """Tools whose parameters use ``$defs``/``$ref`` (any nested pydantic model), two of them
+    defining ``Spot`` differently: ``required`` (one call, then several) and a named choice,
+    on chat and on the Responses API; each call's arguments fit its own tool's schema."""
+    tools = [LAMP, MOVE]
+    assert "$defs" in LAMP["function"]["parameters"] and "$defs" in MOVE["function"]["parameters"]
+    kw = dict(model=NAME, messages=USER, max_tokens=200, temperature=0, tools=tools)
+    for extra in ({"tool_choice": "required", "parallel_tool_calls": False}, {"tool_choice": "required"},
+                  {"tool_choice": {"type": "function", "function": {"name": "Lamp"}}},
+                  {"tool_choice": {"type": "function", "function": {"name": "Move"}}}):
+        r = client.chat.completions.create(**kw, **extra)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", (extra, c)
+        assert c.message.tool_calls and all(check_call(t.function.name, t.function.arguments, tools)
+                                            for t in c.message.tool_calls)
+        if extra.get("parallel_tool_calls") is False:
+            assert len(c.message.tool_calls) == 1
+        if isinstance(extra["tool_choice"], dict):
+            assert [t.function.name for t in c.message.tool_calls] == [extra["tool_choice"]["function"]["name"]]
+    flat = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"],
+             "strict": True} for t in tools]
+    for choice in ("required", {"type": "function", "name": "Move"}):
+        r = client.responses.create(model=NAME, input="what is the weather?", tools=flat, tool_choice=choice,
+                                    max_output_tokens=200, temperature=0)
+        assert r.status == "completed", r.output
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert calls and [o.type for o in r.output] == ["function_call"] * len(calls)
+        for call in calls:
+            check_call(call.name, call.arguments, tools)
+
+
+def test_required_schema_keeps_each_tools_definitions(checkpoint):
+    """In-process: the combined schema of ``required`` accepts a call whose arguments fit its own
+    tool's ``Spot`` and refuses one that fits only the other tool's (the clashing names are kept
+    apart), through acb's own grammar compiler and matcher."""
+    from acb.serve.shaping import plan_tools, required_calls_schema
+    from acb.structured import GrammarCompiler, Matcher
+
+    plan = plan_tools([LAMP, MOVE], "required", None, None)
+    schema = required_calls_schema(plan.functions, parallel=True)
+    assert plan.structured == acb.StructuredOutputs(json=schema)
+    tok = checkpoint.tok
+    compiler = GrammarCompiler(tok, len(tok))
+    try:
+        compiled = compiler.compile_now(plan.structured)
+
+        def accepts(value) -> bool:
+            matcher = Matcher(compiled)
+            ids = tok.encode(json.dumps(value, separators=(",", ":")), add_special_tokens=False)
+            return all(matcher.accept(t) for t in ids) and matcher.accept(tok.eos_token_id)
+
+        lamp = {"name": "Lamp", "parameters": {"spot": {"room": "hall"}, "on": True}}
+        move = {"name": "Move", "parameters": {"to": {"floor": "top"}, "via": [{"floor": "ground"}]}}
+        assert accepts([lamp]) and accepts([move, lamp])
+        assert not accepts([{"name": "Lamp", "parameters": {"spot": {"floor": "top"}, "on": True}}])
+        assert not accepts([{"name": "Move", "parameters": {"to": {"room": "hall"}, "via": []}}])
+        assert not accepts([])
+    finally:
+        compiler.close()
+    # a recursive tool ($ref "#") and a JSON pointer into the tool's own properties stay inside it
+    tree = {"type": "object", "properties": {"leaf": {"type": "boolean"},
+                                             "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+                                             "same": {"$ref": "#/properties/leaf"}},
+            "required": ["leaf", "kids", "same"]}
+    schema = required_calls_schema(plan_tools([{"type": "function", "function": {"name": "t", "parameters": tree}}],
+                                              "required", None, None).functions, parallel=False)
+    params = schema["$defs"]["tool0"]["properties"]
+    assert params["kids"]["items"] == {"$ref": "#/$defs/tool0"}
+    assert params["same"] == {"$ref": "#/$defs/tool0/properties/leaf"}
+    assert schema["maxItems"] == 1
+
+
+def test_constrained_output_on_the_responses_api_is_never_reasoning(client):
+    """``text.format`` and forced calls on ``/v1/responses``: the output is the message (or the
+    call), with no reasoning item, streamed or not, also where the server's reasoning parser
+    (``deepseek_r1``) starts in reasoning."""
+    pick = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+            "required": ["kind", "ok"], "additionalProperties": False}
+    kw = dict(model=NAME, input="what is the weather?", max_output_tokens=64, temperature=0)
+    fmt = {"format": {"type": "json_schema", "name": "pick", "schema": pick, "strict": True}}
+    r = client.responses.create(**kw, text=fmt)
+    assert r.status == "completed" and [o.type for o in r.output] == ["message"], r.output
+    jsonschema.validate(json.loads(r.output_text), pick)
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    events = list(client.responses.create(**kw, text=fmt, stream=True))
+    assert not [e for e in events if "reasoning" in e.type]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    flat = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    for choice in ({"type": "function", "name": "get_weather"}, "required"):
+        kw["max_output_tokens"] = 160
+        r = client.responses.create(**kw, tools=[flat], tool_choice=choice)
+        assert r.status == "completed" and {o.type for o in r.output} == {"function_call"}, r.output
+        check_weather_args(r.output[0].arguments)
+        events = list(client.responses.create(**kw, tools=[flat], tool_choice=choice, stream=True))
+        assert not [e for e in events if "reasoning" in e.type or "output_text" in e.type]
+        assert events[-1].response.output[0].arguments == r.output[0].arguments
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "frobnicate"}}}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                         "schema": BAD_SCHEMA}}},
+     "response_format"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
+    ("/v1/chat/completions", {"tools": [WEATHER, {"type": "function", "function": {"name": "bad",
+                                                                                 "parameters": BAD_SCHEMA}}],
+                              "tool_choice": {"type": "function", "function": {"name": "bad"}}},
+     "tools[1].function.parameters"),
+    ("/v1/chat/completions", {"tools": [WEATHER, {"type": "function", "function": {"name": "bad",
+                                                                                 "parameters": BAD_SCHEMA}}],
+                              "tool_choice": "required"}, "tools"),
+    ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
+     "text.format"),
+    ("/v1/responses", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": "bad", "parameters": BAD_SCHEMA}],
+                       "tool_choice": {"type": "function", "name": "bad"}}, "tools[0].parameters"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": "bad", "parameters": BAD_SCHEMA}],
+                       "tool_choice": "required"}, "tools"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_constraint_that_does_not_compile_names_its_field(client, path, body, param):
+    """A constraint refused by the grammar compiler is a 400 naming the field it was built from
+    (not always ``response_format``), on every endpoint."""
+    base = ({"messages": USER} if path == "/v1/chat/completions" else
+            {"prompt": "x"} if path == "/v1/completions" else {"input": "x"})
+    status, _, data = raw(client.port, "POST", path, {"model": NAME, "max_tokens": 5, **base, **body})
+    assert status == 400, data
+    assert check_error_body(data, status)["param"] == param
 
 
 def test_tool_history_is_rendered(client, checkpoint):
