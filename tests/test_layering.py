@@ -4,6 +4,7 @@ i.e. outside ``if TYPE_CHECKING:`` blocks, at module level or inside functions).
 - ``acb.core`` is plain Python: no torch, no asyncio/anyio, and nothing from the layers above it.
 - ``acb.runner`` never imports asyncio and nothing above it (api, serve, distributed, ...).
 - ``acb.api`` does not import the server, the integrations, scale-out, the CLI or the benchmarks.
+- Nothing the CLI builds on (the server, scale-out, the model loader) imports the CLI.
 - No import cycle among acb's modules (module-level imports).
 - Each optional dependency is imported in its one home module.
 """
@@ -78,6 +79,11 @@ ABOVE_API = ("acb.serve", "acb.distributed", "acb.integrations", "acb.cli", "acb
     ("acb.core", ("torch", "asyncio", "anyio", "numpy", *ABOVE_CORE)),
     ("acb.runner", ("asyncio", "anyio", *ABOVE_RUNNER)),
     ("acb.api", ABOVE_API),
+    # the CLI is the top: the server, scale-out and the loaders below it never reach back into
+    # it, not even inside a function (a Ray Serve replica once parsed argv with the CLI's parser)
+    ("acb.serve", ("acb.cli",)),
+    ("acb.distributed", ("acb.cli",)),
+    ("acb.model_source", ("acb.cli", "acb.serve", "acb.distributed")),
 ])
 def test_no_upward_imports(layer, banned):
     bad = [(name, imp) for name, path in MODULES.items() if _under(name, layer)
@@ -126,7 +132,7 @@ OPTIONAL = {
     "prometheus_client": {"acb.telemetry"},
     # the server stack (extra "serve") lives in the acb.serve package alone
     "fastapi": {"acb.serve", "acb.serve.app", "acb.serve.protocol", "acb.serve.responses"},
-    "uvicorn": {"acb.serve"},
+    "uvicorn": {"acb.serve.launch"},
     "starlette": {"acb.serve.protocol", "acb.serve.ingress"},
 }
 

@@ -57,7 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        args._argv = list(sys.argv[1:] if argv is None else argv)  # (acb serve --ray hands it to its replicas)
         try:
             return args.func(args)
         except CliError as exc:  # bad input, not bad flags: the one useful line, no usage; exit status 2

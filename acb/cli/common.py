@@ -6,24 +6,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from acb.config import ATTN_BACKENDS, SCHEDULER_TYPES
+from acb.model_source import DEFAULT_CHAT_TEMPLATE, DTYPES, ModelSource, follow, is_tp_follower
 
 DEFAULT_OUTPUT = "acb_generate_out.jsonl"
 STDOUT = "-"  # --output - : results on stdout, every human-facing line on stderr
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
-# the embedded default tokenizer has no chat template of its own; "messages" lines get this one
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
 SPECIAL_IDS = (0, 1, 2)  # excluded from synthetic prompts (pad, bos, eos of the default tokenizer)
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class CliError(Exception):
@@ -82,7 +75,7 @@ def _add_model_flags(p: Any) -> Any:
     src.add_argument("--model", metavar="PATH", default=None,
                      help="local checkpoint directory (model + tokenizer; nothing is downloaded). "
                           "Default: the embedded random-weight model (meaningless text).")
-    src.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype (default: float32)")
+    src.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
     src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
     return src
 
@@ -100,8 +93,7 @@ def _add_telemetry_flags(p: Any) -> None:
 
 def _model_name(args: argparse.Namespace) -> str:
     """The model's name in the API and in telemetry: the checkpoint directory's name, or acb-default."""
-    name = getattr(args, "served_model_name", None)
-    return name or (os.path.basename(os.path.normpath(args.model)) if args.model else "acb-default")
+    return getattr(args, "served_model_name", None) or ModelSource(args.model).default_name
 
 
 def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
@@ -143,12 +135,6 @@ def _non_negative_float(text: str) -> float:
 
 
 
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def _check_paths(args: argparse.Namespace) -> None:
     if args.prompts is not None and not os.path.isfile(args.prompts):
         raise CliError(f"--prompts: no such file: {args.prompts}")
@@ -163,117 +149,40 @@ def _check_paths(args: argparse.Namespace) -> None:
         )
 
 
-def _check_device(device: str) -> Any:
-    import torch
+def model_source(args: argparse.Namespace) -> ModelSource:
+    """The model the flags name (``--model``, ``--dtype``, ``--device``)."""
+    return ModelSource(args.model, args.dtype, args.device, progress=not getattr(args, "no_progress", True))
 
+
+def _check_device(device: str) -> Any:
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise CliError(f"--device: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"--device {device}: CUDA is not available")
-    return dev
+        return ModelSource(device=device).torch_device()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _load_tokenizer(args: argparse.Namespace) -> Any:
-    if args.model is None:
-        from acb.models import build_tokenizer
-
-        tok = build_tokenizer()
-        if getattr(tok, "chat_template", None) is None:
-            tok.chat_template = DEFAULT_CHAT_TEMPLATE
-        return tok
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    except Exception as exc:  # a checkpoint without a tokenizer can still run prompt_ids
-        print(f"acb generate: warning: no tokenizer loaded from {args.model} ({type(exc).__name__}: {exc}); "
-              "text prompts are rejected and outputs have text=null", file=sys.stderr)
-        return None
-
-
-def _under_torchrun() -> bool:
-    """Launched by ``torchrun`` with more than one process: the model is loaded tensor-parallel."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
-
-
-def _load_tp_model(path: str | None, dtype: Any) -> Any:
-    """Under torchrun: ``from_pretrained(..., tp_plan="auto")`` (the embedded model is saved to a
-    temporary directory first: every rank builds the same seeded weights)."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if path is None:
-            from acb.models import default_model
-
-            default_model(dtype=dtype).save_pretrained(tmp)
-            path = tmp
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"), local_files_only=True)
-        except Exception as exc:
-            raise CliError(f"--model: cannot load {path} tensor-parallel: {type(exc).__name__}: {exc}") from None
-    return model.eval()
+    return model_source(args).load_tokenizer(f"acb {args.command}")
 
 
 def _is_tp_follower(model: Any) -> bool:
-    """A tensor-parallel rank other than the group's first: its engine follows the leader's."""
-    from acb.runner.tp_sync import tp_group
-
-    group = tp_group(model)
-    if group is None:
-        return False
-    import torch.distributed as dist
-
-    return dist.get_rank() != dist.get_process_group_ranks(group)[0]
+    return is_tp_follower(model)
 
 
 def _follow(model: Any, cfg: Any, tokenizer: Any) -> int:
-    """A follower rank's whole job: run the leader's requests in lock step until it stops (with
-    the tokenizer: the leader's stop strings end a request on every rank at the same token)."""
-
-    import acb
-
-    # torchrun passes SIGTERM (and a terminal's Ctrl-C reaches every rank): the leader stops the
-    # engines of all ranks, so a follower leaving on its own would only break the leader's step
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    engine = acb.Engine(model, cfg, tokenizer=tokenizer)
-    engine.start()
-    engine.join()
-    if engine.core is not None and engine.core.dead_error is not None:
-        raise CliError(f"the tensor-parallel engine died: {engine.core.dead_error!r}")
+    """A follower rank's whole run (:func:`acb.model_source.follow`); its exit status."""
+    try:
+        follow(model, cfg, tokenizer)
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 
 def _load_model(args: argparse.Namespace, device: Any) -> Any:
-    dtype = _torch_dtype(args.dtype)
-    if _under_torchrun():
-        return _load_tp_model(args.model, dtype)
-    if args.model is None:
-        from acb.models import default_model
-
-        model = default_model(dtype=dtype)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        from transformers.utils import logging as hf_logging
-
-        bars_were_on = hf_logging.is_progress_bar_enabled()
-        if args.no_progress:
-            hf_logging.disable_progress_bar()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
-        except Exception as exc:
-            raise CliError(f"--model: cannot load {args.model}: {type(exc).__name__}: {exc}") from None
-        finally:
-            if bars_were_on:
-                hf_logging.enable_progress_bar()
-    return model.to(device).eval()
+    try:
+        return model_source(args).load_model(device)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _vocab_size(model: Any) -> int:

@@ -5,24 +5,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
-from typing import Any
+import shlex
+from typing import TYPE_CHECKING, Any
 
 from acb.cli.common import (
     CliError,
     _add_engine_flags,
     _add_model_flags,
     _add_telemetry_flags,
-    _check_device,
     _engine_config,
-    _follow,
-    _is_tp_follower,
-    _load_model,
-    _load_tokenizer,
-    _model_name,
     _non_negative_float,
     _positive_int,
+    model_source,
 )
+
+if TYPE_CHECKING:
+    from acb.serve.launch import ServerSettings
 
 
 def _add_serve(sub: Any) -> None:
@@ -31,7 +29,8 @@ def _add_serve(sub: Any) -> None:
         help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
         description=(
             "Serve a local checkpoint (or the embedded random-weight model) with the OpenAI API: "
-            "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, plus GET /health (200 once "
+            "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, plus GET "
+            "/health (200 once "
             "the engine runs) and GET /metrics (Prometheus). SIGINT/SIGTERM stop accepting, let in-flight "
             "requests finish for --grace-period seconds (then cancel them) and exit 0."
         ),
@@ -69,14 +68,15 @@ def _add_serve(sub: Any) -> None:
     ray = p.add_argument_group("scale-out on Ray Serve (acb/distributed/ray_serve.py; extra ray)")
     ray.add_argument("--ray", action="store_true",
                      help="serve through Ray Serve: --num-replicas engine replicas (one GPU each with --device cuda) "
-                          "behind Ray Serve's HTTP proxy on --host/--port, each running this same command's flags")
+                          "behind Ray Serve's HTTP proxy on --host/--port, each built from this same command's flags")
     ray.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
                      help="replicas (default 1; with --min/--max-replicas, the initial count)")
     ray.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
                      help="autoscale between A and B replicas on ongoing requests")
     ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B")
     ray.add_argument("--ray-address", default=None, metavar="ADDR",
-                     help="an existing Ray cluster (ray://host:10001 or auto); default: a local Ray started here")
+                     help="an existing Ray cluster (ray://host:10001, host:6379 or auto); default: a new local Ray "
+                          "started here (whatever an earlier `ray start` left in Ray's temp folder)")
     ray.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
                      help="the same as --ray --num-replicas N on a local Ray (one scale-out path for online "
                           "serving: Ray Serve)")
@@ -85,80 +85,138 @@ def _add_serve(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.model is not None and not os.path.isdir(args.model):
-        raise CliError(f"--model: not a local checkpoint directory: {args.model}")
+    """``acb serve``: the settings from the flags, then one server (:func:`acb.serve.build_server`),
+    or Ray Serve replicas built from the same settings (``--ray``).
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        The exit status (0 after a SIGINT/SIGTERM drain).
+
+    Raises:
+        CliError: a bad flag value, a missing extra, or a model that cannot load.
+    """
     if args.data_parallel > 1:  # the former home-made router's flag: Ray Serve on this machine
         if args.ray or args.num_replicas is not None:
             raise CliError("--data-parallel N is --ray --num-replicas N: give one of them")
         args.ray, args.num_replicas = True, args.data_parallel
-    if args.ray:
-        return _serve_on_ray(args)
-    device = _check_device(args.device)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.verbose:
-        logging.getLogger("acb").setLevel(logging.INFO)
-    try:
-        import acb.serve
-    except ImportError as exc:
-        raise CliError(str(exc)) from None
-    import acb
+    settings = server_settings(args)
+    if args.ray:
+        return _serve_on_ray(args, settings)
+    from acb.serve.launch import build_server
 
-    cfg = _engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed)
-    name = _model_name(args)
-    if args.model is None:
-        print("acb serve: no --model: serving the embedded random-weight model (its text is meaningless) as "
-              f"{name!r}", file=sys.stderr, flush=True)
-    tokenizer = _load_tokenizer(args)
-    model = _load_model(args, device)
-    if _is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
-        return _follow(model, cfg, tokenizer)
-    engine = acb.AsyncEngine(model, cfg, tokenizer=tokenizer)
-    acb.serve.run(engine, name, host=args.host, port=args.port, otlp_endpoint=args.otlp_endpoint,
-                  otlp_protocol=args.otlp_protocol, capture_content=args.otel_capture_content, **app_options(args))
+    try:
+        server = build_server(settings)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        server.run()
+    except RuntimeError as exc:  # a tensor-parallel follower whose engine died
+        raise CliError(str(exc)) from None
     return 0
 
 
-def app_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``acb serve``'s flags that shape its app (:func:`acb.serve.app.build_app`'s keywords): the
-    same for a plain server and for each Ray Serve replica."""
-    return dict(api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-                max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
-                trust_request_chat_template=args.trust_request_chat_template,
-                max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser)
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """``acb serve``'s flags as the settings of one server (what every replica receives too).
+
+    Args:
+        args: the parsed flags of ``acb serve``.
+
+    Returns:
+        The :class:`acb.serve.ServerSettings`.
+
+    Raises:
+        CliError: the serve extra is missing, or a flag's value is refused.
+    """
+    try:
+        from acb.serve.app import AppOptions
+        from acb.serve.launch import ServerSettings, TelemetrySettings
+    except ImportError as exc:
+        raise CliError(str(exc)) from None
+    source = model_source(args)
+    try:
+        source.check()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    app = AppOptions(trust_request_chat_template=args.trust_request_chat_template,
+                     max_prompts_per_request=args.max_prompts_per_request, grace_period=args.grace_period,
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    return ServerSettings(
+        model=source, engine=_engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed),
+        name=args.served_model_name,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
+        max_body_bytes=args.max_body_bytes, app=app,
+        telemetry=TelemetrySettings(args.otlp_endpoint, args.otlp_protocol, args.otel_capture_content),
+        host=args.host, port=args.port, verbose=args.verbose)
 
 
+def _ray_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"num_replicas": args.num_replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+            "num_gpus": 1.0 if str(args.device).startswith("cuda") else 0.0}
 
 
-# flags of the Ray launcher itself, not the replicas' (each takes a value but --ray)
-_LAUNCHER_FLAGS = {"--ray": 0, "--num-replicas": 1, "--min-replicas": 1, "--max-replicas": 1, "--ray-address": 1,
-                   "--host": 1, "--port": 1, "--data-parallel": 1}
-
-
-def _replica_argv(argv: list[str]) -> list[str]:
-    """This command line without ``serve`` and the launcher's own flags: what every replica runs."""
-    out: list[str] = []
-    it = iter(argv[1:] if argv and argv[0] == "serve" else argv)
-    for a in it:
-        name = a.split("=", 1)[0]
-        if name in _LAUNCHER_FLAGS:
-            if _LAUNCHER_FLAGS[name] and "=" not in a:
-                next(it, None)
-            continue
-        out.append(a)
-    return out
-
-
-def _serve_on_ray(args: argparse.Namespace) -> int:
-    """``acb serve --ray``: the Ray Serve application on a local Ray (or ``--ray-address``), on
-    --host/--port, until SIGINT/SIGTERM; then Serve drains and stops the replicas."""
+def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """``acb serve --ray``: the Ray Serve application on a new local Ray (or ``--ray-address``),
+    on --host/--port, until SIGINT/SIGTERM; then the ingress drains (``--grace-period``) and Serve
+    stops the replicas."""
     try:
         from acb.distributed import ray_serve
     except ImportError as exc:
         raise CliError(str(exc)) from None
-    app_args = {"argv": _replica_argv(list(getattr(args, "_argv", []))), "num_replicas": args.num_replicas,
-                "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-                "num_gpus": 1.0 if str(args.device).startswith("cuda") else 0.0}
-    ray_serve.run(app_args, host=args.host, port=args.port, address=args.ray_address, name=_model_name(args),
-                  verbose=args.verbose)
+    app = ray_serve.build_application(settings, **_ray_options(args))
+    try:
+        ray_serve.run(app, settings, address=args.ray_address,
+                      replicas=args.num_replicas or args.min_replicas or 1)
+    except ray_serve.RayStartError as exc:
+        raise CliError(str(exc)) from None
     return 0
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="acb")
+    _add_serve(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def build_ray_application(args: dict[str, Any]) -> Any:
+    """The Ray Serve application for a config file (``serve run`` / ``serve deploy``): ``args``
+    are ``argv`` (``acb serve``'s flags, a string or a list) and optional ``num_replicas``,
+    ``min_replicas``, ``max_replicas``, ``num_gpus``, ``num_cpus``::
+
+        applications:
+          - name: acb
+            route_prefix: /
+            import_path: acb.cli.serve:build_ray_application
+            args: {argv: "--model /models/qwen3 --max-batch-tokens 4096", num_replicas: 2, num_gpus: 1}
+
+    Args:
+        args: the config file's ``args``.
+
+    Returns:
+        The bound Ray Serve application.
+
+    Raises:
+        ValueError: a bad flag (argparse's message), before any replica starts.
+    """
+    import contextlib
+    import io
+
+    argv = args.get("argv", [])
+    argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parsed = _serve_parser().parse_args(["serve", *argv])
+        settings = server_settings(parsed)
+    except SystemExit:
+        raise ValueError(f"acb serve flags {argv!r}: {err.getvalue().strip().splitlines()[-1]}") from None
+    except CliError as exc:
+        raise ValueError(f"acb serve flags {argv!r}: {exc}") from None
+    from acb.distributed import ray_serve
+
+    return ray_serve.build_application(
+        settings, num_replicas=args.get("num_replicas"), min_replicas=args.get("min_replicas"),
+        max_replicas=args.get("max_replicas"), num_gpus=float(args.get("num_gpus", 0.0)),
+        num_cpus=float(args.get("num_cpus", 1.0)))

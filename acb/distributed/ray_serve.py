@@ -1,16 +1,19 @@
 """Online scale-out on Ray Serve (extra ``ray``): ``acb serve --ray --num-replicas N``, or a
-Ray Serve config file for ``serve run`` / ``serve deploy``.
+Ray Serve config file for ``serve run`` / ``serve deploy`` (:func:`acb.cli.serve.build_ray_application`).
 
 Two deployments:
 
-- ``AcbEngine`` replicas, each one :class:`acb.AsyncEngine` (one GPU each on CUDA) with acb
-  serve's own FastAPI app around it (:func:`acb.serve.app.build_app`: one implementation of the
-  OpenAI protocol, not two), built inside the replica. Every ``acb serve`` flag reaches every
-  replica: they parse the same command line (``argv``).
+- ``AcbEngine`` replicas, each one server built by :func:`acb.serve.build_server` from the
+  launcher's :class:`~acb.serve.ServerSettings` (pickled: every ``acb serve`` flag reaches every
+  replica), as a plain ``acb serve`` builds its own: telemetry configured (OTLP export,
+  ``/metrics``), one :class:`acb.AsyncEngine` (one GPU each on CUDA) and acb serve's own FastAPI
+  app around it, whose lifespan runs in the replica (it starts the engine; the replica's
+  ``__del__`` runs its shutdown).
 - ``AcbIngress`` (no CPU of its own), behind Ray Serve's HTTP proxy: it reads each request's
-  body, derives its prefix key (the cache salt and the first :data:`AFFINITY_CHARS` characters of
-  the chat, prompt or input), and forwards the raw request to an engine replica by handle; the
-  replica runs it through its app and streams the response back, chunk by chunk.
+  body (up to ``--max-body-bytes``), derives its prefix key (a digest of the cache salt and the
+  first :data:`~acb.serve.ingress.AFFINITY_CHARS` characters of the chat, prompt or input), and
+  forwards the raw request to an engine replica by handle; the replica runs it through its app
+  and streams the response back, chunk by chunk (:mod:`acb.serve.ingress`).
 
 Routing (:class:`PrefixAffinityRouter`, Ray Serve's request-router API): a request with a key
 prefers the replica its key hashes to (rendezvous hashing over the live replicas: requests that
@@ -18,24 +21,26 @@ share a prompt prefix or a ``cache_salt`` meet the replica that holds it in its 
 and a replica leaving moves only its own keys); the others come next, and Ray Serve takes the
 least loaded one with room among a rank. Ray Serve lacked only this key (its prefix-aware
 router reads LLM request objects with ``.messages``/``.prompt``; its HTTP proxy routes before
-reading a body).
+reading a body). The router never fails a request: without a usable key, any replica serves it.
 
 A replica that dies mid-request: the ingress answers an OpenAI error body (503) when nothing
 was sent yet, and ends a stream with an SSE error event and ``[DONE]``; Serve replaces the
-replica (health checks also fail a replica whose engine died). On SIGTERM Serve drains the
-replicas. Each response carries ``x-acb-replica``: the replica that served it.
+replica (health checks also fail a replica whose engine died). On SIGINT/SIGTERM the launcher
+drains the ingress (``--grace-period``, as a plain ``acb serve`` drains: the requests still
+running then end with an OpenAI error), then Serve stops the replicas. Each response carries
+``x-acb-replica``: the replica that served it.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
-import shlex
-from collections.abc import AsyncIterator, MutableMapping, Sequence
+import logging
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
-from acb.serve.ingress import RoutedRequest, affinity_key
+from acb.serve.ingress import IngressDrain, RoutedRequest, affinity_key, forwarding_app
+from acb.serve.launch import Server, ServerSettings, build_server
 
 try:
     from ray import serve
@@ -45,28 +50,19 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"acb's Ray Serve application needs Ray Serve: pip install 'acb-batching[ray]' ({exc})") from None
 
-__all__ = ["AcbEngine", "AcbIngress", "PrefixAffinityRouter", "affinity_key", "build_application",
+__all__ = ["AcbEngine", "AcbIngress", "PrefixAffinityRouter", "RayStartError", "affinity_key", "build_application",
            "deployment_options", "run"]
+
+logger = logging.getLogger(__name__)
 
 # a batching engine serves many requests at once: let the proxy send a replica that many (the
 # engine's own queue and max_queue_size decide what waits)
 DEFAULT_MAX_ONGOING_REQUESTS = 256
+APP_NAME = "acb"
 
 
-def _namespace(argv: Sequence[str]) -> argparse.Namespace:
-    """``acb serve``'s parsed flags for this command line (the CLI's own parser); bad flags are a
-    ``ValueError`` with argparse's message (not its exit)."""
-    import contextlib
-    import io
-
-    from acb.cli import build_parser
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return build_parser().parse_args(["serve", *argv])
-    except SystemExit:
-        raise ValueError(f"acb serve flags {list(argv)!r}: {err.getvalue().strip().splitlines()[-1]}") from None
+class RayStartError(RuntimeError):
+    """Ray or Ray Serve could not start (or reach ``--ray-address``)."""
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -75,44 +71,60 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True  # all full: back off, not spin
-        key = None
-        if pending_request is not None and pending_request.args:
-            key = getattr(pending_request.args[0], "affinity", None)
-        if not key or len(candidate_replicas) < 2:
+        """Rank the candidates for one request (never raises: a request Serve cannot route would
+        wait forever).
+
+        Args:
+            candidate_replicas: the live replicas.
+            pending_request: the request (its first argument a :class:`RoutedRequest`).
+
+        Returns:
+            The ranks: the key's replica, then the others; or all of them in one rank.
+        """
+        try:
+            if pending_request is not None:
+                pending_request.routing_context.should_backoff = True  # all full: back off, not spin
+            key = None
+            if pending_request is not None and pending_request.args:
+                key = getattr(pending_request.args[0], "affinity", None)
+            if not key or len(candidate_replicas) < 2:
+                return [candidate_replicas]
+            ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
+                f"{key}\0{r.replica_id.unique_id}".encode("utf-8", "surrogatepass"), digest_size=8).digest())
+            return [[ranked[0]], ranked[1:]]
+        except Exception:  # noqa: BLE001 - any replica will do
+            logger.exception("acb serve: the prefix-affinity router failed; routing by load")
             return [candidate_replicas]
-        ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
-            f"{key}\0{r.replica_id.unique_id}".encode(), digest_size=8).digest())
-        return [[ranked[0]], ranked[1:]]
 
 
 class AcbEngine:
-    """One engine and acb serve's app around it (a Ray Serve deployment class; see the module
-    docstring). ``argv``: ``acb serve``'s flags (``--model PATH --num-blocks 256 ...``)."""
+    """One server built from ``settings`` (a Ray Serve deployment class; see the module
+    docstring): :func:`acb.serve.build_server`, its app's lifespan run in the replica."""
 
-    def __init__(self, argv: Sequence[str]) -> None:
-
-        import acb
-        from acb.cli.common import _check_device, _engine_config, _load_model, _load_tokenizer, _model_name
-        from acb.cli.serve import app_options
-        from acb.serve.app import build_app
-
-        args = _namespace(argv)
-        device = _check_device(args.device)
-        cfg = _engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed)
-        self.engine = acb.AsyncEngine(_load_model(args, device), cfg, tokenizer=_load_tokenizer(args))
-        self.engine.start()  # here, so that the replica is ready (and healthy) once it is built
+    async def __init__(self, settings: ServerSettings) -> None:  # type: ignore[misc]  # (Serve awaits it)
+        self.server: Server = build_server(settings)
         rid = getattr(serve.get_replica_context(), "replica_id", None)
         self.replica_id = str(getattr(rid, "unique_id", None) or rid or "replica")
-        self.app = build_app(self.engine, _model_name(args), **app_options(args))
-        # (the app's lifespan starts the engine and watches signals in a plain `acb serve`; here
-        # the replica started the engine, and Serve handles the signals and the drain)
-        self.app.state.acb.ready = True
+        await self.server.start()  # here, so that the replica is ready (and healthy) once it is built
+        self.app = self.server.app
+
+    async def __del__(self) -> None:
+        """Serve stops the replica: the app's lifespan shutdown (the engine stops, the render
+        threads end), and telemetry exports what it holds."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            await server.stop()
 
     async def forward(self, req: RoutedRequest) -> AsyncIterator[Any]:  # noqa: C901
         """Run one HTTP request through the app: yields ``(status, headers)``, then body chunks.
-        Cancelled (the client left), the app sees a disconnect and cancels the request."""
+        Cancelled (the client left), the app sees a disconnect and cancels the request.
+
+        Args:
+            req: the request, as the ingress read it.
+
+        Returns:
+            An async iterator of ``(status, headers)`` and then the body's chunks.
+        """
         sent = asyncio.Queue()  # type: asyncio.Queue[dict[str, Any]]
         gone = asyncio.Event()
         body_read = False
@@ -159,12 +171,22 @@ class AcbEngine:
                     task.cancel()
 
     def check_health(self) -> None:
-        """Serve's health check: a replica whose engine died is replaced."""
-        core = self.engine.core
+        """Serve's health check: a replica whose engine died is replaced.
+
+        Raises:
+            RuntimeError: the engine died or is not running.
+        """
+        engine = self.server.engine
+        assert engine is not None
+        core = engine.core
         if core is not None and core.dead_error is not None:
             raise RuntimeError(f"the engine died: {core.dead_error!r}")
-        if not self.engine.is_running:
+        if not engine.is_running:
             raise RuntimeError("the engine is not running")
+
+
+def _cancel(stream: Any) -> None:
+    stream.cancel()
 
 
 @serve.ingress()
@@ -174,19 +196,46 @@ class AcbIngress:
     def __init__(self, engines: DeploymentHandle, max_body_bytes: int = 16 << 20) -> None:
         self.engines = engines
         self.max_body_bytes = max_body_bytes
+        self.stopping = IngressDrain()
 
     def __serve_build_asgi_app__(self) -> Any:
-        from acb.serve.ingress import forwarding_app
-
         engines = self.engines
-        return forwarding_app(lambda routed: engines.options(stream=True).forward.remote(routed), self.max_body_bytes)
+        return forwarding_app(lambda routed: engines.options(stream=True).forward.remote(routed), self.max_body_bytes,
+                              self.stopping, _cancel)
+
+    async def drain(self, grace_period: float) -> int:
+        """Stop as a plain ``acb serve`` stops (:meth:`acb.serve.ingress.IngressDrain.drain`).
+
+        Args:
+            grace_period: seconds the requests in flight get.
+
+        Returns:
+            How many requests were ended at the end of the grace period.
+        """
+        return await self.stopping.drain(grace_period)
+
+    def hurry(self) -> None:
+        """End the grace period now (a second SIGINT/SIGTERM)."""
+        self.stopping.expire()
 
 
 def deployment_options(*, num_replicas: int | None = None, min_replicas: int | None = None,
                        max_replicas: int | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0,
                        grace_period: float = 30.0) -> dict[str, Any]:
     """Ray Serve options of the replicas: a fixed count, or autoscaling between
-    ``min_replicas`` and ``max_replicas`` on ongoing requests."""
+    ``min_replicas`` and ``max_replicas`` on ongoing requests.
+
+    Args:
+        num_replicas: the replicas (the initial count when autoscaling).
+        min_replicas: autoscaling's floor.
+        max_replicas: autoscaling's ceiling.
+        num_gpus: GPUs per replica.
+        num_cpus: CPUs per replica.
+        grace_period: seconds a replica being stopped gets for its requests in flight.
+
+    Returns:
+        The options for ``serve.deployment(...).options``.
+    """
     opts: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": num_cpus},
         "max_ongoing_requests": DEFAULT_MAX_ONGOING_REQUESTS,
@@ -202,37 +251,50 @@ def deployment_options(*, num_replicas: int | None = None, min_replicas: int | N
     return opts
 
 
-def build_application(args: dict[str, Any]) -> Any:
-    """The Ray Serve application (a builder for ``serve run`` / ``serve deploy``): ``args`` are
-    ``argv`` (``acb serve``'s flags, a string or a list) and optional ``num_replicas``,
-    ``min_replicas``, ``max_replicas``, ``num_gpus``, ``num_cpus``::
+def build_application(settings: ServerSettings, *, num_replicas: int | None = None, min_replicas: int | None = None,
+                      max_replicas: int | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0) -> Any:
+    """The Ray Serve application: engine replicas built from ``settings`` behind the ingress.
 
-        applications:
-          - name: acb
-            route_prefix: /
-            import_path: acb.distributed.ray_serve:build_application
-            args: {argv: "--model /models/qwen3 --max-batch-tokens 4096", num_replicas: 2, num_gpus: 1}
+    Args:
+        settings: every replica's server settings (``acb serve``'s flags).
+        num_replicas: see :func:`deployment_options`.
+        min_replicas: see :func:`deployment_options`.
+        max_replicas: see :func:`deployment_options`.
+        num_gpus: GPUs per replica.
+        num_cpus: CPUs per replica.
+
+    Returns:
+        The bound application (for ``serve.run``, or a config file's builder).
     """
-    argv = args.get("argv", [])
-    argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
-    parsed = _namespace(argv)  # refuse bad flags here, before any replica starts
-    opts = deployment_options(num_replicas=args.get("num_replicas"), min_replicas=args.get("min_replicas"),
-                              max_replicas=args.get("max_replicas"), num_gpus=float(args.get("num_gpus", 0.0)),
-                              num_cpus=float(args.get("num_cpus", 1.0)), grace_period=parsed.grace_period)
+    opts = deployment_options(num_replicas=num_replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+                              num_gpus=num_gpus, num_cpus=num_cpus, grace_period=settings.grace_period)
     engines = serve.deployment(AcbEngine, name="AcbEngine").options(  # type: ignore[attr-defined]
         request_router_config=RequestRouterConfig(
             request_router_class="acb.distributed.ray_serve:PrefixAffinityRouter"),  # type: ignore[arg-type]
-        **opts).bind(argv)
+        **opts).bind(settings)
     ingress = serve.deployment(AcbIngress, name="AcbIngress").options(  # type: ignore[attr-defined]
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
-    return ingress.bind(engines, parsed.max_body_bytes)
+    return ingress.bind(engines, settings.max_body_bytes)
 
 
-def run(app_args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
-        name: str = "acb", verbose: bool = False) -> None:
-    """Serve :func:`build_application` (``app_args``) on a local Ray, or the cluster at
-    ``address``, on ``host:port`` until SIGINT/SIGTERM; then Serve drains the replicas (their
-    ``--grace-period``) and stops them. What ``acb serve --ray`` runs."""
+def run(app: Any, settings: ServerSettings, *, address: str | None = None, replicas: int = 1) -> None:
+    """Serve ``app`` (:func:`build_application`) on a new local Ray, or the cluster at
+    ``address``, on the settings' host and port until SIGINT/SIGTERM; then drain the ingress
+    (the settings' grace period; a second signal ends it at once) and stop Serve and Ray. What
+    ``acb serve --ray`` runs.
+
+    A new local Ray is started whatever an earlier ``ray start`` left in Ray's temp folder (its
+    ``ray_current_cluster`` file may name a cluster that is gone).
+
+    Args:
+        app: the bound application.
+        settings: the server settings (host, port, name, grace period, verbosity).
+        address: a Ray cluster to join (None: a new local Ray).
+        replicas: the replica count the ready line announces.
+
+    Raises:
+        RayStartError: Ray or Serve did not start.
+    """
     import signal
     import threading
     import time
@@ -240,20 +302,46 @@ def run(app_args: dict[str, Any], *, host: str = "127.0.0.1", port: int = 8000, 
     import ray
 
     t0 = time.perf_counter()
-    app = build_application(app_args)  # the flags are checked before Ray starts
-    ray.init(address=address, include_dashboard=False, log_to_driver=verbose, ignore_reinit_error=True)
-    stop = threading.Event()
+    host, port = settings.host, settings.port
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name="acb", route_prefix="/", blocking=False)
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=settings.verbose)
+    except Exception as exc:  # noqa: BLE001 - reported as what it is: Ray did not start
+        raise RayStartError(f"Ray did not start{f' at --ray-address {address}' if address else ''}: "
+                            f"{type(exc).__name__}: {exc}") from None
+    signals: list[int] = []
+    got = threading.Event()
+    try:
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        except Exception as exc:  # noqa: BLE001
+            raise RayStartError(f"Ray Serve did not start the application: {type(exc).__name__}: {exc}") from None
+
+        def on_signal(sig: int, frame: Any) -> None:
+            signals.append(sig)
+            got.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):  # (after Ray's start-up, which installs its own)
-            signal.signal(sig, lambda *_: stop.set())
-        n = app_args.get("num_replicas") or app_args.get("min_replicas") or 1
-        print(f"acb serve: {name!r} ready at http://{host}:{port} (OpenAI API under /v1) on Ray Serve, {n} "
-              f"replica(s), started in {time.perf_counter() - t0:.1f} s", flush=True)
-        while not stop.wait(0.2):
+            signal.signal(sig, on_signal)
+        gcs = ray.get_runtime_context().gcs_address
+        print(f"acb serve: {settings.served_name!r} ready at http://{host}:{port} (OpenAI API under /v1) on Ray "
+              f"Serve (Ray at {gcs}), {replicas} replica(s), started in {time.perf_counter() - t0:.1f} s", flush=True)
+        while not got.wait(0.2):
             pass
-        print("acb serve: stopping: draining the replicas", flush=True)
+        print("acb serve: stopping: draining the ingress", flush=True)
+        drained = handle.drain.remote(settings.grace_period)
+        hurried = False
+        while True:
+            try:
+                drained.result(timeout_s=0.2)
+                break
+            except TimeoutError:
+                if len(signals) > 1 and not hurried:  # a second signal ends the grace period at once
+                    handle.hurry.remote()
+                    hurried = True
+            except Exception as exc:  # noqa: BLE001 - the ingress is gone: stop the rest anyway
+                logger.warning("acb serve: draining the ingress failed: %r", exc)
+                break
     finally:
-        serve.shutdown()  # drains the replicas (graceful_shutdown_timeout_s: --grace-period) and stops them
+        serve.shutdown()  # stops the replicas (each runs its app's lifespan shutdown)
         ray.shutdown()

@@ -1,23 +1,44 @@
 """The HTTP side of ``acb serve --ray``'s ingress (:mod:`acb.distributed.ray_serve`): an ASGI app
-that reads each request's body, derives its prefix key, and forwards it to an engine replica,
-streaming the replica's response back; a replica that fails mid-request gives an OpenAI error
-body (before the response began) or an SSE error event (during a stream)."""
+that reads each request's body (up to the server's limit), derives its prefix key, and forwards
+it to an engine replica, streaming the replica's response back.
+
+Every request gets an answer: a body over the limit a 413 (reading stops there); a replica that
+fails an OpenAI error body (before the response began) or an SSE error event then ``[DONE]``
+(during a stream); any failure of the ingress itself a 500 OpenAI error body. Whatever the body
+holds (no JSON, the wrong types, JSON nested too deep, text that cannot be encoded), the prefix
+key is a plain hex digest or None: such a request is forwarded like any other, and the replica's
+app answers it as a plain ``acb serve`` does (a 400).
+
+On SIGINT/SIGTERM the launcher calls :meth:`IngressDrain.drain`, as a plain ``acb serve``'s
+:class:`~acb.serve.protocol.Drain` runs: new requests and ``/health`` get 503, requests in flight
+get the grace period, and those still running then end with the server-shutdown error (a 503
+body; a stream: an error event, then ``[DONE]``), their replica requests cancelled.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AFFINITY_CHARS", "RoutedRequest", "affinity_key", "forwarding_app"]
+from acb.serve.protocol import DRAIN_FLUSH_S, APIError, internal_error, read_body, shutdown_error
+
+__all__ = ["AFFINITY_CHARS", "IngressDrain", "RoutedRequest", "affinity_key", "forwarding_app"]
+
+logger = logging.getLogger(__name__)
 
 AFFINITY_CHARS = 256  # characters of a prompt that make its prefix key
 
 
 @dataclass(frozen=True)
 class RoutedRequest:
-    """An HTTP request as the ingress hands it to an engine replica (``affinity``: its prefix key)."""
+    """An HTTP request as the ingress hands it to an engine replica (``affinity``: its prefix key,
+    a hex digest)."""
 
     affinity: str | None
     method: str
@@ -28,67 +49,208 @@ class RoutedRequest:
 
 
 def affinity_key(path: str, body: bytes) -> str | None:
-    """The prefix key of an OpenAI request: its ``cache_salt`` and the first
-    :data:`AFFINITY_CHARS` characters of its messages, prompt or input (None: not a generation)."""
+    """The prefix key of an OpenAI request: a digest of its ``cache_salt`` and the first
+    :data:`AFFINITY_CHARS` characters of its messages, prompt or input. Never raises.
+
+    Args:
+        path: the request's path.
+        body: the request's body.
+
+    Returns:
+        A hex digest, or None (not a generation, or a body the replica will refuse).
+    """
     if not path.rstrip("/").endswith(("/chat/completions", "/completions", "/responses")):
         return None
     try:
         doc = json.loads(body)
-    except ValueError:
+        if not isinstance(doc, dict):
+            return None
+        if "messages" in doc:
+            messages = doc["messages"]
+            if not isinstance(messages, list):
+                return None
+            text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in messages if isinstance(m, dict))
+        elif "prompt" in doc:
+            text = json.dumps(doc["prompt"])
+        else:
+            text = f"{doc.get('instructions')}\n{json.dumps(doc.get('input'))}"
+        key = f"{doc.get('cache_salt') or ''}\0{text[:AFFINITY_CHARS]}"
+        # (a lone surrogate, valid JSON, has no UTF-8: surrogatepass keeps it in the digest)
+        return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    except Exception:  # noqa: BLE001 - JSON nested too deep, odd types: no key; the replica answers
         return None
-    if not isinstance(doc, dict):
-        return None
-    if "messages" in doc:
-        text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in doc["messages"] if isinstance(m, dict))
-    elif "prompt" in doc:
-        text = json.dumps(doc["prompt"])
-    else:
-        text = f"{doc.get('instructions')}\n{json.dumps(doc.get('input'))}"
-    return f"{doc.get('cache_salt') or ''}\0{text[:AFFINITY_CHARS]}"
 
 
-def forwarding_app(call: Callable[[RoutedRequest], Any], max_body_bytes: int) -> Any:
-    """The ingress app: each request goes to ``call(routed)``, an async iterator of
-    ``(status, headers)`` and then body chunks (a replica's :meth:`AcbEngine.forward`)."""
+class IngressDrain:
+    """The ingress's stop: :meth:`drain` closes it (503 for new requests), gives requests in
+    flight the grace period, then ends the rest (:attr:`expired`)."""
+
+    def __init__(self) -> None:
+        self.closing = False
+        self.in_flight = 0
+        self._expired: asyncio.Future[None] | None = None
+
+    @property
+    def expired(self) -> asyncio.Future[None]:
+        """Done once the grace period is over (created in the running loop on first use)."""
+        if self._expired is None:
+            self._expired = asyncio.get_running_loop().create_future()
+        return self._expired
+
+    async def drain(self, grace_period: float) -> int:
+        """Close, wait up to ``grace_period`` seconds for the requests in flight, end the rest.
+
+        Args:
+            grace_period: seconds the requests in flight get.
+
+        Returns:
+            How many requests had to be ended (0: all finished in time).
+        """
+        self.closing = True
+        logger.warning("acb serve: stopping; %d request(s) in flight get %s s", self.in_flight, grace_period)
+        deadline = time.monotonic() + grace_period
+        while self.in_flight and time.monotonic() < deadline and not self.expired.done():
+            await asyncio.sleep(0.05)
+        ended = self.in_flight
+        if ended:
+            logger.warning("acb serve: the grace period is over; ending %d request(s)", ended)
+        self.expire()
+        deadline = time.monotonic() + DRAIN_FLUSH_S
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return ended
+
+    def expire(self) -> None:
+        """End the grace period now (a second signal)."""
+        self.closing = True
+        if not self.expired.done():
+            self.expired.set_result(None)
+
+
+class _ShutdownExpired(Exception):
+    pass
+
+
+def _json_error(err: APIError) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def forwarding_app(call: Callable[[RoutedRequest], Any], max_body_bytes: int, drain: IngressDrain | None = None,
+                   cancel: Callable[[Any], Any] | None = None) -> Any:
+    """The ingress app.
+
+    Args:
+        call: ``call(routed)`` gives an async iterator of ``(status, headers)`` and then body
+            chunks (a replica's :meth:`AcbEngine.forward`).
+        max_body_bytes: the largest body read; past it, a 413 (the rest is not read).
+        drain: the ingress's :class:`IngressDrain` (a fresh one by default).
+        cancel: ``cancel(stream)`` stops a forwarded request in its replica (a request ended by
+            the drain); may block, so it runs in a thread.
+
+    Returns:
+        The ASGI app.
+    """
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
     limit = max_body_bytes
+    draining = drain if drain is not None else IngressDrain()
 
-    def error(status: int, message: str, kind: str = "server_error") -> Any:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                            status_code=status)
+    async def stop(stream: Any) -> None:
+        if cancel is not None:
+            try:
+                await asyncio.to_thread(cancel, stream)
+            except Exception:  # noqa: BLE001 - best effort: Serve stops the replicas next
+                logger.debug("acb serve: cancelling a forwarded request failed", exc_info=True)
+
+    async def next_item(stream: Any) -> Any:
+        """The stream's next item, or :class:`_ShutdownExpired` once the grace period is over."""
+        expired = draining.expired
+        if expired.done():
+            await stop(stream)
+            raise _ShutdownExpired
+        item = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait({item, expired}, return_when=asyncio.FIRST_COMPLETED)
+        if item.done():
+            return item.result()
+        item.cancel()
+        await stop(stream)
+        raise _ShutdownExpired
 
     async def forward(request: Any) -> Any:
-        body = await request.body()
-        if len(body) > limit:
-            return error(413, f"the request body is over {limit} bytes", "invalid_request_error")
+        if draining.closing:
+            if request.url.path == "/health":
+                return PlainTextResponse("shutting down", status_code=503)
+            return _json_error(APIError(503, "the server is shutting down", type="server_error",
+                                        headers={"Retry-After": "1"}))
+        body = await read_body(request, limit)
         routed = RoutedRequest(affinity_key(request.url.path, body), request.method, request.url.path,
                                request.url.query, tuple(request.headers.items()), body)
         stream: Any = call(routed)  # (a DeploymentResponseGenerator)
         try:
-            status, headers = await stream.__anext__()
+            status, headers = await next_item(stream)
         except StopAsyncIteration:
-            return error(500, "the engine replica sent no response")
+            return _json_error(APIError(500, "the engine replica sent no response", type="server_error"))
+        except _ShutdownExpired:
+            return _json_error(shutdown_error())
         except Exception as exc:  # noqa: BLE001 - the replica died (or failed) before answering
-            return error(503, f"the engine replica failed: {type(exc).__name__}: {exc}")
+            return _json_error(APIError(503, f"the engine replica failed: {type(exc).__name__}: {exc}",
+                                        type="server_error"))
         sse = any(k.lower() == "content-type" and "text/event-stream" in v for k, v in headers)
 
         async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in stream:
-                    yield chunk
-            except Exception as exc:  # noqa: BLE001 - the replica died mid-response
-                if sse:
-                    err = {"error": {"message": f"the engine replica failed: {type(exc).__name__}",
-                                     "type": "server_error", "param": None, "code": "replica_failed"}}
-                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            while True:
+                try:
+                    chunk = await next_item(stream)
+                except StopAsyncIteration:
+                    return
+                except _ShutdownExpired:
+                    if sse:
+                        yield shutdown_error().sse().encode()
+                    return
+                except Exception as exc:  # noqa: BLE001 - the replica died mid-response
+                    if sse:
+                        err = {"error": {"message": f"the engine replica failed: {type(exc).__name__}",
+                                         "type": "server_error", "param": None, "code": "replica_failed"}}
+                        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                    return
+                yield chunk
 
         keep = [(k, v) for k, v in headers if k.lower() not in ("content-length", "transfer-encoding")]
         response = StreamingResponse(chunks(), status_code=status)
         response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in keep]
         return response
 
+    async def answer(request: Any) -> Any:
+        try:
+            return await forward(request)
+        except APIError as err:  # a body over the limit
+            return _json_error(err)
+        except Exception as exc:  # noqa: BLE001 - whatever failed here, the client gets an answer
+            logger.exception("acb serve: the ingress failed a request")
+            return _json_error(internal_error(exc))
+
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
-    return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
+    app = Starlette(routes=[Route("/{path:path}", answer, methods=methods)])
+    return _Counting(app, draining)
+
+
+class _Counting:
+    """ASGI middleware: counts the drain's requests in flight, from arrival to the last byte."""
+
+    def __init__(self, app: Any, drain: IngressDrain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1

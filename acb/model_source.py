@@ -1,0 +1,213 @@
+"""Where a command's model comes from: a local checkpoint or the embedded random-weight model, its
+dtype and device, loaded as one process or tensor-parallel under ``torchrun``.
+
+What ``acb generate`` and every server (``acb serve``, its torchrun followers, each Ray Serve
+replica) share to turn flags into a model and a tokenizer. A :class:`ModelSource` is a small
+frozen value, so that it travels (pickled) to the process that loads it. Its errors are
+``ValueError`` with the flag's name in the message, which the CLI reports as usage errors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "DEFAULT_MODEL_NAME", "DTYPES", "ModelSource", "follow", "is_tp_follower",
+           "under_torchrun"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MODEL_NAME = "acb-default"
+# the embedded default tokenizer has no chat template of its own; chats get this one
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to load: ``path`` (a local checkpoint directory with its tokenizer; None: the
+    embedded random-weight model), ``dtype`` (one of :data:`DTYPES`) and ``device`` (``cpu``,
+    ``cuda``, ``cuda:1``, ...). ``progress``: show transformers' loading bars."""
+
+    path: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    progress: bool = False
+
+    @property
+    def default_name(self) -> str:
+        """The model's name when none is given: the checkpoint directory's name, or acb-default."""
+        return os.path.basename(os.path.normpath(self.path)) if self.path else DEFAULT_MODEL_NAME
+
+    def check(self) -> None:
+        """Refuse what cannot load before anything heavy starts.
+
+        Raises:
+            ValueError: the path is not a directory, or the dtype is unknown.
+        """
+        if self.path is not None and not os.path.isdir(self.path):
+            raise ValueError(f"--model: not a local checkpoint directory: {self.path}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def torch_device(self) -> Any:
+        """The device as a ``torch.device``, checked.
+
+        Returns:
+            The ``torch.device``.
+
+        Raises:
+            ValueError: the device is malformed, or CUDA is asked for and absent.
+        """
+        import torch
+
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"--device: {exc}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: CUDA is not available")
+        return dev
+
+    def load_tokenizer(self, command: str = "acb") -> Any:
+        """The tokenizer: the checkpoint's, or the embedded one (given a plain chat template).
+
+        Args:
+            command: how a warning names the program (a checkpoint without a tokenizer).
+
+        Returns:
+            The tokenizer, or None when the checkpoint has none (a warning says so on stderr).
+        """
+        if self.path is None:
+            from acb.models import build_tokenizer
+
+            tok = build_tokenizer()
+            if getattr(tok, "chat_template", None) is None:
+                tok.chat_template = DEFAULT_CHAT_TEMPLATE
+            return tok
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        except Exception as exc:  # a checkpoint without a tokenizer can still run prompt_ids
+            print(f"{command}: warning: no tokenizer loaded from {self.path} ({type(exc).__name__}: {exc}); "
+                  "text prompts are rejected and outputs have text=null", file=sys.stderr)
+            return None
+
+    def load_model(self, device: Any = None) -> Any:
+        """The model in eval mode on ``device`` (default: :meth:`torch_device`); under
+        ``torchrun`` with several processes, loaded tensor-parallel (``tp_plan="auto"``).
+
+        Args:
+            device: the ``torch.device`` to load on, when already checked.
+
+        Returns:
+            The ``PreTrainedModel``.
+
+        Raises:
+            ValueError: the checkpoint cannot be loaded, or the device is bad.
+        """
+        import torch
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        if under_torchrun():
+            return _load_tp_model(self.path, dtype)
+        device = self.torch_device() if device is None else device
+        if self.path is None:
+            from acb.models import default_model
+
+            model = default_model(dtype=dtype)
+        else:
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            bars_were_on = hf_logging.is_progress_bar_enabled()
+            if not self.progress:
+                hf_logging.disable_progress_bar()
+            try:
+                model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, local_files_only=True)
+            except Exception as exc:
+                raise ValueError(f"--model: cannot load {self.path}: {type(exc).__name__}: {exc}") from None
+            finally:
+                if bars_were_on:
+                    hf_logging.enable_progress_bar()
+        return model.to(device).eval()
+
+
+def under_torchrun() -> bool:
+    """Launched by ``torchrun`` with more than one process: the model is loaded tensor-parallel.
+
+    Returns:
+        Whether ``WORLD_SIZE`` > 1 and ``LOCAL_RANK`` is set.
+    """
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+
+
+def _load_tp_model(path: str | None, dtype: Any) -> Any:
+    """Under torchrun: ``from_pretrained(..., tp_plan="auto")`` (the embedded model is saved to a
+    temporary directory first: every rank builds the same seeded weights)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if path is None:
+            from acb.models import default_model
+
+            default_model(dtype=dtype).save_pretrained(tmp)
+            path = tmp
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"), local_files_only=True)
+        except Exception as exc:
+            raise ValueError(f"--model: cannot load {path} tensor-parallel: {type(exc).__name__}: {exc}") from None
+    return model.eval()
+
+
+def is_tp_follower(model: Any) -> bool:
+    """Whether this process is a tensor-parallel rank other than its group's first (whose engine
+    follows the leader's).
+
+    Args:
+        model: the loaded model.
+
+    Returns:
+        True on a follower rank; False on the leader or without tensor parallelism.
+    """
+    from acb.runner.tp_sync import tp_group
+
+    group = tp_group(model)
+    if group is None:
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.get_rank() != dist.get_process_group_ranks(group)[0])
+
+
+def follow(model: Any, config: Any, tokenizer: Any) -> None:
+    """A follower rank's whole job: run the leader's requests in lock step until it stops (with
+    the tokenizer: the leader's stop strings end a request on every rank at the same token).
+
+    Args:
+        model: this rank's shard of the model.
+        config: the engine's ``ContinuousBatchingConfig`` (the leader's settings).
+        tokenizer: the tokenizer, or None.
+
+    Raises:
+        RuntimeError: the tensor-parallel engine died.
+    """
+    import acb
+
+    # torchrun passes SIGTERM (and a terminal's Ctrl-C reaches every rank): the leader stops the
+    # engines of all ranks, so a follower leaving on its own would only break the leader's step
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    engine = acb.Engine(model, config, tokenizer=tokenizer)
+    engine.start()
+    engine.join()
+    if engine.core is not None and engine.core.dead_error is not None:
+        raise RuntimeError(f"the tensor-parallel engine died: {engine.core.dead_error!r}")
