@@ -16,6 +16,12 @@ import warnings
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Union
 
+from acb.grammar_budget import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_REPETITION,
+)
+
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingConfig as TransformersConfig
 
@@ -59,7 +65,9 @@ class ContinuousBatchingConfig:
     - ``max_blocks_per_request``, ``kv_padding_interval_size``, ``disable_nccl_graph_mixing`` and
       ``cpu_group_timeout`` have no effect (``NOT_YET_SUPPORTED``; non-default values warn).
     - ``use_cuda_graph`` applies to decode-only steps; mixed steps always run eagerly.
-    - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``.
+    - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``, and the
+      structured-outputs compile budget ``grammar_compile_timeout_s``, ``grammar_max_bytes``,
+      ``grammar_max_repetition`` (:mod:`acb.grammar_budget`).
 
     Deprecated aliases behave as in transformers (a logged warning, the same message):
     ``block_size`` is copied to ``page_size`` (it wins if both are given),
@@ -106,6 +114,16 @@ class ContinuousBatchingConfig:
     # has at least 2M linear parameters per layer; the copies take the linear weights' size in
     # host memory once more)
     cpu_packed_linears: bool | None = None
+    # structured outputs: wall-clock seconds one request's grammar may take to compile; past it the
+    # compile's worker process is killed and the submit refused with a ValueError naming this field
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    # structured outputs: the largest spec in bytes (a JSON schema as compact text, a regex, an EBNF
+    # grammar, the choices as a JSON list); a larger one is refused at submit
+    grammar_max_bytes: int = DEFAULT_MAX_BYTES
+    # structured outputs: the most characters the {m,n} counts of a spec's regexes, JSON-schema
+    # patterns and EBNF may expand to (summed; nested counts multiply); more is refused at submit
+    # before any compile
+    grammar_max_repetition: int = DEFAULT_MAX_REPETITION
     _warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -210,6 +228,10 @@ class ContinuousBatchingConfig:
         check("use_cuda_graph", g is None or isinstance(g, bool) or (
             isinstance(g, tuple) and len(g) == 2 and all(isinstance(x, bool) for x in g)),
             "None, a bool, or a (varlen, decode) tuple of bools")
+        for name in ("grammar_max_bytes", "grammar_max_repetition"):
+            check(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
+        v = self.grammar_compile_timeout_s
+        check("grammar_compile_timeout_s", is_num(v) and 0 < v < math.inf, "a number of seconds > 0")
         check("attn_backend", self.attn_backend is None or self.attn_backend in ATTN_BACKENDS,
               f"one of {ATTN_BACKENDS} or None")
 

@@ -47,20 +47,28 @@ between items of compact JSON.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json as _json
+import os
+import queue
 import re
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from time import perf_counter
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from acb.errors import EngineNotRunningError
+from acb.grammar_budget import GrammarBudget
 from acb.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -101,11 +109,15 @@ class CompiledGrammar:
     spec: StructuredOutputs
     vocab_size: int
     stop_token_ids: tuple[int, ...]
-    compile_s: float  # wall time of the compile, on the compiler's thread
+    compile_s: float  # wall time of the compile, as the caller's side saw it (a worker process's)
     _handle: xgrammar.CompiledGrammar = field(repr=False)
     # ids the matcher would reject whatever the state (padding beyond the tokenizer, special tokens
     # that are not stop tokens): rejected here without calling xgrammar, which logs a warning each time
     _never: frozenset[int] = field(repr=False)
+    # the most tokens (the stop token not counted) any output can have, when the spec bounds it
+    # (a choice: its longest UTF-8 byte length; a grammar whose only match is empty: 0); None: unbounded
+    # or not known before generating
+    max_tokens: int | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -134,6 +146,11 @@ def _xgr_message(exc: BaseException) -> str:
     return _XGR_PREFIX.sub("", str(exc)).strip()
 
 
+# how long a fresh worker process may take to import xgrammar and read the vocabulary (not part of
+# any request's compile budget: a loaded machine takes seconds)
+_WORKER_START_S = 300.0
+
+
 class GrammarCompiler:
     """Compiles :class:`StructuredOutputs` for one tokenizer and model vocabulary; one per engine.
 
@@ -141,20 +158,29 @@ class GrammarCompiler:
     ``stop_token_ids`` are the tokens that end a complete match (default: the tokenizer's
     ``eos_token_id``); give the model's generation-config EOS ids when there are several.
 
-    Thread-safe: :meth:`submit` and :meth:`compile_now` may be called from any thread. Compiles run
-    on ``workers`` threads of its own, each using up to ``compile_threads`` xgrammar threads.
-    The cache holds the ``cache_size`` most recently used grammars (a failed compile is not kept,
-    so a fixed spec compiles anew). :meth:`close` stops the pool.
+    Compiles run in ``workers`` child processes (each with up to ``compile_threads`` xgrammar
+    threads), started with the compiler, so that a compile can be stopped: one that runs past
+    ``budget.compile_timeout_s`` is killed, its request refused with a ``ValueError`` naming the
+    limit, and a fresh process takes its place (a killed compile holds no capacity). A spec over
+    ``budget``'s static limits is refused before any compile. A worker sends its compiled grammar
+    back serialised (xgrammar's ``serialize_json``); the grammar's matchers run in this process.
+
+    Thread-safe: :meth:`submit` and :meth:`compile_now` may be called from any thread. The cache
+    holds the ``cache_size`` most recently used grammars (a failed compile is not kept, so a fixed
+    spec compiles anew). :meth:`close` kills the workers at once, without waiting for their
+    compiles.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, *,
                  stop_token_ids: Sequence[int] | None = None, workers: int = 2, compile_threads: int = 4,
-                 cache_size: int = 256) -> None:
+                 cache_size: int = 256, budget: GrammarBudget | None = None) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive int (the model's logits width), got {vocab_size!r}")
         for name, n in (("workers", workers), ("compile_threads", compile_threads), ("cache_size", cache_size)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        if budget is not None and not isinstance(budget, GrammarBudget):
+            raise TypeError(f"budget must be an acb.grammar_budget.GrammarBudget, got {type(budget).__name__}")
         stops = None if stop_token_ids is None else [int(t) for t in stop_token_ids]
         if stops is not None and (not stops or not all(0 <= t < vocab_size for t in stops)):
             raise ValueError(f"stop_token_ids must be non-empty ids in [0, {vocab_size}), got {stop_token_ids!r}")
@@ -167,25 +193,78 @@ class GrammarCompiler:
         if not self.stop_token_ids:
             raise ValueError("the tokenizer has no eos_token_id: pass stop_token_ids")
         self._never = frozenset(self._info.special_token_ids) - frozenset(self.stop_token_ids)
-        # xgrammar's own cache is off: ours is keyed by the spec and shares in-flight compiles
-        self._xgr_compiler = xgr.GrammarCompiler(self._info, max_threads=compile_threads, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="acb-grammar")
+        self.budget = budget if budget is not None else GrammarBudget()
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
         self._hits = 0
         self._misses = 0
+        self._closed = False
+        # the workers: one parent thread each, which owns one child process at a time
+        self._jobs: queue.SimpleQueue[tuple[StructuredOutputs, Future[CompiledGrammar]] | None] = queue.SimpleQueue()
+        setup = _WorkerSetup(self._info.serialize_json(), compile_threads, sorted(self.stop_token_ids))
+        self._workers = [_Worker(setup) for _ in range(workers)]
+        self._threads = [threading.Thread(target=self._serve, args=(w,), name=f"acb-grammar-{i}", daemon=True)
+                         for i, w in enumerate(self._workers)]
+        for t in self._threads:
+            t.start()
 
     def bitmask(self, rows: int) -> torch.Tensor:
-        """A host bitmask for ``rows`` rows of this vocabulary, all allowed (:func:`allocate_bitmask`)."""
+        """A host bitmask for ``rows`` rows of this vocabulary, all allowed (:func:`allocate_bitmask`).
+
+        Args:
+            rows: how many rows.
+
+        Returns:
+            An int32 ``[rows, ceil(vocab_size / 32)]`` CPU tensor, every bit set.
+        """
         return allocate_bitmask(rows, self.vocab_size)
+
+    def dead_ends(self, bitmask: torch.Tensor, rows: Sequence[int], excluded: Sequence[Collection[int]]) -> list[int]:
+        """The rows of a filled bitmask that allow no token once ``excluded`` ones are taken out:
+        a request there cannot continue its grammar (host-side, no device sync).
+
+        Args:
+            bitmask: a host bitmask its matchers filled (:meth:`Matcher.fill_mask`).
+            rows: the rows to look at.
+            excluded: per row, the tokens the other processors can never sample there (stop
+                tokens that ``min_new_tokens`` suppresses, ``-inf`` logit biases); may be empty.
+
+        Returns:
+            The rows (among ``rows``) with nothing left to sample.
+        """
+        if not rows:
+            return []
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        words = bitmask.index_select(0, index)  # [len(rows), W] copies: the bitmask stays as filled
+        for k, ex in enumerate(excluded):
+            for t in ex:
+                if 0 <= t < self.vocab_size:
+                    w, b = divmod(int(t), 32)
+                    v = int(words[k, w]) & ~(1 << b)
+                    words[k, w] = v - (1 << 32) if v >= 1 << 31 else v
+        empty = ~words.ne(0).any(dim=1)
+        return [rows[k] for k in empty.nonzero().flatten().tolist()]
 
     def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
         """The compiled grammar for ``spec``, as a future (``asyncio.wrap_future`` to await it).
 
         A cached or in-flight compile of the same ``spec.key`` is shared: every caller gets the same
-        future and so the same :class:`CompiledGrammar`. A spec that cannot compile fails the future
-        with a ``ValueError`` carrying xgrammar's message.
+        future and so the same :class:`CompiledGrammar`. A spec that cannot compile (xgrammar's
+        message), that matches no text with this vocabulary, or whose compile runs past the
+        budget's time limit fails the future with a ``ValueError``; a compile cut off by
+        :meth:`close` fails it with :class:`acb.errors.EngineNotRunningError`.
+
+        Args:
+            spec: what the output must match.
+
+        Returns:
+            The future of its :class:`CompiledGrammar`.
+
+        Raises:
+            ValueError: the spec is over the budget's static limits (checked before compiling).
+            TypeError: ``spec`` is not a :class:`StructuredOutputs`.
+            EngineNotRunningError: the compiler is closed.
         """
         if not isinstance(spec, StructuredOutputs):
             raise TypeError(f"spec must be a StructuredOutputs, got {type(spec).__name__}")
@@ -195,29 +274,69 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec.key)
                 self._hits += 1
                 return fut
+        self.budget.check(spec)  # (outside the lock: a big spec's check should not hold up cache hits)
+        with self._lock:
+            if self._closed:
+                raise EngineNotRunningError("the grammar compiler is closed (the engine stopped)")
+            fut = self._cache.get(spec.key)
+            if fut is not None:
+                self._cache.move_to_end(spec.key)
+                self._hits += 1
+                return fut
             self._misses += 1
-            fut = self._pool.submit(self._compile, spec)
+            fut = Future()
             self._cache[spec.key] = fut
             while len(self._cache) > self._cache_size:
                 # holders of an evicted future keep it; only later submits compile again
                 self._cache.popitem(last=False)
+            self._jobs.put((spec, fut))
         fut.add_done_callback(functools.partial(self._forget_failure, spec.key))
         return fut
 
     def compile_now(self, spec: StructuredOutputs, timeout: float | None = None) -> CompiledGrammar:
         """:meth:`submit` and wait (blocks the calling thread): for validating a spec at submit time.
 
-        Raises ``ValueError`` (xgrammar's message) if it cannot compile, ``TimeoutError`` after
-        ``timeout`` seconds (the compile goes on and stays cached)."""
+        Args:
+            spec: what the output must match.
+            timeout: seconds to wait (None: until the compile ends, at most the budget's limit
+                once it runs).
+
+        Returns:
+            The :class:`CompiledGrammar`.
+
+        Raises:
+            ValueError: the spec is over the budget, cannot compile, matches no text with this
+                vocabulary, or its compile ran past the time limit.
+            TimeoutError: ``timeout`` passed first (the compile goes on and stays cached).
+            EngineNotRunningError: the compiler was closed.
+        """
         return self.submit(spec).result(timeout)
 
     def cache_info(self) -> CacheInfo:
+        """The cache's counters (``misses`` counts compiles started)."""
         with self._lock:
             return CacheInfo(self._hits, self._misses, self._cache_size, len(self._cache))
 
     def close(self) -> None:
-        """Stops the compile threads after the compiles already running; queued ones are cancelled."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Kill the worker processes now, and fail every compile not done yet with
+        :class:`acb.errors.EngineNotRunningError`. Never waits for a compile; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for w in self._workers:
+            w.kill()  # a parent thread waiting on its compile sees the pipe close, and ends
+        closed = EngineNotRunningError("the grammar compiler was closed (the engine stopped) before the "
+                                       "constraint compiled")
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                _fail(job[1], closed)
+        for _ in self._threads:
+            self._jobs.put(None)
 
     def _forget_failure(self, key: str, fut: Future[CompiledGrammar]) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -225,45 +344,274 @@ class GrammarCompiler:
                 if self._cache.get(key) is fut:
                     del self._cache[key]
 
-    def _compile(self, spec: StructuredOutputs) -> CompiledGrammar:
-        """On a pool thread: the one place a spec's kind becomes an xgrammar call."""
-        xc = self._xgr_compiler
-        t0 = perf_counter()
-        try:
-            if spec.kind == "json" or spec.kind == "json_object":
-                # json_object is the schema {"type":"object"} not in strict mode (strict mode would
-                # allow only the properties it declares: none)
-                if spec.kind == "json":
-                    schema, strict = spec.key.split("|", 2)[2], True  # the canonical text
-                else:
-                    schema, strict = '{"type":"object"}', False
-                handle = xc.compile_grammar(self._json_grammar(schema, strict, spec.whitespace_flexible))
-            elif spec.kind == "regex":
-                handle = xc.compile_regex(spec.regex)
-            elif spec.kind == "choice":
-                handle = xc.compile_grammar(_choice_ebnf(spec.choice or ()))
-            else:
-                handle = xc.compile_grammar(spec.grammar)
-        except RuntimeError as exc:  # xgrammar's parse/convert errors are RuntimeErrors from C++
-            raise ValueError(f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}") from None
-        return CompiledGrammar(spec=spec, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids,
-                               compile_s=perf_counter() - t0, _handle=handle, _never=self._never)
+    def _serve(self, worker: _Worker) -> None:
+        """A parent thread: hands queued compiles to its worker process, one at a time."""
+        while True:
+            job = self._jobs.get()
+            if job is None or self._closed:
+                if job is not None:
+                    _fail(job[1], EngineNotRunningError("the grammar compiler was closed (the engine stopped)"))
+                return
+            spec, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._run(worker, spec))
+            except BaseException as exc:  # noqa: BLE001 - every failure is the future's, never this thread's end
+                fut.set_exception(exc if not self._closed else EngineNotRunningError(
+                    f"the grammar compiler was closed (the engine stopped) before the {spec.kind} constraint compiled"))
 
-    def _json_grammar(self, schema: str, strict: bool, flexible: bool) -> xgrammar.Grammar:
-        xgr = _xgr()
-        if flexible:
-            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict)
-        else:
-            # compact: (",", ":") separators; xgrammar's default without any_whitespace is (", ", ": ")
-            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"),
-                                                   strict_mode=strict)
-        # Work around two xgrammar 0.2.8 bugs by rewriting rules of its printed EBNF (str(Grammar)
-        # is its own printer, which from_ebnf reads back); an xgrammar without them has no match.
-        text = str(grammar)
-        fixed = text
-        for bad, good in _JSON_FIXES if flexible else _JSON_FIXES + _COMPACT_FIXES:
-            fixed = fixed.replace(bad, good)
-        return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+    def _run(self, worker: _Worker, spec: StructuredOutputs) -> CompiledGrammar:
+        limit = self.budget.compile_timeout_s
+        t0 = perf_counter()
+        reply = worker.compile(spec, limit)
+        if reply is None:
+            raise ValueError(f"compiling the {spec.kind} constraint took longer than {limit:g} s, the limit "
+                             "(ContinuousBatchingConfig.grammar_compile_timeout_s); it was stopped")
+        ok, text, max_tokens = reply
+        if not ok:
+            raise ValueError(text)
+        # (xgrammar releases the GIL while it reads the grammar back: other threads go on)
+        handle = _xgr().CompiledGrammar.deserialize_json(text, self._info)
+        return CompiledGrammar(spec=spec, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids,
+                               compile_s=perf_counter() - t0, _handle=handle, _never=self._never,
+                               max_tokens=max_tokens)
+
+
+def _fail(fut: Future[CompiledGrammar], exc: BaseException) -> None:
+    with contextlib.suppress(InvalidStateError):  # (done already: a result, or cancelled)
+        fut.set_exception(exc)
+
+
+class _WorkerSetup(NamedTuple):
+    """What a worker process needs: the vocabulary (xgrammar's ``TokenizerInfo`` as JSON), its
+    thread count, and the stop tokens (to tell which first tokens continue a grammar)."""
+
+    info_json: str
+    threads: int
+    stop_token_ids: list[int]
+
+
+class _Worker:
+    """One compile worker process (``python -c "...serve_compiles(...)"``: a fresh interpreter, so
+    nothing of the parent's threads or devices is inherited), replaced when it is killed or dies.
+    Used by one parent thread at a time; :meth:`kill` may come from any thread."""
+
+    def __init__(self, setup: _WorkerSetup) -> None:
+        self._setup = setup
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._send: Connection | None = None
+        self._recv: Connection | None = None
+        self._ready = False
+        self._killed = False
+        self._start()
+
+    def _start(self) -> None:
+        """Spawn the process (it imports xgrammar meanwhile); the setup is sent with the first job."""
+        with self._lock:
+            if self._killed:
+                raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)")
+            jobs_r, jobs_w = os.pipe()
+            results_r, results_w = os.pipe()
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # a worker never needs a device
+            try:
+                # its own session: a terminal's Ctrl-C is the parent's to handle; the worker ends
+                # when the parent's end of the pipe closes
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", f"import acb.structured as s; s.serve_compiles({jobs_r}, {results_w})"],
+                    pass_fds=(jobs_r, results_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
+                    start_new_session=True)
+            finally:
+                os.close(jobs_r)
+                os.close(results_w)
+            self._send = Connection(jobs_w, readable=False)
+            self._recv = Connection(results_r, writable=False)
+            self._ready = False
+
+    def compile(self, spec: StructuredOutputs, limit: float) -> tuple[bool, str, int | None] | None:
+        """Compile in the process: ``(ok, serialised grammar or error message, max tokens)``,
+        or ``None`` when ``limit`` seconds passed first (the process is then killed and replaced)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._restart()
+        send, recv, proc = self._send, self._recv, self._proc
+        assert send is not None and recv is not None and proc is not None  # (_start set them)
+        try:
+            if not self._ready:  # the first job waits for the import (not part of its budget)
+                setup = self._setup
+                send.send_bytes(_json.dumps({"threads": setup.threads, "stops": setup.stop_token_ids}).encode())
+                send.send_bytes(setup.info_json.encode())
+                if not recv.poll(_WORKER_START_S) or recv.recv_bytes() != b"ready":
+                    self._restart()
+                    raise RuntimeError(f"the grammar compile worker did not start within {_WORKER_START_S:g} s")
+                self._ready = True
+            send.send_bytes(_json.dumps(spec.to_dict()).encode())
+            if not recv.poll(limit):
+                self._restart()
+                return None
+            reply = recv.recv_bytes()
+        except (EOFError, OSError):
+            code = proc.wait()
+            if self._killed:
+                raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)") from None
+            self._restart()
+            raise ValueError(f"the grammar compile worker died (exit code {code}) compiling the {spec.kind} "
+                             "constraint") from None
+        head, body = reply[:1], reply[1:]
+        if head == b"+":
+            meta, _, text = body.partition(b"\n")
+            return True, text.decode(), _json.loads(meta)["max_tokens"]
+        return False, body.decode(), None
+
+    def _restart(self) -> None:
+        self._stop_process()
+        self._start()
+
+    def _stop_process(self) -> None:
+        with self._lock:
+            proc, send, recv = self._proc, self._send, self._recv
+            self._proc = self._send = self._recv = None
+        for conn in (send, recv):
+            if conn is not None:
+                conn.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)  # (a killed process exits at once; this only reaps it)
+
+    def kill(self) -> None:
+        """Kill the process for good (the compiler closes); a compile waiting on it sees EOF."""
+        with self._lock:
+            self._killed = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
+def serve_compiles(jobs_fd: int, results_fd: int) -> None:
+    """A compile worker process's loop (what :class:`GrammarCompiler` starts; not for direct use).
+
+    Reads its setup (thread count, stop tokens, the vocabulary as xgrammar's JSON), says
+    ``ready``, then compiles each spec it is sent and sends back ``+{"max_tokens": ...}\\n`` and
+    the serialised grammar, or ``-`` and the error message. Ends when the parent closes the pipe.
+
+    Args:
+        jobs_fd: the pipe the parent writes to.
+        results_fd: the pipe the parent reads from.
+    """
+    jobs = Connection(jobs_fd, writable=False)
+    results = Connection(results_fd, readable=False)
+    xgr = _xgr()
+    setup = _json.loads(jobs.recv_bytes())
+    info = xgr.TokenizerInfo.deserialize_json(jobs.recv_bytes().decode())
+    compiler = xgr.GrammarCompiler(info, max_threads=setup["threads"], cache_enabled=False)
+    stops = frozenset(setup["stops"])
+    results.send_bytes(b"ready")
+    while True:
+        try:
+            spec = StructuredOutputs(**_json.loads(jobs.recv_bytes()))
+        except (EOFError, OSError):  # the parent closed the pipe (or died): done
+            return
+        try:
+            handle = _compile_spec(compiler, spec)
+            max_tokens = _check_startable(handle, spec, info, stops)
+            reply = b"+" + _json.dumps({"max_tokens": max_tokens}).encode() + b"\n" + handle.serialize_json().encode()
+        except ValueError as exc:
+            reply = b"-" + str(exc).encode()
+        try:
+            results.send_bytes(reply)
+        except OSError:
+            return
+
+
+def _compile_spec(xc: xgrammar.GrammarCompiler, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
+    """The one place a spec's kind becomes an xgrammar call."""
+    payload = spec.key.split("|", 2)[2]  # the regex or grammar text, or the canonical schema
+    try:
+        if spec.kind == "json" or spec.kind == "json_object":
+            # json_object is the schema {"type":"object"} not in strict mode (strict mode would
+            # allow only the properties it declares: none)
+            if spec.kind == "json":
+                schema, strict = payload, True
+            else:
+                schema, strict = '{"type":"object"}', False
+            return xc.compile_grammar(_json_grammar(schema, strict, spec.whitespace_flexible))
+        if spec.kind == "regex":
+            return xc.compile_regex(payload)
+        if spec.kind == "choice":
+            return xc.compile_grammar(_choice_ebnf(spec.choice or ()))
+        return xc.compile_grammar(payload)
+    except RuntimeError as exc:  # xgrammar's parse/convert errors are RuntimeErrors from C++
+        raise ValueError(f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}") from None
+
+
+def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, info: xgrammar.TokenizerInfo,
+                     stops: frozenset[int]) -> int | None:
+    """Refuse a grammar no output can follow with this vocabulary, and bound its outputs' length.
+
+    Returns:
+        The most tokens an output can have before its stop token, when known (a choice: its
+        longest byte length, as every token the mask allows is at least one byte; a grammar
+        whose only match is the empty text: 0), else None.
+
+    Raises:
+        ValueError: the first mask allows no token: the grammar matches no text at all (e.g. a
+            schema that only refers to itself), or this vocabulary has no token it can start with.
+    """
+    first = _first_tokens(handle, info.vocab_size)
+    if not first:
+        raise ValueError(f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}")
+    if all(t in stops for t in first):
+        return 0
+    if spec.kind == "choice":
+        return max(len(c.encode()) for c in spec.choice or ())
+    return None
+
+
+def _first_tokens(handle: xgrammar.CompiledGrammar, vocab_size: int) -> list[int]:
+    """The ids a fresh matcher of ``handle`` allows."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(handle).fill_next_token_bitmask(bitmask, 0)
+    bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
+    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()
+
+
+def _why_no_start(handle: xgrammar.CompiledGrammar) -> str:
+    """Whether a grammar that allows no first token matches no text at all or only lacks tokens:
+    the same grammar against one token per byte tells them apart."""
+    xgr = _xgr()
+    byte_info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], vocab_type=xgr.VocabType.RAW,
+                                  stop_token_ids=[256])
+    byte_compiler = xgr.GrammarCompiler(byte_info, max_threads=1, cache_enabled=False)
+    try:
+        by_bytes = byte_compiler.compile_grammar(handle.grammar)
+    except RuntimeError:
+        return "no token of the vocabulary can start it"
+    starts = [b for b in _first_tokens(by_bytes, 257) if b < 256]
+    if not starts:
+        return ("it matches no text at all (e.g. a JSON schema or grammar rule that only refers to itself, "
+                "or contradictory bounds)")
+    shown = ", ".join(repr(bytes([b]).decode("latin-1")) for b in starts[:8]) + (", ..." if len(starts) > 8 else "")
+    return (f"the tokenizer's vocabulary has no token that starts it (an output must start with one of the "
+            f"bytes {shown})")
+
+
+def _json_grammar(schema: str, strict: bool, flexible: bool) -> xgrammar.Grammar:
+    xgr = _xgr()
+    if flexible:
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict)
+    else:
+        # compact: (",", ":") separators; xgrammar's default without any_whitespace is (", ", ": ")
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"),
+                                               strict_mode=strict)
+    # Work around two xgrammar 0.2.8 bugs by rewriting rules of its printed EBNF (str(Grammar)
+    # is its own printer, which from_ebnf reads back); an xgrammar without them has no match.
+    text = str(grammar)
+    fixed = text
+    for bad, good in _JSON_FIXES if flexible else _JSON_FIXES + _COMPACT_FIXES:
+        fixed = fixed.replace(bad, good)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
 # A length-bounded string (minLength/maxLength) takes its characters from [^"\\\r\n]: raw control

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -18,6 +20,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+from acb.grammar_budget import GrammarBudget
 from acb.models import build_tokenizer
 from acb.structured import (
     GrammarCompiler,
@@ -419,6 +422,91 @@ def test_cache_shares_compiles(tok):
         assert c.compile_now(s1) is not first
         assert c.cache_info().misses == before + 1
         assert first.compile_s > 0 and first.memory_bytes > 0
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the compile budget (issue 36)
+
+# over a minute of xgrammar 0.2.8's time on this vocabulary (its JSON-schema patterns are quadratic
+# in a count); let through only by a raised repetition limit
+SLOW = [StructuredOutputs(json={"type": "string", "pattern": f"a{{1,{30000 + i}}}"}) for i in range(3)]
+HANG_GUARD = 300  # seconds: only so that a regression fails instead of hanging
+
+
+def test_over_budget_specs_are_refused_before_any_compile(tok):
+    c = GrammarCompiler(tok, V)
+    try:
+        before = c.cache_info()
+        with pytest.raises(ValueError, match="grammar_max_repetition"):
+            c.submit(SLOW[0])
+        with pytest.raises(ValueError, match="grammar_max_repetition"):
+            c.compile_now(SLOW[0])
+        assert c.cache_info() == before  # nothing compiled, nothing cached
+    finally:
+        c.close()
+
+
+def test_slow_compiles_are_stopped_at_the_time_limit_and_starve_no_one(tok):
+    """Two compiles that would hold both workers for minutes are stopped at the limit, and a
+    small spec submitted behind them is answered; the killed workers are replaced."""
+    c = GrammarCompiler(tok, V, workers=2, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=1.0))
+    try:
+        slow = [c.submit(s) for s in SLOW[:2]]
+        small = c.submit(StructuredOutputs(choice=["yes", "no"]))
+        assert small.result(HANG_GUARD).matcher().accept(ids(tok, "y")[0])
+        for f in slow:
+            with pytest.raises(ValueError, match=r"compiling the json constraint took longer than 1 s, the limit "
+                                                 r"\(ContinuousBatchingConfig\.grammar_compile_timeout_s\)"):
+                f.result(HANG_GUARD)
+        # a refusal is not cached: the same spec is compiled (and refused) again
+        with pytest.raises(ValueError, match="took longer than"):
+            c.compile_now(SLOW[0], timeout=HANG_GUARD)
+        assert c.compile_now(StructuredOutputs(regex=REGEX), timeout=HANG_GUARD).matcher() is not None
+    finally:
+        c.close()
+
+
+def test_close_does_not_wait_for_running_compiles(tok):
+    """Closing (an engine stopping, a server's SIGTERM) kills the workers: the compiles running
+    and queued fail with EngineNotRunningError, and close returns without waiting for them."""
+    from acb.errors import EngineNotRunningError
+
+    c = GrammarCompiler(tok, V, workers=2, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
+    futures = [c.submit(s) for s in SLOW]  # two run, one waits
+    deadline = time.monotonic() + HANG_GUARD
+    while not all(f.running() for f in futures[:2]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(f.running() for f in futures[:2])
+    pids = [w._proc.pid for w in c._workers if w._proc is not None]
+    closer = threading.Thread(target=c.close)
+    closer.start()
+    closer.join(HANG_GUARD)
+    assert not closer.is_alive()
+    for f in futures:
+        with pytest.raises(EngineNotRunningError, match="closed"):
+            f.result(HANG_GUARD)
+    with pytest.raises(EngineNotRunningError, match="closed"):
+        c.submit(StructuredOutputs(regex="b"))
+    for pid in pids:  # the processes are gone (killed and reaped)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    c.close()  # idempotent
+
+
+def test_a_worker_that_dies_fails_only_its_compile(tok):
+    c = GrammarCompiler(tok, V, workers=1, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
+    try:
+        fut = c.submit(SLOW[0])
+        deadline = time.monotonic() + HANG_GUARD
+        while not fut.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # (the worker has the job, or is reading it: either way it dies with it)
+        os.kill(c._workers[0]._proc.pid, signal.SIGKILL)
+        with pytest.raises(ValueError, match=r"the grammar compile worker died \(exit code -9\) compiling the json"):
+            fut.result(HANG_GUARD)
+        assert c.compile_now(StructuredOutputs(choice=["ok"]), timeout=HANG_GUARD).matcher() is not None
     finally:
         c.close()
 

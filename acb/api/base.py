@@ -388,13 +388,15 @@ class EngineBase:
             if self._grammar_compiler is None:
                 if self.tokenizer is None:
                     raise ValueError("structured_outputs need a tokenizer: pass tokenizer=... to the engine")
+                from acb.grammar_budget import GrammarBudget
                 from acb.structured import GrammarCompiler
 
                 core = self._live_core()
                 vocab = core.runner.vocab_size
                 eos = [t for t in self.defaults.stop_token_ids or () if 0 <= t < vocab]
                 self._grammar_compiler = GrammarCompiler(text_tokenizer(self.tokenizer), vocab,
-                                                         stop_token_ids=eos or None)
+                                                         stop_token_ids=eos or None,
+                                                         budget=GrammarBudget.from_config(self.cb_config))
             return self._grammar_compiler
 
     def make_request(

@@ -172,3 +172,50 @@ def test_stop_strings_and_prefix_cache_with_a_grammar(model, tok, async_batching
         assert cut.finish_reason == acb.FinishReason.STOP and cut.text == free.text.split("-")[0]
         assert cut.generated_tokens == free.generated_tokens[: len(cut.generated_tokens)]
         assert cut.num_cached_tokens > 0  # the same prompt's full blocks came from the cache
+
+
+# over a minute of xgrammar's time on the tiny vocabulary, if the repetition limit lets it through
+SLOW_SCHEMA = {"type": "string", "pattern": "a{1,30000}"}
+HANG_GUARD = 300  # seconds: only so that a regression fails instead of hanging
+
+
+async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
+    """Issue 36: the reported 54-byte schema is refused at submit (the static limit); let through
+    by a raised limit, two of them are stopped at the time limit while a small constrained request
+    from someone else is answered; and the engine stops while a compile runs."""
+    import anyio
+
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(num_blocks=64), tokenizer=tok) as eng:
+        with pytest.raises(ValueError, match=r"structured_outputs: .*grammar_max_repetition"):
+            await eng.submit("x", structured_outputs={"json": SLOW_SCHEMA})
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, use_async_batching=True, grammar_max_repetition=10**6,
+                                       grammar_compile_timeout_s=1.0)
+    async with acb.AsyncEngine(model, cfg, tokenizer=tok) as eng:
+        refused: list[str] = []
+
+        async def slow(i: int) -> None:
+            spec = {"json": {**SLOW_SCHEMA, "pattern": f"a{{1,{30000 + i}}}"}}
+            with pytest.raises(ValueError) as info:
+                await eng.submit("x", structured_outputs=spec)
+            refused.append(str(info.value))
+
+        with anyio.fail_after(HANG_GUARD):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(slow, 0)
+                tg.start_soon(slow, 1)
+                await anyio.sleep(0.2)
+                out = await eng.generate("pick", max_new_tokens=10, structured_outputs={"choice": ["yes", "no"]})
+        assert out.text in ("yes", "no") and out.finish_reason == acb.FinishReason.STOP
+        assert len(refused) == 2 and all("took longer than 1 s, the limit (ContinuousBatchingConfig."
+                                         "grammar_compile_timeout_s)" in r for r in refused), refused
+    # stopping with a compile in flight: the compile's submit ends (engine stopped), the stop returns
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, grammar_max_repetition=10**6, grammar_compile_timeout_s=600)
+    eng = acb.AsyncEngine(model, cfg, tokenizer=tok)
+    async with eng:
+        compiler = await anyio.to_thread.run_sync(eng.grammars)
+        future = compiler.submit(acb.StructuredOutputs(json=SLOW_SCHEMA))
+        with anyio.fail_after(HANG_GUARD):
+            while not future.running():
+                await anyio.sleep(0.05)
+    with pytest.raises(acb.EngineNotRunningError):
+        future.result(HANG_GUARD)
