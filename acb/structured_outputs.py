@@ -122,10 +122,11 @@ def _nonempty_str(name: str, value: object) -> str:
 
 def _canonical_schema(schema: object) -> str:
     if isinstance(schema, str):
+        text = schema
         try:
-            schema = _json.loads(schema)
+            schema = _json.loads(text)
         except RecursionError:  # the C parser recurses per level: name the depth, from the text
-            raise ValueError(_too_deep(_text_depth(schema))) from None
+            raise ValueError(_too_deep(_text_depth(text))) from None
         except ValueError as exc:
             raise ValueError(f"json is not valid JSON text: {exc}") from None
         if not isinstance(schema, dict):
