@@ -12,6 +12,7 @@ outputs are checked against ``model.generate`` on the same prompt, rendered here
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Literal
 
@@ -23,6 +24,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from tests.conftest import reference_generate
@@ -216,6 +219,52 @@ def test_reasoning_item(client, checkpoint):
         "response.reasoning_text.done"]
     assert events[-1].response.output[0].model_dump()["content"] == [
         c.model_dump() for c in item.content]
+
+
+def test_constrained_output_after_an_open_think_is_not_reasoning(client, checkpoint):
+    """The template opened ``<think>`` (``qwen3`` then starts in reasoning), but an output
+    constrained from its first token is not reasoning: ``text.format`` JSON is the message and a
+    forced call is the call, streamed or not; on the chat endpoint too (``content``, or
+    ``tool_calls`` with ``finish_reason`` ``tool_calls``, and a null ``reasoning_content``)."""
+    ids = prompt_ids(checkpoint.tok, [{"role": "system", "content": THINK}, {"role": "user", "content": "pick"}])
+    assert ids[-7:] == list(checkpoint.tok("<think>")["input_ids"])  # the prompt opens the reasoning
+    kw = {"model": NAME, "instructions": THINK, "input": "pick", "max_output_tokens": 64, "temperature": 0}
+    fmt = {"format": {"type": "json_schema", "name": "pick", "schema": PICK, "strict": True}}
+    r = client.responses.create(**kw, text=fmt)
+    assert r.status == "completed" and [o.type for o in r.output] == ["message"], r.output
+    jsonschema.validate(json.loads(r.output_text), PICK)
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    events = list(client.responses.create(**kw, text=fmt, stream=True))
+    assert [e for e in events if "reasoning" in e.type] == []
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    named = {"tools": [TOOL], "tool_choice": {"type": "function", "name": "set_light"}}
+    r = client.responses.create(**kw, **named)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"], r.output
+    jsonschema.validate(json.loads(r.output[0].arguments), LIGHT)
+    events = list(client.responses.create(**kw, **named, stream=True))
+    assert events[-1].response.output[0].arguments == r.output[0].arguments
+    assert [e for e in events if "reasoning" in e.type or "output_text" in e.type] == []
+    # chat completions: the same prompt
+    chat = [{"role": "system", "content": THINK}, {"role": "user", "content": "pick"}]
+    ckw = {"model": NAME, "messages": chat, "temperature": 0}
+    c = client.chat.completions.create(**ckw, max_completion_tokens=64, response_format={"type": "json_schema", "json_schema": {
+        "name": "pick", "schema": PICK, "strict": True}}).choices[0]
+    assert c.finish_reason == "stop" and c.message.model_extra.get("reasoning_content", "absent") is None
+    jsonschema.validate(json.loads(c.message.content), PICK)
+    chat_tool = {"type": "function", "function": {"name": "set_light", "parameters": LIGHT}}
+    for choice in ({"type": "function", "function": {"name": "set_light"}}, "required"):
+        c = client.chat.completions.create(**ckw, max_completion_tokens=96, tools=[chat_tool],
+                                           tool_choice=choice).choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert c.message.model_extra.get("reasoning_content", "absent") is None
+        (call,) = c.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), LIGHT)
+        chunks = list(client.chat.completions.create(**ckw, max_completion_tokens=96, tools=[chat_tool],
+                                                     tool_choice=choice, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == ""
+        assert "".join(t.function.arguments or "" for d in deltas for t in d.tool_calls or ()) == \
+            call.function.arguments
 
 
 # ------------------------------------------------------------------------------- structured
@@ -412,6 +461,102 @@ def test_stream_items_reasoning_then_message(pieces):
     whole.shape_whole("".join(pieces))
     assert done == [{k: v for k, v in i.items() if v is not None} for i in _final_items(whole, ids, length=False)]
     assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+
+
+@functools.cache
+def event_adapter():
+    """A pydantic adapter of the API's stream events (the openai client's models)."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(ResponseStreamEvent)
+
+
+def stream_frames(pieces: list[str], shaper, ids, length: bool) -> list[str]:
+    """The events ``acb.serve.responses._stream`` sends for an output arriving as ``pieces``
+    (the same calls, in the same order), after ``response.in_progress``."""
+    from acb.serve.responses import _Events, _final_items
+
+    ev = _Events(ids)
+    frames = []
+    for p in pieces:
+        if p:
+            shaped = shaper.feed(p)
+            frames += ev.shaped(shaped.reasoning, shaped.content, shaper.has_reasoning)
+    shaper.finish()
+    return frames + ev.finish(_final_items(shaper, ids, length))
+
+
+def check_stream_matches_whole(pieces: list[str], make_shaper, length: bool) -> None:
+    """Streamed, ``pieces`` give well-formed events (each one of the API's, numbered in order)
+    whose text deltas and done items are the non-streamed response's output, item for item."""
+    from acb.serve.responses import _final_items, _Ids
+
+    ids = _Ids()
+    frames = stream_frames(pieces, make_shaper(), ids, length)
+    events = [event_adapter().validate_python(json.loads(f.split("data: ", 1)[1])) for f in frames]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    whole = make_shaper()
+    whole.shape_whole("".join(pieces))
+    items = [{k: v for k, v in i.items() if v is not None} for i in _final_items(whole, ids, length)]
+    done = [e.item.model_dump(exclude_none=True) for e in events if e.type == "response.output_item.done"]
+    assert [{k: v for k, v in i.items() if k != "call_id"} for i in done] == \
+        [{k: v for k, v in i.items() if k != "call_id"} for i in items]  # (call ids are drawn per call)
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.output_index for e in added] == list(range(len(items)))
+    assert [e.item.id for e in added] == [i["id"] for i in items]
+    for kind, item_type in (("reasoning_text", "reasoning"), ("output_text", "message")):
+        streamed = "".join(e.delta for e in events if e.type == f"response.{kind}.delta")
+        texts = [i["content"][0]["text"] for i in items if i["type"] == item_type]
+        assert streamed == "".join(texts)
+
+
+@pytest.mark.parametrize("parser,prompt,text", [
+    ("deepseek_r1", "user: q\nassistant:", "</think>hi"),
+    ("qwen3", "user: q\nassistant:", "<think></think>hi"),
+    ("qwen3", "user: q\nassistant:<think>", "</think>hi"),
+    ("qwen3", "user: q\nassistant:<think>", "</think>"),
+])
+def test_stream_items_of_an_empty_reasoning_section(parser, prompt, text):
+    """An empty reasoning section has its (empty) item before the message, streamed as not
+    (it used to end the stream with an internal error: the message was open when the reasoning
+    item came)."""
+    from acb.serve import shaping
+
+    for pieces in ([text], list(text)):
+        check_stream_matches_whole(pieces, lambda: shaping.OutputShaper(None, parser, prompt), length=False)
+
+
+PIECES = ["<think>", "</think>", "<th", "ink>", "</th", "ink", ">", "ab", " ", "\n", '{"a": 1}', "<tool_call>",
+          '{"name": "set_light", "arguments": {"room": "hall", "on": true}}', "</tool_call>", "x"]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(text=st.lists(st.sampled_from(PIECES), max_size=8).map("".join),
+       cuts=st.lists(st.integers(0, 200), max_size=6),
+       parser=st.sampled_from([None, "qwen3", "deepseek_r1"]),
+       prompt=st.sampled_from(["user: q\nassistant:", "assistant:<think>", "<think>a</think>assistant:"]),
+       tools=st.sampled_from(["none", "auto", "named", "required", "format"]),
+       length=st.booleans())
+def test_stream_items_always_match_the_whole_response(text, cuts, parser, prompt, tools, length):
+    """For any output text, chunking, reasoning parser, prompt (opening ``<think>`` or not) and
+    tool plan (free, ``auto`` parsing, forced, or another constraint), the streamed events are
+    well-formed and add up to the non-streamed response."""
+    from acb.serve import shaping
+
+    fn = [{"type": "function", "name": "set_light", "parameters": LIGHT}]
+    plan = {"none": None, "format": None,
+            "auto": shaping.plan_tools(fn, "auto", None, "hermes"),
+            "named": shaping.plan_tools(fn, {"type": "function", "name": "set_light"}, None, None),
+            "required": shaping.plan_tools(fn, "required", None, None)}[tools]
+    if tools in ("named", "required"):  # a forced call's output is JSON (or cut short)
+        text = ('{"room": "hall", "on": true}' if tools == "named" else
+                '[{"name": "set_light", "parameters": {"room": "kitchen", "on": false}}]')[:len(text) + 5]
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    check_stream_matches_whole(
+        pieces, lambda: shaping.OutputShaper(plan, parser, prompt, constrained=tools in ("named", "required",
+                                                                                         "format")), length)
 
 
 def test_error_event_is_the_apis():

@@ -476,3 +476,30 @@ def test_auto_tool_calls_and_reasoning_from_a_scripted_model(tmp_path_factory, p
             plain = client.chat.completions.create(tool_choice="none", **kw).choices[0]
             assert plain.message.tool_calls is None and "get_weather" in plain.message.content
             assert plain.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("reasoning,script", [("deepseek_r1", "</think>hi"), ("qwen3", "<think></think>hi")])
+def test_an_empty_reasoning_section_streams_on_the_responses_api(tmp_path_factory, reasoning, script):
+    """A reasoning section that is empty (``</think>`` at once where the parser starts in
+    reasoning, ``<think></think>`` where it does not): the streamed response ends with
+    ``response.completed`` (not an error event), and its items are the non-streamed response's:
+    an empty reasoning item, then the message. Chat says the same."""
+    for server in _scripted_server(tmp_path_factory, script, "hermes", reasoning, f"empty-{reasoning}"):
+        with openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60) as client:
+            flat = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+            kw = dict(model=NAME, input=USER[0]["content"], tools=[flat], max_output_tokens=50, temperature=0)
+            whole = client.responses.create(**kw)
+            assert whole.status == "completed"
+            assert [(o.type, [c.text for c in o.content]) for o in whole.output] == [("reasoning", [""]),
+                                                                                     ("message", ["hi"])]
+            events = list(client.responses.create(**kw, stream=True))
+            assert events[-1].type == "response.completed", [e.type for e in events][-3:]
+            done = [e.item for e in events if e.type == "response.output_item.done"]
+            assert [i.model_dump(exclude={"id"}) for i in done] == [o.model_dump(exclude={"id"}) for o in whole.output]
+            assert [i.id for i in done] == [o.id for o in events[-1].response.output]
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "hi"
+            with client.responses.stream(**kw) as stream:  # the client's own consistency checks
+                assert stream.get_final_response().output_text == "hi"
+            chat = client.chat.completions.create(model=NAME, messages=USER, tools=[WEATHER], max_tokens=50,
+                                                  temperature=0).choices[0].message
+            assert (chat.content, (chat.model_extra or {}).get("reasoning_content")) == ("hi", "")
