@@ -12,8 +12,9 @@ packed weights to oneDNN. The mode costs a few microseconds per torch call of th
 it is used only where it was measured to pay (``MIN_LAYER_PARAMS``, ``MAX_STEP_TOKENS``).
 Every other call, and every call outside the engine's step, runs as before. The copies cost
 the linear weights' size in host memory once more, and are made again when the weights change,
-by the same key that guards the prefix cache (``ModelRunner._weights_key``: version counters,
-storage addresses, optimizer steps). In-place writes through ``.data`` outside an optimizer are
+by the same key that guards the prefix cache (:class:`acb.runner.weights.WeightWatch`: the
+weights' objects, version counters, storage addresses, optimizer steps); the linears are looked
+up again then, so a replaced weight or module is packed in its new form. In-place writes through ``.data`` outside an optimizer are
 not seen: call ``reset_prefix_cache()`` after those, which drops the copies too.
 """
 
@@ -95,6 +96,7 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module, weights_key: Callable[[], Hashable],
                  max_step_tokens: int = MAX_STEP_TOKENS) -> None:
+        self._model = model
         self._weights = [m.weight for m in _linears(model)]
         self.max_step_tokens = max_step_tokens  # larger steps run the model's own linears
         self._weights_key = weights_key  # changes when the weights do (the runner's, shared with the prefix cache)
@@ -115,6 +117,8 @@ class PackedLinears:
         key = self._weights_key()
         if key == self._key and self._table:
             return
+        if self.packs:  # the weights changed: which objects they are may have, too
+            self._weights = [m.weight for m in _linears(self._model)]
         with torch.no_grad():
             self._table = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) for w in self._weights}
         self._key = key

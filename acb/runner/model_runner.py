@@ -16,12 +16,10 @@ import dataclasses
 import logging
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from acb.config import ContinuousBatchingConfig
 from acb.runner.tp_sync import check_same_settings, tp_group, tp_size_of
@@ -48,6 +46,7 @@ from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, Sta
 from acb.runner.kv_cache import KVCache, KVSpec
 from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step
 from acb.runner.sampler import SamplingState, sample
+from acb.runner.weights import WeightWatch, WeightsKey
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -105,20 +104,6 @@ class HostResult:
     done: torch.cuda.Event | None
 
 
-def _step_counter(runner: "weakref.ref[ModelRunner]") -> Callable[[torch.optim.Optimizer, Any, Any], None]:
-    """A global optimizer post-step hook counting the steps that updated the runner's weights."""
-
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        r = runner()
-        if r is None:
-            return
-        ids = r._param_ids
-        if any(id(p) in ids for group in opt.param_groups for p in group["params"]):
-            r._optimizer_steps += 1
-
-    return hook
-
-
 class ModelRunner:
     """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
 
@@ -127,12 +112,9 @@ class ModelRunner:
         # the model's train/eval flags stay the user's: steps run in eval semantics through
         # acb.runner.eval_mode (dropout off on the engine thread only), never by model.eval()
         self.model: PreTrainedModel = model
-        # the weights' identity and in-place version, and the optimizer steps taken on them: a
-        # change invalidates the prefix cache
-        self._params = [p for p in model.parameters()]
-        self._param_ids = frozenset(id(p) for p in self._params)
-        self._optimizer_steps = 0  # written by the training thread's optimizer hook only
-        self._weights_seen = self._weights_key()
+        # the weights' objects, storages and in-place versions, and the optimizer steps taken on
+        # them: a change invalidates the prefix cache (its global hooks are registered last)
+        self._weights = WeightWatch(model)
         self.device = model_device(model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
@@ -174,7 +156,8 @@ class ModelRunner:
         )
         register_with_transformers(compiled=bool(self._compiled))
         # registered last, after everything that can refuse the model (a failed start leaves no hook)
-        self._step_hook = register_optimizer_step_post_hook(_step_counter(weakref.ref(self)))
+        self._weights.attach()
+        self._weights_seen = self._weights.key()
         _ATTN_SWAP.acquire(model)
         DROPOUT_GUARD.acquire(model)
         self._holds_attn = True
@@ -352,16 +335,12 @@ class ModelRunner:
         logger.warning("decode CUDA graphs disabled, their capture or check failed (%s)", problem)
         self.cfg = dataclasses.replace(self.cfg, cuda_graphs=False)
 
-    def _weights_key(self) -> tuple[int, int, int]:
-        """(sum of the parameters' version counters, sum of their storage addresses, optimizer
-        steps on them): an in-place update bumps the first, a replaced ``.data`` changes the
-        second, and a ``torch.optim`` step counts in the third (the key of the prefix cache's
-        check and of the packed linears' copies). That last one is needed: fused
-        optimizers (AdamW(fused=True), transformers' Trainer default) write the parameters
-        without bumping their version counters. Not seen: in-place writes through ``.data``
-        outside an optimizer (call ``reset_prefix_cache()`` after those)."""
-        return (sum(p._version for p in self._params), sum(p.data_ptr() for p in self._params),
-                self._optimizer_steps)
+    def _weights_key(self) -> WeightsKey:
+        """The weights' key (:class:`acb.runner.weights.WeightWatch`: objects, storages, in-place
+        versions, optimizer steps), shared by the prefix cache's check and the packed linears'
+        copies. Not seen: in-place writes through ``.data`` outside an optimizer (call
+        ``reset_prefix_cache()`` after those)."""
+        return self._weights.key()
 
     def weights_changed(self) -> bool:
         """Whether the weights changed since the last call (or construction)."""
@@ -387,7 +366,7 @@ class ModelRunner:
             self._holds_attn = False
         if self.linear is not None:
             self.linear.remove()
-        self._step_hook.remove()
+        self._weights.close()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         self.packed = None
         # the runner is unusable after close, so these are not typed Optional

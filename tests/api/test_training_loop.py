@@ -4,6 +4,7 @@ train() mode generates without dropout, and the user's mode is given back."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import acb
@@ -225,3 +226,77 @@ def test_training_on_another_thread_while_the_engine_generates(async_batching):
     assert seen["engine"][0] > 0 and seen["engine"][1] == 0  # no dropout in any engine step
     assert seen["user"][0] > 0 and seen["user"][1] == seen["user"][0]  # dropout in every user forward
     assert flags and all(flags) and model.training
+
+
+def _replace_by_load_state_dict(model):
+    state = {k: v.clone() * 0.9 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # new Parameter objects, not a copy into the old ones
+
+
+def _replace_a_parameter(model):
+    proj = model.model.layers[0].mlp.down_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach() * -1.5)
+
+
+def _replace_a_module(model):
+    old = model.model.layers[1].self_attn.o_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight.flip(0))
+    model.model.layers[1].self_attn.o_proj = new
+
+
+def _add_a_parameter(model):
+    proj = model.model.layers[0].self_attn.o_proj  # (no bias: attention_bias is off)
+    assert proj.bias is None
+    proj.bias = torch.nn.Parameter(torch.full((proj.out_features,), 0.5))
+
+
+def _replace_a_buffer(model):
+    rotary = model.model.rotary_emb
+    rotary.inv_freq = rotary.inv_freq * 0.25  # a tensor assigned to a registered buffer's name
+
+
+def _swap_parameters_dict_entry(model):
+    # a write into the module's dict that no registration hook sees
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj._parameters["weight"] = torch.nn.Parameter(mlp.up_proj.weight.detach().roll(1, 0))
+
+
+def _delete_a_parameter(model):
+    proj = model.model.layers[0].mlp.gate_proj
+    w = proj.weight.detach() * 2
+    del proj.weight
+    proj.weight = torch.nn.Parameter(w)  # (deleted, then registered again: another object)
+
+
+@pytest.mark.parametrize("change", [_replace_by_load_state_dict, _replace_a_parameter, _replace_a_module,
+                                    _add_a_parameter, _replace_a_buffer, _swap_parameters_dict_entry,
+                                    _delete_a_parameter])
+@pytest.mark.parametrize("async_batching,packed", [(False, False), (True, True)])
+def test_weights_replaced_by_new_objects_invalidate_the_prefix_cache(change, async_batching, packed):
+    """Weights replaced by assignment (new Parameter objects: ``load_state_dict(assign=True)``,
+    ``module.weight = nn.Parameter(...)``, a new submodule, an added bias, a buffer, the module's
+    own dict) are seen like in-place updates: no stale prefix is read, generation and scoring use
+    the new weights. A cache of 16 blocks of 4 for two 30-token prompts (preemption), and the
+    oneDNN-packed linears (repacked from the new weights) with async batching."""
+    model = _model()
+    prompts = prompts_of_lengths([30, 26], seed=55)
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=16, use_async_batching=async_batching,
+                                       cpu_packed_linears=packed)
+    with acb.Engine(model, cfg) as eng:
+        eng.generate_batch(prompts, max_new_tokens=6, progress_bar=False)
+        hit = eng.generate(prompts[0], max_new_tokens=2)
+        assert hit.num_cached_tokens > 0
+        with torch.no_grad():
+            change(model)
+        outs = eng.generate_batch(prompts, max_new_tokens=6, progress_bar=False)
+        score = eng.score(prompts[1], [[5, 6, 7], [9]])
+        if packed:
+            assert eng.runner.packed is not None and len(eng.runner.packed) > 0
+        assert outs["req_0"].num_cached_tokens == 0  # the stale prefix was not read
+    model.eval()
+    assert [o.generated_tokens for o in outs.values()] == [reference_generate(model, p, 6) for p in prompts]
+    from tests.api.test_scoring import check
+
+    check(model, score, prompts[1], [[5, 6, 7], [9]])
