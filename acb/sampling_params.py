@@ -100,7 +100,7 @@ class SamplingParams:
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex, a
             choice among strings or an EBNF grammar (:class:`acb.StructuredOutputs`, or a dict of
             its fields: vLLM's ``structured_outputs`` names). The engine needs a tokenizer and
-            xgrammar (``pip install 'acb-batching[structured]'``); a spec that cannot compile is
+            xgrammar (``pip install -e '.[structured]'`` in acb's checkout); a spec that cannot compile is
             refused at submit with xgrammar's message. ``logprobs_mode="raw"`` logprobs are the
             model's, before the grammar's mask; ``"processed"`` ones are after it.
     """

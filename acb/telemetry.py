@@ -542,7 +542,8 @@ def _exporter(signal: str, endpoint: str | None, protocol: str | None) -> Any:
         exporter = getattr(importlib.import_module(module),
                            "OTLPSpanExporter" if signal == "TRACES" else "OTLPMetricExporter")
     except ImportError as exc:
-        raise ImportError(f"the OTLP {proto} exporter is not installed: pip install 'acb-batching[otel]' ({exc})") \
+        raise ImportError(f"the OTLP {proto} exporter is not installed: pip install -e '.[otel]' in acb's checkout "
+                          f"({exc})") \
             from None
     if not endpoint:  # the exporter reads OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT
         return exporter()
@@ -582,8 +583,8 @@ def configure(endpoint: str | None = None, protocol: str | None = None, service_
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        raise ImportError(f"acb.telemetry.configure needs the OpenTelemetry SDK: pip install 'acb-batching[otel]' "
-                          f"({exc})") from None
+        raise ImportError(f"acb.telemetry.configure needs the OpenTelemetry SDK: pip install -e '.[otel]' in acb's "
+                          f"checkout ({exc})") from None
     _capture_content = capture_content or None
     _conventions = genai_conventions
     attrs = {"service.name": service_name or os.environ.get("OTEL_SERVICE_NAME") or "acb"}
@@ -626,8 +627,8 @@ def _prometheus_reader() -> tuple[Any, Any]:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import REGISTRY, CollectorRegistry
     except ImportError as exc:
-        raise ImportError(f"Prometheus metrics need opentelemetry-exporter-prometheus: pip install "
-                          f"'acb-batching[serve]' ({exc})") from None
+        raise ImportError("Prometheus metrics need opentelemetry-exporter-prometheus: "
+                          f"pip install -e '.[serve]' in acb's checkout ({exc})") from None
     registry = CollectorRegistry()
     try:  # a registry of its own (exporter >= 0.63b0), so that several apps in a process do not clash
         return PrometheusMetricReader(registry=registry), registry

@@ -3,7 +3,7 @@
 The engine starts with the app and stops with it; each request submits a prompt and streams
 the text of its deltas (`async for`); a client that disconnects cancels its request.
 
-    pip install "acb-batching[serve]"
+    pip install -e ".[serve]"      # in acb's checkout
     python examples/async_app.py --port 8001          # or --model ./my-checkpoint
     curl -N 'http://127.0.0.1:8001/generate?prompt=Hello&max_new_tokens=32'
 

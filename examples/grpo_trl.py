@@ -5,7 +5,7 @@ TRL's trainer generates through transformers' continuous batching when built wit
 at one acb engine kept for the whole run (its prefix cache dropped when the optimizer changes
 the weights; on CUDA it sleeps during each backward pass). Nothing in TRL is edited.
 
-    pip install "acb[trl]"
+    pip install -e ".[trl]"        # in acb's checkout
     python examples/grpo_trl.py --model ./my-checkpoint --steps 50
 
 Without --model it trains acb's embedded random-weight model for two steps on CPU, with a toy

@@ -3,7 +3,7 @@
 Writes two tiny local tasks (a multiple-choice one scored by loglikelihood, a generation one
 scored by exact match, both from JSONL files), evaluates them with `lm_eval.simple_evaluate`
 and prints the metrics. Without --pretrained it runs acb's embedded random-weight model, so the
-scores are chance level; on a real checkpoint (needs `pip install 'acb-batching[eval]'`):
+scores are chance level; on a real checkpoint (needs `pip install -e ".[eval]"` in acb's checkout):
 
     python examples/lm_eval_acb.py --pretrained Qwen/Qwen2.5-0.5B --device cuda
 

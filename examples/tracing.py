@@ -7,7 +7,7 @@ Shows `acb.telemetry.configure()` in front of an AsyncEngine: every request beco
 Run a collector (for example the OpenTelemetry Collector or Jaeger, listening for OTLP/HTTP on
 4318), then:
 
-    pip install "acb-batching[otel]"
+    pip install -e ".[otel]"       # in acb's checkout
     python examples/tracing.py --endpoint http://localhost:4318 --model ./my-checkpoint
 
 Without --model it runs acb's embedded random-weight model (meaningless text).

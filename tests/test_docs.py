@@ -82,3 +82,104 @@ def test_every_public_method_documents_its_arguments():
             if params and "Args:" not in (inspect.getdoc(f) or ""):
                 missing.append(qual)
     assert not missing, f"no Args: section: {missing}"
+
+
+# ------------------------------------------------------------------ install lines (issue 37)
+
+def _extras() -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+
+
+def _install_lines() -> list[tuple[str, str]]:
+    """Every ``pip install ...`` a user can read: the README, docs/, examples/ and acb/'s own
+    messages and docstrings, as (where, the words after ``pip install``)."""
+    import re
+
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").glob("*.py"),
+             *(ROOT / "acb").rglob("*.py")]
+    found = []
+    for f in files:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            for m in re.finditer(r"pip install\s+((?:-e\s+)?[^`#&()\n]*)", line):
+                if re.search(r"unrelated|something else|[Oo]nce published", line):
+                    continue  # the sentence that says what `pip install acb` and the published name are
+                found.append((f"{f.relative_to(ROOT)}:{n}", m.group(1).strip()))
+    return found
+
+
+def _acb_specs(words: str) -> list[str]:
+    """The requirement specs of ``words`` that name acb: ``.`` / ``.[x]`` (a checkout) or a
+    distribution called acb-something."""
+    import re
+
+    specs = [w.strip("'\"") for w in words.split()]
+    return [s for s in specs if re.fullmatch(r"\.(\[.*\])?|acb([-_][\w-]+)?(\[.*\])?", s)]
+
+
+def check_install_line(where: str, words: str, extras: set[str]) -> list[str]:
+    """What is wrong with one install line: a distribution other than acb-batching, an extra
+    pyproject.toml lacks, or (outside acb/'s own messages) a line that does not install from
+    the checkout a reader stands in."""
+    import re
+
+    problems = []
+    for spec in _acb_specs(words):
+        m = re.fullmatch(r"([^\[]*)(?:\[(.*)\])?", spec)
+        assert m
+        name, wanted = m.group(1), {e.strip() for e in (m.group(2) or "").split(",") if e.strip()}
+        if name not in (".", "acb-batching"):
+            problems.append(f"{where}: {spec!r}: the distribution is acb-batching (acb is another project)")
+        if wanted - extras:
+            problems.append(f"{where}: {spec!r}: no extra {sorted(wanted - extras)} in pyproject.toml")
+        if name != "." and not where.startswith("acb/"):
+            problems.append(f"{where}: {spec!r}: not published: install from the checkout, pip install -e \".[...]\"")
+    return problems
+
+
+def test_every_install_line_installs_acb_batching_with_extras_that_exist():
+    """A reader copies an install line and it works: ``acb[eval]`` (another project's name) or
+    an extra pyproject.toml lacks would not; the pages and examples use the checkout's form.
+    The sentences that say what ``pip install acb`` is and what the published name will be are
+    the exception."""
+    extras = _extras()
+    lines = _install_lines()
+    assert len(lines) >= 15
+    problems = [p for where, words in lines for p in check_install_line(where, words, extras)]
+    assert problems == []
+    # the check bites on the lines issue 37 found
+    assert check_install_line("docs/guides/evaluating.md:20", '"acb[eval]"', extras)
+    assert check_install_line("examples/x.py:3", "'acb-batching[serve]' openai", extras)
+    assert check_install_line("docs/x.md:1", '-e ".[nope]"', extras)
+    assert not check_install_line("docs/x.md:1", '-e ".[serve,otel]" openai', extras)
+
+
+def test_getting_started_lists_every_extra_and_the_model_size():
+    """The extras table is pyproject.toml's, and the default model's size is the model's."""
+    import re
+
+    from acb.models import DEFAULT_MODEL_CONFIG, default_model
+
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    listed = set(re.findall(r"^\| `\[(\w+)\]` \|", page, flags=re.M))
+    assert listed == _extras()
+    size = sum(p.numel() for p in default_model().parameters())
+    layers, hidden = DEFAULT_MODEL_CONFIG["num_hidden_layers"], DEFAULT_MODEL_CONFIG["hidden_size"]
+    assert f"({layers} layers, hidden {hidden}, {size / 1e6:.1f}M\nparameters)" in page or \
+        f"({layers} layers, hidden {hidden}, {size / 1e6:.1f}M parameters)" in page
+
+
+def test_the_suite_size_on_the_development_page_is_current(request):
+    """docs/development.md says how many tests the suite has; a whole-suite run (the README's
+    ``python -m pytest -q``) checks it against what it collected, within 10%."""
+    import re
+
+    cfg = request.config
+    whole = [Path(a).resolve() for a in cfg.args] in ([ROOT / "tests"], [ROOT])
+    if not whole or cfg.option.keyword or cfg.option.markexpr or cfg.option.deselect:
+        pytest.skip("checked by a whole-suite run (python -m pytest), which collects every test")
+    m = re.search(r"The suite is about ([\d,]+) tests", (ROOT / "docs" / "development.md").read_text())
+    assert m, "docs/development.md no longer states the suite's size"
+    stated, collected = int(m.group(1).replace(",", "")), len(request.session.items)
+    assert abs(stated - collected) <= 0.1 * collected, f"the suite has {collected} tests; the page says {stated}"

@@ -110,16 +110,23 @@ def _serving(argv: list[str], port: int, path: str, cwd: Path):
 
 
 def test_openai_client_against_acb_serve(tmp_path):
+    """As its docstring says: ``acb serve --model ./my-checkpoint``, then the client with no model
+    name (it asks the server which it serves; a fixed default would be a 404 here)."""
     pytest.importorskip("openai")
     pytest.importorskip("fastapi")
+    from acb.models import build_tokenizer, default_model
+
+    default_model().save_pretrained(tmp_path / "my-checkpoint")
+    build_tokenizer().save_pretrained(tmp_path / "my-checkpoint")
     port = _port()
-    server = _serving([sys.executable, "-m", "acb", "serve", "--port", str(port), "--num-blocks", "128",
-                       "--page-size", "16"], port, "/health", tmp_path)
+    server = _serving([sys.executable, "-m", "acb", "serve", "--model", "./my-checkpoint", "--port", str(port),
+                       "--num-blocks", "128", "--page-size", "16"], port, "/health", tmp_path)
     try:
         p = _run("openai_client.py", "--base-url", f"http://127.0.0.1:{port}/v1", cwd=tmp_path)
     finally:
         server.terminate()
         server.wait(30)
+    assert "model: my-checkpoint" in p.stdout
     assert "chat:" in p.stdout and "streamed tokens:" in p.stdout
     streamed = int(p.stdout.split("streamed tokens:")[1].split()[0])
     assert 1 <= streamed <= 16

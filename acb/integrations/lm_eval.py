@@ -1,7 +1,7 @@
 """lm-evaluation-harness model ``"acb"``: lm-eval's requests run through one acb :class:`~acb.Engine`.
 
-Importing this module registers the model with lm-eval (extra ``eval``: ``pip install
-'acb-batching[eval]'``)::
+Importing this module registers the model with lm-eval (extra ``eval``: ``pip install -e
+".[eval]"`` in acb's checkout)::
 
     import lm_eval
     import acb.integrations.lm_eval  # noqa: F401 - registers "acb"
@@ -11,7 +11,8 @@ Importing this module registers the model with lm-eval (extra ``eval``: ``pip in
 
 lm-eval has no plug-in mechanism for models defined outside its tree, so its own ``lm_eval``
 command does not know ``--model acb``. This module's ``main`` is that command with the model
-registered first; it takes lm-eval's arguments unchanged::
+registered first; it takes lm-eval's arguments unchanged (without ``--device``: ``cuda`` when
+available, else ``cpu``)::
 
     python -m acb.integrations.lm_eval --model acb --model_args pretrained=PATH --tasks hellaswag --device cuda
 
@@ -67,7 +68,7 @@ try:
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # type: ignore[import-untyped]
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "acb.integrations.lm_eval needs lm-evaluation-harness: pip install 'acb-batching[eval]'"
+        "acb.integrations.lm_eval needs lm-evaluation-harness: pip install -e '.[eval]' (in acb's checkout)"
     ) from exc
 
 if TYPE_CHECKING:
@@ -419,9 +420,19 @@ model_registry.register("acb", target="acb.integrations.lm_eval:AcbLM")
 
 
 def main() -> None:
-    """lm-eval's command line (``lm_eval ...``, arguments from ``sys.argv``) with ``--model acb`` known."""
+    """lm-eval's command line (``lm_eval ...``, arguments from ``sys.argv``) with ``--model acb`` known.
+
+    Without ``--device``, an evaluation runs on acb's default device (``cuda`` when available,
+    else ``cpu``), not on lm-eval's (``cuda:0``, which fails on a machine without CUDA).
+    """
+    import sys
+
+    import torch
     from lm_eval.__main__ import cli_evaluate  # type: ignore[import-untyped]
 
+    args = sys.argv[1:]
+    if "--model" in args and not any(a == "--device" or a.startswith("--device=") for a in args):
+        sys.argv.extend(["--device", "cuda" if torch.cuda.is_available() else "cpu"])
     cli_evaluate()
 
 

@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` generating its rollouts through acb (``pip install acb[trl]``).
+"""TRL's ``GRPOTrainer`` generating its rollouts through acb (``pip install -e ".[trl]"`` in acb's checkout).
 
 TRL's trainer can generate through transformers' continuous batching: with
 ``GRPOConfig(use_transformers_continuous_batching=True)`` it calls the policy model's
