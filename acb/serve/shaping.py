@@ -162,6 +162,8 @@ def _function(tool: Any, where: str) -> tuple[dict[str, Any], str, bool]:
     if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
         raise APIError(400, f"{where}: only function tools are supported", param="tools")
     nested = "function" in tool
+    if nested and tool.get("name") is not None and not isinstance(tool["name"], str):
+        raise APIError(400, f"{where}.name must be a string", param="tools")
     fn = tool.get("function", tool)
     if not isinstance(fn, Mapping):
         raise APIError(400, f"{where}.function must be an object", param="tools")

@@ -1,12 +1,17 @@
 """Failure paths of ``acb serve``'s app (acb/serve/app.py, issue 26) that need a hand inside the
 process: an engine step that fails, an error nobody planned for, a client chat template that
-runs away, a slow tokenizer. One real uvicorn server on a free port, in a thread, for the
-module, driven over real HTTP with the ``openai`` client (and raw HTTP for status lines and
-bodies). The app trusts request chat templates, renders with one thread and a 1 s time bound.
+runs away, a slow tokenizer, and malformed bodies (issue 36: whatever the shape of a body, the
+answer is never a 500, and a refused request was never submitted to the engine). One real
+uvicorn server on a free port, in a thread, for the module, driven over real HTTP with the
+``openai`` client (and raw HTTP for status lines and bodies). The app trusts request chat
+templates, renders with one thread and a 1 s time bound, parses ``auto`` tool calls (hermes) and
+reasoning (deepseek_r1).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import socket
 import threading
 import time
@@ -14,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -66,7 +73,8 @@ def served():
     engine = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=128), tokenizer=tok)
     ready = threading.Event()
     app = build_app(engine, NAME, on_ready=ready.set, trust_request_chat_template=True,
-                    render_timeout=RENDER_TIMEOUT, render_threads=1)
+                    render_timeout=RENDER_TIMEOUT, render_threads=1, tool_call_parser="hermes",
+                    reasoning_parser="deepseek_r1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -83,15 +91,19 @@ def served():
                 raise RuntimeError("injected step failure")
             return real_execute(sched)
 
+        submitted: list[object] = []  # every request the app submitted to the engine
+
         def submit_nowait(prompt, sampling=None, **kw):
             if sampling is not None and sampling.seed == BOOM_SEED:
                 raise RuntimeError("injected surprise")
-            return real_submit(prompt, sampling, **kw)
+            handle = real_submit(prompt, sampling, **kw)
+            submitted.append(handle)
+            return handle
 
         runner.execute = execute
         engine.submit_nowait = submit_nowait
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as client:
-            yield SimpleNamespace(port=port, client=client, engine=engine, tok=tok)
+            yield SimpleNamespace(port=port, client=client, engine=engine, tok=tok, submitted=submitted)
     finally:
         server.should_exit = True
         thread.join(60)
@@ -185,3 +197,133 @@ def test_tokenizing_is_off_the_event_loop(served):
         latencies = health.result()
     assert out.usage.completion_tokens == 4
     assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+
+
+# ------------------------------------------------------------------------------ malformed bodies
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON text nested deeper than any parser recurses
+CHAT_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+TOOL_F = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+FLAT_F = {"type": "function", "name": "f", "parameters": TOOL_F["function"]["parameters"], "strict": True}
+
+
+def _history(calls) -> list[dict]:
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+
+MALFORMED = [  # (path, body, param): each used to be a 500
+    ("/v1/chat/completions", {"messages": _history("not a list")}, "messages"),
+    ("/v1/chat/completions", {"messages": _history([1, "x", None])}, "messages"),
+    ("/v1/chat/completions", {"messages": _history([{"id": "c1", "type": "function", "function": [1, 2]}])},
+     "messages"),
+    ("/v1/chat/completions", {"messages": _history([{**CHAT_CALL, "function": {"name": "f", "arguments": DEEP}}])},
+     "messages"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "hi"},
+                                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP}]},
+     "input"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": {"an": "object"}, "function": TOOL_F["function"]}]},
+     "tools"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": {"an": "object"}}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_bodies_are_400s_and_submit_nothing(served, path, body, param):
+    base = {"model": NAME, "max_tokens": 2} if path != "/v1/responses" else \
+        {"model": NAME, "input": "hi", "max_output_tokens": 2}
+    before = len(served.submitted)
+    status, _, data = raw(served.port, "POST", path, {**base, **body})
+    assert status == 400, data
+    assert check_error_body(data, status)["param"] == param
+    assert len(served.submitted) == before  # refused before anything ran in the engine
+
+
+# A fuzz of body shapes: valid bodies of each endpoint, with values anywhere in them replaced by
+# JSON of any shape (or removed, or joined by fields of the API's names). Whatever comes out, the
+# server answers 2xx or 4xx with an OpenAI error body (a stream never ends with an internal error),
+# and a request it refuses was never submitted.
+BODIES = {
+    "/v1/chat/completions": {
+        "model": NAME, "max_tokens": 2, "temperature": 0, "n": 1, "stop": ["zz"], "seed": 1,
+        "messages": [{"role": "system", "content": "s"},
+                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}, *_history([CHAT_CALL])[1:]],
+        "tools": [TOOL_F], "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "parallel_tool_calls": True, "response_format": {"type": "text"}, "logprobs": False,
+        "stream_options": None, "chat_template_kwargs": {"greeting": "x"}},
+    "/v1/responses": {
+        "model": NAME, "max_output_tokens": 2, "temperature": 0, "instructions": "s",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                  {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+                  {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+        "tools": [FLAT_F], "tool_choice": "required", "parallel_tool_calls": False,
+        "text": {"format": {"type": "text"}}, "metadata": {"k": "v"}, "reasoning": None},
+    "/v1/completions": {
+        "model": NAME, "prompt": ["x", "y"], "max_tokens": 2, "n": 1, "logprobs": 1,
+        "structured_outputs": {"choice": ["a", "b"]}},
+}
+NAMES = ["role", "content", "tool_calls", "function", "name", "arguments", "type", "parameters", "tools",
+         "tool_choice", "response_format", "json_schema", "schema", "structured_outputs", "text", "format", "input",
+         "call_id", "output", "stream", "n", "strict", "$ref", "$defs", "id", "messages", "prompt", "regex",
+         "choice", "json", "json_object", "properties", "items", "required", "function_call", "message"]
+SCALARS = (st.none() | st.booleans() | st.integers(-3, 12) | st.floats(-2, 2, width=32)
+           | st.sampled_from(["", "f", "auto", "required", "none", "function", "json_schema", "json_object",
+                              "text", "user", "assistant", "tool", "object", "{", '{"a": 1}', "[]", "#", DEEP[:400]])
+           | st.text(max_size=6))
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=4), inner, max_size=3),
+                    max_leaves=10)
+
+
+def _paths(value, at=()):
+    """Every place in a JSON value: paths of keys and indices."""
+    yield at
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*at, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, (*at, i))
+
+
+@st.composite
+def mutated(draw):
+    path = draw(st.sampled_from(sorted(BODIES)))
+    body = copy.deepcopy(BODIES[path])
+    for _ in range(draw(st.integers(1, 3))):
+        where = draw(st.sampled_from([p for p in _paths(body) if p[:1] != ("model",)]))
+        if not where:
+            continue
+        parent = body
+        for key in where[:-1]:
+            parent = parent[key]
+        action = draw(st.sampled_from(["replace", "replace", "remove", "add"]))
+        if action == "remove" and isinstance(parent, dict):
+            del parent[where[-1]]
+        elif action == "add" and isinstance(parent[where[-1]], dict):
+            parent[where[-1]][draw(st.sampled_from(NAMES))] = draw(JSON)
+        else:
+            parent[where[-1]] = draw(JSON)
+    if draw(st.booleans()):
+        body["stream"] = True
+    return path, body
+
+
+@settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=mutated())
+def test_no_body_shape_is_a_500(served, case):
+    path, body = case
+    before = len(served.submitted)
+    status, headers, data = raw(served.port, "POST", path, body)
+    assert status != 500 and status < 600, (status, data)
+    if status != 200:
+        check_error_body(data, status)
+        assert len(served.submitted) == before, ("a refused request was submitted", data)
+    elif headers.get("content-type", "").startswith("text/event-stream"):
+        for line in data.decode().splitlines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                doc = json.loads(line[5:])
+                err = doc.get("error") if isinstance(doc, dict) else None
+                assert not err or err.get("type") != "server_error", (body, doc)
+    else:
+        json.loads(data)
