@@ -10,7 +10,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -154,13 +154,35 @@ def kv_memory_budget(device: torch.device, max_memory_percent: float | None) -> 
     return int(min(available_host_memory() * frac, CPU_MAX_KV_BYTES))
 
 
+def widest(value: Any) -> int:
+    """A size field of a config as one int: itself, or the largest of a per-layer list (0 for None).
+
+    Args:
+        value: an int, a list or tuple of ints (one per layer), or None.
+
+    Returns:
+        The int, the list's largest, or 0.
+
+    Raises:
+        TypeError: a value of another type (a config acb does not know how to size).
+    """
+    if value is None:
+        return 0
+    if isinstance(value, (list, tuple)):
+        return max((widest(v) for v in value), default=0)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"a size field of the model's config is {value!r}; acb expects an int or a list of ints")
+
+
 def step_workspace_bytes(model: PreTrainedModel, max_batch_tokens: int, max_rows: int, dtype: torch.dtype) -> int:
     """A generous estimate of one step's transient memory: activations of ``max_batch_tokens``
     tokens through one layer (hidden states, q/k/v/o, the MLP's widest tensors) and the
     float32 logits of ``max_rows`` sampling rows with the sampler's working copies."""
     text = model.config.get_text_config()
-    hidden = text.hidden_size
-    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    hidden = widest(text.hidden_size)
+    # the MLP's width may be per layer (Gemma 3n: a list, one per layer): the widest layer's counts
+    inter = widest(getattr(text, "intermediate_size", None)) or 4 * hidden
     vocab = text.vocab_size
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     activations = max_batch_tokens * (6 * hidden + 3 * inter) * elem

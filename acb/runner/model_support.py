@@ -22,6 +22,11 @@ REFUSED_CLASSES: dict[str, str] = {
 }
 
 
+# the attention sizes acb reads from a config to shape the KV cache's pages
+ATTENTION_SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "qk_nope_head_dim",
+                          "qk_rope_head_dim", "v_head_dim", "hidden_size")
+
+
 def refusal(model: Any) -> str | None:
     """Why acb cannot run ``model`` exactly, or None (the other start checks still apply)."""
     name = type(model).__name__
@@ -32,8 +37,12 @@ def refusal(model: Any) -> str | None:
         return (f"{name} has bidirectional attention (config.is_decoder is False); acb runs causal decoders "
                 "(set is_decoder=True if the model was trained as one)")
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    try:
-        getattr(text, "head_dim", None)
-    except Exception as exc:  # noqa: BLE001 - transformers' per-layer configs refuse the global read
-        return f"{name} has per-layer attention shapes ({type(exc).__name__}: the head size differs by layer)"
+    for field in ATTENTION_SHAPE_FIELDS:  # one page shape for every layer: these must be one value each
+        try:
+            value = getattr(text, field, None)
+        except Exception as exc:  # noqa: BLE001 - transformers' per-layer configs refuse the global read
+            return (f"{name} has per-layer attention shapes ({type(exc).__name__}: its {field} differs by "
+                    "layer)")
+        if isinstance(value, (list, tuple)):
+            return f"{name} has per-layer attention shapes (its {field} is a list, one per layer)"
     return None

@@ -154,3 +154,92 @@ def test_unknown_layer_type_is_refused():
     model = feature_model("gpt_oss")
     model.config.layer_types = ["sliding_attention", "mystery_attention"]
     _refused(model, "mystery_attention")
+
+
+# --- the tiny configs keep the real configs' field types ------------------------------------------
+# Every family a test runs: acb.models' tiny ones, the feature configs above, and the hybrid,
+# latent-attention and other families acb claims (tests/test_model_sweep.py's CLAIMED).
+def _claimed() -> tuple[str, ...]:
+    from tests.test_model_sweep import CLAIMED
+
+    return CLAIMED
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
+
+
+def _type_mismatches(arch: str, tiny) -> list[str]:
+    """Fields whose type in ``tiny`` is not the real config's (a per-layer list that became an int,
+    or the reverse), and per-layer lists not as long as the tiny model's layer count."""
+    from transformers import AutoConfig
+
+    real, small = AutoConfig.for_model(arch).to_dict(), tiny.to_dict()
+    layers, tiny_layers = real.get("num_hidden_layers"), small.get("num_hidden_layers")
+    bad = []
+    for key, value in real.items():
+        got = small.get(key)
+        if value is None or got is None:
+            continue
+        if _kind(value) != _kind(got):
+            bad.append(f"{arch}.{key}: {_kind(got)} {got!r:.40}, the real config's is {_kind(value)} {value!r:.40}")
+        elif isinstance(value, list) and len(value) == layers and not key.endswith("_layers") \
+                and len(got) != tiny_layers:
+            bad.append(f"{arch}.{key}: a per-layer list of {len(got)} for {tiny_layers} layers")
+    return bad
+
+
+@pytest.mark.parametrize("arch", sorted({*acb.models.TINY_ARCHS, *FEATURE_CONFIGS}))
+def test_tiny_configs_keep_the_real_field_types(arch):
+    """A tiny config proves something about the real one only if each field keeps its type (a
+    per-layer list stays a list, as long as the layers): checked for every tiny config the tests
+    build, against the config class's defaults."""
+    from transformers import AutoConfig
+
+    if arch in FEATURE_CONFIGS:
+        tiny = AutoConfig.for_model(arch, **dict(FEATURE_CONFIGS[arch], vocab_size=256))
+    else:
+        tiny = acb.models.tiny_config(arch)
+    assert not _type_mismatches(arch, tiny)
+
+
+def test_the_type_check_sees_a_list_made_an_int():
+    """The check above can fail: Gemma 3n's per-layer intermediate_size given as one int in the dict
+    (as a config built by hand, not through the class, would hold it)."""
+    from transformers import AutoConfig
+
+    tiny = AutoConfig.for_model("gemma3n_text", **dict(FEATURE_CONFIGS["gemma3n_text"], vocab_size=256))
+    tiny.intermediate_size = 128
+    assert any("intermediate_size" in m for m in _type_mismatches("gemma3n_text", tiny))
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+@pytest.mark.parametrize("arch", _claimed())
+def test_each_family_from_its_real_defaults_starts_sized_and_exact(arch, async_batching):
+    """Each family acb claims, built from its config class's defaults shrunk the catalogue sweep's
+    way (``benchmarks/model_sweep.py``: sizes cut, per-layer lists kept as lists, cut to the kept
+    layers; Gemma 3n's intermediate_size stays a list of one width per layer), started **without**
+    ``num_blocks`` (so the engine sizes its cache and step workspace from the config, which read a
+    per-layer list as an int before) and exact against ``model.generate``, chunked prefill too."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_model_sweep import ms
+
+    cfg = ms.tiny_config(arch)
+    assert not _type_mismatches(arch, cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    vocab = cfg.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(ms.FIRST_PROMPT_ID, vocab, (n,), generator=g).tolist() for n in (1, 7, 30)]
+    refs = [reference_generate(model, p, 6) for p in prompts]
+    config = acb.ContinuousBatchingConfig(max_requests_per_batch=4, max_batch_tokens=16,
+                                          use_async_batching=async_batching)
+    with acb.Engine(model, config) as eng:
+        assert eng.config.num_blocks > 0
+        outs = eng.generate_batch(prompts, max_new_tokens=6, do_sample=False, progress_bar=False)
+    assert [o.generated_tokens for o in outs.values()] == refs

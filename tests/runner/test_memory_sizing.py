@@ -67,3 +67,39 @@ def test_triton_backend_refused_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         acb.Engine(get_model("llama"), acb.ContinuousBatchingConfig(attn_backend="triton", num_blocks=16)).start()
+
+
+def test_a_per_layer_intermediate_size_is_sized_by_its_widest_layer():
+    """Gemma 3n's configs give intermediate_size per layer (a list): the step workspace counts the
+    widest layer's MLP, as an int intermediate_size of that width would."""
+    from types import SimpleNamespace
+
+    def model_with(inter):
+        text = SimpleNamespace(hidden_size=64, intermediate_size=inter, vocab_size=256)
+        return SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
+
+    wide = step_workspace_bytes(model_with(512), 128, 4, torch.float32)
+    assert step_workspace_bytes(model_with([128, 512, 256]), 128, 4, torch.float32) == wide
+    assert step_workspace_bytes(model_with((512,)), 128, 4, torch.float32) == wide
+    with pytest.raises(TypeError, match="expects an int or a list of ints"):
+        step_workspace_bytes(model_with("wide"), 128, 4, torch.float32)
+
+
+def test_per_layer_attention_shapes_are_refused_with_the_field():
+    """One page shape serves every layer: a config whose head counts or head size differ by layer (a
+    list, or transformers' per-layer read error) is refused at start, naming the field."""
+    from types import SimpleNamespace
+
+    from acb.runner.model_support import refusal
+
+    class PerLayer(SimpleNamespace):
+        @property
+        def num_attention_heads(self):
+            raise RuntimeError("differs per layer")  # (transformers: AmbiguousGlobalPerLayerAttributeError)
+
+    for text, field in ((SimpleNamespace(num_key_value_heads=[2, 4]), "num_key_value_heads"),
+                        (PerLayer(), "num_attention_heads")):
+        model = type("PerLayerForCausalLM", (), {})()
+        model.config = SimpleNamespace(get_text_config=lambda text=text: text)
+        why = refusal(model)
+        assert why is not None and "per-layer attention shapes" in why and field in why
