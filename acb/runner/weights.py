@@ -70,8 +70,9 @@ class WeightWatch:
         """Hold every parameter and buffer of the model with the dict it sits in (three parallel
         lists, so that the check runs in C: ``map(dict.get, ...)``)."""
         modules = list(self.model.modules())
-        slots = [(d, name, value) for m in modules for d in (m._parameters, m._buffers) for name, value in d.items()]
-        self._dicts = [d for d, _, _ in slots]
+        dicts: list[dict[str, Any]] = [d for m in modules for d in (m._parameters, m._buffers)]
+        slots = [(d, name, value) for d in dicts for name, value in d.items()]
+        self._dicts: list[dict[str, Any]] = [d for d, _, _ in slots]
         self._names = [name for _, name, _ in slots]
         self._values = [value for _, _, value in slots]
         self._collected = len(slots)
