@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from acb.config import ATTN_BACKENDS, SCHEDULER_TYPES
-from acb.model_source import DEFAULT_CHAT_TEMPLATE, DTYPES, ModelSource, follow, is_tp_follower
+from acb.model_source import DTYPES, ModelSource, follow, is_tp_follower
 
 DEFAULT_OUTPUT = "acb_generate_out.jsonl"
 STDOUT = "-"  # --output - : results on stdout, every human-facing line on stderr

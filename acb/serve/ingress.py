@@ -7,7 +7,9 @@ fails an OpenAI error body (before the response began) or an SSE error event the
 (during a stream); any failure of the ingress itself a 500 OpenAI error body. Whatever the body
 holds (no JSON, the wrong types, JSON nested too deep, text that cannot be encoded), the prefix
 key is a plain hex digest or None: such a request is forwarded like any other, and the replica's
-app answers it as a plain ``acb serve`` does (a 400).
+app answers it as a plain ``acb serve`` does (a 400). A request may name its own key in the
+``x-acb-affinity`` header (requests with the same value meet on one replica: a conversation
+whose prefix changes, or a scraper of ``/metrics`` visiting each replica).
 
 On SIGINT/SIGTERM the launcher calls :meth:`IngressDrain.drain`, as a plain ``acb serve``'s
 :class:`~acb.serve.protocol.Drain` runs: new requests and ``/health`` get 503, requests in flight
@@ -28,11 +30,12 @@ from typing import Any
 
 from acb.serve.protocol import DRAIN_FLUSH_S, APIError, internal_error, read_body, shutdown_error
 
-__all__ = ["AFFINITY_CHARS", "IngressDrain", "RoutedRequest", "affinity_key", "forwarding_app"]
+__all__ = ["AFFINITY_CHARS", "AFFINITY_HEADER", "IngressDrain", "RoutedRequest", "affinity_key", "forwarding_app"]
 
 logger = logging.getLogger(__name__)
 
 AFFINITY_CHARS = 256  # characters of a prompt that make its prefix key
+AFFINITY_HEADER = "x-acb-affinity"  # a request's own routing key, instead of its prompt's
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,14 @@ def affinity_key(path: str, body: bytes) -> str | None:
             text = json.dumps(doc["prompt"])
         else:
             text = f"{doc.get('instructions')}\n{json.dumps(doc.get('input'))}"
-        key = f"{doc.get('cache_salt') or ''}\0{text[:AFFINITY_CHARS]}"
-        # (a lone surrogate, valid JSON, has no UTF-8: surrogatepass keeps it in the digest)
-        return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+        return _digest(f"{doc.get('cache_salt') or ''}\0{text[:AFFINITY_CHARS]}")
     except Exception:  # noqa: BLE001 - JSON nested too deep, odd types: no key; the replica answers
         return None
+
+
+def _digest(key: str) -> str:
+    # (a lone surrogate, valid JSON, has no UTF-8: surrogatepass keeps it in the digest)
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 class IngressDrain:
@@ -187,7 +193,9 @@ def forwarding_app(call: Callable[[RoutedRequest], Any], max_body_bytes: int, dr
             return _json_error(APIError(503, "the server is shutting down", type="server_error",
                                         headers={"Retry-After": "1"}))
         body = await read_body(request, limit)
-        routed = RoutedRequest(affinity_key(request.url.path, body), request.method, request.url.path,
+        named = request.headers.get(AFFINITY_HEADER)  # the client's own key: a session, a scraper's pick
+        key = _digest(named) if named else affinity_key(request.url.path, body)
+        routed = RoutedRequest(key, request.method, request.url.path,
                                request.url.query, tuple(request.headers.items()), body)
         stream: Any = call(routed)  # (a DeploymentResponseGenerator)
         try:
