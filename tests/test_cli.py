@@ -419,3 +419,12 @@ def test_sampling_flags_and_samples(tmp_path):
     with pytest.raises(SystemExit) as ei:
         main(["generate", "--num-prompts", "1", "--top-p", "0", "--output", str(out)])
     assert ei.value.code == 2
+
+
+def test_serve_help_names_every_route(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics"):
+        assert route in out, route
