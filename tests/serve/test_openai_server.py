@@ -113,8 +113,20 @@ def metrics(port: int) -> tuple[str, dict[str, float]]:
     return text, parse_metrics(text)
 
 
-def wait_metrics(port: int, pred, timeout: float = 10.0) -> dict[str, float]:
-    """Poll /metrics until ``pred(values)``; the last values either way."""
+def wait_health(port: int, pred, timeout: float = 60.0) -> tuple[int, dict, bytes]:
+    """Poll ``GET /health`` until ``pred(status)``; the last answer either way. (A wait for what
+    the test waits for, not a sleep that guesses how long it takes.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = raw(port, "GET", "/health", timeout=timeout)
+        if pred(answer[0]) or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.01)
+
+
+def wait_metrics(port: int, pred, timeout: float = 120.0) -> dict[str, float]:
+    """Poll /metrics until ``pred(values)``; the last values either way (the timeout only bounds
+    a failing test: it is no measure of the engine's speed)."""
     deadline = time.monotonic() + timeout
     while True:
         _, m = metrics(port)
@@ -648,8 +660,7 @@ def test_client_disconnect_cancels_the_request(server):
         _, during = metrics(server.port)
         assert during["acb_requests_running"] >= 1
         stream.close()
-    m1 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0 and m["acb_requests_waiting"] == 0,
-                      timeout=5)
+    m1 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0 and m["acb_requests_waiting"] == 0)
     assert m1["acb_requests_running"] == 0 and m1["acb_requests_waiting"] == 0, m1
     assert m1["acb_kv_cache_usage"] == 0, m1  # its KV is freed
     generated = m1.get(GENERATED, 0) - m0.get(GENERATED, 0)
@@ -674,8 +685,7 @@ def test_client_disconnect_cancels_a_non_streamed_request(server):
                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
     wait_metrics(server.port, lambda m: m["acb_requests_running"] >= 1)
     sock.close()
-    m1 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0 and m["acb_requests_waiting"] == 0,
-                      timeout=5)
+    m1 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0 and m["acb_requests_waiting"] == 0)
     assert m1["acb_requests_running"] == 0 and m1["acb_kv_cache_usage"] == 0, m1
     assert m1.get(GENERATED, 0) - m0.get(GENERATED, 0) < n, "the request ran to the end after its client left"
 
@@ -701,13 +711,12 @@ def test_a_slow_reader_does_not_stall_others(server):
     resp = slow.getresponse()
     assert resp.status == 200
     first = resp.read(64)  # then it stops reading
-    # another client is served meanwhile, start to end
-    t0 = time.monotonic()
+    # another client is served meanwhile, start to end (were it stalled behind the slow reader, it
+    # would wait for it forever: the slow one reads again only after this one has ended)
     with openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=60) as c:
         chunks = list(c.completions.create(model=NAME, prompt="meanwhile", max_tokens=16, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True}))
     assert sum(len(ch.choices[0].text) for ch in chunks if ch.choices) > 0
-    other_s = time.monotonic() - t0
     # the slow one's request runs to its end while nobody reads it
     done = wait_metrics(server.port, lambda m: m.get(GENERATED, 0) - m0.get(GENERATED, 0)
                         >= n + 16, timeout=60)
@@ -722,7 +731,6 @@ def test_a_slow_reader_does_not_stall_others(server):
     content = [lp for d in docs for ch in d["choices"] for lp in ((ch.get("logprobs") or {}).get("content") or [])]
     assert len(content) == n  # every token came through
     assert all(len(lp["top_logprobs"]) == 20 for lp in content)
-    assert other_s < 30
 
 
 # ---------------------------------------------------------------------------------------------
@@ -853,11 +861,11 @@ def test_400_too_many_prompts(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, n=MAX_PROMPTS + 1)
     assert e.value.param == "n"
-    t0 = time.monotonic()
     status, _, data = raw(server.port, "POST", "/v1/completions", headers=AUTH,
                           body={"model": NAME, "prompt": [[5]] * 15_000, "max_tokens": 1})
-    assert status == 400 and check_error_body(data, status)["param"] == "prompt"
-    assert time.monotonic() - t0 < 2
+    # refused by the count alone (code too_many_prompts), before any prompt is checked or submitted
+    err = check_error_body(data, status)
+    assert status == 400 and (err["param"], err["code"]) == ("prompt", "too_many_prompts"), err
     # as many as allowed: served
     out = client.completions.create(model=NAME, prompt=["x"] * (MAX_PROMPTS // 2), max_tokens=1, n=2)
     assert len(out.choices) == MAX_PROMPTS
@@ -942,8 +950,7 @@ def test_sigterm_past_the_grace_period_cancels_and_exits_0(small_server, checkpo
         first = _read_events(resp, until_first=True)
         t0 = time.monotonic()
         small_server.terminate()
-        time.sleep(0.3)
-        health = raw(small_server.port, "GET", "/health", timeout=10)
+        health = wait_health(small_server.port, lambda status: status != 200)
         rest = _read_events(resp)  # the stream ends: it must not hang
     finally:
         conn.close()
@@ -956,7 +963,7 @@ def test_sigterm_past_the_grace_period_cancels_and_exits_0(small_server, checkpo
     docs = [json.loads(e) for e in first + rest[:-2]]
     reasons = [ch.get("finish_reason") for d in docs for ch in d["choices"] if ch.get("finish_reason")]
     assert not reasons, "the request ran to its end: it was not cancelled after the grace period"
-    assert 1 <= elapsed < 15, elapsed  # grace period 1 s, then cancelled
+    assert elapsed >= 1, elapsed  # not before the grace period (1 s) ended
     assert rc == 0, f"exit status {rc}:\n{small_server.tail()}"
 
 
@@ -965,13 +972,12 @@ def test_sigterm_past_the_grace_period_cancels_and_exits_0(small_server, checkpo
 
 
 def _long_request(port: int, name: str, stream: bool, via_openai: bool) -> dict:
-    """One request that cannot finish in the grace period (4000 tokens: 12 s here, eight at a
-    time), and how it ended."""
+    """One request of 4000 tokens, ended by the end of the grace period, and how it ended."""
     body = {"model": name, "prompt": f"endless {stream} {via_openai}", "max_tokens": 4000, "ignore_eos": True,
             "stream": stream}
     if via_openai:
         kw = {k: v for k, v in body.items() if k != "ignore_eos"}
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600) as c:
             try:
                 if stream:
                     chunks = list(c.completions.create(**kw, extra_body={"ignore_eos": True}))
@@ -982,24 +988,31 @@ def _long_request(port: int, name: str, stream: bool, via_openai: bool) -> dict:
                 return {"kind": "status", "status": exc.status_code, "message": exc.message}
             except openai.APIError as exc:  # an error event in the stream
                 return {"kind": "stream_error", "message": exc.message, "body": exc.body}
-    status, headers, data = raw(port, "POST", "/v1/completions", body=body, timeout=60)
+    status, headers, data = raw(port, "POST", "/v1/completions", body=body, timeout=600)
     return {"kind": "raw", "status": status, "headers": headers, "data": data}
 
 
 def test_sigterm_every_client_gets_a_proper_end(checkpoint, tmp_path_factory):
-    """SIGTERM with nine requests in flight and a grace period of 3 s: the port stays open
-    (/health and new requests get 503), the one that can finish does, and each of the eight
-    that cannot gets an OpenAI error at the end of the grace period (non-streamed: a 503 body;
-    streamed: an error event, then [DONE]); then the server exits 0."""
-    grace = 3.0
+    """SIGTERM with nine requests in flight: the port stays open (/health and new requests get
+    503), the one that can finish in the grace period does, and each of the eight that cannot
+    gets an OpenAI error when the grace period ends (non-streamed: a 503 body; streamed: an error
+    event, then [DONE]); then the server exits 0.
+
+    Nothing here races the engine: the grace period is long (600 s), and a second SIGTERM ends
+    it once the first request has finished (a second signal ends the grace period at once). The
+    first request runs beside the others from its first token, one token per step each, and needs
+    400 tokens where they need 4000: whatever the machine's speed, it ends first, and the others
+    are still running when the grace period ends. (Its end by the clock is
+    ``test_sigterm_past_the_grace_period_cancels_and_exits_0``'s.)"""
+    grace = 600.0
     # a KV cache for all nine at full length: none is preempted
     s = Server(checkpoint.dir, ["--grace-period", str(grace), "--page-size", "16", "--num-blocks", "2304"],
                tmp_path_factory.mktemp("serve-logs") / "term.log")
     try:
         s.wait_ready()
         name = checkpoint.dir.name
-        with openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=60) as c, ThreadPoolExecutor(8) as pool:
-            # 400 tokens: still running when all nine are, done well within the grace period
+        with openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=600) as c, ThreadPoolExecutor(8) as pool:
+            # 400 tokens: running when all nine are, and it ends long before the others
             stream = c.completions.create(model=name, prompt="finish me", max_tokens=400, temperature=0, stream=True,
                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             it = iter(stream)
@@ -1009,15 +1022,15 @@ def test_sigterm_every_client_gets_a_proper_end(checkpoint, tmp_path_factory):
             running = wait_metrics(s.port, lambda m: m["acb_requests_running"] + m["acb_requests_waiting"] >= 9)
             assert running["acb_requests_running"] + running["acb_requests_waiting"] >= 9, running
             s.terminate()
-            t0 = time.monotonic()
-            time.sleep(0.3)
-            health = raw(s.port, "GET", "/health", timeout=10)
+            health = wait_health(s.port, lambda status: status != 200)
             late = raw(s.port, "POST", "/v1/completions", body={"model": name, "prompt": "late", "max_tokens": 2},
-                       timeout=10)
-            chunks += list(it)
-            results = [f.result(timeout=60) for f in futures]
-            ended = time.monotonic() - t0
-        rc = s.wait_exit(40)
+                       timeout=60)
+            chunks += list(it)  # it runs to its end in the grace period
+            # the grace period is not over: the eight are still waiting for their ends
+            assert not [f for f in futures if f.done()], [f.result() for f in futures if f.done()]
+            s.proc.send_signal(signal.SIGTERM)  # a second signal: the grace period ends now
+            results = [f.result(timeout=120) for f in futures]
+        rc = s.wait_exit(120)
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
@@ -1043,5 +1056,4 @@ def test_sigterm_every_client_gets_a_proper_end(checkpoint, tmp_path_factory):
         else:
             assert r["status"] == 503 and r["headers"].get("retry-after") == "1", r
             assert check_error_body(r["data"], 503)["code"] == "server_shutdown"
-    assert grace - 0.5 <= ended < grace + 10, ended
     assert rc == 0, f"exit status {rc}:\n{s.tail()}"
