@@ -183,3 +183,16 @@ def test_the_suite_size_on_the_development_page_is_current(request):
     assert m, "docs/development.md no longer states the suite's size"
     stated, collected = int(m.group(1).replace(",", "")), len(request.session.items)
     assert abs(stated - collected) <= 0.1 * collected, f"the suite has {collected} tests; the page says {stated}"
+
+
+def test_a_hub_id_without_the_hub_fails_at_once_saying_how_to_use_a_folder(tmp_path):
+    """Getting started's promise: with ``HF_HUB_OFFLINE=1`` a hub id that is not in the cache
+    fails at once (no retries: nothing is fetched) with a message that says how to use a local
+    folder instead."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT)}
+    code = "import acb\nacb.Engine.from_pretrained('acb-docs-test/no-such-model')"
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and "Retrying" not in p.stderr
+    assert "OSError: cannot load 'acb-docs-test/no-such-model': it is not a local folder" in p.stderr, p.stderr[-2000:]
+    assert "hf download ORG/NAME --local-dir DIR" in p.stderr and "HF_HUB_OFFLINE=1" in p.stderr

@@ -323,10 +323,25 @@ class EngineBase:
     ) -> Self:
         """An engine (not started) for a checkpoint: the model, its tokenizer and its generation
         config, loaded by transformers from a local directory or a hub id. ``device``: where the
-        model goes (``"cuda"``, ``"cpu"``...); ``model_kwargs`` go to ``from_pretrained``."""
+        model goes (``"cuda"``, ``"cpu"``...); ``model_kwargs`` go to ``from_pretrained``.
+
+        Raises:
+            OSError: ``path`` is no checkpoint folder and the hub (or, with ``HF_HUB_OFFLINE=1``,
+                its local cache) does not have it; the message says how to use a local folder.
+        """
+        import os
+
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        try:
+            model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        except OSError as exc:
+            if os.path.isdir(path):
+                raise
+            raise OSError(f"cannot load {path!r}: it is not a local folder, and neither the Hugging Face hub nor its "
+                          f"cache has it ({exc}). Pass a checkpoint folder instead (one save_pretrained wrote, or "
+                          "`hf download ORG/NAME --local-dir DIR`); without a network, HF_HUB_OFFLINE=1 makes a hub "
+                          "id fail at once instead of after retries") from exc
         if device is not None:
             # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to): mypy sees it unbound
             model = model.to(device)  # type: ignore[arg-type]
