@@ -196,3 +196,28 @@ def test_a_hub_id_without_the_hub_fails_at_once_saying_how_to_use_a_folder(tmp_p
     assert p.returncode == 1 and "Retrying" not in p.stderr
     assert "OSError: cannot load 'acb-docs-test/no-such-model': it is not a local folder" in p.stderr, p.stderr[-2000:]
     assert "hf download ORG/NAME --local-dir DIR" in p.stderr and "HF_HUB_OFFLINE=1" in p.stderr
+
+
+def test_the_embedded_tokenizer_renders_chats_tools_and_calls():
+    """Get a model's promise: the embedded tokenizer has a chat template with tools. A plain chat
+    renders as ``role: content`` lines (what ``acb generate`` always gave it); tools are listed;
+    an assistant's calls render as the Hermes tags that ``acb serve --tool-call-parser hermes``
+    reads back, so a history round-trips."""
+    import json
+
+    from acb.models import build_tokenizer
+    from acb.serve.tool_parsers import HermesToolParser
+
+    tok = build_tokenizer()
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Weather in Paris?"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        "system: be brief\nuser: Weather in Paris?\nassistant: "
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    history = [*chat, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = tok.apply_chat_template(history, tools=[weather], tokenize=False, add_generation_prompt=True)
+    assert text.startswith('tools:\n{"name": "get_weather"') and text.endswith("tool: sunny (result of call_1)\nassistant: ")
+    said = text.split("assistant: ")[1].split("\n")[0]
+    _, (parsed,) = HermesToolParser().extract(said)
+    assert parsed.name == "get_weather" and json.loads(parsed.arguments) == {"city": "Paris"}
