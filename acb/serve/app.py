@@ -47,7 +47,7 @@ from acb.outputs import GenerationOutput, RequestStatus
 from acb.serve import shaping
 from acb.serve.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, Drain, DrainMiddleware, ShutdownExpired, check_choices,
-    install_error_handlers, internal_error, read_body, shutdown_error,
+    engine_field, install_error_handlers, internal_error, read_body, shutdown_error,
 )
 from acb.structured_outputs import StructuredOutputs
 from acb.telemetry import ServerSpan, Telemetry, request_attributes
@@ -321,7 +321,9 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
                     await state.drain.until_expired(lambda: compile_grammar(state, spec, param))
                 prompt = await state.drain.until_expired(
                     lambda: state.renderer.run(_render, state.tokenizer, messages, kwargs, _max_len(state)))
-                handles = [_submit(state, prompt, sampling)]
+                handles = [_submit(state, prompt, sampling, fields={
+                    "prompt": "messages", "prompt_ids": "messages", "logprobs": "top_logprobs",
+                    "structured_outputs": None if constraint is None else constraint.param})]
         except BaseException as exc:
             _span_failed(span, exc)
             raise
@@ -468,14 +470,31 @@ def _server_span(state: ServerState, request: Request, operation: str, sampling:
 
 async def compile_grammar(state: ServerState, spec: StructuredOutputs, param: str) -> None:
     """Compile a request's grammar off the event loop before its submit
-    (:meth:`acb.AsyncEngine.compile_structured_outputs`); a spec xgrammar refuses is a 400."""
+    (:meth:`acb.AsyncEngine.compile_structured_outputs`).
+
+    Args:
+        state: the server's state.
+        spec: the request's constraint.
+        param: the request field the constraint came from, which a refusal names.
+
+    Raises:
+        APIError: 400 for a spec the engine refuses (one that does not compile, that can never be
+            met, or that is over the compile budget); 503 when the engine is not running.
+    """
     try:
         await state.engine.compile_structured_outputs(spec)
+    except (EngineDeadError, EngineNotRunningError) as exc:
+        raise APIError(503, str(exc), type="server_error") from None
     except ValueError as exc:
         raise APIError(400, f"{param}: {str(exc).removeprefix('structured_outputs: ')}", param=param) from None
 
 
-def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, **kw: Any) -> Any:
+def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, *,
+            fields: dict[str, str | None] | None = None, **kw: Any) -> Any:
+    """Submit one request. The engine's refusals are 400s naming the request's field: ``fields``
+    maps the engine field an error begins with (:func:`~acb.serve.protocol.engine_field`) to the
+    request's, such as ``structured_outputs`` to where the constraint came from (a refusal at
+    submit: a constraint ``min_tokens`` can never meet)."""
     try:
         handle = state.engine.submit_nowait(prompt, sampling, record_timestamps=True, **kw)
     except QueueFullError as exc:
@@ -484,14 +503,27 @@ def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, **kw:
     except (EngineDeadError, EngineNotRunningError) as exc:
         raise APIError(503, str(exc), type="server_error") from None
     except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
+        head = engine_field(str(exc))
+        known: dict[str, str | None] = {"prompt": "prompt", "prompt_ids": "prompt", "n": "n", "logprobs": "logprobs",
+                 "min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens", "stop": "stop",
+                 "structured_outputs": "structured_outputs", **(fields or {})}
+        raise APIError(400, str(exc), param=known.get(head)) from None
     return handle
 
 
 # ------------------------------------------------------------------ responses
+# acb's finish reasons that OpenAI's API lacks, as the nearest of OpenAI's: an output its grammar
+# could not continue (acb's "grammar": no token was left to sample) ends before its constraint was
+# met, a prefix of a match, as one cut short does
+_OPENAI_FINISH = {"grammar": "length"}
+
+
 def _finish_reason(out: Any) -> str | None:
     reason = getattr(out, "finish_reason", None)
-    return None if reason is None else str(reason.value)
+    if reason is None:
+        return None
+    value = str(reason.value)
+    return _OPENAI_FINISH.get(value, value)
 
 
 def _token(state: ServerState, token: int) -> tuple[str, list[int]]:

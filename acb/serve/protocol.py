@@ -178,9 +178,22 @@ class _Common(BaseModel):
 _ACB_TO_OPENAI = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
+def engine_field(message: str) -> str:
+    """The engine field an acb validation message is about: acb's ``ValueError`` messages at submit begin
+    with it (``"n=3 samples ..."``, ``"structured_outputs: ..."``, ``"prompt of 5000 tokens ..."``).
+
+    Args:
+        message: the error's message.
+
+    Returns:
+        Its first word, without punctuation (may be ``""``).
+    """
+    return message.split(" ", 1)[0].split("=", 1)[0].split("[", 1)[0].strip(":()")
+
+
 def _param_of(message: str) -> str | None:
     """The request field an acb validation message is about (its first word)."""
-    head = message.split(" ", 1)[0].split("[", 1)[0].strip(":()")
+    head = engine_field(message)
     return _ACB_TO_OPENAI.get(head, head) or None
 
 

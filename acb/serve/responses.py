@@ -63,7 +63,6 @@ from acb.outputs import GenerationOutput
 from acb.serve import shaping
 from acb.serve.app import (
     ServerState,
-    compile_grammar,
     _await_all,
     _finish_reason,
     _max_len,
@@ -75,6 +74,7 @@ from acb.serve.app import (
     _submit,
     _token,
     _usage,
+    compile_grammar,
 )
 from acb.serve.protocol import APIError, ShutdownExpired, internal_error, shutdown_error
 from acb.serve.reasoning import REASONING_PARSERS
@@ -398,7 +398,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 if constraint is not None:
                     spec, param = constraint.spec, constraint.param
                     await state.drain.until_expired(lambda: compile_grammar(state, spec, param))
-                handle = _submit(state, prompt, sampling)
+                handle = _submit(state, prompt, sampling, fields={
+                    "prompt": "input", "prompt_ids": "input", "max_new_tokens": "max_output_tokens",
+                    "structured_outputs": None if constraint is None else constraint.param})
         except BaseException as exc:
             _span_failed(span, exc)
             raise

@@ -33,7 +33,6 @@ jsonschema = pytest.importorskip("jsonschema")
 import torch  # noqa: E402
 
 import acb  # noqa: E402
-
 from acb.models import build_tokenizer  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
 from tests.serve.helpers import check_error_body, raw, tiny_checkpoint  # noqa: E402
@@ -181,6 +180,56 @@ def test_named_and_required_tool_calls(client):
         check_weather_args(calls[0].function.arguments)
     else:
         assert json.loads(calls[0].function.arguments)["zone"] in ("utc", "cet")
+
+
+# matches no finite text: an object that must hold itself (the engine refuses it at compile)
+ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                         "schema": ENDLESS}}},
+     "response_format"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": ENDLESS}}, "structured_outputs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "e", "parameters": ENDLESS}}],
+                              "tool_choice": {"type": "function", "function": {"name": "e"}}},
+     "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "e", "parameters": ENDLESS}}],
+                              "tool_choice": "required"}, "tools"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": ENDLESS}}}, "text.format"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": "e", "parameters": ENDLESS}],
+                       "tool_choice": {"type": "function", "name": "e"}}, "tools[0].parameters"),
+    # refused at submit: min_tokens holds back the end of every output of the constraint
+    ("/v1/chat/completions", {"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 50},
+     "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 50}, "structured_outputs"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_constraint_that_can_never_be_met_is_a_400_naming_its_field(client, path, body, param):
+    """The engine refuses a constraint no output can meet (at compile, or at submit against
+    ``min_tokens``); the server answers 400 naming the field it came from."""
+    base = ({"messages": USER} if path == "/v1/chat/completions" else
+            {"prompt": "x"} if path == "/v1/completions" else {"input": "x"})
+    status, _, data = raw(client.port, "POST", path, {"model": NAME, "max_tokens": 100, **base, **body})
+    assert status == 400, data
+    err = check_error_body(data, status)
+    assert err["param"] == param and "never" in err["message"], err
+
+
+def test_an_output_its_grammar_cannot_continue_ends_as_cut_short(client):
+    """``min_tokens`` past the end of a JSON constraint's only output: the engine ends the output
+    where its grammar allows nothing more (acb's finish reason ``grammar``, which OpenAI's API
+    lacks); the server says ``length`` (cut short before it was complete), streamed or not, and
+    the text is what the grammar allowed. Never a 500."""
+    kw = dict(model=NAME, messages=USER, max_tokens=40, temperature=0,
+              extra_body={"structured_outputs": {"json": {"enum": ["ok"]}}, "min_tokens": 20})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert (c.finish_reason, c.message.content) == ("length", '"ok"')
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == '"ok"'
+    r = client.completions.create(model=NAME, prompt="x", max_tokens=40, temperature=0,
+                                  extra_body={"structured_outputs": {"json": {"enum": ["ok"]}}, "min_tokens": 20})
+    assert (r.choices[0].finish_reason, r.choices[0].text) == ("length", '"ok"')
 
 
 class Spot(pydantic.BaseModel):
