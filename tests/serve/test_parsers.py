@@ -484,3 +484,41 @@ def test_parsers_chain_reasoning_then_tools() -> None:
     assert "".join(thought) == R
     assert "".join(content) == "\n\nChecking."
     assert assemble(deltas) == expect(A)
+
+
+# ------------------------------------------------------------------- the shaper (acb.serve.shaping)
+@pytest.mark.parametrize("parser,prompt", [("deepseek_r1", "user: q\nassistant:"),
+                                           ("qwen3", "user: q\nassistant:<think>\n")])
+@pytest.mark.parametrize("choice", ["format", "named", "required", "auto"])
+def test_constrained_output_is_never_reasoning(parser: str, prompt: str, choice: str) -> None:
+    """An output constrained from its first token, where the parser would start in reasoning
+    (deepseek_r1's default; a prompt that opened ``<think>``): a response format's JSON is the
+    content verbatim, a forced call is the call, whole or streamed. Not even a ``<think>`` or a
+    ``<tool_call>`` inside it (a regex or a schema may allow them) is parsed."""
+    from acb.serve.shaping import OutputShaper, plan_tools
+
+    fn = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plan = {"format": None, "auto": plan_tools(fn, "auto", None, "hermes"),
+            "named": plan_tools(fn, {"type": "function", "function": {"name": "f"}}, None, None),
+            "required": plan_tools(fn, "required", None, None)}[choice]
+    args = {"s": "<think>x</think> <tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>"}
+    text = json.dumps([{"name": "f", "parameters": args}] if choice == "required" else args)
+    assert REASONING_PARSERS[parser].for_prompt(prompt).starts_in_reasoning  # (what the shaper must override)
+    for chunks in chunkings(text, n_random=3):
+        shaper = OutputShaper(plan, parser, prompt, constrained=True)
+        streamed = [shaper.feed(c) for c in chunks] + [shaper.finish()]
+        assert "".join(s.reasoning for s in streamed) == "" and not shaper.has_reasoning
+        msg = shaper.message()
+        assert msg["reasoning_content"] is None
+        if choice in ("named", "required"):
+            assert msg["content"] is None and shaper.finish_reason("stop") == "tool_calls"
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+                [("f", args)]
+            assert "".join(d.arguments for s in streamed for d in s.tool_calls) == json.dumps(args)
+        else:
+            assert (msg["content"], "tool_calls" in msg) == (text, False)
+            assert "".join(s.content for s in streamed) == text
+    # unconstrained, the same parser does read the text as reasoning (the test can tell)
+    free = OutputShaper(None, parser, prompt)
+    free.shape_whole(text)
+    assert free.has_reasoning and free.content != text
