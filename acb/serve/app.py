@@ -5,7 +5,8 @@ A client of the library like any user's code: it only calls the engine's public 
 
 - ``/health`` answers 200 once the engine has started, 503 before and while shutting down.
 - Every error is an OpenAI-style body (:class:`APIError`): 400 bad parameters (the engine's
-  own validation messages, a chat template that refuses the chat, too many prompts), 401 bad
+  own validation messages, a chat template that refuses the chat, too many prompts, an output
+  constraint the engine refuses, named by the field it came from), 401 bad
   API key, 404 unknown model or path, 413 body over the limit, 429 queue full
   (``Retry-After``), 500 a request that failed in the engine (or any other failure), 503 not
   ready or shutting down. A stream that fails after it started ends with an error event and

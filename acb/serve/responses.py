@@ -17,7 +17,8 @@ clients do). Other refusals (400): non-function tools, non-text content, logprob
 ``text.format`` together with a forced tool call. Unknown fields are ignored, as OpenAI does.
 
 The response: ``output`` holds a ``reasoning`` item (when the server has a ``--reasoning-parser``
-and the model reasoned), a ``message`` item with one ``output_text`` part (left out when the
+and the output has a reasoning section, an empty one included; never for an output constrained
+from its first token: ``text.format``, a forced call), a ``message`` item with one ``output_text`` part (left out when the
 model only called tools, or only reasoned), then one ``function_call`` item per call. ``status``
 is ``completed``, or ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``
 when the length ran out (the last text item is then ``incomplete`` too).

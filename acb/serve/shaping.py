@@ -9,12 +9,18 @@ Request side (the OpenAI fields to engine settings):
 - :func:`plan_tools` reads ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (chat or
   Responses shapes) into a :class:`ToolPlan`: the tools rendered by the chat template
   (``tools=`` of ``apply_chat_template``), and either a forced call enforced by constrained
-  decoding (a named function: its arguments' schema; ``"required"``: an array of calls), or
-  ``"auto"``, parsed from the text with the server's ``--tool-call-parser``.
+  decoding (a named function: its arguments' schema; ``"required"``: an array of calls, whose
+  schema keeps each tool's ``$defs``, see :func:`required_calls_schema`), or ``"auto"``, parsed
+  from the text with the server's ``--tool-call-parser``.
+- Each of these is a :class:`Constraint`: the spec and the request field it was built from, so
+  that the errors about it (it does not compile, it can never be met) name that field;
+  :func:`one_constraint` refuses two.
+- :func:`history_message` checks the history's tool calls (a malformed one is a 400).
 
 Response side: :class:`OutputShaper`, one per choice, turns the model's text (whole, or
 streamed in deltas) into content, ``reasoning_content`` (``--reasoning-parser``) and tool
-calls, the same either way.
+calls, the same either way. An output constrained from its first token is never reasoning,
+nor parsed for ``"auto"`` calls: it is what the constraint made it.
 """
 
 from __future__ import annotations
