@@ -57,6 +57,10 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens, the model's max positions, or the cache capacity was reached
     CANCELLED = "cancelled"
     ERROR = "error"
+    # structured outputs: no token could continue the output's grammar (its vocabulary has none for
+    # what comes next, or min_new_tokens holds back the end and the grammar allows nothing more, or
+    # -inf logit biases ban every token it allows); the text is a prefix of a match, never a match
+    GRAMMAR = "grammar"
 
 
 @dataclass

@@ -231,7 +231,9 @@ class GrammarCompiler:
                 tokens that ``min_new_tokens`` suppresses, ``-inf`` logit biases); may be empty.
 
         Returns:
-            The rows (among ``rows``) with nothing left to sample.
+            The rows (among ``rows``) with nothing left to sample; they are set to allow every
+            token, so that the step samples something there (to be dropped), never from a row
+            of ``-inf`` only.
         """
         if not rows:
             return []
@@ -244,7 +246,10 @@ class GrammarCompiler:
                     v = int(words[k, w]) & ~(1 << b)
                     words[k, w] = v - (1 << 32) if v >= 1 << 31 else v
         empty = ~words.ne(0).any(dim=1)
-        return [rows[k] for k in empty.nonzero().flatten().tolist()]
+        dead = [rows[k] for k in empty.nonzero().flatten().tolist()]
+        if dead:
+            bitmask[dead] = -1
+        return dead
 
     def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
         """The compiled grammar for ``spec``, as a future (``asyncio.wrap_future`` to await it).
@@ -558,6 +563,8 @@ def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, 
         ValueError: the first mask allows no token: the grammar matches no text at all (e.g. a
             schema that only refers to itself), or this vocabulary has no token it can start with.
     """
+    if not _productive(str(handle.grammar)):
+        raise ValueError(f"the {spec.kind} constraint can never be met: {_NO_TEXT}")
     first = _first_tokens(handle, info.vocab_size)
     if not first:
         raise ValueError(f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}")
@@ -566,6 +573,111 @@ def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, 
     if spec.kind == "choice":
         return max(len(c.encode()) for c in spec.choice or ())
     return None
+
+
+_NO_TEXT = ("it matches no text at all (e.g. a JSON schema, or a grammar rule, that can only be completed by "
+            "itself, or contradictory bounds)")
+
+# xgrammar's printed EBNF (``str(Grammar)``: one normalised rule a line), in tokens: a rule's head,
+# literals and character classes (terminals), calls such as Regex(...) (terminals), lookaheads
+# (skipped: they match nothing themselves), repetition counts, and names
+_EBNF_TOKEN = re.compile(r"""
+    (?P<head>^[A-Za-z_][\w.-]*\s*::=)
+  | (?P<lit>"(?:[^"\\]|\\.)*")
+  | (?P<cls>\[(?:[^\]\\]|\\.)*\])
+  | (?P<look>\(=)
+  | (?P<call>[A-Za-z_]\w*\()
+  | (?P<count>\{\s*(?P<min>\d+)\s*,\s*-?\d+\s*\})
+  | (?P<name>[A-Za-z_][\w.-]*)
+  | (?P<open>\()
+  | (?P<close>\))
+  | (?P<bar>\|)
+  | (?P<other>[*+?])
+  | \s+
+""", re.VERBOSE | re.MULTILINE)
+
+
+def _productive(ebnf: str) -> bool:
+    """Whether the ``root`` rule of xgrammar's printed grammar derives some finite text: a rule is
+    productive once one of its alternatives needs only productive rules (terminals need nothing;
+    neither does an item counted ``{0, n}``, ``*`` or ``?``). Each parenthesised group is a rule of
+    its own, so alternatives nested in a sequence are weighed as such. Text this parser does not
+    follow gives no verdict (True): only a sure "never" refuses a grammar.
+    """
+    rules: dict[str, list[list[str]]] = {}  # rule -> its alternatives -> the rules each needs
+    for line in ebnf.splitlines():
+        if line.strip() and not _read_rule(line, rules):
+            return True
+    if "root" not in rules:
+        return True
+    productive: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, alternatives in rules.items():
+            if name not in productive and any(all(n in productive or n not in rules for n in alt)
+                                              for alt in alternatives):
+                productive.add(name)
+                changed = True
+    return "root" in productive
+
+
+def _read_rule(line: str, rules: dict[str, list[list[str]]]) -> bool:
+    """Add the rule ``name ::= body`` of one printed line (and one rule per group in it) to
+    ``rules``; False when the line is not of the form this reader knows."""
+    head = _EBNF_TOKEN.match(line)
+    if head is None or head.lastgroup != "head":
+        return False
+    name = line[: head.end()].split("::=")[0].strip()
+    groups = 0
+    # open groups: (rule name, finished alternatives, the current alternative's needs)
+    stack: list[tuple[str, list[list[str]], list[str]]] = [(name, [], [])]
+    last_needs = False  # whether the item just read is a rule the current alternative needs
+    skip = 0  # parentheses still open inside a lookahead or a call (their content is no item)
+    for m in _EBNF_TOKEN.finditer(line, head.end()):
+        kind = m.lastgroup
+        if skip:
+            if kind in ("open", "look", "call"):
+                skip += 1
+            elif kind == "close":
+                skip -= 1
+            continue
+        cur = stack[-1][2]
+        if kind in ("call", "look"):  # Regex(...) and the like: a terminal; a lookahead: no item
+            skip, last_needs = 1, False
+        elif kind in ("lit", "cls"):
+            last_needs = False
+        elif kind == "name":
+            cur.append(m.group())
+            last_needs = True
+        elif kind == "open":
+            groups += 1
+            stack.append((f"{name}#{groups}", [], []))
+            last_needs = False
+        elif kind == "close":
+            if len(stack) < 2:
+                return False
+            group, alts, inner = stack.pop()
+            rules[group] = [*alts, inner]
+            stack[-1][2].append(group)
+            last_needs = True
+        elif kind == "bar":
+            stack[-1][1].append(cur)
+            stack[-1] = (stack[-1][0], stack[-1][1], [])
+            last_needs = False
+        elif kind in ("count", "other"):
+            optional = m.group() in "*?" if kind == "other" else int(m.group("min")) == 0
+            if optional and last_needs:
+                cur.pop()
+            last_needs = False
+        elif kind is None:  # whitespace
+            continue
+        else:
+            return False
+    if len(stack) != 1 or skip:
+        return False
+    rules[name] = [*stack[0][1], stack[0][2]]
+    return True
 
 
 def _first_tokens(handle: xgrammar.CompiledGrammar, vocab_size: int) -> list[int]:
@@ -590,8 +702,7 @@ def _why_no_start(handle: xgrammar.CompiledGrammar) -> str:
         return "no token of the vocabulary can start it"
     starts = [b for b in _first_tokens(by_bytes, 257) if b < 256]
     if not starts:
-        return ("it matches no text at all (e.g. a JSON schema or grammar rule that only refers to itself, "
-                "or contradictory bounds)")
+        return _NO_TEXT
     shown = ", ".join(repr(bytes([b]).decode("latin-1")) for b in starts[:8]) + (", ..." if len(starts) > 8 else "")
     return (f"the tokenizer's vocabulary has no token that starts it (an output must start with one of the "
             f"bytes {shown})")

@@ -511,6 +511,52 @@ def test_a_worker_that_dies_fails_only_its_compile(tok):
         c.close()
 
 
+@pytest.mark.parametrize("spec", [
+    StructuredOutputs(json={"$ref": "#"}),
+    StructuredOutputs(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+    # every prefix can go on, but nothing ever ends: refused by the grammar's shape, not its first mask
+    StructuredOutputs(json={"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                            "required": ["next"]}}, "$ref": "#/$defs/n"}),
+    StructuredOutputs(grammar='root ::= "a" root'),
+    StructuredOutputs(grammar='root ::= x{2,3}\nx ::= "x" x'),
+    StructuredOutputs(grammar='root ::= (a "b") | c\na ::= "x" a\nc ::= [a-z] c'),
+])
+def test_grammars_that_match_no_text_are_refused(compiler, spec):
+    with pytest.raises(ValueError, match=f"the {spec.kind} constraint can never be met: it matches no text at all"):
+        compiler.compile_now(spec)
+
+
+@pytest.mark.parametrize("spec, max_tokens", [
+    (StructuredOutputs(grammar='root ::= "a" root | "b"'), None),  # recursion with a way out
+    (StructuredOutputs(grammar='root ::= x{0,3} "y"\nx ::= "x" x'), None),  # the dead rule is optional
+    (StructuredOutputs(json={"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
+                             "$ref": "#/$defs/n"}), None),  # a linked list: "next" is optional
+    (StructuredOutputs(choice=["no", "é", "yes"]), 3),  # bytes: every token is at least one
+    (StructuredOutputs(grammar='root ::= ""'), 0),
+])
+def test_grammars_with_a_way_out_compile_with_their_length_bound(compiler, spec, max_tokens):
+    assert compiler.compile_now(spec).max_tokens == max_tokens
+
+
+def test_dead_ends_of_a_filled_bitmask(tok, compiler):
+    m = compiler.compile_now(StructuredOutputs(choice=["ab"])).matcher()
+    a, b = ids(tok, "a")[0], ids(tok, "b")[0]
+    bitmask = compiler.bitmask(3)
+    m.fill_mask(bitmask, 0)  # "a" only
+    assert m.accept(a)
+    m.fill_mask(bitmask, 1)  # "b" only
+    assert m.accept(b)
+    m.fill_mask(bitmask, 2)  # the stop token only
+    before = bitmask.clone()
+    assert compiler.dead_ends(bitmask, [0, 1, 2], [(), (), ()]) == []
+    assert torch.equal(bitmask, before)  # nothing changed where something is left
+    # -inf biases / min_new_tokens take out the only tokens of rows 1 and 2: those rows are dead, and
+    # opened (every token allowed) so that the step samples from finite logits there
+    assert compiler.dead_ends(bitmask, [0, 1, 2], [(b,), (b, 7), (EOS,)]) == [1, 2]
+    assert torch.equal(bitmask[0], before[0]) and bool((bitmask[1:] == -1).all())
+    assert compiler.dead_ends(bitmask, [], []) == []
+
+
 def test_compiler_arguments(tok):
     with pytest.raises(ValueError, match="vocab_size"):
         GrammarCompiler(tok, 0)

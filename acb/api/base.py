@@ -119,6 +119,25 @@ def compile_grammar(compiler: GrammarCompiler, spec: StructuredOutputs) -> Compi
         raise ValueError(f"structured_outputs: {exc}") from None
 
 
+def check_min_tokens(grammar: CompiledGrammar, min_new: int, stop_ids: frozenset[int]) -> None:
+    """Refuse a ``min_new_tokens`` that no output of the grammar can reach while it holds back every
+    token the grammar can end with (the request's stop tokens are the ones it holds back).
+
+    Args:
+        grammar: the request's compiled grammar.
+        min_new: its ``min_new_tokens`` (after the clamp to ``max_new_tokens``).
+        stop_ids: its stop token ids.
+
+    Raises:
+        ValueError: the grammar's outputs are all shorter; the message names both numbers.
+    """
+    bound = grammar.max_tokens
+    if bound is not None and min_new > bound and set(grammar.stop_token_ids) <= stop_ids:
+        raise ValueError(f"structured_outputs: min_new_tokens={min_new} (min_tokens) can never be met: every output "
+                         f"of the {grammar.spec.kind} constraint has at most {bound} tokens before its end, which "
+                         "min_new_tokens holds back")
+
+
 class Submission:
     """A validated submit on the caller's side (what :meth:`EngineBase.make_request` returns):
     the :class:`EngineRequest` to post, and the sink its results go to. Its request ids are
@@ -508,8 +527,9 @@ class EngineBase:
                              f"vocabulary's {vocab} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... to the engine")
+        grammar = None
         if params.structured_outputs is not None and scoring is None:
-            compile_grammar(self.grammars(), params.structured_outputs)  # (a cache hit after an async submit)
+            grammar = compile_grammar(self.grammars(), params.structured_outputs)  # (a cache hit after an async submit)
         cfg = core.runner.cfg
         limit = cfg.max_model_len
         longest = max([len(ids)] + [len(c) for c, _ in children])
@@ -557,6 +577,8 @@ class EngineBase:
                 )
         max_new = min(max_new_tokens, limit - len(ids)) if scoring is None else 0
         min_new = min(params.min_new_tokens or 0, max_new)
+        if grammar is not None:
+            check_min_tokens(grammar, min_new, stop_ids)
         if min_new != (params.min_new_tokens or 0):
             params = replace(params, min_new_tokens=min_new)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)

@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -61,6 +63,21 @@ _FAILED = object()  # _launch: the step raised and its requests were failed
 # the float32 logits of the rows scored in one step (prompt logprobs, scoring requests) stay
 # within this: 223 rows of a 150k vocabulary, 1,024 of a 32k one (the log-softmax is one more)
 SCORED_LOGITS_BYTES = 128 * 2**20
+
+
+def _never_sampled(req: Request, gen_idx: int) -> Collection[int]:
+    """The tokens the processors after the grammar's mask never let ``req`` sample as its
+    ``gen_idx``-th generated token: the stop tokens ``min_new_tokens`` still holds back, and
+    those with a ``-inf`` logit bias (the sampler's rules, in plain Python)."""
+    params = req.params
+    held: Collection[int] = ()
+    if params.min_new_tokens and gen_idx < params.min_new_tokens and req.stop_token_ids:
+        held = req.stop_token_ids
+    if params.logit_bias:
+        banned = [t for t, b in params.logit_bias.items() if b == -math.inf]
+        if banned:
+            held = {*held, *banned}
+    return held
 
 
 def scored_rows_for(vocab_size: int) -> int:
@@ -556,6 +573,12 @@ class EngineCore:
         bitmask = self._grammars.bitmask(len(reqs))
         for i in rows:
             reqs[i].matcher.fill_mask(bitmask, i)
+        # a row whose grammar allows nothing the sampler may pick is a dead end: its request ends
+        # when this step's token comes back (which is not recorded); dead_ends unmasks its row, so
+        # that no row of the step is all -inf
+        excluded = [_never_sampled(reqs[i], sched.sample_gen_idx[i]) for i in rows]
+        for i in self._grammars.dead_ends(bitmask, rows, excluded):
+            reqs[i].dead_end = True
         sched.grammar = GrammarMask(bitmask, rows)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
@@ -599,6 +622,12 @@ class EngineCore:
         items: list[Delivery] = []
         ended: list[Request] = []
         for req in progressed:
+            if req.finish_reason is FinishReason.GRAMMAR:  # its grammar could not go on: no token was recorded
+                self._generated -= 1
+                items.append(Delivery(req.key, [], None, None, req.sample_index, None,
+                                      None if req.detok is None else req.new_text))
+                ended.append(req)
+                continue
             lp = top = None
             if req.want_logprobs:
                 lp = [req.logprobs[-1]]

@@ -21,6 +21,7 @@ the other tensor-parallel ranks.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
@@ -103,6 +104,8 @@ class GrammarSupport(Protocol):
 
     def compile_now(self, spec: Any) -> Any: ...  # -> a compiled grammar with .matcher()
     def bitmask(self, rows: int) -> torch.Tensor: ...
+    # the rows of a filled bitmask with no token left once each row's excluded ones are out
+    def dead_ends(self, bitmask: torch.Tensor, rows: Sequence[int], excluded: Sequence[Collection[int]]) -> list[int]: ...
 
 
 @dataclass

@@ -29,6 +29,7 @@ class Request:
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
         "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
         "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "key", "detok", "new_text", "matcher", "checks", "group",
+        "dead_end",
         "sample_index",
         "children",
         "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
@@ -97,6 +98,9 @@ class Request:
         # token; it fills this request's row of the step's token bitmask
         self.matcher: Any = None
         self.checks = False  # detok or matcher is set: append_token takes the slower path
+        # structured outputs: the step being sampled leaves this request no token its grammar allows
+        # (found when its mask was filled): that step's token is not recorded and it ends there
+        self.dead_end = False
         self.group: RequestGroup | None = None  # n > 1: the samples submitted together
         self.sample_index = 0
         self.children: list[Request] | None = None  # n > 1, on sample 0 until its prompt is prefilled
@@ -122,7 +126,20 @@ class Request:
     def append_token(
         self, token_id: int, logprob: float | None, now: float, top: list[tuple[int, float]] | None = None
     ) -> bool:
-        """Record a sampled token; return True if the request is now finished."""
+        """Record a sampled token; return True if the request is now finished.
+
+        A constrained request's token is checked by its grammar first: at a dead end (nothing was
+        left to sample) or a token the grammar rejects, nothing is recorded and the request ends
+        with ``FinishReason.GRAMMAR``.
+        """
+        matcher = self.matcher
+        if matcher is not None and (self.dead_end or not matcher.accept(token_id)):
+            if not self.dead_end:  # (a mask that allowed tokens was not kept to: NaN logits, or a bug)
+                logger.warning("request %s: a sampled token is outside its grammar's mask; it ends there",
+                               self.request_id)
+            self.finish_reason = FinishReason.GRAMMAR
+            self.new_text = ""
+            return self._text_ends()
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
@@ -152,12 +169,10 @@ class Request:
             self.new_text = ""
             self.new_text = detok.push((token_id,))
         matcher = self.matcher
-        if matcher is not None:
-            if not matcher.accept(token_id):  # (the mask allowed only what it accepts)
-                raise ValueError(f"token {token_id} does not continue the output's grammar")
-            if matcher.is_terminated():  # the grammar is complete and took its stop token
-                self.finish_reason = FinishReason.STOP
-                return self._text_ends()
+        if matcher is not None and matcher.is_terminated():  # complete, and took its stop token
+            # (append_token had the matcher accept the token)
+            self.finish_reason = FinishReason.STOP
+            return self._text_ends()
         if token_id in self.stop_token_ids:
             self.finish_reason = FinishReason.STOP
             return self._text_ends()

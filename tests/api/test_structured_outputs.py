@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import anyio
 import pytest
 
 import acb
@@ -183,8 +184,6 @@ async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
     """Issue 36: the reported 54-byte schema is refused at submit (the static limit); let through
     by a raised limit, two of them are stopped at the time limit while a small constrained request
     from someone else is answered; and the engine stops while a compile runs."""
-    import anyio
-
     async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(num_blocks=64), tokenizer=tok) as eng:
         with pytest.raises(ValueError, match=r"structured_outputs: .*grammar_max_repetition"):
             await eng.submit("x", structured_outputs={"json": SLOW_SCHEMA})
@@ -219,3 +218,108 @@ async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
                 await anyio.sleep(0.05)
     with pytest.raises(acb.EngineNotRunningError):
         future.result(HANG_GUARD)
+
+
+# ---------------------------------------------------------------------------------------------
+# constraints that cannot be met (issue 36: they failed as "token 0 does not continue the output's
+# grammar", an internal error)
+
+def tokenizer_without(chars: str):
+    """The embedded byte-level tokenizer, less the tokens of ``chars`` (their bytes have no token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>"])}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        if ch not in chars:
+            vocab[ch] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+SELF_REQUIRED = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+                 "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("spec, extra, message", [
+    ({"json": {"$ref": "#"}}, {}, "the json constraint can never be met: it matches no text at all"),
+    ({"json": SELF_REQUIRED}, {}, "the json constraint can never be met: it matches no text at all"),
+    ({"grammar": 'root ::= "a" root'}, {}, "the grammar constraint can never be met: it matches no text"),
+    ({"grammar": 'root ::= "(" root ")" | "x" loop\nloop ::= "y" loop'}, {}, "the grammar constraint can never be met"),
+    ({"choice": ["yes", "no"]}, {"min_new_tokens": 4},
+     r"min_new_tokens=4 \(min_tokens\) can never be met: every output of the choice constraint has at most 3 "
+     "tokens before its end"),
+    ({"grammar": 'root ::= ""'}, {"min_new_tokens": 1}, "min_new_tokens=1 .* at most 0 tokens"),
+])
+async def test_unsatisfiable_constraints_are_refused_at_submit(model, tok, spec, extra, message):
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(num_blocks=32), tokenizer=tok) as eng:
+        with pytest.raises(ValueError, match=f"structured_outputs: {message}"):
+            await eng.submit("x", structured_outputs=spec, max_new_tokens=8, **extra)
+        with pytest.raises(ValueError, match=f"structured_outputs: {message}"):
+            eng.submit_nowait("x", structured_outputs=spec, max_new_tokens=8, **extra)
+        # min_new_tokens the output can meet, or a stop token min_new_tokens does not hold back: accepted
+        out = await eng.generate("x", structured_outputs={"choice": ["yes", "no"]}, max_new_tokens=8,
+                                 min_new_tokens=2)
+        assert out.text in ("yes", "no")
+
+
+def test_a_vocabulary_without_the_first_character_is_refused_at_submit(model):
+    tok = tokenizer_without("{")
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32), tokenizer=tok) as eng:
+        with pytest.raises(ValueError, match=r"structured_outputs: the json constraint can never be met: the "
+                                             r"tokenizer's vocabulary has no token that starts it .*'\{'"):
+            eng.generate([5, 6, 7], structured_outputs={"json": SCHEMA})
+        with pytest.raises(ValueError, match="vocabulary has no token"):
+            eng.generate([5, 6, 7], structured_outputs={"json_object": True})
+        assert eng.generate([5, 6, 7], structured_outputs={"choice": ["ab"]}, max_new_tokens=5).text == "ab"
+
+
+@pytest.mark.parametrize("cfg", [
+    {},
+    {"use_async_batching": True},
+    {"use_async_batching": True, "num_blocks": 12, "page_size": 4, "max_batch_tokens": 16},  # preemption
+], ids=["sync", "async", "async-preempt"])
+def test_a_grammar_that_cannot_go_on_ends_with_finish_reason_grammar(model, tok, cfg):
+    """Found only while generating: the request ends, FINISHED with ``FinishReason.GRAMMAR``, its
+    output the tokens before the dead end (a prefix of a match); the others are unaffected."""
+    config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, **cfg})
+    b = tok("b").input_ids[-1]
+    prompts = [tok(f"prompt {i}").input_ids for i in range(6)]
+    refs = [reference_generate(model, p, 10) for p in prompts[:3]]
+    with acb.Engine(model, config, tokenizer=tok) as eng:
+        sps = [acb.SamplingParams(max_new_tokens=10) for _ in range(3)] + [
+            # "ab" is complete after 2 tokens; min_new_tokens holds back the end it must take then
+            acb.SamplingParams(max_new_tokens=10, min_new_tokens=4, structured_outputs={"regex": "ab"}),
+            # the only way on is a token whose bias is -inf
+            acb.SamplingParams(max_new_tokens=10, logit_bias={b: float("-inf")}, structured_outputs={"choice": ["ab"]}),
+            acb.SamplingParams(max_new_tokens=10, min_new_tokens=5, n=2, temperature=1.0, seed=3,
+                               structured_outputs={"regex": "(ab|ba)c"}),
+        ]
+        res = eng.generate_batch(prompts, sps, progress_bar=False)
+        assert [res[f"req_{i}"].generated_tokens for i in range(3)] == refs
+        grammar_end = (acb.RequestStatus.FINISHED, acb.FinishReason.GRAMMAR)
+        out = res["req_3"]
+        assert (out.status, out.finish_reason, out.text, out.error) == (*grammar_end, "ab", None)
+        assert out.generated_tokens == tok("ab").input_ids[-2:]
+        out = res["req_4"]
+        assert (out.status, out.finish_reason, out.text) == (*grammar_end, "a")
+        for s in res["req_5"].samples:
+            assert (s.finish_reason, s.text in ("abc", "bac")) == (acb.FinishReason.GRAMMAR, True), s
+        # alone, streamed: the deltas add up to the output, which ends the same way
+        assert eng.generate(prompts[0], sps[3]).text == "ab"
+        assert not eng.core.live_ids
+        assert eng.stats.preemptions > 0 or "max_batch_tokens" not in cfg
+
+
+async def test_a_vocabulary_gap_midway_ends_with_finish_reason_grammar(model):
+    """The first token exists but the second character of the only match has no token."""
+    tok = tokenizer_without("b")
+    cfg = acb.ContinuousBatchingConfig(num_blocks=12, page_size=4, use_async_batching=True)
+    async with acb.AsyncEngine(model, cfg, tokenizer=tok) as eng:
+        h = await eng.submit([5, 6, 7], max_new_tokens=10, structured_outputs={"regex": "ab"})
+        tokens = [t async for d in h for t in d.token_ids]
+        out = await h.result()
+        assert (out.status, out.finish_reason, out.text) == (acb.RequestStatus.FINISHED, acb.FinishReason.GRAMMAR, "a")
+        assert tokens == out.generated_tokens == tok("a").input_ids[-1:]
