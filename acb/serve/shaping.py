@@ -196,6 +196,8 @@ def _function(tool: Any, where: str) -> tuple[dict[str, Any], str, bool]:
 
 
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas
+# keywords whose value maps names (a property's, a definition's) to schemas: the names are no keywords
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _rebase_refs(schema: Any, base: str) -> Any:
@@ -211,6 +213,8 @@ def _rebase_refs(schema: Any, base: str) -> Any:
             out[key] = base + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}
         else:
             out[key] = _rebase_refs(value, base)
     return out

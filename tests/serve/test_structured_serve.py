@@ -327,15 +327,19 @@ def test_required_schema_keeps_each_tools_definitions(checkpoint):
     finally:
         compiler.close()
     # a recursive tool ($ref "#") and a JSON pointer into the tool's own properties stay inside it
+    # (properties named like keywords are schemas too; enum and const values are data)
     tree = {"type": "object", "properties": {"leaf": {"type": "boolean"},
                                              "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
-                                             "same": {"$ref": "#/properties/leaf"}},
+                                             "same": {"$ref": "#/properties/leaf"},
+                                             "enum": {"$ref": "#/properties/leaf"},
+                                             "const": {"const": {"$ref": "#/not/a/schema"}}},
             "required": ["leaf", "kids", "same"]}
     schema = required_calls_schema(plan_tools([{"type": "function", "function": {"name": "t", "parameters": tree}}],
                                               "required", None, None).functions, parallel=False)
     params = schema["$defs"]["tool0"]["properties"]
     assert params["kids"]["items"] == {"$ref": "#/$defs/tool0"}
-    assert params["same"] == {"$ref": "#/$defs/tool0/properties/leaf"}
+    assert params["same"] == params["enum"] == {"$ref": "#/$defs/tool0/properties/leaf"}
+    assert params["const"] == {"const": {"$ref": "#/not/a/schema"}}
     assert schema["maxItems"] == 1
 
 
