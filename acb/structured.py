@@ -6,9 +6,13 @@ It owns four things, and is the only module that imports xgrammar (lazily: ``pip
 
 - :class:`StructuredOutputs`, the per-request spec, with vLLM's field names (``json``,
   ``json_object``, ``regex``, ``choice``, ``grammar``) and a stable ``key`` for caching.
-- :class:`GrammarCompiler`, one per engine (tokenizer + model vocabulary): compiles specs on its own
-  small thread pool (xgrammar releases the GIL while compiling, so neither the caller's event loop
-  nor the engine thread waits), with a bounded LRU cache keyed by ``spec.key``.
+- :class:`GrammarCompiler`, one per engine (tokenizer + model vocabulary): compiles specs in a few
+  worker processes of its own (:func:`serve_compiles`), so that neither the caller's event loop nor
+  the engine thread waits, and so that a compile can be stopped: one past the budget's time limit
+  (:class:`acb.grammar_budget.GrammarBudget`) is killed with its process, which a fresh one
+  replaces, and closing kills them all without waiting. Specs over the budget's static limits are
+  refused before any compile, and so is a grammar no output can meet (it matches no text, or the
+  vocabulary has no token to start it). A bounded LRU cache keyed by ``spec.key`` shares compiles.
 - :class:`Matcher`, one per request, on the engine thread: advances with each sampled token and
   fills that request's row of the step's token bitmask.
 - :func:`allocate_bitmask` / :func:`apply_bitmask`: the bitmask is int32 ``[rows, ceil(V / 32)]``,
@@ -24,7 +28,13 @@ How the engine uses it, per step::
     apply_bitmask(logits, bitmask[:num_rows], rows)    # async H2D copy from pinned memory
     ... the other logits processors, then sampling ...
     for row, m in structured_rows:
-        if not m.accept(sampled[row]): fail the request (the mask was not applied)
+        m.accept(sampled[row])
+
+Dead ends: a row whose mask, less the tokens the later processors never let it sample (stop tokens
+that ``min_new_tokens`` holds back, ``-inf`` logit biases), allows nothing cannot go on: the engine
+finds it when it fills the masks (:meth:`GrammarCompiler.dead_ends`, which opens that row so the
+step samples from finite logits), drops the token sampled there, and finishes the request with
+``FinishReason.GRAMMAR``. A token the grammar rejects (NaN logits) ends it the same way.
 
 End of a grammar: once the text is complete, the mask allows the stop tokens (the tokenizer's
 ``eos_token_id`` unless ``stop_token_ids`` is given to the compiler), alone when the grammar cannot

@@ -133,7 +133,11 @@ class AsyncEngine(EngineBase):
             spec: the request's structured outputs.
 
         Raises:
-            ValueError: the spec cannot compile (xgrammar's message), or the engine has no tokenizer.
+            ValueError: the spec cannot compile (xgrammar's message), is over the compile budget
+                (``grammar_max_bytes``, ``grammar_max_repetition``, ``grammar_compile_timeout_s``:
+                the message names the limit), can never be met (it matches no text, or the
+                vocabulary has no token to start it), or the engine has no tokenizer.
+            EngineNotRunningError: the engine stopped while the spec compiled.
         """
         try:
             compiler = await anyio.to_thread.run_sync(self.grammars)
