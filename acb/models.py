@@ -76,7 +76,15 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = dict(
 
 def default_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """``acb generate``'s default model: random weights, :data:`DEFAULT_MODEL_CONFIG`, the vocabulary of
-    :func:`build_tokenizer`."""
+    :func:`build_tokenizer` (no download). Its text is meaningless: it is there to try and time acb.
+
+    Args:
+        seed: the seed of the random weights.
+        dtype: the weights' dtype.
+
+    Returns:
+        A Llama of 3.3M parameters, in eval mode, on the CPU.
+    """
     tok = build_tokenizer()
     return tiny_model("llama", seed=seed, dtype=dtype, vocab_size=len(tok), **DEFAULT_MODEL_CONFIG)
 
