@@ -453,13 +453,7 @@ class _Worker:
         assert send is not None and recv is not None and proc is not None  # (_start set them)
         try:
             if not self._ready:  # the first job waits for the import (not part of its budget)
-                setup = self._setup
-                send.send_bytes(_json.dumps({"threads": setup.threads, "stops": setup.stop_token_ids}).encode())
-                send.send_bytes(setup.info_json.encode())
-                if not recv.poll(_WORKER_START_S) or recv.recv_bytes() != b"ready":
-                    self._restart()
-                    raise RuntimeError(f"the grammar compile worker did not start within {_WORKER_START_S:g} s")
-                self._ready = True
+                self._ready = self._wait_ready(send, recv, proc)
             send.send_bytes(_json.dumps(spec.to_dict()).encode())
             if not recv.poll(limit):
                 self._restart()
@@ -477,6 +471,23 @@ class _Worker:
             meta, _, text = body.partition(b"\n")
             return True, text.decode(), _json.loads(meta)["max_tokens"]
         return False, body.decode(), None
+
+    def _wait_ready(self, send: Connection, recv: Connection, proc: subprocess.Popen[bytes]) -> bool:
+        """Send the setup and wait for the worker's ``ready``; a worker that cannot start is a
+        RuntimeError (the server's fault, not the spec's), and is replaced."""
+        setup = self._setup
+        try:
+            send.send_bytes(_json.dumps({"threads": setup.threads, "stops": setup.stop_token_ids}).encode())
+            send.send_bytes(setup.info_json.encode())
+            if recv.poll(_WORKER_START_S) and recv.recv_bytes() == b"ready":
+                return True
+            why = f"did not start within {_WORKER_START_S:g} s"
+        except (EOFError, OSError):
+            if self._killed:
+                raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)") from None
+            why = f"exited with code {proc.wait()} as it started (its error is on stderr)"
+        self._restart()
+        raise RuntimeError(f"the grammar compile worker {why}")
 
     def _restart(self) -> None:
         self._stop_process()
@@ -501,6 +512,8 @@ class _Worker:
             proc = self._proc
         if proc is not None and proc.poll() is None:
             proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2)  # (a killed process exits at once: this only reaps it)
 
 
 def serve_compiles(jobs_fd: int, results_fd: int) -> None:

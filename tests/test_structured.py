@@ -498,15 +498,28 @@ def test_close_does_not_wait_for_running_compiles(tok):
 def test_a_worker_that_dies_fails_only_its_compile(tok):
     c = GrammarCompiler(tok, V, workers=1, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
     try:
+        c.compile_now(StructuredOutputs(choice=["ready"]), timeout=HANG_GUARD)  # the worker has started
         fut = c.submit(SLOW[0])
         deadline = time.monotonic() + HANG_GUARD
         while not fut.running() and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)  # (the worker has the job, or is reading it: either way it dies with it)
+        time.sleep(0.5)  # (the worker is compiling it, or reading it: either way it dies with it)
         os.kill(c._workers[0]._proc.pid, signal.SIGKILL)
         with pytest.raises(ValueError, match=r"the grammar compile worker died \(exit code -9\) compiling the json"):
             fut.result(HANG_GUARD)
         assert c.compile_now(StructuredOutputs(choice=["ok"]), timeout=HANG_GUARD).matcher() is not None
+    finally:
+        c.close()
+
+
+def test_a_worker_that_cannot_start_is_a_runtime_error_not_the_specs(tok, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))  # every worker exits at once
+    c = GrammarCompiler(tok, V, workers=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"the grammar compile worker exited with code 1 as it started"):
+            c.compile_now(StructuredOutputs(choice=["a"]), timeout=HANG_GUARD)
     finally:
         c.close()
 
