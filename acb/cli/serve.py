@@ -29,10 +29,10 @@ def _add_serve(sub: Any) -> None:
         help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
         description=(
             "Serve a local checkpoint (or the embedded random-weight model) with the OpenAI API: "
-            "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, plus GET "
-            "/health (200 once "
-            "the engine runs) and GET /metrics (Prometheus). SIGINT/SIGTERM stop accepting, let in-flight "
-            "requests finish for --grace-period seconds (then cancel them) and exit 0."
+            "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, plus "
+            "GET /health (200 once the engine runs) and GET /metrics (Prometheus). SIGINT/SIGTERM stop "
+            "accepting, let in-flight requests finish for --grace-period seconds (then end them with an "
+            "OpenAI error) and exit 0."
         ),
     )
     src = _add_model_flags(p)
