@@ -93,6 +93,32 @@ def kv_leak_check(monkeypatch):
         assert not core.live_ids, f"request ids never released: {sorted(core.live_ids)}"
 
 
+# A wait on the engine that never ends fails after this many seconds: a hang-guard, far above what
+# any test needs on a slow machine (tests wait for conditions, never for a time: no test's outcome
+# may depend on the machine's speed).
+HANG_GUARD = 120.0
+
+
+def wait_until(cond, what: str, timeout: float = HANG_GUARD) -> None:
+    """Poll ``cond()`` until it holds (from a plain thread); fails only past the hang-guard."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"still waiting after {timeout:.0f} s: {what}"
+        time.sleep(0.002)
+
+
+async def eventually(cond, what: str, timeout: float = HANG_GUARD) -> None:
+    """``wait_until`` from a coroutine (asyncio or trio): poll ``cond()`` between short sleeps."""
+    import anyio
+
+    deadline = anyio.current_time() + timeout
+    while not cond():
+        assert anyio.current_time() < deadline, f"still waiting after {timeout:.0f} s: {what}"
+        await anyio.sleep(0.002)
+
+
 def prompts_of_lengths(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

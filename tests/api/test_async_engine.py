@@ -6,13 +6,14 @@ Every test runs on both anyio backends, asyncio and trio (``anyio_backend``, tes
 from __future__ import annotations
 
 import functools
+import threading
 
 import anyio
 import pytest
 
 import acb
 from acb.api import handles
-from tests.conftest import get_model, prompts_of_lengths, reference_generate
+from tests.conftest import HANG_GUARD, eventually, get_model, prompts_of_lengths, reference_generate
 
 pytestmark = pytest.mark.anyio
 
@@ -102,7 +103,7 @@ async def test_task_cancel_cancels_request():
         # the consumer task is cancelled (asyncio: task.cancel(); trio: its nursery's cancel scope)
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
-            await anyio.sleep(0.2)
+            await eventually(lambda: seen["tokens"] > 0, "the consumer has read a token")
             tg.cancel_scope.cancel()
         assert seen["cancelled"] and seen["tokens"] > 0
         with anyio.fail_after(30):
@@ -139,7 +140,7 @@ async def test_shutdown_cancels_pending_requests():
     eng.start()
     hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
           for i in range(5)]
-    await anyio.sleep(0.1)
+    await eventually(lambda: eng.stats.running == 2, "two requests run, three wait")
     await eng.shutdown()
     assert not eng.is_running  # shutdown returns once the engine thread has exited
     outs = [await h.result() for h in hs]
@@ -161,10 +162,7 @@ async def test_queue_limit_submit_waits_and_nowait_raises():
     async with engine(max_queue_size=2, max_requests_per_batch=1) as eng:
         long = acb.SamplingParams(max_new_tokens=300, ignore_eos=True)
         h0 = await eng.submit([5], long)
-        for _ in range(200):  # wait until h0 is scheduled (leaves the queue)
-            if eng.stats.running == 1:
-                break
-            await anyio.sleep(0.01)
+        await eventually(lambda: eng.stats.running == 1, "h0 is scheduled (leaves the queue)")
         h1 = eng.submit_nowait([6], long)
         h2 = eng.submit_nowait([7], long)
         with pytest.raises(acb.QueueFullError):
@@ -177,11 +175,14 @@ async def test_queue_limit_submit_waits_and_nowait_raises():
             got.append(await eng.submit([9], acb.SamplingParams(max_new_tokens=2)))
             admitted.set()
 
+        gate = threading.Event()
+        eng.core.call(lambda c: gate.wait(HANG_GUARD))  # the engine is held: no slot can free up
         async with anyio.create_task_group() as tg:
             tg.start_soon(waiter)
-            await anyio.sleep(0.02)
+            await anyio.wait_all_tasks_blocked()  # the waiter is parked on the queue's gate
             assert not admitted.is_set()
-            with anyio.fail_after(60):
+            gate.set()
+            with anyio.fail_after(HANG_GUARD):
                 await admitted.wait()
         outs = [await h.result() for h in (h0, h1, h2, got[0])]
     assert [o.status for o in outs] == [acb.RequestStatus.FINISHED] * 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import acb
-from tests.conftest import get_model, reference_generate
+from tests.conftest import eventually, get_model, reference_generate
 
 CFG = acb.ContinuousBatchingConfig(page_size=8, num_blocks=16)  # 120 tokens per request at most
 
@@ -90,7 +90,7 @@ async def test_engine_death_fails_every_pending_handle(model, monkeypatch):
     sched = eng.core.scheduler
     hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
           for i in range(3)]
-    await asyncio.sleep(0.05)
+    await eventually(lambda: eng.stats.running == 3, "the three requests run")
 
     def broken(*a, **k):
         raise AssertionError("scheduler bug")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import acb
-from tests.conftest import get_model, prompts_of_lengths, reference_generate
+from tests.conftest import get_model, prompts_of_lengths, reference_generate, wait_until
 
 PROMPTS = prompts_of_lengths([20, 31, 12, 25, 9, 17, 28, 14], seed=60)
 MAX_NEW = 16
@@ -52,13 +52,7 @@ def test_cancel_while_offloaded_frees_host_blocks():
                                        cpu_offload_space=0.01)
     with acb.Engine(model, cfg) as eng:
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=200, ignore_eos=True)) for p in PROMPTS]
-        import time
-
-        for _ in range(500):
-            if eng.stats.swapped_out_blocks:
-                break
-            time.sleep(0.01)
-        assert eng.stats.swapped_out_blocks > 0
+        wait_until(lambda: eng.stats.swapped_out_blocks > 0, "a preempted request's blocks are offloaded")
         for h in hs:
             h.cancel()
         assert all(h.result(timeout=30).status == acb.RequestStatus.CANCELLED for h in hs)

@@ -16,7 +16,7 @@ import torch
 
 import acb
 from acb.models import tiny_model
-from tests.conftest import get_model, prompts_of_lengths, reference_generate
+from tests.conftest import HANG_GUARD, get_model, prompts_of_lengths, reference_generate
 
 PROMPTS = prompts_of_lengths([9, 23, 14, 31, 5, 18], seed=60)
 MAX_NEW = 24
@@ -32,17 +32,21 @@ def _refs(model, max_new: int = MAX_NEW) -> list[list[int]]:
     return [reference_generate(model, p, max_new) for p in PROMPTS]
 
 
-def _until(cond, timeout: float = 30.0) -> None:
+def _until(cond, timeout: float = HANG_GUARD) -> None:
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < timeout, "timed out"
         time.sleep(0.002)
 
 
-def _still(eng: acb.Engine, seconds: float = 0.2) -> int:
-    """Steps run over ``seconds`` (a paused engine runs none)."""
+def _still(eng: acb.Engine, rounds: int = 4) -> int:
+    """Steps run while the engine thread goes ``rounds`` times round its loop (it answers a call at
+    the top of each: drain the inbox, then a step if it may and has work). An engine that may step
+    and has work runs one between two answered calls, whatever the machine's speed; a paused or
+    sleeping one runs none."""
     before = eng.stats.steps
-    time.sleep(seconds)
+    for _ in range(rounds):
+        eng.call(lambda c: None).result(HANG_GUARD)
     return eng.stats.steps - before
 
 
@@ -320,7 +324,7 @@ def test_lifecycle_transitions_compose_pairwise(async_batching):
                 assert eng.is_sleeping == want.asleep, label
                 assert eng.is_paused == (want.pause is not None or want.asleep), label
                 if want.asleep or want.pause == "paused":
-                    assert _still(eng, 0.1) == 0, f"{label}: steps ran while held"
+                    assert _still(eng) == 0, f"{label}: steps ran while held"
                     if not want.cancelled:
                         assert not any(h.done for h in live), f"{label}: a parked request ended"
                 elif want.pause == "draining":
@@ -328,7 +332,7 @@ def test_lifecycle_transitions_compose_pairwise(async_batching):
                     outs = [h.result(30) for h in live]
                     assert [o.generated_tokens for o in outs] == refs[:4], label
                     _until(lambda: eng.is_paused and eng.stats.running == 0)
-                    assert _still(eng, 0.1) == 0 and not late.done, label
+                    assert _still(eng) == 0 and not late.done, label
                 # back to running: wake (a drain goes on), resume, and everything ends
                 if want.asleep:
                     eng.wake_up()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import acb
-from tests.conftest import get_model, prompts_of_lengths
+from tests.conftest import HANG_GUARD, eventually, get_model, prompts_of_lengths
 
 CFG = dict(page_size=8, num_blocks=64)
 
@@ -153,18 +153,14 @@ async def test_async_score_and_cancellation(model):
         import asyncio
 
         gate = threading.Event()
-        eng.core.call(lambda c: gate.wait(30))
+        eng.core.call(lambda c: gate.wait(HANG_GUARD))
         task = asyncio.ensure_future(eng.score(ctx, [[3], [4, 5]]))
-        await asyncio.sleep(0.05)
-        task.cancel()
+        await eventually(lambda: eng.core.live_ids, "the score's engine requests are submitted")
+        task.cancel()  # (the engine is held: they cannot have ended)
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if not eng.core.live_ids:
-                break
-            await asyncio.sleep(0.01)
-        assert not eng.core.live_ids
+        await eventually(lambda: not eng.core.live_ids, "the cancelled score's engine requests end")
 
 
 def test_bad_scoring_input_is_refused(model):
