@@ -170,19 +170,31 @@ def test_getting_started_lists_every_extra_and_the_model_size():
         f"({layers} layers, hidden {hidden}, {size / 1e6:.1f}M parameters)" in page
 
 
+def suite_size_problem(page: str, collected: int) -> str | None:
+    """What is wrong with the suite size docs/development.md states, given a whole run's count."""
+    import re
+
+    m = re.search(r"The suite is about ([\d,]+) tests", page)
+    if not m:
+        return "docs/development.md no longer states the suite's size"
+    stated = int(m.group(1).replace(",", ""))
+    if abs(stated - collected) > 0.1 * collected:
+        return f"the suite has {collected} tests; docs/development.md says about {stated}"
+    return None
+
+
 def test_the_suite_size_on_the_development_page_is_current(request):
     """docs/development.md says how many tests the suite has; a whole-suite run (the README's
     ``python -m pytest -q``) checks it against what it collected, within 10%."""
-    import re
-
-    cfg = request.config
-    whole = [Path(a).resolve() for a in cfg.args] in ([ROOT / "tests"], [ROOT])
-    if not whole or cfg.option.keyword or cfg.option.markexpr or cfg.option.deselect:
+    opt = request.config.option
+    files = {Path(str(item.path)).resolve() for item in request.session.items}
+    every = {f.resolve() for f in (ROOT / "tests").rglob("test_*.py")}
+    assert suite_size_problem("The suite is about 469 tests", 950)  # the figure issue 37 found stale
+    assert not suite_size_problem("The suite is about 1,000 tests", 950)
+    if files != every or opt.keyword or opt.markexpr or opt.deselect or getattr(opt, "lf", False):
         pytest.skip("checked by a whole-suite run (python -m pytest), which collects every test")
-    m = re.search(r"The suite is about ([\d,]+) tests", (ROOT / "docs" / "development.md").read_text())
-    assert m, "docs/development.md no longer states the suite's size"
-    stated, collected = int(m.group(1).replace(",", "")), len(request.session.items)
-    assert abs(stated - collected) <= 0.1 * collected, f"the suite has {collected} tests; the page says {stated}"
+    problem = suite_size_problem((ROOT / "docs" / "development.md").read_text(), len(request.session.items))
+    assert problem is None, problem
 
 
 def test_a_hub_id_without_the_hub_fails_at_once_saying_how_to_use_a_folder(tmp_path):
