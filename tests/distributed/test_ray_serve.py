@@ -339,6 +339,31 @@ class TestEveryRequestIsAnswered:
         assert status == 200, data
 
 
+def test_the_prefix_key_is_a_digest_or_none_whatever_the_body():
+    """The ingress's key never raises (a raise in the router left the request unanswered): odd
+    bodies give None or a hex digest; a shared prefix and salt give the same key."""
+    from acb.serve.ingress import AFFINITY_CHARS, affinity_key
+
+    deep = b'{"messages": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    odd = [b'{"messages": 5}', b'{"messages": [5, {"role": 1}]}', deep, b"\xff\xfe", b"[]", b"",
+           json.dumps({"messages": [{"role": "user", "content": "\ud800"}], "cache_salt": "\udfff"}).encode(),
+           json.dumps({"prompt": {"a": [1, None]}}).encode(), json.dumps({"input": [{"x": 1}]}).encode()]
+    for body in odd:
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+            key = affinity_key(path, body)
+            assert key is None or re.fullmatch("[0-9a-f]{32}", key), (body[:40], key)
+
+    def chat(text, salt=None):
+        return json.dumps({"messages": [{"role": "user", "content": text}], "cache_salt": salt}).encode()
+
+    shared = "s" * AFFINITY_CHARS
+    assert affinity_key("/v1/chat/completions", chat(shared + "a")) == affinity_key("/v1/chat/completions",
+                                                                                     chat(shared + "b"))
+    assert affinity_key("/v1/chat/completions", chat("a")) != affinity_key("/v1/chat/completions", chat("b"))
+    assert affinity_key("/v1/chat/completions", chat("a", "x")) != affinity_key("/v1/chat/completions", chat("a"))
+    assert affinity_key("/v1/models", b"") is None
+
+
 def test_the_config_file_builder_checks_the_flags():
     """``serve run``'s builder (``acb.cli.serve:build_ray_application``) takes ``acb serve``'s
     flags as ``argv`` (a string or a list) and refuses a bad one before any replica starts."""
