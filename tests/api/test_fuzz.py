@@ -10,13 +10,18 @@ the good one then takes), lets it go, cancels some live requests (every way a us
 ``handle.cancel()``, ``engine.cancel(id)``, breaking out of ``async for``, cancelling the
 awaiting task), now and then posts a few pause/resume/sleep/wake calls back to back (numbers
 at the edges of their ranges are among the sampling values, and among the refused submits),
-and waits a random number of steps.
+and waits a random number of steps. Now and then a round also starts a few ``score`` calls at
+once, all with default ids (they must not collide); and in some examples the engine's model has
+its weights replaced by assignment between rounds (``load_state_dict(..., assign=True)`` or
+``module.weight = nn.Parameter(...)``, switching between two weight sets once every request has
+ended): the requests after it must not read the prefix cache of the other weights.
 
 Invariants, after every round and at the end of the example:
 
 - the engine is alive; no request failed; bad submits (and ``n`` samples that can never fork
   in the cache) are refused at submit without claiming their request id;
 - every request has exactly one outcome, and a streamed request's deltas add up to it;
+- every score equals a plain forward's log-softmax under the weights it ran with;
 - every greedy request (each of its samples) equals ``model.generate`` on that prompt alone,
   cut at its first stop token (a cancelled one, a prefix of that), except where the
   reference's two best logits tie to float noise (|gap| < 1e-4): from there the check
@@ -137,16 +142,75 @@ def random_config(rng: random.Random) -> dict:
 
 
 @dataclass
+class Scored:
+    """A ``score`` call started in a round, and the weights it ran with."""
+
+    context: list[int]
+    continuations: list[list[int]]
+    task: asyncio.Task
+    weights: int
+
+
+def random_score(rng: random.Random, prefixes: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """A short context (a prefix's start, so that calls share cached blocks) and a few
+    continuations, some of one token, some sharing their first tokens."""
+    context = rng.choice(prefixes)[: rng.randint(1, 20)] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 3))]
+    first = rng.randrange(3, VOCAB)
+    conts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.5:
+        conts.append([first, rng.randrange(3, VOCAB)])
+        conts.append([first])
+    return context, conts
+
+
+class WeightSets:
+    """Two weight sets for the engine's own copy of the model, switched by assignment (new
+    Parameter objects, never a copy into the old ones); a reference per set."""
+
+    def __init__(self, model) -> None:
+        import copy
+
+        self.models = [model, get_model("llama", seed=5)]  # (cached, never changed: references)
+        self.refs = [_REFS.setdefault(id(m), Reference(m)) for m in self.models]
+        self.engine_model = copy.deepcopy(model)
+        self.current = 0
+
+    def switch(self, rng: random.Random) -> None:
+        self.current = 1 - self.current
+        source = self.models[self.current]
+        if rng.random() < 0.5:
+            self.engine_model.load_state_dict({k: v.clone() for k, v in source.state_dict().items()}, assign=True)
+            return
+        owners = dict(self.engine_model.named_modules())
+        with torch.no_grad():
+            for name, p in source.named_parameters():
+                owner, _, attr = name.rpartition(".")
+                setattr(owners[owner], attr, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+
+async def until_idle(engine: acb.AsyncEngine, timeout: float = 120.0) -> None:
+    """Wait until no request is live (``timeout``: a hang-guard only, far above any example's need)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while engine.core.live_ids:
+        assert engine.is_running, "the engine stopped"
+        assert loop.time() < deadline, "requests still live: the engine made no progress"
+        await asyncio.sleep(0.002)
+
+
+@dataclass
 class Tracked:
     prompt: list[int]
     sp: acb.SamplingParams
     handle: acb.RequestHandle
     mode: str  # how the consumer reads it: result, stream, break
+    weights: int = 0  # which weight set it ran with (WeightSets)
     task: asyncio.Task | None = None
     deltas: list = field(default_factory=list)
     cancel_asked: bool = False
     output: acb.GenerationOutput | None = None
     error: BaseException | None = None
+    read_to_end: bool = False  # the consumer's ``async for`` ran out (not broken off, its task not cancelled)
 
 
 def random_request(rng: random.Random, prefixes: list[list[int]], max_rows: int) -> tuple[list[int], acb.SamplingParams, str | None]:
@@ -240,6 +304,8 @@ async def consume(t: Tracked, rng_value: float) -> None:
             if t.mode == "break" and len(t.deltas) >= 1 + int(rng_value * 6):
                 t.cancel_asked = True
                 break
+        else:
+            t.read_to_end = True
         t.output = await t.handle.result()
     except asyncio.CancelledError:
         t.cancel_asked = True
@@ -267,7 +333,8 @@ def check(t: Tracked, ref: Reference, max_len: int) -> None:
     assert out.status in (acb.RequestStatus.FINISHED, acb.RequestStatus.CANCELLED), out.status
     if out.status == acb.RequestStatus.CANCELLED:
         assert t.cancel_asked, "cancelled without being asked"
-    if t.deltas:  # a stream's deltas add up to the output (for a request broken off: a prefix)
+    if t.deltas:  # a stream's deltas add up to the output (for a request broken off, or whose
+        # consumer's task was cancelled while the engine still made tokens: a prefix)
         per: dict[int, list[int]] = {}
         for d in t.deltas:
             per.setdefault(d.sample_index, []).extend(d.token_ids)
@@ -275,9 +342,9 @@ def check(t: Tracked, ref: Reference, max_len: int) -> None:
         for i, toks in per.items():
             gen = samples[i].generated_tokens
             assert toks == gen[: len(toks)], f"sample {i}: stream {toks} vs output {gen}"
-            if t.mode == "stream":
+            if t.read_to_end:
                 assert toks == gen, f"sample {i}: stream {toks} vs output {gen}"
-        if t.mode == "stream":
+        if t.read_to_end:
             assert t.deltas[-1].finished
     max_new = min(sp.max_new_tokens, max_len - len(t.prompt))
     samples = out.samples or [out]
@@ -298,10 +365,19 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
     cfg = random_config(rng)
     prefixes = [[rng.randrange(3, VOCAB) for _ in range(MAX_PROMPT)] for _ in range(3)]
     tracked: list[Tracked] = []
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(**cfg)) as engine:
+    scored: list[Scored] = []
+    weights = WeightSets(model) if rng.random() < 0.3 else None
+    refs = weights.refs if weights is not None else [ref]
+    async with acb.AsyncEngine(weights.engine_model if weights is not None else model,
+                               acb.ContinuousBatchingConfig(**cfg)) as engine:
         core = engine.core
         max_len = engine.config.max_model_len
         for _round in range(rng.randint(2, 5)):
+            if weights is not None and _round and rng.random() < 0.6:
+                # between calls: once every request has ended, the other weights by assignment
+                await until_idle(engine)
+                weights.switch(rng)
+            now = weights.current if weights is not None else 0
             gate = threading.Event()
             core.call(lambda c: gate.wait(30))  # hold the engine: the burst lands in one step
             burst: list[str] = []
@@ -317,9 +393,13 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
                     continue
                 h = await engine.submit(prompt, sp, cache_salt=salt, request_id=rid)
                 burst.append(h.request_id)
-                t = Tracked(prompt, sp, h, rng.choice(["result", "result", "stream", "break"]))
+                t = Tracked(prompt, sp, h, rng.choice(["result", "result", "stream", "break"]), now)
                 t.task = asyncio.create_task(consume(t, rng.random()))
                 tracked.append(t)
+            if rng.random() < 0.35:  # concurrent score calls, every one with a default id
+                for _ in range(rng.randint(2, 4)):
+                    context, conts = random_score(rng, prefixes)
+                    scored.append(Scored(context, conts, asyncio.create_task(engine.score(context, conts)), now))
             gate.set()
             if rng.random() < 0.3:
                 await lifecycle_burst(engine, rng)
@@ -336,7 +416,8 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
                     t.task.cancel()
             await wait_steps(engine, rng.randint(0, 4))
             assert core.dead_error is None, f"the engine died: {core.dead_error!r}"
-        await asyncio.wait_for(asyncio.gather(*(t.task for t in tracked), return_exceptions=True), 120)
+        await asyncio.wait_for(asyncio.gather(*(t.task for t in tracked), *(c.task for c in scored),
+                                              return_exceptions=True), 120)
         for t in tracked:
             if t.output is None and t.error is None:  # its task was cancelled: the outcome is on the handle
                 try:
@@ -347,14 +428,21 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
         assert engine.is_running
         await asyncio.wrap_future(core.call(lambda c: c.check_invariants()))
         stats = engine.stats
+    from tests.api.test_scoring import check as check_score
+
+    for c in scored:
+        assert not c.task.cancelled() and c.task.exception() is None, f"score failed: {c.task.exception()!r}"
+        out = c.task.result()
+        check_score(refs[c.weights].model, out, c.context, c.continuations)
+    assert len({c.task.result().request_id for c in scored}) == len(scored)
     for i, t in enumerate(tracked):
         try:
-            check(t, ref, max_len)
+            check(t, refs[t.weights], max_len)
         except AssertionError as exc:
             raise AssertionError(f"request {i} ({t.mode}, prompt {t.prompt}, {t.sp}, "
                                  f"{t.output.num_preemptions if t.output else '?'} preemptions): {exc}") from None
-    return dict(requests=len(tracked), preemptions=stats.preemptions, swapped_out=stats.swapped_out_blocks,
-                steps=stats.steps)
+    return dict(requests=len(tracked), scores=len(scored), preemptions=stats.preemptions,
+                swapped_out=stats.swapped_out_blocks, steps=stats.steps)
 
 
 @pytest.fixture(scope="module")
