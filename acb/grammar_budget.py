@@ -44,12 +44,13 @@ class GrammarBudget:
     choices as a JSON list). ``max_repetition``: the characters the counted repetitions
     (``{m}``, ``{m,}``, ``{m,n}``) of its regexes, JSON-schema ``pattern``s and EBNF may expand
     to, summed over the spec, nested counts multiplied (``(a{1,100}){1,100}`` is 10100).
-    ``compile_timeout_s``: the wall-clock seconds one compile may take.
+    ``compile_timeout_s``: the wall-clock seconds one compile may take (None: no limit, for a
+    tensor-parallel follower, which compiles what its leader already accepted).
     """
 
     max_bytes: int = DEFAULT_MAX_BYTES
     max_repetition: int = DEFAULT_MAX_REPETITION
-    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_repetition"):
@@ -57,6 +58,8 @@ class GrammarBudget:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GrammarBudget.{name} must be an int >= 1, got {v!r}")
         t = self.compile_timeout_s
+        if t is None:
+            return
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"GrammarBudget.compile_timeout_s must be a number of seconds > 0, got {t!r}")
 

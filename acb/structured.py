@@ -444,7 +444,7 @@ class _Worker:
             self._recv = Connection(results_r, writable=False)
             self._ready = False
 
-    def compile(self, spec: StructuredOutputs, limit: float) -> tuple[bool, str, int | None] | None:
+    def compile(self, spec: StructuredOutputs, limit: float | None) -> tuple[bool, str, int | None] | None:
         """Compile in the process: ``(ok, serialised grammar or error message, max tokens)``,
         or ``None`` when ``limit`` seconds passed first (the process is then killed and replaced)."""
         if self._proc is None or self._proc.poll() is not None:

@@ -87,3 +87,4 @@ def test_budget_from_config_and_its_validation():
             acb.ContinuousBatchingConfig(**kwargs)
     with pytest.raises(ValueError, match="compile_timeout_s"):
         GrammarBudget(compile_timeout_s=-1)
+    assert GrammarBudget(compile_timeout_s=None).compile_timeout_s is None  # a tensor-parallel follower's

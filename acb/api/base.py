@@ -428,9 +428,13 @@ class EngineBase:
                 core = self._live_core()
                 vocab = core.runner.vocab_size
                 eos = [t for t in self.defaults.stop_token_ids or () if 0 <= t < vocab]
+                budget = GrammarBudget.from_config(self.cb_config)
+                if core.sync is not None and not core.sync.is_leader:
+                    # a follower compiles what its leader accepted (the static limits agree): a
+                    # time limit could refuse here what the leader ran, and the ranks would part
+                    budget = replace(budget, compile_timeout_s=None)
                 self._grammar_compiler = GrammarCompiler(text_tokenizer(self.tokenizer), vocab,
-                                                         stop_token_ids=eos or None,
-                                                         budget=GrammarBudget.from_config(self.cb_config))
+                                                         stop_token_ids=eos or None, budget=budget)
             return self._grammar_compiler
 
     def make_request(
