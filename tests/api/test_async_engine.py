@@ -111,8 +111,11 @@ async def test_task_cancel_cancels_request():
         assert out.status == acb.RequestStatus.CANCELLED
         # awaiting result() in a scope that gets cancelled also cancels
         h2 = await eng.submit([8, 9], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+        held = threading.Event()
+        eng.core.call(lambda c: held.wait(HANG_GUARD))  # h2 cannot end before the scope does
         with anyio.move_on_after(0.1) as scope:
             await h2.result()
+        held.set()
         assert scope.cancelled_caught
         with anyio.fail_after(30):
             out2 = await h2.result()

@@ -9,6 +9,7 @@ import asyncio
 import functools
 import gc
 import sys
+import threading
 import warnings
 
 import anyio
@@ -17,7 +18,7 @@ import pytest
 import acb
 from acb.api import loops
 from acb.models import build_tokenizer
-from tests.conftest import get_model, reference_generate
+from tests.conftest import HANG_GUARD, get_model, reference_generate
 
 pytestmark = pytest.mark.anyio
 
@@ -54,6 +55,8 @@ async def test_cancelled_while_waiting_for_a_queue_slot_gives_the_id_back():
         h0 = await eng.submit([5], LONG)
         await wait_until(lambda: eng.stats.running == 1)
         h1 = eng.submit_nowait([6], LONG)  # the queue is full now
+        held = threading.Event()
+        eng.core.call(lambda c: held.wait(HANG_GUARD))  # no slot can free up while the engine is held
         with anyio.move_on_after(0.2) as scope:  # a trio cancel scope under trio
             await eng.submit([7], acb.SamplingParams(max_new_tokens=2), request_id="patient")
         assert scope.cancelled_caught
@@ -64,9 +67,10 @@ async def test_cancelled_while_waiting_for_a_queue_slot_gives_the_id_back():
         # the same from a task cancelled by its task group (nursery)
         async with anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(eng.submit, [7], request_id="patient"))
-            await anyio.sleep(0.1)
+            await anyio.wait_all_tasks_blocked()  # the submit is parked on the queue's gate
             tg.cancel_scope.cancel()
         assert not eng.core.is_live("patient")
+        held.set()
         h0.cancel()
         h1.cancel()  # the queue slot and the row are free again
         with anyio.fail_after(30):
@@ -125,7 +129,7 @@ async def test_engine_death_reaches_every_handle_and_waiting_submit(monkeypatch)
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(waiting_submit)
-            await anyio.sleep(0.05)
+            await anyio.wait_all_tasks_blocked()  # the submit is parked on the queue's gate
             monkeypatch.setattr(eng.core.scheduler, "schedule", broken)
             with pytest.raises(acb.EngineDeadError):
                 async for _ in h0:

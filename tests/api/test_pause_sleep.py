@@ -85,7 +85,7 @@ def test_pause_cancel_ends_the_live_requests(async_batching):
         hs = [eng.submit(p, max_new_tokens=200, ignore_eos=True) for p in PROMPTS]
         _in_flight(eng, len(hs))
         eng.pause("cancel", timeout=30)
-        outs = [h.result(timeout=5) for h in hs]
+        outs = [h.result(timeout=HANG_GUARD) for h in hs]
         assert all(o.finish_reason == acb.FinishReason.CANCELLED for o in outs)
         assert all(0 < len(o.generated_tokens) < 200 for o in outs[:1])
         assert eng.stats.running == eng.stats.waiting == 0 and eng.stats.kv_blocks_used == 0
@@ -134,7 +134,7 @@ def test_stopping_a_paused_engine_ends_every_request(drain):
     _in_flight(eng, len(hs))
     eng.pause("keep")
     eng.shutdown(cancel_pending=not drain, timeout=60)
-    outs = [h.result(timeout=5) for h in hs]
+    outs = [h.result(timeout=HANG_GUARD) for h in hs]
     if drain:
         assert [o.generated_tokens for o in outs] == _refs(model)[:3]
     else:
