@@ -476,7 +476,7 @@ class OutputShaper:
         if self._forced:
             self._held.append(content)
             if final:
-                out.tool_calls = self._forced_calls("".join(self._held))
+                out.content, out.tool_calls = self._forced_calls("".join(self._held))
         elif self._tools is not None:
             text, calls = self._tools.feed(content) if content else ("", [])
             if final:
@@ -489,26 +489,31 @@ class OutputShaper:
         self.content += out.content
         return out
 
-    def _forced_calls(self, text: str) -> list[ToolCallDelta]:
-        """The calls of a forced choice's output (valid JSON unless the length ran out: then the
-        text is the content and there are no calls)."""
+    def _forced_calls(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """``(content, calls)`` of a forced choice's output: the calls, when it is valid JSON of the
+        constraint's shape; else (it ended before its constraint was met: ``max_tokens``, or a
+        dead end of its grammar) the text is the content and there are no calls."""
         try:
             value = json.loads(text)
         except (ValueError, RecursionError):
-            self.content += text  # cut short by max_tokens: the client sees what there is
-            self._forced = False
-            return []
+            value = None
         if self.plan.choice == "named":
             assert self.plan.named is not None
-            pairs = [(self.plan.named, value)]
-        else:
+            pairs = [(self.plan.named, value)] if isinstance(value, dict) else []
+        elif isinstance(value, list) and value and all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c for c in value):
             pairs = [(c["name"], c["parameters"]) for c in value]
+        else:
+            pairs = []
+        if not pairs:
+            self._forced = False
+            return text, []  # cut short: the client sees what there is
         deltas = []
         for i, (name, args) in enumerate(pairs):
             call = ToolCall(new_tool_call_id(), name, json.dumps(args, ensure_ascii=False))
             self.tool_calls.append(call)
             deltas.append(ToolCallDelta(i, call.id, call.name, call.arguments))
-        return deltas
+        return "", deltas
 
     def message(self) -> dict[str, Any]:
         """The assistant message of a finished choice (after :meth:`finish` or :meth:`shape_whole`)."""

@@ -522,3 +522,26 @@ def test_constrained_output_is_never_reasoning(parser: str, prompt: str, choice:
     free = OutputShaper(None, parser, prompt)
     free.shape_whole(text)
     assert free.has_reasoning and free.content != text
+
+
+@pytest.mark.parametrize("choice,text", [
+    ("required", "[1, 2]"), ("required", "[]"), ("required", '[{"name": "f"}]'), ("required", '{"name"'),
+    ("named", "12"), ("named", '{"a": '), ("named", "[]"),
+])
+def test_forced_output_that_is_no_call_is_content(choice: str, text: str) -> None:
+    """A forced call's output that is not (yet) a call of the constraint's shape: cut short by
+    max_tokens or by a dead end of its grammar (the engine's finish reason ``grammar``). The text
+    is the content, streamed too (a chat stream used to drop it), there are no calls, and
+    nothing raises."""
+    from acb.serve.shaping import OutputShaper, plan_tools
+
+    fn = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plan = plan_tools(fn, "required" if choice == "required" else {"type": "function", "function": {"name": "f"}},
+                      None, None)
+    for chunks in chunkings(text, n_random=2):
+        shaper = OutputShaper(plan, None, "", constrained=True)
+        streamed = [shaper.feed(c) for c in chunks] + [shaper.finish()]
+        assert [d for s in streamed for d in s.tool_calls] == []
+        assert "".join(s.content for s in streamed) == text  # streamed as it is whole
+        assert shaper.message() == {"role": "assistant", "content": text}
+        assert shaper.finish_reason("length") == "length"

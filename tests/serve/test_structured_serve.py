@@ -403,6 +403,18 @@ def test_a_constraint_that_does_not_compile_names_its_field(client, path, body, 
     assert check_error_body(data, status)["param"] == param
 
 
+def test_a_forced_call_cut_short_is_its_text_streamed_or_not(client):
+    """A forced call that ``max_tokens`` cuts short is no call: its text is the content, in the
+    stream as in the whole response (the stream used to drop it)."""
+    kw = dict(model=NAME, messages=USER, max_tokens=5, temperature=0, tools=[WEATHER],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content.startswith("{")
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.message.content
+    assert not [ch for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
+
+
 def test_tool_history_is_rendered(client, checkpoint):
     """An assistant message with tool_calls and a tool message are accepted, and the chat
     template renders them (the prompt's token count is the template's)."""
