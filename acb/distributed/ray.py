@@ -9,7 +9,7 @@ once, and with ``max_concurrent_batches > 1`` the next batch's rows join while t
 the previous batch finish. For one device and a dataset that fits in memory,
 :func:`acb.generate_batch` does the same without Ray.
 
-Example (``pip install 'acb-batching[ray]'``)::
+Example (``pip install -e '.[ray]'`` in acb's checkout)::
 
     import ray
     from acb.distributed.ray import generate_dataset
@@ -70,7 +70,7 @@ try:
     import ray
     import ray.data
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(f"acb.distributed.ray needs Ray Data: pip install 'acb-batching[ray]' ({exc})") from None
+    raise ImportError(f"acb.distributed.ray needs Ray Data: pip install -e '.[ray]' in acb's checkout ({exc})") from None
 
 from acb.api import scoring
 from acb.api.engine import Engine

@@ -48,7 +48,7 @@ try:
     from ray.serve.handle import DeploymentHandle
     from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(f"acb's Ray Serve application needs Ray Serve: pip install 'acb-batching[ray]' ({exc})") from None
+    raise ImportError(f"acb's Ray Serve application needs Ray Serve: pip install -e '.[ray]' in acb's checkout ({exc})") from None
 
 __all__ = ["AcbEngine", "AcbIngress", "PrefixAffinityRouter", "RayStartError", "affinity_key", "build_application",
            "deployment_options", "run"]

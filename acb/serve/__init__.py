@@ -10,10 +10,10 @@ from acb import telemetry
 try:
     import fastapi  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(f"acb serve needs the serve extra: pip install 'acb-batching[serve]' ({exc})") from None
+    raise ImportError(f"acb serve needs the serve extra: pip install -e '.[serve]' in acb's checkout ({exc})") from None
 _missing = telemetry.sdk_missing(prometheus=True)  # /metrics: the SDK's Prometheus reader
 if _missing is not None:  # pragma: no cover - depends on the install
-    raise ImportError(f"acb serve needs the serve extra: pip install 'acb-batching[serve]' ({_missing})")
+    raise ImportError(f"acb serve needs the serve extra: pip install -e '.[serve]' in acb's checkout ({_missing})")
 
 from acb.serve.app import DEFAULT_MAX_BODY_BYTES, build_app  # noqa: E402
 from acb.serve.launch import Server, ServerSettings, TelemetrySettings, build_server, run  # noqa: E402

@@ -24,7 +24,7 @@ from typing import Any
 try:
     import uvicorn
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(f"acb serve needs the serve extra: pip install 'acb-batching[serve]' ({exc})") from None
+    raise ImportError(f"acb serve needs the serve extra: pip install -e '.[serve]' in acb's checkout ({exc})") from None
 
 import acb
 from acb import telemetry
