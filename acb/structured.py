@@ -156,6 +156,8 @@ def _xgr_message(exc: BaseException) -> str:
     return _XGR_PREFIX.sub("", str(exc)).strip()
 
 
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding acb/
+
 # how long a fresh worker process may take to import xgrammar and read the vocabulary (not part of
 # any request's compile budget: a loaded machine takes seconds)
 _WORKER_START_S = 300.0
@@ -430,6 +432,8 @@ class _Worker:
             jobs_r, jobs_w = os.pipe()
             results_r, results_w = os.pipe()
             env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # a worker never needs a device
+            # the worker imports acb from where this process did (a checkout on sys.path, say)
+            env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
             try:
                 # its own session: a terminal's Ctrl-C is the parent's to handle; the worker ends
                 # when the parent's end of the pipe closes
