@@ -29,6 +29,7 @@ from acb.structured import (
     allocate_bitmask,
     apply_bitmask,
 )
+from tests.conftest import wait_until
 
 V = 300  # > len(tokenizer) == 259, and not a multiple of 32: both paddings are exercised
 EOS = 2
@@ -475,10 +476,7 @@ def test_close_does_not_wait_for_running_compiles(tok):
 
     c = GrammarCompiler(tok, V, workers=2, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
     futures = [c.submit(s) for s in SLOW]  # two run, one waits
-    deadline = time.monotonic() + HANG_GUARD
-    while not all(f.running() for f in futures[:2]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(f.running() for f in futures[:2])
+    wait_until(lambda: all(f.running() for f in futures[:2]), "both workers compiling")
     pids = [w._proc.pid for w in c._workers if w._proc is not None]
     closer = threading.Thread(target=c.close)
     closer.start()
@@ -500,10 +498,8 @@ def test_a_worker_that_dies_fails_only_its_compile(tok):
     try:
         c.compile_now(StructuredOutputs(choice=["ready"]), timeout=HANG_GUARD)  # the worker has started
         fut = c.submit(SLOW[0])
-        deadline = time.monotonic() + HANG_GUARD
-        while not fut.running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # (the worker is compiling it, or reading it: either way it dies with it)
+        wait_until(fut.running, "the worker took the job")
+        # (whether the worker is reading the job or compiling it, it dies with it)
         os.kill(c._workers[0]._proc.pid, signal.SIGKILL)
         with pytest.raises(ValueError, match=r"the grammar compile worker died \(exit code -9\) compiling the json"):
             fut.result(HANG_GUARD)

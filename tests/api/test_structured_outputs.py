@@ -13,7 +13,7 @@ import pytest
 
 import acb
 from acb.models import build_tokenizer, default_model
-from tests.conftest import reference_generate
+from tests.conftest import eventually, reference_generate
 
 pytest.importorskip("xgrammar")
 
@@ -198,11 +198,14 @@ async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
                 await eng.submit("x", structured_outputs=spec)
             refused.append(str(info.value))
 
+        compiler = await anyio.to_thread.run_sync(eng.grammars)
         with anyio.fail_after(HANG_GUARD):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(slow, 0)
                 tg.start_soon(slow, 1)
-                await anyio.sleep(0.2)
+                # both workers hold a slow compile before the small one is asked for
+                await eventually(lambda: len(compiler._cache) == 2 and all(f.running() for f in compiler._cache.values()),
+                                 "both slow compiles running")
                 out = await eng.generate("pick", max_new_tokens=10, structured_outputs={"choice": ["yes", "no"]})
         assert out.text in ("yes", "no") and out.finish_reason == acb.FinishReason.STOP
         assert len(refused) == 2 and all("took longer than 1 s, the limit (ContinuousBatchingConfig."
@@ -213,9 +216,7 @@ async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
     async with eng:
         compiler = await anyio.to_thread.run_sync(eng.grammars)
         future = compiler.submit(acb.StructuredOutputs(json=SLOW_SCHEMA))
-        with anyio.fail_after(HANG_GUARD):
-            while not future.running():
-                await anyio.sleep(0.05)
+        await eventually(future.running, "the compile running")
     with pytest.raises(acb.EngineNotRunningError):
         future.result(HANG_GUARD)
 
