@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from acb.core.request import Request
 from acb.core.scheduler import Scheduler
 from acb.models import build_tokenizer, tiny_model
 from acb.outputs import RequestStatus
-from tests.conftest import get_model, prompts_of_lengths, reference_generate
+from tests.conftest import eventually, get_model, prompts_of_lengths, reference_generate, wait_until
 
 
 @pytest.fixture
@@ -239,8 +238,8 @@ async def test_engine_death_reaches_every_handle_even_if_decoding_fails(model, m
     core = eng.core
     hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, stop=["zz"]))
           for i in range(3)]
-    while not all(r.num_generated for r in list(core.scheduler.running)) or len(core.scheduler.running) < 3:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: len(core.scheduler.running) == 3 and all(r.num_generated for r in list(core.scheduler.running)),
+                     "the three requests run and have sampled")
 
     def broken(*a, **k):
         eng.tokenizer.ok = 0  # building the failed outputs must not need the tokenizer
@@ -264,10 +263,7 @@ def test_a_raising_result_callback_does_not_stop_the_engine(model, caplog):
 
         manager.output_router.put = broken  # the result callback of the next request raises
         manager.add_request([5, 6], max_new_tokens=3)
-        for _ in range(600):
-            if "callback bug" in caplog.text:
-                break
-            time.sleep(0.05)
+        wait_until(lambda: "callback bug" in caplog.text, "the raising callback is logged")
         manager.output_router.put = router_put
         rid = manager.add_request([5, 6], max_new_tokens=3)
         out = manager.get_result(rid, timeout=30)
