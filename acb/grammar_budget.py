@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from acb.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from acb.config import ContinuousBatchingConfig
     from acb.structured_outputs import StructuredOutputs
@@ -89,8 +91,8 @@ class GrammarBudget:
         payload = spec.key.split("|", 2)[2]
         size = len(payload.encode("utf-8", errors="surrogatepass"))
         if size > self.max_bytes:
-            raise ValueError(f"the {spec.kind} constraint is {size} bytes, more than the limit of {self.max_bytes} "
-                             "(ContinuousBatchingConfig.grammar_max_bytes)")
+            raise InvalidRequestError(f"the {spec.kind} constraint is {size} bytes, more than the limit of {self.max_bytes} "
+                                      "(ContinuousBatchingConfig.grammar_max_bytes)", "structured_outputs")
         kind = spec.kind
         if kind == "regex":
             total = repetition(payload, self.max_repetition)
@@ -108,9 +110,9 @@ class GrammarBudget:
             return
         if total > self.max_repetition:
             where = "its patterns'" if kind == "json" else "its"
-            raise ValueError(f"the {kind} constraint's counted repetitions ({where} {{m,n}}) expand to more than "
-                             f"{self.max_repetition} characters, the limit (ContinuousBatchingConfig."
-                             f"grammar_max_repetition); nested counts multiply")
+            raise InvalidRequestError(f"the {kind} constraint's counted repetitions ({where} {{m,n}}) expand to more than "
+                                      f"{self.max_repetition} characters, the limit (ContinuousBatchingConfig."
+                                      f"grammar_max_repetition); nested counts multiply", "structured_outputs")
 
 
 _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")

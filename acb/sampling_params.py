@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from acb.errors import InvalidRequestError, InvalidRequestTypeError, prefixed
 from acb.structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -138,10 +139,10 @@ class SamplingParams:
         if isinstance(so, Mapping):
             object.__setattr__(self, "structured_outputs", StructuredOutputs(**so))
         elif so is not None and not isinstance(so, StructuredOutputs):
-            raise TypeError(f"structured_outputs must be an acb.StructuredOutputs, a dict of its fields or None, "
-                            f"got {type(so).__name__}")
+            raise InvalidRequestTypeError(f"structured_outputs must be an acb.StructuredOutputs, a dict of its fields or None, "
+                                          f"got {type(so).__name__}", "structured_outputs")
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
-            raise TypeError(f"logit_bias must be a mapping of token id -> bias, got {type(self.logit_bias).__name__}")
+            raise InvalidRequestTypeError(f"logit_bias must be a mapping of token id -> bias, got {type(self.logit_bias).__name__}", "logit_bias")
         self.validate()
 
     def validate(self) -> None:
@@ -152,22 +153,22 @@ class SamplingParams:
             if v is None:
                 return
             if not _is_int(v):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+                raise InvalidRequestTypeError(f"{name} must be an int, got {type(v).__name__}", name)
             if v < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {v}")
+                raise InvalidRequestError(f"{name} must be >= {lo}, got {v}", name)
             if v > INT64_MAX:  # the engine's tables and the tensor-parallel wire hold int64
-                raise ValueError(f"{name} must be <= {INT64_MAX} (2**63 - 1), got {_short(v)}")
+                raise InvalidRequestError(f"{name} must be <= {INT64_MAX} (2**63 - 1), got {_short(v)}", name)
 
         def check_float(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
             v = getattr(self, name)
             if v is None:
                 return
             if not _is_num(v):
-                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+                raise InvalidRequestTypeError(f"{name} must be a number, got {type(v).__name__}", name)
             # (an int is compared as is: float() of a 400-digit one overflows)
             if isinstance(v, float) and not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
                 bound = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
-                raise ValueError(f"{name} must be in {bound}, got {_short(v)}")
+                raise InvalidRequestError(f"{name} must be in {bound}, got {_short(v)}", name)
 
         check_int("max_new_tokens", 1)
         check_int("min_new_tokens", 0)
@@ -176,11 +177,11 @@ class SamplingParams:
         check_int("logprobs", 0)
         check_int("prompt_logprobs", 0)
         if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+            raise InvalidRequestError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}", "prompt_logprobs")
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+            raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
         if self.max_new_tokens is not None and self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
+            raise InvalidRequestError(f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
         check_float("temperature", 0.0, MAX_TEMPERATURE)
         check_float("top_p", 0.0, 1.0, lo_open=True)
         check_float("min_p", 0.0, 1.0)
@@ -188,35 +189,35 @@ class SamplingParams:
         check_float("presence_penalty", -2.0, 2.0)
         check_float("frequency_penalty", -2.0, 2.0)
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
-            raise TypeError(f"do_sample must be a bool, got {type(self.do_sample).__name__}")
+            raise InvalidRequestTypeError(f"do_sample must be a bool, got {type(self.do_sample).__name__}", "do_sample")
         if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+            raise InvalidRequestTypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", "ignore_eos")
         if self.stop_token_ids is not None:
             for tok in self.stop_token_ids:
                 if not _is_int(tok):
-                    raise TypeError(f"stop_token_ids must hold ints, got {tok!r}")
+                    raise InvalidRequestTypeError(f"stop_token_ids must hold ints, got {tok!r}", "stop_token_ids")
                 if tok < 0 or tok > INT64_MAX:
-                    raise ValueError(f"stop_token_ids must be in [0, 2**63 - 1], got {_short(tok)}")
+                    raise InvalidRequestError(f"stop_token_ids must be in [0, 2**63 - 1], got {_short(tok)}", "stop_token_ids")
         if self.stop is not None:
             for s in self.stop:
                 if not isinstance(s, str) or not s:
-                    raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                    raise InvalidRequestError(f"stop must hold non-empty strings, got {s!r}", "stop")
         if self.logit_bias is not None:
             for tok, b in self.logit_bias.items():
                 if not _is_int(tok) or tok < 0 or tok > INT64_MAX:
-                    raise ValueError(f"logit_bias keys must be token ids in [0, 2**63 - 1], got {_short(tok)}")
+                    raise InvalidRequestError(f"logit_bias keys must be token ids in [0, 2**63 - 1], got {_short(tok)}", "logit_bias")
                 if not _is_num(b) or not (-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS) and b != -math.inf:
-                    raise ValueError(f"logit_bias[{tok}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or -inf, "
-                                     f"got {_short(b)}")
+                    raise InvalidRequestError(f"logit_bias[{tok}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or -inf, "
+                                              f"got {_short(b)}", "logit_bias")
         if self.seed is not None:
             if not _is_int(self.seed):
-                raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+                raise InvalidRequestTypeError(f"seed must be an int or None, got {type(self.seed).__name__}", "seed")
             if not INT64_MIN <= self.seed <= INT64_MAX:
-                raise ValueError(f"seed must be a signed 64-bit int, got {_short(self.seed)}")
+                raise InvalidRequestError(f"seed must be a signed 64-bit int, got {_short(self.seed)}", "seed")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise InvalidRequestError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}", "logprobs_mode")
         if self.skip_special_tokens is not None and not isinstance(self.skip_special_tokens, bool):
-            raise TypeError(f"skip_special_tokens must be a bool, got {type(self.skip_special_tokens).__name__}")
+            raise InvalidRequestTypeError(f"skip_special_tokens must be a bool, got {type(self.skip_special_tokens).__name__}", "skip_special_tokens")
 
     def merged_over(self, defaults: "SamplingParams") -> "SamplingParams":
         """These params with every ``None`` field taken from ``defaults``.
@@ -339,7 +340,8 @@ def with_overrides(method: str, sampling: SamplingParams | None, overrides: Mapp
     """``sampling`` (or the defaults) with the sampling keyword arguments ``method`` was called
     with laid over it: ``engine.generate(ids, temperature=0.7)``. Errors name ``method``."""
     if sampling is not None and not isinstance(sampling, SamplingParams):
-        raise TypeError(f"{method}(): sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}")
+        raise InvalidRequestTypeError(f"{method}(): sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}",
+                                      "sampling")
     if not overrides:
         return sampling
     names = {f.name for f in fields(SamplingParams)}
@@ -352,7 +354,7 @@ def with_overrides(method: str, sampling: SamplingParams | None, overrides: Mapp
     try:
         return replace(sampling or SamplingParams(), **overrides)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{method}(): {exc}") from None
+        raise prefixed(exc, f"{method}()") from None
 
 
 # What a request gets when neither it nor the engine's generation config says otherwise.

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from acb.errors import EngineNotRunningError
+from acb.errors import EngineNotRunningError, InvalidRequestError
 from acb.grammar_budget import GrammarBudget
 from acb.structured_outputs import StructuredOutputs
 
@@ -383,11 +383,11 @@ class GrammarCompiler:
         t0 = perf_counter()
         reply = worker.compile(spec, limit)
         if reply is None:
-            raise ValueError(f"compiling the {spec.kind} constraint took longer than {limit:g} s, the limit "
-                             "(ContinuousBatchingConfig.grammar_compile_timeout_s); it was stopped")
+            raise InvalidRequestError(f"compiling the {spec.kind} constraint took longer than {limit:g} s, the limit "
+                                      "(ContinuousBatchingConfig.grammar_compile_timeout_s); it was stopped", "structured_outputs")
         ok, text, max_tokens = reply
         if not ok:
-            raise ValueError(text)
+            raise InvalidRequestError(text, "structured_outputs")
         # (xgrammar releases the GIL while it reads the grammar back: other threads go on)
         handle = _xgr().CompiledGrammar.deserialize_json(text, self._info)
         return CompiledGrammar(spec=spec, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids,
@@ -468,8 +468,8 @@ class _Worker:
             if self._killed:
                 raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)") from None
             self._restart()
-            raise ValueError(f"the grammar compile worker died (exit code {code}) compiling the {spec.kind} "
-                             "constraint") from None
+            raise InvalidRequestError(f"the grammar compile worker died (exit code {code}) compiling the {spec.kind} "
+                                      "constraint", "structured_outputs") from None
         head, body = reply[:1], reply[1:]
         if head == b"+":
             meta, _, text = body.partition(b"\n")
@@ -574,7 +574,7 @@ def _compile_spec(xc: xgrammar.GrammarCompiler, spec: StructuredOutputs) -> xgra
             return xc.compile_grammar(_choice_ebnf(spec.choice or ()))
         return xc.compile_grammar(payload)
     except RuntimeError as exc:  # xgrammar's parse/convert errors are RuntimeErrors from C++
-        raise ValueError(f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}") from None
+        raise InvalidRequestError(f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}", "structured_outputs") from None
 
 
 def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, info: xgrammar.TokenizerInfo,
@@ -591,10 +591,10 @@ def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, 
             schema that only refers to itself), or this vocabulary has no token it can start with.
     """
     if not _productive(str(handle.grammar)):
-        raise ValueError(f"the {spec.kind} constraint can never be met: {_NO_TEXT}")
+        raise InvalidRequestError(f"the {spec.kind} constraint can never be met: {_NO_TEXT}", "structured_outputs")
     first = _first_tokens(handle, info.vocab_size)
     if not first:
-        raise ValueError(f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}")
+        raise InvalidRequestError(f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}", "structured_outputs")
     if all(t in stops for t in first):
         return 0
     if spec.kind == "choice":

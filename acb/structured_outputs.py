@@ -11,7 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from acb.errors import InvalidRequestError, InvalidRequestTypeError
+
 __all__ = ["MAX_SCHEMA_DEPTH", "StructuredOutputs"]
+
+# every refusal here is about the request's structured_outputs (InvalidRequestError.field)
+_FIELD = "structured_outputs"
 
 # The deepest JSON schema accepted, in nested JSON containers (``{"type": "string"}`` is 1 deep;
 # each ``"properties"`` level adds 2). Deeper ones are refused when the spec is made: walking them
@@ -55,18 +60,18 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
-            raise TypeError(f"json_object must be a bool, got {type(self.json_object).__name__}")
+            raise InvalidRequestTypeError(f"json_object must be a bool, got {type(self.json_object).__name__}", _FIELD)
         if not isinstance(self.whitespace_flexible, bool):
-            raise TypeError(f"whitespace_flexible must be a bool, got {type(self.whitespace_flexible).__name__}")
+            raise InvalidRequestTypeError(f"whitespace_flexible must be a bool, got {type(self.whitespace_flexible).__name__}", _FIELD)
         given = [name for name, on in (("json", self.json is not None), ("json_object", self.json_object),
                                        ("regex", self.regex is not None), ("choice", self.choice is not None),
                                        ("grammar", self.grammar is not None)) if on]
         if len(given) != 1:
-            raise ValueError("StructuredOutputs needs exactly one of json, json_object, regex, choice, grammar; "
-                             + (f"got {', '.join(given)}" if given else "got none"))
+            raise InvalidRequestError("StructuredOutputs needs exactly one of json, json_object, regex, choice, grammar; "
+                                      + (f"got {', '.join(given)}" if given else "got none"), _FIELD)
         kind: Kind = given[0]  # type: ignore[assignment]
         if self.whitespace_flexible and kind not in ("json", "json_object"):
-            raise ValueError(f"whitespace_flexible applies to json and json_object only, not {kind}")
+            raise InvalidRequestError(f"whitespace_flexible applies to json and json_object only, not {kind}", _FIELD)
         payload: str
         if kind == "json":
             payload = _canonical_schema(self.json)
@@ -79,12 +84,12 @@ class StructuredOutputs:
         else:
             choice = self.choice
             if isinstance(choice, (str, bytes)) or not isinstance(choice, Sequence):
-                raise TypeError(f"choice must be a sequence of strings, got {type(choice).__name__}")
+                raise InvalidRequestTypeError(f"choice must be a sequence of strings, got {type(choice).__name__}", _FIELD)
             bad = [c for c in choice if not isinstance(c, str)]
             if bad:
-                raise TypeError(f"choice must hold strings only, got {type(bad[0]).__name__} {bad[0]!r}")
+                raise InvalidRequestTypeError(f"choice must hold strings only, got {type(bad[0]).__name__} {bad[0]!r}", _FIELD)
             if not choice:
-                raise ValueError("choice must hold at least one string")
+                raise InvalidRequestError("choice must hold at least one string", _FIELD)
             # a tuple, so that the frozen spec is not changed through the caller's list
             object.__setattr__(self, "choice", tuple(choice))
             payload = _json.dumps(list(choice), ensure_ascii=False)
@@ -114,9 +119,9 @@ class StructuredOutputs:
 
 def _nonempty_str(name: str, value: object) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        raise InvalidRequestTypeError(f"{name} must be a str, got {type(value).__name__}", _FIELD)
     if not value.strip():
-        raise ValueError(f"{name} must not be empty")
+        raise InvalidRequestError(f"{name} must not be empty", _FIELD)
     return value
 
 
@@ -126,21 +131,21 @@ def _canonical_schema(schema: object) -> str:
         try:
             schema = _json.loads(text)
         except RecursionError:  # the C parser recurses per level: name the depth, from the text
-            raise ValueError(_too_deep(_text_depth(text))) from None
+            raise InvalidRequestError(_too_deep(_text_depth(text)), _FIELD) from None
         except ValueError as exc:
-            raise ValueError(f"json is not valid JSON text: {exc}") from None
+            raise InvalidRequestError(f"json is not valid JSON text: {exc}", _FIELD) from None
         if not isinstance(schema, dict):
             # ValueError: a str is the right type; the JSON it holds is the wrong value
-            raise ValueError(f"json must be a JSON schema object, got JSON {type(schema).__name__}")  # noqa: TRY004
+            raise InvalidRequestError(f"json must be a JSON schema object, got JSON {type(schema).__name__}", _FIELD)  # noqa: TRY004
     elif not isinstance(schema, dict):
-        raise TypeError(f"json must be a JSON schema as a dict or str, got {type(schema).__name__}")
+        raise InvalidRequestTypeError(f"json must be a JSON schema as a dict or str, got {type(schema).__name__}", _FIELD)
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
-        raise ValueError(_too_deep(depth))
+        raise InvalidRequestError(_too_deep(depth), _FIELD)
     try:
         return _json.dumps(_sorted_keys(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"json schema is not JSON-serialisable: {exc}") from None
+        raise InvalidRequestError(f"json schema is not JSON-serialisable: {exc}", _FIELD) from None
 
 
 def _too_deep(depth: int) -> str:
@@ -170,7 +175,7 @@ def _depth(value: object) -> int:
         else:
             continue
         if id(node) in on_path:
-            raise ValueError("json schema contains itself (a dict or list inside itself is no JSON)")
+            raise InvalidRequestError("json schema contains itself (a dict or list inside itself is no JSON)", _FIELD)
         on_path.add(id(node))
         deepest = max(deepest, d)
         stack.append((node, d, True))
