@@ -221,12 +221,30 @@ def decode_steps(shape: dict[str, Any], batches: list[int], bw: float, async_bat
     return rows
 
 
+JSON_PATH = ""  # set by main(); every section is written as soon as it ends
+
+
 def section(results: dict[str, Any], key: str, fn: Any, *args: Any) -> None:
+    """Run one section, record its result (or its error), then write the JSON and print the
+    section's result at once: a run cut short by a time limit (a lent GPU's lease) keeps what it
+    measured so far."""
     print(f"== {key}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     try:
         results[key] = fn(*args)
     except Exception as exc:  # noqa: BLE001
         results[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+    save(results)
+    brief = {k: v for k, v in results[key].items() if k != "traceback"} if isinstance(results[key], dict) else results[key]
+    print(f"== {key} done in {time.perf_counter() - t0:.0f} s: {json.dumps(brief, default=str)[:3000]}",
+          file=sys.stderr, flush=True)
+
+
+def save(results: dict[str, Any]) -> None:
+    """Write ``results`` to ``JSON_PATH`` (the folder made if needed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(JSON_PATH)), exist_ok=True)
+    with open(JSON_PATH, "w") as f:
+        json.dump(results, f, indent=2, default=str)
 
 
 def tensor_parallel(args: Any, shape: dict[str, Any]) -> int:
@@ -314,7 +332,7 @@ def main() -> int:
                     help="instead: workload A tensor-parallel over N GPUs under torchrun (greedy parity with one "
                          "GPU, tokens/s, the lock-step broadcast's cost); writes results/gpu_check_tp.json")
     args = ap.parse_args()
-    global DEVICE, LENGTHS
+    global DEVICE, LENGTHS, JSON_PATH
     shapes = SHAPES
     if args.cpu_smoke:
         DEVICE, LENGTHS, shapes = "cpu", (8, 24), SMOKE_SHAPES
@@ -324,7 +342,7 @@ def main() -> int:
         return 2
     if args.tp:
         return tensor_parallel(args, shapes["A: Qwen3-0.6B"])
-    json_path = args.json or f"benchmarks/results/{'cpu_smoke' if args.cpu_smoke else 'gpu_check'}.json"
+    JSON_PATH = json_path = args.json or f"benchmarks/results/{'cpu_smoke' if args.cpu_smoke else 'gpu_check'}.json"
     from acb.bench.common import machine_info
 
     results: dict[str, Any] = {"machine": machine_info(DEVICE)}
@@ -344,9 +362,7 @@ def main() -> int:
         for async_mode, graphs in ((True, None), (True, False), (False, False)):
             section(results, f"decode A async={async_mode} graphs={graphs}", decode_steps, shape_a, batches, bw,
                     async_mode, graphs)
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(results, f, indent=2, default=str)
+    save(results)
     print(f"\ndevice: {results['machine'].get('gpu') or DEVICE}  torch {results['machine']['torch']}  "
           f"transformers {results['machine']['transformers']}  {results['machine']['date']}")
     if "tests" in results:
