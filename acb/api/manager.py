@@ -25,7 +25,7 @@ from acb.api.engine import Engine
 from acb.api.base import as_token_list
 from acb.api.loops import current_loop
 from acb.api.sinks import ThreadSink
-from acb.core.engine_core import Delivery
+from acb.core.messages import Delivery
 from acb.config import ConfigLike, ContinuousBatchingConfig
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams

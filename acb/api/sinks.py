@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from acb import telemetry
 from acb.api.loops import _wake, _wake_threadsafe, current_loop
-from acb.core.engine_core import Delivery
+from acb.core.messages import Delivery
 from acb.errors import EngineDeadError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, StreamDelta
 from acb.telemetry import RequestTrace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from acb.core.scheduler import SchedulerOutput
+from acb.core.messages import SchedulerOutput
 from acb.runner.input_batch import DeviceStreams, InputBatch, StagingRing
 
 CPU = torch.device("cpu")
