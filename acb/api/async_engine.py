@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from acb.api import scoring
-from acb.api.base import EngineBase, Submission
+from acb.api.base import EngineBase
+from acb.api.processor import Submission
 from acb.api.handles import RequestHandle
 from acb.api.loops import await_future, current_loop
 from acb.api.sinks import AsyncSink
@@ -70,7 +71,7 @@ class AsyncEngine(EngineBase):
     def _make(self, prompt_ids: Prompt, sampling: SamplingParams | None, request_id: str | None,
               record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None) -> Submission:
         loop = current_loop()  # the handle's home loop (asyncio's, or the trio run's)
-        return self.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
+        return self.processor.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
                                  request_id=request_id, record_timestamps=record_timestamps, cache_salt=cache_salt,
                                  chat_template_kwargs=chat_template_kwargs)
 
@@ -276,7 +277,7 @@ class AsyncEngine(EngineBase):
             ValueError: a bad item, named ``items[i]``.
         """
         loop = current_loop()
-        plans, ids, engine_ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
+        plans, ids, engine_ids, reqs = scoring.make_requests(self.processor, items, top_logprobs, cache_salt, request_ids,
                                                     lambda rid: AsyncSink(rid, loop))
         handles: list[RequestHandle] = []
         outputs: dict[str, GenerationOutput] = {}

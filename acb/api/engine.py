@@ -12,7 +12,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from acb.api import scoring
-from acb.api.base import EngineBase, Submission
+from acb.api.base import EngineBase
+from acb.api.processor import Submission
 from acb.api.handles import SyncRequestHandle
 from acb.api.sinks import ThreadSink
 from acb.config import ConfigLike
@@ -64,11 +65,11 @@ class Engine(EngineBase):
         self.stop(drain=not cancel_pending, timeout=timeout)
 
     def enqueue_blocking(self, req: Submission, *, wait: bool = True, timeout: float | None = None) -> None:
-        """Take a queue slot for a request from :meth:`make_request` and hand it to the engine.
+        """Take a queue slot for a request from :meth:`acb.api.processor.InputProcessor.make_request` and hand it to the engine.
         On failure the request's id is given back.
 
         Args:
-            req: what :meth:`make_request` returned.
+            req: what :meth:`acb.api.processor.InputProcessor.make_request` returned.
             wait: wait while ``max_queue_size`` requests wait (else raise at once).
             timeout: the most seconds to wait for a slot.
 
@@ -86,7 +87,7 @@ class Engine(EngineBase):
 
     def _submit(self, prompt_ids: Prompt, sampling: SamplingParams | None, wait: bool, timeout: float | None,
                 **kw: Any) -> SyncRequestHandle:
-        req = self.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
+        req = self.processor.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
         self.enqueue_blocking(req, wait=wait, timeout=timeout)
         return SyncRequestHandle(req.request_id, req.sink, self.cancel)
 
@@ -312,8 +313,8 @@ class Engine(EngineBase):
         sink = functools.partial(ThreadSink, on_final=done.put)
         # the engine requests take fresh ids (another call, or a submit, may be running beside this
         # one); the results are named req_<i> of this call, as transformers' are
-        reqs = self.make_all("inputs", (
-            (i, functools.partial(self.make_request, prompt, per_prompt[i],
+        reqs = self.processor.make_all("inputs", (
+            (i, functools.partial(self.processor.make_request, prompt, per_prompt[i],
                                   record_timestamps=record_timestamps, sink_factory=sink))
             for i, prompt in enumerate(inputs)))
 
@@ -334,7 +335,7 @@ class Engine(EngineBase):
                   on_result: Callable[[int, GenerationOutput], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> dict[str, GenerationOutput]:
         """The one batch loop (``generate_batch``, ``score_batch``, ``acb generate``): enqueue
-        requests from :meth:`make_request` (whose sinks put their final output on ``done``) in
+        requests from :meth:`acb.api.processor.InputProcessor.make_request` (whose sinks put their final output on ``done``) in
         order, taking queue slots as they free up, and block until every request enqueued has
         ended; their outputs by request id. ``should_stop`` and interrupts: see
         :meth:`generate_batch`."""
@@ -466,7 +467,7 @@ class Engine(EngineBase):
         if self.is_follower:
             return []
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-        plans, ids, engine_ids, reqs = self.make_score_requests(items, top_logprobs, cache_salt, request_ids,
+        plans, ids, engine_ids, reqs = scoring.make_requests(self.processor, items, top_logprobs, cache_salt, request_ids,
                                                     lambda rid: ThreadSink(rid, on_final=done.put))
         results = self._run_made(reqs, done, _progress(len(reqs), progress_bar, desc="score_batch"))
         return scoring.assemble_batch(plans, ids, engine_ids, results, top_logprobs)

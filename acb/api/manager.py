@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from acb.api.engine import Engine
-from acb.api.base import as_token_list
+from acb.api.processor import as_token_list
 from acb.api.loops import current_loop
 from acb.api.sinks import ThreadSink
 from acb.core.messages import Delivery
@@ -253,7 +253,7 @@ class ContinuousBatchingManager:
 
             return ThreadSink(rid, on_push=on_push)
 
-        req = self._engine.make_request(input_ids, sampling, request_id=request_id,
+        req = self._engine.processor.make_request(input_ids, sampling, request_id=request_id,
                                         record_timestamps=record_timestamps, sink_factory=make_sink)
         rid = req.request_id
         self._engine.enqueue_blocking(req)

@@ -35,60 +35,93 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from acb.api.processor import InputProcessor, Submission, as_token_list
+from acb.core.messages import ScoreTarget
+from acb.errors import InvalidRequestError, InvalidRequestTypeError, prefixed
 from acb.outputs import ContinuationScore, GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
-class ScoreSpec:
-    """What makes an engine request a scoring request (built by :func:`plan`)."""
-
-    lp_start: int  # the first prompt position whose next token is scored (the context's last)
-    next_tokens: tuple[int, ...] | None  # tokens scored after the whole prompt (one-token continuations)
-    top_logprobs: int  # alternatives asked per scored position
-
-
-@dataclass(frozen=True)
 class Member:
-    """One engine request of a scoring group: its prompt and spec; which continuations it ends
-    (their last token is scored after its whole prompt); for a child, the continuations it holds
-    (``body``: theirs but the last token, after the context)."""
+    """One engine request of a scoring group: its :class:`ScoreTarget` (the engine request's own
+    type: its prompt, the first position scored, the tokens scored after the whole prompt); which
+    continuations it ends (their last token is scored after its whole prompt); for a child, the
+    continuations it holds (``body``: theirs but the last token, after the context)."""
 
-    prompt_ids: list[int]
-    spec: ScoreSpec
+    target: ScoreTarget
     continuations: tuple[int, ...]  # indices into the call's continuations scored after the prompt
     body: tuple[int, ...] = ()  # a child: the continuation tokens its prompt adds to the context
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The engine request's prompt."""
+        return list(self.target.prompt_ids)
 
 
 def as_ids(value: Any, what: str, tokenizer: Any, *, context: bool) -> list[int]:
     """Token ids of a context or a continuation given as ids or (with a tokenizer) as text: a
     context is encoded as a prompt is (the tokenizer's special tokens), a continuation without
     special tokens. Text is tokenized on its own: lm-eval-style callers that split a string
-    between context and continuation tokenize the whole and pass ids."""
+    between context and continuation tokenize the whole and pass ids.
+
+    Args:
+        value: token ids, or text.
+        what: how errors name it (``context``, ``continuations[k]``).
+        tokenizer: the engine's tokenizer, if any.
+        context: whether it is the context (else a continuation).
+
+    Returns:
+        Its token ids (normalised here, once: the engine requests take them as they are).
+
+    Raises:
+        InvalidRequestTypeError: text without a tokenizer, or no token ids.
+        InvalidRequestError: empty.
+    """
+    field = "context" if context else "continuations"
     if isinstance(value, str):
         if tokenizer is None:
-            raise TypeError(f"{what} is text, but the engine has no tokenizer: pass token ids, or tokenizer=...")
+            raise InvalidRequestTypeError(
+                f"{what} is text, but the engine has no tokenizer: pass token ids, or tokenizer=...", field)
         ids = tokenizer(value, add_special_tokens=context)["input_ids"]
     else:
-        from acb.api.base import as_token_list
-
-        ids = as_token_list(value)
+        ids = as_token_list(value, field)
     if not ids:
-        raise ValueError(f"{what} is empty: it needs at least one token"
-                         + (" (the first continuation token is scored after the context's last)" if context else ""))
+        raise InvalidRequestError(f"{what} is empty: it needs at least one token"
+                                  + (" (the first continuation token is scored after the context's last)"
+                                     if context else ""), field)
     return list(ids)
+
+
+def _member(prompt: list[int], lp_start: int, next_tokens: tuple[int, ...], continuations: tuple[int, ...],
+            body: tuple[int, ...] = ()) -> Member:
+    return Member(ScoreTarget(tuple(prompt), lp_start, next_tokens), continuations, body)
 
 
 def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: int,
          max_group: int = 1 << 30) -> list[list[Member]]:
     """The engine request groups that score ``continuations`` of ``context_ids``: each group is a
-    context request followed by its children (at most ``max_group`` requests a group)."""
+    context request followed by its children (at most ``max_group`` requests a group).
+
+    Args:
+        context_ids: the context's token ids.
+        continuations: each continuation's token ids (none empty).
+        top_logprobs: the alternatives asked per scored position (checked here).
+        max_group: the most requests a group may have (``max_requests_per_batch``).
+
+    Returns:
+        The groups, each its context request first.
+
+    Raises:
+        InvalidRequestError: a bad ``top_logprobs``, or no continuation.
+    """
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
+        raise InvalidRequestError(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {top_logprobs!r}",
+                                  "top_logprobs")
     if not continuations:
-        raise ValueError("score() needs at least one continuation")
+        raise InvalidRequestError("score() needs at least one continuation", "continuations")
     bodies: dict[tuple[int, ...], list[int]] = {}
     for i, c in enumerate(continuations):
         bodies.setdefault(tuple(c[:-1]), []).append(i)
@@ -99,10 +132,9 @@ def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: i
         # no row for a child beside its context request: each body is a request of its own (the
         # context and the body as its prompt), scored from the context's last position on; the
         # context's full blocks are shared through the prefix cache instead of a fork
-        solo = [[Member(list(context_ids), ScoreSpec(n - 1, tuple(continuations[i][0] for i in singles),
-                                                     top_logprobs), singles)]] if singles else []
-        return solo + [[Member(context_ids + list(body), ScoreSpec(n - 1, tuple(continuations[i][-1] for i in idx),
-                                                                   top_logprobs), tuple(idx), body)]
+        solo = [[_member(context_ids, n - 1, tuple(continuations[i][0] for i in singles), singles)]] if singles else []
+        return solo + [[_member(context_ids + list(body), n - 1, tuple(continuations[i][-1] for i in idx),
+                                tuple(idx), body)]
                        for body, idx in children]
     per = max_group - 1
     chunks: list[list[tuple[tuple[int, ...], list[int]]]] = [children[k:k + per] for k in range(0, len(children), per)]
@@ -111,10 +143,10 @@ def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: i
     for g, chunk in enumerate(chunks):
         mine = singles if g == 0 else ()
         # the context request: the one-token continuations, then each child's first token
-        head = Member(list(context_ids), ScoreSpec(n - 1, tuple(continuations[i][0] for i in mine)
-                                                   + tuple(body[0] for body, _ in chunk), top_logprobs), mine)
-        groups.append([head] + [Member(context_ids + list(body), ScoreSpec(n, tuple(continuations[i][-1] for i in idx),
-                                                                           top_logprobs), tuple(idx), body)
+        head = _member(context_ids, n - 1, tuple(continuations[i][0] for i in mine)
+                       + tuple(body[0] for body, _ in chunk), mine)
+        groups.append([head] + [_member(context_ids + list(body), n, tuple(continuations[i][-1] for i in idx),
+                                        tuple(idx), body)
                                 for body, idx in chunk])
     return groups
 
@@ -124,19 +156,33 @@ Plan = tuple[list[int], list[list[int]], list[list[Member]]]  # (context ids, co
 
 def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, tokenizer: Any,
                max_group: int = 1 << 30) -> list[Plan]:
-    """Every item of a ``score_batch`` call validated and planned (errors name the item)."""
+    """Every item of a ``score_batch`` call validated and planned.
+
+    Args:
+        items: ``(context, continuations)`` pairs.
+        top_logprobs: the alternatives asked per scored position.
+        tokenizer: the engine's tokenizer, if any (for text).
+        max_group: the most requests a group may have.
+
+    Returns:
+        One plan per item.
+
+    Raises:
+        ValueError: a bad item, named ``items[i]`` (an :class:`InvalidRequestError` keeps its field).
+        TypeError: likewise, for a value of the wrong type.
+    """
     plans = []
     for i, item in enumerate(items):
         try:
             context, continuations = item
             if isinstance(continuations, (str, bytes)) or not isinstance(continuations, Sequence):
-                raise TypeError("continuations must be a list of continuations (token ids or text), got "
-                                f"{type(continuations).__name__}")
+                raise InvalidRequestTypeError("continuations must be a list of continuations (token ids or text), "
+                                              f"got {type(continuations).__name__}", "continuations")
             ctx = as_ids(context, "context", tokenizer, context=True)
             conts = [as_ids(c, f"continuations[{k}]", tokenizer, context=False) for k, c in enumerate(continuations)]
             plans.append((ctx, conts, plan(ctx, conts, top_logprobs, max_group)))
         except (ValueError, TypeError) as exc:
-            raise type(exc)(f"items[{i}]: {exc}") from None
+            raise prefixed(exc, f"items[{i}]") from None
     return plans
 
 
@@ -145,7 +191,7 @@ def batch_ids(request_ids: Sequence[str] | None, n: int) -> list[str | None]:
     engine then gives every group a fresh ``score_<n>`` id, unique whatever runs beside it)."""
     ids: list[str | None] = list(request_ids) if request_ids is not None else [None] * n
     if len(ids) != n:
-        raise ValueError(f"request_ids has {len(ids)} ids for {n} items")
+        raise InvalidRequestError(f"request_ids has {len(ids)} ids for {n} items", "request_ids")
     return ids
 
 
@@ -210,6 +256,55 @@ def ordered_groups(plans: Sequence[Plan], ids: Sequence[str | None]
     groups = [(i, j, None if ids[i] is None else f"{ids[i]}#g{j}", g)
               for i, (_, _, gs) in enumerate(plans) for j, g in enumerate(gs)]
     return [groups[k] for k in prefix_order([g[0].prompt_ids for _, _, _, g in groups])]
+
+
+def make_requests(
+    processor: InputProcessor,
+    items: Sequence[tuple[Any, Sequence[Any]]],
+    top_logprobs: int,
+    cache_salt: str | None,
+    request_ids: Sequence[str] | None,
+    sink_factory: Callable[[str], Any],
+) -> tuple[list[Plan], list[str], list[list[str]], list[Submission]]:
+    """Validate and plan a ``score_batch`` call and build its engine requests (one per group,
+    in submission order: sorted for prefix reuse), as
+    :meth:`~acb.api.processor.InputProcessor.make_request` does for one submit: all of them or,
+    on an error naming the item, none.
+
+    Args:
+        processor: the engine's input processor.
+        items: ``(context, continuations)`` pairs.
+        top_logprobs: the top alternatives to record at each scored position.
+        cache_salt: keeps the prefix-cache entries apart from other salts'.
+        request_ids: one id per item (its groups are ``<id>#g<j>``); by default each group
+            gets a fresh ``score_<n>`` id, and an item's id is its first group's (unique per
+            call: concurrent calls never collide).
+        sink_factory: makes each engine request's sink.
+
+    Returns:
+        The plans, the items' ids and each item's engine request ids by group (for
+        :func:`assemble_batch`), and the submissions to enqueue.
+
+    Raises:
+        ValueError: a bad item, named ``items[i]``.
+        TypeError: an item of the wrong type, named likewise.
+    """
+    core = processor.live_core()
+    plans = plan_batch(items, top_logprobs, processor.tokenizer, core.runner.cfg.max_requests_per_batch)
+    given = batch_ids(request_ids, len(plans))
+    order = ordered_groups(plans, given)
+
+    def maker(rid: str | None, group: list[Member]) -> Callable[[], Submission]:
+        targets = [m.target for m in group]
+        return lambda: processor.make_score_request(targets, top_logprobs, sink_factory=sink_factory,
+                                                    request_id=rid, cache_salt=cache_salt)
+
+    reqs = processor.make_all("items", ((i, maker(rid, group)) for i, _, rid, group in order))
+    engine_ids: list[list[str]] = [[""] * len(gs) for _, _, gs in plans]
+    for (i, j, _, _), req in zip(order, reqs):
+        engine_ids[i][j] = req.request_id
+    ids = [rid if rid is not None else engine_ids[i][0] for i, rid in enumerate(given)]
+    return plans, ids, engine_ids, reqs
 
 
 def assemble_batch(plans: Sequence[Plan], ids: Sequence[str], engine_ids: Sequence[Sequence[str]],

@@ -44,8 +44,8 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
     and the engine-thread state a follower builds from it is the leader's."""
     with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64), tokenizer=build_tokenizer()) as eng:
         core = eng.core
-        sub = eng.make_request("some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink,
-                               cache_salt="salt", record_timestamps=True)
+        sub = eng.processor.make_request("some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink,
+                                         cache_salt="salt", record_timestamps=True)
         er = sub.engine_request
         eng.abandon(sub)
         copy = _crossed(core, er)
@@ -72,8 +72,7 @@ def test_a_scoring_group_crosses_to_the_followers_unchanged():
     with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64)) as eng:
         core = eng.core
         (group,) = plan([5, 6, 7, 8, 9], [[3], [4, 5, 6], [4, 5, 7], [8, 9]], 2)
-        sub = eng.make_request(group[0].prompt_ids, None, sink_factory=ThreadSink, scoring=group[0].spec,
-                               score_children=[(m.prompt_ids, m.spec) for m in group[1:]])
+        sub = eng.processor.make_score_request([m.target for m in group], 2, sink_factory=ThreadSink)
         eng.abandon(sub)
         er = sub.engine_request
         copy = _crossed(core, er)
