@@ -6,14 +6,15 @@
 
 Only this thread touches the scheduler, the runner and the requests' mutable state. Callers
 talk to it through :meth:`EngineCore.add`, :meth:`cancel` and :meth:`call` (the inbox) and
-receive results through the ``deliver`` callback, which gets one list of :class:`Delivery`
-per step.
+receive results through the ``deliver`` callback, which gets one list of
+:class:`acb.core.messages.Delivery` per step. The pause and sleep holds are
+:class:`acb.core.holds.Holds`; what callers receive is built by
+:class:`acb.core.deliveries.DeliveryBuilder`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import math
 import threading
@@ -25,6 +26,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from acb.core.block_pool import BlockPool, SwapSpace
+from acb.core.deliveries import DeliveryBuilder
+from acb.core.holds import PAUSE_MODES, Holds, PauseState
 from acb.core.messages import (
     Add,
     Call,
@@ -50,9 +53,9 @@ from acb.core.request import Request, build_request
 from acb.core.scheduler import Scheduler
 from acb.core.wire import from_wire, to_wire
 from acb.errors import EngineDeadError, EngineNotRunningError
-from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
+from acb.outputs import FailureKind, FinishReason, RequestStatus
 
-__all__ = ["Delivery", "EngineCore", "EngineStats", "PauseState", "Runner"]  # (Delivery, EngineStats: messages.py)
+__all__ = ["EngineCore", "StepSyncLike", "scored_rows_for"]
 
 if TYPE_CHECKING:
     from acb.text import TokenizerLike
@@ -83,15 +86,8 @@ def _never_sampled(req: Request, gen_idx: int) -> Collection[int]:
 def scored_rows_for(vocab_size: int) -> int:
     """Rows of logits a step may compute for scoring, for this vocabulary (at least 16)."""
     return max(16, SCORED_LOGITS_BYTES // (4 * max(vocab_size, 1)))
-PAUSE_MODES = ("wait", "cancel", "keep")
 
 
-class PauseState(enum.Enum):
-    """The caller's hold on the steps (sleep is the other hold: ``Runner.asleep``)."""
-
-    RUNNING = "running"
-    DRAINING = "draining"  # pause("wait"): the live requests finish, new ones are held
-    PAUSED = "paused"  # no steps run
 HEARTBEAT_S = 1.0  # an idle tensor-parallel leader's broadcast period
 
 
@@ -145,17 +141,10 @@ class EngineCore:
         self._stopping = False
         self._closed = False  # set (under _lock) as the thread exits; adds are refused after
         self._drain_on_stop = False
-        # The lifecycle is two independent holds, so that they compose:
-        # - the caller's pause() (PauseState): RUNNING, DRAINING (mode wait: live requests
-        #   finish, new ones are held), PAUSED (no steps run; new requests queue in the
-        #   scheduler); only resume() (or stop) ends it;
-        # - sleep(): the runner freed its memory and every request was taken off the device; no
-        #   steps run until wake_up(), which gives back exactly the pause state there was (a drain
-        #   that sleep() interrupted goes on; an explicit pause stays).
-        # Steps run when neither holds them: see _may_step.
-        self._pause_state = PauseState.RUNNING
-        self._held: deque[Request] = deque()  # requests added while draining for a pause
-        self._pause_waiters: list[Future] = []  # pause() calls waiting for the drain to end
+        # the caller's pause and sleep: two holds that compose (their contract: acb.core.holds)
+        self.holds: Holds[Request] = Holds(asleep=self.runner_asleep, release=self.scheduler.add,
+                                           changed=self._publish_stats)
+        self.outputs = DeliveryBuilder(self.release_id)  # what callers receive
         self.dead_error: BaseException | None = None
         self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
         self._generated = 0
@@ -166,6 +155,7 @@ class EngineCore:
 
     # ------------------------------------------------------------ callers
     def start(self) -> None:
+        """Start the engine thread."""
         self._thread = threading.Thread(target=self._run, name="acb-engine", daemon=True)
         self._thread.start()
 
@@ -182,9 +172,14 @@ class EngineCore:
 
     @property
     def is_running(self) -> bool:
+        """Whether the engine thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def check_alive(self) -> None:
+        """Raises:
+            EngineDeadError: the engine thread died (the cause is chained).
+            EngineNotRunningError: it was not started, or stops.
+        """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine died: {self.dead_error!r}") from self.dead_error
         if not self.is_running or self._stopping:
@@ -199,20 +194,44 @@ class EngineCore:
             return True
 
     def release_id(self, request_id: str) -> None:
+        """Give a claimed request id back (its request ended, or was never posted).
+
+        Args:
+            request_id: the id.
+        """
         with self._lock:
             self._live_ids.discard(request_id)
 
     def is_live(self, request_id: str) -> bool:
+        """Args:
+            request_id: the id.
+
+        Returns:
+            Whether a live request holds it.
+        """
         with self._lock:
             return request_id in self._live_ids
 
     def add(self, req: EngineRequest) -> None:
+        """Post a validated request to the engine thread (its ids already claimed).
+
+        Args:
+            req: the request.
+
+        Raises:
+            EngineNotRunningError: the engine thread has exited.
+        """
         with self._lock:
             if self._closed:
                 raise EngineNotRunningError("the engine has stopped")
             self._post(Add(req))
 
     def cancel(self, request_id: str) -> None:
+        """Post a cancel: the request (all its samples) ends CANCELLED, if still live.
+
+        Args:
+            request_id: the request's id.
+        """
         self._post(Cancel(request_id))
 
     def call(self, fn: Callable[["EngineCore"], Any]) -> Future:
@@ -249,7 +268,7 @@ class EngineCore:
     @property
     def paused(self) -> bool:
         """Whether steps are held back: paused, draining for a pause, or asleep."""
-        return self._pause_state is not PauseState.RUNNING or self.runner_asleep()
+        return self.holds.paused
 
     def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the thread. ``drain``: finish live requests first; otherwise cancel them."""
@@ -276,11 +295,10 @@ class EngineCore:
                     self._flush_inflight()
                     self._cancel_all()
                     break
-                if not self._may_step() or not self.scheduler.has_work():
+                if not self.holds.may_step() or not self.scheduler.has_work():
                     if self._flush_inflight():
                         continue
-                    if self._pause_state is PauseState.DRAINING and not self.scheduler.has_work():
-                        self._enter_paused()
+                    self.holds.drained(self.scheduler.has_work())
                     if self.sync is None:
                         self._wake.wait()
                     elif self.sync.is_leader:  # an empty frame now and then: the followers see it is alive
@@ -297,9 +315,7 @@ class EngineCore:
             self._stopping = True
             with self._lock:
                 self._closed = True
-            waiters, self._pause_waiters = self._pause_waiters, []
-            for w in waiters:
-                w.set_exception(EngineNotRunningError("the engine stopped before the pause completed"))
+            self.holds.close()
             leftover = [build_request(c.req, None, runs=False) for c in self._inbox if isinstance(c, Add)]
             self._inbox.clear()
             for req in leftover:
@@ -354,9 +370,7 @@ class EngineCore:
                 if self._stopping and not self._drain_on_stop:
                     self._end_unscheduled(req, RequestStatus.CANCELLED)
                     return False
-                if self._pause_state is PauseState.DRAINING:
-                    self._held.append(req)
-                else:
+                if not self.holds.hold(req):
                     self.scheduler.add(req)
                 return True
             case Cancel(request_id):
@@ -369,9 +383,9 @@ class EngineCore:
                         fut.set_exception(exc)
                 return False
             case Pause(mode, fut):
-                return self._pause(mode, fut)
+                return self.holds.pause(mode, fut, stopping=self._stopping, quiesce=self._quiesce)
             case Resume(fut):
-                return self._resume(fut)
+                return self.holds.resume(fut)
             case ResetPrefix(fut, weights):
                 return self._settle(fut, lambda: self._reset_for(weights))
             case Sleep(fut):
@@ -383,8 +397,8 @@ class EngineCore:
                 self._drain_on_stop = drain
                 if self.runner_asleep() and drain and self.scheduler.has_work():
                     self._wake_runner()  # a draining stop runs what is left
-                if self._pause_state is not PauseState.RUNNING:  # a stop ends a pause: drained or cancelled, nothing stays parked
-                    self._leave_pause()
+                if self.holds.state is not PauseState.RUNNING:  # a stop ends a pause: drained or cancelled, nothing stays parked
+                    self.holds.leave()
                 return True
         raise ValueError(f"unknown engine command {cmd!r}")
 
@@ -409,10 +423,9 @@ class EngineCore:
     def _cancel(self, request_id: str) -> bool:
         head = self.scheduler.live.get(request_id)
         if head is None:
-            held = next((r for r in self._held if r.request_id == request_id), None)
+            held = self.holds.unhold(lambda r: r.request_id == request_id)
             if held is None:
                 return False
-            self._held.remove(held)
             held.finish_reason = FinishReason.CANCELLED
             self._end_unscheduled(held, RequestStatus.CANCELLED)
             return True
@@ -430,57 +443,16 @@ class EngineCore:
         return True
 
     # ---------------------------------------------------------- pause, sleep
-    def _pause(self, mode: str, fut: Future) -> bool:
-        if not fut.set_running_or_notify_cancel():
-            return False
-        if self._stopping:
-            fut.set_exception(EngineNotRunningError("the engine is stopping"))
-            return False
-        if mode == "wait" and self._pause_state is PauseState.RUNNING:
-            self._pause_state = PauseState.DRAINING
-            self._pause_waiters.append(fut)
-            return True
-        if mode == "wait" and self._pause_state is PauseState.DRAINING:
-            self._pause_waiters.append(fut)
-            return True
+    def _quiesce(self, cancel: bool) -> None:
+        """Before an immediate pause: complete the step in flight; cancel every live request
+        when ``cancel``."""
         self._flush_inflight()
-        if mode == "cancel":
+        if cancel:
             self._cancel_all()
-        self._enter_paused()
-        fut.set_result(None)
-        return True
-
-    def _enter_paused(self) -> None:
-        """No more steps: requests held while draining join the queue (they run on resume)."""
-        self._pause_state = PauseState.PAUSED
-        while self._held:
-            self.scheduler.add(self._held.popleft())
-        self._publish_stats()
-        waiters, self._pause_waiters = self._pause_waiters, []
-        for w in waiters:
-            w.set_result(None)
-
-    def _leave_pause(self) -> None:
-        self._enter_paused()  # held requests join the queue; pause() callers hear it ended
-        self._pause_state = PauseState.RUNNING
-        self._publish_stats()
-
-    def _resume(self, fut: Future) -> bool:
-        if not fut.set_running_or_notify_cancel():
-            return False
-        if self.runner_asleep():
-            fut.set_exception(RuntimeError("the engine is asleep: call wake_up() before resume()"))
-            return False
-        self._leave_pause()
-        fut.set_result(None)
-        return True
 
     def runner_asleep(self) -> bool:
+        """Whether the runner sleeps (freed its cache and buffers: no steps run)."""
         return self.runner.asleep
-
-    def _may_step(self) -> bool:
-        """Whether steps may run: not paused (a drain still runs its live requests) and awake."""
-        return self._pause_state is not PauseState.PAUSED and not self.runner_asleep()
 
     def sleep(self) -> Any:
         """(Engine thread.) Hold the steps, take every running request off the device (recomputed
@@ -609,48 +581,15 @@ class EngineCore:
             self._fail_step(sched, exc)
             return
         t3 = time.perf_counter()
-        prompt = getattr(result, "prompt", None)
-        if prompt:
-            for rows, (values, tops) in zip(sched.prompt_lp, prompt):
+        if result.prompt:
+            for rows, (values, tops) in zip(sched.prompt_lp, result.prompt):
                 rows.req.add_prompt_logprobs(rows.first, values, tops)
-        nxt = getattr(result, "next", None)
-        if nxt:
-            for nrows, (values, top) in zip(sched.next_lp, nxt):
+        if result.next:
+            for nrows, (values, top) in zip(sched.next_lp, result.next):
                 nrows.req.next_lps, nrows.req.next_top = values, top
-        progressed, finished = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
-        self._generated += len(progressed)
-        items: list[Delivery] = []
-        ended: list[Request] = []
-        for req in progressed:
-            if req.finish_reason is FinishReason.GRAMMAR:  # its grammar could not go on: no token was recorded
-                self._generated -= 1
-                items.append(Delivery(req.key, [], None, None, req.sample_index, None,
-                                      None if req.detok is None else req.new_text))
-                ended.append(req)
-                continue
-            lp = top = None
-            if req.want_logprobs:
-                lp = [req.logprobs[-1]]
-                top = [req.top_logprobs[-1]] if req.top_logprobs else None
-            if req.detok is None:  # (positional: this runs once per request per step)
-                items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index))
-            else:  # the text its token completes, decoded here for its stop strings
-                items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index, None, req.new_text))
-            if req.status.is_terminal:
-                ended.append(req)
-        if ended:  # an outcome rides on its sink's last item of the step (after every sample's token)
-            last = {d.key: i for i, d in enumerate(items)}
-            for req in ended:
-                final = self._final_of(req)
-                if final is not None:
-                    i = last[req.key]
-                    items[i] = items[i]._replace(final=final)
-        if sched.scored:  # scoring requests end with no token of their own
-            for req in sched.scored:
-                if req.status == RequestStatus.FINISHED:  # (not cancelled meanwhile)
-                    final = self._final_of(req)
-                    if final is not None:
-                        items.append(Delivery(req.key, [], final=final))
+        progressed, _ = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
+        items, recorded = self.outputs.step(progressed, sched.scored)
+        self._generated += recorded
         t4 = time.perf_counter()
         # host time per phase; "stage" is the runner's input preparation inside execute
         tm = self.timing
@@ -665,26 +604,8 @@ class EngineCore:
         if items:
             self._deliver(items)
 
-    def _final_of(self, req: Request) -> GenerationOutput | None:
-        """The final output to deliver now that ``req`` ended: its own, or its group's once all
-        samples ended (None before that). Releases the request id with it."""
-        group = req.group
-        if group is None:
-            self.release_id(req.request_id)
-            return req.to_output()
-        if group.delivered or not group.done:
-            return None
-        group.delivered = True
-        for m in group.members:
-            self.release_id(m.request_id)
-        return group.to_output()
-
     def _deliver_final(self, reqs: list[Request]) -> None:
-        items: list[Delivery] = []
-        for req in reqs:
-            final = self._final_of(req)
-            if final is not None:
-                items.append(Delivery(req.key, [], final=final))
+        items = self.outputs.finals(reqs)
         if items:
             self._deliver(items)
 
@@ -700,8 +621,7 @@ class EngineCore:
         self._deliver_final(members)
 
     def _cancel_all(self) -> None:
-        while self._held:  # added while draining for a pause: never reached the scheduler
-            held = self._held.popleft()
+        for held in self.holds.take_held():  # added while draining for a pause: never reached the scheduler
             held.finish_reason = FinishReason.CANCELLED
             self._end_unscheduled(held, RequestStatus.CANCELLED)
         reqs = list(self.scheduler.live.values())
@@ -725,8 +645,7 @@ class EngineCore:
             keep = [c for c in self._inbox if not isinstance(c, Add)]
             self._inbox.clear()
             self._inbox.extend(keep)
-        queued = [build_request(er, None, runs=False) for er in adds] + list(self._held)
-        self._held.clear()
+        queued = [build_request(er, None, runs=False) for er in adds] + self.holds.take_held()
         queued_adds = [m for r in queued for m in (r.group.members if r.group is not None else [r])]
         msg = f"the engine died: {type(exc).__name__}: {exc}"
         for req in reqs + queued_adds:
@@ -744,13 +663,10 @@ class EngineCore:
             self._live_ids.clear()
         for req in reqs + queued_adds:
             try:
-                final = self._final_of(req)
+                final = self.outputs.final_of(req)
             except BaseException:  # noqa: BLE001
                 logger.exception("could not build the failed output of %r", req.request_id)
-                final = GenerationOutput(request_id=req.group.request_id if req.group else req.request_id,
-                                         prompt_ids=req.token_ids[: req.prompt_len], status=RequestStatus.FAILED,
-                                         finish_reason=FinishReason.ERROR, error=msg,
-                                         failure=FailureKind.ENGINE_DEAD)
+                final = self.outputs.dead_output(req, msg)
             if final is None:
                 continue
             try:

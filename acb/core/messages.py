@@ -9,6 +9,7 @@
   scored rows are :class:`PromptRows` and :class:`NextRows`.
 - :class:`LaunchedStep`: a step the runner has launched, held by the core until its results
   are read (the next step with async batching).
+- :class:`ModelRunnerOutput`: a launched step's results once read (``Runner.finish``: the sync).
 - :class:`StepTimes`: the host time per phase of the steps so far.
 - :class:`Runner`: the whole surface the core uses of a model runner.
 - :data:`Command`: what callers post to the engine thread (``Add``, ``Cancel``, ``Call``,
@@ -178,6 +179,20 @@ class LaunchedStep:
     launch_s: float  # execute's whole time (stage included)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """One step's results, read back from the device by ``Runner.finish`` (the step's one sync)."""
+
+    sampled: list[int]  # one per sample, in SchedulerOutput.sample_reqs order
+    logprobs: list[float] | None = None  # the chosen tokens' logprobs, when anyone asked
+    top: list[list[tuple[int, float]]] | None = None  # top alternatives per sample, when anyone asked
+    # per SchedulerOutput.prompt_lp entry: the prompt tokens' logprobs and their top-k alternatives
+    prompt: list[tuple[list[float], list[list[tuple[int, float]]]]] | None = None
+    # per SchedulerOutput.next_lp entry: the scored tokens' logprobs after the whole prompt, and
+    # that position's top alternatives
+    next: list[tuple[list[float], list[tuple[int, float]]]] | None = None
+
+
 class Runner(Protocol):
     """What the core needs of a model runner (:class:`acb.runner.model_runner.ModelRunner`)."""
 
@@ -187,7 +202,7 @@ class Runner(Protocol):
     last_stage_s: float  # host time of the last execute's input staging
 
     def execute(self, sched: SchedulerOutput) -> Any: ...  # -> a handle for finish (no sync)
-    def finish(self, step: Any) -> Any: ...  # -> .sampled, .logprobs, .top, .prompt, .next (the sync)
+    def finish(self, step: Any) -> ModelRunnerOutput: ...  # the handle execute returned (the sync)
     def sleep(self) -> Any: ...  # -> what was freed (MemoryReleased)
     def wake_up(self) -> None: ...
     def weights_changed(self) -> bool: ...

@@ -48,7 +48,7 @@ from acb.core.messages import NextRows, PromptRows, SchedulerOutput
 from acb.core.request import Request
 from acb.outputs import FailureKind, FinishReason, RequestStatus
 
-__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]  # SchedulerOutput: re-exported from acb.core.messages
+__all__ = ["Scheduler", "SchedulerStats"]
 
 
 @dataclass

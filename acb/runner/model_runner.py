@@ -23,7 +23,7 @@ import torch
 
 from acb.config import ContinuousBatchingConfig
 from acb.runner.tp_sync import check_same_settings, tp_group, tp_size_of
-from acb.core.messages import SchedulerOutput
+from acb.core.messages import ModelRunnerOutput, SchedulerOutput
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.attention import (
     AttentionBackend,
@@ -69,18 +69,6 @@ class MemoryReleased:
     @property
     def total(self) -> int:
         return self.kv_cache + self.graphs + self.staging + self.other
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: list[int]  # one per sample, in SchedulerOutput.sample_reqs order
-    logprobs: list[float] | None  # the chosen tokens' logprobs, when anyone asked
-    top: list[list[tuple[int, float]]] | None  # top alternatives per sample, when anyone asked
-    # per SchedulerOutput.prompt_lp entry: the prompt tokens' logprobs and their top-k alternatives
-    prompt: list[tuple[list[float], list[list[tuple[int, float]]]]] | None = None
-    # per SchedulerOutput.next_lp entry: the scored tokens' logprobs after the whole prompt, and
-    # that position's top alternatives
-    next: list[tuple[list[float], list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -4,13 +4,12 @@ a failing step, stop and drain, stats."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import pytest
 
 from acb.config import ResolvedConfig
-from acb.core.engine_core import Delivery, EngineCore
-from acb.core.messages import EngineRequest
+from acb.core.engine_core import EngineCore
+from acb.core.messages import Delivery, EngineRequest, ModelRunnerOutput
 from acb.core.request import Request
 from acb.sampling_params import FALLBACK
 from acb.outputs import FailureKind, RequestStatus
@@ -21,13 +20,6 @@ VOCAB = 50
 def token_at(prompt: tuple[int, ...], pos: int) -> int:
     """The fake model: the token a request samples at position ``pos`` of its sequence."""
     return (sum(prompt) * 7 + pos * 13) % (VOCAB - 3) + 3
-
-
-@dataclass
-class FakeOutput:
-    sampled: list[int]
-    logprobs: list[float] | None = None
-    top: list | None = None
 
 
 class FakeRunner:
@@ -83,7 +75,7 @@ class FakeRunner:
         self.calls.append(("finish", step_id))
         if step_id == self.fail_finish_at:
             raise RuntimeError("finish failed")
-        return FakeOutput(sampled)
+        return ModelRunnerOutput(sampled)
 
 
 class Collector:

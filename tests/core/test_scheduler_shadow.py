@@ -16,8 +16,9 @@ import random
 import pytest
 
 from acb.core.block_pool import BlockPool, SwapSpace
+from acb.core.messages import SchedulerOutput
 from acb.core.request import Request, RequestGroup
-from acb.core.scheduler import Scheduler, SchedulerOutput
+from acb.core.scheduler import Scheduler
 from acb.outputs import FinishReason, RequestStatus
 
 VOCAB = 64
