@@ -44,7 +44,7 @@ from acb.outputs import GenerationOutput, RequestStatus
 from acb.serve import shaping
 from acb.serve.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, Drain, DrainMiddleware, ShutdownExpired, check_choices,
-    engine_field, install_error_handlers, internal_error, read_body, shutdown_error,
+    ENGINE_PARAMS, install_error_handlers, internal_error, read_body, request_param, shutdown_error,
 )
 from acb.serve.render_pool import DEFAULT_RENDER_THREADS, DEFAULT_RENDER_TIMEOUT, RenderPool
 from acb.structured_outputs import StructuredOutputs
@@ -368,9 +368,10 @@ async def compile_grammar(state: ServerState, spec: StructuredOutputs, param: st
 def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, *,
             fields: dict[str, str | None] | None = None, **kw: Any) -> Any:
     """Submit one request. The engine's refusals are 400s naming the request's field: ``fields``
-    maps the engine field an error begins with (:func:`~acb.serve.protocol.engine_field`) to the
-    request's, such as ``structured_outputs`` to where the constraint came from (a refusal at
-    submit: a constraint ``min_tokens`` can never meet)."""
+    maps the engine field a refusal carries (``InvalidRequestError.field``; the others as
+    :data:`~acb.serve.protocol.ENGINE_PARAMS` does) to the request's, such as
+    ``structured_outputs`` to where the constraint came from (a refusal at submit: a constraint
+    ``min_tokens`` can never meet)."""
     try:
         handle = state.engine.submit_nowait(prompt, sampling, record_timestamps=True, **kw)
     except QueueFullError as exc:
@@ -379,11 +380,7 @@ def _submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams, *,
     except (EngineDeadError, EngineNotRunningError) as exc:
         raise APIError(503, str(exc), type="server_error") from None
     except (ValueError, TypeError) as exc:
-        head = engine_field(str(exc))
-        known: dict[str, str | None] = {"prompt": "prompt", "prompt_ids": "prompt", "n": "n", "logprobs": "logprobs",
-                 "min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens", "stop": "stop",
-                 "structured_outputs": "structured_outputs", **(fields or {})}
-        raise APIError(400, str(exc), param=known.get(head)) from None
+        raise APIError(400, str(exc), param=request_param(exc, {**ENGINE_PARAMS, **(fields or {})})) from None
     return handle
 
 

@@ -22,13 +22,14 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
+from acb.errors import field_of
 from acb.sampling_params import MAX_LOGPROBS, SamplingParams
 from acb.structured_outputs import StructuredOutputs
 
@@ -172,29 +173,34 @@ class _Common(BaseModel):
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
             )
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc), param=_param_of(str(exc))) from None
+            raise APIError(400, str(exc), param=request_param(exc)) from None
 
 
-_ACB_TO_OPENAI = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# the engine's field a refusal is about (InvalidRequestError.field: an argument of submit or a
+# SamplingParams field) -> the OpenAI request's param; a field a client cannot send maps to None
+ENGINE_PARAMS: dict[str, str | None] = {
+    "prompt": "prompt", "n": "n", "logprobs": "logprobs", "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens", "stop": "stop", "structured_outputs": "structured_outputs",
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "seed": "seed",
+    "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+}
 
 
-def engine_field(message: str) -> str:
-    """The engine field an acb validation message is about: acb's ``ValueError`` messages at submit begin
-    with it (``"n=3 samples ..."``, ``"structured_outputs: ..."``, ``"prompt of 5000 tokens ..."``).
+def request_param(exc: BaseException, params: Mapping[str, str | None] = ENGINE_PARAMS) -> str | None:
+    """The request's param an engine refusal is about, from the field it carries
+    (:class:`acb.InvalidRequestError`), not from its message.
 
     Args:
-        message: the error's message.
+        exc: the refusal.
+        params: engine field -> the endpoint's param (default: the completions endpoints').
 
     Returns:
-        Its first word, without punctuation (may be ``""``).
+        The param, or None when the refusal names no field the client sent.
     """
-    return message.split(" ", 1)[0].split("=", 1)[0].split("[", 1)[0].strip(":()")
-
-
-def _param_of(message: str) -> str | None:
-    """The request field an acb validation message is about (its first word)."""
-    head = engine_field(message)
-    return _ACB_TO_OPENAI.get(head, head) or None
+    field = field_of(exc)
+    return None if field is None else params.get(field)
 
 
 def check_choices(num_prompts: int, n: int, limit: int) -> None:

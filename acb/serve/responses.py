@@ -77,7 +77,7 @@ from acb.serve.app import (
     _usage,
     compile_grammar,
 )
-from acb.serve.protocol import APIError, ShutdownExpired, internal_error, shutdown_error
+from acb.serve.protocol import APIError, ShutdownExpired, internal_error, request_param, shutdown_error
 from acb.serve.reasoning import REASONING_PARSERS
 from acb.serve.tool_parsers import ToolCall
 from acb.structured_outputs import StructuredOutputs
@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ResponsesRequest", "add_routes", "input_messages"]
 
-# the engine's validation messages name SamplingParams' fields; the client knows these
+# the SamplingParams fields a refusal carries (InvalidRequestError.field) that this API's client sends
 _PARAMS = {"max_new_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p",
            "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed"}
 
@@ -154,8 +154,7 @@ class ResponsesRequest(BaseModel):
                 top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
                 structured_outputs=structured)
         except (ValueError, TypeError) as exc:
-            head = str(exc).split(" ", 1)[0].strip(":()")
-            raise APIError(400, str(exc), param=_PARAMS.get(head)) from None
+            raise APIError(400, str(exc), param=request_param(exc, _PARAMS)) from None
 
 
 # ---------------------------------------------------------------------------- input

@@ -336,3 +336,29 @@ def test_no_body_shape_is_a_500(served, case):
                 assert not err or err.get("type") != "server_error", (body, doc)
     else:
         json.loads(data)
+
+
+LONG = "x" * 1500  # more tokens than a request may hold (the model's 1024 positions)
+CHOICE = {"choice": ["a", "b"]}
+ENGINE_REFUSALS = [  # (path, body, param): refused by the engine, named by the field it carries
+    ("/v1/completions", {"prompt": LONG}, "prompt"),  # the input processor: a prompt that can never fit
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
+    ("/v1/completions", {"prompt": "hi", "n": 600}, "n"),  # more samples than the engine's rows
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 5}, "min_tokens"),  # SamplingParams
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, "top_p"),
+    ("/v1/responses", {"input": "hi", "top_p": 0}, "top_p"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    # the grammar: a min_tokens no output of the constraint can reach
+    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": CHOICE, "min_tokens": 2, "max_tokens": 8},
+     "structured_outputs"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", ENGINE_REFUSALS, ids=range(len(ENGINE_REFUSALS)))
+def test_an_engine_refusal_names_its_param(served, path, body, param):
+    """The engine's refusals carry their field (acb.InvalidRequestError.field): the 400's ``param``
+    is the request's name for it, read from the error, not guessed from its message."""
+    base = {"model": NAME, "max_tokens": 2} if path != "/v1/responses" else {"model": NAME, "max_output_tokens": 2}
+    status, _, data = raw(served.port, "POST", path, {**base, **body})
+    assert status == 400, data
+    assert check_error_body(data, status)["param"] == param, data
