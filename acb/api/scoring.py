@@ -2,7 +2,8 @@
 
 ``Engine.score(context, continuations)`` (and ``AsyncEngine.score``, ``score_batch``) is what an
 evaluation harness needs for multiple-choice and perplexity tasks. It is planned here as engine
-requests that go through the one submit path (:meth:`acb.api.base.EngineBase.make_request`):
+requests that go through the input processor
+(:meth:`acb.api.processor.InputProcessor.make_score_request`):
 
 - a call is one engine request per group: a **context request** (prompt: the context) and, for
   the continuations of two or more tokens, one **child** per distinct continuation-but-its-last-

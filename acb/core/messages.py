@@ -1,8 +1,8 @@
 """The typed hand-offs between the engine's stages (plain data, no logic).
 
 - :class:`EngineRequest`: a validated submit, from the API's input processor
-  (``EngineBase.make_request``) to the engine thread, which builds its :class:`Request` state
-  from it; frozen, and plain values only (it is also what tensor parallelism sends the other
+  (``acb.api.processor.InputProcessor``) to the engine thread, which builds its
+  :class:`Request` state from it; frozen, and plain values only (it is also what tensor parallelism sends the other
   ranks). Its results go to the sink registered under its ``request_id`` on the API's side.
 - :class:`SchedulerOutput`: one step's batch, from the scheduler (which builds it, with the KV
   manager's block moves) to the runner and back to ``Scheduler.update_from_output``; its
