@@ -110,12 +110,26 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
-class _Common(BaseModel):
-    """What chat and text completions share."""
+class RequestBody(BaseModel):
+    """What the body of every generating route has (:func:`acb.serve.pipeline.parse` reads it):
+    the served model's name, and the refusal of what acb does not do. Unknown fields are
+    ignored, as OpenAI does."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
+    model_config = ConfigDict(extra="allow")
 
     model: str
+
+    def check_refused(self) -> None:
+        """Refuse what would change the request's meaning and acb does not do (none here).
+
+        Raises:
+            APIError: 400 naming the field.
+        """
+
+
+class _Common(RequestBody):
+    """What chat and text completions share."""
+
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

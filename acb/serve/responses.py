@@ -3,9 +3,10 @@
 The request is a chat in another shape: ``instructions`` (a system message first) and ``input``
 (a string, or message items, with ``function_call`` / ``function_call_output`` items of earlier
 turns rendered as an assistant message's ``tool_calls`` and a ``tool`` message). It goes through
-the chat endpoint's path (:mod:`acb.serve.app`'s helpers: parsing, rendering off the event loop,
-submit, spans, disconnect and drain handling) and :mod:`acb.serve.shaping` (``text.format`` and
-forced tool calls as constrained decoding, the output made into reasoning, text and calls).
+the serve pipeline (:func:`acb.serve.pipeline.serve`: parsing, rendering off the event loop, submit,
+spans, disconnect and drain handling) with its own part (:func:`_job`: this module's input and
+output) and :mod:`acb.serve.shaping` (``text.format`` and forced tool calls as constrained decoding,
+the output made into reasoning, text and calls).
 
 Stateless: nothing is stored. ``store`` is accepted and ignored (the response says
 ``"store": false``; OpenAI lets a client that never retrieves a response not care), while what
@@ -48,43 +49,23 @@ client raises as an ``APIError``).
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import Response
 
 import acb
-from acb.errors import EngineDeadError, RequestFailedError
-from acb.outputs import GenerationOutput
+from acb.outputs import GenerationOutput, StreamDelta
 from acb.serve import shaping
-from acb.serve.app import (
-    ServerState,
-    _await_all,
-    _finish_reason,
-    _max_len,
-    _parse,
-    _render,
-    _samples,
-    _server_span,
-    _span_failed,
-    _submit,
-    _token,
-    _usage,
-    compile_grammar,
-)
-from acb.serve.protocol import APIError, ShutdownExpired, internal_error, request_param, shutdown_error
+from acb.serve.formatting import finish_reason, samples, usage
+from acb.serve.pipeline import Job, Prompts, ServerState, render_messages, serve
+from acb.serve.protocol import APIError, RequestBody, request_param
 from acb.serve.reasoning import REASONING_PARSERS
 from acb.serve.tool_parsers import ToolCall
 from acb.structured_outputs import StructuredOutputs
-from acb.telemetry import ServerSpan
-from acb.text import RenderedChat, text_tokenizer
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["ResponsesRequest", "add_routes", "input_messages"]
 
@@ -93,12 +74,9 @@ _PARAMS = {"max_new_tokens": "max_output_tokens", "temperature": "temperature", 
            "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed"}
 
 
-class ResponsesRequest(BaseModel):
-    """The body of ``POST /v1/responses`` (the fields acb reads; others are ignored)."""
+class ResponsesRequest(RequestBody):
+    """The body of ``POST /v1/responses`` (the fields acb reads; others are ignored, as OpenAI does)."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
-
-    model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -121,7 +99,7 @@ class ResponsesRequest(BaseModel):
 
     def check_refused(self) -> None:
         """400 for what would change the request's meaning and acb does not do (called by
-        :func:`acb.serve.app._parse`)."""
+        :func:`acb.serve.pipeline.parse`)."""
         extra = self.model_extra or {}
         stateful = {"previous_response_id": "a stored response", "conversation": "a stored conversation",
                     "prompt": "a stored prompt template"}
@@ -242,16 +220,6 @@ def _structured(body: ResponsesRequest, plan: shaping.ToolPlan) -> shaping.Const
         shaping.Constraint.of("structured_outputs", shaping.structured_from_extra(body.model_extra or {})))
 
 
-def _render_prompt(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, limit: int,
-                   with_text: bool) -> tuple[RenderedChat, str]:
-    """The chat rendered (:func:`acb.serve.app._render`, in the render pool) and, for the
-    reasoning parser (which reads whether the prompt opened ``<think>``), the prompt's end as
-    text (its last 64 tokens, as the chat endpoint reads it)."""
-    chat = _render(tokenizer, messages, kwargs, limit)
-    tail = str(text_tokenizer(tokenizer).decode(chat.token_ids[-64:])) if with_text else ""
-    return chat, tail
-
-
 # ---------------------------------------------------------------------------- output
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -309,13 +277,13 @@ def _reasoning_tokens(state: ServerState, shaper: shaping.OutputShaper, tokens: 
     """How many generated tokens were reasoning: those up to the one that completes the end tag
     (all of them when the reasoning never ended). Token bytes, not a re-tokenized text: the
     model's own tokens are counted."""
-    name = state.options.reasoning_parser
+    name = state.reasoning_parser
     if name is None or not shaper.has_reasoning:
         return 0
     end = REASONING_PARSERS[name].end_tag.encode()
     seen = bytearray()
     for i, t in enumerate(tokens):
-        piece = bytes(_token(state, t)[1])
+        piece = bytes(state.texts.get(t)[1])
         seen += piece
         if end in seen[-(len(piece) + len(end)):]:
             return i + 1
@@ -353,7 +321,7 @@ class _Shell:
 
 
 def _response_usage(state: ServerState, out: GenerationOutput, reasoning_tokens: int) -> dict[str, Any]:
-    u = _usage([out])
+    u = usage([out])
     return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
             "total_tokens": u["total_tokens"],
             # cache_write_tokens: OpenAI's explicit prompt caching, which acb does not offer
@@ -365,55 +333,89 @@ def _response_usage(state: ServerState, out: GenerationOutput, reasoning_tokens:
 def _finished(state: ServerState, shaper: shaping.OutputShaper, out: GenerationOutput
               ) -> tuple[bool, int, dict[str, Any]]:
     """``(length ran out, reasoning tokens, usage)`` of a finished output."""
-    sample = _samples(out)[0]
-    length = _finish_reason(sample) == "length"
+    sample = samples(out)[0]
+    length = finish_reason(sample) == "length"
     reasoning = _reasoning_tokens(state, shaper, sample.generated_tokens)
     return length, reasoning, _response_usage(state, out, reasoning)
 
 
 # ---------------------------------------------------------------------------- the route
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    """Add ``POST /v1/responses`` to ``app`` (called by :func:`acb.serve.app.build_app`)."""
+    """Add ``POST /v1/responses`` to ``app``.
+
+    Args:
+        app: the server's app (:func:`acb.serve.app.build_app` calls this).
+        state: its state.
+    """
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        # _parse reads any body schema with .model and .check_refused(); its annotation names chat's two
-        body = await _parse(state, request, cast(Any, ResponsesRequest))
-        assert isinstance(body, ResponsesRequest)
-        if state.tokenizer is None:
-            raise APIError(400, "the served model has no tokenizer: the Responses API needs one", param="input")
-        plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                  state.options.tool_call_parser)
-        constraint = _structured(body, plan)
-        messages = input_messages(body.instructions, body.input)
-        sampling = body.sampling(None if constraint is None else constraint.spec)
-        kwargs = {"tools": plan.template_tools} if plan.template_tools else None
-        with_text = state.options.reasoning_parser is not None
-        shell = _Shell(state, body, plan)  # (everything is checked before the request is submitted)
-        span = _server_span(state, request, "chat", sampling, body.stream)
-        try:
-            with span.active():
-                prompt, prompt_text = await state.drain.until_expired(lambda: state.renderer.run(
-                    _render_prompt, state.tokenizer, messages, kwargs, _max_len(state), with_text))
-                if constraint is not None:
-                    spec, param = constraint.spec, constraint.param
-                    await state.drain.until_expired(lambda: compile_grammar(state, spec, param))
-                handle = _submit(state, prompt, sampling, fields={
-                    "prompt": "input", "prompt_ids": "input", "max_new_tokens": "max_output_tokens",
-                    "structured_outputs": None if constraint is None else constraint.param})
-        except BaseException as exc:
-            _span_failed(span, exc)
-            raise
-        shaper = shaping.OutputShaper(plan, state.options.reasoning_parser, prompt_text,
-                                      constrained=constraint is not None)
-        if body.stream:
-            return StreamingResponse(_stream(state, shell, shaper, handle, span), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        (out,) = await _await_all(state, request, [handle], span)
-        shaper.shape_whole(_samples(out)[0].text or "")
-        length, _, usage = _finished(state, shaper, out)
-        output = _final_items(shaper, _Ids(), length)
-        return JSONResponse(shell.response("incomplete" if length else "completed", output, usage))
+        return await serve(state, request, ResponsesRequest, "chat", lambda body: _job(state, body))
+
+
+def _job(state: ServerState, body: ResponsesRequest) -> Job:
+    """A Responses request's part of the pipeline: its chat (instructions and input items),
+    rendered by the model's template; its constraint; its output as items and events."""
+    if state.tokenizer is None:
+        raise APIError(400, "the served model has no tokenizer: the Responses API needs one", param="input")
+    plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
+    constraint = _structured(body, plan)
+    messages = input_messages(body.instructions, body.input)
+    sampling = body.sampling(None if constraint is None else constraint.spec)
+    kwargs = {"tools": plan.template_tools} if plan.template_tools else None
+    shell = _Shell(state, body, plan)  # (everything is checked before the request is submitted)
+    tokenizer, parser = state.tokenizer, state.reasoning_parser
+
+    def output(prompts: Prompts) -> _Output:
+        shaper = shaping.OutputShaper(plan, parser, prompts.tail, constrained=constraint is not None)
+        return _Output(state, shell, shaper)
+
+    return Job(sampling, body.stream, render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None),
+               output=output, constraint=constraint,
+               params={"prompt": "input", "prompt_ids": "input", "max_new_tokens": "max_output_tokens",
+                       "structured_outputs": None if constraint is None else constraint.param})
+
+
+class _Output:
+    """A response's formatting (:class:`acb.serve.pipeline.Output`): the response object, or its
+    stream of events (see the module docstring for their order)."""
+
+    def __init__(self, state: ServerState, shell: _Shell, shaper: shaping.OutputShaper) -> None:
+        self.state = state
+        self.shell = shell
+        self.shaper = shaper
+        self.ids = _Ids()
+        self.events = _Events(self.ids)
+
+    def body(self, outs: Sequence[GenerationOutput]) -> dict[str, Any]:
+        (out,) = outs
+        self.shaper.shape_whole(samples(out)[0].text or "")
+        length, _, use = _finished(self.state, self.shaper, out)
+        output = _final_items(self.shaper, self.ids, length)
+        return self.shell.response("incomplete" if length else "completed", output, use)
+
+    def start(self) -> list[str]:
+        return [self.events.event("response.created", response=self.shell.response("in_progress", [], None)),
+                self.events.event("response.in_progress", response=self.shell.response("in_progress", [], None))]
+
+    def delta(self, p: int, delta: StreamDelta) -> list[str]:
+        if not delta.text:
+            return []
+        shaped = self.shaper.feed(delta.text)
+        return self.events.shaped(shaped.reasoning, shaped.content, self.shaper.has_reasoning)
+
+    def end(self, finals: Sequence[GenerationOutput]) -> list[str]:
+        if not finals:
+            raise RuntimeError("the request's stream ended without its final output")
+        self.shaper.finish()  # what it adds (the held text, the calls) is in the final items' text
+        length, _, use = _finished(self.state, self.shaper, finals[-1])
+        output = _final_items(self.shaper, self.ids, length)
+        status = "incomplete" if length else "completed"
+        return [*self.events.finish(output),
+                self.events.event(f"response.{status}", response=self.shell.response(status, output, use))]
+
+    def error(self, err: APIError) -> str:
+        return self.events.error(err)
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -522,50 +524,3 @@ class _Events:
                 out.append(self.event("response.output_item.done", output_index=self.index, item=item))
                 self.index += 1
         return out
-
-
-async def _stream(state: ServerState, shell: _Shell, shaper: shaping.OutputShaper, handle: Any,
-                  span: ServerSpan) -> AsyncIterator[str]:
-    """The response as SSE events; see the module docstring for their order."""
-    ids = _Ids()
-    ev = _Events(ids)
-    ended = False
-    try:
-        yield ev.event("response.created", response=shell.response("in_progress", [], None))
-        yield ev.event("response.in_progress", response=shell.response("in_progress", [], None))
-        final: GenerationOutput | None = None
-        with state.drain.on_expire(handle.cancel):  # the end of the grace period cancels it
-            async for delta in handle:
-                if state.drain.expired:
-                    raise ShutdownExpired
-                if delta.text:
-                    shaped = shaper.feed(delta.text)
-                    for e in ev.shaped(shaped.reasoning, shaped.content, shaper.has_reasoning):
-                        yield e
-                if delta.finished:
-                    final = delta.output
-        if final is None:
-            raise RuntimeError("the request's stream ended without its final output")
-        shaper.finish()  # what it adds (the held text, the calls) is in the final items' text
-        length, _, usage = _finished(state, shaper, final)
-        output = _final_items(shaper, ids, length)
-        for e in ev.finish(output):
-            yield e
-        status = "incomplete" if length else "completed"
-        ended = True
-        span.finish([final])
-        yield ev.event(f"response.{status}", response=shell.response(status, output, usage))
-    except ShutdownExpired:
-        span.finish(error_type="503", message="the server shut down")
-        yield ev.error(shutdown_error())
-    except (RequestFailedError, EngineDeadError) as exc:
-        span.finish(error_type="request" if isinstance(exc, RequestFailedError) else "engine_dead", message=str(exc))
-        yield ev.error(APIError(500, str(exc), type="server_error"))
-    except Exception as exc:
-        logger.error("acb serve: a Responses stream failed", exc_info=exc)
-        span.finish(error_type=type(exc).__name__, message=str(exc))
-        yield ev.error(internal_error(exc))
-    finally:
-        handle.cancel()  # a no-op for an ended request; the client left or the stream failed
-        if not ended:
-            span.finish(error_type="cancelled", message="client disconnected")
