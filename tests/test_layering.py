@@ -5,7 +5,9 @@ i.e. outside ``if TYPE_CHECKING:`` blocks, at module level or inside functions).
 - ``acb.runner`` never imports asyncio and nothing above it (api, serve, distributed, ...).
 - ``acb.api`` does not import the server, the integrations, scale-out, the CLI or the benchmarks.
 - Nothing the CLI builds on (the server, scale-out, the model loader) imports the CLI.
-- No import cycle among acb's modules (module-level imports).
+- No import cycle among acb's modules (module-level imports); none in the server package even
+  through imports inside functions.
+- No private name (``_name``) imported from one of the server's modules into another.
 - Each optional dependency is imported in its one home module.
 """
 
@@ -91,11 +93,7 @@ def test_no_upward_imports(layer, banned):
     assert not bad, f"{layer} imports what it must not: {bad}"
 
 
-def test_no_import_cycles():
-    graph = {name: {imp for imp in _imports(path, module_level_only=True) if imp in MODULES and imp != name}
-             for name, path in MODULES.items()}
-    # a package's __init__ runs before its submodules: an edge into a package is not a dependency
-    # on what the package re-exports, unless the package itself imports back
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -111,9 +109,61 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+    return cycles
+
+
+def test_no_import_cycles():
+    graph = {name: {imp for imp in _imports(path, module_level_only=True) if imp in MODULES and imp != name}
+             for name, path in MODULES.items()}
+    # a package's __init__ runs before its submodules: an edge into a package is not a dependency
+    # on what the package re-exports, unless the package itself imports back
+    cycles = _cycles(graph)
     packages = {n for n, p in MODULES.items() if p.name == "__init__.py"}
     real = [c for c in cycles if not set(c) & packages]
     assert not real, f"import cycles: {real}"
+
+
+def test_no_import_cycles_in_the_server_even_inside_functions():
+    """acb.serve's modules import each other one way only, counting the imports inside functions
+    (a circle hidden in a function is still a circle: app once imported responses in build_app,
+    and responses imported app's helpers)."""
+    serve = {name: path for name, path in MODULES.items() if _under(name, "acb.serve") and name != "acb.serve"}
+    graph = {name: {imp for imp in _imports(path) if imp in serve and imp != name} for name, path in serve.items()}
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles in acb.serve: {cycles}"
+
+
+def _private_imports(path: pathlib.Path, text: str | None = None) -> list[tuple[str, str]]:
+    """``(module, name)`` for each ``from acb.x import _name`` in ``path`` (or in ``text``, as if it
+    were ``path``'s), relative imports resolved, inside functions too."""
+    found = []
+    package = _module_name(path).rpartition(".")[0] if path.name != "__init__.py" else _module_name(path)
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if node.level:  # from .app import _x
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            module = f"{base}.{module}" if module else base
+        found.extend((module, a.name) for a in node.names if a.name.startswith("_") and not a.name.startswith("__"))
+    return found
+
+
+def test_no_private_names_across_server_modules():
+    """No module of acb.serve imports another's private names (``from acb.serve.app import
+    _parse``): what the server's modules share is public, in the module that owns it."""
+    bad = [(name, mod, imp) for name, path in MODULES.items() if _under(name, "acb.serve")
+           for mod, imp in _private_imports(path) if _under(mod, "acb.serve") and mod != name]
+    assert not bad, f"private names imported across acb.serve's modules: {bad}"
+
+
+def test_the_private_import_check_sees_them():
+    """The check above finds a private import, at module level or in a function."""
+    src = ROOT / "serve" / "_probe_private_imports.py"  # (read, never imported)
+    text = ("from acb.serve.app import _parse, build_app\n"
+            "def f():\n    from acb.serve.pipeline import _span_failed\n    from .responses import _Events\n")
+    assert sorted(_private_imports(src, text)) == [
+        ("acb.serve.app", "_parse"), ("acb.serve.pipeline", "_span_failed"), ("acb.serve.responses", "_Events")]
 
 
 # optional dependency -> the modules allowed to import it (the extra's home), and why more than one
@@ -131,7 +181,7 @@ OPTIONAL = {
     "opentelemetry.exporter": {"acb.telemetry"},
     "prometheus_client": {"acb.telemetry"},
     # the server stack (extra "serve") lives in the acb.serve package alone
-    "fastapi": {"acb.serve", "acb.serve.app", "acb.serve.protocol", "acb.serve.responses"},
+    "fastapi": {"acb.serve", "acb.serve.app", "acb.serve.pipeline", "acb.serve.protocol", "acb.serve.responses"},
     "uvicorn": {"acb.serve.launch"},
     "starlette": {"acb.serve.protocol", "acb.serve.ingress"},
 }
