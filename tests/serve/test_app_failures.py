@@ -362,3 +362,24 @@ def test_an_engine_refusal_names_its_param(served, path, body, param):
     status, _, data = raw(served.port, "POST", path, {**base, **body})
     assert status == 400, data
     assert check_error_body(data, status)["param"] == param, data
+
+
+def test_a_prompt_that_can_never_fit_is_the_engines_400(served):
+    """The fit check is the engine's alone (its input processor, at submit; the app's render jobs
+    no longer repeat it): a rendered chat, a Responses input, or one of several prompts too long
+    for the model is a 400 naming the request's field. Of several prompts the message says which,
+    and the ones before it were submitted (then cancelled); a chat's is never submitted."""
+    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 2},
+              "messages", 0),
+             ("/v1/responses", {"input": LONG, "max_output_tokens": 2}, "input", 0),
+             ("/v1/completions", {"prompt": ["hi", LONG], "max_tokens": 2}, "prompt", 1)]
+    for path, body, param, submitted in cases:
+        before = len(served.submitted)
+        status, _, data = raw(served.port, "POST", path, {"model": NAME, **body})
+        assert status == 400, data
+        err = check_error_body(data, status)
+        assert err["param"] == param and "can never fit" in err["message"], (path, err)
+        assert len(served.submitted) - before == submitted, path
+    assert err["message"].startswith("prompt[1]: prompt of "), err
+    # the server is fine afterwards
+    assert served.client.completions.create(model=NAME, prompt="ok", max_tokens=1).usage.completion_tokens == 1
