@@ -91,8 +91,9 @@ class GrammarBudget:
         payload = spec.key.split("|", 2)[2]
         size = len(payload.encode("utf-8", errors="surrogatepass"))
         if size > self.max_bytes:
-            raise InvalidRequestError(f"the {spec.kind} constraint is {size} bytes, more than the limit of {self.max_bytes} "
-                                      "(ContinuousBatchingConfig.grammar_max_bytes)", "structured_outputs")
+            raise InvalidRequestError(
+                f"the {spec.kind} constraint is {size} bytes, more than the limit of {self.max_bytes} "
+                "(ContinuousBatchingConfig.grammar_max_bytes)", "structured_outputs")
         kind = spec.kind
         if kind == "regex":
             total = repetition(payload, self.max_repetition)
@@ -110,9 +111,10 @@ class GrammarBudget:
             return
         if total > self.max_repetition:
             where = "its patterns'" if kind == "json" else "its"
-            raise InvalidRequestError(f"the {kind} constraint's counted repetitions ({where} {{m,n}}) expand to more than "
-                                      f"{self.max_repetition} characters, the limit (ContinuousBatchingConfig."
-                                      f"grammar_max_repetition); nested counts multiply", "structured_outputs")
+            raise InvalidRequestError(
+                f"the {kind} constraint's counted repetitions ({where} {{m,n}}) expand to more than "
+                f"{self.max_repetition} characters, the limit (ContinuousBatchingConfig."
+                f"grammar_max_repetition); nested counts multiply", "structured_outputs")
 
 
 _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")

@@ -384,7 +384,8 @@ class GrammarCompiler:
         reply = worker.compile(spec, limit)
         if reply is None:
             raise InvalidRequestError(f"compiling the {spec.kind} constraint took longer than {limit:g} s, the limit "
-                                      "(ContinuousBatchingConfig.grammar_compile_timeout_s); it was stopped", "structured_outputs")
+                                      "(ContinuousBatchingConfig.grammar_compile_timeout_s); it was stopped",
+                                      "structured_outputs")
         ok, text, max_tokens = reply
         if not ok:
             raise InvalidRequestError(text, "structured_outputs")
@@ -574,7 +575,8 @@ def _compile_spec(xc: xgrammar.GrammarCompiler, spec: StructuredOutputs) -> xgra
             return xc.compile_grammar(_choice_ebnf(spec.choice or ()))
         return xc.compile_grammar(payload)
     except RuntimeError as exc:  # xgrammar's parse/convert errors are RuntimeErrors from C++
-        raise InvalidRequestError(f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}", "structured_outputs") from None
+        raise InvalidRequestError(f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}",
+                                  "structured_outputs") from None
 
 
 def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, info: xgrammar.TokenizerInfo,
@@ -594,7 +596,8 @@ def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, 
         raise InvalidRequestError(f"the {spec.kind} constraint can never be met: {_NO_TEXT}", "structured_outputs")
     first = _first_tokens(handle, info.vocab_size)
     if not first:
-        raise InvalidRequestError(f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}", "structured_outputs")
+        raise InvalidRequestError(f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}",
+                                  "structured_outputs")
     if all(t in stops for t in first):
         return 0
     if spec.kind == "choice":

@@ -277,8 +277,8 @@ class AsyncEngine(EngineBase):
             ValueError: a bad item, named ``items[i]``.
         """
         loop = current_loop()
-        plans, ids, engine_ids, reqs = scoring.make_requests(self.processor, items, top_logprobs, cache_salt, request_ids,
-                                                    lambda rid: AsyncSink(rid, loop))
+        plans, ids, engine_ids, reqs = scoring.make_requests(
+            self.processor, items, top_logprobs, cache_salt, request_ids, lambda rid: AsyncSink(rid, loop))
         handles: list[RequestHandle] = []
         outputs: dict[str, GenerationOutput] = {}
         try:

@@ -65,7 +65,8 @@ class Engine(EngineBase):
         self.stop(drain=not cancel_pending, timeout=timeout)
 
     def enqueue_blocking(self, req: Submission, *, wait: bool = True, timeout: float | None = None) -> None:
-        """Take a queue slot for a request from :meth:`acb.api.processor.InputProcessor.make_request` and hand it to the engine.
+        """Take a queue slot for a request from the input processor
+        (:meth:`acb.api.processor.InputProcessor.make_request`) and hand it to the engine.
         On failure the request's id is given back.
 
         Args:
@@ -335,10 +336,10 @@ class Engine(EngineBase):
                   on_result: Callable[[int, GenerationOutput], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> dict[str, GenerationOutput]:
         """The one batch loop (``generate_batch``, ``score_batch``, ``acb generate``): enqueue
-        requests from :meth:`acb.api.processor.InputProcessor.make_request` (whose sinks put their final output on ``done``) in
-        order, taking queue slots as they free up, and block until every request enqueued has
-        ended; their outputs by request id. ``should_stop`` and interrupts: see
-        :meth:`generate_batch`."""
+        requests from :meth:`acb.api.processor.InputProcessor.make_request` (whose sinks put their
+        final output on ``done``) in order, taking queue slots as they free up, and block until
+        every request enqueued has ended; their outputs by request id. ``should_stop`` and
+        interrupts: see :meth:`generate_batch`."""
         index = {r.request_id: i for i, r in enumerate(reqs)}
         results: dict[str, GenerationOutput] = {}
         meter = _Meter(bar)
@@ -467,8 +468,9 @@ class Engine(EngineBase):
         if self.is_follower:
             return []
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-        plans, ids, engine_ids, reqs = scoring.make_requests(self.processor, items, top_logprobs, cache_salt, request_ids,
-                                                    lambda rid: ThreadSink(rid, on_final=done.put))
+        plans, ids, engine_ids, reqs = scoring.make_requests(
+            self.processor, items, top_logprobs, cache_salt, request_ids,
+            lambda rid: ThreadSink(rid, on_final=done.put))
         results = self._run_made(reqs, done, _progress(len(reqs), progress_bar, desc="score_batch"))
         return scoring.assemble_batch(plans, ids, engine_ids, results, top_logprobs)
 

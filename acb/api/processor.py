@@ -506,7 +506,8 @@ class InputProcessor:
             raise InvalidRequestError("stop strings need a tokenizer: pass tokenizer=... to the engine", "stop")
         grammar = None
         if params.structured_outputs is not None:
-            grammar = compile_grammar(engine.grammars(), params.structured_outputs)  # (a cache hit after an async submit)
+            # (a cache hit after an async submit: AsyncEngine compiles it off the loop first)
+            grammar = compile_grammar(engine.grammars(), params.structured_outputs)
         cfg = core.runner.cfg
         n, max_new_tokens = params.n, params.max_new_tokens
         assert n is not None and max_new_tokens is not None  # the defaults (over FALLBACK) set them

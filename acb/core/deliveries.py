@@ -63,20 +63,21 @@ class DeliveryBuilder:
         ended: list[Request] = []
         recorded = len(progressed)
         for req in progressed:  # the step's one loop over its samples: positional, no keywords
+            out = req.out
             if req.finish_reason is FinishReason.GRAMMAR:  # its grammar could not go on: no token was recorded
                 recorded -= 1
-                items.append(Delivery(req.key, [], None, None, req.sample_index, None,
-                                      None if req.detok is None else req.new_text))
+                items.append(Delivery(out.key, [], None, None, req.sample_index, None,
+                                      None if req.detok is None else out.new_text))
                 ended.append(req)
                 continue
             lp = top = None
             if req.want_logprobs:
-                lp = [req.logprobs[-1]]
-                top = [req.top_logprobs[-1]] if req.top_logprobs else None
+                lp = [out.logprobs[-1]]
+                top = [out.top_logprobs[-1]] if out.top_logprobs else None
             if req.detok is None:
-                items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index))
+                items.append(Delivery(out.key, [req.token_ids[-1]], lp, top, req.sample_index))
             else:  # the text its token completes, decoded here for its stop strings
-                items.append(Delivery(req.key, [req.token_ids[-1]], lp, top, req.sample_index, None, req.new_text))
+                items.append(Delivery(out.key, [req.token_ids[-1]], lp, top, req.sample_index, None, out.new_text))
             if req.status.is_terminal:
                 ended.append(req)
         if ended:  # an outcome rides on its sink's last item of the step (after every sample's token)
@@ -84,13 +85,13 @@ class DeliveryBuilder:
             for req in ended:
                 final = self.final_of(req)
                 if final is not None:
-                    i = last[req.key]
+                    i = last[req.out.key]
                     items[i] = items[i]._replace(final=final)
         for req in scored:  # scoring requests end with no token of their own
             if req.status == RequestStatus.FINISHED:  # (not cancelled meanwhile)
                 final = self.final_of(req)
                 if final is not None:
-                    items.append(Delivery(req.key, [], final=final))
+                    items.append(Delivery(req.out.key, [], final=final))
         return items, recorded
 
     def finals(self, reqs: Iterable[Request]) -> list[Delivery]:
@@ -106,7 +107,7 @@ class DeliveryBuilder:
         for req in reqs:
             final = self.final_of(req)
             if final is not None:
-                items.append(Delivery(req.key, [], final=final))
+                items.append(Delivery(req.out.key, [], final=final))
         return items
 
     @staticmethod

@@ -586,7 +586,7 @@ class EngineCore:
                 rows.req.add_prompt_logprobs(rows.first, values, tops)
         if result.next:
             for nrows, (values, top) in zip(sched.next_lp, result.next):
-                nrows.req.next_lps, nrows.req.next_top = values, top
+                nrows.req.out.next_lps, nrows.req.out.next_top = values, top
         progressed, _ = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.top)
         items, recorded = self.outputs.step(progressed, sched.scored)
         self._generated += recorded
@@ -670,7 +670,7 @@ class EngineCore:
             if final is None:
                 continue
             try:
-                self._deliver([Delivery(req.key, [], final=final)])
+                self._deliver([Delivery(req.out.key, [], final=final)])
             except BaseException:  # noqa: BLE001
                 logger.exception("could not deliver the failure of %r after the engine died", req.request_id)
 

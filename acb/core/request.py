@@ -1,4 +1,11 @@
-"""The state of one request, owned by the engine thread."""
+"""The state of one request, owned by the engine thread.
+
+:class:`Request` is what the scheduler, the KV manager and the runner read and advance (tokens,
+blocks, rows, status, the stop checks); its :class:`RequestOutputState` (``req.out``) is what only
+the output side reads (where its results go, and what they carry besides the tokens: logprobs,
+timestamps, the text a token completes, scored logprobs), written as tokens are recorded and read
+when deliveries and the final output are built (:mod:`acb.core.deliveries`).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +23,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class RequestOutputState:
+    """What only the output side reads of a request (``Request.out``)."""
+
+    __slots__ = ("key", "new_text", "logprobs", "top_logprobs", "timestamps", "prompt_tops", "next_lps", "next_top")
+
+    def __init__(self, record_timestamps: bool) -> None:
+        """Args:
+            record_timestamps: keep each token's arrival time.
+        """
+        self.key = -1  # EngineRequest.sink_key: where its results are delivered (the group's, for n > 1)
+        self.new_text = ""  # the text completed by the latest token (stop strings only)
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None
+        self.timestamps: list[float] | None = [] if record_timestamps else None
+        # prompt_logprobs: each recorded position's top alternatives (beside Request.prompt_lps)
+        self.prompt_tops: list[list[tuple[int, float]]] | None = None
+        # scoring: the logprobs of the tokens scored after the whole prompt, and that position's
+        # top alternatives
+        self.next_lps: list[float] | None = None
+        self.next_top: list[tuple[int, float]] | None = None
+
+
 class Request:
     """Mutable state of a live request. Only the engine thread touches it after admission.
 
@@ -27,13 +56,13 @@ class Request:
         "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids",
         "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
         "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
-        "finish_time", "timestamps", "logprobs", "top_logprobs", "finish_reason", "error", "failure", "num_preemptions",
-        "num_cached_tokens", "events", "prompt_lps", "prompt_tops", "key", "detok", "new_text", "matcher", "checks", "group",
+        "finish_time", "finish_reason", "error", "failure", "num_preemptions",
+        "num_cached_tokens", "events", "prompt_lps", "detok", "matcher", "checks", "group",
         "dead_end",
         "sample_index",
         "children",
         "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
-        "scoring", "lp_start", "score_next", "next_lps", "next_top",
+        "scoring", "lp_start", "score_next", "out",
     )
 
     def __init__(
@@ -66,9 +95,6 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.timestamps: list[float] | None = [] if record_timestamps else None
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] | None = None
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.failure: FailureKind | None = None
@@ -76,7 +102,6 @@ class Request:
         self.events: list[tuple[str, float]] | None = None  # ("preempted" | "resumed", perf_counter time)
         # prompt_logprobs: one entry per prompt position done (a recompute after preemption skips them)
         self.prompt_lps: list[float] | None = None
-        self.prompt_tops: list[list[tuple[int, float]]] | None = None
         # the first prompt position whose next token's logprob is recorded (0: every position;
         # a scoring request's context length - 1: its continuation's tokens only). The prefix
         # cache is read for the positions before it.
@@ -84,16 +109,12 @@ class Request:
         # a scoring request samples nothing: it ends once its prompt is computed
         self.scoring = False
         # scoring: tokens scored at the last prompt position (the continuations of one token of a
-        # context that is the whole prompt), their logprobs, and that position's top alternatives
+        # context that is the whole prompt; their logprobs are in out.next_lps)
         self.score_next: list[int] | None = None
-        self.next_lps: list[float] | None = None
-        self.next_top: list[tuple[int, float]] | None = None
         self.num_cached_tokens = 0
-        self.key = -1  # EngineRequest.sink_key: where its results are delivered (the group's, for n > 1)
         # stop strings: the output text, decoded here (and only here) as tokens come, with the
         # caller's skip_special_tokens; the stream's text pieces and the output's text are its
         self.detok: IncrementalDetokenizer | None = None
-        self.new_text = ""  # the text completed by the latest token (stop strings only)
         # structured outputs: the grammar's matcher (acb.structured.Matcher), advanced with each
         # token; it fills this request's row of the step's token bitmask
         self.matcher: Any = None
@@ -114,6 +135,7 @@ class Request:
         # tokens scheduled for sampling whose values are not back yet (async batching: up to 2)
         self.in_flight = 0
         self.last_sample = (-1, -1)  # (step id, index among that step's samples) of the latest sample
+        self.out = RequestOutputState(record_timestamps)  # what only the output side reads
 
     @property
     def num_tokens(self) -> int:
@@ -138,17 +160,18 @@ class Request:
                 logger.warning("request %s: a sampled token is outside its grammar's mask; it ends there",
                                self.request_id)
             self.finish_reason = FinishReason.GRAMMAR
-            self.new_text = ""
+            self.out.new_text = ""
             return self._text_ends()
         self.token_ids.append(token_id)
+        out = self.out
         if logprob is not None:
-            self.logprobs.append(logprob)
+            out.logprobs.append(logprob)
         if top is not None:
-            if self.top_logprobs is None:
-                self.top_logprobs = []
-            self.top_logprobs.append(top)
-        if self.timestamps is not None:
-            self.timestamps.append(now)
+            if out.top_logprobs is None:
+                out.top_logprobs = []
+            out.top_logprobs.append(top)
+        if out.timestamps is not None:
+            out.timestamps.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
         if self.checks:  # stop strings or a grammar (most requests have neither: one test)
@@ -166,8 +189,8 @@ class Request:
         a grammar (its matcher advances)."""
         detok = self.detok
         if detok is not None:  # (if decoding raises, the scheduler fails this request alone)
-            self.new_text = ""
-            self.new_text = detok.push((token_id,))
+            self.out.new_text = ""
+            self.out.new_text = detok.push((token_id,))
         matcher = self.matcher
         if matcher is not None and matcher.is_terminated():  # complete, and took its stop token
             # (append_token had the matcher accept the token)
@@ -187,13 +210,13 @@ class Request:
     def _text_ends(self) -> bool:
         """The request finished: its last text piece takes what the detokenizer held back."""
         if self.detok is not None:
-            self.new_text += self.detok.flush()
+            self.out.new_text += self.detok.flush()
         return True
 
     def add_prompt_logprobs(self, lo: int, values: list[float], tops: list[list[tuple[int, float]]]) -> None:
         """Record prompt logprobs for positions ``lo``.. (those already recorded are skipped: a
         recompute after preemption computes them again)."""
-        lps, top = self.prompt_lps, self.prompt_tops
+        lps, top = self.prompt_lps, self.out.prompt_tops
         if lps is None or top is None:
             return
         skip = self.lp_start + len(lps) - lo
@@ -204,20 +227,20 @@ class Request:
 
     def to_output(self) -> GenerationOutput:
         """A snapshot (copies of the lists) that is safe to hand to another thread."""
-        c = self.created_time
+        c, out = self.created_time, self.out
         return GenerationOutput(
             request_id=self.request_id,
             prompt_ids=self.token_ids[: self.prompt_len],
             generated_tokens=self.token_ids[self.prompt_len :],
-            logprobs=list(self.logprobs),
-            top_logprobs=[list(t) for t in self.top_logprobs] if self.top_logprobs is not None else None,
+            logprobs=list(out.logprobs),
+            top_logprobs=[list(t) for t in out.top_logprobs] if out.top_logprobs is not None else None,
             text=self._text(),
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,
             failure=self.failure,
             created_time=c,
-            timestamps=list(self.timestamps) if self.timestamps is not None else None,
+            timestamps=list(out.timestamps) if out.timestamps is not None else None,
             queue_time=None if self.first_scheduled_time is None else self.first_scheduled_time - c,
             time_to_first_token=None if self.first_token_time is None else self.first_token_time - c,
             total_time=None if self.finish_time is None else self.finish_time - c,
@@ -225,9 +248,9 @@ class Request:
             num_preemptions=self.num_preemptions,
             events=list(self.events) if self.events is not None else None,
             prompt_logprobs=list(self.prompt_lps) if self.prompt_lps is not None else None,
-            prompt_top_logprobs=[list(t) for t in self.prompt_tops] if self.prompt_tops is not None else None,
-            next_token_logprobs=list(self.next_lps) if self.next_lps is not None else None,
-            next_token_top_logprobs=list(self.next_top) if self.next_top is not None else None,
+            prompt_top_logprobs=[list(t) for t in out.prompt_tops] if out.prompt_tops is not None else None,
+            next_token_logprobs=list(out.next_lps) if out.next_lps is not None else None,
+            next_token_top_logprobs=list(out.next_top) if out.next_top is not None else None,
         )
 
     def _text(self) -> str | None:
@@ -324,18 +347,18 @@ def build_request(er: EngineRequest, tokenizer: TokenizerLike | None,
             record_timestamps=er.record_timestamps,
             created_time=er.created_time,
         )
-        req.key = er.sink_key
+        req.out.key = er.sink_key
         if params.stop and tokenizer is not None:
             req.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens is not False, params.stop)
         if compiled is not None:
             req.matcher = compiled.matcher()
         req.checks = req.detok is not None or req.matcher is not None
         if params.prompt_logprobs is not None and i == 0:  # sample 0 prefills the prompt
-            req.prompt_lps, req.prompt_tops = [], []
+            req.prompt_lps, req.out.prompt_tops = [], []
         if target is not None:
             req.scoring, req.lp_start = True, target.lp_start
             req.score_next = list(target.next_tokens) if target.next_tokens is not None else None
-            req.prompt_lps, req.prompt_tops = [], []
+            req.prompt_lps, req.out.prompt_tops = [], []
         if er.cache_salt:
             req.cache_salt = er.cache_salt.encode()
         members.append(req)

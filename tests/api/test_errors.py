@@ -193,3 +193,53 @@ async def test_numeric_extremes_are_refused_or_harmless(model, async_batching):
     assert 7 not in odd_outs[3].generated_tokens
     assert odd_outs[4].generated_tokens == clamped.generated_tokens
     assert odd_outs[4].generated_tokens != [255] * 6  # not the last vocabulary id every step (inf logits)
+
+
+def test_refusals_carry_their_field(model):
+    """Every refusal at submit names the argument it is about in ``field`` (what a server maps to
+    its ``param``), stays a ValueError/TypeError, and keeps its field through a batch's prefix
+    (``inputs[i]: ...``) and a pickle."""
+    import pickle
+
+    def field_of(call) -> str:
+        with pytest.raises((ValueError, TypeError)) as e:
+            call()
+        assert isinstance(e.value, (acb.InvalidRequestError, acb.InvalidRequestTypeError)), repr(e.value)
+        assert isinstance(e.value, ValueError if isinstance(e.value, acb.InvalidRequestError) else TypeError)
+        return e.value.field
+
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=16, max_requests_per_batch=4)) as eng:
+        live = eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=50, ignore_eos=True))
+        cases = [
+            (lambda: eng.submit([]), "prompt"),
+            (lambda: eng.submit([5, 256]), "prompt"),
+            (lambda: eng.submit(list(range(3, 200))), "prompt"),
+            (lambda: eng.submit("hello"), "prompt"),  # text without a tokenizer (acb.text's refusal)
+            (lambda: eng.submit([1.5, 2]), "prompt"),
+            (lambda: eng.submit([1, 2], "greedy"), "sampling"),
+            (lambda: eng.submit([1, 2], request_id=live.request_id), "request_id"),
+            (lambda: eng.submit([1, 2], request_id=7), "request_id"),
+            (lambda: eng.submit([1, 2], cache_salt=3), "cache_salt"),
+            (lambda: eng.submit([1, 2], logit_bias={300: 1.0}), "logit_bias"),
+            (lambda: eng.submit([1, 2], stop_token_ids=[300]), "stop_token_ids"),
+            (lambda: eng.submit([1, 2], stop=["x"]), "stop"),  # no tokenizer
+            (lambda: eng.submit([1, 2], n=5), "n"),  # more samples than rows
+            (lambda: eng.submit([1, 2], max_new_tokens=0), "max_new_tokens"),  # SamplingParams
+            (lambda: eng.submit([1, 2], structured_outputs={"regex": ""}), "structured_outputs"),
+            (lambda: eng.score([1, 2], [[300]]), "continuations"),
+            (lambda: eng.score([1, 2], []), "continuations"),
+            (lambda: eng.score([], [[3]]), "context"),
+            (lambda: eng.score([1, 2], [[3]], top_logprobs=-1), "top_logprobs"),
+            (lambda: eng.score_batch([([1, 2], [[3]])], request_ids=["a", "b"]), "request_ids"),
+        ]
+        for call, field in cases:
+            assert field_of(call) == field
+        with pytest.raises(ValueError, match=r"^inputs\[1\]: prompt_ids\[0\] = 999") as e:
+            eng.generate_batch([[1, 2], [999]], progress_bar=False)
+        assert e.value.field == "prompt"
+        with pytest.raises(ValueError, match=r"^items\[0\]: ") as e:
+            eng.score_batch([([1, 2], [[3], []])], progress_bar=False)
+        assert e.value.field == "continuations"
+        live.cancel()
+    again = pickle.loads(pickle.dumps(acb.InvalidRequestError("n=9 ...", "n")))
+    assert (type(again), str(again), again.field) == (acb.InvalidRequestError, "n=9 ...", "n")
