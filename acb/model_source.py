@@ -16,16 +16,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "DEFAULT_MODEL_NAME", "DTYPES", "ModelSource", "follow", "is_tp_follower",
+__all__ = ["DEFAULT_MODEL_NAME", "DTYPES", "ModelSource", "follow", "is_tp_follower",
            "under_torchrun"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MODEL_NAME = "acb-default"
-# the embedded default tokenizer has no chat template of its own; chats get this one
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -86,10 +81,7 @@ class ModelSource:
         if self.path is None:
             from acb.models import build_tokenizer
 
-            tok = build_tokenizer()
-            if getattr(tok, "chat_template", None) is None:
-                tok.chat_template = DEFAULT_CHAT_TEMPLATE
-            return tok
+            return build_tokenizer()  # (its chat template is acb.models.CHAT_TEMPLATE)
         from transformers import AutoTokenizer
 
         try:

@@ -43,14 +43,37 @@ class RequestStatus(enum.IntEnum):
         return format(self.name, spec)
 
 
-class FailureKind(str, enum.Enum):
+class _Word(str, enum.Enum):
+    """A str enum that prints as its value (``length``), as a person (and JSON) reads it."""
+
+    def __str__(self) -> str:
+        """The value (``length``); ``repr`` keeps the member's full name.
+
+        Returns:
+            The member's value.
+        """
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        """f-strings and ``format`` give the value too.
+
+        Args:
+            spec: the format spec, applied to the value.
+
+        Returns:
+            The formatted value.
+        """
+        return format(str(self.value), spec)
+
+
+class FailureKind(_Word):
     """Why a ``FAILED`` request failed; decides what its handle raises."""
 
     REQUEST = "request"  # a step it was in, or a check of its own, raised: RequestFailedError
     ENGINE_DEAD = "engine_dead"  # the engine thread died (or stopped) before it finished: EngineDeadError
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(_Word):
     """Why a request ended."""
 
     STOP = "stop"  # an end-of-sequence / stop token was generated

@@ -1,8 +1,8 @@
 """Constrained decoding's grammar layer: what a request asks its output to match, compiled, and
 matched token by token.
 
-It owns four things, and is the only module that imports xgrammar (lazily: ``pip install
-'acb-batching[structured]'``):
+It owns four things, and is the only module that imports xgrammar (lazily; the extra is
+``pip install -e '.[structured]'`` in acb's checkout):
 
 - :class:`StructuredOutputs`, the per-request spec, with vLLM's field names (``json``,
   ``json_object``, ``regex``, ``choice``, ``grammar``) and a stable ``key`` for caching.
@@ -96,7 +96,7 @@ __all__ = [
 ]
 
 
-_INSTALL_HINT = "pip install 'acb-batching[structured]'"
+_INSTALL_HINT = "pip install -e '.[structured]' in acb's checkout"
 
 
 def _xgr() -> ModuleType:

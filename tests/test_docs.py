@@ -95,17 +95,24 @@ def _extras() -> set[str]:
 def _install_lines() -> list[tuple[str, str]]:
     """Every ``pip install ...`` a user can read: the README, docs/, examples/ and acb/'s own
     messages and docstrings, as (where, the words after ``pip install``)."""
-    import re
-
     files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").glob("*.py"),
              *(ROOT / "acb").rglob("*.py")]
+    return [found for f in files for found in _install_lines_of(f.read_text(), str(f.relative_to(ROOT)))]
+
+
+def _install_lines_of(text: str, where: str) -> list[tuple[str, str]]:
+    """The install lines of one file's ``text``, as (``where:line``, the words)."""
+    import re
+
+    lines = text.splitlines()
     found = []
-    for f in files:
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            for m in re.finditer(r"pip install\s+((?:-e\s+)?[^`#&()\n]*)", line):
-                if re.search(r"unrelated|something else|[Oo]nce published", line):
-                    continue  # the sentence that says what `pip install acb` and the published name are
-                found.append((f"{f.relative_to(ROOT)}:{n}", m.group(1).strip()))
+    # a line may break right after "pip install" (a docstring, a comment): the words are then on
+    # the next line, after its indent and any comment or quote marker
+    for m in re.finditer(r"pip install[ \t]*(?:\n[ \t]*(?:[#>][ \t]*)?)?((?:-e\s+)?[^`#&()\n]*)", text):
+        n = text.count("\n", 0, m.start()) + 1
+        if re.search(r"unrelated|something else|[Oo]nce published", " ".join(lines[n - 1 : n + 1])):
+            continue  # the sentence that says what `pip install acb` and the published name are
+        found.append((f"{where}:{n}", m.group(1).strip()))
     return found
 
 
@@ -133,7 +140,7 @@ def check_install_line(where: str, words: str, extras: set[str]) -> list[str]:
             problems.append(f"{where}: {spec!r}: the distribution is acb-batching (acb is another project)")
         if wanted - extras:
             problems.append(f"{where}: {spec!r}: no extra {sorted(wanted - extras)} in pyproject.toml")
-        if name != "." and not where.startswith("acb/"):
+        if name != ".":
             problems.append(f"{where}: {spec!r}: not published: install from the checkout, pip install -e \".[...]\"")
     return problems
 
@@ -153,6 +160,10 @@ def test_every_install_line_installs_acb_batching_with_extras_that_exist():
     assert check_install_line("examples/x.py:3", "'acb-batching[serve]' openai", extras)
     assert check_install_line("docs/x.md:1", '-e ".[nope]"', extras)
     assert not check_install_line("docs/x.md:1", '-e ".[serve,otel]" openai', extras)
+    # acb's own messages and docstrings too, and a line broken after "pip install"
+    assert check_install_line("acb/structured.py:99", "'acb-batching[structured]'", extras)
+    assert _install_lines_of("x\nneeds ``pip install\n    'acb-batching[eval]'``", "acb/x.py") == [
+        ("acb/x.py:2", "'acb-batching[eval]'")]
 
 
 def test_getting_started_lists_every_extra_and_the_model_size():

@@ -588,7 +588,7 @@ def test_missing_xgrammar_names_the_extra(monkeypatch):
     from acb import structured
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)
-    with pytest.raises(ImportError, match=r"pip install 'acb-batching\[structured\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[structured\]' in acb's checkout"):
         structured._xgr()
 
 

@@ -29,9 +29,8 @@ from acb.cli.generate import (
     synthetic_prompts,
 )
 from acb.cli.serve import _add_serve, cmd_serve
-from acb.model_source import DEFAULT_CHAT_TEMPLATE
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "DEFAULT_OUTPUT", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "STDOUT", "CliError",
+__all__ = ["DEFAULT_OUTPUT", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "STDOUT", "CliError",
            "PromptSpec", "ResultWriter", "build_parser", "cmd_bench", "cmd_generate", "cmd_serve", "load_prompts",
            "main", "run_requests", "synthetic_prompts", "_engine_config"]
 
