@@ -130,6 +130,16 @@ def _template_errors() -> tuple[type[BaseException], ...]:
     return (TemplateError,)
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``: what a stream
+    parser holds back (the reasoning and tool-call parsers of ``acb serve``), because the next
+    delta may complete the tag."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
 class IncrementalDetokenizer:
     """Text of a growing token sequence, in pieces: amortised O(new tokens) per step.
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from acb.text import partial_suffix
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -54,15 +56,6 @@ __all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Qwen3ReasoningPars
 _START = 0  # nothing but whitespace and a part of the opening tag seen yet
 _REASONING = 1
 _CONTENT = 2
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``: the part a
-    streaming parser must hold back because the next delta may complete the tag."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningParser:
@@ -157,7 +150,7 @@ class ReasoningParser:
             if end >= 0:
                 self._state = _CONTENT
                 return text[:end], text[end + len(self.end_tag):]
-            keep = 0 if final else _partial_suffix(text, self.end_tag)
+            keep = 0 if final else partial_suffix(text, self.end_tag)
             self._held = text[len(text) - keep:]
             return text[:len(text) - keep], ""
         return "", text

@@ -65,6 +65,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from acb.text import partial_suffix
+
 __all__ = ["TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "ToolCall", "ToolCallDelta", "ToolParser",
            "filter_tool_calls", "new_tool_call_id", "tool_names"]
 
@@ -177,14 +179,6 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ToolParser(ABC):
     """Finds the tool calls in one output; one instance per request. :meth:`extract` is
     stateless; :meth:`feed`/:meth:`finish` keep the state of one stream.
@@ -287,7 +281,7 @@ class HermesToolParser(ToolParser):
                 if opened < 0:
                     # hold back a possible start of the tag and the whitespace before it (dropped
                     # if a call follows)
-                    keep = 0 if final else _partial_suffix(text, self.start_tag)
+                    keep = 0 if final else partial_suffix(text, self.start_tag)
                     cut = len(text) - keep if final else len(text[:len(text) - keep].rstrip())
                     content.append(text[:cut])
                     text = text[cut:]
