@@ -110,3 +110,16 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     rows = [r for k, v in res.items() if k.startswith("decode") for r in v]
     assert len(rows) == 6 and all(r["steps_measured"] > 0 and r["step_ms"] > 0 for r in rows)
     assert "decode batch" in p.stdout and "wrote" in p.stdout
+
+
+def test_each_benchmark_has_one_home_and_a_row():
+    """What ``acb bench`` runs is in the package, one module per workload; every standalone script
+    in benchmarks/ has a row in benchmarks/README.md (a reader finds what it runs and writes)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "benchmarks" / "README.md").read_text()
+    unlisted = [p.name for p in sorted((root / "benchmarks").glob("*.py")) if f"benchmarks/{p.name}" not in readme]
+    assert unlisted == [], f"benchmarks/ scripts without a row in benchmarks/README.md: {unlisted}"
+    modules = {p.stem.replace("_", "-") for p in (root / "acb" / "bench").glob("*.py")}
+    assert set(WORKLOADS) <= modules, f"acb bench workloads not in acb/bench/: {sorted(set(WORKLOADS) - modules)}"
