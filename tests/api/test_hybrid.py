@@ -20,9 +20,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
-def _build(kind: str):
-    from transformers import AutoModelForCausalLM
-
+def _config(kind: str):
     if kind == "qwen3_next":
         from transformers import Qwen3NextConfig
 
@@ -35,8 +33,25 @@ def _build(kind: str):
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
         cfg = Qwen3_5MoeTextConfig(**COMMON, **MOE)
+    return cfg
+
+
+def _build(kind: str):
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    return AutoModelForCausalLM.from_config(_config(kind)).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_the_tiny_hybrid_configs_keep_the_real_field_types(kind):
+    """These hand-built configs keep each field's type and every layer kind of the real ones (the
+    per-layer ``layer_types`` a list as long as the layers, linear and full attention both)."""
+    from tests.api.test_model_features import _type_mismatches
+
+    cfg = _config(kind)
+    assert not _type_mismatches(cfg.model_type, cfg)
+    assert set(cfg.layer_types) == {"linear_attention", "full_attention"}
 
 
 _MODELS: dict[str, torch.nn.Module] = {}

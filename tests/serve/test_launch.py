@@ -20,7 +20,7 @@ pytest.importorskip("httpx")
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
-import asyncio, json, pickle, threading
+import asyncio, json, pickle, threading, time
 import httpx
 import acb
 from acb.model_source import ModelSource
@@ -51,7 +51,11 @@ async def main():
     out["render_threads_running"] = render_threads()
     out["max_queue_size"] = server.engine.config.max_queue_size
     await server.stop()
-    await asyncio.sleep(0.2)
+    # the render pool's threads end once they see the close (it does not join them): wait for
+    # that, bounded, rather than for a fixed time that races their exit
+    deadline = time.monotonic() + 60
+    while render_threads() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     out["running_after"] = server.engine.is_running
     out["render_threads_after"] = render_threads()
     print(json.dumps(out))
