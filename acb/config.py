@@ -35,13 +35,13 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "max_blocks_per_request": "acb's block tables always span max_model_len",
     "kv_padding_interval_size": "acb's decode graphs read context lengths from the device, so KV lengths need no padding",
     "auto_switch_to_flash": "acb always runs its own paged attention, whatever the model's attn_implementation; "
-                            "attn_backend=None picks flash_attn when it is installed and fits, else triton, else "
-                            "torch; set attn_backend='triton' or 'torch' to keep flash-attn out",
+    "attn_backend=None picks flash_attn when it is installed and fits, else triton, else "
+    "torch; set attn_backend='triton' or 'torch' to keep flash-attn out",
     # (acb runs tensor parallel under torchrun with its own step sync: acb.distributed.tp)
     "disable_nccl_graph_mixing": "acb's tensor-parallel ranks keep their collectives and their decode graphs "
-                                 "in lock step themselves (acb.distributed.tp)",
+    "in lock step themselves (acb.distributed.tp)",
     "cpu_group_timeout": "acb's tensor-parallel step sync has its own timeout: the ACB_TP_TIMEOUT_S environment "
-                         "variable (default 300 s)",
+    "variable (default 300 s)",
 }
 
 # transformers' deprecated fields: their effect lands on another field in ``__post_init__``
@@ -83,7 +83,9 @@ class ContinuousBatchingConfig:
     max_blocks_per_request: int | None = None  # transformers' knob; no effect in acb (max_model_len bounds a request)
     allow_block_sharing: bool = True  # prefix caching: requests share the KV blocks of a common prompt prefix
     use_async_batching: bool | None = None  # schedule step N+1 while step N runs; default: on for CUDA, off on CPU
-    use_cuda_graph: bool | tuple[bool, bool] | None = None  # decode CUDA graphs (a tuple: (mixed, decode)); default: on for CUDA
+    use_cuda_graph: bool | tuple[bool, bool] | None = (
+        None  # decode CUDA graphs (a tuple: (mixed, decode)); default: on for CUDA
+    )
     q_padding_interval_size: int = 0  # decode graphs' batch sizes past 8 step by this (0: 8 to 64, then 16)
     kv_padding_interval_size: int = 0  # transformers' knob; no effect in acb
     varlen_compile_config: Any = None  # torch.compile options of mixed (prefill) steps
@@ -99,7 +101,9 @@ class ContinuousBatchingConfig:
     cpu_offload_space_safety_threshold: float = 0.8  # the most of available host memory offload may take
     max_queue_size: int = 0  # most requests waiting to be scheduled; 0 = unlimited
     per_request_processors: bool = False  # the manager's add_request(temperature=...) kwargs apply per request
-    drop_unsupported_processors: bool = True  # a generation config's unsupported processors: dropped with a warning (else refused)
+    drop_unsupported_processors: bool = (
+        True  # a generation config's unsupported processors: dropped with a warning (else refused)
+    )
     disable_nccl_graph_mixing: bool = True  # transformers' knob; no effect in acb
     cpu_group_timeout: float | None = 300.0  # transformers' knob; no effect in acb
     # deprecated in transformers (5.11, 5.13, 5.17)
@@ -181,8 +185,10 @@ class ContinuousBatchingConfig:
             else:
                 unknown.append(name)
         if unknown:
-            warnings.warn(f"transformers ContinuousBatchingConfig fields {unknown} are not known to acb and have no "
-                          "effect", stacklevel=2)
+            warnings.warn(
+                f"transformers ContinuousBatchingConfig fields {unknown} are not known to acb and have no effect",
+                stacklevel=2,
+            )
         return cls(**kwargs)
 
     def validate(self) -> None:
@@ -196,14 +202,26 @@ class ContinuousBatchingConfig:
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        for name in ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_model_len",
-                     "block_size"):
+        for name in (
+            "page_size",
+            "num_blocks",
+            "max_batch_tokens",
+            "max_requests_per_batch",
+            "max_model_len",
+            "block_size",
+        ):
             v = getattr(self, name)
             check(name, v is None or (is_int(v) and v > 0), "a positive int")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("ContinuousBatchingConfig.num_blocks must be >= 2 (block 0 is scratch)")
-        for name in ("allow_block_sharing", "return_logprobs", "auto_switch_to_flash", "per_request_processors",
-                     "drop_unsupported_processors", "disable_nccl_graph_mixing"):
+        for name in (
+            "allow_block_sharing",
+            "return_logprobs",
+            "auto_switch_to_flash",
+            "per_request_processors",
+            "drop_unsupported_processors",
+            "disable_nccl_graph_mixing",
+        ):
             check(name, isinstance(getattr(self, name), bool), "a bool")
         for name in ("use_async_batching", "use_default_compile_configs", "cpu_packed_linears"):
             check(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")
@@ -225,15 +243,22 @@ class ContinuousBatchingConfig:
         v = self.cpu_group_timeout
         check("cpu_group_timeout", v is None or (is_num(v) and v > 0), "None or a number of seconds > 0")
         g = self.use_cuda_graph
-        check("use_cuda_graph", g is None or isinstance(g, bool) or (
-            isinstance(g, tuple) and len(g) == 2 and all(isinstance(x, bool) for x in g)),
-            "None, a bool, or a (varlen, decode) tuple of bools")
+        check(
+            "use_cuda_graph",
+            g is None
+            or isinstance(g, bool)
+            or (isinstance(g, tuple) and len(g) == 2 and all(isinstance(x, bool) for x in g)),
+            "None, a bool, or a (varlen, decode) tuple of bools",
+        )
         for name in ("grammar_max_bytes", "grammar_max_repetition"):
             check(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
         v = self.grammar_compile_timeout_s
         check("grammar_compile_timeout_s", is_num(v) and 0 < v < math.inf, "a number of seconds > 0")
-        check("attn_backend", self.attn_backend is None or self.attn_backend in ATTN_BACKENDS,
-              f"one of {ATTN_BACKENDS} or None")
+        check(
+            "attn_backend",
+            self.attn_backend is None or self.attn_backend in ATTN_BACKENDS,
+            f"one of {ATTN_BACKENDS} or None",
+        )
 
     def warn_unsupported(self) -> list[str]:
         """Warn once about fields set to values acb does not act on; return their names."""
@@ -244,8 +269,10 @@ class ContinuousBatchingConfig:
             if value != defaults[name].default:
                 names.append(name)
                 if not self._warned:
-                    warnings.warn(f"ContinuousBatchingConfig.{name}={value!r} is accepted but has no effect in acb: "
-                                  f"{why}", stacklevel=3)
+                    warnings.warn(
+                        f"ContinuousBatchingConfig.{name}={value!r} is accepted but has no effect in acb: {why}",
+                        stacklevel=3,
+                    )
         self._warned = True
         return names
 
@@ -253,8 +280,10 @@ class ContinuousBatchingConfig:
 def is_transformers_config(config: Any) -> bool:
     """Whether ``config`` is a ``transformers.ContinuousBatchingConfig`` (or a subclass), told
     by its class, so that ``import acb`` need not import transformers."""
-    return any(c.__name__ == "ContinuousBatchingConfig" and c.__module__.split(".")[0] == "transformers"
-               for c in type(config).__mro__)
+    return any(
+        c.__name__ == "ContinuousBatchingConfig" and c.__module__.split(".")[0] == "transformers"
+        for c in type(config).__mro__
+    )
 
 
 def transformers_fields(cls: type) -> dict[str, Any]:
@@ -262,8 +291,11 @@ def transformers_fields(cls: type) -> dict[str, Any]:
     (``MISSING`` when required): its dataclass fields, or its ``__init__`` parameters if a later
     version stops being a dataclass."""
     if is_dataclass(cls):
-        return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-                for f in fields(cls) if f.init}
+        return {
+            f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+            for f in fields(cls)
+            if f.init
+        }
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     params = inspect.signature(cls).parameters.values()  # the constructor's, without self
     return {p.name: MISSING if p.default is inspect.Parameter.empty else p.default for p in params if p.kind in kinds}

@@ -117,7 +117,7 @@ class QueueFullError(AcbError):
 class RequestFailedError(AcbError):
     """A request failed inside an engine step; ``output`` holds what it had generated so far."""
 
-    def __init__(self, message: str, output: "GenerationOutput | None" = None) -> None:
+    def __init__(self, message: str, output: GenerationOutput | None = None) -> None:
         super().__init__(message)
         self.output = output
 

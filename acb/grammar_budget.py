@@ -75,8 +75,11 @@ class GrammarBudget:
         Returns:
             The :class:`GrammarBudget`.
         """
-        return cls(max_bytes=config.grammar_max_bytes, max_repetition=config.grammar_max_repetition,
-                   compile_timeout_s=float(config.grammar_compile_timeout_s))
+        return cls(
+            max_bytes=config.grammar_max_bytes,
+            max_repetition=config.grammar_max_repetition,
+            compile_timeout_s=float(config.grammar_compile_timeout_s),
+        )
 
     def check(self, spec: StructuredOutputs) -> None:
         """Refuse a spec over the static limits, before any compile.
@@ -93,7 +96,9 @@ class GrammarBudget:
         if size > self.max_bytes:
             raise InvalidRequestError(
                 f"the {spec.kind} constraint is {size} bytes, more than the limit of {self.max_bytes} "
-                "(ContinuousBatchingConfig.grammar_max_bytes)", "structured_outputs")
+                "(ContinuousBatchingConfig.grammar_max_bytes)",
+                "structured_outputs",
+            )
         kind = spec.kind
         if kind == "regex":
             total = repetition(payload, self.max_repetition)
@@ -114,7 +119,9 @@ class GrammarBudget:
             raise InvalidRequestError(
                 f"the {kind} constraint's counted repetitions ({where} {{m,n}}) expand to more than "
                 f"{self.max_repetition} characters, the limit (ContinuousBatchingConfig."
-                f"grammar_max_repetition); nested counts multiply", "structured_outputs")
+                f"grammar_max_repetition); nested counts multiply",
+                "structured_outputs",
+            )
 
 
 _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")

@@ -16,8 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL_NAME", "DTYPES", "ModelSource", "follow", "is_tp_follower",
-           "under_torchrun"]
+__all__ = ["DEFAULT_MODEL_NAME", "DTYPES", "ModelSource", "follow", "is_tp_follower", "under_torchrun"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MODEL_NAME = "acb-default"
@@ -87,8 +86,11 @@ class ModelSource:
         try:
             return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         except Exception as exc:  # a checkpoint without a tokenizer can still run prompt_ids
-            print(f"{command}: warning: no tokenizer loaded from {self.path} ({type(exc).__name__}: {exc}); "
-                  "text prompts are rejected and outputs have text=null", file=sys.stderr)
+            print(
+                f"{command}: warning: no tokenizer loaded from {self.path} ({type(exc).__name__}: {exc}); "
+                "text prompts are rejected and outputs have text=null",
+                file=sys.stderr,
+            )
             return None
 
     def load_model(self, device: Any = None) -> Any:
@@ -154,7 +156,8 @@ def _load_tp_model(path: str | None, dtype: Any) -> Any:
             path = tmp
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"), local_files_only=True)
+                path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"), local_files_only=True
+            )
         except Exception as exc:
             raise ValueError(f"--model: cannot load {path} tensor-parallel: {type(exc).__name__}: {exc}") from None
     return model.eval()

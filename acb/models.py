@@ -16,23 +16,65 @@ if TYPE_CHECKING:
 # Small shapes per architecture; every field a tiny model needs to be exercised properly
 # (GQA, head_dim not hidden/heads, sliding windows, q/k norms...).
 _TINY: dict[str, dict[str, Any]] = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=1, head_dim=32),
-    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, sliding_window=24),
-    "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=1, head_dim=16),
-    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, sliding_window=24, query_pre_attn_scalar=16),
-    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
-                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
-    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, pad_token_id=0),
+    "llama": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "qwen2": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+    ),
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=24,
+    ),
+    "gemma": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+    ),
+    "gemma2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+    ),
+    "gemma3_text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
+    "phi3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    ),
 }
 
 TINY_ARCHS = tuple(_TINY)
@@ -47,16 +89,27 @@ def tiny_config(
     if arch not in _TINY:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
     kw = dict(_TINY[arch])
-    kw.update(vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
-              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    kw.update(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     # a wider init makes logits peaked, so greedy parity does not hinge on near-ties
     kw["initializer_range"] = 0.2
     kw.update(overrides)
     return AutoConfig.for_model(arch, **kw)
 
 
-def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
-               attn_implementation: str = "sdpa", **overrides: Any) -> PreTrainedModel:
+def tiny_model(
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    **overrides: Any,
+) -> PreTrainedModel:
     """A tiny random causal LM of the given architecture, in eval mode."""
     from transformers import AutoModelForCausalLM
 
@@ -69,8 +122,12 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch
 # ``acb generate``'s embedded default: a small Llama (3.3M parameters; docs/getting-started.md shows the
 # count computed from the model, and tests/test_docs_examples.py runs that block).
 DEFAULT_MODEL_CONFIG: dict[str, Any] = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=2048,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
 )
 
 
@@ -101,7 +158,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string else '' }}"
     "{% if m.tool_calls %}{% for c in m.tool_calls %}{% set f = c.function if c.function is defined else c %}"
-    "<tool_call>{\"name\": {{ f.name | tojson }}, \"arguments\": {{ f.arguments | tojson }}}</tool_call>"
+    '<tool_call>{"name": {{ f.name | tojson }}, "arguments": {{ f.arguments | tojson }}}</tool_call>'
     "{% endfor %}{% endif %}"
     "{% if m.tool_call_id is defined and m.tool_call_id %} (result of {{ m.tool_call_id }}){% endif %}"
     "{{ '\\n' }}"
@@ -129,7 +186,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tk,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok

@@ -94,8 +94,8 @@ class SampleOutput:
     generated_tokens: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None
-    status: "RequestStatus"
-    finish_reason: "FinishReason | None"
+    status: RequestStatus
+    finish_reason: FinishReason | None
     text: str | None = None
     # a scoring group's requests (see acb.api.scoring): what each one scored
     prompt_logprobs: list[float] | None = None

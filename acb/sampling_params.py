@@ -141,10 +141,13 @@ class SamplingParams:
         elif so is not None and not isinstance(so, StructuredOutputs):
             raise InvalidRequestTypeError(
                 f"structured_outputs must be an acb.StructuredOutputs, a dict of its fields or None, "
-                f"got {type(so).__name__}", "structured_outputs")
+                f"got {type(so).__name__}",
+                "structured_outputs",
+            )
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestTypeError(
-                f"logit_bias must be a mapping of token id -> bias, got {type(self.logit_bias).__name__}", "logit_bias")
+                f"logit_bias must be a mapping of token id -> bias, got {type(self.logit_bias).__name__}", "logit_bias"
+            )
         self.validate()
 
     def validate(self) -> None:
@@ -179,13 +182,19 @@ class SamplingParams:
         check_int("logprobs", 0)
         check_int("prompt_logprobs", 0)
         if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
-            raise InvalidRequestError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}",
-                                      "prompt_logprobs")
+            raise InvalidRequestError(
+                f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}", "prompt_logprobs"
+            )
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
-        if self.max_new_tokens is not None and self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+        if (
+            self.max_new_tokens is not None
+            and self.min_new_tokens is not None
+            and self.min_new_tokens > self.max_new_tokens
+        ):
             raise InvalidRequestError(
-                f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})", "min_new_tokens")
+                f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})", "min_new_tokens"
+            )
         check_float("temperature", 0.0, MAX_TEMPERATURE)
         check_float("top_p", 0.0, 1.0, lo_open=True)
         check_float("min_p", 0.0, 1.0)
@@ -195,15 +204,17 @@ class SamplingParams:
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
             raise InvalidRequestTypeError(f"do_sample must be a bool, got {type(self.do_sample).__name__}", "do_sample")
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestTypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}",
-                                          "ignore_eos")
+            raise InvalidRequestTypeError(
+                f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", "ignore_eos"
+            )
         if self.stop_token_ids is not None:
             for tok in self.stop_token_ids:
                 if not _is_int(tok):
                     raise InvalidRequestTypeError(f"stop_token_ids must hold ints, got {tok!r}", "stop_token_ids")
                 if tok < 0 or tok > INT64_MAX:
-                    raise InvalidRequestError(f"stop_token_ids must be in [0, 2**63 - 1], got {_short(tok)}",
-                                              "stop_token_ids")
+                    raise InvalidRequestError(
+                        f"stop_token_ids must be in [0, 2**63 - 1], got {_short(tok)}", "stop_token_ids"
+                    )
         if self.stop is not None:
             for s in self.stop:
                 if not isinstance(s, str) or not s:
@@ -211,26 +222,31 @@ class SamplingParams:
         if self.logit_bias is not None:
             for tok, b in self.logit_bias.items():
                 if not _is_int(tok) or tok < 0 or tok > INT64_MAX:
-                    raise InvalidRequestError(f"logit_bias keys must be token ids in [0, 2**63 - 1], got {_short(tok)}",
-                                              "logit_bias")
+                    raise InvalidRequestError(
+                        f"logit_bias keys must be token ids in [0, 2**63 - 1], got {_short(tok)}", "logit_bias"
+                    )
                 if not _is_num(b) or not (-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS) and b != -math.inf:
                     raise InvalidRequestError(
                         f"logit_bias[{tok}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or -inf, "
-                        f"got {_short(b)}", "logit_bias")
+                        f"got {_short(b)}",
+                        "logit_bias",
+                    )
         if self.seed is not None:
             if not _is_int(self.seed):
                 raise InvalidRequestTypeError(f"seed must be an int or None, got {type(self.seed).__name__}", "seed")
             if not INT64_MIN <= self.seed <= INT64_MAX:
                 raise InvalidRequestError(f"seed must be a signed 64-bit int, got {_short(self.seed)}", "seed")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
-            raise InvalidRequestError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}",
-                                      "logprobs_mode")
+            raise InvalidRequestError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}", "logprobs_mode"
+            )
         if self.skip_special_tokens is not None and not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequestTypeError(
                 f"skip_special_tokens must be a bool, got {type(self.skip_special_tokens).__name__}",
-                "skip_special_tokens")
+                "skip_special_tokens",
+            )
 
-    def merged_over(self, defaults: "SamplingParams") -> "SamplingParams":
+    def merged_over(self, defaults: SamplingParams) -> SamplingParams:
         """These params with every ``None`` field taken from ``defaults``.
 
         Args:
@@ -257,7 +273,7 @@ class SamplingParams:
         model_config: PreTrainedConfig | None = None,
         *,
         drop_unsupported: bool = True,
-    ) -> "SamplingParams":
+    ) -> SamplingParams:
         """Engine-wide defaults from a transformers ``GenerationConfig``.
 
         Settings acb has no processor for (``typical_p``, ``no_repeat_ngram_size``, ...) are
@@ -276,11 +292,22 @@ class SamplingParams:
             eos = (eos,)
         stop = tuple(int(e) for e in eos if e is not None and int(e) >= 0) if eos is not None else ()
         unsupported = []
-        for name, off in (("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0), ("top_h", None),
-                          ("no_repeat_ngram_size", 0), ("encoder_repetition_penalty", 1.0),
-                          ("bad_words_ids", None), ("sequence_bias", None), ("suppress_tokens", None),
-                          ("begin_suppress_tokens", None), ("forced_bos_token_id", None),
-                          ("forced_eos_token_id", None), ("min_length", 0), ("watermarking_config", None)):
+        for name, off in (
+            ("typical_p", 1.0),
+            ("epsilon_cutoff", 0.0),
+            ("eta_cutoff", 0.0),
+            ("top_h", None),
+            ("no_repeat_ngram_size", 0),
+            ("encoder_repetition_penalty", 1.0),
+            ("bad_words_ids", None),
+            ("sequence_bias", None),
+            ("suppress_tokens", None),
+            ("begin_suppress_tokens", None),
+            ("forced_bos_token_id", None),
+            ("forced_eos_token_id", None),
+            ("min_length", 0),
+            ("watermarking_config", None),
+        ):
             v = get(name)
             if v is not None and v != off:
                 unsupported.append(f"{name}={v!r}")
@@ -352,17 +379,19 @@ def with_overrides(method: str, sampling: SamplingParams | None, overrides: Mapp
     with laid over it: ``engine.generate(ids, temperature=0.7)``. Errors name ``method``."""
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise InvalidRequestTypeError(
-            f"{method}(): sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}",
-            "sampling")
+            f"{method}(): sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}", "sampling"
+        )
     if not overrides:
         return sampling
     names = {f.name for f in fields(SamplingParams)}
     unknown = sorted(set(overrides) - names)
     if unknown:
         hints = [f"{k!r} is called {_OTHER_NAMES[k]!r} here" for k in unknown if k in _OTHER_NAMES]
-        raise TypeError(f"{method}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}"
-                        + (f" ({'; '.join(hints)})" if hints else "")
-                        + "; sampling keywords are the fields of acb.SamplingParams")
+        raise TypeError(
+            f"{method}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + "; sampling keywords are the fields of acb.SamplingParams"
+        )
     try:
         return replace(sampling or SamplingParams(), **overrides)
     except (TypeError, ValueError) as exc:
@@ -371,6 +400,15 @@ def with_overrides(method: str, sampling: SamplingParams | None, overrides: Mapp
 
 # What a request gets when neither it nor the engine's generation config says otherwise.
 FALLBACK = SamplingParams(
-    max_new_tokens=DEFAULT_MAX_NEW_TOKENS, min_new_tokens=0, temperature=0.0, top_k=0, top_p=1.0,
-    min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=(), n=1,
+    max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+    min_new_tokens=0,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    stop_token_ids=(),
+    n=1,
 )

@@ -111,6 +111,7 @@ def _xgr() -> ModuleType:
 # ---------------------------------------------------------------------------------------------
 # compiling
 
+
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A spec compiled against one compiler's vocabulary; immutable, shared by every request with the
@@ -183,9 +184,17 @@ class GrammarCompiler:
     compiles.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, *,
-                 stop_token_ids: Sequence[int] | None = None, workers: int = 2, compile_threads: int = 4,
-                 cache_size: int = 256, budget: GrammarBudget | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        *,
+        stop_token_ids: Sequence[int] | None = None,
+        workers: int = 2,
+        compile_threads: int = 4,
+        cache_size: int = 256,
+        budget: GrammarBudget | None = None,
+    ) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive int (the model's logits width), got {vocab_size!r}")
         for name, n in (("workers", workers), ("compile_threads", compile_threads), ("cache_size", cache_size)):
@@ -216,8 +225,10 @@ class GrammarCompiler:
         self._jobs: queue.SimpleQueue[tuple[StructuredOutputs, Future[CompiledGrammar]] | None] = queue.SimpleQueue()
         setup = _WorkerSetup(self._info.serialize_json(), compile_threads, sorted(self.stop_token_ids))
         self._workers = [_Worker(setup) for _ in range(workers)]
-        self._threads = [threading.Thread(target=self._serve, args=(w,), name=f"acb-grammar-{i}", daemon=True)
-                         for i, w in enumerate(self._workers)]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(w,), name=f"acb-grammar-{i}", daemon=True)
+            for i, w in enumerate(self._workers)
+        ]
         for t in self._threads:
             t.start()
 
@@ -343,8 +354,9 @@ class GrammarCompiler:
             self._closed = True
         for w in self._workers:
             w.kill()  # a parent thread waiting on its compile sees the pipe close, and ends
-        closed = EngineNotRunningError("the grammar compiler was closed (the engine stopped) before the "
-                                       "constraint compiled")
+        closed = EngineNotRunningError(
+            "the grammar compiler was closed (the engine stopped) before the constraint compiled"
+        )
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -375,25 +387,38 @@ class GrammarCompiler:
             try:
                 fut.set_result(self._run(worker, spec))
             except BaseException as exc:  # noqa: BLE001 - every failure is the future's, never this thread's end
-                fut.set_exception(exc if not self._closed else EngineNotRunningError(
-                    f"the grammar compiler was closed (the engine stopped) before the {spec.kind} constraint compiled"))
+                fut.set_exception(
+                    exc
+                    if not self._closed
+                    else EngineNotRunningError(
+                        f"the grammar compiler was closed (the engine stopped) before the {spec.kind} constraint compiled"
+                    )
+                )
 
     def _run(self, worker: _Worker, spec: StructuredOutputs) -> CompiledGrammar:
         limit = self.budget.compile_timeout_s
         t0 = perf_counter()
         reply = worker.compile(spec, limit)
         if reply is None:
-            raise InvalidRequestError(f"compiling the {spec.kind} constraint took longer than {limit:g} s, the limit "
-                                      "(ContinuousBatchingConfig.grammar_compile_timeout_s); it was stopped",
-                                      "structured_outputs")
+            raise InvalidRequestError(
+                f"compiling the {spec.kind} constraint took longer than {limit:g} s, the limit "
+                "(ContinuousBatchingConfig.grammar_compile_timeout_s); it was stopped",
+                "structured_outputs",
+            )
         ok, text, max_tokens = reply
         if not ok:
             raise InvalidRequestError(text, "structured_outputs")
         # (xgrammar releases the GIL while it reads the grammar back: other threads go on)
         handle = _xgr().CompiledGrammar.deserialize_json(text, self._info)
-        return CompiledGrammar(spec=spec, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids,
-                               compile_s=perf_counter() - t0, _handle=handle, _never=self._never,
-                               max_tokens=max_tokens)
+        return CompiledGrammar(
+            spec=spec,
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_token_ids,
+            compile_s=perf_counter() - t0,
+            _handle=handle,
+            _never=self._never,
+            max_tokens=max_tokens,
+        )
 
 
 def _fail(fut: Future[CompiledGrammar], exc: BaseException) -> None:
@@ -440,8 +465,12 @@ class _Worker:
                 # when the parent's end of the pipe closes
                 self._proc = subprocess.Popen(
                     [sys.executable, "-c", f"import acb.structured as s; s.serve_compiles({jobs_r}, {results_w})"],
-                    pass_fds=(jobs_r, results_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
-                    start_new_session=True)
+                    pass_fds=(jobs_r, results_w),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
             finally:
                 os.close(jobs_r)
                 os.close(results_w)
@@ -469,8 +498,10 @@ class _Worker:
             if self._killed:
                 raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)") from None
             self._restart()
-            raise InvalidRequestError(f"the grammar compile worker died (exit code {code}) compiling the {spec.kind} "
-                                      "constraint", "structured_outputs") from None
+            raise InvalidRequestError(
+                f"the grammar compile worker died (exit code {code}) compiling the {spec.kind} constraint",
+                "structured_outputs",
+            ) from None
         head, body = reply[:1], reply[1:]
         if head == b"+":
             meta, _, text = body.partition(b"\n")
@@ -575,12 +606,14 @@ def _compile_spec(xc: xgrammar.GrammarCompiler, spec: StructuredOutputs) -> xgra
             return xc.compile_grammar(_choice_ebnf(spec.choice or ()))
         return xc.compile_grammar(payload)
     except RuntimeError as exc:  # xgrammar's parse/convert errors are RuntimeErrors from C++
-        raise InvalidRequestError(f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}",
-                                  "structured_outputs") from None
+        raise InvalidRequestError(
+            f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}", "structured_outputs"
+        ) from None
 
 
-def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, info: xgrammar.TokenizerInfo,
-                     stops: frozenset[int]) -> int | None:
+def _check_startable(
+    handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, info: xgrammar.TokenizerInfo, stops: frozenset[int]
+) -> int | None:
     """Refuse a grammar no output can follow with this vocabulary, and bound its outputs' length.
 
     Returns:
@@ -596,8 +629,9 @@ def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, 
         raise InvalidRequestError(f"the {spec.kind} constraint can never be met: {_NO_TEXT}", "structured_outputs")
     first = _first_tokens(handle, info.vocab_size)
     if not first:
-        raise InvalidRequestError(f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}",
-                                  "structured_outputs")
+        raise InvalidRequestError(
+            f"the {spec.kind} constraint can never be met: {_why_no_start(handle)}", "structured_outputs"
+        )
     if all(t in stops for t in first):
         return 0
     if spec.kind == "choice":
@@ -605,13 +639,16 @@ def _check_startable(handle: xgrammar.CompiledGrammar, spec: StructuredOutputs, 
     return None
 
 
-_NO_TEXT = ("it matches no text at all (e.g. a JSON schema, or a grammar rule, that can only be completed by "
-            "itself, or contradictory bounds)")
+_NO_TEXT = (
+    "it matches no text at all (e.g. a JSON schema, or a grammar rule, that can only be completed by "
+    "itself, or contradictory bounds)"
+)
 
 # xgrammar's printed EBNF (``str(Grammar)``: one normalised rule a line), in tokens: a rule's head,
 # literals and character classes (terminals), calls such as Regex(...) (terminals), lookaheads
 # (skipped: they match nothing themselves), repetition counts, and names
-_EBNF_TOKEN = re.compile(r"""
+_EBNF_TOKEN = re.compile(
+    r"""
     (?P<head>^[A-Za-z_][\w.-]*\s*::=)
   | (?P<lit>"(?:[^"\\]|\\.)*")
   | (?P<cls>\[(?:[^\]\\]|\\.)*\])
@@ -624,7 +661,9 @@ _EBNF_TOKEN = re.compile(r"""
   | (?P<bar>\|)
   | (?P<other>[*+?])
   | \s+
-""", re.VERBOSE | re.MULTILINE)
+""",
+    re.VERBOSE | re.MULTILINE,
+)
 
 
 def _productive(ebnf: str) -> bool:
@@ -645,8 +684,9 @@ def _productive(ebnf: str) -> bool:
     while changed:
         changed = False
         for name, alternatives in rules.items():
-            if name not in productive and any(all(n in productive or n not in rules for n in alt)
-                                              for alt in alternatives):
+            if name not in productive and any(
+                all(n in productive or n not in rules for n in alt) for alt in alternatives
+            ):
                 productive.add(name)
                 changed = True
     return "root" in productive
@@ -723,8 +763,9 @@ def _why_no_start(handle: xgrammar.CompiledGrammar) -> str:
     """Whether a grammar that allows no first token matches no text at all or only lacks tokens:
     the same grammar against one token per byte tells them apart."""
     xgr = _xgr()
-    byte_info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], vocab_type=xgr.VocabType.RAW,
-                                  stop_token_ids=[256])
+    byte_info = xgr.TokenizerInfo(
+        [bytes([b]) for b in range(256)] + [b"</s>"], vocab_type=xgr.VocabType.RAW, stop_token_ids=[256]
+    )
     byte_compiler = xgr.GrammarCompiler(byte_info, max_threads=1, cache_enabled=False)
     try:
         by_bytes = byte_compiler.compile_grammar(handle.grammar)
@@ -734,8 +775,9 @@ def _why_no_start(handle: xgrammar.CompiledGrammar) -> str:
     if not starts:
         return _NO_TEXT
     shown = ", ".join(repr(bytes([b]).decode("latin-1")) for b in starts[:8]) + (", ..." if len(starts) > 8 else "")
-    return (f"the tokenizer's vocabulary has no token that starts it (an output must start with one of the "
-            f"bytes {shown})")
+    return (
+        f"the tokenizer's vocabulary has no token that starts it (an output must start with one of the bytes {shown})"
+    )
 
 
 def _json_grammar(schema: str, strict: bool, flexible: bool) -> xgrammar.Grammar:
@@ -744,8 +786,7 @@ def _json_grammar(schema: str, strict: bool, flexible: bool) -> xgrammar.Grammar
         grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict)
     else:
         # compact: (",", ":") separators; xgrammar's default without any_whitespace is (", ", ": ")
-        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"),
-                                               strict_mode=strict)
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"), strict_mode=strict)
     # Work around two xgrammar 0.2.8 bugs by rewriting rules of its printed EBNF (str(Grammar)
     # is its own printer, which from_ebnf reads back); an xgrammar without them has no match.
     text = str(grammar)
@@ -757,12 +798,16 @@ def _json_grammar(schema: str, strict: bool, flexible: bool) -> xgrammar.Grammar
 
 # A length-bounded string (minLength/maxLength) takes its characters from [^"\\\r\n]: raw control
 # characters, which json.loads rejects, get in; the class of unbounded strings excludes them.
-_JSON_FIXES = ((r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'),)
+_JSON_FIXES = ((r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]"),)
 # The rules for an unconstrained value ({}, a bare object or array, json_object) ignore the
 # separators and put ", " between items, even in compact JSON.
-_COMPACT_FIXES = (('basic_array_items ::= ((", " basic_any))', 'basic_array_items ::= (("," basic_any))'),
-                  ('basic_object_properties ::= ((", " basic_string ":" basic_any))',
-                   'basic_object_properties ::= (("," basic_string ":" basic_any))'))
+_COMPACT_FIXES = (
+    ('basic_array_items ::= ((", " basic_any))', 'basic_array_items ::= (("," basic_any))'),
+    (
+        'basic_object_properties ::= ((", " basic_string ":" basic_any))',
+        'basic_object_properties ::= (("," basic_string ":" basic_any))',
+    ),
+)
 
 
 def _choice_ebnf(choice: Sequence[str]) -> str:
@@ -773,6 +818,7 @@ def _choice_ebnf(choice: Sequence[str]) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # matching
+
 
 class Matcher:
     """One request's position in its grammar; wraps xgrammar's ``GrammarMatcher``.
@@ -806,8 +852,11 @@ class Matcher:
         the matcher has terminated. A stop token is accepted only where the text is complete, and
         then terminates the matcher.
         """
-        if not 0 <= token_id < self._compiled.vocab_size or token_id in self._compiled._never \
-                or self._m.is_terminated():
+        if (
+            not 0 <= token_id < self._compiled.vocab_size
+            or token_id in self._compiled._never
+            or self._m.is_terminated()
+        ):
             return False  # answered here: xgrammar would log a warning to stderr for each
         if self._m.accept_token(token_id):
             self._num_tokens += 1
@@ -838,8 +887,9 @@ class Matcher:
         if bitmask.device.type != "cpu" or bitmask.dtype != torch.int32:
             raise ValueError(f"bitmask must be a CPU int32 tensor, got {bitmask.dtype} on {bitmask.device}")
         if bitmask.dim() != 2 or bitmask.shape[1] * 32 < self._compiled.vocab_size:
-            raise ValueError(f"bitmask must be [rows, >= {_words(self._compiled.vocab_size)}], "
-                             f"got {list(bitmask.shape)}")
+            raise ValueError(
+                f"bitmask must be [rows, >= {_words(self._compiled.vocab_size)}], got {list(bitmask.shape)}"
+            )
         if self._m.is_terminated():
             words = bitmask[row]
             words.zero_()
@@ -886,6 +936,7 @@ class Matcher:
 # ---------------------------------------------------------------------------------------------
 # bitmasks
 
+
 def _words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -901,8 +952,9 @@ def allocate_bitmask(rows: int, vocab_size: int, *, pin_memory: bool = False) ->
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                  rows_index: Sequence[int] | torch.Tensor | None = None) -> None:
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows_index: Sequence[int] | torch.Tensor | None = None
+) -> None:
     """Set ``logits[r, t] = -inf`` in place where bit ``t`` of ``bitmask[r]`` is clear.
 
     ``logits``: ``[rows, V]`` on any device, ``V`` the compiler's ``vocab_size``; ``bitmask``:
@@ -922,16 +974,23 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     vocab = logits.shape[1]
     if bitmask.shape[1] * 32 < vocab:
         # a narrower mask would leave the trailing (padding) logits unmasked: refuse, never guess
-        raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens but the logits have {vocab}: "
-                         "allocate it for the model's vocab_size")
+        raise ValueError(
+            f"bitmask covers {bitmask.shape[1] * 32} tokens but the logits have {vocab}: "
+            "allocate it for the model's vocab_size"
+        )
     if rows_index is None and bitmask.shape[0] < logits.shape[0]:
         raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {logits.shape[0]} logits rows")
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     dev = logits.device.type
     if dev == "cpu" and logits.dtype in _KERNEL_DTYPES:
-        rows = rows_index.tolist() if isinstance(rows_index, torch.Tensor) else \
-            None if rows_index is None else [int(r) for r in rows_index]
+        rows = (
+            rows_index.tolist()
+            if isinstance(rows_index, torch.Tensor)
+            else None
+            if rows_index is None
+            else [int(r) for r in rows_index]
+        )
         if rows == []:
             return
         _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows, backend="cpu")
@@ -942,18 +1001,21 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
         except ImportError:
             pass
         else:
-            rows_t = None if rows_index is None else (
-                rows_index if isinstance(rows_index, torch.Tensor) else list(map(int, rows_index)))
+            rows_t = (
+                None
+                if rows_index is None
+                else (rows_index if isinstance(rows_index, torch.Tensor) else list(map(int, rows_index)))
+            )
             if rows_t is not None and len(rows_t) == 0:
                 return
-            _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows_t,
-                                               backend="triton")
+            _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows_t, backend="triton")
             return
     _apply_bitmask_torch(logits, bitmask, rows_index)
 
 
-def _apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
-                         rows_index: Sequence[int] | torch.Tensor | None) -> None:
+def _apply_bitmask_torch(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows_index: Sequence[int] | torch.Tensor | None
+) -> None:
     vocab = logits.shape[1]
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
     if rows_index is None:

@@ -63,14 +63,25 @@ class StructuredOutputs:
             raise InvalidRequestTypeError(f"json_object must be a bool, got {type(self.json_object).__name__}", _FIELD)
         if not isinstance(self.whitespace_flexible, bool):
             raise InvalidRequestTypeError(
-                f"whitespace_flexible must be a bool, got {type(self.whitespace_flexible).__name__}", _FIELD)
-        given = [name for name, on in (("json", self.json is not None), ("json_object", self.json_object),
-                                       ("regex", self.regex is not None), ("choice", self.choice is not None),
-                                       ("grammar", self.grammar is not None)) if on]
+                f"whitespace_flexible must be a bool, got {type(self.whitespace_flexible).__name__}", _FIELD
+            )
+        given = [
+            name
+            for name, on in (
+                ("json", self.json is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", self.choice is not None),
+                ("grammar", self.grammar is not None),
+            )
+            if on
+        ]
         if len(given) != 1:
             raise InvalidRequestError(
                 "StructuredOutputs needs exactly one of json, json_object, regex, choice, grammar; "
-                + (f"got {', '.join(given)}" if given else "got none"), _FIELD)
+                + (f"got {', '.join(given)}" if given else "got none"),
+                _FIELD,
+            )
         kind: Kind = given[0]  # type: ignore[assignment]
         if self.whitespace_flexible and kind not in ("json", "json_object"):
             raise InvalidRequestError(f"whitespace_flexible applies to json and json_object only, not {kind}", _FIELD)
@@ -86,12 +97,14 @@ class StructuredOutputs:
         else:
             choice = self.choice
             if isinstance(choice, (str, bytes)) or not isinstance(choice, Sequence):
-                raise InvalidRequestTypeError(f"choice must be a sequence of strings, got {type(choice).__name__}",
-                                              _FIELD)
+                raise InvalidRequestTypeError(
+                    f"choice must be a sequence of strings, got {type(choice).__name__}", _FIELD
+                )
             bad = [c for c in choice if not isinstance(c, str)]
             if bad:
-                raise InvalidRequestTypeError(f"choice must hold strings only, got {type(bad[0]).__name__} {bad[0]!r}",
-                                              _FIELD)
+                raise InvalidRequestTypeError(
+                    f"choice must hold strings only, got {type(bad[0]).__name__} {bad[0]!r}", _FIELD
+                )
             if not choice:
                 raise InvalidRequestError("choice must hold at least one string", _FIELD)
             # a tuple, so that the frozen spec is not changed through the caller's list
@@ -140,11 +153,11 @@ def _canonical_schema(schema: object) -> str:
             raise InvalidRequestError(f"json is not valid JSON text: {exc}", _FIELD) from None
         if not isinstance(schema, dict):
             # ValueError: a str is the right type; the JSON it holds is the wrong value
-            raise InvalidRequestError(f"json must be a JSON schema object, got JSON {type(schema).__name__}",
-                                      _FIELD)  # noqa: TRY004
+            raise InvalidRequestError(f"json must be a JSON schema object, got JSON {type(schema).__name__}", _FIELD)  # noqa: TRY004
     elif not isinstance(schema, dict):
-        raise InvalidRequestTypeError(f"json must be a JSON schema as a dict or str, got {type(schema).__name__}",
-                                      _FIELD)
+        raise InvalidRequestTypeError(
+            f"json must be a JSON schema as a dict or str, got {type(schema).__name__}", _FIELD
+        )
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise InvalidRequestError(_too_deep(depth), _FIELD)
@@ -155,8 +168,7 @@ def _canonical_schema(schema: object) -> str:
 
 
 def _too_deep(depth: int) -> str:
-    return (f"json schema nests {depth} levels deep (JSON objects and arrays), more than the limit of "
-            f"{MAX_SCHEMA_DEPTH}")
+    return f"json schema nests {depth} levels deep (JSON objects and arrays), more than the limit of {MAX_SCHEMA_DEPTH}"
 
 
 def _depth(value: object) -> int:

@@ -62,7 +62,7 @@ CAPTURE_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-TOKEN_BUCKETS = tuple(float(4 ** k) for k in range(14))  # 1, 4, 16, ..., 67108864
+TOKEN_BUCKETS = tuple(float(4**k) for k in range(14))  # 1, 4, 16, ..., 67108864
 
 REQUEST_DURATION = "gen_ai.server.request.duration"
 TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
@@ -107,8 +107,12 @@ def conventions() -> str:
         return "v1.36"
     if value not in _warned_conventions:
         _warned_conventions.add(value)
-        logger.warning("%s=%r is not one of %s: acb emits the latest GenAI conventions", CONVENTIONS_ENV, value,
-                       ", ".join(CONVENTIONS))
+        logger.warning(
+            "%s=%r is not one of %s: acb emits the latest GenAI conventions",
+            CONVENTIONS_ENV,
+            value,
+            ", ".join(CONVENTIONS),
+        )
     return "latest"
 
 
@@ -153,35 +157,67 @@ class _Instruments:
         self.histograms: dict[str, Any] = {}
         for name, (unit, buckets, desc) in HISTOGRAMS.items():
             try:  # the advisory (API >= 1.30) gives an application's own SDK the conventions' buckets
-                h = meter.create_histogram(name, unit=unit, description=desc,
-                                           explicit_bucket_boundaries_advisory=list(buckets))
+                h = meter.create_histogram(
+                    name, unit=unit, description=desc, explicit_bucket_boundaries_advisory=list(buckets)
+                )
             except TypeError:
                 h = meter.create_histogram(name, unit=unit, description=desc)
             self.histograms[name] = h
         obs = [
-            ("acb.requests.running", "gauge", "{request}", "requests being computed",
-             lambda s: s.running),
-            ("acb.requests.waiting", "gauge", "{request}", "requests waiting to be scheduled",
-             lambda s: s.waiting),
-            ("acb.kv_cache.blocks.used", "gauge", "{block}", "KV blocks held by requests",
-             lambda s: s.kv_blocks_used),
-            ("acb.kv_cache.blocks.total", "gauge", "{block}", "KV blocks in the cache",
-             lambda s: s.kv_blocks_total),
-            ("acb.kv_cache.usage", "gauge", "1", "fraction of KV blocks held by requests",
-             lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
-            ("acb.prefix_cache.hit_rate", "gauge", "1", "prompt tokens found in the prefix cache / looked up",
-             lambda s: s.prefix_hit_rate),
-            ("acb.prefix_cache.queries", "counter", "{token}", "prompt tokens looked up in the prefix cache",
-             lambda s: s.prefix_queries),
-            ("acb.prefix_cache.hits", "counter", "{token}", "prompt tokens found in the prefix cache",
-             lambda s: s.prefix_hits),
-            ("acb.preemptions", "counter", "{preemption}", "requests taken off the device for lack of KV blocks",
-             lambda s: s.preemptions),
+            ("acb.requests.running", "gauge", "{request}", "requests being computed", lambda s: s.running),
+            ("acb.requests.waiting", "gauge", "{request}", "requests waiting to be scheduled", lambda s: s.waiting),
+            ("acb.kv_cache.blocks.used", "gauge", "{block}", "KV blocks held by requests", lambda s: s.kv_blocks_used),
+            ("acb.kv_cache.blocks.total", "gauge", "{block}", "KV blocks in the cache", lambda s: s.kv_blocks_total),
+            (
+                "acb.kv_cache.usage",
+                "gauge",
+                "1",
+                "fraction of KV blocks held by requests",
+                lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+            ),
+            (
+                "acb.prefix_cache.hit_rate",
+                "gauge",
+                "1",
+                "prompt tokens found in the prefix cache / looked up",
+                lambda s: s.prefix_hit_rate,
+            ),
+            (
+                "acb.prefix_cache.queries",
+                "counter",
+                "{token}",
+                "prompt tokens looked up in the prefix cache",
+                lambda s: s.prefix_queries,
+            ),
+            (
+                "acb.prefix_cache.hits",
+                "counter",
+                "{token}",
+                "prompt tokens found in the prefix cache",
+                lambda s: s.prefix_hits,
+            ),
+            (
+                "acb.preemptions",
+                "counter",
+                "{preemption}",
+                "requests taken off the device for lack of KV blocks",
+                lambda s: s.preemptions,
+            ),
             ("acb.engine.steps", "counter", "{step}", "engine steps run", lambda s: s.steps),
-            ("acb.engine.batch.tokens", "counter", "{token}", "tokens computed, by acb.token.kind "
-             "(prefill, decode)", None),
-            ("acb.engine.step.time", "counter", "s", "time in the engine's steps, by acb.step.phase "
-             "(schedule, stage, compute, process)", None),
+            (
+                "acb.engine.batch.tokens",
+                "counter",
+                "{token}",
+                "tokens computed, by acb.token.kind (prefill, decode)",
+                None,
+            ),
+            (
+                "acb.engine.step.time",
+                "counter",
+                "s",
+                "time in the engine's steps, by acb.step.phase (schedule, stage, compute, process)",
+                None,
+            ),
         ]
         for name, kind, unit, desc, read in obs:
             make = meter.create_observable_gauge if kind == "gauge" else meter.create_observable_counter
@@ -201,8 +237,12 @@ def _observer(name: str, read: Any) -> Any:
                 yield Observation(stats.prefill_tokens, {**attrs, "acb.token.kind": "prefill"})
                 yield Observation(stats.decode_tokens, {**attrs, "acb.token.kind": "decode"})
             elif name == "acb.engine.step.time":
-                for phase, v in (("schedule", stats.host_schedule_s), ("stage", stats.host_stage_s),
-                                 ("compute", stats.compute_s), ("process", stats.host_process_s)):
+                for phase, v in (
+                    ("schedule", stats.host_schedule_s),
+                    ("stage", stats.host_stage_s),
+                    ("compute", stats.compute_s),
+                    ("process", stats.host_process_s),
+                ):
                     yield Observation(v, {**attrs, "acb.step.phase": phase})
             else:
                 yield Observation(read(stats), attrs)
@@ -254,8 +294,13 @@ def begin(prompt: Any, model: str, params: SamplingParams) -> RequestTrace | Non
         return None
     chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
     keep = prompt if isinstance(prompt, str) or chat else None
-    return RequestTrace("chat" if chat else "text_completion", model, params, otel_context.get_current(),
-                        keep if capture_content() else None)
+    return RequestTrace(
+        "chat" if chat else "text_completion",
+        model,
+        params,
+        otel_context.get_current(),
+        keep if capture_content() else None,
+    )
 
 
 def end(rt: RequestTrace | None, out: GenerationOutput) -> None:
@@ -326,12 +371,17 @@ def _base_attrs(operation: str, model: str) -> dict[str, Any]:
 
 def request_attributes(p: SamplingParams) -> dict[str, Any]:
     """The ``gen_ai.request.*`` attributes of a request's sampling parameters (None: left out)."""
-    return {"gen_ai.request.max_tokens": p.max_new_tokens, "gen_ai.request.temperature": p.temperature,
-            "gen_ai.request.top_p": p.top_p, "gen_ai.request.top_k": p.top_k, "gen_ai.request.seed": p.seed,
-            "gen_ai.request.frequency_penalty": p.frequency_penalty,
-            "gen_ai.request.presence_penalty": p.presence_penalty,
-            "gen_ai.request.stop_sequences": list(p.stop) if p.stop else None,
-            "gen_ai.request.choice.count": p.n if p.n not in (None, 1) else None}
+    return {
+        "gen_ai.request.max_tokens": p.max_new_tokens,
+        "gen_ai.request.temperature": p.temperature,
+        "gen_ai.request.top_p": p.top_p,
+        "gen_ai.request.top_k": p.top_k,
+        "gen_ai.request.seed": p.seed,
+        "gen_ai.request.frequency_penalty": p.frequency_penalty,
+        "gen_ai.request.presence_penalty": p.presence_penalty,
+        "gen_ai.request.stop_sequences": list(p.stop) if p.stop else None,
+        "gen_ai.request.choice.count": p.n if p.n not in (None, 1) else None,
+    }
 
 
 def _reason(sample: Any) -> str:
@@ -383,23 +433,33 @@ def _span(rt: RequestTrace, out: GenerationOutput) -> None:
         attrs["gen_ai.output.messages"] = json.dumps(_output_messages(samples), ensure_ascii=False)
     attrs.update(rt.extra)
     end_t = c + total if total is not None else time.perf_counter()
-    span = tracer.start_span(f"{rt.operation} {rt.model}", context=rt.parent, kind=SpanKind.INTERNAL,
-                             attributes={k: v for k, v in attrs.items() if v is not None}, start_time=_wall_ns(c))
+    span = tracer.start_span(
+        f"{rt.operation} {rt.model}",
+        context=rt.parent,
+        kind=SpanKind.INTERNAL,
+        attributes={k: v for k, v in attrs.items() if v is not None},
+        start_time=_wall_ns(c),
+    )
     span.add_event("acb.queued", timestamp=_wall_ns(c))
     if qt is not None:
-        span.add_event("acb.scheduled", {"gen_ai.usage.cache_read.input_tokens": out.num_cached_tokens},
-                       timestamp=_wall_ns(c + qt))
+        span.add_event(
+            "acb.scheduled", {"gen_ai.usage.cache_read.input_tokens": out.num_cached_tokens}, timestamp=_wall_ns(c + qt)
+        )
     if ttft is not None:
         span.add_event("acb.first_token", timestamp=_wall_ns(c + ttft))
     for name, t in out.events or ():
         span.add_event(f"acb.{name}", timestamp=_wall_ns(t))
     if rt.prompt is not None and not latest_conventions():  # the v1.36 form: content as span events
-        span.add_event("gen_ai.content.prompt", {"gen_ai.prompt": json.dumps(_input_messages(rt.prompt),
-                                                                              ensure_ascii=False)},
-                       timestamp=_wall_ns(c))
-        span.add_event("gen_ai.content.completion", {"gen_ai.completion": json.dumps(_output_messages(samples),
-                                                                                     ensure_ascii=False)},
-                       timestamp=_wall_ns(end_t))
+        span.add_event(
+            "gen_ai.content.prompt",
+            {"gen_ai.prompt": json.dumps(_input_messages(rt.prompt), ensure_ascii=False)},
+            timestamp=_wall_ns(c),
+        )
+        span.add_event(
+            "gen_ai.content.completion",
+            {"gen_ai.completion": json.dumps(_output_messages(samples), ensure_ascii=False)},
+            timestamp=_wall_ns(end_t),
+        )
     end_attrs = {"acb.request.outcome": outcome}
     if error is not None:
         end_attrs["error.type"] = error
@@ -412,13 +472,17 @@ def _span(rt: RequestTrace, out: GenerationOutput) -> None:
 def _input_messages(prompt: Any) -> list[dict[str, Any]]:
     if isinstance(prompt, str):
         return [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]
-    return [{"role": str(m.get("role", "user")), "parts": [{"type": "text", "content": str(m.get("content", ""))}]}
-            for m in prompt]
+    return [
+        {"role": str(m.get("role", "user")), "parts": [{"type": "text", "content": str(m.get("content", ""))}]}
+        for m in prompt
+    ]
 
 
 def _output_messages(samples: list[Any]) -> list[dict[str, Any]]:
-    return [{"role": "assistant", "parts": [{"type": "text", "content": s.text or ""}],
-             "finish_reason": _reason(s)} for s in samples]
+    return [
+        {"role": "assistant", "parts": [{"type": "text", "content": s.text or ""}], "finish_reason": _reason(s)}
+        for s in samples
+    ]
 
 
 # ------------------------------------------------------------------ an HTTP server's span
@@ -437,8 +501,11 @@ class ServerSpan:
         carrier = {k.lower(): v for k, v in headers.items()}
         attrs = {**_base_attrs(operation, model), **attributes}
         self.span = otel_trace.get_tracer("acb", _version()).start_span(
-            f"{operation} {model}", context=extract(carrier), kind=SpanKind.SERVER,
-            attributes={k: v for k, v in attrs.items() if v is not None})
+            f"{operation} {model}",
+            context=extract(carrier),
+            kind=SpanKind.SERVER,
+            attributes={k: v for k, v in attrs.items() if v is not None},
+        )
 
     def active(self) -> Any:
         """A context manager making this span current (for the submits)."""
@@ -446,8 +513,9 @@ class ServerSpan:
             return _null_context()
         return otel_trace.use_span(self.span, end_on_exit=False)
 
-    def finish(self, outs: list[GenerationOutput] | None = None, error_type: str | None = None,
-               message: str | None = None) -> None:
+    def finish(
+        self, outs: list[GenerationOutput] | None = None, error_type: str | None = None, message: str | None = None
+    ) -> None:
         span = self.span
         if span is None:
             return
@@ -507,8 +575,16 @@ class Telemetry:
 
 
 def _protocol(signal: str, protocol: str | None) -> str:
-    value = (protocol or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
-             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+    value = (
+        (
+            protocol
+            or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
+        .strip()
+        .lower()
+    )
     if value not in ("http/protobuf", "grpc"):
         raise ValueError(f"OTLP protocol {value!r} is not supported: use 'http/protobuf' or 'grpc'")
     return value
@@ -537,14 +613,16 @@ def _exporter(signal: str, endpoint: str | None, protocol: str | None) -> Any:
 
     proto = _protocol(signal, protocol)
     module = f"opentelemetry.exporter.otlp.proto.{'grpc' if proto == 'grpc' else 'http'}." + (
-        "trace_exporter" if signal == "TRACES" else "metric_exporter")
+        "trace_exporter" if signal == "TRACES" else "metric_exporter"
+    )
     try:
-        exporter = getattr(importlib.import_module(module),
-                           "OTLPSpanExporter" if signal == "TRACES" else "OTLPMetricExporter")
+        exporter = getattr(
+            importlib.import_module(module), "OTLPSpanExporter" if signal == "TRACES" else "OTLPMetricExporter"
+        )
     except ImportError as exc:
-        raise ImportError(f"the OTLP {proto} exporter is not installed: pip install -e '.[otel]' in acb's checkout "
-                          f"({exc})") \
-            from None
+        raise ImportError(
+            f"the OTLP {proto} exporter is not installed: pip install -e '.[otel]' in acb's checkout ({exc})"
+        ) from None
     if not endpoint:  # the exporter reads OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT
         return exporter()
     if proto == "grpc":
@@ -553,9 +631,18 @@ def _exporter(signal: str, endpoint: str | None, protocol: str | None) -> Any:
     return exporter(endpoint=f"{endpoint.rstrip('/')}/v1/{signal.lower()}")
 
 
-def configure(endpoint: str | None = None, protocol: str | None = None, service_name: str | None = None, *,
-              traces: bool = True, metrics: bool = True, capture_content: bool = False, prometheus: bool = False,
-              export_interval_s: float | None = None, genai_conventions: str | None = None) -> Telemetry:
+def configure(
+    endpoint: str | None = None,
+    protocol: str | None = None,
+    service_name: str | None = None,
+    *,
+    traces: bool = True,
+    metrics: bool = True,
+    capture_content: bool = False,
+    prometheus: bool = False,
+    export_interval_s: float | None = None,
+    genai_conventions: str | None = None,
+) -> Telemetry:
     """Set up the OpenTelemetry SDK to export acb's spans and metrics over OTLP.
 
     ``endpoint`` is the collector's base URL (``http://localhost:4318`` for http/protobuf,
@@ -583,8 +670,9 @@ def configure(endpoint: str | None = None, protocol: str | None = None, service_
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        raise ImportError(f"acb.telemetry.configure needs the OpenTelemetry SDK: pip install -e '.[otel]' in acb's "
-                          f"checkout ({exc})") from None
+        raise ImportError(
+            f"acb.telemetry.configure needs the OpenTelemetry SDK: pip install -e '.[otel]' in acb's checkout ({exc})"
+        ) from None
     _capture_content = capture_content or None
     _conventions = genai_conventions
     attrs = {"service.name": service_name or os.environ.get("OTEL_SERVICE_NAME") or "acb"}
@@ -595,8 +683,10 @@ def configure(endpoint: str | None = None, protocol: str | None = None, service_
         tracer_provider = TracerProvider(resource=resource)
         tracer_provider.add_span_processor(BatchSpanProcessor(_exporter("TRACES", endpoint, protocol)))
         if _tracing():
-            logger.warning("an OpenTelemetry tracer provider is already set: acb's spans go to it, not to %s",
-                           endpoint or "the configured endpoint")
+            logger.warning(
+                "an OpenTelemetry tracer provider is already set: acb's spans go to it, not to %s",
+                endpoint or "the configured endpoint",
+            )
             tracer_provider.shutdown()
             tracer_provider = None
         else:
@@ -605,13 +695,16 @@ def configure(endpoint: str | None = None, protocol: str | None = None, service_
         readers: list[Any] = []
         if export:
             interval = None if export_interval_s is None else int(export_interval_s * 1000)
-            readers.append(PeriodicExportingMetricReader(_exporter("METRICS", endpoint, protocol),
-                                                         export_interval_millis=interval))
+            readers.append(
+                PeriodicExportingMetricReader(_exporter("METRICS", endpoint, protocol), export_interval_millis=interval)
+            )
         if prometheus:
             reader, registry = _prometheus_reader()
             readers.append(reader)
-        views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(buckets)))
-                 for name, (_, buckets, _) in HISTOGRAMS.items()]
+        views = [
+            View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(buckets)))
+            for name, (_, buckets, _) in HISTOGRAMS.items()
+        ]
         meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views)
         if _metering():
             logger.warning("an OpenTelemetry meter provider is already set: acb's metrics go to it")
@@ -627,8 +720,10 @@ def _prometheus_reader() -> tuple[Any, Any]:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import REGISTRY, CollectorRegistry
     except ImportError as exc:
-        raise ImportError("Prometheus metrics need opentelemetry-exporter-prometheus: "
-                          f"pip install -e '.[serve]' in acb's checkout ({exc})") from None
+        raise ImportError(
+            "Prometheus metrics need opentelemetry-exporter-prometheus: "
+            f"pip install -e '.[serve]' in acb's checkout ({exc})"
+        ) from None
     registry = CollectorRegistry()
     try:  # a registry of its own (exporter >= 0.63b0), so that several apps in a process do not clash
         return PrometheusMetricReader(registry=registry), registry

@@ -12,10 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast, overload
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase, ProcessorMixin
-
     import numpy as np
     import torch
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
     # what the engines take as ``tokenizer=``: a tokenizer, or a processor that wraps one
     TokenizerLike: TypeAlias = "PreTrainedTokenizerBase | ProcessorMixin"
@@ -44,8 +43,12 @@ def text_tokenizer(tokenizer: TokenizerLike | None) -> PreTrainedTokenizerBase |
 
 def is_chat(prompt: object) -> bool:
     """A chat: a non-empty list of ``{"role", "content"}`` mappings."""
-    return (isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)) and len(prompt) > 0
-            and all(isinstance(m, Mapping) and _CHAT_KEYS <= set(m) for m in prompt))
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, (str, bytes))
+        and len(prompt) > 0
+        and all(isinstance(m, Mapping) and _CHAT_KEYS <= set(m) for m in prompt)
+    )
 
 
 class RenderedChat(list):  # type: ignore[type-arg]  # list[dict[str, Any]]
@@ -99,14 +102,18 @@ def encode_prompt(
     return render_chat(tokenizer, cast("Sequence[Mapping[str, Any]]", prompt), chat_template_kwargs)
 
 
-def render_chat(tokenizer: TokenizerLike, chat: Sequence[Mapping[str, Any]],
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+def render_chat(
+    tokenizer: TokenizerLike, chat: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None
+) -> list[int]:
     """A chat's token ids by the tokenizer's chat template (``add_generation_prompt=True`` unless
     the kwargs say otherwise). Template errors become ``ValueError``: a template that calls
     ``raise_exception`` refuses that chat, which is bad input like any other."""
     kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
-    if getattr(text_tokenizer(tokenizer), "chat_template", None) is None and getattr(
-            tokenizer, "chat_template", None) is None and kwargs.get("chat_template") is None:
+    if (
+        getattr(text_tokenizer(tokenizer), "chat_template", None) is None
+        and getattr(tokenizer, "chat_template", None) is None
+        and kwargs.get("chat_template") is None
+    ):
         raise ValueError("the prompt is a chat, but the tokenizer has no chat template (set tokenizer.chat_template)")
     try:
         ids = tokenizer.apply_chat_template([dict(m) for m in chat], tokenize=True, **kwargs)
@@ -152,11 +159,9 @@ class IncrementalDetokenizer:
     left, so the pieces always add up to ``decode(all ids)``.
     """
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "stops", "hold", "ids", "prefix", "read", "text", "emitted",
-                 "cut")
+    __slots__ = ("tokenizer", "skip_special_tokens", "stops", "hold", "ids", "prefix", "read", "text", "emitted", "cut")
 
-    def __init__(self, tokenizer: TokenizerLike, skip_special_tokens: bool = True,
-                 stops: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TokenizerLike, skip_special_tokens: bool = True, stops: Sequence[str] = ()) -> None:
         self.tokenizer = text_tokenizer(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         # with stop strings, the stream never shows one: it keeps back the longest one's length
@@ -173,8 +178,12 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         # one sequence of ids decodes to one str (decode is typed for batches too)
-        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                               clean_up_tokenization_spaces=False))
+        return cast(
+            str,
+            self.tokenizer.decode(
+                ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+            ),
+        )
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (possibly empty)."""
@@ -218,8 +227,9 @@ class IncrementalDetokenizer:
 @functools.lru_cache(maxsize=1)
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

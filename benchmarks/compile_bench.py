@@ -31,12 +31,18 @@ def one(level: int, device: str, prompts: int) -> dict:
     g = torch.Generator().manual_seed(1)
     outs = torch.randint(16, 65, (prompts,), generator=g).tolist()
     cfg = acb.ContinuousBatchingConfig(
-        page_size=32, num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, outs)], 32) + 1,
-        max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, default_compile_level=level)
+        page_size=32,
+        num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, outs)], 32) + 1,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        max_requests_per_batch=MAX_REQUESTS,
+        default_compile_level=level,
+    )
     t0 = time.perf_counter()
     with acb.Engine(model, cfg) as eng:
         # warm-up: a decode-only and a mixed step of several shapes, so compilation happens here
-        warm = [eng.submit(p[:n], acb.SamplingParams(max_new_tokens=6, ignore_eos=True)) for p, n in zip(ps, (5, 40, 90))]
+        warm = [
+            eng.submit(p[:n], acb.SamplingParams(max_new_tokens=6, ignore_eos=True)) for p, n in zip(ps, (5, 40, 90))
+        ]
         [h.result() for h in warm]
         setup = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -44,8 +50,14 @@ def one(level: int, device: str, prompts: int) -> dict:
         tokens = [h.result().generated_tokens for h in hs]
         dt = time.perf_counter() - t1
     n = sum(map(len, tokens))
-    return {"level": level, "seconds": dt, "setup_s": setup, "tokens_per_s": n / dt, "output_tokens": n,
-            "tokens": tokens}
+    return {
+        "level": level,
+        "seconds": dt,
+        "setup_s": setup,
+        "tokens_per_s": n / dt,
+        "output_tokens": n,
+        "tokens": tokens,
+    }
 
 
 def main() -> int:
@@ -61,8 +73,11 @@ def main() -> int:
 
     runs = []
     for level in (0, 1):
-        p = subprocess.run([sys.executable, __file__, "--device", args.device, "--prompts", str(args.prompts),
-                            "--child", str(level)], capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, __file__, "--device", args.device, "--prompts", str(args.prompts), "--child", str(level)],
+            capture_output=True,
+            text=True,
+        )
         if p.returncode != 0:
             print(p.stderr[-3000:], file=sys.stderr)
             return p.returncode
@@ -72,14 +87,20 @@ def main() -> int:
         r.pop("tokens")
     speedup = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
     kind = "gpu" if args.device.startswith("cuda") else "cpu"
-    doc = {"machine": machine_info(args.device), "workload": f"offline acb side, {args.prompts} prompts "
-           "(lengths 16-256, outputs 16-64), default bench model", "runs": runs,
-           "compiled_vs_eager": speedup, "same_tokens": same}
+    doc = {
+        "machine": machine_info(args.device),
+        "workload": f"offline acb side, {args.prompts} prompts (lengths 16-256, outputs 16-64), default bench model",
+        "runs": runs,
+        "compiled_vs_eager": speedup,
+        "same_tokens": same,
+    }
     path = f"benchmarks/results/compile_{kind}.json"
     write_json(path, doc)
     for r in runs:
-        print(f"default_compile_level={r['level']}: {r['tokens_per_s']:.1f} tok/s "
-              f"({r['output_tokens']} tokens in {r['seconds']:.2f} s; start + warm-up {r['setup_s']:.1f} s)")
+        print(
+            f"default_compile_level={r['level']}: {r['tokens_per_s']:.1f} tok/s "
+            f"({r['output_tokens']} tokens in {r['seconds']:.2f} s; start + warm-up {r['setup_s']:.1f} s)"
+        )
     print(f"compiled / eager: {speedup:.2f}x; same tokens: {same}; wrote {path}")
     return 0 if same else 1
 

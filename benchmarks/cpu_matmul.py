@@ -37,8 +37,10 @@ def best_gflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.3
         def call() -> None:
             torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "")
     else:
+
         def call() -> None:
             torch.nn.functional.linear(a, w)
+
     call()
     fastest, end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -49,17 +51,36 @@ def best_gflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.3
 
 
 def main() -> None:
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
+    flags = (
+        Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
+        if Path("/proc/cpuinfo").exists()
+        else ""
+    )
     isa = sorted({f for f in flags.split() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")})
-    sides = {"float32": (torch.float32, False), "float32, oneDNN packed": (torch.float32, True),
-             "bfloat16": (torch.bfloat16, False)}
-    table = {side: {f"M={m}": {name: round(best_gflops(m, k, n, dt, packed=pk), 1) for name, (k, n) in SHAPES.items()}
-                    for m in ROWS} for side, (dt, pk) in sides.items()}
-    doc = dict(machine=machine_info(), cpu_capability=torch.backends.cpu.get_cpu_capability(), isa_flags=isa,
-               square_peak=matmul_peak_gflops(), gflops=table)
+    sides = {
+        "float32": (torch.float32, False),
+        "float32, oneDNN packed": (torch.float32, True),
+        "bfloat16": (torch.bfloat16, False),
+    }
+    table = {
+        side: {
+            f"M={m}": {name: round(best_gflops(m, k, n, dt, packed=pk), 1) for name, (k, n) in SHAPES.items()}
+            for m in ROWS
+        }
+        for side, (dt, pk) in sides.items()
+    }
+    doc = dict(
+        machine=machine_info(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        isa_flags=isa,
+        square_peak=matmul_peak_gflops(),
+        gflops=table,
+    )
     out = ROOT / "benchmarks" / "results" / "cpu_matmul.json"
     out.write_text(json.dumps(doc, indent=2, default=str))
-    print(f"capability {doc['cpu_capability']}, flags {isa}; square fp32 peak {doc['square_peak']['gflops']:.0f} GFLOP/s")
+    print(
+        f"capability {doc['cpu_capability']}, flags {isa}; square fp32 peak {doc['square_peak']['gflops']:.0f} GFLOP/s"
+    )
     for dt, rows in table.items():
         print(dt)
         for m, cols in rows.items():

@@ -38,17 +38,40 @@ from typing import Any
 import torch
 
 SMOKE_SHAPES = {  # --cpu-smoke: the same code paths with a tiny model on CPU
-    "A: Qwen3-0.6B": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-                          max_position_embeddings=4096),
+    "A: Qwen3-0.6B": dict(
+        arch="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    ),
 }
 SHAPES = {
-    "A: Qwen3-0.6B": dict(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                          max_position_embeddings=40960),
-    "B: Llama-3.1-8B": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                            max_position_embeddings=131072),
+    "A: Qwen3-0.6B": dict(
+        arch="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+    ),
+    "B: Llama-3.1-8B": dict(
+        arch="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+    ),
 }
 
 
@@ -109,10 +132,17 @@ def _acb_run(model: Any, prompts: list[list[int]], outs: list[int], cfg: Any = N
         got = sum(len(h.result().generated_tokens) for h in hs)
         dt = time.perf_counter() - t0
         graphs = eng.runner.graphs
-        return {"tokens_per_s": got / dt, "seconds": dt, "tokens": got, "engine_start_s": start_s,
-                "backend": eng.config.attn_backend, "cuda_graphs": eng.config.cuda_graphs,
-                "graph_capture_s": graphs.capture_s if graphs else None,
-                "graph_capture_mib": graphs.capture_bytes / 2**20 if graphs else None, "config": str(eng.config)}
+        return {
+            "tokens_per_s": got / dt,
+            "seconds": dt,
+            "tokens": got,
+            "engine_start_s": start_s,
+            "backend": eng.config.attn_backend,
+            "cuda_graphs": eng.config.cuda_graphs,
+            "graph_capture_s": graphs.capture_s if graphs else None,
+            "graph_capture_mib": graphs.capture_bytes / 2**20 if graphs else None,
+            "config": str(eng.config),
+        }
 
 
 def throughput(name: str, shape: dict[str, Any], n: int, compile_too: bool) -> dict[str, Any]:
@@ -173,27 +203,35 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t0)
 
 
-def decode_steps(shape: dict[str, Any], batches: list[int], bw: float, async_batching: bool,
-                 graphs: bool | None) -> list[dict[str, Any]]:
+def decode_steps(
+    shape: dict[str, Any], batches: list[int], bw: float, async_batching: bool, graphs: bool | None
+) -> list[dict[str, Any]]:
     """Decode step period at each batch size against the bandwidth floor, and GPU idle fraction."""
-    import acb
     from torch.profiler import ProfilerActivity, profile
+
+    import acb
 
     prompt_len, new = (512, 64) if DEVICE == "cuda" else (24, 8)
     model = build(shape)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for b in batches:
-        cfg = acb.ContinuousBatchingConfig(max_requests_per_batch=max(b, 1), use_async_batching=async_batching,
-                                           use_cuda_graph=graphs)
+        cfg = acb.ContinuousBatchingConfig(
+            max_requests_per_batch=max(b, 1), use_async_batching=async_batching, use_cuda_graph=graphs
+        )
         with acb.Engine(model, cfg) as eng:
             core = eng.core
             kv_per_token = eng.runner.kv_cache.spec.bytes_per_block(1)
             gate = threading.Event()
             core.call(lambda c: gate.wait())  # start all b requests together
             g = torch.Generator().manual_seed(b)
-            hs = [eng.submit(torch.randint(3, shape["vocab_size"], (prompt_len,), generator=g).tolist(),
-                             acb.SamplingParams(max_new_tokens=new, ignore_eos=True)) for _ in range(b)]
+            hs = [
+                eng.submit(
+                    torch.randint(3, shape["vocab_size"], (prompt_len,), generator=g).tolist(),
+                    acb.SamplingParams(max_new_tokens=new, ignore_eos=True),
+                )
+                for _ in range(b)
+            ]
             core.step_log = []
             activities = [ProfilerActivity.CUDA] if DEVICE == "cuda" else [ProfilerActivity.CPU]
             with profile(activities=activities) as prof:
@@ -212,9 +250,18 @@ def decode_steps(shape: dict[str, Any], batches: list[int], bw: float, async_bat
         step = statistics.median(periods) if periods else float("nan")
         mid_ctx = prompt_len + new // 2
         floor = (weight_bytes + b * mid_ctx * kv_per_token) / bw
-        rows.append({"batch": b, "step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
-                     "gpu_idle_fraction": None if busy is None else max(0.0, 1 - busy / wall),
-                     "async_batching": async_batching, "cuda_graphs": used_graphs, "steps_measured": len(periods)})
+        rows.append(
+            {
+                "batch": b,
+                "step_ms": step * 1e3,
+                "floor_ms": floor * 1e3,
+                "ratio_to_floor": step / floor,
+                "gpu_idle_fraction": None if busy is None else max(0.0, 1 - busy / wall),
+                "async_batching": async_batching,
+                "cuda_graphs": used_graphs,
+                "steps_measured": len(periods),
+            }
+        )
         free_memory()
     del model
     free_memory()
@@ -235,9 +282,14 @@ def section(results: dict[str, Any], key: str, fn: Any, *args: Any) -> None:
     except Exception as exc:  # noqa: BLE001
         results[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
     save(results)
-    brief = {k: v for k, v in results[key].items() if k != "traceback"} if isinstance(results[key], dict) else results[key]
-    print(f"== {key} done in {time.perf_counter() - t0:.0f} s: {json.dumps(brief, default=str)[:3000]}",
-          file=sys.stderr, flush=True)
+    brief = (
+        {k: v for k, v in results[key].items() if k != "traceback"} if isinstance(results[key], dict) else results[key]
+    )
+    print(
+        f"== {key} done in {time.perf_counter() - t0:.0f} s: {json.dumps(brief, default=str)[:3000]}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def save(results: dict[str, Any]) -> None:
@@ -281,8 +333,11 @@ def tensor_parallel(args: Any, shape: dict[str, Any]) -> int:
                 ref = [h.result().generated_tokens for h in hs]
         del single
         free_memory()
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
-                                                     distributed_config=DistributedConfig(tp_plan="auto")).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp,
+            dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
+            distributed_config=DistributedConfig(tp_plan="auto"),
+        ).eval()
     with acb.Engine(model) as eng:
         sync_ = eng.core.sync  # type: ignore[union-attr]
         spent = [0.0, 0]
@@ -305,16 +360,22 @@ def tensor_parallel(args: Any, shape: dict[str, Any]) -> int:
         steps = eng.stats.steps
     if rank == 0:
         same = sum(a == b for a, b in zip(got, ref))
-        result.update(identical_to_one_device=f"{same}/{n}", tokens_per_s=round(sum(outs) / wall, 1),
-                      steps=steps, broadcast_us=round(1e6 * spent[0] / max(spent[1], 1), 1),
-                      broadcast_share=round(spent[0] / wall, 4))
+        result.update(
+            identical_to_one_device=f"{same}/{n}",
+            tokens_per_s=round(sum(outs) / wall, 1),
+            steps=steps,
+            broadcast_us=round(1e6 * spent[0] / max(spent[1], 1), 1),
+            broadcast_share=round(spent[0] / wall, 4),
+        )
         path = args.json or f"benchmarks/results/{'cpu_smoke_tp' if args.cpu_smoke else 'gpu_check_tp'}.json"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=2, default=str)
-        print(f"tp={result['tp']}: {result['identical_to_one_device']} outputs identical to one device (bf16 on GPU "
-              f"may differ by reduction order), {result['tokens_per_s']} tok/s, broadcast {result['broadcast_us']} µs "
-              f"({100 * result['broadcast_share']:.2f}% of the wall time); wrote {path}")
+        print(
+            f"tp={result['tp']}: {result['identical_to_one_device']} outputs identical to one device (bf16 on GPU "
+            f"may differ by reduction order), {result['tokens_per_s']} tok/s, broadcast {result['broadcast_us']} µs "
+            f"({100 * result['broadcast_share']:.2f}% of the wall time); wrote {path}"
+        )
     dist.destroy_process_group()
     return 0
 
@@ -325,12 +386,22 @@ def main() -> int:
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-b", action="store_true", help="skip the 8B-shaped workload")
     ap.add_argument("--skip-compile", action="store_true", help="skip the torch.compile run of workload A")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="run every section on CPU with a tiny model and short lengths (checks the script, not speed)")
-    ap.add_argument("--json", default=None, help="default: benchmarks/results/gpu_check.json (cpu_smoke.json with --cpu-smoke)")
-    ap.add_argument("--tp", type=int, default=0, metavar="N",
-                    help="instead: workload A tensor-parallel over N GPUs under torchrun (greedy parity with one "
-                         "GPU, tokens/s, the lock-step broadcast's cost); writes results/gpu_check_tp.json")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run every section on CPU with a tiny model and short lengths (checks the script, not speed)",
+    )
+    ap.add_argument(
+        "--json", default=None, help="default: benchmarks/results/gpu_check.json (cpu_smoke.json with --cpu-smoke)"
+    )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: workload A tensor-parallel over N GPUs under torchrun (greedy parity with one "
+        "GPU, tokens/s, the lock-step broadcast's cost); writes results/gpu_check_tp.json",
+    )
     args = ap.parse_args()
     global DEVICE, LENGTHS, JSON_PATH
     shapes = SHAPES
@@ -353,36 +424,53 @@ def main() -> int:
     for name, shape in shapes.items():
         if args.skip_b and name.startswith("B"):
             continue
-        section(results, f"throughput {name}", throughput, name, shape, n,
-                name.startswith("A") and not args.skip_compile)
+        section(
+            results, f"throughput {name}", throughput, name, shape, n, name.startswith("A") and not args.skip_compile
+        )
     bw = results.get("bandwidth_bytes_per_s")
     if isinstance(bw, float):
         batches = [1, 4] if args.cpu_smoke else [1, 64] if args.quick else [1, 64, 256]
         shape_a = shapes["A: Qwen3-0.6B"]
         for async_mode, graphs in ((True, None), (True, False), (False, False)):
-            section(results, f"decode A async={async_mode} graphs={graphs}", decode_steps, shape_a, batches, bw,
-                    async_mode, graphs)
+            section(
+                results,
+                f"decode A async={async_mode} graphs={graphs}",
+                decode_steps,
+                shape_a,
+                batches,
+                bw,
+                async_mode,
+                graphs,
+            )
     save(results)
-    print(f"\ndevice: {results['machine'].get('gpu') or DEVICE}  torch {results['machine']['torch']}  "
-          f"transformers {results['machine']['transformers']}  {results['machine']['date']}")
+    print(
+        f"\ndevice: {results['machine'].get('gpu') or DEVICE}  torch {results['machine']['torch']}  "
+        f"transformers {results['machine']['transformers']}  {results['machine']['date']}"
+    )
     if "tests" in results:
         t = results["tests"]
         print(f"tests: returncode {t.get('returncode')}  {t.get('tail', [''])[-1] if t.get('tail') else t}")
     for key, r in results.items():
         if key.startswith("throughput") and "acb" in r:
             tf = r.get("transformers_cb", {})
-            print(f"{r['workload']:<18} acb {r['acb']['tokens_per_s']:>9.0f} tok/s   transformers CB "
-                  f"{tf.get('tokens_per_s', float('nan')):>9.0f} tok/s   ratio {r.get('acb_vs_transformers', float('nan')):.2f}x"
-                  f"   (backend {r['acb']['backend']}, graphs {r['acb']['cuda_graphs']})")
+            print(
+                f"{r['workload']:<18} acb {r['acb']['tokens_per_s']:>9.0f} tok/s   transformers CB "
+                f"{tf.get('tokens_per_s', float('nan')):>9.0f} tok/s   ratio {r.get('acb_vs_transformers', float('nan')):.2f}x"
+                f"   (backend {r['acb']['backend']}, graphs {r['acb']['cuda_graphs']})"
+            )
             if "compiled_vs_eager" in r:
-                print(f"{'':<18} with torch.compile (level 1): {r['acb_compiled']['tokens_per_s']:.0f} tok/s "
-                      f"({r['compiled_vs_eager']:.2f}x)")
+                print(
+                    f"{'':<18} with torch.compile (level 1): {r['acb_compiled']['tokens_per_s']:.0f} tok/s "
+                    f"({r['compiled_vs_eager']:.2f}x)"
+                )
         elif key.startswith("decode") and isinstance(r, list):
             for row in r:
                 idle = row["gpu_idle_fraction"]
-                print(f"decode batch {row['batch']:>4} async={row['async_batching']!s:<5} graphs={row['cuda_graphs']!s:<5} "
-                      f"step {row['step_ms']:.2f} ms  floor {row['floor_ms']:.2f} ms  ({row['ratio_to_floor']:.2f}x)  "
-                      f"GPU idle {'n/a' if idle is None else format(idle, '.1%')}")
+                print(
+                    f"decode batch {row['batch']:>4} async={row['async_batching']!s:<5} graphs={row['cuda_graphs']!s:<5} "
+                    f"step {row['step_ms']:.2f} ms  floor {row['floor_ms']:.2f} ms  ({row['ratio_to_floor']:.2f}x)  "
+                    f"GPU idle {'n/a' if idle is None else format(idle, '.1%')}"
+                )
         elif isinstance(r, dict) and "error" in r:
             print(f"{key}: ERROR {r['error']}")
     print(f"wrote {json_path}")

@@ -57,15 +57,37 @@ def _timed(fn: Any, times: list[float], tokens: list[int]) -> Any:
 def run(engine: str, steps: int, batch: int, generations: int, completion: int) -> dict:
     torch.manual_seed(0)
     model, tok = default_model(), build_tokenizer()
-    data = Dataset.from_list([{"prompt": f"Question {i}: write a sentence about the number {i}."}
-                              for i in range(steps * batch // generations)])
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=batch,
-                      num_generations=generations, max_completion_length=completion, use_cpu=True, bf16=False,
-                      report_to="none", save_strategy="no", seed=0, logging_steps=steps, disable_tqdm=True,
-                      use_transformers_continuous_batching=True, transformers_continuous_batching_config=dict(CB))
+    data = Dataset.from_list(
+        [
+            {"prompt": f"Question {i}: write a sentence about the number {i}."}
+            for i in range(steps * batch // generations)
+        ]
+    )
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        num_generations=generations,
+        max_completion_length=completion,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        logging_steps=steps,
+        disable_tqdm=True,
+        use_transformers_continuous_batching=True,
+        transformers_continuous_batching_config=dict(CB),
+    )
     timer = _StepTimes()
-    trainer = GRPOTrainer(model=model, args=args, reward_funcs=lambda completions, **kw: [len(c) / 100.0 for c in completions],
-                          train_dataset=data, processing_class=tok, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        reward_funcs=lambda completions, **kw: [len(c) / 100.0 for c in completions],
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[timer],
+    )
     gen: list[float] = []
     tokens: list[int] = []
     t0 = time.perf_counter()
@@ -82,9 +104,13 @@ def run(engine: str, steps: int, batch: int, generations: int, completion: int) 
     steady = timer.steps[1:] or timer.steps
     steady_gen = gen[1:] or gen
     return {
-        "engine": engine, "steps": len(timer.steps), "total_s": round(total, 3),
-        "first_step_s": round(timer.steps[0], 3), "first_generate_s": round(gen[0], 3),
-        "step_s": round(statistics.mean(steady), 3), "generate_s": round(statistics.mean(steady_gen), 3),
+        "engine": engine,
+        "steps": len(timer.steps),
+        "total_s": round(total, 3),
+        "first_step_s": round(timer.steps[0], 3),
+        "first_generate_s": round(gen[0], 3),
+        "step_s": round(statistics.mean(steady), 3),
+        "generate_s": round(statistics.mean(steady_gen), 3),
         "generation_share": round(statistics.mean(steady_gen) / statistics.mean(steady), 3),
         "completion_tokens_per_step": round(statistics.mean(tokens), 1),
         "generate_tok_per_s": round(sum(tokens[1:] or tokens) / sum(steady_gen), 1),
@@ -103,17 +129,25 @@ def main() -> None:
     tf, ours = rows
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__, "model": "acb default_model (random weights)",
-        "config": {"steps": a.steps, "per_device_train_batch_size": a.batch, "num_generations": a.generations,
-                   "max_completion_length": a.completion, "continuous_batching_config": CB},
+        "torch": torch.__version__,
+        "model": "acb default_model (random weights)",
+        "config": {
+            "steps": a.steps,
+            "per_device_train_batch_size": a.batch,
+            "num_generations": a.generations,
+            "max_completion_length": a.completion,
+            "continuous_batching_config": CB,
+        },
         "runs": rows,
         "speedup_step": round(tf["step_s"] / ours["step_s"], 2),
         "speedup_generate": round(tf["generate_s"] / ours["generate_s"], 2),
     }
     for r in rows:
-        print(f"{r['engine']:>12}: step {r['step_s']:.2f} s, generate {r['generate_s']:.2f} s "
-              f"({100 * r['generation_share']:.0f}% of the step, {r['generate_tok_per_s']:.0f} tok/s); "
-              f"first step {r['first_step_s']:.2f} s")
+        print(
+            f"{r['engine']:>12}: step {r['step_s']:.2f} s, generate {r['generate_s']:.2f} s "
+            f"({100 * r['generation_share']:.0f}% of the step, {r['generate_tok_per_s']:.0f} tok/s); "
+            f"first step {r['first_step_s']:.2f} s"
+        )
     print(f"acb: {result['speedup_step']}x per step, {result['speedup_generate']}x on generation")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

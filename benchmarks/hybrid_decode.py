@@ -23,11 +23,24 @@ import torch
 
 import acb
 
-SIZE = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
-LINEAR = dict(linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-              linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"]
-              + ["linear_attention"] * 3 + ["full_attention"])
+SIZE = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
+LINEAR = dict(
+    linear_num_value_heads=8,
+    linear_num_key_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+)
 
 
 def models() -> dict[str, torch.nn.Module]:
@@ -35,8 +48,10 @@ def models() -> dict[str, torch.nn.Module]:
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    return {"hybrid (qwen3_5)": AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**SIZE, **LINEAR)).eval(),
-            "dense (qwen3)": AutoModelForCausalLM.from_config(Qwen3Config(**SIZE)).eval()}
+    return {
+        "hybrid (qwen3_5)": AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**SIZE, **LINEAR)).eval(),
+        "dense (qwen3)": AutoModelForCausalLM.from_config(Qwen3Config(**SIZE)).eval(),
+    }
 
 
 def params(model: torch.nn.Module) -> int:
@@ -54,8 +69,12 @@ def run_acb(model: torch.nn.Module, prompts: list[list[int]], tokens: int) -> di
         states = runner.states.bytes_per_request() if runner is not None and runner.linear is not None else 0
         kv_per_token = eng.config.kv_cache_bytes / (eng.config.num_blocks * eng.config.block_size)
     out = sum(len(o.generated_tokens) for o in res.values())
-    return {"tokens_per_s": out / wall, "wall_s": wall, "state_bytes_per_request": states,
-            "kv_bytes_per_token": kv_per_token}
+    return {
+        "tokens_per_s": out / wall,
+        "wall_s": wall,
+        "state_bytes_per_request": states,
+        "kv_bytes_per_token": kv_per_token,
+    }
 
 
 def run_generate(model: torch.nn.Module, prompts: list[list[int]], tokens: int) -> dict:
@@ -63,8 +82,9 @@ def run_generate(model: torch.nn.Module, prompts: list[list[int]], tokens: int) 
     with torch.no_grad():
         model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
         t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                             attention_mask=torch.ones_like(ids))
+        out = model.generate(
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, attention_mask=torch.ones_like(ids)
+        )
         wall = time.perf_counter() - t0
     return {"tokens_per_s": (out.shape[1] - ids.shape[1]) * ids.shape[0] / wall, "wall_s": wall}
 
@@ -84,20 +104,32 @@ def main() -> int:
         gen = run_generate(model, prompts, args.tokens)
         rows.append({"model": name, "params": params(model), "acb": a, "generate": gen})
         print(json.dumps(rows[-1]), file=sys.stderr)
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-              "torch": torch.__version__, "requests": args.requests, "prompt_tokens": args.prompt,
-              "new_tokens": args.tokens, "rows": rows}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "requests": args.requests,
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.tokens,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{args.requests} requests of {args.prompt} prompt tokens, {args.tokens} new tokens each, "
-          f"{result['date']}, {result['machine']}\n")
-    print("| model | parameters | acb tok/s | padded generate tok/s | acb / generate | state per request | KV per token |")
+    print(
+        f"{args.requests} requests of {args.prompt} prompt tokens, {args.tokens} new tokens each, "
+        f"{result['date']}, {result['machine']}\n"
+    )
+    print(
+        "| model | parameters | acb tok/s | padded generate tok/s | acb / generate | state per request | KV per token |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         a, gen = r["acb"], r["generate"]
-        print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {a['tokens_per_s']:.0f} | {gen['tokens_per_s']:.0f} | "
-              f"{a['tokens_per_s'] / gen['tokens_per_s']:.2f}x | {a['state_bytes_per_request'] / 1024:.0f} KiB | "
-              f"{a['kv_bytes_per_token'] / 1024:.1f} KiB |")
+        print(
+            f"| {r['model']} | {r['params'] / 1e6:.1f} M | {a['tokens_per_s']:.0f} | {gen['tokens_per_s']:.0f} | "
+            f"{a['tokens_per_s'] / gen['tokens_per_s']:.2f}x | {a['state_bytes_per_request'] / 1024:.0f} KiB | "
+            f"{a['kv_bytes_per_token'] / 1024:.1f} KiB |"
+        )
     return 0
 
 

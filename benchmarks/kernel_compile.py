@@ -110,8 +110,9 @@ def _cache(case: Case, blocks: int):
     return KVCache(spec, blocks, BLOCK_SIZE, torch.device("cpu"))
 
 
-def _step(backend, cache, case: Case, num_new: list[int], start: list[int], table: torch.Tensor,
-          num_splits: int | None = None) -> None:
+def _step(
+    backend, cache, case: Case, num_new: list[int], start: list[int], table: torch.Tensor, num_splits: int | None = None
+) -> None:
     """One layer of one step through ``TritonBackend.forward``, with inputs laid out as the engine
     builds them: the block table gathered to the step's width, the model's projection views."""
     from acb.runner.attention import BatchInputs, StepContext
@@ -125,8 +126,11 @@ def _step(backend, cache, case: Case, num_new: list[int], start: list[int], tabl
     batch = BatchInputs(
         slot_mapping=torch.zeros(t, dtype=torch.long),
         block_table=table[:, : -(-max(lens) // BLOCK_SIZE)].index_select(0, torch.arange(b) % table.shape[0]),
-        seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(qsl),
-        num_new=num_new, start_pos=start, max_seq_len=max(lens),
+        seq_lens=torch.tensor(lens),
+        query_start_loc=torch.tensor(qsl),
+        num_new=num_new,
+        start_pos=start,
+        max_seq_len=max(lens),
     )
     md = metadata_for(batch)
     md.num_splits = num_splits
@@ -134,8 +138,16 @@ def _step(backend, cache, case: Case, num_new: list[int], start: list[int], tabl
     # the model's layout: projections viewed as [1, T, H, D] and transposed to [1, H, T, D]
     q = torch.zeros(1, t, case.heads, case.head_dim, dtype=dtype).transpose(1, 2)
     k = torch.zeros(1, t, case.kv_heads, case.head_dim, dtype=dtype).transpose(1, 2)
-    backend.forward(0, q, k, k.clone(), StepContext(cache, backend, md), scaling=case.head_dim ** -0.5,
-                    sliding_window=case.window, softcap=case.softcap)
+    backend.forward(
+        0,
+        q,
+        k,
+        k.clone(),
+        StepContext(cache, backend, md),
+        scaling=case.head_dim**-0.5,
+        sliding_window=case.window,
+        softcap=case.softcap,
+    )
 
 
 def _drive(case: Case) -> None:
@@ -147,8 +159,15 @@ def _drive(case: Case) -> None:
         "prefill": ([7, 40], [30, 300]),  # a fresh prompt and a chunk after cached context
     }.get(case.step, ([1, 1, 1], [300, 20, 400]))
     start = [n - q for n, q in zip(lens, num_new)]
-    _step(TritonBackend(), _cache(case, 64), case, num_new, start, torch.zeros(4, 32, dtype=torch.long),
-          num_splits=4 if case.step == "decode_split" else 1)
+    _step(
+        TritonBackend(),
+        _cache(case, 64),
+        case,
+        num_new,
+        start,
+        torch.zeros(4, 32, dtype=torch.long),
+        num_splits=4 if case.step == "decode_split" else 1,
+    )
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -159,8 +178,7 @@ def _resources(cubin: bytes) -> dict[str, int]:
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     line = next(ln for ln in text.splitlines() if "REG:" in ln)
     fields = dict(item.split(":", 1) for item in line.split())
-    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
-            "spill_bytes": int(fields["LOCAL"])}
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "spill_bytes": int(fields["LOCAL"])}
 
 
 def _ptx_summary(ptx: str) -> dict[str, object]:
@@ -191,10 +209,17 @@ def intercepted(arch: int):
 
     def interceptor(kernel):
         def _do_compile(key, signature, device, constexprs, options, attrs, warmup):
-            ident = (kernel.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
-                     repr(sorted(attrs.items())), options.num_warps, options.num_stages)
+            ident = (
+                kernel.__name__,
+                repr(sorted(signature.items())),
+                repr(sorted(constexprs.items())),
+                repr(sorted(attrs.items())),
+                options.num_warps,
+                options.num_stages,
+            )
             asked.setdefault(ident, (kernel, signature, constexprs, attrs, options, tag[0]))
             return None  # run() returns without launching
+
         return _do_compile
 
     saved = {k: k.__dict__.get("_do_compile") for k in kernels}
@@ -225,21 +250,32 @@ def compile_cases(arch: int, todo: list[Case]) -> list[dict]:
     records = []
     limit = SHARED_LIMIT.get(arch)
     for kernel, signature, constexprs, attrs, options, case in asked.values():
-        rec = {"arch": f"sm_{arch}", "kernel": kernel.__name__.lstrip("_"), "case": asdict(case),
-               "num_warps": options.num_warps, "num_stages": options.num_stages,
-               # constexprs are keyed by argument position: name them (integers Triton
-               # specialised because they equal 1 show up here too)
-               "constexprs": {kernel.arg_names[path[0]]: v for path, v in constexprs.items()
-                              if isinstance(v, (bool, int, float))}}
+        rec = {
+            "arch": f"sm_{arch}",
+            "kernel": kernel.__name__.lstrip("_"),
+            "case": asdict(case),
+            "num_warps": options.num_warps,
+            "num_stages": options.num_stages,
+            # constexprs are keyed by argument position: name them (integers Triton
+            # specialised because they equal 1 show up here too)
+            "constexprs": {
+                kernel.arg_names[path[0]]: v for path, v in constexprs.items() if isinstance(v, (bool, int, float))
+            },
+        }
         t0 = time.perf_counter()
         try:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+            )
         except Exception as exc:  # noqa: BLE001 - reported per kernel
             rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
         else:
-            rec.update(ok=True, shared_bytes=compiled.metadata.shared, **_resources(compiled.asm["cubin"]),
-                       **_ptx_summary(compiled.asm["ptx"]))
+            rec.update(
+                ok=True,
+                shared_bytes=compiled.metadata.shared,
+                **_resources(compiled.asm["cubin"]),
+                **_ptx_summary(compiled.asm["ptx"]),
+            )
             if limit is not None and rec["shared_bytes"] > limit:
                 rec.update(ok=False, error=f"shared memory {rec['shared_bytes']} B over the sm_{arch} limit {limit} B")
         rec["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -267,15 +303,18 @@ def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0)
     table = torch.randint(1, blocks, (64, 256))
     with intercepted(arch) as (asked, tag):
         tag[0] = "warm-up"
-        tk.precompile(case.heads, cache.k[0], cache.v[0], DTYPES[case.dtype], case.head_dim ** -0.5,
-                      case.window, case.softcap)
+        tk.precompile(
+            case.heads, cache.k[0], cache.v[0], DTYPES[case.dtype], case.head_dim**-0.5, case.window, case.softcap
+        )
         tag[0] = "sweep"
         backend = TritonBackend()
         for _ in range(steps):
             b = rng.randint(1, 48)
             kind = rng.choice(("decode", "prefill", "mixed"))
-            num_new = [1 if kind == "decode" or (kind == "mixed" and rng.random() < 0.7) else rng.randint(2, 300)
-                       for _ in range(b)]
+            num_new = [
+                1 if kind == "decode" or (kind == "mixed" and rng.random() < 0.7) else rng.randint(2, 300)
+                for _ in range(b)
+            ]
             splits = None
             if kind == "decode" and rng.random() < 0.5:  # a graph replay: the split count is fixed
                 splits = rng.choice(backend.graph_variants(b, case.kv_heads, 4096, torch.device("cpu")))
@@ -294,8 +333,9 @@ def _table(records: list[dict]) -> str:
         rows.append(
             f"| {r['arch']} | {r['kernel']} | {c['dtype']} | {c['head_dim']} | {c['heads']}/{c['kv_heads']} | "
             f"{c['step']}{extra} | {r.get('registers', '-')} | {r.get('spill_bytes', '-')} | "
-            f"{r['shared_bytes'] / 1024:.1f} | {r['mma']} | yes |" if r["ok"] else
-            f"| {r['arch']} | {r['kernel']} | {c['dtype']} | {c['head_dim']} | {c['heads']}/{c['kv_heads']} | "
+            f"{r['shared_bytes'] / 1024:.1f} | {r['mma']} | yes |"
+            if r["ok"]
+            else f"| {r['arch']} | {r['kernel']} | {c['dtype']} | {c['head_dim']} | {c['heads']}/{c['kv_heads']} | "
             f"{c['step']}{extra} | - | - | - | - | NO: {r['error'][:120]} |"
         )
     return "\n".join(rows)
@@ -303,7 +343,9 @@ def _table(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90 and 80)")
+    ap.add_argument(
+        "--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90 and 80)"
+    )
     ap.add_argument("--quick", action="store_true", help="the CI subset of shapes")
     ap.add_argument("--first", type=int, help="only the first N cases of the matrix")
     ap.add_argument("--json", default="benchmarks/results/kernel_compile.json")
@@ -317,24 +359,38 @@ def main(argv: list[str] | None = None) -> int:
     spilled = [r for r in records if r["ok"] and r["spill_bytes"]]
     # after warm-up, no step shape may need a new compile (one family per dtype/head-dim/flags)
     families = {(c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c for c in todo}
-    mid_serving = {f"{c.dtype} hd{c.head_dim} {c.heads}/{c.kv_heads}{' window' if c.window else ''}"
-                   f"{' softcap' if c.softcap else ''}": mid_serving_compiles(archs[0], c)
-                   for c in families.values()}
+    mid_serving = {
+        f"{c.dtype} hd{c.head_dim} {c.heads}/{c.kv_heads}{' window' if c.window else ''}"
+        f"{' softcap' if c.softcap else ''}": mid_serving_compiles(archs[0], c)
+        for c in families.values()
+    }
     late = {k: v for k, v in mid_serving.items() if v}
     doc = {
-        "triton": triton.__version__, "torch": torch.__version__, "archs": [f"sm_{a}" for a in archs],
-        "quick": args.quick, "cases": len(todo), "kernels_compiled": len(records), "failed": len(failed),
-        "spilling": len(spilled), "mid_serving_compiles": mid_serving, "wall_s": round(wall, 1), "records": records,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "archs": [f"sm_{a}" for a in archs],
+        "quick": args.quick,
+        "cases": len(todo),
+        "kernels_compiled": len(records),
+        "failed": len(failed),
+        "spilling": len(spilled),
+        "mid_serving_compiles": mid_serving,
+        "wall_s": round(wall, 1),
+        "records": records,
     }
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     print(_table(records))
-    print(f"\n{len(records)} kernel specialisations for {', '.join(doc['archs'])} in {wall:.0f} s: "
-          f"{len(failed)} failed, {len(spilled)} spill registers")
-    print(f"after warm-up, a sweep of step shapes over {len(mid_serving)} layer kinds asks for "
-          f"{sum(map(len, late.values()))} new specialisations" + (f": {late}" if late else ""))
+    print(
+        f"\n{len(records)} kernel specialisations for {', '.join(doc['archs'])} in {wall:.0f} s: "
+        f"{len(failed)} failed, {len(spilled)} spill registers"
+    )
+    print(
+        f"after warm-up, a sweep of step shapes over {len(mid_serving)} layer kinds asks for "
+        f"{sum(map(len, late.values()))} new specialisations" + (f": {late}" if late else "")
+    )
     return 1 if failed or late else 0
 
 

@@ -58,27 +58,66 @@ DEFAULT_TIMEOUT_S = 240.0
 # Size fields, by exact key, shrunk to at most this value (``min``, so that a default already
 # smaller, e.g. one KV head for multi-query attention, or top-1 routing, is kept).
 EXACT_TARGETS: dict[str, int] = {
-    "hidden_size": 64, "n_embd": 64, "d_model": 64,
-    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4,
-    "num_key_value_heads": 2, "num_kv_heads": 2, "n_kv_heads": 2, "multi_query_group_num": 2,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "n_heads": 4,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "n_kv_heads": 2,
+    "multi_query_group_num": 2,
     "num_global_key_value_heads": 2,
-    "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256, "max_seq_len": 256,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2, "top_k": 2,
-    "num_selected_experts": 2, "experts_per_token": 2,
-    "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "num_shared_experts": 1,
-    "sliding_window": 16, "attention_chunk_size": 16,
-    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "state_size": 16, "ssm_state_size": 16, "mamba_d_state": 16, "d_state": 16,
-    "time_step_rank": 8, "n_groups": 1, "mamba_n_groups": 1, "mamba_n_heads": 8,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "n_ctx": 256,
+    "max_seq_len": 256,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "top_k": 2,
+    "num_selected_experts": 2,
+    "experts_per_token": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "sliding_window": 16,
+    "attention_chunk_size": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "mamba_d_state": 16,
+    "d_state": 16,
+    "time_step_rank": 8,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 8,
     "hidden_size_per_layer_input": 16,
-    "rotary_dim": 8, "d_head": 16,
-    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "rotary_dim": 8,
+    "d_head": 16,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
 }
 # ... and by suffix (``linear_key_head_dim``, ``moe_intermediate_size``, ``vocab_size_per_layer_input``)
 SUFFIX_TARGETS: tuple[tuple[str, int], ...] = (
-    ("head_dim", 16), ("intermediate_size", 128), ("vocab_size", 256), ("vocab_size_per_layer_input", 256),
+    ("head_dim", 16),
+    ("intermediate_size", 128),
+    ("vocab_size", 256),
+    ("vocab_size_per_layer_input", 256),
 )
 # fields some config classes leave None by default although their model needs a value (real
 # checkpoints set them): given their target then
@@ -116,10 +155,23 @@ def _layer_count_key(d: dict[str, Any], aliases: dict[str, str]) -> str | None:
 def _kept_layers(d: dict[str, Any], n: int) -> list[int]:
     """The layers to keep out of ``n``: the first layer of each distinct per-layer pattern (layer
     type first, then the other per-layer lists and layer-index lists), at least two."""
-    per_layer = [k for k, v in d.items() if isinstance(v, list) and len(v) == n and n > 2
-                 and all(isinstance(x, (str, int, float, bool)) or x is None for x in v)]
-    index_lists = [k for k, v in d.items() if isinstance(v, list) and ("layer" in k or "idx" in k) and v
-                   and len(v) < n and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in v)]
+    per_layer = [
+        k
+        for k, v in d.items()
+        if isinstance(v, list)
+        and len(v) == n
+        and n > 2
+        and all(isinstance(x, (str, int, float, bool)) or x is None for x in v)
+    ]
+    index_lists = [
+        k
+        for k, v in d.items()
+        if isinstance(v, list)
+        and ("layer" in k or "idx" in k)
+        and v
+        and len(v) < n
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in v)
+    ]
     keep: list[int] = []
     # the layer types matter most (acb's checks and attention depend on them): one of each, always
     if isinstance(d.get("layer_types"), list) and len(d["layer_types"]) == n:
@@ -160,12 +212,19 @@ def _shrink_rope(rope: Any, head_dim: int) -> Any:
 def _fit_ssm_heads(d: dict[str, Any]) -> None:
     """Mamba-2 mixers need heads x head dim = expand x hidden size: the head dim follows."""
     hidden = d.get("hidden_size")
-    for heads_key, dim_key, expand_key in (("num_heads", "head_dim", "expand"),
-                                           ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
-                                           ("mamba_n_heads", "mamba_head_dim", "mamba_expand")):
+    for heads_key, dim_key, expand_key in (
+        ("num_heads", "head_dim", "expand"),
+        ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+        ("mamba_n_heads", "mamba_head_dim", "mamba_expand"),
+    ):
         heads, expand = d.get(heads_key), d.get(expand_key)
-        if isinstance(hidden, int) and isinstance(heads, int) and isinstance(expand, int) and dim_key in d \
-                and ("state_size" in d or "mamba_d_state" in d):
+        if (
+            isinstance(hidden, int)
+            and isinstance(heads, int)
+            and isinstance(expand, int)
+            and dim_key in d
+            and ("state_size" in d or "mamba_d_state" in d)
+        ):
             d[dim_key] = expand * hidden // heads
 
 
@@ -190,12 +249,18 @@ def shrink_config_dict(d: dict[str, Any], aliases: dict[str, str]) -> dict[str, 
         for key, value in list(d.items()):
             if isinstance(value, list) and len(value) == n and n > 2 and key != layer_key:
                 d[key] = [value[i] for i in keep]
-            elif isinstance(value, list) and ("layer" in key or "idx" in key) and value and \
-                    all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in value) and len(value) < n:
+            elif (
+                isinstance(value, list)
+                and ("layer" in key or "idx" in key)
+                and value
+                and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in value)
+                and len(value) < n
+            ):
                 d[key] = [keep.index(x) for x in value if x in keep]
         if isinstance(d.get("per_layer_config"), dict):  # per-layer overrides keyed by layer index
-            d["per_layer_config"] = {str(keep.index(int(i))): v for i, v in d["per_layer_config"].items()
-                                     if int(i) in keep}
+            d["per_layer_config"] = {
+                str(keep.index(int(i))): v for i, v in d["per_layer_config"].items() if int(i) in keep
+            }
         d[layer_key] = len(keep)
         for key in ("first_k_dense_replace", "num_dense_layers"):  # one dense layer, then MoE ones
             if isinstance(d.get(key), int) and d[key] > 0:
@@ -286,10 +351,14 @@ def _reference(model: Any, prompts: list[list[int]]) -> tuple[list[list[int]], l
     for prompt in prompts:
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        new = out.sequences[0, len(prompt):].tolist()
+        new = out.sequences[0, len(prompt) :].tolist()
         if len(new) != MAX_NEW_TOKENS:
             raise RuntimeError(f"model.generate gave {len(new)} tokens, not {MAX_NEW_TOKENS}")
         tokens.append(new)
@@ -304,16 +373,18 @@ def _margin(step_logits: Any) -> float:
 
 def _run_acb(model: Any, prompts: list[list[int]], max_batch_tokens: int | None) -> list[list[int]] | str:
     """acb's greedy tokens, or the error of a failed request."""
-    import acb
     from transformers import GenerationConfig
+
+    import acb
 
     cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, max_batch_tokens=max_batch_tokens)
     gen = GenerationConfig(do_sample=False, eos_token_id=FIXED_TOKEN_IDS["eos_token_id"], pad_token_id=0)
     engine = acb.Engine(model, cfg, gen)
     engine.start()
     try:
-        outs = engine.generate_batch(prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, progress_bar=False,
-                                     do_sample=False)
+        outs = engine.generate_batch(
+            prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, progress_bar=False, do_sample=False
+        )
     finally:
         engine.shutdown()
     result = []
@@ -353,7 +424,10 @@ def run_model(model_type: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    rec: dict[str, Any] = {"model_type": model_type, "class": _class_name(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])}
+    rec: dict[str, Any] = {
+        "model_type": model_type,
+        "class": _class_name(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]),
+    }
     _stage("build")
     try:
         cfg = tiny_config(model_type)
@@ -389,16 +463,29 @@ def run_model(model_type: str) -> dict[str, Any]:
             if want != have:
                 pos = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
                 margin = _margin(ref_logits[p][pos]) if pos < len(ref_logits[p]) else None
-                diffs.append({"run": run, "prompt": p, "prompt_len": len(prompts[p]), "position": pos,
-                              "expected": want, "got": have, "ref_top2_margin": margin})
+                diffs.append(
+                    {
+                        "run": run,
+                        "prompt": p,
+                        "prompt_len": len(prompts[p]),
+                        "position": pos,
+                        "expected": want,
+                        "got": have,
+                        "ref_top2_margin": margin,
+                    }
+                )
                 break
     if diffs:
         d = diffs[0]
         margin = "" if d["ref_top2_margin"] is None else f", reference top-2 logit margin {d['ref_top2_margin']:.3g}"
         runs = "+".join(sorted({x["run"] for x in diffs}))
-        return {**rec, "status": "differs", "diffs": diffs,
-                "reason": f"{runs}: first at new token {d['position']} of prompt {d['prompt']} "
-                          f"(len {d['prompt_len']}, {d['run']} run){margin}"}
+        return {
+            **rec,
+            "status": "differs",
+            "diffs": diffs,
+            "reason": f"{runs}: first at new token {d['position']} of prompt {d['prompt']} "
+            f"(len {d['prompt_len']}, {d['run']} run){margin}",
+        }
     return {**rec, "status": "exact", "reason": ""}
 
 
@@ -424,9 +511,17 @@ def sample_types(types: list[str], n: int, seed: int) -> list[str]:
 # The modules every model needs, imported once by the fork server: each model then runs in a
 # fresh fork of it (its own process, so a crash or a hang costs only that model) without paying
 # the ~4 s of importing torch and transformers again.
-PRELOAD = ("torch", "transformers", "transformers.activations", "transformers.modeling_utils",
-           "transformers.generation", "transformers.integrations.flash_attention",
-           "transformers.core_model_loading", "acb", "acb.runner.model_runner")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.activations",
+    "transformers.modeling_utils",
+    "transformers.generation",
+    "transformers.integrations.flash_attention",
+    "transformers.core_model_loading",
+    "acb",
+    "acb.runner.model_runner",
+)
 
 
 def _child(model_type: str, conn: Any) -> None:
@@ -485,15 +580,17 @@ def _sweep_one(ctx: Any, model_type: str, class_name: str, timeout_s: float) -> 
     return rec
 
 
-def sweep(types: list[str], *, jobs: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
-          verbose: bool = True) -> dict[str, dict[str, Any]]:
+def sweep(
+    types: list[str], *, jobs: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, verbose: bool = True
+) -> dict[str, dict[str, Any]]:
     """Run each model type in its own process (forked from a preloaded server), ``jobs`` at a time."""
     import multiprocessing
 
     # before the fork server starts: it and every model's process inherit these (two processes
     # share two cores, one thread each)
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                      TRANSFORMERS_VERBOSITY="error")
+    os.environ.update(
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error"
+    )
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:  # the fork server imports this module by name to find _child
         sys.path.insert(0, here)
@@ -507,15 +604,22 @@ def sweep(types: list[str], *, jobs: int = 2, timeout_s: float = DEFAULT_TIMEOUT
             rec = fut.result()
             results[rec["model_type"]] = rec
             if verbose:
-                print(f"[{len(results)}/{len(types)}] {rec['model_type']:28s} {rec['status']:12s} "
-                      f"{rec['seconds']:6.1f}s {rec['reason'][:110]}", flush=True)
+                print(
+                    f"[{len(results)}/{len(types)}] {rec['model_type']:28s} {rec['status']:12s} "
+                    f"{rec['seconds']:6.1f}s {rec['reason'][:110]}",
+                    flush=True,
+                )
     return {t: results[t] for t in sorted(results)}
 
 
 def _acb_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=ROOT, check=True).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -590,8 +694,11 @@ def write_table(table: dict[str, Any]) -> None:
 def status_changes(results: dict[str, dict[str, Any]], committed: dict[str, Any] | None) -> list[str]:
     """The model types whose status is not the committed table's (or that it lacks)."""
     old = (committed or {}).get("models", {})
-    return [f"{t}: {old[t]['status'] if t in old else 'absent'} -> {r['status']} ({r['reason'][:160]})"
-            for t, r in results.items() if t not in old or old[t]["status"] != r["status"]]
+    return [
+        f"{t}: {old[t]['status'] if t in old else 'absent'} -> {r['status']} ({r['reason'][:160]})"
+        for t, r in results.items()
+        if t not in old or old[t]["status"] != r["status"]
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -619,16 +726,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results = sweep(types, jobs=args.jobs, timeout_s=args.timeout)
     counts = Counter(r["status"] for r in results.values())
-    print(f"{len(results)} model types in {time.monotonic() - t0:.0f} s: "
-          + ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES))
+    print(
+        f"{len(results)} model types in {time.monotonic() - t0:.0f} s: "
+        + ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES)
+    )
     committed = load_table()
     if args.check:
         changes = status_changes(results, committed)
         if not partial and committed:
             changes += [f"{t}: in the table, no longer in the catalogue" for t in committed["models"] if t not in cat]
         if changes:
-            print("the committed table is stale (regenerate: python benchmarks/model_sweep.py):\n  "
-                  + "\n  ".join(changes))
+            print(
+                "the committed table is stale (regenerate: python benchmarks/model_sweep.py):\n  "
+                + "\n  ".join(changes)
+            )
             return 1
         print("the committed table is up to date")
         return 0

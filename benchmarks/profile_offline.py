@@ -38,13 +38,38 @@ from acb.bench.common import MODEL_SHAPES, ModelSpec, machine_info, matmul_peak_
 from acb.bench.offline import MAX_BATCH_TOKENS, MAX_REQUESTS, SIZES  # noqa: E402
 
 PHASES = ("acb::attention", "acb::lm_head", "acb::sampler", "acb::metadata", "acb::stage")
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
-          "mkldnn::_linear_pointwise"}
+MATMUL = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::baddbmm",
+    "mkldnn::_linear_pointwise",
+}
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")
-GATHER = {"aten::index", "aten::index_copy_", "aten::index_select", "aten::gather", "aten::index_put_",
-          "aten::_index_put_impl_", "aten::take"}
-COPY = {"aten::copy_", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::cat", "aten::clone",
-        "aten::repeat_interleave", "aten::expand", "aten::empty", "aten::empty_strided", "aten::new_empty"}
+GATHER = {
+    "aten::index",
+    "aten::index_copy_",
+    "aten::index_select",
+    "aten::gather",
+    "aten::index_put_",
+    "aten::_index_put_impl_",
+    "aten::take",
+}
+COPY = {
+    "aten::copy_",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::contiguous",
+    "aten::cat",
+    "aten::clone",
+    "aten::repeat_interleave",
+    "aten::expand",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::new_empty",
+}
 
 
 def _kind(name: str) -> str:
@@ -115,8 +140,14 @@ def run(size: str, profile: bool, packed: bool | None = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(2)
     outs = torch.randint(p["min_new"], p["max_new"] + 1, (len(prompts),), generator=g).tolist()
     model = spec.build()
-    cfg = acb.ContinuousBatchingConfig(page_size=32, num_blocks=2048, max_batch_tokens=MAX_BATCH_TOKENS,
-                                       max_requests_per_batch=MAX_REQUESTS, seed=0, cpu_packed_linears=packed)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=32,
+        num_blocks=2048,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        max_requests_per_batch=MAX_REQUESTS,
+        seed=0,
+        cpu_packed_linears=packed,
+    )
     engine = acb.Engine(model, cfg)
     engine.start()
     try:
@@ -149,8 +180,12 @@ def run(size: str, profile: bool, packed: bool | None = None) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="default", choices=sorted(SIZES))
-    ap.add_argument("--packed-linears", choices=("on", "off"), default=None,
-                    help="cpu_packed_linears (default: the engine's default, which is on for this model)")
+    ap.add_argument(
+        "--packed-linears",
+        choices=("on", "off"),
+        default=None,
+        help="cpu_packed_linears (default: the engine's default, which is on for this model)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "profile_offline_cpu.json"))
     args = ap.parse_args()
     peak = matmul_peak_gflops()
@@ -158,15 +193,24 @@ def main() -> None:
     plain = run(args.size, profile=False, packed=packed)
     prof = run(args.size, profile=True, packed=packed)
     total = sum(v for kinds in prof["breakdown_us"].values() for v in kinds.values())
-    doc = dict(machine=machine_info(), size=args.size, cpu_packed_linears=args.packed_linears or "default",
-               matmul_peak=peak, plain=plain, profiled=prof,
-               roofline_pct=100 * plain["achieved_gflops"] / peak["gflops"])
+    doc = dict(
+        machine=machine_info(),
+        size=args.size,
+        cpu_packed_linears=args.packed_linears or "default",
+        matmul_peak=peak,
+        plain=plain,
+        profiled=prof,
+        roofline_pct=100 * plain["achieved_gflops"] / peak["gflops"],
+    )
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
-    print(f"matmul peak {peak['gflops']:.1f} GFLOP/s; workload {plain['flops']['total'] / 1e12:.3f} TFLOP; "
-          f"wall {plain['wall_s']:.2f} s ({plain['tokens_per_s']:.1f} tok/s), {plain['achieved_gflops']:.1f} GFLOP/s "
-          f"= {doc['roofline_pct']:.1f}% of peak; profiled wall {prof['wall_s']:.2f} s")
-    rows = sorted(((ph, k, us) for ph, kinds in prof["breakdown_us"].items() for k, us in kinds.items()),
-                  key=lambda r: -r[2])
+    print(
+        f"matmul peak {peak['gflops']:.1f} GFLOP/s; workload {plain['flops']['total'] / 1e12:.3f} TFLOP; "
+        f"wall {plain['wall_s']:.2f} s ({plain['tokens_per_s']:.1f} tok/s), {plain['achieved_gflops']:.1f} GFLOP/s "
+        f"= {doc['roofline_pct']:.1f}% of peak; profiled wall {prof['wall_s']:.2f} s"
+    )
+    rows = sorted(
+        ((ph, k, us) for ph, kinds in prof["breakdown_us"].items() for k, us in kinds.items()), key=lambda r: -r[2]
+    )
     for ph, k, us in rows:
         print(f"{ph:>10} {k:>15} {us / 1e6:8.3f} s {100 * us / total:5.1f}%")
     print(f"wrote {args.out}")

@@ -54,14 +54,24 @@ def in_process(prompts: list[list[int]], max_new: int) -> tuple[float, list[list
     return wall, [o.generated_tokens for o in out.values()]
 
 
-def on_ray(prompts: list[list[int]], max_new: int, actors: int, cpus: int, gpus: bool,
-           batch_size: int) -> dict[str, Any]:
-    ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)],
-                             override_num_blocks=max(4, len(prompts) // batch_size))
-    out = generate_dataset(ds, model_factory=build_model, concurrency=actors, batch_size=batch_size,
-                           num_gpus_per_actor=1 if gpus else 0, num_cpus_per_actor=None if gpus else cpus // actors,
-                           config=CONFIG, sampling={"max_new_tokens": max_new, "ignore_eos": True},
-                           device="cuda" if gpus else "cpu", worker_column="worker")
+def on_ray(
+    prompts: list[list[int]], max_new: int, actors: int, cpus: int, gpus: bool, batch_size: int
+) -> dict[str, Any]:
+    ds = ray.data.from_items(
+        [{"id": i, "prompt": p} for i, p in enumerate(prompts)], override_num_blocks=max(4, len(prompts) // batch_size)
+    )
+    out = generate_dataset(
+        ds,
+        model_factory=build_model,
+        concurrency=actors,
+        batch_size=batch_size,
+        num_gpus_per_actor=1 if gpus else 0,
+        num_cpus_per_actor=None if gpus else cpus // actors,
+        config=CONFIG,
+        sampling={"max_new_tokens": max_new, "ignore_eos": True},
+        device="cuda" if gpus else "cpu",
+        worker_column="worker",
+    )
     t0 = time.perf_counter()
     first = None
     rows = []
@@ -72,9 +82,15 @@ def on_ray(prompts: list[list[int]], max_new: int, actors: int, cpus: int, gpus:
     wall = time.perf_counter() - t0
     rows.sort(key=lambda r: r["id"])
     tokens = sum(int(r["num_generated_tokens"]) for r in rows)
-    return dict(actors=actors, wall_s=wall, first_row_s=first, tokens=tokens, tokens_per_s=tokens / wall,
-                workers=len({r["worker"] for r in rows}),
-                generated=[list(map(int, r["generated_token_ids"])) for r in rows])
+    return dict(
+        actors=actors,
+        wall_s=wall,
+        first_row_s=first,
+        tokens=tokens,
+        tokens_per_s=tokens / wall,
+        workers=len({r["worker"] for r in rows}),
+        generated=[list(map(int, r["generated_token_ids"])) for r in rows],
+    )
 
 
 def main() -> None:
@@ -92,8 +108,9 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts, 16, 256, ModelSpec("default").vocab, seed=1)
     base_wall, base_tokens = in_process(prompts, args.max_new_tokens)
     total = sum(map(len, base_tokens))
-    sides: list[dict[str, Any]] = [dict(side="in-process", actors=0, wall_s=base_wall, tokens=total,
-                                        tokens_per_s=total / base_wall)]
+    sides: list[dict[str, Any]] = [
+        dict(side="in-process", actors=0, wall_s=base_wall, tokens=total, tokens_per_s=total / base_wall)
+    ]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     with tempfile.TemporaryDirectory(prefix="acb-ray-") as tmp:
         if args.address:
@@ -113,16 +130,31 @@ def main() -> None:
             ray.shutdown()
     for s in sides:
         s["vs_in_process"] = s["tokens_per_s"] / sides[0]["tokens_per_s"]
-    result = dict(benchmark="ray_data", machine=machine_info("cuda" if args.gpus else "cpu"), ray=ray.__version__,
-                  settings=dict(num_prompts=args.num_prompts, prompt_len="16-256", max_new_tokens=args.max_new_tokens,
-                                batch_size=args.batch_size, config=CONFIG, model="offline default shape"),
-                  sides=sides)
+    result = dict(
+        benchmark="ray_data",
+        machine=machine_info("cuda" if args.gpus else "cpu"),
+        ray=ray.__version__,
+        settings=dict(
+            num_prompts=args.num_prompts,
+            prompt_len="16-256",
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            config=CONFIG,
+            model="offline default shape",
+        ),
+        sides=sides,
+    )
     out = args.out or str(ROOT / "benchmarks" / "results" / f"ray_data_{'gpu' if args.gpus else 'cpu'}.json")
     Path(out).write_text(json.dumps(result, indent=2, default=str))
     for s in sides:
-        print(f"{s['side']:>11}: {s['tokens_per_s']:7.1f} tokens/s  wall {s['wall_s']:6.1f} s"
-              + (f"  first row {s['first_row_s']:.1f} s, {s['workers']} worker(s), match={s['tokens_match_in_process']}"
-                 if s["actors"] else ""))
+        print(
+            f"{s['side']:>11}: {s['tokens_per_s']:7.1f} tokens/s  wall {s['wall_s']:6.1f} s"
+            + (
+                f"  first row {s['first_row_s']:.1f} s, {s['workers']} worker(s), match={s['tokens_match_in_process']}"
+                if s["actors"]
+                else ""
+            )
+        )
     print(f"wrote {out}")
 
 

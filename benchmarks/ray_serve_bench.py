@@ -27,8 +27,24 @@ from acb.bench.serve import Server, Target, _env, _free_port, at_concurrency, ma
 
 def start(kind: str, ckpt: str, log_dir: str, replicas: int = 1) -> Server:
     port = _free_port()
-    argv = [sys.executable, "-m", "acb", "serve", "--model", ckpt, "--served-model-name", "bench", "--port", str(port),
-            "--page-size", "16", "--num-blocks", "512", "--grace-period", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "acb",
+        "serve",
+        "--model",
+        ckpt,
+        "--served-model-name",
+        "bench",
+        "--port",
+        str(port),
+        "--page-size",
+        "16",
+        "--num-blocks",
+        "512",
+        "--grace-period",
+        "1",
+    ]
     if kind == "ray":
         argv += ["--ray", "--num-replicas", str(replicas)]
     return Server(f"{kind}-{replicas}", argv, port, os.path.join(log_dir, f"{kind}-{replicas}.log"), _env())
@@ -64,17 +80,27 @@ def main() -> int:
                 print(json.dumps(row), file=sys.stderr)
             finally:
                 server.stop()
-    result = {"date": time.strftime("%Y-%m-%d"), "model": model, "concurrency": args.concurrency,
-              "requests": args.requests, "max_tokens": args.max_tokens, "rows": rows}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "model": model,
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{args.requests} streamed chats at concurrency {args.concurrency}, {args.max_tokens} tokens each, "
-          f"{result['date']}\n")
+    print(
+        f"{args.requests} streamed chats at concurrency {args.concurrency}, {args.max_tokens} tokens each, "
+        f"{result['date']}\n"
+    )
     print("| server | start-up s | output tok/s | requests/s | TTFT p50 ms | TTFT p90 ms |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['server']} | {r['ready_s']:.1f} | {r['tokens_per_s']:.0f} | {r['requests_per_s']:.2f} | "
-              f"{1e3 * r['ttft_s']['p50']:.0f} | {1e3 * r['ttft_s']['p90']:.0f} |")
+        print(
+            f"| {r['server']} | {r['ready_s']:.1f} | {r['tokens_per_s']:.0f} | {r['requests_per_s']:.2f} | "
+            f"{1e3 * r['ttft_s']['p50']:.0f} | {1e3 * r['ttft_s']['p90']:.0f} |"
+        )
     return 0
 
 

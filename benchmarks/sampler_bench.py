@@ -80,7 +80,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    )
     results = {m: bench(args.rows, args.vocab, device, m, args.iters) for m in MIXES}
     print(f"sampler time per step, {args.rows} rows x vocab {args.vocab}, device: {name}")
     print(f"{'mix':<12} {'ms/step':>9} {'vs greedy':>10}")
@@ -88,9 +92,18 @@ def main() -> None:
         print(f"{m:<12} {ms:>9.2f} {ms / results['greedy']:>9.1f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": args.rows, "vocab": args.vocab, "device": name, "torch": torch.__version__,
-                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "ms_per_step": results}, f, indent=2)
+            json.dump(
+                {
+                    "rows": args.rows,
+                    "vocab": args.vocab,
+                    "device": name,
+                    "torch": torch.__version__,
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "ms_per_step": results,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

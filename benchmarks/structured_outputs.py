@@ -28,17 +28,27 @@ from pathlib import Path
 import torch
 
 import acb
-from acb.core import engine_core
 import acb.structured as structured
+from acb.core import engine_core
 from acb.models import tiny_model
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 32}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "email": {"type": "string", "format": "email"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
-    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "[0-9]{5}"}},
-                "required": ["city", "zip"]},
-    "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"}},
-    "required": ["name", "age", "email", "tags", "address", "role", "active"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "format": "email"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+            "required": ["city", "zip"],
+        },
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "tags", "address", "role", "active"],
+}
 REGEX = r"[a-z ,.]{1,4096}"
 
 
@@ -50,13 +60,19 @@ def bpe_tokenizer(vocab: int):
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(60_000)]
-    text = [" ".join(rng.choice(words) for _ in range(50)) + rng.choice([".", ",", "!", "?", ' "x": 1}'])
-            for _ in range(20_000)]
+    text = [
+        " ".join(rng.choice(words) for _ in range(50)) + rng.choice([".", ",", "!", "?", ' "x": 1}'])
+        for _ in range(20_000)
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(text, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
@@ -69,7 +85,7 @@ class Timers:
         self._fill = engine_core.EngineCore._fill_grammar_masks
         self._apply = structured.apply_bitmask
 
-    def __enter__(self) -> "Timers":
+    def __enter__(self) -> Timers:
         timers, fill, apply = self, self._fill, self._apply
 
         def timed_fill(core, sched):  # type: ignore[no-untyped-def]
@@ -92,26 +108,40 @@ class Timers:
 
 
 def run(model, tok, n: int, tokens: int, async_batching: bool, constrained: bool) -> dict:
-    cfg = acb.ContinuousBatchingConfig(num_blocks=max(64, n * (tokens + 16) // 16 + 8), page_size=16,
-                                       max_batch_tokens=max(256, n * 12), max_requests_per_batch=max(n, 1),
-                                       use_async_batching=async_batching)
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=max(64, n * (tokens + 16) // 16 + 8),
+        page_size=16,
+        max_batch_tokens=max(256, n * 12),
+        max_requests_per_batch=max(n, 1),
+        use_async_batching=async_batching,
+    )
     prompts = [tok(f"request {i} says").input_ids for i in range(n)]
     so = acb.StructuredOutputs(regex=REGEX) if constrained else None
     with acb.Engine(model, cfg, tokenizer=tok) as eng:
-        eng.generate_batch(prompts[:2], max_new_tokens=4, ignore_eos=True, structured_outputs=so,
-                           progress_bar=False)  # warm-up (and the grammar's compile)
+        eng.generate_batch(
+            prompts[:2], max_new_tokens=4, ignore_eos=True, structured_outputs=so, progress_bar=False
+        )  # warm-up (and the grammar's compile)
         before = eng.stats.steps
         with Timers() as tm:
             t0 = time.perf_counter()
-            outs = eng.generate_batch(prompts, max_new_tokens=tokens, ignore_eos=True, structured_outputs=so,
-                                      progress_bar=False)
+            outs = eng.generate_batch(
+                prompts, max_new_tokens=tokens, ignore_eos=True, structured_outputs=so, progress_bar=False
+            )
             wall = time.perf_counter() - t0
         steps = eng.stats.steps - before
     generated = sum(len(o.generated_tokens) for o in outs.values())
     assert generated == n * tokens, generated
-    return {"requests": n, "async_batching": async_batching, "constrained": constrained, "steps": steps,
-            "wall_s": wall, "ms_per_step": 1e3 * wall / steps, "tokens_per_s": generated / wall,
-            "fill_ms_per_step": 1e3 * tm.fill / steps, "apply_ms_per_step": 1e3 * tm.apply / steps}
+    return {
+        "requests": n,
+        "async_batching": async_batching,
+        "constrained": constrained,
+        "steps": steps,
+        "wall_s": wall,
+        "ms_per_step": 1e3 * wall / steps,
+        "tokens_per_s": generated / wall,
+        "fill_ms_per_step": 1e3 * tm.fill / steps,
+        "apply_ms_per_step": 1e3 * tm.apply / steps,
+    }
 
 
 def compile_times(tok, vocab: int) -> dict:
@@ -150,9 +180,16 @@ def main() -> int:
                 rows.append(r)
                 print(json.dumps(r), file=sys.stderr)
     comp = compile_times(tok, len(tok))
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads", "torch": torch.__version__, "vocab": len(tok),
-              "tokens_per_request": args.tokens, "regex": REGEX, "rows": rows, "compile": comp}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "vocab": len(tok),
+        "tokens_per_request": args.tokens,
+        "regex": REGEX,
+        "rows": rows,
+        "compile": comp,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
@@ -160,19 +197,27 @@ def main() -> int:
 
 
 def table(result: dict) -> str:
-    lines = [f"vocabulary {result['vocab']}, {result['tokens_per_request']} tokens a request, {result['date']}, "
-             f"{result['machine']}", "",
-             "| running | async batching | free: ms/step, tok/s | constrained: ms/step, tok/s | mask fill + apply, ms/step |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"vocabulary {result['vocab']}, {result['tokens_per_request']} tokens a request, {result['date']}, "
+        f"{result['machine']}",
+        "",
+        "| running | async batching | free: ms/step, tok/s | constrained: ms/step, tok/s | mask fill + apply, ms/step |",
+        "|---|---|---|---|---|",
+    ]
     rows = result["rows"]
     for free, con in zip(rows[0::2], rows[1::2]):
-        lines.append(f"| {free['requests']} | {'on' if free['async_batching'] else 'off'} | "
-                     f"{free['ms_per_step']:.1f}, {free['tokens_per_s']:.0f} | {con['ms_per_step']:.1f}, "
-                     f"{con['tokens_per_s']:.0f} | {con['fill_ms_per_step']:.2f} + {con['apply_ms_per_step']:.2f} |")
+        lines.append(
+            f"| {free['requests']} | {'on' if free['async_batching'] else 'off'} | "
+            f"{free['ms_per_step']:.1f}, {free['tokens_per_s']:.0f} | {con['ms_per_step']:.1f}, "
+            f"{con['tokens_per_s']:.0f} | {con['fill_ms_per_step']:.2f} + {con['apply_ms_per_step']:.2f} |"
+        )
     c = result["compile"]
-    lines += ["", f"Grammar compile of a 7-field JSON schema: {c['schema_cold_ms']:.1f} ms cold, "
-              f"{c['schema_cached_ms']:.3f} ms cached; the compiler's one-time tokenizer scan: "
-              f"{c['tokenizer_info_s']:.2f} s."]
+    lines += [
+        "",
+        f"Grammar compile of a 7-field JSON schema: {c['schema_cold_ms']:.1f} ms cold, "
+        f"{c['schema_cached_ms']:.3f} ms cached; the compiler's one-time tokenizer scan: "
+        f"{c['tokenizer_info_s']:.2f} s.",
+    ]
     return "\n".join(lines)
 
 

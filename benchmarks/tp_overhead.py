@@ -68,18 +68,32 @@ def main() -> None:
             wall = time.perf_counter() - t0
             steps = eng.stats.steps - steps0
         if rank == 0:
-            rows.append({"running": running, "steps": steps, "broadcasts": spent[1], "wall_s": round(wall, 3),
-                         "step_ms": round(1e3 * wall / max(steps, 1), 3),
-                         "exchange_us": round(1e6 * spent[0] / max(spent[1], 1), 1),
-                         "exchange_share": round(spent[0] / wall, 4)})
+            rows.append(
+                {
+                    "running": running,
+                    "steps": steps,
+                    "broadcasts": spent[1],
+                    "wall_s": round(wall, 3),
+                    "step_ms": round(1e3 * wall / max(steps, 1), 3),
+                    "exchange_us": round(1e6 * spent[0] / max(spent[1], 1), 1),
+                    "exchange_share": round(spent[0] / wall, 4),
+                }
+            )
     if rank == 0:
-        result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads per rank",
-                  "ranks": dist.get_world_size(), "backend": "gloo", "torch": torch.__version__,
-                  "model": "acb default_model (8 heads / 4 KV heads), tensor-parallel over the ranks",
-                  "new_tokens": a.new_tokens, "rows": rows}
+        result = {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads per rank",
+            "ranks": dist.get_world_size(),
+            "backend": "gloo",
+            "torch": torch.__version__,
+            "model": "acb default_model (8 heads / 4 KV heads), tensor-parallel over the ranks",
+            "new_tokens": a.new_tokens,
+            "rows": rows,
+        }
         for r in rows:
-            print(f"{r['running']:>3} running: {r['step_ms']:.2f} ms/step, command broadcast {r['exchange_us']:.0f} µs "
-                  f"({100 * r['exchange_share']:.1f}% of the loop's wall time)")
+            print(
+                f"{r['running']:>3} running: {r['step_ms']:.2f} ms/step, command broadcast {r['exchange_us']:.0f} µs "
+                f"({100 * r['exchange_share']:.1f}% of the loop's wall time)"
+            )
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(result, f, indent=2)

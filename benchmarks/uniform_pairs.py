@@ -35,8 +35,10 @@ def main() -> None:
         g = run_generate(spec, prompts, outs, p["batch_size"])
         assert [len(t) for t in a["tokens"]] == [len(t) for t in g["tokens"]] == outs
         pairs.append(dict(acb_s=a["seconds"], generate_s=g["seconds"], acb_speedup=g["seconds"] / a["seconds"]))
-        print(f"acb {a['seconds']:.2f} s  padded generate {g['seconds']:.2f} s  acb {pairs[-1]['acb_speedup']:.2f}x",
-              flush=True)
+        print(
+            f"acb {a['seconds']:.2f} s  padded generate {g['seconds']:.2f} s  acb {pairs[-1]['acb_speedup']:.2f}x",
+            flush=True,
+        )
     out = ROOT / "benchmarks" / "results" / "uniform_pairs_cpu.json"
     out.write_text(json.dumps(dict(machine=machine_info(), settings=p, pairs=pairs), indent=2, default=str))
     print(f"wrote {out}")

@@ -54,6 +54,7 @@ if __name__ == "__main__":
     if args.model:
         engine = acb.AsyncEngine.from_pretrained(args.model)
     else:
-        engine = acb.AsyncEngine(default_model(), acb.ContinuousBatchingConfig(page_size=16, num_blocks=128),
-                                 tokenizer=build_tokenizer())
+        engine = acb.AsyncEngine(
+            default_model(), acb.ContinuousBatchingConfig(page_size=16, num_blocks=128), tokenizer=build_tokenizer()
+        )
     uvicorn.run(make_app(engine), host="127.0.0.1", port=args.port, log_level="warning")

@@ -20,8 +20,13 @@ import tempfile
 import acb
 from acb.models import build_tokenizer, default_model
 
-SAMPLE = [("2 + 2 =", "4"), ("The capital of France is", "Paris"), ("H2O is", "water"),
-          ("The opposite of hot is", "cold"), ("A week has this many days:", "7")]
+SAMPLE = [
+    ("2 + 2 =", "4"),
+    ("The capital of France is", "Paris"),
+    ("H2O is", "water"),
+    ("The opposite of hot is", "cold"),
+    ("A week has this many days:", "7"),
+]
 
 
 def main(data: str | None, model_path: str | None, out_path: str, max_new_tokens: int) -> float:
@@ -40,7 +45,9 @@ def main(data: str | None, model_path: str | None, out_path: str, max_new_tokens
     else:
         model, tokenizer = default_model(), build_tokenizer()
     results = acb.generate_batch(
-        model, [r["question"] for r in rows], tokenizer=tokenizer,
+        model,
+        [r["question"] for r in rows],
+        tokenizer=tokenizer,
         sampling=acb.SamplingParams(max_new_tokens=max_new_tokens),
         continuous_batching_config=acb.ContinuousBatchingConfig(page_size=16, num_blocks=256),
     )

@@ -39,8 +39,16 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
         model, tokenizer = default_model(), build_tokenizer()
     temperature = 0.9
     # top_k=0, top_p=1: no truncation, so "processed" logprobs are exactly log_softmax(logits / T)
-    sampling = acb.SamplingParams(n=n, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                  max_new_tokens=max_new_tokens, logprobs=0, logprobs_mode="processed")
+    sampling = acb.SamplingParams(
+        n=n,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        logprobs=0,
+        logprobs_mode="processed",
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     config = acb.ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=512)
@@ -55,24 +63,29 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
                 advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
                 for s, adv in zip(samples, advantages):
                     ids = torch.tensor([prompt + s.generated_tokens])
-                    logits = model(ids).logits[0, len(prompt) - 1: -1] / temperature
+                    logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
                     new_lp = logits.log_softmax(-1).gather(-1, torch.tensor(s.generated_tokens)[:, None])[:, 0]
                     old_lp = torch.tensor(s.logprobs)  # the sampler's, for the same weights
                     worst = max(worst, (new_lp.detach() - old_lp).abs().max().item())
                     ratio = (new_lp - old_lp).exp()  # 1 at the first step of a round
                     losses.append(-(ratio * adv).mean())
-            mean_reward = sum(reward(tokenizer.decode(s.generated_tokens))
-                              for o in outputs.values() for s in (o.samples or [])) / (len(prompt_ids) * n)
+            mean_reward = sum(
+                reward(tokenizer.decode(s.generated_tokens)) for o in outputs.values() for s in (o.samples or [])
+            ) / (len(prompt_ids) * n)
             freed = engine.sleep()  # the backward pass gets the KV cache's memory
             torch.stack(losses).mean().backward()
             optimizer.step()  # weights change in place; the engine notices before the next round
             optimizer.zero_grad()
             model.eval()
             engine.wake_up()
-            print(f"round {rnd}: {len(prompt_ids)} prompts x {n} samples, mean reward {mean_reward:.3f}, "
-                  f"max |sampler - trainer logprob| {worst:.2e}, slept freeing {freed.total / 2**20:.1f} MiB")
-        print(f"engine: {engine.stats.finished} sequences generated, prefix cache dropped "
-              f"{engine.core.weight_resets if engine.core else 0} times for new weights")
+            print(
+                f"round {rnd}: {len(prompt_ids)} prompts x {n} samples, mean reward {mean_reward:.3f}, "
+                f"max |sampler - trainer logprob| {worst:.2e}, slept freeing {freed.total / 2**20:.1f} MiB"
+            )
+        print(
+            f"engine: {engine.stats.finished} sequences generated, prefix cache dropped "
+            f"{engine.core.weight_resets if engine.core else 0} times for new weights"
+        )
 
 
 if __name__ == "__main__":

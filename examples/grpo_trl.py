@@ -40,22 +40,33 @@ def main(model_path: str | None, steps: int, cpu: bool) -> None:
         model, tokenizer = default_model(), build_tokenizer()
     dataset = Dataset.from_list([{"prompt": f"Write a word with {i} letters:"} for i in range(1, 17)])
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=16, learning_rate=1e-4, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=cpu, bf16=False,
+        output_dir=tempfile.mkdtemp(),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        learning_rate=1e-4,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=cpu,
+        bf16=False,
         use_transformers_continuous_batching=True,
         # sizes the engine (transformers' ContinuousBatchingConfig fields, which acb reads too)
         transformers_continuous_batching_config={"num_blocks": 256, "max_batch_tokens": 512} if cpu else None,
     )
-    trainer = GRPOTrainer(model=model, args=args, reward_funcs=vowels, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model, args=args, reward_funcs=vowels, train_dataset=dataset, processing_class=tokenizer
+    )
     t0 = time.perf_counter()
     with use_acb(trainer) as rollouts:
         trainer.train()
         stats = rollouts.engine.stats if rollouts.engine is not None else None
-    print(f"trained {trainer.state.global_step} steps in {time.perf_counter() - t0:.1f} s; "
-          f"acb generated {rollouts.completions} completions in {rollouts.calls} rounds"
-          + (f" ({stats.generated_tokens} tokens)" if stats is not None else ""))
+    print(
+        f"trained {trainer.state.global_step} steps in {time.perf_counter() - t0:.1f} s; "
+        f"acb generated {rollouts.completions} completions in {rollouts.calls} rounds"
+        + (f" ({stats.generated_tokens} tokens)" if stats is not None else "")
+    )
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ def main(base_url: str, model: str | None, api_key: str) -> None:
         model = client.models.list().data[0].id
         print("model:", model)
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16,
-        extra_body={"top_k": 20})  # acb's extras go in extra_body
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16, extra_body={"top_k": 20}
+    )  # acb's extras go in extra_body
     print("chat:", repr(chat.choices[0].message.content), chat.choices[0].finish_reason, chat.usage.total_tokens)
     print("stream: ", end="")
     usage = None
-    for chunk in client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, stream=True,
-                                           stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=16, stream=True, stream_options={"include_usage": True}
+    ):
         if chunk.choices:
             print(chunk.choices[0].text, end="", flush=True)
         if chunk.usage is not None:

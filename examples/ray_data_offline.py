@@ -45,8 +45,9 @@ def main() -> None:
     args = p.parse_args()
 
     ray.init(address=args.address, num_cpus=args.num_cpus if args.address is None else None)
-    ds = ray.data.from_items([{"id": i, "prompt": f"Prompt {i}: say something about the number {i}."}
-                              for i in range(args.num_prompts)])
+    ds = ray.data.from_items(
+        [{"id": i, "prompt": f"Prompt {i}: say something about the number {i}."} for i in range(args.num_prompts)]
+    )
     out = generate_dataset(
         ds,
         model=args.model,
@@ -69,8 +70,10 @@ def main() -> None:
         workers.add(row["worker"])
         rows.append((row["id"], row["prompt"], row["generated_text"]))
     wall = time.perf_counter() - t0
-    print(f"{len(rows)} rows from {len(workers)} actors: {tokens} tokens in {wall:.1f} s "
-          f"({tokens / wall:.0f} tokens/s, actor start-up included)")
+    print(
+        f"{len(rows)} rows from {len(workers)} actors: {tokens} tokens in {wall:.1f} s "
+        f"({tokens / wall:.0f} tokens/s, actor start-up included)"
+    )
     for i, prompt, text in sorted(rows)[:3]:
         print(f"[{i}] {prompt!r} -> {text!r}")
 

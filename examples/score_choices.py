@@ -22,13 +22,17 @@ import tempfile
 import acb
 from acb.models import build_tokenizer, default_model
 
-PREAMBLE = ("Answer with the letter of the right choice.\n\n"
-            "Q: The colour of the sky on a clear day?\nA. green\nB. blue\nC. red\nAnswer: B\n\n"
-            "Q: How many legs has a cat?\nA. four\nB. two\nC. six\nAnswer: A\n\n")
-SAMPLE = [("Water freezes at how many degrees Celsius?", ["100", "0", "50"], 1),
-          ("Which is a fruit?", ["apple", "brick", "chair"], 0),
-          ("The largest planet of the solar system?", ["Mars", "Venus", "Jupiter"], 2),
-          ("Which animal barks?", ["dog", "fish", "snake"], 0)]
+PREAMBLE = (
+    "Answer with the letter of the right choice.\n\n"
+    "Q: The colour of the sky on a clear day?\nA. green\nB. blue\nC. red\nAnswer: B\n\n"
+    "Q: How many legs has a cat?\nA. four\nB. two\nC. six\nAnswer: A\n\n"
+)
+SAMPLE = [
+    ("Water freezes at how many degrees Celsius?", ["100", "0", "50"], 1),
+    ("Which is a fruit?", ["apple", "brick", "chair"], 0),
+    ("The largest planet of the solar system?", ["Mars", "Venus", "Jupiter"], 2),
+    ("Which animal barks?", ["dog", "fish", "snake"], 0),
+]
 LETTERS = "ABCDEFGH"
 
 
@@ -51,7 +55,9 @@ def main(data: str | None, model_path: str | None) -> float:
     for row in rows:
         options = "".join(f"{LETTERS[i]}. {c}\n" for i, c in enumerate(row["choices"]))
         context = tokenizer(f"{PREAMBLE}Q: {row['question']}\n{options}Answer:")["input_ids"]
-        letters = [tokenizer(f" {LETTERS[i]}", add_special_tokens=False)["input_ids"] for i in range(len(row["choices"]))]
+        letters = [
+            tokenizer(f" {LETTERS[i]}", add_special_tokens=False)["input_ids"] for i in range(len(row["choices"]))
+        ]
         items.append((context, letters))
     with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=256), tokenizer=tokenizer) as engine:
         outs = engine.score_batch(items)

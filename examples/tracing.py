@@ -30,13 +30,18 @@ async def main(endpoint: str, model_path: str | None) -> None:
     if model_path:
         engine = acb.AsyncEngine.from_pretrained(model_path)
     else:
-        engine = acb.AsyncEngine(default_model(), acb.ContinuousBatchingConfig(page_size=16, num_blocks=128),
-                                 tokenizer=build_tokenizer())
+        engine = acb.AsyncEngine(
+            default_model(), acb.ContinuousBatchingConfig(page_size=16, num_blocks=128), tokenizer=build_tokenizer()
+        )
     tracer = trace.get_tracer("acb-example")
     async with engine:
         with tracer.start_as_current_span("answer-questions"):  # the requests' spans are its children
-            outs = await asyncio.gather(*(engine.generate(q, max_new_tokens=16, ignore_eos=True)
-                                          for q in ("What is continuous batching?", "Why page the KV cache?")))
+            outs = await asyncio.gather(
+                *(
+                    engine.generate(q, max_new_tokens=16, ignore_eos=True)
+                    for q in ("What is continuous batching?", "Why page the KV cache?")
+                )
+            )
     for out in outs:
         print(out.request_id, repr(out.text))
     tel.shutdown()  # export what is left before exiting

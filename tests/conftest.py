@@ -34,24 +34,35 @@ def pytest_pycollect_makeitem(collector, name, obj):
     if not inspect.iscoroutinefunction(inner):
         return None
     own = {m.name for m in getattr(obj, "pytestmark", ())}
-    if own & {"anyio", "asyncio"} or collector.get_closest_marker("anyio") or \
-            collector.get_closest_marker("asyncio") or "anyio_backend" in inspect.signature(inner).parameters:
+    if (
+        own & {"anyio", "asyncio"}
+        or collector.get_closest_marker("anyio")
+        or collector.get_closest_marker("asyncio")
+        or "anyio_backend" in inspect.signature(inner).parameters
+    ):
         return None
     pytest.mark.asyncio(obj)
     return None
 
 
-@pytest.fixture(scope="module", params=[
-    "asyncio",
-    pytest.param("trio", marks=pytest.mark.skipif(importlib.util.find_spec("trio") is None,
-                                                  reason="trio is not installed (pip install -e .[test])")),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "asyncio",
+        pytest.param(
+            "trio",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("trio") is None, reason="trio is not installed (pip install -e .[test])"
+            ),
+        ),
+    ],
+)
 def anyio_backend(request):
     """The backends ``anyio``-marked tests run on: asyncio and trio."""
     return request.param
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_model(arch: str, **kw):
     return tiny_model(arch, **kw)
 
@@ -65,10 +76,12 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[in
     """Greedy tokens from plain ``model.generate`` on one unpadded prompt."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(autouse=True)

@@ -47,13 +47,24 @@ class Collected:
                 resource = _attrs(rs.resource.attributes)
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        self.spans.append({
-                            "name": s.name, "kind": KINDS.get(s.kind, str(s.kind)), "attrs": _attrs(s.attributes),
-                            "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                            "parent_span_id": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
-                            "end": s.end_time_unix_nano, "status": s.status.code, "status_message": s.status.message,
-                            "events": [(e.name, e.time_unix_nano, _attrs(e.attributes)) for e in s.events],
-                            "scope": ss.scope.name, "resource": resource, "via": via})
+                        self.spans.append(
+                            {
+                                "name": s.name,
+                                "kind": KINDS.get(s.kind, str(s.kind)),
+                                "attrs": _attrs(s.attributes),
+                                "trace_id": s.trace_id.hex(),
+                                "span_id": s.span_id.hex(),
+                                "parent_span_id": s.parent_span_id.hex(),
+                                "start": s.start_time_unix_nano,
+                                "end": s.end_time_unix_nano,
+                                "status": s.status.code,
+                                "status_message": s.status.message,
+                                "events": [(e.name, e.time_unix_nano, _attrs(e.attributes)) for e in s.events],
+                                "scope": ss.scope.name,
+                                "resource": resource,
+                                "via": via,
+                            }
+                        )
 
     def add_metrics(self, req: Any, via: str) -> None:
         with self.lock:
@@ -67,13 +78,26 @@ class Collected:
                         for p in getattr(m, kind).data_points:
                             d: dict[str, Any] = {"attrs": _attrs(p.attributes)}
                             if kind == "histogram":
-                                d.update(count=p.count, sum=p.sum, bounds=list(p.explicit_bounds),
-                                         buckets=list(p.bucket_counts))
+                                d.update(
+                                    count=p.count,
+                                    sum=p.sum,
+                                    bounds=list(p.explicit_bounds),
+                                    buckets=list(p.bucket_counts),
+                                )
                             else:
                                 d["value"] = p.as_int if p.WhichOneof("value") == "as_int" else p.as_double
                             points.append(d)
-                        self.metrics.append({"name": m.name, "unit": m.unit, "kind": kind, "points": points,
-                                             "scope": sm.scope.name, "resource": resource, "via": via})
+                        self.metrics.append(
+                            {
+                                "name": m.name,
+                                "unit": m.unit,
+                                "kind": kind,
+                                "points": points,
+                                "scope": sm.scope.name,
+                                "resource": resource,
+                                "via": via,
+                            }
+                        )
 
     def latest_metrics(self) -> dict[str, dict[str, Any]]:
         """Each metric's last export (cumulative temporality: the last holds the totals)."""

@@ -13,8 +13,10 @@ import acb
 from acb import telemetry
 from acb.models import build_tokenizer, tiny_model
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 class Tokenizer:
@@ -42,18 +44,29 @@ class Tokenizer:
 
 def summary(out: acb.GenerationOutput) -> dict:
     samples = out.samples or [out]
-    return {"request_id": out.request_id, "status": out.status.name.lower(), "prompt_len": len(out.prompt_ids),
-            "output_tokens": sum(len(s.generated_tokens) for s in samples),
-            "tokens": [list(s.generated_tokens) for s in samples],
-            "finish_reasons": [s.finish_reason.value for s in samples], "cached": out.num_cached_tokens,
-            "preemptions": out.num_preemptions, "texts": [s.text for s in samples],
-            "failure": out.failure.value if out.failure is not None else None}
+    return {
+        "request_id": out.request_id,
+        "status": out.status.name.lower(),
+        "prompt_len": len(out.prompt_ids),
+        "output_tokens": sum(len(s.generated_tokens) for s in samples),
+        "tokens": [list(s.generated_tokens) for s in samples],
+        "finish_reasons": [s.finish_reason.value for s in samples],
+        "cached": out.num_cached_tokens,
+        "preemptions": out.num_preemptions,
+        "texts": [s.text for s in samples],
+        "failure": out.failure.value if out.failure is not None else None,
+    }
 
 
 async def main(endpoint: str, protocol: str) -> dict:
     # "off": no SDK at all (the API's no-op providers), for comparison
-    tel = None if endpoint == "off" else telemetry.configure(endpoint, protocol, service_name="acb-test",
-                                                             capture_content=True, export_interval_s=3600)
+    tel = (
+        None
+        if endpoint == "off"
+        else telemetry.configure(
+            endpoint, protocol, service_name="acb-test", capture_content=True, export_interval_s=3600
+        )
+    )
     tok = Tokenizer()
     model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=512)
     model.config.name_or_path = "tiny-llama"
@@ -63,14 +76,23 @@ async def main(endpoint: str, protocol: str) -> dict:
     async with acb.AsyncEngine(model, cfg, tokenizer=tok) as eng:
         # a user's span around a submit: the request's span is its child
         with tracer.start_as_current_span("user-operation") as user:
-            h = await eng.submit("hello there", max_new_tokens=6, ignore_eos=True, temperature=0.7, top_p=0.9,
-                                 top_k=20, seed=3, stop=["never-appears"])
+            h = await eng.submit(
+                "hello there",
+                max_new_tokens=6,
+                ignore_eos=True,
+                temperature=0.7,
+                top_p=0.9,
+                top_k=20,
+                seed=3,
+                stop=["never-appears"],
+            )
             results["user_span_id"] = format(user.get_span_context().span_id, "016x")
             results["user_trace_id"] = format(user.get_span_context().trace_id, "032x")
         results["text"] = summary(await h.result())
         chat = [{"role": "user", "content": "hi"}]
-        results["chat"] = summary(await eng.generate(chat, max_new_tokens=5, n=2, temperature=1.0, seed=1,
-                                                     ignore_eos=True))
+        results["chat"] = summary(
+            await eng.generate(chat, max_new_tokens=5, n=2, temperature=1.0, seed=1, ignore_eos=True)
+        )
         # two long requests in 13 usable blocks of 8: one is preempted (its KV offloaded)
         a = await eng.submit(list(range(5, 45)), max_new_tokens=30, ignore_eos=True)
         b = await eng.submit(list(range(50, 90)), max_new_tokens=30, ignore_eos=True)

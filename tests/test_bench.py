@@ -37,7 +37,8 @@ def test_workload_json(results, workload):
         assert data["result"]["greedy_tokens_match_transformers"] is True
         roof = data["result"]["roofline"]
         assert roof["matmul_peak_gflops"] > 0 and roof["total"] == pytest.approx(
-            roof["linear"] + roof["attention"] + roof["lm_head"])
+            roof["linear"] + roof["attention"] + roof["lm_head"]
+        )
         assert all(r["roofline_pct"] == pytest.approx(100 * r["gflops"] / roof["matmul_peak_gflops"]) for r in rows)
         if workload == "offline-uniform":
             assert rows[2]["wasted_tokens"] == 0
@@ -60,7 +61,8 @@ def test_workload_json(results, workload):
         for r in rows:
             a = r["acb"]
             assert a["steps_measured"] > 0 and a["host_us"] == pytest.approx(
-                a["schedule_us"] + a["stage_us"] + a["process_us"])
+                a["schedule_us"] + a["stage_us"] + a["process_us"]
+            )
             assert r["transformers"]["host_us"] > 0
         tel = {t["mode"]: t for t in data["result"]["telemetry"]}
         assert set(tel) == {"off", "api", "sdk"} and all(t["host_us"] > 0 for t in tel.values())
@@ -99,8 +101,12 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     import sys
 
     out = tmp_path / "smoke.json"
-    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--skip-compile", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--skip-compile", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}

@@ -36,8 +36,15 @@ def _cli(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "acb", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "acb", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
 
 
 def _summary(err: str) -> tuple[int, float, float]:
@@ -61,8 +68,20 @@ def _check_rate(rows: list[dict], err: str) -> float:
 
 def test_synthetic_prompts_default_output_path(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    rc = main(["generate", "--num-prompts", "4", "--max-new-tokens", "4", "--min-prompt-len", "5",
-               "--max-prompt-len", "20", *SMALL])
+    rc = main(
+        [
+            "generate",
+            "--num-prompts",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--min-prompt-len",
+            "5",
+            "--max-prompt-len",
+            "20",
+            *SMALL,
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     assert captured.out == ""  # results never go to stdout
@@ -93,8 +112,7 @@ def test_synthetic_prompts_default_output_path(tmp_path, monkeypatch, capsys):
 
 
 def test_greedy_is_deterministic_and_ignore_eos_fills(tmp_path):
-    args = ["generate", "--num-prompts", "4", "--max-new-tokens", "4", "--max-prompt-len", "20",
-            "--ignore-eos", *SMALL]
+    args = ["generate", "--num-prompts", "4", "--max-new-tokens", "4", "--max-prompt-len", "20", "--ignore-eos", *SMALL]
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     assert main([*args, "--output", str(a)]) == 0
     assert main([*args, "--output", str(b), "--max-requests-per-batch", "2", "--max-batch-tokens", "32"]) == 0
@@ -112,16 +130,42 @@ def test_greedy_is_deterministic_and_ignore_eos_fills(tmp_path):
 def test_engine_flags_reach_the_config(command):
     from acb.cli import _engine_config, build_parser
 
-    flags = ["--async-batching", "--no-cuda-graphs", "--no-prefix-caching", "--cpu-offload-space", "0.5",
-             "--attn-backend", "torch", "--scheduler", "prefill_first", "--max-model-len", "300", "--page-size", "8",
-             "--cpu-packed-linears"]
+    flags = [
+        "--async-batching",
+        "--no-cuda-graphs",
+        "--no-prefix-caching",
+        "--cpu-offload-space",
+        "0.5",
+        "--attn-backend",
+        "torch",
+        "--scheduler",
+        "prefill_first",
+        "--max-model-len",
+        "300",
+        "--page-size",
+        "8",
+        "--cpu-packed-linears",
+    ]
     cfg = _engine_config(build_parser().parse_args([command, *flags]))
-    assert (cfg.use_async_batching, cfg.use_cuda_graph, cfg.allow_block_sharing, cfg.cpu_offload_space,
-            cfg.attn_backend, cfg.scheduler_type, cfg.max_model_len, cfg.page_size, cfg.cpu_packed_linears) == \
-        (True, False, False, 0.5, "torch", "prefill_first", 300, 8, True)
+    assert (
+        cfg.use_async_batching,
+        cfg.use_cuda_graph,
+        cfg.allow_block_sharing,
+        cfg.cpu_offload_space,
+        cfg.attn_backend,
+        cfg.scheduler_type,
+        cfg.max_model_len,
+        cfg.page_size,
+        cfg.cpu_packed_linears,
+    ) == (True, False, False, 0.5, "torch", "prefill_first", 300, 8, True)
     default = _engine_config(build_parser().parse_args([command]))
-    assert (default.use_async_batching, default.use_cuda_graph, default.allow_block_sharing,
-            default.cpu_offload_space, default.cpu_packed_linears) == (None, None, True, 0.0, None)  # the engine's own defaults
+    assert (
+        default.use_async_batching,
+        default.use_cuda_graph,
+        default.allow_block_sharing,
+        default.cpu_offload_space,
+        default.cpu_packed_linears,
+    ) == (None, None, True, 0.0, None)  # the engine's own defaults
     off = _engine_config(build_parser().parse_args([command, "--no-cpu-packed-linears"]))
     assert off.cpu_packed_linears is False
 
@@ -129,12 +173,26 @@ def test_engine_flags_reach_the_config(command):
 def test_async_batching_and_offload_flags_keep_greedy_output(tmp_path, capsys):
     """The same greedy output with async batching on and a cache small enough to preempt and offload
     (the summary says how often it did)."""
-    args = ["generate", "--num-prompts", "6", "--max-new-tokens", "12", "--min-prompt-len", "20",
-            "--max-prompt-len", "40", "--ignore-eos", "--no-progress", "--page-size", "16"]
+    args = [
+        "generate",
+        "--num-prompts",
+        "6",
+        "--max-new-tokens",
+        "12",
+        "--min-prompt-len",
+        "20",
+        "--max-prompt-len",
+        "40",
+        "--ignore-eos",
+        "--no-progress",
+        "--page-size",
+        "16",
+    ]
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     assert main([*args, "--num-blocks", "64", "--output", str(a)]) == 0
-    assert main([*args, "--num-blocks", "9", "--async-batching", "--cpu-offload-space", "0.01",
-                 "--output", str(b)]) == 0
+    assert (
+        main([*args, "--num-blocks", "9", "--async-batching", "--cpu-offload-space", "0.01", "--output", str(b)]) == 0
+    )
     assert a.read_text() == b.read_text()
     line = next(x for x in capsys.readouterr().err.splitlines()[::-1] if x.strip().startswith("engine:"))
     m = re.search(r"(\d+) preemptions \((\d+) KV blocks offloaded to host memory, (\d+) recomputed\)", line)
@@ -143,16 +201,33 @@ def test_async_batching_and_offload_flags_keep_greedy_output(tmp_path, capsys):
 
 def test_prompts_file_text_and_ids_keeps_order_and_ids(tmp_path):
     tok = build_tokenizer()
-    prompts = _write_prompts(tmp_path / "p.jsonl", [
-        {"id": "alpha", "prompt": "hello world"},
-        {"prompt_ids": [5, 6, 7, 8]},
-        "",  # blank lines are skipped
-        {"id": 42, "prompt": "x"},
-        {"id": "last", "prompt_ids": [10, 11]},
-    ])
+    prompts = _write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "alpha", "prompt": "hello world"},
+            {"prompt_ids": [5, 6, 7, 8]},
+            "",  # blank lines are skipped
+            {"id": 42, "prompt": "x"},
+            {"id": "last", "prompt_ids": [10, 11]},
+        ],
+    )
     out = tmp_path / "o.jsonl"
-    assert main(["generate", "--prompts", str(prompts), "--max-new-tokens", "3", "--ignore-eos",
-                 "--output", str(out), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "3",
+                "--ignore-eos",
+                "--output",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     rows = _read(out)
     assert [r["id"] for r in rows] == ["alpha", "req_1", 42, "last"]
     assert [r["index"] for r in rows] == [0, 1, 2, 3]
@@ -162,26 +237,51 @@ def test_prompts_file_text_and_ids_keeps_order_and_ids(tmp_path):
         assert r["text"] == tok.decode(r["generated_ids"], skip_special_tokens=True)
 
     # the same prompt as text and as ids generates the same tokens
-    same = _write_prompts(tmp_path / "same.jsonl", [
-        {"prompt": "hello world"}, {"prompt_ids": tok.encode("hello world")},
-    ])
+    same = _write_prompts(
+        tmp_path / "same.jsonl",
+        [
+            {"prompt": "hello world"},
+            {"prompt_ids": tok.encode("hello world")},
+        ],
+    )
     out2 = tmp_path / "o2.jsonl"
-    assert main(["generate", "--prompts", str(same), "--max-new-tokens", "3", "--ignore-eos",
-                 "--output", str(out2), *SMALL]) == 0
+    assert (
+        main(
+            ["generate", "--prompts", str(same), "--max-new-tokens", "3", "--ignore-eos", "--output", str(out2), *SMALL]
+        )
+        == 0
+    )
     r2 = _read(out2)
     assert r2[0]["generated_ids"] == r2[1]["generated_ids"] == rows[0]["generated_ids"]
 
 
 def test_per_line_max_new_tokens(tmp_path):
-    prompts = _write_prompts(tmp_path / "p.jsonl", [
-        {"prompt_ids": [5, 6, 7], "max_new_tokens": 1},
-        {"prompt_ids": [8, 9, 10, 11], "max_new_tokens": 6},
-        {"prompt_ids": [12, 13]},  # falls back to --max-new-tokens
-        {"prompt": "abc", "max_new_tokens": 2},
-    ])
+    prompts = _write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt_ids": [5, 6, 7], "max_new_tokens": 1},
+            {"prompt_ids": [8, 9, 10, 11], "max_new_tokens": 6},
+            {"prompt_ids": [12, 13]},  # falls back to --max-new-tokens
+            {"prompt": "abc", "max_new_tokens": 2},
+        ],
+    )
     out = tmp_path / "o.jsonl"
-    assert main(["generate", "--prompts", str(prompts), "--max-new-tokens", "4", "--ignore-eos",
-                 "--output", str(out), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "4",
+                "--ignore-eos",
+                "--output",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     rows = _read(out)
     assert [len(r["generated_ids"]) for r in rows] == [1, 6, 4, 2]
     assert [r["id"] for r in rows] == ["req_0", "req_1", "req_2", "req_3"]
@@ -190,8 +290,22 @@ def test_per_line_max_new_tokens(tmp_path):
     # the per-request path and the generate_batch path agree on greedy tokens
     uniform = _write_prompts(tmp_path / "u.jsonl", [{"prompt_ids": [8, 9, 10, 11]}])
     out_u = tmp_path / "u_out.jsonl"
-    assert main(["generate", "--prompts", str(uniform), "--max-new-tokens", "6", "--ignore-eos",
-                 "--output", str(out_u), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--prompts",
+                str(uniform),
+                "--max-new-tokens",
+                "6",
+                "--ignore-eos",
+                "--output",
+                str(out_u),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     assert _read(out_u)[0]["generated_ids"] == rows[1]["generated_ids"]
 
 
@@ -201,15 +315,32 @@ def test_chat_messages_use_the_chat_template(tmp_path):
     tok = build_tokenizer()  # the CLI's embedded tokenizer, with its own chat template
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     rendered = "system: be brief\nuser: hi\nassistant: "
-    prompts = _write_prompts(tmp_path / "p.jsonl", [
-        {"id": "chat", "messages": chat},
-        {"prompt": rendered},  # the same text, as a plain prompt
-        {"messages": chat, "chat_template_kwargs": {"add_generation_prompt": False}},
-        {"prompt_ids": [5, 6, 7]},
-    ])
+    prompts = _write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "chat", "messages": chat},
+            {"prompt": rendered},  # the same text, as a plain prompt
+            {"messages": chat, "chat_template_kwargs": {"add_generation_prompt": False}},
+            {"prompt_ids": [5, 6, 7]},
+        ],
+    )
     out = tmp_path / "o.jsonl"
-    assert main(["generate", "--prompts", str(prompts), "--max-new-tokens", "3", "--ignore-eos",
-                 "--output", str(out), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "3",
+                "--ignore-eos",
+                "--output",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     rows = _read(out)
     assert [r["id"] for r in rows] == ["chat", "req_1", "req_2", "req_3"]
     assert rows[0]["prompt_len"] == len(encode_prompt(tok, chat)) == len(tok.encode(rendered))
@@ -228,8 +359,24 @@ def test_local_checkpoint(tmp_path, capsys):
     tok.save_pretrained(ckpt)
     prompts = _write_prompts(tmp_path / "p.jsonl", [{"prompt": "hi there"}, {"prompt_ids": [7, 8, 9]}])
     out = tmp_path / "o.jsonl"
-    assert main(["generate", "--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "3",
-                 "--ignore-eos", "--output", str(out), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(ckpt),
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "3",
+                "--ignore-eos",
+                "--output",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     rows = _read(out)
     assert [r["prompt_len"] for r in rows] == [8, 3]
     assert [len(r["generated_ids"]) for r in rows] == [3, 3]
@@ -246,8 +393,24 @@ def test_local_checkpoint(tmp_path, capsys):
 
 def test_prompt_that_can_never_fit_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["generate", "--num-prompts", "2", "--min-prompt-len", "40", "--max-prompt-len", "40",
-              "--num-blocks", "2", "--page-size", "16", "--no-progress", "--output", str(tmp_path / "o.jsonl")])
+        main(
+            [
+                "generate",
+                "--num-prompts",
+                "2",
+                "--min-prompt-len",
+                "40",
+                "--max-prompt-len",
+                "40",
+                "--num-blocks",
+                "2",
+                "--page-size",
+                "16",
+                "--no-progress",
+                "--output",
+                str(tmp_path / "o.jsonl"),
+            ]
+        )
     assert exc.value.code == 2
     assert "can never fit" in capsys.readouterr().err
 
@@ -263,9 +426,14 @@ def test_prompt_that_can_never_fit_exits_2(tmp_path, capsys):
         ([{"prompt": "a", "prompt_ids": [5]}], "p.jsonl:1"),
         ([{"prompt_ids": [5], "max_new_tokens": 0}], "p.jsonl:1"),
         # the engine's checks name the line too (a blank line: line 3 is the second prompt)
-        ([{"prompt_ids": [5]}, "", {"prompt_ids": [5, 100000]}],
-         "p.jsonl:3: token id 100000 is outside the model's vocabulary"),
-        ([{"prompt_ids": [5]}, "", {"id": "big", "prompt_ids": [5] * 4000}], "p.jsonl:3: prompt of 4000 tokens can never fit"),
+        (
+            [{"prompt_ids": [5]}, "", {"prompt_ids": [5, 100000]}],
+            "p.jsonl:3: token id 100000 is outside the model's vocabulary",
+        ),
+        (
+            [{"prompt_ids": [5]}, "", {"id": "big", "prompt_ids": [5] * 4000}],
+            "p.jsonl:3: prompt of 4000 tokens can never fit",
+        ),
         ([{"messages": "hello"}], "p.jsonl:1"),
         ([{"messages": []}], "p.jsonl:1"),
         ([{"messages": [{"role": "user"}]}], "p.jsonl:1"),
@@ -320,8 +488,25 @@ def test_help(capsys):
 def test_stdout_output_is_pure_jsonl_and_rates_agree(tmp_path):
     """``python -m acb generate -o -``: stdout holds only result lines, while the progress bar and
     the summary (on stderr) report the same generated tokens/s, which matches the output."""
-    proc = _cli(["generate", "--num-prompts", "6", "--max-new-tokens", "5", "--max-prompt-len", "20",
-                 "--ignore-eos", "--num-blocks", "64", "--page-size", "16", "-o", "-"], cwd=tmp_path)
+    proc = _cli(
+        [
+            "generate",
+            "--num-prompts",
+            "6",
+            "--max-new-tokens",
+            "5",
+            "--max-prompt-len",
+            "20",
+            "--ignore-eos",
+            "--num-blocks",
+            "64",
+            "--page-size",
+            "16",
+            "-o",
+            "-",
+        ],
+        cwd=tmp_path,
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     rows = [json.loads(line) for line in out.splitlines()]  # every stdout line is a JSON result
@@ -340,11 +525,25 @@ def test_ctrl_c_writes_finished_results_and_exits_130(tmp_path):
     """SIGINT mid-run: exit 130, no traceback, the output holds only whole lines of finished
     results (input order), and the summary's finished/lost counts match it."""
     # even lines end after 3 tokens; odd ones would run for 2,000 (seconds on CPU)
-    prompts = _write_prompts(tmp_path / "p.jsonl", [
-        {"prompt": f"prompt {i}", "max_new_tokens": 3 if i % 2 == 0 else 2000} for i in range(8)])
+    prompts = _write_prompts(
+        tmp_path / "p.jsonl", [{"prompt": f"prompt {i}", "max_new_tokens": 3 if i % 2 == 0 else 2000} for i in range(8)]
+    )
     out = tmp_path / "o.jsonl"
-    proc = _cli(["generate", "--prompts", str(prompts), "--ignore-eos", "--num-blocks", "600",
-                 "--page-size", "16", "-o", str(out)], cwd=tmp_path)
+    proc = _cli(
+        [
+            "generate",
+            "--prompts",
+            str(prompts),
+            "--ignore-eos",
+            "--num-blocks",
+            "600",
+            "--page-size",
+            "16",
+            "-o",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 90
         while not (out.exists() and out.read_text(encoding="utf-8").count("\n") >= 1):  # a result is out
@@ -375,8 +574,23 @@ def test_reader_leaving_stdout_stops_quietly(tmp_path):
     """``acb generate -o - | head -1``: when the reader closes the pipe, the CLI stops with 141
     (as a shell reports SIGPIPE) and one line on stderr, not a traceback. (--block-size is the older
     spelling of --page-size.)"""
-    proc = _cli(["generate", "--num-prompts", "40", "--max-new-tokens", "64", "--ignore-eos", "--num-blocks", "256",
-                 "--block-size", "16", "-o", "-"], cwd=tmp_path)
+    proc = _cli(
+        [
+            "generate",
+            "--num-prompts",
+            "40",
+            "--max-new-tokens",
+            "64",
+            "--ignore-eos",
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "16",
+            "-o",
+            "-",
+        ],
+        cwd=tmp_path,
+    )
     try:
         first = proc.stdout.readline()
         assert json.loads(first)["index"] == 0
@@ -395,8 +609,9 @@ def test_generate_batch_bar_is_labelled_for_the_library(capsys):
     from acb.models import tiny_model
 
     cfg = acb.ContinuousBatchingConfig(num_blocks=16)
-    out = acb.generate_batch(tiny_model(), [[5, 6, 7], [8, 9]], continuous_batching_config=cfg,
-                             max_new_tokens=2, progress_bar=True)
+    out = acb.generate_batch(
+        tiny_model(), [[5, 6, 7], [8, 9]], continuous_batching_config=cfg, max_new_tokens=2, progress_bar=True
+    )
     assert len(out) == 2
     err = capsys.readouterr().err
     assert "generate_batch:" in err and "tok/s" in err
@@ -405,9 +620,37 @@ def test_generate_batch_bar_is_labelled_for_the_library(capsys):
 
 def test_sampling_flags_and_samples(tmp_path):
     out = tmp_path / "s.jsonl"
-    rc = main(["generate", "--num-prompts", "2", "--max-new-tokens", "3", "--min-prompt-len", "4", "--max-prompt-len", "12",
-                   "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "-n", "3", "--logprobs", "2",
-                   "--ignore-eos", "--num-blocks", "64", "--page-size", "16", "--no-progress", "--output", str(out)])
+    rc = main(
+        [
+            "generate",
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--min-prompt-len",
+            "4",
+            "--max-prompt-len",
+            "12",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "20",
+            "--top-p",
+            "0.9",
+            "-n",
+            "3",
+            "--logprobs",
+            "2",
+            "--ignore-eos",
+            "--num-blocks",
+            "64",
+            "--page-size",
+            "16",
+            "--no-progress",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 2

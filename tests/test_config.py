@@ -61,8 +61,13 @@ ALIASES = {
     "max_cached_graphs": (None, None),  # no effect (in transformers either); the deprecation names it
 }
 # what acb accepts but does not act on (each warns by name): changing this set is a decision
-UNSUPPORTED = {"max_blocks_per_request", "kv_padding_interval_size", "auto_switch_to_flash",
-               "disable_nccl_graph_mixing", "cpu_group_timeout"}
+UNSUPPORTED = {
+    "max_blocks_per_request",
+    "kv_padding_interval_size",
+    "auto_switch_to_flash",
+    "disable_nccl_graph_mixing",
+    "cpu_group_timeout",
+}
 # acb's defaults differ from transformers' only here (documented in the class docstring)
 DIFFERENT_DEFAULTS = {"page_size": (None, 256)}
 
@@ -147,13 +152,17 @@ def test_field_order_matches_transformers():
 
 
 # --------------------------------------------------------------------------- deprecated aliases
-@pytest.mark.parametrize("kwargs", [
-    {"block_size": 16},
-    {"block_size": 16, "page_size": 64},  # the deprecated alias wins, as in transformers
-    {"use_default_compile_configs": True},
-    {"use_default_compile_configs": False, "default_compile_level": 2},
-    {"max_cached_graphs": 4},
-], ids=str)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_size": 16},
+        {"block_size": 16, "page_size": 64},  # the deprecated alias wins, as in transformers
+        {"use_default_compile_configs": True},
+        {"use_default_compile_configs": False, "default_compile_level": 2},
+        {"max_cached_graphs": 4},
+    ],
+    ids=str,
+)
 def test_deprecations_mirror_transformers(kwargs, tf_logs, acb_logs):
     tf = TF(**kwargs)
     ours = acb.ContinuousBatchingConfig(**kwargs)
@@ -196,8 +205,9 @@ def test_transformers_page_size_sets_engine_block_size(model):
 def test_generate_batch_and_manager_take_a_transformers_config(model):
     tf = TF(page_size=8, num_blocks=16, kv_padding_interval_size=64, per_request_processors=True)
     with pytest.warns(UserWarning, match=r"ContinuousBatchingConfig\.kv_padding_interval_size="):
-        out = acb.generate_batch(model, [[5, 6], [7, 8, 9]], continuous_batching_config=tf, max_new_tokens=2,
-                                 progress_bar=False)
+        out = acb.generate_batch(
+            model, [[5, 6], [7, 8, 9]], continuous_batching_config=tf, max_new_tokens=2, progress_bar=False
+        )
     assert [len(o.generated_tokens) for o in out.values()] == [2, 2]
     with pytest.warns(UserWarning, match="kv_padding_interval_size"):
         manager = acb.init_continuous_batching(model, continuous_batching_config=tf)
@@ -272,48 +282,57 @@ def test_lookalike_class_is_not_converted():
 
 
 def test_import_acb_does_not_import_transformers():
-    code = ("import sys, acb; from acb.config import as_config; as_config(None); "
-            "acb.ContinuousBatchingConfig(page_size=8); assert 'transformers' not in sys.modules, 'imported'")
+    code = (
+        "import sys, acb; from acb.config import as_config; as_config(None); "
+        "acb.ContinuousBatchingConfig(page_size=8); assert 'transformers' not in sys.modules, 'imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("config,match", [
-    ({"page_size": 8}, "got dict .for a dict, pass acb.ContinuousBatchingConfig"),
-    ("fast", "got str"),
-    (TF, "got type"),  # the class, not an instance
-])
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"page_size": 8}, "got dict .for a dict, pass acb.ContinuousBatchingConfig"),
+        ("fast", "got str"),
+        (TF, "got type"),  # the class, not an instance
+    ],
+)
 def test_wrong_config_type_refused(model, config, match):
-    with pytest.raises(TypeError, match="config must be an acb.ContinuousBatchingConfig or a "
-                                        "transformers.ContinuousBatchingConfig") as e:
+    with pytest.raises(
+        TypeError, match="config must be an acb.ContinuousBatchingConfig or a transformers.ContinuousBatchingConfig"
+    ) as e:
         acb.Engine(model, config)
     assert e.match(match)
     with pytest.raises(TypeError, match="config must be"):
         acb.generate_batch(model, [[5, 6]], continuous_batching_config=config, progress_bar=False)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"page_size": "8"}, "page_size must be a positive int, got '8'"),
-    ({"page_size": True}, "page_size must be a positive int"),
-    ({"page_size": 0}, "page_size must be a positive int"),
-    ({"block_size": 2.5}, "page_size must be a positive int"),  # the alias lands on page_size first
-    ({"num_blocks": 1}, "num_blocks must be >= 2"),
-    ({"max_batch_tokens": 0}, "max_batch_tokens"),
-    ({"scheduler_type": "lifo"}, "scheduler_type must be one of"),
-    ({"use_cuda_graph": (True,)}, "use_cuda_graph"),
-    ({"q_padding_interval_size": -8}, "q_padding_interval_size must be an int >= 0"),
-    ({"allow_block_sharing": "no"}, "allow_block_sharing must be a bool"),
-    ({"auto_switch_to_flash": None}, "auto_switch_to_flash must be a bool"),
-    ({"use_async_batching": 1}, "use_async_batching must be None or a bool"),
-    ({"seed": 1.5}, "seed must be None or an int"),
-    ({"max_memory_percent": "0.5"}, "max_memory_percent must be in"),
-    ({"max_memory_percent": 90}, "max_memory_percent must be in"),
-    ({"safety_margin": 1.0}, "safety_margin must be in"),
-    ({"cpu_offload_space": -1}, "cpu_offload_space must be"),
-    ({"default_compile_level": -1}, "default_compile_level must be an int >= 0"),
-    ({"max_queue_size": None}, "max_queue_size must be an int >= 0"),
-    ({"attn_backend": "sdpa"}, "attn_backend must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"page_size": "8"}, "page_size must be a positive int, got '8'"),
+        ({"page_size": True}, "page_size must be a positive int"),
+        ({"page_size": 0}, "page_size must be a positive int"),
+        ({"block_size": 2.5}, "page_size must be a positive int"),  # the alias lands on page_size first
+        ({"num_blocks": 1}, "num_blocks must be >= 2"),
+        ({"max_batch_tokens": 0}, "max_batch_tokens"),
+        ({"scheduler_type": "lifo"}, "scheduler_type must be one of"),
+        ({"use_cuda_graph": (True,)}, "use_cuda_graph"),
+        ({"q_padding_interval_size": -8}, "q_padding_interval_size must be an int >= 0"),
+        ({"allow_block_sharing": "no"}, "allow_block_sharing must be a bool"),
+        ({"auto_switch_to_flash": None}, "auto_switch_to_flash must be a bool"),
+        ({"use_async_batching": 1}, "use_async_batching must be None or a bool"),
+        ({"seed": 1.5}, "seed must be None or an int"),
+        ({"max_memory_percent": "0.5"}, "max_memory_percent must be in"),
+        ({"max_memory_percent": 90}, "max_memory_percent must be in"),
+        ({"safety_margin": 1.0}, "safety_margin must be in"),
+        ({"cpu_offload_space": -1}, "cpu_offload_space must be"),
+        ({"default_compile_level": -1}, "default_compile_level must be an int >= 0"),
+        ({"max_queue_size": None}, "max_queue_size must be an int >= 0"),
+        ({"attn_backend": "sdpa"}, "attn_backend must be one of"),
+    ],
+)
 def test_bad_field_values_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         acb.ContinuousBatchingConfig(**kwargs)

@@ -19,15 +19,26 @@ pytest.importorskip("mkdocstrings")
 
 def test_the_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "index.html").exists()
 
 
 def test_the_configuration_page_is_current():
-    p = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_config.py"), "--check"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "gen_config.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -55,12 +66,18 @@ def test_the_benchmark_tables_are_current(tmp_path):
 
     copy = tmp_path / "RESULTS.md"
     shutil.copy(ROOT / "benchmarks" / "RESULTS.md", copy)
-    p = subprocess.run([sys.executable, "-m", "acb", "bench", "report", "--update-readme", str(copy), "--no-plot"],
-                       cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run(
+        [sys.executable, "-m", "acb", "bench", "report", "--update-readme", str(copy), "--no-plot"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert p.returncode == 0, p.stderr[-2000:]
-    assert copy.read_text() == (ROOT / "benchmarks" / "RESULTS.md").read_text(), \
+    assert copy.read_text() == (ROOT / "benchmarks" / "RESULTS.md").read_text(), (
         "benchmarks/RESULTS.md is stale: run acb bench report --update-readme benchmarks/RESULTS.md"
+    )
 
 
 def test_every_public_method_documents_its_arguments():
@@ -73,10 +90,18 @@ def test_every_public_method_documents_its_arguments():
     missing = []
     for name in acb.__all__:
         obj = getattr(acb, name)
-        members = [(name, obj)] if inspect.isfunction(obj) else [
-            (f"{name}.{m}", f) for m, f in inspect.getmembers(obj)
-            if inspect.isclass(obj) and not m.startswith("_") and inspect.isfunction(f)
-            and f.__module__.startswith("acb.")]
+        members = (
+            [(name, obj)]
+            if inspect.isfunction(obj)
+            else [
+                (f"{name}.{m}", f)
+                for m, f in inspect.getmembers(obj)
+                if inspect.isclass(obj)
+                and not m.startswith("_")
+                and inspect.isfunction(f)
+                and f.__module__.startswith("acb.")
+            ]
+        )
         for qual, f in members:
             params = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
             if params and "Args:" not in (inspect.getdoc(f) or ""):
@@ -85,6 +110,7 @@ def test_every_public_method_documents_its_arguments():
 
 
 # ------------------------------------------------------------------ install lines (issue 37)
+
 
 def _extras() -> set[str]:
     import tomllib
@@ -95,8 +121,12 @@ def _extras() -> set[str]:
 def _install_lines() -> list[tuple[str, str]]:
     """Every ``pip install ...`` a user can read: the README, docs/, examples/ and acb/'s own
     messages and docstrings, as (where, the words after ``pip install``)."""
-    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").glob("*.py"),
-             *(ROOT / "acb").rglob("*.py")]
+    files = [
+        ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "examples").glob("*.py"),
+        *(ROOT / "acb").rglob("*.py"),
+    ]
     return [found for f in files for found in _install_lines_of(f.read_text(), str(f.relative_to(ROOT)))]
 
 
@@ -141,7 +171,7 @@ def check_install_line(where: str, words: str, extras: set[str]) -> list[str]:
         if wanted - extras:
             problems.append(f"{where}: {spec!r}: no extra {sorted(wanted - extras)} in pyproject.toml")
         if name != ".":
-            problems.append(f"{where}: {spec!r}: not published: install from the checkout, pip install -e \".[...]\"")
+            problems.append(f'{where}: {spec!r}: not published: install from the checkout, pip install -e ".[...]"')
     return problems
 
 
@@ -163,7 +193,8 @@ def test_every_install_line_installs_acb_batching_with_extras_that_exist():
     # acb's own messages and docstrings too, and a line broken after "pip install"
     assert check_install_line("acb/structured.py:99", "'acb-batching[structured]'", extras)
     assert _install_lines_of("x\nneeds ``pip install\n    'acb-batching[eval]'``", "acb/x.py") == [
-        ("acb/x.py:2", "'acb-batching[eval]'")]
+        ("acb/x.py:2", "'acb-batching[eval]'")
+    ]
 
 
 def test_getting_started_lists_every_extra_and_the_model_size():
@@ -177,8 +208,10 @@ def test_getting_started_lists_every_extra_and_the_model_size():
     assert listed == _extras()
     size = sum(p.numel() for p in default_model().parameters())
     layers, hidden = DEFAULT_MODEL_CONFIG["num_hidden_layers"], DEFAULT_MODEL_CONFIG["hidden_size"]
-    assert f"({layers} layers, hidden {hidden}, {size / 1e6:.1f}M\nparameters)" in page or \
-        f"({layers} layers, hidden {hidden}, {size / 1e6:.1f}M parameters)" in page
+    assert (
+        f"({layers} layers, hidden {hidden}, {size / 1e6:.1f}M\nparameters)" in page
+        or f"({layers} layers, hidden {hidden}, {size / 1e6:.1f}M parameters)" in page
+    )
 
 
 def suite_size_problem(page: str, collected: int) -> str | None:
@@ -214,8 +247,7 @@ def test_a_hub_id_without_the_hub_fails_at_once_saying_how_to_use_a_folder(tmp_p
     folder instead."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT)}
     code = "import acb\nacb.Engine.from_pretrained('acb-docs-test/no-such-model')"
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "Retrying" not in p.stderr
     assert "OSError: cannot load 'acb-docs-test/no-such-model': it is not a local folder" in p.stderr, p.stderr[-2000:]
     assert "hf download ORG/NAME --local-dir DIR" in p.stderr and "HF_HUB_OFFLINE=1" in p.stderr
@@ -233,14 +265,31 @@ def test_the_embedded_tokenizer_renders_chats_tools_and_calls():
 
     tok = build_tokenizer()
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Weather in Paris?"}]
-    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        "system: be brief\nuser: Weather in Paris?\nassistant: "
+    assert (
+        tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        == "system: be brief\nuser: Weather in Paris?\nassistant: "
+    )
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    history = [*chat, {"role": "assistant", "content": None, "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    history = [
+        *chat,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     text = tok.apply_chat_template(history, tools=[weather], tokenize=False, add_generation_prompt=True)
-    assert text.startswith('tools:\n{"name": "get_weather"') and text.endswith("tool: sunny (result of call_1)\nassistant: ")
+    assert text.startswith('tools:\n{"name": "get_weather"') and text.endswith(
+        "tool: sunny (result of call_1)\nassistant: "
+    )
     said = text.split("assistant: ")[1].split("\n")[0]
     _, (parsed,) = HermesToolParser().extract(said)
     assert parsed.name == "get_weather" and json.loads(parsed.arguments) == {"city": "Paris"}
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """The README says its test command is exactly what .ci/run does; ruff and mypy come first."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci in readme
+    assert re.search(r"ruff format --check && ruff check && mypy && python -m pytest -q$", ci)

@@ -66,8 +66,15 @@ def blocks(path: Path) -> list[Block]:
         while not lines[j].strip().startswith("```"):
             j += 1
         before = lines[i - 1].strip() if i else ""
-        found.append(Block(path, i + 2, m.group(2), "\n".join(ln[indent:] for ln in lines[i + 1:j]),
-                           before if before.startswith(MARK) else None))
+        found.append(
+            Block(
+                path,
+                i + 2,
+                m.group(2),
+                "\n".join(ln[indent:] for ln in lines[i + 1 : j]),
+                before if before.startswith(MARK) else None,
+            )
+        )
         i = j + 1
     return found
 
@@ -112,8 +119,10 @@ def test_the_name_check_catches_an_undefined_model():
     b = Block(ROOT / "README.md", 10, "python", "import acb\nwith acb.Engine(model) as e:\n    e.generate([1])", None)
     assert undefined(b, set()) == ["model (line 11)"]
     assert undefined(b, {"model"}) == []
-    assert undefined(Block(b.path, 1, "python", "out = engine.generate(prompt)", f"{MARK} (x; given: engine)"),
-                     {"prompt"}) == []
+    assert (
+        undefined(Block(b.path, 1, "python", "out = engine.generate(prompt)", f"{MARK} (x; given: engine)"), {"prompt"})
+        == []
+    )
 
 
 @pytest.fixture
@@ -185,6 +194,7 @@ CHECKED_ELSEWHERE = {
     ("python3", "-m", "venv"): "makes the virtual environment a fresh clone's commands run in",
     (".",): "activates it",
     ("pip", "install"): "install lines: tests/test_docs.py checks their distribution name and extras",
+    ("ruff",): "the README's test command: CI runs it (.ci/run)",
     ("mypy",): "the README's test command: CI runs it (.ci/run)",
     ("python", "-m", "pytest"): "the README's test command: CI runs it (.ci/run)",
     ("mkdocs", "serve"): "tests/test_docs.py builds the site",
@@ -202,12 +212,15 @@ def _ckpt_and_task(tmp: Path) -> dict[str, str]:
     build_tokenizer().save_pretrained(ckpt)
     tasks = tmp / "tasks"
     tasks.mkdir()
-    (tasks / "data.jsonl").write_text('{"q": "The capital of France is", "choices": [" Paris", " Oslo"], "a": 0}\n'
-                                      '{"q": "2 + 2 =", "choices": [" 4", " 5"], "a": 0}\n')
+    (tasks / "data.jsonl").write_text(
+        '{"q": "The capital of France is", "choices": [" Paris", " Oslo"], "a": 0}\n'
+        '{"q": "2 + 2 =", "choices": [" 4", " 5"], "a": 0}\n'
+    )
     (tasks / "tiny_mc.yaml").write_text(
         f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'data.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{a}}'\nmetric_list:\n  - metric: acc\n")
+        "doc_to_target: '{{a}}'\nmetric_list:\n  - metric: acc\n"
+    )
     return {"ckpt": str(ckpt), "tasks": str(tasks)}
 
 
@@ -244,8 +257,9 @@ def _parse_acb(argv: list[str]) -> None:
 
 
 def _run(cmd: list[str] | str, cwd: Path) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600,
-                       shell=isinstance(cmd, str))
+    p = subprocess.run(
+        cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600, shell=isinstance(cmd, str)
+    )
     assert p.returncode == 0, f"{cmd}: exit {p.returncode}\n{p.stderr[-3000:]}"
     return p
 
@@ -254,11 +268,11 @@ def _run(cmd: list[str] | str, cwd: Path) -> subprocess.CompletedProcess:
 def test_shell_commands_run_or_parse_as_written(block: Block, tmp_path: Path) -> None:
     where: dict[str, str] | None = None
     for argv in commands(block):
-        if any(tuple(argv[:len(k)]) == k for k in CHECKED_ELSEWHERE):
+        if any(tuple(argv[: len(k)]) == k for k in CHECKED_ELSEWHERE):
             continue
         if argv[0] == "torchrun":  # a tensor-parallel run needs several processes: its acb part is parsed
             assert "-m" in argv and argv[argv.index("-m") + 1] == "acb", argv
-            argv = ["acb", *argv[argv.index("-m") + 2:]]
+            argv = ["acb", *argv[argv.index("-m") + 2 :]]
         if argv[0] == "printf" or argv[:1] == ["echo"]:  # makes an input file the next command reads
             _run(shlex.join(argv).replace("'>'", ">"), tmp_path)
             continue
@@ -283,5 +297,9 @@ def test_the_readme_shows_a_command_that_finds_acb_in_lm_eval():
         text = page.read_text()
         bad = [m.group(0) for m in re.finditer(r"(?<![\w.])lm_eval --model acb[^\n`]*", text)]
         assert not bad, f"{page.relative_to(ROOT)}: {bad}"
-    assert any(argv[:4] == ["python", "-m", "acb.integrations.lm_eval", "--model"]
-               for b in SHELL if b.path.name == "README.md" for argv in commands(b))
+    assert any(
+        argv[:4] == ["python", "-m", "acb.integrations.lm_eval", "--model"]
+        for b in SHELL
+        if b.path.name == "README.md"
+        for argv in commands(b)
+    )

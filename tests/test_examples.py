@@ -20,15 +20,30 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OTEL_BSP_SCHEDULE_DELAY"] = "100"
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True,
-                       env=env, cwd=cwd, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 
 
 def test_every_example_is_tested():
-    tested = {"eval_dataset.py", "tracing.py", "openai_client.py", "async_app.py", "grpo_loop.py", "grpo_trl.py",
-              "lm_eval_acb.py", "ray_data_offline.py", "score_choices.py"}
+    tested = {
+        "eval_dataset.py",
+        "tracing.py",
+        "openai_client.py",
+        "async_app.py",
+        "grpo_loop.py",
+        "grpo_trl.py",
+        "lm_eval_acb.py",
+        "ray_data_offline.py",
+        "score_choices.py",
+    }
     # lm_eval_acb.py: tests/integrations/test_lm_eval.py; ray_data_offline.py: tests/distributed/test_ray.py
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
 
@@ -37,8 +52,11 @@ def test_grpo_loop(tmp_path):
     import re
 
     p = _run("grpo_loop.py", "--rounds", "2", "-n", "3", "--max-new-tokens", "8", cwd=tmp_path)
-    rounds = re.findall(r"round (\d): 4 prompts x 3 samples, .* max \|sampler - trainer logprob\| (\S+), "
-                        r"slept freeing (\S+) MiB", p.stdout)
+    rounds = re.findall(
+        r"round (\d): 4 prompts x 3 samples, .* max \|sampler - trainer logprob\| (\S+), "
+        r"slept freeing (\S+) MiB",
+        p.stdout,
+    )
     assert [r[0] for r in rounds] == ["1", "2"], p.stdout
     assert all(float(r[1]) < 1e-4 and float(r[2]) > 0 for r in rounds)  # importance ratios start at 1
     resets = re.search(r"engine: 24 sequences generated, prefix cache dropped (\d+) times", p.stdout)
@@ -119,8 +137,25 @@ def test_openai_client_against_acb_serve(tmp_path):
     default_model().save_pretrained(tmp_path / "my-checkpoint")
     build_tokenizer().save_pretrained(tmp_path / "my-checkpoint")
     port = _port()
-    server = _serving([sys.executable, "-m", "acb", "serve", "--model", "./my-checkpoint", "--port", str(port),
-                       "--num-blocks", "128", "--page-size", "16"], port, "/health", tmp_path)
+    server = _serving(
+        [
+            sys.executable,
+            "-m",
+            "acb",
+            "serve",
+            "--model",
+            "./my-checkpoint",
+            "--port",
+            str(port),
+            "--num-blocks",
+            "128",
+            "--page-size",
+            "16",
+        ],
+        port,
+        "/health",
+        tmp_path,
+    )
     try:
         p = _run("openai_client.py", "--base-url", f"http://127.0.0.1:{port}/v1", cwd=tmp_path)
     finally:
@@ -135,8 +170,12 @@ def test_openai_client_against_acb_serve(tmp_path):
 def test_async_app_streams_text(tmp_path):
     pytest.importorskip("fastapi")
     port = _port()
-    app = _serving([sys.executable, str(ROOT / "examples" / "async_app.py"), "--port", str(port)], port,
-                   "/generate?prompt=warm&max_new_tokens=1", tmp_path)
+    app = _serving(
+        [sys.executable, str(ROOT / "examples" / "async_app.py"), "--port", str(port)],
+        port,
+        "/generate?prompt=warm&max_new_tokens=1",
+        tmp_path,
+    )
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("GET", "/generate?prompt=Hello&max_new_tokens=12")

@@ -72,25 +72,42 @@ def _under(name: str, *prefixes: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-ABOVE_CORE = ("acb.api", "acb.runner", "acb.serve", "acb.distributed", "acb.integrations", "acb.cli", "acb.bench",
-              "acb.telemetry", "acb.structured")
+ABOVE_CORE = (
+    "acb.api",
+    "acb.runner",
+    "acb.serve",
+    "acb.distributed",
+    "acb.integrations",
+    "acb.cli",
+    "acb.bench",
+    "acb.telemetry",
+    "acb.structured",
+)
 ABOVE_RUNNER = ("acb.api", "acb.serve", "acb.distributed", "acb.integrations", "acb.cli", "acb.bench")
 ABOVE_API = ("acb.serve", "acb.distributed", "acb.integrations", "acb.cli", "acb.bench")
 
 
-@pytest.mark.parametrize("layer,banned", [
-    ("acb.core", ("torch", "asyncio", "anyio", "numpy", *ABOVE_CORE)),
-    ("acb.runner", ("asyncio", "anyio", *ABOVE_RUNNER)),
-    ("acb.api", ABOVE_API),
-    # the CLI is the top: the server, scale-out and the loaders below it never reach back into
-    # it, not even inside a function (a Ray Serve replica once parsed argv with the CLI's parser)
-    ("acb.serve", ("acb.cli",)),
-    ("acb.distributed", ("acb.cli",)),
-    ("acb.model_source", ("acb.cli", "acb.serve", "acb.distributed")),
-])
+@pytest.mark.parametrize(
+    "layer,banned",
+    [
+        ("acb.core", ("torch", "asyncio", "anyio", "numpy", *ABOVE_CORE)),
+        ("acb.runner", ("asyncio", "anyio", *ABOVE_RUNNER)),
+        ("acb.api", ABOVE_API),
+        # the CLI is the top: the server, scale-out and the loaders below it never reach back into
+        # it, not even inside a function (a Ray Serve replica once parsed argv with the CLI's parser)
+        ("acb.serve", ("acb.cli",)),
+        ("acb.distributed", ("acb.cli",)),
+        ("acb.model_source", ("acb.cli", "acb.serve", "acb.distributed")),
+    ],
+)
 def test_no_upward_imports(layer, banned):
-    bad = [(name, imp) for name, path in MODULES.items() if _under(name, layer)
-           for imp in _imports(path) if _under(imp, *banned)]
+    bad = [
+        (name, imp)
+        for name, path in MODULES.items()
+        if _under(name, layer)
+        for imp in _imports(path)
+        if _under(imp, *banned)
+    ]
     assert not bad, f"{layer} imports what it must not: {bad}"
 
 
@@ -102,7 +119,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2
@@ -125,18 +142,19 @@ def test_no_import_cycles_even_inside_functions():
     """acb's modules import each other one way only, counting the imports inside functions (app
     once imported responses in build_app, and responses imported app's helpers; the CLI, the
     server and the Ray Serve replica once went round through functions)."""
-    graph = {name: {imp for imp in _imports(path) if imp in MODULES and imp != name}
-             for name, path in MODULES.items()}
+    graph = {name: {imp for imp in _imports(path) if imp in MODULES and imp != name} for name, path in MODULES.items()}
     assert not _real_cycles(graph), f"import cycles: {_real_cycles(graph)}"
 
 
 def test_the_cycle_check_sees_a_circle_hidden_in_a_function():
     """The check above finds a circle whose one edge is an import inside a function: a module
     that imports another only in a function, given a module-level import back."""
-    name, inner = next((name, imp) for name, path in MODULES.items()
-                       for imp in sorted(set(_imports(path)) - set(_imports(path, module_level_only=True)))
-                       if imp in MODULES and not imp.endswith("__init__") and MODULES[imp].name != "__init__.py"
-                       and imp != name)
+    name, inner = next(
+        (name, imp)
+        for name, path in MODULES.items()
+        for imp in sorted(set(_imports(path)) - set(_imports(path, module_level_only=True)))
+        if imp in MODULES and not imp.endswith("__init__") and MODULES[imp].name != "__init__.py" and imp != name
+    )
     graph = {n: set() for n in MODULES}
     graph[name].add(inner)  # the import inside a function
     graph[inner].add(name)  # and one back
@@ -162,26 +180,38 @@ def _private_imports(path: pathlib.Path, text: str | None = None) -> list[tuple[
 def test_no_private_names_across_server_modules():
     """No module of acb.serve imports another's private names (``from acb.serve.app import
     _parse``): what the server's modules share is public, in the module that owns it."""
-    bad = [(name, mod, imp) for name, path in MODULES.items() if _under(name, "acb.serve")
-           for mod, imp in _private_imports(path) if _under(mod, "acb.serve") and mod != name]
+    bad = [
+        (name, mod, imp)
+        for name, path in MODULES.items()
+        if _under(name, "acb.serve")
+        for mod, imp in _private_imports(path)
+        if _under(mod, "acb.serve") and mod != name
+    ]
     assert not bad, f"private names imported across acb.serve's modules: {bad}"
 
 
 def test_the_private_import_check_sees_them():
     """The check above finds a private import, at module level or in a function."""
     src = ROOT / "serve" / "_probe_private_imports.py"  # (read, never imported)
-    text = ("from acb.serve.app import _parse, build_app\n"
-            "def f():\n    from acb.serve.pipeline import _span_failed\n    from .responses import _Events\n")
+    text = (
+        "from acb.serve.app import _parse, build_app\n"
+        "def f():\n    from acb.serve.pipeline import _span_failed\n    from .responses import _Events\n"
+    )
     assert sorted(_private_imports(src, text)) == [
-        ("acb.serve.app", "_parse"), ("acb.serve.pipeline", "_span_failed"), ("acb.serve.responses", "_Events")]
+        ("acb.serve.app", "_parse"),
+        ("acb.serve.pipeline", "_span_failed"),
+        ("acb.serve.responses", "_Events"),
+    ]
 
 
 # optional dependency -> the modules allowed to import it (the extra's home), and why more than one
 OPTIONAL = {
     "xgrammar": {"acb.structured"},
     "flash_attn": {"acb.runner.attention.flash_attn_backend"},
-    "triton": {"acb.runner.attention.triton_kernels",
-               "acb.structured"},  # only to ask whether xgrammar's GPU bitmask kernel can run
+    "triton": {
+        "acb.runner.attention.triton_kernels",
+        "acb.structured",
+    },  # only to ask whether xgrammar's GPU bitmask kernel can run
     "matplotlib": {"acb.bench.report"},
     "ray": {"acb.distributed.ray", "acb.distributed.ray_serve"},  # Ray Data offline, Ray Serve online
     "trl": {"acb.integrations.trl"},

@@ -50,7 +50,10 @@ def test_sources_use_module_loggers_without_a_prefix():
 
 def test_a_library_message_comes_from_its_module(caplog):
     model = get_model("llama")
-    with caplog.at_level(logging.INFO, logger="acb"), acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32)) as eng:
+    with (
+        caplog.at_level(logging.INFO, logger="acb"),
+        acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32)) as eng,
+    ):
         assert eng.cancel("no-such-request") is False
     records = [r for r in caplog.records if "no-such-request" in r.getMessage()]
     assert records and records[0].name == "acb.api.base"

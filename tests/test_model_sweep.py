@@ -24,10 +24,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # The architectures acb claims to run (acb.models' tiny ones, and the newer ones acb targets).
-CLAIMED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3",
-           "gpt_oss", "llama4_text", "gemma3n_text", "qwen3_next", "qwen3_5_text",
-           # latent attention (keys and values of different widths), and a layer that drops its kwargs
-           "deepseek_v3", "minicpm3", "nemotron")
+CLAIMED = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt_oss",
+    "llama4_text",
+    "gemma3n_text",
+    "qwen3_next",
+    "qwen3_5_text",
+    # latent attention (keys and values of different widths), and a layer that drops its kwargs
+    "deepseek_v3",
+    "minicpm3",
+    "nemotron",
+)
 SAMPLE_SIZE = 60  # others from the catalogue, drawn with SAMPLE_SEED (deterministic per transformers version)
 SAMPLE_SEED = 30
 
@@ -73,7 +88,8 @@ def results() -> dict[str, dict[str, Any]]:
 def test_no_new_failures(results: dict[str, dict[str, Any]]) -> None:
     bad = {t: r for t, r in results.items() if r["status"] in ("failed", "differs") and t not in KNOWN_ISSUES}
     assert not bad, "acb fails or differs from model.generate on:\n" + "\n".join(
-        f"  {t}: {r['status']}: {r['reason']}" for t, r in bad.items())
+        f"  {t}: {r['status']}: {r['reason']}" for t, r in bad.items()
+    )
 
 
 def test_known_issues_still_listed_only_while_they_fail(results: dict[str, dict[str, Any]]) -> None:
@@ -94,21 +110,32 @@ def test_committed_table_is_current(results: dict[str, dict[str, Any]]) -> None:
     table = ms.load_table()
     assert table is not None, "benchmarks/results/model_sweep.json is missing: run benchmarks/model_sweep.py"
     if table["transformers_version"] != transformers.__version__:
-        pytest.skip(f"the table is for transformers {table['transformers_version']}, "
-                    f"this is {transformers.__version__}")
+        pytest.skip(
+            f"the table is for transformers {table['transformers_version']}, this is {transformers.__version__}"
+        )
     changes = ms.status_changes(results, table)
-    assert not changes, ("the committed model table is stale (regenerate: nice -n 10 python "
-                         "benchmarks/model_sweep.py):\n  " + "\n  ".join(changes))
-    assert (ROOT / "docs" / "MODELS.md").read_text() == ms.render_markdown(table), \
+    assert not changes, (
+        "the committed model table is stale (regenerate: nice -n 10 python "
+        "benchmarks/model_sweep.py):\n  " + "\n  ".join(changes)
+    )
+    assert (ROOT / "docs" / "MODELS.md").read_text() == ms.render_markdown(table), (
         "docs/MODELS.md is not the rendering of benchmarks/results/model_sweep.json"
+    )
 
 
 def test_tiny_config_keeps_each_layer_type() -> None:
     """The tiny config keeps the first layer of each distinct per-layer pattern (layer type,
     per-layer values, membership of layer-index lists); per-layer lists and indices follow."""
-    d = {"model_type": "x", "num_hidden_layers": 8, "hidden_size": 4096, "num_key_value_heads": 1,
-         "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
-         "intermediate_size": [11008] * 8, "mlp_only_layers": [3, 5], "eos_token_id": [50000, 50001]}
+    d = {
+        "model_type": "x",
+        "num_hidden_layers": 8,
+        "hidden_size": 4096,
+        "num_key_value_heads": 1,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+        "intermediate_size": [11008] * 8,
+        "mlp_only_layers": [3, 5],
+        "eos_token_id": [50000, 50001],
+    }
     out = ms.shrink_config_dict(d, {})
     # kept: 0 (sliding), 3 (full, MLP-only), 5 (sliding, MLP-only), 7 (full)
     assert out["layer_types"] == ["sliding_attention", "full_attention"] * 2

@@ -9,8 +9,14 @@ def test_a_request_status_prints_its_name():
     """``print(out.status)`` says ``CANCELLED``, not ``5`` (an ``IntEnum`` prints its number by
     default); the number is still ``int(status)``, and comparisons are unchanged."""
     s = RequestStatus.CANCELLED
-    assert (str(s), f"{s}", f"{s:>10}", "%s" % s, format(s)) == ("CANCELLED", "CANCELLED", " CANCELLED",
-                                                                "CANCELLED", "CANCELLED")
+    printf = "%s" % s  # noqa: UP031 (printf formatting is what is tested)
+    assert (str(s), f"{s}", f"{s:>10}", printf, format(s)) == (
+        "CANCELLED",
+        "CANCELLED",
+        " CANCELLED",
+        "CANCELLED",
+        "CANCELLED",
+    )
     assert int(s) == 5 and s == 5 and s.is_terminal and repr(s) == "<RequestStatus.CANCELLED: 5>"
 
 
@@ -22,8 +28,14 @@ def test_a_finish_reason_and_a_failure_kind_print_their_value():
     from acb.outputs import FailureKind, FinishReason
 
     r = FinishReason.LENGTH
-    assert (str(r), f"{r}", f"{r:>8}", "%s" % r, json.dumps(r)) == ("length", "length", "  length", "length",
-                                                                     '"length"')
+    printf = "%s" % r  # noqa: UP031 (printf formatting is what is tested)
+    assert (str(r), f"{r}", f"{r:>8}", printf, json.dumps(r)) == (
+        "length",
+        "length",
+        "  length",
+        "length",
+        '"length"',
+    )
     assert r == "length" and repr(r) == "<FinishReason.LENGTH: 'length'>"
     assert f"{RequestStatus.FINISHED} {r}" == "FINISHED length"
     assert str(FailureKind.ENGINE_DEAD) == "engine_dead"

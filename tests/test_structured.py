@@ -47,12 +47,12 @@ SCHEMA = {
 }
 REGEX = r"[a-z]{2,5}-\d{3}(\.[0-9]{1,4})?"
 CHOICE = ["red", "reddish", "dark red", 'quo"te', "back\\slash", "new\nline", "é"]
-GRAMMAR = '''
+GRAMMAR = """
 root ::= expr
 expr ::= term (("+" | "*") term)*
 term ::= num | "(" expr ")"
 num ::= [1-9] [0-9]?
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +139,7 @@ def check_schema(value: object) -> None:
 # ---------------------------------------------------------------------------------------------
 # each kind, generated
 
+
 @pytest.mark.parametrize("seed", range(6))
 def test_json_schema(tok, compiler, seed):
     text = tok.decode(generate(tok, compiler.compile_now(StructuredOutputs(json=SCHEMA)).matcher(), seed))
@@ -213,6 +214,7 @@ def test_grammar(tok, compiler, seed):
 # ---------------------------------------------------------------------------------------------
 # matcher state: rollback, reset, replay, termination
 
+
 def _mask(m: Matcher) -> set[int]:
     bm = allocate_bitmask(1, V)
     m.fill_mask(bm, 0)
@@ -238,7 +240,7 @@ def test_rollback_reset_replay_rebuild_state(tok, compiler):
         n = m.num_tokens
         m.rollback(k)
         assert m.num_tokens == n - k and _mask(m) == masks[n - k]
-        for t in tokens[n - k:n]:
+        for t in tokens[n - k : n]:
             assert m.accept(t)
     with pytest.raises(ValueError, match="cannot roll back"):
         m.rollback(m.num_tokens + 1)
@@ -281,17 +283,22 @@ def test_out_of_vocabulary_and_special_ids_are_rejected(tok, compiler):
 # ---------------------------------------------------------------------------------------------
 # the mask is exact
 
-@pytest.mark.parametrize("spec, prefix", [
-    (StructuredOutputs(json=SCHEMA), ""),
-    (StructuredOutputs(json=SCHEMA), '{"name":"ab'),
-    (StructuredOutputs(json=SCHEMA), '{"name":"","age":1'),
-    (StructuredOutputs(json=SCHEMA), '{"name":"","age":12,"ok":true,"extra":[1,{"x":'),
-    (StructuredOutputs(json_object=True, whitespace_flexible=True), '{"a": [1, '),
-    (StructuredOutputs(regex=REGEX), "ab-12"),
-    (StructuredOutputs(regex=REGEX), "ab-123"),
-    (StructuredOutputs(choice=CHOICE), "red"),
-    (StructuredOutputs(grammar=GRAMMAR), "(1+2"),
-], ids=lambda v: v.kind if isinstance(v, StructuredOutputs) else repr(v))
+
+@pytest.mark.parametrize(
+    "spec, prefix",
+    [
+        (StructuredOutputs(json=SCHEMA), ""),
+        (StructuredOutputs(json=SCHEMA), '{"name":"ab'),
+        (StructuredOutputs(json=SCHEMA), '{"name":"","age":1'),
+        (StructuredOutputs(json=SCHEMA), '{"name":"","age":12,"ok":true,"extra":[1,{"x":'),
+        (StructuredOutputs(json_object=True, whitespace_flexible=True), '{"a": [1, '),
+        (StructuredOutputs(regex=REGEX), "ab-12"),
+        (StructuredOutputs(regex=REGEX), "ab-123"),
+        (StructuredOutputs(choice=CHOICE), "red"),
+        (StructuredOutputs(grammar=GRAMMAR), "(1+2"),
+    ],
+    ids=lambda v: v.kind if isinstance(v, StructuredOutputs) else repr(v),
+)
 def test_mask_is_exact(tok, compiler, spec, prefix):
     """Token t is allowed by the mask iff accept(t) succeeds on a copy of the state: over every id
     of the padded vocabulary."""
@@ -306,12 +313,16 @@ def test_mask_is_exact(tok, compiler, spec, prefix):
 # ---------------------------------------------------------------------------------------------
 # compile errors and spec validation
 
-@pytest.mark.parametrize("spec, message", [
-    (StructuredOutputs(regex="a(b"), "cannot compile the regex constraint: .*parenthesis is not closed"),
-    (StructuredOutputs(json={"type": "nope"}), 'cannot compile the json constraint: Unsupported type "nope"'),
-    (StructuredOutputs(grammar='root ::= "a" |'), "cannot compile the grammar constraint: EBNF parser error"),
-    (StructuredOutputs(grammar='start ::= "a"'), 'The root rule with name "root" is not found'),
-])
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (StructuredOutputs(regex="a(b"), "cannot compile the regex constraint: .*parenthesis is not closed"),
+        (StructuredOutputs(json={"type": "nope"}), 'cannot compile the json constraint: Unsupported type "nope"'),
+        (StructuredOutputs(grammar='root ::= "a" |'), "cannot compile the grammar constraint: EBNF parser error"),
+        (StructuredOutputs(grammar='start ::= "a"'), 'The root rule with name "root" is not found'),
+    ],
+)
 def test_bad_constraint_raises_value_error_with_xgrammars_message(compiler, spec, message):
     with pytest.raises(ValueError, match=message) as info:
         compiler.compile_now(spec)
@@ -323,24 +334,27 @@ def test_bad_constraint_raises_value_error_with_xgrammars_message(compiler, spec
     assert compiler.cache_info().misses == before.misses + 1
 
 
-@pytest.mark.parametrize("kwargs, exc, message", [
-    ({}, ValueError, "exactly one of .* got none"),
-    ({"regex": "a", "choice": ["a"]}, ValueError, "got regex, choice"),
-    ({"json_object": True, "json": {}}, ValueError, "got json, json_object"),
-    ({"json_object": 1}, TypeError, "json_object must be a bool"),
-    ({"json": "{not json"}, ValueError, "json is not valid JSON text"),
-    ({"json": "[1]"}, ValueError, "must be a JSON schema object"),
-    ({"json": 3}, TypeError, "json must be a JSON schema"),
-    ({"json": {"a": float("nan")}}, ValueError, "not JSON-serialisable"),
-    ({"regex": ""}, ValueError, "regex must not be empty"),
-    ({"regex": 3}, TypeError, "regex must be a str"),
-    ({"grammar": "  "}, ValueError, "grammar must not be empty"),
-    ({"choice": "red"}, TypeError, "choice must be a sequence of strings"),
-    ({"choice": []}, ValueError, "at least one string"),
-    ({"choice": ["a", 1]}, TypeError, "strings only"),
-    ({"regex": "a", "whitespace_flexible": True}, ValueError, "whitespace_flexible applies to json"),
-    ({"json_object": True, "whitespace_flexible": "yes"}, TypeError, "whitespace_flexible must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        ({}, ValueError, "exactly one of .* got none"),
+        ({"regex": "a", "choice": ["a"]}, ValueError, "got regex, choice"),
+        ({"json_object": True, "json": {}}, ValueError, "got json, json_object"),
+        ({"json_object": 1}, TypeError, "json_object must be a bool"),
+        ({"json": "{not json"}, ValueError, "json is not valid JSON text"),
+        ({"json": "[1]"}, ValueError, "must be a JSON schema object"),
+        ({"json": 3}, TypeError, "json must be a JSON schema"),
+        ({"json": {"a": float("nan")}}, ValueError, "not JSON-serialisable"),
+        ({"regex": ""}, ValueError, "regex must not be empty"),
+        ({"regex": 3}, TypeError, "regex must be a str"),
+        ({"grammar": "  "}, ValueError, "grammar must not be empty"),
+        ({"choice": "red"}, TypeError, "choice must be a sequence of strings"),
+        ({"choice": []}, ValueError, "at least one string"),
+        ({"choice": ["a", 1]}, TypeError, "strings only"),
+        ({"regex": "a", "whitespace_flexible": True}, ValueError, "whitespace_flexible applies to json"),
+        ({"json_object": True, "whitespace_flexible": "yes"}, TypeError, "whitespace_flexible must be a bool"),
+    ],
+)
 def test_spec_validation(kwargs, exc, message):
     with pytest.raises(exc, match=message):
         StructuredOutputs(**kwargs)
@@ -391,6 +405,7 @@ def test_spec_key():
 
 # ---------------------------------------------------------------------------------------------
 # the cache
+
 
 def test_cache_shares_compiles(tok):
     c = GrammarCompiler(tok, V, cache_size=2)
@@ -458,8 +473,11 @@ def test_slow_compiles_are_stopped_at_the_time_limit_and_starve_no_one(tok):
         small = c.submit(StructuredOutputs(choice=["yes", "no"]))
         assert small.result(HANG_GUARD).matcher().accept(ids(tok, "y")[0])
         for f in slow:
-            with pytest.raises(ValueError, match=r"compiling the json constraint took longer than 1 s, the limit "
-                                                 r"\(ContinuousBatchingConfig\.grammar_compile_timeout_s\)"):
+            with pytest.raises(
+                ValueError,
+                match=r"compiling the json constraint took longer than 1 s, the limit "
+                r"\(ContinuousBatchingConfig\.grammar_compile_timeout_s\)",
+            ):
                 f.result(HANG_GUARD)
         # a refusal is not cached: the same spec is compiled (and refused) again
         with pytest.raises(ValueError, match="took longer than"):
@@ -520,29 +538,46 @@ def test_a_worker_that_cannot_start_is_a_runtime_error_not_the_specs(tok, monkey
         c.close()
 
 
-@pytest.mark.parametrize("spec", [
-    StructuredOutputs(json={"$ref": "#"}),
-    StructuredOutputs(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
-    # every prefix can go on, but nothing ever ends: refused by the grammar's shape, not its first mask
-    StructuredOutputs(json={"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
-                                            "required": ["next"]}}, "$ref": "#/$defs/n"}),
-    StructuredOutputs(grammar='root ::= "a" root'),
-    StructuredOutputs(grammar='root ::= x{2,3}\nx ::= "x" x'),
-    StructuredOutputs(grammar='root ::= (a "b") | c\na ::= "x" a\nc ::= [a-z] c'),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutputs(json={"$ref": "#"}),
+        StructuredOutputs(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+        # every prefix can go on, but nothing ever ends: refused by the grammar's shape, not its first mask
+        StructuredOutputs(
+            json={
+                "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+                "$ref": "#/$defs/n",
+            }
+        ),
+        StructuredOutputs(grammar='root ::= "a" root'),
+        StructuredOutputs(grammar='root ::= x{2,3}\nx ::= "x" x'),
+        StructuredOutputs(grammar='root ::= (a "b") | c\na ::= "x" a\nc ::= [a-z] c'),
+    ],
+)
 def test_grammars_that_match_no_text_are_refused(compiler, spec):
     with pytest.raises(ValueError, match=f"the {spec.kind} constraint can never be met: it matches no text at all"):
         compiler.compile_now(spec)
 
 
-@pytest.mark.parametrize("spec, max_tokens", [
-    (StructuredOutputs(grammar='root ::= "a" root | "b"'), None),  # recursion with a way out
-    (StructuredOutputs(grammar='root ::= x{0,3} "y"\nx ::= "x" x'), None),  # the dead rule is optional
-    (StructuredOutputs(json={"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
-                             "$ref": "#/$defs/n"}), None),  # a linked list: "next" is optional
-    (StructuredOutputs(choice=["no", "é", "yes"]), 3),  # bytes: every token is at least one
-    (StructuredOutputs(grammar='root ::= ""'), 0),
-])
+@pytest.mark.parametrize(
+    "spec, max_tokens",
+    [
+        (StructuredOutputs(grammar='root ::= "a" root | "b"'), None),  # recursion with a way out
+        (StructuredOutputs(grammar='root ::= x{0,3} "y"\nx ::= "x" x'), None),  # the dead rule is optional
+        (
+            StructuredOutputs(
+                json={
+                    "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
+                    "$ref": "#/$defs/n",
+                }
+            ),
+            None,
+        ),  # a linked list: "next" is optional
+        (StructuredOutputs(choice=["no", "é", "yes"]), 3),  # bytes: every token is at least one
+        (StructuredOutputs(grammar='root ::= ""'), 0),
+    ],
+)
 def test_grammars_with_a_way_out_compile_with_their_length_bound(compiler, spec, max_tokens):
     assert compiler.compile_now(spec).max_tokens == max_tokens
 
@@ -595,6 +630,7 @@ def test_missing_xgrammar_names_the_extra(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # bitmasks
 
+
 def test_bitmask_padding_and_rows(tok, compiler):
     bm = allocate_bitmask(3, V)
     assert bm.shape == (3, 10) and bm.dtype == torch.int32 and bool((bm == -1).all())
@@ -623,7 +659,7 @@ def test_apply_bitmask_kernel_matches_torch_path(dtype):
     from acb.structured import _apply_bitmask_torch
 
     g = torch.Generator().manual_seed(0)
-    bm = torch.randint(-2**31, 2**31 - 1, (4, 10), dtype=torch.int32, generator=g)
+    bm = torch.randint(-(2**31), 2**31 - 1, (4, 10), dtype=torch.int32, generator=g)
     logits = torch.randn(4, V, generator=g).to(dtype)
     for rows in (None, [0, 2]):
         a, b = logits.clone(), logits.clone()
@@ -631,7 +667,7 @@ def test_apply_bitmask_kernel_matches_torch_path(dtype):
         _apply_bitmask_torch(b, bm, rows)
         assert torch.equal(a, b)
         expect = logits.clone()
-        for r in (range(4) if rows is None else rows):
+        for r in range(4) if rows is None else rows:
             for t in range(V):
                 if not (int(bm[r, t // 32]) >> (t % 32)) & 1:
                     expect[r, t] = float("-inf")
@@ -654,7 +690,7 @@ def test_bitmask_shape_errors(compiler):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_apply_bitmask_cuda_matches_cpu(compiler, tok):
     g = torch.Generator().manual_seed(1)
-    bm = torch.randint(-2**31, 2**31 - 1, (4, 10), dtype=torch.int32, generator=g).pin_memory()
+    bm = torch.randint(-(2**31), 2**31 - 1, (4, 10), dtype=torch.int32, generator=g).pin_memory()
     logits = torch.randn(4, V, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (None, [1, 3], torch.tensor([1, 3], device="cuda")):
@@ -666,6 +702,7 @@ def test_apply_bitmask_cuda_matches_cpu(compiler, tok):
 
 # ---------------------------------------------------------------------------------------------
 # cost
+
 
 def test_fill_mask_cost(tok, compiler):
     """Measured, not asserted: fill_mask per call along a JSON-schema generation (run with -s)."""
@@ -680,6 +717,8 @@ def test_fill_mask_cost(tok, compiler):
         times.append(time.perf_counter() - t0)
         assert m.accept(t)
     times.sort()
-    print(f"\nfill_mask, JSON schema, vocab {V}: {len(times)} calls, median {times[len(times) // 2] * 1e6:.1f} us, "
-          f"p90 {times[int(len(times) * 0.9)] * 1e6:.1f} us, max {times[-1] * 1e6:.1f} us; "
-          f"compile {compiled.compile_s * 1e3:.1f} ms")
+    print(
+        f"\nfill_mask, JSON schema, vocab {V}: {len(times)} calls, median {times[len(times) // 2] * 1e6:.1f} us, "
+        f"p90 {times[int(len(times) * 0.9)] * 1e6:.1f} us, max {times[-1] * 1e6:.1f} us; "
+        f"compile {compiled.compile_s * 1e3:.1f} ms"
+    )

@@ -33,8 +33,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run_script(endpoint: str, protocol: str, **env: str) -> dict:
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "telemetry_run.py"), endpoint, protocol],
-                       capture_output=True, text=True, env=_env(**env), timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "telemetry_run.py"), endpoint, protocol],
+        capture_output=True,
+        text=True,
+        env=_env(**env),
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -81,8 +86,13 @@ def test_request_spans_carry_the_conventions_attributes(http_run):
     text = spans[results["text"]["request_id"]]
     assert text["name"] == f"text_completion {MODEL}"
     a = text["attrs"]
-    assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"], a["gen_ai.request.top_p"],
-            a["gen_ai.request.top_k"], a["gen_ai.request.seed"]) == (6, 0.7, 0.9, 20, 3)
+    assert (
+        a["gen_ai.request.max_tokens"],
+        a["gen_ai.request.temperature"],
+        a["gen_ai.request.top_p"],
+        a["gen_ai.request.top_k"],
+        a["gen_ai.request.seed"],
+    ) == (6, 0.7, 0.9, 20, 3)
     assert a["gen_ai.request.stop_sequences"] == ["never-appears"]
     # its parent is the user's span current at submit
     assert text["parent_span_id"] == results["user_span_id"] and text["trace_id"] == results["user_trace_id"]
@@ -128,8 +138,12 @@ def test_metrics_names_units_and_points(http_run):
     results, collected = http_run
     m = collected.latest_metrics()
     outs = [results["text"], results["chat"], *results["preempt"], results["cancelled"], results["failed"]]
-    for name, unit in (("gen_ai.server.request.duration", "s"), ("gen_ai.server.time_to_first_token", "s"),
-                       ("gen_ai.server.time_per_output_token", "s"), ("gen_ai.client.token.usage", "{token}")):
+    for name, unit in (
+        ("gen_ai.server.request.duration", "s"),
+        ("gen_ai.server.time_to_first_token", "s"),
+        ("gen_ai.server.time_per_output_token", "s"),
+        ("gen_ai.client.token.usage", "{token}"),
+    ):
         assert m[name]["unit"] == unit and m[name]["kind"] == "histogram", m[name]
     bounds = {name: m[name]["points"][0]["bounds"] for name in telemetry.HISTOGRAMS}
     assert bounds == {name: list(b) for name, (_, b, _) in telemetry.HISTOGRAMS.items()}
@@ -139,12 +153,19 @@ def test_metrics_names_units_and_points(http_run):
     for p in dur:
         errors[p["attrs"].get("error.type")] = errors.get(p["attrs"].get("error.type"), 0) + p["count"]
     assert errors == {None: 4, "cancelled": 1, "request": 1}
-    assert all(p["attrs"]["gen_ai.operation.name"] in ("chat", "text_completion") and
-               p["attrs"]["gen_ai.provider.name"] == "acb" and "gen_ai.system" not in p["attrs"] for p in dur)
+    assert all(
+        p["attrs"]["gen_ai.operation.name"] in ("chat", "text_completion")
+        and p["attrs"]["gen_ai.provider.name"] == "acb"
+        and "gen_ai.system" not in p["attrs"]
+        for p in dur
+    )
     # TTFT and TPOT: the successful requests only
     assert sum(p["count"] for p in m["gen_ai.server.time_to_first_token"]["points"]) == 4
-    usage = {p["attrs"]["gen_ai.token.type"]: p for p in m["gen_ai.client.token.usage"]["points"]
-             if p["attrs"]["gen_ai.operation.name"] == "text_completion"}
+    usage = {
+        p["attrs"]["gen_ai.token.type"]: p
+        for p in m["gen_ai.client.token.usage"]["points"]
+        if p["attrs"]["gen_ai.operation.name"] == "text_completion"
+    }
     texts = [o for o in outs if o is not results["chat"]]
     assert usage["input"]["sum"] == sum(o["prompt_len"] for o in texts)
     assert usage["output"]["sum"] == sum(o["output_tokens"] for o in texts)
@@ -152,9 +173,19 @@ def test_metrics_names_units_and_points(http_run):
     assert m["acb.preemptions"]["points"][0]["value"] == results["stats"]["preemptions"]
     assert m["acb.kv_cache.blocks.total"]["points"][0]["value"] == 13
     assert {p["attrs"]["acb.step.phase"] for p in m["acb.engine.step.time"]["points"]} == {
-        "schedule", "stage", "compute", "process"}
-    for name in ("acb.requests.running", "acb.requests.waiting", "acb.kv_cache.usage", "acb.prefix_cache.hit_rate",
-                 "acb.engine.steps", "acb.engine.batch.tokens"):
+        "schedule",
+        "stage",
+        "compute",
+        "process",
+    }
+    for name in (
+        "acb.requests.running",
+        "acb.requests.waiting",
+        "acb.kv_cache.usage",
+        "acb.prefix_cache.hit_rate",
+        "acb.engine.steps",
+        "acb.engine.batch.tokens",
+    ):
         assert name in m
 
 
@@ -165,8 +196,12 @@ def test_grpc_and_the_v1_36_opt_out():
     assert grpc
     pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
     with Receiver(grpc=True) as r:
-        results = _run_script(r.grpc_endpoint, "grpc", ACB_OTEL_GENAI_CONVENTIONS="v1.36",
-                              OTEL_SEMCONV_STABILITY_OPT_IN="http,gen_ai_latest_experimental")
+        results = _run_script(
+            r.grpc_endpoint,
+            "grpc",
+            ACB_OTEL_GENAI_CONVENTIONS="v1.36",
+            OTEL_SEMCONV_STABILITY_OPT_IN="http,gen_ai_latest_experimental",
+        )
         collected = r.collected
     spans = _engine_spans(collected)
     assert spans and all(s["via"] == "grpc" for s in collected.spans)
@@ -180,8 +215,7 @@ def test_grpc_and_the_v1_36_opt_out():
     done_ev = next(e for e in chat["events"] if e[0] == "gen_ai.content.completion")
     assert [m["parts"][0]["content"] for m in json.loads(done_ev[2]["gen_ai.completion"])] == results["chat"]["texts"]
     dur = collected.latest_metrics()["gen_ai.server.request.duration"]["points"]
-    assert dur and all(p["attrs"]["gen_ai.system"] == "acb" and "gen_ai.provider.name" not in p["attrs"]
-                       for p in dur)
+    assert dur and all(p["attrs"]["gen_ai.system"] == "acb" and "gen_ai.provider.name" not in p["attrs"] for p in dur)
 
 
 def test_which_conventions(monkeypatch, caplog):
@@ -226,14 +260,37 @@ def test_content_is_not_captured_by_default(monkeypatch):
 
 def test_acb_generate_exports_over_otlp(tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}", "max_new_tokens": 3 + i}) + "\n"
-                               for i in range(4)), encoding="utf-8")
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"prompt number {i}", "max_new_tokens": 3 + i}) + "\n" for i in range(4)),
+        encoding="utf-8",
+    )
     out = tmp_path / "out.jsonl"
     with Receiver() as r:
-        p = subprocess.run([sys.executable, "-m", "acb", "generate", "--prompts", str(prompts), "-o", str(out),
-                            "--ignore-eos", "--no-progress", "--num-blocks", "64", "--page-size", "16",
-                            "--otlp-endpoint", r.http_endpoint], capture_output=True, text=True, env=_env(),
-                           cwd=tmp_path, timeout=300)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "acb",
+                "generate",
+                "--prompts",
+                str(prompts),
+                "-o",
+                str(out),
+                "--ignore-eos",
+                "--no-progress",
+                "--num-blocks",
+                "64",
+                "--page-size",
+                "16",
+                "--otlp-endpoint",
+                r.http_endpoint,
+            ],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=tmp_path,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         collected = r.collected
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -13,18 +13,20 @@ from acb.text import IncrementalDetokenizer
 from tests.conftest import reference_generate
 
 TEXT = "héllo wörld 😀 日本語 ok 👍🏽! ça va?"
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_tokenizer():
     tok = build_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sentencepiece_tokenizer():
     """A SentencePiece-style tokenizer: '▁' marks a word's leading space, which decode drops at
     the start of the text, so a token's text depends on its neighbour."""
@@ -103,8 +105,9 @@ async def test_text_and_chat_prompts_stream_text(model):
     assert out.generated_tokens == reference_generate(model, list(chat_ids), 12)
     full = tok.decode(out.generated_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert "".join(d.text or "" for d in deltas) == out.text == full
-    assert by_text.text == tok.decode(by_text.generated_tokens, skip_special_tokens=True,
-                                      clean_up_tokenization_spaces=False)
+    assert by_text.text == tok.decode(
+        by_text.generated_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
     for s in two.samples:
         assert s.text == tok.decode(s.generated_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
@@ -121,8 +124,9 @@ def test_text_without_a_tokenizer_is_refused(model):
 
 def test_generate_batch_with_text_and_from_pretrained(model, tmp_path):
     tok = byte_tokenizer()
-    outs = acb.generate_batch(model, ["héllo", "wörld"], continuous_batching_config=cfg(), tokenizer=tok,
-                              max_new_tokens=5, progress_bar=False)
+    outs = acb.generate_batch(
+        model, ["héllo", "wörld"], continuous_batching_config=cfg(), tokenizer=tok, max_new_tokens=5, progress_bar=False
+    )
     for o in outs.values():
         assert o.text == tok.decode(o.generated_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     model.save_pretrained(tmp_path)

@@ -72,8 +72,9 @@ def test_blocking_entry_points(model, refs, mode):
             assert text == out.text
             streamed.append(out)
         _check(tok, streamed, want)
-    outs = acb.generate_batch(model, prompts, continuous_batching_config=_cfg(mode), tokenizer=tok,
-                              max_new_tokens=MAX, progress_bar=False)
+    outs = acb.generate_batch(
+        model, prompts, continuous_batching_config=_cfg(mode), tokenizer=tok, max_new_tokens=MAX, progress_bar=False
+    )
     assert list(outs) == ["req_0", "req_1", "req_2", "req_3"]
     _check(tok, list(outs.values()), want)
     assert [o.prompt_ids for o in outs.values()] == [ids["text"], ids["chat"], ids["text"], ids["chat"]]
@@ -97,8 +98,10 @@ async def test_async_entry_points(model, refs, mode):
 
 def test_chat_template_kwargs_reach_the_template(model):
     tok = build_tokenizer()
-    tok.chat_template = ("{% if persona %}[{{ persona }}]{% endif %}{% for m in messages %}{{ m['content'] }}"
-                         "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    tok.chat_template = (
+        "{% if persona %}[{{ persona }}]{% endif %}{% for m in messages %}{{ m['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
     with acb.Engine(model, _cfg(), tokenizer=tok) as eng:
         plain = eng.generate(CHAT, max_new_tokens=1)
         styled = eng.generate(CHAT, max_new_tokens=1, chat_template_kwargs={"persona": "pirate"})

@@ -8,9 +8,9 @@ import anyio
 
 from acb.api import scoring
 from acb.api.base import EngineBase
-from acb.api.processor import Submission
 from acb.api.handles import RequestHandle
 from acb.api.loops import await_future, current_loop
+from acb.api.processor import Submission
 from acb.api.sinks import AsyncSink
 from acb.errors import QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from acb.runner.model_runner import MemoryReleased
-
     from acb.sampling_params import SamplingKwargs
     from acb.structured_outputs import StructuredOutputs
     from acb.text import Prompt
@@ -45,7 +44,7 @@ class AsyncEngine(EngineBase):
     """
 
     # ------------------------------------------------------------------ life
-    async def __aenter__(self) -> "AsyncEngine":
+    async def __aenter__(self) -> AsyncEngine:
         self._enter_context()
         return self
 
@@ -68,12 +67,25 @@ class AsyncEngine(EngineBase):
         await anyio.to_thread.run_sync(self.join, timeout)
 
     # --------------------------------------------------------------- submit
-    def _make(self, prompt_ids: Prompt, sampling: SamplingParams | None, request_id: str | None,
-              record_timestamps: bool, cache_salt: str | None, chat_template_kwargs: Any = None) -> Submission:
+    def _make(
+        self,
+        prompt_ids: Prompt,
+        sampling: SamplingParams | None,
+        request_id: str | None,
+        record_timestamps: bool,
+        cache_salt: str | None,
+        chat_template_kwargs: Any = None,
+    ) -> Submission:
         loop = current_loop()  # the handle's home loop (asyncio's, or the trio run's)
-        return self.processor.make_request(prompt_ids, sampling, sink_factory=lambda rid: AsyncSink(rid, loop),
-                                 request_id=request_id, record_timestamps=record_timestamps, cache_salt=cache_salt,
-                                 chat_template_kwargs=chat_template_kwargs)
+        return self.processor.make_request(
+            prompt_ids,
+            sampling,
+            sink_factory=lambda rid: AsyncSink(rid, loop),
+            request_id=request_id,
+            record_timestamps=record_timestamps,
+            cache_salt=cache_salt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def _handle(self, req: Submission) -> RequestHandle:
         self.admit(req)
@@ -214,8 +226,14 @@ class AsyncEngine(EngineBase):
             EngineDeadError: the engine died.
         """
         sampling = with_overrides("generate", sampling, sampling_kwargs)
-        handle = await self.submit(prompt_ids, sampling, request_id=request_id, record_timestamps=record_timestamps,
-                                   cache_salt=cache_salt, chat_template_kwargs=chat_template_kwargs)
+        handle = await self.submit(
+            prompt_ids,
+            sampling,
+            request_id=request_id,
+            record_timestamps=record_timestamps,
+            cache_salt=cache_salt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return await handle.result()
 
     async def score(
@@ -245,8 +263,12 @@ class AsyncEngine(EngineBase):
             ValueError: a bad input.
             RequestFailedError: the engine failed the scoring request.
         """
-        (out,) = await self.score_batch([(context, continuations)], top_logprobs=top_logprobs,
-                                        cache_salt=cache_salt, request_ids=[request_id] if request_id else None)
+        (out,) = await self.score_batch(
+            [(context, continuations)],
+            top_logprobs=top_logprobs,
+            cache_salt=cache_salt,
+            request_ids=[request_id] if request_id else None,
+        )
         if out.status != RequestStatus.FINISHED:
             raise RequestFailedError(out.error or f"scoring {out.request_id!r} ended {out.status.name}")
         return out
@@ -278,7 +300,8 @@ class AsyncEngine(EngineBase):
         """
         loop = current_loop()
         plans, ids, engine_ids, reqs = scoring.make_requests(
-            self.processor, items, top_logprobs, cache_salt, request_ids, lambda rid: AsyncSink(rid, loop))
+            self.processor, items, top_logprobs, cache_salt, request_ids, lambda rid: AsyncSink(rid, loop)
+        )
         handles: list[RequestHandle] = []
         outputs: dict[str, GenerationOutput] = {}
         try:

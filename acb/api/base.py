@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from acb import telemetry
 from acb.api.gate import AdmissionGate
@@ -33,13 +34,11 @@ from acb.text import text_tokenizer
 
 if TYPE_CHECKING:
     import torch
-
-    from acb.structured import GrammarCompiler
+    from transformers import GenerationConfig, PreTrainedModel
     from typing_extensions import Self
 
-    from transformers import GenerationConfig, PreTrainedModel
-
     from acb.runner.model_runner import MemoryReleased, ModelRunner
+    from acb.structured import GrammarCompiler
     from acb.text import TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ class EngineBase:
             generation_config = getattr(model, "generation_config", None)
         self.tokenizer = tokenizer
         # the model's name in telemetry (gen_ai.request.model); acb serve sets the served name
-        self.model_name: str = (getattr(model.config, "name_or_path", "") or model.config.model_type or "model")
+        self.model_name: str = getattr(model.config, "name_or_path", "") or model.config.model_type or "model"
         self.set_generation_config(generation_config)
         self._runner_cls = runner_cls
         self.core: EngineCore | None = None
@@ -135,8 +134,14 @@ class EngineBase:
             if group is not None:  # tensor parallel: every rank's engine runs the leader's requests
                 sync = StepSync(group)
             follower = sync is not None and not sync.is_leader
-            core = EngineCore(runner, deliver=self.sinks.deliver, on_dequeued=None if follower else self.gate.release,
-                              sync=sync, tokenizer=self.tokenizer, grammars=self.grammars)
+            core = EngineCore(
+                runner,
+                deliver=self.sinks.deliver,
+                on_dequeued=None if follower else self.gate.release,
+                sync=sync,
+                tokenizer=self.tokenizer,
+                grammars=self.grammars,
+            )
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()
@@ -241,10 +246,12 @@ class EngineBase:
         except OSError as exc:
             if os.path.isdir(path):
                 raise
-            raise OSError(f"cannot load {path!r}: it is not a local folder, and neither the Hugging Face hub nor its "
-                          f"cache has it ({exc}). Pass a checkpoint folder instead (one save_pretrained wrote, or "
-                          "`hf download ORG/NAME --local-dir DIR`); without a network, HF_HUB_OFFLINE=1 makes a hub "
-                          "id fail at once instead of after retries") from exc
+            raise OSError(
+                f"cannot load {path!r}: it is not a local folder, and neither the Hugging Face hub nor its "
+                f"cache has it ({exc}). Pass a checkpoint folder instead (one save_pretrained wrote, or "
+                "`hf download ORG/NAME --local-dir DIR`); without a network, HF_HUB_OFFLINE=1 makes a hub "
+                "id fail at once instead of after retries"
+            ) from exc
         if device is not None:
             # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to): mypy sees it unbound
             model = model.to(device)  # type: ignore[arg-type]
@@ -305,8 +312,9 @@ class EngineBase:
         with self._grammar_lock:
             if self._grammar_compiler is None:
                 if self.tokenizer is None:
-                    raise InvalidRequestError("structured_outputs need a tokenizer: pass tokenizer=... to the engine",
-                                              "structured_outputs")
+                    raise InvalidRequestError(
+                        "structured_outputs need a tokenizer: pass tokenizer=... to the engine", "structured_outputs"
+                    )
                 from acb.grammar_budget import GrammarBudget
                 from acb.structured import GrammarCompiler
 
@@ -318,8 +326,9 @@ class EngineBase:
                     # a follower compiles what its leader accepted (the static limits agree): a
                     # time limit could refuse here what the leader ran, and the ranks would part
                     budget = replace(budget, compile_timeout_s=None)
-                self._grammar_compiler = GrammarCompiler(text_tokenizer(self.tokenizer), vocab,
-                                                         stop_token_ids=eos or None, budget=budget)
+                self._grammar_compiler = GrammarCompiler(
+                    text_tokenizer(self.tokenizer), vocab, stop_token_ids=eos or None, budget=budget
+                )
             return self._grammar_compiler
 
     def _made_core(self) -> EngineCore:

@@ -9,12 +9,13 @@ import functools
 import logging
 import queue
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from acb.api import scoring
 from acb.api.base import EngineBase
-from acb.api.processor import Submission
 from acb.api.handles import SyncRequestHandle
+from acb.api.processor import Submission
 from acb.api.sinks import ThreadSink
 from acb.config import ConfigLike
 from acb.errors import AcbError, QueueFullError, RequestFailedError
@@ -22,11 +23,10 @@ from acb.outputs import FailureKind, GenerationOutput, RequestStatus, ScoreOutpu
 from acb.sampling_params import SamplingParams, with_overrides
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
     from collections.abc import Sequence
 
     import torch
+    from typing_extensions import Unpack
 
     from acb.runner.model_runner import MemoryReleased
     from acb.sampling_params import SamplingKwargs
@@ -47,7 +47,7 @@ class Engine(EngineBase):
             output = handle.result()
     """
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         self._enter_context()
         return self
 
@@ -86,8 +86,9 @@ class Engine(EngineBase):
             raise QueueFullError(f"{self.gate.limit} requests are already waiting (max_queue_size)")
         self.admit(req)
 
-    def _submit(self, prompt_ids: Prompt, sampling: SamplingParams | None, wait: bool, timeout: float | None,
-                **kw: Any) -> SyncRequestHandle:
+    def _submit(
+        self, prompt_ids: Prompt, sampling: SamplingParams | None, wait: bool, timeout: float | None, **kw: Any
+    ) -> SyncRequestHandle:
         req = self.processor.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
         self.enqueue_blocking(req, wait=wait, timeout=timeout)
         return SyncRequestHandle(req.request_id, req.sink, self.cancel)
@@ -124,9 +125,16 @@ class Engine(EngineBase):
             TimeoutError: no queue slot within ``timeout``.
         """
         sampling = with_overrides("submit", sampling, sampling_kwargs)
-        return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
-                            record_timestamps=record_timestamps, cache_salt=cache_salt,
-                            chat_template_kwargs=chat_template_kwargs)
+        return self._submit(
+            prompt_ids,
+            sampling,
+            True,
+            timeout,
+            request_id=request_id,
+            record_timestamps=record_timestamps,
+            cache_salt=cache_salt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def submit_nowait(
         self,
@@ -158,9 +166,16 @@ class Engine(EngineBase):
             ValueError: bad input, as for :meth:`submit`.
         """
         sampling = with_overrides("submit_nowait", sampling, sampling_kwargs)
-        return self._submit(prompt_ids, sampling, False, None, request_id=request_id,
-                            record_timestamps=record_timestamps, cache_salt=cache_salt,
-                            chat_template_kwargs=chat_template_kwargs)
+        return self._submit(
+            prompt_ids,
+            sampling,
+            False,
+            None,
+            request_id=request_id,
+            record_timestamps=record_timestamps,
+            cache_salt=cache_salt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def generate(
         self,
@@ -194,9 +209,16 @@ class Engine(EngineBase):
             RequestFailedError: the engine failed the request (``.output`` has what it made).
         """
         sampling = with_overrides("generate", sampling, sampling_kwargs)
-        return self._submit(prompt_ids, sampling, True, timeout, request_id=request_id,
-                            record_timestamps=record_timestamps, cache_salt=cache_salt,
-                            chat_template_kwargs=chat_template_kwargs).result()
+        return self._submit(
+            prompt_ids,
+            sampling,
+            True,
+            timeout,
+            request_id=request_id,
+            record_timestamps=record_timestamps,
+            cache_salt=cache_salt,
+            chat_template_kwargs=chat_template_kwargs,
+        ).result()
 
     def reset_prefix_cache(self, timeout: float | None = None) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
@@ -301,8 +323,10 @@ class Engine(EngineBase):
         inputs = _prompt_list(inputs)
         if isinstance(sampling, (list, tuple)):
             if len(sampling) != len(inputs):
-                raise ValueError(f"generate_batch(): {len(sampling)} SamplingParams for {len(inputs)} inputs "
-                                 "(give one for every prompt, or a single one for all)")
+                raise ValueError(
+                    f"generate_batch(): {len(sampling)} SamplingParams for {len(inputs)} inputs "
+                    "(give one for every prompt, or a single one for all)"
+                )
             per_prompt = [with_overrides("generate_batch", sp, kwargs) for sp in sampling]
         else:
             one = with_overrides("generate_batch", sampling, kwargs)  # type: ignore[arg-type]
@@ -314,10 +338,22 @@ class Engine(EngineBase):
         sink = functools.partial(ThreadSink, on_final=done.put)
         # the engine requests take fresh ids (another call, or a submit, may be running beside this
         # one); the results are named req_<i> of this call, as transformers' are
-        reqs = self.processor.make_all("inputs", (
-            (i, functools.partial(self.processor.make_request, prompt, per_prompt[i],
-                                  record_timestamps=record_timestamps, sink_factory=sink))
-            for i, prompt in enumerate(inputs)))
+        reqs = self.processor.make_all(
+            "inputs",
+            (
+                (
+                    i,
+                    functools.partial(
+                        self.processor.make_request,
+                        prompt,
+                        per_prompt[i],
+                        record_timestamps=record_timestamps,
+                        sink_factory=sink,
+                    ),
+                )
+                for i, prompt in enumerate(inputs)
+            ),
+        )
 
         def named(i: int, output: GenerationOutput) -> None:
             output.request_id = f"req_{i}"  # (this call's own output object: its sink made it)
@@ -328,13 +364,23 @@ class Engine(EngineBase):
         out = {f"req_{i}": results[r.request_id] for i, r in enumerate(reqs) if r.request_id in results}
         failed = [rid for rid, o in out.items() if o.status == RequestStatus.FAILED]
         if failed:
-            logger.error("acb.generate_batch: %d of %d requests failed (e.g. %s: %s)", len(failed), n, failed[0],
-                         out[failed[0]].error)
+            logger.error(
+                "acb.generate_batch: %d of %d requests failed (e.g. %s: %s)",
+                len(failed),
+                n,
+                failed[0],
+                out[failed[0]].error,
+            )
         return out
 
-    def _run_made(self, reqs: list[Submission], done: "queue.SimpleQueue[GenerationOutput]", bar: Any,
-                  on_result: Callable[[int, GenerationOutput], None] | None = None,
-                  should_stop: Callable[[], bool] | None = None) -> dict[str, GenerationOutput]:
+    def _run_made(
+        self,
+        reqs: list[Submission],
+        done: queue.SimpleQueue[GenerationOutput],
+        bar: Any,
+        on_result: Callable[[int, GenerationOutput], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> dict[str, GenerationOutput]:
         """The one batch loop (``generate_batch``, ``score_batch``, ``acb generate``): enqueue
         requests from :meth:`acb.api.processor.InputProcessor.make_request` (whose sinks put their
         final output on ``done``) in order, taking queue slots as they free up, and block until
@@ -371,7 +417,7 @@ class Engine(EngineBase):
                 try:
                     self.admit(req)  # (on failure it gives back the slot and the id)
                 except AcbError as exc:  # the engine died: the rest never ran
-                    for r in reqs[k + 1:]:
+                    for r in reqs[k + 1 :]:
                         self.abandon(r)
                     for r in reqs[k:]:
                         done.put(r.failed_output(f"{type(exc).__name__}: {exc}", FailureKind.ENGINE_DEAD))
@@ -432,8 +478,13 @@ class Engine(EngineBase):
             ValueError: a bad input (an empty context or continuation, a token outside the
                 vocabulary, more than can ever fit).
             RequestFailedError: the engine failed the scoring request."""
-        (out,) = self.score_batch([(context, continuations)], top_logprobs=top_logprobs, cache_salt=cache_salt,
-                                  progress_bar=False, request_ids=[request_id] if request_id else None)
+        (out,) = self.score_batch(
+            [(context, continuations)],
+            top_logprobs=top_logprobs,
+            cache_salt=cache_salt,
+            progress_bar=False,
+            request_ids=[request_id] if request_id else None,
+        )
         if out.status != RequestStatus.FINISHED:
             raise RequestFailedError(out.error or f"scoring {out.request_id!r} ended {out.status.name}")
         return out
@@ -469,10 +520,11 @@ class Engine(EngineBase):
             return []
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         plans, ids, engine_ids, reqs = scoring.make_requests(
-            self.processor, items, top_logprobs, cache_salt, request_ids,
-            lambda rid: ThreadSink(rid, on_final=done.put))
+            self.processor, items, top_logprobs, cache_salt, request_ids, lambda rid: ThreadSink(rid, on_final=done.put)
+        )
         results = self._run_made(reqs, done, _progress(len(reqs), progress_bar, desc="score_batch"))
         return scoring.assemble_batch(plans, ids, engine_ids, results, top_logprobs)
+
 
 def generate_batch(
     model: Any,
@@ -550,7 +602,7 @@ def _progress(total: int, enabled: bool, desc: str = "generate_batch") -> Any:
     return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
 
 
-def _take(done: "queue.SimpleQueue[GenerationOutput]", block: bool) -> list[GenerationOutput]:
+def _take(done: queue.SimpleQueue[GenerationOutput], block: bool) -> list[GenerationOutput]:
     """The outputs waiting on ``done`` (after up to 0.5 s for the first, with ``block``)."""
     items = []
     try:

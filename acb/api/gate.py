@@ -10,6 +10,7 @@ from acb.api.loops import _wake_threadsafe, current_loop
 
 logger = logging.getLogger(__name__)
 
+
 class AdmissionGate:
     """Bounds the requests waiting to be scheduled (``max_queue_size``; 0 = unbounded).
 
@@ -76,5 +77,3 @@ class AdmissionGate:
                 fut = loop.create_future()
                 self._async_waiters.append((loop, fut))
             await fut
-
-

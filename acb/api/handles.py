@@ -15,10 +15,20 @@ from acb.api.loops import await_future, current_loop, is_cancellation
 from acb.api.sinks import AsyncSink, ThreadSink
 from acb.outputs import GenerationOutput, StreamDelta
 
-__all__ = ["AdmissionGate", "AsyncSink", "HandleStream", "RequestHandle", "SyncRequestHandle", "ThreadSink",
-           "await_future", "current_loop", "is_cancellation"]
+__all__ = [
+    "AdmissionGate",
+    "AsyncSink",
+    "HandleStream",
+    "RequestHandle",
+    "SyncRequestHandle",
+    "ThreadSink",
+    "await_future",
+    "current_loop",
+    "is_cancellation",
+]
 
 logger = logging.getLogger(__name__)
+
 
 class _HandleBase:
     def __init__(self, request_id: str, sink: Any, cancel: Callable[[str], Any]) -> None:
@@ -90,7 +100,7 @@ class HandleStream:
         self._handle = handle
         self._open = True  # False once the stream has ended, or was given up (request cancelled)
 
-    def __aiter__(self) -> "HandleStream":
+    def __aiter__(self) -> HandleStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
@@ -152,5 +162,3 @@ class SyncRequestHandle(_HandleBase):
                 yield delta
         finally:
             self.cancel()
-
-

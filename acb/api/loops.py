@@ -18,6 +18,7 @@ from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 
+
 class _TrioFuture:
     """trio's stand-in for the bit of ``asyncio.Future`` used here: awaited once, set once."""
 
@@ -94,8 +95,9 @@ def current_loop() -> Any:
         except sniffio.AsyncLibraryNotFoundError:
             pass
     if library is None:
-        raise RuntimeError("no running event loop: AsyncEngine is used from asyncio or trio (for plain "
-                           "threads, use acb.Engine)")
+        raise RuntimeError(
+            "no running event loop: AsyncEngine is used from asyncio or trio (for plain threads, use acb.Engine)"
+        )
     raise RuntimeError(f"AsyncEngine runs on asyncio or trio (any anyio backend), not on {library}")
 
 
@@ -132,5 +134,3 @@ async def await_future(fut: concurrent.futures.Future[Any]) -> Any:
         fut.cancel()
         raise
     return fut.result()
-
-

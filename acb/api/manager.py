@@ -22,11 +22,11 @@ from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from acb.api.engine import Engine
-from acb.api.processor import as_token_list
 from acb.api.loops import current_loop
+from acb.api.processor import as_token_list
 from acb.api.sinks import ThreadSink
-from acb.core.messages import Delivery
 from acb.config import ConfigLike, ContinuousBatchingConfig
+from acb.core.messages import Delivery
 from acb.outputs import GenerationOutput, RequestStatus
 from acb.sampling_params import SamplingParams
 
@@ -38,8 +38,18 @@ logger = logging.getLogger(__name__)
 
 # per-request processor arguments (transformers' logit_processor_kwargs) acb maps onto SamplingParams
 _PROCESSOR_KWARGS = {
-    "temperature", "do_sample", "top_k", "top_p", "min_p", "repetition_penalty", "min_new_tokens",
-    "presence_penalty", "frequency_penalty", "seed", "logprobs", "logprobs_mode",
+    "temperature",
+    "do_sample",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "min_new_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "logprobs_mode",
 }
 
 
@@ -115,7 +125,8 @@ class ContinuousBatchingManager:
         self.model = model
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         self.continuous_batching_config = (
-            ContinuousBatchingConfig() if continuous_batching_config is None else continuous_batching_config)
+            ContinuousBatchingConfig() if continuous_batching_config is None else continuous_batching_config
+        )
         self._engine = Engine(model, self.continuous_batching_config, self.generation_config)
         self.output_router = _OutputRouter()
         self.warmed_up = False
@@ -209,7 +220,8 @@ class ContinuousBatchingManager:
                 # transformers' meaning: without per_request_processors every request uses the defaults
                 warnings.warn(
                     f"per-request processor arguments {sorted(logit_processor_kwargs)} are ignored because "
-                    "ContinuousBatchingConfig.per_request_processors is False", stacklevel=2,
+                    "ContinuousBatchingConfig.per_request_processors is False",
+                    stacklevel=2,
                 )
             else:
                 unknown = set(logit_processor_kwargs) - _PROCESSOR_KWARGS
@@ -246,15 +258,21 @@ class ContinuousBatchingManager:
                 acc.extend(d.token_ids)
                 if d.logprobs:
                     acc_lp.extend(d.logprobs)
-                router.put(GenerationOutput(
-                    request_id=rid, prompt_ids=list(input_ids), generated_tokens=list(acc),
-                    logprobs=list(acc_lp), status=RequestStatus.DECODING,
-                ))
+                router.put(
+                    GenerationOutput(
+                        request_id=rid,
+                        prompt_ids=list(input_ids),
+                        generated_tokens=list(acc),
+                        logprobs=list(acc_lp),
+                        status=RequestStatus.DECODING,
+                    )
+                )
 
             return ThreadSink(rid, on_push=on_push)
 
-        req = self._engine.processor.make_request(input_ids, sampling, request_id=request_id,
-                                        record_timestamps=record_timestamps, sink_factory=make_sink)
+        req = self._engine.processor.make_request(
+            input_ids, sampling, request_id=request_id, record_timestamps=record_timestamps, sink_factory=make_sink
+        )
         rid = req.request_id
         self._engine.enqueue_blocking(req)
         return rid
@@ -280,8 +298,13 @@ class ContinuousBatchingManager:
             The requests' ids, in order.
         """
         return [
-            self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
-                             record_timestamps=record_timestamps, **logit_processor_kwargs)
+            self.add_request(
+                ids,
+                max_new_tokens=max_new_tokens,
+                streaming=streaming,
+                record_timestamps=record_timestamps,
+                **logit_processor_kwargs,
+            )
             for ids in inputs
         ]
 

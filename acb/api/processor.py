@@ -26,9 +26,9 @@ import operator
 import random
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from acb import telemetry
 from acb.core.messages import EngineRequest, ScoreTarget
@@ -46,8 +46,15 @@ if TYPE_CHECKING:
     from acb.text import Prompt
 
 __all__ = [
-    "InputProcessor", "Submission", "as_token_list", "check_logprobs", "check_min_tokens", "check_prompt_vocab",
-    "check_vocab", "compile_grammar", "fork_blocks",
+    "InputProcessor",
+    "Submission",
+    "as_token_list",
+    "check_logprobs",
+    "check_min_tokens",
+    "check_prompt_vocab",
+    "check_vocab",
+    "compile_grammar",
+    "fork_blocks",
 ]
 
 
@@ -67,12 +74,13 @@ def as_token_list(prompt_ids: Any, field: str = "prompt") -> list[int]:
         InvalidRequestError: an array of more than one row.
     """
     if isinstance(prompt_ids, (str, bytes)):
-        raise InvalidRequestTypeError("prompt_ids must be a sequence of token ids, not text (tokenize it first)",
-                                      field)
+        raise InvalidRequestTypeError("prompt_ids must be a sequence of token ids, not text (tokenize it first)", field)
     if isinstance(prompt_ids, (Mapping, Set)):
         raise InvalidRequestTypeError(
             f"prompt_ids must be an ordered sequence of token ids, got a {type(prompt_ids).__name__} "
-            "(for a tokenizer's output, pass its 'input_ids')", field)
+            "(for a tokenizer's output, pass its 'input_ids')",
+            field,
+        )
     if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, list):
         ndim = getattr(prompt_ids, "ndim", 1)
         if ndim == 2 and prompt_ids.shape[0] == 1:
@@ -80,19 +88,21 @@ def as_token_list(prompt_ids: Any, field: str = "prompt") -> list[int]:
         elif ndim != 1:
             raise InvalidRequestError(
                 f"prompt_ids must be 1-D (or [1, T]), got shape {tuple(prompt_ids.shape)}; submit the rows of a "
-                "batch one by one, or pass them all to generate_batch", field)
+                "batch one by one, or pass them all to generate_batch",
+                field,
+            )
         prompt_ids = prompt_ids.tolist()
     try:
         ids = list(prompt_ids)
     except TypeError:
-        raise InvalidRequestTypeError(f"prompt_ids must be a sequence of ints, got {type(prompt_ids).__name__}",
-                                      field) from None
+        raise InvalidRequestTypeError(
+            f"prompt_ids must be a sequence of ints, got {type(prompt_ids).__name__}", field
+        ) from None
     try:
         return [operator.index(t) if not isinstance(t, bool) else _bool_token(t) for t in ids]
     except TypeError as e:
         bad = next(t for t in ids if isinstance(t, bool) or not hasattr(t, "__index__"))
-        raise InvalidRequestTypeError(f"prompt_ids must hold ints, found {bad!r} ({type(bad).__name__})",
-                                      field) from e
+        raise InvalidRequestTypeError(f"prompt_ids must hold ints, found {bad!r} ({type(bad).__name__})", field) from e
 
 
 def _bool_token(t: bool) -> int:
@@ -113,8 +123,9 @@ def check_vocab(field: str, ids: Iterable[int], vocab: int, what: str | None = N
     """
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
-        raise InvalidRequestError(f"{what or field} token id {bad} is outside the model's vocabulary [0, {vocab})",
-                                  field)
+        raise InvalidRequestError(
+            f"{what or field} token id {bad} is outside the model's vocabulary [0, {vocab})", field
+        )
 
 
 def check_prompt_vocab(ids: Sequence[int], vocab: int, field: str) -> None:
@@ -130,8 +141,9 @@ def check_prompt_vocab(ids: Sequence[int], vocab: int, field: str) -> None:
     """
     for pos, tok in enumerate(ids):
         if tok < 0 or tok >= vocab:
-            raise InvalidRequestError(f"prompt_ids[{pos}] = {tok} is outside the model's vocabulary [0, {vocab})",
-                                      field)
+            raise InvalidRequestError(
+                f"prompt_ids[{pos}] = {tok} is outside the model's vocabulary [0, {vocab})", field
+            )
 
 
 def compile_grammar(compiler: GrammarCompiler, spec: StructuredOutputs) -> CompiledGrammar:
@@ -171,7 +183,9 @@ def check_min_tokens(grammar: CompiledGrammar, min_new: int, stop_ids: frozenset
         raise InvalidRequestError(
             f"structured_outputs: min_new_tokens={min_new} (min_tokens) can never be met: every output of the "
             f"{grammar.spec.kind} constraint has at most {bound} tokens before its end, which min_new_tokens "
-            "holds back", "structured_outputs")
+            "holds back",
+            "structured_outputs",
+        )
 
 
 def check_logprobs(params: SamplingParams, vocab: int) -> None:
@@ -185,11 +199,14 @@ def check_logprobs(params: SamplingParams, vocab: int) -> None:
         InvalidRequestError: ``logprobs`` or ``prompt_logprobs`` exceeds ``vocab``.
     """
     if params.logprobs is not None and params.logprobs > vocab:
-        raise InvalidRequestError(f"logprobs={params.logprobs} asks for more alternatives than the vocabulary's "
-                                  f"{vocab} tokens", "logprobs")
+        raise InvalidRequestError(
+            f"logprobs={params.logprobs} asks for more alternatives than the vocabulary's {vocab} tokens", "logprobs"
+        )
     if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-        raise InvalidRequestError(f"prompt_logprobs={params.prompt_logprobs} asks for more alternatives than the "
-                                  f"vocabulary's {vocab} tokens", "prompt_logprobs")
+        raise InvalidRequestError(
+            f"prompt_logprobs={params.prompt_logprobs} asks for more alternatives than the vocabulary's {vocab} tokens",
+            "prompt_logprobs",
+        )
 
 
 def fork_blocks(prompt_len: int, n: int, cfg: ResolvedConfig) -> tuple[int, int]:
@@ -252,8 +269,14 @@ class Submission:
             A FAILED output with the request's id and prompt.
         """
         er = self.engine_request
-        return GenerationOutput(request_id=er.request_id, prompt_ids=list(er.prompt_ids), status=RequestStatus.FAILED,
-                                finish_reason=FinishReason.ERROR, error=error, failure=failure)
+        return GenerationOutput(
+            request_id=er.request_id,
+            prompt_ids=list(er.prompt_ids),
+            status=RequestStatus.FAILED,
+            finish_reason=FinishReason.ERROR,
+            error=error,
+            failure=failure,
+        )
 
 
 class InputProcessor:
@@ -295,11 +318,13 @@ class InputProcessor:
         if core.sync is not None and not core.sync.is_leader and threading.current_thread() is not core.thread:
             raise RuntimeError(
                 f"this is a tensor-parallel follower (rank {core.sync.rank}): submit requests on the leader, rank "
-                f"{core.sync.leader_rank}, whose engine runs them on every rank (generate_batch returns {{}} here)")
+                f"{core.sync.leader_rank}, whose engine runs them on every rank (generate_batch returns {{}} here)"
+            )
         return core
 
-    def prompt_ids(self, prompt: Prompt, vocab: int, chat_template_kwargs: Mapping[str, Any] | None = None
-                   ) -> list[int]:
+    def prompt_ids(
+        self, prompt: Prompt, vocab: int, chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """A prompt normalised (text and chats encoded with the tokenizer) and checked.
 
         Args:
@@ -328,8 +353,7 @@ class InputProcessor:
         return ids
 
     @staticmethod
-    def check_args(sampling: SamplingParams | None, request_id: str | None, cache_salt: str | None
-                   ) -> SamplingParams:
+    def check_args(sampling: SamplingParams | None, request_id: str | None, cache_salt: str | None) -> SamplingParams:
         """Check the types of a submit's arguments.
 
         Args:
@@ -348,12 +372,14 @@ class InputProcessor:
             sampling = SamplingParams()
         elif not isinstance(sampling, SamplingParams):
             raise InvalidRequestTypeError(
-                f"sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}", "sampling")
+                f"sampling must be an acb.SamplingParams or None, got {type(sampling).__name__}", "sampling"
+            )
         if request_id is not None and not isinstance(request_id, str):
             raise InvalidRequestTypeError(f"request_id must be a str, got {type(request_id).__name__}", "request_id")
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestTypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}",
-                                          "cache_salt")
+            raise InvalidRequestTypeError(
+                f"cache_salt must be a str or None, got {type(cache_salt).__name__}", "cache_salt"
+            )
         return sampling
 
     def stop_ids(self, sampling: SamplingParams, params: SamplingParams, vocab: int) -> frozenset[int]:
@@ -397,18 +423,24 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt of {prompt_len} tokens can never fit: a request may hold at most {limit} tokens "
                 f"(prompt + at least one generated token), the smaller of the model's max positions and "
-                f"the KV cache's {cfg.capacity_tokens} tokens", "prompt")
+                f"the KV cache's {cfg.capacity_tokens} tokens",
+                "prompt",
+            )
         if n > cfg.max_requests_per_batch:
             raise InvalidRequestError(
                 f"n={n} samples run side by side and need {n} of the engine's rows, but "
-                f"max_requests_per_batch is {cfg.max_requests_per_batch}", "n")
+                f"max_requests_per_batch is {cfg.max_requests_per_batch}",
+                "n",
+            )
         if n > 1:
             need, usable = fork_blocks(prompt_len, n, cfg)
             if need > usable:
                 raise InvalidRequestError(
                     f"n={n} samples of a {prompt_len}-token prompt can never fit: forking them needs "
                     f"{need} KV blocks of {cfg.block_size} tokens (the shared full blocks once, the partial "
-                    f"last block once per sample), and the cache has {usable}; lower n or raise num_blocks", "n")
+                    f"last block once per sample), and the cache has {usable}; lower n or raise num_blocks",
+                    "n",
+                )
 
     @staticmethod
     def check_score_group(group: Sequence[ScoreTarget], vocab: int, cfg: ResolvedConfig) -> None:
@@ -438,14 +470,16 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"context and continuation ({longest} tokens) can never fit: a request may hold at most {limit} "
                 f"tokens (the model's max positions, and the KV cache's {cfg.capacity_tokens} tokens)",
-                "continuations")
+                "continuations",
+            )
         n = len(group)
         if n > cfg.max_requests_per_batch:  # (plan() makes groups that fit)
             raise InvalidRequestError(
                 f"a scoring request with {n - 1} forked continuation(s) runs {n} requests side by side, but "
                 f"max_requests_per_batch is {cfg.max_requests_per_batch}: give it at most "
                 f"{cfg.max_requests_per_batch - 1} score_children (Engine.score plans groups that fit)",
-                "continuations")
+                "continuations",
+            )
         if n > 1:
             need, usable = fork_blocks(len(head), n, cfg)
             if need > usable:
@@ -454,7 +488,8 @@ class InputProcessor:
                     f"never fit: they fork from the context's KV, which needs {need} KV blocks of "
                     f"{cfg.block_size} tokens (the shared full blocks once, the partial last block once per "
                     f"request), and the cache has {usable}; score them one call at a time or raise num_blocks",
-                    "continuations")
+                    "continuations",
+                )
 
     # ------------------------------------------------------------- requests
     def make_request(
@@ -518,8 +553,21 @@ class InputProcessor:
             check_min_tokens(grammar, min_new, stop_ids)
         if min_new != (params.min_new_tokens or 0):
             params = replace(params, min_new_tokens=min_new)
-        return self._build(core, prompt_ids, ids, params, max_new, stop_ids, n, request_id, "req", sink_factory,
-                           record_timestamps, cache_salt, None)
+        return self._build(
+            core,
+            prompt_ids,
+            ids,
+            params,
+            max_new,
+            stop_ids,
+            n,
+            request_id,
+            "req",
+            sink_factory,
+            record_timestamps,
+            cache_salt,
+            None,
+        )
 
     def make_score_request(
         self,
@@ -558,13 +606,38 @@ class InputProcessor:
         # nothing is sampled: the raw logprobs of the scored positions only
         params = replace(FALLBACK, prompt_logprobs=max(top_logprobs, 1), logprobs_mode="raw")
         check_logprobs(params, vocab)
-        return self._build(core, list(head.prompt_ids), list(head.prompt_ids), params, 0, frozenset(), len(group),
-                           request_id, "score", sink_factory, False, cache_salt, group)
+        return self._build(
+            core,
+            list(head.prompt_ids),
+            list(head.prompt_ids),
+            params,
+            0,
+            frozenset(),
+            len(group),
+            request_id,
+            "score",
+            sink_factory,
+            False,
+            cache_salt,
+            group,
+        )
 
-    def _build(self, core: EngineCore, prompt: Any, ids: list[int], params: SamplingParams, max_new: int,
-               stop_ids: frozenset[int], n: int, request_id: str | None, id_prefix: str,
-               sink_factory: Callable[[str], Any], record_timestamps: bool, cache_salt: str | None,
-               score: Sequence[ScoreTarget] | None) -> Submission:
+    def _build(
+        self,
+        core: EngineCore,
+        prompt: Any,
+        ids: list[int],
+        params: SamplingParams,
+        max_new: int,
+        stop_ids: frozenset[int],
+        n: int,
+        request_id: str | None,
+        id_prefix: str,
+        sink_factory: Callable[[str], Any],
+        record_timestamps: bool,
+        cache_salt: str | None,
+        score: Sequence[ScoreTarget] | None,
+    ) -> Submission:
         """Every check passed: claim the ids (all of them, or none), make and register the sink,
         and build the :class:`EngineRequest`."""
         engine = self._engine
@@ -579,8 +652,9 @@ class InputProcessor:
             taken = _claim_all(core, _member_ids(request_id, n)[1:])
             if taken is not None:
                 core.release_id(request_id)
-                raise InvalidRequestError(f"request id {taken!r} (sample of {request_id!r}) is already live",
-                                          "request_id")
+                raise InvalidRequestError(
+                    f"request id {taken!r} (sample of {request_id!r}) is already live", "request_id"
+                )
         member_ids = _member_ids(request_id, n)
         try:
             sink = sink_factory(request_id)
@@ -592,9 +666,20 @@ class InputProcessor:
                 skip = params.skip_special_tokens is not False
                 sink.state.detokenizers = [IncrementalDetokenizer(tokenizer, skip) for _ in range(n)]
             er = EngineRequest(
-                request_id, engine.sinks.register(sink), tuple(ids), params, max_new, stop_ids, base_seed, n,
-                time.perf_counter(), record_timestamps, cache_salt or None,
-                score[0] if score else None, tuple(score[1:]) if score else ())
+                request_id,
+                engine.sinks.register(sink),
+                tuple(ids),
+                params,
+                max_new,
+                stop_ids,
+                base_seed,
+                n,
+                time.perf_counter(),
+                record_timestamps,
+                cache_salt or None,
+                score[0] if score else None,
+                tuple(score[1:]) if score else (),
+            )
         except BaseException:
             for mid in member_ids:
                 core.release_id(mid)

@@ -34,9 +34,9 @@ what the prefix cache keeps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from acb.api.processor import InputProcessor, Submission, as_token_list
 from acb.core.messages import ScoreTarget
@@ -85,24 +85,33 @@ def as_ids(value: Any, what: str, tokenizer: Any, *, context: bool) -> list[int]
     if isinstance(value, str):
         if tokenizer is None:
             raise InvalidRequestTypeError(
-                f"{what} is text, but the engine has no tokenizer: pass token ids, or tokenizer=...", field)
+                f"{what} is text, but the engine has no tokenizer: pass token ids, or tokenizer=...", field
+            )
         ids = tokenizer(value, add_special_tokens=context)["input_ids"]
     else:
         ids = as_token_list(value, field)
     if not ids:
-        raise InvalidRequestError(f"{what} is empty: it needs at least one token"
-                                  + (" (the first continuation token is scored after the context's last)"
-                                     if context else ""), field)
+        raise InvalidRequestError(
+            f"{what} is empty: it needs at least one token"
+            + (" (the first continuation token is scored after the context's last)" if context else ""),
+            field,
+        )
     return list(ids)
 
 
-def _member(prompt: list[int], lp_start: int, next_tokens: tuple[int, ...], continuations: tuple[int, ...],
-            body: tuple[int, ...] = ()) -> Member:
+def _member(
+    prompt: list[int],
+    lp_start: int,
+    next_tokens: tuple[int, ...],
+    continuations: tuple[int, ...],
+    body: tuple[int, ...] = (),
+) -> Member:
     return Member(ScoreTarget(tuple(prompt), lp_start, next_tokens), continuations, body)
 
 
-def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: int,
-         max_group: int = 1 << 30) -> list[list[Member]]:
+def plan(
+    context_ids: list[int], continuations: list[list[int]], top_logprobs: int, max_group: int = 1 << 30
+) -> list[list[Member]]:
     """The engine request groups that score ``continuations`` of ``context_ids``: each group is a
     context request followed by its children (at most ``max_group`` requests a group).
 
@@ -119,8 +128,9 @@ def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: i
         InvalidRequestError: a bad ``top_logprobs``, or no continuation.
     """
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_LOGPROBS:
-        raise InvalidRequestError(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {top_logprobs!r}",
-                                  "top_logprobs")
+        raise InvalidRequestError(
+            f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {top_logprobs!r}", "top_logprobs"
+        )
     if not continuations:
         raise InvalidRequestError("score() needs at least one continuation", "continuations")
     bodies: dict[tuple[int, ...], list[int]] = {}
@@ -134,29 +144,38 @@ def plan(context_ids: list[int], continuations: list[list[int]], top_logprobs: i
         # context and the body as its prompt), scored from the context's last position on; the
         # context's full blocks are shared through the prefix cache instead of a fork
         solo = [[_member(context_ids, n - 1, tuple(continuations[i][0] for i in singles), singles)]] if singles else []
-        return solo + [[_member(context_ids + list(body), n - 1, tuple(continuations[i][-1] for i in idx),
-                                tuple(idx), body)]
-                       for body, idx in children]
+        return solo + [
+            [_member(context_ids + list(body), n - 1, tuple(continuations[i][-1] for i in idx), tuple(idx), body)]
+            for body, idx in children
+        ]
     per = max_group - 1
-    chunks: list[list[tuple[tuple[int, ...], list[int]]]] = [children[k:k + per] for k in range(0, len(children), per)]
+    chunks: list[list[tuple[tuple[int, ...], list[int]]]] = [
+        children[k : k + per] for k in range(0, len(children), per)
+    ]
     chunks = chunks or [[]]
     groups = []
     for g, chunk in enumerate(chunks):
         mine = singles if g == 0 else ()
         # the context request: the one-token continuations, then each child's first token
-        head = _member(context_ids, n - 1, tuple(continuations[i][0] for i in mine)
-                       + tuple(body[0] for body, _ in chunk), mine)
-        groups.append([head] + [_member(context_ids + list(body), n, tuple(continuations[i][-1] for i in idx),
-                                        tuple(idx), body)
-                                for body, idx in chunk])
+        head = _member(
+            context_ids, n - 1, tuple(continuations[i][0] for i in mine) + tuple(body[0] for body, _ in chunk), mine
+        )
+        groups.append(
+            [head]
+            + [
+                _member(context_ids + list(body), n, tuple(continuations[i][-1] for i in idx), tuple(idx), body)
+                for body, idx in chunk
+            ]
+        )
     return groups
 
 
 Plan = tuple[list[int], list[list[int]], list[list[Member]]]  # (context ids, continuations' ids, groups)
 
 
-def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, tokenizer: Any,
-               max_group: int = 1 << 30) -> list[Plan]:
+def plan_batch(
+    items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, tokenizer: Any, max_group: int = 1 << 30
+) -> list[Plan]:
     """Every item of a ``score_batch`` call validated and planned.
 
     Args:
@@ -177,8 +196,11 @@ def plan_batch(items: Sequence[tuple[Any, Sequence[Any]]], top_logprobs: int, to
         try:
             context, continuations = item
             if isinstance(continuations, (str, bytes)) or not isinstance(continuations, Sequence):
-                raise InvalidRequestTypeError("continuations must be a list of continuations (token ids or text), "
-                                              f"got {type(continuations).__name__}", "continuations")
+                raise InvalidRequestTypeError(
+                    "continuations must be a list of continuations (token ids or text), "
+                    f"got {type(continuations).__name__}",
+                    "continuations",
+                )
             ctx = as_ids(context, "context", tokenizer, context=True)
             conts = [as_ids(c, f"continuations[{k}]", tokenizer, context=False) for k, c in enumerate(continuations)]
             plans.append((ctx, conts, plan(ctx, conts, top_logprobs, max_group)))
@@ -196,8 +218,14 @@ def batch_ids(request_ids: Sequence[str] | None, n: int) -> list[str | None]:
     return ids
 
 
-def assemble(request_id: str, context_ids: list[int], continuations: list[list[int]], groups: list[list[Member]],
-             outputs: Sequence[GenerationOutput], top_logprobs: int) -> ScoreOutput:
+def assemble(
+    request_id: str,
+    context_ids: list[int],
+    continuations: list[list[int]],
+    groups: list[list[Member]],
+    outputs: Sequence[GenerationOutput],
+    top_logprobs: int,
+) -> ScoreOutput:
     """The call's :class:`ScoreOutput` from its groups' outputs (in ``groups`` order; a group of
     several requests has one output with a sample per request)."""
     scores: list[ContinuationScore | None] = [None] * len(continuations)
@@ -225,14 +253,21 @@ def assemble(request_id: str, context_ids: list[int], continuations: list[list[i
             # the child's first token, scored by the context request after the context
             _score_body(scores, continuations, m, part, (values[len(head.continuations) + j], top), top_logprobs)
     if failed is not None:
-        return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached,
-                           failed.status, failed.error)
+        return ScoreOutput(
+            request_id, list(context_ids), [s for s in scores if s is not None], cached, failed.status, failed.error
+        )
     assert all(s is not None for s in scores)
     return ScoreOutput(request_id, list(context_ids), [s for s in scores if s is not None], cached)
 
 
-def _score_body(scores: list[ContinuationScore | None], continuations: list[list[int]], m: Member, part: Any,
-                first: tuple[float, Sequence[tuple[int, float]]] | None, top_logprobs: int) -> None:
+def _score_body(
+    scores: list[ContinuationScore | None],
+    continuations: list[list[int]],
+    m: Member,
+    part: Any,
+    first: tuple[float, Sequence[tuple[int, float]]] | None,
+    top_logprobs: int,
+) -> None:
     """The scores of the continuations a member with a body ends: its body's tokens (the first
     one's ``(logprob, top row)`` given as ``first`` when the context request scored it, else in
     the member's prompt logprobs), then each continuation's last token after its whole prompt."""
@@ -245,17 +280,22 @@ def _score_body(scores: list[ContinuationScore | None], continuations: list[list
     for k, i in enumerate(m.continuations):
         cont = continuations[i]
         scores[i] = ContinuationScore(
-            list(cont), [*lps, last_values[k]], body_greedy and cont[-1] == last_greedy,
-            [*(list(r[:top_logprobs]) for r in rows), list(last_top[:top_logprobs])] if top_logprobs else None)
+            list(cont),
+            [*lps, last_values[k]],
+            body_greedy and cont[-1] == last_greedy,
+            [*(list(r[:top_logprobs]) for r in rows), list(last_top[:top_logprobs])] if top_logprobs else None,
+        )
 
 
-def ordered_groups(plans: Sequence[Plan], ids: Sequence[str | None]
-                   ) -> list[tuple[int, int, str | None, list[Member]]]:
+def ordered_groups(plans: Sequence[Plan], ids: Sequence[str | None]) -> list[tuple[int, int, str | None, list[Member]]]:
     """Every group of a batch as ``(item index, group index, engine request id, group)``, in
     submission order: sorted by the groups' context tokens (see :func:`prefix_order`). An item
     given an id names its groups ``<id>#g<j>``; the others' ids are the engine's (None here)."""
-    groups = [(i, j, None if ids[i] is None else f"{ids[i]}#g{j}", g)
-              for i, (_, _, gs) in enumerate(plans) for j, g in enumerate(gs)]
+    groups = [
+        (i, j, None if ids[i] is None else f"{ids[i]}#g{j}", g)
+        for i, (_, _, gs) in enumerate(plans)
+        for j, g in enumerate(gs)
+    ]
     return [groups[k] for k in prefix_order([g[0].prompt_ids for _, _, _, g in groups])]
 
 
@@ -297,8 +337,9 @@ def make_requests(
 
     def maker(rid: str | None, group: list[Member]) -> Callable[[], Submission]:
         targets = [m.target for m in group]
-        return lambda: processor.make_score_request(targets, top_logprobs, sink_factory=sink_factory,
-                                                    request_id=rid, cache_salt=cache_salt)
+        return lambda: processor.make_score_request(
+            targets, top_logprobs, sink_factory=sink_factory, request_id=rid, cache_salt=cache_salt
+        )
 
     reqs = processor.make_all("items", ((i, maker(rid, group)) for i, _, rid, group in order))
     engine_ids: list[list[str]] = [[""] * len(gs) for _, _, gs in plans]
@@ -308,12 +349,19 @@ def make_requests(
     return plans, ids, engine_ids, reqs
 
 
-def assemble_batch(plans: Sequence[Plan], ids: Sequence[str], engine_ids: Sequence[Sequence[str]],
-                   results: Mapping[str, GenerationOutput], top_logprobs: int) -> list[ScoreOutput]:
+def assemble_batch(
+    plans: Sequence[Plan],
+    ids: Sequence[str],
+    engine_ids: Sequence[Sequence[str]],
+    results: Mapping[str, GenerationOutput],
+    top_logprobs: int,
+) -> list[ScoreOutput]:
     """Every item's :class:`ScoreOutput`, in input order, from its groups' outputs by engine request
     id (``engine_ids[i][j]``: item ``i``'s group ``j``; ``ids[i]``: the item's id)."""
-    return [assemble(ids[i], ctx, conts, groups, [results[rid] for rid in engine_ids[i]], top_logprobs)
-            for i, (ctx, conts, groups) in enumerate(plans)]
+    return [
+        assemble(ids[i], ctx, conts, groups, [results[rid] for rid in engine_ids[i]], top_logprobs)
+        for i, (ctx, conts, groups) in enumerate(plans)
+    ]
 
 
 def prefix_order(prompts: Sequence[list[int]]) -> list[int]:

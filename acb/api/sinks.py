@@ -32,6 +32,7 @@ from acb.text import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
+
 def _error_of(out: GenerationOutput) -> Exception | None:
     if out.status != RequestStatus.FAILED:
         return None
@@ -119,8 +120,11 @@ class _SinkState:
                 self.trace = None
 
     def _drop_text(self) -> None:
-        logger.warning("request %r: decoding its text failed; its deltas and output carry no more text",
-                       self.request_id, exc_info=True)
+        logger.warning(
+            "request %r: decoding its text failed; its deltas and output carry no more text",
+            self.request_id,
+            exc_info=True,
+        )
         self.detokenizers = None
 
     def _finish_text(self, final: GenerationOutput) -> None:
@@ -142,7 +146,7 @@ class _SinkState:
         texts = [s.text for s in samples] if samples is not None else [final.text]
         for i, text in enumerate(texts):
             if text is not None:
-                self._add_text(i, text[self.streamed.get(i, 0):])
+                self._add_text(i, text[self.streamed.get(i, 0) :])
 
     def _add_text(self, sample: int, piece: str) -> None:
         if piece:
@@ -158,13 +162,14 @@ class _SinkState:
             sample = next(iter(self.unread))
             u = self.unread.pop(sample)
             last = self.final is not None and not self.unread
-            return StreamDelta(self.request_id, u.token_ids, u.logprobs, last, self.final if last else None, u.top,
-                               sample, u.text)
+            return StreamDelta(
+                self.request_id, u.token_ids, u.logprobs, last, self.final if last else None, u.top, sample, u.text
+            )
         if self.final is None:
             return None
         return StreamDelta(self.request_id, [], None, True, self.final)
 
-    def poll(self) -> "StreamDelta | None | object":
+    def poll(self) -> StreamDelta | None | object:
         """The next stream item: a delta, ``None`` once the stream is over, or ``WAIT``.
 
         Raises the request's error (once) if it failed.

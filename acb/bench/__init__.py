@@ -21,14 +21,28 @@ WORKLOADS = ("offline", "offline-uniform", "shared-prefix", "online", "overhead"
 
 
 def _module(name: str) -> Any:
-    from acb.bench import eval as eval_, offline, offline_uniform, online, overhead, serve, shared_prefix
+    from acb.bench import eval as eval_
+    from acb.bench import offline, offline_uniform, online, overhead, serve, shared_prefix
 
-    return {"offline": offline, "offline-uniform": offline_uniform, "shared-prefix": shared_prefix, "online": online, "overhead": overhead,
-            "serve": serve, "eval": eval_}[name]
+    return {
+        "offline": offline,
+        "offline-uniform": offline_uniform,
+        "shared-prefix": shared_prefix,
+        "online": online,
+        "overhead": overhead,
+        "serve": serve,
+        "eval": eval_,
+    }[name]
 
 
-def run_workload(name: str, size: str = "default", device: str = "cpu", out_dir: str | None = None,
-                 baselines: bool = True, plot: bool = True) -> dict[str, Any]:
+def run_workload(
+    name: str,
+    size: str = "default",
+    device: str = "cpu",
+    out_dir: str | None = None,
+    baselines: bool = True,
+    plot: bool = True,
+) -> dict[str, Any]:
     """Run one workload; returns the JSON document (also written to ``out_dir`` when given)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")

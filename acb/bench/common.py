@@ -15,10 +15,24 @@ import torch
 
 # Model shapes: "tiny" for smoke tests, "default" the issue's ~40M-parameter Llama.
 MODEL_SHAPES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024),
-    "default": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=1024,
+    ),
+    "default": dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+    ),
 }
 
 
@@ -45,8 +59,12 @@ class ModelSpec:
 
     def describe(self, model: torch.nn.Module) -> dict[str, Any]:
         n = sum(p.numel() for p in model.parameters())
-        return {"arch": "llama (random weights)", "params": n, "dtype": str(self.dtype).replace("torch.", ""),
-                **MODEL_SHAPES[self.size]}
+        return {
+            "arch": "llama (random weights)",
+            "params": n,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            **MODEL_SHAPES[self.size],
+        }
 
 
 def machine_info(device: str = "cpu") -> dict[str, Any]:
@@ -59,10 +77,16 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     except OSError:
         load = None
     info = dict(
-        platform=platform.platform(), processor=platform.processor() or platform.machine(),
-        python=platform.python_version(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
-        torch=torch.__version__, transformers=transformers.__version__, acb=acb.__version__,
-        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), loadavg_at_start=load,
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        python=platform.python_version(),
+        cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        acb=acb.__version__,
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        loadavg_at_start=load,
         device=device,
     )
     if device.startswith("cuda"):
@@ -140,8 +164,13 @@ def workload_flops(shape: dict[str, int], prompt_lens: list[int], outs: list[int
     attention = 2 * 2 * layers * heads * head_dim * ctx_pairs
     head = 2 * h * vocab * sum(outs)
     linear = per_token_linear * body_tokens
-    return dict(total=float(linear + attention + head), linear=float(linear), attention=float(attention),
-                lm_head=float(head), body_tokens=float(body_tokens))
+    return dict(
+        total=float(linear + attention + head),
+        linear=float(linear),
+        attention=float(attention),
+        lm_head=float(head),
+        body_tokens=float(body_tokens),
+    )
 
 
 def matmul_peak_gflops(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 2.0) -> dict[str, Any]:

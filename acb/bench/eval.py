@@ -43,14 +43,28 @@ DOCS = {"default": (120, 120, 16), "tiny": (6, 6, 3)}
 MAX_GEN_TOKS = {"default": 48, "tiny": 8}
 SHAPES = {
     # >= 15M parameters (the issue's 17M-parameter Llama), byte-level vocabulary
-    "default": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-                    num_key_value_heads=4, max_position_embeddings=2048),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024),
+    "default": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    ),
 }
-WORDS = ("the of and to in is was for on that with as by at from his her they this which be not are "
-         "model token batch cache answer question river mountain seven blue quickly under over number "
-         "many apples each costs how total left more than").split()
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which be not are "
+    "model token batch cache answer question river mountain seven blue quickly under over number "
+    "many apples each costs how total left more than"
+).split()
 LETTERS = ("A", "B", "C", "D")
 
 
@@ -74,43 +88,65 @@ def _write_tasks(folder: str, size: str) -> None:
         return path
 
     def mcq() -> dict[str, Any]:
-        return {"q": sentence(rng, 60, 200) + "?", "options": [sentence(rng, 8, 40) for _ in LETTERS],
-                "gold": rng.randrange(4)}
+        return {
+            "q": sentence(rng, 60, 200) + "?",
+            "options": [sentence(rng, 8, 40) for _ in LETTERS],
+            "gold": rng.randrange(4),
+        }
 
     def gen_doc() -> dict[str, Any]:
         a, b = rng.randint(2, 40), rng.randint(2, 40)
-        return {"question": f"{sentence(rng, 40, 120)} {a} and {b}, how many in total?",
-                "answer": f"{sentence(rng, 20, 80)} so the total is {a + b}.\n#### {a + b}"}
+        return {
+            "question": f"{sentence(rng, 40, 120)} {a} and {b}, how many in total?",
+            "answer": f"{sentence(rng, 20, 80)} so the total is {a + b}.\n#### {a + b}",
+        }
 
-    letters_text = ('"{{q}}\\n' + "".join(f'{x}. {{{{options[{i}]}}}}\\n' for i, x in enumerate(LETTERS))
-                    + 'Answer:"')
+    letters_text = '"{{q}}\\n' + "".join(f"{x}. {{{{options[{i}]}}}}\\n" for i, x in enumerate(LETTERS)) + 'Answer:"'
     tasks = {
         "fewshot_letters": (
-            {"train": dump("letters_train", [mcq() for _ in range(5)]),
-             "test": dump("letters_test", [mcq() for _ in range(n_letters)])},
+            {
+                "train": dump("letters_train", [mcq() for _ in range(5)]),
+                "test": dump("letters_test", [mcq() for _ in range(n_letters)]),
+            },
             "output_type: multiple_choice\nfewshot_split: train\nnum_fewshot: 5\nfewshot_config:\n  sampler: first_n\n"
             f"doc_to_text: {letters_text}\ndoc_to_choice: {json.dumps([' ' + x for x in LETTERS])}\n"
-            'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
+            'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n',
+        ),
         "endings": (
-            {"test": dump("endings_test", [{"ctx": sentence(rng, 80, 240),
-                                             "endings": [" " + sentence(rng, 25, 80) for _ in range(4)],
-                                             "gold": rng.randrange(4)} for _ in range(n_endings)])},
+            {
+                "test": dump(
+                    "endings_test",
+                    [
+                        {
+                            "ctx": sentence(rng, 80, 240),
+                            "endings": [" " + sentence(rng, 25, 80) for _ in range(4)],
+                            "gold": rng.randrange(4),
+                        }
+                        for _ in range(n_endings)
+                    ],
+                )
+            },
             'output_type: multiple_choice\ndoc_to_text: "{{ctx}}"\ndoc_to_choice: "{{endings}}"\n'
-            'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'),
+            'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n',
+        ),
         "fewshot_gen": (
-            {"train": dump("gen_train", [gen_doc() for _ in range(4)]),
-             "test": dump("gen_test", [gen_doc() for _ in range(n_gen)])},
+            {
+                "train": dump("gen_train", [gen_doc() for _ in range(4)]),
+                "test": dump("gen_test", [gen_doc() for _ in range(n_gen)]),
+            },
             "output_type: generate_until\nfewshot_split: train\nnum_fewshot: 4\nfewshot_config:\n  sampler: first_n\n"
             'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{answer}}"\n'
             'target_delimiter: " "\nfewshot_delimiter: "\\n\\n"\n'
             f'generation_kwargs:\n  until: ["Question:", "\\n\\n"]\n  max_gen_toks: {MAX_GEN_TOKS[size]}\n'
-            "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"),
+            "  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
+        ),
     }
     for name, (files, body) in tasks.items():
         splits = "".join(f"    {split}: {path}\n" for split, path in files.items())
         with open(os.path.join(folder, f"{name}.yaml"), "w", encoding="utf-8") as f:
-            f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{splits}"
-                    f"test_split: test\n{body}")
+            f.write(
+                f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{splits}test_split: test\n{body}"
+            )
 
 
 class _Recorder:
@@ -126,21 +162,24 @@ class _Recorder:
         rec, ll, run = self, AcbLM._loglikelihood_tokens, AcbLM._run
 
         def loglikelihood_tokens(lm: Any, requests: Any, *a: Any, **kw: Any) -> Any:
-            rec.scored.extend(((ctx + cont)[-(lm.max_length + 1):][: -len(cont)], cont) for _, ctx, cont in requests)
+            rec.scored.extend(((ctx + cont)[-(lm.max_length + 1) :][: -len(cont)], cont) for _, ctx, cont in requests)
             return ll(lm, requests, *a, **kw)
 
         def run_(lm: Any, prompts: Any, params: Any, desc: Any, disable: Any, keep: Any) -> Any:
             def keep2(i: int, out: Any) -> Any:
                 rec.generated.append((prompts[i], len(out.generated_tokens)))
                 return keep(i, out)
+
             return run(lm, prompts, params, desc, disable, keep2)
 
-        setattr(AcbLM, "_loglikelihood_tokens", loglikelihood_tokens)
-        setattr(AcbLM, "_run", run_)
+        # setattr: mypy refuses assigning to a method, which patching the class for a run is
+        setattr(AcbLM, "_loglikelihood_tokens", loglikelihood_tokens)  # noqa: B010
+        setattr(AcbLM, "_run", run_)  # noqa: B010
 
         def undo() -> None:
-            setattr(AcbLM, "_loglikelihood_tokens", ll)
-            setattr(AcbLM, "_run", run)
+            setattr(AcbLM, "_loglikelihood_tokens", ll)  # noqa: B010
+            setattr(AcbLM, "_run", run)  # noqa: B010
+
         return undo
 
 
@@ -173,7 +212,7 @@ def floor_flops(shape: dict[str, int], vocab: int, rec: _Recorder) -> dict[str, 
 
     for ctx, cont in rec.scored:
         path = feed(ctx + cont[:-1])  # the last continuation token is scored, never fed
-        for node in path[len(ctx) - 1:]:
+        for node in path[len(ctx) - 1 :]:
             rows.add(id(node))
         keep.append(path[-1])
     gen_tokens = 0
@@ -185,8 +224,13 @@ def floor_flops(shape: dict[str, int], vocab: int, rec: _Recorder) -> dict[str, 
     linear = per_token * positions
     attention = 2 * 2 * layers * heads * hd * keys
     head = 2 * h * vocab * (len(rows) + gen_tokens)
-    return dict(total=float(linear + attention + head), linear=float(linear), attention=float(attention),
-                lm_head=float(head), positions=float(positions))
+    return dict(
+        total=float(linear + attention + head),
+        linear=float(linear),
+        attention=float(attention),
+        lm_head=float(head),
+        positions=float(positions),
+    )
 
 
 def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
@@ -220,8 +264,16 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
 
     def evaluate(model_name: str, args: str, tasks: list[str], limit: int | None = None) -> tuple[dict, float]:
         t0 = time.perf_counter()
-        out = lm_eval.simple_evaluate(model=model_name, model_args=args, tasks=tasks, task_manager=manager,
-                                      device=spec.device, limit=limit, log_samples=True, verbosity="ERROR")
+        out = lm_eval.simple_evaluate(
+            model=model_name,
+            model_args=args,
+            tasks=tasks,
+            task_manager=manager,
+            device=spec.device,
+            limit=limit,
+            log_samples=True,
+            verbosity="ERROR",
+        )
         return out, time.perf_counter() - t0
 
     for model_name, args in sides.values():  # untimed warm-up
@@ -241,17 +293,41 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for label in sides:
         total = sum(seconds[label].values())
-        rows.append({"engine": label, "seconds": total, "per_task": seconds[label],
-                     "metrics": {t: {k: v for k, v in outs[label][t]["results"][t].items()
-                                     if isinstance(v, (int, float)) and "stderr" not in k} for t in TASKS}})
+        rows.append(
+            {
+                "engine": label,
+                "seconds": total,
+                "per_task": seconds[label],
+                "metrics": {
+                    t: {
+                        k: v
+                        for k, v in outs[label][t]["results"][t].items()
+                        if isinstance(v, (int, float)) and "stderr" not in k
+                    }
+                    for t in TASKS
+                },
+            }
+        )
     doc: dict[str, Any] = {
-        "workload": "eval", "rows": rows,
-        "model": {"arch": "llama (random weights)", "params": params, "dtype": str(dtype).replace("torch.", ""),
-                  **shape},
-        "settings": {"docs": dict(zip(TASKS, DOCS[size])), "max_gen_toks": MAX_GEN_TOKS[size],
-                     "timed": "model loading included, after an untimed 2-document run of every task"},
-        "floor": {**floor, "matmul_peak_gflops": peak["gflops"], "threads": peak["threads"],
-                  "floor_s": floor["total"] / (peak["gflops"] * 1e9)},
+        "workload": "eval",
+        "rows": rows,
+        "model": {
+            "arch": "llama (random weights)",
+            "params": params,
+            "dtype": str(dtype).replace("torch.", ""),
+            **shape,
+        },
+        "settings": {
+            "docs": dict(zip(TASKS, DOCS[size])),
+            "max_gen_toks": MAX_GEN_TOKS[size],
+            "timed": "model loading included, after an untimed 2-document run of every task",
+        },
+        "floor": {
+            **floor,
+            "matmul_peak_gflops": peak["gflops"],
+            "threads": peak["threads"],
+            "floor_s": floor["total"] / (peak["gflops"] * 1e9),
+        },
     }
     if baselines:
         ref = next(r for r in rows if r["engine"] == "hf (batch 16)")
@@ -281,36 +357,55 @@ def _agreement(hf: dict[str, dict], acb: dict[str, dict], tok: Any) -> dict[str,
                     same_text &= rx == ry
     metrics = all(
         abs(v - acb[t]["results"][t].get(k, float("nan"))) <= 1e-9 or (v != v)
-        for t in TASKS for k, v in hf[t]["results"][t].items() if isinstance(v, float) and "stderr" not in k)
+        for t in TASKS
+        for k, v in hf[t]["results"][t].items()
+        if isinstance(v, float) and "stderr" not in k
+    )
     # float32 noise, not a difference of method: after 1,500-token contexts (the few-shot task) a
     # float32 forward of this model is 5e-5 to 1.5e-4 from a float64 one, per token, whichever way
     # it is batched (measured: a plain forward, an hf-style right-padded batch and acb's scoring
     # alike; acb within 2e-6 of the plain float32 forward); a continuation's loglikelihood sums
     # its tokens' (up to 80 of them in the endings task)
-    return {"max_abs_loglikelihood_diff": worst, "max_diff_per_token": worst_tok,
-            "greedy_flags_equal": same_flags, "generations_equal": same_text, "metrics_equal": metrics,
-            "ok": worst_tok <= 2e-4 and same_flags and same_text and metrics}
+    return {
+        "max_abs_loglikelihood_diff": worst,
+        "max_diff_per_token": worst_tok,
+        "greedy_flags_equal": same_flags,
+        "generations_equal": same_text,
+        "metrics_equal": metrics,
+        "ok": worst_tok <= 2e-4 and same_flags and same_text and metrics,
+    }
 
 
 def markdown(doc: dict[str, Any]) -> list[str]:
     r = doc["result"]
-    lines = ["| backend | " + " | ".join(f"{t} (s)" for t in TASKS) + " | total (s) | speed-up vs hf batch 16 |",
-             "|---|" + "---|" * (len(TASKS) + 2)]
+    lines = [
+        "| backend | " + " | ".join(f"{t} (s)" for t in TASKS) + " | total (s) | speed-up vs hf batch 16 |",
+        "|---|" + "---|" * (len(TASKS) + 2),
+    ]
     for row in r["rows"]:
-        per = " | ".join(f"{row['per_task'][t]:.2f}" + (f" ({row['hf_batch16_over_this'][t]:.2f}x)"
-                                                        if "hf_batch16_over_this" in row else "") for t in TASKS)
+        per = " | ".join(
+            f"{row['per_task'][t]:.2f}"
+            + (f" ({row['hf_batch16_over_this'][t]:.2f}x)" if "hf_batch16_over_this" in row else "")
+            for t in TASKS
+        )
         sp = f"{row['speedup_vs_hf_batch16']:.2f}x" if "speedup_vs_hf_batch16" in row else ""
         lines.append(f"| {row['engine']} | {per} | {row['seconds']:.2f} | {sp} |")
     f = r["floor"]
-    lines += ["", f"Floor: once every shared prefix is computed once, the tasks need {f['total'] / 1e9:.1f} GFLOP "
-              f"({f['positions']:,.0f} distinct token positions; {f['linear'] / 1e9:.1f} linear, "
-              f"{f['attention'] / 1e9:.1f} attention, {f['lm_head'] / 1e9:.1f} LM head); at this run's float32 "
-              f"matmul peak of {f['matmul_peak_gflops']:.0f} GFLOP/s ({f['threads']} threads) that is "
-              f"{f['floor_s']:.2f} s."]
+    lines += [
+        "",
+        f"Floor: once every shared prefix is computed once, the tasks need {f['total'] / 1e9:.1f} GFLOP "
+        f"({f['positions']:,.0f} distinct token positions; {f['linear'] / 1e9:.1f} linear, "
+        f"{f['attention'] / 1e9:.1f} attention, {f['lm_head'] / 1e9:.1f} LM head); at this run's float32 "
+        f"matmul peak of {f['matmul_peak_gflops']:.0f} GFLOP/s ({f['threads']} threads) that is "
+        f"{f['floor_s']:.2f} s.",
+    ]
     if "agreement" in r:
         a = r["agreement"]
-        lines += ["", f"Numbers agree with hf (batch 16): {'yes' if a['ok'] else 'NO'} (largest loglikelihood "
-                  f"difference {a['max_abs_loglikelihood_diff']:.1e}, at most {a['max_diff_per_token']:.1e} per "
-                  f"continuation token; greedy flags, generations and metrics "
-                  f"{'equal' if a['greedy_flags_equal'] and a['generations_equal'] and a['metrics_equal'] else 'differ'})."]
+        lines += [
+            "",
+            f"Numbers agree with hf (batch 16): {'yes' if a['ok'] else 'NO'} (largest loglikelihood "
+            f"difference {a['max_abs_loglikelihood_diff']:.1e}, at most {a['max_diff_per_token']:.1e} per "
+            f"continuation token; greedy flags, generations and metrics "
+            f"{'equal' if a['greedy_flags_equal'] and a['generations_equal'] and a['metrics_equal'] else 'differ'}).",
+        ]
     return lines

@@ -30,8 +30,15 @@ import torch
 
 import acb
 from acb.bench.common import (
-    MODEL_SHAPES, ModelSpec, blocks_for_all, matmul_peak_gflops, peak_memory_bytes, random_prompts,
-    reset_peak_memory, tf_page, workload_flops,
+    MODEL_SHAPES,
+    ModelSpec,
+    blocks_for_all,
+    matmul_peak_gflops,
+    peak_memory_bytes,
+    random_prompts,
+    reset_peak_memory,
+    tf_page,
+    workload_flops,
 )
 from acb.runner.kv_cache import meminfo_bytes
 
@@ -72,11 +79,19 @@ def run_acb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[
     model = spec.build()
     bs = 32
     cfg = acb.ContinuousBatchingConfig(
-        page_size=bs, num_blocks=blocks_for_all([len(p) + o for p, o in zip(prompts, outs)], bs) + 1,
-        max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, seed=0,
+        page_size=bs,
+        num_blocks=blocks_for_all([len(p) + o for p, o in zip(prompts, outs)], bs) + 1,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        max_requests_per_batch=MAX_REQUESTS,
+        seed=0,
     )
-    acb.generate_batch(model, prompts[:2], sampling=acb.SamplingParams(max_new_tokens=4, ignore_eos=True),
-                       progress_bar=False, continuous_batching_config=cfg)  # warm-up
+    acb.generate_batch(
+        model,
+        prompts[:2],
+        sampling=acb.SamplingParams(max_new_tokens=4, ignore_eos=True),
+        progress_bar=False,
+        continuous_batching_config=cfg,
+    )  # warm-up
     reset_peak_memory(spec.device)
     t_setup = time.perf_counter()
     engine = acb.Engine(model, cfg)
@@ -90,10 +105,16 @@ def run_acb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[
         stats = engine.stats
     finally:
         engine.shutdown()
-    return dict(engine="acb", seconds=dt, setup_s=setup, tokens=[r.generated_tokens for r in results],
-                settings=f"page_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
-                         f"max_requests_per_batch={MAX_REQUESTS}",
-                steps=stats.steps, peak_memory=peak_memory_bytes(spec.device))
+    return dict(
+        engine="acb",
+        seconds=dt,
+        setup_s=setup,
+        tokens=[r.generated_tokens for r in results],
+        settings=f"page_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
+        f"max_requests_per_batch={MAX_REQUESTS}",
+        steps=stats.steps,
+        peak_memory=peak_memory_bytes(spec.device),
+    )
 
 
 def run_transformers_cb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
@@ -105,27 +126,45 @@ def run_transformers_cb(spec: ModelSpec, prompts: list[list[int]], outs: list[in
     bs = 256  # transformers' default page size
 
     def cfg_for(ps: list[list[int]], os_: list[int]) -> TfConfig:
-        return TfConfig(**tf_page(bs), num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, os_)], bs),
-                        max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=MAX_REQUESTS, seed=0)
+        return TfConfig(
+            **tf_page(bs),
+            num_blocks=blocks_for_all([len(p) + o for p, o in zip(ps, os_)], bs),
+            max_batch_tokens=MAX_BATCH_TOKENS,
+            max_requests_per_batch=MAX_REQUESTS,
+            seed=0,
+        )
 
     def gen(n: int) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1)  # -1: never stop early
 
-    model.generate_batch(inputs=prompts[:2], generation_config=gen(4), continuous_batching_config=cfg_for(
-        prompts[:2], [4, 4]), progress_bar=False)  # warm-up
+    model.generate_batch(
+        inputs=prompts[:2],
+        generation_config=gen(4),
+        continuous_batching_config=cfg_for(prompts[:2], [4, 4]),
+        progress_bar=False,
+    )  # warm-up
     cfg = cfg_for(prompts, outs)
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outs),
-                          num_requests=len(prompts))
+    hints = WorkloadHints(
+        max_prompt_length=max(map(len, prompts)), max_generated_length=max(outs), num_requests=len(prompts)
+    )
     reset_peak_memory(spec.device)
     t_setup = time.perf_counter()
-    cm = model.continuous_batching_context_manager(generation_config=gen(max(outs)), continuous_batching_config=cfg,
-                                                   block=True, timeout=30, warmup=True, workload_hints=hints)
+    cm = model.continuous_batching_context_manager(
+        generation_config=gen(max(outs)),
+        continuous_batching_config=cfg,
+        block=True,
+        timeout=30,
+        warmup=True,
+        workload_hints=hints,
+    )
     manager = cm.__enter__()
     setup = time.perf_counter() - t_setup
     try:
         t0 = time.perf_counter()
-        ids = [manager.add_request(input_ids=p, request_id=f"req_{i}", max_new_tokens=o, eos_token_id=-1)
-               for i, (p, o) in enumerate(zip(prompts, outs))]
+        ids = [
+            manager.add_request(input_ids=p, request_id=f"req_{i}", max_new_tokens=o, eos_token_id=-1)
+            for i, (p, o) in enumerate(zip(prompts, outs))
+        ]
         got: dict[str, Any] = {}
         while len(got) < len(ids):
             r = manager.get_result(timeout=1)
@@ -136,11 +175,15 @@ def run_transformers_cb(spec: ModelSpec, prompts: list[list[int]], outs: list[in
         dt = time.perf_counter() - t0
     finally:
         cm.__exit__(None, None, None)
-    return dict(engine="transformers CB", seconds=dt, setup_s=setup,
-                tokens=[list(got[f"req_{i}"].generated_tokens) for i in range(len(prompts))],
-                settings=f"paged|sdpa page_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
-                         f"max_requests_per_batch={MAX_REQUESTS}",
-                peak_memory=peak_memory_bytes(spec.device))
+    return dict(
+        engine="transformers CB",
+        seconds=dt,
+        setup_s=setup,
+        tokens=[list(got[f"req_{i}"].generated_tokens) for i in range(len(prompts))],
+        settings=f"paged|sdpa page_size={bs} num_blocks={cfg.num_blocks} max_batch_tokens={MAX_BATCH_TOKENS} "
+        f"max_requests_per_batch={MAX_REQUESTS}",
+        peak_memory=peak_memory_bytes(spec.device),
+    )
 
 
 @torch.inference_mode()
@@ -152,10 +195,16 @@ def run_generate(spec: ModelSpec, prompts: list[list[int]], outs: list[int], bat
         ids = torch.zeros((len(group), L), dtype=torch.long)
         mask = torch.zeros((len(group), L), dtype=torch.long)
         for r, p in enumerate(group):
-            ids[r, L - len(p):] = torch.tensor(p)
-            mask[r, L - len(p):] = 1
-        out = model.generate(ids.to(spec.device), attention_mask=mask.to(spec.device), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0)
+            ids[r, L - len(p) :] = torch.tensor(p)
+            mask[r, L - len(p) :] = 1
+        out = model.generate(
+            ids.to(spec.device),
+            attention_mask=mask.to(spec.device),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return out[:, L:].cpu()
 
     padded(prompts[:2], 4)  # warm-up
@@ -164,15 +213,21 @@ def run_generate(spec: ModelSpec, prompts: list[list[int]], outs: list[int], bat
     wasted = 0
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
-        group, targets = prompts[s:s + batch_size], outs[s:s + batch_size]
+        group, targets = prompts[s : s + batch_size], outs[s : s + batch_size]
         gen = padded(group, max(targets))
         for r, o in enumerate(targets):
             tokens.append(gen[r, :o].tolist())
             wasted += max(targets) - o
     dt = time.perf_counter() - t0
-    return dict(engine="padded generate", seconds=dt, setup_s=None, tokens=tokens, wasted_tokens=wasted,
-                settings=f"sdpa batch_size={batch_size}, left-padded, min_new_tokens=max_new_tokens=group max",
-                peak_memory=peak_memory_bytes(spec.device))
+    return dict(
+        engine="padded generate",
+        seconds=dt,
+        setup_s=None,
+        tokens=tokens,
+        wasted_tokens=wasted,
+        settings=f"sdpa batch_size={batch_size}, left-padded, min_new_tokens=max_new_tokens=group max",
+        peak_memory=peak_memory_bytes(spec.device),
+    )
 
 
 def run(size: str, spec: ModelSpec, baselines: bool = True, uniform: bool = False) -> dict[str, Any]:
@@ -200,18 +255,32 @@ def run(size: str, spec: ModelSpec, baselines: bool = True, uniform: bool = Fals
         counts_ok = [len(t) for t in side["tokens"]] == outs
         tps = expected / side["seconds"]
         acb_tps = acb_tps or tps
-        rows.append({k: v for k, v in side.items() if k != "tokens"} | dict(
-            output_tokens=expected, tokens_per_s=tps, requests_per_s=len(prompts) / side["seconds"],
-            counts_ok=counts_ok, acb_speedup=acb_tps / tps, gflops=flops["total"] / side["seconds"] / 1e9,
-            roofline_pct=100 * flops["total"] / side["seconds"] / 1e9 / peak["gflops"],
-        ))
+        rows.append(
+            {k: v for k, v in side.items() if k != "tokens"}
+            | dict(
+                output_tokens=expected,
+                tokens_per_s=tps,
+                requests_per_s=len(prompts) / side["seconds"],
+                counts_ok=counts_ok,
+                acb_speedup=acb_tps / tps,
+                gflops=flops["total"] / side["seconds"] / 1e9,
+                roofline_pct=100 * flops["total"] / side["seconds"] / 1e9 / peak["gflops"],
+            )
+        )
     match = None
     if baselines:
         match = sides[0]["tokens"][:4] == sides[1]["tokens"][:4]
     return dict(
         workload="offline-uniform" if uniform else "offline",
         settings=dict(p, greedy=True, ignore_eos=True, prompt_tokens=sum(map(len, prompts))),
-        rows=rows, greedy_tokens_match_transformers=match, notes=notes,
-        roofline=dict(flops, matmul_peak_gflops=peak["gflops"], peak_shape=peak["shape"], threads=peak["threads"],
-                      floor_s=flops["total"] / peak["gflops"] / 1e9),
+        rows=rows,
+        greedy_tokens_match_transformers=match,
+        notes=notes,
+        roofline=dict(
+            flops,
+            matmul_peak_gflops=peak["gflops"],
+            peak_shape=peak["shape"],
+            threads=peak["threads"],
+            floor_s=flops["total"] / peak["gflops"] / 1e9,
+        ),
     )

@@ -19,8 +19,9 @@ from acb.bench.common import ModelSpec, peak_memory_bytes, percentiles, random_p
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(num_requests=8, rates=[20.0, 80.0], min_prompt_len=4, max_prompt_len=16, min_new=4, max_new=8),
-    "default": dict(num_requests=32, rates=[0.5, 1.0, 2.0, 4.0], min_prompt_len=16, max_prompt_len=256,
-                    min_new=16, max_new=64),
+    "default": dict(
+        num_requests=32, rates=[0.5, 1.0, 2.0, 4.0], min_prompt_len=16, max_prompt_len=256, min_new=16, max_new=64
+    ),
 }
 
 
@@ -53,9 +54,16 @@ async def _one_rate(model: Any, prompts: list[list[int]], outs: list[int], rate:
             await asyncio.sleep(rnd.expovariate(rate))
         tokens = sum(await asyncio.gather(*tasks))
         dt = time.perf_counter() - start
-    return dict(rate=rate, seconds=dt, output_tokens=tokens, tokens_per_s=tokens / dt,
-                requests_per_s=len(prompts) / dt,
-                ttft_s=percentiles(ttft), itl_s=percentiles(itl), e2e_s=percentiles(e2e))
+    return dict(
+        rate=rate,
+        seconds=dt,
+        output_tokens=tokens,
+        tokens_per_s=tokens / dt,
+        requests_per_s=len(prompts) / dt,
+        ttft_s=percentiles(ttft),
+        itl_s=percentiles(itl),
+        e2e_s=percentiles(e2e),
+    )
 
 
 def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
@@ -71,5 +79,9 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
         row["engine"] = "acb AsyncEngine"
         row["peak_memory"] = peak_memory_bytes(spec.device)
         rows.append(row)
-    return dict(workload="online", settings=dict(p, greedy=True, ignore_eos=True, streaming=True), rows=rows,
-                notes=["TTFT: client-side, submit to first streamed delta; ITL: engine timestamps of consecutive tokens"])
+    return dict(
+        workload="online",
+        settings=dict(p, greedy=True, ignore_eos=True, streaming=True),
+        rows=rows,
+        notes=["TTFT: client-side, submit to first streamed delta; ITL: engine timestamps of consecutive tokens"],
+    )

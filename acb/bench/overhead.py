@@ -39,14 +39,23 @@ class NullModelRunner(ModelRunner):
 def _null_model() -> Any:
     from acb.models import tiny_model
 
-    return tiny_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=256, max_position_embeddings=4096)
+    return tiny_model(
+        "llama",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=256,
+        max_position_embeddings=4096,
+    )
 
 
 def _acb(n: int, steps: int, finals: list[Any] | None = None) -> dict[str, float]:
     model = _null_model()
-    cfg = acb.ContinuousBatchingConfig(page_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
-                                       max_batch_tokens=max(2048, n * PROMPT_LEN))
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1), max_batch_tokens=max(2048, n * PROMPT_LEN)
+    )
     eng = acb.Engine(model, cfg, runner_cls=NullModelRunner)
     eng.start()
     try:
@@ -57,8 +66,13 @@ def _acb(n: int, steps: int, finals: list[Any] | None = None) -> dict[str, float
         gate = threading.Event()
         core.call(lambda c: gate.wait())
         g = torch.Generator().manual_seed(0)
-        hs = [eng.submit(torch.randint(3, 256, (PROMPT_LEN,), generator=g).tolist(),
-                         acb.SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for _ in range(n)]
+        hs = [
+            eng.submit(
+                torch.randint(3, 256, (PROMPT_LEN,), generator=g).tolist(),
+                acb.SamplingParams(max_new_tokens=steps + 2, ignore_eos=True),
+            )
+            for _ in range(n)
+        ]
         gate.set()
         for h in hs:
             out = h.result()
@@ -69,8 +83,10 @@ def _acb(n: int, steps: int, finals: list[Any] | None = None) -> dict[str, float
     log = [s for s in core.step_log if s[0] == n and s[2] == n]  # every request decoding
     if not log:
         raise RuntimeError(f"overhead: no all-decode step with {n} requests in {core.step_log[:5]}...")
-    med = {k: statistics.median(s[i] for s in log) * 1e6 for k, i in
-           (("schedule_us", 3), ("stage_us", 4), ("process_us", 6))}
+    med = {
+        k: statistics.median(s[i] for s in log) * 1e6
+        for k, i in (("schedule_us", 3), ("stage_us", 4), ("process_us", 6))
+    }
     med["host_us"] = med["schedule_us"] + med["stage_us"] + med["process_us"]
     med["steps_measured"] = len(log)
     return med
@@ -97,6 +113,7 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
                 return fn(self, *a, **k)
             finally:
                 times[name].append(time.perf_counter() - t0)
+
         return wrapper
 
     for name, attr in (("prepare", "prepare_next_batch"), ("update", "update_batch")):
@@ -107,10 +124,14 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 256, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
         model.generate_batch(
-            inputs=prompts, generation_config=GenerationConfig(max_new_tokens=steps + 2, do_sample=False,
-                                                               eos_token_id=-1),
-            continuous_batching_config=TfConfig(**tf_page(16), num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1),
-                                                max_batch_tokens=max(2048, n * PROMPT_LEN)),
+            inputs=prompts,
+            generation_config=GenerationConfig(max_new_tokens=steps + 2, do_sample=False, eos_token_id=-1),
+            continuous_batching_config=TfConfig(
+                **tf_page(16),
+                num_blocks=n * 8 + 8,
+                max_requests_per_batch=max(n, 1),
+                max_batch_tokens=max(2048, n * PROMPT_LEN),
+            ),
             progress_bar=False,
         )
     finally:
@@ -122,8 +143,12 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
     # drop the prefill steps at the start and the draining ones at the end
     prep = times["prepare"][2 : k - 2]
     upd = times["update"][2 : k - 2]
-    return dict(prepare_us=statistics.median(prep) * 1e6, update_us=statistics.median(upd) * 1e6,
-                host_us=(statistics.median(prep) + statistics.median(upd)) * 1e6, steps_measured=len(upd))
+    return dict(
+        prepare_us=statistics.median(prep) * 1e6,
+        update_us=statistics.median(upd) * 1e6,
+        host_us=(statistics.median(prep) + statistics.median(upd)) * 1e6,
+        steps_measured=len(upd),
+    )
 
 
 # ------------------------------------------------------------------ telemetry's cost
@@ -153,8 +178,9 @@ def telemetry_child(mode: str, n: int, steps: int) -> dict[str, Any]:
 
         server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        tel = telemetry.configure(f"http://127.0.0.1:{server.server_address[1]}", "http/protobuf",
-                                  export_interval_s=1.0)
+        tel = telemetry.configure(
+            f"http://127.0.0.1:{server.server_address[1]}", "http/protobuf", export_interval_s=1.0
+        )
     finals: list[Any] = []
     _acb(n, steps)  # warm-up (first-use imports and instrument creation)
     res = _acb(n, steps * 2, finals)
@@ -188,8 +214,10 @@ def _telemetry(n: int, steps: int, rounds: int) -> list[dict[str, Any]]:
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in TELEMETRY_MODES}
     for _ in range(rounds):  # the modes interleaved, each in a fresh process
         for mode in TELEMETRY_MODES:
-            code = ("import json, sys; from acb.bench.overhead import telemetry_child; "
-                    f"print(json.dumps(telemetry_child({mode!r}, {n}, {steps})))")
+            code = (
+                "import json, sys; from acb.bench.overhead import telemetry_child; "
+                f"print(json.dumps(telemetry_child({mode!r}, {n}, {steps})))"
+            )
             p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
             if p.returncode != 0:
                 raise RuntimeError(f"overhead telemetry mode {mode}: {p.stderr[-2000:]}")
@@ -197,8 +225,14 @@ def _telemetry(n: int, steps: int, rounds: int) -> list[dict[str, Any]]:
     rows = []
     for mode, rs in runs.items():  # the median round of each figure
         row: dict[str, Any] = dict(mode=mode, running=n, rounds=len(rs))
-        for key in ("host_us", "schedule_us", "stage_us", "process_us", "queue_us_per_request",
-                    "record_us_per_request"):
+        for key in (
+            "host_us",
+            "schedule_us",
+            "stage_us",
+            "process_us",
+            "queue_us_per_request",
+            "record_us_per_request",
+        ):
             row[key] = statistics.median(r[key] for r in rs)
         row["host_us_rounds"] = [r["host_us"] for r in rs]
         row["sdk_imported"] = any(r["sdk_imported"] for r in rs)
@@ -227,5 +261,10 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     off = next(r for r in tel if r["mode"] == "off")["host_us"]
     for r in tel:
         r["vs_off"] = r["host_us"] / off - 1.0
-    return dict(workload="overhead", settings=dict(p, prompt_len=PROMPT_LEN, null_model=True), rows=rows,
-                telemetry=tel, notes=notes)
+    return dict(
+        workload="overhead",
+        settings=dict(p, prompt_len=PROMPT_LEN, null_model=True),
+        rows=rows,
+        telemetry=tel,
+        notes=notes,
+    )

@@ -32,81 +32,117 @@ def markdown_for(doc: dict[str, Any]) -> str:
 
         m, model = doc["machine"], doc["model"]
         s = doc["result"]["settings"]
-        head = (f"**eval** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, transformers {m['transformers']}; "
-                f"model: {model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}; size `{doc['size']}`\n\n"
-                f"lm-eval `simple_evaluate`, one call per task and backend ({s['timed']}); documents per task: "
-                + ", ".join(f"{t} {n}" for t, n in s["docs"].items()) + f"; max_gen_toks {s['max_gen_toks']}.\n\n")
+        head = (
+            f"**eval** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, transformers {m['transformers']}; "
+            f"model: {model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}; size `{doc['size']}`\n\n"
+            f"lm-eval `simple_evaluate`, one call per task and backend ({s['timed']}); documents per task: "
+            + ", ".join(f"{t} {n}" for t, n in s["docs"].items())
+            + f"; max_gen_toks {s['max_gen_toks']}.\n\n"
+        )
         return head + "\n".join(eval_.markdown(doc)) + "\n"
     r, m, model = doc["result"], doc["machine"], doc["model"]
-    what = (f"{model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}"
-            if r["workload"] != "overhead" else "null model (a 1-layer tiny Llama whose forward is skipped)")
-    head = (f"**{r['workload']}** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, "
-            f"transformers {m['transformers']}; model: {what}; size `{doc['size']}`\n\n")
+    what = (
+        f"{model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}"
+        if r["workload"] != "overhead"
+        else "null model (a 1-layer tiny Llama whose forward is skipped)"
+    )
+    head = (
+        f"**{r['workload']}** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, "
+        f"transformers {m['transformers']}; model: {what}; size `{doc['size']}`\n\n"
+    )
     w = r["workload"]
     lines: list[str] = []
     if w in ("offline", "offline-uniform", "shared-prefix"):
         s = r["settings"]
         if w == "offline":
-            head += (f"{s['num_prompts']} prompts, lengths uniform in [{s['min_prompt_len']}, {s['max_prompt_len']}], "
-                     f"outputs uniform in [{s['min_new']}, {s['max_new']}], greedy, EOS ignored.\n\n")
+            head += (
+                f"{s['num_prompts']} prompts, lengths uniform in [{s['min_prompt_len']}, {s['max_prompt_len']}], "
+                f"outputs uniform in [{s['min_new']}, {s['max_new']}], greedy, EOS ignored.\n\n"
+            )
         elif w == "offline-uniform":
-            head += (f"{s['num_prompts']} prompts of {s['min_prompt_len']} tokens, {s['min_new']} output tokens each "
-                     f"(padded generate's best case: no padding), greedy, EOS ignored.\n\n")
+            head += (
+                f"{s['num_prompts']} prompts of {s['min_prompt_len']} tokens, {s['min_new']} output tokens each "
+                f"(padded generate's best case: no padding), greedy, EOS ignored.\n\n"
+            )
         else:
-            head += (f"{s['num_prompts']} prompts = {s['prefix_len']}-token shared prefix + {s['suffix_len']}-token "
-                     f"suffix, {s['max_new']} output tokens each, greedy.\n\n")
+            head += (
+                f"{s['num_prompts']} prompts = {s['prefix_len']}-token shared prefix + {s['suffix_len']}-token "
+                f"suffix, {s['max_new']} output tokens each, greedy.\n\n"
+            )
         extra = "prefix hit rate" if w == "shared-prefix" else "peak memory"
         roof = r.get("roofline")
-        lines.append(f"| engine | output tokens | seconds | tokens/s | requests/s | acb speed-up | {extra} |"
-                     + (" GFLOP/s (% of matmul peak) |" if roof else ""))
+        lines.append(
+            f"| engine | output tokens | seconds | tokens/s | requests/s | acb speed-up | {extra} |"
+            + (" GFLOP/s (% of matmul peak) |" if roof else "")
+        )
         lines.append("|---|---|---|---|---|---|---|" + ("---|" if roof else ""))
         for row in r["rows"]:
             tail = f"{row['prefix_hit_rate']:.1%}" if w == "shared-prefix" else _mib(row.get("peak_memory"))
-            lines.append(f"| {row['engine']} | {row['output_tokens']:,} | {row['seconds']:.2f} | "
-                         f"{row['tokens_per_s']:,.1f} | {row['requests_per_s']:.2f} | {row['acb_speedup']:.2f}x | "
-                         f"{tail} |" + (f" {row['gflops']:.1f} ({row['roofline_pct']:.0f}%) |" if roof else ""))
+            lines.append(
+                f"| {row['engine']} | {row['output_tokens']:,} | {row['seconds']:.2f} | "
+                f"{row['tokens_per_s']:,.1f} | {row['requests_per_s']:.2f} | {row['acb_speedup']:.2f}x | "
+                f"{tail} |" + (f" {row['gflops']:.1f} ({row['roofline_pct']:.0f}%) |" if roof else "")
+            )
         if roof:
-            lines += ["", f"Roofline: the workload needs at least {roof['total'] / 1e12:.3f} TFLOP "
-                      f"({roof['linear'] / 1e12:.3f} in linear layers, {roof['attention'] / 1e12:.3f} attention, "
-                      f"{roof['lm_head'] / 1e12:.3f} LM head); this machine's float32 matmul peak, measured in the same "
-                      f"run, was {roof['matmul_peak_gflops']:.0f} GFLOP/s ({roof['threads']} threads), so the floor is "
-                      f"{roof['floor_s']:.1f} s."]
+            lines += [
+                "",
+                f"Roofline: the workload needs at least {roof['total'] / 1e12:.3f} TFLOP "
+                f"({roof['linear'] / 1e12:.3f} in linear layers, {roof['attention'] / 1e12:.3f} attention, "
+                f"{roof['lm_head'] / 1e12:.3f} LM head); this machine's float32 matmul peak, measured in the same "
+                f"run, was {roof['matmul_peak_gflops']:.0f} GFLOP/s ({roof['threads']} threads), so the floor is "
+                f"{roof['floor_s']:.1f} s.",
+            ]
     elif w == "online":
         s = r["settings"]
-        head += (f"{s['num_requests']} requests per rate, Poisson arrivals, streaming through `AsyncEngine`, prompts "
-                 f"[{s['min_prompt_len']}, {s['max_prompt_len']}], outputs [{s['min_new']}, {s['max_new']}].\n\n")
+        head += (
+            f"{s['num_requests']} requests per rate, Poisson arrivals, streaming through `AsyncEngine`, prompts "
+            f"[{s['min_prompt_len']}, {s['max_prompt_len']}], outputs [{s['min_new']}, {s['max_new']}].\n\n"
+        )
         lines.append("| rate (req/s) | tokens/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) |")
         lines.append("|---|---|---|---|")
         for row in r["rows"]:
+
             def ms(d: dict) -> str:
                 return " / ".join("–" if d[k] is None else f"{d[k] * 1e3:.1f}" for k in ("p50", "p90", "p99"))
+
             lines.append(f"| {row['rate']} | {row['tokens_per_s']:,.1f} | {ms(row['ttft_s'])} | {ms(row['itl_s'])} |")
     elif w == "overhead":
-        head += ("Host time per decode step with a null model (median over steps where every request decodes); "
-                 "transformers: `prepare_next_batch` + `update_batch` on the same workload.\n\n")
-        lines.append("| running | acb schedule / stage / process (µs) | acb host µs | transformers µs | "
-                     "transformers / acb |")
+        head += (
+            "Host time per decode step with a null model (median over steps where every request decodes); "
+            "transformers: `prepare_next_batch` + `update_batch` on the same workload.\n\n"
+        )
+        lines.append(
+            "| running | acb schedule / stage / process (µs) | acb host µs | transformers µs | transformers / acb |"
+        )
         lines.append("|---|---|---|---|---|")
         for row in r["rows"]:
             a = row["acb"]
             tf = row.get("transformers")
             tf_us = f"{tf['host_us']:.0f}" if tf else ""
             ratio = f"{row['ratio']:.1f}x" if row.get("ratio") else ""
-            lines.append(f"| {row['running']} | {a['schedule_us']:.0f} / {a['stage_us']:.0f} / {a['process_us']:.0f} | "
-                         f"{a['host_us']:.0f} | {tf_us} | {ratio} |")
+            lines.append(
+                f"| {row['running']} | {a['schedule_us']:.0f} / {a['stage_us']:.0f} / {a['process_us']:.0f} | "
+                f"{a['host_us']:.0f} | {tf_us} | {ratio} |"
+            )
         if r.get("telemetry"):
             n = r["telemetry"][0]["running"]
-            lines += ["", f"Telemetry's cost at {n} running requests (each mode in its own process): off "
-                      "(`OTEL_SDK_DISABLED=true`), the OpenTelemetry API alone (no SDK configured: the default), "
-                      "and the SDK exporting over OTLP/HTTP to a local receiver. Per step, and per ended request: "
-                      "what its thread spends to queue its record, and the time until the telemetry thread has "
-                      "built its span and measurements.", "",
-                      "| telemetry | host µs per step | vs off | µs per ended request: queued / recorded |",
-                      "|---|---|---|---|"]
+            lines += [
+                "",
+                f"Telemetry's cost at {n} running requests (each mode in its own process): off "
+                "(`OTEL_SDK_DISABLED=true`), the OpenTelemetry API alone (no SDK configured: the default), "
+                "and the SDK exporting over OTLP/HTTP to a local receiver. Per step, and per ended request: "
+                "what its thread spends to queue its record, and the time until the telemetry thread has "
+                "built its span and measurements.",
+                "",
+                "| telemetry | host µs per step | vs off | µs per ended request: queued / recorded |",
+                "|---|---|---|---|",
+            ]
             labels = {"off": "off", "api": "API only (default)", "sdk": "SDK + OTLP exporter"}
             for t in r["telemetry"]:
-                lines.append(f"| {labels.get(t['mode'], t['mode'])} | {t['host_us']:.0f} | {t['vs_off']:+.1%} | "
-                             f"{t.get('queue_us_per_request', 0):.1f} / {t['record_us_per_request']:.1f} |")
+                lines.append(
+                    f"| {labels.get(t['mode'], t['mode'])} | {t['host_us']:.0f} | {t['vs_off']:+.1%} | "
+                    f"{t.get('queue_us_per_request', 0):.1f} / {t['record_us_per_request']:.1f} |"
+                )
     notes = "".join(f"\n_{n}_\n" for n in r.get("notes", []))
     return head + "\n".join(lines) + "\n" + notes
 
@@ -132,7 +168,7 @@ def update_readme(readme: str, results_dir: str, kind: str) -> bool:
         return False
     body = "\n".join(markdown_for(d) for d in docs) if docs else "_No results yet._\n"
     note = f"<!-- generated by `acb bench report --update-readme` from {results_dir}/{kind}_*.json -->\n"
-    new = text[: text.index(start) + len(start)] + "\n" + note + body + text[text.index(end):]
+    new = text[: text.index(start) + len(start)] + "\n" + note + body + text[text.index(end) :]
     with open(readme, "w") as f:
         f.write(new)
     return True
@@ -195,8 +231,12 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         ax.plot(n, [row["acb"]["host_us"] for row in r["rows"]], "-o", label="acb (schedule+stage+process)")
         if any(row.get("transformers") for row in r["rows"]):
             tf_us = [(row.get("transformers") or {}).get("host_us") for row in r["rows"]]
-            ax.plot(n, [float("nan") if v is None else v for v in tf_us], "-o",  # a gap where it did not run
-                    label="transformers CB (prepare+update)")
+            ax.plot(
+                n,
+                [float("nan") if v is None else v for v in tf_us],
+                "-o",  # a gap where it did not run
+                label="transformers CB (prepare+update)",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("running requests")

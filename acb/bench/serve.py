@@ -41,18 +41,39 @@ from typing import Any
 from acb.bench.common import ModelSpec, percentiles
 
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(shape="tiny", concurrency=[1, 4], requests={1: 2, 4: 8}, rates=[20.0], rate_requests=6,
-                 min_chars=8, max_chars=24, max_tokens=8, page_size=16, num_blocks=64),
-    "default": dict(shape="default", concurrency=[1, 8, 32, 128], requests={1: 8, 8: 32, 32: 64, 128: 128},
-                    rates=[2.0, 8.0], rate_requests=32, min_chars=32, max_chars=256, max_tokens=64,
-                    page_size=32, num_blocks=1536),
+    "tiny": dict(
+        shape="tiny",
+        concurrency=[1, 4],
+        requests={1: 2, 4: 8},
+        rates=[20.0],
+        rate_requests=6,
+        min_chars=8,
+        max_chars=24,
+        max_tokens=8,
+        page_size=16,
+        num_blocks=64,
+    ),
+    "default": dict(
+        shape="default",
+        concurrency=[1, 8, 32, 128],
+        requests={1: 8, 8: 32, 32: 64, 128: 128},
+        rates=[2.0, 8.0],
+        rate_requests=32,
+        min_chars=32,
+        max_chars=256,
+        max_tokens=64,
+        page_size=32,
+        num_blocks=1536,
+    ),
 }
 
 ACB = "acb serve"
 TF = "transformers serve"
 INPROC = "acb AsyncEngine (in-process)"
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 # ------------------------------------------------------------------ checkpoint and prompts
@@ -64,8 +85,14 @@ def save_checkpoint(path: str, shape: str, seed: int = 0) -> dict[str, Any]:
     tok = build_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     if shape == "tiny":
-        cfg: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=1024)
+        cfg: dict[str, Any] = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
     else:
         cfg = dict(DEFAULT_MODEL_CONFIG)
     model = tiny_model("llama", seed=seed, vocab_size=len(tok), **cfg)
@@ -79,8 +106,10 @@ def save_checkpoint(path: str, shape: str, seed: int = 0) -> dict[str, Any]:
 def make_chats(n: int, min_chars: int, max_chars: int, seed: int) -> list[list[dict[str, str]]]:
     rnd = random.Random(seed)
     alphabet = string.ascii_letters + "      "
-    return [[{"role": "user", "content": "".join(rnd.choice(alphabet) for _ in range(rnd.randint(min_chars, max_chars)))}]
-            for _ in range(n)]
+    return [
+        [{"role": "user", "content": "".join(rnd.choice(alphabet) for _ in range(rnd.randint(min_chars, max_chars)))}]
+        for _ in range(n)
+    ]
 
 
 # ------------------------------------------------------------------ servers
@@ -114,7 +143,7 @@ def thread_cpu(pid: int) -> dict[str, float] | None:
                 stat = f.read()
         except OSError:
             continue  # the thread ended
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         out["main" if int(tid) == pid else "other"] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
     return out
 
@@ -125,8 +154,7 @@ class Server:
     def __init__(self, name: str, argv: list[str], port: int, log_path: str, env: dict[str, str]) -> None:
         self.name, self.port, self.log_path = name, port, log_path
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.perf_counter()
 
     def wait_ready(self, timeout: float = 300.0) -> float:
@@ -163,9 +191,28 @@ def _env() -> dict[str, str]:
 
 def start_acb(ckpt: str, p: dict[str, Any], device: str, log_dir: str) -> tuple[Server, str]:
     port = _free_port()
-    argv = [sys.executable, "-m", "acb", "serve", "--model", ckpt, "--served-model-name", "bench", "--port", str(port),
-            "--device", device, "--dtype", "float32", "--page-size", str(p["page_size"]),
-            "--num-blocks", str(p["num_blocks"]), "--grace-period", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "acb",
+        "serve",
+        "--model",
+        ckpt,
+        "--served-model-name",
+        "bench",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--dtype",
+        "float32",
+        "--page-size",
+        str(p["page_size"]),
+        "--num-blocks",
+        str(p["num_blocks"]),
+        "--grace-period",
+        "1",
+    ]
     return Server(ACB, argv, port, os.path.join(log_dir, "acb.log"), _env()), "bench"
 
 
@@ -178,8 +225,10 @@ def transformers_serve_missing() -> str | None:
     if not is_serve_available():
         return "transformers serve needs pydantic, fastapi, uvicorn and openai: pip install 'transformers[serving]'"
     if importlib.util.find_spec("accelerate") is None:  # transformers serve imports it, not acb
-        return ("transformers serve loads with a device_map, which needs accelerate (ValueError: Using a `device_map` "
-                "... requires `accelerate`): pip install accelerate")
+        return (
+            "transformers serve loads with a device_map, which needs accelerate (ValueError: Using a `device_map` "
+            "... requires `accelerate`): pip install accelerate"
+        )
     return None
 
 
@@ -187,9 +236,26 @@ def start_transformers(ckpt: str, p: dict[str, Any], device: str, log_dir: str) 
     port = _free_port()
     exe = shutil.which("transformers", path=os.path.dirname(sys.executable)) or shutil.which("transformers")
     head = [exe] if exe else [sys.executable, "-m", "transformers.cli.transformers"]
-    argv = [*head, "serve", ckpt, "--continuous-batching", "--device", device, "--dtype", "float32",
-            "--cb-block-size", str(p["page_size"]), "--cb-num-blocks", str(p["num_blocks"]),
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    argv = [
+        *head,
+        "serve",
+        ckpt,
+        "--continuous-batching",
+        "--device",
+        device,
+        "--dtype",
+        "float32",
+        "--cb-block-size",
+        str(p["page_size"]),
+        "--cb-num-blocks",
+        str(p["num_blocks"]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     return Server(TF, argv, port, os.path.join(log_dir, "transformers.log"), _env()), ckpt
 
 
@@ -197,16 +263,25 @@ def start_transformers(ckpt: str, p: dict[str, Any], device: str, log_dir: str) 
 class Target:
     """Where requests go: an OpenAI-compatible server, or the in-process engine."""
 
-    def __init__(self, name: str, *, port: int | None = None, model: str = "", extra_body: dict[str, Any] | None = None,
-                 engine: Any = None, pid: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        port: int | None = None,
+        model: str = "",
+        extra_body: dict[str, Any] | None = None,
+        engine: Any = None,
+        pid: int | None = None,
+    ) -> None:
         self.name, self.model, self.extra_body, self.engine, self.pid = name, model, extra_body or {}, engine, pid
         self.client: Any = None
         if port is not None:
             import openai
 
             # openai's default pool: 1000 connections, enough for every level
-            self.client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                                             timeout=900.0)
+            self.client = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=900.0
+            )
 
     async def one(self, chat: list[dict[str, str]], max_tokens: int) -> tuple[float, list[float], int]:
         """(send time, times of the chunks with text, output tokens)."""
@@ -223,8 +298,14 @@ class Target:
             return t0, times, len(out.generated_tokens)
         tokens = 0
         stream = await self.client.chat.completions.create(
-            model=self.model, messages=chat, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body=self.extra_body)
+            model=self.model,
+            messages=chat,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=self.extra_body,
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 times.append(time.perf_counter())
@@ -237,16 +318,25 @@ class Target:
             await self.client.close()
 
 
-def _summary(records: list[tuple[float, list[float], int]], start: float, end: float, max_tokens: int
-             ) -> dict[str, Any]:
+def _summary(
+    records: list[tuple[float, list[float], int]], start: float, end: float, max_tokens: int
+) -> dict[str, Any]:
     ttft = [ts[0] - t0 for t0, ts, _ in records if ts]
     itl = [b - a for _, ts, _ in records for a, b in zip(ts, ts[1:])]
     tpot = [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in records if len(ts) > 1 and n > 1]
     tokens = sum(n for *_, n in records)
     dt = end - start
-    return dict(requests=len(records), output_tokens=tokens, seconds=dt, tokens_per_s=tokens / dt,
-                requests_per_s=len(records) / dt, counts_ok=all(n == max_tokens for *_, n in records),
-                ttft_s=percentiles(ttft), itl_s=percentiles(itl), tpot_s=percentiles(tpot))
+    return dict(
+        requests=len(records),
+        output_tokens=tokens,
+        seconds=dt,
+        tokens_per_s=tokens / dt,
+        requests_per_s=len(records) / dt,
+        counts_ok=all(n == max_tokens for *_, n in records),
+        ttft_s=percentiles(ttft),
+        itl_s=percentiles(itl),
+        tpot_s=percentiles(tpot),
+    )
 
 
 async def at_concurrency(target: Target, chats: list[list[dict[str, str]]], c: int, max_tokens: int) -> dict[str, Any]:
@@ -261,8 +351,12 @@ async def at_concurrency(target: Target, chats: list[list[dict[str, str]]], c: i
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(c)))
     end = time.perf_counter()
-    return dict(mode="concurrency", concurrency=c, **_summary(records, start, end, max_tokens),
-                cpu_s=_cpu_used(target, server0, client0, end - start))
+    return dict(
+        mode="concurrency",
+        concurrency=c,
+        **_summary(records, start, end, max_tokens),
+        cpu_s=_cpu_used(target, server0, client0, end - start),
+    )
 
 
 def _cpu(target: Target) -> dict[str, float] | None:
@@ -273,8 +367,7 @@ def _cpu_used(target: Target, server0: dict[str, float] | None, client0: float, 
     """CPU seconds spent during a level: by the load generator's process (for the in-process
     engine, that process is the engine too), and by the server's event loop and its other
     threads; ``cores`` is the machine's."""
-    used: dict[str, Any] = {"client_process": time.process_time() - client0, "wall": wall,
-                            "cores": os.cpu_count()}
+    used: dict[str, Any] = {"client_process": time.process_time() - client0, "wall": wall, "cores": os.cpu_count()}
     server1 = _cpu(target)
     if server0 is not None and server1 is not None:
         used["server_event_loop"] = server1["main"] - server0["main"]
@@ -282,8 +375,9 @@ def _cpu_used(target: Target, server0: dict[str, float] | None, client0: float, 
     return used
 
 
-async def at_rate(target: Target, chats: list[list[dict[str, str]]], rate: float, max_tokens: int, seed: int
-                  ) -> dict[str, Any]:
+async def at_rate(
+    target: Target, chats: list[list[dict[str, str]]], rate: float, max_tokens: int, seed: int
+) -> dict[str, Any]:
     rnd = random.Random(seed)
     tasks = []
     start = time.perf_counter()
@@ -294,8 +388,9 @@ async def at_rate(target: Target, chats: list[list[dict[str, str]]], rate: float
     return dict(mode="rate", rate=rate, **_summary(records, start, time.perf_counter(), max_tokens))
 
 
-async def drive(target: Target, p: dict[str, Any], chats: list[list[dict[str, str]]], rates: bool = True
-                ) -> list[dict[str, Any]]:
+async def drive(
+    target: Target, p: dict[str, Any], chats: list[list[dict[str, str]]], rates: bool = True
+) -> list[dict[str, Any]]:
     rows = []
     try:
         await asyncio.gather(*(target.one(c, p["max_tokens"]) for c in chats[:2]))  # warm-up (transformers: CB init)
@@ -352,8 +447,13 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             try:
                 ready_s = server.wait_ready()
                 servers[name] = dict(argv=server.proc.args, ready_s=ready_s)
-                rows += asyncio.run(drive(Target(name, port=server.port, model=model_name, extra_body=extra,
-                                                 pid=server.proc.pid), p, chats))
+                rows += asyncio.run(
+                    drive(
+                        Target(name, port=server.port, model=model_name, extra_body=extra, pid=server.proc.pid),
+                        p,
+                        chats,
+                    )
+                )
             except Exception as exc:
                 if name == ACB:
                     raise
@@ -364,17 +464,30 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             print(f"  {INPROC}", file=sys.stderr, flush=True)
             rows += _in_process(ckpt, p, spec.device, chats)
     _compare(rows)
-    notes.append("TTFT: send to the first chunk with text; ITL: gaps between chunks with text (client side); "
-                 "TPOT: per request, (last - first chunk) / (tokens - 1); one client process drives every engine")
-    return dict(workload="serve", model=model_desc, servers=servers,
-                settings=dict({k: v for k, v in p.items() if k != "requests"},
-                              requests_per_level={str(k): v for k, v in p["requests"].items()}, greedy=True,
-                              eos_disabled=True, streaming=True, device=spec.device),
-                rows=rows, notes=notes)
+    notes.append(
+        "TTFT: send to the first chunk with text; ITL: gaps between chunks with text (client side); "
+        "TPOT: per request, (last - first chunk) / (tokens - 1); one client process drives every engine"
+    )
+    return dict(
+        workload="serve",
+        model=model_desc,
+        servers=servers,
+        settings=dict(
+            {k: v for k, v in p.items() if k != "requests"},
+            requests_per_level={str(k): v for k, v in p["requests"].items()},
+            greedy=True,
+            eos_disabled=True,
+            streaming=True,
+            device=spec.device,
+        ),
+        rows=rows,
+        notes=notes,
+    )
 
 
 def _compare(rows: list[dict[str, Any]]) -> None:
     """acb serve's output tokens/s over each other engine's at the same level."""
+
     def key(r: dict[str, Any]) -> tuple[str, Any]:
         return r["mode"], r.get("concurrency", r.get("rate"))
 
@@ -395,23 +508,30 @@ def markdown(doc: dict[str, Any]) -> str:
 
     r, m, model = doc["result"], doc["machine"], doc["model"]
     s = r["settings"]
-    head = (f"**serve** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, transformers {m['transformers']}; "
-            f"model: {model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}; size `{doc['size']}`\n\n"
-            f"Streaming chat completions through `openai.AsyncOpenAI`, {s['max_tokens']} output tokens each (EOS off), "
-            f"greedy, prompts of {s['min_chars']}-{s['max_chars']} characters (byte-level tokenizer); requests per "
-            f"concurrency level {', '.join(f'{k}: {v}' for k, v in s['requests_per_level'].items())}; "
-            f"{s['rate_requests']} requests per Poisson rate. Same checkpoint, same KV cache ({s['num_blocks']} blocks "
-            f"of {s['page_size']}).\n\n")
-    lines = ["| streams / rate | engine | tokens/s | requests/s | TTFT p50 / p90 / p99 (ms) | "
-             "ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) | acb serve speed-up |", "|---|---|---|---|---|---|---|---|"]
+    head = (
+        f"**serve** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, transformers {m['transformers']}; "
+        f"model: {model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}; size `{doc['size']}`\n\n"
+        f"Streaming chat completions through `openai.AsyncOpenAI`, {s['max_tokens']} output tokens each (EOS off), "
+        f"greedy, prompts of {s['min_chars']}-{s['max_chars']} characters (byte-level tokenizer); requests per "
+        f"concurrency level {', '.join(f'{k}: {v}' for k, v in s['requests_per_level'].items())}; "
+        f"{s['rate_requests']} requests per Poisson rate. Same checkpoint, same KV cache ({s['num_blocks']} blocks "
+        f"of {s['page_size']}).\n\n"
+    )
+    lines = [
+        "| streams / rate | engine | tokens/s | requests/s | TTFT p50 / p90 / p99 (ms) | "
+        "ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) | acb serve speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     rows = sorted(r["rows"], key=lambda x: (x["mode"] != "concurrency", x.get("concurrency", x.get("rate"))))
     for row in rows:
         level = f"{row['concurrency']} streams" if row["mode"] == "concurrency" else f"{row['rate']} req/s"
         tp = row["tpot_s"]["p50"]
         sp = row.get("acb_serve_speedup")
-        lines.append(f"| {level} | {row['engine']} | {row['tokens_per_s']:,.1f} | {row['requests_per_s']:.2f} | "
-                     f"{_ms(row['ttft_s'])} | {_ms(row['itl_s'])} | {'–' if tp is None else f'{tp * 1e3:.0f}'} | "
-                     f"{'' if sp is None else f'{sp:.2f}x'} |")
+        lines.append(
+            f"| {level} | {row['engine']} | {row['tokens_per_s']:,.1f} | {row['requests_per_s']:.2f} | "
+            f"{_ms(row['ttft_s'])} | {_ms(row['itl_s'])} | {'–' if tp is None else f'{tp * 1e3:.0f}'} | "
+            f"{'' if sp is None else f'{sp:.2f}x'} |"
+        )
     notes = "".join(f"\n_{n}_\n" for n in r.get("notes", []))
     return head + "\n".join(lines) + "\n" + _cpu_table(rows) + notes
 
@@ -421,12 +541,16 @@ def _cpu_table(rows: list[dict[str, Any]]) -> str:
     have = [r for r in rows if r["mode"] == "concurrency" and r.get("cpu_s")]
     if not have:
         return ""
-    lines = ["", "CPU seconds used during each concurrency level, and their share of the machine's core-seconds "
-             "(cores x wall time). The load generator (one `AsyncOpenAI` process: HTTP, SSE and pydantic parsing "
-             "of every chunk) shares the cores with the server; for the in-process engine it is the engine's own "
-             "process.", "",
-             "| streams | engine | load generator | server event loop (HTTP) | server engine threads |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "CPU seconds used during each concurrency level, and their share of the machine's core-seconds "
+        "(cores x wall time). The load generator (one `AsyncOpenAI` process: HTTP, SSE and pydantic parsing "
+        "of every chunk) shares the cores with the server; for the in-process engine it is the engine's own "
+        "process.",
+        "",
+        "| streams | engine | load generator | server event loop (HTTP) | server engine threads |",
+        "|---|---|---|---|---|",
+    ]
 
     def cell(v: float | None, total: float) -> str:
         return "–" if v is None else f"{v:.1f} s ({v / total:.0%})"
@@ -434,8 +558,10 @@ def _cpu_table(rows: list[dict[str, Any]]) -> str:
     for r in have:
         c = r["cpu_s"]
         total = (c.get("cores") or 1) * c["wall"]
-        lines.append(f"| {r['concurrency']} | {r['engine']} | {cell(c['client_process'], total)} | "
-                     f"{cell(c.get('server_event_loop'), total)} | {cell(c.get('server_engine_threads'), total)} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['engine']} | {cell(c['client_process'], total)} | "
+            f"{cell(c.get('server_event_loop'), total)} | {cell(c.get('server_engine_threads'), total)} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -22,8 +22,9 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     model = spec.build()
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, spec.vocab, (p["prefix_len"],), generator=g).tolist()
-    prompts = [prefix + torch.randint(3, spec.vocab, (p["suffix_len"],), generator=g).tolist()
-               for _ in range(p["num_prompts"])]
+    prompts = [
+        prefix + torch.randint(3, spec.vocab, (p["suffix_len"],), generator=g).tolist() for _ in range(p["num_prompts"])
+    ]
     sp = acb.SamplingParams(max_new_tokens=p["max_new"], ignore_eos=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
@@ -39,14 +40,26 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             st = eng.stats
         tokens = sum(len(o.generated_tokens) for o in outs)
         queries = st.prefix_queries - base.prefix_queries
-        rows.append(dict(
-            engine=name, seconds=dt, output_tokens=tokens, tokens_per_s=tokens / dt,
-            requests_per_s=len(prompts) / dt, prefill_tokens=st.prefill_tokens - base.prefill_tokens,
-            prefix_hit_rate=(st.prefix_hits - base.prefix_hits) / queries if queries else 0.0,
-            peak_memory=peak_memory_bytes(spec.device), settings=f"page_size=32 allow_block_sharing={caching}",
-        ))
+        rows.append(
+            dict(
+                engine=name,
+                seconds=dt,
+                output_tokens=tokens,
+                tokens_per_s=tokens / dt,
+                requests_per_s=len(prompts) / dt,
+                prefill_tokens=st.prefill_tokens - base.prefill_tokens,
+                prefix_hit_rate=(st.prefix_hits - base.prefix_hits) / queries if queries else 0.0,
+                peak_memory=peak_memory_bytes(spec.device),
+                settings=f"page_size=32 allow_block_sharing={caching}",
+            )
+        )
         outputs[name] = [o.generated_tokens for o in outs]
     for r in rows:
         r["acb_speedup"] = rows[0]["tokens_per_s"] / r["tokens_per_s"]
-    return dict(workload="shared-prefix", settings=dict(p, greedy=True, ignore_eos=True), rows=rows,
-                outputs_identical=len({tuple(map(tuple, v)) for v in outputs.values()}) == 1, notes=[])
+    return dict(
+        workload="shared-prefix",
+        settings=dict(p, greedy=True, ignore_eos=True),
+        rows=rows,
+        outputs_identical=len({tuple(map(tuple, v)) for v in outputs.values()}) == 1,
+        notes=[],
+    )

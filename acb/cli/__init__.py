@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from acb.cli.bench import _add_bench, cmd_bench
 from acb.cli.common import (
@@ -30,9 +30,24 @@ from acb.cli.generate import (
 )
 from acb.cli.serve import _add_serve, cmd_serve
 
-__all__ = ["DEFAULT_OUTPUT", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "STDOUT", "CliError",
-           "PromptSpec", "ResultWriter", "build_parser", "cmd_bench", "cmd_generate", "cmd_serve", "load_prompts",
-           "main", "run_requests", "synthetic_prompts", "_engine_config"]
+__all__ = [
+    "DEFAULT_OUTPUT",
+    "EXIT_BROKEN_PIPE",
+    "EXIT_INTERRUPTED",
+    "STDOUT",
+    "CliError",
+    "PromptSpec",
+    "ResultWriter",
+    "build_parser",
+    "cmd_bench",
+    "cmd_generate",
+    "cmd_serve",
+    "load_prompts",
+    "main",
+    "run_requests",
+    "synthetic_prompts",
+    "_engine_config",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_bench(sub)
     return parser
-
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

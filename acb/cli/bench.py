@@ -26,15 +26,23 @@ def _add_bench(sub: Any) -> None:
         ),
     )
     p.add_argument("workload", choices=[*WORKLOADS, "all", "report"], help="what to run")
-    p.add_argument("--size", choices=["tiny", "default"], default="default",
-                   help="tiny: seconds, for smoke tests; default: the documented workloads")
+    p.add_argument(
+        "--size",
+        choices=["tiny", "default"],
+        default="default",
+        help="tiny: seconds, for smoke tests; default: the documented workloads",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--out-dir", default="benchmarks/results", help="where JSON/PNG go (default: benchmarks/results)")
     p.add_argument("--no-baselines", action="store_true", help="skip the transformers / generate baselines")
     p.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
-    p.add_argument("--update-readme", metavar="FILE", default=None,
-                   help="rewrite the generated results block(s) of this file afterwards (the repository's is "
-                        "benchmarks/RESULTS.md)")
+    p.add_argument(
+        "--update-readme",
+        metavar="FILE",
+        default=None,
+        help="rewrite the generated results block(s) of this file afterwards (the repository's is "
+        "benchmarks/RESULTS.md)",
+    )
     p.set_defaults(func=cmd_bench, _parser=p)
 
 
@@ -51,16 +59,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     for name in names:
         print(f"== {name} ({args.size}, {args.device})", file=sys.stderr, flush=True)
-        doc = run_workload(name, size=args.size, device=args.device, out_dir=args.out_dir,
-                           baselines=not args.no_baselines, plot=not args.no_plot)
+        doc = run_workload(
+            name,
+            size=args.size,
+            device=args.device,
+            out_dir=args.out_dir,
+            baselines=not args.no_baselines,
+            plot=not args.no_plot,
+        )
         print(markdown_for(doc))
-        print(f"wrote {doc['json_path']}" + (f" and {doc['png_path']}" if doc.get("png_path") else
-                                             " (no plot: matplotlib not installed)" if not args.no_plot else ""),
-              file=sys.stderr)
+        print(
+            f"wrote {doc['json_path']}"
+            + (
+                f" and {doc['png_path']}"
+                if doc.get("png_path")
+                else " (no plot: matplotlib not installed)"
+                if not args.no_plot
+                else ""
+            ),
+            file=sys.stderr,
+        )
     if args.update_readme:
         for kind in ("cpu", "gpu"):
             if update_readme(args.update_readme, args.out_dir, kind):
                 print(f"updated the {kind} results block of {args.update_readme}", file=sys.stderr)
     return 0
-
-

@@ -38,43 +38,103 @@ class PromptSpec:
         return self.where if self.where is not None else f"prompt {index} (id {self.id!r})"
 
 
-
-
 def _add_engine_flags(eng: Any) -> None:
     """The ContinuousBatchingConfig fields that `generate` and `serve` both expose."""
-    eng.add_argument("--max-batch-tokens", type=_positive_int, default=None, metavar="N",
-                     help="token budget per step (default: resolved by the engine)")
-    eng.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
-                     help="KV cache blocks (default: from available memory)")
-    eng.add_argument("--page-size", "--block-size", dest="page_size", type=_positive_int, default=None,
-                     metavar="N", help="tokens per KV block (default: resolved by the engine)")
-    eng.add_argument("--max-requests-per-batch", type=_positive_int, default=None, metavar="N",
-                     help="most sequences in one step (default: resolved by the engine)")
-    eng.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
-                     help="most tokens (prompt + generated) per request (default: the model's max positions)")
-    eng.add_argument("--async-batching", dest="use_async_batching", action=argparse.BooleanOptionalAction,
-                     default=None, help="schedule step N+1 while step N runs (default: on for CUDA, off for CPU)")
-    eng.add_argument("--cuda-graphs", dest="use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
-                     help="replay CUDA graphs for decode steps (default: on for CUDA)")
-    eng.add_argument("--prefix-caching", dest="allow_block_sharing", action=argparse.BooleanOptionalAction,
-                     default=True, help="share KV blocks between requests with a common prefix (default: on)")
-    eng.add_argument("--cpu-offload-space", type=_non_negative_float, default=0.0, metavar="GIB",
-                     help="GiB of host memory to offload preempted requests' KV blocks to (default: 0 = none)")
-    eng.add_argument("--attn-backend", choices=ATTN_BACKENDS, default=None,
-                     help="attention kernels (default: the best available)")
-    eng.add_argument("--cpu-packed-linears", dest="cpu_packed_linears", action=argparse.BooleanOptionalAction,
-                     default=None, help="CPU: run float32 linear layers of decode steps on oneDNN-packed weight "
-                                        "copies (default: on for models of at least 2M linear params per layer)")
-    eng.add_argument("--scheduler", dest="scheduler_type", choices=SCHEDULER_TYPES, default="fifo",
-                     help="scheduling policy (default: fifo)")
+    eng.add_argument(
+        "--max-batch-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="token budget per step (default: resolved by the engine)",
+    )
+    eng.add_argument(
+        "--num-blocks",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="KV cache blocks (default: from available memory)",
+    )
+    eng.add_argument(
+        "--page-size",
+        "--block-size",
+        dest="page_size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per KV block (default: resolved by the engine)",
+    )
+    eng.add_argument(
+        "--max-requests-per-batch",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="most sequences in one step (default: resolved by the engine)",
+    )
+    eng.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="most tokens (prompt + generated) per request (default: the model's max positions)",
+    )
+    eng.add_argument(
+        "--async-batching",
+        dest="use_async_batching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while step N runs (default: on for CUDA, off for CPU)",
+    )
+    eng.add_argument(
+        "--cuda-graphs",
+        dest="use_cuda_graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay CUDA graphs for decode steps (default: on for CUDA)",
+    )
+    eng.add_argument(
+        "--prefix-caching",
+        dest="allow_block_sharing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share KV blocks between requests with a common prefix (default: on)",
+    )
+    eng.add_argument(
+        "--cpu-offload-space",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="GIB",
+        help="GiB of host memory to offload preempted requests' KV blocks to (default: 0 = none)",
+    )
+    eng.add_argument(
+        "--attn-backend", choices=ATTN_BACKENDS, default=None, help="attention kernels (default: the best available)"
+    )
+    eng.add_argument(
+        "--cpu-packed-linears",
+        dest="cpu_packed_linears",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU: run float32 linear layers of decode steps on oneDNN-packed weight "
+        "copies (default: on for models of at least 2M linear params per layer)",
+    )
+    eng.add_argument(
+        "--scheduler",
+        dest="scheduler_type",
+        choices=SCHEDULER_TYPES,
+        default="fifo",
+        help="scheduling policy (default: fifo)",
+    )
 
 
 def _add_model_flags(p: Any) -> Any:
     """--model, --dtype, --device (the "model" group, returned for more)."""
     src = p.add_argument_group("model")
-    src.add_argument("--model", metavar="PATH", default=None,
-                     help="local checkpoint directory (model + tokenizer; nothing is downloaded). "
-                          "Default: the embedded random-weight model (meaningless text).")
+    src.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="local checkpoint directory (model + tokenizer; nothing is downloaded). "
+        "Default: the embedded random-weight model (meaningless text).",
+    )
     src.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
     src.add_argument("--device", default="cpu", help="device to run on, e.g. cpu, cuda, cuda:1 (default: cpu)")
     return src
@@ -82,13 +142,24 @@ def _add_model_flags(p: Any) -> Any:
 
 def _add_telemetry_flags(p: Any) -> None:
     tel = p.add_argument_group("telemetry (OpenTelemetry; needs the otel extra for OTLP)")
-    tel.add_argument("--otlp-endpoint", metavar="URL", default=None,
-                     help="export spans and metrics over OTLP to this collector base URL, e.g. http://localhost:4318 "
-                          "(default: $OTEL_EXPORTER_OTLP_ENDPOINT and the other standard variables; none: no export)")
-    tel.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
-                     help="OTLP protocol (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)")
-    tel.add_argument("--otel-capture-content", action="store_true",
-                     help="record prompt and output text in the spans (off by default)")
+    tel.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        default=None,
+        help="export spans and metrics over OTLP to this collector base URL, e.g. http://localhost:4318 "
+        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT and the other standard variables; none: no export)",
+    )
+    tel.add_argument(
+        "--otlp-protocol",
+        choices=["http/protobuf", "grpc"],
+        default=None,
+        help="OTLP protocol (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)",
+    )
+    tel.add_argument(
+        "--otel-capture-content",
+        action="store_true",
+        help="record prompt and output text in the spans (off by default)",
+    )
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -102,12 +173,19 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
 
     try:
         return acb.ContinuousBatchingConfig(
-            max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, page_size=args.page_size,
-            max_requests_per_batch=args.max_requests_per_batch, max_model_len=args.max_model_len,
-            use_async_batching=args.use_async_batching, use_cuda_graph=args.use_cuda_graph,
-            allow_block_sharing=args.allow_block_sharing, cpu_offload_space=args.cpu_offload_space,
-            attn_backend=args.attn_backend, scheduler_type=args.scheduler_type,
-            cpu_packed_linears=args.cpu_packed_linears, **extra,
+            max_batch_tokens=args.max_batch_tokens,
+            num_blocks=args.num_blocks,
+            page_size=args.page_size,
+            max_requests_per_batch=args.max_requests_per_batch,
+            max_model_len=args.max_model_len,
+            use_async_batching=args.use_async_batching,
+            use_cuda_graph=args.use_cuda_graph,
+            allow_block_sharing=args.allow_block_sharing,
+            cpu_offload_space=args.cpu_offload_space,
+            attn_backend=args.attn_backend,
+            scheduler_type=args.scheduler_type,
+            cpu_packed_linears=args.cpu_packed_linears,
+            **extra,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -131,8 +209,6 @@ def _non_negative_float(text: str) -> float:
     if not v >= 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return v
-
-
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -189,5 +265,3 @@ def _vocab_size(model: Any) -> int:
     cfg = model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return int(text.vocab_size)
-
-

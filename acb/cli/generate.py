@@ -14,8 +14,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any, Sequence
+from typing import IO, Any
 
 from acb.cli.common import (
     DEFAULT_OUTPUT,
@@ -54,11 +55,11 @@ def _add_generate(sub: Any) -> None:
             "synthetic prompts of random token ids."
         ),
         epilog=(
-            "Prompts file (JSONL): one JSON object per line with one of \"prompt\" (text, tokenized "
-            "with the model's tokenizer), \"messages\" (a chat: a list of {\"role\", \"content\"} "
+            'Prompts file (JSONL): one JSON object per line with one of "prompt" (text, tokenized '
+            'with the model\'s tokenizer), "messages" (a chat: a list of {"role", "content"} '
             "objects, rendered with the tokenizer's chat template and a generation prompt; optional "
-            "\"chat_template_kwargs\" object) or \"prompt_ids\" (list of ints), and optionally \"id\" "
-            "(kept in the output; default req_<index>) and \"max_new_tokens\" (overrides "
+            '"chat_template_kwargs" object) or "prompt_ids" (list of ints), and optionally "id" '
+            '(kept in the output; default req_<index>) and "max_new_tokens" (overrides '
             "--max-new-tokens for that line). Blank lines are skipped. "
             "Output lines hold index (0-based position among the prompts), id, prompt_len, "
             "generated_ids, text, finish_reason, status, error. The progress bar and a summary go to "
@@ -72,47 +73,77 @@ def _add_generate(sub: Any) -> None:
     _add_model_flags(p)
 
     pr = p.add_argument_group("prompts")
-    pr.add_argument("--prompts", metavar="FILE.jsonl", default=None,
-                    help="JSONL prompts file (see below). Default: synthetic random prompts.")
-    pr.add_argument("--num-prompts", type=_positive_int, default=64, metavar="N",
-                    help="number of synthetic prompts (default: 64)")
-    pr.add_argument("--min-prompt-len", type=_positive_int, default=16, metavar="N",
-                    help="shortest synthetic prompt, in tokens (default: 16)")
-    pr.add_argument("--max-prompt-len", type=_positive_int, default=256, metavar="N",
-                    help="longest synthetic prompt, in tokens (default: 256)")
-    pr.add_argument("--seed", type=int, default=0,
-                    help="seed for synthetic prompts and for sampling (default: 0)")
+    pr.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        default=None,
+        help="JSONL prompts file (see below). Default: synthetic random prompts.",
+    )
+    pr.add_argument(
+        "--num-prompts", type=_positive_int, default=64, metavar="N", help="number of synthetic prompts (default: 64)"
+    )
+    pr.add_argument(
+        "--min-prompt-len",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="shortest synthetic prompt, in tokens (default: 16)",
+    )
+    pr.add_argument(
+        "--max-prompt-len",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="longest synthetic prompt, in tokens (default: 256)",
+    )
+    pr.add_argument("--seed", type=int, default=0, help="seed for synthetic prompts and for sampling (default: 0)")
 
     sp = p.add_argument_group("sampling")
-    sp.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
-                    help="most tokens to generate per request (default: 64)")
-    sp.add_argument("--temperature", type=_non_negative_float, default=0.0,
-                    help="sampling temperature; 0 = greedy (default: 0)")
+    sp.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="most tokens to generate per request (default: 64)",
+    )
+    sp.add_argument(
+        "--temperature", type=_non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)"
+    )
     sp.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens (0 = off)")
     sp.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass (1 = off)")
     sp.add_argument("--min-p", type=float, default=None, metavar="P", help="min-p truncation (0 = off)")
-    sp.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
-                    help="transformers' repetition penalty (1 = off)")
-    sp.add_argument("-n", type=_positive_int, default=None, metavar="N",
-                    help="samples per prompt (the prompt is prefilled once); output lines gain 'samples'")
-    sp.add_argument("--logprobs", type=int, default=None, metavar="K",
-                    help="return each token's logprob and the top K alternatives")
-    sp.add_argument("--ignore-eos", action="store_true",
-                    help="keep generating through end-of-sequence tokens until max_new_tokens")
+    sp.add_argument(
+        "--repetition-penalty", type=float, default=None, metavar="X", help="transformers' repetition penalty (1 = off)"
+    )
+    sp.add_argument(
+        "-n",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="samples per prompt (the prompt is prefilled once); output lines gain 'samples'",
+    )
+    sp.add_argument(
+        "--logprobs", type=int, default=None, metavar="K", help="return each token's logprob and the top K alternatives"
+    )
+    sp.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating through end-of-sequence tokens until max_new_tokens"
+    )
 
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     _add_engine_flags(eng)
     _add_telemetry_flags(p)
 
     out = p.add_argument_group("output")
-    out.add_argument("--output", "-o", metavar="FILE.jsonl", default=None,
-                     help=f"where to write results, - for stdout (default: ./{DEFAULT_OUTPUT}); "
-                          "stdout carries nothing else")
+    out.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE.jsonl",
+        default=None,
+        help=f"where to write results, - for stdout (default: ./{DEFAULT_OUTPUT}); stdout carries nothing else",
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
     p.set_defaults(func=cmd_generate, _parser=p)
-
-
 
 
 def _is_int(x: Any) -> bool:
@@ -145,34 +176,36 @@ def load_prompts(path: str, tokenizer: Any) -> list[PromptSpec]:
                 raise CliError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             given = [k for k in _PROMPT_KEYS if k in obj]
             if not given:
-                raise CliError(f"{where}: needs \"prompt\" (text), \"messages\" (a chat) or "
-                               "\"prompt_ids\" (list of ints)")
+                raise CliError(f'{where}: needs "prompt" (text), "messages" (a chat) or "prompt_ids" (list of ints)')
             if len(given) > 1:
-                raise CliError(f"{where}: give one of \"prompt\", \"messages\", \"prompt_ids\", not "
-                               + " and ".join(f'"{k}"' for k in given))
+                raise CliError(
+                    f'{where}: give one of "prompt", "messages", "prompt_ids", not '
+                    + " and ".join(f'"{k}"' for k in given)
+                )
             kind = given[0]
             if "chat_template_kwargs" in obj and kind != "messages":
-                raise CliError(f"{where}: \"chat_template_kwargs\" only applies to \"messages\" lines")
+                raise CliError(f'{where}: "chat_template_kwargs" only applies to "messages" lines')
             if kind == "prompt_ids":
                 ids = obj["prompt_ids"]
                 if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-                    raise CliError(f"{where}: \"prompt_ids\" must be a list of ints")
+                    raise CliError(f'{where}: "prompt_ids" must be a list of ints')
             elif kind == "prompt":
                 text = obj["prompt"]
                 if not isinstance(text, str):
-                    raise CliError(f"{where}: \"prompt\" must be a string")
+                    raise CliError(f'{where}: "prompt" must be a string')
                 if tokenizer is None:
-                    raise CliError(f"{where}: text prompt but no tokenizer could be loaded; use \"prompt_ids\"")
+                    raise CliError(f'{where}: text prompt but no tokenizer could be loaded; use "prompt_ids"')
                 ids = list(tokenizer.encode(text))
             else:
                 messages, kwargs = obj["messages"], obj.get("chat_template_kwargs")
                 if not is_chat(messages):
-                    raise CliError(f"{where}: \"messages\" must be a non-empty list of "
-                                   "{\"role\": ..., \"content\": ...} objects")
+                    raise CliError(
+                        f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects'
+                    )
                 if kwargs is not None and not isinstance(kwargs, dict):
-                    raise CliError(f"{where}: \"chat_template_kwargs\" must be an object")
+                    raise CliError(f'{where}: "chat_template_kwargs" must be an object')
                 if tokenizer is None:
-                    raise CliError(f"{where}: chat prompt but no tokenizer could be loaded; use \"prompt_ids\"")
+                    raise CliError(f'{where}: chat prompt but no tokenizer could be loaded; use "prompt_ids"')
                 try:
                     ids = encode_prompt(tokenizer, messages, kwargs)
                 except ValueError as exc:  # no chat template
@@ -183,7 +216,7 @@ def load_prompts(path: str, tokenizer: Any) -> list[PromptSpec]:
                 raise CliError(f"{where}: the prompt is empty (a request needs at least one token)")
             max_new = obj.get("max_new_tokens")
             if max_new is not None and (not _is_int(max_new) or max_new <= 0):
-                raise CliError(f"{where}: \"max_new_tokens\" must be a positive int, got {max_new!r}")
+                raise CliError(f'{where}: "max_new_tokens" must be a positive int, got {max_new!r}')
             rid = obj["id"] if "id" in obj else f"req_{len(specs)}"
             specs.append(PromptSpec(rid, [int(t) for t in ids], max_new, where))
     if not specs:
@@ -191,8 +224,9 @@ def load_prompts(path: str, tokenizer: Any) -> list[PromptSpec]:
     return specs
 
 
-def synthetic_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed: int,
-                      exclude: Sequence[int] = SPECIAL_IDS) -> list[PromptSpec]:
+def synthetic_prompts(
+    n: int, min_len: int, max_len: int, vocab_size: int, seed: int, exclude: Sequence[int] = SPECIAL_IDS
+) -> list[PromptSpec]:
     """``n`` prompts of random lengths in ``[min_len, max_len]`` and random non-special ids."""
     excluded = set(exclude)
     allowed = [t for t in range(vocab_size) if t not in excluded]
@@ -200,8 +234,7 @@ def synthetic_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed:
         raise CliError(f"the model's vocabulary ({vocab_size}) has no non-special token ids")
     rng = random.Random(seed)
     return [
-        PromptSpec(f"req_{i}", [rng.choice(allowed) for _ in range(rng.randint(min_len, max_len))])
-        for i in range(n)
+        PromptSpec(f"req_{i}", [rng.choice(allowed) for _ in range(rng.randint(min_len, max_len))]) for i in range(n)
     ]
 
 
@@ -249,8 +282,7 @@ class ResultWriter:
     def _write(self, index: int, out: Any) -> None:
         if _is_cancelled(out):
             return
-        self.stream.write(json.dumps(_record(index, self.specs[index], out, self.tokenizer), ensure_ascii=False)
-                          + "\n")
+        self.stream.write(json.dumps(_record(index, self.specs[index], out, self.tokenizer), ensure_ascii=False) + "\n")
         self.stream.flush()  # a reader (or an interrupt) only ever sees whole lines
         if out.status.name == "FAILED":
             self.failed += 1
@@ -270,7 +302,7 @@ class _Interrupt:
         self._previous: Any = None
         self._installed = False
 
-    def __enter__(self) -> "_Interrupt":
+    def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
             self._installed = True
@@ -317,16 +349,23 @@ def _sampling(args: argparse.Namespace) -> Any:
 
     try:
         return acb.SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            n=args.n, logprobs=args.logprobs,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            n=args.n,
+            logprobs=args.logprobs,
         )
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
 
 
-def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.Namespace,
-                 open_output: Any, tokenizer: Any) -> tuple[RunResult, ResultWriter]:
+def run_requests(
+    model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.Namespace, open_output: Any, tokenizer: Any
+) -> tuple[RunResult, ResultWriter]:
     """Run every request through :meth:`acb.Engine.generate_batch`, writing results as they end
     (its ``on_result``; see :class:`ResultWriter`).
 
@@ -341,8 +380,9 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
 
     sampling = _sampling(args)
     run = RunResult(total=len(specs))
-    per_prompt = [sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens)
-                  for s in specs]
+    per_prompt = [
+        sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens) for s in specs
+    ]
     engine = acb.Engine(model, cfg)
     engine.model_name = _model_name(args)
     engine.start()
@@ -382,14 +422,23 @@ def run_requests(model: Any, specs: list[PromptSpec], cfg: Any, args: argparse.N
                     if bar is not None:
                         bar.close()
                         bar = None
-                    print(f"acb generate: interrupted: cancelling {len(specs) - run.ended - run.cancelled} running "
-                          "or queued requests (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+                    print(
+                        f"acb generate: interrupted: cancelling {len(specs) - run.ended - run.cancelled} running "
+                        "or queued requests (Ctrl-C again to quit at once)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return run.interrupted
 
             run.t_first_submit = time.perf_counter()
             try:
-                engine.generate_batch([s.prompt_ids for s in specs], per_prompt, progress_bar=False,
-                                      on_result=on_result, should_stop=should_stop)
+                engine.generate_batch(
+                    [s.prompt_ids for s in specs],
+                    per_prompt,
+                    progress_bar=False,
+                    on_result=on_result,
+                    should_stop=should_stop,
+                )
             except (ValueError, TypeError) as exc:  # rejected at submit: name the prompt as its file does
                 m = re.match(r"inputs\[(\d+)\]: (.*)", str(exc), re.S)
                 if m is None:
@@ -426,10 +475,14 @@ def _record(index: int, spec: PromptSpec, out: Any, tokenizer: Any) -> dict[str,
         rec["top_logprobs"] = out.top_logprobs
     if out.samples is not None:
         rec["samples"] = [
-            {"generated_ids": s.generated_tokens,
-             "text": tokenizer.decode(s.generated_tokens, skip_special_tokens=True) if tokenizer is not None else None,
-             "finish_reason": s.finish_reason.value if s.finish_reason is not None else None,
-             **({"logprobs": s.logprobs} if s.logprobs else {})}
+            {
+                "generated_ids": s.generated_tokens,
+                "text": tokenizer.decode(s.generated_tokens, skip_special_tokens=True)
+                if tokenizer is not None
+                else None,
+                "finish_reason": s.finish_reason.value if s.finish_reason is not None else None,
+                **({"logprobs": s.logprobs} if s.logprobs else {}),
+            }
             for s in out.samples
         ]
     return rec
@@ -489,8 +542,9 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
     vocab = _vocab_size(model)
     if specs is None:
         exclude = set(SPECIAL_IDS) | set(getattr(tokenizer, "all_special_ids", None) or ())
-        specs = synthetic_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab,
-                                  args.seed, exclude=sorted(exclude))
+        specs = synthetic_prompts(
+            args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.seed, exclude=sorted(exclude)
+        )
     else:
         for i, s in enumerate(specs):
             bad = next((t for t in s.prompt_ids if not 0 <= t < vocab), None)
@@ -504,8 +558,12 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
         stream = sys.stdout if to_stdout else open(args.output, "w", encoding="utf-8")
         opened.append(stream)
         if getattr(args, "output_defaulted", False):
-            print(f"acb generate: writing results to {os.path.abspath(args.output)} (no -o given; -o FILE.jsonl "
-                  "to choose, -o - for stdout)", file=sys.stderr, flush=True)
+            print(
+                f"acb generate: writing results to {os.path.abspath(args.output)} (no -o given; -o FILE.jsonl "
+                "to choose, -o - for stdout)",
+                file=sys.stderr,
+                flush=True,
+            )
         return stream
 
     try:
@@ -522,11 +580,14 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
     n = len(specs)
     lost = n - writer.written
     if run.interrupted:
-        head = (f"acb generate: interrupted: {n} requests: {writer.finished} finished and {writer.failed} failed "
-                f"(written), {lost} lost (cancelled or never started; not written)")
+        head = (
+            f"acb generate: interrupted: {n} requests: {writer.finished} finished and {writer.failed} failed "
+            f"(written), {lost} lost (cancelled or never started; not written)"
+        )
     else:
         head = f"acb generate: {n} requests: {writer.finished} finished, {writer.failed} failed" + (
-            f", {lost} cancelled (not written)" if lost else "")
+            f", {lost} cancelled (not written)" if lost else ""
+        )
     w = run.elapsed
     startup = run.t_first_submit - t_start
     where = "stdout" if to_stdout else os.path.abspath(args.output)
@@ -542,9 +603,12 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
     ]
     st = run.stats
     if st is not None:
-        lines.insert(-1, f"  engine:            {st.steps} steps, {st.preemptions} preemptions ({st.swapped_out_blocks} "
-                         f"KV blocks offloaded to host memory, {st.recomputed_preemptions} recomputed), prefix cache "
-                         f"hit rate {st.prefix_hit_rate:.1%}")
+        lines.insert(
+            -1,
+            f"  engine:            {st.steps} steps, {st.preemptions} preemptions ({st.swapped_out_blocks} "
+            f"KV blocks offloaded to host memory, {st.recomputed_preemptions} recomputed), prefix cache "
+            f"hit rate {st.prefix_hit_rate:.1%}",
+        )
     if writer.first_failure is not None:
         first = writer.first_failure
         lines.append(f"  first failure:     {first.request_id}: {first.error}")
@@ -552,5 +616,3 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
     if run.interrupted:
         return EXIT_INTERRUPTED
     return 1 if writer.failed or lost else 0
-
-

@@ -36,50 +36,107 @@ def _add_serve(sub: Any) -> None:
         ),
     )
     src = _add_model_flags(p)
-    src.add_argument("--served-model-name", metavar="NAME", default=None,
-                     help="the model's name in the API (default: the checkpoint directory's name)")
+    src.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model's name in the API (default: the checkpoint directory's name)",
+    )
     http = p.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    http.add_argument("--api-key", default=None,
-                      help="require 'Authorization: Bearer KEY' on /v1 (default: $ACB_API_KEY, else none)")
-    http.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20, metavar="N",
-                      help="largest request body accepted; larger ones get 413 (default: 16 MiB)")
-    http.add_argument("--grace-period", type=_non_negative_float, default=30.0, metavar="S",
-                      help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 30)")
-    http.add_argument("--max-prompts-per-request", type=_positive_int, default=1024, metavar="N",
-                      help="most completions (prompts x n) one request may ask for; more get 400 (default: 1024)")
-    http.add_argument("--trust-request-chat-template", action="store_true",
-                      help="accept a chat template in the request (chat_template): it is code the server runs "
-                           "(default: refused with 400)")
+    http.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $ACB_API_KEY, else none)"
+    )
+    http.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=16 << 20,
+        metavar="N",
+        help="largest request body accepted; larger ones get 413 (default: 16 MiB)",
+    )
+    http.add_argument(
+        "--grace-period",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 30)",
+    )
+    http.add_argument(
+        "--max-prompts-per-request",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="most completions (prompts x n) one request may ask for; more get 400 (default: 1024)",
+    )
+    http.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat template in the request (chat_template): it is code the server runs "
+        "(default: refused with 400)",
+    )
     out = p.add_argument_group("model output")
-    out.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                     help="how tool calls are found in the model's text for tool_choice='auto' (hermes: Hermes, "
-                          "Qwen2.5/3 <tool_call> JSON; llama3_json: Llama 3.x JSON calls). Without it, 'auto' is "
-                          "refused; 'required' and named tool choices work on any model (constrained decoding)")
-    out.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
-                     help="return the model's <think>...</think> text as reasoning_content (streamed too)")
+    out.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="how tool calls are found in the model's text for tool_choice='auto' (hermes: Hermes, "
+        "Qwen2.5/3 <tool_call> JSON; llama3_json: Llama 3.x JSON calls). Without it, 'auto' is "
+        "refused; 'required' and named tool choices work on any model (constrained decoding)",
+    )
+    out.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,
+        help="return the model's <think>...</think> text as reasoning_content (streamed too)",
+    )
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
-    eng.add_argument("--max-queue-size", type=int, default=0, metavar="N",
-                     help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)")
+    eng.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)",
+    )
     _add_engine_flags(eng)
     _add_telemetry_flags(p)
     eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
     ray = p.add_argument_group("scale-out on Ray Serve (acb/distributed/ray_serve.py; extra ray)")
-    ray.add_argument("--ray", action="store_true",
-                     help="serve through Ray Serve: --num-replicas engine replicas (one GPU each with --device cuda) "
-                          "behind Ray Serve's HTTP proxy on --host/--port, each built from this same command's flags")
-    ray.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
-                     help="replicas (default 1; with --min/--max-replicas, the initial count)")
-    ray.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
-                     help="autoscale between A and B replicas on ongoing requests")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve through Ray Serve: --num-replicas engine replicas (one GPU each with --device cuda) "
+        "behind Ray Serve's HTTP proxy on --host/--port, each built from this same command's flags",
+    )
+    ray.add_argument(
+        "--num-replicas",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="replicas (default 1; with --min/--max-replicas, the initial count)",
+    )
+    ray.add_argument(
+        "--min-replicas",
+        type=_positive_int,
+        default=None,
+        metavar="A",
+        help="autoscale between A and B replicas on ongoing requests",
+    )
     ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B")
-    ray.add_argument("--ray-address", default=None, metavar="ADDR",
-                     help="an existing Ray cluster (ray://host:10001, host:6379 or auto); default: a new local Ray "
-                          "started here (whatever an earlier `ray start` left in Ray's temp folder)")
-    ray.add_argument("--data-parallel", type=_positive_int, default=1, metavar="N",
-                     help="the same as --ray --num-replicas N on a local Ray (one scale-out path for online "
-                          "serving: Ray Serve)")
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="an existing Ray cluster (ray://host:10001, host:6379 or auto); default: a new local Ray "
+        "started here (whatever an earlier `ray start` left in Ray's temp folder)",
+    )
+    ray.add_argument(
+        "--data-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="the same as --ray --num-replicas N on a local Ray (one scale-out path for online serving: Ray Serve)",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="log acb's info messages to stderr")
     p.set_defaults(func=cmd_serve, _parser=p, no_progress=True)
 
@@ -140,21 +197,34 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         source.check()
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    app = AppOptions(trust_request_chat_template=args.trust_request_chat_template,
-                     max_prompts_per_request=args.max_prompts_per_request, grace_period=args.grace_period,
-                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    app = AppOptions(
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_prompts_per_request=args.max_prompts_per_request,
+        grace_period=args.grace_period,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     return ServerSettings(
-        model=source, engine=_engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed),
+        model=source,
+        engine=_engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed),
         name=args.served_model_name,
         api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
-        max_body_bytes=args.max_body_bytes, app=app,
+        max_body_bytes=args.max_body_bytes,
+        app=app,
         telemetry=TelemetrySettings(args.otlp_endpoint, args.otlp_protocol, args.otel_capture_content),
-        host=args.host, port=args.port, verbose=args.verbose)
+        host=args.host,
+        port=args.port,
+        verbose=args.verbose,
+    )
 
 
 def _ray_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"num_replicas": args.num_replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-            "num_gpus": 1.0 if str(args.device).startswith("cuda") else 0.0}
+    return {
+        "num_replicas": args.num_replicas,
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "num_gpus": 1.0 if str(args.device).startswith("cuda") else 0.0,
+    }
 
 
 def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
@@ -167,8 +237,7 @@ def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
         raise CliError(str(exc)) from None
     app = ray_serve.build_application(settings, **_ray_options(args))
     try:
-        ray_serve.run(app, settings, address=args.ray_address,
-                      replicas=args.num_replicas or args.min_replicas or 1)
+        ray_serve.run(app, settings, address=args.ray_address, replicas=args.num_replicas or args.min_replicas or 1)
     except ray_serve.RayStartError as exc:
         raise CliError(str(exc)) from None
     return 0
@@ -217,6 +286,10 @@ def build_ray_application(args: dict[str, Any]) -> Any:
     from acb.distributed import ray_serve
 
     return ray_serve.build_application(
-        settings, num_replicas=args.get("num_replicas"), min_replicas=args.get("min_replicas"),
-        max_replicas=args.get("max_replicas"), num_gpus=float(args.get("num_gpus", 0.0)),
-        num_cpus=float(args.get("num_cpus", 1.0)))
+        settings,
+        num_replicas=args.get("num_replicas"),
+        min_replicas=args.get("min_replicas"),
+        max_replicas=args.get("max_replicas"),
+        num_gpus=float(args.get("num_gpus", 0.0)),
+        num_cpus=float(args.get("num_cpus", 1.0)),
+    )

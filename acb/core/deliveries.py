@@ -23,7 +23,7 @@ class DeliveryBuilder:
 
     def __init__(self, release_id: Callable[[str], None]) -> None:
         """Args:
-            release_id: gives a request id back once its final output is built.
+        release_id: gives a request id back once its final output is built.
         """
         self._release_id = release_id
 
@@ -66,8 +66,11 @@ class DeliveryBuilder:
             out = req.out
             if req.finish_reason is FinishReason.GRAMMAR:  # its grammar could not go on: no token was recorded
                 recorded -= 1
-                items.append(Delivery(out.key, [], None, None, req.sample_index, None,
-                                      None if req.detok is None else out.new_text))
+                items.append(
+                    Delivery(
+                        out.key, [], None, None, req.sample_index, None, None if req.detok is None else out.new_text
+                    )
+                )
                 ended.append(req)
                 continue
             lp = top = None
@@ -121,6 +124,11 @@ class DeliveryBuilder:
         Returns:
             A FAILED output with its prompt and the error, nothing that can fail to build.
         """
-        return GenerationOutput(request_id=req.group.request_id if req.group else req.request_id,
-                                prompt_ids=req.token_ids[: req.prompt_len], status=RequestStatus.FAILED,
-                                finish_reason=FinishReason.ERROR, error=msg, failure=FailureKind.ENGINE_DEAD)
+        return GenerationOutput(
+            request_id=req.group.request_id if req.group else req.request_id,
+            prompt_ids=req.token_ids[: req.prompt_len],
+            status=RequestStatus.FAILED,
+            finish_reason=FinishReason.ERROR,
+            error=msg,
+            failure=FailureKind.ENGINE_DEAD,
+        )

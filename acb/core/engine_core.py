@@ -21,9 +21,9 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from acb.core.block_pool import BlockPool, SwapSpace
 from acb.core.deliveries import DeliveryBuilder
@@ -120,8 +120,12 @@ class EngineCore:
         self.runner = runner
         self.pool = BlockPool(cfg.num_blocks, enable_caching=cfg.prefix_caching)
         self.scheduler = Scheduler(
-            self.pool, block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
-            max_running=cfg.max_requests_per_batch, policy=cfg.scheduler_type, safety_margin=cfg.safety_margin,
+            self.pool,
+            block_size=cfg.block_size,
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_running=cfg.max_requests_per_batch,
+            policy=cfg.scheduler_type,
+            safety_margin=cfg.safety_margin,
             swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
             max_scored_rows=scored_rows_for(runner.vocab_size),
         )
@@ -142,8 +146,9 @@ class EngineCore:
         self._closed = False  # set (under _lock) as the thread exits; adds are refused after
         self._drain_on_stop = False
         # the caller's pause and sleep: two holds that compose (their contract: acb.core.holds)
-        self.holds: Holds[Request] = Holds(asleep=self.runner_asleep, release=self.scheduler.add,
-                                           changed=self._publish_stats)
+        self.holds: Holds[Request] = Holds(
+            asleep=self.runner_asleep, release=self.scheduler.add, changed=self._publish_stats
+        )
         self.outputs = DeliveryBuilder(self.release_id)  # what callers receive
         self.dead_error: BaseException | None = None
         self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
@@ -177,8 +182,8 @@ class EngineCore:
 
     def check_alive(self) -> None:
         """Raises:
-            EngineDeadError: the engine thread died (the cause is chained).
-            EngineNotRunningError: it was not started, or stops.
+        EngineDeadError: the engine thread died (the cause is chained).
+        EngineNotRunningError: it was not started, or stops.
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine died: {self.dead_error!r}") from self.dead_error
@@ -234,7 +239,7 @@ class EngineCore:
         """
         self._post(Cancel(request_id))
 
-    def call(self, fn: Callable[["EngineCore"], Any]) -> Future:
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future:
         """Run ``fn(core)`` on the engine thread between steps; returns its Future."""
         fut: Future = Future()
         self._post(Call(fn, fut))
@@ -359,9 +364,11 @@ class EngineCore:
         match cmd:
             case Add(er):
                 if er.params.stop and self.tokenizer is None:  # (a leader refuses them at submit)
-                    raise RuntimeError(f"request {er.request_id!r} has stop strings, and this tensor-parallel rank's "
-                                       "engine has no tokenizer to match them in lock step: give every rank's "
-                                       "engine the tokenizer")
+                    raise RuntimeError(
+                        f"request {er.request_id!r} has stop strings, and this tensor-parallel rank's "
+                        "engine has no tokenizer to match them in lock step: give every rank's "
+                        "engine the tokenizer"
+                    )
                 if er.params.structured_outputs is not None and self._grammars is None:
                     if self._grammar_factory is None:
                         raise RuntimeError("a request has structured outputs and this engine has no grammar compiler")
@@ -397,7 +404,9 @@ class EngineCore:
                 self._drain_on_stop = drain
                 if self.runner_asleep() and drain and self.scheduler.has_work():
                     self._wake_runner()  # a draining stop runs what is left
-                if self.holds.state is not PauseState.RUNNING:  # a stop ends a pause: drained or cancelled, nothing stays parked
+                if (
+                    self.holds.state is not PauseState.RUNNING
+                ):  # a stop ends a pause: drained or cancelled, nothing stays parked
                     self.holds.leave()
                 return True
         raise ValueError(f"unknown engine command {cmd!r}")
@@ -558,8 +567,7 @@ class EngineCore:
             # the ranks' collectives are out of step once one rank's step failed: nothing can
             # carry on, so the engine dies (every handle fails) on every rank
             raise exc
-        logger.error("step %d failed; failing its %d requests", sched.step_id, sched.num_seqs,
-                     exc_info=exc)
+        logger.error("step %d failed; failing its %d requests", sched.step_id, sched.num_seqs, exc_info=exc)
         msg = f"{type(exc).__name__}: {exc}"
         self.scheduler.abandon_step(sched.step_id)
         failed = [r for r in sched.requests if not r.status.is_terminal]
@@ -598,8 +606,18 @@ class EngineCore:
         tm.compute += (t_launch - t_stage) + (t3 - t2)
         tm.process += t4 - t3
         if self.step_log is not None:
-            self.step_log.append((sched.num_seqs, sched.num_tokens, sched.num_decode_tokens,
-                                  t_sched, t_stage, t_launch - t_stage + (t3 - t2), t4 - t3, t4))
+            self.step_log.append(
+                (
+                    sched.num_seqs,
+                    sched.num_tokens,
+                    sched.num_decode_tokens,
+                    t_sched,
+                    t_stage,
+                    t_launch - t_stage + (t3 - t2),
+                    t4 - t3,
+                    t4,
+                )
+            )
         self._publish_stats()  # before delivering: a caller holding every result sees them counted
         if items:
             self._deliver(items)

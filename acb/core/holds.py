@@ -58,12 +58,13 @@ class Holds(Generic[T]):
     """The pause state machine, the requests it holds while draining, and the ``pause()``
     Futures waiting for a drain (``T``: the engine's request type)."""
 
-    def __init__(self, *, asleep: Callable[[], bool], release: Callable[[T], None],
-                 changed: Callable[[], None]) -> None:
+    def __init__(
+        self, *, asleep: Callable[[], bool], release: Callable[[T], None], changed: Callable[[], None]
+    ) -> None:
         """Args:
-            asleep: whether the runner sleeps (the other hold).
-            release: hands a held request to the scheduler's queue.
-            changed: called when the holds changed (the engine publishes its stats).
+        asleep: whether the runner sleeps (the other hold).
+        release: hands a held request to the scheduler's queue.
+        changed: called when the holds changed (the engine publishes its stats).
         """
         self.state = PauseState.RUNNING
         self.held: deque[T] = deque()  # requests added while draining for a pause
@@ -79,7 +80,7 @@ class Holds(Generic[T]):
 
     def may_step(self) -> bool:
         """Returns:
-            Whether steps may run: not paused (a drain still runs its live requests) and awake.
+        Whether steps may run: not paused (a drain still runs its live requests) and awake.
         """
         return self.state is not PauseState.PAUSED and not self._asleep()
 
@@ -113,7 +114,7 @@ class Holds(Generic[T]):
 
     def take_held(self) -> list[T]:
         """Returns:
-            Every held request, in order, no longer held (the engine stops or dies).
+        Every held request, in order, no longer held (the engine stops or dies).
         """
         items = list(self.held)
         self.held.clear()

@@ -82,7 +82,6 @@ class KVManager:
             need += sum(1 for c in req.children if not c.status.is_terminal)
         return need
 
-
     def lookup(self, req: Request) -> list[int]:
         """Cached blocks for the longest known prefix of ``req`` (at least one token is left to
         compute, so the whole last block is recomputed when the prompt is block-aligned; a request

@@ -25,15 +25,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from acb.outputs import GenerationOutput
-
     from acb.config import ResolvedConfig
     from acb.core.request import Request
+    from acb.outputs import GenerationOutput
     from acb.sampling_params import SamplingParams
 
 
@@ -106,7 +105,9 @@ class GrammarSupport(Protocol):
     def compile_now(self, spec: Any) -> Any: ...  # -> a compiled grammar with .matcher()
     def bitmask(self, rows: int) -> torch.Tensor: ...
     # the rows of a filled bitmask with no token left once each row's excluded ones are out
-    def dead_ends(self, bitmask: torch.Tensor, rows: Sequence[int], excluded: Sequence[Collection[int]]) -> list[int]: ...
+    def dead_ends(
+        self, bitmask: torch.Tensor, rows: Sequence[int], excluded: Sequence[Collection[int]]
+    ) -> list[int]: ...
 
 
 @dataclass
@@ -155,7 +156,6 @@ class SchedulerOutput:
     @property
     def num_seqs(self) -> int:
         return len(self.requests)
-
 
 
 @dataclass
@@ -262,7 +262,7 @@ class Stop:
     drain: bool  # finish the live requests first (else they are cancelled)
 
 
-Command = Union[Add, Cancel, Call, Pause, Resume, ResetPrefix, Sleep, Wake, Stop]
+Command = Add | Cancel | Call | Pause | Resume | ResetPrefix | Sleep | Wake | Stop
 
 
 # ------------------------------------------------------------- to the callers' threads

@@ -30,7 +30,7 @@ class RequestOutputState:
 
     def __init__(self, record_timestamps: bool) -> None:
         """Args:
-            record_timestamps: keep each token's arrival time.
+        record_timestamps: keep each token's arrival time.
         """
         self.key = -1  # EngineRequest.sink_key: where its results are delivered (the group's, for n > 1)
         self.new_text = ""  # the text completed by the latest token (stop strings only)
@@ -53,16 +53,48 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "token_ids", "prompt_len", "max_new_tokens", "stop_token_ids",
-        "params", "seed", "want_logprobs", "record_timestamps", "status", "num_computed_tokens",
-        "block_ids", "row", "created_time", "first_scheduled_time", "first_token_time",
-        "finish_time", "finish_reason", "error", "failure", "num_preemptions",
-        "num_cached_tokens", "events", "prompt_lps", "detok", "matcher", "checks", "group",
+        "request_id",
+        "token_ids",
+        "prompt_len",
+        "max_new_tokens",
+        "stop_token_ids",
+        "params",
+        "seed",
+        "want_logprobs",
+        "record_timestamps",
+        "status",
+        "num_computed_tokens",
+        "block_ids",
+        "row",
+        "created_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "finish_time",
+        "finish_reason",
+        "error",
+        "failure",
+        "num_preemptions",
+        "num_cached_tokens",
+        "events",
+        "prompt_lps",
+        "detok",
+        "matcher",
+        "checks",
+        "group",
         "dead_end",
         "sample_index",
         "children",
-        "block_hashes", "num_registered", "kv_epoch", "cache_salt", "swapped", "in_flight", "last_sample",
-        "scoring", "lp_start", "score_next", "out",
+        "block_hashes",
+        "num_registered",
+        "kv_epoch",
+        "cache_salt",
+        "swapped",
+        "in_flight",
+        "last_sample",
+        "scoring",
+        "lp_start",
+        "score_next",
+        "out",
     )
 
     def __init__(
@@ -157,8 +189,9 @@ class Request:
         matcher = self.matcher
         if matcher is not None and (self.dead_end or not matcher.accept(token_id)):
             if not self.dead_end:  # (a mask that allowed tokens was not kept to: NaN logits, or a bug)
-                logger.warning("request %s: a sampled token is outside its grammar's mask; it ends there",
-                               self.request_id)
+                logger.warning(
+                    "request %s: a sampled token is outside its grammar's mask; it ends there", self.request_id
+                )
             self.finish_reason = FinishReason.GRAMMAR
             self.out.new_text = ""
             return self._text_ends()
@@ -303,9 +336,20 @@ class RequestGroup:
                 head.error, head.failure = first.error, first.failure
                 break
         head.samples = [
-            SampleOutput(i, o.generated_tokens, o.logprobs, o.top_logprobs, o.status, o.finish_reason, o.text,
-                         o.prompt_logprobs, o.prompt_top_logprobs, o.next_token_logprobs, o.next_token_top_logprobs,
-                         o.num_cached_tokens)
+            SampleOutput(
+                i,
+                o.generated_tokens,
+                o.logprobs,
+                o.top_logprobs,
+                o.status,
+                o.finish_reason,
+                o.text,
+                o.prompt_logprobs,
+                o.prompt_top_logprobs,
+                o.next_token_logprobs,
+                o.next_token_top_logprobs,
+                o.num_cached_tokens,
+            )
             for i, o in enumerate(outs)
         ]
         times = [o.time_to_first_token for o in outs if o.time_to_first_token is not None]
@@ -317,8 +361,9 @@ class RequestGroup:
         return head
 
 
-def build_request(er: EngineRequest, tokenizer: TokenizerLike | None,
-                  grammars: GrammarSupport | None = None, *, runs: bool = True) -> Request:
+def build_request(
+    er: EngineRequest, tokenizer: TokenizerLike | None, grammars: GrammarSupport | None = None, *, runs: bool = True
+) -> Request:
     """The engine-thread state of a submit: one :class:`Request`, or the group's first member
     (``n`` samples, or a scoring group) with the others as its children. ``tokenizer`` decodes
     the text of requests with stop strings; ``grammars`` gives each sample of a constrained
@@ -328,8 +373,10 @@ def build_request(er: EngineRequest, tokenizer: TokenizerLike | None,
     compiled = None
     if params.structured_outputs is not None and runs:
         if grammars is None:
-            raise RuntimeError(f"request {er.request_id!r} has structured outputs, and this engine has no grammar "
-                               "compiler (a tensor-parallel rank without the tokenizer)")
+            raise RuntimeError(
+                f"request {er.request_id!r} has structured outputs, and this engine has no grammar "
+                "compiler (a tensor-parallel rank without the tokenizer)"
+            )
         compiled = grammars.compile_now(params.structured_outputs)
     targets = (er.score, *er.children) if er.score is not None else ()
     members = []

@@ -218,10 +218,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         self.kv.begin_step(self._step_id)
         out = SchedulerOutput(
-            step_id=self._step_id, requests=[], rows=[], num_new=[], start_pos=[], input_ids=[],
-            sample_idx=[], sample_reqs=[], sample_rows=[], sample_gen_idx=[], block_updates=[],
-            newly_admitted=[], row_inits=[], freed_rows=self._freed_rows, block_copies_after=[],
-            swap_out=self._swap_out_carry, swap_in=[],
+            step_id=self._step_id,
+            requests=[],
+            rows=[],
+            num_new=[],
+            start_pos=[],
+            input_ids=[],
+            sample_idx=[],
+            sample_reqs=[],
+            sample_rows=[],
+            sample_gen_idx=[],
+            block_updates=[],
+            newly_admitted=[],
+            row_inits=[],
+            freed_rows=self._freed_rows,
+            block_copies_after=[],
+            swap_out=self._swap_out_carry,
+            swap_in=[],
         )
         self._freed_rows, self._swap_out_carry = [], []
         budget = self.max_batch_tokens
@@ -252,9 +265,7 @@ class Scheduler:
         st.decode_tokens += out.num_decode_tokens
         return out
 
-    def _schedule_running(
-        self, out: SchedulerOutput, budget: int, candidates: list[Request]
-    ) -> tuple[int, bool]:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, candidates: list[Request]) -> tuple[int, bool]:
         """Schedule ``candidates`` (running requests, in order); preempt the newest when blocks run out."""
         preempted_any = False
         scheduled = {id(r) for r in out.requests}
@@ -277,8 +288,7 @@ class Scheduler:
             if in_flight and req.matcher is not None:
                 continue  # structured outputs: its next mask needs the token in flight
             todo = len(toks) + in_flight - computed
-            if (fast and todo == 1 and computed >= req.prompt_len and not req.children
-                    and kv.take_decode_slot(req, out)):
+            if fast and todo == 1 and computed >= req.prompt_len and not req.children and kv.take_decode_slot(req, out):
                 i = len(requests)
                 requests.append(req)
                 rows.append(req.row)
@@ -310,9 +320,16 @@ class Scheduler:
                 # the newest running request not yet in this step, except those whose last token is
                 # in flight (async batching): they give their blocks back when it arrives
                 # (a sample forked in this step is in it too, through its parent's row of logits)
-                victim = next((r for r in reversed(self.running)
-                               if id(r) not in scheduled and r.last_sample[0] != out.step_id
-                               and not self._last_token_in_flight(r)), None)
+                victim = next(
+                    (
+                        r
+                        for r in reversed(self.running)
+                        if id(r) not in scheduled
+                        and r.last_sample[0] != out.step_id
+                        and not self._last_token_in_flight(r)
+                    ),
+                    None,
+                )
                 if victim is None:
                     break
                 self._preempt(victim, out)
@@ -405,8 +422,9 @@ class Scheduler:
         if req.prompt_lps is not None:  # positions whose next token is a prompt token, not yet done
             lo, hi = max(start, req.lp_start + len(req.prompt_lps)), min(end, req.prompt_len - 1)
             if hi > lo:
-                out.prompt_lp.append(PromptRows(req, lo, hi - lo, len(out.input_ids) + lo - start,
-                                                req.token_ids[lo + 1 : hi + 1]))
+                out.prompt_lp.append(
+                    PromptRows(req, lo, hi - lo, len(out.input_ids) + lo - start, req.token_ids[lo + 1 : hi + 1])
+                )
                 out.scored_rows += hi - lo
         out.input_ids.extend(req.token_ids[start : min(end, known)])
         if end > known:  # the one token sampled by the step in flight (async batching)

@@ -45,9 +45,19 @@ def to_wire(cmd: Command) -> tuple[Any, ...]:
     match cmd:
         case Add(req):
             score = None if req.score is None else [_target_wire(t) for t in (req.score, *req.children)]
-            return ("add", req.request_id, list(req.prompt_ids),
-                    [_plain(getattr(req.params, f.name)) for f in dataclasses.fields(req.params)], req.max_new_tokens,
-                    sorted(req.stop_token_ids), req.seed, req.n, req.record_timestamps, req.cache_salt, score)
+            return (
+                "add",
+                req.request_id,
+                list(req.prompt_ids),
+                [_plain(getattr(req.params, f.name)) for f in dataclasses.fields(req.params)],
+                req.max_new_tokens,
+                sorted(req.stop_token_ids),
+                req.seed,
+                req.n,
+                req.record_timestamps,
+                req.cache_salt,
+                score,
+            )
         case Cancel(request_id):
             return ("cancel", request_id)
         case Stop(drain):
@@ -73,11 +83,30 @@ def from_wire(wire: tuple[Any, ...]) -> Command:
         _, rid, prompt, values, max_new, stop_ids, seed, n, stamps, salt, score = wire
         params = SamplingParams(**dict(zip((f.name for f in dataclasses.fields(SamplingParams)), values)))
         targets = [ScoreTarget(tuple(p), start, None if nxt is None else tuple(nxt)) for p, start, nxt in score or ()]
-        return Add(EngineRequest(rid, -1, tuple(prompt), params, max_new, frozenset(stop_ids), seed, n,
-                                 time.perf_counter(), stamps, salt, targets[0] if targets else None,
-                                 tuple(targets[1:])))
+        return Add(
+            EngineRequest(
+                rid,
+                -1,
+                tuple(prompt),
+                params,
+                max_new,
+                frozenset(stop_ids),
+                seed,
+                n,
+                time.perf_counter(),
+                stamps,
+                salt,
+                targets[0] if targets else None,
+                tuple(targets[1:]),
+            )
+        )
     simple: dict[str, Callable[[], Command]] = {
-        "cancel": lambda: Cancel(wire[1]), "stop": lambda: Stop(wire[1]), "pause": lambda: Pause(wire[1], Future()),
-        "resume": lambda: Resume(Future()), "reset_prefix": lambda: ResetPrefix(Future()),
-        "sleep": lambda: Sleep(Future()), "wake": lambda: Wake(Future())}
+        "cancel": lambda: Cancel(wire[1]),
+        "stop": lambda: Stop(wire[1]),
+        "pause": lambda: Pause(wire[1], Future()),
+        "resume": lambda: Resume(Future()),
+        "reset_prefix": lambda: ResetPrefix(Future()),
+        "sleep": lambda: Sleep(Future()),
+        "wake": lambda: Wake(Future()),
+    }
     return simple[kind]()

@@ -70,7 +70,9 @@ try:
     import ray
     import ray.data
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(f"acb.distributed.ray needs Ray Data: pip install -e '.[ray]' in acb's checkout ({exc})") from None
+    raise ImportError(
+        f"acb.distributed.ray needs Ray Data: pip install -e '.[ray]' in acb's checkout ({exc})"
+    ) from None
 
 from acb.api import scoring
 from acb.api.engine import Engine
@@ -231,8 +233,9 @@ class AcbPredictor:
         prompts = [_plain(p) for p in batch[self.prompt_column]]
         if self.continuations_column is not None:
             if self.continuations_column not in names:
-                raise KeyError(f"the batch has no continuations column {self.continuations_column!r} (its columns: "
-                               f"{names})")
+                raise KeyError(
+                    f"the batch has no continuations column {self.continuations_column!r} (its columns: {names})"
+                )
             columns = self._score(prompts, [_plain(c) for c in batch[self.continuations_column]])
         else:
             overrides = list(batch[self.sampling_column]) if self.sampling_column in names else [None] * len(prompts)
@@ -249,8 +252,11 @@ class AcbPredictor:
         try:
             for i, (prompt, override) in enumerate(zip(prompts, overrides)):
                 try:
-                    handles.append(self.engine.submit(prompt, self._row_sampling(override),
-                                                      chat_template_kwargs=self.chat_template_kwargs))
+                    handles.append(
+                        self.engine.submit(
+                            prompt, self._row_sampling(override), chat_template_kwargs=self.chat_template_kwargs
+                        )
+                    )
                 except (ValueError, TypeError) as exc:
                     if self.on_error == "raise":
                         raise type(exc)(f"row {i} of the batch: {exc}") from None
@@ -311,7 +317,9 @@ class AcbPredictor:
                 continuation_logprobs=[c.logprob for c in out.continuations] if ok and out else [],
                 continuation_token_logprobs=[list(c.logprobs) for c in out.continuations] if ok and out else [],
                 continuation_greedy=[c.greedy for c in out.continuations] if ok and out else [],
-                num_cached_tokens=out.num_cached_tokens if out is not None else 0, error=errors[i])
+                num_cached_tokens=out.num_cached_tokens if out is not None else 0,
+                error=errors[i],
+            )
             if self.worker_column is not None:
                 row[self.worker_column] = self.worker
             for name in self.columns:
@@ -322,8 +330,9 @@ class AcbPredictor:
         if _is_missing(override):
             return self.sampling
         if not isinstance(override, Mapping):
-            raise TypeError(f"{self.sampling_column!r} must hold dicts of SamplingParams fields, got "
-                            f"{type(override).__name__}")
+            raise TypeError(
+                f"{self.sampling_column!r} must hold dicts of SamplingParams fields, got {type(override).__name__}"
+            )
         given = {k: _plain(v) for k, v in override.items() if v is not None}
         params = with_overrides(self.sampling_column, self.sampling, given)
         assert params is not None  # self.sampling is not None
@@ -335,16 +344,30 @@ class AcbPredictor:
         cols: dict[str, list[Any]] = {name: [] for name in self.columns}
         for out, error in zip(outputs, errors):
             if out is None:  # rejected at submit (on_error="row")
-                row: dict[str, Any] = dict(generated_text=None, generated_token_ids=[], num_prompt_tokens=0,
-                                           num_generated_tokens=0, finish_reason="error", logprobs=[],
-                                           top_logprobs=[], prompt_logprobs=[], prompt_top_logprobs=[])
+                row: dict[str, Any] = dict(
+                    generated_text=None,
+                    generated_token_ids=[],
+                    num_prompt_tokens=0,
+                    num_generated_tokens=0,
+                    finish_reason="error",
+                    logprobs=[],
+                    top_logprobs=[],
+                    prompt_logprobs=[],
+                    prompt_top_logprobs=[],
+                )
             else:
                 row = dict(
-                    generated_text=out.text, generated_token_ids=list(out.generated_tokens),
-                    num_prompt_tokens=len(out.prompt_ids), num_generated_tokens=len(out.generated_tokens),
-                    finish_reason="error" if error is not None or out.finish_reason is None else out.finish_reason.value,
-                    logprobs=list(out.logprobs), top_logprobs=_tops(out.top_logprobs),
-                    prompt_logprobs=list(out.prompt_logprobs or []), prompt_top_logprobs=_tops(out.prompt_top_logprobs),
+                    generated_text=out.text,
+                    generated_token_ids=list(out.generated_tokens),
+                    num_prompt_tokens=len(out.prompt_ids),
+                    num_generated_tokens=len(out.generated_tokens),
+                    finish_reason="error"
+                    if error is not None or out.finish_reason is None
+                    else out.finish_reason.value,
+                    logprobs=list(out.logprobs),
+                    top_logprobs=_tops(out.top_logprobs),
+                    prompt_logprobs=list(out.prompt_logprobs or []),
+                    prompt_top_logprobs=_tops(out.prompt_top_logprobs),
                 )
             row["error"] = error
             if self.worker_column is not None:
@@ -397,8 +420,10 @@ def generate_dataset(
         import inspect
 
         if "enable_true_multi_threading" not in inspect.signature(ray.data.ActorPoolStrategy).parameters:
-            raise ValueError(f"max_concurrent_batches > 1 needs a newer Ray than {ray.__version__} "
-                             "(ActorPoolStrategy(enable_true_multi_threading=...))")
+            raise ValueError(
+                f"max_concurrent_batches > 1 needs a newer Ray than {ray.__version__} "
+                "(ActorPoolStrategy(enable_true_multi_threading=...))"
+            )
         pool.update(max_concurrent_calls_per_actor=max_concurrent_batches, enable_true_multi_threading=True)
     return ds.map_batches(
         AcbPredictor,

@@ -48,10 +48,20 @@ try:
     from ray.serve.handle import DeploymentHandle
     from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(f"acb's Ray Serve application needs Ray Serve: pip install -e '.[ray]' in acb's checkout ({exc})") from None
+    raise ImportError(
+        f"acb's Ray Serve application needs Ray Serve: pip install -e '.[ray]' in acb's checkout ({exc})"
+    ) from None
 
-__all__ = ["AcbEngine", "AcbIngress", "PrefixAffinityRouter", "RayStartError", "affinity_key", "build_application",
-           "deployment_options", "run"]
+__all__ = [
+    "AcbEngine",
+    "AcbIngress",
+    "PrefixAffinityRouter",
+    "RayStartError",
+    "affinity_key",
+    "build_application",
+    "deployment_options",
+    "run",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +79,9 @@ class PrefixAffinityRouter(RequestRouter):
     """Rendezvous hashing of each request's prefix key over the live replicas: the preferred
     replica first, the others (least loaded first, by Ray Serve) next."""
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         """Rank the candidates for one request (never raises: a request Serve cannot route would
         wait forever).
 
@@ -89,8 +100,12 @@ class PrefixAffinityRouter(RequestRouter):
                 key = getattr(pending_request.args[0], "affinity", None)
             if not key or len(candidate_replicas) < 2:
                 return [candidate_replicas]
-            ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
-                f"{key}\0{r.replica_id.unique_id}".encode("utf-8", "surrogatepass"), digest_size=8).digest())
+            ranked = sorted(
+                candidate_replicas,
+                key=lambda r: hashlib.blake2b(
+                    f"{key}\0{r.replica_id.unique_id}".encode("utf-8", "surrogatepass"), digest_size=8
+                ).digest(),
+            )
             return [[ranked[0]], ranked[1:]]
         except Exception:  # noqa: BLE001 - any replica will do
             logger.exception("acb serve: the prefix-affinity router failed; routing by load")
@@ -140,10 +155,20 @@ class AcbEngine:
         async def send(message: MutableMapping[str, Any]) -> None:
             await sent.put(dict(message))
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": req.method,
-                 "scheme": "http", "path": req.path, "raw_path": req.path.encode(), "root_path": "",
-                 "query_string": req.query.encode(), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
-                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req.headers]}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": req.method,
+            "scheme": "http",
+            "path": req.path,
+            "raw_path": req.path.encode(),
+            "root_path": "",
+            "query_string": req.query.encode(),
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+            "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req.headers],
+        }
         task = asyncio.ensure_future(self.app(scope, receive, send))
         try:
             while True:
@@ -200,8 +225,12 @@ class AcbIngress:
 
     def __serve_build_asgi_app__(self) -> Any:
         engines = self.engines
-        return forwarding_app(lambda routed: engines.options(stream=True).forward.remote(routed), self.max_body_bytes,
-                              self.stopping, _cancel)
+        return forwarding_app(
+            lambda routed: engines.options(stream=True).forward.remote(routed),
+            self.max_body_bytes,
+            self.stopping,
+            _cancel,
+        )
 
     async def drain(self, grace_period: float) -> int:
         """Stop as a plain ``acb serve`` stops (:meth:`acb.serve.ingress.IngressDrain.drain`).
@@ -219,9 +248,15 @@ class AcbIngress:
         self.stopping.expire()
 
 
-def deployment_options(*, num_replicas: int | None = None, min_replicas: int | None = None,
-                       max_replicas: int | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0,
-                       grace_period: float = 30.0) -> dict[str, Any]:
+def deployment_options(
+    *,
+    num_replicas: int | None = None,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+    num_gpus: float = 0.0,
+    num_cpus: float = 1.0,
+    grace_period: float = 30.0,
+) -> dict[str, Any]:
     """Ray Serve options of the replicas: a fixed count, or autoscaling between
     ``min_replicas`` and ``max_replicas`` on ongoing requests.
 
@@ -244,15 +279,26 @@ def deployment_options(*, num_replicas: int | None = None, min_replicas: int | N
     }
     if min_replicas is not None or max_replicas is not None:
         lo = min_replicas if min_replicas is not None else 1
-        opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": max(max_replicas or lo, lo),
-                                      "initial_replicas": num_replicas or lo, "target_ongoing_requests": 32}
+        opts["autoscaling_config"] = {
+            "min_replicas": lo,
+            "max_replicas": max(max_replicas or lo, lo),
+            "initial_replicas": num_replicas or lo,
+            "target_ongoing_requests": 32,
+        }
     else:
         opts["num_replicas"] = num_replicas or 1
     return opts
 
 
-def build_application(settings: ServerSettings, *, num_replicas: int | None = None, min_replicas: int | None = None,
-                      max_replicas: int | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0) -> Any:
+def build_application(
+    settings: ServerSettings,
+    *,
+    num_replicas: int | None = None,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+    num_gpus: float = 0.0,
+    num_cpus: float = 1.0,
+) -> Any:
     """The Ray Serve application: engine replicas built from ``settings`` behind the ingress.
 
     Args:
@@ -266,14 +312,27 @@ def build_application(settings: ServerSettings, *, num_replicas: int | None = No
     Returns:
         The bound application (for ``serve.run``, or a config file's builder).
     """
-    opts = deployment_options(num_replicas=num_replicas, min_replicas=min_replicas, max_replicas=max_replicas,
-                              num_gpus=num_gpus, num_cpus=num_cpus, grace_period=settings.grace_period)
-    engines = serve.deployment(AcbEngine, name="AcbEngine").options(  # type: ignore[attr-defined]
-        request_router_config=RequestRouterConfig(
-            request_router_class="acb.distributed.ray_serve:PrefixAffinityRouter"),  # type: ignore[arg-type]
-        **opts).bind(settings)
+    opts = deployment_options(
+        num_replicas=num_replicas,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        grace_period=settings.grace_period,
+    )
+    engines = (
+        serve.deployment(AcbEngine, name="AcbEngine")
+        .options(  # type: ignore[attr-defined]
+            request_router_config=RequestRouterConfig(
+                request_router_class="acb.distributed.ray_serve:PrefixAffinityRouter"  # type: ignore[arg-type]
+            ),
+            **opts,
+        )
+        .bind(settings)
+    )
     ingress = serve.deployment(AcbIngress, name="AcbIngress").options(  # type: ignore[attr-defined]
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096
+    )
     return ingress.bind(engines, settings.max_body_bytes)
 
 
@@ -306,8 +365,9 @@ def run(app: Any, settings: ServerSettings, *, address: str | None = None, repli
     try:
         ray.init(address=address or "local", include_dashboard=False, log_to_driver=settings.verbose)
     except Exception as exc:  # noqa: BLE001 - reported as what it is: Ray did not start
-        raise RayStartError(f"Ray did not start{f' at --ray-address {address}' if address else ''}: "
-                            f"{type(exc).__name__}: {exc}") from None
+        raise RayStartError(
+            f"Ray did not start{f' at --ray-address {address}' if address else ''}: {type(exc).__name__}: {exc}"
+        ) from None
     signals: list[int] = []
     got = threading.Event()
     try:
@@ -324,8 +384,11 @@ def run(app: Any, settings: ServerSettings, *, address: str | None = None, repli
         for sig in (signal.SIGINT, signal.SIGTERM):  # (after Ray's start-up, which installs its own)
             signal.signal(sig, on_signal)
         gcs = ray.get_runtime_context().gcs_address
-        print(f"acb serve: {settings.served_name!r} ready at http://{host}:{port} (OpenAI API under /v1) on Ray "
-              f"Serve (Ray at {gcs}), {replicas} replica(s), started in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"acb serve: {settings.served_name!r} ready at http://{host}:{port} (OpenAI API under /v1) on Ray "
+            f"Serve (Ray at {gcs}), {replicas} replica(s), started in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         while not got.wait(0.2):
             pass
         print("acb serve: stopping: draining the ingress", flush=True)

@@ -13,5 +13,13 @@ from acb.runner.tp_sync import (
     tp_size_of,
 )
 
-__all__ = ["FRAME_BYTES", "StepSync", "agree_min", "check_same_settings", "decode_commands", "encode_commands",
-           "tp_group", "tp_size_of"]
+__all__ = [
+    "FRAME_BYTES",
+    "StepSync",
+    "agree_min",
+    "check_same_settings",
+    "decode_commands",
+    "encode_commands",
+    "tp_group",
+    "tp_size_of",
+]

@@ -46,8 +46,9 @@ from __future__ import annotations
 import importlib
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -84,8 +85,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # lm-eval generation keywords that map one to one onto SamplingParams fields
-_SAMPLING_KEYS = frozenset({"top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                            "frequency_penalty", "seed", "min_new_tokens"})
+_SAMPLING_KEYS = frozenset(
+    {"top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "min_new_tokens"}
+)
 _ENGINE_KEYS = frozenset(f.name for f in fields(ContinuousBatchingConfig) if f.init)
 
 _T = TypeVar("_T")
@@ -140,11 +142,17 @@ class AcbLM(TemplateLM):
         super().__init__()
         unknown = sorted(set(engine_settings) - _ENGINE_KEYS)
         if unknown:
-            raise TypeError(f"AcbLM got unknown argument(s) {unknown}: the model arguments are AcbLM's own "
-                            "and the fields of acb.ContinuousBatchingConfig")
+            raise TypeError(
+                f"AcbLM got unknown argument(s) {unknown}: the model arguments are AcbLM's own "
+                "and the fields of acb.ContinuousBatchingConfig"
+            )
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
-            logger.info("acb schedules its own batches: batch_size=%s / max_batch_size=%s have no effect "
-                        "(set max_batch_tokens or max_requests_per_batch instead)", batch_size, max_batch_size)
+            logger.info(
+                "acb schedules its own batches: batch_size=%s / max_batch_size=%s have no effect "
+                "(set max_batch_tokens or max_requests_per_batch instead)",
+                batch_size,
+                max_batch_size,
+            )
         config = ContinuousBatchingConfig(**engine_settings)
         hub_kwargs: dict[str, Any] = {"revision": revision} if revision is not None else {}
         if trust_remote_code:
@@ -159,8 +167,7 @@ class AcbLM(TemplateLM):
                 if not isinstance(getattr(torch, dtype, None), torch.dtype):
                     raise ValueError(f"dtype={dtype!r}: expected 'auto' or a torch dtype name such as 'bfloat16'")
                 dtype = getattr(torch, dtype)
-            engine = Engine.from_pretrained(pretrained, config, dtype=dtype, device=device, tokenizer=tok,
-                                            **hub_kwargs)
+            engine = Engine.from_pretrained(pretrained, config, dtype=dtype, device=device, tokenizer=tok, **hub_kwargs)
         else:
             engine = Engine(pretrained, config, tokenizer=tok)
         self.engine = engine
@@ -172,13 +179,19 @@ class AcbLM(TemplateLM):
         limit = engine.config.max_model_len
         if max_length is not None and not 0 < max_length <= limit:
             self.close()
-            raise ValueError(f"max_length={max_length}: acb can score a window of at most {limit} tokens with "
-                             f"this engine (its max_model_len)")
+            raise ValueError(
+                f"max_length={max_length}: acb can score a window of at most {limit} tokens with "
+                f"this engine (its max_model_len)"
+            )
         if max_length is None:
             max_length = resolve_max_length(engine.model.config, tok)  # what hf's window is
             if max_length > limit:
-                logger.warning("the context window is %d tokens (the engine's max_model_len), not the model's %d: "
-                               "the KV cache is too small for a whole window", limit, max_length)
+                logger.warning(
+                    "the context window is %d tokens (the engine's max_model_len), not the model's %d: "
+                    "the KV cache is too small for a whole window",
+                    limit,
+                    max_length,
+                )
                 max_length = limit
         self._max_length = max_length
         self._max_gen_toks = max_gen_toks
@@ -232,8 +245,9 @@ class AcbLM(TemplateLM):
         }
 
     # --------------------------------------------------------------- tokens
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
-                   left_truncate_len: int | None = None, **kwargs: Any) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs: Any
+    ) -> list[int]:
         """Token ids of ``string`` as lm-eval's ``hf`` makes them: the tokenizer's special tokens
         (or ``add_bos_token``), none when the string already starts with the prefix token."""
         special: dict[str, bool] = {}
@@ -257,9 +271,15 @@ class AcbLM(TemplateLM):
         from jinja2.exceptions import TemplateError
 
         def render(chat: list[dict[str, str]]) -> str:
-            return str(self.tokenizer.apply_chat_template(
-                chat, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=not add_generation_prompt, **self.chat_template_args))
+            return str(
+                self.tokenizer.apply_chat_template(
+                    chat,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=not add_generation_prompt,
+                    **self.chat_template_args,
+                )
+            )
 
         try:
             return render(chat_history)
@@ -268,8 +288,9 @@ class AcbLM(TemplateLM):
             return render([m for m in chat_history if m["role"] != "system"])
 
     # ------------------------------------------------------------- requests
-    def _loglikelihood_tokens(self, requests: list[_TokenRequest], disable_tqdm: bool = False,
-                              **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[_TokenRequest], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """Score every continuation through the engine's scoring requests, all at once: the
         continuations of one context are one :meth:`acb.Engine.score` item (its one-token choices
         a single forward of the context), and the items go in sorted by tokens, so that contexts
@@ -285,15 +306,19 @@ class AcbLM(TemplateLM):
                 # the continuation) comes here bare, and hf asserts on it: refuse it as hf does
                 # rather than score the continuation without its first token
                 context = repr(request_str[0]) if request_str is not None else "of a rolling window"
-                raise ValueError(f"loglikelihood: the context {context} encodes to no tokens, so the "
-                                 "continuation's first token has nothing to be scored after (lm-eval's hf "
-                                 "backend refuses it too; only an empty context gets the prefix token)")
+                raise ValueError(
+                    f"loglikelihood: the context {context} encodes to no tokens, so the "
+                    "continuation's first token has nothing to be scored after (lm-eval's hf "
+                    "backend refuses it too; only an empty context gets the prefix token)"
+                )
             if not cont:
                 raise ValueError("loglikelihood: the continuation encodes to no tokens")
             if len(cont) > self.max_length:
-                raise ValueError(f"loglikelihood: a continuation of {len(cont)} tokens does not fit the "
-                                 f"context window of {self.max_length} tokens")
-            window = (ctx + cont)[-(self.max_length + 1):]
+                raise ValueError(
+                    f"loglikelihood: a continuation of {len(cont)} tokens does not fit the "
+                    f"context window of {self.max_length} tokens"
+                )
+            window = (ctx + cont)[-(self.max_length + 1) :]
             key = (tuple(window[: len(window) - len(cont)]), tuple(cont))
             items.setdefault(key[0], {})[key[1]] = None
             keys.append(key)
@@ -318,8 +343,12 @@ class AcbLM(TemplateLM):
         windows: list[_TokenRequest] = []
         counts = []
         for (string,) in (req.args for req in requests):
-            pairs = get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                                              max_seq_len=self.max_length, context_len=1)
+            pairs = get_rolling_token_windows(
+                token_list=self.tok_encode(string),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
             doc = [(None, ctx, cont) for ctx, cont in map(make_disjoint_window, pairs)]
             windows.extend(doc)
             counts.append(len(doc))
@@ -327,7 +356,7 @@ class AcbLM(TemplateLM):
         totals = []
         start = 0
         for req, n in zip(requests, counts):
-            total = sum(lp for lp, _ in scores[start:start + n])
+            total = sum(lp for lp, _ in scores[start : start + n])
             start += n
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
             totals.append(total)
@@ -364,23 +393,36 @@ class AcbLM(TemplateLM):
         until: list[str] = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         max_gen_toks = int(kwargs.pop("max_gen_toks"))
         if max_gen_toks >= self.max_length:
-            raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for the context in a window of "
-                             f"{self.max_length} tokens")
+            raise ValueError(
+                f"max_gen_toks={max_gen_toks} leaves no room for the context in a window of {self.max_length} tokens"
+            )
         do_sample = bool(kwargs.pop("do_sample"))
         temperature = float(kwargs.pop("temperature", 0.0))
         if kwargs.pop("num_beams", 1) != 1:
             raise ValueError("acb does not do beam search (generation keyword num_beams)")
         unknown = sorted(set(kwargs) - _SAMPLING_KEYS)
         if unknown:
-            raise ValueError(f"generation keyword(s) {unknown} have no acb equivalent (known: do_sample, "
-                             f"temperature, until, max_gen_toks, {', '.join(sorted(_SAMPLING_KEYS))})")
-        sp = SamplingParams(max_new_tokens=max_gen_toks, do_sample=do_sample,
-                            temperature=temperature if do_sample else 0.0,
-                            stop=tuple(s for s in until if s), **kwargs)
+            raise ValueError(
+                f"generation keyword(s) {unknown} have no acb equivalent (known: do_sample, "
+                f"temperature, until, max_gen_toks, {', '.join(sorted(_SAMPLING_KEYS))})"
+            )
+        sp = SamplingParams(
+            max_new_tokens=max_gen_toks,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else 0.0,
+            stop=tuple(s for s in until if s),
+            **kwargs,
+        )
         return sp, until, max_gen_toks
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams], desc: str, disable_tqdm: bool,
-             keep: Callable[[int, GenerationOutput], _T]) -> list[_T]:
+    def _run(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        desc: str,
+        disable_tqdm: bool,
+        keep: Callable[[int, GenerationOutput], _T],
+    ) -> list[_T]:
         """Submit every prompt, then collect the outputs in order, keeping ``keep(i, output)`` of
         each (an output's per-token lists are dropped as soon as it is read). Submitting everything
         first lets the engine batch freely; if anything fails, the requests still running are
@@ -401,12 +443,16 @@ class AcbLM(TemplateLM):
             raise
 
 
-def _load_tokenizer(tokenizer: str | TokenizerLike | None, pretrained: str | PreTrainedModel,
-                    hub_kwargs: dict[str, Any]) -> Any:
+def _load_tokenizer(
+    tokenizer: str | TokenizerLike | None, pretrained: str | PreTrainedModel, hub_kwargs: dict[str, Any]
+) -> Any:
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer
-    source = tokenizer if tokenizer is not None else (
-        pretrained if isinstance(pretrained, str) else getattr(pretrained.config, "name_or_path", ""))
+    source = (
+        tokenizer
+        if tokenizer is not None
+        else (pretrained if isinstance(pretrained, str) else getattr(pretrained.config, "name_or_path", ""))
+    )
     if not source:
         raise ValueError("AcbLM needs a tokenizer with a model object that has no name_or_path: pass tokenizer=...")
     from transformers import AutoTokenizer

@@ -55,8 +55,15 @@ class AcbRollouts:
     called or installed again (it would start an engine that nothing stops): call
     :func:`use_acb` again for a new one."""
 
-    def __init__(self, model: Any, config: Any = None, *, sleep: bool | None = None, tokenizer: Any = None,
-                 structured_outputs: StructuredOutputs | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: Any = None,
+        *,
+        sleep: bool | None = None,
+        tokenizer: Any = None,
+        structured_outputs: StructuredOutputs | None = None,
+    ) -> None:
         self.model = model
         # every rollout's constraint (GRPOConfig.vllm_structured_outputs_regex, which TRL applies
         # only on its vLLM path): acb constrains the transformers path too
@@ -73,7 +80,7 @@ class AcbRollouts:
         self._lock = threading.Lock()  # close() against a call starting the engine in another thread
 
     # ------------------------------------------------------------ install
-    def install(self) -> "AcbRollouts":
+    def install(self) -> AcbRollouts:
         """Shadow the model's ``generate_batch`` with this object (an instance attribute)."""
         self._check_open()
         if "generate_batch" in vars(self.model):
@@ -98,10 +105,12 @@ class AcbRollouts:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("these acb rollouts are closed (their engine is stopped and the model has its own "
-                               "generate_batch back): call use_acb(...) again for new ones")
+            raise RuntimeError(
+                "these acb rollouts are closed (their engine is stopped and the model has its own "
+                "generate_batch back): call use_acb(...) again for new ones"
+            )
 
-    def __enter__(self) -> "AcbRollouts":
+    def __enter__(self) -> AcbRollouts:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -125,8 +134,9 @@ class AcbRollouts:
             self._check_open()
             # a call without a config (the user's own) runs on the engine TRL's calls started
             engine = self._engine_for(self.config if self.config is not None else continuous_batching_config)
-        engine.set_generation_config(generation_config if generation_config is not None
-                                     else getattr(self.model, "generation_config", None))
+        engine.set_generation_config(
+            generation_config if generation_config is not None else getattr(self.model, "generation_config", None)
+        )
         if engine.is_sleeping:
             engine.wake_up()
         if self.structured_outputs is not None:
@@ -185,8 +195,10 @@ def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> Ac
     structured = None
     if hasattr(target, "accelerator") and hasattr(target, "model"):  # a trainer
         if not getattr(target, "use_transformers_continuous_batching", False):
-            raise ValueError("the trainer does not generate through continuous batching: build it with "
-                             "GRPOConfig(use_transformers_continuous_batching=True) for use_acb to take over")
+            raise ValueError(
+                "the trainer does not generate through continuous batching: build it with "
+                "GRPOConfig(use_transformers_continuous_batching=True) for use_acb to take over"
+            )
         model = target.accelerator.unwrap_model(target.model)
         tokenizer = getattr(target, "processing_class", None)
         if not hasattr(tokenizer, "decode"):  # a multimodal processor: rollouts are token ids anyway

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -94,8 +95,9 @@ class _PackedMode(TorchFunctionMode):
 class PackedLinears:
     """The packed weights of a model's float32 linears, kept in step with the weights."""
 
-    def __init__(self, model: torch.nn.Module, weights_key: Callable[[], Hashable],
-                 max_step_tokens: int = MAX_STEP_TOKENS) -> None:
+    def __init__(
+        self, model: torch.nn.Module, weights_key: Callable[[], Hashable], max_step_tokens: int = MAX_STEP_TOKENS
+    ) -> None:
         self._model = model
         self._weights = [m.weight for m in _linears(model)]
         self.max_step_tokens = max_step_tokens  # larger steps run the model's own linears

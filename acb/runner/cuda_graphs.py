@@ -25,7 +25,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -119,12 +120,19 @@ class DecodeGraphs:
         logits_idx = self.qsl[:b]
 
         def step() -> torch.Tensor:
-            attn = BatchInputs(slot_mapping=st[SLOT, :b], block_table=table.index_select(0, rows),
-                               seq_lens=st[LEN, :b], query_start_loc=self.qsl[: b + 1],
-                               num_new=[1] * b, start_pos=[0] * b, max_seq_len=0)
+            attn = BatchInputs(
+                slot_mapping=st[SLOT, :b],
+                block_table=table.index_select(0, rows),
+                seq_lens=st[LEN, :b],
+                query_start_loc=self.qsl[: b + 1],
+                num_new=[1] * b,
+                start_pos=[0] * b,
+                max_seq_len=0,
+            )
             ctx = StepContext(r.kv_cache, r.backend, r.backend.graph_metadata(attn, variant))
-            batch = PreparedBatch(input_ids=ids, position_ids=pos, logits_indices=logits_idx, attn=attn,
-                                  rows=rows, decode_only=True)
+            batch = PreparedBatch(
+                input_ids=ids, position_ids=pos, logits_indices=logits_idx, attn=attn, rows=rows, decode_only=True
+            )
             return r.forward(batch, ctx)
 
         return step
@@ -150,8 +158,13 @@ class DecodeGraphs:
             torch.cuda.synchronize(r.device)
             self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
         self.capture_s = time.perf_counter() - t0
-        logger.info("captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB",
-                    len(self.graphs), self.sizes, self.capture_s, self.capture_bytes / 2**20)
+        logger.info(
+            "captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB",
+            len(self.graphs),
+            self.sizes,
+            self.capture_s,
+            self.capture_bytes / 2**20,
+        )
 
     # ------------------------------------------------------------------ replay
     def key_for(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
@@ -198,8 +211,15 @@ class DecodeGraphs:
         longest = max(1, min(r.cfg.max_model_len, 130 if self.twin else 4096))  # the interpreter is slow
         for b in (self.sizes[0], self.sizes[-1]):
             lens = torch.tensor([1 + (250 + 389 * i) % longest for i in range(b)], device=self.static.device)
-            rows = torch.stack((torch.full_like(lens, 7), lens - 1, torch.full_like(lens, -1), lens,
-                                torch.full_like(lens, r.inputs.scratch_row)))
+            rows = torch.stack(
+                (
+                    torch.full_like(lens, 7),
+                    lens - 1,
+                    torch.full_like(lens, -1),
+                    lens,
+                    torch.full_like(lens, r.inputs.scratch_row),
+                )
+            )
             for v in self.variants[b]:
                 st = self.static
                 st[:, :b] = rows
@@ -211,5 +231,7 @@ class DecodeGraphs:
                 tol = 1e-2 * max(1.0, want.abs().max().item())
                 err = (want - got).abs().max().item()
                 if not err <= tol:
-                    return f"replay at batch {b} (split variant {v}) differs from eager by {err:.3g} (tolerance {tol:.3g})"
+                    return (
+                        f"replay at batch {b} (split variant {v}) differs from eager by {err:.3g} (tolerance {tol:.3g})"
+                    )
         return None

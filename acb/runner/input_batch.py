@@ -135,7 +135,6 @@ class StagingSet:
             self.consumed.record(self.streams.compute)
 
 
-
 class StagingRing:
     """The two staging sets, handed out alternately (step N uses set N % 2)."""
 
@@ -170,7 +169,7 @@ class InputBatch:
         self.block_table = np.zeros((max_rows + 1, max_blocks_per_seq), dtype=np.int64)
         self.block_table_dev = torch.zeros((max_rows + 1, max_blocks_per_seq), dtype=torch.long, device=device)
 
-    def stage(self, out: SchedulerOutput, st: StagingSet) -> "_HostBatch":
+    def stage(self, out: SchedulerOutput, st: StagingSet) -> _HostBatch:
         """Compute the step's host arrays and queue them on ``st``."""
         bs = self.block_size
         bt = self.block_table
@@ -208,7 +207,7 @@ class InputBatch:
         identity = len(out.sample_idx) == len(num_new) and out.sample_idx == list(range(len(num_new)))
         return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new), identity)
 
-    def build(self, host: "_HostBatch", dev: dict[str, torch.Tensor], prev_ids: torch.Tensor) -> PreparedBatch:
+    def build(self, host: _HostBatch, dev: dict[str, torch.Tensor], prev_ids: torch.Tensor) -> PreparedBatch:
         """Device side (compute stream): apply block-table updates, fill placeholders, gather rows."""
         if "bt_idx" in dev:
             self.block_table_dev.view(-1).index_copy_(0, dev["bt_idx"], dev["bt_val"])

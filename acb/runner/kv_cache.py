@@ -97,8 +97,9 @@ class KVCache:
         self._copy_blocks(pairs, (self.swap_k, self.swap_v), (self.k, self.v), non_blocking=True)
 
     @staticmethod
-    def _copy_blocks(pairs: list[tuple[int, int]], src: tuple[list, list], dst: tuple[list, list],
-                     non_blocking: bool) -> None:
+    def _copy_blocks(
+        pairs: list[tuple[int, int]], src: tuple[list, list], dst: tuple[list, list], non_blocking: bool
+    ) -> None:
         """Per layer, for K and V: ``dst[b] = src[a]`` for each ``(a, b)`` pair, across devices."""
         src_idx = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=src[0][0].device)
         dst_idx = torch.tensor([b for _, b in pairs], dtype=torch.long, device=dst[0][0].device)
@@ -190,8 +191,17 @@ def step_workspace_bytes(model: PreTrainedModel, max_batch_tokens: int, max_rows
     return activations + logits
 
 
-def size_kv_cache(model: PreTrainedModel, spec: KVSpec, device: torch.device, max_memory_percent: float | None, *,
-                  block_size: int, max_len: int, max_reqs: int, max_batch_tokens: int) -> int:
+def size_kv_cache(
+    model: PreTrainedModel,
+    spec: KVSpec,
+    device: torch.device,
+    max_memory_percent: float | None,
+    *,
+    block_size: int,
+    max_len: int,
+    max_reqs: int,
+    max_batch_tokens: int,
+) -> int:
     """How many KV blocks (scratch block included) fit in the memory budget once one step's
     transient memory is set aside, and no more than every running request at full length can
     use. Raises ``ValueError`` with the figures when not even one ``max_len`` request fits."""

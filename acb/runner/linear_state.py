@@ -112,8 +112,14 @@ class _RequestCache:
             return None
         return self.states.recurrent[layer_idx][self.row : self.row + 1]
 
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """The columns the causal convolution needs (the kept state, then ``conv_states``);
         keeps the last ``conv_kernel_size`` of them (as transformers' cache does)."""
         k = int(conv_kernel_size or conv_states.shape[-1])
@@ -127,8 +133,9 @@ class _RequestCache:
         buf[self.row].copy_(full[0, :, -k:])
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs: Any) -> torch.Tensor:
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
         buf = self.states._buffer(self.states.recurrent, layer_idx, recurrent_states)
         buf[self.row].copy_(recurrent_states[0])
         self.states.valid[self.row].add(layer_idx)
@@ -161,14 +168,21 @@ class _BatchCache:
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         return self.recurrent
 
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         full = torch.cat([self.conv, conv_states], dim=-1)
-        self.conv = full[..., -self.conv.shape[-1]:].clone()
+        self.conv = full[..., -self.conv.shape[-1] :].clone()
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs: Any) -> torch.Tensor:
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
         self.recurrent = recurrent_states
         return recurrent_states
 
@@ -201,8 +215,14 @@ def linear_step(states: LinearStates, num_new: list[int], rows: list[int]) -> It
         _STEP.step = prev
 
 
-def _forward(original: Any, layer: int, hidden_states: torch.Tensor, cache_params: Any = None,
-             attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:
+def _forward(
+    original: Any,
+    layer: int,
+    hidden_states: torch.Tensor,
+    cache_params: Any = None,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     step: _Step | None = getattr(_STEP, "step", None)
     if step is None:  # not an engine step: the layer as it always was
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
@@ -211,8 +231,10 @@ def _forward(original: Any, layer: int, hidden_states: torch.Tensor, cache_param
     states = step.states
     decode = [(lo, row) for lo, hi, row in step.segments if hi - lo == 1 and layer in states.valid[row]]
     if len(decode) < 2:  # one call per request
-        outs = [original(hidden_states[:, lo:hi], cache_params=_RequestCache(states, row), attention_mask=None)
-                for lo, hi, row in step.segments]
+        outs = [
+            original(hidden_states[:, lo:hi], cache_params=_RequestCache(states, row), attention_mask=None)
+            for lo, hi, row in step.segments
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     # the decode rows in one batched call of the layer (one token each, as model.generate's
     # batched decode), the others one call per request
@@ -225,8 +247,9 @@ def _forward(original: Any, layer: int, hidden_states: torch.Tensor, cache_param
     batched = set(batch.rows)
     for lo, hi, row in step.segments:
         if not (hi - lo == 1 and row in batched):
-            out[:, lo:hi] = original(hidden_states[:, lo:hi], cache_params=_RequestCache(states, row),
-                                     attention_mask=None)
+            out[:, lo:hi] = original(
+                hidden_states[:, lo:hi], cache_params=_RequestCache(states, row), attention_mask=None
+            )
     return out
 
 

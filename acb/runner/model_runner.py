@@ -17,14 +17,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from acb.config import ContinuousBatchingConfig
-from acb.runner.tp_sync import check_same_settings, tp_group, tp_size_of
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
-from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.attention import (
     AttentionBackend,
     StepContext,
@@ -32,7 +30,12 @@ from acb.runner.attention import (
     register_with_transformers,
     step_context,
 )
+from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.eval_mode import DROPOUT_GUARD
+from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
+from acb.runner.kv_cache import KVCache, KVSpec
+from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step
+from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
     _ATTN_SWAP,
     _decode_graph_flag,
@@ -42,11 +45,8 @@ from acb.runner.setup import (
     resolve_config,
     staging_bytes,
 )
-from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
-from acb.runner.kv_cache import KVCache, KVSpec
-from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step
-from acb.runner.sampler import SamplingState, sample
-from acb.runner.weights import WeightWatch, WeightsKey
+from acb.runner.tp_sync import check_same_settings, tp_group, tp_size_of
+from acb.runner.weights import WeightsKey, WeightWatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from acb.runner.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class MemoryReleased:
@@ -76,7 +77,7 @@ class InFlightStep:
     """A launched step; its results are read (the step's one sync) by ``ModelRunner.finish``."""
 
     sched: SchedulerOutput
-    result: "HostResult"
+    result: HostResult
     num_top: int
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logprobs, top ids, top logprobs
     # scored tokens after whole prompts (flat, SchedulerOutput.next_lp order), top ids, top logprobs
@@ -115,18 +116,29 @@ class ModelRunner:
             self._hybrid_settings(config)
         if self.packed is not None:
             self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else int(model.config.get_text_config().vocab_size)
+        self.vocab_size = (
+            int(model.get_output_embeddings().weight.shape[0])
+            if model.get_output_embeddings() is not None
+            else int(model.config.get_text_config().vocab_size)
+        )
         self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
         self.kv_cache.allocate_swap(self.cfg.num_swap_blocks)
-        if self.cfg.attn_backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if (
+            self.cfg.attn_backend == "triton"
+            and self.device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
             raise ValueError(
                 "attn_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels "
                 "in Triton's interpreter, for testing); use attn_backend='torch' on CPU"
             )
         self.backend = self._checked_backend(config, spec)
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
-        self.cfg = dataclasses.replace(self.cfg, cuda_graphs=self._want_graphs() and self.linear is None,
-                                       graph_step=config.q_padding_interval_size or None)
+        self.cfg = dataclasses.replace(
+            self.cfg,
+            cuda_graphs=self._want_graphs() and self.linear is None,
+            graph_step=config.q_padding_interval_size or None,
+        )
         group = tp_group(model)
         if group is not None:  # before any collective of the model's: the ranks must run the same steps
             check_same_settings(group, self.cfg)
@@ -139,9 +151,7 @@ class ModelRunner:
         self.asleep = False  # sleep() dropped the cache and the step buffers; wake_up() brings them back
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
         self._no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)
-        self._supports_logits_to_keep = bool(
-            getattr(model, "_supports_logits_to_keep", lambda: False)()
-        )
+        self._supports_logits_to_keep = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
         register_with_transformers(compiled=bool(self._compiled))
         # registered last, after everything that can refuse the model (a failed start leaves no hook)
         self._weights.attach()
@@ -152,9 +162,16 @@ class ModelRunner:
         logger.info(
             "%d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
             "max_model_len=%d, offload space %d blocks, backend=%s, decode graphs=%s, device=%s",
-            self.cfg.num_blocks, self.cfg.block_size, self.cfg.kv_cache_bytes / 2**20, self.cfg.max_batch_tokens,
-            self.cfg.max_requests_per_batch, self.cfg.max_model_len, self.cfg.num_swap_blocks,
-            self.cfg.attn_backend, self.cfg.cuda_graphs, self.device,
+            self.cfg.num_blocks,
+            self.cfg.block_size,
+            self.cfg.kv_cache_bytes / 2**20,
+            self.cfg.max_batch_tokens,
+            self.cfg.max_requests_per_batch,
+            self.cfg.max_model_len,
+            self.cfg.num_swap_blocks,
+            self.cfg.attn_backend,
+            self.cfg.cuda_graphs,
+            self.device,
         )
 
     def _hybrid_settings(self, config: ContinuousBatchingConfig) -> None:
@@ -162,16 +179,28 @@ class ModelRunner:
         cached prefix nor offloaded KV blocks hold: prefix caching and offload are off (a
         preempted request recomputes), and so are decode graphs and torch.compile (the layers
         run once per request, from Python)."""
-        off = [name for name, on in (("prefix caching", self.cfg.prefix_caching),
-                                     ("KV offload", self.cfg.num_swap_blocks > 0)) if on]
+        off = [
+            name
+            for name, on in (("prefix caching", self.cfg.prefix_caching), ("KV offload", self.cfg.num_swap_blocks > 0))
+            if on
+        ]
         if off:
-            logger.info("%s has linear-attention layers (per-request recurrent state): %s off for it",
-                        type(self.model).__name__, " and ".join(off))
+            logger.info(
+                "%s has linear-attention layers (per-request recurrent state): %s off for it",
+                type(self.model).__name__,
+                " and ".join(off),
+            )
         self.cfg = dataclasses.replace(self.cfg, prefix_caching=False, num_swap_blocks=0)
-        if config.use_cuda_graph or config.default_compile_level or config.decode_compile_config is not None \
-                or config.varlen_compile_config is not None:
-            logger.warning("decode CUDA graphs and torch.compile are off for %s: its linear-attention layers "
-                           "run per request", type(self.model).__name__)
+        if (
+            config.use_cuda_graph
+            or config.default_compile_level
+            or config.decode_compile_config is not None
+            or config.varlen_compile_config is not None
+        ):
+            logger.warning(
+                "decode CUDA graphs and torch.compile are off for %s: its linear-attention layers run per request",
+                type(self.model).__name__,
+            )
         self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device)
 
     def _packed_linears(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> PackedLinears | None:
@@ -181,8 +210,11 @@ class ModelRunner:
         if want is False:
             return None
         problem = packable(model)
-        if problem is None and (config.default_compile_level or config.decode_compile_config is not None
-                                or config.varlen_compile_config is not None):
+        if problem is None and (
+            config.default_compile_level
+            or config.decode_compile_config is not None
+            or config.varlen_compile_config is not None
+        ):
             problem = "the forward is compiled (inductor packs weights itself)"
         if problem is None and tp_size_of(model) > 1:
             problem = "the model is tensor parallel"
@@ -208,7 +240,7 @@ class ModelRunner:
         self.sampling = SamplingState(cfg.max_requests_per_batch, self.vocab_size, self.device)
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
 
-    def sleep(self) -> "MemoryReleased":
+    def sleep(self) -> MemoryReleased:
         """Free the device memory the engine holds besides the model: the KV cache, the decode
         graphs, the staging buffers, the block table and the sampling buffers. No request may hold
         KV blocks or a row (the engine preempts them first); the cache's content is lost. The host
@@ -227,8 +259,10 @@ class ModelRunner:
             self.graphs = None
         staging = sum(s.host.nbytes + s.dev.nbytes for s in self.staging.sets)
         other = self.inputs.block_table_dev.nbytes + sum(
-            t.nbytes for t in (self.sampling.seen, self.sampling.counts, self.sampling.bias, self.sampling.stop_mask)
-            if t is not None)
+            t.nbytes
+            for t in (self.sampling.seen, self.sampling.counts, self.sampling.bias, self.sampling.stop_mask)
+            if t is not None
+        )
         release = getattr(self.backend, "release", None)  # a backend's own buffers (the torch backend's workspace)
         if release is not None:
             other += release()
@@ -265,17 +299,23 @@ class ModelRunner:
         while config.attn_backend is None and name != "torch":
             try:
                 backend = make_backend(name)
-                problem = check_backend(backend, self.device, spec.dtype, head_dim=spec.head_dim,
-                                        block_size=self.cfg.block_size, kv_heads=spec.num_kv_heads,
-                                        heads=self.model.config.get_text_config().num_attention_heads
-                                        // tp_size_of(self.model))
+                problem = check_backend(
+                    backend,
+                    self.device,
+                    spec.dtype,
+                    head_dim=spec.head_dim,
+                    block_size=self.cfg.block_size,
+                    kv_heads=spec.num_kv_heads,
+                    heads=self.model.config.get_text_config().num_attention_heads // tp_size_of(self.model),
+                )
             except Exception as exc:  # noqa: BLE001 - reported, then the next backend
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is None:
                 return backend
             fallback = "triton" if name == "flash_attn" else "torch"
-            logger.warning("the %s attention backend failed its start-up check (%s); falling back to %s",
-                           name, problem, fallback)
+            logger.warning(
+                "the %s attention backend failed its start-up check (%s); falling back to %s", name, problem, fallback
+            )
             name = fallback
             self.cfg = dataclasses.replace(self.cfg, attn_backend=name)
         return make_backend(name)
@@ -288,12 +328,18 @@ class ModelRunner:
         if asked is None:
             return self.device.type == "cuda" and ok
         if asked and not ok:
-            logger.warning("use_cuda_graph is ignored: the %r attention backend sizes its work from host "
-                           "values each step, so it cannot be captured (use 'triton' or 'flash_attn')", self.backend.name)
+            logger.warning(
+                "use_cuda_graph is ignored: the %r attention backend sizes its work from host "
+                "values each step, so it cannot be captured (use 'triton' or 'flash_attn')",
+                self.backend.name,
+            )
             return False
         if asked and self.device.type != "cuda":
-            logger.info("use_cuda_graph on %s runs the eager twin of the decode graphs (static buffers and "
-                        "padding, no capture)", self.device)
+            logger.info(
+                "use_cuda_graph on %s runs the eager twin of the decode graphs (static buffers and "
+                "padding, no capture)",
+                self.device,
+            )
         return asked
 
     def warmup(self) -> None:
@@ -305,8 +351,9 @@ class ModelRunner:
             return
         from acb.runner.cuda_graphs import DecodeGraphs, graph_sizes
 
-        graphs = DecodeGraphs(self, graph_sizes(self.cfg.max_requests_per_batch, self.cfg.graph_step),
-                              twin=self.device.type != "cuda")
+        graphs = DecodeGraphs(
+            self, graph_sizes(self.cfg.max_requests_per_batch, self.cfg.graph_step), twin=self.device.type != "cuda"
+        )
         try:
             graphs.capture_all()
             problem = graphs.self_check()
@@ -393,10 +440,16 @@ class ModelRunner:
         num_samples = len(sched.sample_idx)
         scored = sched.prompt_lp or sched.next_lp
         if scored:  # prompt logprobs and scoring: the head also runs on those rows (and on no other)
-            rows = torch.tensor([p.row + j for p in sched.prompt_lp for j in range(p.num)]
-                                + [n.row for n in sched.next_lp], dtype=torch.long)
-            batch = dataclasses.replace(batch, logits_indices=torch.cat([batch.logits_indices, rows.to(self.device)]),
-                                        logits_identity=False, decode_only=False)
+            rows = torch.tensor(
+                [p.row + j for p in sched.prompt_lp for j in range(p.num)] + [n.row for n in sched.next_lp],
+                dtype=torch.long,
+            )
+            batch = dataclasses.replace(
+                batch,
+                logits_indices=torch.cat([batch.logits_indices, rows.to(self.device)]),
+                logits_identity=False,
+                decode_only=False,
+            )
         logits = None
         if self.graphs is not None and batch.decode_only:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
@@ -414,8 +467,11 @@ class ModelRunner:
             n_prompt = logits.shape[0] - num_samples - len(sched.next_lp)
             if sched.prompt_lp:
                 targets = [t for p in sched.prompt_lp for t in p.targets]
-                prompt = self._scored_logprobs(logits[num_samples : num_samples + n_prompt], targets,
-                                               max(p.req.params.prompt_logprobs for p in sched.prompt_lp))
+                prompt = self._scored_logprobs(
+                    logits[num_samples : num_samples + n_prompt],
+                    targets,
+                    max(p.req.params.prompt_logprobs for p in sched.prompt_lp),
+                )
             if sched.next_lp:
                 nxt = self._next_logprobs(logits[num_samples + n_prompt :], sched)
             logits = logits[:num_samples]
@@ -429,8 +485,9 @@ class ModelRunner:
         self._prev_ids = packed if packed.dim() == 1 else packed[:, 0].long()
         return InFlightStep(sched, self._to_host(packed), max(step.max_logprobs, 0), prompt, nxt)
 
-    def _scored_logprobs(self, logits: torch.Tensor, targets: list[int], k: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _scored_logprobs(
+        self, logits: torch.Tensor, targets: list[int], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-softmax of the raw logits of scored rows (``[R, V]``, R bounded by the scheduler's
         ``max_scored_rows``): each row's target's logprob and the row's top-k."""
         tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
@@ -440,20 +497,22 @@ class ModelRunner:
         empty = torch.empty((lp.shape[0], 0), device=self.device)
         return chosen, (top.indices if top is not None else empty.long()), (top.values if top is not None else empty)
 
-    def _next_logprobs(self, logits: torch.Tensor, sched: SchedulerOutput
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _next_logprobs(
+        self, logits: torch.Tensor, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows after whole prompts (one per ``next_lp`` entry, ``[E, V]``): the scored tokens'
         logprobs (flat, in entry order) and each row's top-k (the largest k asked for, at least 1:
         the greedy token)."""
         lp = torch.log_softmax(logits.float(), dim=-1)
-        row = torch.tensor([i for i, n in enumerate(sched.next_lp) for _ in n.tokens], dtype=torch.long,
-                           device=self.device)
+        row = torch.tensor(
+            [i for i, n in enumerate(sched.next_lp) for _ in n.tokens], dtype=torch.long, device=self.device
+        )
         tok = torch.tensor([t for n in sched.next_lp for t in n.tokens], dtype=torch.long, device=self.device)
         k = max(max(n.req.params.prompt_logprobs or 0, 1) for n in sched.next_lp)
         top = lp.topk(k, dim=-1)
         return lp[row, tok], top.indices, top.values
 
-    def _to_host(self, packed: torch.Tensor) -> "HostResult":
+    def _to_host(self, packed: torch.Tensor) -> HostResult:
         """Start the copy of the sampled ids to (pinned) host memory on the device-to-host stream."""
         s = self.streams
         if not s.cuda:
@@ -477,8 +536,11 @@ class ModelRunner:
         acb's attention is an opaque custom op (its metadata is host-side, read from the step
         context); ``fullgraph`` is still forced off, and inductor's CUDA-graph mode
         ("reduce-overhead") is replaced by "default"."""
-        levels = {1: dict(mode="default", dynamic=True), 2: dict(mode="max-autotune-no-cudagraphs", dynamic=True),
-                  3: dict(mode="max-autotune-no-cudagraphs", dynamic=False)}
+        levels = {
+            1: dict(mode="default", dynamic=True),
+            2: dict(mode="max-autotune-no-cudagraphs", dynamic=True),
+            3: dict(mode="max-autotune-no-cudagraphs", dynamic=False),
+        }
         self._compiled = {}
         for path, cc in (("decode", config.decode_compile_config), ("varlen", config.varlen_compile_config)):
             if cc is None and config.default_compile_level:
@@ -514,8 +576,13 @@ class ModelRunner:
         # a 4-D "mask" is returned as-is by transformers' mask creation: no mask is built (acb's
         # attention needs none) and nothing inspects the flattened positions (a host sync).
         # ctx is True under torch.compile: attention then reads the thread's step context
-        kw = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=self._no_mask,
-                  use_cache=False, acb_ctx=ctx)
+        kw = dict(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=self._no_mask,
+            use_cache=False,
+            acb_ctx=ctx,
+        )
         with self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext():
             if self._supports_logits_to_keep:
                 return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]

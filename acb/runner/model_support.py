@@ -10,21 +10,28 @@ from typing import Any
 # what these models do that acb's paged attention cannot reproduce
 REFUSED_CLASSES: dict[str, str] = {
     "DogeForCausalLM": "builds a content-dependent attention bias from the attention mask before calling the "
-                       "attention function (dynamic mask attention); acb's paged attention takes no mask",
+    "attention function (dynamic mask attention); acb's paged attention takes no mask",
     "DiffLlamaForCausalLM": "calls the attention function twice per layer on the same keys (differential "
-                            "attention); acb's paged cache takes one call per layer and step",
+    "attention); acb's paged cache takes one call per layer and step",
     "MoshiForCausalLM": "applies its sliding window through the attention mask only (its attention layers do not "
-                        "pass it to the attention function), and acb's paged attention takes no mask",
+    "pass it to the attention function), and acb's paged attention takes no mask",
     "JetMoeForCausalLM": "routes its attention heads per token (mixture of attention heads: keys and values of "
-                         "num_key_value_heads x num_experts_per_tok heads)",
+    "num_key_value_heads x num_experts_per_tok heads)",
     "MiMoV2FlashForCausalLM": "gives its sliding-window layers other KV head counts than its full-attention layers "
-                              "(per-layer KV shapes)",
+    "(per-layer KV shapes)",
 }
 
 
 # the attention sizes acb reads from a config to shape the KV cache's pages
-ATTENTION_SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "qk_nope_head_dim",
-                          "qk_rope_head_dim", "v_head_dim", "hidden_size")
+ATTENTION_SHAPE_FIELDS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "hidden_size",
+)
 
 
 def refusal(model: Any) -> str | None:
@@ -34,15 +41,16 @@ def refusal(model: Any) -> str | None:
         return f"{name} {REFUSED_CLASSES[name]}"
     cfg = model.config
     if getattr(cfg, "is_decoder", None) is False:  # the BERT family: bidirectional unless configured as a decoder
-        return (f"{name} has bidirectional attention (config.is_decoder is False); acb runs causal decoders "
-                "(set is_decoder=True if the model was trained as one)")
+        return (
+            f"{name} has bidirectional attention (config.is_decoder is False); acb runs causal decoders "
+            "(set is_decoder=True if the model was trained as one)"
+        )
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     for field in ATTENTION_SHAPE_FIELDS:  # one page shape for every layer: these must be one value each
         try:
             value = getattr(text, field, None)
         except Exception as exc:  # noqa: BLE001 - transformers' per-layer configs refuse the global read
-            return (f"{name} has per-layer attention shapes ({type(exc).__name__}: its {field} differs by "
-                    "layer)")
+            return f"{name} has per-layer attention shapes ({type(exc).__name__}: its {field} differs by layer)"
         if isinstance(value, (list, tuple)):
             return f"{name} has per-layer attention shapes (its {field} is a list, one per layer)"
     return None

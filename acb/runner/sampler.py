@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from acb.runner.input_batch import StagingSet
 
 # columns of the per-row parameter table
-(C_TEMP, C_TOPK, C_TOPP, C_MINP, C_REP, C_PRES, C_FREQ, C_MINNEW, C_SEED_LO, C_SEED_HI, C_NLOGPROBS,
- C_PROCESSED) = range(12)
+(C_TEMP, C_TOPK, C_TOPP, C_MINP, C_REP, C_PRES, C_FREQ, C_MINNEW, C_SEED_LO, C_SEED_HI, C_NLOGPROBS, C_PROCESSED) = (
+    range(12)
+)
 NUM_COLS = 12
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
@@ -129,7 +130,7 @@ class SamplingState:
             ops["pen_rows"].append(row)
             ops["seen_r"].append(np.full(len(req.token_ids), row, dtype=np.int64))
             ops["seen_c"].append(np.asarray(req.token_ids, dtype=np.int64))
-            gen = req.token_ids[req.prompt_len:]
+            gen = req.token_ids[req.prompt_len :]
             ops["cnt_r"].append(np.full(len(gen), row, dtype=np.int64))
             ops["cnt_c"].append(np.asarray(gen, dtype=np.int64))
         self.live_bias[row] = bool(sp.logit_bias)
@@ -187,8 +188,9 @@ class SamplingState:
             counts.index_fill_(0, dev["pen_rows"], 0.0)
             seen.index_put_((dev["seen_r"], dev["seen_c"]), self.true)
             if "cnt_r" in dev:
-                counts.index_put_((dev["cnt_r"], dev["cnt_c"]), torch.ones_like(dev["cnt_r"], dtype=torch.float32),
-                                  accumulate=True)
+                counts.index_put_(
+                    (dev["cnt_r"], dev["cnt_c"]), torch.ones_like(dev["cnt_r"], dtype=torch.float32), accumulate=True
+                )
         if "bias_rows" in dev:
             bias = self._buf("bias", torch.float32)
             bias.index_fill_(0, dev["bias_rows"], 0.0)
@@ -201,8 +203,20 @@ class SamplingState:
 
 
 def _no_inits() -> dict[str, list]:
-    names = ("pen_rows", "seen_r", "seen_c", "cnt_r", "cnt_c", "bias_rows", "bias_r", "bias_c", "bias_v",
-             "stop_rows", "stop_r", "stop_c")
+    names = (
+        "pen_rows",
+        "seen_r",
+        "seen_c",
+        "cnt_r",
+        "cnt_c",
+        "bias_rows",
+        "bias_r",
+        "bias_c",
+        "bias_v",
+        "stop_rows",
+        "stop_r",
+        "stop_c",
+    )
     return {n: [] for n in names}
 
 
@@ -330,9 +344,17 @@ def sample(
         return logits.argmax(dim=-1)
     raw = logits.float()
     pr = process_logits(
-        raw, p, gen_idx, rows, state,
-        use_penalty=use_penalty, use_bias=use_bias, use_min_new=use_min_new, any_sampling=step.any_sampling,
-        top_kp_width=step.top_kp_width, any_min_p=step.any_min_p,
+        raw,
+        p,
+        gen_idx,
+        rows,
+        state,
+        use_penalty=use_penalty,
+        use_bias=use_bias,
+        use_min_new=use_min_new,
+        any_sampling=step.any_sampling,
+        top_kp_width=step.top_kp_width,
+        any_min_p=step.any_min_p,
     )
     ids = pr.x.argmax(dim=-1)
     temp = p[:, C_TEMP]
@@ -366,7 +388,9 @@ def sample(
     return torch.cat(cols, dim=1)
 
 
-def stage_standalone(state: SamplingState, rows: list[int], gen_idx: list[int]) -> tuple[StepSampling, dict[str, torch.Tensor]]:
+def stage_standalone(
+    state: SamplingState, rows: list[int], gen_idx: list[int]
+) -> tuple[StepSampling, dict[str, torch.Tensor]]:
     """Stage and apply one step's sampling inputs outside an engine (tests, benchmarks):
     returns what :func:`sample` and :func:`process_logits` take."""
     from acb.runner.input_batch import DeviceStreams, StagingSet

@@ -227,8 +227,16 @@ def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> 
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        num_blocks = size_kv_cache(model, spec, device, config.max_memory_percent, block_size=block_size,
-                                   max_len=max_len, max_reqs=max_reqs, max_batch_tokens=max_batch_tokens)
+        num_blocks = size_kv_cache(
+            model,
+            spec,
+            device,
+            config.max_memory_percent,
+            block_size=block_size,
+            max_len=max_len,
+            max_reqs=max_reqs,
+            max_batch_tokens=max_batch_tokens,
+        )
     # as transformers: the offload space is capped at the threshold's share of the RAM available
     # now (0 turns offload off), and None sizes it to that cap
     swap_cap = int(config.cpu_offload_space_safety_threshold * available_host_memory())
@@ -264,8 +272,10 @@ def _decode_graph_flag(use_cuda_graph: bool | tuple[bool, bool] | None) -> bool 
     """transformers' ``use_cuda_graph`` (a bool for both paths, or (varlen, decode)) -> the decode flag."""
     if isinstance(use_cuda_graph, tuple):
         if use_cuda_graph[0]:
-            logger.warning("CUDA graphs for mixed (varlen) steps are not used: acb runs them eagerly "
-                           "and replays graphs for decode-only steps")
+            logger.warning(
+                "CUDA graphs for mixed (varlen) steps are not used: acb runs them eagerly "
+                "and replays graphs for decode-only steps"
+            )
         return use_cuda_graph[1]
     return use_cuda_graph
 
@@ -274,7 +284,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def device_scope(device: torch.device, stream: "torch.cuda.Stream | None" = None) -> contextlib.AbstractContextManager:
+def device_scope(device: torch.device, stream: torch.cuda.Stream | None = None) -> contextlib.AbstractContextManager:
     """On CUDA: ``device`` (and ``stream``) made current for the block. Triton launches, new
     streams, graph capture and pools all follow the current device, and the engine thread's
     current device is 0 whatever the model's; a caller's stream context must not leak in either."""

@@ -45,7 +45,7 @@ def tp_size_of(model: Any) -> int:
     return int(getattr(model, "_tp_size", None) or 1)
 
 
-def tp_group(model: Any) -> "dist_t.ProcessGroup | None":
+def tp_group(model: Any) -> dist_t.ProcessGroup | None:
     """The process group of the model's tensor-parallel ranks (None without tensor parallelism)."""
     if tp_size_of(model) <= 1:
         return None
@@ -59,7 +59,7 @@ def tp_group(model: Any) -> "dist_t.ProcessGroup | None":
     return mesh["tp"].get_group() if "tp" in (mesh.mesh_dim_names or ()) else mesh.get_group()
 
 
-def agree_min(group: "dist_t.ProcessGroup", values: list[int]) -> list[int]:
+def agree_min(group: dist_t.ProcessGroup, values: list[int]) -> list[int]:
     """The element-wise minimum of ``values`` over the group's ranks (sizes every rank can hold)."""
     import torch.distributed as dist
 
@@ -73,13 +73,18 @@ def agree_min(group: "dist_t.ProcessGroup", values: list[int]) -> list[int]:
 # seeds it draws, the logprob defaults it resolves requests with before they are sent)
 PER_RANK_SETTINGS = frozenset({"device", "kv_cache_bytes", "seed", "max_queue_size", "return_logprobs"})
 # the ContinuousBatchingConfig field behind a resolved setting, where the names differ
-_CONFIG_FIELD = {"block_size": "page_size", "async_batching": "use_async_batching",
-                 "prefix_caching": "allow_block_sharing", "cuda_graphs": "use_cuda_graph",
-                 "graph_step": "q_padding_interval_size", "num_swap_blocks": "cpu_offload_space",
-                 "packed_linears": "cpu_packed_linears"}
+_CONFIG_FIELD = {
+    "block_size": "page_size",
+    "async_batching": "use_async_batching",
+    "prefix_caching": "allow_block_sharing",
+    "cuda_graphs": "use_cuda_graph",
+    "graph_step": "q_padding_interval_size",
+    "num_swap_blocks": "cpu_offload_space",
+    "packed_linears": "cpu_packed_linears",
+}
 
 
-def check_same_settings(group: "dist_t.ProcessGroup", settings: Any) -> None:
+def check_same_settings(group: dist_t.ProcessGroup, settings: Any) -> None:
     """Refuse to run when the ranks' engines resolved different settings.
 
     Every rank runs the same schedule from the same commands, so a setting that shapes the
@@ -113,14 +118,17 @@ def check_same_settings(group: "dist_t.ProcessGroup", settings: Any) -> None:
     names = sorted({k for s in every for k in s}, key=lambda k: (k not in mine, k))
     differing = [k for k in names if any(s.get(k, _MISSING) != every[0].get(k, _MISSING) for s in every)]
     if differing:
+
         def show(k: str) -> str:
             field = _CONFIG_FIELD.get(k)
             values = ", ".join(f"{s.get(k, '(unset)')!r} on rank {r}" for r, s in zip(ranks, every))
             return f"{k}{f' (ContinuousBatchingConfig.{field})' if field else ''}: {values}"
 
-        raise ValueError("the tensor-parallel ranks' engines were started with different settings; every rank "
-                         "runs the same steps, so give each the same ContinuousBatchingConfig. Differing: "
-                         + "; ".join(show(k) for k in differing))
+        raise ValueError(
+            "the tensor-parallel ranks' engines were started with different settings; every rank "
+            "runs the same steps, so give each the same ContinuousBatchingConfig. Differing: "
+            + "; ".join(show(k) for k in differing)
+        )
 
 
 _MISSING = object()
@@ -137,7 +145,7 @@ def _as_mapping(settings: Any) -> dict[str, Any]:
 _CPU_GROUPS: dict[Any, Any] = {}
 
 
-def _cpu_group(group: "dist_t.ProcessGroup") -> "dist_t.ProcessGroup":
+def _cpu_group(group: dist_t.ProcessGroup) -> dist_t.ProcessGroup:
     """A gloo group over ``group``'s ranks (the model's may be NCCL): host tensors, its own timeout."""
     import torch.distributed as dist
 
@@ -231,7 +239,7 @@ def decode_commands(data: bytes) -> list[tuple]:
 class StepSync:
     """One rank's end of the per-iteration command broadcast (see the module docstring)."""
 
-    def __init__(self, group: "dist_t.ProcessGroup") -> None:
+    def __init__(self, group: dist_t.ProcessGroup) -> None:
         import torch.distributed as dist
 
         self._dist = dist

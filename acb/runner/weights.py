@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.modules.module import (
@@ -99,8 +100,12 @@ class WeightWatch:
         if self._replaced():
             self.generation += 1
         params = self.params
-        return (sum(map(_VERSION, params)), sum(map(torch.Tensor.data_ptr, params)), self.optimizer_steps,
-                self.generation)
+        return (
+            sum(map(_VERSION, params)),
+            sum(map(torch.Tensor.data_ptr, params)),
+            self.optimizer_steps,
+            self.generation,
+        )
 
     def close(self) -> None:
         """Remove the global hooks."""
@@ -109,7 +114,7 @@ class WeightWatch:
         self._handles = []
 
 
-def _on_optimizer_step(ref: "weakref.ref[WeightWatch]") -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+def _on_optimizer_step(ref: weakref.ref[WeightWatch]) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
     """A global optimizer post-step hook counting the steps that updated the watched weights."""
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -123,7 +128,7 @@ def _on_optimizer_step(ref: "weakref.ref[WeightWatch]") -> Callable[[torch.optim
     return hook
 
 
-def _on_register(ref: "weakref.ref[WeightWatch]", where: str) -> Callable[[torch.nn.Module, str, Any], None]:
+def _on_register(ref: weakref.ref[WeightWatch], where: str) -> Callable[[torch.nn.Module, str, Any], None]:
     """A global registration hook noting a name registered on one of the watched modules, with the
     value its dict holds before the assignment lands (the check compares against it)."""
 

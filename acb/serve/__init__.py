@@ -18,5 +18,12 @@ if _missing is not None:  # pragma: no cover - depends on the install
 from acb.serve.app import DEFAULT_MAX_BODY_BYTES, build_app  # noqa: E402
 from acb.serve.launch import Server, ServerSettings, TelemetrySettings, build_server, run  # noqa: E402
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "Server", "ServerSettings", "TelemetrySettings", "build_app", "build_server",
-           "run"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "Server",
+    "ServerSettings",
+    "TelemetrySettings",
+    "build_app",
+    "build_server",
+    "run",
+]

@@ -41,10 +41,21 @@ import acb
 from acb.serve import responses, shaping
 from acb.serve.formatting import CompletionOutput
 from acb.serve.pipeline import (
-    Job, Prompts, ServerState, authorize, render_messages, serve, tokenize_prompts,
+    Job,
+    Prompts,
+    ServerState,
+    authorize,
+    render_messages,
+    serve,
+    tokenize_prompts,
 )
 from acb.serve.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DrainMiddleware, check_choices, install_error_handlers,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DrainMiddleware,
+    check_choices,
+    install_error_handlers,
 )
 from acb.serve.render_pool import DEFAULT_RENDER_THREADS, DEFAULT_RENDER_TIMEOUT
 from acb.telemetry import Telemetry
@@ -66,13 +77,22 @@ class AppOptions:
     reasoning_parser: str | None = None  # acb.serve.reasoning.REASONING_PARSERS: reasoning_content
 
 
-
-def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready: Callable[[], None] | None = None,
-              telemetry: Telemetry | None = None, trust_request_chat_template: bool | None = None,
-              max_prompts_per_request: int | None = None, grace_period: float | None = None,
-              render_timeout: float | None = None, render_threads: int | None = None,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+def build_app(
+    engine: acb.AsyncEngine,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    on_ready: Callable[[], None] | None = None,
+    telemetry: Telemetry | None = None,
+    trust_request_chat_template: bool | None = None,
+    max_prompts_per_request: int | None = None,
+    grace_period: float | None = None,
+    render_timeout: float | None = None,
+    render_threads: int | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
     when the app starts (``/health`` says when it is ready) and stopped when it stops.
     ``telemetry`` (from ``acb.telemetry.configure(prometheus=True)``) gives ``/metrics``; each
@@ -88,19 +108,34 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
     how ``tool_choice="auto"`` finds tool calls in the model's text (without one, ``auto`` is
     refused). ``reasoning_parser`` (``deepseek_r1``, ``qwen3``): the model's ``<think>`` text is
     returned as ``reasoning_content``. Arguments not given take :class:`AppOptions`' defaults."""
-    given: dict[str, Any] = {"trust_request_chat_template": trust_request_chat_template,
-                             "max_prompts_per_request": max_prompts_per_request, "grace_period": grace_period,
-                             "render_timeout": render_timeout, "render_threads": render_threads,
-                             "tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
+    given: dict[str, Any] = {
+        "trust_request_chat_template": trust_request_chat_template,
+        "max_prompts_per_request": max_prompts_per_request,
+        "grace_period": grace_period,
+        "render_timeout": render_timeout,
+        "render_threads": render_threads,
+        "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser,
+    }
     options = replace(AppOptions(), **{k: v for k, v in given.items() if v is not None})
     shaping.check_parsers(options.tool_call_parser, options.reasoning_parser)
     if options.max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {options.max_prompts_per_request}")
-    state = ServerState(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=on_ready,
-                        telemetry=telemetry, trust_request_chat_template=options.trust_request_chat_template,
-                        max_prompts_per_request=options.max_prompts_per_request, grace_period=options.grace_period,
-                        render_threads=options.render_threads, render_timeout=options.render_timeout,
-                        tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser)
+    state = ServerState(
+        engine,
+        model_name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        on_ready=on_ready,
+        telemetry=telemetry,
+        trust_request_chat_template=options.trust_request_chat_template,
+        max_prompts_per_request=options.max_prompts_per_request,
+        grace_period=options.grace_period,
+        render_threads=options.render_threads,
+        render_timeout=options.render_timeout,
+        tool_call_parser=options.tool_call_parser,
+        reasoning_parser=options.reasoning_parser,
+    )
     engine.model_name = model_name  # the name in the engine's spans and metrics
 
     @asynccontextmanager
@@ -132,15 +167,18 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
     async def metrics() -> Response:
         tel = state.telemetry
         if tel is None or tel.prometheus_registry is None:
-            raise APIError(404, "metrics are not configured (acb.telemetry.configure(prometheus=True))",
-                           code="not_found")
+            raise APIError(
+                404, "metrics are not configured (acb.telemetry.configure(prometheus=True))", code="not_found"
+            )
         return Response(tel.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorize(state, request)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "acb"}]}
+        return {
+            "object": "list",
+            "data": [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "acb"}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -148,8 +186,9 @@ def build_app(engine: acb.AsyncEngine, model_name: str, *, api_key: str | None =
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve(state, request, CompletionRequest, "text_completion",
-                           lambda body: _completion_job(state, body))
+        return await serve(
+            state, request, CompletionRequest, "text_completion", lambda body: _completion_job(state, body)
+        )
 
     responses.add_routes(app, state)  # POST /v1/responses (the Responses API)
     return app
@@ -169,22 +208,39 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
     constraint = shaping.one_constraint(
         shaping.Constraint.of("response_format", shaping.structured_from_response_format(body.response_format)),
         shaping.Constraint.of("structured_outputs", shaping.structured_from_extra(body.model_extra or {})),
-        plan.constraint)
-    messages = [shaping.history_message(m.model_dump(), m.text(), f"messages[{i}]")
-                for i, m in enumerate(body.messages)]
+        plan.constraint,
+    )
+    messages = [
+        shaping.history_message(m.model_dump(), m.text(), f"messages[{i}]") for i, m in enumerate(body.messages)
+    ]
     sampling = body.sampling(body.max_new_tokens(), body.logprobs_k(), None if constraint is None else constraint.spec)
     tokenizer, parser = state.tokenizer, state.reasoning_parser
 
     def output(prompts: Prompts) -> CompletionOutput:
         return CompletionOutput(
-            chat=True, model=state.model_name, texts=state.texts, num_prompts=1, n=body.n, logprobs=body.logprobs,
+            chat=True,
+            model=state.model_name,
+            texts=state.texts,
+            num_prompts=1,
+            n=body.n,
+            logprobs=body.logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            shaper=lambda: shaping.OutputShaper(plan, parser, prompts.tail, constrained=constraint is not None))
+            shaper=lambda: shaping.OutputShaper(plan, parser, prompts.tail, constrained=constraint is not None),
+        )
 
-    return Job(sampling, body.stream, render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None),
-               output=output, constraint=constraint,
-               params={"prompt": "messages", "prompt_ids": "messages", "logprobs": "top_logprobs",
-                       "structured_outputs": None if constraint is None else constraint.param})
+    return Job(
+        sampling,
+        body.stream,
+        render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None),
+        output=output,
+        constraint=constraint,
+        params={
+            "prompt": "messages",
+            "prompt_ids": "messages",
+            "logprobs": "top_logprobs",
+            "structured_outputs": None if constraint is None else constraint.param,
+        },
+    )
 
 
 def _completion_job(state: ServerState, body: CompletionRequest) -> Job:
@@ -197,11 +253,22 @@ def _completion_job(state: ServerState, body: CompletionRequest) -> Job:
     structured = shaping.structured_from_extra(body.model_extra or {})
     sampling = body.sampling(body.max_tokens, body.logprobs, structured)
     tokenizer = state.tokenizer
-    output = CompletionOutput(chat=False, model=state.model_name, texts=state.texts, num_prompts=len(prompts),
-                              n=body.n, logprobs=body.logprobs is not None,
-                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
-    return Job(sampling, body.stream, render=lambda: tokenize_prompts(tokenizer, prompts), output=lambda _: output,
-               constraint=shaping.Constraint.of("structured_outputs", structured))
+    output = CompletionOutput(
+        chat=False,
+        model=state.model_name,
+        texts=state.texts,
+        num_prompts=len(prompts),
+        n=body.n,
+        logprobs=body.logprobs is not None,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )
+    return Job(
+        sampling,
+        body.stream,
+        render=lambda: tokenize_prompts(tokenizer, prompts),
+        output=lambda _: output,
+        constraint=shaping.Constraint.of("structured_outputs", structured),
+    )
 
 
 async def _start_engine(state: ServerState) -> None:

@@ -72,8 +72,12 @@ def usage(outs: Sequence[GenerationOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_ids) for o in outs)
     completion = sum(len(s.generated_tokens) for o in outs for s in samples(o))
     cached = sum(o.num_cached_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class TokenTexts:
@@ -112,8 +116,12 @@ class TokenTexts:
         return self.get(token)[0]
 
 
-def chat_logprobs(texts: TokenTexts, tokens: Sequence[int], logprobs: Sequence[float] | None,
-                  top: Sequence[Sequence[tuple[int, float]]] | None) -> dict[str, Any] | None:
+def chat_logprobs(
+    texts: TokenTexts,
+    tokens: Sequence[int],
+    logprobs: Sequence[float] | None,
+    top: Sequence[Sequence[tuple[int, float]]] | None,
+) -> dict[str, Any] | None:
     """A chat choice's (or chunk's) ``logprobs``.
 
     Args:
@@ -130,14 +138,24 @@ def chat_logprobs(texts: TokenTexts, tokens: Sequence[int], logprobs: Sequence[f
     content = []
     for i, (t, lp) in enumerate(zip(tokens, logprobs)):
         alts = top[i] if top is not None and i < len(top) else []
-        content.append({"token": texts.text(t), "logprob": lp, "bytes": texts.get(t)[1],
-                        "top_logprobs": [{"token": texts.text(a), "logprob": alp, "bytes": texts.get(a)[1]}
-                                         for a, alp in alts]})
+        content.append(
+            {
+                "token": texts.text(t),
+                "logprob": lp,
+                "bytes": texts.get(t)[1],
+                "top_logprobs": [{"token": texts.text(a), "logprob": alp, "bytes": texts.get(a)[1]} for a, alp in alts],
+            }
+        )
     return {"content": content}
 
 
-def text_logprobs(texts: TokenTexts, tokens: Sequence[int], logprobs: Sequence[float] | None,
-                  top: Sequence[Sequence[tuple[int, float]]] | None, offset: int) -> dict[str, Any] | None:
+def text_logprobs(
+    texts: TokenTexts,
+    tokens: Sequence[int],
+    logprobs: Sequence[float] | None,
+    top: Sequence[Sequence[tuple[int, float]]] | None,
+    offset: int,
+) -> dict[str, Any] | None:
     """A text completion choice's (or chunk's) ``logprobs``.
 
     Args:
@@ -157,9 +175,12 @@ def text_logprobs(texts: TokenTexts, tokens: Sequence[int], logprobs: Sequence[f
     for w in words:
         offsets.append(offset)
         offset += len(w)
-    return {"tokens": words, "token_logprobs": list(logprobs[:len(tokens)]),
-            "top_logprobs": [{texts.text(a): alp for a, alp in (top[i] if top else [])} for i in range(len(tokens))],
-            "text_offset": offsets}
+    return {
+        "tokens": words,
+        "token_logprobs": list(logprobs[: len(tokens)]),
+        "top_logprobs": [{texts.text(a): alp for a, alp in (top[i] if top else [])} for i in range(len(tokens))],
+        "text_offset": offsets,
+    }
 
 
 def chat_delta(shaped: shaping.Shaped) -> dict[str, Any]:
@@ -198,8 +219,18 @@ class CompletionOutput:
             calls); ``None``: the text is the content.
     """
 
-    def __init__(self, *, chat: bool, model: str, texts: TokenTexts, num_prompts: int, n: int, logprobs: bool,
-                 include_usage: bool = False, shaper: Callable[[], shaping.OutputShaper] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        model: str,
+        texts: TokenTexts,
+        num_prompts: int,
+        n: int,
+        logprobs: bool,
+        include_usage: bool = False,
+        shaper: Callable[[], shaping.OutputShaper] | None = None,
+    ) -> None:
         self.chat = chat
         self.model = model
         self.texts = texts
@@ -236,20 +267,41 @@ class CompletionOutput:
                         shaped = self.shaper()
                         shaped.shape_whole(text)
                         message, reason = shaped.message(), shaped.finish_reason(reason)
-                    choices.append({"index": index, "message": message,
-                                    "logprobs": chat_logprobs(self.texts, s.generated_tokens, lp, s.top_logprobs),
-                                    "finish_reason": reason})
+                    choices.append(
+                        {
+                            "index": index,
+                            "message": message,
+                            "logprobs": chat_logprobs(self.texts, s.generated_tokens, lp, s.top_logprobs),
+                            "finish_reason": reason,
+                        }
+                    )
                 else:
-                    choices.append({"index": index, "text": text,
-                                    "logprobs": text_logprobs(self.texts, s.generated_tokens, lp, s.top_logprobs, 0),
-                                    "finish_reason": finish_reason(s)})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": int(time.time()), "model": self.model, "choices": choices, "usage": usage(outs)}
+                    choices.append(
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": text_logprobs(self.texts, s.generated_tokens, lp, s.top_logprobs, 0),
+                            "finish_reason": finish_reason(s),
+                        }
+                    )
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(outs),
+        }
 
     # ---------------------------------------------------------------- the stream
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> str:
-        data: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                                "created": self.created, "model": self.model, "choices": choices}
+        data: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             data["usage"] = use
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -262,8 +314,14 @@ class CompletionOutput:
         """
         if not self.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(self.num_prompts * self.n)])]
+        return [
+            self._chunk(
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(self.num_prompts * self.n)
+                ]
+            )
+        ]
 
     def delta(self, p: int, delta: StreamDelta) -> list[str]:
         """One stream delta of prompt ``p`` as a chunk (a sample's last piece carries its finish
@@ -320,14 +378,24 @@ class CompletionOutput:
                 shaped = sh.feed(delta.text or "") if sh is not None else None
                 if shaped is None or shaped or lp is not None:  # (text a parser holds back: nothing to send yet)
                     content = {"content": delta.text or ""} if shaped is None else chat_delta(shaped)
-                    choices.append({"index": index, "delta": content,
-                                    "logprobs": chat_logprobs(self.texts, delta.token_ids, lp, delta.top_logprobs),
-                                    "finish_reason": None})
+                    choices.append(
+                        {
+                            "index": index,
+                            "delta": content,
+                            "logprobs": chat_logprobs(self.texts, delta.token_ids, lp, delta.top_logprobs),
+                            "finish_reason": None,
+                        }
+                    )
             else:
                 off = self._offsets.get(index, 0)
-                choices.append({"index": index, "text": delta.text or "",
-                                "logprobs": text_logprobs(self.texts, delta.token_ids, lp, delta.top_logprobs, off),
-                                "finish_reason": None})
+                choices.append(
+                    {
+                        "index": index,
+                        "text": delta.text or "",
+                        "logprobs": text_logprobs(self.texts, delta.token_ids, lp, delta.top_logprobs, off),
+                        "finish_reason": None,
+                    }
+                )
                 self._offsets[index] = off + len(delta.text or "")
         if delta.finished and delta.output is not None:
             for s in samples(delta.output):

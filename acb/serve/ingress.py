@@ -143,8 +143,12 @@ def _json_error(err: APIError) -> Any:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def forwarding_app(call: Callable[[RoutedRequest], Any], max_body_bytes: int, drain: IngressDrain | None = None,
-                   cancel: Callable[[Any], Any] | None = None) -> Any:
+def forwarding_app(
+    call: Callable[[RoutedRequest], Any],
+    max_body_bytes: int,
+    drain: IngressDrain | None = None,
+    cancel: Callable[[Any], Any] | None = None,
+) -> Any:
     """The ingress app.
 
     Args:
@@ -190,13 +194,15 @@ def forwarding_app(call: Callable[[RoutedRequest], Any], max_body_bytes: int, dr
         if draining.closing:
             if request.url.path == "/health":
                 return PlainTextResponse("shutting down", status_code=503)
-            return _json_error(APIError(503, "the server is shutting down", type="server_error",
-                                        headers={"Retry-After": "1"}))
+            return _json_error(
+                APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "1"})
+            )
         body = await read_body(request, limit)
         named = request.headers.get(AFFINITY_HEADER)  # the client's own key: a session, a scraper's pick
         key = _digest(named) if named else affinity_key(request.url.path, body)
-        routed = RoutedRequest(key, request.method, request.url.path,
-                               request.url.query, tuple(request.headers.items()), body)
+        routed = RoutedRequest(
+            key, request.method, request.url.path, request.url.query, tuple(request.headers.items()), body
+        )
         stream: Any = call(routed)  # (a DeploymentResponseGenerator)
         try:
             status, headers = await next_item(stream)
@@ -205,8 +211,9 @@ def forwarding_app(call: Callable[[RoutedRequest], Any], max_body_bytes: int, dr
         except _ShutdownExpired:
             return _json_error(shutdown_error())
         except Exception as exc:  # noqa: BLE001 - the replica died (or failed) before answering
-            return _json_error(APIError(503, f"the engine replica failed: {type(exc).__name__}: {exc}",
-                                        type="server_error"))
+            return _json_error(
+                APIError(503, f"the engine replica failed: {type(exc).__name__}: {exc}", type="server_error")
+            )
         sse = any(k.lower() == "content-type" and "text/event-stream" in v for k, v in headers)
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -221,8 +228,14 @@ def forwarding_app(call: Callable[[RoutedRequest], Any], max_body_bytes: int, dr
                     return
                 except Exception as exc:  # noqa: BLE001 - the replica died mid-response
                     if sse:
-                        err = {"error": {"message": f"the engine replica failed: {type(exc).__name__}",
-                                         "type": "server_error", "param": None, "code": "replica_failed"}}
+                        err = {
+                            "error": {
+                                "message": f"the engine replica failed: {type(exc).__name__}",
+                                "type": "server_error",
+                                "param": None,
+                                "code": "replica_failed",
+                            }
+                        }
                         yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
                     return
                 yield chunk

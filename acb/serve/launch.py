@@ -85,8 +85,13 @@ class Server:
     then calls the ``app`` as ASGI.
     """
 
-    def __init__(self, settings: ServerSettings, engine: acb.AsyncEngine | None, tel: telemetry.Telemetry,
-                 follower: tuple[Any, Any, Any] | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        engine: acb.AsyncEngine | None,
+        tel: telemetry.Telemetry,
+        follower: tuple[Any, Any, Any] | None = None,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.telemetry = tel
@@ -97,9 +102,15 @@ class Server:
         self._lifespan: _Lifespan | None = None
         self.app: Any = None
         if engine is not None:
-            self.app = build_app(engine, settings.served_name, api_key=settings.api_key,
-                                 max_body_bytes=settings.max_body_bytes, on_ready=self._on_ready, telemetry=tel,
-                                 **dataclasses.asdict(settings.app))
+            self.app = build_app(
+                engine,
+                settings.served_name,
+                api_key=settings.api_key,
+                max_body_bytes=settings.max_body_bytes,
+                on_ready=self._on_ready,
+                telemetry=tel,
+                **dataclasses.asdict(settings.app),
+            )
 
     def _on_ready(self) -> None:
         if self._announce is not None:
@@ -124,8 +135,7 @@ class Server:
         s = self.settings
 
         def announce() -> None:
-            print(f"acb serve: {s.served_name!r} ready at http://{s.host}:{s.port} (OpenAI API under /v1)",
-                  flush=True)
+            print(f"acb serve: {s.served_name!r} ready at http://{s.host}:{s.port} (OpenAI API under /v1)", flush=True)
 
         self._announce = announce
         _serve_http(self.app, s.host, s.port, s.grace_period, "warning", self.telemetry)
@@ -184,8 +194,12 @@ def build_server(settings: ServerSettings) -> Server:
     tel = telemetry.configure(t.otlp_endpoint, t.otlp_protocol, prometheus=True, capture_content=t.capture_content)
     try:
         if settings.model.path is None:
-            print("acb serve: no --model: serving the embedded random-weight model (its text is meaningless) as "
-                  f"{settings.served_name!r}", file=sys.stderr, flush=True)
+            print(
+                "acb serve: no --model: serving the embedded random-weight model (its text is meaningless) as "
+                f"{settings.served_name!r}",
+                file=sys.stderr,
+                flush=True,
+            )
         tokenizer = settings.model.load_tokenizer("acb serve")
         model = settings.model.load_model(device)
         if is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
@@ -197,13 +211,25 @@ def build_server(settings: ServerSettings) -> Server:
         raise
 
 
-def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-        api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_period: float = 30.0,
-        log_level: str = "warning", announce: Any = None, otlp_endpoint: str | None = None,
-        otlp_protocol: str | None = None, capture_content: bool = False,
-        trust_request_chat_template: bool = False,
-        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, tool_call_parser: str | None = None,
-        reasoning_parser: str | None = None) -> None:
+def run(
+    engine: acb.AsyncEngine,
+    model_name: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    grace_period: float = 30.0,
+    log_level: str = "warning",
+    announce: Any = None,
+    otlp_endpoint: str | None = None,
+    otlp_protocol: str | None = None,
+    capture_content: bool = False,
+    trust_request_chat_template: bool = False,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> None:
     """Serve an engine built in code until SIGINT/SIGTERM; then stop accepting, give in-flight
     requests ``grace_period`` seconds to finish (the rest are cancelled) and stop the engine.
     (``acb serve`` builds its engine from flags instead: :func:`build_server`.)
@@ -232,17 +258,31 @@ def run(engine: acb.AsyncEngine, model_name: str, *, host: str = "127.0.0.1", po
         line = f"acb serve: {model_name!r} ready at http://{host}:{port} (OpenAI API under /v1)"
         print(line, file=announce or sys.stdout, flush=True)
 
-    app = build_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, on_ready=ready,
-                    telemetry=tel, trust_request_chat_template=trust_request_chat_template,
-                    max_prompts_per_request=max_prompts_per_request, grace_period=grace_period,
-                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    app = build_app(
+        engine,
+        model_name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        on_ready=ready,
+        telemetry=tel,
+        trust_request_chat_template=trust_request_chat_template,
+        max_prompts_per_request=max_prompts_per_request,
+        grace_period=grace_period,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
     _serve_http(app, host, port, grace_period, log_level, tel)
 
 
-def _serve_http(app: Any, host: str, port: int, grace_period: float, log_level: str,
-                tel: telemetry.Telemetry) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=max(1, round(grace_period)), access_log=False)
+def _serve_http(app: Any, host: str, port: int, grace_period: float, log_level: str, tel: telemetry.Telemetry) -> None:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=max(1, round(grace_period)),
+        access_log=False,
+    )
     try:
         _UvicornServer(config).run()
     finally:

@@ -33,7 +33,14 @@ from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, R
 from acb.outputs import GenerationOutput, RequestStatus, StreamDelta
 from acb.serve.formatting import TokenTexts
 from acb.serve.protocol import (
-    ENGINE_PARAMS, APIError, Drain, RequestBody, ShutdownExpired, internal_error, read_body, request_param,
+    ENGINE_PARAMS,
+    APIError,
+    Drain,
+    RequestBody,
+    ShutdownExpired,
+    internal_error,
+    read_body,
+    request_param,
     shutdown_error,
 )
 from acb.serve.render_pool import RenderPool
@@ -44,8 +51,22 @@ from acb.text import RenderedChat, TokenizedText, render_chat, text_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "Output", "Prompts", "ServerState", "authorize", "await_all", "compile_grammar", "parse",
-           "render_messages", "serve", "server_span", "stream", "submit", "tokenize_prompts"]
+__all__ = [
+    "Job",
+    "Output",
+    "Prompts",
+    "ServerState",
+    "authorize",
+    "await_all",
+    "compile_grammar",
+    "parse",
+    "render_messages",
+    "serve",
+    "server_span",
+    "stream",
+    "submit",
+    "tokenize_prompts",
+]
 
 B = TypeVar("B", bound=RequestBody)
 
@@ -70,11 +91,23 @@ class ServerState:
         reasoning_parser: how the model's reasoning is told from its answer.
     """
 
-    def __init__(self, engine: acb.AsyncEngine, model_name: str, *, api_key: str | None, max_body_bytes: int,
-                 on_ready: Callable[[], None] | None, telemetry: Telemetry | None,
-                 trust_request_chat_template: bool, max_prompts_per_request: int, grace_period: float | None,
-                 render_threads: int, render_timeout: float, tool_call_parser: str | None,
-                 reasoning_parser: str | None) -> None:
+    def __init__(
+        self,
+        engine: acb.AsyncEngine,
+        model_name: str,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        on_ready: Callable[[], None] | None,
+        telemetry: Telemetry | None,
+        trust_request_chat_template: bool,
+        max_prompts_per_request: int,
+        grace_period: float | None,
+        render_threads: int,
+        render_timeout: float,
+        tool_call_parser: str | None,
+        reasoning_parser: str | None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -152,8 +185,9 @@ class Job:
     params: Mapping[str, str | None] = field(default_factory=dict)
 
 
-def render_messages(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None,
-                    with_tail: bool) -> Prompts:
+def render_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, with_tail: bool
+) -> Prompts:
     """A chat's prompt, rendered by the chat template (a render pool job). Any failure of the
     template is the request's (400): the template refused the chat (``raise_exception``) or broke
     on it.
@@ -175,8 +209,9 @@ def render_messages(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except Exception as exc:  # noqa: BLE001 - whatever the template raised on this chat
-        raise APIError(400, f"the chat template failed on this chat: {type(exc).__name__}: {exc}",
-                       param="messages") from None
+        raise APIError(
+            400, f"the chat template failed on this chat: {type(exc).__name__}: {exc}", param="messages"
+        ) from None
     tail = str(text_tokenizer(tokenizer).decode(ids[-64:])) if with_tail else ""
     return Prompts([RenderedChat(messages, ids)], tail)
 
@@ -206,8 +241,9 @@ def tokenize_prompts(tokenizer: Any, prompts: Sequence[str | list[int]]) -> Prom
     return Prompts(items)
 
 
-async def serve(state: ServerState, request: Request, schema: type[B], operation: str,
-                plan: Callable[[B], Job]) -> Response:
+async def serve(
+    state: ServerState, request: Request, schema: type[B], operation: str, plan: Callable[[B], Job]
+) -> Response:
     """The serve pipeline: one generating request, from its arrival to its response.
 
     Args:
@@ -236,8 +272,9 @@ async def serve(state: ServerState, request: Request, schema: type[B], operation
             prompts = await state.drain.until_expired(lambda: state.renderer.run(job.render))
             several = len(prompts.items) > 1
             for i, prompt in enumerate(prompts.items):
-                handles.append(submit(state, prompt, job.sampling, job.params, where=f"prompt[{i}]" if several
-                                      else None))
+                handles.append(
+                    submit(state, prompt, job.sampling, job.params, where=f"prompt[{i}]" if several else None)
+                )
                 if i % 32 == 31:
                     await anyio.sleep(0)  # each submit checks its prompt: let others in meanwhile
         output = job.output(prompts)
@@ -247,8 +284,9 @@ async def serve(state: ServerState, request: Request, schema: type[B], operation
         _span_failed(span, exc)
         raise
     if job.stream:
-        return StreamingResponse(stream(state, handles, span, output), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            stream(state, handles, span, output), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
     outs = await await_all(state, request, handles, span)
     return JSONResponse(output.body(outs))
 
@@ -268,8 +306,12 @@ def authorize(state: ServerState, request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error",
-                       code="invalid_api_key")
+        raise APIError(
+            401,
+            "invalid or missing API key (Authorization: Bearer ...)",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
 
 
 async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
@@ -290,25 +332,35 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
     """
     authorize(state, request)
     if not state.ready or state.closing:
-        raise APIError(503, "the engine is not ready" if not state.closing else "the server is shutting down",
-                       type="server_error", headers={"Retry-After": "1"})
+        raise APIError(
+            503,
+            "the engine is not ready" if not state.closing else "the server is shutting down",
+            type="server_error",
+            headers={"Retry-After": "1"},
+        )
     raw = await read_body(request, state.max_body_bytes)
     try:
         body = schema.model_validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ()))
-        raise APIError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
-                       param=where or None) from None
+        raise APIError(
+            400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
+        ) from None
     if body.model != state.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     body.check_refused()
     return body
 
 
-def server_span(state: ServerState, request: Request, operation: str, sampling: acb.SamplingParams,
-                stream: bool) -> ServerSpan:
+def server_span(
+    state: ServerState, request: Request, operation: str, sampling: acb.SamplingParams, stream: bool
+) -> ServerSpan:
     """The request's SERVER span (continuing the caller's ``traceparent``).
 
     Args:
@@ -321,15 +373,25 @@ def server_span(state: ServerState, request: Request, operation: str, sampling: 
     Returns:
         The span (a no-op without a tracer provider).
     """
-    attrs = {**request_attributes(sampling), "gen_ai.request.stream": stream,
-             "http.request.method": request.method, "url.path": request.url.path,
-             "server.address": request.url.hostname, "server.port": request.url.port}
+    attrs = {
+        **request_attributes(sampling),
+        "gen_ai.request.stream": stream,
+        "http.request.method": request.method,
+        "url.path": request.url.path,
+        "server.address": request.url.hostname,
+        "server.port": request.url.port,
+    }
     return ServerSpan(request.headers, operation, state.model_name, attrs)
 
 
 def _span_failed(span: ServerSpan, exc: BaseException) -> None:
-    kind = str(exc.status) if isinstance(exc, APIError) else "503" if isinstance(exc, ShutdownExpired) \
+    kind = (
+        str(exc.status)
+        if isinstance(exc, APIError)
+        else "503"
+        if isinstance(exc, ShutdownExpired)
         else type(exc).__name__
+    )
     span.finish(error_type=kind, message=str(exc))
 
 
@@ -354,8 +416,14 @@ async def compile_grammar(state: ServerState, spec: StructuredOutputs, param: st
         raise APIError(400, f"{param}: {str(exc).removeprefix('structured_outputs: ')}", param=param) from None
 
 
-def submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams,
-           params: Mapping[str, str | None] | None = None, *, where: str | None = None) -> acb.RequestHandle:
+def submit(
+    state: ServerState,
+    prompt: Any,
+    sampling: acb.SamplingParams,
+    params: Mapping[str, str | None] | None = None,
+    *,
+    where: str | None = None,
+) -> acb.RequestHandle:
     """Submit one prompt. The engine's validation is the only one (a prompt that can never fit
     the model or the cache included): its refusals are 400s naming the request's field.
 
@@ -378,8 +446,9 @@ def submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams,
     try:
         return state.engine.submit_nowait(prompt, sampling, record_timestamps=True)
     except QueueFullError as exc:
-        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) \
-            from None
+        raise APIError(
+            429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        ) from None
     except (EngineDeadError, EngineNotRunningError) as exc:
         raise APIError(503, str(exc), type="server_error") from None
     except (ValueError, TypeError) as exc:
@@ -388,8 +457,9 @@ def submit(state: ServerState, prompt: Any, sampling: acb.SamplingParams,
         raise APIError(400, message, param=param) from None
 
 
-async def await_all(state: ServerState, request: Request, handles: Sequence[acb.RequestHandle], span: ServerSpan
-                    ) -> list[GenerationOutput]:
+async def await_all(
+    state: ServerState, request: Request, handles: Sequence[acb.RequestHandle], span: ServerSpan
+) -> list[GenerationOutput]:
     """Every handle's final output; the client going away, or the end of the server's grace
     period, cancels them all. Ends the span.
 
@@ -417,6 +487,7 @@ async def await_all(state: ServerState, request: Request, handles: Sequence[acb.
     try:
         with state.drain.on_expire(cancel_all):
             async with anyio.create_task_group() as tg:
+
                 async def one(i: int) -> None:
                     try:
                         outs[i] = await handles[i].result()
@@ -452,8 +523,9 @@ async def await_all(state: ServerState, request: Request, handles: Sequence[acb.
     return done
 
 
-async def stream(state: ServerState, handles: Sequence[acb.RequestHandle], span: ServerSpan, output: Output
-                 ) -> AsyncIterator[str]:
+async def stream(
+    state: ServerState, handles: Sequence[acb.RequestHandle], span: ServerSpan, output: Output
+) -> AsyncIterator[str]:
     """The request's outputs as server-sent events, made by the route's ``output``: its start,
     each delta's, its end; a failure after the stream began ends it with ``output``'s error event.
     The end of the grace period cancels the requests; a client that goes away (the server cancels
@@ -468,6 +540,7 @@ async def stream(state: ServerState, handles: Sequence[acb.RequestHandle], span:
     Yields:
         The events.
     """
+
     def cancel_all() -> None:
         for h in handles:
             h.cancel()  # a no-op for ended requests

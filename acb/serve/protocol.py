@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,9 +44,16 @@ T = TypeVar("T")
 class APIError(Exception):
     """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -93,7 +100,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The message's text; content parts must be text (acb serves text-only models)."""
@@ -104,8 +111,9 @@ class ChatMessage(BaseModel):
         pieces = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"only text content parts are supported, got type {part.get('type')!r}",
-                               param="messages")
+                raise APIError(
+                    400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages"
+                )
             pieces.append(part["text"])
         return "".join(pieces)
 
@@ -134,7 +142,7 @@ class _Common(RequestBody):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -163,8 +171,9 @@ class _Common(RequestBody):
                 continue
             raise APIError(400, f"{name!r} is not supported by acb serve", param=name)
 
-    def sampling(self, max_new_tokens: int | None, logprobs: int | None,
-                 structured: StructuredOutputs | None = None) -> SamplingParams:
+    def sampling(
+        self, max_new_tokens: int | None, logprobs: int | None, structured: StructuredOutputs | None = None
+    ) -> SamplingParams:
         """The request as acb sampling settings; bad values raise :class:`APIError` (400).
         ``structured``: the output's constraint (``response_format``, a forced tool call, vLLM's
         ``structured_outputs``)."""
@@ -179,12 +188,23 @@ class _Common(RequestBody):
             raise APIError(400, f"n must be >= 1, got {self.n}", param="n")
         try:
             return SamplingParams(
-                max_new_tokens=max_new_tokens, min_new_tokens=self.min_tokens,
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty, logit_bias=bias, stop=tuple(stop) if stop else None, seed=self.seed,
-                n=self.n, logprobs=logprobs, ignore_eos=self.ignore_eos,
-                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=self.min_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                logit_bias=bias,
+                stop=tuple(stop) if stop else None,
+                seed=self.seed,
+                n=self.n,
+                logprobs=logprobs,
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured,
             )
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=request_param(exc)) from None
@@ -193,12 +213,24 @@ class _Common(RequestBody):
 # the engine's field a refusal is about (InvalidRequestError.field: an argument of submit or a
 # SamplingParams field) -> the OpenAI request's param; a field a client cannot send maps to None
 ENGINE_PARAMS: dict[str, str | None] = {
-    "prompt": "prompt", "n": "n", "logprobs": "logprobs", "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens", "stop": "stop", "structured_outputs": "structured_outputs",
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "seed": "seed",
-    "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+    "prompt": "prompt",
+    "n": "n",
+    "logprobs": "logprobs",
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "stop": "stop",
+    "structured_outputs": "structured_outputs",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
+    "seed": "seed",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
 }
 
 
@@ -223,19 +255,39 @@ def check_choices(num_prompts: int, n: int, limit: int) -> None:
     if num_prompts * n <= limit:
         return
     if num_prompts > limit:
-        raise APIError(400, f"prompt: {num_prompts} prompts in one request; this server takes at most {limit} "
-                            "(--max-prompts-per-request)", param="prompt", code="too_many_prompts")
-    raise APIError(400, f"n: {num_prompts} prompt(s) × n={n} is {num_prompts * n} completions in one request; "
-                        f"this server makes at most {limit} (--max-prompts-per-request)", param="n",
-                   code="too_many_prompts")
+        raise APIError(
+            400,
+            f"prompt: {num_prompts} prompts in one request; this server takes at most {limit} "
+            "(--max-prompts-per-request)",
+            param="prompt",
+            code="too_many_prompts",
+        )
+    raise APIError(
+        400,
+        f"n: {num_prompts} prompt(s) × n={n} is {num_prompts * n} completions in one request; "
+        f"this server makes at most {limit} (--max-prompts-per-request)",
+        param="n",
+        code="too_many_prompts",
+    )
 
 
 # apply_chat_template's own parameters that change how the prompt is tokenized or returned, not
 # what the template renders: never taken from a client
-_TOKENIZATION_KWARGS = frozenset({
-    "conversation", "messages", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
-})
+_TOKENIZATION_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+    }
+)
 
 
 class ChatCompletionRequest(_Common):
@@ -246,7 +298,7 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's extra; only with --trust-request-chat-template
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
@@ -257,18 +309,29 @@ class ChatCompletionRequest(_Common):
         kwargs = dict(self.chat_template_kwargs or {})
         tokenization = sorted(kwargs.keys() & _TOKENIZATION_KWARGS)
         if tokenization:
-            raise APIError(400, f"chat_template_kwargs: {tokenization[0]!r} is not a chat template variable (it "
-                                "would change how the server tokenizes the prompt)", param="chat_template_kwargs")
+            raise APIError(
+                400,
+                f"chat_template_kwargs: {tokenization[0]!r} is not a chat template variable (it "
+                "would change how the server tokenizes the prompt)",
+                param="chat_template_kwargs",
+            )
         if self.chat_template is not None:
             if "chat_template" in kwargs:
-                raise APIError(400, "chat_template is given twice (at the top level and in chat_template_kwargs)",
-                               param="chat_template")
+                raise APIError(
+                    400,
+                    "chat_template is given twice (at the top level and in chat_template_kwargs)",
+                    param="chat_template",
+                )
             kwargs["chat_template"] = self.chat_template
         if kwargs.get("chat_template") is not None and not trust_request_chat_template:
             where = "chat_template" if self.chat_template is not None else "chat_template_kwargs"
-            raise APIError(400, "a chat template of the request's own is not accepted by this server (it runs the "
-                                "model's; the operator may allow them with --trust-request-chat-template)",
-                           param=where, code="chat_template_not_allowed")
+            raise APIError(
+                400,
+                "a chat template of the request's own is not accepted by this server (it runs the "
+                "model's; the operator may allow them with --trust-request-chat-template)",
+                param=where,
+                code="chat_template_not_allowed",
+            )
         if "chat_template" in kwargs and not isinstance(kwargs["chat_template"], (str, type(None))):
             raise APIError(400, "chat_template must be a string", param="chat_template")
         return kwargs or None
@@ -280,15 +343,16 @@ class ChatCompletionRequest(_Common):
 
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
-                           param="top_logprobs")
+            raise APIError(
+                400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
@@ -321,8 +385,13 @@ class ShutdownExpired(Exception):
 
 def shutdown_error() -> APIError:
     """What a request still running at the end of the grace period gets (503: try elsewhere)."""
-    return APIError(503, "the server shut down before this request finished (its grace period ended)",
-                    type="server_error", code="server_shutdown", headers={"Retry-After": "1"})
+    return APIError(
+        503,
+        "the server shut down before this request finished (its grace period ended)",
+        type="server_error",
+        code="server_shutdown",
+        headers={"Retry-After": "1"},
+    )
 
 
 DRAIN_FLUSH_S = 5.0  # after the grace period: how long the ended requests get to send their ends

@@ -72,8 +72,9 @@ class ReasoningParser:
     default_starts_in_reasoning: ClassVar[bool] = False
 
     def __init__(self, *, starts_in_reasoning: bool | None = None) -> None:
-        self.starts_in_reasoning = (self.default_starts_in_reasoning if starts_in_reasoning is None
-                                    else starts_in_reasoning)
+        self.starts_in_reasoning = (
+            self.default_starts_in_reasoning if starts_in_reasoning is None else starts_in_reasoning
+        )
         self._state = _START
         self._held = ""  # text not emitted yet: it may be (part of) a tag
         self._has_reasoning = self.starts_in_reasoning
@@ -96,7 +97,7 @@ class ReasoningParser:
         ``""`` when there is none (the server may send it as ``null``)."""
         stripped = text.lstrip()
         if stripped.startswith(self.start_tag):
-            rest = stripped[len(self.start_tag):]
+            rest = stripped[len(self.start_tag) :]
         elif self.starts_in_reasoning:
             rest = text
         else:
@@ -135,7 +136,7 @@ class ReasoningParser:
             if stripped.startswith(self.start_tag):
                 self._has_reasoning = True
                 self._state = _REASONING
-                text = stripped[len(self.start_tag):]
+                text = stripped[len(self.start_tag) :]
             elif self.start_tag.startswith(stripped) and not final:
                 # whitespace, then possibly the start of "<think>": wait for more
                 self._held = text
@@ -149,10 +150,10 @@ class ReasoningParser:
             end = text.find(self.end_tag)
             if end >= 0:
                 self._state = _CONTENT
-                return text[:end], text[end + len(self.end_tag):]
+                return text[:end], text[end + len(self.end_tag) :]
             keep = 0 if final else partial_suffix(text, self.end_tag)
-            self._held = text[len(text) - keep:]
-            return text[:len(text) - keep], ""
+            self._held = text[len(text) - keep :]
+            return text[: len(text) - keep], ""
         return "", text
 
 

@@ -100,10 +100,17 @@ class RenderPool:
         if result is None or isinstance(result[1], RenderTimeout):
             job.future.cancel()  # a job not started yet is skipped
             if job.started:
-                raise APIError(400, f"rendering the prompt took longer than this server's {self.timeout:g} s",
-                               code="render_timeout")
-            raise APIError(503, "the server is busy preparing other requests' prompts", type="server_error",
-                           headers={"Retry-After": "1"})
+                raise APIError(
+                    400,
+                    f"rendering the prompt took longer than this server's {self.timeout:g} s",
+                    code="render_timeout",
+                )
+            raise APIError(
+                503,
+                "the server is busy preparing other requests' prompts",
+                type="server_error",
+                headers={"Retry-After": "1"},
+            )
         ok, value = result
         if not ok:
             raise value

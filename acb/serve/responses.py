@@ -70,8 +70,15 @@ from acb.structured_outputs import StructuredOutputs
 __all__ = ["ResponsesRequest", "add_routes", "input_messages"]
 
 # the SamplingParams fields a refusal carries (InvalidRequestError.field) that this API's client sends
-_PARAMS = {"max_new_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p",
-           "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed"}
+_PARAMS = {
+    "max_new_tokens": "max_output_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "seed",
+}
 
 
 class ResponsesRequest(RequestBody):
@@ -101,12 +108,18 @@ class ResponsesRequest(RequestBody):
         """400 for what would change the request's meaning and acb does not do (called by
         :func:`acb.serve.pipeline.parse`)."""
         extra = self.model_extra or {}
-        stateful = {"previous_response_id": "a stored response", "conversation": "a stored conversation",
-                    "prompt": "a stored prompt template"}
+        stateful = {
+            "previous_response_id": "a stored response",
+            "conversation": "a stored conversation",
+            "prompt": "a stored prompt template",
+        }
         for name, what in stateful.items():
             if extra.get(name) is not None:
-                raise APIError(400, f"{name!r} refers to {what}, but acb serve is stateless: send the whole "
-                                    "conversation in 'input'", param=name)
+                raise APIError(
+                    400,
+                    f"{name!r} refers to {what}, but acb serve is stateless: send the whole conversation in 'input'",
+                    param=name,
+                )
         if extra.get("background"):
             raise APIError(400, "'background' needs stored responses; acb serve is stateless", param="background")
         if extra.get("max_tool_calls") is not None:
@@ -128,9 +141,15 @@ class ResponsesRequest(RequestBody):
         """The request as engine sampling settings; bad values are 400s naming the field."""
         try:
             return acb.SamplingParams(
-                max_new_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
-                top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
-                structured_outputs=structured)
+                max_new_tokens=self.max_output_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+                seed=self.seed,
+                structured_outputs=structured,
+            )
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=request_param(exc, _PARAMS)) from None
 
@@ -148,8 +167,12 @@ def _text_of(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-            raise APIError(400, f"{where}.content[{j}]: only input_text and output_text parts are supported "
-                                f"(acb serves text-only models), got type {kind!r}", param="input")
+            raise APIError(
+                400,
+                f"{where}.content[{j}]: only input_text and output_text parts are supported "
+                f"(acb serves text-only models), got type {kind!r}",
+                param="input",
+            )
         pieces.append(part["text"])
     return "".join(pieces)
 
@@ -179,8 +202,9 @@ def input_messages(instructions: str | None, items: str | Sequence[Mapping[str, 
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
-                               param="input")
+                raise APIError(
+                    400, f"{where}.role must be user, system, developer or assistant, got {role!r}", param="input"
+                )
             chat.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call_id, name = _required_str(item, "call_id", where), _required_str(item, "name", where)
@@ -194,18 +218,26 @@ def input_messages(instructions: str | None, items: str | Sequence[Mapping[str, 
         elif kind == "function_call_output":
             call_id = _required_str(item, "call_id", where)
             if call_id not in names:
-                raise APIError(400, f"{where}: no function_call item before it has call_id {call_id!r}",
-                               param="input")
-            chat.append({"role": "tool", "tool_call_id": call_id, "name": names[call_id],
-                         "content": _text_of(item.get("output"), where + ".output")})
+                raise APIError(400, f"{where}: no function_call item before it has call_id {call_id!r}", param="input")
+            chat.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "name": names[call_id],
+                    "content": _text_of(item.get("output"), where + ".output"),
+                }
+            )
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
-            raise APIError(400, f"{where}: item references need stored items; acb serve is stateless",
-                           param="input")
+            raise APIError(400, f"{where}: item references need stored items; acb serve is stateless", param="input")
         else:
-            raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
-                                "function_call, function_call_output, reasoning)", param="input")
+            raise APIError(
+                400,
+                f"{where}: input items of type {kind!r} are not supported (message, "
+                "function_call, function_call_output, reasoning)",
+                param="input",
+            )
     if not chat:
         raise APIError(400, "input is empty", param="input")
     return [shaping.history_message(m, m["content"], "input", "input") for m in chat]
@@ -217,7 +249,8 @@ def _structured(body: ResponsesRequest, plan: shaping.ToolPlan) -> shaping.Const
     return shaping.one_constraint(
         shaping.Constraint.of("text.format", shaping.structured_from_text_format(body.text_format)),
         plan.constraint,
-        shaping.Constraint.of("structured_outputs", shaping.structured_from_extra(body.model_extra or {})))
+        shaping.Constraint.of("structured_outputs", shaping.structured_from_extra(body.model_extra or {})),
+    )
 
 
 # ---------------------------------------------------------------------------- output
@@ -226,8 +259,13 @@ def _new_id(prefix: str) -> str:
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [] if status == "in_progress" else [_text_part(text)]}
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [] if status == "in_progress" else [_text_part(text)],
+    }
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -235,13 +273,24 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-            "content": [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]}
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "status": status,
+        "content": [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if status != "in_progress" else "", "status": status}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if status != "in_progress" else "",
+        "status": status,
+    }
 
 
 class _Ids:
@@ -265,8 +314,11 @@ def _final_items(shaper: shaping.OutputShaper, ids: _Ids, length: bool) -> list[
     items: list[dict[str, Any]] = []
     with_message = bool(shaper.content) or not (shaper.tool_calls or shaper.has_reasoning)
     if shaper.has_reasoning:
-        items.append(_reasoning_item(ids.reasoning, shaper.reasoning,
-                                     "incomplete" if length and not with_message else "completed"))
+        items.append(
+            _reasoning_item(
+                ids.reasoning, shaper.reasoning, "incomplete" if length and not with_message else "completed"
+            )
+        )
     if with_message:
         items.append(_message_item(ids.message, shaper.content, "incomplete" if length else "completed"))
     items.extend(_call_item(ids.call(i), c, "completed") for i, c in enumerate(shaper.tool_calls))
@@ -285,7 +337,7 @@ def _reasoning_tokens(state: ServerState, shaper: shaping.OutputShaper, tokens: 
     for i, t in enumerate(tokens):
         piece = bytes(state.texts.get(t)[1])
         seen += piece
-        if end in seen[-(len(piece) + len(end)):]:
+        if end in seen[-(len(piece) + len(end)) :]:
             return i + 1
     return len(tokens)
 
@@ -297,41 +349,69 @@ class _Shell:
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.model = state.model_name
-        tools = [{"type": "function", "name": f["name"], "description": f.get("description"),
-                  "parameters": f["parameters"], "strict": strict}
-                 for f, strict in zip(plan.functions, plan.strict)]
+        tools = [
+            {
+                "type": "function",
+                "name": f["name"],
+                "description": f.get("description"),
+                "parameters": f["parameters"],
+                "strict": strict,
+            }
+            for f, strict in zip(plan.functions, plan.strict)
+        ]
         choice: Any = {"type": "function", "name": plan.named} if plan.choice == "named" else plan.choice
         text: dict[str, Any] = {"format": body.text_format or {"type": "text"}}
         if body.text and body.text.get("verbosity") is not None:
             text["verbosity"] = body.text["verbosity"]
         self.echo: dict[str, Any] = {
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "metadata": body.metadata or {}, "parallel_tool_calls": plan.parallel, "previous_response_id": None,
-            "reasoning": body.reasoning, "store": False, "temperature": body.temperature, "text": text,
-            "tool_choice": choice, "tools": tools, "top_p": body.top_p, "truncation": body.truncation or "disabled",
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "parallel_tool_calls": plan.parallel,
+            "previous_response_id": None,
+            "reasoning": body.reasoning,
+            "store": False,
+            "temperature": body.temperature,
+            "text": text,
+            "tool_choice": choice,
+            "tools": tools,
+            "top_p": body.top_p,
+            "truncation": body.truncation or "disabled",
             "user": body.user,
         }
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         done = status in ("completed", "incomplete")
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "completed_at": int(time.time()) if status == "completed" else None, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "model": self.model, "output": output, "usage": usage if done else None, **self.echo}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model,
+            "output": output,
+            "usage": usage if done else None,
+            **self.echo,
+        }
 
 
 def _response_usage(state: ServerState, out: GenerationOutput, reasoning_tokens: int) -> dict[str, Any]:
     u = usage([out])
-    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"],
-            # cache_write_tokens: OpenAI's explicit prompt caching, which acb does not offer
-            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
-                                     "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "output_tokens": u["completion_tokens"],
+        "total_tokens": u["total_tokens"],
+        # cache_write_tokens: OpenAI's explicit prompt caching, which acb does not offer
+        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "cache_write_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+    }
 
 
-def _finished(state: ServerState, shaper: shaping.OutputShaper, out: GenerationOutput
-              ) -> tuple[bool, int, dict[str, Any]]:
+def _finished(
+    state: ServerState, shaper: shaping.OutputShaper, out: GenerationOutput
+) -> tuple[bool, int, dict[str, Any]]:
     """``(length ran out, reasoning tokens, usage)`` of a finished output."""
     sample = samples(out)[0]
     length = finish_reason(sample) == "length"
@@ -370,10 +450,19 @@ def _job(state: ServerState, body: ResponsesRequest) -> Job:
         shaper = shaping.OutputShaper(plan, parser, prompts.tail, constrained=constraint is not None)
         return _Output(state, shell, shaper)
 
-    return Job(sampling, body.stream, render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None),
-               output=output, constraint=constraint,
-               params={"prompt": "input", "prompt_ids": "input", "max_new_tokens": "max_output_tokens",
-                       "structured_outputs": None if constraint is None else constraint.param})
+    return Job(
+        sampling,
+        body.stream,
+        render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None),
+        output=output,
+        constraint=constraint,
+        params={
+            "prompt": "input",
+            "prompt_ids": "input",
+            "max_new_tokens": "max_output_tokens",
+            "structured_outputs": None if constraint is None else constraint.param,
+        },
+    )
 
 
 class _Output:
@@ -395,8 +484,10 @@ class _Output:
         return self.shell.response("incomplete" if length else "completed", output, use)
 
     def start(self) -> list[str]:
-        return [self.events.event("response.created", response=self.shell.response("in_progress", [], None)),
-                self.events.event("response.in_progress", response=self.shell.response("in_progress", [], None))]
+        return [
+            self.events.event("response.created", response=self.shell.response("in_progress", [], None)),
+            self.events.event("response.in_progress", response=self.shell.response("in_progress", [], None)),
+        ]
 
     def delta(self, p: int, delta: StreamDelta) -> list[str]:
         if not delta.text:
@@ -411,8 +502,10 @@ class _Output:
         length, _, use = _finished(self.state, self.shaper, finals[-1])
         output = _final_items(self.shaper, self.ids, length)
         status = "incomplete" if length else "completed"
-        return [*self.events.finish(output),
-                self.events.event(f"response.{status}", response=self.shell.response(status, output, use))]
+        return [
+            *self.events.finish(output),
+            self.events.event(f"response.{status}", response=self.shell.response(status, output, use)),
+        ]
 
     def error(self, err: APIError) -> str:
         return self.events.error(err)
@@ -438,8 +531,9 @@ class _Events:
 
     def error(self, err: APIError) -> str:
         # ResponseErrorEvent's fields, and the error body the openai client raises from
-        return self.event("error", code=err.code or err.type, message=err.message, param=err.param,
-                          error=err.body()["error"])
+        return self.event(
+            "error", code=err.code or err.type, message=err.message, param=err.param, error=err.body()["error"]
+        )
 
     def _item_id(self, kind: str) -> str:
         return self.ids.reasoning if kind == "reasoning" else self.ids.message
@@ -450,16 +544,19 @@ class _Events:
         item_id = self._item_id(kind)
         item = (_reasoning_item if kind == "reasoning" else _message_item)(item_id, "", "in_progress")
         part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _text_part("")
-        return [self.event("response.output_item.added", output_index=self.index, item=item),
-                self.event("response.content_part.added", item_id=item_id, output_index=self.index,
-                           content_index=0, part=part)]
+        return [
+            self.event("response.output_item.added", output_index=self.index, item=item),
+            self.event(
+                "response.content_part.added", item_id=item_id, output_index=self.index, content_index=0, part=part
+            ),
+        ]
 
     def close(self, item: dict[str, Any]) -> list[str]:
         """End the open text item as ``item`` (its final form): the rest of its text, then done."""
         kind = self.open
         assert kind is not None and item["type"] == kind
         text = item["content"][0]["text"]
-        out = self.text(kind, text[len(self.sent[kind]):])
+        out = self.text(kind, text[len(self.sent[kind]) :])
         item_id = self._item_id(kind)
         where = {"item_id": item_id, "output_index": self.index, "content_index": 0}
         if kind == "reasoning":
@@ -517,10 +614,23 @@ class _Events:
             else:
                 added = {**item, "arguments": "", "status": "in_progress"}
                 out.append(self.event("response.output_item.added", output_index=self.index, item=added))
-                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=self.index, delta=item["arguments"]))
-                out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=self.index, arguments=item["arguments"], name=item["name"]))
+                out.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self.index,
+                        delta=item["arguments"],
+                    )
+                )
+                out.append(
+                    self.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=self.index,
+                        arguments=item["arguments"],
+                        name=item["name"],
+                    )
+                )
                 out.append(self.event("response.output_item.done", output_index=self.index, item=item))
                 self.index += 1
         return out

@@ -35,9 +35,21 @@ from acb.serve.reasoning import REASONING_PARSERS, ReasoningParser
 from acb.serve.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, new_tool_call_id
 from acb.structured_outputs import StructuredOutputs
 
-__all__ = ["Constraint", "OutputShaper", "Shaped", "ToolPlan", "call_arguments", "check_parsers", "history_message",
-           "one_constraint", "plan_tools", "required_calls_schema", "structured_from_extra",
-           "structured_from_response_format", "structured_from_text_format"]
+__all__ = [
+    "Constraint",
+    "OutputShaper",
+    "Shaped",
+    "ToolPlan",
+    "call_arguments",
+    "check_parsers",
+    "history_message",
+    "one_constraint",
+    "plan_tools",
+    "required_calls_schema",
+    "structured_from_extra",
+    "structured_from_response_format",
+    "structured_from_text_format",
+]
 
 
 def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
@@ -105,8 +117,9 @@ def structured_from_extra(extra: Mapping[str, Any]) -> StructuredOutputs | None:
     known = {"json", "json_object", "regex", "choice", "grammar", "whitespace_flexible"}
     unknown = sorted(set(so) - known)
     if unknown:
-        raise APIError(400, f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}",
-                       param="structured_outputs")
+        raise APIError(
+            400, f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}", param="structured_outputs"
+        )
     return _spec("structured_outputs", **so)
 
 
@@ -155,8 +168,9 @@ def one_constraint(*given: Constraint | None) -> Constraint | None:
     """
     set_ = [c for c in given if c is not None]
     if len(set_) > 1:
-        raise APIError(400, f"{set_[0].field} and {set_[1].field} both constrain the output; give one",
-                       param=set_[1].field)
+        raise APIError(
+            400, f"{set_[0].field} and {set_[1].field} both constrain the output; give one", param=set_[1].field
+        )
     return set_[0] if set_ else None
 
 
@@ -241,9 +255,14 @@ def required_calls_schema(functions: Sequence[Mapping[str, Any]], parallel: bool
     for i, fn in enumerate(functions):
         key = f"tool{i}"
         defs[key] = _rebase_refs(fn["parameters"], f"#/$defs/{key}")
-        items.append({"type": "object", "properties": {"name": {"enum": [fn["name"]]},
-                                                       "parameters": {"$ref": f"#/$defs/{key}"}},
-                      "required": ["name", "parameters"], "additionalProperties": False})
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [fn["name"]]}, "parameters": {"$ref": f"#/$defs/{key}"}},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
@@ -285,8 +304,9 @@ class ToolPlan:
             param = self.params_fields[i] if i < len(self.params_fields) else "tools"
             return Constraint("tool_choice", _spec(param, json=self.functions[i]["parameters"]), param)
         if self.choice == "required":
-            return Constraint("tool_choice", _spec("tools", json=required_calls_schema(self.functions, self.parallel)),
-                              "tools")
+            return Constraint(
+                "tool_choice", _spec("tools", json=required_calls_schema(self.functions, self.parallel)), "tools"
+            )
         return None
 
 
@@ -313,8 +333,11 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, parser: s
         fn = choice.get("function", choice)
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if choice.get("type") != "function" or not isinstance(name, str):
-            raise APIError(400, "tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                           param="tool_choice")
+            raise APIError(
+                400,
+                'tool_choice: a named choice is {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
         if name not in names:
             raise APIError(400, f"tool_choice: no tool is named {name!r}", param="tool_choice")
         return ToolPlan(functions, "named", name, parallel, params_fields=fields, strict=strict)
@@ -324,12 +347,16 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, parser: s
         return ToolPlan(functions, "required", None, parallel, params_fields=fields, strict=strict)
     if choice == "auto":
         if parser is None:
-            raise APIError(400, "tool_choice 'auto' needs the server to be started with --tool-call-parser (hermes, "
-                                "llama3_json); 'required' or a named function work on any model",
-                           param="tool_choice")
+            raise APIError(
+                400,
+                "tool_choice 'auto' needs the server to be started with --tool-call-parser (hermes, "
+                "llama3_json); 'required' or a named function work on any model",
+                param="tool_choice",
+            )
         return ToolPlan(functions, "auto", None, parallel, parser, fields, strict)
-    raise APIError(400, f"tool_choice must be none, auto, required or a named function, got {choice!r}",
-                   param="tool_choice")
+    raise APIError(
+        400, f"tool_choice must be none, auto, required or a named function, got {choice!r}", param="tool_choice"
+    )
 
 
 def call_arguments(args: Any, where: str, param: str) -> dict[str, Any] | None:
@@ -362,8 +389,9 @@ def call_arguments(args: Any, where: str, param: str) -> dict[str, Any] | None:
     raise APIError(400, f"{where} must be a JSON object (or JSON text of one)", param=param)
 
 
-def history_message(message: Mapping[str, Any], text: str, where: str = "messages", param: str = "messages"
-                    ) -> dict[str, Any]:
+def history_message(
+    message: Mapping[str, Any], text: str, where: str = "messages", param: str = "messages"
+) -> dict[str, Any]:
     """A chat message of the history as chat templates take it: an assistant's ``tool_calls``
     with their arguments as objects (JSON text from the client is parsed), a tool result's
     ``tool_call_id`` and ``name``.
@@ -434,15 +462,18 @@ class OutputShaper:
     that starts in reasoning would otherwise take all of it as ``reasoning_content``.)
     """
 
-    def __init__(self, plan: ToolPlan | None, reasoning_parser: str | None, prompt_text: str = "", *,
-                 constrained: bool = False) -> None:
+    def __init__(
+        self, plan: ToolPlan | None, reasoning_parser: str | None, prompt_text: str = "", *, constrained: bool = False
+    ) -> None:
         self.plan = plan or ToolPlan()
         self._forced = self.plan.choice in ("named", "required")
         constrained = constrained or self._forced
         self._reports_reasoning = reasoning_parser is not None  # the message has reasoning_content
         self._reasoning: ReasoningParser | None = (
-            REASONING_PARSERS[reasoning_parser].for_prompt(prompt_text) if reasoning_parser and not constrained
-            else None)
+            REASONING_PARSERS[reasoning_parser].for_prompt(prompt_text)
+            if reasoning_parser and not constrained
+            else None
+        )
         self._tools: ToolParser | None = None
         if self.plan.choice == "auto" and not constrained:
             assert self.plan.parser is not None
@@ -467,8 +498,9 @@ class OutputShaper:
     def shape_whole(self, text: str) -> Shaped:
         """The whole text at once (a non-streamed response): what the stream would add up to."""
         first, last = self.feed(text), self.finish()
-        return Shaped(first.content + last.content, first.reasoning + last.reasoning,
-                      first.tool_calls + last.tool_calls)
+        return Shaped(
+            first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls
+        )
 
     def _after_reasoning(self, reasoning: str, content: str, *, final: bool) -> Shaped:
         out = Shaped(reasoning=reasoning)
@@ -500,8 +532,11 @@ class OutputShaper:
         if self.plan.choice == "named":
             assert self.plan.named is not None
             pairs = [(self.plan.named, value)] if isinstance(value, dict) else []
-        elif isinstance(value, list) and value and all(
-                isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c for c in value):
+        elif (
+            isinstance(value, list)
+            and value
+            and all(isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c for c in value)
+        ):
             pairs = [(c["name"], c["parameters"]) for c in value]
         else:
             pairs = []

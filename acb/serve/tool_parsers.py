@@ -67,8 +67,17 @@ from typing import Any
 
 from acb.text import partial_suffix
 
-__all__ = ["TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "ToolCall", "ToolCallDelta", "ToolParser",
-           "filter_tool_calls", "new_tool_call_id", "tool_names"]
+__all__ = [
+    "TOOL_PARSERS",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "filter_tool_calls",
+    "new_tool_call_id",
+    "tool_names",
+]
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 _CALL_KEYS = frozenset({"name", "arguments", "parameters", "type"})
@@ -132,8 +141,9 @@ def tool_names(tools: Iterable[Mapping[str, Any]]) -> frozenset[str]:
     return frozenset(names)
 
 
-def filter_tool_calls(calls: Sequence[ToolCall], tools: Iterable[Mapping[str, Any]]
-                      ) -> tuple[list[ToolCall], list[ToolCall]]:
+def filter_tool_calls(
+    calls: Sequence[ToolCall], tools: Iterable[Mapping[str, Any]]
+) -> tuple[list[ToolCall], list[ToolCall]]:
     """``(known, unknown)``: ``calls`` split by whether they name one of the request's ``tools``
     (see :func:`tool_names`), each in its original order. For calls parsed without
     ``tool_names``; a parser given ``tool_names`` never returns unknown calls (it leaves their
@@ -282,7 +292,7 @@ class HermesToolParser(ToolParser):
                     # hold back a possible start of the tag and the whitespace before it (dropped
                     # if a call follows)
                     keep = 0 if final else partial_suffix(text, self.start_tag)
-                    cut = len(text) - keep if final else len(text[:len(text) - keep].rstrip())
+                    cut = len(text) - keep if final else len(text[: len(text) - keep].rstrip())
                     content.append(text[:cut])
                     text = text[cut:]
                     break
@@ -297,7 +307,7 @@ class HermesToolParser(ToolParser):
                 self._search_at = max(self._body_at, len(text) - len(self.end_tag) + 1)
                 break
             body_end, after = (len(text), len(text)) if closed < 0 else (closed, closed + len(self.end_tag))
-            call = _parse_call(text[self._body_at:body_end], self.tool_names)
+            call = _parse_call(text[self._body_at : body_end], self.tool_names)
             if call is None:
                 content.append(text[:after])
                 self._state = _H_CONTENT
@@ -397,7 +407,7 @@ class Llama3JsonToolParser(ToolParser):
             end = self._scan_object(text)
             if end < 0:
                 return (self._fail(self._object_at) if final else ""), deltas
-            call = _parse_call(text[self._object_at:end], self.tool_names)
+            call = _parse_call(text[self._object_at : end], self.tool_names)
             if call is None:
                 return self._fail(self._object_at), deltas
             deltas.append(self._emit(call))

@@ -18,11 +18,14 @@ def cfg(**kw) -> acb.ContinuousBatchingConfig:
     return acb.ContinuousBatchingConfig(**{"page_size": 8, "num_blocks": 256, "use_async_batching": True, **kw})
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("llama", {}),
-    ("qwen2", {"max_batch_tokens": 12}),  # chunked prefill mixed with decodes
-    ("mistral", {"scheduler_type": "prefill_first", "max_batch_tokens": 16}),
-])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        ("llama", {}),
+        ("qwen2", {"max_batch_tokens": 12}),  # chunked prefill mixed with decodes
+        ("mistral", {"scheduler_type": "prefill_first", "max_batch_tokens": 16}),
+    ],
+)
 def test_async_parity(arch, extra):
     model = get_model(arch)
     prompts = prompts_of_lengths(LENGTHS, seed=70)
@@ -41,8 +44,10 @@ def test_async_preemption_offload_prefix_cache_and_groups():
     for offload in (0.0, 0.01):
         c = cfg(page_size=4, num_blocks=24, safety_margin=0.0, cpu_offload_space=offload)
         with acb.Engine(model, c) as eng:
-            hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=14, n=2 if i == 1 else 1))
-                  for i, p in enumerate(prompts)]
+            hs = [
+                eng.submit(p, acb.SamplingParams(max_new_tokens=14, n=2 if i == 1 else 1))
+                for i, p in enumerate(prompts)
+            ]
             outs = [h.result(timeout=120) for h in hs]
             assert eng.stats.preemptions > 0
         assert [o.generated_tokens for o in outs] == refs
@@ -53,9 +58,11 @@ def test_async_stop_tokens_seeds_and_logprobs_match_sync():
     model = get_model("llama")
     prompts = prompts_of_lengths([5, 12, 30], seed=73)
     stop = reference_generate(model, prompts[1], 20)[4]  # one request stops early: its next slot is wasted
-    sps = [acb.SamplingParams(max_new_tokens=20, temperature=0.9, top_k=20, seed=11, logprobs=1),
-           acb.SamplingParams(max_new_tokens=20, stop_token_ids=(stop,), logprobs=0),
-           acb.SamplingParams(max_new_tokens=20, repetition_penalty=1.3, min_new_tokens=3)]
+    sps = [
+        acb.SamplingParams(max_new_tokens=20, temperature=0.9, top_k=20, seed=11, logprobs=1),
+        acb.SamplingParams(max_new_tokens=20, stop_token_ids=(stop,), logprobs=0),
+        acb.SamplingParams(max_new_tokens=20, repetition_penalty=1.3, min_new_tokens=3),
+    ]
     results = {}
     for mode in (False, True):
         with acb.Engine(model, cfg(use_async_batching=mode)) as eng:

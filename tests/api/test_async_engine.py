@@ -31,7 +31,7 @@ def other_backend(backend: str) -> str:
 CONCURRENT_PROMPTS = prompts_of_lengths([3, 17, 40, 8, 25, 1, 12, 33, 19, 5] * 2, seed=10)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def concurrent_refs() -> tuple[tuple[int, ...], ...]:
     # before any engine runs on the model (a running engine swaps its attention implementation);
     # cached for both backends
@@ -141,8 +141,7 @@ async def test_handle_cancel_and_engine_cancel():
 async def test_shutdown_cancels_pending_requests():
     eng = engine(max_requests_per_batch=2)
     eng.start()
-    hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
-          for i in range(5)]
+    hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True)) for i in range(5)]
     await eventually(lambda: eng.stats.running == 2, "two requests run, three wait")
     await eng.shutdown()
     assert not eng.is_running  # shutdown returns once the engine thread has exited
@@ -211,8 +210,9 @@ async def test_handles_awaited_from_another_loop_thread(anyio_backend):
 
 async def test_timestamps_and_logprobs():
     async with engine(return_logprobs=True) as eng:
-        out = await eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=6, ignore_eos=True),
-                                 record_timestamps=True)
+        out = await eng.generate(
+            [5, 6, 7], acb.SamplingParams(max_new_tokens=6, ignore_eos=True), record_timestamps=True
+        )
     assert len(out.timestamps) == 6 and out.timestamps == sorted(out.timestamps)
     assert len(out.logprobs) == 6 and all(lp <= 0 for lp in out.logprobs)
 
@@ -231,8 +231,9 @@ async def test_one_loop_callback_per_step(anyio_backend, monkeypatch):
 
     monkeypatch.setattr(type(loop), "call_soon_threadsafe", counting)
     async with engine() as eng:
-        hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=12, ignore_eos=True))
-              for i in range(16)]
+        hs = [
+            await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=12, ignore_eos=True)) for i in range(16)
+        ]
         outs = [await h.result() for h in hs]
     steps = eng.stats.steps  # final once the engine has stopped
     monkeypatch.undo()

@@ -178,12 +178,12 @@ async def test_reset_prefix_cache_while_a_request_runs():
         assert (await running.result()).status == acb.RequestStatus.CANCELLED
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_tokenizer():
     return build_tokenizer()  # byte-level, built in code
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def text_case() -> tuple[list[int], list[int]]:
     """The prompt and its greedy reference for the text-streaming test (before any engine runs)."""
     tok = byte_tokenizer()
@@ -214,7 +214,8 @@ async def test_one_handle_awaited_on_two_loops_at_once(anyio_backend):
 
         async def elsewhere():
             other["out"] = await anyio.to_thread.run_sync(
-                lambda: anyio.run(h.result, backend=other_backend(anyio_backend)))
+                lambda: anyio.run(h.result, backend=other_backend(anyio_backend))
+            )
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(elsewhere)

@@ -34,14 +34,25 @@ async def test_bad_inputs_rejected_others_unaffected(model):
         for args, kw, exc, msg in cases:
             with pytest.raises(exc, match=msg):
                 await eng.submit(*args, **kw)
-        for bad, field in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
-                           (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
-                           (dict(logprobs=21), "logprobs"), (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"),
-                           (dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-                           (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs_mode="x"), "logprobs_mode"),
-                           (dict(stop=[""]), "stop"), (dict(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
-                           (dict(n=0), "n"), (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(seed=1.5), "seed"),
-                           (dict(do_sample="yes"), "do_sample")):
+        for bad, field in (
+            (dict(max_new_tokens=0), "max_new_tokens"),
+            (dict(max_new_tokens=-3), "max_new_tokens"),
+            (dict(temperature=-1.0), "temperature"),
+            (dict(temperature=float("nan")), "temperature"),
+            (dict(logprobs=21), "logprobs"),
+            (dict(top_p=0.0), "top_p"),
+            (dict(top_k=-1), "top_k"),
+            (dict(min_p=1.5), "min_p"),
+            (dict(repetition_penalty=0.0), "repetition_penalty"),
+            (dict(presence_penalty=3.0), "presence_penalty"),
+            (dict(logprobs_mode="x"), "logprobs_mode"),
+            (dict(stop=[""]), "stop"),
+            (dict(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
+            (dict(n=0), "n"),
+            (dict(logit_bias={-1: 1.0}), "logit_bias"),
+            (dict(seed=1.5), "seed"),
+            (dict(do_sample="yes"), "do_sample"),
+        ):
             with pytest.raises((ValueError, TypeError), match=field):
                 acb.SamplingParams(**bad)
         with pytest.raises(ValueError, match="logit_bias token id 300"):
@@ -88,8 +99,7 @@ async def test_engine_death_fails_every_pending_handle(model, monkeypatch):
     eng = acb.AsyncEngine(model, CFG)
     eng.start()
     sched = eng.core.scheduler
-    hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
-          for i in range(3)]
+    hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True)) for i in range(3)]
     await eventually(lambda: eng.stats.running == 3, "the three requests run")
 
     def broken(*a, **k):
@@ -99,9 +109,11 @@ async def test_engine_death_fails_every_pending_handle(model, monkeypatch):
     for h in hs:
         with pytest.raises(acb.EngineDeadError):
             await asyncio.wait_for(h.result(), 30)
+
     async def stream(h):
         async for _ in h:
             pass
+
     with pytest.raises(acb.EngineDeadError):
         await asyncio.wait_for(stream(hs[0]), 30)
     with pytest.raises(acb.EngineDeadError):
@@ -142,14 +154,24 @@ def test_model_attention_restored_after_engine(model):
 # Values that pass a type check but overflow what the engine computes with (issue 26 item 1): each
 # is refused when the SamplingParams is built, naming the field.
 HUGE = [
-    (dict(top_k=10**400), "top_k"), (dict(max_new_tokens=10**30), "max_new_tokens"), (dict(n=2**63), "n"),
-    (dict(min_new_tokens=2**64), "min_new_tokens"), (dict(logprobs=10**30), "logprobs"),
-    (dict(prompt_logprobs=2**63), "prompt_logprobs"), (dict(seed=2**63), "seed"), (dict(seed=-(2**63) - 1), "seed"),
-    (dict(temperature=10**400), "temperature"), (dict(temperature=1e300), "temperature"),
-    (dict(repetition_penalty=1e-40), "repetition_penalty"), (dict(repetition_penalty=1e39), "repetition_penalty"),
-    (dict(logit_bias={5: 1e39}), "logit_bias"), (dict(logit_bias={5: 10**400}), "logit_bias"),
-    (dict(logit_bias={5: float("inf")}), "logit_bias"), (dict(logit_bias={2**64: 1.0}), "logit_bias"),
-    (dict(stop_token_ids=(2**63,)), "stop_token_ids"), (dict(top_p=10**400), "top_p"),
+    (dict(top_k=10**400), "top_k"),
+    (dict(max_new_tokens=10**30), "max_new_tokens"),
+    (dict(n=2**63), "n"),
+    (dict(min_new_tokens=2**64), "min_new_tokens"),
+    (dict(logprobs=10**30), "logprobs"),
+    (dict(prompt_logprobs=2**63), "prompt_logprobs"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(temperature=10**400), "temperature"),
+    (dict(temperature=1e300), "temperature"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty"),
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
+    (dict(logit_bias={5: 1e39}), "logit_bias"),
+    (dict(logit_bias={5: 10**400}), "logit_bias"),
+    (dict(logit_bias={5: float("inf")}), "logit_bias"),
+    (dict(logit_bias={2**64: 1.0}), "logit_bias"),
+    (dict(stop_token_ids=(2**63,)), "stop_token_ids"),
+    (dict(top_p=10**400), "top_p"),
     (dict(presence_penalty=-(10**400)), "presence_penalty"),
 ]
 
@@ -170,10 +192,16 @@ async def test_numeric_extremes_are_refused_or_harmless(model, async_batching):
     allowed = [
         acb.SamplingParams(max_new_tokens=top, top_k=top, seed=top, do_sample=True, temperature=1.0, ignore_eos=True),
         acb.SamplingParams(max_new_tokens=6, seed=-(2**63), temperature=1e4, top_k=top),
-        acb.SamplingParams(max_new_tokens=6, min_new_tokens=6, stop_token_ids=(5,), seed=1,
-                           temperature=0.5, repetition_penalty=100.0),
-        acb.SamplingParams(max_new_tokens=6, seed=2, temperature=0.5, repetition_penalty=0.01,
-                           logit_bias={3: 100.0, 4: -100.0, 7: float("-inf")}),
+        acb.SamplingParams(
+            max_new_tokens=6, min_new_tokens=6, stop_token_ids=(5,), seed=1, temperature=0.5, repetition_penalty=100.0
+        ),
+        acb.SamplingParams(
+            max_new_tokens=6,
+            seed=2,
+            temperature=0.5,
+            repetition_penalty=0.01,
+            logit_bias={3: 100.0, 4: -100.0, 7: float("-inf")},
+        ),
         acb.SamplingParams(max_new_tokens=6, seed=3, temperature=1e-40),
     ]
     cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, use_async_batching=async_batching)

@@ -13,10 +13,22 @@ import acb
 from tests.conftest import reference_generate
 
 LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
-              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-              max_position_embeddings=512, layer_types=LAYERS)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    layer_types=LAYERS,
+)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
@@ -72,14 +84,18 @@ def _prompts(lengths, seed=1):
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(),
-    dict(max_batch_tokens=8),  # chunked prefill: the state carries from chunk to chunk
-    dict(use_async_batching=True),
-    dict(num_blocks=16, page_size=4, max_batch_tokens=16),  # preemption: recomputed from no state
-    # offload asked for: turned off for a hybrid model (offloaded KV has no state), so it recomputes
-    dict(num_blocks=16, page_size=4, max_batch_tokens=16, cpu_offload_space=0.01, use_async_batching=True),
-], ids=["whole", "chunked", "async", "preempt", "offload-asked-async"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(max_batch_tokens=8),  # chunked prefill: the state carries from chunk to chunk
+        dict(use_async_batching=True),
+        dict(num_blocks=16, page_size=4, max_batch_tokens=16),  # preemption: recomputed from no state
+        # offload asked for: turned off for a hybrid model (offloaded KV has no state), so it recomputes
+        dict(num_blocks=16, page_size=4, max_batch_tokens=16, cpu_offload_space=0.01, use_async_batching=True),
+    ],
+    ids=["whole", "chunked", "async", "preempt", "offload-asked-async"],
+)
 def test_greedy_parity(hybrid, cfg):
     prompts = _prompts([5, 17, 30, 9])
     refs = [reference_generate(hybrid, p, 8) for p in prompts]

@@ -29,8 +29,9 @@ def test_blocking_engine_kwargs_equal_sampling_params():
         by_params = eng.generate(PROMPT, acb.SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))
         assert by_kwargs.generated_tokens == by_params.generated_tokens
         # keywords override the fields of ``sampling``; the rest of it still applies
-        mixed = eng.submit(PROMPT, acb.SamplingParams(max_new_tokens=20, temperature=0.7, seed=3),
-                           max_new_tokens=8).result()
+        mixed = eng.submit(
+            PROMPT, acb.SamplingParams(max_new_tokens=20, temperature=0.7, seed=3), max_new_tokens=8
+        ).result()
         assert mixed.generated_tokens == by_params.generated_tokens
         h = eng.submit_nowait(PROMPT, max_new_tokens=2, ignore_eos=True)
         assert len(h.result().generated_tokens) == 2
@@ -56,24 +57,39 @@ def test_generate_batch_kwargs():
     model = get_model("llama")
     prompts = prompts_of_lengths([3, 7], seed=4)
     cb = acb.ContinuousBatchingConfig(**CFG)
-    by_kwargs = acb.generate_batch(model, prompts, continuous_batching_config=cb, progress_bar=False,
-                                   max_new_tokens=5, temperature=0.9, seed=11, warmup=False)
-    by_params = acb.generate_batch(model, prompts, continuous_batching_config=cb, progress_bar=False,
-                                   sampling=acb.SamplingParams(max_new_tokens=5, temperature=0.9, seed=11))
+    by_kwargs = acb.generate_batch(
+        model,
+        prompts,
+        continuous_batching_config=cb,
+        progress_bar=False,
+        max_new_tokens=5,
+        temperature=0.9,
+        seed=11,
+        warmup=False,
+    )
+    by_params = acb.generate_batch(
+        model,
+        prompts,
+        continuous_batching_config=cb,
+        progress_bar=False,
+        sampling=acb.SamplingParams(max_new_tokens=5, temperature=0.9, seed=11),
+    )
     assert [o.generated_tokens for o in by_kwargs.values()] == [o.generated_tokens for o in by_params.values()]
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    (dict(max_tokens=5), TypeError, ["'max_tokens' is called 'max_new_tokens'"]),
-    (dict(temprature=0.5), TypeError, ["'temprature'", "acb.SamplingParams"]),
-    (dict(temperature=-1.0), ValueError, ["temperature"]),
-    (dict(top_k="3"), TypeError, ["top_k"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(max_tokens=5), TypeError, ["'max_tokens' is called 'max_new_tokens'"]),
+        (dict(temprature=0.5), TypeError, ["'temprature'", "acb.SamplingParams"]),
+        (dict(temperature=-1.0), ValueError, ["temperature"]),
+        (dict(top_k="3"), TypeError, ["top_k"]),
+    ],
+)
 async def test_bad_kwargs_name_the_method(kwargs, error, words):
     model = get_model("llama")
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
-        for method, call in (("generate", eng.generate), ("submit", eng.submit),
-                             ("submit_nowait", eng.submit_nowait)):
+        for method, call in (("generate", eng.generate), ("submit", eng.submit), ("submit_nowait", eng.submit_nowait)):
             with pytest.raises(error) as info:
                 call(PROMPT, **kwargs)
             assert str(info.value).startswith(f"{method}()") and all(w in str(info.value) for w in words)

@@ -25,18 +25,48 @@ from tests.conftest import prompts_of_lengths, reference_generate
 
 # tiny configs; windows and chunks far below the prompts' lengths, so that they matter
 FEATURE_CONFIGS: dict[str, dict] = {
-    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
-                    layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     # floor_scale 8: the no-RoPE layer's query temperature changes from position 7 on
-    "llama4_text": dict(hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8,
-                        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, floor_scale=8,
-                        attn_scale=0.5),
-    "gemma3n_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, sliding_window=8, num_kv_shared_layers=2,
-                         vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, laurel_rank=4,
-                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+    "llama4_text": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_chunk_size=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        floor_scale=8,
+        attn_scale=0.5,
+    ),
+    "gemma3n_text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8,
+        laurel_rank=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    ),
 }
 ARCHS = list(FEATURE_CONFIGS)
 MAX_NEW = 8
@@ -46,19 +76,27 @@ def feature_model(arch: str, **overrides):
     """A tiny random ``arch`` model (eager attention: GPT-OSS has no SDPA path in transformers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(FEATURE_CONFIGS[arch], vocab_size=256, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False, initializer_range=0.2)
+    kw = dict(
+        FEATURE_CONFIGS[arch],
+        vocab_size=256,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
     kw.update(overrides)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw), attn_implementation="eager",
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(arch, **kw), attn_implementation="eager", dtype=torch.float32
+    )
     return model.eval()
 
 
 model_of = functools.lru_cache(maxsize=None)(feature_model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(arch: str, prompt: tuple[int, ...], max_new: int) -> list[int]:
     return reference_generate(model_of(arch), list(prompt), max_new)
 
@@ -79,8 +117,9 @@ def test_whole_and_chunked_prefill(arch):
     prompts = prompts_of_lengths(LENGTHS, seed=1)
     for budget in (None, 8):  # whole prompts; then 8-token steps mixing decode rows and prefill chunks
         cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=budget, attn_backend="torch")
-        res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
-                                 progress_bar=False)
+        res = acb.generate_batch(
+            model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW, progress_bar=False
+        )
         check(arch, prompts, res.values())
 
 
@@ -91,8 +130,10 @@ def test_preemption(arch):
     # 12 usable blocks of 4 tokens for 6 requests of ~30 tokens: preemption must happen
     cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=13, safety_margin=0.0, attn_backend="torch")
     with acb.Engine(model, cfg) as engine:
-        outs = [h.result(timeout=120) for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW))
-                                                for p in prompts]]
+        outs = [
+            h.result(timeout=120)
+            for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW)) for p in prompts]
+        ]
         assert engine.stats.preemptions > 0
     check(arch, prompts, outs)
 
@@ -101,15 +142,20 @@ def test_preemption(arch):
 def test_n_samples_async_batching_and_prefix_cache(arch):
     model = model_of(arch)
     prompts = prompts_of_lengths([33, 6, 52], seed=7)
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, use_async_batching=True, max_batch_tokens=24,
-                                       attn_backend="torch")
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=8, num_blocks=64, use_async_batching=True, max_batch_tokens=24, attn_backend="torch"
+    )
     with acb.Engine(model, cfg) as engine:
         assert engine.runner.cfg.async_batching
-        first = [h.result(timeout=120) for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW))
-                                                 for p in prompts]]
+        first = [
+            h.result(timeout=120)
+            for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW)) for p in prompts]
+        ]
         # the same prompts again: their full blocks come from the prefix cache
-        again = [h.result(timeout=120) for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW))
-                                                 for p in prompts]]
+        again = [
+            h.result(timeout=120)
+            for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW)) for p in prompts]
+        ]
         assert sum(o.num_cached_tokens for o in again) >= 32 + 48
         many = engine.generate(prompts[0], acb.SamplingParams(n=3, max_new_tokens=MAX_NEW))
     check(arch, prompts, first)
@@ -138,8 +184,9 @@ def _refused(model, match):
 
 
 def test_chunk_size_without_chunked_layers_is_refused():
-    model = feature_model("llama4_text", num_hidden_layers=2, layer_types=["full_attention", "full_attention"],
-                          no_rope_layers=[1, 1])
+    model = feature_model(
+        "llama4_text", num_hidden_layers=2, layer_types=["full_attention", "full_attention"], no_rope_layers=[1, 1]
+    )
     model.config.attention_chunk_size = 8  # set after the config's own checks, as a foreign config might
     _refused(model, "attention_chunk_size")
 
@@ -187,8 +234,9 @@ def _type_mismatches(arch: str, tiny) -> list[str]:
             continue
         if _kind(value) != _kind(got):
             bad.append(f"{arch}.{key}: {_kind(got)} {got!r:.40}, the real config's is {_kind(value)} {value!r:.40}")
-        elif isinstance(value, list) and len(value) == layers and not key.endswith("_layers") \
-                and len(got) != tiny_layers:
+        elif (
+            isinstance(value, list) and len(value) == layers and not key.endswith("_layers") and len(got) != tiny_layers
+        ):
             bad.append(f"{arch}.{key}: a per-layer list of {len(got)} for {tiny_layers} layers")
     return bad
 
@@ -237,8 +285,9 @@ def test_each_family_from_its_real_defaults_starts_sized_and_exact(arch, async_b
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(ms.FIRST_PROMPT_ID, vocab, (n,), generator=g).tolist() for n in (1, 7, 30)]
     refs = [reference_generate(model, p, 6) for p in prompts]
-    config = acb.ContinuousBatchingConfig(max_requests_per_batch=4, max_batch_tokens=16,
-                                          use_async_batching=async_batching)
+    config = acb.ContinuousBatchingConfig(
+        max_requests_per_batch=4, max_batch_tokens=16, use_async_batching=async_batching
+    )
     with acb.Engine(model, config) as eng:
         assert eng.config.num_blocks > 0
         outs = eng.generate_batch(prompts, max_new_tokens=6, do_sample=False, progress_bar=False)

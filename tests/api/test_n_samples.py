@@ -13,9 +13,14 @@ from tests.conftest import get_model, prompts_of_lengths
 
 def _hf_greedy(model, prompt, n, **kw):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, **kw)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            **kw,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("prompt_len", [13, 16])  # partial last block (copy-on-write) and block-aligned
@@ -52,8 +57,9 @@ def test_sampled_samples_differ_and_sample_zero_matches_seed():
 async def test_stream_and_cancel_groups():
     model = get_model("llama")
     async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=64)) as eng:
-        h = await eng.submit([5, 6, 7, 8, 9], acb.SamplingParams(n=3, max_new_tokens=7, temperature=0.9,
-                                                                  ignore_eos=True, logprobs=0))
+        h = await eng.submit(
+            [5, 6, 7, 8, 9], acb.SamplingParams(n=3, max_new_tokens=7, temperature=0.9, ignore_eos=True, logprobs=0)
+        )
         per = {0: [], 1: [], 2: []}
         lps = {0: [], 1: [], 2: []}
         async for d in h:

@@ -12,8 +12,9 @@ MAX_NEW = 16
 def _run(offload_gib: float, **kw):
     model = get_model("llama")
     # 16 usable blocks of 4 tokens for 8 requests of ~40 tokens: preemption is certain
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False,
-                                       cpu_offload_space=offload_gib, **kw)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False, cpu_offload_space=offload_gib, **kw
+    )
     with acb.Engine(model, cfg) as eng:
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW)) for p in PROMPTS]
         outs = [h.result(timeout=120) for h in hs]
@@ -48,8 +49,9 @@ def test_offload_full_falls_back_to_recompute():
 
 def test_cancel_while_offloaded_frees_host_blocks():
     model = get_model("llama")
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False,
-                                       cpu_offload_space=0.01)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=17, safety_margin=0.0, allow_block_sharing=False, cpu_offload_space=0.01
+    )
     with acb.Engine(model, cfg) as eng:
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=200, ignore_eos=True)) for p in PROMPTS]
         wait_until(lambda: eng.stats.swapped_out_blocks > 0, "a preempted request's blocks are offloaded")

@@ -30,10 +30,10 @@ def test_generate_batch_matches_generate(arch, packed):
     async batching on."""
     model = get_model(arch)
     prompts = prompts_of_lengths(LENGTHS, seed=1)
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=256, cpu_packed_linears=packed,
-                                       use_async_batching=True if packed else None)
-    res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
-                             progress_bar=False)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=8, num_blocks=256, cpu_packed_linears=packed, use_async_batching=True if packed else None
+    )
+    res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW, progress_bar=False)
     assert list(res) == [f"req_{i}" for i in range(len(prompts))]
     _check(model, prompts, res.values())
 
@@ -43,8 +43,7 @@ def test_sliding_window_beyond_window():
     model = get_model("mistral")
     prompts = prompts_of_lengths([30, 50, 5], seed=2)
     cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=16)
-    res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=30,
-                             progress_bar=False)
+    res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=30, progress_bar=False)
     _check(model, prompts, res.values(), max_new=30)
 
 
@@ -82,7 +81,7 @@ async def test_async_arrivals_while_decoding():
         first = await engine.submit(prompts[0], acb.SamplingParams(max_new_tokens=MAX_NEW))
         handles = [first]
         # later requests arrive while earlier ones are decoding
-        async for delta in first:
+        async for _delta in first:
             if len(handles) < len(prompts):
                 handles.append(await engine.submit(prompts[len(handles)], acb.SamplingParams(max_new_tokens=MAX_NEW)))
         outs = await asyncio.gather(*(h.result() for h in handles))
@@ -113,6 +112,5 @@ def test_gemma2_softcap_and_sliding_window():
     model = get_model("gemma2", attn_implementation="eager")
     prompts = prompts_of_lengths([1, 9, 30, 45], seed=7)
     cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=20)
-    res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW,
-                             progress_bar=False)
+    res = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=MAX_NEW, progress_bar=False)
     _check(model, prompts, res.values())

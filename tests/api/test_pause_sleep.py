@@ -121,8 +121,9 @@ def test_pause_modes_are_checked_and_pauses_nest():
         eng.pause("wait")  # already paused: returns at once
         eng.resume()
         eng.resume()  # not paused: nothing to do
-        assert eng.generate(PROMPTS[0], max_new_tokens=3).generated_tokens == \
-            reference_generate(get_model("llama"), PROMPTS[0], 3)
+        assert eng.generate(PROMPTS[0], max_new_tokens=3).generated_tokens == reference_generate(
+            get_model("llama"), PROMPTS[0], 3
+        )
 
 
 @pytest.mark.parametrize("drain", [False, True])
@@ -232,8 +233,9 @@ def test_rounds_of_training_with_sleep_between_them(async_batching):
     fopt.step()
     fresh.eval()
     assert [o.generated_tokens for o in rounds[1]] == [reference_generate(fresh, p, 12) for p in prompts]
-    assert [o.generated_tokens for o in rounds[0]] == \
-        [reference_generate(tiny_model("llama", seed=11), p, 12) for p in prompts]
+    assert [o.generated_tokens for o in rounds[0]] == [
+        reference_generate(tiny_model("llama", seed=11), p, 12) for p in prompts
+    ]
 
 
 @pytest.mark.anyio
@@ -286,7 +288,7 @@ class LifecycleModel:
 
 def _post(core, op: str):
     if op.startswith("pause_"):
-        return core.pause(op[len("pause_"):])
+        return core.pause(op[len("pause_") :])
     if op == "resume":
         return core.resume()
     return core.command("sleep" if op == "sleep" else "wake")
@@ -340,7 +342,7 @@ def test_lifecycle_transitions_compose_pairwise(async_batching):
                     if want.pause == "draining":
                         assert [h.result(30).generated_tokens for h in live] == refs[:4], label
                         assert not late.done, label
-                        for op, fut, err in futs:
+                        for op, fut, _err in futs:
                             if op == "pause_wait":
                                 fut.result(30)  # the drain's pause() returns once it is done
                 eng.resume()

@@ -25,9 +25,18 @@ def test_outputs_equal_with_and_without_prefix_cache():
     base = prompts_of_lengths([40], seed=50)[0]
     tails = prompts_of_lengths([1, 5, 8, 13], seed=51)
     prompts = [
-        base[:16], base[:16] + tails[0], base[:24] + tails[1], base + tails[2],  # boundary and mid-block
-        base[:16], base[:17], base[:8] + tails[3], base,  # exact repeats, one-past, fully cached
-        base[:1], base[:7], base + tails[0], base[:24],
+        base[:16],
+        base[:16] + tails[0],
+        base[:24] + tails[1],
+        base + tails[2],  # boundary and mid-block
+        base[:16],
+        base[:17],
+        base[:8] + tails[3],
+        base,  # exact repeats, one-past, fully cached
+        base[:1],
+        base[:7],
+        base + tails[0],
+        base[:24],
     ]
     with_cache, st_on = _run(model, prompts, True)
     without, st_off = _run(model, prompts, False)

@@ -38,8 +38,9 @@ def test_exact_whole_and_chunked(arch, async_batching):
     model = get_model(arch)
     prompts = prompts_of_lengths([2, 9, 40, 75], seed=41)
     # max_batch_tokens 16: the long prompts are prefilled in chunks, several per request
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=16,
-                                       use_async_batching=async_batching)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=8, num_blocks=64, max_batch_tokens=16, use_async_batching=async_batching
+    )
     sp = acb.SamplingParams(max_new_tokens=3, prompt_logprobs=4, ignore_eos=True)
     res = acb.generate_batch(model, prompts, sampling=sp, continuous_batching_config=cfg, progress_bar=False)
     for p, out in zip(prompts, res.values()):
@@ -79,8 +80,9 @@ def test_n_samples_and_validation():
     model = get_model("llama")
     prompt = prompts_of_lengths([12], seed=45)[0]
     with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=64)) as eng:
-        out = eng.generate(prompt, acb.SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=2,
-                                                      prompt_logprobs=1))
+        out = eng.generate(
+            prompt, acb.SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=2, prompt_logprobs=1)
+        )
         with pytest.raises(ValueError, match="prompt_logprobs must be <= 20"):
             eng.generate(prompt, acb.SamplingParams(prompt_logprobs=21))
     _check(model, prompt, out, 1)

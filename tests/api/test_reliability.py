@@ -43,9 +43,17 @@ def run_gated(model, cfg, prompts, news):
 
 def refs_of(model, prompts, news):
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=k, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p, k in zip(prompts, news)]
+        return [
+            model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=k,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p, k in zip(prompts, news)
+        ]
 
 
 # ------------------------------------------------------------------ defect 1
@@ -55,8 +63,14 @@ def test_async_preemption_with_last_tokens_in_flight(model):
     # the shape of the report (async batching, a cache that forces preemption, lengths that end
     # at every step), scaled down
     prompts, news = random_workload(11, 40, 40, 40)
-    cfg = acb.ContinuousBatchingConfig(use_async_batching=True, num_blocks=12, max_batch_tokens=64, page_size=8,
-                                       max_requests_per_batch=8, safety_margin=0.0)
+    cfg = acb.ContinuousBatchingConfig(
+        use_async_batching=True,
+        num_blocks=12,
+        max_batch_tokens=64,
+        page_size=8,
+        max_requests_per_batch=8,
+        safety_margin=0.0,
+    )
     outs, stats = run_gated(model, cfg, prompts, news)
     assert stats.preemptions > 0 and stats.failed == 0
     assert [o.generated_tokens for o in outs] == refs_of(model, prompts, news)
@@ -92,8 +106,9 @@ def test_request_preempted_with_a_token_in_flight_stays_queued_and_can_be_cancel
 def test_offload_decided_by_a_step_that_runs_nothing_is_carried_to_the_next():
     # a's last token is in flight; b needs a block, none is free, and the only request it may
     # take one from is itself: it is offloaded and nothing runs in that step
-    s = Scheduler(BlockPool(3, enable_caching=False), block_size=4, max_batch_tokens=32, max_running=4,
-                  swap=SwapSpace(8))
+    s = Scheduler(
+        BlockPool(3, enable_caching=False), block_size=4, max_batch_tokens=32, max_running=4, swap=SwapSpace(8)
+    )
     a = Request("a", [3, 4, 5], max_new_tokens=2)
     b = Request("b", [6, 7, 8], max_new_tokens=10)
     s.add(a)
@@ -114,8 +129,9 @@ def test_offloaded_request_resumes_with_its_own_kv(model, async_batching):
     # two usable blocks of 8: a (older) ends after 2 tokens; b needs a second block at position 8
     # while a's last token is in flight, so b offloads itself in a step that runs nothing else
     a, b = prompts_of_lengths([5, 7], seed=15)
-    cfg = acb.ContinuousBatchingConfig(use_async_batching=async_batching, num_blocks=3, page_size=8,
-                                       cpu_offload_space=0.001, safety_margin=0.0)
+    cfg = acb.ContinuousBatchingConfig(
+        use_async_batching=async_batching, num_blocks=3, page_size=8, cpu_offload_space=0.001, safety_margin=0.0
+    )
     outs, stats = run_gated(model, cfg, [a, b], [2, 9])
     if async_batching:
         assert stats.swapped_out_blocks == stats.swapped_in_blocks == 1
@@ -166,8 +182,14 @@ def test_generation_config_stop_ids_outside_the_vocabulary_are_ignored(model):
         out = eng.generate(prompt, acb.SamplingParams(min_new_tokens=2))
     assert out.status == acb.RequestStatus.FINISHED
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=2, do_sample=False,
-                             eos_token_id=[2], pad_token_id=0)[0, 3:].tolist()
+        ref = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=6,
+            min_new_tokens=2,
+            do_sample=False,
+            eos_token_id=[2],
+            pad_token_id=0,
+        )[0, 3:].tolist()
     assert out.generated_tokens == [t for t in ref if t != 0][: len(out.generated_tokens)]
 
 
@@ -218,11 +240,14 @@ class BrokenDecode:
 
 
 async def test_failing_decode_fails_only_its_request(model):
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32),
-                               tokenizer=BrokenDecode(ok=2)) as eng:
+    async with acb.AsyncEngine(
+        model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32), tokenizer=BrokenDecode(ok=2)
+    ) as eng:
         other = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=8, ignore_eos=True))
         bad = await eng.submit([8, 9], acb.SamplingParams(max_new_tokens=8, stop=["zz"], ignore_eos=False))
-        with pytest.raises(acb.RequestFailedError, match=r"UnicodeDecodeError in the output checks \(stop strings, grammar\)") as err:
+        with pytest.raises(
+            acb.RequestFailedError, match=r"UnicodeDecodeError in the output checks \(stop strings, grammar\)"
+        ) as err:
             await asyncio.wait_for(bad.result(), 30)
         # the partial output is attached (the text decoder shares the tokenizer's budget of good calls)
         assert 1 <= len(err.value.output.generated_tokens) < 8
@@ -232,14 +257,16 @@ async def test_failing_decode_fails_only_its_request(model):
 
 
 async def test_engine_death_reaches_every_handle_even_if_decoding_fails(model, monkeypatch):
-    eng = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32),
-                          tokenizer=BrokenDecode(ok=1_000_000))
+    eng = acb.AsyncEngine(
+        model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32), tokenizer=BrokenDecode(ok=1_000_000)
+    )
     eng.start()
     core = eng.core
-    hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, stop=["zz"]))
-          for i in range(3)]
-    await eventually(lambda: len(core.scheduler.running) == 3 and all(r.num_generated for r in list(core.scheduler.running)),
-                     "the three requests run and have sampled")
+    hs = [await eng.submit([5, 6, i + 3], acb.SamplingParams(max_new_tokens=10_000, stop=["zz"])) for i in range(3)]
+    await eventually(
+        lambda: len(core.scheduler.running) == 3 and all(r.num_generated for r in list(core.scheduler.running)),
+        "the three requests run and have sampled",
+    )
 
     def broken(*a, **k):
         eng.tokenizer.ok = 0  # building the failed outputs must not need the tokenizer
@@ -253,11 +280,13 @@ async def test_engine_death_reaches_every_handle_even_if_decoding_fails(model, m
 
 
 def test_a_raising_result_callback_does_not_stop_the_engine(model, caplog):
-    manager = acb.init_continuous_batching(model, continuous_batching_config=acb.ContinuousBatchingConfig(
-        page_size=8, num_blocks=32))
+    manager = acb.init_continuous_batching(
+        model, continuous_batching_config=acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)
+    )
     manager.start()
     router_put = manager.output_router.put
     try:
+
         def broken(out):
             raise RuntimeError("callback bug")
 
@@ -286,6 +315,7 @@ async def test_handle_awaited_on_another_loop(model):
         def other_loop():  # a different loop, in another thread, streams what this loop submitted
             async def read():
                 return [d async for d in h]
+
             return asyncio.run(read())
 
         deltas = await asyncio.to_thread(other_loop)
@@ -347,8 +377,9 @@ def test_generate_batch_takes_a_2d_tensor(model):
 
 
 def test_manager_prompt_and_eos_checks(model):
-    manager = acb.init_continuous_batching(model, continuous_batching_config=acb.ContinuousBatchingConfig(
-        page_size=8, num_blocks=32))
+    manager = acb.init_continuous_batching(
+        model, continuous_batching_config=acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)
+    )
     manager.start()
     try:
         with pytest.raises(TypeError, match="eos_token_id must be an int or a list of ints, got 'x'"):

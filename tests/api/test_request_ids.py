@@ -9,8 +9,8 @@ import asyncio
 import threading
 
 import acb
-from tests.conftest import get_model, prompts_of_lengths, reference_generate
 from tests.api.test_scoring import check
+from tests.conftest import get_model, prompts_of_lengths, reference_generate
 
 CFG = dict(page_size=8, num_blocks=64)
 
@@ -33,8 +33,10 @@ async def test_concurrent_async_scores_have_their_own_ids():
         assert len({o.request_id for o in outs}) == 4
         # and with the four calls live at once, and a caller's own id among them
         gate = _gated(eng)
-        tasks = [asyncio.ensure_future(eng.score(c, conts, request_id="mine" if i == 2 else None))
-                 for i, c in enumerate(ctxs)]
+        tasks = [
+            asyncio.ensure_future(eng.score(c, conts, request_id="mine" if i == 2 else None))
+            for i, c in enumerate(ctxs)
+        ]
         await asyncio.sleep(0)  # a yield, not a wait: each task runs until it awaits its results
         gate.set()
         outs2 = await asyncio.gather(*tasks)
@@ -64,11 +66,21 @@ def test_scores_and_batches_from_two_threads():
             except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(lambda i=i: scores.__setitem__(i, eng.score(ctxs[i], conts)),))
-                   for i in range(2)]
-        threads += [threading.Thread(target=run, args=(lambda i=i: batches.__setitem__(
-            i, eng.generate_batch(prompts, max_new_tokens=4, ignore_eos=True, progress_bar=False)),))
-            for i in range(2)]
+        threads = [
+            threading.Thread(target=run, args=(lambda i=i: scores.__setitem__(i, eng.score(ctxs[i], conts)),))
+            for i in range(2)
+        ]
+        threads += [
+            threading.Thread(
+                target=run,
+                args=(
+                    lambda i=i: batches.__setitem__(
+                        i, eng.generate_batch(prompts, max_new_tokens=4, ignore_eos=True, progress_bar=False)
+                    ),
+                ),
+            )
+            for i in range(2)
+        ]
         for t in threads:
             t.start()
         started.wait(60)

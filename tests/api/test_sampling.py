@@ -19,13 +19,18 @@ def test_seeded_request_same_alone_batched_and_preempted():
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
         alone = eng.generate(prompt, seeded).generated_tokens
         again = eng.generate(prompt, seeded).generated_tokens
-        other_seed = eng.generate(prompt, acb.SamplingParams(
-            max_new_tokens=24, temperature=1.0, top_k=50, seed=99, ignore_eos=True)).generated_tokens
+        other_seed = eng.generate(
+            prompt, acb.SamplingParams(max_new_tokens=24, temperature=1.0, top_k=50, seed=99, ignore_eos=True)
+        ).generated_tokens
     assert alone == again and alone != other_seed
     # in a batch of 32 with mixed parameters and lengths
     others = prompts_of_lengths([3 + 2 * i for i in range(31)], seed=31)
-    mixed = [acb.SamplingParams(max_new_tokens=10 + i % 7, temperature=0.5 + (i % 3) * 0.4, top_p=0.9)
-             if i % 2 else acb.SamplingParams(max_new_tokens=12) for i in range(31)]
+    mixed = [
+        acb.SamplingParams(max_new_tokens=10 + i % 7, temperature=0.5 + (i % 3) * 0.4, top_p=0.9)
+        if i % 2
+        else acb.SamplingParams(max_new_tokens=12)
+        for i in range(31)
+    ]
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, max_batch_tokens=40)) as eng:
         hs = [eng.submit(p, sp) for p, sp in zip(others[:15], mixed[:15])]
         h = eng.submit(prompt, seeded)
@@ -50,26 +55,42 @@ def test_engine_seed_makes_unseeded_runs_repeatable():
     sp = acb.SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
     runs = []
     for seed in (7, 7, 8):
-        res = acb.generate_batch(model, [[5, 6, 7], [9, 10]], sampling=sp, progress_bar=False,
-                                 continuous_batching_config=acb.ContinuousBatchingConfig(**CFG, seed=seed))
+        res = acb.generate_batch(
+            model,
+            [[5, 6, 7], [9, 10]],
+            sampling=sp,
+            progress_bar=False,
+            continuous_batching_config=acb.ContinuousBatchingConfig(**CFG, seed=seed),
+        )
         runs.append([o.generated_tokens for o in res.values()])
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
 def _hf(model, prompt, **kw):
     with torch.no_grad():
-        return model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              do_sample=False, return_dict_in_generate=True, output_logits=True,
-                              output_scores=True, **kw)
+        return model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            output_scores=True,
+            **kw,
+        )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_with_repetition_penalty_matches_generate(arch):
     model = get_model(arch)
     prompts = prompts_of_lengths([4, 15, 30], seed=32)
-    refs = [_hf(model, p, max_new_tokens=16, repetition_penalty=1.4).sequences[0, len(p):].tolist() for p in prompts]
-    res = acb.generate_batch(model, prompts, sampling=acb.SamplingParams(max_new_tokens=16, repetition_penalty=1.4),
-                             continuous_batching_config=acb.ContinuousBatchingConfig(**CFG), progress_bar=False)
+    refs = [_hf(model, p, max_new_tokens=16, repetition_penalty=1.4).sequences[0, len(p) :].tolist() for p in prompts]
+    res = acb.generate_batch(
+        model,
+        prompts,
+        sampling=acb.SamplingParams(max_new_tokens=16, repetition_penalty=1.4),
+        continuous_batching_config=acb.ContinuousBatchingConfig(**CFG),
+        progress_bar=False,
+    )
     assert [o.generated_tokens for o in res.values()] == refs
 
 
@@ -78,7 +99,7 @@ def test_min_new_tokens_suppresses_eos_as_transformers():
     prompt = prompts_of_lengths([9], seed=33)[0]
     free = reference_generate(model, prompt, 12)
     eos = free[1]  # make the 2nd greedy token the EOS: without min_new_tokens it stops there
-    ref = _hf(model, prompt, max_new_tokens=12, min_new_tokens=6, eos_token_id=eos).sequences[0, len(prompt):].tolist()
+    ref = _hf(model, prompt, max_new_tokens=12, min_new_tokens=6, eos_token_id=eos).sequences[0, len(prompt) :].tolist()
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
         plain = eng.generate(prompt, acb.SamplingParams(max_new_tokens=12, stop_token_ids=(eos,)))
         held = eng.generate(prompt, acb.SamplingParams(max_new_tokens=12, stop_token_ids=(eos,), min_new_tokens=6))
@@ -101,17 +122,22 @@ def test_ignore_eos_ignores_the_models_eos_only():
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG), gc, tokenizer=tok) as eng:
         stopped = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24))
         ignored = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24, ignore_eos=True))
-        explicit = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24, ignore_eos=True,
-                                                           stop_token_ids=[free[5]]))
-        i = next(i for i in range(6, 24) if tok.decode(free[i:i + 1]).isascii() and tok.decode(free[i:i + 1]).isprintable())
-        stop = tok.decode(free[i:i + 1])
+        explicit = eng.generate(
+            prompt, acb.SamplingParams(max_new_tokens=24, ignore_eos=True, stop_token_ids=[free[5]])
+        )
+        i = next(
+            i
+            for i in range(6, 24)
+            if tok.decode(free[i : i + 1]).isascii() and tok.decode(free[i : i + 1]).isprintable()
+        )
+        stop = tok.decode(free[i : i + 1])
         text = eng.generate(prompt, acb.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=[stop]))
-    assert stopped.generated_tokens == free[:free.index(eos) + 1] and stopped.finish_reason == acb.FinishReason.STOP
+    assert stopped.generated_tokens == free[: free.index(eos) + 1] and stopped.finish_reason == acb.FinishReason.STOP
     assert ignored.generated_tokens == free and ignored.finish_reason == acb.FinishReason.LENGTH
-    assert explicit.generated_tokens == free[:free.index(free[5]) + 1]
+    assert explicit.generated_tokens == free[: free.index(free[5]) + 1]
     assert explicit.finish_reason == acb.FinishReason.STOP
     assert text.finish_reason == acb.FinishReason.STOP and stop not in text.text
-    assert text.generated_tokens == free[:len(text.generated_tokens)] and len(text.generated_tokens) <= i + 1
+    assert text.generated_tokens == free[: len(text.generated_tokens)] and len(text.generated_tokens) <= i + 1
 
 
 def test_logprobs_match_model_logits():
@@ -120,11 +146,12 @@ def test_logprobs_match_model_logits():
     hf = _hf(model, prompt, max_new_tokens=8, repetition_penalty=1.3)
     raw = torch.stack(hf.logits)[:, 0].float().log_softmax(-1)  # [steps, V]
     processed = torch.stack(hf.scores)[:, 0].float().log_softmax(-1)
-    tokens = hf.sequences[0, len(prompt):]
+    tokens = hf.sequences[0, len(prompt) :]
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
         out_raw = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8, repetition_penalty=1.3, logprobs=3))
-        out_proc = eng.generate(prompt, acb.SamplingParams(max_new_tokens=8, repetition_penalty=1.3, logprobs=3,
-                                                           logprobs_mode="processed"))
+        out_proc = eng.generate(
+            prompt, acb.SamplingParams(max_new_tokens=8, repetition_penalty=1.3, logprobs=3, logprobs_mode="processed")
+        )
     assert out_raw.generated_tokens == tokens.tolist() == out_proc.generated_tokens
     steps = torch.arange(len(tokens))
     torch.testing.assert_close(torch.tensor(out_raw.logprobs), raw[steps, tokens], atol=1e-4, rtol=1e-4)
@@ -156,8 +183,11 @@ def test_stop_strings_cut_text_keep_tokens():
         gen = free.generated_tokens
         text = tok.decode(gen)
         # three consecutive generated tokens that are printable ASCII characters
-        start = next(i for i in range(3, len(gen) - 3)
-                     if all(tok.decode([t]).isascii() and tok.decode([t]).isprintable() for t in gen[i : i + 3]))
+        start = next(
+            i
+            for i in range(3, len(gen) - 3)
+            if all(tok.decode([t]).isascii() and tok.decode([t]).isprintable() for t in gen[i : i + 3])
+        )
         stop = tok.decode(gen[start : start + 3])
         assert text.find(stop) >= 0
         out = eng.generate(prompt, acb.SamplingParams(max_new_tokens=40, stop=[stop, "never-appears"]))
@@ -173,7 +203,7 @@ def test_manager_per_request_processors_and_return_logprobs():
     model = get_model("llama")
     prompt = [5, 6, 7, 8]
     ref = _hf(model, prompt, max_new_tokens=6, repetition_penalty=1.5)
-    ref_tokens = ref.sequences[0, len(prompt):].tolist()
+    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
     ref_lp = torch.stack(ref.scores)[:, 0].float().log_softmax(-1)  # processed, as transformers' return_logprobs
     cfg = acb.ContinuousBatchingConfig(**CFG, per_request_processors=True, return_logprobs=True)
     m = acb.ContinuousBatchingManager(model, continuous_batching_config=cfg)
@@ -206,16 +236,30 @@ def test_generation_config_processors():
     model = get_model("llama")
     gc = GenerationConfig(max_new_tokens=5, do_sample=False, repetition_penalty=1.3, eos_token_id=-1)
     ref = _hf(model, [5, 6, 7], max_new_tokens=5, repetition_penalty=1.3).sequences[0, 3:].tolist()
-    res = acb.generate_batch(model, [[5, 6, 7]], generation_config=gc, progress_bar=False,
-                             continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+    res = acb.generate_batch(
+        model,
+        [[5, 6, 7]],
+        generation_config=gc,
+        progress_bar=False,
+        continuous_batching_config=acb.ContinuousBatchingConfig(**CFG),
+    )
     assert res["req_0"].generated_tokens == ref
     with pytest.warns(UserWarning, match="typical_p"):
-        acb.generate_batch(model, [[5]], generation_config=GenerationConfig(max_new_tokens=2, typical_p=0.5),
-                           progress_bar=False, continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+        acb.generate_batch(
+            model,
+            [[5]],
+            generation_config=GenerationConfig(max_new_tokens=2, typical_p=0.5),
+            progress_bar=False,
+            continuous_batching_config=acb.ContinuousBatchingConfig(**CFG),
+        )
     with pytest.raises(ValueError, match="typical_p"):
-        acb.generate_batch(model, [[5]], generation_config=GenerationConfig(max_new_tokens=2, typical_p=0.5),
-                           progress_bar=False, continuous_batching_config=acb.ContinuousBatchingConfig(
-                               **CFG, drop_unsupported_processors=False))
+        acb.generate_batch(
+            model,
+            [[5]],
+            generation_config=GenerationConfig(max_new_tokens=2, typical_p=0.5),
+            progress_bar=False,
+            continuous_batching_config=acb.ContinuousBatchingConfig(**CFG, drop_unsupported_processors=False),
+        )
 
 
 @pytest.mark.parametrize("async_batching", [False, True])

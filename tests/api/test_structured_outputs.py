@@ -71,12 +71,16 @@ def _valid(spec_check, out) -> None:
         assert result is None or result, text
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(),
-    dict(use_async_batching=True),
-    dict(use_async_batching=True, num_blocks=32, page_size=4, max_batch_tokens=32),  # preemption (recompute)
-    dict(num_blocks=32, page_size=4, max_batch_tokens=32, cpu_offload_space=0.01),  # preemption (offload)
-], ids=["sync", "async", "async-preempt", "offload"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(use_async_batching=True),
+        dict(use_async_batching=True, num_blocks=32, page_size=4, max_batch_tokens=32),  # preemption (recompute)
+        dict(num_blocks=32, page_size=4, max_batch_tokens=32, cpu_offload_space=0.01),  # preemption (offload)
+    ],
+    ids=["sync", "async", "async-preempt", "offload"],
+)
 def test_constrained_outputs_are_valid_beside_free_ones(model, tok, cfg):
     config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, **cfg})
     prompts = [tok(f"prompt number {i} says").input_ids for i in range(10)]
@@ -111,8 +115,7 @@ def test_length_ends_with_a_valid_prefix_and_logprobs(model, tok, async_batching
         assert out.finish_reason == acb.FinishReason.LENGTH
         assert any(c.startswith(out.text) for c in spec.choice) and out.text
         raw = eng.generate("hi", max_new_tokens=30, structured_outputs=spec, logprobs=0, logprobs_mode="raw")
-        proc = eng.generate("hi", max_new_tokens=30, structured_outputs=spec, logprobs=0,
-                            logprobs_mode="processed")
+        proc = eng.generate("hi", max_new_tokens=30, structured_outputs=spec, logprobs=0, logprobs_mode="processed")
     assert raw.generated_tokens == proc.generated_tokens and raw.text in spec.choice
     assert all(p >= r - 1e-5 for p, r in zip(proc.logprobs, raw.logprobs))
     assert any(p > r + 1e-3 for p, r in zip(proc.logprobs, raw.logprobs))  # the mask did change something
@@ -121,8 +124,11 @@ def test_length_ends_with_a_valid_prefix_and_logprobs(model, tok, async_batching
 async def test_async_engine_bad_specs_cancel_and_stream(model, tok):
     cfg = acb.ContinuousBatchingConfig(num_blocks=64, use_async_batching=True)
     async with acb.AsyncEngine(model, cfg, tokenizer=tok) as eng:
-        for bad, msg in [(dict(regex="(ab"), "parenthesis"), (dict(json={"type": "nope"}), "nope"),
-                         (dict(grammar="root ::= undefined_rule"), "undefined_rule")]:
+        for bad, msg in [
+            (dict(regex="(ab"), "parenthesis"),
+            (dict(json={"type": "nope"}), "nope"),
+            (dict(grammar="root ::= undefined_rule"), "undefined_rule"),
+        ]:
             with pytest.raises(ValueError, match=f"structured_outputs: .*{msg}"):
                 await eng.submit("x", structured_outputs=bad)
         # streamed deltas add up to the output, which is valid
@@ -187,8 +193,9 @@ async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
     async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(num_blocks=64), tokenizer=tok) as eng:
         with pytest.raises(ValueError, match=r"structured_outputs: .*grammar_max_repetition"):
             await eng.submit("x", structured_outputs={"json": SLOW_SCHEMA})
-    cfg = acb.ContinuousBatchingConfig(num_blocks=64, use_async_batching=True, grammar_max_repetition=10**6,
-                                       grammar_compile_timeout_s=1.0)
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=64, use_async_batching=True, grammar_max_repetition=10**6, grammar_compile_timeout_s=1.0
+    )
     async with acb.AsyncEngine(model, cfg, tokenizer=tok) as eng:
         refused: list[str] = []
 
@@ -204,12 +211,15 @@ async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
                 tg.start_soon(slow, 0)
                 tg.start_soon(slow, 1)
                 # both workers hold a slow compile before the small one is asked for
-                await eventually(lambda: len(compiler._cache) == 2 and all(f.running() for f in compiler._cache.values()),
-                                 "both slow compiles running")
+                await eventually(
+                    lambda: len(compiler._cache) == 2 and all(f.running() for f in compiler._cache.values()),
+                    "both slow compiles running",
+                )
                 out = await eng.generate("pick", max_new_tokens=10, structured_outputs={"choice": ["yes", "no"]})
         assert out.text in ("yes", "no") and out.finish_reason == acb.FinishReason.STOP
-        assert len(refused) == 2 and all("took longer than 1 s, the limit (ContinuousBatchingConfig."
-                                         "grammar_compile_timeout_s)" in r for r in refused), refused
+        assert len(refused) == 2 and all(
+            "took longer than 1 s, the limit (ContinuousBatchingConfig.grammar_compile_timeout_s)" in r for r in refused
+        ), refused
     # stopping with a compile in flight: the compile's submit ends (engine stopped), the stop returns
     cfg = acb.ContinuousBatchingConfig(num_blocks=64, grammar_max_repetition=10**6, grammar_compile_timeout_s=600)
     eng = acb.AsyncEngine(model, cfg, tokenizer=tok)
@@ -224,6 +234,7 @@ async def test_grammar_budget_refuses_and_starves_no_one(model, tok):
 # ---------------------------------------------------------------------------------------------
 # constraints that cannot be met (issue 36: they failed as "token 0 does not continue the output's
 # grammar", an internal error)
+
 
 def tokenizer_without(chars: str):
     """The embedded byte-level tokenizer, less the tokens of ``chars`` (their bytes have no token)."""
@@ -240,20 +251,32 @@ def tokenizer_without(chars: str):
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-SELF_REQUIRED = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
-                 "$ref": "#/$defs/a"}
+SELF_REQUIRED = {
+    "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+    "$ref": "#/$defs/a",
+}
 
 
-@pytest.mark.parametrize("spec, extra, message", [
-    ({"json": {"$ref": "#"}}, {}, "the json constraint can never be met: it matches no text at all"),
-    ({"json": SELF_REQUIRED}, {}, "the json constraint can never be met: it matches no text at all"),
-    ({"grammar": 'root ::= "a" root'}, {}, "the grammar constraint can never be met: it matches no text"),
-    ({"grammar": 'root ::= "(" root ")" | "x" loop\nloop ::= "y" loop'}, {}, "the grammar constraint can never be met"),
-    ({"choice": ["yes", "no"]}, {"min_new_tokens": 4},
-     r"min_new_tokens=4 \(min_tokens\) can never be met: every output of the choice constraint has at most 3 "
-     "tokens before its end"),
-    ({"grammar": 'root ::= ""'}, {"min_new_tokens": 1}, "min_new_tokens=1 .* at most 0 tokens"),
-])
+@pytest.mark.parametrize(
+    "spec, extra, message",
+    [
+        ({"json": {"$ref": "#"}}, {}, "the json constraint can never be met: it matches no text at all"),
+        ({"json": SELF_REQUIRED}, {}, "the json constraint can never be met: it matches no text at all"),
+        ({"grammar": 'root ::= "a" root'}, {}, "the grammar constraint can never be met: it matches no text"),
+        (
+            {"grammar": 'root ::= "(" root ")" | "x" loop\nloop ::= "y" loop'},
+            {},
+            "the grammar constraint can never be met",
+        ),
+        (
+            {"choice": ["yes", "no"]},
+            {"min_new_tokens": 4},
+            r"min_new_tokens=4 \(min_tokens\) can never be met: every output of the choice constraint has at most 3 "
+            "tokens before its end",
+        ),
+        ({"grammar": 'root ::= ""'}, {"min_new_tokens": 1}, "min_new_tokens=1 .* at most 0 tokens"),
+    ],
+)
 async def test_unsatisfiable_constraints_are_refused_at_submit(model, tok, spec, extra, message):
     async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(num_blocks=32), tokenizer=tok) as eng:
         with pytest.raises(ValueError, match=f"structured_outputs: {message}"):
@@ -261,27 +284,33 @@ async def test_unsatisfiable_constraints_are_refused_at_submit(model, tok, spec,
         with pytest.raises(ValueError, match=f"structured_outputs: {message}"):
             eng.submit_nowait("x", structured_outputs=spec, max_new_tokens=8, **extra)
         # min_new_tokens the output can meet, or a stop token min_new_tokens does not hold back: accepted
-        out = await eng.generate("x", structured_outputs={"choice": ["yes", "no"]}, max_new_tokens=8,
-                                 min_new_tokens=2)
+        out = await eng.generate("x", structured_outputs={"choice": ["yes", "no"]}, max_new_tokens=8, min_new_tokens=2)
         assert out.text in ("yes", "no")
 
 
 def test_a_vocabulary_without_the_first_character_is_refused_at_submit(model):
     tok = tokenizer_without("{")
     with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32), tokenizer=tok) as eng:
-        with pytest.raises(ValueError, match=r"structured_outputs: the json constraint can never be met: the "
-                                             r"tokenizer's vocabulary has no token that starts it .*'\{'"):
+        with pytest.raises(
+            ValueError,
+            match=r"structured_outputs: the json constraint can never be met: the "
+            r"tokenizer's vocabulary has no token that starts it .*'\{'",
+        ):
             eng.generate([5, 6, 7], structured_outputs={"json": SCHEMA})
         with pytest.raises(ValueError, match="vocabulary has no token"):
             eng.generate([5, 6, 7], structured_outputs={"json_object": True})
         assert eng.generate([5, 6, 7], structured_outputs={"choice": ["ab"]}, max_new_tokens=5).text == "ab"
 
 
-@pytest.mark.parametrize("cfg", [
-    {},
-    {"use_async_batching": True},
-    {"use_async_batching": True, "num_blocks": 12, "page_size": 4, "max_batch_tokens": 16},  # preemption
-], ids=["sync", "async", "async-preempt"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"use_async_batching": True},
+        {"use_async_batching": True, "num_blocks": 12, "page_size": 4, "max_batch_tokens": 16},  # preemption
+    ],
+    ids=["sync", "async", "async-preempt"],
+)
 def test_a_grammar_that_cannot_go_on_ends_with_finish_reason_grammar(model, tok, cfg):
     """Found only while generating: the request ends, FINISHED with ``FinishReason.GRAMMAR``, its
     output the tokens before the dead end (a prefix of a match); the others are unaffected."""
@@ -295,8 +324,14 @@ def test_a_grammar_that_cannot_go_on_ends_with_finish_reason_grammar(model, tok,
             acb.SamplingParams(max_new_tokens=10, min_new_tokens=4, structured_outputs={"regex": "ab"}),
             # the only way on is a token whose bias is -inf
             acb.SamplingParams(max_new_tokens=10, logit_bias={b: float("-inf")}, structured_outputs={"choice": ["ab"]}),
-            acb.SamplingParams(max_new_tokens=10, min_new_tokens=5, n=2, temperature=1.0, seed=3,
-                               structured_outputs={"regex": "(ab|ba)c"}),
+            acb.SamplingParams(
+                max_new_tokens=10,
+                min_new_tokens=5,
+                n=2,
+                temperature=1.0,
+                seed=3,
+                structured_outputs={"regex": "(ab|ba)c"},
+            ),
         ]
         res = eng.generate_batch(prompts, sps, progress_bar=False)
         assert [res[f"req_{i}"].generated_tokens for i in range(3)] == refs

@@ -23,7 +23,7 @@ def test_sync_engine_stream_and_break_cancels():
         out = h.result()
         assert got == out.generated_tokens and len(got) <= 8
         h2 = eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=10_000, ignore_eos=True))
-        for d in h2:
+        for _d in h2:
             break
         assert h2.result(timeout=30).status == acb.RequestStatus.CANCELLED
 
@@ -35,8 +35,13 @@ def test_generate_batch_inside_running_event_loop():
 
     async def main():
         # a Jupyter cell: a loop is running in this thread, and generate_batch just works
-        return acb.generate_batch(model, prompts, max_new_tokens=5, progress_bar=True,
-                                  continuous_batching_config=acb.ContinuousBatchingConfig(**CFG))
+        return acb.generate_batch(
+            model,
+            prompts,
+            max_new_tokens=5,
+            progress_bar=True,
+            continuous_batching_config=acb.ContinuousBatchingConfig(**CFG),
+        )
 
     res = asyncio.run(main())
     assert [o.generated_tokens for o in res.values()] == refs
@@ -45,8 +50,14 @@ def test_generate_batch_inside_running_event_loop():
 def test_generate_batch_record_timestamps_and_empty():
     model = get_model("llama")
     assert acb.generate_batch(model, [], progress_bar=False) == {}
-    res = acb.generate_batch(model, [[5, 6]], max_new_tokens=3, record_timestamps=True, progress_bar=False,
-                             sampling=acb.SamplingParams(ignore_eos=True))
+    res = acb.generate_batch(
+        model,
+        [[5, 6]],
+        max_new_tokens=3,
+        record_timestamps=True,
+        progress_bar=False,
+        sampling=acb.SamplingParams(ignore_eos=True),
+    )
     assert len(res["req_0"].timestamps) == 3
     with pytest.raises(ValueError, match="empty"):
         acb.generate_batch(model, [[5], []], progress_bar=False)
@@ -216,12 +227,22 @@ def test_generate_batch_callback_per_prompt_sampling_and_stop(async_batching, of
     lengths = [3, 7, 1, 5, 4, 2]
     refs = [reference_generate(model, p, k) for p, k in zip(prompts, lengths)]
     # two waiting requests at most: generate_batch takes queue slots as they free up
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=16, max_queue_size=2,
-                                       use_async_batching=async_batching, cpu_offload_space=offload)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4,
+        num_blocks=12,
+        max_batch_tokens=16,
+        max_queue_size=2,
+        use_async_batching=async_batching,
+        cpu_offload_space=offload,
+    )
     with acb.Engine(model, cfg) as eng:
         seen: list[tuple[int, acb.GenerationOutput]] = []
-        res = eng.generate_batch(prompts, [acb.SamplingParams(max_new_tokens=k) for k in lengths],
-                                 progress_bar=False, on_result=lambda i, out: seen.append((i, out)))
+        res = eng.generate_batch(
+            prompts,
+            [acb.SamplingParams(max_new_tokens=k) for k in lengths],
+            progress_bar=False,
+            on_result=lambda i, out: seen.append((i, out)),
+        )
         assert [o.generated_tokens for o in res.values()] == refs
         assert sorted(i for i, _ in seen) == list(range(len(prompts)))
         assert all(res[f"req_{i}"] is out for i, out in seen)
@@ -231,8 +252,14 @@ def test_generate_batch_callback_per_prompt_sampling_and_stop(async_batching, of
         # stop after the first result: the rest are cancelled or never submitted
         many = prompts_of_lengths([4] * 40, seed=32)
         ended: list[int] = []
-        res = eng.generate_batch(many, max_new_tokens=60, ignore_eos=True, progress_bar=False,
-                                 on_result=lambda i, out: ended.append(i), should_stop=lambda: bool(ended))
+        res = eng.generate_batch(
+            many,
+            max_new_tokens=60,
+            ignore_eos=True,
+            progress_bar=False,
+            on_result=lambda i, out: ended.append(i),
+            should_stop=lambda: bool(ended),
+        )
         assert 1 <= len(res) < len(many) and sorted(ended) == sorted(int(k[4:]) for k in res)
         statuses = {o.status for o in res.values()}
         assert statuses <= {acb.RequestStatus.FINISHED, acb.RequestStatus.CANCELLED}
@@ -240,5 +267,6 @@ def test_generate_batch_callback_per_prompt_sampling_and_stop(async_batching, of
         assert not any(eng.core.is_live(f"req_{i}") for i in range(len(many)))
         # the engine outlives it: the same ids run again
         again = eng.generate_batch(prompts[:2], max_new_tokens=3, progress_bar=False)
-        assert [o.generated_tokens for o in again.values()] == [r[:3] for r in
-                                                                [reference_generate(model, p, 3) for p in prompts[:2]]]
+        assert [o.generated_tokens for o in again.values()] == [
+            r[:3] for r in [reference_generate(model, p, 3) for p in prompts[:2]]
+        ]

@@ -117,15 +117,25 @@ def test_processed_logprobs_of_every_sample_are_what_a_trainer_recomputes():
     prompt = prompts_of_lengths([11], seed=54)[0]
     temp = 0.7
     for mode, scale in (("processed", temp), ("raw", 1.0)):
-        sp = acb.SamplingParams(max_new_tokens=10, n=4, do_sample=True, temperature=temp, top_k=0, top_p=1.0,
-                                logprobs=0, logprobs_mode=mode, seed=5, ignore_eos=True)
+        sp = acb.SamplingParams(
+            max_new_tokens=10,
+            n=4,
+            do_sample=True,
+            temperature=temp,
+            top_k=0,
+            top_p=1.0,
+            logprobs=0,
+            logprobs_mode=mode,
+            seed=5,
+            ignore_eos=True,
+        )
         with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, use_async_batching=True)) as eng:
             out = eng.generate(prompt, sp)
         assert out.samples is not None and len({tuple(s.generated_tokens) for s in out.samples}) > 1
         for s in out.samples:
             ids = torch.tensor([prompt + s.generated_tokens])
             with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1: -1]
+                logits = model(ids).logits[0, len(prompt) - 1 : -1]
             trainer = (logits / scale).log_softmax(-1).gather(-1, torch.tensor(s.generated_tokens)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(s.logprobs), trainer, atol=1e-5, rtol=1e-5)
 
@@ -135,9 +145,6 @@ def _perturb(model, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("async_batching", [True, False])
@@ -166,8 +173,9 @@ def test_a_step_in_flight_across_a_weight_change_does_not_fill_the_prefix_cache(
         try:
             # one row: the second request waits while the first decodes, so the engine looks at
             # the weights again at the next launch (it does so when requests are waiting)
-            first, second = eng.generate_batch([prompt, prompt], acb.SamplingParams(max_new_tokens=6),
-                                               progress_bar=False).values()
+            first, second = eng.generate_batch(
+                [prompt, prompt], acb.SamplingParams(max_new_tokens=6), progress_bar=False
+            ).values()
         finally:
             runner.execute = original
         assert eng.core.weight_resets == 1
@@ -270,9 +278,18 @@ def _delete_a_parameter(model):
     proj.weight = torch.nn.Parameter(w)  # (deleted, then registered again: another object)
 
 
-@pytest.mark.parametrize("change", [_replace_by_load_state_dict, _replace_a_parameter, _replace_a_module,
-                                    _add_a_parameter, _replace_a_buffer, _swap_parameters_dict_entry,
-                                    _delete_a_parameter])
+@pytest.mark.parametrize(
+    "change",
+    [
+        _replace_by_load_state_dict,
+        _replace_a_parameter,
+        _replace_a_module,
+        _add_a_parameter,
+        _replace_a_buffer,
+        _swap_parameters_dict_entry,
+        _delete_a_parameter,
+    ],
+)
 @pytest.mark.parametrize("async_batching,packed", [(False, False), (True, True)])
 def test_weights_replaced_by_new_objects_invalidate_the_prefix_cache(change, async_batching, packed):
     """Weights replaced by assignment (new Parameter objects: ``load_state_dict(assign=True)``,
@@ -282,8 +299,9 @@ def test_weights_replaced_by_new_objects_invalidate_the_prefix_cache(change, asy
     oneDNN-packed linears (repacked from the new weights) with async batching."""
     model = _model()
     prompts = prompts_of_lengths([30, 26], seed=55)
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=16, use_async_batching=async_batching,
-                                       cpu_packed_linears=packed)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=16, use_async_batching=async_batching, cpu_packed_linears=packed
+    )
     with acb.Engine(model, cfg) as eng:
         eng.generate_batch(prompts, max_new_tokens=6, progress_bar=False)
         hit = eng.generate(prompts[0], max_new_tokens=2)

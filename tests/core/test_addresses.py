@@ -30,8 +30,12 @@ def test_core_names_are_imported_from_where_they_are_defined():
     cache: dict[str, set[str]] = {}
     for f in files:
         for node in ast.walk(ast.parse(f.read_text())):
-            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                    and node.module.startswith("acb.core.")):
+            if not (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and node.module
+                and node.module.startswith("acb.core.")
+            ):
                 continue
             if node.module not in cache:
                 cache[node.module] = defined_in(node.module)

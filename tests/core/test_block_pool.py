@@ -59,8 +59,12 @@ def test_random_ops_keep_invariants(ops):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "append", "fork", "free", "register", "hit", "reset"]),
-                          st.integers(0, 7)), max_size=120))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "append", "fork", "free", "register", "hit", "reset"]), st.integers(0, 7)),
+        max_size=120,
+    )
+)
 def test_random_ops_with_prefix_cache_keep_invariants(ops):
     """allocate/append/fork/free/cache-hit/evict in any order keep every invariant, and a
     block that is referenced is never handed out again."""

@@ -10,9 +10,8 @@ import pytest
 from acb.config import ResolvedConfig
 from acb.core.engine_core import EngineCore
 from acb.core.messages import Delivery, EngineRequest, ModelRunnerOutput
-from acb.core.request import Request
-from acb.sampling_params import FALLBACK
 from acb.outputs import FailureKind, RequestStatus
+from acb.sampling_params import FALLBACK
 
 VOCAB = 50
 
@@ -62,7 +61,9 @@ class FakeRunner:
             ids[i] = sampled[k]
         pos = [p + j for p, n in zip(sched.start_pos, sched.num_new) for j in range(n)]
         for i, r in enumerate(owner):  # every computed token is the request's own
-            want = r.token_ids[pos[i]] if pos[i] < r.prompt_len else token_at(tuple(r.token_ids[: r.prompt_len]), pos[i])
+            want = (
+                r.token_ids[pos[i]] if pos[i] < r.prompt_len else token_at(tuple(r.token_ids[: r.prompt_len]), pos[i])
+            )
             assert ids[i] == want, f"{r}: position {pos[i]} got {ids[i]}, want {want}"
         sampled = []
         for r in sched.sample_reqs:
@@ -99,16 +100,30 @@ class Collector:
 
 def make_core(runner, collector, *, async_batching, num_blocks=64, budget=16) -> EngineCore:
     runner.cfg = ResolvedConfig(
-        block_size=4, num_blocks=num_blocks, max_batch_tokens=budget, max_requests_per_batch=4, max_model_len=64,
-        scheduler_type="fifo", safety_margin=0.0, max_queue_size=0, return_logprobs=False, seed=None,
-        attn_backend="none", device="none", kv_cache_bytes=0, async_batching=async_batching)
+        block_size=4,
+        num_blocks=num_blocks,
+        max_batch_tokens=budget,
+        max_requests_per_batch=4,
+        max_model_len=64,
+        scheduler_type="fifo",
+        safety_margin=0.0,
+        max_queue_size=0,
+        return_logprobs=False,
+        seed=None,
+        attn_backend="none",
+        device="none",
+        kv_cache_bytes=0,
+        async_batching=async_batching,
+    )
     return EngineCore(runner, deliver=collector)
 
 
 def requests(n: int = 6, max_new: int = 7) -> list[EngineRequest]:
     """Request ``r<i>``, delivered under sink key ``i``."""
-    return [EngineRequest(f"r{i}", i, tuple(range(3 + i, 3 + i + 2 + 3 * i)), FALLBACK, max_new, frozenset(), 0)
-            for i in range(n)]
+    return [
+        EngineRequest(f"r{i}", i, tuple(range(3 + i, 3 + i + 2 + 3 * i)), FALLBACK, max_new, frozenset(), 0)
+        for i in range(n)
+    ]
 
 
 def expected(r: EngineRequest, max_new: int) -> list[int]:
@@ -139,8 +154,9 @@ def test_steps_in_order_and_outputs_right(async_batching):
         overlapped = sum(1 for s in launched if ("execute", s + 1) in at and at[("execute", s + 1)] < at[("finish", s)])
         assert overlapped >= len(launched) // 2
     else:
-        assert all(calls[i][0] == "execute" and calls[i + 1] == ("finish", calls[i][1])
-                   for i in range(0, len(calls), 2))
+        assert all(
+            calls[i][0] == "execute" and calls[i + 1] == ("finish", calls[i][1]) for i in range(0, len(calls), 2)
+        )
     st = core.stats
     assert st.finished == 6 and st.generated_tokens == 42 and st.failed == 0 and st.running == 0
     assert st.steps == len(launched)

@@ -20,8 +20,11 @@ class Rig:
         self.changes: list[int] = []
         self.quiesced: list[bool] = []
         self.futs: list[Future[None]] = []
-        self.holds: Holds[str] = Holds(asleep=lambda: self.asleep, release=self.released.append,
-                                       changed=lambda: self.changes.append(sum(f.done() for f in self.futs)))
+        self.holds: Holds[str] = Holds(
+            asleep=lambda: self.asleep,
+            release=self.released.append,
+            changed=lambda: self.changes.append(sum(f.done() for f in self.futs)),
+        )
 
     def pause(self, mode: str, *, stopping: bool = False) -> tuple[bool, Future[None]]:
         fut: Future[None] = Future()

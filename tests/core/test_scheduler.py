@@ -16,10 +16,15 @@ def make(rid: str, prompt_len: int, max_new: int = 4) -> Request:
     return Request(rid, list(range(3, 3 + prompt_len)), max_new_tokens=max_new)
 
 
-def sched(num_blocks=64, block_size=4, budget=32, max_running=8, policy="fifo", margin=0.0,
-          caching=False) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, enable_caching=caching), block_size=block_size, max_batch_tokens=budget,
-                     max_running=max_running, policy=policy, safety_margin=margin)
+def sched(num_blocks=64, block_size=4, budget=32, max_running=8, policy="fifo", margin=0.0, caching=False) -> Scheduler:
+    return Scheduler(
+        BlockPool(num_blocks, enable_caching=caching),
+        block_size=block_size,
+        max_batch_tokens=budget,
+        max_running=max_running,
+        policy=policy,
+        safety_margin=margin,
+    )
 
 
 def run_step(s: Scheduler, token: int = 7):

@@ -38,7 +38,7 @@ def expected_tokens(prompt: list[int], max_new: int, stop: frozenset[int]) -> li
         toks.append(next_token(toks))
         if toks[-1] in stop:
             break
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 class ShadowKV:
@@ -63,7 +63,8 @@ class ShadowKV:
                 assert slot is not None, f"{req}: position {p} was never written"
                 writer, wp = slot
                 assert wp == p and writer.token_ids[: p + 1] == req.token_ids[: p + 1], (
-                    f"{req}: position {p} holds {writer.request_id}'s K/V of another prefix")
+                    f"{req}: position {p} holds {writer.request_id}'s K/V of another prefix"
+                )
             for p in range(start, start + n):
                 self.dev[req.block_ids[p // bs]][p % bs] = (req, p)
         for src, dst in out.block_copies_after:
@@ -75,22 +76,54 @@ def comparable(out: SchedulerOutput | None):
     if out is None:
         return None
     ids = lambda reqs: [r.request_id for r in reqs]  # noqa: E731
-    return (out.step_id, ids(out.requests), out.rows, out.num_new, out.start_pos, out.input_ids, out.sample_idx,
-            ids(out.sample_reqs), out.sample_rows, out.sample_gen_idx, out.block_updates, ids(out.newly_admitted),
-            ids(out.row_inits), out.freed_rows, out.block_copies_after, out.swap_out, out.swap_in,
-            out.placeholders, out.num_prefill_tokens, out.num_decode_tokens)
+    return (
+        out.step_id,
+        ids(out.requests),
+        out.rows,
+        out.num_new,
+        out.start_pos,
+        out.input_ids,
+        out.sample_idx,
+        ids(out.sample_reqs),
+        out.sample_rows,
+        out.sample_gen_idx,
+        out.block_updates,
+        ids(out.newly_admitted),
+        ids(out.row_inits),
+        out.freed_rows,
+        out.block_copies_after,
+        out.swap_out,
+        out.swap_in,
+        out.placeholders,
+        out.num_prefill_tokens,
+        out.num_decode_tokens,
+    )
 
 
-def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, policy: str,
-          fast_decode: bool = True, record: list | None = None) -> Scheduler:
+def drive(
+    seed: int,
+    *,
+    async_batching: bool,
+    caching: bool,
+    swap_blocks: int,
+    policy: str,
+    fast_decode: bool = True,
+    record: list | None = None,
+) -> Scheduler:
     rnd = random.Random(seed)
     bs = rnd.choice([2, 4, 8])
     longest = 40
     num_blocks = 1 + -(-longest // bs) + rnd.choice([0, 1, 3, 8])
-    s = Scheduler(BlockPool(num_blocks, enable_caching=caching), block_size=bs,
-                  max_batch_tokens=rnd.choice([5, 8, 16, 64]), max_running=rnd.choice([2, 3, 6]),
-                  policy=policy, safety_margin=0.0, swap=SwapSpace(swap_blocks) if swap_blocks else None,
-                  fast_decode=fast_decode)
+    s = Scheduler(
+        BlockPool(num_blocks, enable_caching=caching),
+        block_size=bs,
+        max_batch_tokens=rnd.choice([5, 8, 16, 64]),
+        max_running=rnd.choice([2, 3, 6]),
+        policy=policy,
+        safety_margin=0.0,
+        swap=SwapSpace(swap_blocks) if swap_blocks else None,
+        fast_decode=fast_decode,
+    )
     kv = ShadowKV(num_blocks, swap_blocks, bs)
     base = [rnd.randrange(3, VOCAB) for _ in range(30)]
     todo: list[Request] = []
@@ -104,8 +137,10 @@ def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, p
         partial = len(prompt) % bs
         if len(prompt) // bs + (n if partial else 0) > num_blocks - 1:  # refused at submit by the engine
             n = 1
-        members = [Request(f"r{i}" if k == 0 else f"r{i}#{k}", prompt, max_new_tokens=max_new,
-                           stop_token_ids=stop) for k in range(n)]
+        members = [
+            Request(f"r{i}" if k == 0 else f"r{i}#{k}", prompt, max_new_tokens=max_new, stop_token_ids=stop)
+            for k in range(n)
+        ]
         if n > 1:
             RequestGroup(f"r{i}", members)
         todo.append(members[0])
@@ -153,7 +188,7 @@ def drive(seed: int, *, async_batching: bool, caching: bool, swap_blocks: int, p
     assert s.pool.num_used == 0 and not s.live and s.host_blocks_held == 0
     for r in everyone:
         want = expected_tokens(r.token_ids[: r.prompt_len], r.max_new_tokens, r.stop_token_ids)
-        got = r.token_ids[r.prompt_len:]
+        got = r.token_ids[r.prompt_len :]
         if r.request_id in cancelled:
             assert r.status == RequestStatus.CANCELLED and got == want[: len(got)]
         else:

@@ -37,12 +37,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")  # R
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"page_size": 16, "num_blocks": 256}
 MAX_NEW = 8
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 # every row's output columns and the Arrow types they must have
-COLUMN_TYPES = {"generated_text": "string", "generated_token_ids": "list<item: int64>", "num_prompt_tokens": "int64",
-                "num_generated_tokens": "int64", "finish_reason": "string", "logprobs": "list<item: double>",
-                "worker": "string"}
+COLUMN_TYPES = {
+    "generated_text": "string",
+    "generated_token_ids": "list<item: int64>",
+    "num_prompt_tokens": "int64",
+    "num_generated_tokens": "int64",
+    "finish_reason": "string",
+    "logprobs": "list<item: double>",
+    "worker": "string",
+}
 
 
 def tiny_with_tokenizer() -> tuple:
@@ -79,8 +87,9 @@ def reference(prompts: list, max_new_tokens: int = MAX_NEW, **sampling) -> list[
     """One in-process engine over all the prompts at once."""
     model, tok = tiny_with_tokenizer()
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CONFIG), tokenizer=tok) as engine:
-        out = engine.generate_batch(prompts, acb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
-                                    progress_bar=False)
+        out = engine.generate_batch(
+            prompts, acb.SamplingParams(max_new_tokens=max_new_tokens, **sampling), progress_bar=False
+        )
     return list(out.values())
 
 
@@ -93,8 +102,14 @@ def local_ray():
         mp.delenv("RAY_ADDRESS", raising=False)
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
         tmp = tempfile.mkdtemp(prefix="acb-ray-")  # short: Ray's socket paths must fit 107 bytes
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,
-                 _temp_dir=tmp, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=256 * 2**20,
+            _temp_dir=tmp,
+            log_to_driver=False,
+        )
         ctx = ray.data.DataContext.get_current()
         saved = ctx.wait_for_min_actors_s, ctx.enable_progress_bars
         ctx.wait_for_min_actors_s, ctx.enable_progress_bars = 120, False
@@ -111,9 +126,25 @@ def test_example_runs(local_ray, tmp_path):
     module's Ray (as it would to a cluster's, with --address)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # Ray's own (RAY_AUTH_MODE...) stay
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_data_offline.py"), "--num-prompts", "32",
-                        "--concurrency", "2", "--max-new-tokens", "8", "--address", local_ray],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "ray_data_offline.py"),
+            "--num-prompts",
+            "32",
+            "--concurrency",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--address",
+            local_ray,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     # how many of the 2 actors got rows depends on which start first; test_both_actors_did_work checks that
     m = re.search(r"32 rows from [12] actors: (\d+) tokens in [\d.]+ s", p.stdout)
@@ -125,19 +156,35 @@ def test_example_runs(local_ray, tmp_path):
 def token_rows(local_ray):
     prompts = token_prompts(256)
     ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)], override_num_blocks=16)
-    out = generate_dataset(ds, model_factory=tiny_with_tokenizer, concurrency=2, batch_size=16, config=CONFIG,
-                           sampling={"max_new_tokens": MAX_NEW, "logprobs": 0}, worker_column="worker").materialize()
+    out = generate_dataset(
+        ds,
+        model_factory=tiny_with_tokenizer,
+        concurrency=2,
+        batch_size=16,
+        config=CONFIG,
+        sampling={"max_new_tokens": MAX_NEW, "logprobs": 0},
+        worker_column="worker",
+    ).materialize()
     return prompts, out.schema(), sorted(out.take_all(), key=lambda r: r["id"])  # read back, not run again
 
 
 @pytest.fixture(scope="module")
 def text_rows(local_ray, tmp_path_factory):
-    rows = [{"id": i, "prompt": t, "sampling_params": {"max_new_tokens": SHORT} if i % 4 == 0 else None}
-            for i, t in enumerate(TEXTS)]
+    rows = [
+        {"id": i, "prompt": t, "sampling_params": {"max_new_tokens": SHORT} if i % 4 == 0 else None}
+        for i, t in enumerate(TEXTS)
+    ]
     ds = ray.data.from_items(rows, override_num_blocks=4)
     markers = tmp_path_factory.mktemp("engine_stopped")
-    out = generate_dataset(ds, model_factory=functools.partial(tiny_recording_shutdown, str(markers)), concurrency=2,
-                           batch_size=8, batch_format="pandas", config=CONFIG, sampling={"max_new_tokens": MAX_NEW})
+    out = generate_dataset(
+        ds,
+        model_factory=functools.partial(tiny_recording_shutdown, str(markers)),
+        concurrency=2,
+        batch_size=8,
+        batch_format="pandas",
+        config=CONFIG,
+        sampling={"max_new_tokens": MAX_NEW},
+    )
     return sorted(out.take_all(), key=lambda r: r["id"]), markers
 
 
@@ -147,7 +194,9 @@ def test_token_prompts_match_generate_batch(token_rows):
     for row, ref in zip(rows, reference(prompts, logprobs=0)):
         assert list(row["generated_token_ids"]) == ref.generated_tokens
         assert row["generated_text"] == ref.text
-        assert row["num_prompt_tokens"] == len(row["prompt"]) and row["num_generated_tokens"] == len(ref.generated_tokens)
+        assert row["num_prompt_tokens"] == len(row["prompt"]) and row["num_generated_tokens"] == len(
+            ref.generated_tokens
+        )
         assert row["finish_reason"] == ref.finish_reason.value
         np.testing.assert_allclose(row["logprobs"], ref.logprobs, atol=1e-4)
 
@@ -192,8 +241,9 @@ def test_actors_stop_their_engines(text_rows):
 
 def test_chats_from_ray_batches(local_ray):
     """A chat column as Ray Data hands it over (arrays of dicts) in both batch formats."""
-    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {i}"}]
-             for i in range(4)]
+    chats = [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {i}"}] for i in range(4)
+    ]
     ds = ray.data.from_items([{"prompt": c} for c in chats])
     ref = reference(chats)
     predictor = AcbPredictor(model_factory=tiny_with_tokenizer, config=CONFIG, sampling={"max_new_tokens": MAX_NEW})
@@ -215,8 +265,9 @@ def test_error_rows():
     prompts[:] = [np.arange(3, 8), np.full(2000, 5), np.arange(10, 14), np.arange(20, 25)]
     overrides = np.array([None, None, {"temperature": -1.0}, {"max_new_tokens": 2}], dtype=object)
     batch = {"prompt": prompts, "sampling_params": overrides}
-    predictor = AcbPredictor(model_factory=tiny_with_tokenizer, config=CONFIG, on_error="row",
-                             sampling=acb.SamplingParams(max_new_tokens=4))
+    predictor = AcbPredictor(
+        model_factory=tiny_with_tokenizer, config=CONFIG, on_error="row", sampling=acb.SamplingParams(max_new_tokens=4)
+    )
     try:
         out = predictor(batch)
         assert list(out["finish_reason"][1:3]) == ["error", "error"]
@@ -236,9 +287,11 @@ def test_error_rows():
         predictor.close()
 
 
-REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
-                     "{{ raise_exception('this model takes no system messages') }}{% endif %}"
-                     "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+REFUSING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('this model takes no system messages') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def tiny_refusing_system_messages() -> tuple:
@@ -254,11 +307,17 @@ def test_a_chat_the_template_refuses_is_one_error_row():
     generated (the template's exception used to fail the whole batch); on_error="raise" names
     the row."""
     chats = np.empty(3, dtype=object)
-    chats[:] = [[{"role": "user", "content": "hi"}],
-                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-                [{"role": "user", "content": "hello"}]]
-    predictor = AcbPredictor(model_factory=tiny_refusing_system_messages, config=CONFIG, on_error="row",
-                             sampling={"max_new_tokens": 3, "ignore_eos": True})
+    chats[:] = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "hello"}],
+    ]
+    predictor = AcbPredictor(
+        model_factory=tiny_refusing_system_messages,
+        config=CONFIG,
+        on_error="row",
+        sampling={"max_new_tokens": 3, "ignore_eos": True},
+    )
     try:
         out = predictor({"prompt": chats})
     finally:
@@ -314,8 +373,12 @@ def test_async_batching_preemption_and_offload_in_the_actor_engine(offload):
     prompts = token_prompts(24)
     batch = {"prompt": np.empty(len(prompts), dtype=object)}
     batch["prompt"][:] = [np.asarray(p) for p in prompts]
-    config = {"page_size": 16, "num_blocks": 8, "use_async_batching": True,
-              "cpu_offload_space": 0.01 if offload else 0.0}
+    config = {
+        "page_size": 16,
+        "num_blocks": 8,
+        "use_async_batching": True,
+        "cpu_offload_space": 0.01 if offload else 0.0,
+    }
     predictor = AcbPredictor(model_factory=tiny_with_tokenizer, config=config, sampling={"max_new_tokens": MAX_NEW})
     try:
         out = predictor(batch)
@@ -333,21 +396,35 @@ def test_a_scoring_column(local_ray):
     row with an empty continuation is an error row with on_error="row"."""
     rng = random.Random(5)
     preamble = [rng.randrange(3, 259) for _ in range(40)]  # shared by every context: the cache pays
-    rows = [{"id": i, "prompt": preamble + [rng.randrange(3, 259) for _ in range(rng.randrange(1, 12))],
-             "choices": [[rng.randrange(3, 259)] for _ in range(3)] + [[rng.randrange(3, 259) for _ in range(3)]]}
-            for i in range(24)]
+    rows = [
+        {
+            "id": i,
+            "prompt": preamble + [rng.randrange(3, 259) for _ in range(rng.randrange(1, 12))],
+            "choices": [[rng.randrange(3, 259)] for _ in range(3)] + [[rng.randrange(3, 259) for _ in range(3)]],
+        }
+        for i in range(24)
+    ]
     rows[5]["choices"] = [[7], []]
     ds = ray.data.from_items(rows, override_num_blocks=4)
-    out = sorted(generate_dataset(ds, model_factory=tiny_with_tokenizer, concurrency=2, batch_size=6, config=CONFIG,
-                                  continuations_column="choices", on_error="row").take_all(), key=lambda r: r["id"])
+    out = sorted(
+        generate_dataset(
+            ds,
+            model_factory=tiny_with_tokenizer,
+            concurrency=2,
+            batch_size=6,
+            config=CONFIG,
+            continuations_column="choices",
+            on_error="row",
+        ).take_all(),
+        key=lambda r: r["id"],
+    )
     model, tok = tiny_with_tokenizer()
     good = [r for r in rows if r["id"] != 5]
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CONFIG), tokenizer=tok) as engine:
         ref = engine.score_batch([(r["prompt"], r["choices"]) for r in good], progress_bar=False)
     for r, want in zip([o for o in out if o["id"] != 5], ref):
         assert r["error"] is None
-        np.testing.assert_allclose(list(r["continuation_logprobs"]), [c.logprob for c in want.continuations],
-                                   atol=1e-5)
+        np.testing.assert_allclose(list(r["continuation_logprobs"]), [c.logprob for c in want.continuations], atol=1e-5)
         for got, c in zip(r["continuation_token_logprobs"], want.continuations):
             np.testing.assert_allclose(list(got), c.logprobs, atol=1e-5)
         assert list(r["continuation_greedy"]) == [c.greedy for c in want.continuations]

@@ -45,8 +45,10 @@ from tests.serve.helpers import check_error_body, raw, tiny_checkpoint  # noqa: 
 from tests.serve.test_openai_server import Server, chat_ids, decode, parse_metrics, sse_events  # noqa: E402
 
 NAME = "tiny-ray"
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 CHAT = [{"role": "user", "content": "hello over ray"}]
 GRACE = 4.0  # seconds; the SIGTERM test derives its token counts from the speed it measures
 MAX_BODY = 1_000_000
@@ -83,11 +85,28 @@ def stale_ray_tmp():
 @pytest.fixture(scope="module")
 def server(checkpoint, otlp, stale_ray_tmp, tmp_path_factory):
     # a KV cache for every request of the SIGTERM test at full length, on either replica
-    s = Server(checkpoint.dir, ["--ray", "--num-replicas", "2", "--served-model-name", NAME, "--page-size", "16",
-                                "--num-blocks", "2400", "--grace-period", str(GRACE), "--max-body-bytes", str(MAX_BODY),
-                                "--otlp-endpoint", otlp.http_endpoint],
-               tmp_path_factory.mktemp("ray-serve-logs") / "ray.log",
-               extra_env={"RAY_TMPDIR": stale_ray_tmp[0], "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    s = Server(
+        checkpoint.dir,
+        [
+            "--ray",
+            "--num-replicas",
+            "2",
+            "--served-model-name",
+            NAME,
+            "--page-size",
+            "16",
+            "--num-blocks",
+            "2400",
+            "--grace-period",
+            str(GRACE),
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--otlp-endpoint",
+            otlp.http_endpoint,
+        ],
+        tmp_path_factory.mktemp("ray-serve-logs") / "ray.log",
+        extra_env={"RAY_TMPDIR": stale_ray_tmp[0], "OTEL_BSP_SCHEDULE_DELAY": "200"},
+    )
     try:
         s.wait_ready(timeout=240)
         _both_replicas_known(s)
@@ -114,8 +133,9 @@ def _both_replicas_known(server, timeout: float = 90) -> None:
     seen: set[str] = set()
     i = 0
     while len(seen) < 2 and time.monotonic() < deadline:
-        status, headers, _ = raw(server.port, "POST", "/v1/completions",
-                                 {"model": NAME, "prompt": f"warm-up {i}", "max_tokens": 1})
+        status, headers, _ = raw(
+            server.port, "POST", "/v1/completions", {"model": NAME, "prompt": f"warm-up {i}", "max_tokens": 1}
+        )
         i += 1
         if status == 200:
             seen.add(headers.get("x-acb-replica"))
@@ -133,11 +153,15 @@ def client(server):
 def test_greedy_parity_and_streaming(client, checkpoint):
     tok, model = checkpoint.tok, checkpoint.model
     ref = reference_generate(model, chat_ids(tok, CHAT), 10)
-    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=10, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.content == decode(tok, ref)
-    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=10, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=CHAT, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == decode(tok, ref)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
 
@@ -147,8 +171,9 @@ def test_concurrent_requests_spread_over_both_replicas(server, client, checkpoin
     prompts = [f"spread request {i}" for i in range(16)]
 
     def one(p):
-        r = client.completions.with_raw_response.create(model=NAME, prompt=p, max_tokens=24, temperature=0,
-                                                         extra_body={"ignore_eos": True})
+        r = client.completions.with_raw_response.create(
+            model=NAME, prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
         return r.headers.get("x-acb-replica"), r.parse().choices[0].text
 
     with ThreadPoolExecutor(16) as pool:
@@ -166,7 +191,8 @@ def test_prefix_affinity_meets_the_replica_that_holds_the_prefix(client):
     seen, cached = set(), []
     for i in range(6):
         r = client.chat.completions.with_raw_response.create(
-            model=NAME, messages=[system, {"role": "user", "content": f"question {i}"}], max_tokens=2)
+            model=NAME, messages=[system, {"role": "user", "content": f"question {i}"}], max_tokens=2
+        )
         seen.add(r.headers["x-acb-replica"])
         cached.append(r.parse().usage.prompt_tokens_details.cached_tokens)
     assert len(seen) == 1, seen
@@ -187,8 +213,13 @@ def _kill_replica(server, replica: str) -> None:
     """``ray.kill`` the replica, from a driver of the launcher's Ray (a separate process: the
     launcher's Ray wants its token, which a driver sends when RAY_AUTH_MODE says so)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    done = subprocess.run([sys.executable, "-c", _KILL, _ray_address(server), replica], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _KILL, _ray_address(server), replica],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -196,8 +227,8 @@ def test_a_replica_killed_mid_stream(server, client):
     """Its stream ends with an SSE error event (the openai client raises); the next requests
     succeed; Serve brings the replica back."""
     stream = client.completions.with_streaming_response.create(
-        model=NAME, prompt="a long stream", max_tokens=1500, temperature=0, stream=True,
-        extra_body={"ignore_eos": True})
+        model=NAME, prompt="a long stream", max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     with stream as resp:
         victim = resp.headers["x-acb-replica"]
         lines = resp.iter_lines()
@@ -210,8 +241,7 @@ def test_a_replica_killed_mid_stream(server, client):
     deadline = time.monotonic() + 120
     replicas = set()
     while time.monotonic() < deadline and len(replicas) < 2:
-        r = client.completions.with_raw_response.create(model=NAME, prompt=f"after {time.monotonic()}",
-                                                         max_tokens=2)
+        r = client.completions.with_raw_response.create(model=NAME, prompt=f"after {time.monotonic()}", max_tokens=2)
         assert r.parse().choices[0].finish_reason in ("length", "stop")
         replicas.add(r.headers["x-acb-replica"])
     assert len(replicas) == 2 and victim not in replicas, replicas
@@ -238,9 +268,13 @@ class TestReplicasAreBuiltFromTheSettings:
         i = 0
         while len(set(served.values())) < 2 and time.monotonic() < deadline:
             trace_id = os.urandom(16).hex()
-            status, headers, body = raw(server.port, "POST", "/v1/completions", headers={
-                "traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"},
-                body={"model": NAME, "prompt": f"traced {i} " * (i % 7 + 1), "max_tokens": 2})
+            status, headers, body = raw(
+                server.port,
+                "POST",
+                "/v1/completions",
+                headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"},
+                body={"model": NAME, "prompt": f"traced {i} " * (i % 7 + 1), "max_tokens": 2},
+            )
             assert status == 200, body
             served[trace_id] = headers["x-acb-replica"]
             i += 1
@@ -251,7 +285,8 @@ class TestReplicasAreBuiltFromTheSettings:
 
         assert otlp.collected.wait(lambda c: set(served) <= server_spans(c), timeout=60), (
             f"spans of {len(set(served) - server_spans(otlp.collected))} of {len(served)} requests missing; "
-            f"replicas: {served}")
+            f"replicas: {served}"
+        )
 
     def test_every_replica_serves_metrics_through_the_ingress(self, server):
         """``/metrics`` reaches a replica (the least loaded one); a scrape that names its own
@@ -281,8 +316,11 @@ class TestEveryRequestIsAnswered:
     def test_a_lone_surrogate_gets_a_400(self, server, where):
         """A lone surrogate is valid JSON (an escape) but no UTF-8: the prefix key is a digest of
         its code points, and the replica refuses the request as plain acb serve does."""
-        body = {"model": NAME, "messages": [{"role": "user", "content": "hi \ud800" if where == "content" else "hi"}],
-                "max_tokens": 2}
+        body = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": "hi \ud800" if where == "content" else "hi"}],
+            "max_tokens": 2,
+        }
         if where == "cache_salt":
             body["cache_salt"] = "salt \ud800"
         status, _, data = raw(server.port, "POST", "/v1/chat/completions", body=body, timeout=60)
@@ -320,8 +358,11 @@ class TestEveryRequestIsAnswered:
                     pass
 
             try:
-                head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                        + ("Content-Length: 50000000\r\n" if declared else "Transfer-Encoding: chunked\r\n") + "\r\n")
+                head = (
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    + ("Content-Length: 50000000\r\n" if declared else "Transfer-Encoding: chunked\r\n")
+                    + "\r\n"
+                )
                 sock.sendall(head.encode())
                 sender = threading.Thread(target=send_past_the_limit, daemon=True)
                 sender.start()
@@ -334,8 +375,9 @@ class TestEveryRequestIsAnswered:
             err = check_error_body(body, 413)
             assert err["code"] == "body_too_large", err
         # the server is fine afterwards
-        status, _, data = raw(server.port, "POST", "/v1/completions", body={"model": NAME, "prompt": "ok",
-                                                                            "max_tokens": 1})
+        status, _, data = raw(
+            server.port, "POST", "/v1/completions", body={"model": NAME, "prompt": "ok", "max_tokens": 1}
+        )
         assert status == 200, data
 
 
@@ -345,9 +387,17 @@ def test_the_prefix_key_is_a_digest_or_none_whatever_the_body():
     from acb.serve.ingress import AFFINITY_CHARS, affinity_key
 
     deep = b'{"messages": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
-    odd = [b'{"messages": 5}', b'{"messages": [5, {"role": 1}]}', deep, b"\xff\xfe", b"[]", b"",
-           json.dumps({"messages": [{"role": "user", "content": "\ud800"}], "cache_salt": "\udfff"}).encode(),
-           json.dumps({"prompt": {"a": [1, None]}}).encode(), json.dumps({"input": [{"x": 1}]}).encode()]
+    odd = [
+        b'{"messages": 5}',
+        b'{"messages": [5, {"role": 1}]}',
+        deep,
+        b"\xff\xfe",
+        b"[]",
+        b"",
+        json.dumps({"messages": [{"role": "user", "content": "\ud800"}], "cache_salt": "\udfff"}).encode(),
+        json.dumps({"prompt": {"a": [1, None]}}).encode(),
+        json.dumps({"input": [{"x": 1}]}).encode(),
+    ]
     for body in odd:
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
             key = affinity_key(path, body)
@@ -357,8 +407,9 @@ def test_the_prefix_key_is_a_digest_or_none_whatever_the_body():
         return json.dumps({"messages": [{"role": "user", "content": text}], "cache_salt": salt}).encode()
 
     shared = "s" * AFFINITY_CHARS
-    assert affinity_key("/v1/chat/completions", chat(shared + "a")) == affinity_key("/v1/chat/completions",
-                                                                                     chat(shared + "b"))
+    assert affinity_key("/v1/chat/completions", chat(shared + "a")) == affinity_key(
+        "/v1/chat/completions", chat(shared + "b")
+    )
     assert affinity_key("/v1/chat/completions", chat("a")) != affinity_key("/v1/chat/completions", chat("b"))
     assert affinity_key("/v1/chat/completions", chat("a", "x")) != affinity_key("/v1/chat/completions", chat("a"))
     assert affinity_key("/v1/models", b"") is None
@@ -389,20 +440,64 @@ def test_the_replicas_receive_every_flag_as_settings():
     from acb.cli import build_parser, main
     from acb.cli.serve import server_settings
 
-    args = build_parser().parse_args([
-        "serve", "--ray", "--num-replicas", "2", "--served-model-name", "m", "--num-blocks", "64", "--seed", "3",
-        "--max-queue-size", "5", "--api-key", "k", "--max-body-bytes", "1000", "--grace-period", "2",
-        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--otlp-endpoint", "http://c:4318",
-        "--otlp-protocol", "grpc", "--otel-capture-content", "--max-prompts-per-request", "7",
-        "--trust-request-chat-template", "--verbose"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--ray",
+            "--num-replicas",
+            "2",
+            "--served-model-name",
+            "m",
+            "--num-blocks",
+            "64",
+            "--seed",
+            "3",
+            "--max-queue-size",
+            "5",
+            "--api-key",
+            "k",
+            "--max-body-bytes",
+            "1000",
+            "--grace-period",
+            "2",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+            "--otlp-endpoint",
+            "http://c:4318",
+            "--otlp-protocol",
+            "grpc",
+            "--otel-capture-content",
+            "--max-prompts-per-request",
+            "7",
+            "--trust-request-chat-template",
+            "--verbose",
+        ]
+    )
     s = server_settings(args)
     assert pickle.loads(pickle.dumps(s)) == s
-    assert (s.name, s.engine.num_blocks, s.engine.seed, s.engine.max_queue_size, s.api_key, s.max_body_bytes) == \
-        ("m", 64, 3, 5, "k", 1000)
-    assert (s.app.grace_period, s.app.tool_call_parser, s.app.reasoning_parser, s.app.max_prompts_per_request,
-            s.app.trust_request_chat_template, s.verbose) == (2.0, "hermes", "qwen3", 7, True, True)
-    assert (s.telemetry.otlp_endpoint, s.telemetry.otlp_protocol, s.telemetry.capture_content) == \
-        ("http://c:4318", "grpc", True)
+    assert (s.name, s.engine.num_blocks, s.engine.seed, s.engine.max_queue_size, s.api_key, s.max_body_bytes) == (
+        "m",
+        64,
+        3,
+        5,
+        "k",
+        1000,
+    )
+    assert (
+        s.app.grace_period,
+        s.app.tool_call_parser,
+        s.app.reasoning_parser,
+        s.app.max_prompts_per_request,
+        s.app.trust_request_chat_template,
+        s.verbose,
+    ) == (2.0, "hermes", "qwen3", 7, True, True)
+    assert (s.telemetry.otlp_endpoint, s.telemetry.otlp_protocol, s.telemetry.capture_content) == (
+        "http://c:4318",
+        "grpc",
+        True,
+    )
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--data-parallel", "2", "--ray", "--num-replicas", "3"])
     assert exc.value.code == 2
@@ -414,14 +509,22 @@ def test_the_replicas_receive_every_flag_as_settings():
 
 def _long_request(port: int, stream: bool, via_openai: bool) -> dict:
     """One request that cannot finish in the grace period, and how it ended."""
-    body = {"model": NAME, "prompt": f"endless {stream} {via_openai} {os.urandom(4).hex()}", "max_tokens": LONG,
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "model": NAME,
+        "prompt": f"endless {stream} {via_openai} {os.urandom(4).hex()}",
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if via_openai:
         kw = {k: v for k, v in body.items() if k != "ignore_eos"}
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300) as c:
             try:
                 if stream:
-                    return {"kind": "finished", "chunks": list(c.completions.create(**kw, extra_body={"ignore_eos": True}))}
+                    return {
+                        "kind": "finished",
+                        "chunks": list(c.completions.create(**kw, extra_body={"ignore_eos": True})),
+                    }
                 c.completions.create(**kw, extra_body={"ignore_eos": True})
                 return {"kind": "finished"}
             except openai.APIStatusError as exc:
@@ -460,7 +563,8 @@ def test_sigterm_every_client_gets_a_proper_end(server, client):
         futures = [pool.submit(_long_request, server.port, st, via) for st, via in kinds]
         # the rate one stream gets with all eight running
         with client.completions.with_streaming_response.create(
-                model=NAME, prompt="the probe", max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}) as probe:
+            model=NAME, prompt="the probe", max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}
+        ) as probe:
             lines = probe.iter_lines()
             deadline = time.monotonic() + 120
             while _running(server.port) < 9 and time.monotonic() < deadline:
@@ -471,12 +575,20 @@ def test_sigterm_every_client_gets_a_proper_end(server, client):
                 n += next(lines).startswith("data:")
             rate = n / (time.monotonic() - t0)  # tokens per second of one stream under this load
         if LONG / rate < 4 * GRACE:
-            pytest.skip(f"this machine is too fast for {LONG} tokens to outlast a {GRACE} s grace period "
-                        f"({rate:.0f} tokens/s per stream)")
+            pytest.skip(
+                f"this machine is too fast for {LONG} tokens to outlast a {GRACE} s grace period "
+                f"({rate:.0f} tokens/s per stream)"
+            )
         finish = max(2, int(rate * GRACE / 4))
-        stream = client.completions.create(model=NAME, prompt="finish me", max_tokens=finish, temperature=0,
-                                           stream=True, stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model=NAME,
+            prompt="finish me",
+            max_tokens=finish,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         it = iter(stream)
         chunks = [next(it)]
         assert not any(ch.finish_reason for ch in chunks[0].choices)  # in flight at SIGTERM
@@ -487,8 +599,13 @@ def test_sigterm_every_client_gets_a_proper_end(server, client):
         while time.monotonic() - t_term < GRACE / 2:  # the launcher reaches the ingress in a moment
             health = raw(server.port, "GET", "/health", timeout=10)
             if health[0] == 503:
-                late = raw(server.port, "POST", "/v1/completions", body={"model": NAME, "prompt": "late",
-                                                                        "max_tokens": 2}, timeout=10)
+                late = raw(
+                    server.port,
+                    "POST",
+                    "/v1/completions",
+                    body={"model": NAME, "prompt": "late", "max_tokens": 2},
+                    timeout=10,
+                )
                 break
             time.sleep(0.05)
         chunks += list(it)

@@ -36,13 +36,23 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_out")
     vocab = len(build_tokenizer())  # the tokenizer's (every rank matches grammars and stop strings with it)
     for arch in ARCHS:  # 4 heads / 2 KV heads: one KV head per rank
-        tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
-                   vocab_size=vocab).save_pretrained(models / arch)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACB_TP_TIMEOUT_S": "20",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        tiny_model(
+            arch, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64, vocab_size=vocab
+        ).save_pretrained(models / arch)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "ACB_TP_TIMEOUT_S": "20",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    p = subprocess.run([torchrun, "--nproc-per-node", "2", str(Path(__file__).parent / "tp_run.py"),
-                        str(out), str(models)], env=env, capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", str(Path(__file__).parent / "tp_run.py"), str(out), str(models)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     files = {f.name: json.loads(f.read_text()) for f in out.glob("*.json")}
     assert {"parity_rank0.json", "parity_rank1.json"} <= set(files), p.stderr[-4000:]
     return models, files
@@ -55,9 +65,15 @@ def _reference(models: Path, arch: str, max_new: int) -> list[list[int]]:
     refs = []
     with torch.no_grad():
         for p in prompts():
-            g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0)
-            refs.append(g[0, len(p):].tolist())
+            g = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            refs.append(g[0, len(p) :].tolist())
     return refs
 
 

@@ -17,8 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACB_TP_TIMEOUT_S": "30",
-       "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "ACB_TP_TIMEOUT_S": "30",
+    "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+}
 ARGS = ["--num-blocks", "64", "--no-progress"]
 
 pytestmark = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
@@ -30,12 +34,24 @@ def _ids(path: Path) -> list[list[int]]:
 
 def test_acb_generate_under_torchrun(tmp_path):
     gen = ["generate", "--num-prompts", "6", "--max-new-tokens", "8", *ARGS]
-    tp = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "-m", "acb", *gen, "--output", "tp.jsonl"],
-                        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    tp = subprocess.run(
+        [TORCHRUN, "--nproc-per-node", "2", "-m", "acb", *gen, "--output", "tp.jsonl"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert tp.returncode == 0, tp.stderr[-3000:]
     assert tp.stderr.count("acb generate: 6 requests: 6 finished") == 1  # rank 0 reports; rank 1 follows
-    single = subprocess.run([sys.executable, "-m", "acb", *gen, "--output", "one.jsonl"],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    single = subprocess.run(
+        [sys.executable, "-m", "acb", *gen, "--output", "one.jsonl"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     assert _ids(tmp_path / "tp.jsonl") == _ids(tmp_path / "one.jsonl")
     assert all(len(ids) == 8 for ids in _ids(tmp_path / "tp.jsonl"))
@@ -51,9 +67,14 @@ def test_acb_serve_under_torchrun(tmp_path):
     from openai import OpenAI
 
     port = _port()
-    server = subprocess.Popen([TORCHRUN, "--nproc-per-node", "2", "-m", "acb", "serve", "--port", str(port),
-                               "--num-blocks", "64"], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [TORCHRUN, "--nproc-per-node", "2", "-m", "acb", "serve", "--port", str(port), "--num-blocks", "64"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         import httpx
@@ -70,8 +91,10 @@ def test_acb_serve_under_torchrun(tmp_path):
             time.sleep(0.5)
         model = client.models.list().data[0].id
         full = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0)
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model=model, prompt="Hello", max_tokens=8, temperature=0, stream=True))
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0, stream=True)
+        )
         assert full.usage.completion_tokens == 8 and streamed == full.choices[0].text
     finally:
         server.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks

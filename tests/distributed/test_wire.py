@@ -8,12 +8,11 @@ import dataclasses
 
 import pytest
 
+import acb
+from acb.api.sinks import ThreadSink
 from acb.core.messages import Add
 from acb.core.request import build_request
 from acb.core.wire import from_wire, to_wire
-
-import acb
-from acb.api.sinks import ThreadSink
 from acb.distributed.tp import decode_commands, encode_commands
 from acb.models import build_tokenizer, default_model
 
@@ -21,8 +20,18 @@ CASES = [
     dict(max_new_tokens=5, ignore_eos=True),  # the generation config's EOS dropped: must stay dropped
     dict(max_new_tokens=5),  # the generation config's EOS
     dict(max_new_tokens=7, stop_token_ids=(5, 9), ignore_eos=True),  # explicit ids survive ignore_eos
-    dict(max_new_tokens=4, do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_new_tokens=2,
-         logit_bias={3: -1.5, 7: 2.0}, repetition_penalty=1.2, logprobs=2, logprobs_mode="processed"),
+    dict(
+        max_new_tokens=4,
+        do_sample=True,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_new_tokens=2,
+        logit_bias={3: -1.5, 7: 2.0},
+        repetition_penalty=1.2,
+        logprobs=2,
+        logprobs_mode="processed",
+    ),
     dict(max_new_tokens=6, n=3, do_sample=True, stop=("ab", "\n")),  # samples and stop strings
     dict(max_new_tokens=3, prompt_logprobs=1, seed=1234),
     # structured outputs: the spec crosses as its fields; each rank compiles it and has its matchers
@@ -44,8 +53,9 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
     and the engine-thread state a follower builds from it is the leader's."""
     with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64), tokenizer=build_tokenizer()) as eng:
         core = eng.core
-        sub = eng.processor.make_request("some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink,
-                                         cache_salt="salt", record_timestamps=True)
+        sub = eng.processor.make_request(
+            "some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink, cache_salt="salt", record_timestamps=True
+        )
         er = sub.engine_request
         eng.abandon(sub)
         copy = _crossed(core, er)
@@ -55,10 +65,31 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
         a, b = build_request(er, eng.tokenizer, grammars), build_request(copy, eng.tokenizer, grammars)
         members = lambda r: r.group.members if r.group is not None else [r]  # noqa: E731
         for x, y in zip(members(a), members(b), strict=True):
-            assert (x.request_id, x.token_ids, x.prompt_len, x.max_new_tokens, x.stop_token_ids, x.seed,
-                    x.want_logprobs, x.record_timestamps, x.cache_salt, x.detok is None, x.prompt_lps is None) == \
-                   (y.request_id, y.token_ids, y.prompt_len, y.max_new_tokens, y.stop_token_ids, y.seed,
-                    y.want_logprobs, y.record_timestamps, y.cache_salt, y.detok is None, y.prompt_lps is None)
+            assert (
+                x.request_id,
+                x.token_ids,
+                x.prompt_len,
+                x.max_new_tokens,
+                x.stop_token_ids,
+                x.seed,
+                x.want_logprobs,
+                x.record_timestamps,
+                x.cache_salt,
+                x.detok is None,
+                x.prompt_lps is None,
+            ) == (
+                y.request_id,
+                y.token_ids,
+                y.prompt_len,
+                y.max_new_tokens,
+                y.stop_token_ids,
+                y.seed,
+                y.want_logprobs,
+                y.record_timestamps,
+                y.cache_salt,
+                y.detok is None,
+                y.prompt_lps is None,
+            )
         assert len(members(a)) == (kw.get("n") or 1)
         assert (a.detok is not None) == bool(kw.get("stop"))
         assert all((m.matcher is not None) == ("structured_outputs" in kw) for m in members(b))
@@ -79,6 +110,12 @@ def test_a_scoring_group_crosses_to_the_followers_unchanged():
         assert dataclasses.replace(copy, sink_key=er.sink_key, created_time=er.created_time) == er
         a, b = build_request(er, None), build_request(copy, None)
         for x, y in zip(a.group.members, b.group.members, strict=True):
-            assert (x.request_id, x.token_ids, x.scoring, x.lp_start, x.score_next, x.params.prompt_logprobs) == \
-                   (y.request_id, y.token_ids, y.scoring, y.lp_start, y.score_next, y.params.prompt_logprobs)
+            assert (x.request_id, x.token_ids, x.scoring, x.lp_start, x.score_next, x.params.prompt_logprobs) == (
+                y.request_id,
+                y.token_ids,
+                y.scoring,
+                y.lp_start,
+                y.score_next,
+                y.params.prompt_logprobs,
+            )
         assert [m.token_ids for m in b.group.members] == [m.prompt_ids for m in group]

@@ -37,19 +37,26 @@ def prompts() -> list[list[int]]:
 
 def load(models: str, arch: str):
     from transformers import AutoModelForCausalLM
-
     from transformers.distributed import DistributedConfig
 
-    return AutoModelForCausalLM.from_pretrained(os.path.join(models, arch), dtype=torch.float32,
-                                                distributed_config=DistributedConfig(tp_plan="auto")).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.join(models, arch), dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")
+    ).eval()
 
 
 def engine_facts(eng) -> dict:
     st = eng.stats
     sync = eng.core.sync  # type: ignore[union-attr]
-    return {"steps": st.steps, "preemptions": st.preemptions, "prefix_hits": st.prefix_hits,
-            "finished": st.finished, "cancelled": st.cancelled, "num_blocks": eng.config.num_blocks,
-            "broadcasts": sync.broadcasts, "follower": eng.is_follower}
+    return {
+        "steps": st.steps,
+        "preemptions": st.preemptions,
+        "prefix_hits": st.prefix_hits,
+        "finished": st.finished,
+        "cancelled": st.cancelled,
+        "num_blocks": eng.config.num_blocks,
+        "broadcasts": sync.broadcasts,
+        "follower": eng.is_follower,
+    }
 
 
 def parity(models: str, rank: int) -> dict:
@@ -57,8 +64,9 @@ def parity(models: str, rank: int) -> dict:
     for arch, async_batching in (("llama", True), ("qwen3", False)):
         model = load(models, arch)
         # 12 usable blocks of 4 tokens, 16 tokens a step: chunked prefill, preemption, prefix hits
-        cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=13, max_batch_tokens=16, safety_margin=0.0,
-                                           use_async_batching=async_batching)
+        cfg = acb.ContinuousBatchingConfig(
+            page_size=4, num_blocks=13, max_batch_tokens=16, safety_margin=0.0, use_async_batching=async_batching
+        )
         # every rank has the tokenizer: stop strings and grammars are matched on every rank
         with acb.Engine(model, cfg, tokenizer=build_tokenizer()) as eng:
             kv_heads = eng.runner.kv_cache.spec.num_kv_heads
@@ -74,22 +82,33 @@ def parity(models: str, rank: int) -> dict:
             before = {"steps": eng.stats.steps, "broadcasts": eng.core.sync.broadcasts}  # type: ignore[union-attr]
             # structured outputs: each rank compiles the grammar and masks its own logits shard's
             # samples alike (sampled, two samples each)
-            constrained = eng.generate_batch(prompts()[:4], max_new_tokens=16, temperature=1.0, seed=7, n=2,
-                                             structured_outputs={"regex": CONSTRAINED_REGEX}, progress_bar=False)
+            constrained = eng.generate_batch(
+                prompts()[:4],
+                max_new_tokens=16,
+                temperature=1.0,
+                seed=7,
+                n=2,
+                structured_outputs={"regex": CONSTRAINED_REGEX},
+                progress_bar=False,
+            )
             if not eng.is_follower:
                 eng.reset_prefix_cache()
         facts = engine_facts(eng)  # once stopped: a follower's engine ran until the leader's stopped
         facts["kv_heads"] = kv_heads
-        result[arch] = {"outputs": [o.generated_tokens for o in outs.values()],
-                        "again": [o.generated_tokens for o in again.values()],
-                        "scores": [[[c.logprobs, c.greedy] for c in o.continuations] for o in scores],
-                        "constrained": [[s.text for s in o.samples] for o in constrained.values()],
-                        "before_constrained": before,
-                        "facts": facts, "wall_s": wall}
+        result[arch] = {
+            "outputs": [o.generated_tokens for o in outs.values()],
+            "again": [o.generated_tokens for o in again.values()],
+            "scores": [[[c.logprobs, c.greedy] for c in o.continuations] for o in scores],
+            "constrained": [[s.text for s in o.samples] for o in constrained.values()],
+            "before_constrained": before,
+            "facts": facts,
+            "wall_s": wall,
+        }
     # an AsyncEngine on rank 0 (what acb serve runs): streaming and a cancellation; rank 1 follows
     model = load(models, "llama")
     cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=64)
     if rank == 0:
+
         async def serve() -> dict:
             async with acb.AsyncEngine(model, cfg) as eng:
                 streamed = await eng.submit(prompts()[3], max_new_tokens=12, ignore_eos=True)
@@ -97,14 +116,19 @@ def parity(models: str, rank: int) -> dict:
                 deltas = []
                 async for d in streamed:
                     deltas.append(d.token_ids)
-                async for d in doomed:
+                async for _d in doomed:
                     doomed.cancel()
                     break
                 cancelled = await doomed.result()
             facts = engine_facts(eng)
-            return {"deltas": deltas, "final": (await streamed.result()).generated_tokens,
-                    "cancelled": cancelled.finish_reason.value, "cancelled_tokens": len(cancelled.generated_tokens),
-                    "facts": facts}
+            return {
+                "deltas": deltas,
+                "final": (await streamed.result()).generated_tokens,
+                "cancelled": cancelled.finish_reason.value,
+                "cancelled_tokens": len(cancelled.generated_tokens),
+                "facts": facts,
+            }
+
         result["async"] = asyncio.run(serve())
     else:
         with acb.Engine(model, cfg) as eng:  # follows rank 0's engine until it stops
@@ -121,8 +145,11 @@ def mismatch(models: str, rank: int) -> dict:
     """Rank 1 starts its engine with other settings than rank 0's: both refuse at start, naming
     the settings; then engines started alike on the same group run as usual."""
     model = load(models, "llama")
-    mine = {"max_batch_tokens": 16, "max_requests_per_batch": 4, "use_async_batching": False} if rank == 0 else \
-        {"max_batch_tokens": 8, "max_requests_per_batch": 2, "use_async_batching": True}
+    mine = (
+        {"max_batch_tokens": 16, "max_requests_per_batch": 4, "use_async_batching": False}
+        if rank == 0
+        else {"max_batch_tokens": 8, "max_requests_per_batch": 2, "use_async_batching": True}
+    )
     t0 = time.perf_counter()
     try:
         with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=4, num_blocks=64, **mine)) as eng:

@@ -28,7 +28,7 @@ def _attend(q, k, v, scale, window, softcap, lse_out=None):
     lk, hkv, _ = k.shape
     k = k.repeat_interleave(heads // hkv, dim=1).float()
     v = v.repeat_interleave(heads // hkv, dim=1).float()
-    s = torch.einsum("qhd,khd->hqk", q.float(), k) * (scale if scale is not None else d ** -0.5)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * (scale if scale is not None else d**-0.5)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     i = torch.arange(lq)[:, None] + (lk - lq)
@@ -52,9 +52,24 @@ def _gather(cache, table_row, n):
     return cache[table_row[pos // page].long(), pos % page]  # [n, Hkv, D]
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     calls["varlen"] += 1
     assert block_table is not None, "acb always passes the paged cache"
     _check_paged(k, v, block_table)
@@ -69,15 +84,33 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if lq == 0:
             continue
         kb, vb = _gather(k, block_table[b], lk), _gather(v, block_table[b], lk)
-        out[cq[b] : cq[b + 1]] = _attend(q[cq[b] : cq[b + 1]], kb, vb, softmax_scale, window_size, softcap,
-                                         lse[:, cq[b] : cq[b + 1]])
+        out[cq[b] : cq[b + 1]] = _attend(
+            q[cq[b] : cq[b + 1]], kb, vb, softmax_scale, window_size, softcap, lse[:, cq[b] : cq[b + 1]]
+        )
     return (out, lse, None) if return_attn_probs else out
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     calls["kvcache"] += 1
     assert k is None and v is None, "acb stores new K/V itself"
     _check_paged(k_cache, v_cache, block_table)

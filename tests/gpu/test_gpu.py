@@ -23,9 +23,13 @@ def _model(arch: str):
 
 def _reference(model, prompt, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
@@ -35,9 +39,14 @@ def test_cuda_parity_triton(arch, async_batching, graphs):
     model = _model(arch)
     prompts = prompts_of_lengths([1, 9, 40, 97, 130], seed=90)
     refs = [_reference(model, p, 16) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=64,
-                                       use_async_batching=async_batching, use_cuda_graph=graphs,
-                                       max_requests_per_batch=32)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=16,
+        num_blocks=512,
+        max_batch_tokens=64,
+        use_async_batching=async_batching,
+        use_cuda_graph=graphs,
+        max_requests_per_batch=32,
+    )
     with acb.Engine(model, cfg) as eng:
         assert eng.config.attn_backend == "triton", "the Triton backend failed its start-up check"
         outs = [h.result(timeout=300) for h in [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]]
@@ -51,8 +60,9 @@ def test_cuda_preemption_and_offload():
     model = _model("llama")
     prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17, 28, 14], seed=91)
     refs = [_reference(model, p, 16) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, cpu_offload_space=0.01,
-                                       allow_block_sharing=False)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=17, safety_margin=0.0, cpu_offload_space=0.01, allow_block_sharing=False
+    )
     with acb.Engine(model, cfg) as eng:
         outs = [h.result(timeout=300) for h in [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]]
         assert eng.stats.preemptions > 0
@@ -73,8 +83,15 @@ def test_steps_make_no_hidden_host_syncs():
         acb.SamplingParams(max_new_tokens=24, ignore_eos=True),
         acb.SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=50, seed=1),
         acb.SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.2),
-        acb.SamplingParams(max_new_tokens=24, ignore_eos=True, logit_bias={5: 2.0}, min_new_tokens=4, seed=2,
-                           temperature=1.0, min_p=0.05),
+        acb.SamplingParams(
+            max_new_tokens=24,
+            ignore_eos=True,
+            logit_bias={5: 2.0},
+            min_new_tokens=4,
+            seed=2,
+            temperature=1.0,
+            min_p=0.05,
+        ),
         acb.SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=3),
         acb.SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=0.5, temperature=0.7, seed=3),
     ]
@@ -95,8 +112,9 @@ def test_restart_frees_the_first_engines_memory():
     """A stopped engine's KV cache, graphs and buffers are freed, so a restarted manager sizes
     the same cache again instead of failing or shrinking to what the dead one left free."""
     model = _model("llama")
-    cfg = acb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=32,
-                                       max_memory_percent=0.5)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=16, max_batch_tokens=64, max_requests_per_batch=32, max_memory_percent=0.5
+    )
     manager = acb.ContinuousBatchingManager(model, cfg)
     sizes = []
     for _ in range(2):

@@ -36,10 +36,22 @@ TASKS = ["acb_test_mc", "acb_test_gen", "acb_test_roll", "acb_test_fewshot"]
 MAX_LENGTH = 48
 MAX_GEN_TOKS = 12
 
-MC_QUESTIONS = ["Question: what is 2+2?\nAnswer:", "The capital of France is", "Once upon a", "",
-                "a long context that the window must cut from the left, " * 3, "Colors: red, green,"]
-GEN_PROMPTS = ["Once upon a time", "abc def ghi", "Hello there! " * 6, "The weather today is " * 3,
-               "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "x"]
+MC_QUESTIONS = [
+    "Question: what is 2+2?\nAnswer:",
+    "The capital of France is",
+    "Once upon a",
+    "",
+    "a long context that the window must cut from the left, " * 3,
+    "Colors: red, green,",
+]
+GEN_PROMPTS = [
+    "Once upon a time",
+    "abc def ghi",
+    "Hello there! " * 6,
+    "The weather today is " * 3,
+    "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
+    "x",
+]
 ROLL_TEXTS = ["The quick brown fox jumps over the lazy dog. " * 4, "short", "Lorem ipsum dolor sit amet, " * 2]
 
 # keep lm-eval and datasets from looking anything up online
@@ -49,9 +61,13 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 def _greedy_text(model, tok, text: str, n: int) -> list[int]:
     ids = tok.encode(text) or [tok.bos_token_id]
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def _printable_prefix(tok, ids: list[int]) -> str:
@@ -66,8 +82,9 @@ def _printable_prefix(tok, ids: list[int]) -> str:
 
 
 def _write_task(path: Path, name: str, data: Path, body: str) -> None:
-    path.write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-                    f"test_split: test\n{body}")
+    path.write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n{body}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,30 +114,44 @@ def workdir(tmp_path_factory):
     gen = [{"p": p, "t": target if i == 0 else "no such output"} for i, p in enumerate(GEN_PROMPTS)]
 
     letters = [{"q": f"Q{i}: pick", "gold": i % 4} for i in range(8)]  # few-shot, one-letter answers (MMLU-like)
-    (d / "fewshot_train.jsonl").write_text("".join(json.dumps({"q": f"E{i}: pick", "gold": i % 4}) + "\n"
-                                                   for i in range(3)))
+    (d / "fewshot_train.jsonl").write_text(
+        "".join(json.dumps({"q": f"E{i}: pick", "gold": i % 4}) + "\n" for i in range(3))
+    )
     for name, rows in (("mc", mc), ("gen", gen), ("roll", [{"text": t} for t in ROLL_TEXTS]), ("fewshot", letters)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tasks = d / "tasks"
     tasks.mkdir()
-    _write_task(tasks / "mc.yaml", "acb_test_mc", d / "mc.jsonl",
-                'output_type: multiple_choice\ndoc_to_text: "{{q}}"\ndoc_to_choice: "{{choices}}"\n'
-                'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\n'
-                "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    _write_task(tasks / "gen.yaml", "acb_test_gen", d / "gen.jsonl",
-                'output_type: generate_until\ndoc_to_text: "{{p}}"\ndoc_to_target: "{{t}}"\n'
-                f"generation_kwargs:\n  until: {json.dumps(until)}\n  max_gen_toks: {MAX_GEN_TOKS}\n"
-                "  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    _write_task(
+        tasks / "mc.yaml",
+        "acb_test_mc",
+        d / "mc.jsonl",
+        'output_type: multiple_choice\ndoc_to_text: "{{q}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{gold}}"\ntarget_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    )
+    _write_task(
+        tasks / "gen.yaml",
+        "acb_test_gen",
+        d / "gen.jsonl",
+        'output_type: generate_until\ndoc_to_text: "{{p}}"\ndoc_to_target: "{{t}}"\n'
+        f"generation_kwargs:\n  until: {json.dumps(until)}\n  max_gen_toks: {MAX_GEN_TOKS}\n"
+        "  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
+    )
     (tasks / "fewshot.yaml").write_text(
         f"task: acb_test_fewshot\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    train: {d / 'fewshot_train.jsonl'}\n"
         f"    test: {d / 'fewshot.jsonl'}\ntest_split: test\nfewshot_split: train\nnum_fewshot: 3\n"
         "fewshot_config:\n  sampler: first_n\noutput_type: multiple_choice\n"
         'doc_to_text: "{{q}}\\nAnswer:"\ndoc_to_choice: [" A", " B", " C", " D"]\ndoc_to_target: "{{gold}}"\n'
-        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n')
-    _write_task(tasks / "roll.yaml", "acb_test_roll", d / "roll.jsonl",
-                'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
-                "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
-                "  - metric: bits_per_byte\n")
+        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n'
+    )
+    _write_task(
+        tasks / "roll.yaml",
+        "acb_test_roll",
+        d / "roll.jsonl",
+        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
+        "  - metric: bits_per_byte\n",
+    )
     return {"dir": d, "model": model, "tok": tok, "tasks": tasks}
 
 
@@ -138,8 +169,9 @@ def offline():
 
 
 def _evaluate(model, task_manager, model_args: str | None = None):
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=TASKS, task_manager=task_manager,
-                                   device="cpu", log_samples=True)
+    return lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=TASKS, task_manager=task_manager, device="cpu", log_samples=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +191,11 @@ def acb_run(workdir, task_manager):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(EngineCore, "__init__", tracking_init)
-        results = _evaluate("acb", task_manager, f"pretrained={workdir['dir'] / 'model'},max_length={MAX_LENGTH},"
-                                                 "use_async_batching=True")
+        results = _evaluate(
+            "acb",
+            task_manager,
+            f"pretrained={workdir['dir'] / 'model'},max_length={MAX_LENGTH},use_async_batching=True",
+        )
     return results, cores
 
 
@@ -225,8 +260,14 @@ def test_the_engine_stops_when_lm_eval_drops_the_model(acb_run):
 def test_model_object_under_preemption_matches_hf(workdir, task_manager, hf_run):
     """A model object (not a path), a KV cache of 8 blocks of 8 tokens and prompts prefilled 16
     tokens a step: several prefills run side by side, and requests are preempted."""
-    with AcbLM(workdir["model"], tokenizer=workdir["tok"], max_length=MAX_LENGTH, page_size=8, num_blocks=9,
-               max_batch_tokens=16) as lm:
+    with AcbLM(
+        workdir["model"],
+        tokenizer=workdir["tok"],
+        max_length=MAX_LENGTH,
+        page_size=8,
+        num_blocks=9,
+        max_batch_tokens=16,
+    ) as lm:
         assert lm.engine.config.max_model_len == 64
         got = _evaluate(lm, task_manager)
         assert lm.engine.stats.preemptions > 0
@@ -237,10 +278,23 @@ def test_model_object_under_preemption_matches_hf(workdir, task_manager, hf_run)
 def test_cli(workdir, acb_run, tmp_path):
     """``python -m acb.integrations.lm_eval`` is lm-eval's command line with "acb" registered."""
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "acb.integrations.lm_eval", "--model", "acb",
-           "--model_args", f"pretrained={workdir['dir'] / 'model'},max_length={MAX_LENGTH},use_async_batching=True",
-           "--tasks", ",".join(TASKS), "--include_path", str(workdir["tasks"]), "--device", "cpu",
-           "--output_path", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "acb.integrations.lm_eval",
+        "--model",
+        "acb",
+        "--model_args",
+        f"pretrained={workdir['dir'] / 'model'},max_length={MAX_LENGTH},use_async_batching=True",
+        "--tasks",
+        ",".join(TASKS),
+        "--include_path",
+        str(workdir["tasks"]),
+        "--device",
+        "cpu",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     (path,) = glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)
@@ -259,8 +313,11 @@ def test_refuses_what_it_cannot_honour(workdir):
 
         hf = HFLM(pretrained=workdir["model"], tokenizer=workdir["tok"], device="cpu")
         assert lm.max_length == hf.max_length == 256  # hf's window, the model's 256 positions (was 254)
-        for kwargs, match in (({"num_beams": 4, "max_gen_toks": 8}, "beam search"),
-                              ({"typical_p": 0.5, "max_gen_toks": 8}, "typical_p"), ({}, "no room")):
+        for kwargs, match in (
+            ({"num_beams": 4, "max_gen_toks": 8}, "beam search"),
+            ({"typical_p": 0.5, "max_gen_toks": 8}, "typical_p"),
+            ({}, "no room"),
+        ):
             req = Instance("generate_until", {}, ("Hello", {"until": ["\n"], **kwargs}), 0)
             with pytest.raises(ValueError, match=match):
                 lm.generate_until([req])
@@ -286,10 +343,12 @@ def test_a_context_that_encodes_to_nothing_is_refused_as_hf_does(workdir):
 
 def test_chat_template_falls_back_without_the_system_message(workdir):
     tok = build_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
-                         "{{ raise_exception('no system role') }}{% endif %}"
-                         "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>"
-                         "{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system role') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>"
+        "{% endif %}"
+    )
     with AcbLM(workdir["model"], tokenizer=tok) as lm:
         chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
         assert lm.apply_chat_template(chat) == "<user>hi<assistant>"
@@ -298,10 +357,19 @@ def test_chat_template_falls_back_without_the_system_message(workdir):
 
 def test_example_runs(tmp_path):
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / "lm_eval_acb.py")], capture_output=True, text=True,
-                       env=env, cwd=tmp_path, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "lm_eval_acb.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = re.findall(r"^(acb_example_\w+)\s+(\w+)\s+([0-9.]+)$", p.stdout, re.M)
-    assert {(task, metric) for task, metric, _ in rows} == {("acb_example_mc", "acc"), ("acb_example_mc", "acc_norm"),
-                                                            ("acb_example_gen", "exact_match")}
+    assert {(task, metric) for task, metric, _ in rows} == {
+        ("acb_example_mc", "acc"),
+        ("acb_example_mc", "acc_norm"),
+        ("acb_example_gen", "exact_match"),
+    }
     assert all(0 <= float(v) <= 1 for _, _, v in rows)

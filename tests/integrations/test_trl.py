@@ -29,15 +29,30 @@ def _model():
 
 def _trainer(model, tok, reward, *, greedy: bool, callbacks=(), tmp_path):
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=MAX_COMPLETION, max_steps=2, use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", seed=0, learning_rate=0.05, temperature=1.0,
-        use_transformers_continuous_batching=True, transformers_continuous_batching_config=dict(TF_CB),
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_COMPLETION,
+        max_steps=2,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        learning_rate=0.05,
+        temperature=1.0,
+        use_transformers_continuous_batching=True,
+        transformers_continuous_batching_config=dict(TF_CB),
         generation_kwargs={"do_sample": False} if greedy else None,
     )
-    return GRPOTrainer(model=model, args=args, reward_funcs=reward, processing_class=tok,
-                       train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
-                       callbacks=list(callbacks))
+    return GRPOTrainer(
+        model=model,
+        args=args,
+        reward_funcs=reward,
+        processing_class=tok,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+        callbacks=list(callbacks),
+    )
 
 
 class _Recorder:
@@ -56,8 +71,13 @@ class _Recorder:
 
 
 def _transformers_cb(model, prompt_ids, gc):
-    out = type(model).generate_batch(model, prompt_ids, generation_config=gc,
-                                     continuous_batching_config=ContinuousBatchingConfig(**TF_CB), progress_bar=False)
+    out = type(model).generate_batch(
+        model,
+        prompt_ids,
+        generation_config=gc,
+        continuous_batching_config=ContinuousBatchingConfig(**TF_CB),
+        progress_bar=False,
+    )
     return [o.generated_tokens for o in out.values()]
 
 
@@ -90,16 +110,21 @@ def test_sampled_grpo_keeps_one_engine_across_optimizer_steps(tmp_path):
     transformers' continuous batching on a copy of the stepped weights."""
     model, tok = _model()
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS[:4]]
-    greedy = GenerationConfig(do_sample=False, max_new_tokens=MAX_COMPLETION, eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id)
+    greedy = GenerationConfig(
+        do_sample=False, max_new_tokens=MAX_COMPLETION, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     seen: list[tuple[dict, list[list[int]]]] = []
 
     class AfterStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             out = model.generate_batch(prompt_ids, generation_config=greedy, progress_bar=False)  # acb's
             assert isinstance(vars(model)["generate_batch"], AcbRollouts)
-            seen.append(({k: v.detach().clone() for k, v in model.state_dict().items()},
-                         [o.generated_tokens for o in out.values()]))
+            seen.append(
+                (
+                    {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    [o.generated_tokens for o in out.values()],
+                )
+            )
 
     rec = _Recorder()
     trainer = _trainer(model, tok, rec, greedy=False, callbacks=[AfterStep()], tmp_path=tmp_path)
@@ -125,23 +150,36 @@ def test_sampled_grpo_keeps_one_engine_across_optimizer_steps(tmp_path):
 
 def test_use_acb_needs_a_continuous_batching_trainer(tmp_path):
     model, tok = _model()
-    args = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, max_steps=1, use_cpu=True, bf16=False, report_to="none")
-    trainer = GRPOTrainer(model=model, args=args, reward_funcs=_Recorder(), processing_class=tok,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]))
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "o"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        reward_funcs=_Recorder(),
+        processing_class=tok,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+    )
     with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
         use_acb(trainer)
     with use_acb(model) as rollouts:
         with pytest.raises(RuntimeError, match="already replaced"):
             use_acb(model)
-        out = model.generate_batch([[5, 6, 7]], generation_config=GenerationConfig(do_sample=False, max_new_tokens=3),
-                                   progress_bar=False)
+        out = model.generate_batch(
+            [[5, 6, 7]], generation_config=GenerationConfig(do_sample=False, max_new_tokens=3), progress_bar=False
+        )
         assert rollouts.calls == 1 and len(out["req_0"].generated_tokens) == 3
     assert "generate_batch" not in vars(model)
     # closed: a stale reference refuses to start an engine that nothing would stop
     with pytest.raises(RuntimeError, match="closed"):
-        rollouts([[5, 6, 7]], generation_config=GenerationConfig(do_sample=False, max_new_tokens=3),
-                 progress_bar=False)
+        rollouts([[5, 6, 7]], generation_config=GenerationConfig(do_sample=False, max_new_tokens=3), progress_bar=False)
     assert rollouts.engine is None and rollouts.calls == 1
     with pytest.raises(RuntimeError, match="closed"):
         rollouts.install()

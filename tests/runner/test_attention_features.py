@@ -28,7 +28,8 @@ from tests.runner.test_triton_kernels import assert_close, make_block_table, mak
 
 DEVICE = triton_test_device()
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")] + (
-    [pytest.mark.gpu] if DEVICE.type == "cuda" else [])
+    [pytest.mark.gpu] if DEVICE.type == "cuda" else []
+)
 
 
 def ref_attention(q, k_cache, v_cache, block_table, q_lens, seq_lens, scale, window=None, sinks=None, chunk=None):
@@ -65,9 +66,16 @@ def ref_attention(q, k_cache, v_cache, block_table, q_lens, seq_lens, scale, win
     return out
 
 
-@pytest.mark.parametrize("num_splits,sinks,chunk,window", [
-    (1, True, None, None), (3, True, None, None), (1, False, 16, None), (3, True, 16, None), (2, True, 24, 9),
-])
+@pytest.mark.parametrize(
+    "num_splits,sinks,chunk,window",
+    [
+        (1, True, None, None),
+        (3, True, None, None),
+        (1, False, 16, None),
+        (3, True, 16, None),
+        (2, True, 24, 9),
+    ],
+)
 def test_decode_kernel_sinks_and_chunks(num_splits, sinks, chunk, window):
     hkv, group, d, bs = 2, 2, 16, 4
     heads = hkv * group
@@ -78,17 +86,23 @@ def test_decode_kernel_sinks_and_chunks(num_splits, sinks, chunk, window):
     q = torch.randn(len(seq_lens), heads, d, device=DEVICE)
     s = torch.randn(heads, device=DEVICE) * 2 if sinks else None
     lens = torch.tensor(seq_lens, dtype=torch.long, device=DEVICE)
-    got = tk.paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.3, window, None, num_splits,
-                                    max_seq_len=max(seq_lens), sinks=s, chunk=chunk)
+    got = tk.paged_decode_attention(
+        q, k_cache, v_cache, bt, lens, 0.3, window, None, num_splits, max_seq_len=max(seq_lens), sinks=s, chunk=chunk
+    )
     want = ref_attention(q, k_cache, v_cache, bt, [1] * len(seq_lens), seq_lens, 0.3, window, s, chunk)
     assert_close(got, want, torch.float32)
     assert torch.equal(got[2], torch.zeros_like(got[2]))  # seq_len 0 -> zeros
 
 
-@pytest.mark.parametrize("dtype,sinks,chunk,window", [
-    (torch.float32, True, None, None), (torch.float32, False, 8, None), (torch.float32, True, 8, 5),
-    (torch.bfloat16, True, 16, None),
-])
+@pytest.mark.parametrize(
+    "dtype,sinks,chunk,window",
+    [
+        (torch.float32, True, None, None),
+        (torch.float32, False, 8, None),
+        (torch.float32, True, 8, 5),
+        (torch.bfloat16, True, 16, None),
+    ],
+)
 def test_prefill_kernel_sinks_and_chunks(dtype, sinks, chunk, window):
     hkv, group, d, bs = 2, 2, 16, 4
     heads = hkv * group
@@ -101,8 +115,9 @@ def test_prefill_kernel_sinks_and_chunks(dtype, sinks, chunk, window):
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.long, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.long, device=DEVICE)
     s = torch.randn(heads, device=DEVICE) * 2 if sinks else None
-    got = tk.paged_prefill_attention(q, k_cache, v_cache, bt, qsl, lens, max(q_lens), 0.3, window, None,
-                                     sinks=s, chunk=chunk)
+    got = tk.paged_prefill_attention(
+        q, k_cache, v_cache, bt, qsl, lens, max(q_lens), 0.3, window, None, sinks=s, chunk=chunk
+    )
     want = ref_attention(q, k_cache, v_cache, bt, q_lens, seq_lens, 0.3, window, s, chunk)
     assert_close(got, want, dtype)
 
@@ -116,8 +131,15 @@ def _step(num_new, start_pos, bs, nb, seed):
     seq_of = torch.repeat_interleave(torch.arange(len(num_new), device=DEVICE), torch.tensor(num_new, device=DEVICE))
     slots = bt[seq_of, pos // bs] * bs + pos % bs
     qsl = torch.tensor([0] + torch.tensor(num_new).cumsum(0).tolist(), dtype=torch.long, device=DEVICE)
-    return BatchInputs(slot_mapping=slots, block_table=bt, seq_lens=torch.tensor(seq_lens, device=DEVICE),
-                       query_start_loc=qsl, num_new=num_new, start_pos=start_pos, max_seq_len=max(seq_lens))
+    return BatchInputs(
+        slot_mapping=slots,
+        block_table=bt,
+        seq_lens=torch.tensor(seq_lens, device=DEVICE),
+        query_start_loc=qsl,
+        num_new=num_new,
+        start_pos=start_pos,
+        max_seq_len=max(seq_lens),
+    )
 
 
 STEPS = [([1, 1, 1], [6, 40, 12]), ([1, 9, 1, 4, 1], [20, 0, 3, 11, 0]), ([12, 1, 5], [0, 33, 8])]
@@ -155,8 +177,21 @@ def test_backend_matches_torch(monkeypatch, backend_name, num_new, start_pos, si
     outs = []
     for backend, cache in zip((TorchBackend(), make()), caches):
         ctx = StepContext(cache, backend, backend.build_metadata(batch, bs))
-        outs.append(backend.forward(0, query, key, value, ctx, scaling=0.25, sliding_window=None, softcap=None,
-                                    sinks=s, chunk=chunk, store=store))
+        outs.append(
+            backend.forward(
+                0,
+                query,
+                key,
+                value,
+                ctx,
+                scaling=0.25,
+                sliding_window=None,
+                softcap=None,
+                sinks=s,
+                chunk=chunk,
+                store=store,
+            )
+        )
     assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
     if not store:  # a KV-shared layer writes nothing
         assert torch.equal(caches[1].k[0], k0) and torch.equal(caches[1].v[0], v0)

@@ -64,8 +64,16 @@ def test_the_mode_sends_linear_calls_on_packed_weights_to_onednn():
 
 
 def test_on_by_default_for_models_large_enough_and_for_small_steps_only():
-    big = tiny_model("llama", seed=3, hidden_size=512, intermediate_size=1536, num_hidden_layers=1,
-                     num_attention_heads=8, num_key_value_heads=4, vocab_size=256)
+    big = tiny_model(
+        "llama",
+        seed=3,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=256,
+    )
     assert linear_params_per_layer(big) >= MIN_LAYER_PARAMS
     with acb.Engine(big, acb.ContinuousBatchingConfig(**CFG)) as eng:
         packed = eng.core.runner.packed
@@ -96,7 +104,10 @@ def test_off_when_asked_or_when_it_does_not_apply(caplog):
     with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG, cpu_packed_linears=False)) as eng:
         assert eng.core.runner.packed is None and eng.core.runner.cfg.packed_linears == 0
     bf16 = tiny_model("llama", seed=3, dtype=torch.bfloat16)
-    with caplog.at_level("WARNING"), acb.Engine(bf16, acb.ContinuousBatchingConfig(**CFG, cpu_packed_linears=True)) as eng:
+    with (
+        caplog.at_level("WARNING"),
+        acb.Engine(bf16, acb.ContinuousBatchingConfig(**CFG, cpu_packed_linears=True)) as eng,
+    ):
         assert eng.core.runner.packed is None
     assert "cpu_packed_linears is ignored: the model has no plain float32 nn.Linear" in caplog.text
 
@@ -152,8 +163,10 @@ def test_the_users_forward_on_another_thread_is_untouched():
         alone = model(ids).logits
     with acb.Engine(model, acb.ContinuousBatchingConfig(**ON)) as eng:
         assert eng.core.runner.packed is not None
-        handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=40, ignore_eos=True))
-                   for p in prompts_of_lengths([8] * 6, seed=63)]
+        handles = [
+            eng.submit(p, acb.SamplingParams(max_new_tokens=40, ignore_eos=True))
+            for p in prompts_of_lengths([8] * 6, seed=63)
+        ]
         # the engine thread is inside its packed forwards meanwhile; this thread's forward and
         # backward see no mode and take the model's own linears
         assert torch._C._len_torch_function_stack() == 0
@@ -203,8 +216,14 @@ def test_packed_and_chunked_under_async_batching_preemption_and_offload(offload,
     monkeypatch.setattr(torch_backend, "CHUNK_BYTES", 1)
     model = tiny_model("qwen2", seed=14)
     prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17, 28, 14], seed=65)
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=17, safety_margin=0.0, use_async_batching=True,
-                                       cpu_packed_linears=True, cpu_offload_space=0.01 if offload else 0.0)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4,
+        num_blocks=17,
+        safety_margin=0.0,
+        use_async_batching=True,
+        cpu_packed_linears=True,
+        cpu_offload_space=0.01 if offload else 0.0,
+    )
     with acb.Engine(model, cfg) as eng:
         assert eng.core.runner.packed is not None
         handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]

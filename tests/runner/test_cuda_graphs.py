@@ -27,7 +27,8 @@ DEVICE = triton_test_device()
 
 # the interpreter's own numpy deprecation noise; compiled for a GPU, these are `gpu` tests too
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")] + (
-    [pytest.mark.gpu] if DEVICE.type == "cuda" else [])
+    [pytest.mark.gpu] if DEVICE.type == "cuda" else []
+)
 
 
 def test_graph_sizes():
@@ -35,15 +36,19 @@ def test_graph_sizes():
     assert cuda_graphs.graph_sizes(6) == [1, 2, 4, 6]
     s = cuda_graphs.graph_sizes(256)
     assert s[:8] == [1, 2, 4, 8, 16, 24, 32, 40] and s[-3:] == [224, 240, 256]
-    assert all(b - a == 16 for a, b in zip(s[s.index(64):], s[s.index(64) + 1:]))
+    assert all(b - a == 16 for a, b in zip(s[s.index(64) :], s[s.index(64) + 1 :]))
     assert cuda_graphs.graph_sizes(50, step=16) == [1, 2, 4, 8, 24, 40, 50]
 
 
 def _reference(model, prompt, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=DEVICE))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt], device=DEVICE),
+            max_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=DEVICE),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("async_batching", [False, True])
@@ -55,8 +60,14 @@ def test_decode_graphs_match_generate_across_sizes_and_context_lengths(monkeypat
     prompts = prompts_of_lengths([3, 9, 2, 40, 5], seed=7)
     news = [12, 12, 12, 4, 7]
     refs = [_reference(model, p, n) for p, n in zip(prompts, news)]
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
-                                       max_requests_per_batch=6, use_async_batching=async_batching)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=8,
+        num_blocks=64,
+        attn_backend="triton",
+        use_cuda_graph=True,
+        max_requests_per_batch=6,
+        use_async_batching=async_batching,
+    )
     with acb.Engine(model, cfg) as eng:
         graphs = eng.runner.graphs
         assert graphs is not None and graphs.sizes == [1, 2, 4, 6]
@@ -79,24 +90,35 @@ def test_decode_graphs_match_generate_across_sizes_and_context_lengths(monkeypat
 def test_graph_replay_equals_eager_with_sampling_and_n(monkeypatch):
     model = tiny_model("qwen3").to(DEVICE)
     prompts = prompts_of_lengths([4, 11, 1], seed=9)
-    sp = [acb.SamplingParams(max_new_tokens=8, temperature=0.9, top_k=20, seed=3),
-          acb.SamplingParams(max_new_tokens=8, n=2, temperature=1.1, seed=4, logprobs=2),
-          acb.SamplingParams(max_new_tokens=8)]
+    sp = [
+        acb.SamplingParams(max_new_tokens=8, temperature=0.9, top_k=20, seed=3),
+        acb.SamplingParams(max_new_tokens=8, n=2, temperature=1.1, seed=4, logprobs=2),
+        acb.SamplingParams(max_new_tokens=8),
+    ]
     results = {}
     for graphs in (False, True):
-        cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=64, attn_backend="triton",
-                                           use_cuda_graph=graphs, max_requests_per_batch=8)
+        cfg = acb.ContinuousBatchingConfig(
+            page_size=4, num_blocks=64, attn_backend="triton", use_cuda_graph=graphs, max_requests_per_batch=8
+        )
         with acb.Engine(model, cfg) as eng:
             outs = [h.result(timeout=600) for h in [eng.submit(p, s) for p, s in zip(prompts, sp)]]
             # one-token prompts, one with n=3: their first step is decode-only and samples rows
             # 0, 0, 0, 1 of the logits (logits_indices is not the identity)
-            pair = [eng.submit([9], acb.SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=6)),
-                    eng.submit([11], acb.SamplingParams(max_new_tokens=4))]
+            pair = [
+                eng.submit([9], acb.SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=6)),
+                eng.submit([11], acb.SamplingParams(max_new_tokens=4)),
+            ]
             outs += [h.result(timeout=600) for h in pair]
             if graphs:
                 assert sum(eng.runner.graphs.replays.values()) > 0
-        results[graphs] = [(o.generated_tokens, o.logprobs, [(s.generated_tokens, s.logprobs, s.top_logprobs)
-                                                            for s in o.samples or []]) for o in outs]
+        results[graphs] = [
+            (
+                o.generated_tokens,
+                o.logprobs,
+                [(s.generated_tokens, s.logprobs, s.top_logprobs) for s in o.samples or []],
+            )
+            for o in outs
+        ]
     if DEVICE.type == "cpu":
         assert results[True] == results[False]
     else:  # a padded batch may take different GEMM kernels: logprobs agree to rounding
@@ -120,8 +142,9 @@ def test_failed_graph_check_raises_when_graphs_were_asked_for(monkeypatch):
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "self_check", lambda self: "replay differs")
     model = tiny_model("llama").to(DEVICE)
     before = model.config._attn_implementation
-    cfg = acb.ContinuousBatchingConfig(num_blocks=16, attn_backend="triton", use_cuda_graph=True,
-                                       max_requests_per_batch=2)
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=16, attn_backend="triton", use_cuda_graph=True, max_requests_per_batch=2
+    )
     with pytest.raises(RuntimeError, match="replay differs"):
         acb.Engine(model, cfg).start()
     assert model.config._attn_implementation == before
@@ -133,14 +156,16 @@ def test_self_check_catches_a_graph_whose_inputs_were_frozen_at_capture(monkeypa
     inputs they saw at capture (the bug class of a value baked into a graph)."""
     monkeypatch.setattr(tk, "MIN_TOKENS_PER_SPLIT", 32)  # so the sizes have a split variant
     model = tiny_model("llama").to(DEVICE)
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True,
-                                       max_requests_per_batch=4)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True, max_requests_per_batch=4
+    )
     with acb.Engine(model, cfg) as eng:
         graphs = eng.runner.graphs
         assert any(len(v) == 2 for v in graphs.variants.values())
         assert graphs.self_check() is None
         frozen = graphs.static.clone()  # what every capture saw: padding rows
         for g in graphs.graphs.values():
+
             def stale(replay=g.replay):
                 live = graphs.static.clone()
                 graphs.static.copy_(frozen)
@@ -148,6 +173,7 @@ def test_self_check_catches_a_graph_whose_inputs_were_frozen_at_capture(monkeypa
                     return replay()
                 finally:
                     graphs.static.copy_(live)
+
             monkeypatch.setattr(g, "replay", stale)
         problem = graphs.self_check()
     assert problem is not None and "differs from eager" in problem
@@ -158,21 +184,33 @@ def test_padded_rows_are_reset_when_the_batch_shrinks():
     from acb.runner.input_batch import PreparedBatch
 
     model = tiny_model("llama").to(DEVICE)
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True,
-                                       max_requests_per_batch=4)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True, max_requests_per_batch=4
+    )
     with acb.Engine(model, cfg) as eng:
         runner = eng.runner
         graphs = runner.graphs
 
         def batch(n):  # harmless rows: nothing stored (slot -1), nothing read (length 0)
             ar = torch.arange(n, device=DEVICE)
-            attn = BatchInputs(slot_mapping=torch.full((n,), -1, device=DEVICE), block_table=None,
-                               seq_lens=torch.zeros(n, dtype=torch.long, device=DEVICE),
-                               query_start_loc=torch.arange(n + 1, device=DEVICE), num_new=[1] * n,
-                               start_pos=[0] * n, max_seq_len=1)
-            return PreparedBatch(input_ids=(ar + 10)[None], position_ids=(ar + 20)[None], logits_indices=ar,
-                                 attn=attn, rows=torch.full((n,), runner.inputs.scratch_row, device=DEVICE),
-                                 decode_only=True, logits_identity=True)
+            attn = BatchInputs(
+                slot_mapping=torch.full((n,), -1, device=DEVICE),
+                block_table=None,
+                seq_lens=torch.zeros(n, dtype=torch.long, device=DEVICE),
+                query_start_loc=torch.arange(n + 1, device=DEVICE),
+                num_new=[1] * n,
+                start_pos=[0] * n,
+                max_seq_len=1,
+            )
+            return PreparedBatch(
+                input_ids=(ar + 10)[None],
+                position_ids=(ar + 20)[None],
+                logits_indices=ar,
+                attn=attn,
+                rows=torch.full((n,), runner.inputs.scratch_row, device=DEVICE),
+                decode_only=True,
+                logits_identity=True,
+            )
 
         with torch.inference_mode():
             assert graphs.run(batch(4)).shape[0] == 4
@@ -190,9 +228,16 @@ def test_graphs_with_async_preemption_offload_prefix_cache_and_groups():
     base = prompts_of_lengths([30], seed=71)[0]
     prompts = [base[:20], base, base[:9] + [5, 6], base[:28]] + prompts_of_lengths([17, 25, 12], seed=72)
     refs = [_reference(model, p, 14) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=24, safety_margin=0.0, cpu_offload_space=0.01,
-                                       attn_backend="triton", use_cuda_graph=True, use_async_batching=True,
-                                       max_requests_per_batch=8)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4,
+        num_blocks=24,
+        safety_margin=0.0,
+        cpu_offload_space=0.01,
+        attn_backend="triton",
+        use_cuda_graph=True,
+        use_async_batching=True,
+        max_requests_per_batch=8,
+    )
     with acb.Engine(model, cfg) as eng:
         hs = [eng.submit(p, acb.SamplingParams(max_new_tokens=14, n=2 if i == 1 else 1)) for i, p in enumerate(prompts)]
         outs = [h.result(timeout=600) for h in hs]
@@ -207,8 +252,9 @@ def test_the_graphs_self_check_stores_nothing():
     block 0, and rows writing one slot at once race on a GPU (the eager forward and the replay then
     read different caches, and the check fails at large batch with nothing wrong in the graphs)."""
     model = tiny_model("llama").to(DEVICE)
-    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True,
-                                       max_requests_per_batch=4)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=8, num_blocks=16, attn_backend="triton", use_cuda_graph=True, max_requests_per_batch=4
+    )
     with acb.Engine(model, cfg) as eng:
         graphs = eng.runner.graphs
         assert graphs is not None

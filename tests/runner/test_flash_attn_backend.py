@@ -83,8 +83,15 @@ def test_backend_matches_torch(fake_flash_attn, num_new, start_pos, window, soft
     seq_of = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new))
     slots = bt[seq_of, pos // bs] * bs + pos % bs
     qsl = torch.tensor([0] + torch.tensor(num_new).cumsum(0).tolist())
-    batch = BatchInputs(slot_mapping=slots, block_table=bt, seq_lens=torch.tensor(seq_lens), query_start_loc=qsl,
-                        num_new=num_new, start_pos=start_pos, max_seq_len=max(seq_lens))
+    batch = BatchInputs(
+        slot_mapping=slots,
+        block_table=bt,
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=qsl,
+        num_new=num_new,
+        start_pos=start_pos,
+        max_seq_len=max(seq_lens),
+    )
     t = len(slots)
     query = torch.randn(1, t, heads, d, generator=g).transpose(1, 2)
     key = torch.randn(1, t, hkv, d, generator=g).transpose(1, 2)
@@ -113,8 +120,9 @@ def test_engine_parity_with_generate(fake_flash_attn, monkeypatch, arch, graphs)
     model = tiny_model(arch)  # mistral: sliding_window=24
     prompts = prompts_of_lengths([30, 5, 17, 300], seed=12)
     refs = [reference_generate(model, p, 8) for p in prompts]
-    cfg = acb.ContinuousBatchingConfig(attn_backend="flash_attn", num_blocks=12, max_batch_tokens=64,
-                                       use_cuda_graph=graphs, max_requests_per_batch=4)
+    cfg = acb.ContinuousBatchingConfig(
+        attn_backend="flash_attn", num_blocks=12, max_batch_tokens=64, use_cuda_graph=graphs, max_requests_per_batch=4
+    )
     with acb.Engine(model, cfg) as eng:
         assert eng.config.block_size == 256
         outs = [h.result(timeout=600) for h in [eng.submit(p, acb.SamplingParams(max_new_tokens=8)) for p in prompts]]

@@ -46,10 +46,23 @@ def test_staging_grows_for_a_large_step():
 def _sched(rows, num_new, start, updates, ids=None):
     n = sum(num_new)
     return SchedulerOutput(
-        step_id=0, requests=[None] * len(rows), rows=rows, num_new=num_new, start_pos=start,
-        input_ids=ids or list(range(3, 3 + n)), sample_idx=list(range(len(rows))), sample_reqs=[],
-        sample_rows=rows, sample_gen_idx=[0] * len(rows), block_updates=updates, newly_admitted=[],
-        row_inits=[], freed_rows=[], block_copies_after=[], swap_out=[], swap_in=[],
+        step_id=0,
+        requests=[None] * len(rows),
+        rows=rows,
+        num_new=num_new,
+        start_pos=start,
+        input_ids=ids or list(range(3, 3 + n)),
+        sample_idx=list(range(len(rows))),
+        sample_reqs=[],
+        sample_rows=rows,
+        sample_gen_idx=[0] * len(rows),
+        block_updates=updates,
+        newly_admitted=[],
+        row_inits=[],
+        freed_rows=[],
+        block_copies_after=[],
+        swap_out=[],
+        swap_in=[],
     )
 
 

@@ -23,8 +23,14 @@ def _run(tmp_path: Path, *args: str, env_extra: dict | None = None) -> subproces
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_compile.py"), *args],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernel_compile.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +90,20 @@ def test_a_kernel_over_the_shared_memory_limit_is_reported(tmp_path):
     shim.mkdir()
     # sitecustomize runs at start-up: oversized prefill tiles
     (shim / "sitecustomize.py").write_text(
-        "import acb.runner.attention.triton_kernels as tk\n"
-        "tk._prefill_blocks = lambda head_dim_block: (128, 256, 4)\n"
+        "import acb.runner.attention.triton_kernels as tk\ntk._prefill_blocks = lambda head_dim_block: (128, 256, 4)\n"
     )
     out = tmp_path / "broken.json"
-    p = _run(tmp_path, "--quick", "--first", "4", "--arch", "90", "--json", str(out),
-             env_extra={"PYTHONPATH": os.pathsep.join([str(shim), str(ROOT)])})
+    p = _run(
+        tmp_path,
+        "--quick",
+        "--first",
+        "4",
+        "--arch",
+        "90",
+        "--json",
+        str(out),
+        env_extra={"PYTHONPATH": os.pathsep.join([str(shim), str(ROOT)])},
+    )
     assert p.returncode == 1, (p.stdout + p.stderr)[-4000:]
     doc = json.loads(out.read_text())
     bad = [r for r in doc["records"] if not r["ok"]]

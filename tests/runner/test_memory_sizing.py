@@ -16,8 +16,12 @@ from tests.conftest import get_model
 def test_auto_sizing_counts_workspace(monkeypatch):
     model = get_model("llama")
     monkeypatch.setattr(kv_cache, "available_host_memory", lambda: 64 << 20)  # 64 MiB of RAM
-    cfg, spec = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, max_memory_percent=0.5,
-                                                                   max_batch_tokens=256, max_requests_per_batch=8))
+    cfg, spec = resolve_config(
+        model,
+        acb.ContinuousBatchingConfig(
+            page_size=16, max_memory_percent=0.5, max_batch_tokens=256, max_requests_per_batch=8
+        ),
+    )
     budget = (64 << 20) // 2
     workspace = step_workspace_bytes(model, 256, 8, torch.float32)
     per_block = spec.bytes_per_block(16)
@@ -32,9 +36,12 @@ def test_too_little_memory_for_one_request_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="not enough memory for one request of max_model_len=1024"):
         resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, max_memory_percent=0.5))
     # a shorter max_model_len fits
-    cfg, _ = resolve_config(model, acb.ContinuousBatchingConfig(page_size=16, max_memory_percent=0.5,
-                                                                max_model_len=64, max_batch_tokens=64,
-                                                                max_requests_per_batch=4))
+    cfg, _ = resolve_config(
+        model,
+        acb.ContinuousBatchingConfig(
+            page_size=16, max_memory_percent=0.5, max_model_len=64, max_batch_tokens=64, max_requests_per_batch=4
+        ),
+    )
     assert cfg.max_model_len == 64 and cfg.num_blocks >= 5
 
 
@@ -97,8 +104,10 @@ def test_per_layer_attention_shapes_are_refused_with_the_field():
         def num_attention_heads(self):
             raise RuntimeError("differs per layer")  # (transformers: AmbiguousGlobalPerLayerAttributeError)
 
-    for text, field in ((SimpleNamespace(num_key_value_heads=[2, 4]), "num_key_value_heads"),
-                        (PerLayer(), "num_attention_heads")):
+    for text, field in (
+        (SimpleNamespace(num_key_value_heads=[2, 4]), "num_key_value_heads"),
+        (PerLayer(), "num_attention_heads"),
+    ):
         model = type("PerLayerForCausalLM", (), {})()
         model.config = SimpleNamespace(get_text_config=lambda text=text: text)
         why = refusal(model)

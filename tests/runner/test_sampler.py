@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -24,8 +23,7 @@ EOS = 2
 
 
 def make_req(row, params: acb.SamplingParams, prompt, generated=(), seed=0):
-    r = Request(f"r{row}", list(prompt), max_new_tokens=100, stop_token_ids=frozenset({EOS}), params=params,
-                seed=seed)
+    r = Request(f"r{row}", list(prompt), max_new_tokens=100, stop_token_ids=frozenset({EOS}), params=params, seed=seed)
     r.token_ids.extend(generated)
     r.row = row
     return r
@@ -67,15 +65,25 @@ CASES = [
 
 def _run_process(cases, logits, prompts, gens):
     state = SamplingState(len(cases), V, torch.device("cpu"))
-    reqs = [make_req(i, sp.merged_over(acb.sampling_params.FALLBACK), prompts[i], gens[i]) for i, sp in enumerate(cases)]
+    reqs = [
+        make_req(i, sp.merged_over(acb.sampling_params.FALLBACK), prompts[i], gens[i]) for i, sp in enumerate(cases)
+    ]
     for r in reqs:
         state.init_row(r.row, r)
     step, dev = stage_standalone(state, [r.row for r in reqs], [len(g) for g in gens])
     p = dev["sp_params"]
     pr = process_logits(
-        logits, p, dev["sp_gen"], dev["sp_rows"], state,
-        use_penalty=bool(state.live_penalty.any()), use_bias=False, use_min_new=bool(state.live_min_new.any()),
-        any_sampling=step.any_sampling, top_kp_width=step.top_kp_width, any_min_p=step.any_min_p,
+        logits,
+        p,
+        dev["sp_gen"],
+        dev["sp_rows"],
+        state,
+        use_penalty=bool(state.live_penalty.any()),
+        use_bias=False,
+        use_min_new=bool(state.live_min_new.any()),
+        any_sampling=step.any_sampling,
+        top_kp_width=step.top_kp_width,
+        any_min_p=step.any_min_p,
     )
     return reqs, pr.x, pr.full(p[:, C_TEMP])
 
@@ -83,8 +91,7 @@ def _run_process(cases, logits, prompts, gens):
 def test_processed_logits_equal_transformers():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(CASES), V, generator=g) * 3
-    prompts = [torch.randint(3, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in CASES]
+    prompts = [torch.randint(3, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in CASES]
     gens = [torch.randint(0, V, (i % 4,), generator=g).tolist() for i in range(len(CASES))]
     reqs, x, y = _run_process(CASES, logits, prompts, gens)
     for i, sp in enumerate(CASES):
@@ -104,8 +111,17 @@ def test_presence_frequency_and_bias():
     state.init_row(0, r)
     step, dev = stage_standalone(state, [0], [3])
     p = dev["sp_params"]
-    x = process_logits(logits, p, torch.tensor([3]), torch.tensor([0]), state, use_penalty=True, use_bias=True,
-                       use_min_new=False, any_sampling=False).x
+    x = process_logits(
+        logits,
+        p,
+        torch.tensor([3]),
+        torch.tensor([0]),
+        state,
+        use_penalty=True,
+        use_bias=True,
+        use_min_new=False,
+        any_sampling=False,
+    ).x
     expected = torch.zeros(V)
     expected[7] += 2.0
     expected[9] -= 1.0
@@ -126,13 +142,16 @@ def test_seeded_uniforms_depend_only_on_seed_and_counter():
     assert (hist - 0.1).abs().max() < 0.01
 
 
-@pytest.mark.parametrize("sp", [
-    acb.SamplingParams(temperature=0.8),
-    acb.SamplingParams(temperature=1.2, top_k=6),
-    acb.SamplingParams(temperature=1.0, top_p=0.7),
-    acb.SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.3),
-    acb.SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05),
-])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        acb.SamplingParams(temperature=0.8),
+        acb.SamplingParams(temperature=1.2, top_k=6),
+        acb.SamplingParams(temperature=1.0, top_p=0.7),
+        acb.SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.3),
+        acb.SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05),
+    ],
+)
 def test_sampling_frequencies_match_processed_softmax(sp):
     n = 20000
     g = torch.Generator().manual_seed(1)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acb.runner.attention import BatchInputs, StepContext
-from acb.runner.attention import torch_backend
+from acb.runner.attention import BatchInputs, StepContext, torch_backend
 from acb.runner.attention.torch_backend import GROUP_RATIO, MAX_GROUPS, TorchBackend, decode_groups
 from acb.runner.kv_cache import KVCache, KVSpec
 
@@ -38,12 +37,21 @@ def _step(num_new: list[int], start: list[int], num_blocks: int, g: torch.Genera
     cols = max(-(-n // BS) for n in lens)
     perm = torch.randperm(num_blocks - 1, generator=g)[: len(lens) * cols] + 1  # block 0 is scratch
     table = perm.view(len(lens), cols).long()
-    slots = [int(table[i, p // BS]) * BS + p % BS for i, (s, n) in enumerate(zip(start, num_new)) for p in range(s, s + n)]
+    slots = [
+        int(table[i, p // BS]) * BS + p % BS for i, (s, n) in enumerate(zip(start, num_new)) for p in range(s, s + n)
+    ]
     qsl = [0]
     for n in num_new:
         qsl.append(qsl[-1] + n)
-    return BatchInputs(slot_mapping=torch.tensor(slots), block_table=table, seq_lens=torch.tensor(lens),
-                       query_start_loc=torch.tensor(qsl), num_new=num_new, start_pos=start, max_seq_len=max(lens))
+    return BatchInputs(
+        slot_mapping=torch.tensor(slots),
+        block_table=table,
+        seq_lens=torch.tensor(lens),
+        query_start_loc=torch.tensor(qsl),
+        num_new=num_new,
+        start_pos=start,
+        max_seq_len=max(lens),
+    )
 
 
 def _reference(cache: KVCache, batch: BatchInputs, q: torch.Tensor, window: int | None) -> torch.Tensor:

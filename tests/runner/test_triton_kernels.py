@@ -28,7 +28,8 @@ DEVICE = triton_test_device()
 
 # the interpreter's own numpy deprecation noise; compiled for a GPU, these are `gpu` tests too
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")] + (
-    [pytest.mark.gpu] if DEVICE.type == "cuda" else [])
+    [pytest.mark.gpu] if DEVICE.type == "cuda" else []
+)
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
@@ -144,9 +145,10 @@ def test_paged_decode_attention(group, dtype, head_dim, block_size, num_splits, 
     bt = make_block_table(seq_lens, block_size, nb, seed=group)
     q = torch.randn(len(seq_lens), heads, head_dim, device=DEVICE).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.long, device=DEVICE)
-    scale = head_dim ** -0.5
-    got = tk.paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, window, softcap, num_splits,
-                                    max_seq_len=max(seq_lens))
+    scale = head_dim**-0.5
+    got = tk.paged_decode_attention(
+        q, k_cache, v_cache, bt, lens, scale, window, softcap, num_splits, max_seq_len=max(seq_lens)
+    )
     want = ref_attention(q, k_cache, v_cache, bt, [1] * len(seq_lens), seq_lens, scale, window, softcap)
     assert got.shape == q.shape and got.dtype == dtype
     assert_close(got, want, dtype)
@@ -220,8 +222,15 @@ def test_backend_matches_torch(num_new, start_pos, window, softcap):
     seq_of = torch.repeat_interleave(torch.arange(len(num_new), device=DEVICE), torch.tensor(num_new, device=DEVICE))
     slots = bt[seq_of, pos // bs] * bs + pos % bs
     qsl = torch.tensor([0] + torch.tensor(num_new).cumsum(0).tolist(), dtype=torch.long, device=DEVICE)
-    batch = BatchInputs(slot_mapping=slots, block_table=bt, seq_lens=torch.tensor(seq_lens, device=DEVICE),
-                        query_start_loc=qsl, num_new=num_new, start_pos=start_pos, max_seq_len=max(seq_lens))
+    batch = BatchInputs(
+        slot_mapping=slots,
+        block_table=bt,
+        seq_lens=torch.tensor(seq_lens, device=DEVICE),
+        query_start_loc=qsl,
+        num_new=num_new,
+        start_pos=start_pos,
+        max_seq_len=max(seq_lens),
+    )
     t = len(slots)
     # transformers hands attention [1, H, T, D] views of [1, T, H, D] tensors
     query = torch.randn(1, t, heads, d, device=DEVICE).transpose(1, 2)
@@ -247,8 +256,9 @@ def test_generate_batch_matches_torch_backend(arch, max_batch_tokens):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 5, 17, 41)]
     results = {}
     for backend in ("torch", "triton"):
-        cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, attn_backend=backend,
-                                           max_batch_tokens=max_batch_tokens)
+        cfg = acb.ContinuousBatchingConfig(
+            page_size=8, num_blocks=128, attn_backend=backend, max_batch_tokens=max_batch_tokens
+        )
         out = acb.generate_batch(model, prompts, continuous_batching_config=cfg, max_new_tokens=6, progress_bar=False)
         results[backend] = [o.generated_tokens for o in out.values()]
     assert all(len(toks) == 6 for toks in results["torch"])
@@ -260,6 +270,7 @@ def test_backend_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert check_backend(TritonBackend(), dev, torch.float32, head_dim=32, block_size=8) is None
-    monkeypatch.setattr(triton_backend.tk, "paged_decode_attention", lambda *a, **k: (_ for _ in ()).throw(
-        RuntimeError("broken")))
+    monkeypatch.setattr(
+        triton_backend.tk, "paged_decode_attention", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken"))
+    )
     assert "broken" in check_backend(TritonBackend(), dev, torch.float32, head_dim=32, block_size=8)

@@ -37,8 +37,10 @@ BOOM_SEED = 4343  # ...and with this one, submitting it raises an error nobody p
 SLOW = "slow-to-tokenize"  # text with this in it takes the tokenizer SLOW_S seconds
 SLOW_S = 0.7
 RENDER_TIMEOUT = 1.0
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 # about 16 s of a template's own loops, and no output: far past the time bound
 RUNAWAY = "{% for i in range(100000) %}{% for j in range(5000) %}{% endfor %}{% endfor %}x"
 CHAT = [{"role": "user", "content": "hello"}]
@@ -76,9 +78,16 @@ def served():
     model = tiny_model("llama", vocab_size=len(tok))
     engine = acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=16, num_blocks=128), tokenizer=tok)
     ready = threading.Event()
-    app = build_app(engine, NAME, on_ready=ready.set, trust_request_chat_template=True,
-                    render_timeout=RENDER_TIMEOUT, render_threads=1, tool_call_parser="hermes",
-                    reasoning_parser="deepseek_r1")
+    app = build_app(
+        engine,
+        NAME,
+        on_ready=ready.set,
+        trust_request_chat_template=True,
+        render_timeout=RENDER_TIMEOUT,
+        render_threads=1,
+        tool_call_parser="hermes",
+        reasoning_parser="deepseek_r1",
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -107,8 +116,9 @@ def served():
         runner.execute = execute
         engine.submit_nowait = submit_nowait
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as client:
-            yield SimpleNamespace(port=port, client=client, engine=engine, tok=tok, submitted=submitted,
-                                  slow_spans=slow_spans)
+            yield SimpleNamespace(
+                port=port, client=client, engine=engine, tok=tok, submitted=submitted, slow_spans=slow_spans
+            )
     finally:
         server.should_exit = True
         thread.join(60)
@@ -123,30 +133,42 @@ def test_a_request_failing_in_the_engine_is_a_500_error_body(served):
     with pytest.raises(openai.InternalServerError) as e:
         served.client.completions.create(model=NAME, prompt="fail me", max_tokens=4, seed=FAIL_SEED)
     assert e.value.status_code == 500 and "injected step failure" in e.value.message
-    status, _, body = raw(served.port, "POST", "/v1/chat/completions",
-                           {"model": NAME, "messages": CHAT, "max_tokens": 4, "seed": FAIL_SEED})
+    status, _, body = raw(
+        served.port,
+        "POST",
+        "/v1/chat/completions",
+        {"model": NAME, "messages": CHAT, "max_tokens": 4, "seed": FAIL_SEED},
+    )
     assert status == 500
     err = check_error_body(body)
     assert err["type"] == "server_error" and "injected step failure" in err["message"]
 
     with pytest.raises(openai.APIError, match="injected step failure"):
-        for _ in served.client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, seed=FAIL_SEED,
-                                                       stream=True):
+        for _ in served.client.chat.completions.create(
+            model=NAME, messages=CHAT, max_tokens=4, seed=FAIL_SEED, stream=True
+        ):
             pass
-    status, _, body = raw(served.port, "POST", "/v1/completions",
-                           {"model": NAME, "prompt": "fail me", "max_tokens": 4, "seed": FAIL_SEED, "stream": True})
+    status, _, body = raw(
+        served.port,
+        "POST",
+        "/v1/completions",
+        {"model": NAME, "prompt": "fail me", "max_tokens": 4, "seed": FAIL_SEED, "stream": True},
+    )
     assert status == 200
     events = [line[5:].strip() for line in body.decode().splitlines() if line.startswith("data:")]
-    assert events[-1] == "[DONE]" and "injected step failure" in check_error_body(events[-2].encode())["message"], events
+    assert events[-1] == "[DONE]" and "injected step failure" in check_error_body(events[-2].encode())["message"], (
+        events
+    )
 
     out = served.client.completions.create(model=NAME, prompt="fine", max_tokens=3, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
 
 
 def test_an_unplanned_error_is_a_500_error_body(served):
-    for path, body in [("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "seed": BOOM_SEED}),
-                       ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_tokens": 2,
-                                                 "seed": BOOM_SEED})]:
+    for path, body in [
+        ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "seed": BOOM_SEED}),
+        ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_tokens": 2, "seed": BOOM_SEED}),
+    ]:
         status, _, data = raw(served.port, "POST", path, body)
         assert status == 500, data
         err = check_error_body(data)
@@ -167,8 +189,9 @@ def test_a_runaway_chat_template_is_stopped_at_the_time_bound(served):
         t0 = time.monotonic()
         try:
             with pytest.raises(openai.BadRequestError) as e:
-                served.client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2,
-                                                      extra_body={"chat_template": RUNAWAY})
+                served.client.chat.completions.create(
+                    model=NAME, messages=CHAT, max_tokens=2, extra_body={"chat_template": RUNAWAY}
+                )
         finally:
             took = time.monotonic() - t0
             stop.set()
@@ -180,13 +203,15 @@ def test_a_runaway_chat_template_is_stopped_at_the_time_bound(served):
     assert [(a, b) for a, b in times if t0 <= a and b <= t0 + took], (t0, took, times)
     # the runaway render was stopped, not left holding the pool's only thread (were it held, this
     # chat's render would never get a thread within its bound: a 503)
-    out = served.client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2,
-                                                extra_body={"ignore_eos": True})
+    out = served.client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 2
     # a trusted client template is used as given
     own = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-    out = served.client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1,
-                                                extra_body={"chat_template_kwargs": {"chat_template": own}})
+    out = served.client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=1, extra_body={"chat_template_kwargs": {"chat_template": own}}
+    )
     assert out.usage.prompt_tokens == len(served.tok("<<hello>>")["input_ids"])
 
 
@@ -198,8 +223,9 @@ def test_tokenizing_is_off_the_event_loop(served):
     with ThreadPoolExecutor(1) as pool:
         health = pool.submit(_health_times, served.port, stop)
         try:
-            out = served.client.completions.create(model=NAME, prompt=[SLOW, "quick"], max_tokens=2,
-                                                   extra_body={"ignore_eos": True})
+            out = served.client.completions.create(
+                model=NAME, prompt=[SLOW, "quick"], max_tokens=2, extra_body={"ignore_eos": True}
+            )
         finally:
             stop.set()
         times = health.result()
@@ -211,36 +237,64 @@ def test_tokenizing_is_off_the_event_loop(served):
 # ------------------------------------------------------------------------------ malformed bodies
 DEEP = "[" * 100_000 + "]" * 100_000  # JSON text nested deeper than any parser recurses
 CHAT_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-TOOL_F = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+TOOL_F = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "description": "d",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    },
+}
 FLAT_F = {"type": "function", "name": "f", "parameters": TOOL_F["function"]["parameters"], "strict": True}
 
 
 def _history(calls) -> list[dict]:
-    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
 
 
 MALFORMED = [  # (path, body, param): each used to be a 500
     ("/v1/chat/completions", {"messages": _history("not a list")}, "messages"),
     ("/v1/chat/completions", {"messages": _history([1, "x", None])}, "messages"),
-    ("/v1/chat/completions", {"messages": _history([{"id": "c1", "type": "function", "function": [1, 2]}])},
-     "messages"),
-    ("/v1/chat/completions", {"messages": _history([{**CHAT_CALL, "function": {"name": "f", "arguments": DEEP}}])},
-     "messages"),
-    ("/v1/responses", {"input": [{"role": "user", "content": "hi"},
-                                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP}]},
-     "input"),
-    ("/v1/responses", {"tools": [{"type": "function", "name": {"an": "object"}, "function": TOOL_F["function"]}]},
-     "tools"),
+    (
+        "/v1/chat/completions",
+        {"messages": _history([{"id": "c1", "type": "function", "function": [1, 2]}])},
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": _history([{**CHAT_CALL, "function": {"name": "f", "arguments": DEEP}}])},
+        "messages",
+    ),
+    (
+        "/v1/responses",
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+            ]
+        },
+        "input",
+    ),
+    (
+        "/v1/responses",
+        {"tools": [{"type": "function", "name": {"an": "object"}, "function": TOOL_F["function"]}]},
+        "tools",
+    ),
     ("/v1/responses", {"tools": [{"type": "function", "name": {"an": "object"}}]}, "tools"),
 ]
 
 
 @pytest.mark.parametrize("path,body,param", MALFORMED, ids=range(len(MALFORMED)))
 def test_malformed_bodies_are_400s_and_submit_nothing(served, path, body, param):
-    base = {"model": NAME, "max_tokens": 2} if path != "/v1/responses" else \
-        {"model": NAME, "input": "hi", "max_output_tokens": 2}
+    base = (
+        {"model": NAME, "max_tokens": 2}
+        if path != "/v1/responses"
+        else {"model": NAME, "input": "hi", "max_output_tokens": 2}
+    )
     before = len(served.submitted)
     status, _, data = raw(served.port, "POST", path, {**base, **body})
     assert status == 400, data
@@ -254,34 +308,125 @@ def test_malformed_bodies_are_400s_and_submit_nothing(served, path, body, param)
 # and a request it refuses was never submitted.
 BODIES = {
     "/v1/chat/completions": {
-        "model": NAME, "max_tokens": 2, "temperature": 0, "n": 1, "stop": ["zz"], "seed": 1,
-        "messages": [{"role": "system", "content": "s"},
-                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}, *_history([CHAT_CALL])[1:]],
-        "tools": [TOOL_F], "tool_choice": {"type": "function", "function": {"name": "f"}},
-        "parallel_tool_calls": True, "response_format": {"type": "text"}, "logprobs": False,
-        "stream_options": None, "chat_template_kwargs": {"greeting": "x"}},
+        "model": NAME,
+        "max_tokens": 2,
+        "temperature": 0,
+        "n": 1,
+        "stop": ["zz"],
+        "seed": 1,
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            *_history([CHAT_CALL])[1:],
+        ],
+        "tools": [TOOL_F],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "parallel_tool_calls": True,
+        "response_format": {"type": "text"},
+        "logprobs": False,
+        "stream_options": None,
+        "chat_template_kwargs": {"greeting": "x"},
+    },
     "/v1/responses": {
-        "model": NAME, "max_output_tokens": 2, "temperature": 0, "instructions": "s",
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-                  {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
-                  {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
-        "tools": [FLAT_F], "tool_choice": "required", "parallel_tool_calls": False,
-        "text": {"format": {"type": "text"}}, "metadata": {"k": "v"}, "reasoning": None},
+        "model": NAME,
+        "max_output_tokens": 2,
+        "temperature": 0,
+        "instructions": "s",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+        "tools": [FLAT_F],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "text": {"format": {"type": "text"}},
+        "metadata": {"k": "v"},
+        "reasoning": None,
+    },
     "/v1/completions": {
-        "model": NAME, "prompt": ["x", "y"], "max_tokens": 2, "n": 1, "logprobs": 1,
-        "structured_outputs": {"choice": ["a", "b"]}},
+        "model": NAME,
+        "prompt": ["x", "y"],
+        "max_tokens": 2,
+        "n": 1,
+        "logprobs": 1,
+        "structured_outputs": {"choice": ["a", "b"]},
+    },
 }
-NAMES = ["role", "content", "tool_calls", "function", "name", "arguments", "type", "parameters", "tools",
-         "tool_choice", "response_format", "json_schema", "schema", "structured_outputs", "text", "format", "input",
-         "call_id", "output", "stream", "n", "strict", "$ref", "$defs", "id", "messages", "prompt", "regex",
-         "choice", "json", "json_object", "properties", "items", "required", "function_call", "message"]
-SCALARS = (st.none() | st.booleans() | st.integers(-3, 12) | st.floats(-2, 2, width=32)
-           | st.sampled_from(["", "f", "auto", "required", "none", "function", "json_schema", "json_object",
-                              "text", "user", "assistant", "tool", "object", "{", '{"a": 1}', "[]", "#", DEEP[:400]])
-           | st.text(max_size=6))
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=4), inner, max_size=3),
-                    max_leaves=10)
+NAMES = [
+    "role",
+    "content",
+    "tool_calls",
+    "function",
+    "name",
+    "arguments",
+    "type",
+    "parameters",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "json_schema",
+    "schema",
+    "structured_outputs",
+    "text",
+    "format",
+    "input",
+    "call_id",
+    "output",
+    "stream",
+    "n",
+    "strict",
+    "$ref",
+    "$defs",
+    "id",
+    "messages",
+    "prompt",
+    "regex",
+    "choice",
+    "json",
+    "json_object",
+    "properties",
+    "items",
+    "required",
+    "function_call",
+    "message",
+]
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 12)
+    | st.floats(-2, 2, width=32)
+    | st.sampled_from(
+        [
+            "",
+            "f",
+            "auto",
+            "required",
+            "none",
+            "function",
+            "json_schema",
+            "json_object",
+            "text",
+            "user",
+            "assistant",
+            "tool",
+            "object",
+            "{",
+            '{"a": 1}',
+            "[]",
+            "#",
+            DEEP[:400],
+        ]
+    )
+    | st.text(max_size=6)
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
 
 
 def _paths(value, at=()):
@@ -349,8 +494,11 @@ ENGINE_REFUSALS = [  # (path, body, param): refused by the engine, named by the 
     ("/v1/responses", {"input": "hi", "top_p": 0}, "top_p"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     # the grammar: a min_tokens no output of the constraint can reach
-    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": CHOICE, "min_tokens": 2, "max_tokens": 8},
-     "structured_outputs"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "structured_outputs": CHOICE, "min_tokens": 2, "max_tokens": 8},
+        "structured_outputs",
+    ),
 ]
 
 
@@ -369,10 +517,11 @@ def test_a_prompt_that_can_never_fit_is_the_engines_400(served):
     no longer repeat it): a rendered chat, a Responses input, or one of several prompts too long
     for the model is a 400 naming the request's field. Of several prompts the message says which,
     and the ones before it were submitted (then cancelled); a chat's is never submitted."""
-    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 2},
-              "messages", 0),
-             ("/v1/responses", {"input": LONG, "max_output_tokens": 2}, "input", 0),
-             ("/v1/completions", {"prompt": ["hi", LONG], "max_tokens": 2}, "prompt", 1)]
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 2}, "messages", 0),
+        ("/v1/responses", {"input": LONG, "max_output_tokens": 2}, "input", 0),
+        ("/v1/completions", {"prompt": ["hi", LONG], "max_tokens": 2}, "prompt", 1),
+    ]
     for path, body, param, submitted in cases:
         before = len(served.submitted)
         status, _, data = raw(served.port, "POST", path, {"model": NAME, **body})

@@ -56,8 +56,9 @@ def test_503_until_the_engine_has_started_then_served():
         release.set()
         assert ready.wait(30)
         assert raw(port, "GET", "/health")[:1] == (200,)
-        status, _, body = raw(port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3,
-                                                                 "ignore_eos": True})
+        status, _, body = raw(
+            port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+        )
         assert status == 200, body
         assert json.loads(body)["usage"]["completion_tokens"] == 3
     finally:

@@ -58,19 +58,29 @@ LONG = 3000  # tokens of a request meant to be cut short (about 2 ms a token on 
 MAX_PROMPTS = 16  # the main server's --max-prompts-per-request
 # the chat template of tests/test_text.py, plus an optional variable for chat_template_kwargs, and
 # a refusal (raise_exception, as Gemma's and Mistral's templates refuse chats they cannot take)
-CHAT_TEMPLATE = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}"
-                 "{% for m in messages %}{% if m['role'] == 'developer' %}"
-                 "{{ raise_exception('this model takes no developer messages') }}{% endif %}"
-                 "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'developer' %}"
+    "{{ raise_exception('this model takes no developer messages') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo wörld"}]
 # OpenTelemetry names as Prometheus spells them (dots -> underscores, unit and _total suffixes)
 PROMPT_TOKENS = "gen_ai_client_token_usage_sum|gen_ai_token_type=input"
 GENERATED = "gen_ai_client_token_usage_sum|gen_ai_token_type=output"
-METRIC_NAMES = ("acb_requests_running", "acb_requests_waiting", "acb_kv_cache_usage",
-                "gen_ai_client_token_usage_sum", "gen_ai_server_request_duration_seconds_count",
-                "gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
-                "acb_engine_steps_total", "acb_preemptions_total", "acb_prefix_cache_hit_rate")
+METRIC_NAMES = (
+    "acb_requests_running",
+    "acb_requests_waiting",
+    "acb_kv_cache_usage",
+    "gen_ai_client_token_usage_sum",
+    "gen_ai_server_request_duration_seconds_count",
+    "gen_ai_server_time_to_first_token_seconds_count",
+    "gen_ai_server_time_per_output_token_seconds_count",
+    "acb_engine_steps_total",
+    "acb_preemptions_total",
+    "acb_prefix_cache_hit_rate",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,7 +98,7 @@ def sse_events(raw_body: bytes) -> list[str]:
     out = []
     for line in raw_body.decode("utf-8").splitlines():
         if line.startswith("data:"):
-            out.append(line[len("data:"):].strip())
+            out.append(line[len("data:") :].strip())
     return out
 
 
@@ -154,7 +164,7 @@ def ref_logprobs(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
     """``[len(gen), V]`` log-softmax of the raw logits that chose each generated token."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + gen])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(gen)], dim=-1)
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(gen)], dim=-1)
 
 
 class Server:
@@ -173,9 +183,25 @@ class Server:
         env.update(extra_env or {})
         self._log = open(log, "w", encoding="utf-8")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "acb", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(self.port), *args],
-            cwd=log.parent, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "acb",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            cwd=log.parent,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def tail(self, n: int = 4000) -> str:
         if not self._log.closed:
@@ -197,8 +223,10 @@ class Server:
             if status == 200:
                 return
             time.sleep(0.1)
-        pytest.fail(f"acb serve was not ready after {timeout} s (health statuses seen: "
-                    f"{sorted(self.health_statuses)}):\n{self.tail()}")
+        pytest.fail(
+            f"acb serve was not ready after {timeout} s (health statuses seen: "
+            f"{sorted(self.health_statuses)}):\n{self.tail()}"
+        )
 
     def terminate(self) -> None:
         self.signalled = True
@@ -263,11 +291,27 @@ def otlp():
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory, otlp):
-    yield from _serve(checkpoint, tmp_path_factory, "main", [
-        "--served-model-name", NAME, "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--async-batching",
-        "--max-prompts-per-request", str(MAX_PROMPTS), "--otlp-endpoint", otlp.http_endpoint, *SMALL_KV],
+    yield from _serve(
+        checkpoint,
+        tmp_path_factory,
+        "main",
+        [
+            "--served-model-name",
+            NAME,
+            "--api-key",
+            KEY,
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--async-batching",
+            "--max-prompts-per-request",
+            str(MAX_PROMPTS),
+            "--otlp-endpoint",
+            otlp.http_endpoint,
+            *SMALL_KV,
+        ],
         # export spans within 0.2 s and metrics every second, not after 5 s and 60 s
-        {"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
+        {"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -280,9 +324,21 @@ def client(server):
 def small_server(checkpoint, tmp_path_factory):
     """One request per step, one waiting at most: more get 429. No key; the dir's name. Clients
     may bring their own chat template."""
-    yield from _serve(checkpoint, tmp_path_factory, "small", [
-        "--max-queue-size", "1", "--max-requests-per-batch", "1", "--grace-period", "1",
-        "--trust-request-chat-template", *SMALL_KV])
+    yield from _serve(
+        checkpoint,
+        tmp_path_factory,
+        "small",
+        [
+            "--max-queue-size",
+            "1",
+            "--max-requests-per-batch",
+            "1",
+            "--grace-period",
+            "1",
+            "--trust-request-chat-template",
+            *SMALL_KV,
+        ],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,16 +405,21 @@ def test_chat_stream_with_usage(client, checkpoint):
     tok = checkpoint.tok
     ids = chat_ids(tok, CHAT)
     ref = reference_generate(checkpoint.model, ids, 12)
-    chunks = list(client.chat.completions.create(
-        model=NAME, messages=CHAT, max_tokens=12, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert len(chunks) >= 2
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert len({c.id for c in chunks}) == 1 and {c.model for c in chunks} == {NAME}
     *body, last = chunks
     assert last.choices == [] and last.usage is not None  # the include_usage chunk comes last
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
-        len(ids), len(ref), len(ids) + len(ref))
+        len(ids),
+        len(ref),
+        len(ids) + len(ref),
+    )
     assert all(c.usage is None for c in body)
     assert body[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in body if c.choices) == decode(tok, ref)
@@ -370,8 +431,13 @@ def test_completion_stream_sse_framing(server, checkpoint):
     tok = checkpoint.tok
     ids = tok("stream me")["input_ids"]
     ref = reference_generate(checkpoint.model, ids, 9)
-    status, headers, body = raw(server.port, "POST", "/v1/completions", headers=AUTH, body={
-        "model": NAME, "prompt": "stream me", "max_tokens": 9, "temperature": 0, "stream": True})
+    status, headers, body = raw(
+        server.port,
+        "POST",
+        "/v1/completions",
+        headers=AUTH,
+        body={"model": NAME, "prompt": "stream me", "max_tokens": 9, "temperature": 0, "stream": True},
+    )
     assert status == 200, body
     assert headers["content-type"].startswith("text/event-stream")
     events = sse_events(body)
@@ -379,8 +445,9 @@ def test_completion_stream_sse_framing(server, checkpoint):
     docs = [json.loads(e) for e in events[:-1]]
     assert all(d["object"] == "text_completion" for d in docs)
     assert "".join(d["choices"][0]["text"] for d in docs if d["choices"]) == decode(tok, ref)
-    assert [d["choices"][0]["finish_reason"] for d in docs if d["choices"] and d["choices"][0]["finish_reason"]] \
-        == [reason(ref, checkpoint.eos)]
+    assert [d["choices"][0]["finish_reason"] for d in docs if d["choices"] and d["choices"][0]["finish_reason"]] == [
+        reason(ref, checkpoint.eos)
+    ]
 
 
 def test_completion_stream_with_usage_matches_non_streamed(client):
@@ -404,15 +471,26 @@ def test_n_samples(client, checkpoint):
     assert [c.message.content for c in g.choices] == [decode(tok, ref)] * 2
     assert g.usage.prompt_tokens == len(ids) and g.usage.completion_tokens == 2 * len(ref)
     # sampled, non-streamed chat
-    s = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, temperature=1, n=2, seed=3,
-                                       extra_body={"ignore_eos": True})
+    s = client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=6, temperature=1, n=2, seed=3, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in s.choices) == [0, 1]
     assert all(c.finish_reason == "length" for c in s.choices)
     assert s.usage.completion_tokens == 12
     # sampled, streamed completions: every index gets its text and exactly one finish reason
-    chunks = list(client.completions.create(model=NAME, prompt="two", max_tokens=5, temperature=1, n=2, seed=4,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt="two",
+            max_tokens=5,
+            temperature=1,
+            n=2,
+            seed=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     texts, reasons = {0: "", 1: ""}, {0: [], 1: []}
     for c in chunks:
         for ch in c.choices:
@@ -422,8 +500,9 @@ def test_n_samples(client, checkpoint):
     assert reasons == {0: ["length"], 1: ["length"]}
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
     # the same seed, not streamed: the same two samples
-    again = client.completions.create(model=NAME, prompt="two", max_tokens=5, temperature=1, n=2, seed=4,
-                                      extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model=NAME, prompt="two", max_tokens=5, temperature=1, n=2, seed=4, extra_body={"ignore_eos": True}
+    )
     assert {c.index: c.text for c in again.choices} == texts
 
 
@@ -431,8 +510,9 @@ def test_chat_logprobs_are_the_models(client, checkpoint):
     tok, model = checkpoint.tok, checkpoint.model
     ids = chat_ids(tok, CHAT)
     ref = reference_generate(model, ids, 6)
-    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=2)
+    r = client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     c = r.choices[0]
     assert c.message.content == decode(tok, ref)
     items = c.logprobs.content
@@ -506,8 +586,14 @@ def test_text_with_a_stop_string_is_a_prefix_of_the_text_without(client):
     on ``<s>``), the text that a stop string cuts is a prefix of the same request's text without
     one, whether special tokens are skipped or kept, streamed or not."""
     for skip in (True, False):
-        kw = dict(model=NAME, prompt="special tokens mid-output", max_tokens=24, temperature=0,
-                  logit_bias={"1": 6}, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        kw = dict(
+            model=NAME,
+            prompt="special tokens mid-output",
+            max_tokens=24,
+            temperature=0,
+            logit_bias={"1": 6},
+            extra_body={"ignore_eos": True, "skip_special_tokens": skip},
+        )
         free = client.completions.create(**kw).choices[0].text
         if not skip:
             assert "<s>" in free[1:]  # the case this is about: a special token inside the text
@@ -525,8 +611,10 @@ def test_seed_reproducible(client):
     b = client.completions.create(**kw, seed=1234).choices[0].text
     assert a == b
     chat_kw = dict(model=NAME, messages=CHAT, max_tokens=8, temperature=1.0, top_p=0.95)
-    assert client.chat.completions.create(**chat_kw, seed=5).choices[0].message.content == \
+    assert (
         client.chat.completions.create(**chat_kw, seed=5).choices[0].message.content
+        == client.chat.completions.create(**chat_kw, seed=5).choices[0].message.content
+    )
     # other seeds usually give other texts (not asserted: a random tiny model can be peaked)
     others = {client.completions.create(**kw, seed=s).choices[0].text for s in range(3)}
     assert others  # they are answered
@@ -536,35 +624,65 @@ def test_extras_and_sampling_fields(client, checkpoint):
     tok, eos = checkpoint.tok, checkpoint.eos
     # every field accepted together
     r = client.completions.create(
-        model=NAME, prompt="all fields", max_tokens=6, temperature=0.8, top_p=0.9, seed=1, presence_penalty=0.5,
-        frequency_penalty=0.5, user="u-1", logit_bias={"70": 1.0},
-        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
-                    "skip_special_tokens": True})
+        model=NAME,
+        prompt="all fields",
+        max_tokens=6,
+        temperature=0.8,
+        top_p=0.9,
+        seed=1,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        user="u-1",
+        logit_bias={"70": 1.0},
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "skip_special_tokens": True,
+        },
+    )
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
     # max_completion_tokens (chat)
-    r = client.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=3, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=NAME, messages=CHAT, max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     # logit_bias forces a token
     z = tok.convert_tokens_to_ids("Z")
-    r = client.completions.create(model=NAME, prompt="bias", max_tokens=4, temperature=0, logit_bias={str(z): 100},
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=NAME,
+        prompt="bias",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(z): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].text == "ZZZZ"
     # EOS forced by logit_bias: the request stops at once; min_tokens holds it off
     r = client.completions.create(model=NAME, prompt="bias", max_tokens=8, temperature=0, logit_bias={str(eos): 100})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == ""
     assert r.usage.completion_tokens == 1
-    r = client.completions.create(model=NAME, prompt="bias", max_tokens=8, temperature=0, logit_bias={str(eos): 100},
-                                  extra_body={"min_tokens": 3})
+    r = client.completions.create(
+        model=NAME, prompt="bias", max_tokens=8, temperature=0, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}
+    )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4
     # skip_special_tokens=false keeps the EOS in the text
-    r = client.completions.create(model=NAME, prompt="bias", max_tokens=8, temperature=0, logit_bias={str(eos): 100},
-                                  extra_body={"min_tokens": 1, "skip_special_tokens": False})
+    r = client.completions.create(
+        model=NAME,
+        prompt="bias",
+        max_tokens=8,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 1, "skip_special_tokens": False},
+    )
     assert r.choices[0].text.endswith("</s>")
     # chat_template_kwargs reach the template
     plain = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, temperature=0)
-    greeted = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, temperature=0,
-                                             extra_body={"chat_template_kwargs": {"greeting": "hey"}})
+    greeted = client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=1, temperature=0, extra_body={"chat_template_kwargs": {"greeting": "hey"}}
+    )
     assert plain.usage.prompt_tokens == len(chat_ids(tok, CHAT))
     assert greeted.usage.prompt_tokens == len(chat_ids(tok, CHAT, greeting="hey")) == plain.usage.prompt_tokens + 4
 
@@ -573,6 +691,7 @@ async def test_fifty_concurrent_streams_equal_their_non_streamed_answers(server,
     tok = checkpoint.tok
     prompts = [f"{'xyz'[i % 3] * (1 + i % 7)} prompt {i}" for i in range(50)]
     async with openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120) as ac:
+
         async def whole(p):
             r = await ac.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0)
             return r.choices[0].text, r.choices[0].finish_reason
@@ -598,12 +717,16 @@ async def test_fifty_concurrent_streams_equal_their_non_streamed_answers(server,
 
 def test_metrics(server, client):
     _, m0 = metrics(server.port)
-    r = client.completions.create(model=NAME, prompt="count me", max_tokens=5, temperature=0,
-                                  extra_body={"ignore_eos": True})
-    want = {PROMPT_TOKENS: r.usage.prompt_tokens,
-            GENERATED: r.usage.completion_tokens, "gen_ai_server_request_duration_seconds_count": 1,
-            "gen_ai_server_time_to_first_token_seconds_count": 1,
-            f"gen_ai_server_request_duration_seconds_count|gen_ai_request_model={NAME}": 1}
+    r = client.completions.create(
+        model=NAME, prompt="count me", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    want = {
+        PROMPT_TOKENS: r.usage.prompt_tokens,
+        GENERATED: r.usage.completion_tokens,
+        "gen_ai_server_request_duration_seconds_count": 1,
+        "gen_ai_server_time_to_first_token_seconds_count": 1,
+        f"gen_ai_server_request_duration_seconds_count|gen_ai_request_model={NAME}": 1,
+    }
     m1 = wait_metrics(server.port, lambda m: all(m.get(k, 0) - m0.get(k, 0) >= v for k, v in want.items()))
     assert {k: m1.get(k, 0) - m0.get(k, 0) for k in want} == want
     assert m1["acb_requests_running"] == 0 and m1["acb_requests_waiting"] == 0
@@ -612,14 +735,18 @@ def test_metrics(server, client):
     for name in METRIC_NAMES:
         assert name in m1, f"no {name} in /metrics:\n{text}"
     # the conventions' buckets
-    assert 'gen_ai_server_time_to_first_token_seconds_bucket{' in text and 'le="0.001"' in text
+    assert "gen_ai_server_time_to_first_token_seconds_bucket{" in text and 'le="0.001"' in text
 
 
 def test_traceparent_gives_a_server_span_in_the_callers_trace(server, otlp):
     trace_id, parent_id = os.urandom(16).hex(), os.urandom(8).hex()
-    status, _, body = raw(server.port, "POST", "/v1/completions", headers={
-        **AUTH, "traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=x"},
-        body={"model": NAME, "prompt": ["traced", "twice"], "max_tokens": 3, "ignore_eos": True, "temperature": 0})
+    status, _, body = raw(
+        server.port,
+        "POST",
+        "/v1/completions",
+        headers={**AUTH, "traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=x"},
+        body={"model": NAME, "prompt": ["traced", "twice"], "max_tokens": 3, "ignore_eos": True, "temperature": 0},
+    )
     assert status == 200, body
     usage = json.loads(body)["usage"]
 
@@ -653,8 +780,9 @@ def test_client_disconnect_cancels_the_request(server):
     m0 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0)
     n = LONG  # far more than can be generated before the client leaves
     with openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=60) as c:
-        stream = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=n, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = c.chat.completions.create(
+            model=NAME, messages=CHAT, max_tokens=n, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         it = iter(stream)
         next(it), next(it)
         _, during = metrics(server.port)
@@ -669,8 +797,13 @@ def test_client_disconnect_cancels_the_request(server):
     m2 = wait_metrics(server.port, lambda m: m.get(cancelled, 0) > m0.get(cancelled, 0))
     assert m2.get(cancelled, 0) == m0.get(cancelled, 0) + 1  # recorded as cancelled
     # the server carries on
-    status, _, body = raw(server.port, "POST", "/v1/completions", headers=AUTH,
-                          body={"model": NAME, "prompt": "still there?", "max_tokens": 2})
+    status, _, body = raw(
+        server.port,
+        "POST",
+        "/v1/completions",
+        headers=AUTH,
+        body={"model": NAME, "prompt": "still there?", "max_tokens": 2},
+    )
     assert status == 200, body
 
 
@@ -681,8 +814,12 @@ def test_client_disconnect_cancels_a_non_streamed_request(server):
     n = LONG
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     body = json.dumps({"model": NAME, "messages": CHAT, "max_tokens": n, "temperature": 0, "ignore_eos": True})
-    sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    sock.sendall(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+    )
     wait_metrics(server.port, lambda m: m["acb_requests_running"] >= 1)
     sock.close()
     m1 = wait_metrics(server.port, lambda m: m["acb_requests_running"] == 0 and m["acb_requests_waiting"] == 0)
@@ -704,22 +841,43 @@ def test_a_slow_reader_does_not_stall_others(server):
     sock.connect(("127.0.0.1", server.port))
     slow = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     slow.sock = sock
-    slow.request("POST", "/v1/chat/completions", headers={**AUTH, "Content-Type": "application/json"},
-                 body=json.dumps({"model": NAME, "messages": CHAT, "max_tokens": n, "ignore_eos": True,
-                                  "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 20,
-                                  "stream_options": {"include_usage": True}}))
+    slow.request(
+        "POST",
+        "/v1/chat/completions",
+        headers={**AUTH, "Content-Type": "application/json"},
+        body=json.dumps(
+            {
+                "model": NAME,
+                "messages": CHAT,
+                "max_tokens": n,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "logprobs": True,
+                "top_logprobs": 20,
+                "stream_options": {"include_usage": True},
+            }
+        ),
+    )
     resp = slow.getresponse()
     assert resp.status == 200
     first = resp.read(64)  # then it stops reading
     # another client is served meanwhile, start to end (were it stalled behind the slow reader, it
     # would wait for it forever: the slow one reads again only after this one has ended)
     with openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=60) as c:
-        chunks = list(c.completions.create(model=NAME, prompt="meanwhile", max_tokens=16, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}))
+        chunks = list(
+            c.completions.create(
+                model=NAME,
+                prompt="meanwhile",
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
     assert sum(len(ch.choices[0].text) for ch in chunks if ch.choices) > 0
     # the slow one's request runs to its end while nobody reads it
-    done = wait_metrics(server.port, lambda m: m.get(GENERATED, 0) - m0.get(GENERATED, 0)
-                        >= n + 16, timeout=60)
+    done = wait_metrics(server.port, lambda m: m.get(GENERATED, 0) - m0.get(GENERATED, 0) >= n + 16, timeout=60)
     assert done.get(GENERATED, 0) - m0.get(GENERATED, 0) >= n + 16, done
     assert done["acb_requests_running"] == 0, done
     events = sse_events(first + resp.read())
@@ -742,8 +900,10 @@ def test_401_wrong_or_missing_key(server):
         with pytest.raises(openai.AuthenticationError) as e:
             bad.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2)
     assert e.value.status_code == 401
-    for path, body in [("/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_tokens": 2}),
-                       ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2})]:
+    for path, body in [
+        ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_tokens": 2}),
+        ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2}),
+    ]:
         status, _, data = raw(server.port, "POST", path, body=body)  # no Authorization header
         assert status == 401, data
         check_error_body(data, status)
@@ -755,8 +915,9 @@ def test_404_unknown_model(server, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
     assert e.value.status_code == 404 and "no-such-model" in e.value.message
-    status, _, data = raw(server.port, "POST", "/v1/completions", headers=AUTH,
-                          body={"model": "no-such-model", "prompt": "x"})
+    status, _, data = raw(
+        server.port, "POST", "/v1/completions", headers=AUTH, body={"model": "no-such-model", "prompt": "x"}
+    )
     assert status == 404
     check_error_body(data, status)
 
@@ -764,20 +925,24 @@ def test_404_unknown_model(server, client):
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
 
 
-@pytest.mark.parametrize("endpoint,fields,named", [
-    ("chat", {"temperature": -1}, "temperature"),
-    ("chat", {"n": 0}, "n"),
-    ("chat", {"max_tokens": 0}, "max_tokens"),
-    ("chat", {"top_p": 1.5}, "top_p"),
-    ("chat", {"tools": TOOLS}, "tool_choice"),  # auto (the default with tools) needs --tool-call-parser
-    ("chat", {"tools": [{"type": "code_interpreter"}]}, "tools"),
-    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
-    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
-    ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ("completions", {"max_tokens": 0}, "max_tokens"),
-    ("completions", {"temperature": -1}, "temperature"),
-    ("completions", {"prompt": [3, 5, 10**9]}, "prompt"),
-], ids=lambda v: json.dumps(v)[:40] if not isinstance(v, str) else v)
+@pytest.mark.parametrize(
+    "endpoint,fields,named",
+    [
+        ("chat", {"temperature": -1}, "temperature"),
+        ("chat", {"n": 0}, "n"),
+        ("chat", {"max_tokens": 0}, "max_tokens"),
+        ("chat", {"top_p": 1.5}, "top_p"),
+        ("chat", {"tools": TOOLS}, "tool_choice"),  # auto (the default with tools) needs --tool-call-parser
+        ("chat", {"tools": [{"type": "code_interpreter"}]}, "tools"),
+        ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+        ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+        ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
+        ("completions", {"temperature": -1}, "temperature"),
+        ("completions", {"prompt": [3, 5, 10**9]}, "prompt"),
+    ],
+    ids=lambda v: json.dumps(v)[:40] if not isinstance(v, str) else v,
+)
 def test_400_names_the_field(server, client, endpoint, fields, named):
     if endpoint == "chat":
         kw = {"model": NAME, "messages": CHAT, "max_tokens": 2, **fields}
@@ -811,16 +976,22 @@ def test_400_a_clients_own_chat_template(server, client):
     started with --trust-request-chat-template), in chat_template_kwargs or at the top level,
     and so are tokenizer options smuggled in chat_template_kwargs."""
     own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    for extra, param in [({"chat_template_kwargs": {"chat_template": own}}, "chat_template_kwargs"),
-                         ({"chat_template": own}, "chat_template"),
-                         ({"chat_template_kwargs": {"padding": "max_length", "max_length": 10**9}},
-                          "chat_template_kwargs"),
-                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs")]:
+    for extra, param in [
+        ({"chat_template_kwargs": {"chat_template": own}}, "chat_template_kwargs"),
+        ({"chat_template": own}, "chat_template"),
+        ({"chat_template_kwargs": {"padding": "max_length", "max_length": 10**9}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2, extra_body=extra)
         assert e.value.param == param, (extra, e.value.param, e.value.message)
-        status, _, data = raw(server.port, "POST", "/v1/chat/completions", headers=AUTH,
-                              body={"model": NAME, "messages": CHAT, "max_tokens": 2, **extra})
+        status, _, data = raw(
+            server.port,
+            "POST",
+            "/v1/chat/completions",
+            headers=AUTH,
+            body={"model": NAME, "messages": CHAT, "max_tokens": 2, **extra},
+        )
         assert status == 400
         check_error_body(data, status)
     with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):
@@ -843,8 +1014,13 @@ def test_400_when_the_chat_template_refuses_the_chat(server, client):
         with pytest.raises(openai.BadRequestError, match="this model takes no developer messages") as e:
             client.chat.completions.create(model=NAME, messages=chat, max_tokens=2, stream=stream)
         assert e.value.param == "messages"
-    status, _, data = raw(server.port, "POST", "/v1/chat/completions", headers=AUTH,
-                          body={"model": NAME, "messages": chat, "max_tokens": 2})
+    status, _, data = raw(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        headers=AUTH,
+        body={"model": NAME, "messages": chat, "max_tokens": 2},
+    )
     assert status == 400
     check_error_body(data, status)
 
@@ -861,8 +1037,13 @@ def test_400_too_many_prompts(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, n=MAX_PROMPTS + 1)
     assert e.value.param == "n"
-    status, _, data = raw(server.port, "POST", "/v1/completions", headers=AUTH,
-                          body={"model": NAME, "prompt": [[5]] * 15_000, "max_tokens": 1})
+    status, _, data = raw(
+        server.port,
+        "POST",
+        "/v1/completions",
+        headers=AUTH,
+        body={"model": NAME, "prompt": [[5]] * 15_000, "max_tokens": 1},
+    )
     # refused by the count alone (code too_many_prompts), before any prompt is checked or submitted
     err = check_error_body(data, status)
     assert status == 400 and (err["param"], err["code"]) == ("prompt", "too_many_prompts"), err
@@ -884,8 +1065,12 @@ def test_404_unknown_path_is_an_error_body(server):
 def test_default_name_is_the_directory_and_no_key_needed(small_server, checkpoint):
     with openai.OpenAI(base_url=small_server.url, api_key="anything", max_retries=0, timeout=60) as c:
         assert [m.id for m in c.models.list().data] == [checkpoint.dir.name]
-    status, _, data = raw(small_server.port, "POST", "/v1/completions",
-                          body={"model": checkpoint.dir.name, "prompt": "x", "max_tokens": 2})
+    status, _, data = raw(
+        small_server.port,
+        "POST",
+        "/v1/completions",
+        body={"model": checkpoint.dir.name, "prompt": "x", "max_tokens": 2},
+    )
     assert status == 200, data
 
 
@@ -921,8 +1106,12 @@ def test_429_when_the_queue_is_full(small_server, checkpoint):
 
 def _open_stream(port: int, body: dict, headers=None):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json", **(headers or {})})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     return conn, resp
@@ -936,7 +1125,7 @@ def _read_events(resp, until_first: bool = False) -> list[str]:
             return events
         line = line.decode("utf-8").strip()
         if line.startswith("data:"):
-            events.append(line[len("data:"):].strip())
+            events.append(line[len("data:") :].strip())
             if until_first:
                 return events
 
@@ -944,8 +1133,16 @@ def _read_events(resp, until_first: bool = False) -> list[str]:
 def test_sigterm_past_the_grace_period_cancels_and_exits_0(small_server, checkpoint):
     """Past the grace period, a stream still running ends with an error event and [DONE] (not
     cut mid-chunk); meanwhile /health answers 503 (the port stays open)."""
-    conn, resp = _open_stream(small_server.port, {"model": checkpoint.dir.name, "prompt": "never ending",
-                                                  "max_tokens": LONG, "ignore_eos": True, "stream": True})
+    conn, resp = _open_stream(
+        small_server.port,
+        {
+            "model": checkpoint.dir.name,
+            "prompt": "never ending",
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
     try:
         first = _read_events(resp, until_first=True)
         t0 = time.monotonic()
@@ -973,8 +1170,13 @@ def test_sigterm_past_the_grace_period_cancels_and_exits_0(small_server, checkpo
 
 def _long_request(port: int, name: str, stream: bool, via_openai: bool) -> dict:
     """One request of 4000 tokens, ended by the end of the grace period, and how it ended."""
-    body = {"model": name, "prompt": f"endless {stream} {via_openai}", "max_tokens": 4000, "ignore_eos": True,
-            "stream": stream}
+    body = {
+        "model": name,
+        "prompt": f"endless {stream} {via_openai}",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if via_openai:
         kw = {k: v for k, v in body.items() if k != "ignore_eos"}
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600) as c:
@@ -1006,15 +1208,25 @@ def test_sigterm_every_client_gets_a_proper_end(checkpoint, tmp_path_factory):
     ``test_sigterm_past_the_grace_period_cancels_and_exits_0``'s.)"""
     grace = 600.0
     # a KV cache for all nine at full length: none is preempted
-    s = Server(checkpoint.dir, ["--grace-period", str(grace), "--page-size", "16", "--num-blocks", "2304"],
-               tmp_path_factory.mktemp("serve-logs") / "term.log")
+    s = Server(
+        checkpoint.dir,
+        ["--grace-period", str(grace), "--page-size", "16", "--num-blocks", "2304"],
+        tmp_path_factory.mktemp("serve-logs") / "term.log",
+    )
     try:
         s.wait_ready()
         name = checkpoint.dir.name
         with openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=600) as c, ThreadPoolExecutor(8) as pool:
             # 400 tokens: running when all nine are, and it ends long before the others
-            stream = c.completions.create(model=name, prompt="finish me", max_tokens=400, temperature=0, stream=True,
-                                          stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            stream = c.completions.create(
+                model=name,
+                prompt="finish me",
+                max_tokens=400,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             it = iter(stream)
             chunks = [next(it)]
             kinds = [(st, via) for st in (True, False) for via in (True, True, False, False)]
@@ -1023,8 +1235,9 @@ def test_sigterm_every_client_gets_a_proper_end(checkpoint, tmp_path_factory):
             assert running["acb_requests_running"] + running["acb_requests_waiting"] >= 9, running
             s.terminate()
             health = wait_health(s.port, lambda status: status != 200)
-            late = raw(s.port, "POST", "/v1/completions", body={"model": name, "prompt": "late", "max_tokens": 2},
-                       timeout=60)
+            late = raw(
+                s.port, "POST", "/v1/completions", body={"model": name, "prompt": "late", "max_tokens": 2}, timeout=60
+            )
             chunks += list(it)  # it runs to its end in the grace period
             # the grace period is not over: the eight are still waiting for their ends
             assert not [f for f in futures if f.done()], [f.result() for f in futures if f.done()]

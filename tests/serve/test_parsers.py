@@ -153,13 +153,16 @@ def test_reasoning_registry_and_defaults() -> None:
     assert REASONING_PARSERS["qwen3"](starts_in_reasoning=True).split(text) == (R, C)
 
 
-@pytest.mark.parametrize(("prompt", "deepseek", "qwen3"), [
-    ("<|im_start|>assistant\n<think>\n", True, True),  # the template opened the block
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, False),  # enable_thinking=False
-    ("<think>old</think>answer<|im_start|>assistant\n", False, False),  # a closed block of the history
-    ("<think>old</think>answer<|im_start|>assistant\n<think>", True, True),
-    ("<|im_start|>assistant\n", True, False),  # no tag: the class default
-])
+@pytest.mark.parametrize(
+    ("prompt", "deepseek", "qwen3"),
+    [
+        ("<|im_start|>assistant\n<think>\n", True, True),  # the template opened the block
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, False),  # enable_thinking=False
+        ("<think>old</think>answer<|im_start|>assistant\n", False, False),  # a closed block of the history
+        ("<think>old</think>answer<|im_start|>assistant\n<think>", True, True),
+        ("<|im_start|>assistant\n", True, False),  # no tag: the class default
+    ],
+)
 def test_reasoning_for_prompt(prompt: str, deepseek: bool, qwen3: bool) -> None:
     d = DeepSeekR1ReasoningParser.for_prompt(prompt)
     q = Qwen3ReasoningParser.for_prompt(prompt)
@@ -191,7 +194,7 @@ def test_reasoning_fuzz_whole_equals_streamed(starts: bool) -> None:
 
 A = {"name": "get_weather", "arguments": {"city": "Zürich 東京", "unit": "c"}}
 # braces, quotes, backslashes and a tag-like text inside strings; nesting; null
-B = {"name": "search", "arguments": {"q": "a } tricky { \"string\" \\ <tool_call", "n": [1, {"k": None}], "o": {}}}
+B = {"name": "search", "arguments": {"q": 'a } tricky { "string" \\ <tool_call', "n": [1, {"k": None}], "o": {}}}
 E = {"name": "noop", "arguments": {}}
 Q = {"name": "quote", "arguments": {"s": 'say "}" and \\'}}  # an escaped quote before a brace; a final backslash
 
@@ -226,8 +229,12 @@ HERMES_CASES: list[tuple[str, frozenset[str] | None, str | None, list[tuple[str,
     (hermes(A) + hermes(B), None, None, expect(A, B)),
     (hermes(Q) + hermes(A), None, None, expect(Q, A)),
     ("Calling:" + hermes(A) + "\n\nDone, see above. \n", None, "Calling:Done, see above. \n", expect(A)),
-    ("No tools here: <tool or </tool_call> or <tool_calls>.", None,
-     "No tools here: <tool or </tool_call> or <tool_calls>.", []),
+    (
+        "No tools here: <tool or </tool_call> or <tool_calls>.",
+        None,
+        "No tools here: <tool or </tool_call> or <tool_calls>.",
+        [],
+    ),
     ("", None, None, []),
     (" \n", None, " \n", []),
     # malformed: the text stays content, verbatim, whitespace and tags included
@@ -235,17 +242,25 @@ HERMES_CASES: list[tuple[str, frozenset[str] | None, str | None, list[tuple[str,
     (BAD_JSON + "\n" + hermes(A) + "\n", None, BAD_JSON, expect(A)),
     (hermes(A) + "\n" + BAD_JSON, None, BAD_JSON, expect(A)),
     ("<tool_call>[1, 2]</tool_call>", None, "<tool_call>[1, 2]</tool_call>", []),
-    ("x <tool_call>" + json.dumps({"name": "a"}) + "</tool_call>", None,
-     "x <tool_call>" + json.dumps({"name": "a"}) + "</tool_call>", []),  # no arguments
-    (hermes({"name": "a", "arguments": {}, "parameters": {}}), None,
-     hermes({"name": "a", "arguments": {}, "parameters": {}}), []),  # both
+    (
+        "x <tool_call>" + json.dumps({"name": "a"}) + "</tool_call>",
+        None,
+        "x <tool_call>" + json.dumps({"name": "a"}) + "</tool_call>",
+        [],
+    ),  # no arguments
+    (
+        hermes({"name": "a", "arguments": {}, "parameters": {}}),
+        None,
+        hermes({"name": "a", "arguments": {}, "parameters": {}}),
+        [],
+    ),  # both
     (hermes({"name": "a", "arguments": {}, "extra": 1}), None, hermes({"name": "a", "arguments": {}, "extra": 1}), []),
     (hermes({"name": "", "arguments": {}}), None, hermes({"name": "", "arguments": {}}), []),
     (hermes({"name": "a", "arguments": [1]}), None, hermes({"name": "a", "arguments": [1]}), []),
     (hermes({"name": "a", "arguments": "not json"}), None, hermes({"name": "a", "arguments": "not json"}), []),
     # accepted variants
     (hermes({"name": "a", "parameters": {"x": 1}}), None, None, expect({"name": "a", "parameters": {"x": 1}})),
-    (hermes({"name": "a", "arguments": "{\"x\": 1}"}), None, None, expect({"name": "a", "arguments": "{\"x\": 1}"})),
+    (hermes({"name": "a", "arguments": '{"x": 1}'}), None, None, expect({"name": "a", "arguments": '{"x": 1}'})),
     (hermes({"type": "function", "name": "a", "arguments": {}}), None, None, expect({"name": "a", "arguments": {}})),
     # left open at the end: a call if its JSON is complete, content if it was cut off
     ("ok <tool_call>\n" + json.dumps(A) + "\n", None, "ok", expect(A)),
@@ -264,7 +279,7 @@ LLAMA_CASES: list[tuple[str, frozenset[str] | None, str | None, list[tuple[str, 
     ("<|python_tag|>" + llama(A) + "; " + llama(B), None, None, expect(A, B)),
     (" \n<|python_tag|> " + llama(A) + ";" + llama(B) + " ;\n" + llama(E) + ";\n", None, None, expect(A, B, E)),
     ("The weather is nice.", None, "The weather is nice.", []),
-    ("  Hello {\"name\": \"x\"}", None, "  Hello {\"name\": \"x\"}", []),
+    ('  Hello {"name": "x"}', None, '  Hello {"name": "x"}', []),
     (' {"answer": 42}', None, ' {"answer": 42}', []),  # JSON, but not a call
     ('<|python_tag|>brave_search.call(query="x")', None, '<|python_tag|>brave_search.call(query="x")', []),
     (llama(A)[:30], None, llama(A)[:30], []),  # cut off
@@ -306,8 +321,9 @@ def assemble(deltas: list[ToolCallDelta]) -> list[tuple[str, str]]:
     return [(name, args) for name, args in calls]
 
 
-def check_tool_case(cls: type[ToolParser], text: str, names: frozenset[str] | None, content: str | None,
-                    calls: list[tuple[str, str]]) -> None:
+def check_tool_case(
+    cls: type[ToolParser], text: str, names: frozenset[str] | None, content: str | None, calls: list[tuple[str, str]]
+) -> None:
     got_content, got_calls = cls(tool_names=names).extract(text)
     assert got_content == content
     assert [(c.name, c.arguments) for c in got_calls] == calls
@@ -321,14 +337,16 @@ def check_tool_case(cls: type[ToolParser], text: str, names: frozenset[str] | No
 
 
 @pytest.mark.parametrize(("text", "names", "content", "calls"), HERMES_CASES)
-def test_hermes_whole_and_every_chunking(text: str, names: frozenset[str] | None, content: str | None,
-                                         calls: list[tuple[str, str]]) -> None:
+def test_hermes_whole_and_every_chunking(
+    text: str, names: frozenset[str] | None, content: str | None, calls: list[tuple[str, str]]
+) -> None:
     check_tool_case(HermesToolParser, text, names, content, calls)
 
 
 @pytest.mark.parametrize(("text", "names", "content", "calls"), LLAMA_CASES)
-def test_llama3_json_whole_and_every_chunking(text: str, names: frozenset[str] | None, content: str | None,
-                                              calls: list[tuple[str, str]]) -> None:
+def test_llama3_json_whole_and_every_chunking(
+    text: str, names: frozenset[str] | None, content: str | None, calls: list[tuple[str, str]]
+) -> None:
     check_tool_case(Llama3JsonToolParser, text, names, content, calls)
 
 
@@ -352,17 +370,19 @@ def test_hermes_streaming_holds_back_only_possible_tags() -> None:
     assert content == ""
     assert (delta.index, delta.name, delta.arguments) == (0, "get_weather", expect(A)[0][1])
     assert delta.id == p.tool_calls[0].id
-    assert p.feed("\n<tool_call>" + json.dumps(B) + "</tool_call>The end") == ("The end", [
-        ToolCallDelta(index=1, id=p.tool_calls[1].id, name="search", arguments=expect(B)[0][1])])
+    assert p.feed("\n<tool_call>" + json.dumps(B) + "</tool_call>The end") == (
+        "The end",
+        [ToolCallDelta(index=1, id=p.tool_calls[1].id, name="search", arguments=expect(B)[0][1])],
+    )
     assert p.feed(".") == (".", [])
     assert p.finish() == ("", [])
 
 
 def test_hermes_malformed_call_released_at_its_close() -> None:
     p = HermesToolParser()
-    assert p.feed("a <tool_call>{\"name\": ") == ("a", [])
+    assert p.feed('a <tool_call>{"name": ') == ("a", [])
     assert p.feed("oops}") == ("", [])
-    assert p.feed("</tool_call> b") == (" <tool_call>{\"name\": oops}</tool_call> b", [])
+    assert p.feed("</tool_call> b") == (' <tool_call>{"name": oops}</tool_call> b', [])
     assert p.finish() == ("", [])
     assert p.tool_calls == []
 
@@ -407,8 +427,29 @@ def test_deeply_nested_json_is_not_a_crash() -> None:
     assert stream_tools(Llama3JsonToolParser(), [text]) == (text, [])
 
 
-TOOL_PIECES = ["<tool_call>", "</tool_call>", "<tool", "_call>", "</", "<|python_tag|>", "<|py", "\n", " ", ";",
-               "text", "{", "}", '"', "\\", "[1]", json.dumps(A), json.dumps(E), llama(B), llama(E), '{"name": "a", ']
+TOOL_PIECES = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool",
+    "_call>",
+    "</",
+    "<|python_tag|>",
+    "<|py",
+    "\n",
+    " ",
+    ";",
+    "text",
+    "{",
+    "}",
+    '"',
+    "\\",
+    "[1]",
+    json.dumps(A),
+    json.dumps(E),
+    llama(B),
+    llama(E),
+    '{"name": "a", ',
+]
 
 
 @pytest.mark.parametrize("cls", [HermesToolParser, Llama3JsonToolParser])
@@ -436,7 +477,12 @@ def test_ids_and_openai_shapes() -> None:
     with pytest.raises(AttributeError):
         call.name = "g"  # type: ignore[misc]
     first = ToolCallDelta(index=2, id="call_x", name="f", arguments="")
-    assert first.to_openai() == {"index": 2, "id": "call_x", "type": "function", "function": {"name": "f", "arguments": ""}}
+    assert first.to_openai() == {
+        "index": 2,
+        "id": "call_x",
+        "type": "function",
+        "function": {"name": "f", "arguments": ""},
+    }
     more = ToolCallDelta(index=2, id=None, name=None, arguments='{"a"')
     assert more.to_openai() == {"index": 2, "function": {"arguments": '{"a"'}}
 
@@ -456,8 +502,10 @@ def test_tool_names() -> None:
 
 
 def test_filter_tool_calls() -> None:
-    calls = [ToolCall(id=new_tool_call_id(), name=n, arguments="{}")
-             for n in ("get_weather", "made_up", "search", "get_weather", "web_search_preview")]
+    calls = [
+        ToolCall(id=new_tool_call_id(), name=n, arguments="{}")
+        for n in ("get_weather", "made_up", "search", "get_weather", "web_search_preview")
+    ]
     known, unknown = filter_tool_calls(calls, TOOLS)
     assert known == [calls[0], calls[2], calls[3]]
     assert unknown == [calls[1], calls[4]]
@@ -487,8 +535,9 @@ def test_parsers_chain_reasoning_then_tools() -> None:
 
 
 # ------------------------------------------------------------------- the shaper (acb.serve.shaping)
-@pytest.mark.parametrize("parser,prompt", [("deepseek_r1", "user: q\nassistant:"),
-                                           ("qwen3", "user: q\nassistant:<think>\n")])
+@pytest.mark.parametrize(
+    "parser,prompt", [("deepseek_r1", "user: q\nassistant:"), ("qwen3", "user: q\nassistant:<think>\n")]
+)
 @pytest.mark.parametrize("choice", ["format", "named", "required", "auto"])
 def test_constrained_output_is_never_reasoning(parser: str, prompt: str, choice: str) -> None:
     """An output constrained from its first token, where the parser would start in reasoning
@@ -498,10 +547,13 @@ def test_constrained_output_is_never_reasoning(parser: str, prompt: str, choice:
     from acb.serve.shaping import OutputShaper, plan_tools
 
     fn = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    plan = {"format": None, "auto": plan_tools(fn, "auto", None, "hermes"),
-            "named": plan_tools(fn, {"type": "function", "function": {"name": "f"}}, None, None),
-            "required": plan_tools(fn, "required", None, None)}[choice]
-    args = {"s": "<think>x</think> <tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>"}
+    plan = {
+        "format": None,
+        "auto": plan_tools(fn, "auto", None, "hermes"),
+        "named": plan_tools(fn, {"type": "function", "function": {"name": "f"}}, None, None),
+        "required": plan_tools(fn, "required", None, None),
+    }[choice]
+    args = {"s": '<think>x</think> <tool_call>{"name": "f", "arguments": {}}</tool_call>'}
     text = json.dumps([{"name": "f", "parameters": args}] if choice == "required" else args)
     assert REASONING_PARSERS[parser].for_prompt(prompt).starts_in_reasoning  # (what the shaper must override)
     for chunks in chunkings(text, n_random=3):
@@ -512,8 +564,9 @@ def test_constrained_output_is_never_reasoning(parser: str, prompt: str, choice:
         assert msg["reasoning_content"] is None
         if choice in ("named", "required"):
             assert msg["content"] is None and shaper.finish_reason("stop") == "tool_calls"
-            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
-                [("f", args)]
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+                ("f", args)
+            ]
             assert "".join(d.arguments for s in streamed for d in s.tool_calls) == json.dumps(args)
         else:
             assert (msg["content"], "tool_calls" in msg) == (text, False)
@@ -524,10 +577,18 @@ def test_constrained_output_is_never_reasoning(parser: str, prompt: str, choice:
     assert free.has_reasoning and free.content != text
 
 
-@pytest.mark.parametrize("choice,text", [
-    ("required", "[1, 2]"), ("required", "[]"), ("required", '[{"name": "f"}]'), ("required", '{"name"'),
-    ("named", "12"), ("named", '{"a": '), ("named", "[]"),
-])
+@pytest.mark.parametrize(
+    "choice,text",
+    [
+        ("required", "[1, 2]"),
+        ("required", "[]"),
+        ("required", '[{"name": "f"}]'),
+        ("required", '{"name"'),
+        ("named", "12"),
+        ("named", '{"a": '),
+        ("named", "[]"),
+    ],
+)
 def test_forced_output_that_is_no_call_is_content(choice: str, text: str) -> None:
     """A forced call's output that is not (yet) a call of the constraint's shape: cut short by
     max_tokens or by a dead end of its grammar (the engine's finish reason ``grammar``). The text
@@ -536,8 +597,9 @@ def test_forced_output_that_is_no_call_is_content(choice: str, text: str) -> Non
     from acb.serve.shaping import OutputShaper, plan_tools
 
     fn = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    plan = plan_tools(fn, "required" if choice == "required" else {"type": "function", "function": {"name": "f"}},
-                      None, None)
+    plan = plan_tools(
+        fn, "required" if choice == "required" else {"type": "function", "function": {"name": "f"}}, None, None
+    )
     for chunks in chunkings(text, n_random=2):
         shaper = OutputShaper(plan, None, "", constrained=True)
         streamed = [shaper.feed(c) for c in chunks] + [shaper.finish()]

@@ -40,20 +40,28 @@ TEMPLATE = (
     "{% for c in m.tool_calls or [] %} <call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}>"
     "{% endfor %}{% if m.tool_call_id %} [result of {{ m.tool_call_id }} {{ m.name }}]{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% if messages[0]['content'] == '" + THINK + "' %}<think>"
-    "{% endif %}{% endif %}")
-LIGHT = {"type": "object", "properties": {"room": {"type": "string", "enum": ["kitchen", "hall"]},
-                                          "on": {"type": "boolean"}},
-         "required": ["room", "on"], "additionalProperties": False}
-TOOL = {"type": "function", "name": "set_light", "description": "Switch a light", "parameters": LIGHT,
-        "strict": True}
+    "{% endif %}{% endif %}"
+)
+LIGHT = {
+    "type": "object",
+    "properties": {"room": {"type": "string", "enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
+    "required": ["room", "on"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "name": "set_light", "description": "Switch a light", "parameters": LIGHT, "strict": True}
 # the tool as the server hands it to the chat template (acb.serve.shaping's key order: name,
 # parameters, description; the template's tojson keeps the order, so the prompt depends on it)
-TOOL_CHAT = {"type": "function", "function": {"name": "set_light", "parameters": LIGHT,
-                                              "description": "Switch a light"}}
+TOOL_CHAT = {
+    "type": "function",
+    "function": {"name": "set_light", "parameters": LIGHT, "description": "Switch a light"},
+}
 # enums and booleans only: whatever a random model prefers, the constrained output ends
-PICK = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
-                                         "ok": {"type": "boolean"}},
-        "required": ["color", "ok"], "additionalProperties": False}
+PICK = {
+    "type": "object",
+    "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
 
 
 class Pick(BaseModel):
@@ -68,8 +76,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    yield from _serve(checkpoint, tmp_path_factory, "responses", [
-        "--served-model-name", NAME, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", *SMALL_KV])
+    yield from _serve(
+        checkpoint,
+        tmp_path_factory,
+        "responses",
+        ["--served-model-name", NAME, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", *SMALL_KV],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +134,27 @@ def test_plain_input_equals_generate_and_chat(client, checkpoint):
 
 
 def test_instructions_and_message_list(client, checkpoint):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
-                {"role": "assistant", "content": "ok then"}, {"role": "user", "content": "second part"}]
-    ids, ref = greedy(checkpoint, messages, 10)
-    r = client.responses.create(model=NAME, instructions="be brief", temperature=0, max_output_tokens=10, input=[
+    messages = [
+        {"role": "system", "content": "be brief"},
         {"role": "user", "content": "first"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok then"}]},
-        {"role": "user",
-         "content": [{"type": "input_text", "text": "second "}, {"type": "input_text", "text": "part"}]},
-    ])
+        {"role": "assistant", "content": "ok then"},
+        {"role": "user", "content": "second part"},
+    ]
+    ids, ref = greedy(checkpoint, messages, 10)
+    r = client.responses.create(
+        model=NAME,
+        instructions="be brief",
+        temperature=0,
+        max_output_tokens=10,
+        input=[
+            {"role": "user", "content": "first"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok then"}]},
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "second "}, {"type": "input_text", "text": "part"}],
+            },
+        ],
+    )
     assert r.usage.input_tokens == len(ids)  # the server rendered exactly these messages
     assert r.output_text == decode(checkpoint.tok, ref)
     assert r.instructions == "be brief"
@@ -151,9 +175,16 @@ def test_max_output_tokens_incomplete(client, checkpoint):
 
 
 # ---------------------------------------------------------------------------------- streaming
-TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
-               "response.content_part.added", "response.output_text.delta", "response.output_text.done",
-               "response.content_part.done", "response.output_item.done"]
+TEXT_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
 
 
 def collapse(types: list[str]) -> list[str]:
@@ -186,11 +217,15 @@ def test_stream_events_add_up_to_the_response(client, checkpoint):
 
 
 def test_stream_sse_framing(server):
-    status, headers, body = raw(server.port, "POST", "/v1/responses", body={
-        "model": NAME, "input": "raw", "max_output_tokens": 4, "temperature": 0, "stream": True})
+    status, headers, body = raw(
+        server.port,
+        "POST",
+        "/v1/responses",
+        body={"model": NAME, "input": "raw", "max_output_tokens": 4, "temperature": 0, "stream": True},
+    )
     assert status == 200, body
     assert headers["content-type"].startswith("text/event-stream")
-    names = [line[len("event:"):].strip() for line in body.decode().splitlines() if line.startswith("event:")]
+    names = [line[len("event:") :].strip() for line in body.decode().splitlines() if line.startswith("event:")]
     docs = [json.loads(e) for e in sse_events(body)]
     assert names == [d["type"] for d in docs]  # each event's name is its data's type
     assert names[-1] in ("response.completed", "response.incomplete")
@@ -215,10 +250,12 @@ def test_reasoning_item(client, checkpoint):
     events = list(client.responses.create(**kw, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
     assert collapse([e.type for e in events])[2:6] == [
-        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-        "response.reasoning_text.done"]
-    assert events[-1].response.output[0].model_dump()["content"] == [
-        c.model_dump() for c in item.content]
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+    ]
+    assert events[-1].response.output[0].model_dump()["content"] == [c.model_dump() for c in item.content]
 
 
 def test_constrained_output_after_an_open_think_is_not_reasoning(client, checkpoint):
@@ -247,30 +284,43 @@ def test_constrained_output_after_an_open_think_is_not_reasoning(client, checkpo
     # chat completions: the same prompt
     chat = [{"role": "system", "content": THINK}, {"role": "user", "content": "pick"}]
     ckw = {"model": NAME, "messages": chat, "temperature": 0}
-    c = client.chat.completions.create(**ckw, max_completion_tokens=64, response_format={"type": "json_schema", "json_schema": {
-        "name": "pick", "schema": PICK, "strict": True}}).choices[0]
+    c = client.chat.completions.create(
+        **ckw,
+        max_completion_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK, "strict": True}},
+    ).choices[0]
     assert c.finish_reason == "stop" and c.message.model_extra.get("reasoning_content", "absent") is None
     jsonschema.validate(json.loads(c.message.content), PICK)
     chat_tool = {"type": "function", "function": {"name": "set_light", "parameters": LIGHT}}
     for choice in ({"type": "function", "function": {"name": "set_light"}}, "required"):
-        c = client.chat.completions.create(**ckw, max_completion_tokens=96, tools=[chat_tool],
-                                           tool_choice=choice).choices[0]
+        c = client.chat.completions.create(
+            **ckw, max_completion_tokens=96, tools=[chat_tool], tool_choice=choice
+        ).choices[0]
         assert c.finish_reason == "tool_calls" and c.message.content is None, c
         assert c.message.model_extra.get("reasoning_content", "absent") is None
         (call,) = c.message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), LIGHT)
-        chunks = list(client.chat.completions.create(**ckw, max_completion_tokens=96, tools=[chat_tool],
-                                                     tool_choice=choice, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                **ckw, max_completion_tokens=96, tools=[chat_tool], tool_choice=choice, stream=True
+            )
+        )
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == ""
-        assert "".join(t.function.arguments or "" for d in deltas for t in d.tool_calls or ()) == \
-            call.function.arguments
+        assert (
+            "".join(t.function.arguments or "" for d in deltas for t in d.tool_calls or ()) == call.function.arguments
+        )
 
 
 # ------------------------------------------------------------------------------- structured
 def test_text_format_json_schema(client):
-    kw = {"model": NAME, "input": "pick one", "max_output_tokens": 64, "temperature": 0,
-          "text": {"format": {"type": "json_schema", "name": "pick", "schema": PICK, "strict": True}}}
+    kw = {
+        "model": NAME,
+        "input": "pick one",
+        "max_output_tokens": 64,
+        "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "pick", "schema": PICK, "strict": True}},
+    }
     r = client.responses.create(**kw)
     assert r.status == "completed", r.output_text
     value = json.loads(r.output_text)
@@ -284,23 +334,31 @@ def test_text_format_json_schema(client):
         got = stream.get_final_response()
     assert got.output_text == r.output_text and got.status == "completed"
     # any JSON object
-    obj = client.responses.create(model=NAME, input="an object", max_output_tokens=48, temperature=0,
-                                  text={"format": {"type": "json_object"}})
+    obj = client.responses.create(
+        model=NAME, input="an object", max_output_tokens=48, temperature=0, text={"format": {"type": "json_object"}}
+    )
     if obj.status == "completed":  # a random model may write a long object: then it is cut
         assert isinstance(json.loads(obj.output_text), dict)
 
 
 def test_responses_parse_pydantic(client):
-    r = client.responses.parse(model=NAME, input="pick with pydantic", max_output_tokens=64, temperature=0,
-                               text_format=Pick)
+    r = client.responses.parse(
+        model=NAME, input="pick with pydantic", max_output_tokens=64, temperature=0, text_format=Pick
+    )
     assert isinstance(r.output_parsed, Pick)
     assert r.output_parsed == Pick.model_validate_json(r.output_text)
 
 
 # ------------------------------------------------------------------------------------- tools
 def test_named_tool_choice_calls_the_function(client):
-    kw = {"model": NAME, "input": "lights please", "tools": [TOOL], "max_output_tokens": 64, "temperature": 0,
-          "tool_choice": {"type": "function", "name": "set_light"}}
+    kw = {
+        "model": NAME,
+        "input": "lights please",
+        "tools": [TOOL],
+        "max_output_tokens": 64,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "name": "set_light"},
+    }
     r = client.responses.create(**kw)
     assert r.status == "completed"
     (call,) = r.output  # a forced call and nothing else
@@ -312,17 +370,29 @@ def test_named_tool_choice_calls_the_function(client):
     assert [t.name for t in r.tools] == ["set_light"] and r.tools[0].parameters == LIGHT
     events = list(client.responses.create(**kw, stream=True))
     assert collapse([e.type for e in events]) == [
-        "response.created", "response.in_progress", "response.output_item.added",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
-        "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     (args,) = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert args == call.arguments  # greedy: the same call
     assert events[-1].response.output[0].arguments == call.arguments
 
 
 def test_required_tool_choice(client):
-    r = client.responses.create(model=NAME, input="do something", tools=[TOOL], tool_choice="required",
-                                parallel_tool_calls=False, max_output_tokens=96, temperature=0)
+    r = client.responses.create(
+        model=NAME,
+        input="do something",
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=96,
+        temperature=0,
+    )
     assert r.status == "completed"
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "set_light"
@@ -344,47 +414,99 @@ def test_function_call_history(client, checkpoint):
     args = {"room": "hall", "on": True}
     messages = [
         {"role": "user", "content": "light the hall"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "set_light", "arguments": args}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "set_light", "arguments": args}}],
+        },
         {"role": "tool", "tool_call_id": "call_1", "name": "set_light", "content": "done"},
     ]
     ids, ref = greedy(checkpoint, messages, 10, tools=[TOOL_CHAT])
-    r = client.responses.create(model=NAME, tools=[TOOL], tool_choice="none", max_output_tokens=10, temperature=0,
-                                input=[{"role": "user", "content": "light the hall"},
-                                       {"type": "function_call", "call_id": "call_1", "name": "set_light",
-                                        "arguments": json.dumps(args)},
-                                       {"type": "function_call_output", "call_id": "call_1", "output": "done"}])
+    r = client.responses.create(
+        model=NAME,
+        tools=[TOOL],
+        tool_choice="none",
+        max_output_tokens=10,
+        temperature=0,
+        input=[
+            {"role": "user", "content": "light the hall"},
+            {"type": "function_call", "call_id": "call_1", "name": "set_light", "arguments": json.dumps(args)},
+            {"type": "function_call_output", "call_id": "call_1", "output": "done"},
+        ],
+    )
     assert r.usage.input_tokens == len(ids)  # the call and its result were rendered as above
     assert r.output_text == decode(checkpoint.tok, ref)
     # a previous response's output items go back in as they came (reasoning items are dropped)
-    first = client.responses.create(model=NAME, input="light the hall", tools=[TOOL], max_output_tokens=64,
-                                    temperature=0, tool_choice={"type": "function", "name": "set_light"})
+    first = client.responses.create(
+        model=NAME,
+        input="light the hall",
+        tools=[TOOL],
+        max_output_tokens=64,
+        temperature=0,
+        tool_choice={"type": "function", "name": "set_light"},
+    )
     call = first.output[0]
     again = client.responses.create(
-        model=NAME, tools=[TOOL], max_output_tokens=4, temperature=0,
-        input=[{"role": "user", "content": "light the hall"}, call.model_dump(exclude_none=True),
-               {"type": "function_call_output", "call_id": call.call_id, "output": "done"}])
-    hist = [messages[0], {"role": "assistant", "content": "", "tool_calls": [{
-        "id": call.call_id, "type": "function",
-        "function": {"name": "set_light", "arguments": json.loads(call.arguments)}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "name": "set_light", "content": "done"}]
+        model=NAME,
+        tools=[TOOL],
+        max_output_tokens=4,
+        temperature=0,
+        input=[
+            {"role": "user", "content": "light the hall"},
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "done"},
+        ],
+    )
+    hist = [
+        messages[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": "set_light", "arguments": json.loads(call.arguments)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "name": "set_light", "content": "done"},
+    ]
     assert again.usage.input_tokens == len(prompt_ids(checkpoint.tok, hist, [TOOL_CHAT]))
 
 
 # ------------------------------------------------------------------------------------ errors
-@pytest.mark.parametrize("body, param", [
-    ({"text": {"format": {"type": "json_schema", "name": "bad",
-                          "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}},
-     "text.format"),
-    ({"text": {"format": {"type": "json_schema", "name": "bad", "schema": "not an object"}}}, "text.format"),
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),
-    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "set_light"},
-      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "bad",
+                        "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}},
+                    }
+                }
+            },
+            "text.format",
+        ),
+        ({"text": {"format": {"type": "json_schema", "name": "bad", "schema": "not an object"}}}, "text.format"),
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "name": "set_light"},
+                "text": {"format": {"type": "json_object"}},
+            },
+            "tool_choice",
+        ),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
 def test_bad_requests_are_400s(server, client, body, param):
     request = {"model": NAME, "input": "x", **body}
     status, _, data = raw(server.port, "POST", "/v1/responses", body=request)
@@ -405,28 +527,38 @@ def test_unknown_model_is_404(client):
 def test_input_items_to_chat():
     from acb.serve.responses import input_messages
 
-    chat = input_messages("sys", [
-        {"role": "user", "content": "q"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me see"}]},
-        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
-        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": ""},
-        {"type": "reasoning", "id": "rs_1", "summary": []},
-        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
-        {"type": "function_call_output", "call_id": "c1", "output": "one"},
-    ])
+    chat = input_messages(
+        "sys",
+        [
+            {"role": "user", "content": "q"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me see"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+            {"type": "function_call", "call_id": "c2", "name": "g", "arguments": ""},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        ],
+    )
     assert chat == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "let me see", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
-            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {}}}]},
+        {
+            "role": "assistant",
+            "content": "let me see",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {}}},
+            ],
+        },
         {"role": "tool", "content": "two", "tool_call_id": "c2", "name": "g"},
         {"role": "tool", "content": "one", "tool_call_id": "c1", "name": "f"},
     ]
 
 
-@pytest.mark.parametrize("pieces", [["<think>abc</think>hello"], ["<thi", "nk>a", "bc</th", "ink>hel", "lo"],
-                                    list("<think>abc</think>hello")])
+@pytest.mark.parametrize(
+    "pieces",
+    [["<think>abc</think>hello"], ["<thi", "nk>a", "bc</th", "ink>hel", "lo"], list("<think>abc</think>hello")],
+)
 def test_stream_items_reasoning_then_message(pieces):
     """The streamed events of a reasoning-then-text output, for any chunking: the reasoning item
     is done before the message begins, and the items equal the non-streamed output."""
@@ -450,10 +582,19 @@ def test_stream_items_reasoning_then_message(pieces):
     events = [adapter.validate_python(json.loads(f.split("data: ", 1)[1])) for f in frames]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert collapse([e.type for e in events]) == [
-        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "abc"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "hello"
     done = [e.item.model_dump(exclude_none=True) for e in events if e.type == "response.output_item.done"]
@@ -500,8 +641,9 @@ def check_stream_matches_whole(pieces: list[str], make_shaper, length: bool) -> 
     whole.shape_whole("".join(pieces))
     items = [{k: v for k, v in i.items() if v is not None} for i in _final_items(whole, ids, length)]
     done = [e.item.model_dump(exclude_none=True) for e in events if e.type == "response.output_item.done"]
-    assert [{k: v for k, v in i.items() if k != "call_id"} for i in done] == \
-        [{k: v for k, v in i.items() if k != "call_id"} for i in items]  # (call ids are drawn per call)
+    assert [{k: v for k, v in i.items() if k != "call_id"} for i in done] == [
+        {k: v for k, v in i.items() if k != "call_id"} for i in items
+    ]  # (call ids are drawn per call)
     added = [e for e in events if e.type == "response.output_item.added"]
     assert [e.output_index for e in added] == list(range(len(items)))
     assert [e.item.id for e in added] == [i["id"] for i in items]
@@ -511,12 +653,15 @@ def check_stream_matches_whole(pieces: list[str], make_shaper, length: bool) -> 
         assert streamed == "".join(texts)
 
 
-@pytest.mark.parametrize("parser,prompt,text", [
-    ("deepseek_r1", "user: q\nassistant:", "</think>hi"),
-    ("qwen3", "user: q\nassistant:", "<think></think>hi"),
-    ("qwen3", "user: q\nassistant:<think>", "</think>hi"),
-    ("qwen3", "user: q\nassistant:<think>", "</think>"),
-])
+@pytest.mark.parametrize(
+    "parser,prompt,text",
+    [
+        ("deepseek_r1", "user: q\nassistant:", "</think>hi"),
+        ("qwen3", "user: q\nassistant:", "<think></think>hi"),
+        ("qwen3", "user: q\nassistant:<think>", "</think>hi"),
+        ("qwen3", "user: q\nassistant:<think>", "</think>"),
+    ],
+)
 def test_stream_items_of_an_empty_reasoning_section(parser, prompt, text):
     """An empty reasoning section has its (empty) item before the message, streamed as not
     (it used to end the stream with an internal error: the message was open when the reasoning
@@ -527,17 +672,34 @@ def test_stream_items_of_an_empty_reasoning_section(parser, prompt, text):
         check_stream_matches_whole(pieces, lambda: shaping.OutputShaper(None, parser, prompt), length=False)
 
 
-PIECES = ["<think>", "</think>", "<th", "ink>", "</th", "ink", ">", "ab", " ", "\n", '{"a": 1}', "<tool_call>",
-          '{"name": "set_light", "arguments": {"room": "hall", "on": true}}', "</tool_call>", "x"]
+PIECES = [
+    "<think>",
+    "</think>",
+    "<th",
+    "ink>",
+    "</th",
+    "ink",
+    ">",
+    "ab",
+    " ",
+    "\n",
+    '{"a": 1}',
+    "<tool_call>",
+    '{"name": "set_light", "arguments": {"room": "hall", "on": true}}',
+    "</tool_call>",
+    "x",
+]
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(text=st.lists(st.sampled_from(PIECES), max_size=8).map("".join),
-       cuts=st.lists(st.integers(0, 200), max_size=6),
-       parser=st.sampled_from([None, "qwen3", "deepseek_r1"]),
-       prompt=st.sampled_from(["user: q\nassistant:", "assistant:<think>", "<think>a</think>assistant:"]),
-       tools=st.sampled_from(["none", "auto", "named", "required", "format"]),
-       length=st.booleans())
+@given(
+    text=st.lists(st.sampled_from(PIECES), max_size=8).map("".join),
+    cuts=st.lists(st.integers(0, 200), max_size=6),
+    parser=st.sampled_from([None, "qwen3", "deepseek_r1"]),
+    prompt=st.sampled_from(["user: q\nassistant:", "assistant:<think>", "<think>a</think>assistant:"]),
+    tools=st.sampled_from(["none", "auto", "named", "required", "format"]),
+    length=st.booleans(),
+)
 def test_stream_items_always_match_the_whole_response(text, cuts, parser, prompt, tools, length):
     """For any output text, chunking, reasoning parser, prompt (opening ``<think>`` or not) and
     tool plan (free, ``auto`` parsing, forced, or another constraint), the streamed events are
@@ -545,18 +707,26 @@ def test_stream_items_always_match_the_whole_response(text, cuts, parser, prompt
     from acb.serve import shaping
 
     fn = [{"type": "function", "name": "set_light", "parameters": LIGHT}]
-    plan = {"none": None, "format": None,
-            "auto": shaping.plan_tools(fn, "auto", None, "hermes"),
-            "named": shaping.plan_tools(fn, {"type": "function", "name": "set_light"}, None, None),
-            "required": shaping.plan_tools(fn, "required", None, None)}[tools]
+    plan = {
+        "none": None,
+        "format": None,
+        "auto": shaping.plan_tools(fn, "auto", None, "hermes"),
+        "named": shaping.plan_tools(fn, {"type": "function", "name": "set_light"}, None, None),
+        "required": shaping.plan_tools(fn, "required", None, None),
+    }[tools]
     if tools in ("named", "required"):  # a forced call's output is JSON (or cut short)
-        text = ('{"room": "hall", "on": true}' if tools == "named" else
-                '[{"name": "set_light", "parameters": {"room": "kitchen", "on": false}}]')[:len(text) + 5]
+        text = (
+            '{"room": "hall", "on": true}'
+            if tools == "named"
+            else '[{"name": "set_light", "parameters": {"room": "kitchen", "on": false}}]'
+        )[: len(text) + 5]
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
     check_stream_matches_whole(
-        pieces, lambda: shaping.OutputShaper(plan, parser, prompt, constrained=tools in ("named", "required",
-                                                                                         "format")), length)
+        pieces,
+        lambda: shaping.OutputShaper(plan, parser, prompt, constrained=tools in ("named", "required", "format")),
+        length,
+    )
 
 
 def test_error_event_is_the_apis():
@@ -570,7 +740,7 @@ def test_error_event_is_the_apis():
     frame = ev.error(APIError(500, "boom", type="server_error"))
     head, data = frame.split("\n", 1)
     assert head == "event: error" and frame.endswith("\n\n")
-    doc = json.loads(data[len("data: "):])
+    doc = json.loads(data[len("data: ") :])
     event = ResponseErrorEvent.model_validate(doc)
     assert (event.type, event.sequence_number, event.message, event.code) == ("error", 7, "boom", "server_error")
     # the OpenAI error body, which the openai client raises as an APIError

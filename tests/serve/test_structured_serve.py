@@ -40,20 +40,42 @@ from tests.serve.test_openai_server import _serve, chat_ids, decode  # noqa: E40
 
 NAME = "tiny-structured"
 # renders the tools and the calls of the history (as real templates do, in their own format)
-TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
-            "{% if m.tool_calls %} calls:{% for c in m.tool_calls %} {{ c['function']['name'] }}"
-            "{{ c['function']['arguments'] | tojson }}{% endfor %}{% endif %}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "the weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                                                    "metric": {"type": "boolean"}},
-                   "required": ["city", "days", "metric"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+    "{% if m.tool_calls %} calls:{% for c in m.tool_calls %} {{ c['function']['name'] }}"
+    "{{ c['function']['arguments'] | tojson }}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "metric": {"type": "boolean"},
+            },
+            "required": ["city", "days", "metric"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 USER = [{"role": "user", "content": "what is the weather?"}]
 
 
@@ -84,13 +106,23 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["async", "preempt-offload"])
 def client(request, checkpoint, tmp_path_factory):
-    args = {"async": ["--async-batching", "--page-size", "16", "--num-blocks", "256",
-                      "--reasoning-parser", "deepseek_r1"],
-            # 14 blocks of 8 tokens: concurrent requests preempt each other, parked in host memory
-            "preempt-offload": ["--page-size", "8", "--num-blocks", "40", "--max-batch-tokens", "64",
-                                "--cpu-offload-space", "0.05"]}[request.param]
-    for server in _serve(checkpoint, tmp_path_factory, f"structured-{request.param}",
-                         ["--served-model-name", NAME, *args]):
+    args = {
+        "async": ["--async-batching", "--page-size", "16", "--num-blocks", "256", "--reasoning-parser", "deepseek_r1"],
+        # 14 blocks of 8 tokens: concurrent requests preempt each other, parked in host memory
+        "preempt-offload": [
+            "--page-size",
+            "8",
+            "--num-blocks",
+            "40",
+            "--max-batch-tokens",
+            "64",
+            "--cpu-offload-space",
+            "0.05",
+        ],
+    }[request.param]
+    for server in _serve(
+        checkpoint, tmp_path_factory, f"structured-{request.param}", ["--served-model-name", NAME, *args]
+    ):
         with openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120) as c:
             c.port = server.port  # type: ignore[attr-defined]
             c.reasoning = request.param == "async"  # type: ignore[attr-defined]
@@ -108,8 +140,9 @@ def no_reasoning(client, message) -> None:
 
 
 def streamed_reasoning(chunks) -> str:
-    return "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
-                   for ch in chunks if ch.choices)
+    return "".join(
+        (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks if ch.choices
+    )
 
 
 def test_parse_with_a_pydantic_model(client):
@@ -124,25 +157,43 @@ def test_parse_with_a_pydantic_model(client):
     assert json.dumps(json.loads(msg.content), separators=(",", ":"), ensure_ascii=False) == msg.content  # compact
     no_reasoning(client, msg)
     schema = openai.lib._pydantic.to_strict_json_schema(Answer)
-    chunks = list(client.chat.completions.create(
-        stream=True, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
-                                                                             "strict": True}}, **kw))
+    chunks = list(
+        client.chat.completions.create(
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+            **kw,
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
     assert streamed_reasoning(chunks) == ""
 
 
 def test_regex_choice_and_json_object(client, checkpoint):
-    r = client.completions.create(model=NAME, prompt="code:", max_tokens=40, temperature=1.0, seed=3,
-                                  extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{2,4}"}})
+    r = client.completions.create(
+        model=NAME,
+        prompt="code:",
+        max_tokens=40,
+        temperature=1.0,
+        seed=3,
+        extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{2,4}"}},
+    )
     assert re.fullmatch(r"[A-Z]{2}-\d{2,4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
     choices = ["red", "green", "deep blue"]
-    r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=20, n=3, temperature=1.0, seed=5,
-                                       extra_body={"structured_outputs": {"choice": choices}})
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=USER,
+        max_tokens=20,
+        n=3,
+        temperature=1.0,
+        seed=5,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
     assert [c.message.content in choices for c in r.choices] == [True] * 3
     for c in r.choices:
         no_reasoning(client, c.message)
-    r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=60, temperature=0,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=NAME, messages=USER, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+    )
     c = r.choices[0]
     if c.finish_reason == "stop":  # (an unbounded object may run out of tokens: a prefix then)
         assert isinstance(json.loads(c.message.content), dict)
@@ -161,15 +212,21 @@ def test_named_and_required_tool_calls(client):
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     check_weather_args(call.function.arguments)
     # streamed: the same call (ids differ)
-    chunks = list(client.chat.completions.create(
-        stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw))
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw
+        )
+    )
     deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
     assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
-        ["tool_calls"]
-    assert streamed_reasoning(chunks) == "" and "".join(ch.choices[0].delta.content or "" for ch in chunks
-                                                        if ch.choices) == ""
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
+    assert (
+        streamed_reasoning(chunks) == ""
+        and "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    )
     # required, one call at most: a call to one of the tools, arguments valid for that tool
     r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
     assert r.choices[0].finish_reason == "tool_calls"
@@ -186,29 +243,60 @@ def test_named_and_required_tool_calls(client):
 ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                                         "schema": ENDLESS}}},
-     "response_format"),
-    ("/v1/chat/completions", {"structured_outputs": {"json": ENDLESS}}, "structured_outputs"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "e", "parameters": ENDLESS}}],
-                              "tool_choice": {"type": "function", "function": {"name": "e"}}},
-     "tools[0].function.parameters"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "e", "parameters": ENDLESS}}],
-                              "tool_choice": "required"}, "tools"),
-    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": ENDLESS}}}, "text.format"),
-    ("/v1/responses", {"tools": [{"type": "function", "name": "e", "parameters": ENDLESS}],
-                       "tool_choice": {"type": "function", "name": "e"}}, "tools[0].parameters"),
-    # refused at submit: min_tokens holds back the end of every output of the constraint
-    ("/v1/chat/completions", {"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 50},
-     "structured_outputs"),
-    ("/v1/completions", {"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 50}, "structured_outputs"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"structured_outputs": {"json": ENDLESS}}, "structured_outputs"),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "e", "parameters": ENDLESS}}],
+                "tool_choice": {"type": "function", "function": {"name": "e"}},
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "e", "parameters": ENDLESS}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": ENDLESS}}}, "text.format"),
+        (
+            "/v1/responses",
+            {
+                "tools": [{"type": "function", "name": "e", "parameters": ENDLESS}],
+                "tool_choice": {"type": "function", "name": "e"},
+            },
+            "tools[0].parameters",
+        ),
+        # refused at submit: min_tokens holds back the end of every output of the constraint
+        (
+            "/v1/chat/completions",
+            {"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 50},
+            "structured_outputs",
+        ),
+        ("/v1/completions", {"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 50}, "structured_outputs"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_a_constraint_that_can_never_be_met_is_a_400_naming_its_field(client, path, body, param):
     """The engine refuses a constraint no output can meet (at compile, or at submit against
     ``min_tokens``); the server answers 400 naming the field it came from."""
-    base = ({"messages": USER} if path == "/v1/chat/completions" else
-            {"prompt": "x"} if path == "/v1/completions" else {"input": "x"})
+    base = (
+        {"messages": USER}
+        if path == "/v1/chat/completions"
+        else {"prompt": "x"}
+        if path == "/v1/completions"
+        else {"input": "x"}
+    )
     status, _, data = raw(client.port, "POST", path, {"model": NAME, "max_tokens": 100, **base, **body})
     assert status == 400, data
     err = check_error_body(data, status)
@@ -220,15 +308,25 @@ def test_an_output_its_grammar_cannot_continue_ends_as_cut_short(client):
     where its grammar allows nothing more (acb's finish reason ``grammar``, which OpenAI's API
     lacks); the server says ``length`` (cut short before it was complete), streamed or not, and
     the text is what the grammar allowed. Never a 500."""
-    kw = dict(model=NAME, messages=USER, max_tokens=40, temperature=0,
-              extra_body={"structured_outputs": {"json": {"enum": ["ok"]}}, "min_tokens": 20})
+    kw = dict(
+        model=NAME,
+        messages=USER,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": {"enum": ["ok"]}}, "min_tokens": 20},
+    )
     c = client.chat.completions.create(**kw).choices[0]
     assert (c.finish_reason, c.message.content) == ("length", '"ok"')
     chunks = list(client.chat.completions.create(**kw, stream=True))
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == '"ok"'
-    r = client.completions.create(model=NAME, prompt="x", max_tokens=40, temperature=0,
-                                  extra_body={"structured_outputs": {"json": {"enum": ["ok"]}}, "min_tokens": 20})
+    r = client.completions.create(
+        model=NAME,
+        prompt="x",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": {"enum": ["ok"]}}, "min_tokens": 20},
+    )
     assert (r.choices[0].finish_reason, r.choices[0].text) == ("length", '"ok"')
 
 
@@ -274,23 +372,35 @@ def test_tools_with_defs_and_refs(client):
     tools = [LAMP, MOVE]
     assert "$defs" in LAMP["function"]["parameters"] and "$defs" in MOVE["function"]["parameters"]
     kw = dict(model=NAME, messages=USER, max_tokens=200, temperature=0, tools=tools)
-    for extra in ({"tool_choice": "required", "parallel_tool_calls": False}, {"tool_choice": "required"},
-                  {"tool_choice": {"type": "function", "function": {"name": "Lamp"}}},
-                  {"tool_choice": {"type": "function", "function": {"name": "Move"}}}):
+    for extra in (
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "Lamp"}}},
+        {"tool_choice": {"type": "function", "function": {"name": "Move"}}},
+    ):
         r = client.chat.completions.create(**kw, **extra)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", (extra, c)
-        assert c.message.tool_calls and all(check_call(t.function.name, t.function.arguments, tools)
-                                            for t in c.message.tool_calls)
+        assert c.message.tool_calls and all(
+            check_call(t.function.name, t.function.arguments, tools) for t in c.message.tool_calls
+        )
         if extra.get("parallel_tool_calls") is False:
             assert len(c.message.tool_calls) == 1
         if isinstance(extra["tool_choice"], dict):
             assert [t.function.name for t in c.message.tool_calls] == [extra["tool_choice"]["function"]["name"]]
-    flat = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"],
-             "strict": True} for t in tools]
+    flat = [
+        {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"], "strict": True}
+        for t in tools
+    ]
     for choice in ("required", {"type": "function", "name": "Move"}):
-        r = client.responses.create(model=NAME, input="what is the weather?", tools=flat, tool_choice=choice,
-                                    max_output_tokens=200, temperature=0)
+        r = client.responses.create(
+            model=NAME,
+            input="what is the weather?",
+            tools=flat,
+            tool_choice=choice,
+            max_output_tokens=200,
+            temperature=0,
+        )
         assert r.status == "completed", r.output
         calls = [o for o in r.output if o.type == "function_call"]
         assert calls and [o.type for o in r.output] == ["function_call"] * len(calls)
@@ -328,14 +438,23 @@ def test_required_schema_keeps_each_tools_definitions(checkpoint):
         compiler.close()
     # a recursive tool ($ref "#") and a JSON pointer into the tool's own properties stay inside it
     # (properties named like keywords are schemas too; enum and const values are data)
-    tree = {"type": "object", "properties": {"leaf": {"type": "boolean"},
-                                             "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
-                                             "same": {"$ref": "#/properties/leaf"},
-                                             "enum": {"$ref": "#/properties/leaf"},
-                                             "const": {"const": {"$ref": "#/not/a/schema"}}},
-            "required": ["leaf", "kids", "same"]}
-    schema = required_calls_schema(plan_tools([{"type": "function", "function": {"name": "t", "parameters": tree}}],
-                                              "required", None, None).functions, parallel=False)
+    tree = {
+        "type": "object",
+        "properties": {
+            "leaf": {"type": "boolean"},
+            "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+            "same": {"$ref": "#/properties/leaf"},
+            "enum": {"$ref": "#/properties/leaf"},
+            "const": {"const": {"$ref": "#/not/a/schema"}},
+        },
+        "required": ["leaf", "kids", "same"],
+    }
+    schema = required_calls_schema(
+        plan_tools(
+            [{"type": "function", "function": {"name": "t", "parameters": tree}}], "required", None, None
+        ).functions,
+        parallel=False,
+    )
     params = schema["$defs"]["tool0"]["properties"]
     assert params["kids"]["items"] == {"$ref": "#/$defs/tool0"}
     assert params["same"] == params["enum"] == {"$ref": "#/$defs/tool0/properties/leaf"}
@@ -347,8 +466,12 @@ def test_constrained_output_on_the_responses_api_is_never_reasoning(client):
     """``text.format`` and forced calls on ``/v1/responses``: the output is the message (or the
     call), with no reasoning item, streamed or not, also where the server's reasoning parser
     (``deepseek_r1``) starts in reasoning."""
-    pick = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
-            "required": ["kind", "ok"], "additionalProperties": False}
+    pick = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+        "required": ["kind", "ok"],
+        "additionalProperties": False,
+    }
     kw = dict(model=NAME, input="what is the weather?", max_output_tokens=64, temperature=0)
     fmt = {"format": {"type": "json_schema", "name": "pick", "schema": pick, "strict": True}}
     r = client.responses.create(**kw, text=fmt)
@@ -372,32 +495,64 @@ def test_constrained_output_on_the_responses_api_is_never_reasoning(client):
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "frobnicate"}}}
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                                         "schema": BAD_SCHEMA}}},
-     "response_format"),
-    ("/v1/chat/completions", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
-    ("/v1/chat/completions", {"tools": [WEATHER, {"type": "function", "function": {"name": "bad",
-                                                                                 "parameters": BAD_SCHEMA}}],
-                              "tool_choice": {"type": "function", "function": {"name": "bad"}}},
-     "tools[1].function.parameters"),
-    ("/v1/chat/completions", {"tools": [WEATHER, {"type": "function", "function": {"name": "bad",
-                                                                                 "parameters": BAD_SCHEMA}}],
-                              "tool_choice": "required"}, "tools"),
-    ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
-    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
-     "text.format"),
-    ("/v1/responses", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
-    ("/v1/responses", {"tools": [{"type": "function", "name": "bad", "parameters": BAD_SCHEMA}],
-                       "tool_choice": {"type": "function", "name": "bad"}}, "tools[0].parameters"),
-    ("/v1/responses", {"tools": [{"type": "function", "name": "bad", "parameters": BAD_SCHEMA}],
-                       "tool_choice": "required"}, "tools"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": BAD_SCHEMA}}],
+                "tool_choice": {"type": "function", "function": {"name": "bad"}},
+            },
+            "tools[1].function.parameters",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": BAD_SCHEMA}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        (
+            "/v1/responses",
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
+            "text.format",
+        ),
+        ("/v1/responses", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
+        (
+            "/v1/responses",
+            {
+                "tools": [{"type": "function", "name": "bad", "parameters": BAD_SCHEMA}],
+                "tool_choice": {"type": "function", "name": "bad"},
+            },
+            "tools[0].parameters",
+        ),
+        (
+            "/v1/responses",
+            {"tools": [{"type": "function", "name": "bad", "parameters": BAD_SCHEMA}], "tool_choice": "required"},
+            "tools",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_a_constraint_that_does_not_compile_names_its_field(client, path, body, param):
     """A constraint refused by the grammar compiler is a 400 naming the field it was built from
     (not always ``response_format``), on every endpoint."""
-    base = ({"messages": USER} if path == "/v1/chat/completions" else
-            {"prompt": "x"} if path == "/v1/completions" else {"input": "x"})
+    base = (
+        {"messages": USER}
+        if path == "/v1/chat/completions"
+        else {"prompt": "x"}
+        if path == "/v1/completions"
+        else {"input": "x"}
+    )
     status, _, data = raw(client.port, "POST", path, {"model": NAME, "max_tokens": 5, **base, **body})
     assert status == 400, data
     assert check_error_body(data, status)["param"] == param
@@ -406,8 +561,14 @@ def test_a_constraint_that_does_not_compile_names_its_field(client, path, body, 
 def test_a_forced_call_cut_short_is_its_text_streamed_or_not(client):
     """A forced call that ``max_tokens`` cuts short is no call: its text is the content, in the
     stream as in the whole response (the stream used to drop it)."""
-    kw = dict(model=NAME, messages=USER, max_tokens=5, temperature=0, tools=[WEATHER],
-              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kw = dict(
+        model=NAME,
+        messages=USER,
+        max_tokens=5,
+        temperature=0,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     c = client.chat.completions.create(**kw).choices[0]
     assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content.startswith("{")
     chunks = list(client.chat.completions.create(stream=True, **kw))
@@ -419,16 +580,34 @@ def test_tool_history_is_rendered(client, checkpoint):
     """An assistant message with tool_calls and a tool message are accepted, and the chat
     template renders them (the prompt's token count is the template's)."""
     history = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                               "arguments": '{"city": "Oslo", "days": 2, "metric": true}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
-    r = client.chat.completions.create(model=NAME, messages=history, tools=[WEATHER], tool_choice="none",
-                                       max_tokens=4, temperature=0)
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2, "metric": true}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+    ]
+    r = client.chat.completions.create(
+        model=NAME, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0
+    )
     rendered = [dict(m) for m in history]
-    rendered[1] = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "metric": True}}}]}
+    rendered[1] = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "metric": True}},
+            }
+        ],
+    }
     assert r.usage.prompt_tokens == len(chat_ids(checkpoint.tok, rendered, tools=[WEATHER]))
     assert r.choices[0].message.tool_calls is None
 
@@ -441,10 +620,16 @@ def test_constrained_and_free_requests_together(client, checkpoint):
 
     def one(i: int):
         if i % 2:
-            return client.completions.create(model=NAME, prompt=prompts[i], max_tokens=30, temperature=0,
-                                             extra_body={"structured_outputs": {"regex": r"(ab|cd){1,5}!"}})
-        return client.completions.create(model=NAME, prompt=prompts[i], max_tokens=10, temperature=0,
-                                         extra_body={"ignore_eos": True})
+            return client.completions.create(
+                model=NAME,
+                prompt=prompts[i],
+                max_tokens=30,
+                temperature=0,
+                extra_body={"structured_outputs": {"regex": r"(ab|cd){1,5}!"}},
+            )
+        return client.completions.create(
+            model=NAME, prompt=prompts[i], max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(16)))
@@ -466,8 +651,13 @@ def test_bad_constraints_are_400s(client):
         dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
     ]
     for extra in cases:
-        body = {"model": NAME, "messages": USER, "max_tokens": 5, **extra.get("extra_body", {}),
-                **{k: v for k, v in extra.items() if k != "extra_body"}}
+        body = {
+            "model": NAME,
+            "messages": USER,
+            "max_tokens": 5,
+            **extra.get("extra_body", {}),
+            **{k: v for k, v in extra.items() if k != "extra_body"},
+        }
         status, _, data = raw(client.port, "POST", "/v1/chat/completions", body)
         assert status == 400, (extra, data)
         check_error_body(data, status)
@@ -484,8 +674,17 @@ def scripted_checkpoint(tmp_path_factory, tok, prompt_len: int, script: str, nam
 
     ids = tok(script, add_special_tokens=False).input_ids + [tok.eos_token_id]
     n = prompt_len + len(ids) + 8
-    cfg = GPT2Config(vocab_size=len(tok), n_positions=n, n_embd=n, n_layer=1, n_head=1, tie_word_embeddings=False,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=n,
+        n_embd=n,
+        n_layer=1,
+        n_head=1,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -512,11 +711,18 @@ def _scripted_server(tmp_path_factory, script: str, parser: str, reasoning: str 
     return _serve(ckpt, tmp_path_factory, name, args)
 
 
-@pytest.mark.parametrize("parser,reasoning,script", [
-    ("hermes", "qwen3", '<think>it asks for weather</think><tool_call>\n{"name": "get_weather", "arguments": '
-                        '{"city": "Paris", "days": 3, "metric": true}}\n</tool_call>'),
-    ("llama3_json", None, '{"name": "get_weather", "parameters": {"city": "Lima", "days": 1, "metric": false}}'),
-])
+@pytest.mark.parametrize(
+    "parser,reasoning,script",
+    [
+        (
+            "hermes",
+            "qwen3",
+            '<think>it asks for weather</think><tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "days": 3, "metric": true}}\n</tool_call>',
+        ),
+        ("llama3_json", None, '{"name": "get_weather", "parameters": {"city": "Lima", "days": 1, "metric": false}}'),
+    ],
+)
 def test_auto_tool_calls_and_reasoning_from_a_scripted_model(tmp_path_factory, parser, reasoning, script):
     for server in _scripted_server(tmp_path_factory, script, parser, reasoning, f"scripted-{parser}"):
         with openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60) as client:
@@ -534,8 +740,9 @@ def test_auto_tool_calls_and_reasoning_from_a_scripted_model(tmp_path_factory, p
             streamed = [tc for d in deltas for tc in d.tool_calls or ()]
             assert [t.function.name for t in streamed if t.function.name] == ["get_weather"]
             assert json.loads("".join(t.function.arguments or "" for t in streamed)) == expected
-            assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == \
-                ("it asks for weather" if reasoning else "")
+            assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == (
+                "it asks for weather" if reasoning else ""
+            )
             assert "".join(d.content or "" for d in deltas) == ""  # the tags never leak as content
             # tool_choice "none": the same text (the same prompt) is content, not a call
             plain = client.chat.completions.create(tool_choice="none", **kw).choices[0]
@@ -555,8 +762,10 @@ def test_an_empty_reasoning_section_streams_on_the_responses_api(tmp_path_factor
             kw = dict(model=NAME, input=USER[0]["content"], tools=[flat], max_output_tokens=50, temperature=0)
             whole = client.responses.create(**kw)
             assert whole.status == "completed"
-            assert [(o.type, [c.text for c in o.content]) for o in whole.output] == [("reasoning", [""]),
-                                                                                     ("message", ["hi"])]
+            assert [(o.type, [c.text for c in o.content]) for o in whole.output] == [
+                ("reasoning", [""]),
+                ("message", ["hi"]),
+            ]
             events = list(client.responses.create(**kw, stream=True))
             assert events[-1].type == "response.completed", [e.type for e in events][-3:]
             done = [e.item for e in events if e.type == "response.output_item.done"]
@@ -565,6 +774,9 @@ def test_an_empty_reasoning_section_streams_on_the_responses_api(tmp_path_factor
             assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "hi"
             with client.responses.stream(**kw) as stream:  # the client's own consistency checks
                 assert stream.get_final_response().output_text == "hi"
-            chat = client.chat.completions.create(model=NAME, messages=USER, tools=[WEATHER], max_tokens=50,
-                                                  temperature=0).choices[0].message
+            chat = (
+                client.chat.completions.create(model=NAME, messages=USER, tools=[WEATHER], max_tokens=50, temperature=0)
+                .choices[0]
+                .message
+            )
             assert (chat.content, (chat.model_extra or {}).get("reasoning_content")) == ("hi", "")

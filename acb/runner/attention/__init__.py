@@ -47,7 +47,7 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,  # [1, heads, T, head_dim]
         key: torch.Tensor,  # [1, kv_heads, T, head_dim]
         value: torch.Tensor,
-        ctx: "StepContext",
+        ctx: StepContext,
         *,
         scaling: float | None,
         sliding_window: int | None,
@@ -103,8 +103,18 @@ def acb_attention_forward(
     if ctx is None:  # a decoder layer that drops its kwargs (Nemotron): the thread's step, if any
         ctx = getattr(_STEP, "ctx", None)
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
-        return own_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                     sliding_window=sliding_window, softcap=softcap, **kwargs)
+        return own_attention(module)(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            **kwargs,
+        )
     sinks = layer_sinks(kwargs)
     chunk = layer_chunk(module)
     tuning = temperature_tuning(module)
@@ -117,15 +127,17 @@ def acb_attention_forward(
         # the narrower zero-padded (zeros add nothing to q.k, and padded value columns are dropped)
         width = max(k_dim, v_dim)
         if scaling is None:
-            scaling = k_dim ** -0.5
+            scaling = k_dim**-0.5
         query, key = (torch.nn.functional.pad(t, (0, width - k_dim)) for t in (query, key))
         value = torch.nn.functional.pad(value, (0, width - v_dim))
     if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
-        out = torch.ops.acb.paged_attention(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks,
-                                            chunk, not shared, tuning)
+        out = torch.ops.acb.paged_attention(
+            query, key, value, layer_idx, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning
+        )
     else:
-        out = _forward(ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared,
-                       tuning)
+        out = _forward(
+            ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning
+        )
     return (out if k_dim == v_dim else out[..., :v_dim].contiguous()), None
 
 
@@ -163,9 +175,20 @@ def _fix_temperature(query: torch.Tensor, md: Any, tuning: list[float]) -> torch
     return (query.float() / wrong.view(1, 1, t, 1) * right.view(1, 1, t, 1)).to(query.dtype)
 
 
-def _forward(ctx: StepContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             scaling: float | None, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
-             chunk: int | None, store: bool, tuning: list[float] | None = None) -> torch.Tensor:
+def _forward(
+    ctx: StepContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    chunk: int | None,
+    store: bool,
+    tuning: list[float] | None = None,
+) -> torch.Tensor:
     if tuning is not None:
         query = _fix_temperature(query, ctx.metadata, tuning)
     cache = ctx.kv_cache
@@ -178,8 +201,17 @@ def _forward(ctx: StepContext, layer_idx: int, query: torch.Tensor, key: torch.T
             "attention layers"
         )
     return ctx.backend.forward(
-        layer, query, key, value, ctx, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
-        sinks=sinks, chunk=chunk, store=store,
+        layer,
+        query,
+        key,
+        value,
+        ctx,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        chunk=chunk,
+        store=store,
     )
 
 
@@ -208,10 +240,19 @@ def step_context(ctx: StepContext) -> Iterator[None]:
 
 
 @torch.library.custom_op("acb::paged_attention", mutates_args=())
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                    scaling: float | None, sliding_window: int | None, softcap: float | None,
-                    sinks: torch.Tensor | None = None, chunk: int | None = None, store: bool = True,
-                    tuning: list[float] | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
+    store: bool = True,
+    tuning: list[float] | None = None,
+) -> torch.Tensor:
     """Attention of one layer (the model's layer index) over the paged KV cache of the thread's
     current step (it also writes the step's keys and values into the cache: a side effect the
     graph cannot see, and needs not, since nothing else in the graph reads the cache).
@@ -223,9 +264,19 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 @paged_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float | None,
-      sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None,
-      chunk: int | None = None, store: bool = True, tuning: list[float] | None = None) -> torch.Tensor:
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
+    store: bool = True,
+    tuning: list[float] | None = None,
+) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 
@@ -306,8 +357,15 @@ def make_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-def check_backend(candidate: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int = 64,
-                  block_size: int = 16, heads: int = 4, kv_heads: int = 2) -> str | None:
+def check_backend(
+    candidate: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int = 64,
+    block_size: int = 16,
+    heads: int = 4,
+    kv_heads: int = 2,
+) -> str | None:
     """Run ``candidate`` against the torch reference on a small mixed step (decode rows, a fresh
     prompt and a chunk after cached context, GQA) on ``device``; None if they agree, else what
     went wrong. Used when a backend is picked automatically, so that a GPU where its kernels fail
@@ -324,8 +382,17 @@ def check_backend(candidate: AttentionBackend, device: torch.device, dtype: torc
         return f"{type(exc).__name__}: {exc}"
 
 
-def _compare_once(candidate: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int,
-                  block_size: int, num_new: list[int], start: list[int], heads: int, hkv: int) -> str | None:
+def _compare_once(
+    candidate: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    num_new: list[int],
+    start: list[int],
+    heads: int,
+    hkv: int,
+) -> str | None:
     from acb.runner.attention.torch_backend import TorchBackend
     from acb.runner.kv_cache import KVCache, KVSpec
 
@@ -343,9 +410,13 @@ def _compare_once(candidate: AttentionBackend, device: torch.device, dtype: torc
         qsl.append(qsl[-1] + n)
     t = qsl[-1]
     batch = BatchInputs(
-        slot_mapping=torch.tensor(slots, device=device), block_table=table.to(device),
-        seq_lens=torch.tensor(lens, device=device), query_start_loc=torch.tensor(qsl, device=device),
-        num_new=num_new, start_pos=start, max_seq_len=max(lens),
+        slot_mapping=torch.tensor(slots, device=device),
+        block_table=table.to(device),
+        seq_lens=torch.tensor(lens, device=device),
+        query_start_loc=torch.tensor(qsl, device=device),
+        num_new=num_new,
+        start_pos=start,
+        max_seq_len=max(lens),
     )
     spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype)
     outs = []

@@ -104,8 +104,9 @@ class FlashAttnBackend:
     def graph_variants(self, num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> list[int]:
         return [0]
 
-    def graph_variant(self, variants: list[int], num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
+    def graph_variant(
+        self, variants: list[int], num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+    ) -> int:
         return 0
 
     def graph_metadata(self, batch: BatchInputs, variant: int) -> FlashMetadata:
@@ -136,8 +137,19 @@ class FlashAttnBackend:
             if self._triton is None:
                 self._triton = TritonBackend()
             tctx = StepContext(ctx.kv_cache, self._triton, md.triton)
-            return self._triton.forward(layer, query, key, value, tctx, scaling=scaling, sliding_window=sliding_window,
-                                        softcap=softcap, sinks=sinks, chunk=chunk, store=store)
+            return self._triton.forward(
+                layer,
+                query,
+                key,
+                value,
+                tctx,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                sinks=sinks,
+                chunk=chunk,
+                store=store,
+            )
         cache = ctx.kv_cache
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         if store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
@@ -149,8 +161,16 @@ class FlashAttnBackend:
         lse_too = sinks is not None
         if md.decode_only:
             res = self._kvcache(
-                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens, block_table=md.block_table,
-                softmax_scale=scaling, causal=True, window_size=window, softcap=cap, return_softmax_lse=lse_too,
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=md.seq_lens,
+                block_table=md.block_table,
+                softmax_scale=scaling,
+                causal=True,
+                window_size=window,
+                softcap=cap,
+                return_softmax_lse=lse_too,
             )  # [B, 1, H, D] (and the lse, [B, H, 1])
             if lse_too:
                 out, lse = res
@@ -160,8 +180,18 @@ class FlashAttnBackend:
                 out = res
             return out.transpose(0, 1)  # [1, T, H, D]
         res = self._varlen(
-            q, k_cache, v_cache, md.cu_seqlens_q, md.cu_seqlens_k, md.max_q_len, md.max_seq_len,
-            softmax_scale=scaling, causal=True, window_size=window, softcap=cap, block_table=md.block_table,
+            q,
+            k_cache,
+            v_cache,
+            md.cu_seqlens_q,
+            md.cu_seqlens_k,
+            md.max_q_len,
+            md.max_seq_len,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window,
+            softcap=cap,
+            block_table=md.block_table,
             return_attn_probs=lse_too,
         )  # [T, H, D] (and the lse, [H, T])
         out = _with_sinks(res[0], res[1].transpose(0, 1), sinks) if lse_too and sinks is not None else res

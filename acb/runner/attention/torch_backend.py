@@ -94,10 +94,14 @@ class TorchBackend:
             rows = [dec[j] for j in members]
             nb = -(-(batch.start_pos[rows[0]] + 1) // block_size)
             idx = torch.tensor(rows, dtype=torch.long, device=device)
-            groups.append(_DecodeGroup(
-                rows=torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device),
-                blocks=batch.block_table[idx, :nb].reshape(-1), seq_lens=batch.seq_lens[idx], num_blocks=nb,
-            ))
+            groups.append(
+                _DecodeGroup(
+                    rows=torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device),
+                    blocks=batch.block_table[idx, :nb].reshape(-1),
+                    seq_lens=batch.seq_lens[idx],
+                    num_blocks=nb,
+                )
+            )
         prefills = []
         for i, n in enumerate(batch.num_new):
             if n == 1:
@@ -106,9 +110,15 @@ class TorchBackend:
             ctx_len = start + n
             blocks = batch.block_table[i, : -(-ctx_len // block_size)] if start > 0 else None
             prefills.append(_Prefill(qsl[i], n, ctx_len, blocks))
-        return TorchMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
-                             seq_lens=batch.seq_lens, num_tokens=batch.slot_mapping.numel(),
-                             block_size=block_size, decode=groups, prefills=prefills)
+        return TorchMetadata(
+            slot_mapping=batch.slot_mapping,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            num_tokens=batch.slot_mapping.numel(),
+            block_size=block_size,
+            decode=groups,
+            prefills=prefills,
+        )
 
     def release(self) -> int:
         """Drop the workspace (engine sleep); returns its bytes. The next gather allocates it again."""
@@ -120,10 +130,18 @@ class TorchBackend:
         """``pages[blocks]`` (``[n, block_size, Hkv, D]``) into the workspace."""
         n = blocks.numel()
         ws = self._workspace.get(which)
-        if ws is None or ws.shape[0] < n or ws.shape[1:] != pages.shape[1:] or ws.dtype != pages.dtype \
-                or ws.device != pages.device:
-            ws = torch.empty((max(n, 3 * (ws.shape[0] if ws is not None else 0) // 2), *pages.shape[1:]),
-                             dtype=pages.dtype, device=pages.device)
+        if (
+            ws is None
+            or ws.shape[0] < n
+            or ws.shape[1:] != pages.shape[1:]
+            or ws.dtype != pages.dtype
+            or ws.device != pages.device
+        ):
+            ws = torch.empty(
+                (max(n, 3 * (ws.shape[0] if ws is not None else 0) // 2), *pages.shape[1:]),
+                dtype=pages.dtype,
+                device=pages.device,
+            )
             self._workspace[which] = ws
         return torch.index_select(pages, 0, blocks, out=ws[:n])
 
@@ -144,8 +162,9 @@ class TorchBackend:
             md._masks[key] = m
         return m
 
-    def _prefill_mask(self, md: TorchMetadata, k: int, p: _Prefill, window: int | None,
-                      chunk: int | None) -> torch.Tensor | None:
+    def _prefill_mask(
+        self, md: TorchMetadata, k: int, p: _Prefill, window: int | None, chunk: int | None
+    ) -> torch.Tensor | None:
         if p.blocks is None and window is None and chunk is None:
             return None  # plain causal over the chunk: SDPA's is_causal
         key = ("p", k, window, chunk)

@@ -68,8 +68,9 @@ class TritonBackend:
         results, only a suboptimal partition."""
         return sorted({1, tk.choose_num_splits(num_seqs, num_kv_heads, max_len, device)})
 
-    def graph_variant(self, variants: list[int], num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
+    def graph_variant(
+        self, variants: list[int], num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+    ) -> int:
         """The variant for a step whose longest context is ``max_seq_len`` (a host value)."""
         return variants[0] if tk.choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) == 1 else variants[-1]
 
@@ -113,8 +114,16 @@ class TritonBackend:
         chunk = chunk or None
         if sinks is not None:
             sinks = sinks.contiguous()
-        warm = (q.shape[1], k_cache.shape[1:], k_cache.dtype, q.dtype, window, cap,
-                None if sinks is None else sinks.dtype, chunk)
+        warm = (
+            q.shape[1],
+            k_cache.shape[1:],
+            k_cache.dtype,
+            q.dtype,
+            window,
+            cap,
+            None if sinks is None else sinks.dtype,
+            chunk,
+        )
         if warm not in self._warmed:  # first layer of its kind: compile every variant it can need
             self._warmed.add(warm)
             if not tk.interpreted() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -129,15 +138,36 @@ class TritonBackend:
                 eff_len = min(eff_len, chunk) if chunk else eff_len
                 splits = tk.choose_num_splits(md.num_decode, k_cache.shape[2], eff_len, q.device)
             tk.paged_decode_attention(
-                q, k_cache, v_cache, md.block_table, md.seq_lens, scaling, window, cap, splits,
+                q,
+                k_cache,
+                v_cache,
+                md.block_table,
+                md.seq_lens,
+                scaling,
+                window,
+                cap,
+                splits,
                 # a decode-only step has one row per sequence, in order: no query_start_loc needed
                 query_start_loc=md.query_start_loc if md.has_prefill else None,
-                out=out, sinks=sinks, chunk=chunk,
+                out=out,
+                sinks=sinks,
+                chunk=chunk,
             )
         if md.has_prefill:
             tk.paged_prefill_attention(
-                q, k_cache, v_cache, md.block_table, md.query_start_loc, md.seq_lens, md.max_q_len,
-                scaling, window, cap, skip_decode=md.num_decode > 0, out=out, sinks=sinks, chunk=chunk,
+                q,
+                k_cache,
+                v_cache,
+                md.block_table,
+                md.query_start_loc,
+                md.seq_lens,
+                md.max_q_len,
+                scaling,
+                window,
+                cap,
+                skip_decode=md.num_decode > 0,
+                out=out,
+                sinks=sinks,
+                chunk=chunk,
             )
         return out.unsqueeze(0)  # [1, T, H, D]
-

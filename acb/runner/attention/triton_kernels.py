@@ -58,7 +58,7 @@ MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def interpreted() -> bool:
     """Whether these kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -77,8 +77,9 @@ def _upcast(*tensors: torch.Tensor) -> bool:
 
 def _check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
     if sinks is not None and (sinks.shape != (num_heads,) or sinks.stride(0) != 1):
-        raise ValueError(f"sinks must be a contiguous [{num_heads}] tensor (one logit per query head), "
-                         f"got {tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks must be a contiguous [{num_heads}] tensor (one logit per query head), got {tuple(sinks.shape)}"
+        )
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -111,8 +112,24 @@ def _tanh(x):
 
 @triton.jit
 def _load_kv_tile(
-    k_cache_ptr, v_cache_ptr, bt_row, pos, p_mask, d, d_mask, kvh, block_size,
-    stride_btc, stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    pos,
+    p_mask,
+    d,
+    d_mask,
+    kvh,
+    block_size,
+    stride_btc,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_vcd,
 ):
     """K and V ``[N, D]`` of one KV head at context positions ``pos`` (masked rows are zeros),
     through the sequence's block-table row ``bt_row``."""
@@ -120,14 +137,22 @@ def _load_kv_tile(
     off = pos % block_size
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(
-        k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kco + kvh * stride_kch
+        k_cache_ptr
+        + blk[:, None] * stride_kcb
+        + off[:, None] * stride_kco
+        + kvh * stride_kch
         + d[None, :] * stride_kcd,
-        mask=kv_mask, other=0.0,
+        mask=kv_mask,
+        other=0.0,
     )
     v = tl.load(
-        v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vco + kvh * stride_vch
+        v_cache_ptr
+        + blk[:, None] * stride_vcb
+        + off[:, None] * stride_vco
+        + kvh * stride_vch
         + d[None, :] * stride_vcd,
-        mask=kv_mask, other=0.0,
+        mask=kv_mask,
+        other=0.0,
     )
     return k, v
 
@@ -166,13 +191,30 @@ def _softmax_step(s, v, m_i, l_i, acc, F32: tl.constexpr):
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_heads, head_dim, block_size,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kco, stride_kch, stride_kcd,
-    stride_vcb, stride_vco, stride_vch, stride_vcd,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_heads,
+    head_dim,
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_vcd,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -203,18 +245,27 @@ def store_kv(
     num_tokens, num_heads, head_dim = key.shape
     if value.shape != key.shape or tuple(k_cache.shape[2:]) != (num_heads, head_dim):
         raise ValueError(
-            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the cache "
-            f"{tuple(k_cache.shape)}"
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the cache {tuple(k_cache.shape)}"
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        num_heads, head_dim, k_cache.shape[1],
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_H=_pow2(num_heads), BLOCK_D=_pow2(head_dim),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_heads,
+        head_dim,
+        k_cache.shape[1],
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        BLOCK_H=_pow2(num_heads),
+        BLOCK_D=_pow2(head_dim),
     )
 
 
@@ -227,19 +278,52 @@ def store_kv(
 # left to Triton's integer specialisation (== 1, % 16 == 0) it would recompile mid-serving
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
-    scale_log2, scale, softcap, window, chunk,
-    num_splits, group, head_dim, block_size,
-    stride_qt, stride_qh, stride_qd,
-    stride_kcb, stride_kco, stride_kch, stride_kcd,
-    stride_vcb, stride_vco, stride_vch, stride_vcd,
-    stride_btb, stride_btc,
-    stride_ot, stride_oh, stride_od,
-    HAS_QSL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, F32: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    sinks_ptr,
+    scale_log2,
+    scale,
+    softcap,
+    window,
+    chunk,
+    num_splits,
+    group,
+    head_dim,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_vcd,
+    stride_btb,
+    stride_btc,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HAS_QSL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    F32: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -271,7 +355,8 @@ def _decode_split_kernel(
     d_mask = d < head_dim
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -286,8 +371,24 @@ def _decode_split_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         p_mask = pos < end
         k, v = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, bt_row, pos, p_mask, d, d_mask, kvh, block_size,
-            stride_btc, stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            pos,
+            p_mask,
+            d,
+            d_mask,
+            kvh,
+            block_size,
+            stride_btc,
+            stride_kcb,
+            stride_kco,
+            stride_kch,
+            stride_kcd,
+            stride_vcb,
+            stride_vco,
+            stride_vch,
+            stride_vcd,
         )
         s = _scores(q, k, scale_log2, scale, softcap, HAS_SOFTCAP, F32)  # [G, N]
         s = tl.where(p_mask[None, :], s, float("-inf"))
@@ -308,10 +409,19 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
-    num_splits, head_dim,
-    stride_ot, stride_oh, stride_od,
-    HAS_QSL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    qsl_ptr,
+    num_splits,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HAS_QSL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -328,7 +438,7 @@ def _decode_reduce_kernel(
     s_mask = s < num_splits
     base = (seq * num_heads + h) * num_splits
     m = tl.load(part_m_ptr + base + s, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + base + s, mask=s_mask, other=0.0)
+    l = tl.load(part_l_ptr + base + s, mask=s_mask, other=0.0)  # noqa: E741 (the softmax sum, as in the papers)
     acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
     m_max = tl.max(m, 0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
@@ -336,11 +446,12 @@ def _decode_reduce_kernel(
     denom = tl.sum(w * l, 0)
     num = tl.sum(w[:, None] * acc, 0)
     o = num / tl.where(denom > 0.0, denom, 1.0)  # seq_len 0: zeros
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
-             mask=d < head_dim)
+    tl.store(
+        out_ptr + row * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d < head_dim
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -403,12 +514,15 @@ def paged_decode_attention(
         raise ValueError(f"query {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
     num_seqs = seq_lens.shape[0]
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if query_start_loc is not None \
+        out = (
+            torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if query_start_loc is not None
             else torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        )
     if num_seqs == 0:
         return out
     if scale is None:
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())
@@ -428,22 +542,57 @@ def paged_decode_attention(
     qsl = query_start_loc if query_start_loc is not None else seq_lens  # placeholder when unused
     _check_sinks(sinks, num_heads)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, qsl,
-        out, part_acc, part_m, part_l, sinks if sinks is not None else seq_lens,
-        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0), int(chunk or 1),
-        num_splits, group, head_dim, block_size,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
-        HAS_QSL=query_start_loc is not None, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
-        HAS_SINKS=sinks is not None, HAS_CHUNK=bool(chunk), SINGLE_SPLIT=single, F32=_upcast(q, k_cache),
-        BLOCK_G=_pow2(group, 16), BLOCK_N=_decode_block_n(block_d), BLOCK_D=block_d,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        qsl,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        sinks if sinks is not None else seq_lens,
+        float(scale) * _LOG2E,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        int(chunk or 1),
+        num_splits,
+        group,
+        head_dim,
+        block_size,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_table.stride(),
+        *out.stride(),
+        HAS_QSL=query_start_loc is not None,
+        HAS_WINDOW=bool(sliding_window),
+        HAS_SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
+        HAS_CHUNK=bool(chunk),
+        SINGLE_SPLIT=single,
+        F32=_upcast(q, k_cache),
+        BLOCK_G=_pow2(group, 16),
+        BLOCK_N=_decode_block_n(block_d),
+        BLOCK_D=block_d,
         num_warps=4,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_m, part_l, qsl,
-            num_splits, head_dim, *out.stride(),
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            qsl,
+            num_splits,
+            head_dim,
+            *out.stride(),
             # one width for every split count up to MAX_SPLITS: one compiled variant
-            HAS_QSL=query_start_loc is not None, BLOCK_S=_pow2(num_splits, MAX_SPLITS), BLOCK_D=block_d,
+            HAS_QSL=query_start_loc is not None,
+            BLOCK_S=_pow2(num_splits, MAX_SPLITS),
+            BLOCK_D=block_d,
             num_warps=4,
         )
     return out
@@ -456,17 +605,47 @@ def paged_decode_attention(
 
 @triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, sinks_ptr,
-    scale_log2, scale, softcap, window, chunk,
-    group, head_dim, block_size,
-    stride_qt, stride_qh, stride_qd,
-    stride_kcb, stride_kco, stride_kch, stride_kcd,
-    stride_vcb, stride_vco, stride_vch, stride_vcd,
-    stride_btb, stride_btc,
-    stride_ot, stride_oh, stride_od,
-    SKIP_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_CHUNK: tl.constexpr, F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    sinks_ptr,
+    scale_log2,
+    scale,
+    softcap,
+    window,
+    chunk,
+    group,
+    head_dim,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_vcd,
+    stride_btb,
+    stride_btc,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    SKIP_DECODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -488,7 +667,8 @@ def _prefill_kernel(
     d_mask = d < head_dim
     q = tl.load(
         q_ptr + (q_start + i)[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
-        mask=i_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=i_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
 
     first_pos = seq_len - q_len + tile * BLOCK_M
@@ -511,8 +691,24 @@ def _prefill_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         p_mask = pos < hi
         k, v = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, bt_row, pos, p_mask, d, d_mask, kvh, block_size,
-            stride_btc, stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            pos,
+            p_mask,
+            d,
+            d_mask,
+            kvh,
+            block_size,
+            stride_btc,
+            stride_kcb,
+            stride_kco,
+            stride_kch,
+            stride_kcd,
+            stride_vcb,
+            stride_vco,
+            stride_vch,
+            stride_vcd,
         )
         s = _scores(q, k, scale_log2, scale, softcap, HAS_SOFTCAP, F32)  # [M, N]
         visible = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
@@ -526,7 +722,8 @@ def _prefill_kernel(
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=i_mask[:, None] & d_mask[None, :],
     )
 
 
@@ -577,20 +774,42 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_seqs == 0 or max_q_len <= 0:
         return out
     if scale is None:
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
     block_d = _pow2(head_dim, 16)
     block_m, block_n, warps = _prefill_blocks(block_d)  # not cut to max_q_len: one compiled variant
     _check_sinks(sinks, num_heads)
     grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        out,
         sinks if sinks is not None else seq_lens,
-        float(scale) * _LOG2E, float(scale), float(softcap or 1.0), int(sliding_window or 0), int(chunk or 1),
-        num_heads // num_kv_heads, head_dim, block_size,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
-        SKIP_DECODE=skip_decode, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
-        HAS_SINKS=sinks is not None, HAS_CHUNK=bool(chunk), F32=_upcast(q, k_cache),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        float(scale) * _LOG2E,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        int(chunk or 1),
+        num_heads // num_kv_heads,
+        head_dim,
+        block_size,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_table.stride(),
+        *out.stride(),
+        SKIP_DECODE=skip_decode,
+        HAS_WINDOW=bool(sliding_window),
+        HAS_SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
+        HAS_CHUNK=bool(chunk),
+        F32=_upcast(q, k_cache),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         num_warps=warps,
     )
     return out
@@ -632,10 +851,38 @@ def precompile(
     out = torch.empty_like(q)
     lens = torch.tensor([2, 2], **long)
     for splits in (1, 2):  # one split, and split-K with the reduction pass
-        paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits, out=out,
-                               sinks=sinks, chunk=chunk)
-        paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits,
-                               query_start_loc=torch.tensor([0, 1, 3], **long), out=out, sinks=sinks, chunk=chunk)
+        paged_decode_attention(
+            q, k_cache, v_cache, table, lens, scale, sliding_window, softcap, splits, out=out, sinks=sinks, chunk=chunk
+        )
+        paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            lens,
+            scale,
+            sliding_window,
+            softcap,
+            splits,
+            query_start_loc=torch.tensor([0, 1, 3], **long),
+            out=out,
+            sinks=sinks,
+            chunk=chunk,
+        )
     for skip_decode, qsl in ((True, [0, 1, 3]), (False, [0, 2, 3])):
-        paged_prefill_attention(q, k_cache, v_cache, table, torch.tensor(qsl, **long), lens, 2, scale,
-                                sliding_window, softcap, skip_decode=skip_decode, out=out, sinks=sinks, chunk=chunk)
+        paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            torch.tensor(qsl, **long),
+            lens,
+            2,
+            scale,
+            sliding_window,
+            softcap,
+            skip_decode=skip_decode,
+            out=out,
+            sinks=sinks,
+            chunk=chunk,
+        )
