@@ -211,6 +211,16 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return v
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     if args.prompts is not None and not os.path.isfile(args.prompts):
         raise CliError(f"--prompts: no such file: {args.prompts}")

@@ -15,9 +15,11 @@ from acb.cli.common import (
     _add_telemetry_flags,
     _engine_config,
     _non_negative_float,
+    _positive_float,
     _positive_int,
     model_source,
 )
+from acb.grammar_budget import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_BYTES, DEFAULT_MAX_REPETITION
 
 if TYPE_CHECKING:
     from acb.serve.launch import ServerSettings
@@ -101,6 +103,31 @@ def _add_serve(sub: Any) -> None:
     _add_engine_flags(eng)
     _add_telemetry_flags(p)
     eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
+    budget = p.add_argument_group(
+        "structured outputs' compile budget (per request; a spec over it is a 400 naming the limit)"
+    )
+    budget.add_argument(
+        "--grammar-compile-timeout-s",
+        type=_positive_float,
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds one grammar may take to compile; it is stopped then (default: {DEFAULT_COMPILE_TIMEOUT_S:g})",
+    )
+    budget.add_argument(
+        "--grammar-max-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BYTES,
+        metavar="N",
+        help=f"largest schema, regex or grammar, in bytes (default: {DEFAULT_MAX_BYTES})",
+    )
+    budget.add_argument(
+        "--grammar-max-repetition",
+        type=_positive_int,
+        default=DEFAULT_MAX_REPETITION,
+        metavar="N",
+        help="how far the {m,n} counts of a spec's patterns may expand, nested counts multiplied "
+        f"(default: {DEFAULT_MAX_REPETITION})",
+    )
     ray = p.add_argument_group("scale-out on Ray Serve (acb/distributed/ray_serve.py; extra ray)")
     ray.add_argument(
         "--ray",
@@ -206,7 +233,14 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     )
     return ServerSettings(
         model=source,
-        engine=_engine_config(args, max_queue_size=args.max_queue_size, seed=args.seed),
+        engine=_engine_config(
+            args,
+            max_queue_size=args.max_queue_size,
+            seed=args.seed,
+            grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+            grammar_max_bytes=args.grammar_max_bytes,
+            grammar_max_repetition=args.grammar_max_repetition,
+        ),
         name=args.served_model_name,
         api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
         max_body_bytes=args.max_body_bytes,

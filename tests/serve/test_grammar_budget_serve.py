@@ -11,19 +11,15 @@ serve`` processes on a tiny checkpoint (started together, one per test), driven 
 - SIGTERM while a compile runs (time limit 600 s, grace period 1 s): the server exits 0 promptly,
   the client gets an error response, and no compile worker outlives the server.
 
-``acb serve`` has no flags for the compile budget (``ContinuousBatchingConfig.grammar_*``), so the
-servers with a budget of their own run ``acb serve`` through :data:`LAUNCH`: the same CLI
-(``acb.cli.main``), whose engine config gets the ``grammar_*`` fields an environment variable
-holds. That a compile is running is seen from outside: the server's compile workers (child
-processes running ``acb.structured.serve_compiles``) use CPU only while they compile.
+The budget is set with ``acb serve``'s own flags (``--grammar-max-repetition``,
+``--grammar-compile-timeout-s``). That a compile is running is seen from outside: the server's
+compile workers (child processes running ``acb.structured.serve_compiles``) use CPU only while
+they compile.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -37,7 +33,7 @@ pytest.importorskip("xgrammar")
 
 from tests.conftest import HANG_GUARD, wait_until  # noqa: E402
 from tests.serve.helpers import tiny_checkpoint  # noqa: E402
-from tests.serve.test_openai_server import ROOT, Server, _free_port  # noqa: E402
+from tests.serve.test_openai_server import Server  # noqa: E402
 
 if not os.path.isdir("/proc/self/task"):
     pytest.skip("the compile workers are watched through Linux's /proc", allow_module_level=True)
@@ -52,15 +48,6 @@ USER = [{"role": "user", "content": "pick one"}]
 SLOW = {"type": "string", "pattern": "a{1,30000}"}  # the issue's schema
 TIME_LIMIT = 3.0  # the second server's grammar_compile_timeout_s
 STARVED = 45.0  # seconds a small constrained request may wait behind slow compiles: fails, not hangs
-# `acb serve` (the CLI's main) with the grammar_* fields of $ACB_TEST_GRAMMAR_BUDGET in its engine config
-LAUNCH = (
-    "import functools, json, os, sys\n"
-    "import acb.cli.serve as serve\n"
-    "from acb.cli import main\n"
-    "budget = json.loads(os.environ['ACB_TEST_GRAMMAR_BUDGET'])\n"
-    "serve._engine_config = functools.partial(serve._engine_config, **budget)\n"
-    "sys.exit(main(['serve', *sys.argv[1:]]))\n"
-)
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -72,41 +59,6 @@ def slow_schema(n: int) -> dict:
 
 def json_schema(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-
-
-class BudgetServer(Server):
-    """:class:`Server`'s ``acb serve`` subprocess, started through :data:`LAUNCH` with ``budget``
-    (``ContinuousBatchingConfig`` ``grammar_*`` fields) in its engine config."""
-
-    def __init__(self, model_dir, args: list[str], log, budget: dict) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.log_path = log
-        self.health_statuses: set[int] = set()
-        self.signalled = False
-        env = dict(os.environ, PYTHONUNBUFFERED="1", ACB_TEST_GRAMMAR_BUDGET=json.dumps(budget))
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.pop("ACB_API_KEY", None)
-        self._log = open(log, "w", encoding="utf-8")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                LAUNCH,
-                "--model",
-                str(model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                *args,
-            ],
-            cwd=log.parent,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
 
 
 def client_of(server, timeout: float = HANG_GUARD):
@@ -203,23 +155,11 @@ def servers(checkpoint, tmp_path_factory):
         # plain `acb serve` on the default flags (the default compile budget)
         started.append(Server(checkpoint.dir, ARGS, logs / "default.log"))
         # the issue's schema let through the static limit; every compile stopped at 3 s
-        started.append(
-            BudgetServer(
-                checkpoint.dir,
-                ARGS,
-                logs / "time-limit.log",
-                {"grammar_max_repetition": 10**6, "grammar_compile_timeout_s": TIME_LIMIT},
-            )
-        )
+        limited = ["--grammar-max-repetition", str(10**6), "--grammar-compile-timeout-s", str(TIME_LIMIT)]
+        started.append(Server(checkpoint.dir, [*ARGS, *limited], logs / "time-limit.log"))
         # let through, and no compile stopped before 10 minutes; a grace period of 1 s
-        started.append(
-            BudgetServer(
-                checkpoint.dir,
-                [*ARGS, "--grace-period", "1"],
-                logs / "sigterm.log",
-                {"grammar_max_repetition": 10**6, "grammar_compile_timeout_s": 600.0},
-            )
-        )
+        patient = ["--grammar-max-repetition", str(10**6), "--grammar-compile-timeout-s", "600", "--grace-period", "1"]
+        started.append(Server(checkpoint.dir, [*ARGS, *patient], logs / "sigterm.log"))
         yield SimpleNamespace(default=started[0], limited=started[1], sigterm=started[2])
     finally:
         running = [s for s in started if not s.signalled]
