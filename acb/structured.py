@@ -374,7 +374,10 @@ class GrammarCompiler:
                     del self._cache[key]
 
     def _serve(self, worker: _Worker) -> None:
-        """A parent thread: hands queued compiles to its worker process, one at a time."""
+        """A parent thread: starts its worker process, then hands it queued compiles, one at a
+        time (every spawn of that worker happens on this thread)."""
+        with contextlib.suppress(EngineNotRunningError):  # (closed before it started: the loop ends)
+            worker.start()
         while True:
             job = self._jobs.get()
             if job is None or self._closed:
@@ -448,7 +451,13 @@ class _Worker:
         self._recv: Connection | None = None
         self._ready = False
         self._killed = False
-        self._start()
+
+    def start(self) -> None:
+        """Spawn the process now (it imports xgrammar meanwhile), from the parent thread that will
+        use it: on Linux the process dies with that thread (:func:`serve_compiles`), so it must be
+        the long-lived one, not a caller's."""
+        if self._proc is None:
+            self._start()
 
     def _start(self) -> None:
         """Spawn the process (it imports xgrammar meanwhile); the setup is sent with the first job."""
@@ -464,7 +473,11 @@ class _Worker:
                 # its own session: a terminal's Ctrl-C is the parent's to handle; the worker ends
                 # when the parent's end of the pipe closes
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-c", f"import acb.structured as s; s.serve_compiles({jobs_r}, {results_w})"],
+                    [
+                        sys.executable,
+                        "-c",
+                        f"import acb.structured as s; s.serve_compiles({jobs_r}, {results_w}, {os.getpid()})",
+                    ],
                     pass_fds=(jobs_r, results_w),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
@@ -552,17 +565,21 @@ class _Worker:
                 proc.wait(timeout=2)  # (a killed process exits at once: this only reaps it)
 
 
-def serve_compiles(jobs_fd: int, results_fd: int) -> None:
+def serve_compiles(jobs_fd: int, results_fd: int, parent_pid: int | None = None) -> None:
     """A compile worker process's loop (what :class:`GrammarCompiler` starts; not for direct use).
 
     Reads its setup (thread count, stop tokens, the vocabulary as xgrammar's JSON), says
     ``ready``, then compiles each spec it is sent and sends back ``+{"max_tokens": ...}\\n`` and
-    the serialised grammar, or ``-`` and the error message. Ends when the parent closes the pipe.
+    the serialised grammar, or ``-`` and the error message. Ends when the parent closes the pipe,
+    and on Linux also when the parent thread that started it ends, however the parent ended (a
+    SIGKILLed server leaves no worker compiling for minutes: the pipe is only read between jobs).
 
     Args:
         jobs_fd: the pipe the parent writes to.
         results_fd: the pipe the parent reads from.
+        parent_pid: the parent's pid (the worker exits at once if it is already gone).
     """
+    _die_with_parent(parent_pid)
     jobs = Connection(jobs_fd, writable=False)
     results = Connection(results_fd, readable=False)
     xgr = _xgr()
@@ -586,6 +603,21 @@ def serve_compiles(jobs_fd: int, results_fd: int) -> None:
             results.send_bytes(reply)
         except OSError:
             return
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Linux: have the kernel SIGKILL this process when the thread that spawned it ends
+    (``PR_SET_PDEATHSIG``); elsewhere the worker ends when its pipe closes, between jobs."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:  # it died before the prctl took hold
+        os._exit(0)
 
 
 def _compile_spec(xc: xgrammar.GrammarCompiler, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:

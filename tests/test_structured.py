@@ -511,6 +511,51 @@ def test_close_does_not_wait_for_running_compiles(tok):
     c.close()  # idempotent
 
 
+ORPHAN = """
+import sys
+from acb.grammar_budget import GrammarBudget
+from acb.models import build_tokenizer
+from acb.structured import GrammarCompiler, StructuredOutputs
+from tests.conftest import wait_until
+
+c = GrammarCompiler(build_tokenizer(), 300, workers=1, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
+fut = c.submit(StructuredOutputs(json={"type": "string", "pattern": "a{1,30000}"}))
+wait_until(fut.running, "the slow compile running")
+print(c._workers[0]._proc.pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_parent_leaves_no_worker_compiling():
+    """A server SIGKILLed mid-compile (no close()): its worker, compiling a schema that takes
+    minutes, dies with it instead of compiling on as an orphan (the pipe is read only between
+    jobs, so only the kernel can end it)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root
+    )
+    try:
+        worker = int(proc.stdout.readline())
+        os.kill(worker, 0)  # compiling now
+        proc.kill()
+        proc.wait(HANG_GUARD)
+
+        def gone() -> bool:
+            try:
+                with open(f"/proc/{worker}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            except OSError:
+                return True
+
+        wait_until(gone, "the orphaned compile worker gone", timeout=30)
+    finally:
+        proc.kill()
+
+
 def test_a_worker_that_dies_fails_only_its_compile(tok):
     c = GrammarCompiler(tok, V, workers=1, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
     try:
