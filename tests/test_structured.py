@@ -520,7 +520,7 @@ from tests.conftest import wait_until
 
 c = GrammarCompiler(build_tokenizer(), 300, workers=1, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
 fut = c.submit(StructuredOutputs(json={"type": "string", "pattern": "a{1,30000}"}))
-wait_until(fut.running, "the slow compile running")
+wait_until(lambda: c._workers[0]._ready, "the worker started (the job is sent next)")
 print(c._workers[0]._proc.pid, flush=True)
 sys.stdin.read()  # until the test kills this process
 """
@@ -540,7 +540,14 @@ def test_a_killed_parent_leaves_no_worker_compiling():
     )
     try:
         worker = int(proc.stdout.readline())
-        os.kill(worker, 0)  # compiling now
+
+        def cpu_seconds() -> float:
+            with open(f"/proc/{worker}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+        started = cpu_seconds()
+        wait_until(lambda: cpu_seconds() >= started + 1.0, "the worker compiling (a second of CPU used)")
         proc.kill()
         proc.wait(HANG_GUARD)
 
