@@ -42,6 +42,12 @@ CLAIMED = (
     "deepseek_v3",
     "minicpm3",
     "nemotron",
+    # per-layer page shapes (head size or KV heads by layer kind): KV cache groups
+    "gemma4_text",
+    "gemma4",
+    "gemma4_unified_text",
+    "gemma4_unified",
+    "mimo_v2_flash",
 )
 SAMPLE_SIZE = 60  # others from the catalogue, drawn with SAMPLE_SEED (deterministic per transformers version)
 SAMPLE_SEED = 30
@@ -49,8 +55,8 @@ SAMPLE_SEED = 30
 # model type -> why it fails or differs today (see docs/MODELS.md); remove an entry once fixed.
 # Fixed: the latent-attention models (axk1, deepseek_v2/v3, glm4_moe_lite, longcat_flash,
 # minicpm3, youtu: keys and values of different widths) and nemotron (its layers drop kwargs).
-# Refused at start (acb.runner.model_support): doge, diffllama, moshi, jetmoe, mimo_v2_flash,
-# gemma4, gemma4_text.
+# Refused at start (acb.runner.model_support): doge, diffllama, moshi, jetmoe. Fixed by the KV
+# cache's groups of page shapes: mimo_v2_flash, gemma4, gemma4_text, gemma4_unified(_text).
 KNOWN_ISSUES: dict[str, str] = {}
 
 

@@ -1,7 +1,12 @@
 """Paged KV tensors and the memory sizing that decides how many blocks there are.
 
-Layout per layer: K and V each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-Block 0 is scratch (padded rows write there; nothing reads it).
+Layout per cache layer: K and V each ``[num_blocks, block_size, kv_heads, head_dim]``, where a
+model whose layers differ in shape (Gemma 4's sliding and full layers, MiMo V2 Flash's KV head
+counts) gives each cache layer its own ``(kv_heads, head_dim)``: the layers of one shape form a
+group (:meth:`KVSpec.groups`). Every group has the same ``num_blocks`` and one block table per
+request serves them all, so one block costs the sum of its layers' pages
+(:meth:`KVSpec.bytes_per_block`) and the memory budget splits between the groups in proportion
+to what a token costs in each. Block 0 is scratch (padded rows write there; nothing reads it).
 """
 
 from __future__ import annotations
@@ -29,10 +34,28 @@ class KVSpec:
     # the model's layer index -> its cache layer; None: the identity. Layers that share K/V (Gemma
     # 3n's last num_kv_shared_layers) map to their producer's cache layer and allocate none
     layer_map: tuple[int, ...] | None = None
+    # (kv_heads, head_dim) per cache layer when the layers differ in shape; None: every layer is
+    # (num_kv_heads, head_dim). With shapes, num_kv_heads/head_dim are the largest layer's
+    layer_shapes: tuple[tuple[int, int], ...] | None = None
+
+    def shape_of(self, layer: int) -> tuple[int, int]:
+        """``(kv_heads, head_dim)`` of cache layer ``layer``."""
+        return (self.num_kv_heads, self.head_dim) if self.layer_shapes is None else self.layer_shapes[layer]
+
+    def groups(self) -> dict[tuple[int, int], list[int]]:
+        """The cache layers of each shape, ``(kv_heads, head_dim) -> [cache layer, ...]``."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for layer in range(self.num_layers):
+            out.setdefault(self.shape_of(layer), []).append(layer)
+        return out
+
+    def bytes_per_token(self) -> dict[tuple[int, int], int]:
+        """What one cached token costs in each group (K and V of its layers), in bytes."""
+        elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
+        return {(h, d): 2 * len(layers) * h * d * elem for (h, d), layers in self.groups().items()}
 
     def bytes_per_block(self, block_size: int) -> int:
-        elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+        return block_size * sum(self.bytes_per_token().values())
 
 
 class KVCache:
@@ -43,7 +66,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        self._flat_shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self._flat_shapes = [(num_blocks * block_size, *spec.shape_of(layer)) for layer in range(spec.num_layers)]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.restore()
@@ -51,11 +74,11 @@ class KVCache:
     def restore(self) -> None:
         """(Re)allocate the device blocks (after :meth:`release`); their content starts as zeros."""
         spec = self.spec
-        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        shapes = [(self.num_blocks, self.block_size, *spec.shape_of(layer)) for layer in range(spec.num_layers)]
         # zeros, not empty: padded gathers read slots that were never written, and masked-out
         # garbage that happens to be NaN/inf would still poison SDPA's weighted sum (0 * NaN)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for shape in shapes]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for shape in shapes]
 
     def layer_of(self, layer_idx: int) -> int:
         """The cache layer (index into ``k``/``v``) of the model's layer ``layer_idx``."""
@@ -69,10 +92,10 @@ class KVCache:
         return freed
 
     def flat_k(self, layer: int) -> torch.Tensor:  # [num_blocks * block_size, kv_heads, head_dim]
-        return self.k[layer].view(self._flat_shape)
+        return self.k[layer].view(self._flat_shapes[layer])
 
     def flat_v(self, layer: int) -> torch.Tensor:
-        return self.v[layer].view(self._flat_shape)
+        return self.v[layer].view(self._flat_shapes[layer])
 
     def allocate_swap(self, num_blocks: int) -> None:
         """Host-memory offload space of ``num_blocks`` blocks (pinned when the cache is on CUDA)."""
@@ -80,10 +103,9 @@ class KVCache:
         if not num_blocks:
             self.swap_k = self.swap_v = []
             return
-        shape = (num_blocks, *self.k[0].shape[1:])
         pin = self.device.type == "cuda"
-        self.swap_k = [torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin) for _ in self.k]
-        self.swap_v = [torch.zeros(shape, dtype=self.spec.dtype, pin_memory=pin) for _ in self.v]
+        self.swap_k = [torch.zeros((num_blocks, *t.shape[1:]), dtype=self.spec.dtype, pin_memory=pin) for t in self.k]
+        self.swap_v = [torch.zeros((num_blocks, *t.shape[1:]), dtype=self.spec.dtype, pin_memory=pin) for t in self.v]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, ``(device, host)`` pairs.

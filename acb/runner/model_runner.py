@@ -299,15 +299,18 @@ class ModelRunner:
         while config.attn_backend is None and name != "torch":
             try:
                 backend = make_backend(name)
-                problem = check_backend(
-                    backend,
-                    self.device,
-                    spec.dtype,
-                    head_dim=spec.head_dim,
-                    block_size=self.cfg.block_size,
-                    kv_heads=spec.num_kv_heads,
-                    heads=self.model.config.get_text_config().num_attention_heads // tp_size_of(self.model),
-                )
+                heads = self.model.config.get_text_config().num_attention_heads // tp_size_of(self.model)
+                problem = None
+                for kv_heads, head_dim in spec.groups():  # each page shape the model's layers use
+                    problem = problem or check_backend(
+                        backend,
+                        self.device,
+                        spec.dtype,
+                        head_dim=head_dim,
+                        block_size=self.cfg.block_size,
+                        kv_heads=kv_heads,
+                        heads=heads,
+                    )
             except Exception as exc:  # noqa: BLE001 - reported, then the next backend
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is None:

@@ -17,8 +17,6 @@ REFUSED_CLASSES: dict[str, str] = {
     "pass it to the attention function), and acb's paged attention takes no mask",
     "JetMoeForCausalLM": "routes its attention heads per token (mixture of attention heads: keys and values of "
     "num_key_value_heads x num_experts_per_tok heads)",
-    "MiMoV2FlashForCausalLM": "gives its sliding-window layers other KV head counts than its full-attention layers "
-    "(per-layer KV shapes)",
 }
 
 
@@ -34,6 +32,10 @@ ATTENTION_SHAPE_FIELDS = (
 )
 
 
+# the attention sizes that may differ by layer: each layer's cache pages take its own
+PER_LAYER_PAGE_FIELDS = frozenset({"num_key_value_heads", "head_dim"})
+
+
 def refusal(model: Any) -> str | None:
     """Why acb cannot run ``model`` exactly, or None (the other start checks still apply)."""
     name = type(model).__name__
@@ -46,7 +48,12 @@ def refusal(model: Any) -> str | None:
             "(set is_decoder=True if the model was trained as one)"
         )
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    for field in ATTENTION_SHAPE_FIELDS:  # one page shape for every layer: these must be one value each
+    # per-layer page shapes (KV heads, head size) are cache groups of their own (acb.runner.kv_cache);
+    # the other sizes acb reads must be one value each
+    per_layer = set(getattr(text, "per_layer_attributes", None) or ()) & PER_LAYER_PAGE_FIELDS
+    for field in ATTENTION_SHAPE_FIELDS:
+        if field in per_layer:
+            continue
         try:
             value = getattr(text, field, None)
         except Exception as exc:  # noqa: BLE001 - transformers' per-layer configs refuse the global read

@@ -65,7 +65,10 @@ def check_model(model: PreTrainedModel) -> None:
         )
     if getattr(text, "num_kv_shared_layers", 0):
         kv_layer_map(model)  # raises when the sharing is not the form acb knows
-    if getattr(text, "use_bidirectional_attention", False):
+    bidirectional = getattr(text, "use_bidirectional_attention", False)
+    # "vision": bidirectional within an image's tokens only (Gemma 4 unified); a prompt of text
+    # alone, which is what acb runs, is causal throughout
+    if bidirectional and bidirectional != "vision":
         raise UnsupportedModelError(f"{name} uses bidirectional attention; acb runs causal attention only")
 
 
@@ -134,7 +137,19 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
 
 
 def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
+    """The KV cache's page shapes: one for every layer from the config, or one per cache layer
+    when the attention modules differ in shape (Gemma 4's full layers are wider than its sliding
+    ones; MiMo V2 Flash's sliding layers have more KV heads)."""
     text = model.config.get_text_config()
+    layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
+    num_layers = text.num_hidden_layers if layer_map is None else max(layer_map) + 1
+    shapes = _module_shapes(model, layer_map, num_layers)
+    if shapes is not None and len(set(shapes)) > 1:
+        kv_heads, head_dim = max(shapes, key=lambda s: s[0] * s[1])
+        return KVSpec(num_layers, kv_heads, head_dim, dtype, layer_map=layer_map, layer_shapes=tuple(shapes))
+    if getattr(text, "is_heterogeneous", False) and shapes:  # per-layer fields, all layers alike
+        kv_heads, head_dim = shapes[0]
+        return KVSpec(num_layers, kv_heads, head_dim, dtype, layer_map=layer_map)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -145,9 +160,37 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     # tensor parallel (from_pretrained(tp_plan=...)): the config holds the global head counts, but
     # each rank's k_proj is column-sharded, so its attention sees (and its cache holds) a slice
     kv_heads = local_kv_heads(model, kv_heads)
-    layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
-    num_layers = text.num_hidden_layers if layer_map is None else max(layer_map) + 1
     return KVSpec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, layer_map=layer_map)
+
+
+def _module_shapes(
+    model: PreTrainedModel, layer_map: tuple[int, ...] | None, num_layers: int
+) -> list[tuple[int, int]] | None:
+    """``(kv_heads, head_dim)`` of each cache layer, read off the attention modules (their
+    ``head_dim``, ``v_head_dim`` where values are narrower or wider, and ``num_key_value_groups``);
+    None when a module does not say (the config's one shape is used then)."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    if not isinstance(heads, int):
+        return None
+    mods = _attention_modules(model)
+    out: list[tuple[int, int] | None] = [None] * num_layers
+    for i in range(text.num_hidden_layers):
+        m = mods.get(i)
+        if m is None:  # a layer without attention (a hybrid's linear layers)
+            continue
+        if getattr(m, "is_kv_shared_layer", False):  # reads its producer's cache layer
+            continue
+        groups, width = getattr(m, "num_key_value_groups", None), getattr(m, "head_dim", None)
+        if not isinstance(groups, int) or not isinstance(width, int) or groups <= 0 or heads % groups:
+            return None
+        v_width = getattr(m, "v_head_dim", None)
+        if isinstance(v_width, int):  # keys and values of different widths: cached at the wider
+            width = max(width, v_width)
+        out[i if layer_map is None else layer_map[i]] = (local_kv_heads(model, heads // groups), width)
+    if any(shape is None for shape in out):
+        return None
+    return [shape for shape in out if shape is not None]
 
 
 def local_kv_heads(model: PreTrainedModel, kv_heads: int) -> int:

@@ -81,11 +81,15 @@ class Reference:
         if key not in self.cache:
             with torch.no_grad():
                 out = self.model.generate(
-                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=sorted(stop) or None, pad_token_id=0,
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=MAX_NEW,
+                    do_sample=False,
+                    eos_token_id=sorted(stop) or None,
+                    pad_token_id=0,
                     min_new_tokens=min_new,
                 )
-            toks = out[0, len(prompt):].tolist()
+            toks = out[0, len(prompt) :].tolist()
             for i, t in enumerate(toks):  # generate pads after the stop token
                 if t in stop:
                     toks = toks[: i + 1]
@@ -93,8 +97,9 @@ class Reference:
             self.cache[key] = toks
         return self.cache[key][:max_new]
 
-    def check(self, prompt: list[int], got: list[int], max_new: int, stop: frozenset[int], min_new: int,
-              finished: bool) -> None:
+    def check(
+        self, prompt: list[int], got: list[int], max_new: int, stop: frozenset[int], min_new: int, finished: bool
+    ) -> None:
         """``got`` equals the greedy continuation of ``prompt`` (a prefix of it if not ``finished``).
 
         A greedy sequence may leave the reference only where the reference's two best logits
@@ -112,12 +117,14 @@ class Reference:
         with torch.no_grad():
             logits = self.model(torch.tensor([prompt + got[:i]])).logits[0, -1].double()
         gap = abs(float(logits[got[i]] - logits[want[i]]))
-        assert gap < TIE, (f"greedy token {i} differs from generate alone, and the logits do not tie "
-                           f"(gap {gap:.3g}):\n got  {got}\n want {want}")
+        assert gap < TIE, (
+            f"greedy token {i} differs from generate alone, and the logits do not tie "
+            f"(gap {gap:.3g}):\n got  {got}\n want {want}"
+        )
         if got[i] in stop and i >= min_new:
-            assert got[i + 1:] == [], f"tokens after a stop token: {got}"
+            assert got[i + 1 :] == [], f"tokens after a stop token: {got}"
             return
-        self.check(prompt + got[: i + 1], got[i + 1:], max_new - i - 1, stop, max(0, min_new - i - 1), finished)
+        self.check(prompt + got[: i + 1], got[i + 1 :], max_new - i - 1, stop, max(0, min_new - i - 1), finished)
 
 
 def random_config(rng: random.Random) -> dict:
@@ -213,7 +220,9 @@ class Tracked:
     read_to_end: bool = False  # the consumer's ``async for`` ran out (not broken off, its task not cancelled)
 
 
-def random_request(rng: random.Random, prefixes: list[list[int]], max_rows: int) -> tuple[list[int], acb.SamplingParams, str | None]:
+def random_request(
+    rng: random.Random, prefixes: list[list[int]], max_rows: int
+) -> tuple[list[int], acb.SamplingParams, str | None]:
     base = rng.choice(prefixes)
     cut = rng.randint(1, len(base))
     prompt = base[:cut] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 8))]
@@ -230,9 +239,19 @@ def random_request(rng: random.Random, prefixes: list[list[int]], max_rows: int)
     if rng.random() < 0.25:
         kw.update(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 5, 300]), seed=rng.randrange(1 << 30))
         if rng.random() < 0.3:  # the extremes that are allowed: they must not touch the other requests
-            kw.update(rng.choice([dict(top_k=2**63 - 1), dict(temperature=1e-40), dict(seed=-(2**63)),
-                                  dict(seed=2**63 - 1, temperature=1e4), dict(logit_bias={7: 100.0, 8: float("-inf")}),
-                                  dict(repetition_penalty=0.01), dict(repetition_penalty=100.0)]))
+            kw.update(
+                rng.choice(
+                    [
+                        dict(top_k=2**63 - 1),
+                        dict(temperature=1e-40),
+                        dict(seed=-(2**63)),
+                        dict(seed=2**63 - 1, temperature=1e4),
+                        dict(logit_bias={7: 100.0, 8: float("-inf")}),
+                        dict(repetition_penalty=0.01),
+                        dict(repetition_penalty=100.0),
+                    ]
+                )
+            )
     if rng.random() < 0.2:
         kw["n"] = rng.randint(2, min(3, max_rows))
     if rng.random() < 0.2:
@@ -368,8 +387,9 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
     scored: list[Scored] = []
     weights = WeightSets(model) if rng.random() < 0.3 else None
     refs = weights.refs if weights is not None else [ref]
-    async with acb.AsyncEngine(weights.engine_model if weights is not None else model,
-                               acb.ContinuousBatchingConfig(**cfg)) as engine:
+    async with acb.AsyncEngine(
+        weights.engine_model if weights is not None else model, acb.ContinuousBatchingConfig(**cfg)
+    ) as engine:
         core = engine.core
         max_len = engine.config.max_model_len
         for _round in range(rng.randint(2, 5)):
@@ -416,8 +436,9 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
                     t.task.cancel()
             await wait_steps(engine, rng.randint(0, 4))
             assert core.dead_error is None, f"the engine died: {core.dead_error!r}"
-        await asyncio.wait_for(asyncio.gather(*(t.task for t in tracked), *(c.task for c in scored),
-                                              return_exceptions=True), 120)
+        await asyncio.wait_for(
+            asyncio.gather(*(t.task for t in tracked), *(c.task for c in scored), return_exceptions=True), 120
+        )
         for t in tracked:
             if t.output is None and t.error is None:  # its task was cancelled: the outcome is on the handle
                 try:
@@ -439,10 +460,17 @@ async def run_example(seed: int, model, ref: Reference) -> dict:
         try:
             check(t, refs[t.weights], max_len)
         except AssertionError as exc:
-            raise AssertionError(f"request {i} ({t.mode}, prompt {t.prompt}, {t.sp}, "
-                                 f"{t.output.num_preemptions if t.output else '?'} preemptions): {exc}") from None
-    return dict(requests=len(tracked), scores=len(scored), preemptions=stats.preemptions,
-                swapped_out=stats.swapped_out_blocks, steps=stats.steps)
+            raise AssertionError(
+                f"request {i} ({t.mode}, prompt {t.prompt}, {t.sp}, "
+                f"{t.output.num_preemptions if t.output else '?'} preemptions): {exc}"
+            ) from None
+    return dict(
+        requests=len(tracked),
+        scores=len(scored),
+        preemptions=stats.preemptions,
+        swapped_out=stats.swapped_out_blocks,
+        steps=stats.steps,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,44 @@ FEATURE_CONFIGS: dict[str, dict] = {
         laurel_rank=4,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
     ),
+    # per-layer page shapes: full layers twice as wide (global_head_dim) with one KV head, keys as
+    # values (attention_k_eq_v), the last two layers reading earlier ones' K/V; MoE, per-layer inputs
+    "gemma4_text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        final_logit_softcapping=30.0,
+    ),
+    # per-layer page shapes: its sliding layers have twice the full layers' KV heads (and sinks);
+    # keys 24 wide, values 16
+    "mimo_v2_flash": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=24,
+        v_head_dim=16,
+        sliding_window=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+    ),
 }
 ARCHS = list(FEATURE_CONFIGS)
 MAX_NEW = 8
@@ -173,6 +211,83 @@ def test_gemma3n_shared_layers_have_no_cache():
         # 2): 4 cache layers for 6 model layers
         assert len(cache.k) == len(cache.v) == 4
         assert cache.spec.layer_map == (0, 1, 2, 3, 3, 2)
+
+
+# per-layer page shapes: (kv_heads, head_dim) of each cache layer, and its layer map
+PAGE_SHAPES = {
+    "gemma4_text": ([(2, 16), (2, 16), (1, 32), (2, 16)], (0, 1, 2, 3, 3, 2)),
+    "mimo_v2_flash": ([(1, 24), (2, 24), (2, 24), (2, 24)], None),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(PAGE_SHAPES))
+def test_layers_of_different_shapes_are_cache_groups(arch):
+    """Each cache layer's pages take its layers' own shape; the layers of one shape are a group;
+    one block costs every group's pages (so the budget splits by what a token costs in each)."""
+    shapes, layer_map = PAGE_SHAPES[arch]
+    model = model_of(arch)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=16, attn_backend="torch")) as eng:
+        cache = eng.runner.kv_cache
+        spec = cache.spec
+        assert [tuple(t.shape) for t in cache.k] == [(16, 8, *s) for s in shapes]
+        assert [tuple(t.shape) for t in cache.v] == [(16, 8, *s) for s in shapes]
+        assert spec.layer_map == layer_map
+        groups: dict = {}
+        for layer, shape in enumerate(shapes):
+            groups.setdefault(shape, []).append(layer)
+        assert spec.groups() == groups and len(groups) == 2
+        assert spec.bytes_per_token() == {(h, d): 2 * len(ls) * h * d * 4 for (h, d), ls in groups.items()}
+        assert spec.bytes_per_block(8) == sum(t.nbytes for t in cache.k + cache.v) // 16
+        assert cache.flat_k(2).shape == (16 * 8, *shapes[2])
+
+
+@pytest.mark.parametrize("arch", sorted(PAGE_SHAPES))
+def test_per_layer_shapes_score_offload_cancel_and_sleep(arch):
+    """The rest of the modes on a model of several page shapes: offload under preemption (every
+    layer's own page shape copied out and back), scoring equal to a plain forward's log-softmax,
+    sleep / wake (the cache reallocated per layer), and a request cancelled mid-prefill."""
+    model = model_of(arch)
+    prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17], seed=4)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=13, safety_margin=0.0, cpu_offload_space=0.01, attn_backend="torch"
+    )
+    with acb.Engine(model, cfg) as engine:
+        outs = [
+            h.result(timeout=120)
+            for h in [engine.submit(p, acb.SamplingParams(max_new_tokens=MAX_NEW)) for p in prompts]
+        ]
+        stats = engine.stats
+        assert stats.preemptions > 0 and stats.swapped_out_blocks > 0 and stats.swapped_in_blocks > 0, stats
+        check(arch, prompts, outs)
+        # scoring: each continuation's logprobs are a plain forward's log-softmax
+        context, conts = prompts[1][:12], [prompts[0][:3], prompts[2][:1]]
+        scored = engine.score(context, conts)
+        for cont, got in zip(conts, scored.continuations):
+            with torch.no_grad():
+                logits = model(torch.tensor([context + cont])).logits[0].float()
+            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        engine.sleep()
+        engine.wake_up()
+        assert [tuple(t.shape[2:]) for t in engine.runner.kv_cache.k] == PAGE_SHAPES[arch][0]
+        again = engine.generate(prompts[3], acb.SamplingParams(max_new_tokens=MAX_NEW))
+        assert again.generated_tokens == _reference(arch, tuple(prompts[3]), MAX_NEW)
+    # cancelled mid-prefill: a 100-token prompt in 4-token chunks, cancelled once some are computed
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens=4, attn_backend="torch")
+    with acb.Engine(model, cfg) as engine:
+        long = prompts_of_lengths([100], seed=9)[0]
+        h = engine.submit(long, acb.SamplingParams(max_new_tokens=MAX_NEW))
+
+        def computed(core) -> int:  # (on the engine thread, between two steps)
+            return next((r.num_computed_tokens for r in core.scheduler.running if r.request_id == h.request_id), 0)
+
+        while not 0 < engine.call(computed).result(timeout=120) < len(long):
+            pass
+        h.cancel()
+        out = h.result(timeout=120)
+        assert out.status == acb.RequestStatus.CANCELLED and out.generated_tokens == []
+        after = engine.generate(long[:30], acb.SamplingParams(max_new_tokens=MAX_NEW))  # nothing left behind
+        assert after.generated_tokens == _reference(arch, tuple(long[:30]), MAX_NEW)
 
 
 # --- refused at start, with the feature named ------------------------------------------------------------

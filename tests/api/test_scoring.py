@@ -39,23 +39,32 @@ def check(model, out: acb.ScoreOutput, ctx: list[int], conts: list[list[int]], k
     assert [s.token_ids for s in out.continuations] == conts
     for s, cont in zip(out.continuations, conts):
         values, greedy, top = reference(model, ctx, cont, max(k, 1))
-        torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64), torch.tensor(values, dtype=torch.float64),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(s.logprobs, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), atol=1e-5, rtol=0
+        )
         assert s.logprob == pytest.approx(sum(values), abs=1e-4)
         assert s.greedy == greedy
         if k:
             assert [[i for i, _ in t] for t in s.top_logprobs] == [[i for i, _ in t] for t in top]
-            torch.testing.assert_close(torch.tensor([[v for _, v in t] for t in s.top_logprobs], dtype=torch.float64),
-                                       torch.tensor([[v for _, v in t] for t in top], dtype=torch.float64), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor([[v for _, v in t] for t in s.top_logprobs], dtype=torch.float64),
+                torch.tensor([[v for _, v in t] for t in top], dtype=torch.float64),
+                atol=1e-5,
+                rtol=0,
+            )
         else:
             assert s.top_logprobs is None
 
 
 def greedy_after(model, ctx: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ctx]), attention_mask=torch.ones(1, len(ctx), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)
-    return out[0, len(ctx):].tolist()
+        out = model.generate(
+            torch.tensor([ctx]),
+            attention_mask=torch.ones(1, len(ctx), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(ctx) :].tolist()
 
 
 @pytest.mark.parametrize("async_batching", [False, True])
@@ -107,8 +116,9 @@ def test_preemption_under_a_tiny_cache(model, async_batching, offload):
     contexts = prompts_of_lengths([30, 41, 25, 52, 33, 47], seed=73)
     items = [(c, [[5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [16]]) for c in contexts]
     refs = [reference_generate(model, c[:10], 50) for c in contexts[:3]]
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=48, use_async_batching=async_batching,
-                                       cpu_offload_space=offload)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=24, max_batch_tokens=48, use_async_batching=async_batching, cpu_offload_space=offload
+    )
     with acb.Engine(model, cfg) as eng:
         gens = [eng.submit(c[:10], max_new_tokens=50) for c in contexts[:3]]
         outs = eng.score_batch(items, progress_bar=False)
@@ -202,8 +212,9 @@ def test_one_request_per_batch_scores_every_continuation(model, async_batching):
     ctx = prompts_of_lengths([23], seed=77)[0]
     g = greedy_after(model, ctx, 3)
     conts = [[g[0]], g, [g[0], 9, 10], [40, 41], [77], [5, 6, 7, 8, 9, 10]]
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=12, max_requests_per_batch=1,
-                                       use_async_batching=async_batching)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=12, max_requests_per_batch=1, use_async_batching=async_batching
+    )
     with acb.Engine(model, cfg) as eng:
         out = eng.score(ctx, conts, top_logprobs=2)
         again = eng.score_batch([(ctx, conts), (ctx[:7], [[3, 4]])], progress_bar=False)

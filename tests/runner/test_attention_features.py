@@ -1,7 +1,8 @@
 """Attention sinks and chunked attention in every backend: the Triton kernels (under the
 interpreter on CPU, ``TRITON_INTERPRET=1``) against a plain reference, the Triton and flash-attn
 (its pure-torch double) backends against the torch backend, KV-shared layers (no store), and the
-engine with each backend against ``model.generate`` on GPT-OSS, Llama 4 and Gemma 3n."""
+engine with each backend against ``model.generate`` on GPT-OSS, Llama 4, Gemma 3n and the per-layer
+page shapes of Gemma 4 and MiMo V2 Flash."""
 
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ def test_backend_matches_torch(monkeypatch, backend_name, num_new, start_pos, si
 # --- the engine on each backend against model.generate ------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "llama4_text", "gemma3n_text"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4_text", "gemma3n_text", "gemma4_text", "mimo_v2_flash"])
 def test_triton_engine_matches_generate(arch):
     model = feature_model(arch).to(DEVICE)
     prompts = prompts_of_lengths([17, 3, 26], seed=26)
@@ -213,7 +214,7 @@ def test_triton_engine_matches_generate(arch):
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the flash-attn double runs on CPU")
-@pytest.mark.parametrize("arch", ["gpt_oss", "llama4_text", "gemma3n_text"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4_text", "gemma3n_text", "gemma4_text", "mimo_v2_flash"])
 def test_flash_attn_engine_matches_generate(monkeypatch, arch):
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setattr(flash_attn_backend, "unavailable_reason", lambda *a: None)

@@ -194,10 +194,11 @@ def _forward(
     cache = ctx.kv_cache
     spec = cache.spec
     layer = cache.layer_of(layer_idx)
-    if key.shape[1] != spec.num_kv_heads or key.shape[3] != spec.head_dim:
+    heads, width = spec.shape_of(layer)
+    if key.shape[1] != heads or key.shape[3] != width:
         raise RuntimeError(
-            f"layer {layer_idx}: keys have {key.shape[1]} heads of {key.shape[3]} but the KV cache "
-            f"holds {spec.num_kv_heads} of {spec.head_dim}; the model's config does not describe its "
+            f"layer {layer_idx}: keys have {key.shape[1]} heads of {key.shape[3]} but its KV cache layer "
+            f"holds {heads} of {width}; the model's config and attention modules do not describe its "
             "attention layers"
         )
     return ctx.backend.forward(

@@ -16,6 +16,7 @@ page, every time. A decode group is gathered and attended a few MB of K/V at a t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +82,8 @@ class TorchBackend:
     supports_graphs = False  # gathers are sized from host lengths
 
     def __init__(self) -> None:
-        self._workspace: dict[str, torch.Tensor] = {}  # "k" / "v": gathered pages, reused across steps
+        # ("k" | "v", *page shape): gathered pages, reused across steps
+        self._workspace: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
         device = batch.slot_mapping.device
@@ -129,7 +131,10 @@ class TorchBackend:
     def _gather(self, pages: torch.Tensor, blocks: torch.Tensor, which: str) -> torch.Tensor:
         """``pages[blocks]`` (``[n, block_size, Hkv, D]``) into the workspace."""
         n = blocks.numel()
-        ws = self._workspace.get(which)
+        # one workspace per page shape: layers of different shapes (Gemma 4) take turns, and one
+        # shared buffer would be reallocated, larger each time, at every change of shape
+        key = (which, *pages.shape[1:])
+        ws = self._workspace.get(key)
         if (
             ws is None
             or ws.shape[0] < n
@@ -142,7 +147,7 @@ class TorchBackend:
                 dtype=pages.dtype,
                 device=pages.device,
             )
-            self._workspace[which] = ws
+            self._workspace[key] = ws
         return torch.index_select(pages, 0, blocks, out=ws[:n])
 
     # masks ----------------------------------------------------------------
