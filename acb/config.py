@@ -348,6 +348,9 @@ class ResolvedConfig:
     kv_cache_bytes: int
     num_swap_blocks: int = 0  # host-memory KV offload space, in blocks
     prefix_caching: bool = True  # allow_block_sharing
+    # each prompt prefilled in one step, never in chunks: the model's state layers cannot resume a
+    # prefill from a state (Mamba1's scan); a prompt longer than max_batch_tokens runs alone
+    whole_prefill: bool = False
     async_batching: bool = False  # schedule step N+1 while step N runs
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (the eager twin on CPU)
     graph_step: int | None = None  # batch-size granularity of the decode graphs (q_padding_interval_size)

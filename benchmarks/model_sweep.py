@@ -315,14 +315,113 @@ def shrink_config_dict(d: dict[str, Any], aliases: dict[str, str]) -> dict[str, 
     return d
 
 
+# Families the generic shrinking cannot make into a model that keeps every layer kind its real
+# checkpoints use (a default config with no attention layer, per-layer fields derived from
+# others): a hand-written tiny config, laid over the shrunk defaults. Each keeps its real layer
+# kinds: state (Mamba) layers and attention layers, MoE where the family has it.
+MAMBA2_TINY = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4)
+HAND_CONFIGS: dict[str, dict[str, Any]] = {
+    "jamba": dict(
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+    ),
+    "bamba": dict(
+        num_hidden_layers=4,
+        attn_layer_indices=[1, 3],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        **MAMBA2_TINY,
+    ),
+    "granitemoehybrid": dict(
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        hidden_size=64,
+        intermediate_size=128,
+        shared_intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        **MAMBA2_TINY,
+    ),
+    "nemotron_h": dict(
+        num_hidden_layers=4,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=8,
+        conv_kernel=4,
+        expand=1,
+        chunk_size=16,
+    ),
+    "falcon_h1": dict(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=16,
+    ),
+}
+
+
 def tiny_config(model_type: str) -> Any:
-    """The tiny random config of ``model_type``, from its config class's defaults."""
+    """The tiny random config of ``model_type``, from its config class's defaults (and, for the
+    families in :data:`HAND_CONFIGS`, that family's hand-written sizes laid over them)."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
     d = shrink_config_dict(default.to_dict(), dict(getattr(type(default), "attribute_map", {}) or {}))
     # sub-configs are shrunk as dicts; their classes' aliases are known only as objects
     d.pop("transformers_version", None)
+    if model_type in HAND_CONFIGS:
+        hand = HAND_CONFIGS[model_type]
+        # the shrunk per-layer lists describe the default's layers: the hand-written count rules
+        n = hand.get("num_hidden_layers")
+        for key, value in list(d.items()):
+            if key not in hand and isinstance(value, list) and ("layer" in key or "block_type" in key):
+                d.pop(key)
+        d.update(hand)
+        assert n is None or d["num_hidden_layers"] == n
     return type(default).from_dict(d)
 
 

@@ -18,7 +18,8 @@ requests that go through the input processor
   forward does);
 - a group has at most ``max_requests_per_batch`` requests (its children hold rows from its
   admission on); more continuations make more groups, each with its own context request;
-- with ``max_requests_per_batch=1`` there is no row for a child beside its context request: each
+- with ``max_requests_per_batch=1`` there is no row for a child beside its context request (and a
+  model that prefills whole, Mamba1's, cannot go on from its context's state): each
   continuation of two or more tokens (each distinct body) is then a request of its own, whose
   prompt is the context and the body, scored from the context's last position on; they run one
   after another, and share the context's full blocks through the prefix cache.
@@ -331,7 +332,10 @@ def make_requests(
         TypeError: an item of the wrong type, named likewise.
     """
     core = processor.live_core()
-    plans = plan_batch(items, top_logprobs, processor.tokenizer, core.runner.cfg.max_requests_per_batch)
+    cfg = core.runner.cfg
+    # a model that prefills whole (its state layers cannot resume a prefill) cannot fork a child
+    # from its context's state mid-prompt either: each body is then a request of its own
+    plans = plan_batch(items, top_logprobs, processor.tokenizer, 1 if cfg.whole_prefill else cfg.max_requests_per_batch)
     given = batch_ids(request_ids, len(plans))
     order = ordered_groups(plans, given)
 

@@ -128,6 +128,7 @@ class EngineCore:
             safety_margin=cfg.safety_margin,
             swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
             max_scored_rows=scored_rows_for(runner.vocab_size),
+            whole_prefill=cfg.whole_prefill,
         )
         self._deliver = deliver
         self.sync = sync

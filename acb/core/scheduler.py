@@ -82,6 +82,7 @@ class Scheduler:
         swap: SwapSpace | None = None,
         fast_decode: bool = True,
         max_scored_rows: int = 1024,
+        whole_prefill: bool = False,
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
@@ -101,6 +102,10 @@ class Scheduler:
         # plain decodes take a shortcut past _schedule_tokens; False sends them the general way
         # (the tests check both give the same SchedulerOutput)
         self.fast_decode = fast_decode
+        # prompts are prefilled in one step (a model whose state layers cannot resume a prefill):
+        # a request is admitted only when its whole prompt fits the step's budget, or alone in an
+        # empty step, whatever its length
+        self.whole_prefill = whole_prefill
         self.max_scored_rows = max_scored_rows
         self._step_id = 0
         self.stats = SchedulerStats()
@@ -374,7 +379,13 @@ class Scheduler:
                     # go on being admitted: an evaluation's contexts come in groups sharing a prefix)
                     skipped.append(self.waiting.popleft())
                     continue
-            num_new = self._cap_scored(out, req, computed, min(req.num_tokens - computed, budget))
+            todo = req.num_tokens - computed
+            if self.whole_prefill and todo > budget:
+                if out.requests and todo > self.max_batch_tokens:
+                    break  # a prompt longer than a step: next step, alone
+                # whole: past the budget by at most this step's decodes (or, alone, by its length)
+                budget = todo
+            num_new = self._cap_scored(out, req, computed, min(todo, budget))
             if num_new <= 0:
                 break  # this step's rows of logits for scoring are taken: next step
             need_free = kv.admission_cost(req, hits, computed, num_new)

@@ -166,6 +166,9 @@ def available_host_memory() -> int:
 # (set num_blocks or max_memory_percent for more).
 CPU_MEMORY_FRACTION = 0.25
 CPU_MAX_KV_BYTES = 512 << 20  # zeroing it is part of engine start-up
+# a model with no KV cache at all (state layers only) has no memory bound on a request's length:
+# its blocks, which then only measure lengths, are sized for this many tokens per request
+NO_KV_MAX_LEN = 1 << 16
 
 
 def kv_memory_budget(device: torch.device, max_memory_percent: float | None) -> int:
@@ -232,6 +235,8 @@ def size_kv_cache(
     budget = kv_memory_budget(device, max_memory_percent)
     workspace = step_workspace_bytes(model, max_batch_tokens, max_reqs, dtype)
     useful = max_reqs * math.ceil(max_len / block_size) + 1
+    if per_block == 0:  # state layers only (Mamba): blocks cost nothing, they only measure lengths
+        return min(useful, max_reqs * math.ceil(NO_KV_MAX_LEN / block_size) + 1)
     num_blocks = max(0, min((budget - workspace) // per_block, useful))
     needed = math.ceil(max_len / block_size) + 1
     if num_blocks < needed:

@@ -33,21 +33,45 @@ segments at once (flash-linear-attention's ``cu_seqlens`` kernels) is the GPU pa
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-# the linear-attention layer classes acb drives, by class name (transformers' own modules)
-LINEAR_LAYER_CLASSES = frozenset({"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"})
+# the cache interface a state layer speaks (transformers' linear-attention / SSM cache): a layer
+# class whose own code calls these on its cache keeps a per-request state acb must hold
+STATE_INTERFACE = frozenset({"get_conv_state", "get_recurrent_state", "update_recurrent_state"})
 
 _STEP = threading.local()
 
 
+@functools.cache
+def _speaks_state_interface(cls: type) -> bool:
+    """Whether the methods ``cls`` defines (not inherited from torch) read and write a
+    per-request state through the cache interface (gated delta rule, Mamba/Mamba2 mixers, ...)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch."):
+            break
+        for fn in vars(klass).values():
+            code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+            if code is not None:
+                names.update(code.co_names)
+    return STATE_INTERFACE <= names
+
+
 def linear_layers(model: torch.nn.Module) -> list[Any]:
-    """The model's linear-attention layers acb drives (empty for a plain attention model)."""
-    return [m for m in model.modules() if type(m).__name__ in LINEAR_LAYER_CLASSES]
+    """The model's state layers acb drives: modules with a ``layer_idx`` whose class speaks the
+    cache interface of per-request states (:data:`STATE_INTERFACE`), found by what they do, not
+    by a list of class names (empty for a plain attention model)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and _speaks_state_interface(type(m))
+    ]
 
 
 class LinearStates:
@@ -251,6 +275,29 @@ def _forward(
                 hidden_states[:, lo:hi], cache_params=_RequestCache(states, row), attention_mask=None
             )
     return out
+
+
+def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
+    """Whether ``layer`` continues a prefill from the state an earlier chunk left: the same tokens
+    in two chunks give what they give whole. The gated delta rule and Mamba2's chunk scan take
+    the state in; Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba) does not, so a model with
+    such layers must prefill each prompt in one step. Tried once per layer class, at start, on
+    a scratch state (a layer that fails the try is taken as one that cannot)."""
+    param = next(layer.parameters(), None)
+    if param is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, hidden_size, generator=g).to(param.device, param.dtype)
+    try:
+        with torch.no_grad():
+            whole = layer(x, cache_params=_RequestCache(LinearStates(1, param.device), 0))
+            states = LinearStates(1, param.device)
+            layer(x[:, :7], cache_params=_RequestCache(states, 0))
+            second = layer(x[:, 7:], cache_params=_RequestCache(states, 0))
+    except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: prefill whole, to be safe
+        return False
+    want = whole[:, 7:].float()
+    return bool(torch.allclose(second.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6))
 
 
 class LinearLayers:

@@ -34,7 +34,7 @@ from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params
 from acb.runner.eval_mode import DROPOUT_GUARD
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec
-from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step
+from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step, resumes_prefill
 from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
     _ATTN_SWAP,
@@ -190,7 +190,19 @@ class ModelRunner:
                 type(self.model).__name__,
                 " and ".join(off),
             )
-        self.cfg = dataclasses.replace(self.cfg, prefix_caching=False, num_swap_blocks=0)
+        hidden = self.model.config.get_text_config().hidden_size
+        tried: dict[type, bool] = {}
+        for layer in self.linear.layers if self.linear is not None else ():
+            if type(layer) not in tried:
+                tried[type(layer)] = resumes_prefill(layer, hidden)
+        whole = [cls.__name__ for cls, ok in tried.items() if not ok]
+        if whole:
+            logger.info(
+                "%s's %s layers cannot resume a prefill from a state: each prompt is prefilled in one step",
+                type(self.model).__name__,
+                ", ".join(whole),
+            )
+        self.cfg = dataclasses.replace(self.cfg, prefix_caching=False, num_swap_blocks=0, whole_prefill=bool(whole))
         if (
             config.use_cuda_graph
             or config.default_compile_level

@@ -16,7 +16,7 @@ import torch
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, set_own_implementation
-from acb.runner.kv_cache import KVSpec, available_host_memory, size_kv_cache
+from acb.runner.kv_cache import NO_KV_MAX_LEN, KVSpec, available_host_memory, size_kv_cache
 from acb.runner.tp_sync import agree_min, tp_group, tp_size_of
 
 if TYPE_CHECKING:
@@ -52,7 +52,15 @@ def check_model(model: PreTrainedModel) -> None:
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     layer_types = getattr(text, "layer_types", None)
     if layer_types is not None:
-        other = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES - ({"linear_attention"} if hybrid else set()))
+        # a hybrid's layers without attention (state layers, MLP or MoE blocks) may be of any type;
+        # a layer with attention must be of a kind acb's attention knows ("hybrid": Falcon-H1's
+        # attention beside a state layer, full attention)
+        attention = _attention_modules(model) if hybrid else {}
+        known = SUPPORTED_LAYER_TYPES | ({"hybrid"} if hybrid else set())
+        other = sorted(
+            {t for i, t in enumerate(layer_types) if t not in known and (not hybrid or i in attention)}
+            - ({"linear_attention"} if hybrid else set())
+        )
         if other:
             raise UnsupportedModelError(
                 f"{name} has layers of type {other}; acb supports only {sorted(SUPPORTED_LAYER_TYPES)}"
@@ -90,17 +98,22 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
     producer, "reuse" for the consumers); a consumer gets its producer's cache layer and no cache
     of its own. Raises :class:`UnsupportedModelError` for a form of sharing acb does not know.
     """
+    from acb.runner.linear_state import linear_layers
+
     text = model.config.get_text_config()
     shared = getattr(text, "num_kv_shared_layers", 0) or 0
     types = list(getattr(text, "layer_types", None) or ())
-    if not shared and "linear_attention" in types:
-        # a hybrid model: only its attention layers have a KV cache (the linear layers keep a
-        # per-request state instead: acb.runner.linear_state); they never read the slot mapped here
-        attention = [i for i, t in enumerate(types) if t != "linear_attention"]
-        if not attention:
-            return None
+    if not shared and linear_layers(model):
+        # a hybrid model: only its attention layers have a KV cache (the state layers keep a
+        # per-request state instead: acb.runner.linear_state, and MLP-only layers keep nothing);
+        # the others never read the slot mapped here
+        mods = _attention_modules(model)
+        attention = sorted(mods) if mods else [i for i, t in enumerate(types) if t != "linear_attention"]
+        layers = text.num_hidden_layers
+        if not attention or len(attention) == layers:
+            return None if attention else tuple([0] * layers)
         index = {layer: n for n, layer in enumerate(attention)}
-        return tuple(index.get(i, 0) for i in range(len(types)))
+        return tuple(index.get(i, 0) for i in range(layers))
     if not shared:
         return None
     name = type(model).__name__
@@ -142,6 +155,10 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     ones; MiMo V2 Flash's sliding layers have more KV heads)."""
     text = model.config.get_text_config()
     layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
+    if layer_map is not None and not _attention_modules(model) and getattr(text, "num_attention_heads", None) is None:
+        # state layers only (Mamba, Mamba2, Falcon-Mamba): no KV cache at all; the blocks are
+        # still the scheduler's measure of each request's length
+        return KVSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=dtype, layer_map=layer_map)
     num_layers = text.num_hidden_layers if layer_map is None else max(layer_map) + 1
     shapes = _module_shapes(model, layer_map, num_layers)
     if shapes is not None and len(set(shapes)) > 1:
@@ -267,6 +284,8 @@ def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> 
     max_reqs = config.max_requests_per_batch or (256 if cuda else 128)
     max_batch_tokens = config.max_batch_tokens or (8192 if cuda else 2048)
     per_block = spec.bytes_per_block(block_size)
+    if per_block == 0:  # no KV cache (state layers only): the blocks only measure lengths
+        max_len = min(max_len, NO_KV_MAX_LEN)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
@@ -304,7 +323,7 @@ def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> 
         attn_backend=backend,
         device=str(device),
         kv_cache_bytes=num_blocks * per_block,
-        num_swap_blocks=swap_bytes // per_block,
+        num_swap_blocks=swap_bytes // per_block if per_block else 0,
         prefix_caching=config.allow_block_sharing,
         async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
     )

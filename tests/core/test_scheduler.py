@@ -51,6 +51,32 @@ def test_budget_and_chunking():
     s.check_invariants()
 
 
+def test_whole_prefill_never_chunks_a_prompt():
+    """A model whose state layers cannot resume a prefill (Mamba1): a prompt is scheduled whole,
+    past the budget by at most the step's decodes; one longer than a step waits for a step of
+    its own; nothing is ever split."""
+    s = sched(budget=10)
+    s.whole_prefill = True
+    s.add(make("a", 4))
+    run_step(s)  # a prefilled, decoding from now on
+    s.add(make("b", 10))  # fits a step, not the 9 left beside a's decode: taken whole, past the budget by 1
+    s.add(make("c", 25))  # longer than a step: waits for a step with nothing else
+    s.add(make("d", 2))  # behind c: FIFO
+    out = s.schedule()
+    assert [r.request_id for r in out.requests] == ["a", "b"] and out.num_new == [1, 10]
+    s.update_from_output(out, [7] * len(out.sample_idx), None)
+    while any(r.request_id != "c" for r in s.running):  # a and b decode to their end; c waits
+        out = s.schedule()
+        assert "c" not in [r.request_id for r in out.requests]
+        s.update_from_output(out, [7] * len(out.sample_idx), None)
+    out = s.schedule()  # alone: the whole 25-token prompt in one step
+    assert [r.request_id for r in out.requests] == ["c"] and out.num_new == [25]
+    s.update_from_output(out, [7] * len(out.sample_idx), None)
+    out = s.schedule()  # d beside c's decode
+    assert [r.request_id for r in out.requests] == ["c", "d"] and out.num_new == [1, 2]
+    s.check_invariants()
+
+
 def test_decodes_first_then_admission_fifo():
     s = sched(budget=6)
     s.add(make("a", 4))

@@ -1,0 +1,140 @@
+"""State-space (Mamba, Mamba2) and other linear-attention layers, recognised by the cache
+interface they speak (``acb.runner.linear_state.STATE_INTERFACE``), exact against
+``model.generate``: pure state models (Mamba, Mamba2, Falcon-Mamba: no KV cache at all), hybrids
+of state and attention layers (Jamba, Bamba, Granite 4 hybrid, Nemotron-H with its MLP and MoE
+layers, Falcon-H1 with attention and a state layer side by side in each layer), and the other
+linear-attention kinds (Kimi Linear's delta attention, OLMo hybrid's gated delta rule).
+
+Each family's tiny config is the catalogue sweep's (``benchmarks/model_sweep.py``: the hand-written
+ones keep every layer kind of the real checkpoints). Mamba1's scan cannot resume a prefill from a
+state, so its models prefill each prompt whole (``whole_prefill``); the chunked runs check that
+this holds the output exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import acb
+from tests.conftest import prompts_of_lengths
+from tests.test_model_sweep import ms
+
+# family -> (state layer class, whether its prompts are prefilled whole, KV cache layers)
+FAMILIES = {
+    "mamba": ("MambaMixer", True, 0),
+    "mamba2": ("Mamba2Mixer", False, 0),
+    "falcon_mamba": ("FalconMambaMixer", True, 0),
+    "jamba": ("JambaMambaMixer", True, 2),
+    "bamba": ("BambaMixer", False, 2),
+    "granitemoehybrid": ("GraniteMoeHybridMambaLayer", False, 2),
+    "nemotron_h": ("NemotronHMamba2Mixer", False, 1),
+    "falcon_h1": ("FalconH1Mixer", False, 3),
+    "kimi_linear": ("KimiLinearDeltaAttention", False, None),
+    "olmo_hybrid": ("OlmoHybridGatedDeltaNet", False, None),
+}
+MAX_NEW = 6
+
+
+@functools.cache
+def model_of(arch: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(ms.tiny_config(arch), dtype=torch.float32).eval()
+
+
+@functools.cache
+def reference(arch: str, prompt: tuple[int, ...], max_new: int = MAX_NEW) -> list[int]:
+    """Greedy tokens of plain ``model.generate`` on one unpadded prompt, EOS not stopping it."""
+    with torch.no_grad():
+        out = model_of(arch).generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(lengths, seed=1, arch="mamba"):
+    vocab = model_of(arch).config.get_text_config().vocab_size
+    return prompts_of_lengths(lengths, vocab=min(vocab, 256), seed=seed)
+
+
+def run(eng, ps, **kw):
+    return eng.generate_batch(ps, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False, **kw)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_layers_are_found_by_their_interface(arch):
+    """The engine drives the family's state layers (found by what they call, no list of names),
+    gives its attention layers alone a KV cache, and prefills whole where the scan cannot resume."""
+    cls, whole, kv_layers = FAMILIES[arch]
+    with acb.Engine(model_of(arch), acb.ContinuousBatchingConfig(num_blocks=32, page_size=8)) as eng:
+        runner = eng.runner
+        assert runner.linear is not None and {type(m).__name__ for m in runner.linear.layers} == {cls}
+        assert runner.cfg.whole_prefill is whole
+        if kv_layers is not None:
+            assert len(runner.kv_cache.k) == kv_layers
+        assert not runner.cfg.prefix_caching and runner.cfg.num_swap_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(max_batch_tokens=8),  # chunked prefill (or, for Mamba1, whole prompts past the budget)
+        dict(num_blocks=12, page_size=4, max_batch_tokens=16, use_async_batching=True),  # preemption, async
+    ],
+    ids=["whole", "chunked", "preempt-async"],
+)
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_greedy_parity(arch, cfg):
+    ps = prompts([5, 17, 30, 9], arch=arch)
+    config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, "page_size": 8, **cfg})
+    with acb.Engine(model_of(arch), config) as eng:
+        got = [o.generated_tokens for o in run(eng, ps).values()]
+        if "num_blocks" in cfg:
+            assert eng.stats.preemptions > 0
+    assert got == [reference(arch, tuple(p)) for p in ps]
+
+
+@pytest.mark.parametrize("arch", ["mamba", "bamba", "nemotron_h"])
+def test_samples_scoring_cancel_and_sleep(arch):
+    """n = 3 samples forked from the prompt's state; scoring equal to a plain forward's
+    log-softmax; a request cancelled mid-prefill leaves nothing behind; sleep / wake drops the
+    states and the requests recompute exactly."""
+    model = model_of(arch)
+    ps = prompts([23, 7], seed=2, arch=arch)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=4, max_batch_tokens=8)
+    with acb.Engine(model, cfg) as eng:
+        out = eng.generate(ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
+        assert [s.generated_tokens for s in out.samples] == [reference(arch, tuple(ps[0]))] * 3
+        context, conts = ps[0][:11], [ps[1][:3], ps[1][3:4]]
+        scored = eng.score(context, conts)
+        for cont, got in zip(conts, scored.continuations):
+            with torch.no_grad():
+                logits = model(torch.tensor([context + cont])).logits[0].float()
+            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        # cancelled while its prompt is being computed (chunks of 8; Mamba1: a whole prefill)
+        long = prompts([90], seed=5, arch=arch)[0]
+        h = eng.submit(long, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+        def started(core) -> bool:  # (on the engine thread, between two steps)
+            return any(r.request_id == h.request_id and r.num_computed_tokens for r in core.scheduler.running)
+
+        while not eng.call(started).result(timeout=120) and not h.done:
+            pass
+        h.cancel()
+        assert h.result(timeout=120).status in (acb.RequestStatus.CANCELLED, acb.RequestStatus.FINISHED)
+        hs = [eng.submit(p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in ps]
+        eng.sleep()
+        assert eng.runner.states.nbytes() == 0
+        eng.wake_up()
+        assert [x.result(timeout=120).generated_tokens for x in hs] == [reference(arch, tuple(p)) for p in ps]
