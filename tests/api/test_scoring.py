@@ -39,23 +39,32 @@ def check(model, out: acb.ScoreOutput, ctx: list[int], conts: list[list[int]], k
     assert [s.token_ids for s in out.continuations] == conts
     for s, cont in zip(out.continuations, conts):
         values, greedy, top = reference(model, ctx, cont, max(k, 1))
-        torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64), torch.tensor(values, dtype=torch.float64),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(s.logprobs, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), atol=1e-5, rtol=0
+        )
         assert s.logprob == pytest.approx(sum(values), abs=1e-4)
         assert s.greedy == greedy
         if k:
             assert [[i for i, _ in t] for t in s.top_logprobs] == [[i for i, _ in t] for t in top]
-            torch.testing.assert_close(torch.tensor([[v for _, v in t] for t in s.top_logprobs], dtype=torch.float64),
-                                       torch.tensor([[v for _, v in t] for t in top], dtype=torch.float64), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor([[v for _, v in t] for t in s.top_logprobs], dtype=torch.float64),
+                torch.tensor([[v for _, v in t] for t in top], dtype=torch.float64),
+                atol=1e-5,
+                rtol=0,
+            )
         else:
             assert s.top_logprobs is None
 
 
 def greedy_after(model, ctx: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ctx]), attention_mask=torch.ones(1, len(ctx), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)
-    return out[0, len(ctx):].tolist()
+        out = model.generate(
+            torch.tensor([ctx]),
+            attention_mask=torch.ones(1, len(ctx), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(ctx) :].tolist()
 
 
 @pytest.mark.parametrize("async_batching", [False, True])
@@ -107,8 +116,9 @@ def test_preemption_under_a_tiny_cache(model, async_batching, offload):
     contexts = prompts_of_lengths([30, 41, 25, 52, 33, 47], seed=73)
     items = [(c, [[5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [16]]) for c in contexts]
     refs = [reference_generate(model, c[:10], 50) for c in contexts[:3]]
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=48, use_async_batching=async_batching,
-                                       cpu_offload_space=offload)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=24, max_batch_tokens=48, use_async_batching=async_batching, cpu_offload_space=offload
+    )
     with acb.Engine(model, cfg) as eng:
         gens = [eng.submit(c[:10], max_new_tokens=50) for c in contexts[:3]]
         outs = eng.score_batch(items, progress_bar=False)
@@ -202,8 +212,9 @@ def test_one_request_per_batch_scores_every_continuation(model, async_batching):
     ctx = prompts_of_lengths([23], seed=77)[0]
     g = greedy_after(model, ctx, 3)
     conts = [[g[0]], g, [g[0], 9, 10], [40, 41], [77], [5, 6, 7, 8, 9, 10]]
-    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=12, max_requests_per_batch=1,
-                                       use_async_batching=async_batching)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4, num_blocks=12, max_requests_per_batch=1, use_async_batching=async_batching
+    )
     with acb.Engine(model, cfg) as eng:
         out = eng.score(ctx, conts, top_logprobs=2)
         again = eng.score_batch([(ctx, conts), (ctx[:7], [[3, 4]])], progress_bar=False)
@@ -213,3 +224,34 @@ def test_one_request_per_batch_scores_every_continuation(model, async_batching):
     check(model, again[1], ctx[:7], [[3, 4]])
     assert [s.greedy for s in out.continuations] == [True, True, False, False, False, False]
     assert again[0].num_cached_tokens >= 5 * (len(ctx) // 4 * 4)  # every request read the context's blocks
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_scoring_group_too_wide_for_the_rows_is_refused(model, rows):
+    """A scoring group (a context request and the children forked from it) holds one row per
+    request from its admission on: handed to the input processor with more requests than
+    ``max_requests_per_batch`` (``Engine.score`` never plans one), it is a ``ValueError`` about the
+    continuations, which says so in scoring's words (not the ``n`` samples' refusal); nothing is
+    left behind. ``Engine.score`` of the same continuations plans groups that fit and scores them."""
+    from acb.api.scoring import plan
+    from acb.api.sinks import ThreadSink
+
+    ctx = prompts_of_lengths([13], seed=78)[0]
+    conts = [[3], [4, 5, 6], [4, 5, 7], [8, 9]]  # two children: a group of 3 requests, unless split
+    (group,) = plan(ctx, conts, 0)  # (no max_group: one group, wider than the rows)
+    assert len(group) == 3
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=32, max_requests_per_batch=rows)
+    with acb.Engine(model, cfg) as eng:
+        with pytest.raises(ValueError) as info:
+            eng.processor.make_score_request([m.target for m in group], 0, sink_factory=ThreadSink, request_id="wide")
+        assert isinstance(info.value, acb.InvalidRequestError) and info.value.field == "continuations"
+        message = str(info.value)
+        assert message == (
+            f"a scoring request with 2 forked continuation(s) runs 3 requests side by side, but "
+            f"max_requests_per_batch is {rows}: give it at most {rows - 1} score_children "
+            "(Engine.score plans groups that fit)"
+        )
+        assert "samples" not in message  # (not the refusal of n=2 samples)
+        assert not eng.core.live_ids  # the id was never claimed: it can be used
+        out = eng.score(ctx, conts, request_id="wide")
+    check(model, out, ctx, conts)
