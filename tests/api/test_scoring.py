@@ -224,3 +224,34 @@ def test_one_request_per_batch_scores_every_continuation(model, async_batching):
     check(model, again[1], ctx[:7], [[3, 4]])
     assert [s.greedy for s in out.continuations] == [True, True, False, False, False, False]
     assert again[0].num_cached_tokens >= 5 * (len(ctx) // 4 * 4)  # every request read the context's blocks
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_scoring_group_too_wide_for_the_rows_is_refused(model, rows):
+    """A scoring group (a context request and the children forked from it) holds one row per
+    request from its admission on: handed to the input processor with more requests than
+    ``max_requests_per_batch`` (``Engine.score`` never plans one), it is a ``ValueError`` about the
+    continuations, which says so in scoring's words (not the ``n`` samples' refusal); nothing is
+    left behind. ``Engine.score`` of the same continuations plans groups that fit and scores them."""
+    from acb.api.scoring import plan
+    from acb.api.sinks import ThreadSink
+
+    ctx = prompts_of_lengths([13], seed=78)[0]
+    conts = [[3], [4, 5, 6], [4, 5, 7], [8, 9]]  # two children: a group of 3 requests, unless split
+    (group,) = plan(ctx, conts, 0)  # (no max_group: one group, wider than the rows)
+    assert len(group) == 3
+    cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=32, max_requests_per_batch=rows)
+    with acb.Engine(model, cfg) as eng:
+        with pytest.raises(ValueError) as info:
+            eng.processor.make_score_request([m.target for m in group], 0, sink_factory=ThreadSink, request_id="wide")
+        assert isinstance(info.value, acb.InvalidRequestError) and info.value.field == "continuations"
+        message = str(info.value)
+        assert message == (
+            f"a scoring request with 2 forked continuation(s) runs 3 requests side by side, but "
+            f"max_requests_per_batch is {rows}: give it at most {rows - 1} score_children "
+            "(Engine.score plans groups that fit)"
+        )
+        assert "samples" not in message  # (not the refusal of n=2 samples)
+        assert not eng.core.live_ids  # the id was never claimed: it can be used
+        out = eng.score(ctx, conts, request_id="wide")
+    check(model, out, ctx, conts)
