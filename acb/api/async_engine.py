@@ -12,7 +12,7 @@ from acb.api.handles import RequestHandle
 from acb.api.loops import await_future, current_loop
 from acb.api.processor import Submission
 from acb.api.sinks import AsyncSink
-from acb.errors import QueueFullError, RequestFailedError
+from acb.errors import InvalidRequestError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import SamplingParams, with_overrides
 
@@ -155,8 +155,8 @@ class AsyncEngine(EngineBase):
         try:
             compiler = await anyio.to_thread.run_sync(self.grammars)
             await await_future(compiler.submit(spec))
-        except ValueError as exc:
-            raise ValueError(f"structured_outputs: {exc}") from None
+        except ValueError as exc:  # (named as submit_nowait's refusal is: the field, and a prefix)
+            raise InvalidRequestError(f"structured_outputs: {exc}", "structured_outputs") from None
 
     def submit_nowait(
         self,

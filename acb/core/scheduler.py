@@ -127,10 +127,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def cancel(self, request_id: str) -> Request | None:
-        """Remove a live request and free its blocks; ``None`` if it is not live."""
+        """Remove a live request and free its blocks, its finish reason CANCELLED (and that of its
+        samples not yet forked, which end with it); ``None`` if it is not live."""
         req = self.live.get(request_id)
         if req is None:
             return None
+        req.finish_reason = FinishReason.CANCELLED
         self._finish(req, RequestStatus.CANCELLED)
         self.stats.cancelled += 1
         return req

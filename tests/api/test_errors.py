@@ -271,3 +271,21 @@ def test_refusals_carry_their_field(model):
         live.cancel()
     again = pickle.loads(pickle.dumps(acb.InvalidRequestError("n=9 ...", "n")))
     assert (type(again), str(again), again.field) == (acb.InvalidRequestError, "n=9 ...", "n")
+
+
+def test_samples_cancelled_before_they_fork_say_cancelled(model):
+    """An ``n > 1`` request cancelled before its prompt was computed (its samples not forked yet):
+    every sample ends CANCELLED with finish reason ``cancelled`` (the unforked ones once had none)."""
+    import threading
+
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
+        gate = threading.Event()
+        eng.call(lambda c: gate.wait(30))  # the engine holds: the request is never scheduled
+        h = eng.submit([5, 6, 7, 8], acb.SamplingParams(n=3, max_new_tokens=4))
+        eng.cancel(h.request_id)
+        gate.set()
+        out = h.result(timeout=60)
+    assert out.status == acb.RequestStatus.CANCELLED and len(out.samples) == 3
+    assert [(s.status, s.finish_reason) for s in out.samples] == [
+        (acb.RequestStatus.CANCELLED, acb.FinishReason.CANCELLED)
+    ] * 3

@@ -359,3 +359,16 @@ async def test_a_vocabulary_gap_midway_ends_with_finish_reason_grammar(model):
         out = await h.result()
         assert (out.status, out.finish_reason, out.text) == (acb.RequestStatus.FINISHED, acb.FinishReason.GRAMMAR, "a")
         assert tokens == out.generated_tokens == tok("a").input_ids[-1:]
+
+
+async def test_a_spec_that_cannot_compile_names_its_field_on_both_submits(model, tok):
+    """AsyncEngine.submit (which compiles off the event loop first) and submit_nowait refuse a spec
+    that cannot compile the same way: an InvalidRequestError whose field is structured_outputs
+    (submit once re-raised it as a plain ValueError, losing the field)."""
+    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(num_blocks=32), tokenizer=tok) as eng:
+        for call in (eng.submit, eng.submit_nowait):
+            with pytest.raises(acb.InvalidRequestError, match="^structured_outputs: cannot compile") as info:
+                res = call("x", structured_outputs={"regex": "(ab"})
+                if hasattr(res, "__await__"):
+                    await res
+            assert info.value.field == "structured_outputs"
