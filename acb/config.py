@@ -83,9 +83,8 @@ class ContinuousBatchingConfig:
     max_blocks_per_request: int | None = None  # transformers' knob; no effect in acb (max_model_len bounds a request)
     allow_block_sharing: bool = True  # prefix caching: requests share the KV blocks of a common prompt prefix
     use_async_batching: bool | None = None  # schedule step N+1 while step N runs; default: on for CUDA, off on CPU
-    use_cuda_graph: bool | tuple[bool, bool] | None = (
-        None  # decode CUDA graphs (a tuple: (mixed, decode)); default: on for CUDA
-    )
+    # decode CUDA graphs (a tuple: (mixed, decode)); default: on for CUDA
+    use_cuda_graph: bool | tuple[bool, bool] | None = None
     q_padding_interval_size: int = 0  # decode graphs' batch sizes past 8 step by this (0: 8 to 64, then 16)
     kv_padding_interval_size: int = 0  # transformers' knob; no effect in acb
     varlen_compile_config: Any = None  # torch.compile options of mixed (prefill) steps
@@ -101,9 +100,8 @@ class ContinuousBatchingConfig:
     cpu_offload_space_safety_threshold: float = 0.8  # the most of available host memory offload may take
     max_queue_size: int = 0  # most requests waiting to be scheduled; 0 = unlimited
     per_request_processors: bool = False  # the manager's add_request(temperature=...) kwargs apply per request
-    drop_unsupported_processors: bool = (
-        True  # a generation config's unsupported processors: dropped with a warning (else refused)
-    )
+    # a generation config's unsupported processors: dropped with a warning (else refused)
+    drop_unsupported_processors: bool = True
     disable_nccl_graph_mixing: bool = True  # transformers' knob; no effect in acb
     cpu_group_timeout: float | None = 300.0  # transformers' knob; no effect in acb
     # deprecated in transformers (5.11, 5.13, 5.17)

@@ -48,6 +48,18 @@ CLAIMED = (
     "gemma4_unified_text",
     "gemma4_unified",
     "mimo_v2_flash",
+    # state layers found by their cache interface: state-space (Mamba1, Mamba2) and other linear kinds
+    "mamba",
+    "mamba2",
+    "falcon_mamba",
+    "jamba",
+    "bamba",
+    "granitemoehybrid",
+    "nemotron_h",
+    "falcon_h1",
+    "kimi_linear",
+    "olmo_hybrid",
+    "zaya",
 )
 SAMPLE_SIZE = 60  # others from the catalogue, drawn with SAMPLE_SEED (deterministic per transformers version)
 SAMPLE_SEED = 30

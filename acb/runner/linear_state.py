@@ -33,7 +33,6 @@ segments at once (flash-linear-attention's ``cu_seqlens`` kernels) is the GPU pa
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import threading
 from collections.abc import Iterator
@@ -48,10 +47,15 @@ STATE_INTERFACE = frozenset({"get_conv_state", "get_recurrent_state", "update_re
 _STEP = threading.local()
 
 
-@functools.cache
+_SPEAKS: dict[type, bool] = {}
+
+
 def _speaks_state_interface(cls: type) -> bool:
     """Whether the methods ``cls`` defines (not inherited from torch) read and write a
     per-request state through the cache interface (gated delta rule, Mamba/Mamba2 mixers, ...)."""
+    known = _SPEAKS.get(cls)
+    if known is not None:
+        return known
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch."):
@@ -60,7 +64,8 @@ def _speaks_state_interface(cls: type) -> bool:
             code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
             if code is not None:
                 names.update(code.co_names)
-    return STATE_INTERFACE <= names
+    _SPEAKS[cls] = STATE_INTERFACE <= names
+    return _SPEAKS[cls]
 
 
 def linear_layers(model: torch.nn.Module) -> list[Any]:
@@ -239,42 +244,60 @@ def linear_step(states: LinearStates, num_new: list[int], rows: list[int]) -> It
         _STEP.step = prev
 
 
-def _forward(
-    original: Any,
-    layer: int,
-    hidden_states: torch.Tensor,
-    cache_params: Any = None,
-    attention_mask: Any = None,
-    **kwargs: Any,
-) -> torch.Tensor:
+def _call(original: Any, cache_arg: str, x: torch.Tensor, cache: Any) -> Any:
+    """The layer's own forward on ``x`` with ``cache`` as its cache argument and no mask."""
+    return original(x, **{cache_arg: cache})
+
+
+def _cat(outs: list[Any]) -> Any:
+    """The per-segment outputs as one batch along the token dimension (a tuple: element-wise)."""
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts, dim=1) for parts in zip(*outs))
+    return torch.cat(outs, dim=1)
+
+
+def _forward(original: Any, layer: int, cache_arg: str, *args: Any, **kwargs: Any) -> Any:
     step: _Step | None = getattr(_STEP, "step", None)
     if step is None:  # not an engine step: the layer as it always was
-        return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-    # (kwargs are acb's attention plumbing and transformers' flash kwargs: the layer's torch path
-    # needs none of them, and its conv kernel would take them for varlen arguments)
+        return original(*args, **kwargs)
+    # the layer's input; its cache argument is replaced by this step's per-request states, and the
+    # rest (acb's attention plumbing, transformers' flash kwargs, a padding mask) is not passed:
+    # the layer's torch path needs none of it, and its conv kernel would take it for varlen arguments
+    hidden_states = args[0] if args else kwargs["hidden_states"]
     states = step.states
     decode = [(lo, row) for lo, hi, row in step.segments if hi - lo == 1 and layer in states.valid[row]]
     if len(decode) < 2:  # one call per request
         outs = [
-            original(hidden_states[:, lo:hi], cache_params=_RequestCache(states, row), attention_mask=None)
+            _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row))
             for lo, hi, row in step.segments
         ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return outs[0] if len(outs) == 1 else _cat(outs)
     # the decode rows in one batched call of the layer (one token each, as model.generate's
     # batched decode), the others one call per request
-    out = torch.empty_like(hidden_states)
     batch = _BatchCache(states, [row for _, row in decode], layer)
     at = torch.tensor([lo for lo, _ in decode], dtype=torch.long, device=hidden_states.device)
-    rows_out = original(hidden_states[0, at].unsqueeze(1), cache_params=batch, attention_mask=None)  # [B, 1, H]
+    rows_out = _call(original, cache_arg, hidden_states[0, at].unsqueeze(1), batch)  # [B, 1, ...] each
     batch.scatter(layer)
-    out[0, at] = rows_out[:, 0].to(out.dtype)
     batched = set(batch.rows)
+    total = hidden_states.shape[1]
+    single = not isinstance(rows_out, tuple)
+    parts = (rows_out,) if single else rows_out
+    outs = [torch.empty((1, total, *p.shape[2:]), dtype=p.dtype, device=p.device) for p in parts]
+    for out, p in zip(outs, parts):
+        out[0, at] = p[:, 0]
     for lo, hi, row in step.segments:
         if not (hi - lo == 1 and row in batched):
-            out[:, lo:hi] = original(
-                hidden_states[:, lo:hi], cache_params=_RequestCache(states, row), attention_mask=None
-            )
-    return out
+            got = _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row))
+            for out, p in zip(outs, (got,) if single else got):
+                out[:, lo:hi] = p
+    return outs[0] if single else tuple(outs)
+
+
+def _cache_arg(layer: torch.nn.Module) -> str:
+    """The name of the layer's cache argument (``cache_params`` for the SSM and gated-delta-rule
+    layers; ``past_key_values`` for a projection inside an attention layer, Zaya's)."""
+    params = inspect.signature(type(layer).forward).parameters  # (the class's: not acb's interception)
+    return next((name for name in ("cache_params", "past_key_values", "cache") if name in params), "cache_params")
 
 
 def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
@@ -288,16 +311,21 @@ def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
         return False
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 12, hidden_size, generator=g).to(param.device, param.dtype)
+    arg = _cache_arg(layer)
     try:
         with torch.no_grad():
-            whole = layer(x, cache_params=_RequestCache(LinearStates(1, param.device), 0))
+            whole = layer(x, **{arg: _RequestCache(LinearStates(1, param.device), 0)})
             states = LinearStates(1, param.device)
-            layer(x[:, :7], cache_params=_RequestCache(states, 0))
-            second = layer(x[:, 7:], cache_params=_RequestCache(states, 0))
+            layer(x[:, :7], **{arg: _RequestCache(states, 0)})
+            second = layer(x[:, 7:], **{arg: _RequestCache(states, 0)})
     except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: prefill whole, to be safe
         return False
-    want = whole[:, 7:].float()
-    return bool(torch.allclose(second.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6))
+    pairs = zip(second, whole) if isinstance(whole, tuple) else [(second, whole)]
+    for got, full in pairs:
+        want = full[:, 7:].float()
+        if not torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6):
+            return False
+    return True
 
 
 class LinearLayers:
@@ -307,7 +335,8 @@ class LinearLayers:
         self.layers = linear_layers(model)
         for layer in self.layers:
             original = layer.forward
-            layer.forward = lambda *a, _o=original, _i=layer.layer_idx, **k: _forward(_o, _i, *a, **k)
+            arg = _cache_arg(layer)
+            layer.forward = lambda *a, _o=original, _i=layer.layer_idx, _c=arg, **k: _forward(_o, _i, _c, *a, **k)
 
     def remove(self) -> None:
         for layer in self.layers:

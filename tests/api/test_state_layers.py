@@ -3,7 +3,8 @@ interface they speak (``acb.runner.linear_state.STATE_INTERFACE``), exact agains
 ``model.generate``: pure state models (Mamba, Mamba2, Falcon-Mamba: no KV cache at all), hybrids
 of state and attention layers (Jamba, Bamba, Granite 4 hybrid, Nemotron-H with its MLP and MoE
 layers, Falcon-H1 with attention and a state layer side by side in each layer), and the other
-linear-attention kinds (Kimi Linear's delta attention, OLMo hybrid's gated delta rule).
+linear-attention kinds (Kimi Linear's delta attention, OLMo hybrid's gated delta rule, Zaya's
+convolutional attention projection).
 
 Each family's tiny config is the catalogue sweep's (``benchmarks/model_sweep.py``: the hand-written
 ones keep every layer kind of the real checkpoints). Mamba1's scan cannot resume a prefill from a
@@ -34,6 +35,9 @@ FAMILIES = {
     "falcon_h1": ("FalconH1Mixer", False, 3),
     "kimi_linear": ("KimiLinearDeltaAttention", False, None),
     "olmo_hybrid": ("OlmoHybridGatedDeltaNet", False, None),
+    # a state inside attention: Zaya's compressed convolutional q/k projection and delayed values
+    # (its cache argument is past_key_values, and it returns query, key and value)
+    "zaya": ("ZayaCCAProjection", False, None),
 }
 MAX_NEW = 6
 
