@@ -57,6 +57,7 @@ CLAIMED = (
     "granitemoehybrid",
     "nemotron_h",
     "falcon_h1",
+    "zamba2",
     "kimi_linear",
     "olmo_hybrid",
     "zaya",

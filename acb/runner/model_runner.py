@@ -25,6 +25,7 @@ from acb.config import ContinuousBatchingConfig
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
 from acb.runner.attention import (
     AttentionBackend,
+    SharedAttention,
     StepContext,
     make_backend,
     register_with_transformers,
@@ -112,6 +113,7 @@ class ModelRunner:
         self.cfg, spec = resolve_config(model, config)
         # hybrid models: linear-attention layers run per request with their recurrent state
         self.linear = LinearLayers(model) if linear_layers(model) else None
+        self.shared_attention = SharedAttention(model)  # modules told their layer at call time (Zamba2)
         if self.linear is not None:
             self._hybrid_settings(config)
         if self.packed is not None:
@@ -416,6 +418,7 @@ class ModelRunner:
             self._holds_attn = False
         if self.linear is not None:
             self.linear.remove()
+        self.shared_attention.remove()
         self._weights.close()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         self.packed = None

@@ -107,8 +107,10 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
         # a hybrid model: only its attention layers have a KV cache (the state layers keep a
         # per-request state instead: acb.runner.linear_state, and MLP-only layers keep nothing);
         # the others never read the slot mapped here
-        mods = _attention_modules(model)
-        attention = sorted(mods) if mods else [i for i, t in enumerate(types) if t != "linear_attention"]
+        # the layers with an attention module of their own, and those whose type says attention (a
+        # shared attention block called at several layers, Zamba2's, is one module for all of them)
+        stateless = {"linear_attention", "mamba", "mlp", "moe"}
+        attention = sorted(set(_attention_modules(model)) | {i for i, t in enumerate(types) if t not in stateless})
         layers = text.num_hidden_layers
         if not attention or len(attention) == layers:
             return None if attention else tuple([0] * layers)

@@ -2,7 +2,8 @@
 interface they speak (``acb.runner.linear_state.STATE_INTERFACE``), exact against
 ``model.generate``: pure state models (Mamba, Mamba2, Falcon-Mamba: no KV cache at all), hybrids
 of state and attention layers (Jamba, Bamba, Granite 4 hybrid, Nemotron-H with its MLP and MoE
-layers, Falcon-H1 with attention and a state layer side by side in each layer), and the other
+layers, Falcon-H1 with attention and a state layer side by side in each layer, Zamba2 with a
+shared attention block at its hybrid layers), and the other
 linear-attention kinds (Kimi Linear's delta attention, OLMo hybrid's gated delta rule, Zaya's
 convolutional attention projection).
 
@@ -33,6 +34,7 @@ FAMILIES = {
     "granitemoehybrid": ("GraniteMoeHybridMambaLayer", False, 2),
     "nemotron_h": ("NemotronHMamba2Mixer", False, 1),
     "falcon_h1": ("FalconH1Mixer", False, 3),
+    "zamba2": ("Zamba2MambaMixer", False, None),
     "kimi_linear": ("KimiLinearDeltaAttention", False, None),
     "olmo_hybrid": ("OlmoHybridGatedDeltaNet", False, None),
     # a state inside attention: Zaya's compressed convolutional q/k projection and delayed values

@@ -10,6 +10,7 @@ function as the ``acb_ctx`` forward kwarg, which transformers passes down to att
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,6 +68,43 @@ class StepContext:
     metadata: Any
 
 
+_CALLED_AT = threading.local()
+
+
+class SharedAttention:
+    """The attention modules that are told their layer when called (``forward(..., layer_idx)``:
+    one module shared by several layers, Zamba2's shared block): each call's ``layer_idx`` is
+    what acb's attention function pages by, for the life of an engine."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules: list[torch.nn.Module] = []
+        for m in model.modules():
+            if not (hasattr(m, "q_proj") and hasattr(m, "o_proj")):
+                continue
+            sig = inspect.signature(type(m).forward)
+            if "layer_idx" not in sig.parameters:
+                continue
+            original = m.forward
+            m.forward = lambda *a, _o=original, _s=sig, _m=m, **k: _called_at(_o, _s, _m, *a, **k)
+            self.modules.append(m)
+
+    def remove(self) -> None:
+        for m in self.modules:
+            if "forward" in vars(m):
+                del m.forward
+        self.modules = []
+
+
+def _called_at(original: Any, sig: inspect.Signature, module: Any, *args: Any, **kwargs: Any) -> Any:
+    layer = sig.bind_partial(module, *args, **kwargs).arguments.get("layer_idx")
+    prev = getattr(_CALLED_AT, "layer", None)
+    _CALLED_AT.layer = layer
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _CALLED_AT.layer = prev
+
+
 def layer_chunk(module: torch.nn.Module) -> int | None:
     """The attention chunk of a chunked-attention layer (Llama 4's ``chunked_attention`` layers:
     a query sees only the keys of its own ``attention_chunk_size`` positions), else None."""
@@ -121,7 +159,10 @@ def acb_attention_forward(
     # a KV-shared layer (Gemma 3n) gets the K/V its producer layer computed in this same forward,
     # which the producer has written into the cache layer both read
     shared = bool(getattr(module, "is_kv_shared_layer", False))
-    layer_idx: int = module.layer_idx  # type: ignore[assignment]  # an int on HF attention layers
+    # an int on HF attention layers; a shared block's module (Zamba2's, one module called at several
+    # layers) is told its layer at call time instead (SharedAttention)
+    called = getattr(_CALLED_AT, "layer", None)
+    layer_idx: int = called if called is not None else module.layer_idx  # type: ignore[assignment]
     k_dim, v_dim = key.shape[-1], value.shape[-1]
     if k_dim != v_dim:  # latent attention (MLA): the cache holds keys and values at the wider width,
         # the narrower zero-padded (zeros add nothing to q.k, and padded value columns are dropped)
