@@ -201,24 +201,23 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _non_negative_float(text: str) -> float:
+def _finite_float(text: str, *, zero_ok: bool) -> float:
+    """A finite number from a flag: >= 0 when ``zero_ok``, else > 0."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number {'>=' if zero_ok else '>'} 0, got {text}")
     return v
+
+
+def _non_negative_float(text: str) -> float:
+    return _finite_float(text, zero_ok=True)
 
 
 def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return v
+    return _finite_float(text, zero_ok=False)
 
 
 def _check_paths(args: argparse.Namespace) -> None:
