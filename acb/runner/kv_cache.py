@@ -7,6 +7,10 @@ group (:meth:`KVSpec.groups`). Every group has the same ``num_blocks`` and one b
 request serves them all, so one block costs the sum of its layers' pages
 (:meth:`KVSpec.bytes_per_block`) and the memory budget splits between the groups in proportion
 to what a token costs in each. Block 0 is scratch (padded rows write there; nothing reads it).
+
+Indexed (DSA) attention's indexer keys are paged the same way: one key-only cache layer per
+indexer (``[num_blocks, block_size, 1, index_head_dim]``, no values), after the attention
+layers, under the same block table (:mod:`acb.runner.indexed`).
 """
 
 from __future__ import annotations
@@ -37,22 +41,45 @@ class KVSpec:
     # (kv_heads, head_dim) per cache layer when the layers differ in shape; None: every layer is
     # (num_kv_heads, head_dim). With shapes, num_kv_heads/head_dim are the largest layer's
     layer_shapes: tuple[tuple[int, int], ...] | None = None
+    # the model's layers with an indexer (DSA), in order: the indexer of the n-th of them keeps its
+    # keys in key-only cache layer ``num_layers - len(index_layers) + n`` (shape (1, index dim))
+    index_layers: tuple[int, ...] = ()
+
+    @property
+    def attention_layers(self) -> int:
+        """The cache layers holding attention K/V (the first ones; the indexers' follow)."""
+        return self.num_layers - len(self.index_layers)
+
+    def is_key_only(self, layer: int) -> bool:
+        """Whether cache layer ``layer`` holds keys only (an indexer's)."""
+        return layer >= self.attention_layers
+
+    def index_layer_of(self, layer_idx: int) -> int:
+        """The key-only cache layer of the indexer of the model's layer ``layer_idx``."""
+        return self.attention_layers + self.index_layers.index(layer_idx)
 
     def shape_of(self, layer: int) -> tuple[int, int]:
         """``(kv_heads, head_dim)`` of cache layer ``layer``."""
         return (self.num_kv_heads, self.head_dim) if self.layer_shapes is None else self.layer_shapes[layer]
 
     def groups(self) -> dict[tuple[int, int], list[int]]:
-        """The cache layers of each shape, ``(kv_heads, head_dim) -> [cache layer, ...]``."""
+        """The attention cache layers of each shape, ``(kv_heads, head_dim) -> [cache layer, ...]``."""
         out: dict[tuple[int, int], list[int]] = {}
-        for layer in range(self.num_layers):
+        for layer in range(self.attention_layers):
             out.setdefault(self.shape_of(layer), []).append(layer)
         return out
 
-    def bytes_per_token(self) -> dict[tuple[int, int], int]:
-        """What one cached token costs in each group (K and V of its layers), in bytes."""
+    def bytes_per_token(self) -> dict[tuple[int, int] | str, int]:
+        """What one cached token costs in each group (K and V of its layers), and in the indexers'
+        key-only layers (``"index keys"``), in bytes."""
         elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
-        return {(h, d): 2 * len(layers) * h * d * elem for (h, d), layers in self.groups().items()}
+        out: dict[tuple[int, int] | str, int] = {
+            (h, d): 2 * len(layers) * h * d * elem for (h, d), layers in self.groups().items()
+        }
+        if self.index_layers:
+            h, d = self.shape_of(self.attention_layers)
+            out["index keys"] = len(self.index_layers) * h * d * elem
+        return out
 
     def bytes_per_block(self, block_size: int) -> int:
         return block_size * sum(self.bytes_per_token().values())
@@ -78,7 +105,11 @@ class KVCache:
         # zeros, not empty: padded gathers read slots that were never written, and masked-out
         # garbage that happens to be NaN/inf would still poison SDPA's weighted sum (0 * NaN)
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for shape in shapes]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for shape in shapes]
+        # an indexer's layer holds keys only: its values are empty (every per-layer copy still works)
+        self.v = [
+            torch.zeros(shape if not spec.is_key_only(i) else (*shape[:2], 0, 0), dtype=spec.dtype, device=self.device)
+            for i, shape in enumerate(shapes)
+        ]
 
     def layer_of(self, layer_idx: int) -> int:
         """The cache layer (index into ``k``/``v``) of the model's layer ``layer_idx``."""

@@ -33,6 +33,7 @@ from acb.runner.attention import (
 )
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.eval_mode import DROPOUT_GUARD
+from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec
 from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step, resumes_prefill
@@ -114,6 +115,8 @@ class ModelRunner:
         # hybrid models: linear-attention layers run per request with their recurrent state
         self.linear = LinearLayers(model) if linear_layers(model) else None
         self.shared_attention = SharedAttention(model)  # modules told their layer at call time (Zamba2)
+        # indexed (DSA) attention: the indexers run per request over their paged keys
+        self.indexed = IndexedLayers(model) if indexer_modules(model) else None
         if self.linear is not None:
             self._hybrid_settings(config)
         if self.packed is not None:
@@ -138,14 +141,16 @@ class ModelRunner:
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(
             self.cfg,
-            cuda_graphs=self._want_graphs() and self.linear is None,
+            cuda_graphs=self._want_graphs() and self.linear is None and self.indexed is None,
             graph_step=config.q_padding_interval_size or None,
         )
         group = tp_group(model)
         if group is not None:  # before any collective of the model's: the ranks must run the same steps
             check_same_settings(group, self.cfg)
         self._compiled: dict[str, Any] = {}
-        if self.linear is None:
+        if self.indexed is not None:
+            self._indexed_settings(config)
+        elif self.linear is None:
             self._setup_compile(config)
         self.streams = DeviceStreams(self.device)
         self._step_buffers()
@@ -216,6 +221,20 @@ class ModelRunner:
                 type(self.model).__name__,
             )
         self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device)
+
+    def _indexed_settings(self, config: ContinuousBatchingConfig) -> None:
+        """An indexed-attention model's indexers run once per request, from Python (the reference
+        path): decode graphs and torch.compile are off for it."""
+        if (
+            config.use_cuda_graph
+            or config.default_compile_level
+            or config.decode_compile_config is not None
+            or config.varlen_compile_config is not None
+        ):
+            logger.warning(
+                "decode CUDA graphs and torch.compile are off for %s: its attention indexers run per request",
+                type(self.model).__name__,
+            )
 
     def _packed_linears(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> PackedLinears | None:
         """oneDNN-packed copies of the float32 linear weights, for the CPU forward (see
@@ -418,6 +437,8 @@ class ModelRunner:
             self._holds_attn = False
         if self.linear is not None:
             self.linear.remove()
+        if self.indexed is not None:
+            self.indexed.remove()
         self.shared_attention.remove()
         self._weights.close()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
@@ -473,11 +494,14 @@ class ModelRunner:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
-            if linear is None:
+            with contextlib.ExitStack() as per_request:
+                # the linear layers and the indexers run per request segment of the flattened batch
+                if linear is not None:
+                    per_request.enter_context(linear_step(linear, sched.num_new, sched.rows))
+                if self.indexed is not None:
+                    per_request.enter_context(indexed_step(self.kv_cache, batch.attn))
                 logits = self.forward(batch, ctx)
-            else:  # the linear layers run per request segment of the flattened batch
-                with linear_step(linear, sched.num_new, sched.rows):
-                    logits = self.forward(batch, ctx)
+            if linear is not None:
                 for src, dst in sched.state_copies_after:  # forks: children start from the parent's state
                     linear.copy(src, dst)
         prompt = nxt = None

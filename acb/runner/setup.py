@@ -7,6 +7,7 @@ once, at start.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,12 @@ def check_model(model: PreTrainedModel) -> None:
     why = refusal(model)
     if why is not None:
         raise UnsupportedModelError(why)
+    from acb.runner.indexed import indexer_modules
     from acb.runner.linear_state import linear_layers
 
     hybrid = bool(linear_layers(model))  # linear-attention layers acb drives with per-request states
+    # indexed sparse attention (DSA): its indexers' keys paged, their selection applied (acb.runner.indexed)
+    indexed = bool(indexer_modules(model))
     if not getattr(model, "_supports_attention_backend", False) and not hybrid:
         raise UnsupportedModelError(
             f"{name} does not route its attention through transformers' AttentionInterface "
@@ -56,7 +60,9 @@ def check_model(model: PreTrainedModel) -> None:
         # a layer with attention must be of a kind acb's attention knows ("hybrid": Falcon-H1's
         # attention beside a state layer, full attention)
         attention = _attention_modules(model) if hybrid else {}
-        known = SUPPORTED_LAYER_TYPES | ({"hybrid"} if hybrid else set())
+        known = (
+            SUPPORTED_LAYER_TYPES | ({"hybrid"} if hybrid else set()) | ({"indexed_attention"} if indexed else set())
+        )
         other = sorted(
             {t for i, t in enumerate(layer_types) if t not in known and (not hybrid or i in attention)}
             - ({"linear_attention"} if hybrid else set())
@@ -154,7 +160,25 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
 def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     """The KV cache's page shapes: one for every layer from the config, or one per cache layer
     when the attention modules differ in shape (Gemma 4's full layers are wider than its sliding
-    ones; MiMo V2 Flash's sliding layers have more KV heads)."""
+    ones; MiMo V2 Flash's sliding layers have more KV heads), then a key-only layer per indexer
+    of an indexed-attention model (DSA: ``(1, index key width)``)."""
+    from acb.runner.indexed import index_key_dim, indexer_modules
+
+    spec = _attention_spec(model, dtype)
+    indexers = indexer_modules(model)
+    if not indexers:
+        return spec
+    shapes = [spec.shape_of(layer) for layer in range(spec.num_layers)]
+    shapes += [(1, index_key_dim(indexers))] * len(indexers)
+    return dataclasses.replace(
+        spec,
+        num_layers=len(shapes),
+        layer_shapes=tuple(shapes),
+        index_layers=tuple(m.layer_idx for m in indexers),
+    )
+
+
+def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     text = model.config.get_text_config()
     layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
     if layer_map is not None and not _attention_modules(model) and getattr(text, "num_attention_heads", None) is None:
@@ -272,6 +296,17 @@ def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> 
     dtype = next(model.parameters()).dtype
     spec = kv_spec_of(model, dtype)
     backend = config.attn_backend or default_backend(device, dtype, config.page_size)
+    from acb.runner.indexed import indexer_modules
+
+    if indexer_modules(model) and backend != "torch":
+        # indexed attention's selection is applied by the torch reference backend only
+        if config.attn_backend is not None:
+            raise ValueError(
+                f"attn_backend={config.attn_backend!r} cannot run {type(model).__name__}'s indexed sparse attention "
+                "(DSA); use attn_backend='torch'"
+            )
+        logger.info("%s has indexed sparse attention (DSA): the torch attention backend runs it", type(model).__name__)
+        backend = "torch"
     if config.attn_backend == "flash_attn":  # an automatic pick has passed this check already
         from acb.runner.attention import flash_attn_backend
 

@@ -56,6 +56,7 @@ class AttentionBackend(Protocol):
         sinks: torch.Tensor | None = None,  # [heads] learned sink logits (GPT-OSS), or None
         chunk: int | None = None,  # chunked attention (Llama 4): keys of the query's own chunk only
         store: bool = True,  # False: the step's K/V are already in this cache layer (a KV-shared layer)
+        index: torch.Tensor | None = None,  # [1, T, k] indexed attention (DSA): each query's keys, -1 for none
     ) -> torch.Tensor: ...  # [1, T, heads, head_dim]
 
 
@@ -171,7 +172,16 @@ def acb_attention_forward(
             scaling = k_dim**-0.5
         query, key = (torch.nn.functional.pad(t, (0, width - k_dim)) for t in (query, key))
         value = torch.nn.functional.pad(value, (0, width - v_dim))
-    if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
+    # indexed attention (DSA): the positions the layer's indexer selected for each query
+    # (acb.runner.indexed); the eager/SDPA paths of transformers fold them into the mask instead
+    index = kwargs.get("indices")
+    if index is not None:
+        if ctx is True:
+            raise RuntimeError("indexed attention does not run under torch.compile in acb")
+        out = _forward(
+            ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning, index
+        )
+    elif ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
         out = torch.ops.acb.paged_attention(
             query, key, value, layer_idx, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning
         )
@@ -229,6 +239,7 @@ def _forward(
     chunk: int | None,
     store: bool,
     tuning: list[float] | None = None,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if tuning is not None:
         query = _fix_temperature(query, ctx.metadata, tuning)
@@ -254,6 +265,7 @@ def _forward(
         sinks=sinks,
         chunk=chunk,
         store=store,
+        index=index,
     )
 
 

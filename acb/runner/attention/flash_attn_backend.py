@@ -127,7 +127,10 @@ class FlashAttnBackend:
         sinks: torch.Tensor | None = None,
         chunk: int | None = None,
         store: bool = True,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if index is not None:  # the engine runs indexed-attention models on the torch backend
+            raise NotImplementedError(f"the {self.name} backend has no indexed (DSA) attention")
         from acb.runner.attention import triton_kernels as tk
 
         md: FlashMetadata = ctx.metadata

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from acb.runner.attention import BatchInputs, StepContext
+from acb.runner.indexed import allowed_keys
 
 # a decode row starts a new group when its pages are fewer than this share of the group's
 # longest row's (so a group pads at most ~1/0.7 of its real context), up to MAX_GROUPS groups
@@ -201,6 +202,7 @@ class TorchBackend:
         sinks: torch.Tensor | None = None,
         chunk: int | None = None,
         store: bool = True,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md: TorchMetadata = ctx.metadata
         cache = ctx.kv_cache
@@ -226,7 +228,10 @@ class TorchBackend:
                 qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
                 kd = self._gather(k_pages, blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
                 vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
-                o = _attend(qd, kd, vd, dmask[a : a + rows_per], False, scaling, softcap, sinks)
+                rmask = dmask[a : a + rows_per]
+                if index is not None:  # indexed attention: the keys the indexer selected, of those
+                    rmask = rmask & allowed_keys(index, rows, length)[:, None, None, :]
+                o = _attend(qd, kd, vd, rmask, False, scaling, softcap, sinks)
                 out[rows] = o[:, :, 0, :]
         for k, p in enumerate(md.prefills):
             s, n = p.q_start, p.q_len
@@ -238,6 +243,10 @@ class TorchBackend:
                 kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
                 vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
             mask = self._prefill_mask(md, k, p, sliding_window, chunk)
+            if index is not None:  # indexed attention: of the causal keys, those the indexer selected
+                if mask is None:
+                    mask = torch.ones(n, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - n)
+                mask = mask & allowed_keys(index, slice(s, s + n), p.ctx_len)
             o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap, sinks)
             out[s : s + n] = o[0].transpose(0, 1)
         return out.unsqueeze(0)  # [1, T, H, D]

@@ -102,7 +102,10 @@ class TritonBackend:
         sinks: torch.Tensor | None = None,
         chunk: int | None = None,
         store: bool = True,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if index is not None:  # the engine runs indexed-attention models on the torch backend
+            raise NotImplementedError(f"the {self.name} backend has no indexed (DSA) attention")
         md: TritonMetadata = ctx.metadata
         cache = ctx.kv_cache
         k_cache, v_cache = cache.k[layer], cache.v[layer]
