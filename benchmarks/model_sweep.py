@@ -425,6 +425,20 @@ HAND_CONFIGS: dict[str, dict[str, Any]] = {
         mamba_chunk_size=16,
     ),
 }
+# indexed sparse attention (DSA): a top-k small enough that the prompts' later tokens attend to a
+# selection (the default 2048 would select every token of a tiny prompt: dense attention), and,
+# where the family has them, layers that reuse the previous indexer's selection ("shared")
+_DSA_LAYERS = dict(
+    num_hidden_layers=3, layer_types=["indexed_attention"] * 3, mlp_layer_types=["dense", "sparse", "sparse"]
+)
+HAND_CONFIGS.update(
+    {
+        "deepseek_v32": dict(index_topk=4, **_DSA_LAYERS),
+        "axk2": dict(index_topk=4, **_DSA_LAYERS),
+        "glm_moe_dsa": dict(index_topk=4, indexer_types=["full", "shared", "full"], **_DSA_LAYERS),
+        "hy_v4": dict(index_topk=4, indexer_types=["full", "full", "shared"], **_DSA_LAYERS),
+    }
+)
 
 
 def tiny_config(model_type: str) -> Any:

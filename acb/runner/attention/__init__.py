@@ -142,6 +142,9 @@ def acb_attention_forward(
     if ctx is None:  # a decoder layer that drops its kwargs (Nemotron): the thread's step, if any
         ctx = getattr(_STEP, "ctx", None)
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
+        index = kwargs.pop("indices", None)
+        if index is not None:  # indexed attention: what the model's eager/SDPA path does with the selection
+            attention_mask = fold_selection(attention_mask, index, key.shape[2], query.dtype)
         return own_attention(module)(
             module,
             query,
@@ -190,6 +193,23 @@ def acb_attention_forward(
             ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning
         )
     return (out if k_dim == v_dim else out[..., :v_dim].contiguous()), None
+
+
+def fold_selection(
+    mask: torch.Tensor | None, index: torch.Tensor, key_len: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """An indexed-attention layer's selection (``index``: ``[B, S, k]`` key positions) folded into
+    its ``[B, 1, S, T]`` mask, as the model's own eager/SDPA path folds it when its implementation
+    is not acb's: keys not selected are masked out."""
+    b, s = index.shape[:2]
+    dropped = torch.ones((b, s, key_len), dtype=torch.bool, device=index.device)
+    dropped = dropped.scatter(-1, index.long(), False)[:, None]
+    if mask is None:  # causal (the queries are the keys' last s)
+        causal = torch.ones((s, key_len), dtype=torch.bool, device=index.device).tril(key_len - s)
+        return causal & ~dropped
+    if mask.dtype == torch.bool:
+        return mask & ~dropped
+    return mask.masked_fill(dropped, torch.finfo(dtype).min)
 
 
 def temperature_tuning(module: torch.nn.Module) -> list[float] | None:

@@ -1,0 +1,164 @@
+"""Indexed sparse attention (DSA: DeepSeek V3.2, GLM-5 DSA, Hunyuan V4, AXK2) exact against
+``model.generate``: each layer's indexer picks the top-k cached tokens a query attends to; acb
+pages the indexers' keys beside K/V and runs the model's own indexer per request
+(``acb.runner.indexed``).
+
+The tiny configs are the catalogue sweep's (``benchmarks/model_sweep.py``): ``index_topk=4``, so
+that every prompt past four tokens attends to a selection (the check below proves the selection
+changes the tokens), and GLM-5 / Hunyuan V4 keep a layer that reuses the previous indexer's
+selection (``indexer_types`` ``"shared"``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import acb
+from tests.conftest import prompts_of_lengths
+from tests.test_model_sweep import ms
+
+ARCHS = ["axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4"]
+MAX_NEW = 6
+
+
+@functools.cache
+def model_of(arch: str, topk: int | None = None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = ms.tiny_config(arch)
+    if topk is not None:
+        config.index_topk = topk
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@functools.cache
+def reference(arch: str, prompt: tuple[int, ...], topk: int | None = None) -> list[int]:
+    """Greedy tokens of plain ``model.generate`` on one unpadded prompt, EOS not stopping it."""
+    with torch.no_grad():
+        out = model_of(arch, topk).generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(lengths, seed=1):
+    return prompts_of_lengths(lengths, vocab=256, seed=seed)
+
+
+def run(eng, ps, **kw):
+    return [
+        o.generated_tokens
+        for o in eng.generate_batch(ps, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False, **kw).values()
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_indexers_are_found_and_their_keys_paged(arch):
+    """The engine drives every indexer (found by the cache method it calls), gives each a
+    key-only cache layer of one key per token, and runs the torch reference backend."""
+    model = model_of(arch)
+    indexers = [m for m in model.modules() if type(m).__name__.endswith("Indexer")]
+    ids = torch.tensor([prompts([12])[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8)) as eng:
+        with torch.no_grad():  # the user's own forward meanwhile (a trainer's): the model's sparse attention
+            assert torch.equal(model(ids).logits, before)
+        runner = eng.runner
+        assert runner.indexed is not None and runner.indexed.layers == indexers
+        spec = runner.kv_cache.spec
+        assert spec.index_layers == tuple(m.layer_idx for m in indexers)
+        width = indexers[0].head_dim
+        keys = runner.kv_cache.k[spec.attention_layers :]
+        assert [tuple(t.shape) for t in keys] == [(16, 8, 1, width)] * len(indexers)
+        assert all(t.numel() == 0 for t in runner.kv_cache.v[spec.attention_layers :])
+        assert spec.bytes_per_token()["index keys"] == len(indexers) * width * 4
+        assert spec.bytes_per_block(8) == sum(t.nbytes for t in runner.kv_cache.k + runner.kv_cache.v) // 16
+        assert runner.cfg.attn_backend == "torch" and not runner.cfg.cuda_graphs
+
+
+def test_the_selection_changes_the_tokens():
+    """The parity below proves something: with every token selected (a top-k past the prompts'
+    lengths) ``model.generate`` gives other tokens than with the tiny configs' top-4."""
+    ps = prompts([17, 30, 9])
+    for arch in ARCHS:
+        assert any(reference(arch, tuple(p)) != reference(arch, tuple(p), 2048) for p in ps), arch
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(max_batch_tokens=8),  # chunked prefill: the indexer scores a chunk against earlier pages
+        dict(num_blocks=12, page_size=4, max_batch_tokens=16, use_async_batching=True),  # preemption, async
+        # offload under preemption: the indexer keys go out and back with the K/V
+        dict(num_blocks=13, page_size=4, safety_margin=0.0, cpu_offload_space=0.01),
+    ],
+    ids=["whole", "chunked", "preempt-async", "offload"],
+)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_parity(arch, cfg):
+    ps = prompts([5, 17, 30, 9, 22])
+    config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, "page_size": 8, **cfg})
+    with acb.Engine(model_of(arch), config) as eng:
+        got = run(eng, ps)
+        stats = eng.stats
+        if "num_blocks" in cfg:
+            assert stats.preemptions > 0
+        if "cpu_offload_space" in cfg:
+            assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks > 0, stats
+    assert got == [reference(arch, tuple(p)) for p in ps]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_prefix_cache_samples_scoring_cancel_and_sleep(arch):
+    """A cached prefix brings its indexer keys (the second request reuses the first's pages);
+    n = 3 samples share the prompt's pages; scoring equals a plain forward's log-softmax; a
+    request cancelled mid-prefill leaves nothing behind; sleep / wake recomputes exactly."""
+    model = model_of(arch)
+    ps = prompts([23, 7], seed=2)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=4, max_batch_tokens=8, allow_block_sharing=True)
+    with acb.Engine(model, cfg) as eng:
+        first = eng.generate(ps[0], max_new_tokens=MAX_NEW, ignore_eos=True)
+        again = eng.generate(ps[0][:20] + ps[1][:5], max_new_tokens=MAX_NEW, ignore_eos=True)
+        assert eng.stats.prefix_hits > 0
+        assert first.generated_tokens == reference(arch, tuple(ps[0]))
+        assert again.generated_tokens == reference(arch, tuple(ps[0][:20] + ps[1][:5]))
+        out = eng.generate(ps[1], max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
+        assert [s.generated_tokens for s in out.samples] == [reference(arch, tuple(ps[1]))] * 3
+        context, conts = ps[0][:11], [ps[1][:3], ps[1][3:4]]
+        scored = eng.score(context, conts)
+        for cont, got in zip(conts, scored.continuations):
+            with torch.no_grad():
+                logits = model(torch.tensor([context + cont])).logits[0].float()
+            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        long = prompts([90], seed=5)[0]
+        h = eng.submit(long, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+        def computed(core) -> int:  # (on the engine thread, between two steps)
+            return next((r.num_computed_tokens for r in core.scheduler.running if r.request_id == h.request_id), 0)
+
+        while not 0 < eng.call(computed).result(timeout=120) < len(long):
+            pass
+        h.cancel()
+        assert h.result(timeout=120).status == acb.RequestStatus.CANCELLED
+        hs = [eng.submit(p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in ps]
+        eng.sleep()
+        eng.wake_up()
+        assert [x.result(timeout=120).generated_tokens for x in hs] == [reference(arch, tuple(p)) for p in ps]
+
+
+def test_another_backend_is_refused_by_name():
+    """The selection is applied by the torch backend only: asking for another says so."""
+    with pytest.raises(ValueError, match="indexed sparse attention"):
+        acb.Engine(model_of("deepseek_v32"), acb.ContinuousBatchingConfig(num_blocks=16, attn_backend="triton")).start()
