@@ -431,8 +431,19 @@ HAND_CONFIGS: dict[str, dict[str, Any]] = {
 _DSA_LAYERS = dict(
     num_hidden_layers=3, layer_types=["indexed_attention"] * 3, mlp_layer_types=["dense", "sparse", "sparse"]
 )
+# short-convolution and lightning-attention hybrids: their real checkpoints' mix of state and
+# attention layers (LFM2's default config, and so the generic shrink, has attention layers only;
+# LFM2-MoE's has no layer types at all); MiniMax with lightning blocks shorter than a prompt
+_LFM = dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"])
 HAND_CONFIGS.update(
     {
+        "lfm2": dict(full_attn_idxs=[1, 3], **_LFM),
+        "lfm2_moe": dict(num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_LFM),
+        "minimax": dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            block_size=8,
+        ),
         "deepseek_v32": dict(index_topk=4, **_DSA_LAYERS),
         "axk2": dict(index_topk=4, **_DSA_LAYERS),
         "glm_moe_dsa": dict(index_topk=4, indexer_types=["full", "shared", "full"], **_DSA_LAYERS),

@@ -61,6 +61,15 @@ CLAIMED = (
     "kimi_linear",
     "olmo_hybrid",
     "zaya",
+    "minimax",
+    "lfm2",
+    "lfm2_moe",
+    "lfm3",
+    # indexed sparse attention (DSA): the indexers' keys paged
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "hy_v4",
+    "axk2",
 )
 SAMPLE_SIZE = 60  # others from the catalogue, drawn with SAMPLE_SEED (deterministic per transformers version)
 SAMPLE_SEED = 30

@@ -40,14 +40,23 @@ from typing import Any
 
 import torch
 
-# the cache interface a state layer speaks (transformers' linear-attention / SSM cache): a layer
-# class whose own code calls these on its cache keeps a per-request state acb must hold
-STATE_INTERFACE = frozenset({"get_conv_state", "get_recurrent_state", "update_recurrent_state"})
+# the cache interfaces a state layer speaks (transformers' linear-attention / SSM caches): a layer
+# class whose own code calls one of these sets on its cache keeps a per-request state acb must hold.
+# A convolution and a recurrent state (the gated delta rule, Mamba/Mamba2 mixers, Kimi's delta
+# attention), a recurrent state alone under another name (MiniMax's lightning attention:
+# get_linear_cache / set_linear_cache), or a convolution state alone (LFM2/LFM3's short conv)
+STATE_INTERFACES = (
+    frozenset({"get_conv_state", "get_recurrent_state", "update_recurrent_state"}),
+    frozenset({"get_linear_cache", "set_linear_cache"}),
+    frozenset({"get_conv_state", "update_conv_state"}),
+)
+STATE_INTERFACE = STATE_INTERFACES[0]
 
 _STEP = threading.local()
 
 
 _SPEAKS: dict[type, bool] = {}
+_NAMES: dict[type, frozenset[str]] = {}
 
 
 def _speaks_state_interface(cls: type) -> bool:
@@ -64,13 +73,20 @@ def _speaks_state_interface(cls: type) -> bool:
             code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
             if code is not None:
                 names.update(code.co_names)
-    _SPEAKS[cls] = STATE_INTERFACE <= names
+    _NAMES[cls] = frozenset(names)
+    _SPEAKS[cls] = any(interface <= names for interface in STATE_INTERFACES)
     return _SPEAKS[cls]
 
 
+def _conv_only(cls: type) -> bool:
+    """Whether the layer class keeps a convolution state and nothing else (LFM's short conv)."""
+    _speaks_state_interface(cls)
+    return _NAMES[cls] >= STATE_INTERFACES[2] and not (_NAMES[cls] & {"get_recurrent_state", "get_linear_cache"})
+
+
 def linear_layers(model: torch.nn.Module) -> list[Any]:
-    """The model's state layers acb drives: modules with a ``layer_idx`` whose class speaks the
-    cache interface of per-request states (:data:`STATE_INTERFACE`), found by what they do, not
+    """The model's state layers acb drives: modules with a ``layer_idx`` whose class speaks a
+    cache interface of per-request states (:data:`STATE_INTERFACES`), found by what they do, not
     by a list of class names (empty for a plain attention model)."""
     return [
         m
@@ -84,12 +100,14 @@ class LinearStates:
     write, from the shapes the layer gives: ``[rows, conv_dim, kernel]`` and ``[rows, heads,
     k_dim, v_dim]``), and which layers of each row hold a state."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
+    def __init__(self, rows: int, device: torch.device, conv_only: frozenset[int] = frozenset()) -> None:
         self.rows = rows
         self.device = device
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         self.valid: list[set[int]] = [set() for _ in range(rows)]
+        # layers whose state is a convolution state alone (LFM's short conv): written means valid
+        self.conv_only = conv_only
 
     def reset(self, row: int) -> None:
         """The row's request starts with no state (a new request, or a recompute)."""
@@ -98,8 +116,9 @@ class LinearStates:
     def copy(self, src: int, dst: int) -> None:
         """A child forks from its parent's state."""
         for layer in self.valid[src]:
-            self.conv[layer][dst].copy_(self.conv[layer][src])
-            self.recurrent[layer][dst].copy_(self.recurrent[layer][src])
+            for table in (self.conv, self.recurrent):
+                if layer in table:
+                    table[layer][dst].copy_(table[layer][src])
         self.valid[dst] = set(self.valid[src])
 
     def nbytes(self) -> int:
@@ -160,6 +179,8 @@ class _RequestCache:
                 full = torch.nn.functional.pad(full, (k - full.shape[-1], 0), value=0)
         buf = self.states._buffer(self.states.conv, layer_idx, full[..., -k:])
         buf[self.row].copy_(full[0, :, -k:])
+        if layer_idx in self.states.conv_only:
+            self.states.valid[self.row].add(layer_idx)
         return full
 
     def update_recurrent_state(
@@ -169,6 +190,13 @@ class _RequestCache:
         buf[self.row].copy_(recurrent_states[0])
         self.states.valid[self.row].add(layer_idx)
         return buf[self.row : self.row + 1]
+
+    # MiniMax's names for a recurrent state (its lightning attention's K^T V sum)
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self.update_recurrent_state(linear_cache, layer_idx)
 
 
 class _BatchCache:
@@ -181,9 +209,11 @@ class _BatchCache:
     def __init__(self, states: LinearStates, rows: list[int], layer: int) -> None:
         self.states = states
         self.rows = rows
-        self.index = torch.tensor(rows, dtype=torch.long, device=states.conv[layer].device)
-        self.conv = states.conv[layer].index_select(0, self.index)  # decode updates it in place
-        self.recurrent = states.recurrent[layer].index_select(0, self.index)
+        self.index = torch.tensor(rows, dtype=torch.long, device=states.device)
+        # (decode updates the conv state in place) a layer may keep one of the two only
+        conv, rec = states.conv.get(layer), states.recurrent.get(layer)
+        self.conv = conv.index_select(0, self.index) if conv is not None else None
+        self.recurrent = rec.index_select(0, self.index) if rec is not None else None
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return True
@@ -191,11 +221,17 @@ class _BatchCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.conv
 
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.recurrent
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self.recurrent
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self.recurrent = linear_cache
 
     def update_conv_state(
         self,
@@ -205,6 +241,7 @@ class _BatchCache:
         conv_kernel_size: int | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        assert self.conv is not None
         full = torch.cat([self.conv, conv_states], dim=-1)
         self.conv = full[..., -self.conv.shape[-1] :].clone()
         return full
@@ -216,8 +253,11 @@ class _BatchCache:
         return recurrent_states
 
     def scatter(self, layer: int) -> None:
-        self.states.conv[layer].index_copy_(0, self.index, self.conv)
-        self.states.recurrent[layer].index_copy_(0, self.index, self.recurrent.to(self.states.recurrent[layer].dtype))
+        if self.conv is not None:
+            self.states.conv[layer].index_copy_(0, self.index, self.conv)
+        if self.recurrent is not None:
+            rec = self.states.recurrent[layer]
+            rec.index_copy_(0, self.index, self.recurrent.to(rec.dtype))
 
 
 class _Step:
@@ -244,22 +284,65 @@ def linear_step(states: LinearStates, num_new: list[int], rows: list[int]) -> It
         _STEP.step = prev
 
 
-def _call(original: Any, cache_arg: str, x: torch.Tensor, cache: Any) -> Any:
-    """The layer's own forward on ``x`` with ``cache`` as its cache argument and no mask."""
-    return original(x, **{cache_arg: cache})
+def _call(original: Any, cache_arg: str, x: torch.Tensor, cache: Any, extra: dict[str, Any], at: Any) -> Any:
+    """The layer's own forward on ``x`` with ``cache`` as its cache argument, no mask, and the
+    other arguments it requires (``extra``: per-token tensors taken at ``at``, as ``x`` was)."""
+    return original(x, **{cache_arg: cache}, **{name: _take(v, at) for name, v in extra.items()})
 
 
-def _cat(outs: list[Any]) -> Any:
-    """The per-segment outputs as one batch along the token dimension (a tuple: element-wise)."""
+def _take(value: Any, at: Any) -> Any:
+    """A per-token argument (``[1, T, ...]``, or a tuple of them: rotary cos/sin) for the tokens
+    ``at`` selects: a segment (a slice, ``[1, n, ...]``) or decode rows (an index, ``[B, 1, ...]``)."""
+    if isinstance(value, tuple):
+        return tuple(_take(v, at) for v in value)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return value
+    if isinstance(at, slice):
+        return value[:, at]
+    return value[0, at].unsqueeze(1)
+
+
+def _required(sig: inspect.Signature, cache_arg: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments besides the input and the cache that the layer's forward cannot do without
+    (MiniMax's lightning attention: ``position_embeddings``, ``attention_mask``), from the call
+    the model made: per-token tensors pass through :func:`_take`; a mask is dropped (None)."""
+    params = list(sig.parameters.values())[2:]  # after self and the input
+    need = [
+        p
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.name != cache_arg
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if not need:
+        return {}
+    given = dict(zip([p.name for p in params], args[1:]))
+    given.update(kwargs)
+    return {p.name: None if "mask" in p.name else given.get(p.name) for p in need}
+
+
+def _cat(outs: list[Any], per_token: tuple[bool, ...] | None) -> Any:
+    """The per-segment outputs as one batch along the token dimension (a tuple: element-wise; an
+    element that is not per token, per :func:`resumes_prefill`'s try, is None)."""
     if isinstance(outs[0], tuple):
-        return tuple(torch.cat(parts, dim=1) for parts in zip(*outs))
+        flags = per_token or (True,) * len(outs[0])
+        return tuple(torch.cat(parts, dim=1) if f else None for parts, f in zip(zip(*outs), flags))
     return torch.cat(outs, dim=1)
 
 
-def _forward(original: Any, layer: int, cache_arg: str, *args: Any, **kwargs: Any) -> Any:
+# layer class -> whether each element of its forward's tuple output is per token (found by
+# resumes_prefill's try: MiniMax's lightning attention also returns its state, which is not)
+_PER_TOKEN: dict[type, tuple[bool, ...]] = {}
+
+
+def _forward(
+    original: Any, layer: int, cache_arg: str, sig: inspect.Signature, cls: type, *args: Any, **kwargs: Any
+) -> Any:
     step: _Step | None = getattr(_STEP, "step", None)
     if step is None:  # not an engine step: the layer as it always was
         return original(*args, **kwargs)
+    extra = _required(sig, cache_arg, args, kwargs)
+    per_token = _PER_TOKEN.get(cls)
     # the layer's input; its cache argument is replaced by this step's per-request states, and the
     # rest (acb's attention plumbing, transformers' flash kwargs, a padding mask) is not passed:
     # the layer's torch path needs none of it, and its conv kernel would take it for varlen arguments
@@ -268,28 +351,34 @@ def _forward(original: Any, layer: int, cache_arg: str, *args: Any, **kwargs: An
     decode = [(lo, row) for lo, hi, row in step.segments if hi - lo == 1 and layer in states.valid[row]]
     if len(decode) < 2:  # one call per request
         outs = [
-            _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row))
+            _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row), extra, slice(lo, hi))
             for lo, hi, row in step.segments
         ]
-        return outs[0] if len(outs) == 1 else _cat(outs)
+        return _cat(outs, per_token)
     # the decode rows in one batched call of the layer (one token each, as model.generate's
     # batched decode), the others one call per request
     batch = _BatchCache(states, [row for _, row in decode], layer)
     at = torch.tensor([lo for lo, _ in decode], dtype=torch.long, device=hidden_states.device)
-    rows_out = _call(original, cache_arg, hidden_states[0, at].unsqueeze(1), batch)  # [B, 1, ...] each
+    rows_out = _call(original, cache_arg, hidden_states[0, at].unsqueeze(1), batch, extra, at)  # [B, 1, ...] each
     batch.scatter(layer)
     batched = set(batch.rows)
     total = hidden_states.shape[1]
     single = not isinstance(rows_out, tuple)
     parts = (rows_out,) if single else rows_out
-    outs = [torch.empty((1, total, *p.shape[2:]), dtype=p.dtype, device=p.device) for p in parts]
+    flags = (per_token or (True,) * len(parts)) if not single else (True,)
+    outs = [
+        torch.empty((1, total, *p.shape[2:]), dtype=p.dtype, device=p.device) if f else None
+        for p, f in zip(parts, flags)
+    ]
     for out, p in zip(outs, parts):
-        out[0, at] = p[:, 0]
+        if out is not None:
+            out[0, at] = p[:, 0]
     for lo, hi, row in step.segments:
         if not (hi - lo == 1 and row in batched):
-            got = _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row))
+            got = _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row), extra, slice(lo, hi))
             for out, p in zip(outs, (got,) if single else got):
-                out[:, lo:hi] = p
+                if out is not None:
+                    out[:, lo:hi] = p
     return outs[0] if single else tuple(outs)
 
 
@@ -312,16 +401,33 @@ def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 12, hidden_size, generator=g).to(param.device, param.dtype)
     arg = _cache_arg(layer)
+    # arguments the forward requires besides its input and cache: none on this try (MiniMax's rotary
+    # embeddings and mask, which its lightning attention does not read)
+    extra = {name: None for name in _required(inspect.signature(type(layer).forward), arg, (x,), {})}
+    conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
+
+    def states() -> LinearStates:
+        return LinearStates(1, param.device, conv_only)
+
     try:
         with torch.no_grad():
-            whole = layer(x, **{arg: _RequestCache(LinearStates(1, param.device), 0)})
-            states = LinearStates(1, param.device)
-            layer(x[:, :7], **{arg: _RequestCache(states, 0)})
-            second = layer(x[:, 7:], **{arg: _RequestCache(states, 0)})
+            whole = layer(x, **{arg: _RequestCache(states(), 0)}, **extra)
+            kept = states()
+            layer(x[:, :7], **{arg: _RequestCache(kept, 0)}, **extra)
+            second = layer(x[:, 7:], **{arg: _RequestCache(kept, 0)}, **extra)
     except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: prefill whole, to be safe
         return False
-    pairs = zip(second, whole) if isinstance(whole, tuple) else [(second, whole)]
-    for got, full in pairs:
+    pairs = list(zip(second, whole)) if isinstance(whole, tuple) else [(second, whole)]
+    # an output is per token when its second dimension is the input's token count in both runs
+    flags = tuple(
+        isinstance(full, torch.Tensor) and full.dim() >= 2 and full.shape[1] == 12 and got.shape[1] == 5
+        for got, full in pairs
+    )
+    if isinstance(whole, tuple):
+        _PER_TOKEN[type(layer)] = flags
+    for (got, full), per_token in zip(pairs, flags):
+        if not per_token:  # (MiniMax's returned state)
+            continue
         want = full[:, 7:].float()
         if not torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6):
             return False
@@ -333,10 +439,16 @@ class LinearLayers:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.layers = linear_layers(model)
+        # layers keeping a convolution state alone: a write makes their state valid
+        self.conv_only = frozenset(layer.layer_idx for layer in self.layers if _conv_only(type(layer)))
         for layer in self.layers:
             original = layer.forward
             arg = _cache_arg(layer)
-            layer.forward = lambda *a, _o=original, _i=layer.layer_idx, _c=arg, **k: _forward(_o, _i, _c, *a, **k)
+            cls = type(layer)
+            sig = inspect.signature(cls.forward)
+            layer.forward = lambda *a, _o=original, _i=layer.layer_idx, _c=arg, _s=sig, _t=cls, **k: _forward(
+                _o, _i, _c, _s, _t, *a, **k
+            )
 
     def remove(self) -> None:
         for layer in self.layers:

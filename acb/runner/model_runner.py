@@ -220,7 +220,8 @@ class ModelRunner:
                 "decode CUDA graphs and torch.compile are off for %s: its linear-attention layers run per request",
                 type(self.model).__name__,
             )
-        self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device)
+        assert self.linear is not None
+        self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device, self.linear.conv_only)
 
     def _indexed_settings(self, config: ContinuousBatchingConfig) -> None:
         """An indexed-attention model's indexers run once per request, from Python (the reference
@@ -305,7 +306,7 @@ class ModelRunner:
         self._prev_ids = None  # type: ignore[assignment]
         if self.linear is not None:  # the requests are recomputed after wake_up: their states start anew
             other += self.states.nbytes()
-            self.states = LinearStates(self.states.rows, self.device)
+            self.states = LinearStates(self.states.rows, self.device, self.states.conv_only)
         measured = None
         if cuda:
             torch.cuda.empty_cache()

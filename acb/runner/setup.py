@@ -115,7 +115,7 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
         # the others never read the slot mapped here
         # the layers with an attention module of their own, and those whose type says attention (a
         # shared attention block called at several layers, Zamba2's, is one module for all of them)
-        stateless = {"linear_attention", "mamba", "mlp", "moe"}
+        stateless = {"linear_attention", "mamba", "mlp", "moe", "conv"}
         attention = sorted(set(_attention_modules(model)) | {i for i, t in enumerate(types) if t not in stateless})
         layers = text.num_hidden_layers
         if not attention or len(attention) == layers:

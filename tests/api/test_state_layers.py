@@ -1,11 +1,12 @@
 """State-space (Mamba, Mamba2) and other linear-attention layers, recognised by the cache
-interface they speak (``acb.runner.linear_state.STATE_INTERFACE``), exact against
+interfaces they speak (``acb.runner.linear_state.STATE_INTERFACES``), exact against
 ``model.generate``: pure state models (Mamba, Mamba2, Falcon-Mamba: no KV cache at all), hybrids
 of state and attention layers (Jamba, Bamba, Granite 4 hybrid, Nemotron-H with its MLP and MoE
 layers, Falcon-H1 with attention and a state layer side by side in each layer, Zamba2 with a
 shared attention block at its hybrid layers), and the other
 linear-attention kinds (Kimi Linear's delta attention, OLMo hybrid's gated delta rule, Zaya's
-convolutional attention projection).
+convolutional attention projection, MiniMax's lightning attention) and short convolutions (LFM2,
+LFM2-MoE, LFM3).
 
 Each family's tiny config is the catalogue sweep's (``benchmarks/model_sweep.py``: the hand-written
 ones keep every layer kind of the real checkpoints). Mamba1's scan cannot resume a prefill from a
@@ -40,6 +41,13 @@ FAMILIES = {
     # a state inside attention: Zaya's compressed convolutional q/k projection and delayed values
     # (its cache argument is past_key_values, and it returns query, key and value)
     "zaya": ("ZayaCCAProjection", False, None),
+    # a recurrent state under other names (MiniMax's lightning attention: get/set_linear_cache; its
+    # forward also requires rotary embeddings and a mask, and returns its state beside its output)
+    "minimax": ("MiniMaxLightningAttention", False, 1),
+    # a convolution state alone (LFM's short convolutions: get/update_conv_state)
+    "lfm2": ("Lfm2ShortConv", False, 2),
+    "lfm2_moe": ("Lfm2MoeShortConv", False, 2),
+    "lfm3": ("Lfm3ShortConv", False, 2),
 }
 MAX_NEW = 6
 
@@ -110,7 +118,7 @@ def test_greedy_parity(arch, cfg):
     assert got == [reference(arch, tuple(p)) for p in ps]
 
 
-@pytest.mark.parametrize("arch", ["mamba", "bamba", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["mamba", "bamba", "nemotron_h", "minimax", "lfm3"])
 def test_samples_scoring_cancel_and_sleep(arch):
     """n = 3 samples forked from the prompt's state; scoring equal to a plain forward's
     log-softmax; a request cancelled mid-prefill leaves nothing behind; sleep / wake drops the
