@@ -444,6 +444,23 @@ HAND_CONFIGS.update(
             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
             block_size=8,
         ),
+        # compressed attention: pooled entries every 4 (CSA) and 8 (HCA) tokens, a sliding window
+        # shorter than a prompt, the indexer picking 2 pooled entries, a sliding-only layer too
+        "deepseek_v4": dict(
+            num_hidden_layers=4,
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            sliding_window=8,
+            index_topk=2,
+            index_n_heads=8,
+            o_lora_rank=16,
+        ),
         "deepseek_v32": dict(index_topk=4, **_DSA_LAYERS),
         "axk2": dict(index_topk=4, **_DSA_LAYERS),
         "glm_moe_dsa": dict(index_topk=4, indexer_types=["full", "shared", "full"], **_DSA_LAYERS),

@@ -37,6 +37,7 @@ from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec
 from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step, resumes_prefill
+from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers, own_cache_step
 from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
     _ATTN_SWAP,
@@ -114,10 +115,13 @@ class ModelRunner:
         self.cfg, spec = resolve_config(model, config)
         # hybrid models: linear-attention layers run per request with their recurrent state
         self.linear = LinearLayers(model) if linear_layers(model) else None
+        # attention layers that run per request on the model's own cache (DeepSeek V4's compressed attention)
+        self.own = OwnCacheLayers(model) if own_cache_layers(model) else None
+        self.own_caches = OwnCaches(model.config) if self.own is not None else None
         self.shared_attention = SharedAttention(model)  # modules told their layer at call time (Zamba2)
         # indexed (DSA) attention: the indexers run per request over their paged keys
         self.indexed = IndexedLayers(model) if indexer_modules(model) else None
-        if self.linear is not None:
+        if self.linear is not None or self.own is not None:
             self._hybrid_settings(config)
         if self.packed is not None:
             self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
@@ -141,7 +145,7 @@ class ModelRunner:
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(
             self.cfg,
-            cuda_graphs=self._want_graphs() and self.linear is None and self.indexed is None,
+            cuda_graphs=self._want_graphs() and self.linear is None and self.own is None and self.indexed is None,
             graph_step=config.q_padding_interval_size or None,
         )
         group = tp_group(model)
@@ -150,7 +154,7 @@ class ModelRunner:
         self._compiled: dict[str, Any] = {}
         if self.indexed is not None:
             self._indexed_settings(config)
-        elif self.linear is None:
+        elif self.linear is None and self.own is None:
             self._setup_compile(config)
         self.streams = DeviceStreams(self.device)
         self._step_buffers()
@@ -193,7 +197,7 @@ class ModelRunner:
         ]
         if off:
             logger.info(
-                "%s has linear-attention layers (per-request recurrent state): %s off for it",
+                "%s has layers with a per-request state (linear attention, or a cache of its own): %s off for it",
                 type(self.model).__name__,
                 " and ".join(off),
             )
@@ -217,11 +221,11 @@ class ModelRunner:
             or config.varlen_compile_config is not None
         ):
             logger.warning(
-                "decode CUDA graphs and torch.compile are off for %s: its linear-attention layers run per request",
+                "decode CUDA graphs and torch.compile are off for %s: its state layers run per request",
                 type(self.model).__name__,
             )
-        assert self.linear is not None
-        self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device, self.linear.conv_only)
+        conv_only = self.linear.conv_only if self.linear is not None else frozenset()
+        self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device, conv_only)
 
     def _indexed_settings(self, config: ContinuousBatchingConfig) -> None:
         """An indexed-attention model's indexers run once per request, from Python (the reference
@@ -307,6 +311,9 @@ class ModelRunner:
         if self.linear is not None:  # the requests are recomputed after wake_up: their states start anew
             other += self.states.nbytes()
             self.states = LinearStates(self.states.rows, self.device, self.states.conv_only)
+        if self.own_caches is not None:
+            other += self.own_caches.nbytes()
+            self.own_caches.clear()
         measured = None
         if cuda:
             torch.cuda.empty_cache()
@@ -438,6 +445,8 @@ class ModelRunner:
             self._holds_attn = False
         if self.linear is not None:
             self.linear.remove()
+        if self.own is not None:
+            self.own.remove()
         if self.indexed is not None:
             self.indexed.remove()
         self.shared_attention.remove()
@@ -466,6 +475,12 @@ class ModelRunner:
         if linear is not None:  # a request given a row starts with no recurrent state (new, or recomputed)
             for req in sched.row_inits:
                 linear.reset(req.row)
+        own = self.own_caches
+        if own is not None:  # a request's own cache starts empty (new, or recomputed); a freed row's goes
+            for row in sched.freed_rows:
+                own.reset(row)
+            for req in sched.row_inits:
+                own.reset(req.row)
         if sched.swap_out:  # before swap-ins and the forward, which may reuse these device blocks
             self.kv_cache.swap_out(sched.swap_out)
         if sched.swap_in:
@@ -501,10 +516,14 @@ class ModelRunner:
                     per_request.enter_context(linear_step(linear, sched.num_new, sched.rows))
                 if self.indexed is not None:
                     per_request.enter_context(indexed_step(self.kv_cache, batch.attn))
+                if own is not None:
+                    per_request.enter_context(own_cache_step(own, sched.num_new, sched.rows))
                 logits = self.forward(batch, ctx)
-            if linear is not None:
-                for src, dst in sched.state_copies_after:  # forks: children start from the parent's state
+            for src, dst in sched.state_copies_after:  # forks: children start from the parent's state
+                if linear is not None:
                     linear.copy(src, dst)
+                if own is not None:
+                    own.copy(src, dst)
         prompt = nxt = None
         if scored:
             n_prompt = logits.shape[0] - num_samples - len(sched.next_lp)

@@ -44,7 +44,10 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(why)
     from acb.runner.indexed import indexer_modules
     from acb.runner.linear_state import linear_layers
+    from acb.runner.own_cache import own_cache_layers
 
+    # attention layers run on the model's own cache, per request (DeepSeek V4's compressed attention)
+    own = {m.layer_idx for m in own_cache_layers(model)}
     hybrid = bool(linear_layers(model))  # linear-attention layers acb drives with per-request states
     # indexed sparse attention (DSA): its indexers' keys paged, their selection applied (acb.runner.indexed)
     indexed = bool(indexer_modules(model))
@@ -64,7 +67,7 @@ def check_model(model: PreTrainedModel) -> None:
             SUPPORTED_LAYER_TYPES | ({"hybrid"} if hybrid else set()) | ({"indexed_attention"} if indexed else set())
         )
         other = sorted(
-            {t for i, t in enumerate(layer_types) if t not in known and (not hybrid or i in attention)}
+            {t for i, t in enumerate(layer_types) if t not in known and (not hybrid or i in attention) and i not in own}
             - ({"linear_attention"} if hybrid else set())
         )
         if other:
@@ -180,6 +183,16 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
 
 def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     text = model.config.get_text_config()
+    from acb.runner.own_cache import own_cache_layers
+
+    own = own_cache_layers(model)
+    if own:  # layers on the model's own cache (acb.runner.own_cache) use no pages: the blocks only measure lengths
+        if len(own) != text.num_hidden_layers:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has attention layers acb runs on the model's own cache beside layers it "
+                "pages; acb runs a model with one kind or the other"
+            )
+        return KVSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=dtype, layer_map=(0,) * text.num_hidden_layers)
     layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
     if layer_map is not None and not _attention_modules(model) and getattr(text, "num_attention_heads", None) is None:
         # state layers only (Mamba, Mamba2, Falcon-Mamba): no KV cache at all; the blocks are

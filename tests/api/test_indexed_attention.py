@@ -1,4 +1,5 @@
-"""Indexed sparse attention (DSA: DeepSeek V3.2, GLM-5 DSA, Hunyuan V4, AXK2) exact against
+"""Indexed sparse attention (DSA: DeepSeek V3.2, GLM-5 DSA, Hunyuan V4, AXK2) and DeepSeek V4's
+compressed sparse attention exact against
 ``model.generate``: each layer's indexer picks the top-k cached tokens a query attends to; acb
 pages the indexers' keys beside K/V and runs the model's own indexer per request
 (``acb.runner.indexed``).
@@ -162,3 +163,94 @@ def test_another_backend_is_refused_by_name():
     """The selection is applied by the torch backend only: asking for another says so."""
     with pytest.raises(ValueError, match="indexed sparse attention"):
         acb.Engine(model_of("deepseek_v32"), acb.ContinuousBatchingConfig(num_blocks=16, attn_backend="triton")).start()
+
+
+# --- DeepSeek V4: compressed (sparse) attention on the model's own cache, per request -----------------
+
+
+def test_deepseek_v4_layers_run_on_their_own_cache():
+    """Every attention layer (sliding-only, CSA, HCA) runs on the model's own cache object per
+    request: no KV pages, no prefix caching or offload; the caches go with their requests."""
+    model = model_of("deepseek_v4")
+    cfg = acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, allow_block_sharing=True, cpu_offload_space=0.01)
+    with acb.Engine(model, cfg) as eng:
+        runner = eng.runner
+        assert [m.layer_idx for m in runner.own.layers] == [0, 1, 2, 3]
+        assert runner.kv_cache.k == [] and runner.kv_cache.spec.num_layers == 0
+        assert not runner.cfg.prefix_caching and runner.cfg.num_swap_blocks == 0
+        run(eng, prompts([19, 6, 11]))
+        # the next step frees the finished requests' rows, and their caches with them
+        eng.generate(prompts([4])[0], max_new_tokens=2, ignore_eos=True)
+        assert eng.call(lambda core: len(runner.own_caches.rows)).result(timeout=60) <= 1
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(max_batch_tokens=8),  # chunked prefill: the compressor's buffer and overlap carried across chunks
+        dict(num_blocks=12, page_size=4, max_batch_tokens=16, use_async_batching=True),  # preemption, async
+    ],
+    ids=["whole", "chunked", "preempt-async"],
+)
+def test_deepseek_v4_greedy_parity(cfg):
+    ps = prompts([5, 17, 30, 9, 22])
+    config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, "page_size": 8, **cfg})
+    with acb.Engine(model_of("deepseek_v4"), config) as eng:
+        got = run(eng, ps)
+        if "num_blocks" in cfg:
+            assert eng.stats.preemptions > 0
+    assert got == [reference("deepseek_v4", tuple(p)) for p in ps]
+
+
+def test_deepseek_v4_compression_and_selection_change_the_tokens():
+    """The parity above proves something: a wider sliding window, or an indexer keeping every
+    pooled entry, gives other tokens than the tiny config's."""
+    from transformers import AutoModelForCausalLM
+
+    ps = prompts([17, 30, 22])
+    base = [reference("deepseek_v4", tuple(p)) for p in ps]
+    for field, value in (("sliding_window", 64), ("index_topk", 512)):
+        config = ms.tiny_config("deepseek_v4")
+        setattr(config, field, value)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            other = [
+                model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)[
+                    0, len(p) :
+                ].tolist()
+                for p in ps
+            ]
+        assert other != base, field
+
+
+def test_deepseek_v4_samples_scoring_cancel_and_sleep():
+    model = model_of("deepseek_v4")
+    ps = prompts([23, 7], seed=2)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=4, max_batch_tokens=8)
+    with acb.Engine(model, cfg) as eng:
+        out = eng.generate(ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
+        assert [s.generated_tokens for s in out.samples] == [reference("deepseek_v4", tuple(ps[0]))] * 3
+        context, conts = ps[0][:11], [ps[1][:3], ps[1][3:4]]
+        scored = eng.score(context, conts)
+        for cont, got in zip(conts, scored.continuations):
+            with torch.no_grad():
+                logits = model(torch.tensor([context + cont])).logits[0].float()
+            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        long = prompts([90], seed=5)[0]
+        h = eng.submit(long, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+        def computed(core) -> int:  # (on the engine thread, between two steps)
+            return next((r.num_computed_tokens for r in core.scheduler.running if r.request_id == h.request_id), 0)
+
+        while not 0 < eng.call(computed).result(timeout=120) < len(long):
+            pass
+        h.cancel()
+        assert h.result(timeout=120).status == acb.RequestStatus.CANCELLED
+        hs = [eng.submit(p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in ps]
+        eng.sleep()
+        assert eng.runner.own_caches.rows == {}
+        eng.wake_up()
+        assert [x.result(timeout=120).generated_tokens for x in hs] == [reference("deepseek_v4", tuple(p)) for p in ps]

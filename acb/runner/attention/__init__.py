@@ -141,6 +141,9 @@ def acb_attention_forward(
     ctx: StepContext | Literal[True] | None = kwargs.get("acb_ctx")
     if ctx is None:  # a decoder layer that drops its kwargs (Nemotron): the thread's step, if any
         ctx = getattr(_STEP, "ctx", None)
+    if getattr(_OWN_HERE, "on", False):  # a layer run on the model's own cache (acb.runner.own_cache)
+        ctx = None
+        kwargs.pop("acb_ctx", None)
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
         index = kwargs.pop("indices", None)
         if index is not None:  # indexed attention: what the model's eager/SDPA path does with the selection
@@ -193,6 +196,22 @@ def acb_attention_forward(
             ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning
         )
     return (out if k_dim == v_dim else out[..., :v_dim].contiguous()), None
+
+
+_OWN_HERE = threading.local()
+
+
+@contextlib.contextmanager
+def own_attention_here() -> Iterator[None]:
+    """Within the block, this thread's attention calls go to the model's own attention function
+    (with the mask and keys the model gives it), as outside an engine step: for layers that run
+    on the model's own cache (:mod:`acb.runner.own_cache`)."""
+    prev = getattr(_OWN_HERE, "on", False)
+    _OWN_HERE.on = True
+    try:
+        yield
+    finally:
+        _OWN_HERE.on = prev
 
 
 def fold_selection(

@@ -1,0 +1,216 @@
+"""Attention layers acb cannot page, run per request on the model's own cache: DeepSeek V4's
+compressed attention (a sliding window of keys that are also the values, plus the entries a
+compressor pools from every ``compress_rate`` tokens, of which a lightning indexer picks the
+top-k per query in the ``compressed_sparse_attention`` layers).
+
+Such a layer keeps, per sequence, more than K/V pages can hold: the compressor's buffer of
+tokens that have not yet closed a window, the overlap slice of the last window, and the pooled
+entries, which the model's own cache layer classes (``DynamicCache(config=...)`` builds them)
+keep and update through their own methods (``store_compression_weights``,
+``update_compressor_states``, ``update_overlap_state``). acb does not re-implement them: it keeps
+one cache object of the model's own per request (by block-table row, as the state layers'
+states), and within an engine step runs each such layer's own forward once per request segment
+of the flattened batch, with that request's cache, the model's own mask for it (built once per
+step, before the step's first layer writes the cache, as ``model.generate`` builds it once per
+forward), and the model's own attention function (``acb.runner.attention.own_attention_here``).
+
+Lifecycle (as :mod:`acb.runner.linear_state`): a request given a row starts with an empty cache
+(new, or recomputed after a preemption); chunked prefill carries the cache from chunk to chunk;
+``n > 1`` children fork a deep copy of the parent's after its prompt; prefix caching and offload
+are off. These layers use no KV pages: the blocks only measure each request's length, and what
+the caches hold grows with it (a sliding window, one pooled entry per ``compress_rate`` tokens).
+
+The layers are found by what they do: attention modules whose class runs a compressor, a
+submodule whose class calls the cache's ``update_compressor_states``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from acb.runner.attention import own_attention_here
+
+# the cache-layer method a compressor's own code calls to keep its pooled entries
+COMPRESSOR_INTERFACE = "update_compressor_states"
+
+_STEP = threading.local()
+
+
+def _code_names(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch."):
+            break
+        for fn in vars(klass).values():
+            code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+            if code is not None:
+                names.update(code.co_names)
+    return names
+
+
+def own_cache_layers(model: torch.nn.Module) -> list[Any]:
+    """The model's attention modules that run on its own cache: every module (with a
+    ``layer_idx``) of a class some instance of which has a compressor submodule whose class
+    calls ``update_compressor_states`` (a class's layers without a compressor, DeepSeek V4's
+    sliding-only ones, share its K=V layout and go the same way). Empty for other models."""
+    classes = {
+        type(m)
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int)
+        and any(COMPRESSOR_INTERFACE in _code_names(type(c)) for c in m.children())
+    }
+    found = {m.layer_idx: m for m in model.modules() if type(m) in classes and isinstance(m.layer_idx, int)}
+    return [found[i] for i in sorted(found)]
+
+
+class OwnCaches:
+    """The model's own cache object of each request row (made at its first step)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.rows: dict[int, Any] = {}
+
+    def reset(self, row: int) -> None:
+        self.rows.pop(row, None)
+
+    def copy(self, src: int, dst: int) -> None:
+        if src in self.rows:
+            self.rows[dst] = copy.deepcopy(self.rows[src])
+        else:
+            self.rows.pop(dst, None)
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+    def of(self, row: int) -> Any:
+        cache = self.rows.get(row)
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = self.rows[row] = DynamicCache(config=self.config)
+        return cache
+
+    def nbytes(self) -> int:
+        total = 0
+        for cache in self.rows.values():
+            for layer in getattr(cache, "layers", ()):
+                for value in vars(layer).values():
+                    tensors = value.values() if isinstance(value, dict) else [value]
+                    total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+        return total
+
+
+class _Step:
+    __slots__ = ("caches", "segments", "masks")
+
+    def __init__(self, caches: OwnCaches, segments: list[tuple[int, int, int]]) -> None:
+        self.caches = caches
+        self.segments = segments  # (first token, end, request row)
+        self.masks: dict[int, Any] = {}  # row -> the request's mask for this step
+
+
+@contextlib.contextmanager
+def own_cache_step(caches: OwnCaches, num_new: list[int], rows: list[int]) -> Iterator[None]:
+    """Within the block, the intercepted layers of this thread's forward run per request
+    (``num_new`` tokens each, in batch order, on the caches of their ``rows``)."""
+    segments, lo = [], 0
+    for n, row in zip(num_new, rows):
+        segments.append((lo, lo + n, row))
+        lo += n
+    prev = getattr(_STEP, "step", None)
+    _STEP.step = _Step(caches, segments)
+    try:
+        yield
+    finally:
+        _STEP.step = prev
+
+
+def _take(value: Any, lo: int, hi: int) -> Any:
+    """A per-token argument for tokens ``lo:hi`` (tensors ``[1, T, ...]``; tuples and dicts of them)."""
+    if isinstance(value, dict):
+        return {k: _take(v, lo, hi) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_take(v, lo, hi) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        return value[:, lo:hi]
+    return value
+
+
+def _mask(config: Any, cache: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """The model's own mask for one request's step, from its cache before the step."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    embeds = hidden.new_empty((1, position_ids.shape[1], 1))
+    return create_sliding_window_causal_mask(
+        config=config,
+        inputs_embeds=embeds,
+        attention_mask=None,
+        past_key_values=cache,
+        position_ids=position_ids,
+    )
+
+
+def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **kwargs: Any) -> Any:
+    step: _Step | None = getattr(_STEP, "step", None)
+    if step is None:  # not an engine step: the layer as it always was
+        return original(*args, **kwargs)
+    bound = sig.bind(module, *args, **kwargs).arguments
+    rest: dict[str, Any] = {}
+    for name, value in list(bound.items())[1:]:
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            rest.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            rest[name] = value
+    hidden = rest.pop("hidden_states")
+    position_ids = rest.pop("position_ids")
+    rest.pop("acb_ctx", None)
+    rest.pop("past_key_values", None)
+    rest.pop("attention_mask", None)
+    per_token = {k: v for k, v in rest.items() if k in ("position_embeddings",)}
+    other = {k: v for k, v in rest.items() if k not in per_token}
+    outs = []
+    with own_attention_here():
+        for lo, hi, row in step.segments:
+            cache = step.caches.of(row)
+            pos = position_ids[:, lo:hi]
+            mask = step.masks.get(row)
+            if mask is None:  # the step's first such layer: the cache is as the step found it
+                mask = step.masks[row] = _mask(step.caches.config, cache, hidden, pos)
+            if isinstance(mask, dict):
+                mask = mask.get(getattr(module, "layer_type", None), next(iter(mask.values())))
+            out = original(
+                hidden_states=hidden[:, lo:hi],
+                position_ids=pos,
+                attention_mask=mask,
+                past_key_values=cache,
+                **{k: _take(v, lo, hi) for k, v in per_token.items()},
+                **other,
+            )
+            outs.append(out[0] if isinstance(out, tuple) else out)
+    joined = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return (joined, None)
+
+
+class OwnCacheLayers:
+    """The interception of a model's own-cache attention layers (installed for an engine's life)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers = own_cache_layers(model)
+        for m in self.layers:
+            original = m.forward
+            sig = inspect.signature(type(m).forward)
+            m.forward = lambda *a, _o=original, _s=sig, _m=m, **k: _forward(_o, _s, _m, *a, **k)
+
+    def remove(self) -> None:
+        for m in self.layers:
+            if "forward" in vars(m):
+                del m.forward
+        self.layers = []
