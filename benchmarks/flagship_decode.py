@@ -3,11 +3,13 @@
 
     python benchmarks/flagship_decode.py [--requests 32] [--tokens 64]
 
-Three families at one size (hidden 256, 8 layers, vocabulary 4,096, float32 on CPU, random
+Four families at one size (hidden 256, 8 layers, vocabulary 4,096, float32 on CPU, random
 weights, greedy, EOS ignored): Gemma 4 text (per-layer page shapes: full-attention layers twice
 as wide, one KV head, the last two layers reading earlier ones' K/V), Bamba (Mamba2 state layers
-beside attention layers, 3 to 1) and Jamba (Mamba1 state layers beside attention, whose prompts
-acb prefills whole). ``--requests`` prompts of mixed lengths (16 to 256 tokens), each decoding
+beside attention layers, 3 to 1), Jamba (Mamba1 state layers beside attention, whose prompts
+acb prefills whole) and DeepSeek V3.2 (indexed sparse attention: each layer's indexer selects
+64 cached tokens per query; acb pages the indexer keys beside the latent attention's K/V, which
+it caches expanded per head). ``--requests`` prompts of mixed lengths (16 to 256 tokens), each decoding
 ``--tokens`` tokens; ``generate`` gets them as one left-padded batch. Memory at 4k: the KV bytes
 of 4,096 tokens (every cache group's pages) plus the per-request state of the state layers.
 Writes ``benchmarks/results/flagship_cpu.json``.
@@ -71,6 +73,21 @@ FAMILIES = {
         mamba_expand=2,
         mamba_dt_rank=16,
     ),
+    # indexed sparse attention (DSA): latent attention whose every layer's indexer picks the 64
+    # cached tokens each query attends to (most of these prompts are longer)
+    "deepseek_v32": dict(
+        num_key_value_heads=8,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=64,
+        layer_types=["indexed_attention"] * 8,
+        mlp_layer_types=["dense"] * 8,
+    ),
 }
 
 
@@ -95,6 +112,8 @@ def run_acb(model: torch.nn.Module, prompts: list[list[int]], tokens: int) -> di
         spec = runner.kv_cache.spec
         state = runner.states.bytes_per_request() if runner.linear is not None else 0
         groups = {f"{h}x{d}": len(layers) for (h, d), layers in spec.groups().items()}
+        if spec.index_layers:  # the indexers' key-only layers (one key per token each)
+            groups[f"index keys 1x{spec.shape_of(spec.attention_layers)[1]}"] = len(spec.index_layers)
         kv_per_token = sum(spec.bytes_per_token().values())
         whole = runner.cfg.whole_prefill
     out = sum(len(o.generated_tokens) for o in res.values())

@@ -48,7 +48,14 @@ def check_model(model: PreTrainedModel) -> None:
 
     # attention layers run on the model's own cache, per request (DeepSeek V4's compressed attention)
     own = {m.layer_idx for m in own_cache_layers(model)}
-    hybrid = bool(linear_layers(model))  # linear-attention layers acb drives with per-request states
+    states = linear_layers(model)
+    hybrid = bool(states)  # linear-attention layers acb drives with per-request states
+    idx = [m.layer_idx for m in states]
+    if len(set(idx)) != len(idx):  # (Inkling's several short convolutions per layer, told apart by state_idx)
+        raise UnsupportedModelError(
+            f"{name} keeps several per-request states in one layer (several state modules with the same "
+            "layer_idx); acb keeps one per layer"
+        )
     # indexed sparse attention (DSA): its indexers' keys paged, their selection applied (acb.runner.indexed)
     indexed = bool(indexer_modules(model))
     if not getattr(model, "_supports_attention_backend", False) and not hybrid:
