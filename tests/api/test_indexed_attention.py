@@ -254,3 +254,18 @@ def test_deepseek_v4_samples_scoring_cancel_and_sleep():
         assert eng.runner.own_caches.rows == {}
         eng.wake_up()
         assert [x.result(timeout=120).generated_tokens for x in hs] == [reference("deepseek_v4", tuple(p)) for p in ps]
+
+
+def test_fold_selection_masks_what_the_indexer_left_out():
+    """Outside a step the selection is folded into the model's own mask: a bool mask keeps the
+    selected keys it allowed, a float mask gets its minimum elsewhere, and no mask means causal."""
+    from acb.runner.attention import fold_selection
+
+    index = torch.tensor([[[0, 1], [1, 2], [0, 2]]])  # [1, 3 queries, k=2] over 3 keys
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()
+    picked = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(fold_selection(None, index, 3, torch.float32)[0, 0], causal & picked)
+    assert torch.equal(fold_selection(causal[None, None], index, 3, torch.float32)[0, 0], causal & picked)
+    additive = torch.zeros(1, 1, 3, 3)
+    folded = fold_selection(additive, index, 3, torch.float32)[0, 0]
+    assert torch.equal(folded == 0, picked) and torch.all(folded[~picked] == torch.finfo(torch.float32).min)
