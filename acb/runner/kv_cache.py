@@ -44,6 +44,9 @@ class KVSpec:
     # the model's layers with an indexer (DSA), in order: the indexer of the n-th of them keeps its
     # keys in key-only cache layer ``num_layers - len(index_layers) + n`` (shape (1, index dim))
     index_layers: tuple[int, ...] = ()
+    # what a token costs the model's own cache objects of the layers that run on them
+    # (acb.runner.own_cache: no pages; measured at start), counted in a block's cost
+    own_bytes_per_token: int = 0
 
     @property
     def attention_layers(self) -> int:
@@ -79,6 +82,8 @@ class KVSpec:
         if self.index_layers:
             h, d = self.shape_of(self.attention_layers)
             out["index keys"] = len(self.index_layers) * h * d * elem
+        if self.own_bytes_per_token:
+            out["own cache"] = self.own_bytes_per_token
         return out
 
     def bytes_per_block(self, block_size: int) -> int:

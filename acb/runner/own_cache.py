@@ -98,13 +98,39 @@ class OwnCaches:
         return cache
 
     def nbytes(self) -> int:
-        total = 0
-        for cache in self.rows.values():
-            for layer in getattr(cache, "layers", ()):
-                for value in vars(layer).values():
-                    tensors = value.values() if isinstance(value, dict) else [value]
-                    total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
-        return total
+        return sum(cache_nbytes(cache) for cache in self.rows.values())
+
+
+def cache_nbytes(cache: Any) -> int:
+    """The bytes of the tensors a cache object of the model's own holds (its layers' tensors,
+    and those in their dicts)."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            tensors = value.values() if isinstance(value, dict) else [value]
+            total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+def own_cache_bytes_per_token(model: Any, max_len: int) -> int:
+    """What one more token costs the model's own cache of a request, measured: two forwards of
+    random tokens (``n`` and ``2n`` long, ``n`` up to 256, past any window a layer keeps only
+    the end of at these sizes) into fresh caches, and the difference of their bytes per token.
+    The engine sizes its blocks with it, so admission counts these caches against the budget."""
+    from transformers import DynamicCache
+
+    n = max(8, min(256, max_len // 4))
+    param = next(model.parameters())
+    vocab = int(model.config.get_text_config().vocab_size)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, 2 * n), generator=g).to(param.device)
+    sizes = []
+    with torch.no_grad():
+        for length in (n, 2 * n):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:, :length], past_key_values=cache, use_cache=True)
+            sizes.append(cache_nbytes(cache))
+    return max(1, -(-(sizes[1] - sizes[0]) // n))
 
 
 class _Step:

@@ -190,7 +190,7 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
 
 def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     text = model.config.get_text_config()
-    from acb.runner.own_cache import own_cache_layers
+    from acb.runner.own_cache import own_cache_bytes_per_token, own_cache_layers
 
     own = own_cache_layers(model)
     if own:  # layers on the model's own cache (acb.runner.own_cache) use no pages: the blocks only measure lengths
@@ -199,7 +199,14 @@ def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
                 f"{type(model).__name__} has attention layers acb runs on the model's own cache beside layers it "
                 "pages; acb runs a model with one kind or the other"
             )
-        return KVSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=dtype, layer_map=(0,) * text.num_hidden_layers)
+        return KVSpec(
+            num_layers=0,
+            num_kv_heads=1,
+            head_dim=1,
+            dtype=dtype,
+            layer_map=(0,) * text.num_hidden_layers,
+            own_bytes_per_token=own_cache_bytes_per_token(model, model_max_len(model)),
+        )
     layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
     if layer_map is not None and not _attention_modules(model) and getattr(text, "num_attention_heads", None) is None:
         # state layers only (Mamba, Mamba2, Falcon-Mamba): no KV cache at all; the blocks are

@@ -177,6 +177,16 @@ def test_deepseek_v4_layers_run_on_their_own_cache():
         runner = eng.runner
         assert [m.layer_idx for m in runner.own.layers] == [0, 1, 2, 3]
         assert runner.kv_cache.k == [] and runner.kv_cache.spec.num_layers == 0
+        # the blocks are sized by what a token costs the model's own caches, measured at start: a
+        # pooled entry per compress_rate tokens (CSA: the compressor's and its indexer's; HCA: one)
+        c = model.config
+        rates, types = c.compress_rates, c.layer_types
+        per_token = sum(
+            (c.head_dim + c.index_head_dim) / rates[t] if t == "compressed_sparse_attention" else c.head_dim / rates[t]
+            for t in types
+            if t in rates
+        )
+        assert runner.kv_cache.spec.bytes_per_token() == {"own cache": int(per_token * 4)}
         assert not runner.cfg.prefix_caching and runner.cfg.num_swap_blocks == 0
         run(eng, prompts([19, 6, 11]))
         # the next step frees the finished requests' rows, and their caches with them
