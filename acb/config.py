@@ -110,6 +110,10 @@ class ContinuousBatchingConfig:
     block_size: int | None = None  # use page_size
     # acb only
     attn_backend: str | None = None  # "torch", "triton", "flash_attn"; None = the best available
+    # "paged": acb's paged KV cache (refused, with the reason, for a model it cannot page);
+    # "own_cache": the model on its own cache objects, as model.generate runs it (acb.runner.own_forward);
+    # None: paged when the model passes its checks, else its own cache, said in one log line
+    runner: str | None = None
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions
     # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights in steps of
     # at most 128 tokens (None: on when the model is on CPU, not compiled, not tensor parallel and
@@ -257,6 +261,7 @@ class ContinuousBatchingConfig:
             self.attn_backend is None or self.attn_backend in ATTN_BACKENDS,
             f"one of {ATTN_BACKENDS} or None",
         )
+        check("runner", self.runner in (None, "paged", "own_cache"), "'paged', 'own_cache' or None")
 
     def warn_unsupported(self) -> list[str]:
         """Warn once about fields set to values acb does not act on; return their names."""

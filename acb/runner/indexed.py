@@ -69,10 +69,21 @@ def indexer_modules(model: torch.nn.Module) -> list[Any]:
 
 def index_key_dim(indexers: list[Any]) -> int:
     """The width of an indexer key (one per token, all indexers alike)."""
-    dims = {int(m.wk.out_features) if hasattr(m, "wk") else int(m.head_dim) for m in indexers}
+    dims = {_key_width(m) for m in indexers}
     if len(dims) != 1:
         raise ValueError(f"the model's indexers have keys of different widths {sorted(dims)}")
     return dims.pop()
+
+
+def _key_width(indexer: Any) -> int:
+    for name in ("index_head_dim", "head_dim"):
+        value = getattr(indexer, name, None)
+        if isinstance(value, int):
+            return value
+    wk = getattr(indexer, "wk", None)
+    if isinstance(wk, torch.nn.Linear):
+        return int(wk.out_features)
+    raise ValueError(f"{type(indexer).__name__} does not say how wide its keys are (no index_head_dim or head_dim)")
 
 
 @dataclass

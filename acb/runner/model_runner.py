@@ -23,6 +23,7 @@ import torch
 
 from acb.config import ContinuousBatchingConfig
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
+from acb.errors import UnsupportedModelError
 from acb.runner.attention import (
     AttentionBackend,
     SharedAttention,
@@ -38,10 +39,12 @@ from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, Sta
 from acb.runner.kv_cache import KVCache, KVSpec
 from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step, resumes_prefill
 from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers, own_cache_step
+from acb.runner.own_forward import OwnForward
 from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
     _ATTN_SWAP,
     _decode_graph_flag,
+    check_decoder,
     check_model,
     device_scope,
     model_device,
@@ -100,7 +103,24 @@ class ModelRunner:
     """Owns the model's forward, the KV cache and the sampler. Engine thread only."""
 
     def __init__(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> None:
-        check_model(model)
+        # the paged path when the model passes its checks; else (or when asked) the model's own
+        # cache objects, whole (acb.runner.own_forward)
+        check_decoder(model)
+        why = None
+        if config.runner != "own_cache":
+            try:
+                check_model(model)
+            except UnsupportedModelError as exc:
+                if config.runner == "paged":
+                    raise
+                why = str(exc)
+        own_path = config.runner == "own_cache" or why is not None
+        if own_path:
+            logger.info(
+                "%s runs on its own cache objects, not paged: %s",
+                type(model).__name__,
+                why or "runner='own_cache' was asked for",
+            )
         # the model's train/eval flags stay the user's: steps run in eval semantics through
         # acb.runner.eval_mode (dropout off on the engine thread only), never by model.eval()
         self.model: PreTrainedModel = model
@@ -111,17 +131,21 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
         # before the cache is sized: the packed copies take host memory
-        self.packed = self._packed_linears(model, config)
-        self.cfg, spec = resolve_config(model, config)
+        self.packed = None if own_path else self._packed_linears(model, config)
+        self.cfg, spec = resolve_config(model, config, own_path=own_path)
+        # the whole model on its own caches (the second runner path), or None (the paged path)
+        self.own_forward = OwnForward(model) if own_path else None
+        paged = not own_path
         # hybrid models: linear-attention layers run per request with their recurrent state
-        self.linear = LinearLayers(model) if linear_layers(model) else None
+        self.linear = LinearLayers(model) if paged and linear_layers(model) else None
         # attention layers that run per request on the model's own cache (DeepSeek V4's compressed attention)
-        self.own = OwnCacheLayers(model) if own_cache_layers(model) else None
+        self.own = OwnCacheLayers(model) if paged and own_cache_layers(model) else None
         self.own_caches = OwnCaches(model.config) if self.own is not None else None
-        self.shared_attention = SharedAttention(model)  # modules told their layer at call time (Zamba2)
+        # modules told their layer at call time (Zamba2)
+        self.shared_attention = SharedAttention(model) if paged else None
         # indexed (DSA) attention: the indexers run per request over their paged keys
-        self.indexed = IndexedLayers(model) if indexer_modules(model) else None
-        if self.linear is not None or self.own is not None:
+        self.indexed = IndexedLayers(model) if paged and indexer_modules(model) else None
+        if self.linear is not None or self.own is not None or self.own_forward is not None:
             self._hybrid_settings(config)
         if self.packed is not None:
             self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
@@ -145,7 +169,11 @@ class ModelRunner:
         self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(
             self.cfg,
-            cuda_graphs=self._want_graphs() and self.linear is None and self.own is None and self.indexed is None,
+            cuda_graphs=self._want_graphs()
+            and self.linear is None
+            and self.own is None
+            and self.indexed is None
+            and paged,
             graph_step=config.q_padding_interval_size or None,
         )
         group = tp_group(model)
@@ -154,7 +182,7 @@ class ModelRunner:
         self._compiled: dict[str, Any] = {}
         if self.indexed is not None:
             self._indexed_settings(config)
-        elif self.linear is None and self.own is None:
+        elif self.linear is None and self.own is None and paged:
             self._setup_compile(config)
         self.streams = DeviceStreams(self.device)
         self._step_buffers()
@@ -167,7 +195,9 @@ class ModelRunner:
         # registered last, after everything that can refuse the model (a failed start leaves no hook)
         self._weights.attach()
         self._weights_seen = self._weights.key()
-        _ATTN_SWAP.acquire(model)
+        self._swapped_attn = paged  # the own-cache path runs the model's own attention
+        if paged:
+            _ATTN_SWAP.acquire(model)
         DROPOUT_GUARD.acquire(model)
         self._holds_attn = True
         logger.info(
@@ -197,11 +227,12 @@ class ModelRunner:
         ]
         if off:
             logger.info(
-                "%s has layers with a per-request state (linear attention, or a cache of its own): %s off for it",
+                "%s keeps per-request state outside KV pages (linear-attention states, or the model's own cache): "
+                "%s off for it",
                 type(self.model).__name__,
                 " and ".join(off),
             )
-        hidden = self.model.config.get_text_config().hidden_size
+        hidden = getattr(self.model.config.get_text_config(), "hidden_size", 0)
         tried: dict[type, bool] = {}
         for layer in self.linear.layers if self.linear is not None else ():
             if type(layer) not in tried:
@@ -213,6 +244,12 @@ class ModelRunner:
                 type(self.model).__name__,
                 ", ".join(whole),
             )
+        if self.own_forward is not None and not self.own_forward.plain:
+            logger.info(
+                "%s's own cache has layers other than plain growing K/V: each prompt is prefilled in one step",
+                type(self.model).__name__,
+            )
+            whole.append("own cache")
         self.cfg = dataclasses.replace(self.cfg, prefix_caching=False, num_swap_blocks=0, whole_prefill=bool(whole))
         if (
             config.use_cuda_graph
@@ -314,6 +351,9 @@ class ModelRunner:
         if self.own_caches is not None:
             other += self.own_caches.nbytes()
             self.own_caches.clear()
+        if self.own_forward is not None:
+            other += self.own_forward.nbytes()
+            self.own_forward.clear()
         measured = None
         if cuda:
             torch.cuda.empty_cache()
@@ -440,7 +480,8 @@ class ModelRunner:
         graphs and the step buffers, so that a stopped engine's device memory is free for the next
         start (the stopped engine core still holds this runner). The runner is unusable after."""
         if self._holds_attn:
-            _ATTN_SWAP.release(self.model)
+            if self._swapped_attn:
+                _ATTN_SWAP.release(self.model)
             DROPOUT_GUARD.release(self.model)
             self._holds_attn = False
         if self.linear is not None:
@@ -449,7 +490,8 @@ class ModelRunner:
             self.own.remove()
         if self.indexed is not None:
             self.indexed.remove()
-        self.shared_attention.remove()
+        if self.shared_attention is not None:
+            self.shared_attention.remove()
         self._weights.close()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         self.packed = None
@@ -475,12 +517,13 @@ class ModelRunner:
         if linear is not None:  # a request given a row starts with no recurrent state (new, or recomputed)
             for req in sched.row_inits:
                 linear.reset(req.row)
+        for own in (self.own_caches, self.own_forward):
+            if own is not None:  # a request's own cache starts empty (new, or recomputed); a freed row's goes
+                for row in sched.freed_rows:
+                    own.reset(row)
+                for req in sched.row_inits:
+                    own.reset(req.row)
         own = self.own_caches
-        if own is not None:  # a request's own cache starts empty (new, or recomputed); a freed row's goes
-            for row in sched.freed_rows:
-                own.reset(row)
-            for req in sched.row_inits:
-                own.reset(req.row)
         if sched.swap_out:  # before swap-ins and the forward, which may reuse these device blocks
             self.kv_cache.swap_out(sched.swap_out)
         if sched.swap_in:
@@ -508,6 +551,14 @@ class ModelRunner:
         logits = None
         if self.graphs is not None and batch.decode_only:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
+        if self.own_forward is not None:  # the model on its own caches (the second runner path)
+            # inside a step context: the model's dropout is off on this thread (acb.runner.eval_mode)
+            with step_context(StepContext(self.kv_cache, self.backend, None)):
+                logits = self.own_forward.forward(
+                    batch.input_ids, batch.position_ids, sched.num_new, sched.rows, batch.logits_indices.tolist()
+                )
+            for src, dst in sched.state_copies_after:  # forks: children start from the parent's cache
+                self.own_forward.copy(src, dst)
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
             with contextlib.ExitStack() as per_request:

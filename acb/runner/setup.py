@@ -29,14 +29,21 @@ SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 DEFAULT_BLOCK_SIZE = 32
 
 
-def check_model(model: PreTrainedModel) -> None:
-    """Refuse, with the reason, models acb cannot run correctly."""
-    cfg = model.config
+def check_decoder(model: PreTrainedModel) -> None:
+    """Refuse, with the reason, what is not a decoder-only causal LM (on either runner path)."""
     name = type(model).__name__
-    if getattr(cfg, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; acb runs decoder-only causal LMs")
     if not hasattr(model, "get_decoder") and not hasattr(model, "model"):
         raise UnsupportedModelError(f"{name} is not a transformers causal LM")
+
+
+def check_model(model: PreTrainedModel) -> None:
+    """Refuse, with the reason, models acb cannot page (they run on the model's own cache
+    instead, :mod:`acb.runner.own_forward`, unless the paged path was asked for)."""
+    cfg = model.config
+    name = type(model).__name__
+    check_decoder(model)
     from acb.runner.model_support import refusal
 
     why = refusal(model)
@@ -277,8 +284,14 @@ def local_kv_heads(model: PreTrainedModel, kv_heads: int) -> int:
 
 
 def model_max_len(model: PreTrainedModel) -> int:
+    """The most positions the model takes: its config's ``max_position_embeddings`` (or the older
+    names of it: MPT's ``max_seq_len``, ...), unbounded (2^20) when it names none."""
     text = model.config.get_text_config()
-    return int(getattr(text, "max_position_embeddings", None) or 1 << 20)
+    for name in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 1 << 20
 
 
 def default_backend(device: torch.device, dtype: torch.dtype, block_size: int | None) -> str:
@@ -310,7 +323,23 @@ def staging_bytes(cfg: ResolvedConfig) -> int:
     return 8 * (4 * tokens + 8 * rows + 16) + 4 * 16 * rows + 8 * 2 * 4 * rows
 
 
-def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> tuple[ResolvedConfig, KVSpec]:
+def own_path_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
+    """The model on its own cache objects, whole (:mod:`acb.runner.own_forward`): no pages; the
+    blocks measure lengths, sized by what a token costs the model's own cache (measured)."""
+    from acb.runner.own_cache import own_cache_bytes_per_token
+
+    return KVSpec(
+        num_layers=0,
+        num_kv_heads=1,
+        head_dim=1,
+        dtype=dtype,
+        own_bytes_per_token=own_cache_bytes_per_token(model, model_max_len(model)),
+    )
+
+
+def resolve_config(
+    model: PreTrainedModel, config: ContinuousBatchingConfig, own_path: bool = False
+) -> tuple[ResolvedConfig, KVSpec]:
     """Concrete sizes for this model on its device (the only place memory is measured).
 
     With ``num_blocks`` unset, the KV cache gets ``max_memory_percent`` of the device's free
@@ -321,11 +350,11 @@ def resolve_config(model: PreTrainedModel, config: ContinuousBatchingConfig) -> 
     """
     device = model_device(model)
     dtype = next(model.parameters()).dtype
-    spec = kv_spec_of(model, dtype)
-    backend = config.attn_backend or default_backend(device, dtype, config.page_size)
+    spec = own_path_spec(model, dtype) if own_path else kv_spec_of(model, dtype)
+    backend = "torch" if own_path else config.attn_backend or default_backend(device, dtype, config.page_size)
     from acb.runner.indexed import indexer_modules
 
-    if indexer_modules(model) and backend != "torch":
+    if not own_path and indexer_modules(model) and backend != "torch":
         # indexed attention's selection is applied by the torch reference backend only
         if config.attn_backend is not None:
             raise ValueError(

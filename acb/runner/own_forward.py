@@ -1,0 +1,294 @@
+"""The second runner path: models acb cannot page, run on the model's own cache objects.
+
+A model whose attention does not go through transformers' attention interface (BLOOM, GPT-J,
+GPT-Neo, Falcon, MPT, CodeGen, ...), or that does something acb's paged attention cannot follow
+(DiffLlama's two calls per layer, Doge's content-dependent mask, ...), still runs under
+``model.generate``: with a cache object of its own (``DynamicCache``) and a padded batch. This
+path runs it the same way inside acb's engine, so the scheduler, sampling, the API, the server,
+scoring and the integrations are the same; only the forward of a step differs.
+
+Each running request (by block-table row) keeps the cache the model builds for it. A step:
+
+* **decode rows** (one new token, a cache of their own) run as one padded batch, as
+  ``model.generate``'s padded decoding does: their caches are kept stacked in one batch cache,
+  left-padded to the longest, with a 2-D attention mask that hides the padding and each row's
+  real positions. The batch is rebuilt only when rows join (a prompt done) or leave (finished,
+  cancelled, preempted, or scheduled for more than one token), by stacking and slicing the
+  layers' tensors, and trimmed of padding columns no row needs;
+* **prefill chunks and every other segment** run one request at a time on its own cache
+  (whole or chunked prefill, scoring continuations, a fork's own tokens), as ``model.generate``
+  runs one unpadded prompt.
+
+Batching decode rows needs caches whose layers are all plain ``DynamicLayer`` (keys and values
+``[batch, heads, length, dim]``, grown by concatenation): a model whose cache has other layers
+(sliding windows that crop, recurrent states) runs every segment on its own instead, and
+prefills each prompt in one step (``model.generate`` never resumes such a cache mid-prompt, and
+Moshi's sliding-window cache gives other tokens when it does).
+
+Lifecycle: a request given a row starts with no cache (new, or recomputed after a preemption);
+children of ``n > 1`` fork a deep copy of the parent's; a freed row's cache goes at once. No
+pages, no prefix caching, no offload, no decode graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _dynamic_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+def _plain(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is a plain growing K/V layer (batchable by stacking)."""
+    layers: Any = getattr(cache, "layers", None)
+    cls = _dynamic_layer_class()
+    return bool(layers) and all(type(layer) is cls and getattr(layer, "is_initialized", False) for layer in layers)
+
+
+def _length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+class OwnForward:
+    """Runs engine steps on the model's own caches (see the module docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config = model.config
+        params = inspect.signature(type(model).forward).parameters
+        self._positions = "position_ids" in params
+        self._keep = "logits_to_keep" in params and bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
+        self.single: dict[int, Any] = {}  # row -> the cache of a request not in the batch
+        self.batch: Any = None  # the decode batch's cache (left-padded), or None
+        self.batch_rows: list[int] = []
+        self.batch_pad: list[int] = []  # left padding of each batch row
+        # the cache layers the model's config asks for: anything but plain growing K/V layers
+        # (sliding windows that crop, states) is neither stacked into a batch nor resumed from in a
+        # later prefill chunk (model.generate never chunks a prompt; those layers may not follow)
+        from transformers import DynamicCache
+
+        kinds = {type(layer) for layer in getattr(DynamicCache(config=self.config), "layers", ())}
+        self.plain = kinds <= {_dynamic_layer_class()}
+        self.batchable = self.plain  # False once a cache shows layers that cannot be stacked
+
+    # lifecycle ---------------------------------------------------------------
+    def reset(self, row: int) -> None:
+        """The row's request starts with no cache (a new request, a recompute, a freed row)."""
+        self.single.pop(row, None)
+        if row in self.batch_rows:
+            self._leave([row])
+
+    def copy(self, src: int, dst: int) -> None:
+        """A child forks from its parent's cache."""
+        self.reset(dst)
+        self.single[dst] = copy.deepcopy(self._take(src))
+
+    def clear(self) -> None:
+        self.single.clear()
+        self.batch, self.batch_rows, self.batch_pad = None, [], []
+
+    def nbytes(self) -> int:
+        from acb.runner.own_cache import cache_nbytes
+
+        return sum(cache_nbytes(c) for c in self.single.values()) + (cache_nbytes(self.batch) if self.batch else 0)
+
+    # the batch ---------------------------------------------------------------
+    def _empty(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def _take(self, row: int) -> Any:
+        """The row's cache as a cache of its own (taken out of the batch if it is there)."""
+        if row in self.batch_rows:
+            i = self.batch_rows.index(row)
+            own = self._slice(i)
+            self._leave([row])
+            self.single[row] = own
+        return self.single[row]
+
+    def _like(self, cache: Any) -> Any:
+        """A cache object of the model's own, shaped as ``cache`` (its layers fresh and empty)."""
+        out = copy.copy(cache)
+        out.layers = [type(layer)() for layer in cache.layers]
+        return out
+
+    def _slice(self, i: int) -> Any:
+        """Batch row ``i``'s cache, without its padding, as a new cache of one request."""
+        pad = self.batch_pad[i]
+        out = self._like(self.batch)
+        for src, dst in zip(self.batch.layers, out.layers):
+            dst.lazy_initialization(src.keys, src.values)
+            dst.keys = src.keys[i : i + 1, :, pad:].clone()
+            dst.values = src.values[i : i + 1, :, pad:].clone()
+        return out
+
+    def _leave(self, rows: list[int]) -> None:
+        keep = [i for i, r in enumerate(self.batch_rows) if r not in rows]
+        if not keep:
+            self.batch, self.batch_rows, self.batch_pad = None, [], []
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.batch.layers[0].keys.device)
+        pads = [self.batch_pad[i] for i in keep]
+        trim = min(pads)  # padding columns no remaining row needs
+        for layer in self.batch.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
+            layer.values = layer.values.index_select(0, index)[:, :, trim:]
+        self.batch_rows = [self.batch_rows[i] for i in keep]
+        self.batch_pad = [p - trim for p in pads]
+
+    def _join(self, rows: list[int]) -> None:
+        """Move these rows' own caches into the batch (all caches plain), padding on the left."""
+        caches = [self.single.pop(r) for r in rows]
+        if self.batch is not None:
+            lengths = [self.batch.layers[0].keys.shape[2]] + [_length(c) for c in caches]
+        else:
+            lengths = [_length(c) for c in caches]
+        width = max(lengths)
+        parts: list[tuple[Any, int]] = []  # (cache, its left padding)
+        if self.batch is not None:
+            parts.append((self.batch, width - lengths[0]))
+            new_pad = [p + width - lengths[0] for p in self.batch_pad]
+        else:
+            new_pad = []
+        parts += [(c, width - _length(c)) for c in caches]
+        first = parts[0][0]
+        out = self._like(first)
+        for n, dst in enumerate(out.layers):
+            keys, values = [], []
+            for cache, pad in parts:
+                k, v = cache.layers[n].keys, cache.layers[n].values
+                if pad:
+                    k = torch.nn.functional.pad(k, (0, 0, pad, 0))
+                    v = torch.nn.functional.pad(v, (0, 0, pad, 0))
+                keys.append(k)
+                values.append(v)
+            dst.lazy_initialization(first.layers[n].keys, first.layers[n].values)
+            dst.keys = torch.cat(keys, dim=0)
+            dst.values = torch.cat(values, dim=0)
+        self.batch = out
+        self.batch_rows = self.batch_rows + rows
+        self.batch_pad = new_pad + [width - _length(c) for c in caches]
+
+    # a step ------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [1, T]
+        position_ids: torch.Tensor,  # [1, T]
+        num_new: list[int],
+        rows: list[int],
+        logits_indices: list[int],
+    ) -> torch.Tensor:
+        """The logits of the flattened batch's rows ``logits_indices``, ``[S, V]``."""
+        segments, lo = [], 0
+        for n, row in zip(num_new, rows):
+            segments.append((lo, lo + n, row))
+            lo += n
+        want: dict[int, list[int]] = {}
+        seg_of = {}
+        for lo, hi, row in segments:
+            for t in range(lo, hi):
+                seg_of[t] = (lo, hi, row)
+        for j, t in enumerate(logits_indices):
+            want.setdefault(seg_of[t][2], []).append(j)
+        out: list[torch.Tensor | None] = [None] * len(logits_indices)
+        decode = [
+            (lo, row)
+            for lo, hi, row in segments
+            if hi - lo == 1 and self.batchable and (row in self.batch_rows or self._plain_single(row))
+        ]
+        decode_rows = {row for _, row in decode}
+        if len(decode) < 2:
+            decode, decode_rows = [], set()
+        # rows leaving the batch: scheduled otherwise, or not scheduled at all this step (they
+        # stay out until their next decode, so the batch holds only this step's decode rows)
+        leaving = [r for r in self.batch_rows if r not in decode_rows]
+        for r in leaving:
+            self._take(r)
+        for lo, hi, row in segments:
+            if row in decode_rows:
+                continue
+            cache = self.single.get(row)
+            if cache is None:
+                cache = self.single[row] = self._empty()
+            logits = self._run(
+                input_ids[:, lo:hi],
+                position_ids[:, lo:hi],
+                cache,
+                None,
+                [t - lo for t in self._wanted(want, row, logits_indices)],
+            )
+            for j, lg in zip(want.get(row, []), logits):
+                out[j] = lg
+            if self.batchable and getattr(cache, "layers", None) and not _plain(cache):
+                self.batchable = False
+                logger.info(
+                    "%s's cache has layers other than plain growing K/V (%s): its decode rows run one at a time",
+                    type(self.model).__name__,
+                    sorted({type(layer).__name__ for layer in cache.layers}),
+                )
+        if decode:
+            self._join([row for _, row in decode if row not in self.batch_rows])
+            order = {row: i for i, row in enumerate(self.batch_rows)}
+            at = [0] * len(self.batch_rows)
+            for lo, row in decode:
+                at[order[row]] = lo
+            index = torch.tensor(at, dtype=torch.long, device=input_ids.device)
+            ids = input_ids[0, index].unsqueeze(1)  # [B, 1]
+            pos = position_ids[0, index].unsqueeze(1)
+            width = self.batch.layers[0].keys.shape[2]
+            mask = torch.ones((len(at), width + 1), dtype=torch.long, device=input_ids.device)
+            for i, pad in enumerate(self.batch_pad):
+                mask[i, :pad] = 0
+            logits = self._run(ids, pos, self.batch, mask, None)  # [B, V]
+            for _, row in decode:
+                for j in want.get(row, []):
+                    out[j] = logits[order[row]]
+        return torch.stack([t for t in out if t is not None]) if out else input_ids.new_empty((0, 0)).float()
+
+    @staticmethod
+    def _wanted(want: dict[int, list[int]], row: int, logits_indices: list[int]) -> list[int]:
+        return [logits_indices[j] for j in want.get(row, [])]
+
+    def _plain_single(self, row: int) -> bool:
+        cache = self.single.get(row)
+        return cache is not None and _plain(cache) and _length(cache) > 0
+
+    def _run(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        cache: Any,
+        mask: torch.Tensor | None,
+        keep: list[int] | None,
+    ) -> torch.Tensor:
+        """The model's forward on its own cache: for a batch (``keep`` None) each row's last
+        logits ``[B, V]``; for one request the logits of its tokens ``keep`` ``[len(keep), V]``."""
+        kw: dict[str, Any] = dict(input_ids=ids, past_key_values=cache, use_cache=True)
+        if self._positions:
+            kw["position_ids"] = pos
+        if mask is not None:
+            kw["attention_mask"] = mask
+        if keep is None:
+            if self._keep:
+                kw["logits_to_keep"] = 1
+            return self.model(**kw).logits[:, -1]
+        if not keep:
+            if self._keep:
+                kw["logits_to_keep"] = 1
+            self.model(**kw)
+            return ids.new_empty((0, 0)).float()
+        if self._keep:
+            kw["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=ids.device)
+            return self.model(**kw).logits[0]
+        return self.model(**kw).logits[0, keep]
