@@ -467,6 +467,127 @@ HAND_CONFIGS.update(
         "hy_v4": dict(index_topk=4, indexer_types=["full", "full", "shared"], **_DSA_LAYERS),
     }
 )
+# Families whose default config cannot build a model at all (a sub-config missing a field the
+# model reads, sizes the shrink cannot keep consistent, an indexer left unset): sizes that fit,
+# with the layer kinds of their real checkpoints
+HAND_CONFIGS.update(
+    {
+        # sliding layers with RoPE, full-attention layers without (NoPE: ``None`` rope parameters)
+        "cohere_compass_text": dict(
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+                "full_attention": None,
+            },
+        ),
+        # the attention sub-config's rope_theta (read by the model, absent from the default), clipped
+        # QKV, grouped KV heads (the top-level count its config derives from them: the shrunk
+        # default holds the default's), top-2 of 4 experts
+        "dbrx": dict(
+            num_key_value_heads=2,
+            attn_config=dict(kv_n_heads=2, rope_theta=500000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
+        ),
+        # the drafter: every layer reads the KV of the target model (shared), no per-layer inputs
+        "gemma4_assistant": dict(
+            backbone_hidden_size=64,
+            num_centroids=16,
+            centroid_intermediate_top_k=4,
+            text_config=dict(
+                num_hidden_layers=2,
+                layer_types=["sliding_attention", "full_attention"],
+                num_kv_shared_layers=2,
+                hidden_size_per_layer_input=0,
+                vocab_size_per_layer_input=0,
+                enable_moe_block=False,
+                use_double_wide_mlp=False,
+            ),
+        ),
+        # a shared attention block at its hybrid layers (two, so that it is shared)
+        "zamba": dict(
+            num_hidden_layers=4,
+            layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+            attention_hidden_size=128,
+            attention_head_dim=32,
+            mamba_dt_rank=4,
+        ),
+        # widths their configs derive from the hidden size (the shrunk defaults hold the default's)
+        "rwkv": dict(attention_hidden_size=64),
+        # (xLSTM's cache rounds the query-key width up to a multiple of 64 and its layers do not:
+        # a hidden size of 128 keeps its real 0.5 factor and both at 64)
+        "xlstm": dict(hidden_size=128, embedding_dim=128, num_blocks=2, chunk_size=8),
+        # local and LSH attention layers, chunks shorter than a prompt, axial position embeddings
+        # whose widths add up to the hidden size, a fixed hash seed (else LSH draws new rotations)
+        "reformer": dict(
+            attn_layers=["local", "lsh"],
+            attention_head_size=16,
+            axial_pos_shape=[16, 16],
+            axial_pos_embds_dim=[16, 48],
+            feed_forward_size=128,
+            local_attn_chunk_length=8,
+            lsh_attn_chunk_length=8,
+            num_buckets=4,
+            hash_seed=0,
+        ),
+    }
+)
+# Dots 3 Note: DSA layers and sliding MLA layers with their own head count, latent and head
+# widths (the released checkpoint's ``swa_*`` fields; the SWA head dim is its nope + rope parts)
+_DOTS3_TEXT = dict(
+    num_hidden_layers=3,
+    layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    head_dim=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    kv_lora_rank=16,
+    index_topk=4,
+    index_n_heads=4,
+    index_head_dim=16,
+    swa_num_attention_heads=2,
+    swa_num_key_value_heads=2,
+    swa_q_lora_rank=32,
+    swa_kv_lora_rank=32,
+    swa_head_dim=32,
+    swa_qk_nope_head_dim=24,
+    swa_v_head_dim=16,
+)
+# Qwen4-Exp: linear-attention (gated delta) layers, some with per-layer n-gram embeddings (PLE),
+# and QSA indexed-attention layers (the indexer selects compressed blocks within a token budget
+# smaller than a prompt), hyper-connections, MoE
+_QWEN4_EXP_TEXT = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    ple_layer_ids=[1],
+    number_of_conv_states=3,  # derived from PLE by its config: the shrunk default holds the default's 1
+    ple_embed_dim=64,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=64,
+    make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=1,
+    hc_lowrank=16,
+    eos_token_id=2,  # PLE needs one (the n-gram context restarts after it)
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=8,
+    indexer_compress_ratio=4,
+)
+HAND_CONFIGS.update(
+    {
+        "dots3_note_text": _DOTS3_TEXT,
+        # its adapters' widths: the (shrunk) encoder's in, the text model's out
+        "dots3_note": dict(
+            text_config=_DOTS3_TEXT,
+            vision_config=dict(adapter_in_dim=64, adapter_out_dim=64),
+            audio_config=dict(adapter_input_size=64, adapter_out_dim=64),
+        ),
+        "qwen4_exp_text": _QWEN4_EXP_TEXT,
+        "qwen4_exp": dict(text_config=_QWEN4_EXP_TEXT),
+    }
+)
 
 
 def tiny_config(model_type: str) -> Any:
@@ -474,18 +595,38 @@ def tiny_config(model_type: str) -> Any:
     families in :data:`HAND_CONFIGS`, that family's hand-written sizes laid over them)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    try:
+        default = AutoConfig.for_model(model_type)
+    except Exception:
+        if model_type not in HAND_CONFIGS:
+            raise
+        # a default that fails its own class's checks (Gemma 4's assistant): the hand-written
+        # fields make it valid
+        default = AutoConfig.for_model(model_type, **HAND_CONFIGS[model_type])
     d = shrink_config_dict(default.to_dict(), dict(getattr(type(default), "attribute_map", {}) or {}))
     # sub-configs are shrunk as dicts; their classes' aliases are known only as objects
     d.pop("transformers_version", None)
     if model_type in HAND_CONFIGS:
-        hand = HAND_CONFIGS[model_type]
-        # the shrunk per-layer lists describe the default's layers: the hand-written count rules
-        for key, value in list(d.items()):
-            if key not in hand and isinstance(value, list) and ("layer" in key or "block_type" in key):
-                d.pop(key)
-        d.update(hand)
+        d = _lay_over(d, HAND_CONFIGS[model_type])
     return type(default).from_dict(d)
+
+
+def _lay_over(d: dict[str, Any], hand: dict[str, Any]) -> dict[str, Any]:
+    """``hand`` laid over the shrunk config dict ``d``; a hand-written dict for a sub-config is
+    laid over that sub-config the same way (its other fields stay the shrunk defaults)."""
+    d = dict(d)
+    # the shrunk per-layer lists (and per-layer overrides) describe the default's layers: a
+    # hand-written layer count rules
+    for key, value in list(d.items()):
+        if (
+            any(k in hand for k in LAYER_COUNT_KEYS)
+            and key not in hand
+            and ((isinstance(value, list) and ("layer" in key or "block_type" in key)) or key == "per_layer_config")
+        ):
+            d.pop(key)
+    for key, value in hand.items():
+        d[key] = _lay_over(d[key], value) if isinstance(value, dict) and _is_config_dict(d.get(key)) else value
+    return d
 
 
 # --- one model (in the worker subprocess) ------------------------------------------------------

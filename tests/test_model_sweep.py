@@ -72,6 +72,11 @@ CLAIMED = (
     "axk2",
     # compressed sparse attention on the model's own cache
     "deepseek_v4",
+    # hand-written tiny configs (their defaults cannot build a model): NoPE full-attention layers
+    # among sliding ones, MoE with a sub-config per module, a shared attention block over Mamba
+    "cohere_compass_text",
+    "dbrx",
+    "zamba",
 )
 SAMPLE_SIZE = 60  # others from the catalogue, drawn with SAMPLE_SEED (deterministic per transformers version)
 SAMPLE_SEED = 30
@@ -173,3 +178,20 @@ def test_tiny_config_keeps_each_layer_type() -> None:
     assert out["intermediate_size"] == [128] * 4
     assert out["mlp_only_layers"] == [1, 2]
     assert out["hidden_size"] == 64 and out["num_key_value_heads"] == 1 and out["eos_token_id"] == [2]
+
+
+def test_hand_config_lays_over_sub_configs() -> None:
+    """A hand-written dict for a sub-config is laid over that sub-config (its other fields kept);
+    a hand-written layer count drops the shrunk per-layer lists and overrides it does not set."""
+    d = {
+        "model_type": "x",
+        "num_hidden_layers": 2,
+        "layer_types": ["a", "b"],
+        "per_layer_config": {"1": {"num_attention_heads": 2}},
+        "attn_config": {"model_type": "", "kv_n_heads": 1, "clip_qkv": None},
+        "vision_config": {"model_type": "v", "num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"]},
+    }
+    out = ms._lay_over(d, {"num_hidden_layers": 3, "attn_config": {"rope_theta": 1.0}, "vision_config": {"x": 1}})
+    assert out["num_hidden_layers"] == 3 and "layer_types" not in out and "per_layer_config" not in out
+    assert out["attn_config"] == {"model_type": "", "kv_n_heads": 1, "clip_qkv": None, "rope_theta": 1.0}
+    assert out["vision_config"]["mlp_layer_types"] == ["dense", "sparse"] and out["vision_config"]["x"] == 1
