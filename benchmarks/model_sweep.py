@@ -674,17 +674,21 @@ def _margin(step_logits: Any) -> float:
     return float(top[0] - top[1])
 
 
-def _run_acb(model: Any, prompts: list[list[int]], max_batch_tokens: int | None) -> list[list[int]] | str:
-    """acb's greedy tokens, or the error of a failed request."""
+def _run_acb(
+    model: Any, prompts: list[list[int]], max_batch_tokens: int | None, runner: str | None = None
+) -> tuple[list[list[int]] | str, str]:
+    """acb's greedy tokens (or the error of a failed request) and the path that ran them
+    ("paged", or "own cache": the model on its own cache objects)."""
     from transformers import GenerationConfig
 
     import acb
 
-    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, max_batch_tokens=max_batch_tokens)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, max_batch_tokens=max_batch_tokens, runner=runner)
     gen = GenerationConfig(do_sample=False, eos_token_id=FIXED_TOKEN_IDS["eos_token_id"], pad_token_id=0)
     engine = acb.Engine(model, cfg, gen)
     engine.start()
     try:
+        path = "own cache" if engine.runner.own_forward is not None else "paged"
         outs = engine.generate_batch(
             prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, progress_bar=False, do_sample=False
         )
@@ -693,9 +697,9 @@ def _run_acb(model: Any, prompts: list[list[int]], max_batch_tokens: int | None)
     result = []
     for out in outs.values():
         if out.status != acb.RequestStatus.FINISHED:
-            return f"request {out.request_id} ended {out.status.name}: {out.error}"
+            return f"request {out.request_id} ended {out.status.name}: {out.error}", path
         result.append(list(out.generated_tokens))
-    return result
+    return result, path
 
 
 def _exc(e: BaseException) -> str:
@@ -752,16 +756,23 @@ def run_model(model_type: str) -> dict[str, Any]:
     import acb
 
     diffs = []
-    for run, budget in (("default", None), ("chunked", 8)):
+    # the path acb picks, whole and chunked; a model it pages also runs on its own cache objects
+    # (the second path), which must give the same tokens
+    runs: list[tuple[str, int | None, str | None]] = [("default", None, None), ("chunked", 8, None)]
+    for run, budget, runner in runs:
         _stage(f"acb {run}")
         try:
-            got = _run_acb(model, prompts, budget)
+            got, path = _run_acb(model, prompts, budget, runner)
         except acb.UnsupportedModelError as e:
             return {**rec, "status": "refused", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - any other acb exception is a bug to report
             return {**rec, "status": "failed", "reason": f"{run} run: {_exc(e)}", "where": _where(e)}
         if isinstance(got, str):
             return {**rec, "status": "failed", "reason": f"{run} run: {got}"}
+        if run == "default":
+            rec["path"] = path
+            if path == "paged":
+                runs.append(("own cache", None, "own_cache"))
         for p, (want, have) in enumerate(zip(ref, got)):
             if want != have:
                 pos = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
@@ -960,11 +971,13 @@ def render_markdown(table: dict[str, Any]) -> str:
         f"and run through acb (commit {table.get('acb_commit') or '?'}, {table['date']}) against greedy "
         f"`model.generate`: prompts of {', '.join(map(str, table['prompt_lengths']))} tokens, "
         f"{table['max_new_tokens']} new tokens, with the default step budget and with `max_batch_tokens=8` "
-        "(chunked prefill).",
+        "(chunked prefill). **path** is the runner acb picks: `paged` (acb's paged KV cache) or `own cache` "
+        "(the model on its own cache objects, as `model.generate` runs it: for models acb cannot page); a "
+        "model on the paged path also runs on its own cache, and must give the same tokens there.",
         "",
         f"Counts: {counts}.",
         "",
-        "- **exact**: acb's tokens equal `model.generate`'s in both runs.",
+        "- **exact**: acb's tokens equal `model.generate`'s in every run.",
         "- **differs**: they do not; the first divergence is given (a reference top-2 logit margin near 0 "
         "would be a near-tie rather than a bug).",
         "- **refused**: acb refuses the model at start (`UnsupportedModelError`), for the reason given.",
@@ -975,11 +988,13 @@ def render_markdown(table: dict[str, Any]) -> str:
         "`python benchmarks/model_sweep.py --check` reruns the sweep and fails when a status changed; "
         "`tests/test_model_sweep.py` checks a sample of it in CI.",
         "",
-        "| model type | class | status | reason |",
-        "|---|---|---|---|",
+        "| model type | class | status | path | reason |",
+        "|---|---|---|---|---|",
     ]
     for t, r in table["models"].items():
-        lines.append(f"| `{t}` | {_cell(r['class'])} | {r['status']} | {_cell(r.get('reason', ''))} |")
+        lines.append(
+            f"| `{t}` | {_cell(r['class'])} | {r['status']} | {r.get('path', '')} | {_cell(r.get('reason', ''))} |"
+        )
     return "\n".join(lines) + "\n"
 
 

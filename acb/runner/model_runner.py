@@ -244,9 +244,10 @@ class ModelRunner:
                 type(self.model).__name__,
                 ", ".join(whole),
             )
-        if self.own_forward is not None and not self.own_forward.plain:
+        if self.own_forward is not None and not self.own_forward.chunkable:
             logger.info(
-                "%s's own cache has layers other than plain growing K/V: each prompt is prefilled in one step",
+                "%s's own cache or generation hooks are not plain growing K/V behind transformers' defaults: "
+                "each prompt is prefilled in one step",
                 type(self.model).__name__,
             )
             whole.append("own cache")

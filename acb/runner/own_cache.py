@@ -101,15 +101,23 @@ class OwnCaches:
         return sum(cache_nbytes(cache) for cache in self.rows.values())
 
 
-def cache_nbytes(cache: Any) -> int:
-    """The bytes of the tensors a cache object of the model's own holds (its layers' tensors,
-    and those in their dicts)."""
-    total = 0
-    for layer in getattr(cache, "layers", ()):
-        for value in vars(layer).values():
-            tensors = value.values() if isinstance(value, dict) else [value]
-            total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
-    return total
+def cache_nbytes(cache: Any, depth: int = 0) -> int:
+    """The bytes of the tensors a cache object of the model's own holds (found in its
+    attributes, lists, tuples and dicts, a few levels deep: a ``DynamicCache``'s layers, a
+    Mamba cache's states, RWKV's list of state tensors)."""
+    if isinstance(cache, torch.Tensor):
+        return cache.nbytes
+    if depth > 4 or cache is None or isinstance(cache, (int, float, str, bool)):
+        return 0
+    if isinstance(cache, dict):
+        items: Any = cache.values()
+    elif isinstance(cache, (list, tuple)):
+        items = cache
+    elif hasattr(cache, "__dict__"):
+        items = vars(cache).values()
+    else:
+        return 0
+    return sum(cache_nbytes(v, depth + 1) for v in items)
 
 
 def own_cache_bytes_per_token(model: Any, max_len: int) -> int:
@@ -117,8 +125,6 @@ def own_cache_bytes_per_token(model: Any, max_len: int) -> int:
     random tokens (``n`` and ``2n`` long, ``n`` up to 256, past any window a layer keeps only
     the end of at these sizes) into fresh caches, and the difference of their bytes per token.
     The engine sizes its blocks with it, so admission counts these caches against the budget."""
-    from transformers import DynamicCache
-
     n = max(8, min(256, max_len // 4))
     param = next(model.parameters())
     vocab = int(model.config.get_text_config().vocab_size)
@@ -126,9 +132,11 @@ def own_cache_bytes_per_token(model: Any, max_len: int) -> int:
     ids = torch.randint(0, vocab, (1, 2 * n), generator=g).to(param.device)
     sizes = []
     with torch.no_grad():
-        for length in (n, 2 * n):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=ids[:, :length], past_key_values=cache, use_cache=True)
+        for length in (n, 2 * n):  # the cache the model builds for itself, whatever its kind
+            out = model(input_ids=ids[:, :length], use_cache=True)
+            cache = next(
+                (out[name] for name in ("past_key_values", "cache_params", "state") if out.get(name) is not None), None
+            )
             sizes.append(cache_nbytes(cache))
     return max(1, -(-(sizes[1] - sizes[0]) // n))
 

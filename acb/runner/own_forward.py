@@ -16,11 +16,16 @@ Each running request (by block-table row) keeps the cache the model builds for i
   cancelled, preempted, or scheduled for more than one token), by stacking and slicing the
   layers' tensors, and trimmed of padding columns no row needs;
 * **prefill chunks and every other segment** run one request at a time on its own cache
-  (whole or chunked prefill, scoring continuations, a fork's own tokens), as ``model.generate``
-  runs one unpadded prompt.
+  (whole or chunked prefill, scoring continuations, a fork's own tokens), through the model's
+  own generation hooks, as ``model.generate`` runs one unpadded prompt: its
+  ``prepare_inputs_for_generation`` builds the forward's arguments from the request's tokens so
+  far and its generation state (the cache, whatever its argument's name: ``past_key_values``,
+  Mamba's ``cache_params``, RWKV's ``state``; position ids), and its
+  ``_update_model_kwargs_for_generation`` carries that state to the next call.
 
-Batching decode rows needs caches whose layers are all plain ``DynamicLayer`` (keys and values
-``[batch, heads, length, dim]``, grown by concatenation): a model whose cache has other layers
+Batching decode rows needs a model that takes position ids and prepares its inputs as
+transformers' default does, and caches whose layers are all plain ``DynamicLayer`` (keys and
+values ``[batch, heads, length, dim]``, grown by concatenation): a model whose cache has other layers
 (sliding windows that crop, recurrent states) runs every segment on its own instead, and
 prefills each prompt in one step (``model.generate`` never resumes such a cache mid-prompt, and
 Moshi's sliding-window cache gives other tokens when it does).
@@ -59,6 +64,14 @@ def _length(cache: Any) -> int:
     return int(cache.get_seq_length())
 
 
+def _cache_of(kw: dict[str, Any]) -> Any:
+    """The cache in a request's generation state (whatever the model names it)."""
+    for name in ("past_key_values", "cache_params", "state"):
+        if kw.get(name) is not None:
+            return kw[name]
+    return None
+
+
 class OwnForward:
     """Runs engine steps on the model's own caches (see the module docstring)."""
 
@@ -68,7 +81,19 @@ class OwnForward:
         params = inspect.signature(type(model).forward).parameters
         self._positions = "position_ids" in params
         self._keep = "logits_to_keep" in params and bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
-        self.single: dict[int, Any] = {}  # row -> the cache of a request not in the batch
+        from transformers.generation.utils import GenerationMixin
+
+        # a model whose generation hooks are transformers' defaults (not XLNet's dummy token,
+        # Mamba's cache_params, a decoder's positions counted from its cache length...)
+        default_hooks = all(
+            getattr(type(model), name, None) is getattr(GenerationMixin, name)
+            for name in ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
+        )
+        self._batch_ok = default_hooks and self._positions and not getattr(self.config, "is_encoder_decoder", False)
+        # row -> a request's generation state (the model's kwargs between calls: its cache, ...)
+        # while it is not in the batch, and its tokens so far
+        self.single: dict[int, dict[str, Any]] = {}
+        self.ids: dict[int, torch.Tensor] = {}
         self.batch: Any = None  # the decode batch's cache (left-padded), or None
         self.batch_rows: list[int] = []
         self.batch_pad: list[int] = []  # left padding of each batch row
@@ -79,12 +104,16 @@ class OwnForward:
 
         kinds = {type(layer) for layer in getattr(DynamicCache(config=self.config), "layers", ())}
         self.plain = kinds <= {_dynamic_layer_class()}
-        self.batchable = self.plain  # False once a cache shows layers that cannot be stacked
+        self.batchable = self.plain and self._batch_ok  # False once a cache shows layers that cannot be stacked
+        # a prompt may be prefilled in chunks (model.generate never does that): plain caches behind
+        # the default generation hooks only (XLNet re-reads its whole input with a dummy token)
+        self.chunkable = self.plain and default_hooks
 
     # lifecycle ---------------------------------------------------------------
     def reset(self, row: int) -> None:
         """The row's request starts with no cache (a new request, a recompute, a freed row)."""
         self.single.pop(row, None)
+        self.ids.pop(row, None)
         if row in self.batch_rows:
             self._leave([row])
 
@@ -92,15 +121,18 @@ class OwnForward:
         """A child forks from its parent's cache."""
         self.reset(dst)
         self.single[dst] = copy.deepcopy(self._take(src))
+        self.ids[dst] = self.ids[src].clone()
 
     def clear(self) -> None:
         self.single.clear()
+        self.ids.clear()
         self.batch, self.batch_rows, self.batch_pad = None, [], []
 
     def nbytes(self) -> int:
         from acb.runner.own_cache import cache_nbytes
 
-        return sum(cache_nbytes(c) for c in self.single.values()) + (cache_nbytes(self.batch) if self.batch else 0)
+        own = sum(cache_nbytes(_cache_of(kw)) for kw in self.single.values())
+        return own + (cache_nbytes(self.batch) if self.batch else 0)
 
     # the batch ---------------------------------------------------------------
     def _empty(self) -> Any:
@@ -108,13 +140,13 @@ class OwnForward:
 
         return DynamicCache(config=self.config)
 
-    def _take(self, row: int) -> Any:
-        """The row's cache as a cache of its own (taken out of the batch if it is there)."""
+    def _take(self, row: int) -> dict[str, Any]:
+        """The row's generation state, its cache its own (taken out of the batch if it is there)."""
         if row in self.batch_rows:
             i = self.batch_rows.index(row)
             own = self._slice(i)
             self._leave([row])
-            self.single[row] = own
+            self.single[row] = {"use_cache": True, "past_key_values": own}
         return self.single[row]
 
     def _like(self, cache: Any) -> Any:
@@ -149,7 +181,7 @@ class OwnForward:
 
     def _join(self, rows: list[int]) -> None:
         """Move these rows' own caches into the batch (all caches plain), padding on the left."""
-        caches = [self.single.pop(r) for r in rows]
+        caches = [self.single.pop(r)["past_key_values"] for r in rows]
         if self.batch is not None:
             lengths = [self.batch.layers[0].keys.shape[2]] + [_length(c) for c in caches]
         else:
@@ -216,20 +248,14 @@ class OwnForward:
         for r in leaving:
             self._take(r)
         for lo, hi, row in segments:
+            self._extend(row, input_ids[:, lo:hi])
             if row in decode_rows:
                 continue
-            cache = self.single.get(row)
-            if cache is None:
-                cache = self.single[row] = self._empty()
-            logits = self._run(
-                input_ids[:, lo:hi],
-                position_ids[:, lo:hi],
-                cache,
-                None,
-                [t - lo for t in self._wanted(want, row, logits_indices)],
-            )
+            keep = [t - lo for t in self._wanted(want, row, logits_indices)]
+            logits = self._single(row, hi - lo, keep)
             for j, lg in zip(want.get(row, []), logits):
                 out[j] = lg
+            cache = _cache_of(self.single[row])
             if self.batchable and getattr(cache, "layers", None) and not _plain(cache):
                 self.batchable = False
                 logger.info(
@@ -261,8 +287,39 @@ class OwnForward:
         return [logits_indices[j] for j in want.get(row, [])]
 
     def _plain_single(self, row: int) -> bool:
-        cache = self.single.get(row)
+        kw = self.single.get(row)
+        cache = _cache_of(kw) if kw is not None else None
         return cache is not None and _plain(cache) and _length(cache) > 0
+
+    def _extend(self, row: int, ids: torch.Tensor) -> None:
+        """The request's tokens so far, with this step's."""
+        prev = self.ids.get(row)
+        self.ids[row] = ids.clone() if prev is None else torch.cat([prev, ids], dim=1)
+
+    def _single(self, row: int, n: int, keep: list[int]) -> torch.Tensor:
+        """One request's ``n`` new tokens through the model's own generation hooks, on its own
+        generation state; the logits of its tokens ``keep`` (``[len(keep), V]``)."""
+        model = self.model
+        ids = self.ids[row]
+        kw = self.single.get(row)
+        first = kw is None
+        if kw is None:
+            kw = {"use_cache": True}
+        if self._positions and not getattr(self.config, "is_encoder_decoder", False):
+            kw["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None]
+        inputs = model.prepare_inputs_for_generation(
+            ids, next_sequence_length=None if first else n, is_first_iteration=first, **kw
+        )
+        if self._keep and "logits_to_keep" not in inputs:  # the tail of the segment the wanted rows are in
+            inputs["logits_to_keep"] = n - min(keep, default=n - 1)
+        # counted from the end: the model may return logits for fewer or more positions
+        picked = [t - n for t in keep]
+        outputs = model(**inputs, return_dict=True)
+        self.single[row] = model._update_model_kwargs_for_generation(
+            outputs, kw, is_encoder_decoder=bool(getattr(self.config, "is_encoder_decoder", False)), num_new_tokens=n
+        )
+        logits = outputs.logits[0]
+        return logits[picked] if keep else logits[:0]
 
     def _run(
         self,
