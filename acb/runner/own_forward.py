@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 from typing import Any
 
@@ -108,6 +109,55 @@ class OwnForward:
         # a prompt may be prefilled in chunks (model.generate never does that): plain caches behind
         # the default generation hooks only (XLNet re-reads its whole input with a dummy token)
         self.chunkable = self.plain and default_hooks
+        self._probe()
+
+    # start-up tries ------------------------------------------------------------
+    def _probe(self) -> None:
+        """Try what the model's own code is assumed to do, on scratch rows, once at start: a
+        prompt prefilled in two chunks must give what it gives whole (ProphetNet's cache takes
+        one token at a time after the first call), and two requests decoded as one padded batch
+        what they give one at a time (GIT's mask does not follow left padding). What fails the
+        try is not done: prompts are prefilled whole, decode rows run one at a time."""
+        param = next(self.model.parameters())
+        vocab = int(self.config.get_text_config().vocab_size)
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(3, vocab, (1, 14), generator=g).to(param.device)
+
+        def run(steps: list[tuple[list[int], list[int], list[torch.Tensor]]]) -> torch.Tensor:
+            out = None
+            for rows, lens, parts in steps:
+                ids = torch.cat(parts, dim=1)
+                starts = [int(self.ids[r].shape[1]) if r in self.ids else 0 for r in rows]
+                pos = torch.cat([torch.arange(a, a + n, device=ids.device) for a, n in zip(starts, lens)])[None]
+                ends = list(itertools.accumulate(lens))
+                out = self.forward(ids, pos, lens, rows, [e - 1 for e in ends])
+            assert out is not None
+            return out.float()
+
+        def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()) + 1e-6))
+
+        with torch.no_grad():
+            if self.chunkable:
+                try:
+                    whole = run([([-1], [12], [tokens[:, :12]])])
+                    chunked = run([([-2], [7], [tokens[:, :7]]), ([-2], [5], [tokens[:, 7:12]])])
+                    self.chunkable = close(chunked, whole)
+                except Exception:  # noqa: BLE001 - a cache that cannot take a chunk: prefill whole
+                    self.chunkable = False
+            if self.batchable:
+                a, b = tokens[:, :5], tokens[:, 5:14]
+                try:
+                    run([([-3, -4], [5, 9], [a, b])])
+                    batched = run([([-3, -4], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])])
+                    self.batchable = False
+                    run([([-5, -6], [5, 9], [a, b])])
+                    single = run([([-5, -6], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])])
+                    self.batchable = close(batched, single)
+                except Exception:  # noqa: BLE001 - a cache that cannot be stacked: one row at a time
+                    self.batchable = False
+        for row in range(-6, 0):
+            self.reset(row)
 
     # lifecycle ---------------------------------------------------------------
     def reset(self, row: int) -> None:

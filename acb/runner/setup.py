@@ -287,7 +287,8 @@ def model_max_len(model: PreTrainedModel) -> int:
     """The most positions the model takes: its config's ``max_position_embeddings`` (or the older
     names of it: MPT's ``max_seq_len``, ...), unbounded (2^20) when it names none."""
     text = model.config.get_text_config()
-    for name in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length"):
+    names = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length")
+    for name in (*names, "max_target_positions"):  # (Whisper's decoder: max_target_positions)
         value = getattr(text, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
