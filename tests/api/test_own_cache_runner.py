@@ -1,0 +1,165 @@
+"""The second runner path (``acb.runner.own_forward``): models acb cannot page run on the model's
+own cache objects, exact against ``model.generate``, behind the same engine, API and scheduler.
+
+GPT-J (attention outside transformers' attention interface: decode rows batched with left
+padding), Doge (a content-dependent mask acb's paged attention cannot take), Moshi (a
+sliding-window cache: unbatched, prompts prefilled whole), ProphetNet (a cache that takes one
+token at a time after the first call: found by the start-up try, prefilled whole), and Llama
+forced onto this path next to the paged one. Tiny configs are the catalogue sweep's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+import acb
+from tests.conftest import prompts_of_lengths
+from tests.test_model_sweep import ms
+
+MAX_NEW = 6
+
+
+@functools.cache
+def model_of(arch: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ms.tiny_config(arch), dtype=torch.float32).eval()
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    return model
+
+
+@functools.cache
+def reference(arch: str, prompt: tuple[int, ...]) -> list[int]:
+    with torch.no_grad():
+        out = model_of(arch).generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(lengths, seed=1):
+    return prompts_of_lengths(lengths, vocab=256, seed=seed)
+
+
+def run(eng, ps, **kw):
+    outs = eng.generate_batch(ps, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False, **kw)
+    return [o.generated_tokens for o in outs.values()]
+
+
+# arch -> (runner config, decode rows batched, prompts prefilled in chunks)
+CASES = {
+    "gptj": (None, True, True),
+    "doge": (None, True, True),
+    "moshi": (None, False, False),
+    "prophetnet": (None, False, False),
+    "llama": ("own_cache", True, True),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_the_path_is_chosen_at_start_and_said(arch, caplog):
+    runner, batched, chunked = CASES[arch]
+    with caplog.at_level(logging.INFO, logger="acb"):
+        eng = acb.Engine(model_of(arch), acb.ContinuousBatchingConfig(num_blocks=32, page_size=8, runner=runner))
+        eng.start()
+    try:
+        r = eng.runner
+        assert r.own_forward is not None
+        assert r.own_forward.batchable is batched and r.cfg.whole_prefill is not chunked
+        assert r.kv_cache.k == [] and r.kv_cache.spec.bytes_per_token()["own cache"] > 0
+        assert not r.cfg.prefix_caching and r.cfg.num_swap_blocks == 0 and not r.cfg.cuda_graphs
+        said = [m for m in caplog.messages if "runs on its own cache objects" in m]
+        # one line, with the paged path's refusal as the reason (or the config's ask)
+        why = said[0].split("not paged: ", 1)[1] if len(said) == 1 else ""
+        assert why.startswith(type(r.model).__name__ if runner is None else "runner='own_cache'"), said
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(max_batch_tokens=8),  # chunked prefill (or whole prompts where the try said so)
+        dict(num_blocks=12, page_size=4, max_batch_tokens=16, use_async_batching=True),  # preemption, async
+    ],
+    ids=["whole", "chunked", "preempt-async"],
+)
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_greedy_parity(arch, cfg):
+    ps = prompts([5, 17, 30, 9, 22])
+    config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, "page_size": 8, "runner": CASES[arch][0], **cfg})
+    with acb.Engine(model_of(arch), config) as eng:
+        got = run(eng, ps)
+        if "num_blocks" in cfg:
+            assert eng.stats.preemptions > 0
+    assert got == [reference(arch, tuple(p)) for p in ps]
+
+
+def test_the_paged_path_refuses_what_it_cannot_page():
+    with pytest.raises(acb.UnsupportedModelError, match="AttentionInterface"):
+        acb.Engine(model_of("gptj"), acb.ContinuousBatchingConfig(num_blocks=16, runner="paged")).start()
+    with pytest.raises(ValueError, match="runner"):
+        acb.ContinuousBatchingConfig(runner="static")
+
+
+@pytest.mark.parametrize("arch", ["gptj", "moshi"])
+def test_samples_sampling_scoring_stops_cancel_and_sleep(arch):
+    """n = 3 forks of the prompt's cache; seeded sampling reproducible; logprobs and scoring equal
+    a plain forward's log-softmax; a stop string; a request cancelled mid-prefill leaves nothing
+    behind; sleep / wake drops the caches and the requests recompute exactly."""
+    model = model_of(arch)
+    ps = prompts([23, 7], seed=2)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=4, max_batch_tokens=8)
+    with acb.Engine(model, cfg) as eng:
+        out = eng.generate(ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
+        assert [s.generated_tokens for s in out.samples] == [reference(arch, tuple(ps[0]))] * 3
+        a, b = (
+            eng.generate(ps[1], max_new_tokens=MAX_NEW, ignore_eos=True, do_sample=True, temperature=1.0, seed=7)
+            for _ in range(2)
+        )
+        assert a.generated_tokens == b.generated_tokens
+        greedy = eng.generate(ps[1], max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+        with torch.no_grad():
+            full = torch.tensor([ps[1] + greedy.generated_tokens[:-1]])
+            logits = model(full).logits[0, len(ps[1]) - 1 :].float()
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(greedy.generated_tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(greedy.logprobs), want, atol=1e-4)
+        context, conts = ps[0][:11], [ps[1][:3], ps[1][3:4]]
+        scored = eng.score(context, conts)
+        for cont, got in zip(conts, scored.continuations):
+            with torch.no_grad():
+                logits = model(torch.tensor([context + cont])).logits[0].float()
+            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        long = prompts([90], seed=5)[0]
+        h = eng.submit(long, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+        def computed(core) -> int:  # (on the engine thread, between two steps)
+            return next((r.num_computed_tokens for r in core.scheduler.running if r.request_id == h.request_id), 0)
+
+        while not h.done and not 0 < eng.call(computed).result(timeout=120) < len(long):
+            pass
+        h.cancel()
+        assert h.result(timeout=120).status in (acb.RequestStatus.CANCELLED, acb.RequestStatus.FINISHED)
+        hs = [eng.submit(p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in ps]
+        eng.sleep()
+        assert eng.runner.own_forward.nbytes() == 0
+        eng.wake_up()
+        assert [x.result(timeout=120).generated_tokens for x in hs] == [reference(arch, tuple(p)) for p in ps]
+
+
+def test_a_prompt_that_can_never_fit_is_refused_at_submit():
+    """The blocks count the model's own cache: a request longer than the cache can hold is
+    refused when submitted, naming the limit."""
+    cfg = acb.ContinuousBatchingConfig(num_blocks=5, page_size=4)
+    with acb.Engine(model_of("gptj"), cfg) as eng:
+        spec = eng.runner.kv_cache.spec
+        assert eng.runner.cfg.kv_cache_bytes == 5 * 4 * spec.own_bytes_per_token  # blocks priced by the own cache
+        with pytest.raises(ValueError, match="can never fit"):
+            eng.generate(prompts([40])[0], max_new_tokens=2)
