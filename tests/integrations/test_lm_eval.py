@@ -275,6 +275,15 @@ def test_model_object_under_preemption_matches_hf(workdir, task_manager, hf_run)
     _assert_same_as_hf(hf_run, got)
 
 
+def test_on_the_own_cache_path_matches_hf(workdir, task_manager, hf_run):
+    """The second runner path (the model on its own cache objects: what acb runs a model it
+    cannot page on) gives lm-eval's hf backend's answers too."""
+    with AcbLM(workdir["model"], tokenizer=workdir["tok"], max_length=MAX_LENGTH, runner="own_cache") as lm:
+        assert lm.engine.runner.own_forward is not None
+        got = _evaluate(lm, task_manager)
+    _assert_same_as_hf(hf_run, got)
+
+
 def test_cli(workdir, acb_run, tmp_path):
     """``python -m acb.integrations.lm_eval`` is lm-eval's command line with "acb" registered."""
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
