@@ -205,3 +205,57 @@ def test_grpo_structured_outputs_regex_constrains_every_rollout(tmp_path):
         trainer.train()
     texts = [tok.decode(c, skip_special_tokens=True) for step in rec.rollouts for c in step]
     assert len(texts) == 2 * 4 and all(re.fullmatch(regex, t) for t in texts), texts
+
+
+def test_greedy_grpo_on_a_model_only_the_own_cache_path_runs(tmp_path):
+    """GRPO on a GPT-J policy (attention outside transformers' attention interface, which
+    transformers' continuous batching refuses): acb runs it on the model's own cache objects, and
+    the first step's greedy rollouts are plain ``model.generate``'s on the initial weights."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = build_tokenizer()
+    cfg = AutoConfig.for_model(
+        "gptj",
+        vocab_size=len(tok),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=8,
+        n_positions=256,
+        n_inner=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.2,  # peaked logits: greedy parity does not hinge on near-ties
+    )
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(cfg)
+    initial = copy.deepcopy(model).eval()
+    seen: list[list[tuple[str, list[int]]]] = []
+
+    def reward(prompts, completions, completion_ids, **kw):  # records which prompt each rollout answers
+        seen.append([(p, list(c)) for p, c in zip(prompts, completion_ids)])
+        return [(sum(c) % 97) / 97.0 for c in completion_ids]
+
+    reward.__name__ = "token_sum"
+    trainer = _trainer(model, tok, reward, greedy=True, tmp_path=tmp_path)
+    with use_acb(trainer) as rollouts:
+        trainer.train()
+        assert rollouts.engine.runner.own_forward is not None and rollouts.calls == 2
+    assert trainer.state.global_step == 2 and len(seen[0]) == 4
+    for prompt, got in seen[0]:
+        ids = tok(prompt)["input_ids"]
+        with torch.no_grad():
+            out = initial.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_COMPLETION,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        want = out[0, len(ids) :].tolist()
+        if tok.eos_token_id in want:
+            want = want[: want.index(tok.eos_token_id) + 1]
+        assert got == want
