@@ -61,6 +61,46 @@ def _plain(cache: Any) -> bool:
     return bool(layers) and all(type(layer) is cls and getattr(layer, "is_initialized", False) for layer in layers)
 
 
+def _growing_layer_class() -> type:
+    """``DynamicLayer`` whose update appends in place, into buffers with room to spare (the
+    decode batch's cache: a step costs its new column, not a copy of every cached one as
+    ``torch.cat`` does); ``keys`` and ``values`` are views of the filled part."""
+    global _GROWING
+    if _GROWING is not None:
+        return _GROWING
+    base = _dynamic_layer_class()
+
+    class GrowingLayer(base):  # type: ignore[misc, valid-type]
+        def fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            self.lazy_initialization(keys, values)
+            n = keys.shape[2]
+            room = n + max(16, n // 2)
+            self._k = keys.new_empty((*keys.shape[:2], room, keys.shape[3]))
+            self._v = values.new_empty((*values.shape[:2], room, values.shape[3]))
+            self._k[:, :, :n] = keys
+            self._v[:, :, :n] = values
+            self._n = n
+            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            n, add = self._n, key_states.shape[2]
+            if n + add > self._k.shape[2]:  # out of room: 1.5x, once in a while
+                self.fill(self.keys, self.values)
+            self._k[:, :, n : n + add] = key_states
+            self._v[:, :, n : n + add] = value_states
+            self._n = n + add
+            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+            return self.keys, self.values
+
+    _GROWING = GrowingLayer
+    return GrowingLayer
+
+
+_GROWING: type | None = None
+
+
 def _length(cache: Any) -> int:
     return int(cache.get_seq_length())
 
@@ -199,10 +239,10 @@ class OwnForward:
             self.single[row] = {"use_cache": True, "past_key_values": own}
         return self.single[row]
 
-    def _like(self, cache: Any) -> Any:
+    def _like(self, cache: Any, layer_class: type | None = None) -> Any:
         """A cache object of the model's own, shaped as ``cache`` (its layers fresh and empty)."""
         out = copy.copy(cache)
-        out.layers = [type(layer)() for layer in cache.layers]
+        out.layers = [(layer_class or _dynamic_layer_class())() for _ in cache.layers]
         return out
 
     def _slice(self, i: int) -> Any:
@@ -224,8 +264,7 @@ class OwnForward:
         pads = [self.batch_pad[i] for i in keep]
         trim = min(pads)  # padding columns no remaining row needs
         for layer in self.batch.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
-            layer.values = layer.values.index_select(0, index)[:, :, trim:]
+            layer.fill(layer.keys.index_select(0, index)[:, :, trim:], layer.values.index_select(0, index)[:, :, trim:])
         self.batch_rows = [self.batch_rows[i] for i in keep]
         self.batch_pad = [p - trim for p in pads]
 
@@ -245,7 +284,7 @@ class OwnForward:
             new_pad = []
         parts += [(c, width - _length(c)) for c in caches]
         first = parts[0][0]
-        out = self._like(first)
+        out = self._like(first, _growing_layer_class())
         for n, dst in enumerate(out.layers):
             keys, values = [], []
             for cache, pad in parts:
@@ -255,9 +294,7 @@ class OwnForward:
                     v = torch.nn.functional.pad(v, (0, 0, pad, 0))
                 keys.append(k)
                 values.append(v)
-            dst.lazy_initialization(first.layers[n].keys, first.layers[n].values)
-            dst.keys = torch.cat(keys, dim=0)
-            dst.values = torch.cat(values, dim=0)
+            dst.fill(torch.cat(keys, dim=0), torch.cat(values, dim=0))
         self.batch = out
         self.batch_rows = self.batch_rows + rows
         self.batch_pad = new_pad + [width - _length(c) for c in caches]
