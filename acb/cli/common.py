@@ -109,6 +109,13 @@ def _add_engine_flags(eng: Any) -> None:
         "--attn-backend", choices=ATTN_BACKENDS, default=None, help="attention kernels (default: the best available)"
     )
     eng.add_argument(
+        "--runner",
+        choices=("paged", "own_cache"),
+        default=None,
+        help="paged: acb's paged KV cache (refuses a model it cannot page); own_cache: the model on its own "
+        "cache objects, as model.generate runs it (default: paged when the model allows it, else own_cache)",
+    )
+    eng.add_argument(
         "--cpu-packed-linears",
         dest="cpu_packed_linears",
         action=argparse.BooleanOptionalAction,
@@ -183,6 +190,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
             allow_block_sharing=args.allow_block_sharing,
             cpu_offload_space=args.cpu_offload_space,
             attn_backend=args.attn_backend,
+            runner=args.runner,
             scheduler_type=args.scheduler_type,
             cpu_packed_linears=args.cpu_packed_linears,
             **extra,
