@@ -730,7 +730,8 @@ class _WorkerPool:
                 expired = [w for t, w in self._idle if now - t >= _IDLE_S]
                 self._idle = [(t, w) for t, w in self._idle if now - t < _IDLE_S]
             for w in expired:
-                w.kill()
+                with contextlib.suppress(OSError):  # (whatever ending one costs, this thread goes on: it spawns)
+                    w.kill()
 
 
 _POOL = _WorkerPool()
