@@ -7,12 +7,16 @@ It owns four things, and is the only module that imports xgrammar (lazily; the e
 - :class:`StructuredOutputs`, the per-request spec, with vLLM's field names (``json``,
   ``json_object``, ``regex``, ``choice``, ``grammar``) and a stable ``key`` for caching.
 - :class:`GrammarCompiler`, one per engine (tokenizer + model vocabulary): compiles specs in a few
-  worker processes of its own (:func:`serve_compiles`), so that neither the caller's event loop nor
-  the engine thread waits, and so that a compile can be stopped: one past the budget's time limit
-  (:class:`acb.grammar_budget.GrammarBudget`) is killed with its process, which a fresh one
-  replaces, and closing kills them all without waiting. Specs over the budget's static limits are
-  refused before any compile, and so is a grammar no output can meet (it matches no text, or the
-  vocabulary has no token to start it). A bounded LRU cache keyed by ``spec.key`` shares compiles.
+  worker processes it holds for its life (:func:`serve_compiles`), so that neither the caller's
+  event loop nor the engine thread waits, and so that a compile can be stopped: one past the
+  budget's time limit (:class:`acb.grammar_budget.GrammarBudget`) is killed with its process, which
+  a fresh one replaces, and closing kills the ones compiling without waiting. Specs over the
+  budget's static limits are refused before any compile, and so is a grammar no output can meet (it
+  matches no text, or the vocabulary has no token to start it). A bounded LRU cache keyed by
+  ``spec.key`` shares compiles. The idle workers of a closed compiler stay ready for a while for the
+  next compiler of the same vocabulary in this process (:class:`_WorkerPool`): a process that
+  builds several engines starts its workers (a fresh interpreter importing torch and xgrammar,
+  seconds of CPU each) once.
 - :class:`Matcher`, one per request, on the engine thread: advances with each sampled token and
   fills that request's row of the step's token bitmask.
 - :func:`allocate_bitmask` / :func:`apply_bitmask`: the bitmask is int32 ``[rows, ceil(V / 32)]``,
@@ -67,11 +71,11 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from time import perf_counter
+from time import monotonic, perf_counter
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -177,11 +181,14 @@ class GrammarCompiler:
     limit, and a fresh process takes its place (a killed compile holds no capacity). A spec over
     ``budget``'s static limits is refused before any compile. A worker sends its compiled grammar
     back serialised (xgrammar's ``serialize_json``); the grammar's matchers run in this process.
+    The workers are this compiler's alone while it is open; an earlier compiler's idle ones with
+    the same vocabulary, threads and stop tokens are taken ready when there are any.
 
     Thread-safe: :meth:`submit` and :meth:`compile_now` may be called from any thread. The cache
     holds the ``cache_size`` most recently used grammars (a failed compile is not kept, so a fixed
-    spec compiles anew). :meth:`close` kills the workers at once, without waiting for their
-    compiles.
+    spec compiles anew). :meth:`close` kills the workers that are compiling at once, without
+    waiting for their compiles, and leaves the idle ones to a later compiler (they exit after
+    ``_IDLE_S`` unused).
     """
 
     def __init__(
@@ -223,8 +230,8 @@ class GrammarCompiler:
         self._closed = False
         # the workers: one parent thread each, which owns one child process at a time
         self._jobs: queue.SimpleQueue[tuple[StructuredOutputs, Future[CompiledGrammar]] | None] = queue.SimpleQueue()
-        setup = _WorkerSetup(self._info.serialize_json(), compile_threads, sorted(self.stop_token_ids))
-        self._workers = [_Worker(setup) for _ in range(workers)]
+        setup = _WorkerSetup(self._info.serialize_json(), compile_threads, tuple(sorted(self.stop_token_ids)))
+        self._workers = [_POOL.take(setup) for _ in range(workers)]
         self._threads = [
             threading.Thread(target=self._serve, args=(w,), name=f"acb-grammar-{i}", daemon=True)
             for i, w in enumerate(self._workers)
@@ -346,14 +353,15 @@ class GrammarCompiler:
             return CacheInfo(self._hits, self._misses, self._cache_size, len(self._cache))
 
     def close(self) -> None:
-        """Kill the worker processes now, and fail every compile not done yet with
-        :class:`acb.errors.EngineNotRunningError`. Never waits for a compile; idempotent."""
+        """Kill the worker processes that are compiling now, and fail every compile not done yet
+        with :class:`acb.errors.EngineNotRunningError`. Never waits for a compile; idempotent. The
+        idle workers go back to the process's pool, ready for the next compiler."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         for w in self._workers:
-            w.kill()  # a parent thread waiting on its compile sees the pipe close, and ends
+            w.interrupt()  # a parent thread waiting on its compile sees the pipe close, and ends
         closed = EngineNotRunningError(
             "the grammar compiler was closed (the engine stopped) before the constraint compiled"
         )
@@ -374,8 +382,14 @@ class GrammarCompiler:
                     del self._cache[key]
 
     def _serve(self, worker: _Worker) -> None:
-        """A parent thread: starts its worker process, then hands it queued compiles, one at a
-        time (every spawn of that worker happens on this thread)."""
+        """A parent thread: starts its worker process (unless it came ready from the pool), then
+        hands it queued compiles, one at a time; at the end gives it back to the pool."""
+        try:
+            self._serve_jobs(worker)
+        finally:
+            _POOL.give_back(worker)
+
+    def _serve_jobs(self, worker: _Worker) -> None:
         with contextlib.suppress(EngineNotRunningError):  # (closed before it started: the loop ends)
             worker.start()
         while True:
@@ -431,69 +445,108 @@ def _fail(fut: Future[CompiledGrammar], exc: BaseException) -> None:
 
 class _WorkerSetup(NamedTuple):
     """What a worker process needs: the vocabulary (xgrammar's ``TokenizerInfo`` as JSON), its
-    thread count, and the stop tokens (to tell which first tokens continue a grammar)."""
+    thread count, and the stop tokens (to tell which first tokens continue a grammar). Equal
+    setups can share a worker (:class:`_WorkerPool`)."""
 
     info_json: str
     threads: int
-    stop_token_ids: list[int]
+    stop_token_ids: tuple[int, ...]
+
+
+def _worker_env() -> dict[str, str]:
+    """A worker's environment, from this process's as it is now."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # a worker never needs a device
+    # the worker imports acb from where this process did (a checkout on sys.path, say)
+    env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
 
 
 class _Worker:
     """One compile worker process (``python -c "...serve_compiles(...)"``: a fresh interpreter, so
-    nothing of the parent's threads or devices is inherited), replaced when it is killed or dies.
-    Used by one parent thread at a time; :meth:`kill` may come from any thread."""
+    nothing of the parent's threads or devices is inherited), replaced when it dies or a compile
+    runs past its limit. Held by one compiler's parent thread at a time (:class:`_WorkerPool` lends
+    it); :meth:`interrupt` may come from any thread."""
 
-    def __init__(self, setup: _WorkerSetup) -> None:
-        self._setup = setup
+    def __init__(self, setup: _WorkerSetup, launch: tuple[str, str]) -> None:
+        self.setup = setup
+        self.launch = launch  # (interpreter, PYTHONPATH): a worker is lent only where a fresh one would run the same
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._send: Connection | None = None
         self._recv: Connection | None = None
-        self._ready = False
-        self._killed = False
+        self._ready = False  # the process has the setup, and said so
+        self._busy = False  # in compile(): sending, compiling, or (re)starting for a job
+        self._closing = False  # its holder closed: no new job; interrupt() killed a running one
+        self._killed = False  # killed for good: never started again, never lent again
 
     def start(self) -> None:
-        """Spawn the process now (it imports xgrammar meanwhile), from the parent thread that will
-        use it: on Linux the process dies with that thread (:func:`serve_compiles`), so it must be
-        the long-lived one, not a caller's."""
+        """Spawn the process now, unless it runs (it imports xgrammar meanwhile)."""
         if self._proc is None:
             self._start()
 
+    def alive(self) -> bool:
+        """Whether it can be lent again: its process runs and was never killed for good."""
+        with self._lock:
+            return not self._killed and self._proc is not None and self._proc.poll() is None
+
     def _start(self) -> None:
-        """Spawn the process (it imports xgrammar meanwhile); the setup is sent with the first job."""
+        """Spawn the process (it imports xgrammar meanwhile); the setup is sent with the first job.
+        The spawn happens on the pool's thread: on Linux the process dies with the thread that
+        spawned it (:func:`serve_compiles`), so that must be one that lives as long as this process."""
         with self._lock:
             if self._killed:
                 raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)")
-            jobs_r, jobs_w = os.pipe()
-            results_r, results_w = os.pipe()
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # a worker never needs a device
-            # the worker imports acb from where this process did (a checkout on sys.path, say)
-            env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
-            try:
-                # its own session: a terminal's Ctrl-C is the parent's to handle; the worker ends
-                # when the parent's end of the pipe closes
-                self._proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-c",
-                        f"import acb.structured as s; s.serve_compiles({jobs_r}, {results_w}, {os.getpid()})",
-                    ],
+        jobs_r, jobs_w = os.pipe()
+        results_r, results_w = os.pipe()
+        argv = [
+            sys.executable,
+            "-c",
+            f"import acb.structured as s; s.serve_compiles({jobs_r}, {results_w}, {os.getpid()})",
+        ]
+        try:
+            # its own session: a terminal's Ctrl-C is the parent's to handle; the worker ends
+            # when the parent's end of the pipe closes
+            proc = _POOL.spawn(
+                lambda: subprocess.Popen(
+                    argv,
                     pass_fds=(jobs_r, results_w),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
-                    env=env,
+                    env=_worker_env(),
                     start_new_session=True,
                 )
-            finally:
-                os.close(jobs_r)
-                os.close(results_w)
+            )
+        except BaseException:
+            os.close(jobs_w)
+            os.close(results_r)
+            raise
+        finally:
+            os.close(jobs_r)
+            os.close(results_w)
+        with self._lock:
+            self._proc = proc
             self._send = Connection(jobs_w, readable=False)
             self._recv = Connection(results_r, writable=False)
             self._ready = False
+            killed = self._killed
+        if killed:  # (killed for good while it was spawned: it never runs a job)
+            self._stop_process()
+            raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)")
 
     def compile(self, spec: StructuredOutputs, limit: float | None) -> tuple[bool, str, int | None] | None:
         """Compile in the process: ``(ok, serialised grammar or error message, max tokens)``,
         or ``None`` when ``limit`` seconds passed first (the process is then killed and replaced)."""
+        with self._lock:
+            if self._closing or self._killed:
+                raise EngineNotRunningError("the grammar compiler was closed (the engine stopped)")
+            self._busy = True
+        try:
+            return self._compile(spec, limit)
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def _compile(self, spec: StructuredOutputs, limit: float | None) -> tuple[bool, str, int | None] | None:
         if self._proc is None or self._proc.poll() is not None:
             self._restart()
         send, recv, proc = self._send, self._recv, self._proc
@@ -524,9 +577,9 @@ class _Worker:
     def _wait_ready(self, send: Connection, recv: Connection, proc: subprocess.Popen[bytes]) -> bool:
         """Send the setup and wait for the worker's ``ready``; a worker that cannot start is a
         RuntimeError (the server's fault, not the spec's), and is replaced."""
-        setup = self._setup
+        setup = self.setup
         try:
-            send.send_bytes(_json.dumps({"threads": setup.threads, "stops": setup.stop_token_ids}).encode())
+            send.send_bytes(_json.dumps({"threads": setup.threads, "stops": list(setup.stop_token_ids)}).encode())
             send.send_bytes(setup.info_json.encode())
             if recv.poll(_WORKER_START_S) and recv.recv_bytes() == b"ready":
                 return True
@@ -554,15 +607,136 @@ class _Worker:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)  # (a killed process exits at once; this only reaps it)
 
-    def kill(self) -> None:
-        """Kill the process for good (the compiler closes); a compile waiting on it sees EOF."""
+    def interrupt(self) -> None:
+        """Its holder closes: refuse further jobs, and kill the process for good if a job is
+        running (the compile waiting on it sees EOF); an idle one is left to be given back."""
         with self._lock:
-            self._killed = True
-            proc = self._proc
+            self._closing = True
+            if self._busy:
+                self._killed = True
+            proc = self._proc if self._busy else None
         if proc is not None and proc.poll() is None:
             proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=2)  # (a killed process exits at once: this only reaps it)
+
+    def reopen(self) -> None:
+        """Lent to a new holder (which has not closed)."""
+        with self._lock:
+            self._closing = False
+
+    def kill(self) -> None:
+        """Kill the process for good (an idle worker the pool ends)."""
+        with self._lock:
+            self._killed = True
+        self._stop_process()
+
+
+# how long a worker that a closed compiler gave back stays ready for the next compiler, and how
+# many such idle workers the process keeps (the oldest go first)
+_IDLE_S = 600.0
+_MAX_IDLE = 4
+
+
+class _WorkerPool:
+    """The compile worker processes of this process, lent to its compilers: a compiler holds
+    ``workers`` of them while it is open, and gives back those still running when it closes
+    (ready: the interpreter started, xgrammar imported, the vocabulary read); a later compiler with
+    an equal :class:`_WorkerSetup` takes them instead of starting fresh ones, which cost seconds of
+    CPU each. A worker killed for good (closed mid-compile) or dead is never lent again; one
+    killed for a time limit was replaced by its holder, and goes back running. At most
+    ``_MAX_IDLE`` idle workers are kept, each for ``_IDLE_S`` at most.
+
+    Every worker process is spawned by the pool's one thread, which lives as long as this process:
+    on Linux a worker dies with the thread that spawned it (``PR_SET_PDEATHSIG``), so a worker
+    outlives the compiler that started it but never the process.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[tuple[float, _Worker]] = []  # (given back at, worker), oldest first
+        # spawns for the thread to run; None: look at the idle workers' times again
+        self._requests: queue.SimpleQueue[
+            tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]] | None
+        ] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's thread and workers are not this process's (the
+        inherited pipe ends close with their objects); start afresh."""
+        self._reset()
+
+    def take(self, setup: _WorkerSetup) -> _Worker:
+        """An idle running worker of ``setup`` (the one given back last), or a new one not started yet."""
+        launch = (sys.executable, _worker_env()["PYTHONPATH"])
+        with self._lock:
+            for i in reversed(range(len(self._idle))):
+                w = self._idle[i][1]
+                if w.setup == setup and w.launch == launch and w.alive():
+                    del self._idle[i]
+                    w.reopen()
+                    return w
+        return _Worker(setup, launch)
+
+    def give_back(self, worker: _Worker) -> None:
+        """A closed compiler's worker: kept idle if it runs, else done with."""
+        if not worker.alive():
+            worker.kill()  # (reaps it, if it was left running)
+            return
+        with self._lock:
+            self._idle.append((monotonic(), worker))
+            evicted = self._idle[:-_MAX_IDLE]
+            del self._idle[:-_MAX_IDLE]
+        for _, w in evicted:
+            w.kill()
+        self._wake()
+        self._requests.put(None)  # (its idle time starts now)
+
+    def spawn(self, popen: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        """Run ``popen`` on the pool's thread, and wait for its process."""
+        fut: Future[subprocess.Popen[bytes]] = Future()
+        self._requests.put((popen, fut))
+        self._wake()
+        return fut.result()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="acb-grammar-workers", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        """The pool's thread: spawns the worker processes, and ends idle ones past ``_IDLE_S``."""
+        while True:
+            with self._lock:
+                oldest = self._idle[0][0] if self._idle else None
+            wait = None if oldest is None else max(0.0, oldest + _IDLE_S - monotonic())
+            try:
+                request = self._requests.get(timeout=wait)
+            except queue.Empty:
+                request = None
+            if request is not None:
+                popen, fut = request
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(popen())
+                    except BaseException as exc:  # noqa: BLE001 - the spawner's to raise, never this thread's end
+                        fut.set_exception(exc)
+            with self._lock:
+                now = monotonic()
+                expired = [w for t, w in self._idle if now - t >= _IDLE_S]
+                self._idle = [(t, w) for t, w in self._idle if now - t < _IDLE_S]
+            for w in expired:
+                with contextlib.suppress(OSError):  # (whatever ending one costs, this thread goes on: it spawns)
+                    w.kill()
+
+
+_POOL = _WorkerPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.after_fork)
 
 
 def serve_compiles(jobs_fd: int, results_fd: int, parent_pid: int | None = None) -> None:
@@ -571,8 +745,9 @@ def serve_compiles(jobs_fd: int, results_fd: int, parent_pid: int | None = None)
     Reads its setup (thread count, stop tokens, the vocabulary as xgrammar's JSON), says
     ``ready``, then compiles each spec it is sent and sends back ``+{"max_tokens": ...}\\n`` and
     the serialised grammar, or ``-`` and the error message. Ends when the parent closes the pipe,
-    and on Linux also when the parent thread that started it ends, however the parent ended (a
-    SIGKILLed server leaves no worker compiling for minutes: the pipe is only read between jobs).
+    and on Linux also when the parent thread that started it ends (the pool's, which lives as long
+    as the parent process), however the parent ended (a SIGKILLed server leaves no worker
+    compiling for minutes: the pipe is only read between jobs).
 
     Args:
         jobs_fd: the pipe the parent writes to.

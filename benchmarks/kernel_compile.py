@@ -15,6 +15,10 @@ over the architecture's per-block limit, and register spills. It says nothing ab
     python benchmarks/kernel_compile.py                     # full matrix, sm_90 and sm_80
     python benchmarks/kernel_compile.py --quick --arch 90   # the CI subset
 
+``--jobs N`` compiles N specialisations at a time, in threads (Triton's compiler releases the GIL
+for its passes and runs ``ptxas`` as a subprocess; its own ``AsyncCompileMode`` compiles in a
+thread pool too); each record's ``compile_s`` is then its wall time beside the others.
+
 Writes ``benchmarks/results/kernel_compile.json`` (``--json`` to change) and prints a table; exits
 1 when a kernel fails to compile or exceeds the shared-memory limit.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -239,48 +245,58 @@ def intercepted(arch: int):
         driver.set_active(None)  # the real driver again, made on first use
 
 
-def compile_cases(arch: int, todo: list[Case]) -> list[dict]:
-    """Every kernel specialisation that ``todo`` launches, compiled for ``sm_<arch>``; one record each."""
-    target = GPUTarget("cuda", arch, 32)
+def specialisations(arch: int, todo: list[Case]) -> list[tuple]:
+    """Every kernel specialisation that ``todo`` launches for ``sm_<arch>`` (entries of
+    :func:`intercepted`'s dict), in the order they were asked for."""
     with intercepted(arch) as (asked, tag):
         for case in todo:
             tag[0] = case
             _drive(case)
+    return list(asked.values())
 
-    records = []
+
+def compile_cases(arch: int, todo: list[Case], jobs: int = 1) -> list[dict]:
+    """Every kernel specialisation that ``todo`` launches, compiled for ``sm_<arch>`` (``jobs`` at a
+    time); one record each, in the order they were asked for."""
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(functools.partial(_compile_one, arch), specialisations(arch, todo)))
+
+
+def _compile_one(arch: int, entry: tuple) -> dict:
+    """One specialisation (an entry of :func:`intercepted`'s dict) compiled for ``sm_<arch>``: its record."""
+    target = GPUTarget("cuda", arch, 32)
     limit = SHARED_LIMIT.get(arch)
-    for kernel, signature, constexprs, attrs, options, case in asked.values():
-        rec = {
-            "arch": f"sm_{arch}",
-            "kernel": kernel.__name__.lstrip("_"),
-            "case": asdict(case),
-            "num_warps": options.num_warps,
-            "num_stages": options.num_stages,
-            # constexprs are keyed by argument position: name them (integers Triton
-            # specialised because they equal 1 show up here too)
-            "constexprs": {
-                kernel.arg_names[path[0]]: v for path, v in constexprs.items() if isinstance(v, (bool, int, float))
-            },
-        }
-        t0 = time.perf_counter()
-        try:
-            compiled = triton.compile(
-                ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
-            )
-        except Exception as exc:  # noqa: BLE001 - reported per kernel
-            rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
-        else:
-            rec.update(
-                ok=True,
-                shared_bytes=compiled.metadata.shared,
-                **_resources(compiled.asm["cubin"]),
-                **_ptx_summary(compiled.asm["ptx"]),
-            )
-            if limit is not None and rec["shared_bytes"] > limit:
-                rec.update(ok=False, error=f"shared memory {rec['shared_bytes']} B over the sm_{arch} limit {limit} B")
-        rec["compile_s"] = round(time.perf_counter() - t0, 2)
-        records.append(rec)
-    return records
+    kernel, signature, constexprs, attrs, options, case = entry
+    rec = {
+        "arch": f"sm_{arch}",
+        "kernel": kernel.__name__.lstrip("_"),
+        "case": asdict(case),
+        "num_warps": options.num_warps,
+        "num_stages": options.num_stages,
+        # constexprs are keyed by argument position: name them (integers Triton
+        # specialised because they equal 1 show up here too)
+        "constexprs": {
+            kernel.arg_names[path[0]]: v for path, v in constexprs.items() if isinstance(v, (bool, int, float))
+        },
+    }
+    t0 = time.perf_counter()
+    try:
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
+    except Exception as exc:  # noqa: BLE001 - reported per kernel
+        rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    else:
+        rec.update(
+            ok=True,
+            shared_bytes=compiled.metadata.shared,
+            **_resources(compiled.asm["cubin"]),
+            **_ptx_summary(compiled.asm["ptx"]),
+        )
+        if limit is not None and rec["shared_bytes"] > limit:
+            rec.update(ok=False, error=f"shared memory {rec['shared_bytes']} B over the sm_{arch} limit {limit} B")
+    rec["compile_s"] = round(time.perf_counter() - t0, 2)
+    return rec
 
 
 def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0) -> list[str]:
@@ -349,21 +365,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the CI subset of shapes")
     ap.add_argument("--first", type=int, help="only the first N cases of the matrix")
     ap.add_argument("--json", default="benchmarks/results/kernel_compile.json")
+    ap.add_argument("--jobs", type=int, default=1, help="specialisations compiled at a time (threads)")
+    ap.add_argument(
+        "--skip-sweep", action="store_true", help="compile only: no sweep of step shapes for mid-serving compiles"
+    )
     args = ap.parse_args(argv)
     archs = args.arch or [90, 80]
     todo = cases(args.quick)[: args.first]
     t0 = time.perf_counter()
-    records = [r for arch in archs for r in compile_cases(arch, todo)]
+    # after warm-up, no step shape may need a new compile (one family per dtype/head-dim/flags)
+    families = {(c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c for c in todo}
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        # the compiles run in the pool while this thread sweeps the step shapes (Python work: the
+        # compiler's passes and ptxas mostly run without the GIL)
+        compiling = [pool.map(functools.partial(_compile_one, arch), specialisations(arch, todo)) for arch in archs]
+        mid_serving = {
+            f"{c.dtype} hd{c.head_dim} {c.heads}/{c.kv_heads}{' window' if c.window else ''}"
+            f"{' softcap' if c.softcap else ''}": mid_serving_compiles(archs[0], c)
+            for c in ([] if args.skip_sweep else families.values())
+        }
+        records = [r for done in compiling for r in done]
     wall = time.perf_counter() - t0
     failed = [r for r in records if not r["ok"]]
     spilled = [r for r in records if r["ok"] and r["spill_bytes"]]
-    # after warm-up, no step shape may need a new compile (one family per dtype/head-dim/flags)
-    families = {(c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c for c in todo}
-    mid_serving = {
-        f"{c.dtype} hd{c.head_dim} {c.heads}/{c.kv_heads}{' window' if c.window else ''}"
-        f"{' softcap' if c.softcap else ''}": mid_serving_compiles(archs[0], c)
-        for c in families.values()
-    }
     late = {k: v for k, v in mid_serving.items() if v}
     doc = {
         "triton": triton.__version__,
@@ -387,10 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{len(records)} kernel specialisations for {', '.join(doc['archs'])} in {wall:.0f} s: "
         f"{len(failed)} failed, {len(spilled)} spill registers"
     )
-    print(
-        f"after warm-up, a sweep of step shapes over {len(mid_serving)} layer kinds asks for "
-        f"{sum(map(len, late.values()))} new specialisations" + (f": {late}" if late else "")
-    )
+    if not args.skip_sweep:
+        print(
+            f"after warm-up, a sweep of step shapes over {len(mid_serving)} layer kinds asks for "
+            f"{sum(map(len, late.values()))} new specialisations" + (f": {late}" if late else "")
+        )
     return 1 if failed or late else 0
 
 

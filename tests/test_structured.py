@@ -511,6 +511,35 @@ def test_close_does_not_wait_for_running_compiles(tok):
     c.close()  # idempotent
 
 
+def test_a_closed_compilers_idle_workers_serve_the_next_one(tok):
+    """Closing gives the idle workers back to the process's pool, running: the next compiler of the
+    same vocabulary takes them instead of starting fresh interpreters. The worker that was
+    compiling is killed at close and never lent again."""
+    from acb import structured
+    from acb.errors import EngineNotRunningError
+
+    a = GrammarCompiler(tok, V, workers=2, budget=GrammarBudget(max_repetition=10**6, compile_timeout_s=600))
+    a.compile_now(StructuredOutputs(choice=["x"]), timeout=HANG_GUARD)
+    slow = a.submit(SLOW[0])
+    wait_until(lambda: any(w._busy for w in a._workers), "a worker compiling the slow spec")
+    busy = next(w for w in a._workers if w._busy)
+    idle = next(w for w in a._workers if w is not busy)
+    killed_pid, idle_pid = busy._proc.pid, idle._proc.pid
+    a.close()
+    with pytest.raises(EngineNotRunningError, match="closed"):
+        slow.result(HANG_GUARD)
+    wait_until(lambda: any(w is idle for _, w in structured._POOL._idle), "the idle worker given back")
+    with pytest.raises(ProcessLookupError):
+        os.kill(killed_pid, 0)
+    b = GrammarCompiler(tok, V, workers=2)
+    try:
+        assert idle in b._workers and idle._proc.pid == idle_pid
+        assert busy not in b._workers
+        assert b.compile_now(StructuredOutputs(choice=["y"]), timeout=HANG_GUARD).matcher() is not None
+    finally:
+        b.close()
+
+
 ORPHAN = """
 import sys
 from acb.grammar_budget import GrammarBudget

@@ -173,11 +173,13 @@ def workload_flops(shape: dict[str, int], prompt_lens: list[int], outs: list[int
     )
 
 
-def matmul_peak_gflops(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 2.0) -> dict[str, Any]:
+def matmul_peak_gflops(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 2.0, min_reps: int = 3
+) -> dict[str, Any]:
     """This machine's matmul throughput, measured now: over square and model-shaped
-    (tall-skinny) ``torch.mm`` calls, each repeated for about ``seconds / 4``, the best GFLOP/s
-    of a single call (the fastest call, not the mean: on a shared machine the mean measures the
-    neighbours too)."""
+    (tall-skinny) ``torch.mm`` calls, each repeated for about ``seconds / 4`` (and at least
+    ``min_reps`` times, after one untimed call), the best GFLOP/s of a single call (the fastest
+    call, not the mean: on a shared machine the mean measures the neighbours too)."""
     import time
 
     dev = torch.device(device)
@@ -189,7 +191,7 @@ def matmul_peak_gflops(device: str = "cpu", dtype: torch.dtype = torch.float32, 
         torch.mm(a, b)
         fastest, reps = float("inf"), 0
         end = time.perf_counter() + seconds / len(shapes)
-        while time.perf_counter() < end or reps < 3:
+        while time.perf_counter() < end or reps < min_reps:
             t0 = time.perf_counter()
             torch.mm(a, b)
             if dev.type == "cuda":

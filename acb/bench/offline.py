@@ -232,8 +232,9 @@ def run_generate(spec: ModelSpec, prompts: list[list[int]], outs: list[int], bat
 
 def run(size: str, spec: ModelSpec, baselines: bool = True, uniform: bool = False) -> dict[str, Any]:
     p = (UNIFORM_SIZES if uniform else SIZES)[size]
-    secs = 2.0 if size == "default" else 0.2
-    peak = matmul_peak_gflops(spec.device, spec.dtype, seconds=secs)
+    # (tiny: a smoke run, one timed call per shape)
+    secs, reps = (2.0, 3) if size == "default" else (0.2, 1)
+    peak = matmul_peak_gflops(spec.device, spec.dtype, seconds=secs, min_reps=reps)
     prompts = random_prompts(p["num_prompts"], p["min_prompt_len"], p["max_prompt_len"], spec.vocab, seed=1)
     g = torch.Generator().manual_seed(2)
     outs = torch.randint(p["min_new"], p["max_new"] + 1, (len(prompts),), generator=g).tolist()
@@ -245,7 +246,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True, uniform: bool = Fals
             notes.append(note)
         sides.append(run_transformers_cb(spec, prompts, outs))
         sides.append(run_generate(spec, prompts, outs, p["batch_size"]))
-    after = matmul_peak_gflops(spec.device, spec.dtype, seconds=secs)  # before and after: the better one
+    after = matmul_peak_gflops(spec.device, spec.dtype, seconds=secs, min_reps=reps)  # before and after: the better one
     peak = after if after["gflops"] > peak["gflops"] else peak
     expected = sum(outs)
     flops = workload_flops(MODEL_SHAPES[size], [len(q) for q in prompts], outs)

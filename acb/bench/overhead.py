@@ -204,24 +204,71 @@ def telemetry_child(mode: str, n: int, steps: int) -> dict[str, Any]:
     return res
 
 
+def telemetry_child_main(mode: str, n: int, steps: int) -> None:
+    """A telemetry child process's entry (:func:`_telemetry` starts one per mode, together): imports
+    and builds what every mode needs, prints ``ready``, waits for a line on stdin (the parent's go,
+    sent once every child is ready, so each is measured while the others wait idle), then prints
+    :func:`telemetry_child`'s figures as JSON."""
+    import json
+    import sys
+
+    _null_model()  # acb, torch and transformers' Llama imported (the modes' own set-up is theirs)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(json.dumps(telemetry_child(mode, n, steps)), flush=True)
+
+
 def _telemetry(n: int, steps: int, rounds: int) -> list[dict[str, Any]]:
     import json
     import os
+    import select
     import subprocess
     import sys
+    import tempfile
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in TELEMETRY_MODES}
     for _ in range(rounds):  # the modes interleaved, each in a fresh process
-        for mode in TELEMETRY_MODES:
-            code = (
-                "import json, sys; from acb.bench.overhead import telemetry_child; "
-                f"print(json.dumps(telemetry_child({mode!r}, {n}, {steps})))"
-            )
-            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
-            if p.returncode != 0:
-                raise RuntimeError(f"overhead telemetry mode {mode}: {p.stderr[-2000:]}")
-            runs[mode].append(json.loads(p.stdout.strip().splitlines()[-1]))
+        # the round's processes start together (their imports overlap) and are measured one at a time
+        procs: dict[str, tuple[subprocess.Popen[str], Any]] = {}
+        try:
+            for mode in TELEMETRY_MODES:
+                code = (
+                    f"from acb.bench.overhead import telemetry_child_main; telemetry_child_main({mode!r}, {n}, {steps})"
+                )
+                err = tempfile.TemporaryFile("w+")
+                procs[mode] = (
+                    subprocess.Popen(
+                        [sys.executable, "-c", code],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                        env=env,
+                    ),
+                    err,
+                )
+            deadline = time.monotonic() + 900
+            for mode, (p, err) in procs.items():
+                assert p.stdout is not None
+                ready = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]
+                if not ready or p.stdout.readline().strip() != "ready":
+                    p.kill()
+                    p.wait()
+                    err.seek(0)
+                    raise RuntimeError(f"overhead telemetry mode {mode} did not start: {err.read()[-2000:]}")
+            for mode, (p, err) in procs.items():
+                out, _ = p.communicate("go\n", timeout=900)
+                if p.returncode != 0:
+                    err.seek(0)
+                    raise RuntimeError(f"overhead telemetry mode {mode}: {err.read()[-2000:]}")
+                runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for p, err in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                err.close()
     rows = []
     for mode, rs in runs.items():  # the median round of each figure
         row: dict[str, Any] = dict(mode=mode, running=n, rounds=len(rs))

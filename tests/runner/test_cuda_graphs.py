@@ -63,6 +63,7 @@ def test_decode_graphs_match_generate_across_sizes_and_context_lengths(monkeypat
     cfg = acb.ContinuousBatchingConfig(
         page_size=8,
         num_blocks=64,
+        max_model_len=64,  # the long-context variant splits in 2 (the interpreter runs every program of the grid)
         attn_backend="triton",
         use_cuda_graph=True,
         max_requests_per_batch=6,
@@ -157,7 +158,12 @@ def test_self_check_catches_a_graph_whose_inputs_were_frozen_at_capture(monkeypa
     monkeypatch.setattr(tk, "MIN_TOKENS_PER_SPLIT", 32)  # so the sizes have a split variant
     model = tiny_model("llama").to(DEVICE)
     cfg = acb.ContinuousBatchingConfig(
-        page_size=8, num_blocks=64, attn_backend="triton", use_cuda_graph=True, max_requests_per_batch=4
+        page_size=8,
+        num_blocks=64,
+        max_model_len=64,  # a split variant of 2 splits
+        attn_backend="triton",
+        use_cuda_graph=True,
+        max_requests_per_batch=4,
     )
     with acb.Engine(model, cfg) as eng:
         graphs = eng.runner.graphs
