@@ -187,13 +187,13 @@ class OwnForward:
                     self.chunkable = False
             if self.batchable:
                 a, b = tokens[:, :5], tokens[:, 5:14]
-                try:
-                    run([([-3, -4], [5, 9], [a, b])])
-                    batched = run([([-3, -4], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])])
+                try:  # (the prompts prefilled as one padded batch, then decoded as one)
+                    batched = [run([([-3, -4], [5, 9], [a, b])])]
+                    batched.append(run([([-3, -4], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])]))
                     self.batchable = False
-                    run([([-5, -6], [5, 9], [a, b])])
-                    single = run([([-5, -6], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])])
-                    self.batchable = close(batched, single)
+                    single = [run([([-5, -6], [5, 9], [a, b])])]
+                    single.append(run([([-5, -6], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])]))
+                    self.batchable = all(close(x, y) for x, y in zip(batched, single))
                 except Exception:  # noqa: BLE001 - a cache that cannot be stacked: one row at a time
                     self.batchable = False
         for row in range(-6, 0):
@@ -270,34 +270,55 @@ class OwnForward:
 
     def _join(self, rows: list[int]) -> None:
         """Move these rows' own caches into the batch (all caches plain), padding on the left."""
-        caches = [self.single.pop(r)["past_key_values"] for r in rows]
+        self._merge([(self.single.pop(r)["past_key_values"], [0], [r]) for r in rows])
+
+    def _merge(self, parts: list[tuple[Any, list[int], list[int]]]) -> None:
+        """Add caches to the batch: each part a cache, its rows' left padding, and those rows;
+        all are padded on the left to the widest, and stacked."""
         if self.batch is not None:
-            lengths = [self.batch.layers[0].keys.shape[2]] + [_length(c) for c in caches]
-        else:
-            lengths = [_length(c) for c in caches]
-        width = max(lengths)
-        parts: list[tuple[Any, int]] = []  # (cache, its left padding)
-        if self.batch is not None:
-            parts.append((self.batch, width - lengths[0]))
-            new_pad = [p + width - lengths[0] for p in self.batch_pad]
-        else:
-            new_pad = []
-        parts += [(c, width - _length(c)) for c in caches]
-        first = parts[0][0]
-        out = self._like(first, _growing_layer_class())
+            parts = [(self.batch, self.batch_pad, self.batch_rows), *parts]
+        widths = [int(cache.layers[0].keys.shape[2]) for cache, _, _ in parts]
+        width = max(widths)
+        out = self._like(parts[0][0], _growing_layer_class())
         for n, dst in enumerate(out.layers):
             keys, values = [], []
-            for cache, pad in parts:
+            for (cache, _, _), w in zip(parts, widths):
                 k, v = cache.layers[n].keys, cache.layers[n].values
-                if pad:
-                    k = torch.nn.functional.pad(k, (0, 0, pad, 0))
-                    v = torch.nn.functional.pad(v, (0, 0, pad, 0))
+                if w < width:
+                    k = torch.nn.functional.pad(k, (0, 0, width - w, 0))
+                    v = torch.nn.functional.pad(v, (0, 0, width - w, 0))
                 keys.append(k)
                 values.append(v)
             dst.fill(torch.cat(keys, dim=0), torch.cat(values, dim=0))
         self.batch = out
-        self.batch_rows = self.batch_rows + rows
-        self.batch_pad = new_pad + [width - _length(c) for c in caches]
+        self.batch_rows = [r for _, _, rows in parts for r in rows]
+        self.batch_pad = [p + width - w for (_, pads, _), w in zip(parts, widths) for p in pads]
+
+    def _prefill_batch(
+        self,
+        fresh: list[tuple[int, int, int]],
+        input_ids: torch.Tensor,
+        want: dict[int, list[int]],
+        out: list[torch.Tensor | None],
+    ) -> None:
+        """Whole prompts of new requests as one left-padded batch, as ``model.generate``'s padded
+        prefill (pads at position 0, masked); their caches then join the decode batch."""
+        lens = [hi - lo for lo, hi, _ in fresh]
+        width = max(lens)
+        ids = input_ids.new_zeros((len(fresh), width))
+        mask = torch.zeros_like(ids)
+        pos = torch.zeros_like(ids)
+        for i, (lo, hi, _) in enumerate(fresh):
+            n = hi - lo
+            ids[i, width - n :] = input_ids[0, lo:hi]
+            mask[i, width - n :] = 1
+            pos[i, width - n :] = torch.arange(n, device=ids.device)
+        cache = self._empty()
+        logits = self._run(ids, pos, cache, mask, None)  # [B, V]: each prompt's last token
+        for i, (_, _, row) in enumerate(fresh):
+            for j in want.get(row, []):
+                out[j] = logits[i]
+        self._merge([(cache, [width - n for n in lens], [row for _, _, row in fresh])])
 
     # a step ------------------------------------------------------------------
     def forward(
@@ -334,9 +355,22 @@ class OwnForward:
         leaving = [r for r in self.batch_rows if r not in decode_rows]
         for r in leaving:
             self._take(r)
+        # new requests' whole prompts (their one sampled row the last), two or more: one padded prefill
+        fresh = [
+            (lo, hi, row)
+            for lo, hi, row in segments
+            if self.batchable
+            and hi - lo > 1
+            and row not in self.single
+            and row not in self.batch_rows
+            and self._wanted(want, row, logits_indices) == [hi - 1]
+        ]
+        if len(fresh) < 2:
+            fresh = []
+        fresh_rows = {row for _, _, row in fresh}
         for lo, hi, row in segments:
             self._extend(row, input_ids[:, lo:hi])
-            if row in decode_rows:
+            if row in decode_rows or row in fresh_rows:
                 continue
             keep = [t - lo for t in self._wanted(want, row, logits_indices)]
             logits = self._single(row, hi - lo, keep)
@@ -351,7 +385,9 @@ class OwnForward:
                     sorted({type(layer).__name__ for layer in cache.layers}),
                 )
         if decode:
-            self._join([row for _, row in decode if row not in self.batch_rows])
+            joining = [row for _, row in decode if row not in self.batch_rows]
+            if joining:  # (the batch is rebuilt only when rows join)
+                self._join(joining)
             order = {row: i for i, row in enumerate(self.batch_rows)}
             at = [0] * len(self.batch_rows)
             for lo, row in decode:
@@ -367,6 +403,8 @@ class OwnForward:
             for _, row in decode:
                 for j in want.get(row, []):
                     out[j] = logits[order[row]]
+        if fresh:  # after the decode rows ran: the new rows join the batch for the next step
+            self._prefill_batch(fresh, input_ids, want, out)
         return torch.stack([t for t in out if t is not None]) if out else input_ids.new_empty((0, 0)).float()
 
     @staticmethod
