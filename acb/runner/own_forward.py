@@ -130,6 +130,9 @@ class OwnForward:
             getattr(type(model), name, None) is getattr(GenerationMixin, name)
             for name in ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
         )
+        self._default_prepare = (
+            getattr(type(model), "prepare_inputs_for_generation", None) is GenerationMixin.prepare_inputs_for_generation
+        )
         self._batch_ok = default_hooks and self._positions and not getattr(self.config, "is_encoder_decoder", False)
         # row -> a request's generation state (the model's kwargs between calls: its cache, ...)
         # while it is not in the batch, and its tokens so far
@@ -430,7 +433,9 @@ class OwnForward:
         first = kw is None
         if kw is None:
             kw = {"use_cache": True}
-        if self._positions and not getattr(self.config, "is_encoder_decoder", False):
+        if self._positions and self._default_prepare and not getattr(self.config, "is_encoder_decoder", False):
+            # (a model's own prepare_inputs_for_generation makes its positions itself: Reformer's
+            # breaks when handed them)
             kw["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None]
         inputs = model.prepare_inputs_for_generation(
             ids, next_sequence_length=None if first else n, is_first_iteration=first, **kw
