@@ -26,9 +26,7 @@ import torch
 
 import acb
 
-SHAPE = dict(
-    vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, max_position_embeddings=1024
-)
+SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, max_position_embeddings=1024)
 
 
 def build(arch: str) -> torch.nn.Module:
