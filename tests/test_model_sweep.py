@@ -93,11 +93,7 @@ SAMPLE_SEED = 30
 # minicpm3, youtu: keys and values of different widths) and nemotron (its layers drop kwargs).
 # Refused at start (acb.runner.model_support): doge, diffllama, moshi, jetmoe. Fixed by the KV
 # cache's groups of page shapes: mimo_v2_flash, gemma4, gemma4_text, gemma4_unified(_text).
-KNOWN_ISSUES: dict[str, str] = {
-    # the own-cache path: its request fails in the model's own LSH attention ("upper bound and lower
-    # bound inconsistent with step sign") where model.generate runs; not investigated yet
-    "reformer": "own-cache path: RuntimeError in the model's LSH attention",
-}
+KNOWN_ISSUES: dict[str, str] = {}
 
 
 def _load_sweep() -> ModuleType:

@@ -130,9 +130,9 @@ class OwnForward:
             getattr(type(model), name, None) is getattr(GenerationMixin, name)
             for name in ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
         )
-        self._default_prepare = (
-            getattr(type(model), "prepare_inputs_for_generation", None) is GenerationMixin.prepare_inputs_for_generation
-        )
+        # position ids in a request's generation state, unless the start-up try finds the model's
+        # own hooks break on them (Reformer's forward, handed them with a cache, fails)
+        self._pass_positions = self._positions and not getattr(self.config, "is_encoder_decoder", False)
         self._batch_ok = default_hooks and self._positions and not getattr(self.config, "is_encoder_decoder", False)
         # row -> a request's generation state (the model's kwargs between calls: its cache, ...)
         # while it is not in the batch, and its tokens so far
@@ -181,6 +181,14 @@ class OwnForward:
             return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()) + 1e-6))
 
         with torch.no_grad():
+            for pass_positions in (True, False):  # a prompt, then a token: with position ids, else without
+                if not pass_positions:
+                    self._pass_positions = False
+                try:
+                    run([([-7], [12], [tokens[:, :12]]), ([-7], [1], [tokens[:, 12:13]])])
+                    break
+                except Exception:  # noqa: BLE001 - tried again without them, then left to the requests
+                    self.reset(-7)
             if self.chunkable:
                 try:
                     whole = run([([-1], [12], [tokens[:, :12]])])
@@ -199,7 +207,7 @@ class OwnForward:
                     self.batchable = all(close(x, y) for x, y in zip(batched, single))
                 except Exception:  # noqa: BLE001 - a cache that cannot be stacked: one row at a time
                     self.batchable = False
-        for row in range(-6, 0):
+        for row in range(-7, 0):
             self.reset(row)
 
     # lifecycle ---------------------------------------------------------------
@@ -433,9 +441,7 @@ class OwnForward:
         first = kw is None
         if kw is None:
             kw = {"use_cache": True}
-        if self._positions and self._default_prepare and not getattr(self.config, "is_encoder_decoder", False):
-            # (a model's own prepare_inputs_for_generation makes its positions itself: Reformer's
-            # breaks when handed them)
+        if self._pass_positions:  # as model.generate hands them to a model whose forward takes them
             kw["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None]
         inputs = model.prepare_inputs_for_generation(
             ids, next_sequence_length=None if first else n, is_first_iteration=first, **kw
