@@ -437,7 +437,7 @@ _DSA_LAYERS = dict(
 _LFM = dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"])
 HAND_CONFIGS.update(
     {
-        "lfm2": dict(full_attn_idxs=[1, 3], **_LFM),
+        "lfm2": dict(full_attn_idxs=[1, 3], **_LFM),  # (layer indices: as long as the attention layers)
         "lfm2_moe": dict(num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_LFM),
         "minimax": dict(
             num_hidden_layers=4,

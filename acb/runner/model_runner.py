@@ -132,7 +132,17 @@ class ModelRunner:
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
         # before the cache is sized: the packed copies take host memory
         self.packed = None if own_path else self._packed_linears(model, config)
-        self.cfg, spec = resolve_config(model, config, own_path=own_path)
+        try:
+            self.cfg, spec = resolve_config(model, config, own_path=own_path)
+        except Exception as exc:
+            if not own_path or isinstance(exc, (UnsupportedModelError, ValueError)):
+                raise
+            # the model's own forward failed when measured: it runs on neither path
+            raise UnsupportedModelError(
+                f"{type(model).__name__} cannot run in acb: "
+                + (f"the paged path refuses it ({why}), and " if why else "")
+                + f"its own forward failed on its own cache ({type(exc).__name__}: {exc})"
+            ) from exc
         # the whole model on its own caches (the second runner path), or None (the paged path)
         self.own_forward = OwnForward(model) if own_path else None
         paged = not own_path

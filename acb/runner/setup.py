@@ -283,6 +283,9 @@ def local_kv_heads(model: PreTrainedModel, kv_heads: int) -> int:
     return int(local)
 
 
+UNBOUNDED_LEN = 1 << 20  # a model's max positions when its config names none
+
+
 def model_max_len(model: PreTrainedModel) -> int:
     """The most positions the model takes: its config's ``max_position_embeddings`` (or the older
     names of it: MPT's ``max_seq_len``, ...), unbounded (2^20) when it names none."""
@@ -292,7 +295,7 @@ def model_max_len(model: PreTrainedModel) -> int:
         value = getattr(text, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    return 1 << 20
+    return UNBOUNDED_LEN
 
 
 def default_backend(device: torch.device, dtype: torch.dtype, block_size: int | None) -> str:
@@ -380,6 +383,15 @@ def resolve_config(
     per_block = spec.bytes_per_block(block_size)
     if per_block == 0:  # no KV cache (state layers only): the blocks only measure lengths
         max_len = min(max_len, NO_KV_MAX_LEN)
+    elif max_len == UNBOUNDED_LEN and config.num_blocks is None:
+        # a model that names no maximum position (ALiBi: BLOOM) and no max_model_len asked for:
+        # as long as one request the memory budget holds can be (at most NO_KV_MAX_LEN tokens)
+        from acb.runner.kv_cache import kv_memory_budget, step_workspace_bytes
+
+        room = kv_memory_budget(device, config.max_memory_percent) - step_workspace_bytes(
+            model, max_batch_tokens, max_reqs, dtype
+        )
+        max_len = max(block_size, min(NO_KV_MAX_LEN, (room // per_block - 1) * block_size))
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:

@@ -293,8 +293,17 @@ def test_per_layer_shapes_score_offload_cancel_and_sleep(arch):
 # --- refused at start, with the feature named ------------------------------------------------------------
 
 
-def _refused(model, match):
+def _refused(model, match, own_runs=True):
+    """The paged path refuses it, naming why; with no runner asked for, the engine starts on the
+    model's own cache instead (``own_runs``), or, for a model broken for its own code too, refuses
+    with both reasons."""
     with pytest.raises(UnsupportedModelError, match=match):
+        acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=8, runner="paged")).start()
+    if own_runs:
+        with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=8)) as eng:
+            assert eng.runner.own_forward is not None
+        return
+    with pytest.raises(UnsupportedModelError, match=f"paged path refuses it .*{match}.*its own forward failed"):
         acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=8)).start()
 
 
@@ -309,13 +318,13 @@ def test_chunk_size_without_chunked_layers_is_refused():
 def test_unknown_kv_sharing_is_refused():
     model = feature_model("gemma3n_text")
     model.model.layers[5].self_attn.is_kv_shared_layer = False  # the modules disagree with the config
-    _refused(model, "reuses another layer's K/V")
+    _refused(model, "reuses another layer's K/V", own_runs=False)  # (its own code breaks on the change too)
 
 
 def test_unknown_layer_type_is_refused():
     model = feature_model("gpt_oss")
     model.config.layer_types = ["sliding_attention", "mystery_attention"]
-    _refused(model, "mystery_attention")
+    _refused(model, "mystery_attention", own_runs=False)
 
 
 # --- the tiny configs keep the real configs' field types ------------------------------------------
@@ -350,7 +359,10 @@ def _type_mismatches(arch: str, tiny) -> list[str]:
         if _kind(value) != _kind(got):
             bad.append(f"{arch}.{key}: {_kind(got)} {got!r:.40}, the real config's is {_kind(value)} {value!r:.40}")
         elif (
-            isinstance(value, list) and len(value) == layers and not key.endswith("_layers") and len(got) != tiny_layers
+            isinstance(value, list)
+            and len(value) == layers
+            and not key.endswith(("_layers", "_idxs", "_indices"))
+            and len(got) != tiny_layers
         ):
             bad.append(f"{arch}.{key}: a per-layer list of {len(got)} for {tiny_layers} layers")
     return bad
