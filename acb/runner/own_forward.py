@@ -101,6 +101,9 @@ def _growing_layer_class() -> type:
 _GROWING: type | None = None
 
 
+_DEAD = -(1 << 40)  # a batch row whose request left (acb's rows are >= 0; the start-up tries' small negatives)
+
+
 def _length(cache: Any) -> int:
     return int(cache.get_seq_length())
 
@@ -267,10 +270,19 @@ class OwnForward:
         return out
 
     def _leave(self, rows: list[int]) -> None:
-        keep = [i for i, r in enumerate(self.batch_rows) if r not in rows]
-        if not keep:
+        """These rows leave the batch: marked dead (their slots still decode, into nothing) until
+        the next rebuild drops them, or until dead rows are as many as live ones; copying the
+        whole batch at every finished request would cost more than the dead rows' compute."""
+        self.batch_rows = [_DEAD if r in rows else r for r in self.batch_rows]
+        live = sum(r != _DEAD for r in self.batch_rows)
+        if not live:
             self.batch, self.batch_rows, self.batch_pad = None, [], []
-            return
+        elif 2 * live <= len(self.batch_rows):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the dead rows from the batch (a copy of the live ones)."""
+        keep = [i for i, r in enumerate(self.batch_rows) if r != _DEAD]
         index = torch.tensor(keep, dtype=torch.long, device=self.batch.layers[0].keys.device)
         pads = [self.batch_pad[i] for i in keep]
         trim = min(pads)  # padding columns no remaining row needs
@@ -287,6 +299,8 @@ class OwnForward:
         """Add caches to the batch: each part a cache, its rows' left padding, and those rows;
         all are padded on the left to the widest, and stacked."""
         if self.batch is not None:
+            if _DEAD in self.batch_rows:  # (a rebuild drops them anyway)
+                self._compact()
             parts = [(self.batch, self.batch_pad, self.batch_rows), *parts]
         widths = [int(cache.layers[0].keys.shape[2]) for cache, _, _ in parts]
         width = max(widths)
@@ -363,7 +377,7 @@ class OwnForward:
             decode, decode_rows = [], set()
         # rows leaving the batch: scheduled otherwise, or not scheduled at all this step (they
         # stay out until their next decode, so the batch holds only this step's decode rows)
-        leaving = [r for r in self.batch_rows if r not in decode_rows]
+        leaving = [r for r in self.batch_rows if r not in decode_rows and r != _DEAD]
         for r in leaving:
             self._take(r)
         # new requests' whole prompts (their one sampled row the last), two or more: one padded prefill
@@ -399,8 +413,8 @@ class OwnForward:
             joining = [row for _, row in decode if row not in self.batch_rows]
             if joining:  # (the batch is rebuilt only when rows join)
                 self._join(joining)
-            order = {row: i for i, row in enumerate(self.batch_rows)}
-            at = [0] * len(self.batch_rows)
+            order = {row: i for i, row in enumerate(self.batch_rows) if row != _DEAD}
+            at = [0] * len(self.batch_rows)  # (a dead row decodes the step's first token, into nothing)
             for lo, row in decode:
                 at[order[row]] = lo
             index = torch.tensor(at, dtype=torch.long, device=input_ids.device)
