@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from acb.runner.intercept import Interception, call_arguments
+
 # the cache method an indexer's own code calls to store its keys and read them back
 INDEXER_INTERFACE = "update_indexer"
 
@@ -146,16 +148,9 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
     step: _Step | None = getattr(_STEP, "step", None)
     if step is None:  # not an engine step: the indexer as it always was
         return original(*args, **kwargs)
-    bound = sig.bind(module, *args, **kwargs).arguments
-    rest: dict[str, Any] = {}  # the arguments after self, by name
-    for name, value in list(bound.items())[1:]:
-        kind = sig.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            rest.update(value)
-        elif kind is not inspect.Parameter.VAR_POSITIONAL:
-            rest[name] = value
-    hidden, q_resid = bound["hidden_states"], bound["q_resid"]
-    cos, sin = bound["position_embeddings"]
+    rest = call_arguments(sig, module, args, kwargs)
+    hidden, q_resid = rest["hidden_states"], rest["q_resid"]
+    cos, sin = rest["position_embeddings"]
     device = hidden.device
     outs: list[tuple[_Segment, torch.Tensor]] = []
     for seg in step.segments:
@@ -184,21 +179,11 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
     return out  # [1, T, k]: each query's selected positions in its own request, -1 past a short row's
 
 
-class IndexedLayers:
+class IndexedLayers(Interception):
     """The interception of a model's indexers (installed for an engine's life)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.layers = indexer_modules(model)
-        for m in self.layers:
-            original = m.forward
-            sig = inspect.signature(type(m).forward)
-            m.forward = lambda *a, _o=original, _s=sig, _m=m, **k: _forward(_o, _s, _m, *a, **k)
-
-    def remove(self) -> None:
-        for m in self.layers:
-            if "forward" in vars(m):
-                del m.forward
-        self.layers = []
+        super().__init__(indexer_modules(model), _forward)
 
 
 def allowed_keys(index: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from acb.runner.intercept import code_names
+
 # the cache interfaces a state layer speaks (transformers' linear-attention / SSM caches): a layer
 # class whose own code calls one of these sets on its cache keeps a per-request state acb must hold.
 # A convolution and a recurrent state (the gated delta rule, Mamba/Mamba2 mixers, Kimi's delta
@@ -55,33 +57,17 @@ STATE_INTERFACE = STATE_INTERFACES[0]
 _STEP = threading.local()
 
 
-_SPEAKS: dict[type, bool] = {}
-_NAMES: dict[type, frozenset[str]] = {}
-
-
 def _speaks_state_interface(cls: type) -> bool:
     """Whether the methods ``cls`` defines (not inherited from torch) read and write a
     per-request state through the cache interface (gated delta rule, Mamba/Mamba2 mixers, ...)."""
-    known = _SPEAKS.get(cls)
-    if known is not None:
-        return known
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("torch."):
-            break
-        for fn in vars(klass).values():
-            code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
-            if code is not None:
-                names.update(code.co_names)
-    _NAMES[cls] = frozenset(names)
-    _SPEAKS[cls] = any(interface <= names for interface in STATE_INTERFACES)
-    return _SPEAKS[cls]
+    names = code_names(cls)
+    return any(interface <= names for interface in STATE_INTERFACES)
 
 
 def _conv_only(cls: type) -> bool:
     """Whether the layer class keeps a convolution state and nothing else (LFM's short conv)."""
-    _speaks_state_interface(cls)
-    return _NAMES[cls] >= STATE_INTERFACES[2] and not (_NAMES[cls] & {"get_recurrent_state", "get_linear_cache"})
+    names = code_names(cls)
+    return names >= STATE_INTERFACES[2] and not (names & {"get_recurrent_state", "get_linear_cache"})
 
 
 def linear_layers(model: torch.nn.Module) -> list[Any]:

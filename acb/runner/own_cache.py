@@ -36,23 +36,12 @@ from typing import Any
 import torch
 
 from acb.runner.attention import own_attention_here
+from acb.runner.intercept import Interception, call_arguments, code_names
 
 # the cache-layer method a compressor's own code calls to keep its pooled entries
 COMPRESSOR_INTERFACE = "update_compressor_states"
 
 _STEP = threading.local()
-
-
-def _code_names(cls: type) -> set[str]:
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("torch."):
-            break
-        for fn in vars(klass).values():
-            code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
-            if code is not None:
-                names.update(code.co_names)
-    return names
 
 
 def own_cache_layers(model: torch.nn.Module) -> list[Any]:
@@ -64,7 +53,7 @@ def own_cache_layers(model: torch.nn.Module) -> list[Any]:
         type(m)
         for m in model.modules()
         if isinstance(getattr(m, "layer_idx", None), int)
-        and any(COMPRESSOR_INTERFACE in _code_names(type(c)) for c in m.children())
+        and any(COMPRESSOR_INTERFACE in code_names(type(c)) for c in m.children())
     }
     found = {m.layer_idx: m for m in model.modules() if type(m) in classes and isinstance(m.layer_idx, int)}
     return [found[i] for i in sorted(found)]
@@ -195,14 +184,7 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
     step: _Step | None = getattr(_STEP, "step", None)
     if step is None:  # not an engine step: the layer as it always was
         return original(*args, **kwargs)
-    bound = sig.bind(module, *args, **kwargs).arguments
-    rest: dict[str, Any] = {}
-    for name, value in list(bound.items())[1:]:
-        kind = sig.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            rest.update(value)
-        elif kind is not inspect.Parameter.VAR_POSITIONAL:
-            rest[name] = value
+    rest = call_arguments(sig, module, args, kwargs)
     hidden = rest.pop("hidden_states")
     position_ids = rest.pop("position_ids")
     rest.pop("acb_ctx", None)
@@ -233,18 +215,8 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
     return (joined, None)
 
 
-class OwnCacheLayers:
+class OwnCacheLayers(Interception):
     """The interception of a model's own-cache attention layers (installed for an engine's life)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.layers = own_cache_layers(model)
-        for m in self.layers:
-            original = m.forward
-            sig = inspect.signature(type(m).forward)
-            m.forward = lambda *a, _o=original, _s=sig, _m=m, **k: _forward(_o, _s, _m, *a, **k)
-
-    def remove(self) -> None:
-        for m in self.layers:
-            if "forward" in vars(m):
-                del m.forward
-        self.layers = []
+        super().__init__(own_cache_layers(model), _forward)
