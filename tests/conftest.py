@@ -147,3 +147,14 @@ def triton_test_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda")
     pytest.skip("compiled Triton kernels need CUDA (set TRITON_INTERPRET=1 on CPU)", allow_module_level=True)
+
+
+def assert_scores_match_forward(engine, model, context: list[int], conts: list[list[int]]) -> None:
+    """``engine.score(context, conts)``: each continuation's logprobs are a plain forward's
+    log-softmax of the model on context + continuation (within 1e-4)."""
+    scored = engine.score(context, conts)
+    for cont, got in zip(conts, scored.continuations):
+        with torch.no_grad():
+            logits = model(torch.tensor([context + cont])).logits[0].float()
+        want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import acb
-from tests.conftest import prompts_of_lengths
+from tests.conftest import assert_scores_match_forward, prompts_of_lengths
 from tests.test_model_sweep import ms
 
 ARCHS = ["axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4"]
@@ -137,12 +137,7 @@ def test_prefix_cache_samples_scoring_cancel_and_sleep(arch):
         out = eng.generate(ps[1], max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
         assert [s.generated_tokens for s in out.samples] == [reference(arch, tuple(ps[1]))] * 3
         context, conts = ps[0][:11], [ps[1][:3], ps[1][3:4]]
-        scored = eng.score(context, conts)
-        for cont, got in zip(conts, scored.continuations):
-            with torch.no_grad():
-                logits = model(torch.tensor([context + cont])).logits[0].float()
-            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        assert_scores_match_forward(eng, model, context, conts)
         long = prompts([90], seed=5)[0]
         h = eng.submit(long, max_new_tokens=MAX_NEW, ignore_eos=True)
 
@@ -243,12 +238,7 @@ def test_deepseek_v4_samples_scoring_cancel_and_sleep():
         out = eng.generate(ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
         assert [s.generated_tokens for s in out.samples] == [reference("deepseek_v4", tuple(ps[0]))] * 3
         context, conts = ps[0][:11], [ps[1][:3], ps[1][3:4]]
-        scored = eng.score(context, conts)
-        for cont, got in zip(conts, scored.continuations):
-            with torch.no_grad():
-                logits = model(torch.tensor([context + cont])).logits[0].float()
-            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        assert_scores_match_forward(eng, model, context, conts)
         long = prompts([90], seed=5)[0]
         h = eng.submit(long, max_new_tokens=MAX_NEW, ignore_eos=True)
 

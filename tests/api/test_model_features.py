@@ -21,7 +21,7 @@ import torch
 
 import acb
 from acb.errors import UnsupportedModelError
-from tests.conftest import prompts_of_lengths, reference_generate
+from tests.conftest import assert_scores_match_forward, prompts_of_lengths, reference_generate
 
 # tiny configs; windows and chunks far below the prompts' lengths, so that they matter
 FEATURE_CONFIGS: dict[str, dict] = {
@@ -261,12 +261,7 @@ def test_per_layer_shapes_score_offload_cancel_and_sleep(arch):
         check(arch, prompts, outs)
         # scoring: each continuation's logprobs are a plain forward's log-softmax
         context, conts = prompts[1][:12], [prompts[0][:3], prompts[2][:1]]
-        scored = engine.score(context, conts)
-        for cont, got in zip(conts, scored.continuations):
-            with torch.no_grad():
-                logits = model(torch.tensor([context + cont])).logits[0].float()
-            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        assert_scores_match_forward(engine, model, context, conts)
         engine.sleep()
         engine.wake_up()
         assert [tuple(t.shape[2:]) for t in engine.runner.kv_cache.k] == PAGE_SHAPES[arch][0]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import acb
-from tests.conftest import prompts_of_lengths
+from tests.conftest import assert_scores_match_forward, prompts_of_lengths
 from tests.test_model_sweep import ms
 
 # family -> (state layer class, whether its prompts are prefilled whole, KV cache layers)
@@ -130,12 +130,7 @@ def test_samples_scoring_cancel_and_sleep(arch):
         out = eng.generate(ps[0], max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
         assert [s.generated_tokens for s in out.samples] == [reference(arch, tuple(ps[0]))] * 3
         context, conts = ps[0][:11], [ps[1][:3], ps[1][3:4]]
-        scored = eng.score(context, conts)
-        for cont, got in zip(conts, scored.continuations):
-            with torch.no_grad():
-                logits = model(torch.tensor([context + cont])).logits[0].float()
-            want = torch.log_softmax(logits, -1)[len(context) - 1 : -1].gather(1, torch.tensor(cont)[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4), (got.logprobs, want)
+        assert_scores_match_forward(eng, model, context, conts)
         # cancelled while its prompt is being computed (chunks of 8; Mamba1: a whole prefill)
         long = prompts([90], seed=5, arch=arch)[0]
         h = eng.submit(long, max_new_tokens=MAX_NEW, ignore_eos=True)
