@@ -12,9 +12,15 @@ Each running request (by block-table row) keeps the cache the model builds for i
 * **decode rows** (one new token, a cache of their own) run as one padded batch, as
   ``model.generate``'s padded decoding does: their caches are kept stacked in one batch cache,
   left-padded to the longest, with a 2-D attention mask that hides the padding and each row's
-  real positions. The batch is rebuilt only when rows join (a prompt done) or leave (finished,
-  cancelled, preempted, or scheduled for more than one token), by stacking and slicing the
-  layers' tensors, and trimmed of padding columns no row needs;
+  real positions. The batch's layers keep their rows in buffers with spare rows and columns
+  (:class:`_DecodeBatch`): a step appends its column in place, a request joins by copying its own
+  cache into a free row (the batch widened on the left if it is longer), a request that leaves
+  (finished, cancelled, preempted, or scheduled for more than one token) is replaced by the last
+  row, and padding columns no row needs any more are dropped by moving the view's start. No
+  step copies the other rows' caches;
+* **new requests' whole prompts**, when a step has two or more, are prefilled as left-padded
+  batches of like lengths (sorted, a new group where a row would be padded by more than a
+  quarter of the group's width) and join the decode batch;
 * **prefill chunks and every other segment** run one request at a time on its own cache
   (whole or chunked prefill, scoring continuations, a fork's own tokens), through the model's
   own generation hooks, as ``model.generate`` runs one unpadded prompt: its
@@ -61,47 +67,162 @@ def _plain(cache: Any) -> bool:
     return bool(layers) and all(type(layer) is cls and getattr(layer, "is_initialized", False) for layer in layers)
 
 
-def _growing_layer_class() -> type:
-    """``DynamicLayer`` whose update appends in place, into buffers with room to spare (the
-    decode batch's cache: a step costs its new column, not a copy of every cached one as
-    ``torch.cat`` does); ``keys`` and ``values`` are views of the filled part."""
-    global _GROWING
-    if _GROWING is not None:
-        return _GROWING
+def _batch_layer_class() -> type:
+    """``DynamicLayer`` of the decode batch: its rows' keys and values in buffers with room on
+    both sides of the filled columns ``[s, e)`` and spare rows. A step appends its column in
+    place (not a copy of every cached one, as ``torch.cat`` does), a request joins or leaves by
+    copying its own row alone, and padding columns no row needs any more are dropped by moving
+    ``s``. ``keys`` and ``values`` are views of the rows in use; unused columns hold zeros (the
+    padding ``model.generate``'s padded batch has) or a former row's finite values, masked."""
+    global _BATCH_LAYER
+    if _BATCH_LAYER is not None:
+        return _BATCH_LAYER
     base = _dynamic_layer_class()
 
-    class GrowingLayer(base):  # type: ignore[misc, valid-type]
-        def fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    class BatchLayer(base):  # type: ignore[misc, valid-type]
+        def start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
             self.lazy_initialization(keys, values)
-            n = keys.shape[2]
-            room = n + max(16, n // 2)
-            self._k = keys.new_empty((*keys.shape[:2], room, keys.shape[3]))
-            self._v = values.new_empty((*values.shape[:2], room, values.shape[3]))
-            self._k[:, :, :n] = keys
-            self._v[:, :, :n] = values
-            self._n = n
-            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+            self._k = keys.new_zeros((0, keys.shape[1], 0, keys.shape[3]))
+            self._v = values.new_zeros((0, values.shape[1], 0, values.shape[3]))
+            self._r = self._s = self._e = 0
+            self._view()
+
+        def _view(self) -> None:
+            self.keys = self._k[: self._r, :, self._s : self._e]
+            self.values = self._v[: self._r, :, self._s : self._e]
+
+        def _realloc(self, rows: int, left: int, right: int) -> None:
+            """New buffers of ``rows`` rows, ``left`` free columns, the filled ones, ``right`` free."""
+            width = self._e - self._s
+            buffers = []
+            for old in (self._k, self._v):
+                new = old.new_zeros((rows, old.shape[1], left + width + right, old.shape[3]))
+                new[: self._r, :, left : left + width] = old[: self._r, :, self._s : self._e]
+                buffers.append(new)
+            self._k, self._v = buffers
+            self._s, self._e = left, left + width
+            self._view()
+
+        def put(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """Rows ``slot...`` get these rows' K/V, right-aligned (no wider than the batch)."""
+            n, w = keys.shape[0], keys.shape[2]
+            if slot + n > self._k.shape[0]:
+                self._realloc(max(slot + n, self._k.shape[0] * 3 // 2, 4), self._s, self._k.shape[2] - self._e)
+            for buf, src in ((self._k, keys), (self._v, values)):
+                buf[slot : slot + n, :, self._s : self._e - w].zero_()
+                buf[slot : slot + n, :, self._e - w : self._e] = src
+            self._r = max(self._r, slot + n)
+            self._view()
+
+        def widen(self, n: int) -> None:
+            """``n`` more columns on the left (zeros: padding)."""
+            if self._s < n:
+                self._realloc(self._k.shape[0], n + max(16, (self._e - self._s) // 4), self._k.shape[2] - self._e)
+            self._s -= n
+            self._k[: self._r, :, self._s : self._s + n].zero_()
+            self._v[: self._r, :, self._s : self._s + n].zero_()
+            self._view()
+
+        def move(self, src: int, dst: int) -> None:
+            self._k[dst, :, self._s : self._e] = self._k[src, :, self._s : self._e]
+            self._v[dst, :, self._s : self._e] = self._v[src, :, self._s : self._e]
+
+        def shape_to(self, rows: int, trim: int) -> None:
+            """The first ``rows`` rows in use, ``trim`` columns dropped on the left."""
+            self._r, self._s = rows, self._s + trim
+            self._view()
+
+        def row(self, i: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Row ``i``'s K/V without its padding (copies)."""
+            lo = self._s + pad
+            return self._k[i : i + 1, :, lo : self._e].clone(), self._v[i : i + 1, :, lo : self._e].clone()
+
+        def nbytes(self) -> int:
+            return int(self._k.nbytes + self._v.nbytes)
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            n, add = self._n, key_states.shape[2]
-            if n + add > self._k.shape[2]:  # out of room: 1.5x, once in a while
-                self.fill(self.keys, self.values)
-            self._k[:, :, n : n + add] = key_states
-            self._v[:, :, n : n + add] = value_states
-            self._n = n + add
-            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+            add = key_states.shape[2]
+            if self._e + add > self._k.shape[2]:  # out of room on the right: a quarter more, once in a while
+                self._realloc(self._k.shape[0], self._s, add + max(16, (self._e - self._s) // 4))
+            self._k[: self._r, :, self._e : self._e + add] = key_states
+            self._v[: self._r, :, self._e : self._e + add] = value_states
+            self._e += add
+            self._view()
             return self.keys, self.values
 
-    _GROWING = GrowingLayer
-    return GrowingLayer
+    _BATCH_LAYER = BatchLayer
+    return BatchLayer
 
 
-_GROWING: type | None = None
+_BATCH_LAYER: type | None = None
 
 
-_DEAD = -(1 << 40)  # a batch row whose request left (acb's rows are >= 0; the start-up tries' small negatives)
+class _DecodeBatch:
+    """The decode rows' caches as one left-padded batch cache of the model's own class (its
+    layers :func:`_batch_layer_class`): ``rows[i]`` is batch row ``i``'s acb row, ``pads[i]`` its
+    left padding. Rows stay dense: a row that leaves is filled by the last one."""
+
+    def __init__(self, like: Any) -> None:
+        self.cache = copy.copy(like)
+        self.cache.layers = [_batch_layer_class()() for _ in like.layers]
+        for layer, src in zip(self.cache.layers, like.layers):
+            layer.start(src.keys, src.values)
+        self.rows: list[int] = []
+        self.pads: list[int] = []
+
+    @property
+    def width(self) -> int:
+        return int(self.cache.layers[0].keys.shape[2])
+
+    def add(self, cache: Any, pads: list[int], rows: list[int]) -> None:
+        """Rows of another batch cache (plain layers, each row left-padded by ``pads``) join."""
+        w, width = int(cache.layers[0].keys.shape[2]), self.width
+        if w > width:  # (everyone's padding grows)
+            for layer in self.cache.layers:
+                layer.widen(w - width)
+            self.pads = [p + w - width for p in self.pads]
+            width = w
+        for layer, src in zip(self.cache.layers, cache.layers):
+            layer.put(len(self.rows), src.keys, src.values)
+        self.rows += rows
+        self.pads += [p + width - w for p in pads]
+
+    def remove(self, rows: list[int]) -> None:
+        """These rows leave (the last rows move into their places; padding no row needs goes)."""
+        for row in rows:
+            i, last = self.rows.index(row), len(self.rows) - 1
+            if i != last:
+                for layer in self.cache.layers:
+                    layer.move(last, i)
+                self.rows[i], self.pads[i] = self.rows[last], self.pads[last]
+            self.rows.pop()
+            self.pads.pop()
+        trim = min(self.pads, default=0)
+        self.pads = [p - trim for p in self.pads]
+        for layer in self.cache.layers:
+            layer.shape_to(len(self.rows), trim)
+
+    def take(self, row: int, like: Any) -> Any:
+        """``row``'s cache alone, without padding (a new cache of plain layers, shaped ``like``)."""
+        i = self.rows.index(row)
+        out = copy.copy(like)
+        out.layers = [_dynamic_layer_class()() for _ in like.layers]
+        for src, dst in zip(self.cache.layers, out.layers):
+            keys, values = src.row(i, self.pads[i])
+            dst.lazy_initialization(keys, values)
+            dst.keys, dst.values = keys, values
+        self.remove([row])
+        return out
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """The attention mask of a decode step: ``[rows, width + 1]``, zeros over each row's padding."""
+        pads = torch.tensor(self.pads, dtype=torch.long, device=device)
+        return (torch.arange(self.width + 1, device=device)[None] >= pads[:, None]).long()
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.cache.layers)
 
 
 def _length(cache: Any) -> int:
@@ -141,9 +262,7 @@ class OwnForward:
         # while it is not in the batch, and its tokens so far
         self.single: dict[int, dict[str, Any]] = {}
         self.ids: dict[int, torch.Tensor] = {}
-        self.batch: Any = None  # the decode batch's cache (left-padded), or None
-        self.batch_rows: list[int] = []
-        self.batch_pad: list[int] = []  # left padding of each batch row
+        self.batch: _DecodeBatch | None = None  # the decode rows, or None
         # the cache layers the model's config asks for: anything but plain growing K/V layers
         # (sliding windows that crop, states) is neither stacked into a batch nor resumed from in a
         # later prefill chunk (model.generate never chunks a prompt; those layers may not follow)
@@ -221,6 +340,10 @@ class OwnForward:
         if row in self.batch_rows:
             self._leave([row])
 
+    @property
+    def batch_rows(self) -> list[int]:
+        return self.batch.rows if self.batch is not None else []
+
     def copy(self, src: int, dst: int) -> None:
         """A child forks from its parent's cache."""
         self.reset(dst)
@@ -230,13 +353,13 @@ class OwnForward:
     def clear(self) -> None:
         self.single.clear()
         self.ids.clear()
-        self.batch, self.batch_rows, self.batch_pad = None, [], []
+        self.batch = None
 
     def nbytes(self) -> int:
         from acb.runner.own_cache import cache_nbytes
 
         own = sum(cache_nbytes(_cache_of(kw)) for kw in self.single.values())
-        return own + (cache_nbytes(self.batch) if self.batch else 0)
+        return own + (self.batch.nbytes() if self.batch is not None else 0)
 
     # the batch ---------------------------------------------------------------
     def _empty(self) -> Any:
@@ -247,77 +370,30 @@ class OwnForward:
     def _take(self, row: int) -> dict[str, Any]:
         """The row's generation state, its cache its own (taken out of the batch if it is there)."""
         if row in self.batch_rows:
-            i = self.batch_rows.index(row)
-            own = self._slice(i)
-            self._leave([row])
+            assert self.batch is not None
+            own = self.batch.take(row, self.batch.cache)
+            if not self.batch.rows:
+                self.batch = None
             self.single[row] = {"use_cache": True, "past_key_values": own}
         return self.single[row]
 
-    def _like(self, cache: Any, layer_class: type | None = None) -> Any:
-        """A cache object of the model's own, shaped as ``cache`` (its layers fresh and empty)."""
-        out = copy.copy(cache)
-        out.layers = [(layer_class or _dynamic_layer_class())() for _ in cache.layers]
-        return out
-
-    def _slice(self, i: int) -> Any:
-        """Batch row ``i``'s cache, without its padding, as a new cache of one request."""
-        pad = self.batch_pad[i]
-        out = self._like(self.batch)
-        for src, dst in zip(self.batch.layers, out.layers):
-            dst.lazy_initialization(src.keys, src.values)
-            dst.keys = src.keys[i : i + 1, :, pad:].clone()
-            dst.values = src.values[i : i + 1, :, pad:].clone()
-        return out
-
     def _leave(self, rows: list[int]) -> None:
-        """These rows leave the batch: marked dead (their slots still decode, into nothing) until
-        the next rebuild drops them, or until dead rows are as many as live ones; copying the
-        whole batch at every finished request would cost more than the dead rows' compute."""
-        self.batch_rows = [_DEAD if r in rows else r for r in self.batch_rows]
-        live = sum(r != _DEAD for r in self.batch_rows)
-        if not live:
-            self.batch, self.batch_rows, self.batch_pad = None, [], []
-        elif 2 * live <= len(self.batch_rows):
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop the dead rows from the batch (a copy of the live ones)."""
-        keep = [i for i, r in enumerate(self.batch_rows) if r != _DEAD]
-        index = torch.tensor(keep, dtype=torch.long, device=self.batch.layers[0].keys.device)
-        pads = [self.batch_pad[i] for i in keep]
-        trim = min(pads)  # padding columns no remaining row needs
-        for layer in self.batch.layers:
-            layer.fill(layer.keys.index_select(0, index)[:, :, trim:], layer.values.index_select(0, index)[:, :, trim:])
-        self.batch_rows = [self.batch_rows[i] for i in keep]
-        self.batch_pad = [p - trim for p in pads]
+        """These rows leave the batch (their caches go)."""
+        assert self.batch is not None
+        self.batch.remove(rows)
+        if not self.batch.rows:
+            self.batch = None
 
     def _join(self, rows: list[int]) -> None:
         """Move these rows' own caches into the batch (all caches plain), padding on the left."""
-        self._merge([(self.single.pop(r)["past_key_values"], [0], [r]) for r in rows])
+        for r in rows:
+            self._merge(self.single.pop(r)["past_key_values"], [0], [r])
 
-    def _merge(self, parts: list[tuple[Any, list[int], list[int]]]) -> None:
-        """Add caches to the batch: each part a cache, its rows' left padding, and those rows;
-        all are padded on the left to the widest, and stacked."""
-        if self.batch is not None:
-            if _DEAD in self.batch_rows:  # (a rebuild drops them anyway)
-                self._compact()
-            parts = [(self.batch, self.batch_pad, self.batch_rows), *parts]
-        widths = [int(cache.layers[0].keys.shape[2]) for cache, _, _ in parts]
-        width = max(widths)
-        out = self._like(parts[0][0], _growing_layer_class())
-        for n, dst in enumerate(out.layers):
-            keys, values = [], []
-            for (cache, _, _), w in zip(parts, widths):
-                k, v = cache.layers[n].keys, cache.layers[n].values
-                if w < width:
-                    k = torch.nn.functional.pad(k, (0, 0, width - w, 0))
-                    v = torch.nn.functional.pad(v, (0, 0, width - w, 0))
-                keys.append(k)
-                values.append(v)
-            dst.fill(torch.cat(keys, dim=0), torch.cat(values, dim=0))
-        self.batch = out
-        self.batch_rows = [r for _, _, rows in parts for r in rows]
-        self.batch_pad = [p + width - w for (_, pads, _), w in zip(parts, widths) for p in pads]
+    def _merge(self, cache: Any, pads: list[int], rows: list[int]) -> None:
+        """A batch cache's rows (left-padded by ``pads``) join the decode batch."""
+        if self.batch is None:
+            self.batch = _DecodeBatch(cache)
+        self.batch.add(cache, pads, rows)
 
     def _prefill_batch(
         self,
@@ -343,7 +419,7 @@ class OwnForward:
         for i, (_, _, row) in enumerate(fresh):
             for j in want.get(row, []):
                 out[j] = logits[i]
-        self._merge([(cache, [width - n for n in lens], [row for _, _, row in fresh])])
+        self._merge(cache, [width - n for n in lens], [row for _, _, row in fresh])
 
     # a step ------------------------------------------------------------------
     def forward(
@@ -377,7 +453,7 @@ class OwnForward:
             decode, decode_rows = [], set()
         # rows leaving the batch: scheduled otherwise, or not scheduled at all this step (they
         # stay out until their next decode, so the batch holds only this step's decode rows)
-        leaving = [r for r in self.batch_rows if r not in decode_rows and r != _DEAD]
+        leaving = [r for r in self.batch_rows if r not in decode_rows]
         for r in leaving:
             self._take(r)
         # new requests' whole prompts (their one sampled row the last), two or more: one padded prefill
@@ -411,25 +487,33 @@ class OwnForward:
                 )
         if decode:
             joining = [row for _, row in decode if row not in self.batch_rows]
-            if joining:  # (the batch is rebuilt only when rows join)
+            if joining:  # (each copied into a free row of the batch)
                 self._join(joining)
-            order = {row: i for i, row in enumerate(self.batch_rows) if row != _DEAD}
-            at = [0] * len(self.batch_rows)  # (a dead row decodes the step's first token, into nothing)
+            assert self.batch is not None
+            order = {row: i for i, row in enumerate(self.batch.rows)}
+            at = [0] * len(order)
             for lo, row in decode:
                 at[order[row]] = lo
             index = torch.tensor(at, dtype=torch.long, device=input_ids.device)
             ids = input_ids[0, index].unsqueeze(1)  # [B, 1]
             pos = position_ids[0, index].unsqueeze(1)
-            width = self.batch.layers[0].keys.shape[2]
-            mask = torch.ones((len(at), width + 1), dtype=torch.long, device=input_ids.device)
-            for i, pad in enumerate(self.batch_pad):
-                mask[i, :pad] = 0
-            logits = self._run(ids, pos, self.batch, mask, None)  # [B, V]
+            mask = self.batch.mask(input_ids.device)
+            logits = self._run(ids, pos, self.batch.cache, mask, None)  # [B, V]
             for _, row in decode:
                 for j in want.get(row, []):
                     out[j] = logits[order[row]]
-        if fresh:  # after the decode rows ran: the new rows join the batch for the next step
-            self._prefill_batch(fresh, input_ids, want, out)
+        # after the decode rows ran: the new rows join the batch for the next step, prefilled in
+        # groups of like lengths (a row padded by more than a quarter of its group's width, and
+        # more than 32 tokens, starts a new group: padding costs a token's compute, a group a
+        # pass over the weights)
+        group: list[tuple[int, int, int]] = []
+        for seg in sorted(fresh, key=lambda seg: seg[0] - seg[1]):
+            if group and (width := group[0][1] - group[0][0]) - (seg[1] - seg[0]) > max(32, width // 4):
+                self._prefill_batch(group, input_ids, want, out)
+                group = []
+            group.append(seg)
+        if group:
+            self._prefill_batch(group, input_ids, want, out)
         return torch.stack([t for t in out if t is not None]) if out else input_ids.new_empty((0, 0)).float()
 
     @staticmethod

@@ -158,3 +158,92 @@ def test_a_prompt_that_can_never_fit_is_refused_at_submit():
         assert eng.runner.cfg.kv_cache_bytes == 5 * 4 * spec.own_bytes_per_token  # blocks priced by the own cache
         with pytest.raises(ValueError, match="can never fit"):
             eng.generate(prompts([40])[0], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("arch", ["gptj", "llama"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_rows_join_and_leave_the_decode_batch_exactly(arch, use_async):
+    """Requests of mixed prompt and output lengths, at most three at a time: rows leave the
+    decode batch from its middle, longer prompts widen it, newcomers prefill in groups of like
+    lengths, and every request's tokens are still ``model.generate``'s."""
+    ps = prompts([3, 40, 7, 25, 12, 33, 5, 18, 44, 9], seed=4)
+    news = [9, 2, 14, 5, 11, 3, 16, 7, 4, 12]
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=64, page_size=8, runner=CASES[arch][0], max_requests_per_batch=3, use_async_batching=use_async
+    )
+    with acb.Engine(model_of(arch), cfg) as eng:
+        assert eng.runner.own_forward.batchable
+        params = [acb.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news]
+        got = [o.generated_tokens for o in eng.generate_batch(ps, params, progress_bar=False).values()]
+    with torch.no_grad():
+        want = [
+            model_of(arch).generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
+            for p, n in zip(ps, news)
+        ]
+    assert got == want
+
+
+def test_the_decode_batch_keeps_each_row_as_its_own_cache():
+    """The decode batch's bookkeeping against plain per-row tensors, over random joins (wider and
+    narrower than the batch), appended steps, rows leaving from anywhere and rows taken out:
+    every row's keys and values, its padding (zeros, masked) and the trimmed width."""
+    from transformers import DynamicCache
+
+    from acb.runner.own_forward import _DecodeBatch
+
+    g = torch.Generator().manual_seed(0)
+    layers, heads, dim = 2, 2, 3
+    ref: dict[int, list[torch.Tensor]] = {}  # row -> per layer [heads, len, 2 * dim] (keys | values)
+    batch, next_row = None, 0
+
+    def check() -> None:
+        if batch is None:
+            assert not ref
+            return
+        assert sorted(batch.rows) == sorted(ref) and min(batch.pads) == 0
+        mask = batch.mask(torch.device("cpu"))
+        for i, (row, pad) in enumerate(zip(batch.rows, batch.pads)):
+            assert mask[i].tolist() == [0] * pad + [1] * (batch.width + 1 - pad)
+            for n, layer in enumerate(batch.cache.layers):
+                kv = torch.cat([layer.keys[i], layer.values[i]], dim=-1)
+                assert kv.shape[1] == batch.width
+                assert torch.equal(kv[:, pad:], ref[row][n]) and not kv[:, :pad].any()
+
+    for _ in range(300):
+        op = int(torch.randint(4, (1,), generator=g))
+        if op == 0 or batch is None:  # a left-padded batch of 1-3 new rows joins
+            lens = torch.randint(1, 30, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+            width, cache = max(lens), DynamicCache()
+            for n in range(layers):
+                kv = torch.randn(len(lens), heads, width, 2 * dim, generator=g)
+                for i, w in enumerate(lens):
+                    kv[i, :, : width - w] = 0
+                cache.update(kv[..., :dim].contiguous(), kv[..., dim:].contiguous(), n)
+                for i, w in enumerate(lens):
+                    ref.setdefault(next_row + i, []).append(kv[i, :, width - w :])
+            rows = list(range(next_row, next_row + len(lens)))
+            next_row += len(lens)
+            if batch is None:
+                batch = _DecodeBatch(cache)
+            batch.add(cache, [width - w for w in lens], rows)
+        elif op == 1:  # a decode step appends a column to every row
+            for n, layer in enumerate(batch.cache.layers):
+                kv = torch.randn(len(batch.rows), heads, 1, 2 * dim, generator=g)
+                layer.update(kv[..., :dim].contiguous(), kv[..., dim:].contiguous())
+                for i, row in enumerate(batch.rows):
+                    ref[row][n] = torch.cat([ref[row][n], kv[i]], dim=1)
+        elif op == 2:  # some rows leave
+            k = int(torch.randint(1, len(batch.rows) + 1, (1,), generator=g))
+            gone = [batch.rows[int(i)] for i in torch.randperm(len(batch.rows), generator=g)[:k]]
+            batch.remove(gone)
+            for row in gone:
+                del ref[row]
+        else:  # a row is taken out, as its own cache
+            row = batch.rows[int(torch.randint(len(batch.rows), (1,), generator=g))]
+            own = batch.take(row, batch.cache)
+            for n, layer in enumerate(own.layers):
+                assert torch.equal(torch.cat([layer.keys[0], layer.values[0]], dim=-1), ref[row][n])
+            del ref[row]
+        if batch is not None and not batch.rows:
+            batch = None
+        check()
