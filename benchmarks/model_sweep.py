@@ -674,23 +674,36 @@ def _margin(step_logits: Any) -> float:
     return float(top[0] - top[1])
 
 
+# the runs of each model: name -> config fields and samples per prompt (on the path acb picks;
+# a model it pages runs "own cache" too): whole prompts; chunked prefill; memory for about one
+# request (preemptions, recomputes) with async batching; two samples per prompt (forked caches)
+RUNS: dict[str, tuple[dict[str, Any], int]] = {
+    "default": ({}, 1),
+    "chunked": ({"max_batch_tokens": 8}, 1),
+    "preempt+async": ({"num_blocks": 8, "page_size": 4, "max_batch_tokens": 16, "use_async_batching": True}, 1),
+    "n=2": ({}, 2),
+}
+
+
 def _run_acb(
-    model: Any, prompts: list[list[int]], max_batch_tokens: int | None, runner: str | None = None
+    model: Any, prompts: list[list[int]], run: str = "default", runner: str | None = None
 ) -> tuple[list[list[int]] | str, str]:
     """acb's greedy tokens (or the error of a failed request) and the path that ran them
-    ("paged", or "own cache": the model on its own cache objects)."""
+    ("paged", or "own cache": the model on its own cache objects); with ``n=2`` each prompt's two
+    samples, one after the other."""
     from transformers import GenerationConfig
 
     import acb
 
-    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, max_batch_tokens=max_batch_tokens, runner=runner)
+    fields, n = RUNS[run]
+    cfg = acb.ContinuousBatchingConfig(**{"num_blocks": 64, "page_size": 8, **fields, "runner": runner})
     gen = GenerationConfig(do_sample=False, eos_token_id=FIXED_TOKEN_IDS["eos_token_id"], pad_token_id=0)
     engine = acb.Engine(model, cfg, gen)
     engine.start()
     try:
         path = "own cache" if engine.runner.own_forward is not None else "paged"
         outs = engine.generate_batch(
-            prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, progress_bar=False, do_sample=False
+            prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, progress_bar=False, do_sample=False, n=n
         )
     finally:
         engine.shutdown()
@@ -698,7 +711,7 @@ def _run_acb(
     for out in outs.values():
         if out.status != acb.RequestStatus.FINISHED:
             return f"request {out.request_id} ended {out.status.name}: {out.error}", path
-        result.append(list(out.generated_tokens))
+        result.extend([list(x.generated_tokens) for x in out.samples] if out.samples else [list(out.generated_tokens)])
     return result, path
 
 
@@ -756,30 +769,32 @@ def run_model(model_type: str) -> dict[str, Any]:
     import acb
 
     diffs = []
-    # the path acb picks, whole and chunked; a model it pages also runs on its own cache objects
+    # the path acb picks, in each of RUNS; a model it pages also runs on its own cache objects
     # (the second path), which must give the same tokens
-    runs: list[tuple[str, int | None, str | None]] = [("default", None, None), ("chunked", 8, None)]
-    for run, budget, runner in runs:
-        _stage(f"acb {run}")
+    runs: list[tuple[str, str, str | None]] = [(run, run, None) for run in RUNS]
+    for label, run, runner in runs:
+        _stage(f"acb {label}")
         try:
-            got, path = _run_acb(model, prompts, budget, runner)
+            got, path = _run_acb(model, prompts, run, runner)
         except acb.UnsupportedModelError as e:
             return {**rec, "status": "refused", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - any other acb exception is a bug to report
-            return {**rec, "status": "failed", "reason": f"{run} run: {_exc(e)}", "where": _where(e)}
+            return {**rec, "status": "failed", "reason": f"{label} run: {_exc(e)}", "where": _where(e)}
         if isinstance(got, str):
-            return {**rec, "status": "failed", "reason": f"{run} run: {got}"}
-        if run == "default":
+            return {**rec, "status": "failed", "reason": f"{label} run: {got}"}
+        if label == "default":
             rec["path"] = path
             if path == "paged":
-                runs.append(("own cache", None, "own_cache"))
-        for p, (want, have) in enumerate(zip(ref, got)):
+                runs.append(("own cache", "default", "own_cache"))
+        samples = RUNS[run][1]
+        for i, (want, have) in enumerate(zip([r for r in ref for _ in range(samples)], got)):
+            p = i // samples
             if want != have:
                 pos = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
                 margin = _margin(ref_logits[p][pos]) if pos < len(ref_logits[p]) else None
                 diffs.append(
                     {
-                        "run": run,
+                        "run": label,
                         "prompt": p,
                         "prompt_len": len(prompts[p]),
                         "position": pos,
@@ -970,8 +985,9 @@ def render_markdown(table: dict[str, Any]) -> str:
         "keeping one of each layer type, 4 heads, 2 KV heads, vocabulary 256, 4 experts with top-2...), "
         f"and run through acb (commit {table.get('acb_commit') or '?'}, {table['date']}) against greedy "
         f"`model.generate`: prompts of {', '.join(map(str, table['prompt_lengths']))} tokens, "
-        f"{table['max_new_tokens']} new tokens, with the default step budget and with `max_batch_tokens=8` "
-        "(chunked prefill). **path** is the runner acb picks: `paged` (acb's paged KV cache) or `own cache` "
+        f"{table['max_new_tokens']} new tokens, in four runs: the default step budget; `max_batch_tokens=8` "
+        "(chunked prefill); memory for about one request at a time (preemptions and recomputes) with async "
+        "batching; `n=2` (two samples per prompt, forked caches). **path** is the runner acb picks: `paged` (acb's paged KV cache) or `own cache` "
         "(the model on its own cache objects, as `model.generate` runs it: for models acb cannot page); a "
         "model on the paged path also runs on its own cache, and must give the same tokens there.",
         "",

@@ -534,6 +534,10 @@ class ModelRunner:
                     own.reset(row)
                 for req in sched.row_inits:
                     own.reset(req.row)
+        if self.own_forward is not None:  # a recompute, on a model whose cache takes no chunks: replayed
+            for req in sched.row_inits:
+                if len(req.token_ids) > req.prompt_len:
+                    self.own_forward.reset(req.row, req.prompt_len)
         own = self.own_caches
         if sched.swap_out:  # before swap-ins and the forward, which may reuse these device blocks
             self.kv_cache.swap_out(sched.swap_out)

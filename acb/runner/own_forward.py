@@ -262,6 +262,9 @@ class OwnForward:
         # while it is not in the batch, and its tokens so far
         self.single: dict[int, dict[str, Any]] = {}
         self.ids: dict[int, torch.Tensor] = {}
+        # row -> its prompt's length, for a request recomputed (after a preemption, or sleep) on
+        # a model whose cache cannot take a prompt in chunks: replayed as model.generate made it
+        self.replays: dict[int, int] = {}
         self.batch: _DecodeBatch | None = None  # the decode rows, or None
         # the cache layers the model's config asks for: anything but plain growing K/V layers
         # (sliding windows that crop, states) is neither stacked into a batch nor resumed from in a
@@ -333,10 +336,19 @@ class OwnForward:
             self.reset(row)
 
     # lifecycle ---------------------------------------------------------------
-    def reset(self, row: int) -> None:
-        """The row's request starts with no cache (a new request, a recompute, a freed row)."""
+    def reset(self, row: int, prompt_len: int | None = None) -> None:
+        """The row's request starts with no cache (a new request, a recompute, a freed row).
+        ``prompt_len``: a recomputed request's prompt length (its tokens past it were sampled).
+
+        A recompute normally prefills the prompt and the sampled tokens in one call, which gives
+        what the calls of ``model.generate`` gave up to float rounding; where the start-up try
+        found a prompt in two chunks does not give what it gives whole (XLNet's dummy token,
+        Reformer), it is replayed instead: the prompt, then the sampled tokens one at a time."""
         self.single.pop(row, None)
         self.ids.pop(row, None)
+        self.replays.pop(row, None)
+        if prompt_len is not None and not self.chunkable:
+            self.replays[row] = prompt_len
         if row in self.batch_rows:
             self._leave([row])
 
@@ -353,6 +365,7 @@ class OwnForward:
     def clear(self) -> None:
         self.single.clear()
         self.ids.clear()
+        self.replays.clear()
         self.batch = None
 
     def nbytes(self) -> int:
@@ -464,6 +477,7 @@ class OwnForward:
             and hi - lo > 1
             and row not in self.single
             and row not in self.batch_rows
+            and row not in self.replays
             and self._wanted(want, row, logits_indices) == [hi - 1]
         ]
         if len(fresh) < 2:
@@ -533,6 +547,21 @@ class OwnForward:
     def _single(self, row: int, n: int, keep: list[int]) -> torch.Tensor:
         """One request's ``n`` new tokens through the model's own generation hooks, on its own
         generation state; the logits of its tokens ``keep`` (``[len(keep), V]``)."""
+        prompt = self.replays.pop(row, None)
+        full = self.ids[row]
+        if prompt is None or row in self.single or full.shape[1] != n or not 0 < prompt < n:
+            return self._call(row, n, keep)
+        # a recompute replayed: the prompt, then one call per sampled token
+        parts, lo = [], 0
+        for hi in [prompt, *range(prompt + 1, n + 1)]:
+            self.ids[row] = full[:, :hi]
+            parts.append(self._call(row, hi - lo, [t - lo for t in keep if lo <= t < hi]))
+            lo = hi
+        self.ids[row] = full
+        return torch.cat(parts)
+
+    def _call(self, row: int, n: int, keep: list[int]) -> torch.Tensor:
+        """One call of the model's forward through its generation hooks (see :meth:`_single`)."""
         model = self.model
         ids = self.ids[row]
         kw = self.single.get(row)

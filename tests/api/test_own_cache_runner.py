@@ -4,7 +4,8 @@ own cache objects, exact against ``model.generate``, behind the same engine, API
 GPT-J (attention outside transformers' attention interface: decode rows batched with left
 padding), Doge (a content-dependent mask acb's paged attention cannot take), Moshi (a
 sliding-window cache: unbatched, prompts prefilled whole), ProphetNet (a cache that takes one
-token at a time after the first call: found by the start-up try, prefilled whole), and Llama
+token at a time after the first call: found by the start-up try, prefilled whole), XLNet (its
+own generation hooks: a preempted request's recompute replays ``model.generate``'s calls), and Llama
 forced onto this path next to the paged one. Tiny configs are the catalogue sweep's.
 """
 
@@ -57,6 +58,7 @@ CASES = {
     "doge": (None, True, True),
     "moshi": (None, False, False),
     "prophetnet": (None, False, False),
+    "xlnet": (None, False, False),  # its own hooks (a dummy token): a recompute is replayed call by call
     "llama": ("own_cache", True, True),
 }
 
