@@ -115,6 +115,10 @@ class ContinuousBatchingConfig:
     # None: paged when the model passes its checks, else its own cache, said in one log line
     runner: str | None = None
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions
+    # vision-language models: bytes of image embeddings kept on the device (the running requests'
+    # images, then recent ones for reuse); a request whose images need more is refused at submit.
+    # None: an eighth of the KV cache's bytes, at least 64 MiB
+    image_cache_bytes: int | None = None
     # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights in steps of
     # at most 128 tokens (None: on when the model is on CPU, not compiled, not tensor parallel and
     # has at least 2M linear parameters per layer; the copies take the linear weights' size in
@@ -211,6 +215,7 @@ class ContinuousBatchingConfig:
             "max_requests_per_batch",
             "max_model_len",
             "block_size",
+            "image_cache_bytes",
         ):
             v = getattr(self, name)
             check(name, v is None or (is_int(v) and v > 0), "a positive int")
@@ -358,6 +363,7 @@ class ResolvedConfig:
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (the eager twin on CPU)
     graph_step: int | None = None  # batch-size granularity of the decode graphs (q_padding_interval_size)
     packed_linears: int = 0  # CPU: float32 linears whose forward runs on oneDNN-packed weights
+    image_cache_bytes: int = 64 << 20  # vision-language models: image embeddings kept on the device
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -472,10 +472,22 @@ def _span(rt: RequestTrace, out: GenerationOutput) -> None:
 def _input_messages(prompt: Any) -> list[dict[str, Any]]:
     if isinstance(prompt, str):
         return [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]
-    return [
-        {"role": str(m.get("role", "user")), "parts": [{"type": "text", "content": str(m.get("content", ""))}]}
-        for m in prompt
-    ]
+    return [{"role": str(m.get("role", "user")), "parts": _parts(m.get("content", ""))} for m in prompt]
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    """A message's content as parts: text, and images named, not inlined."""
+    if isinstance(content, str) or not isinstance(content, (list, tuple)):
+        return [{"type": "text", "content": str(content)}]
+    out: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in ("image", "image_url"):
+            out.append({"type": "image"})
+        else:
+            text = part.get("text", "") if isinstance(part, Mapping) else part
+            out.append({"type": "text", "content": str(text)})
+    return out
 
 
 def _output_messages(samples: list[Any]) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from acb import telemetry
 from acb.core.messages import EngineRequest, ScoreTarget
 from acb.errors import EngineNotRunningError, InvalidRequestError, InvalidRequestTypeError, prefixed
+from acb.images import ImagePrompt, has_images, image_token_id, process_prompt
 from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
 from acb.sampling_params import FALLBACK, SamplingParams
 from acb.text import IncrementalDetokenizer, encode_prompt
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from acb.api.base import EngineBase
     from acb.config import ResolvedConfig
     from acb.core.engine_core import EngineCore
+    from acb.images import ImageInputs
     from acb.structured import CompiledGrammar, GrammarCompiler
     from acb.structured_outputs import StructuredOutputs
     from acb.text import Prompt
@@ -339,8 +341,37 @@ class InputProcessor:
             InvalidRequestError: empty, or an id outside the vocabulary (field ``prompt``).
             InvalidRequestTypeError: not token ids (nor, with a tokenizer, text or a chat).
         """
+        ids, images = self.prompt_and_images(prompt, vocab, chat_template_kwargs)
+        if images is not None:
+            raise InvalidRequestError("this call takes no images", "prompt")
+        return ids
+
+    def prompt_and_images(
+        self, prompt: Prompt, vocab: int, chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[list[int], ImageInputs | None]:
+        """:meth:`prompt_ids` for a prompt that may have images (:mod:`acb.images`): a chat with
+        image parts is processed by the engine's processor, a processor's output taken as it is.
+
+        Returns:
+            Its token ids and its images (None: none).
+
+        Raises:
+            InvalidRequestError: as :meth:`prompt_ids`; an image that does not load or is too
+                large, or images for an engine that cannot run them (field ``prompt``).
+            InvalidRequestTypeError: as :meth:`prompt_ids`.
+        """
+        images = None
         try:
-            ids = as_token_list(encode_prompt(self._engine.tokenizer, prompt, chat_template_kwargs))
+            if has_images(prompt):
+                processed = process_prompt(
+                    self._engine.tokenizer,
+                    prompt,
+                    image_token_id=image_token_id(self._engine.model.config),
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+                ids, images = list(processed), processed.images
+            else:
+                ids = as_token_list(encode_prompt(self._engine.tokenizer, prompt, chat_template_kwargs))
         except (InvalidRequestError, InvalidRequestTypeError):
             raise
         except ValueError as exc:  # the tokenizer's side (an empty text, a template that refuses)
@@ -350,7 +381,25 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError("prompt_ids is empty: a request needs at least one prompt token", "prompt")
         check_prompt_vocab(ids, vocab, "prompt")
-        return ids
+        if images is not None:
+            self.check_images(images)
+        return ids, images
+
+    def check_images(self, images: ImageInputs) -> None:
+        """Refuse images the engine cannot run, or whose embeddings can never fit its budget."""
+        runner = self.live_core().runner
+        why = runner.images_refused()
+        if why:
+            raise InvalidRequestError(f"this engine cannot run images: {why}", "prompt")
+        need = runner.image_bytes(images)
+        budget = runner.cfg.image_cache_bytes
+        if need > budget:
+            raise InvalidRequestError(
+                f"the request's images ({images.num_image_tokens} image tokens, {len(images.hashes)} image(s)) "
+                f"need about {need / 2**20:.1f} MiB of embeddings, more than the engine's image_cache_bytes "
+                f"({budget / 2**20:.1f} MiB): send smaller images, or raise image_cache_bytes",
+                "prompt",
+            )
 
     @staticmethod
     def check_args(sampling: SamplingParams | None, request_id: str | None, cache_salt: str | None) -> SamplingParams:
@@ -531,7 +580,7 @@ class InputProcessor:
         engine = self._engine
         core = self.live_core()
         vocab = core.runner.vocab_size
-        ids = self.prompt_ids(prompt_ids, vocab, chat_template_kwargs)
+        ids, images = self.prompt_and_images(prompt_ids, vocab, chat_template_kwargs)
         sampling = self.check_args(sampling, request_id, cache_salt)
         params = sampling.merged_over(engine.defaults)
         check_vocab("logit_bias", params.logit_bias or (), vocab)
@@ -567,6 +616,7 @@ class InputProcessor:
             record_timestamps,
             cache_salt,
             None,
+            images,
         )
 
     def make_score_request(
@@ -637,6 +687,7 @@ class InputProcessor:
         record_timestamps: bool,
         cache_salt: str | None,
         score: Sequence[ScoreTarget] | None,
+        images: ImageInputs | None = None,
     ) -> Submission:
         """Every check passed: claim the ids (all of them, or none), make and register the sink,
         and build the :class:`EngineRequest`."""
@@ -658,7 +709,8 @@ class InputProcessor:
         member_ids = _member_ids(request_id, n)
         try:
             sink = sink_factory(request_id)
-            sink.state.trace = telemetry.begin(prompt, engine.model_name, params)
+            source = prompt.source if isinstance(prompt, ImagePrompt) else prompt
+            sink.state.trace = telemetry.begin(source, engine.model_name, params)
             tokenizer = engine.tokenizer
             if tokenizer is not None and score is None and not params.stop:
                 # text for the stream and the output, decoded on the consumer's side (with stop
@@ -679,6 +731,7 @@ class InputProcessor:
                 cache_salt or None,
                 score[0] if score else None,
                 tuple(score[1:]) if score else (),
+                images,
             )
         except BaseException:
             for mid in member_ids:

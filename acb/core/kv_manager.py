@@ -271,9 +271,13 @@ class KVManager:
         hashes = req.block_hashes
         bs = self.block_size
         toks = req.token_ids
+        images = req.images
         while len(hashes) < num_blocks:
             b = len(hashes)
-            hashes.append(block_digest(hashes[-1] if hashes else b"", toks[b * bs : (b + 1) * bs], req.cache_salt))
+            salt = req.cache_salt
+            if images is not None and (b + 1) * bs > images.first:  # a block from the first image token on
+                salt += images.key
+            hashes.append(block_digest(hashes[-1] if hashes else b"", toks[b * bs : (b + 1) * bs], salt))
         return hashes[:num_blocks]
 
     def _register(self, req: Request, full: int) -> None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from acb.config import ResolvedConfig
     from acb.core.request import Request
+    from acb.images import ImageInputs
     from acb.outputs import GenerationOutput
     from acb.sampling_params import SamplingParams
 
@@ -67,6 +68,7 @@ class EngineRequest:
     # a scoring request (samples nothing): its own target, then its children's
     score: ScoreTarget | None = None
     children: tuple[ScoreTarget, ...] = ()
+    images: ImageInputs | None = None  # its images, processed (acb.images): the model's vision code runs on them
 
     @property
     def member_ids(self) -> list[str]:
@@ -207,6 +209,8 @@ class Runner(Protocol):
     def wake_up(self) -> None: ...
     def weights_changed(self) -> bool: ...
     def forget_weights(self) -> None: ...
+    def images_refused(self) -> str: ...  # why it cannot run images ("" when it can)
+    def image_bytes(self, images: ImageInputs) -> int: ...  # what a request's image embeddings take
 
 
 # ---------------------------------------------------------------- the inbox's commands

@@ -18,6 +18,7 @@ from acb.text import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from acb.core.messages import EngineRequest, GrammarSupport
+    from acb.images import ImageInputs
     from acb.text import TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class Request:
         "scoring",
         "lp_start",
         "score_next",
+        "images",
+        "images_key",
         "out",
     )
 
@@ -163,6 +166,8 @@ class Request:
         # this request's KV was computed: KV from another epoch is never registered
         self.kv_epoch = 0
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
+        self.images: ImageInputs | None = None  # its images, processed at submit (acb.images)
+        self.images_key: bytes | None = None  # the runner's key of their embeddings (acb.runner.vision)
         self.swapped: tuple[list[int], int] | None = None  # (host blocks, tokens) while offloaded
         # tokens scheduled for sampling whose values are not back yet (async batching: up to 2)
         self.in_flight = 0
@@ -408,6 +413,7 @@ def build_request(
             req.prompt_lps, req.out.prompt_tops = [], []
         if er.cache_salt:
             req.cache_salt = er.cache_salt.encode()
+        req.images = er.images
         members.append(req)
     if len(members) > 1:
         RequestGroup(er.request_id, members)

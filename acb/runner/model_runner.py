@@ -52,11 +52,13 @@ from acb.runner.setup import (
     staging_bytes,
 )
 from acb.runner.tp_sync import check_same_settings, tp_group, tp_size_of
+from acb.runner.vision import ImageEmbedder, takes_images
 from acb.runner.weights import WeightsKey, WeightWatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from acb.images import ImageInputs
     from acb.runner.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
@@ -145,6 +147,8 @@ class ModelRunner:
             ) from exc
         # the whole model on its own caches (the second runner path), or None (the paged path)
         self.own_forward = OwnForward(model) if own_path else None
+        # vision-language models: the model's own vision code for the requests with images
+        self.vision = ImageEmbedder(model, self.cfg.image_cache_bytes) if takes_images(model) else None
         paged = not own_path
         # hybrid models: linear-attention layers run per request with their recurrent state
         self.linear = LinearLayers(model) if paged and linear_layers(model) else None
@@ -326,6 +330,23 @@ class ModelRunner:
         self.sampling = SamplingState(cfg.max_requests_per_batch, self.vocab_size, self.device)
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
 
+    def images_refused(self) -> str:
+        """Why this engine cannot run a request's images ("" when it can)."""
+        if self.vision is None:
+            return f"{type(self.model).__name__} takes no images (no image token and vision config)"
+        if self.own_forward is not None:
+            return "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only"
+        if tp_size_of(self.model) > 1:
+            return "images are not run under tensor parallel yet"
+        return ""
+
+    def image_bytes(self, images: ImageInputs) -> int:
+        """About what a request's image embeddings take on the device: a row of the model's
+        hidden size per image token (the pixel tensors' own size when the model names no token)."""
+        text = self.model.config.get_text_config()
+        width = int(getattr(text, "hidden_size", 0) or 0) * self.model.dtype.itemsize
+        return images.num_image_tokens * width if images.num_image_tokens and width else images.nbytes
+
     def sleep(self) -> MemoryReleased:
         """Free the device memory the engine holds besides the model: the KV cache, the decode
         graphs, the staging buffers, the block table and the sampling buffers. No request may hold
@@ -365,6 +386,9 @@ class ModelRunner:
         if self.own_forward is not None:
             other += self.own_forward.nbytes()
             self.own_forward.clear()
+        if self.vision is not None:
+            other += self.vision.nbytes()
+            self.vision.clear()
         measured = None
         if cuda:
             torch.cuda.empty_cache()
@@ -534,6 +558,9 @@ class ModelRunner:
                     own.reset(row)
                 for req in sched.row_inits:
                     own.reset(req.row)
+        if self.vision is not None:  # a freed row's image embeddings may be reused, until evicted
+            for row in sched.freed_rows:
+                self.vision.release(row)
         if self.own_forward is not None:  # a recompute, on a model whose cache takes no chunks: replayed
             for req in sched.row_inits:
                 if len(req.token_ids) > req.prompt_len:
@@ -550,6 +577,10 @@ class ModelRunner:
         self.last_stage_s = time.perf_counter() - t0
         sampling.apply_inits(dev)
         batch = self.inputs.build(host, dev, self._prev_ids)
+        if self.vision is not None:  # image rows (and multimodal positions) of the requests with images
+            mm = self.vision.step_inputs(sched, batch.input_ids, batch.position_ids)
+            if mm is not None:
+                batch = dataclasses.replace(batch, inputs_embeds=mm[0], position_ids=mm[1], decode_only=False)
         num_samples = len(sched.sample_idx)
         scored = sched.prompt_lp or sched.next_lp
         if scored:  # prompt logprobs and scoring: the head also runs on those rows (and on no other)
@@ -691,7 +722,9 @@ class ModelRunner:
 
     def forward(self, batch: PreparedBatch, ctx: StepContext) -> torch.Tensor:
         """The model's forward over the flattened batch; logits of the sampling rows, ``[S, V]``."""
-        fn = self._compiled.get("decode" if batch.decode_only else "varlen")
+        fn = (
+            None if batch.inputs_embeds is not None else self._compiled.get("decode" if batch.decode_only else "varlen")
+        )
         # the thread's step context: compiled attention finds it there (the graph takes tensors
         # only), and the model's dropout is off inside it (acb.runner.eval_mode: eval semantics on
         # this thread only, the model's flags stay the user's)
@@ -711,6 +744,8 @@ class ModelRunner:
             use_cache=False,
             acb_ctx=ctx,
         )
+        if batch.inputs_embeds is not None:  # a step with image rows (acb.runner.vision)
+            kw["input_ids"], kw["inputs_embeds"] = None, batch.inputs_embeds
         with self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext():
             if self._supports_logits_to_keep:
                 return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]

@@ -432,6 +432,7 @@ def resolve_config(
         num_swap_blocks=swap_bytes // per_block if per_block else 0,
         prefix_caching=config.allow_block_sharing,
         async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
+        image_cache_bytes=config.image_cache_bytes or max(64 << 20, num_blocks * per_block // 8),
     )
     return resolved, spec
 
@@ -503,11 +504,16 @@ class _AttentionSwap:
 
 
 def _configs(model: PreTrainedModel) -> list[Any]:
-    """The config objects the model's modules may hold (the model's and its text config)."""
+    """The config objects the model's modules may hold: the model's, its text config, and its other
+    sub-configs (a vision tower's, which runs outside engine steps on its own attention)."""
     out = [model.config]
     text = model.config.get_text_config()
     if text is not model.config:
         out.append(text)
+    for name in getattr(model.config, "sub_configs", None) or {}:
+        sub = getattr(model.config, name, None)
+        if sub is not None and all(sub is not c for c in out):
+            out.append(sub)
     return out
 
 

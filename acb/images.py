@@ -1,0 +1,279 @@
+"""Images in a prompt: found, loaded, hashed and processed at submit, off the engine thread.
+
+A prompt sees images in one of two forms:
+
+- a chat whose messages' ``content`` is a list of parts, some of them images:
+  ``{"type": "image", "image": <PIL image | path | bytes | data URL>}`` (as transformers'
+  processors take them) or OpenAI's ``{"type": "image_url", "image_url": {"url": "data:..."}}``;
+  the engine's processor (``processor=``, the model's own ``AutoProcessor``) renders it with its
+  chat template and makes the pixel tensors;
+- an already processed ``BatchFeature`` (or any mapping) with ``input_ids`` and the tensors the
+  processor made (``pixel_values``, ``image_grid_thw``, ``image_sizes``...), one request.
+
+Either becomes an :class:`ImagePrompt`: the token ids (image placeholders included, as many as
+the processor put there) and the :class:`ImageInputs` the engine carries with the request. The
+engine thread never runs the processor; it runs the model's own vision code on
+``ImageInputs.tensors`` (:mod:`acb.runner.vision`). Each image is hashed by its content, so
+that the prefix cache never shares K/V between two requests with the same text and different
+images (``ImageInputs.key`` salts every block from the first image token on) and does share it
+when the images are the same.
+
+Remote URLs are not fetched here: ``acb serve`` fetches them itself, for the domains its
+operator allows; a caller of the Python API loads the image and passes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ImageInputs",
+    "ImagePrompt",
+    "has_images",
+    "image_parts",
+    "load_image",
+    "process_prompt",
+]
+
+# the keys of a processor's output that are text, not images (the rest go to the vision code)
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask"})
+# how many pixels one image may have, decoded (a 16k x 16k image is 1 GiB of RGBA); acb serve
+# has its own, lower, limit
+MAX_PIXELS = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """The images of one request, processed: what the model's own forward takes beside
+    ``input_ids`` (``pixel_values`` and the rest of the processor's output, each ``[1, ...]`` or as
+    the processor batches one request), and their content hashes."""
+
+    tensors: Mapping[str, torch.Tensor]
+    hashes: tuple[bytes, ...]  # one per image, in order (SHA-256 of its pixels, or of its tensors)
+    first: int  # the position of the request's first image token (0 when the model does not say)
+    num_image_tokens: int  # its image placeholder tokens (0 when the model does not say)
+    key: bytes = field(init=False)  # all of them: salts the prefix cache from ``first`` on
+
+    def __post_init__(self) -> None:
+        h = hashlib.sha256(b"acb-images")
+        for one in self.hashes:
+            h.update(one)
+        object.__setattr__(self, "key", h.digest())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(getattr(t, "nbytes", 0)) for t in self.tensors.values())
+
+
+class ImagePrompt(list[int]):  # the token ids
+    """A prompt processed at submit: its token ids (this list) and its :class:`ImageInputs`
+    (``None``: no image after all). The engine takes it as it is, so a caller that processes
+    elsewhere (an async submit does it in a worker thread, off the event loop) submits this."""
+
+    def __init__(self, token_ids: Sequence[int], images: ImageInputs | None, source: Any = None) -> None:
+        super().__init__(int(t) for t in token_ids)
+        self.images = images
+        self.source = source  # what the caller gave (a chat: telemetry reads it as one)
+
+
+def image_parts(prompt: Any) -> list[Mapping[str, Any]]:
+    """The image content parts of a chat prompt, in order (none for anything else)."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        return []
+    out: list[Mapping[str, Any]] = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, (str, bytes)) or not isinstance(content, Sequence):
+            continue
+        out.extend(p for p in content if isinstance(p, Mapping) and p.get("type") in ("image", "image_url"))
+    return out
+
+
+def has_images(prompt: Any) -> bool:
+    """A chat with image parts, or a processor's output with pixel tensors."""
+    if isinstance(prompt, ImagePrompt):
+        return prompt.images is not None
+    if isinstance(prompt, Mapping):
+        return "input_ids" in prompt and any(k not in _TEXT_KEYS for k in prompt)
+    return bool(image_parts(prompt))
+
+
+def load_image(source: Any, what: str = "image") -> Any:
+    """A PIL image (RGB) from a PIL image, a local path, bytes, or a ``data:`` URL.
+
+    Raises:
+        ValueError: not decodable, too many pixels, or a remote URL (``what`` names the part).
+    """
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        if isinstance(source, Mapping):  # OpenAI's {"url": ...}
+            source = source.get("url")
+        if isinstance(source, str) and source.startswith("data:"):
+            head, _, data = source.partition(",")
+            if ";base64" not in head:
+                raise ValueError(f"{what}: a data URL must be base64 (data:image/...;base64,...)")
+            try:
+                source = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError(f"{what}: the data URL is not valid base64") from None
+        elif isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
+            raise ValueError(
+                f"{what}: remote URLs are not fetched by the engine; load the image and pass it (a PIL image, "
+                "bytes or a data URL), or serve with `acb serve --allowed-media-domains`"
+            )
+        try:
+            if isinstance(source, (bytes, bytearray, memoryview)):
+                image = Image.open(io.BytesIO(bytes(source)))
+            elif isinstance(source, str):
+                image = Image.open(source)
+            else:
+                raise ValueError(
+                    f"{what}: expected a PIL image, a path, bytes or a data URL, got {type(source).__name__}"
+                )
+            check_pixels(image.size, what)
+            image.load()
+        except (OSError, Image.DecompressionBombError) as exc:  # PIL.UnidentifiedImageError is an OSError
+            raise ValueError(f"{what}: cannot decode the image ({type(exc).__name__}: {exc})") from None
+    check_pixels(image.size, what)
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def check_pixels(size: tuple[int, int], what: str, limit: int = MAX_PIXELS) -> None:
+    if size[0] * size[1] > limit:
+        raise ValueError(f"{what}: {size[0]}x{size[1]} pixels is more than the {limit:,} allowed")
+
+
+def _image_hash(image: Any) -> bytes:
+    h = hashlib.sha256(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+def _tensor_hash(tensors: Mapping[str, Any]) -> bytes:
+    import torch
+
+    h = hashlib.sha256(b"tensors")
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(name.encode())
+        if isinstance(t, torch.Tensor):
+            c = t.detach().to("cpu").contiguous()
+            h.update(f"{c.dtype}{tuple(c.shape)}".encode())
+            h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+        else:
+            h.update(repr(t).encode())
+    return h.digest()
+
+
+def _one_request(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """A processed request's ``input_ids`` as one row (``[1, T]`` or ``[T]``)."""
+    if name == "input_ids" and tensor.dim() == 2:
+        if tensor.shape[0] != 1:
+            raise ValueError(f"a processed prompt is one request: input_ids has {tensor.shape[0]} rows")
+        return tensor[0]
+    return tensor
+
+
+def process_prompt(
+    processor: Any,
+    prompt: Any,
+    *,
+    image_token_id: int | None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> ImagePrompt:
+    """A prompt with images as token ids and :class:`ImageInputs` (see the module docstring).
+
+    Args:
+        processor: the engine's processor (needed for a chat; a processed mapping needs none).
+        prompt: a chat with image parts, or a processor's output for one request.
+        image_token_id: the model's image placeholder id (``config.image_token_id``), if it has one.
+        chat_template_kwargs: the chat template's variables.
+
+    Raises:
+        ValueError: an image that does not load, a processor that refuses the chat, no processor.
+        TypeError: a processed prompt without ``input_ids``.
+    """
+    import torch
+
+    if isinstance(prompt, ImagePrompt):
+        return prompt
+    hashes: list[bytes]
+    if isinstance(prompt, Mapping):
+        if "input_ids" not in prompt:
+            raise TypeError("a processed prompt (a BatchFeature or mapping) needs input_ids")
+        ids = torch.as_tensor(_one_request(torch.as_tensor(prompt["input_ids"]), "input_ids")).tolist()
+        tensors = {k: v for k, v in prompt.items() if k not in _TEXT_KEYS and v is not None}
+        hashes = [_tensor_hash(tensors)]
+    else:
+        if (
+            processor is None
+            or not hasattr(processor, "apply_chat_template")
+            or not hasattr(processor, "image_processor")
+        ):
+            raise ValueError(
+                "the prompt has images, but the engine has no processor: pass processor=... (the model's "
+                "AutoProcessor) to the engine, or submit the processor's output (input_ids, pixel_values, ...)"
+            )
+        messages, hashes = [], []
+        n = 0
+        for message in prompt:
+            content = message.get("content")
+            if isinstance(content, (str, bytes)) or not isinstance(content, Sequence):
+                messages.append(dict(message))
+                continue
+            parts = []
+            for part in content:
+                if isinstance(part, Mapping) and part.get("type") in ("image", "image_url"):
+                    src = (
+                        part.get("image", part.get("url", part.get("path")))
+                        if part["type"] == "image"
+                        else part.get("image_url")
+                    )
+                    image = load_image(src, f"image {n}")
+                    hashes.append(_image_hash(image))
+                    parts.append({"type": "image", "image": image})
+                    n += 1
+                else:
+                    parts.append(dict(part))
+            messages.append({**message, "content": parts})
+        kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
+        try:
+            out = processor.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_tensors="pt", **kwargs
+            )
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise ValueError(f"the processor refused this chat: {type(exc).__name__}: {exc}") from None
+        ids = _one_request(torch.as_tensor(out["input_ids"]), "input_ids").tolist()
+        tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and v is not None}
+        if not hashes:  # (a chat without image parts: text only)
+            return ImagePrompt(ids, None, prompt)
+    placeholders = [i for i, t in enumerate(ids) if t == image_token_id] if image_token_id is not None else []
+    images = ImageInputs(
+        tensors={k: torch.as_tensor(v) if not isinstance(v, torch.Tensor) else v for k, v in tensors.items()},
+        hashes=tuple(hashes),
+        first=placeholders[0] if placeholders else 0,
+        num_image_tokens=len(placeholders),
+    )
+    return ImagePrompt(ids, images, prompt)
+
+
+def image_token_id(config: Any) -> int | None:
+    """The model's image placeholder token id, from its config (``image_token_id`` or
+    ``image_token_index``), or None."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None

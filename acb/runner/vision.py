@@ -1,0 +1,219 @@
+"""The model's own vision code inside engine steps: image embeddings, cached by content.
+
+A vision-language model's forward embeds the prompt's tokens, runs its vision encoder on the
+pixels, puts the image features where the image placeholder tokens are (each model has its own
+way: newline tokens between rows, tiles, scaling...), computes its positions (Qwen's multimodal
+RoPE: three rows of positions, from the image layout) and hands ``inputs_embeds`` and
+``position_ids`` to its language model. acb runs exactly that code, once per request, and stops it
+at the language model: :meth:`ImageEmbedder.capture` calls the whole model on the request's
+prompt and images with the language model's forward replaced by one that records its arguments
+and raises. What it keeps (an :class:`Embedded`):
+
+* the rows of ``inputs_embeds`` that differ from the plain token embeddings (the image
+  features, wherever the model put them), with their prompt positions;
+* the language model's ``position_ids`` when they have more than one row (M-RoPE), and the
+  offset of the positions after the prompt (``rope_deltas``: a generated token at index ``t``
+  has position ``t + delta`` in every row, as the model's own decode computes it).
+
+A step whose tokens include a request with images then runs the model on ``inputs_embeds``: the
+token embeddings of the flattened batch, with each such request's rows for the positions this
+step prefills put back (a chunk boundary may cut an image's tokens anywhere), and, for M-RoPE
+models, its positions. Entries are keyed by the request's images and tokens; they stay while a
+row uses them and, after, in a byte-bounded LRU, so that a recompute after a preemption, or the
+same images again, does not run the vision encoder again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from acb.core.messages import SchedulerOutput
+    from acb.core.request import Request
+
+__all__ = ["Embedded", "ImageEmbedder", "takes_images"]
+
+
+def takes_images(model: Any) -> bool:
+    """A vision-language model: an image placeholder token and a vision sub-config."""
+    from acb.images import image_token_id
+
+    config = model.config
+    return image_token_id(config) is not None and getattr(config, "vision_config", None) is not None
+
+
+class _Captured(Exception):
+    """Raised by the language model's stand-in once it has recorded its arguments."""
+
+
+@dataclass
+class Embedded:
+    """What the model's own code made of one request's prompt and images (see the module docstring)."""
+
+    positions: torch.Tensor  # [K] long (device): prompt positions whose embedding is not the token's
+    rows: torch.Tensor  # [K, D] (device): the embeddings there
+    prompt_len: int
+    mrope: torch.Tensor | None  # [R, L] long (device): the language model's position ids, or None
+    delta: int  # positions after the prompt: index + delta
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes + self.positions.nbytes + (self.mrope.nbytes if self.mrope is not None else 0))
+
+
+class ImageEmbedder:
+    """Runs the model's own vision code for the requests of a step (see the module docstring)."""
+
+    def __init__(self, model: Any, max_bytes: int) -> None:
+        self.model = model
+        self.embed = model.get_input_embeddings()
+        self.decoder = model.get_decoder()
+        self.device = next(model.parameters()).device
+        self.max_bytes = max_bytes
+        self._used: dict[bytes, Embedded] = {}  # entries a row holds
+        self._rows: dict[int, bytes] = {}  # row -> its entry's key
+        self._free: OrderedDict[bytes, Embedded] = OrderedDict()  # entries no row holds (LRU)
+        self._free_bytes = 0
+        self.mrope = False  # the model's positions have several rows (found at the first capture)
+        self.encoder_s = 0.0  # seconds in the model's own vision code (figures)
+        self.captures = 0
+        self._lock = threading.Lock()
+
+    # lifecycle ---------------------------------------------------------------
+    def release(self, row: int) -> None:
+        """The row's request is gone (finished, preempted, freed): its entry becomes reusable."""
+        key = self._rows.pop(row, None)
+        if key is None or key in self._rows.values():
+            return
+        entry = self._used.pop(key, None)
+        if entry is None:
+            return
+        self._free[key] = entry
+        self._free_bytes += entry.nbytes
+        while self._free_bytes > self.max_bytes and self._free:
+            _, old = self._free.popitem(last=False)
+            self._free_bytes -= old.nbytes
+
+    def clear(self) -> None:
+        self._used.clear()
+        self._rows.clear()
+        self._free.clear()
+        self._free_bytes = 0
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._used.values()) + self._free_bytes
+
+    @staticmethod
+    def key(req: Request) -> bytes:
+        """The request's images and prompt tokens (computed once per request)."""
+        if req.images_key is None:
+            images = req.images
+            assert images is not None
+            h = hashlib.sha256(images.key)
+            h.update(repr(req.token_ids[: req.prompt_len]).encode())
+            req.images_key = h.digest()
+        return req.images_key
+
+    def entry(self, req: Request) -> Embedded:
+        """The request's embeddings: cached, or made now by the model's own code."""
+        key = self.key(req)
+        entry = self._used.get(key)
+        if entry is None:
+            entry = self._free.pop(key, None)
+            if entry is not None:
+                self._free_bytes -= entry.nbytes
+            else:
+                entry = self.capture(req)
+            self._used[key] = entry
+        self._rows[req.row] = key
+        return entry
+
+    # the model's own code ------------------------------------------------------
+    def capture(self, req: Request) -> Embedded:
+        """Run the model on the request's prompt and images up to its language model."""
+        import time
+
+        images = req.images
+        assert images is not None
+        t0 = time.perf_counter()
+        prompt = req.token_ids[: req.prompt_len]
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in images.tensors.items()}
+        seen: dict[str, Any] = {}
+
+        def stand_in(*args: Any, **kw: Any) -> Any:
+            seen.update(kw)
+            if args:
+                seen.setdefault("inputs_embeds", args[0] if args[0] is not None else None)
+            raise _Captured
+
+        decoder = self.decoder
+        with self._lock:
+            decoder.forward = stand_in
+            try:
+                self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kwargs)
+            except _Captured:
+                pass
+            finally:
+                del decoder.forward
+        embeds = seen.get("inputs_embeds")
+        if embeds is None:
+            raise RuntimeError(
+                f"{type(self.model).__name__} did not hand inputs_embeds to its language model "
+                f"({type(decoder).__name__}); acb cannot run its images"
+            )
+        embeds = embeds[0]  # [L, D]
+        plain = self.embed(ids)[0]
+        differ = (embeds != plain).any(-1).nonzero()[:, 0]
+        pos = seen.get("position_ids")
+        mrope, delta = None, 0
+        if isinstance(pos, torch.Tensor) and pos.dim() == 3:  # [R, 1, L]: multimodal rotary positions
+            mrope = pos[:, 0].to(torch.long)
+            delta = int(mrope[-1].max()) + 1 - len(prompt)
+        self.mrope = self.mrope or mrope is not None
+        self.encoder_s += time.perf_counter() - t0
+        self.captures += 1
+        return Embedded(differ, embeds[differ].clone(), len(prompt), mrope, delta)
+
+    # a step ------------------------------------------------------------------
+    def step_inputs(
+        self, sched: SchedulerOutput, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``inputs_embeds`` ``[1, T, D]`` and ``position_ids`` (``[1, T]``, or ``[R, 1, T]`` for
+        M-RoPE) for a step with image requests in it; None when it has none."""
+        with_images = [
+            i
+            for i, req in enumerate(sched.requests)
+            if req.images is not None and (self.mrope or sched.start_pos[i] < req.prompt_len)
+        ]
+        if not with_images:  # (decode rows of a model whose positions are the plain ones need nothing)
+            return None
+        starts = [0]
+        for n in sched.num_new:
+            starts.append(starts[-1] + n)
+        embeds = self.embed(input_ids)  # [1, T, D]
+        positions = position_ids
+        for i in with_images:
+            req, n, start = sched.requests[i], sched.num_new[i], sched.start_pos[i]
+            entry = self.entry(req)
+            off = starts[i]
+            if start < entry.prompt_len:  # this step prefills part of the prompt: its image rows
+                sel = (entry.positions >= start) & (entry.positions < start + n)
+                if bool(sel.any()):
+                    embeds[0, off + entry.positions[sel] - start] = entry.rows[sel].to(embeds.dtype)
+            if entry.mrope is not None:
+                if positions.dim() == 2:
+                    positions = positions[None].expand(entry.mrope.shape[0], -1, -1).clone()
+                end = min(start + n, entry.prompt_len)
+                if start < end:
+                    positions[:, 0, off : off + end - start] = entry.mrope[:, start:end]
+                after = max(start, entry.prompt_len)
+                if after < start + n:
+                    positions[:, 0, off + after - start : off + n] += entry.delta
+        return embeds, positions

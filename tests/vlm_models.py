@@ -1,0 +1,391 @@
+"""Tiny random vision-language models and their processors, built entirely in code (no downloads).
+
+For the tests of image inputs: :func:`tiny_vlm` gives, per architecture in :data:`ARCHS`, a model of the class
+``AutoModelForImageTextToText`` maps its type to, built with ``from_config`` from a tiny config that keeps the
+real config's structure (sub-configs, per-layer lists, every layer kind), and the model's own processor class
+built from its (PIL/numpy) image processor class, a byte-level tokenizer (:func:`acb.models.build_tokenizer`)
+plus the special tokens the model needs, and a small chat template that writes each image part as the model's
+own placeholder string. No video processor is built (transformers' video processors need torchvision).
+
+The weights are random: the text is meaningless, but the images do change the greedy tokens, so the tests can
+tell whether an image reached the model. :data:`FACTS` records, per architecture, what the installed
+transformers does with images (placeholder ids and counts, the processor outputs, attention and position
+quirks), found by reading its source and by running these models.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import numpy as np
+import torch
+
+from acb.models import build_tokenizer
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+    from transformers import PreTrainedTokenizerFast
+
+ARCHS: tuple[str, ...] = ("qwen3_vl", "qwen3_5", "gemma3", "llava_onevision", "idefics3", "internvl", "llava")
+
+IMAGE_SIZE = (64, 64)  # (width, height) of the test images
+INIT_RANGE = 0.2  # wide init: peaked logits, and image features as large as the token embeddings
+
+# the text model's shape, shared by every architecture (its own fields are added per architecture)
+_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=INIT_RANGE,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# a small vision tower (ViT-like ones; the Qwen towers name their fields differently)
+_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    initializer_range=INIT_RANGE,
+)
+
+
+def image(seed: int, size: tuple[int, int] = IMAGE_SIZE) -> Image:
+    """A random RGB image of ``size`` (width, height), the same for the same seed."""
+    from PIL import Image as PILImage
+
+    width, height = size
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return PILImage.fromarray(pixels, mode="RGB")
+
+
+def messages(images: list, text: str) -> list[dict]:
+    """One user chat message: the images (as ``image`` content parts), then the text."""
+    content: list[dict] = [{"type": "image", "image": img} for img in images]
+    content.append({"type": "text", "text": text})
+    return [{"role": "user", "content": content}]
+
+
+def _chat_template(image_placeholder: str) -> str:
+    """``role: content`` lines, text parts verbatim and each image part as ``image_placeholder``."""
+    return (
+        "{% for m in messages %}{{ m['role'] }}: "
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+        f"{{% if p['type'] == 'image' %}}{{{{ {image_placeholder!r} }}}}"
+        "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+
+
+def _tokenizer(named: dict[str, str], extra: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """:func:`acb.models.build_tokenizer`'s byte-level vocabulary plus special tokens: ``named`` ones become
+    tokenizer attributes (``tok.image_token``, ``tok.image_token_id``...), ``extra`` ones are just added."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = build_tokenizer()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        extra_special_tokens=dict(named),
+    )
+    if extra:
+        tok.add_tokens(list(extra), special_tokens=True)
+    return tok
+
+
+def _processor(cls: type, **kwargs: Any) -> Any:
+    """``cls(**kwargs)``, letting sub-processors be ``None`` (the video processor: without torchvision
+    transformers cannot even name its base class, so its type check fails)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self: Any, name: str, arg: Any) -> Any:
+        return None if arg is None else check(self, name, arg)
+
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lenient):
+        return cls(**kwargs)
+
+
+def _qwen_vl(arch: str) -> tuple[Any, Any]:
+    from transformers import AutoConfig, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(
+        {
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_start_token": "<|vision_start|>",
+            "vision_end_token": "<|vision_end|>",
+        }
+    )
+    patch, merge = 8, 2
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=patch,
+        temporal_patch_size=2,
+        spatial_merge_size=merge,
+        out_hidden_size=_TEXT["hidden_size"],
+        num_position_embeddings=64,  # an 8x8 grid of learned positions, interpolated to each image's grid
+        initializer_range=INIT_RANGE,
+    )
+    text = dict(_TEXT, vocab_size=len(tok))
+    if arch == "qwen3_vl":
+        vision["deepstack_visual_indexes"] = [0]
+        # head_dim 16: 8 rotary frequencies, interleaved T/H/W as [24, 20, 20] are for 64
+        text.update(head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[4, 2, 2]))
+        text["rope_parameters"]["mrope_interleaved"] = True
+    else:
+        # Qwen3.5: gated-delta-rule (linear attention) and full-attention layers; partial rotary (1/4 of head_dim)
+        text.update(
+            head_dim=32,
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=1e7,
+                partial_rotary_factor=0.25,
+                mrope_section=[2, 1, 1],
+                mrope_interleaved=True,
+            ),
+        )
+    config = AutoConfig.for_model(
+        arch,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tok.image_token_id,
+        video_token_id=tok.video_token_id,
+        vision_start_token_id=tok.vision_start_token_id,
+        vision_end_token_id=tok.vision_end_token_id,
+    )
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=patch,
+        temporal_patch_size=2,
+        merge_size=merge,
+        min_pixels=(2 * patch * merge) ** 2,
+        max_pixels=(8 * patch * merge) ** 2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    processor = _processor(
+        Qwen3VLProcessor,
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=_chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+    )
+    return config, processor
+
+
+def _gemma3() -> tuple[Any, Any]:
+    from transformers import Gemma3Config, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = _tokenizer(
+        {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    )
+    image_size, patch, tokens_per_image = 32, 4, 16  # 8x8 patches, average-pooled to 4x4
+    config = Gemma3Config(
+        text_config=dict(
+            _TEXT,
+            vocab_size=len(tok),
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        vision_config=dict(_VISION, image_size=image_size, patch_size=patch),
+        mm_tokens_per_image=tokens_per_image,
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,  # tied, a random model mostly repeats its last token
+    )
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=_chat_template("<start_of_image>"),
+        image_seq_length=tokens_per_image,
+    )
+    return config, processor
+
+
+def _llava_onevision() -> tuple[Any, Any]:
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionProcessor
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    tok = _tokenizer({"image_token": "<image>", "video_token": "<video>"})
+    tile, patch = 24, 8  # a 3x3 grid of patches per tile
+    pinpoints = [[tile, tile], [tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
+    config = LlavaOnevisionConfig(
+        text_config=dict(_TEXT, model_type="qwen2", vocab_size=len(tok)),
+        vision_config=dict(_VISION, model_type="siglip_vision_model", image_size=tile, patch_size=patch),
+        image_token_index=tok.image_token_id,
+        video_token_index=tok.video_token_id,
+        image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+    )
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints
+    )
+    processor = _processor(
+        LlavaOnevisionProcessor,
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=None,
+        num_image_tokens=(tile // patch) ** 2,
+        vision_feature_select_strategy="full",
+        chat_template=_chat_template("<image>"),
+    )
+    return config, processor
+
+
+def _llava() -> tuple[Any, Any]:
+    from transformers import LlavaConfig, LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tok = _tokenizer({"image_token": "<image>"})
+    image_size, patch = 32, 8  # 16 patches (+ CLS, dropped by the "default" feature strategy)
+    config = LlavaConfig(
+        text_config=dict(_TEXT, model_type="llama", vocab_size=len(tok)),
+        vision_config=dict(
+            _VISION, model_type="clip_vision_model", image_size=image_size, patch_size=patch, projection_dim=32
+        ),
+        image_token_index=tok.image_token_id,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+    )
+    image_processor = LlavaImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=_chat_template("<image>"),
+    )
+    return config, processor
+
+
+def _idefics3() -> tuple[Any, Any]:
+    from transformers import Idefics3Config, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    row_col = tuple(f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6))
+    tok = _tokenizer(
+        {"image_token": "<image>"},
+        extra=("<fake_token_around_image>", "<end_of_utterance>", "<global-img>", *row_col),
+    )
+    tile, patch, scale = 32, 8, 2  # 4x4 patches per tile, pixel-shuffled to 2x2 = 4 tokens
+    config = Idefics3Config(
+        text_config=dict(_TEXT, model_type="llama", vocab_size=len(tok)),
+        vision_config=dict(_VISION, image_size=tile, patch_size=patch),
+        image_token_id=tok.image_token_id,
+        scale_factor=scale,
+    )
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile}, do_image_splitting=True
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        image_seq_len=(tile // patch) ** 2 // scale**2,
+        chat_template=_chat_template("<image>"),
+    )
+    return config, processor
+
+
+def _internvl() -> tuple[Any, Any]:
+    from transformers import InternVLConfig, InternVLProcessor
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    tok = _tokenizer(
+        {
+            "start_image_token": "<img>",
+            "end_image_token": "</img>",
+            "context_image_token": "<IMG_CONTEXT>",
+            "video_token": "<video>",
+        }
+    )
+    tile, patch = 32, 8  # 4x4 patches per tile, pixel-shuffled (downsample 0.5) to 2x2 = 4 tokens
+    tokens_per_tile = (tile // patch) ** 2 // 4
+    config = InternVLConfig(
+        text_config=dict(_TEXT, model_type="qwen2", vocab_size=len(tok)),
+        vision_config=dict(_VISION, image_size=[tile, tile], patch_size=[patch, patch]),
+        image_token_id=tok.context_image_token_id,
+        image_seq_length=tokens_per_tile,
+        downsample_ratio=0.5,
+    )
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": tile, "width": tile}, crop_to_patches=True, min_patches=1, max_patches=4
+    )
+    processor = _processor(
+        InternVLProcessor,
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=None,
+        image_seq_length=tokens_per_tile,
+        chat_template=_chat_template("<IMG_CONTEXT>\n"),
+    )
+    return config, processor
+
+
+_BUILDERS = {
+    "qwen3_vl": functools.partial(_qwen_vl, "qwen3_vl"),
+    "qwen3_5": functools.partial(_qwen_vl, "qwen3_5"),
+    "gemma3": _gemma3,
+    "llava_onevision": _llava_onevision,
+    "idefics3": _idefics3,
+    "internvl": _internvl,
+    "llava": _llava,
+}
+
+
+@functools.cache
+def tiny_vlm(arch: str) -> tuple[torch.nn.Module, Any]:
+    """A tiny random ``arch`` vision-language model (float32, eval mode) and its processor.
+
+    Cached: every caller shares the same pair, so don't change them.
+    """
+    from transformers import AutoModelForImageTextToText
+
+    if arch not in _BUILDERS:
+        raise ValueError(f"unknown tiny VLM architecture {arch!r}; choose from {ARCHS}")
+    config, processor = _BUILDERS[arch]()
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    if arch == "gemma3":
+        # Gemma 3 initializes its image projection to zeros, which would blank every image out
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=INIT_RANGE)
+    gen = model.generation_config
+    gen.do_sample = False
+    gen.eos_token_id = None
+    gen.pad_token_id = 0
+    return model.eval(), processor
+
+
+FACTS: dict[str, dict] = {}
