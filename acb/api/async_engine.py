@@ -13,6 +13,7 @@ from acb.api.loops import await_future, current_loop
 from acb.api.processor import Submission
 from acb.api.sinks import AsyncSink
 from acb.errors import InvalidRequestError, QueueFullError, RequestFailedError
+from acb.images import ImagePrompt, has_images
 from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import SamplingParams, with_overrides
 
@@ -128,6 +129,8 @@ class AsyncEngine(EngineBase):
         sampling = with_overrides("submit", sampling, sampling_kwargs)
         if sampling is not None and sampling.structured_outputs is not None and self.is_running:
             await self.compile_structured_outputs(sampling.structured_outputs)  # (make_request finds it cached)
+        if has_images(prompt_ids) and not isinstance(prompt_ids, ImagePrompt):  # decoded and processed off the loop
+            prompt_ids = await anyio.to_thread.run_sync(self.processor.process_images, prompt_ids, chat_template_kwargs)
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
         try:
             await self.gate.acquire()

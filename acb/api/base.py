@@ -59,6 +59,7 @@ class EngineBase:
         generation_config: GenerationConfig | None = None,
         *,
         tokenizer: TokenizerLike | None = None,
+        processor: TokenizerLike | None = None,
         runner_cls: type[ModelRunner] | None = None,
     ) -> None:
         config = as_config(config)  # the one entry point: None, acb's, or a transformers instance
@@ -67,7 +68,9 @@ class EngineBase:
         self.cb_config = config  # acb's form of what was given; ``config`` is what it resolves to here
         if generation_config is None:
             generation_config = getattr(model, "generation_config", None)
-        self.tokenizer = tokenizer
+        # a vision-language model's processor (its AutoProcessor: chat template, image processor
+        # and tokenizer) stands where a tokenizer does: text is its tokenizer's, images its own
+        self.tokenizer = processor if processor is not None else tokenizer
         # the model's name in telemetry (gen_ai.request.model); acb serve sets the served name
         self.model_name: str = getattr(model.config, "name_or_path", "") or model.config.model_type or "model"
         self.set_generation_config(generation_config)
@@ -231,7 +234,9 @@ class EngineBase:
     ) -> Self:
         """An engine (not started) for a checkpoint: the model, its tokenizer and its generation
         config, loaded by transformers from a local directory or a hub id. ``device``: where the
-        model goes (``"cuda"``, ``"cpu"``...); ``model_kwargs`` go to ``from_pretrained``.
+        model goes (``"cuda"``, ``"cpu"``...); ``model_kwargs`` go to ``from_pretrained``. A
+        vision-language checkpoint (one ``AutoModelForImageTextToText`` loads) comes with its
+        ``AutoProcessor`` in place of the tokenizer, so chats with images work.
 
         Raises:
             OSError: ``path`` is no checkpoint folder and the hub (or, with ``HF_HUB_OFFLINE=1``,
@@ -239,10 +244,18 @@ class EngineBase:
         """
         import os
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+        vision = False
         try:
-            model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+            cfg = AutoConfig.from_pretrained(path)
+            vision = cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and hasattr(cfg, "vision_config")
+        except (OSError, ValueError, KeyError):
+            pass  # (from_pretrained below says what is wrong)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        try:
+            model: PreTrainedModel = auto.from_pretrained(path, dtype=dtype, **model_kwargs)
         except OSError as exc:
             if os.path.isdir(path):
                 raise
@@ -256,7 +269,12 @@ class EngineBase:
             # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to): mypy sees it unbound
             model = model.to(device)  # type: ignore[arg-type]
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            if vision:  # its processor: the chat template, the image processor and the tokenizer
+                from transformers import AutoProcessor
+
+                tokenizer = AutoProcessor.from_pretrained(path)  # type: ignore[no-untyped-call]
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(path)
         model = model.eval()  # type: ignore[no-untyped-call]  # unannotated in transformers; returns the model
         return cls(model, config, getattr(model, "generation_config", None), tokenizer=tokenizer)
 

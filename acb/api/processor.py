@@ -363,12 +363,7 @@ class InputProcessor:
         images = None
         try:
             if has_images(prompt):
-                processed = process_prompt(
-                    self._engine.tokenizer,
-                    prompt,
-                    image_token_id=image_token_id(self._engine.model.config),
-                    chat_template_kwargs=chat_template_kwargs,
-                )
+                processed = self.process_images(prompt, chat_template_kwargs)
                 ids, images = list(processed), processed.images
             else:
                 ids = as_token_list(encode_prompt(self._engine.tokenizer, prompt, chat_template_kwargs))
@@ -384,6 +379,27 @@ class InputProcessor:
         if images is not None:
             self.check_images(images)
         return ids, images
+
+    def process_images(self, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None) -> ImagePrompt:
+        """A prompt with images processed (:func:`acb.images.process_prompt`): the CPU work of a
+        submit with images, which an async submit runs in a worker thread.
+
+        Raises:
+            InvalidRequestError: an image that does not load, a chat the processor refuses, no
+                processor (field ``prompt``).
+            InvalidRequestTypeError: a processed prompt without ``input_ids``.
+        """
+        try:
+            return process_prompt(
+                self._engine.tokenizer,
+                prompt,
+                image_token_id=image_token_id(self._engine.model.config),
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "prompt") from exc
+        except TypeError as exc:
+            raise InvalidRequestTypeError(str(exc), "prompt") from exc
 
     def check_images(self, images: ImageInputs) -> None:
         """Refuse images the engine cannot run, or whose embeddings can never fit its budget."""
@@ -627,6 +643,7 @@ class InputProcessor:
         sink_factory: Callable[[str], Any],
         request_id: str | None = None,
         cache_salt: str | None = None,
+        images: ImageInputs | None = None,
     ) -> Submission:
         """Validate one scoring group (planned by :func:`acb.api.scoring.plan`) and build its
         :class:`EngineRequest`, as :meth:`make_request` does for a generation: the context request
@@ -639,6 +656,7 @@ class InputProcessor:
             sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
             request_id: its id (default ``score_<n>``, as :meth:`make_request` makes them).
             cache_salt: keeps its prefix-cache entries apart from other salts'.
+            images: the context's images, processed (:mod:`acb.images`).
 
         Returns:
             The :class:`Submission`.
@@ -656,6 +674,8 @@ class InputProcessor:
         # nothing is sampled: the raw logprobs of the scored positions only
         params = replace(FALLBACK, prompt_logprobs=max(top_logprobs, 1), logprobs_mode="raw")
         check_logprobs(params, vocab)
+        if images is not None:
+            self.check_images(images)
         return self._build(
             core,
             list(head.prompt_ids),
@@ -670,6 +690,7 @@ class InputProcessor:
             False,
             cache_salt,
             group,
+            images,
         )
 
     def _build(

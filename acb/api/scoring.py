@@ -42,6 +42,7 @@ from typing import Any
 from acb.api.processor import InputProcessor, Submission, as_token_list
 from acb.core.messages import ScoreTarget
 from acb.errors import InvalidRequestError, InvalidRequestTypeError, prefixed
+from acb.images import ImageInputs, has_images
 from acb.outputs import ContinuationScore, GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import MAX_LOGPROBS
 
@@ -333,19 +334,36 @@ def make_requests(
     """
     core = processor.live_core()
     cfg = core.runner.cfg
+    # contexts with images: processed first (acb.images); their groups carry the images
+    images: list[ImageInputs | None] = []
+    processed = []
+    for i, item in enumerate(items):
+        context = item[0] if isinstance(item, Sequence) and len(item) == 2 else None
+        if context is not None and has_images(context):
+            try:
+                context = processor.process_images(context)
+            except (ValueError, TypeError) as exc:
+                raise prefixed(exc, f"items[{i}]") from None
+            processed.append((context, item[1]))
+            images.append(context.images)
+        else:
+            processed.append(item)
+            images.append(None)
     # a model that prefills whole (its state layers cannot resume a prefill) cannot fork a child
     # from its context's state mid-prompt either: each body is then a request of its own
-    plans = plan_batch(items, top_logprobs, processor.tokenizer, 1 if cfg.whole_prefill else cfg.max_requests_per_batch)
+    plans = plan_batch(
+        processed, top_logprobs, processor.tokenizer, 1 if cfg.whole_prefill else cfg.max_requests_per_batch
+    )
     given = batch_ids(request_ids, len(plans))
     order = ordered_groups(plans, given)
 
-    def maker(rid: str | None, group: list[Member]) -> Callable[[], Submission]:
+    def maker(rid: str | None, group: list[Member], pictures: ImageInputs | None) -> Callable[[], Submission]:
         targets = [m.target for m in group]
         return lambda: processor.make_score_request(
-            targets, top_logprobs, sink_factory=sink_factory, request_id=rid, cache_salt=cache_salt
+            targets, top_logprobs, sink_factory=sink_factory, request_id=rid, cache_salt=cache_salt, images=pictures
         )
 
-    reqs = processor.make_all("items", ((i, maker(rid, group)) for i, _, rid, group in order))
+    reqs = processor.make_all("items", ((i, maker(rid, group, images[i])) for i, _, rid, group in order))
     engine_ids: list[list[str]] = [[""] * len(gs) for _, _, gs in plans]
     for (i, j, _, _), req in zip(order, reqs):
         engine_ids[i][j] = req.request_id
