@@ -107,7 +107,7 @@ def has_images(prompt: Any) -> bool:
     return bool(image_parts(prompt))
 
 
-def load_image(source: Any, what: str = "image") -> Any:
+def load_image(source: Any, what: str = "image", max_pixels: int = MAX_PIXELS) -> Any:
     """A PIL image (RGB) from a PIL image, a local path, bytes, or a ``data:`` URL.
 
     Raises:
@@ -142,11 +142,11 @@ def load_image(source: Any, what: str = "image") -> Any:
                 raise ValueError(
                     f"{what}: expected a PIL image, a path, bytes or a data URL, got {type(source).__name__}"
                 )
-            check_pixels(image.size, what)
+            check_pixels(image.size, what, max_pixels)
             image.load()
         except (OSError, Image.DecompressionBombError) as exc:  # PIL.UnidentifiedImageError is an OSError
             raise ValueError(f"{what}: cannot decode the image ({type(exc).__name__}: {exc})") from None
-    check_pixels(image.size, what)
+    check_pixels(image.size, what, max_pixels)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

@@ -207,7 +207,7 @@ def _gemma3() -> tuple[Any, Any]:
             vocab_size=len(tok),
             head_dim=16,
             query_pre_attn_scalar=16,
-            sliding_window=24,
+            sliding_window=32,  # twice an image: the real ratio is 1024 to 256
             layer_types=["sliding_attention", "full_attention"],
         ),
         vision_config=dict(_VISION, image_size=image_size, patch_size=patch),
@@ -377,10 +377,16 @@ def tiny_vlm(arch: str) -> tuple[torch.nn.Module, Any]:
     config, processor = _BUILDERS[arch]()
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    if arch == "gemma3":
-        # Gemma 3 initializes its image projection to zeros, which would blank every image out
-        with torch.no_grad():
-            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=INIT_RANGE)
+    with torch.no_grad():
+        if arch == "gemma3":
+            # Gemma 3 initializes its image projection to zeros, which would blank every image out
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=1.0)
+        if arch == "qwen3_5":
+            # the gated delta rule's decay rates init in [0.01, 16]: most heads forget the image within a token
+            for layer in model.model.language_model.layers:
+                if layer.block_type == "linear_attention":
+                    a_log = layer.linear_attn.A_log
+                    a_log.copy_(torch.empty_like(a_log).uniform_(0.01, 0.1).log())
     gen = model.generation_config
     gen.do_sample = False
     gen.eos_token_id = None

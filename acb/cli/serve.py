@@ -92,6 +92,32 @@ def _add_serve(sub: Any) -> None:
         default=None,
         help="return the model's <think>...</think> text as reasoning_content (streamed too)",
     )
+    media = p.add_argument_group("images (vision-language models)")
+    media.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=(),
+        metavar="DOMAIN",
+        help="domains (and their subdomains) whose http(s) image URLs the server fetches; by default "
+        "none: images must come as data: URLs",
+    )
+    media.add_argument(
+        "--max-image-bytes", type=int, default=20 << 20, metavar="N", help="largest image, in bytes (default: 20 MiB)"
+    )
+    media.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=6000 * 6000,
+        metavar="N",
+        help="largest image, in pixels (width x height; default: 36M)",
+    )
+    media.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an image URL's fetch may take (default: 5)",
+    )
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument(
         "--max-queue-size",
@@ -230,6 +256,10 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         grace_period=args.grace_period,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        allowed_media_domains=tuple(args.allowed_media_domains),
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        media_fetch_timeout=args.media_fetch_timeout,
     )
     return ServerSettings(
         model=source,

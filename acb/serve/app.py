@@ -28,7 +28,7 @@ A client of the library like any user's code: it only calls the engine's public 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +40,13 @@ from fastapi.responses import PlainTextResponse, Response
 import acb
 from acb.serve import responses, shaping
 from acb.serve.formatting import CompletionOutput
+from acb.serve.media import (
+    DEFAULT_FETCH_TIMEOUT,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    MediaPolicy,
+    content_parts,
+)
 from acb.serve.pipeline import (
     Job,
     Prompts,
@@ -75,6 +82,12 @@ class AppOptions:
     render_threads: int = DEFAULT_RENDER_THREADS
     tool_call_parser: str | None = None  # acb.serve.tool_parsers.TOOL_PARSERS: tool_choice "auto"
     reasoning_parser: str | None = None  # acb.serve.reasoning.REASONING_PARSERS: reasoning_content
+    # images in requests (acb.serve.media): domains whose http(s) image URLs are fetched (none:
+    # data URLs only), the largest image in bytes and in pixels, seconds a fetch may take
+    allowed_media_domains: tuple[str, ...] = ()
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    media_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
 
 
 def build_app(
@@ -92,6 +105,10 @@ def build_app(
     render_threads: int | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    allowed_media_domains: Sequence[str] | None = None,
+    max_image_bytes: int | None = None,
+    max_image_pixels: int | None = None,
+    media_fetch_timeout: float | None = None,
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
     when the app starts (``/health`` says when it is ready) and stopped when it stops.
@@ -107,7 +124,11 @@ def build_app(
     ``render_threads``: how many run at once. ``tool_call_parser`` (``hermes``, ``llama3_json``):
     how ``tool_choice="auto"`` finds tool calls in the model's text (without one, ``auto`` is
     refused). ``reasoning_parser`` (``deepseek_r1``, ``qwen3``): the model's ``<think>`` text is
-    returned as ``reasoning_content``. Arguments not given take :class:`AppOptions`' defaults."""
+    returned as ``reasoning_content``. ``allowed_media_domains``: the domains whose ``http(s)``
+    image URLs the server fetches (by default none: images come as ``data:`` URLs), within
+    ``media_fetch_timeout`` seconds; an image has at most ``max_image_bytes`` bytes and
+    ``max_image_pixels`` pixels (:mod:`acb.serve.media`). Arguments not given take
+    :class:`AppOptions`' defaults."""
     given: dict[str, Any] = {
         "trust_request_chat_template": trust_request_chat_template,
         "max_prompts_per_request": max_prompts_per_request,
@@ -116,6 +137,10 @@ def build_app(
         "render_threads": render_threads,
         "tool_call_parser": tool_call_parser,
         "reasoning_parser": reasoning_parser,
+        "allowed_media_domains": None if allowed_media_domains is None else tuple(allowed_media_domains),
+        "max_image_bytes": max_image_bytes,
+        "max_image_pixels": max_image_pixels,
+        "media_fetch_timeout": media_fetch_timeout,
     }
     options = replace(AppOptions(), **{k: v for k, v in given.items() if v is not None})
     shaping.check_parsers(options.tool_call_parser, options.reasoning_parser)
@@ -135,6 +160,12 @@ def build_app(
         render_timeout=options.render_timeout,
         tool_call_parser=options.tool_call_parser,
         reasoning_parser=options.reasoning_parser,
+        media=MediaPolicy(
+            options.allowed_media_domains,
+            options.max_image_bytes,
+            options.max_image_pixels,
+            options.media_fetch_timeout,
+        ),
     )
     engine.model_name = model_name  # the name in the engine's spans and metrics
 
@@ -211,7 +242,12 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         plan.constraint,
     )
     messages = [
-        shaping.history_message(m.model_dump(), m.text(), f"messages[{i}]") for i, m in enumerate(body.messages)
+        shaping.history_message(
+            m.model_dump(),
+            content_parts(m.content, f"messages[{i}]", "messages", ("text",), ("image_url",)),
+            f"messages[{i}]",
+        )
+        for i, m in enumerate(body.messages)
     ]
     sampling = body.sampling(body.max_new_tokens(), body.logprobs_k(), None if constraint is None else constraint.spec)
     tokenizer, parser = state.tokenizer, state.reasoning_parser
@@ -231,7 +267,7 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
     return Job(
         sampling,
         body.stream,
-        render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None),
+        render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None, state, "messages"),
         output=output,
         constraint=constraint,
         params={

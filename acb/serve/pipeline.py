@@ -32,6 +32,7 @@ import acb
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus, StreamDelta
 from acb.serve.formatting import TokenTexts
+from acb.serve.media import MediaPolicy, has_image_parts, load_images
 from acb.serve.protocol import (
     ENGINE_PARAMS,
     APIError,
@@ -89,6 +90,7 @@ class ServerState:
         render_timeout: seconds a request's rendering may take.
         tool_call_parser: how ``tool_choice="auto"`` finds calls in the model's text.
         reasoning_parser: how the model's reasoning is told from its answer.
+        media: the limits of a request's images (allowed domains, bytes, pixels, fetch time).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class ServerState:
         render_timeout: float,
         tool_call_parser: str | None,
         reasoning_parser: str | None,
+        media: MediaPolicy | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -118,6 +121,7 @@ class ServerState:
         self.max_prompts_per_request = max_prompts_per_request
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self.media = media or MediaPolicy()  # what a request's images may be (acb.serve.media)
         self.ready = False
         self.stopped = False
         self.created = int(time.time())
@@ -186,7 +190,12 @@ class Job:
 
 
 def render_messages(
-    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, with_tail: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any] | None,
+    with_tail: bool,
+    state: ServerState | None = None,
+    param: str = "messages",
 ) -> Prompts:
     """A chat's prompt, rendered by the chat template (a render pool job). Any failure of the
     template is the request's (400): the template refused the chat (``raise_exception``) or broke
@@ -202,8 +211,11 @@ def render_messages(
         The rendered chat as the one prompt.
 
     Raises:
-        APIError: 400 for a chat the template refused or failed on.
+        APIError: 400 for a chat the template refused or failed on, or an image refused.
     """
+    if has_image_parts(messages):  # (state: the server's, which a chat with images needs)
+        assert state is not None
+        return render_images(state, messages, kwargs, with_tail, param)
     try:
         ids = render_chat(tokenizer, messages, kwargs)
     except ValueError as exc:
@@ -214,6 +226,32 @@ def render_messages(
         ) from None
     tail = str(text_tokenizer(tokenizer).decode(ids[-64:])) if with_tail else ""
     return Prompts([RenderedChat(messages, ids)], tail)
+
+
+def render_images(
+    state: ServerState, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, with_tail: bool, param: str
+) -> Prompts:
+    """A chat with images (a render pool job): each image fetched or decoded within the server's
+    limits (:mod:`acb.serve.media`), then the chat rendered and the images processed by the
+    engine's processor, as one :class:`acb.images.ImagePrompt`.
+
+    Raises:
+        APIError: 400 for a model without images, an image refused or undecodable (naming its
+            part), or a chat the processor refused.
+    """
+    engine = state.engine
+    runner = engine.runner
+    why = runner.images_refused() if runner is not None else "the engine is not started"
+    if why:
+        raise APIError(400, f"the served model cannot take images: {why}", param=param)
+    chat = load_images(messages, state.media, param)
+    try:
+        prompt = engine.processor.process_images(chat, kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), param=param) from None
+    tok = text_tokenizer(engine.tokenizer)
+    tail = str(tok.decode(prompt[-64:])) if with_tail and tok is not None else ""
+    return Prompts([prompt], tail)
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[str | list[int]]) -> Prompts:

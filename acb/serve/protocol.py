@@ -102,21 +102,6 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        """The message's text; content parts must be text (acb serves text-only models)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        pieces = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(
-                    400, f"only text content parts are supported, got type {part.get('type')!r}", param="messages"
-                )
-            pieces.append(part["text"])
-        return "".join(pieces)
-
 
 class RequestBody(BaseModel):
     """What the body of every generating route has (:func:`acb.serve.pipeline.parse` reads it):

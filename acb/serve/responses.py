@@ -61,6 +61,7 @@ import acb
 from acb.outputs import GenerationOutput, StreamDelta
 from acb.serve import shaping
 from acb.serve.formatting import finish_reason, samples, usage
+from acb.serve.media import content_parts
 from acb.serve.pipeline import Job, Prompts, ServerState, render_messages, serve
 from acb.serve.protocol import APIError, RequestBody, request_param
 from acb.serve.reasoning import REASONING_PARSERS
@@ -169,8 +170,7 @@ def _text_of(content: Any, where: str) -> str:
         if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
             raise APIError(
                 400,
-                f"{where}.content[{j}]: only input_text and output_text parts are supported "
-                f"(acb serves text-only models), got type {kind!r}",
+                f"{where}.content[{j}]: only input_text and output_text parts are supported here, got type {kind!r}",
                 param="input",
             )
         pieces.append(part["text"])
@@ -205,7 +205,10 @@ def input_messages(instructions: str | None, items: str | Sequence[Mapping[str, 
                 raise APIError(
                     400, f"{where}.role must be user, system, developer or assistant, got {role!r}", param="input"
                 )
-            chat.append({"role": role, "content": _text_of(item.get("content"), where)})
+            content = content_parts(
+                item.get("content"), where, "input", ("input_text", "output_text"), ("input_image",)
+            )
+            chat.append({"role": role, "content": content})
         elif kind == "function_call":
             call_id, name = _required_str(item, "call_id", where), _required_str(item, "name", where)
             args = shaping.call_arguments(_required_str(item, "arguments", where), f"{where}.arguments", "input")
@@ -453,7 +456,7 @@ def _job(state: ServerState, body: ResponsesRequest) -> Job:
     return Job(
         sampling,
         body.stream,
-        render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None),
+        render=lambda: render_messages(tokenizer, messages, kwargs, parser is not None, state, "input"),
         output=output,
         constraint=constraint,
         params={

@@ -390,7 +390,7 @@ def call_arguments(args: Any, where: str, param: str) -> dict[str, Any] | None:
 
 
 def history_message(
-    message: Mapping[str, Any], text: str, where: str = "messages", param: str = "messages"
+    message: Mapping[str, Any], text: str | list[dict[str, Any]], where: str = "messages", param: str = "messages"
 ) -> dict[str, Any]:
     """A chat message of the history as chat templates take it: an assistant's ``tool_calls``
     with their arguments as objects (JSON text from the client is parsed), a tool result's
