@@ -84,6 +84,8 @@ class ModelSource:
         from transformers import AutoTokenizer
 
         try:
+            if vision_checkpoint(self.path):  # its processor: chat template, image processor, tokenizer
+                return load_processor(self.path, local_files_only=True)
             return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         except Exception as exc:  # a checkpoint without a tokenizer can still run prompt_ids
             print(
@@ -123,14 +125,70 @@ class ModelSource:
             bars_were_on = hf_logging.is_progress_bar_enabled()
             if not self.progress:
                 hf_logging.disable_progress_bar()
+            auto: Any = AutoModelForCausalLM
+            if vision_checkpoint(self.path):
+                from transformers import AutoModelForImageTextToText as auto
             try:
-                model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, local_files_only=True)
+                model = auto.from_pretrained(self.path, dtype=dtype, local_files_only=True)
             except Exception as exc:
                 raise ValueError(f"--model: cannot load {self.path}: {type(exc).__name__}: {exc}") from None
             finally:
                 if bars_were_on:
                     hf_logging.enable_progress_bar()
         return model.to(device).eval()
+
+
+def vision_checkpoint(path: str, **kwargs: Any) -> bool:
+    """A vision-language checkpoint: a model type ``AutoModelForImageTextToText`` loads, with a
+    vision config (loaded with it, and with its processor, so that requests may carry images)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    try:
+        cfg = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError):
+        return False  # (loading the model says what is wrong)
+    return (
+        cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(cfg, "vision_config", None) is not None
+    )
+
+
+def load_processor(path: str, **kwargs: Any) -> Any:
+    """A vision-language checkpoint's processor (``AutoProcessor``). Without torchvision, a
+    processor that also has a video processor (Qwen-VL's, LLaVA-OneVision's, InternVL's) is built
+    without it: acb takes images, not videos, and never needs torchvision."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, **kwargs)
+    except (ImportError, ValueError, OSError, TypeError) as exc:
+        first = exc
+    import json
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    cls_name = None
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            from transformers.utils import cached_file
+
+            file = cached_file(path, name, **kwargs)
+            if file:
+                with open(file) as f:
+                    cls_name = json.load(f).get("processor_class") or cls_name
+        except (OSError, ValueError):
+            continue
+    if cls_name is None:
+        raise first
+    cls = processor_class_from_name(cls_name)
+    parts: dict[str, Any] = {
+        "image_processor": AutoImageProcessor.from_pretrained(path, use_fast=False, **kwargs),
+        "tokenizer": AutoTokenizer.from_pretrained(path, **kwargs),
+    }
+    if "video_processor" in getattr(cls, "get_attributes", lambda: [])():
+        parts["video_processor"] = None
+    return cls(**parts)
 
 
 def under_torchrun() -> bool:

@@ -394,4 +394,189 @@ def tiny_vlm(arch: str) -> tuple[torch.nn.Module, Any]:
     return model.eval(), processor
 
 
-FACTS: dict[str, dict] = {}
+# What the installed transformers (5.23) does with images, per architecture: read from its source
+# (transformers/models/<arch>/) and checked on these models. Counts are for an IMAGE_SIZE (64x64) image.
+_MROPE_NOTE = (
+    "yes: M-RoPE. generate's _prepare_position_ids_for_generation calls model.model.get_rope_index(input_ids, "
+    "mm_token_type_ids, image_grid_thw, attention_mask) and hands the language model position_ids of shape "
+    "(4, batch, seq): row 0 the plain text positions 0..seq-1 (used for the causal mask), rows 1-3 the T/H/W "
+    "rotary positions (an image's tokens all get T=start, H=start+row, W=start+col over the merged grid; the text "
+    "after it resumes at start+max(h, w)); the rope deltas (max position + 1 - seq len, shape (batch, 1), -12 "
+    "for one 64x64 image) are cached on model.model.rope_deltas and each decode step gets rows 1-3 = text "
+    "position + rope_deltas. Without position_ids, the forward computes them itself (compute_3d_position_ids) "
+    "and raises if pixel inputs come without mm_token_type_ids. The text rotary embedding interleaves the T/H/W "
+    "frequencies by mrope_section (rope_parameters)."
+)
+FACTS: dict[str, dict] = {
+    "qwen3_vl": dict(
+        model_class="Qwen3VLForConditionalGeneration",
+        processor_class="Qwen3VLProcessor (video_processor=None)",
+        image_processor_class="Qwen2VLImageProcessorPil",
+        image_token="<|image_pad|>",
+        image_token_id=259,
+        placeholder="<|vision_start|><|image_pad|><|vision_end|> (the processor repeats <|image_pad|>)",
+        image_tokens=16,
+        image_tokens_40x56=8,
+        image_tokens_rule="image_grid_thw.prod() // merge_size**2: patches of 8 px, 2x2 merged; the image is "
+        "resized to multiples of 16 px (smart_resize) within [min_pixels, max_pixels]",
+        processor_outputs="input_ids, attention_mask, mm_token_type_ids (0 text, 1 image), pixel_values "
+        "(all images' patches flattened: (num_patches, 3*2*8*8) = (64, 384)), image_grid_thw ((num_images, 3))",
+        bidirectional_image_attention="no: the language model is causal throughout (only the vision tower's "
+        "attention is non-causal, per image via cu_seqlens)",
+        mrope=_MROPE_NOTE,
+        get_image_features="model.model.get_image_features(pixel_values, image_grid_thw=None, **kwargs) -> "
+        "BaseModelOutputWithDeepstackFeatures: pooler_output a tuple of one (n_tokens_i, hidden) tensor per image "
+        "(torch.split), deepstack_features a list (per deepstack layer) of such tuples",
+        language_model="model.model.language_model (Qwen3VLTextModel); vision tower model.model.visual",
+        notes="DeepStack: features from the vision layers in deepstack_visual_indexes are added to the hidden "
+        "states of the image positions after the first text layers (visual_pos_masks, deepstack_visual_embeds "
+        "passed to the language model), so an image is more than its placeholder embeddings. vision_start/end "
+        "tokens are text (mm_token_type_ids 0).",
+    ),
+    "qwen3_5": dict(
+        model_class="Qwen3_5ForConditionalGeneration",
+        processor_class="Qwen3VLProcessor (video_processor=None); AutoProcessor maps qwen3_5 to it",
+        image_processor_class="Qwen2VLImageProcessorPil",
+        image_token="<|image_pad|>",
+        image_token_id=259,
+        placeholder="<|vision_start|><|image_pad|><|vision_end|> (the processor repeats <|image_pad|>)",
+        image_tokens=16,
+        image_tokens_40x56=8,
+        image_tokens_rule="as qwen3_vl",
+        processor_outputs="input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw",
+        bidirectional_image_attention="no (causal full attention; the linear-attention layers are recurrent)",
+        mrope=_MROPE_NOTE + " Qwen3.5 rotates only partial_rotary_factor (1/4) of head_dim.",
+        get_image_features="model.model.get_image_features(pixel_values, image_grid_thw=None, **kwargs) -> "
+        "BaseModelOutputWithPooling, pooler_output a tuple of one (n_tokens_i, hidden) tensor per image",
+        language_model="model.model.language_model (Qwen3_5TextModel); vision tower model.model.visual",
+        notes="text layers: layer_types ['linear_attention' (gated delta rule, Qwen3_5GatedDeltaNet, recurrent "
+        "and conv state in the cache), 'full_attention' (gated output)]; no DeepStack. Without "
+        "flash-linear-attention / causal-conv1d it falls back to the PyTorch reference kernels (warnings). The "
+        "delta rule's decay rates (A_log) are re-drawn in [0.01, 0.1] here: their init range [0.01, 16] "
+        "forgets an image within a token and the image barely changed the output.",
+    ),
+    "gemma3": dict(
+        model_class="Gemma3ForConditionalGeneration",
+        processor_class="Gemma3Processor",
+        image_processor_class="Gemma3ImageProcessorPil",
+        image_token="<image_soft_token>",
+        image_token_id=261,
+        placeholder="<start_of_image> (the boi token: the processor's image_token); the processor replaces it "
+        "with '\\n\\n<start_of_image>' + <image_soft_token> * image_seq_length + '<end_of_image>\\n\\n'",
+        image_tokens=16,
+        image_tokens_40x56=16,
+        image_tokens_rule="fixed mm_tokens_per_image (= processor image_seq_length): every image is resized to "
+        "32x32 (8x8 patches of 4 px), average-pooled to 4x4",
+        processor_outputs="input_ids, attention_mask, pixel_values ((num_images, 3, 32, 32)), token_type_ids "
+        "(1 on the <image_soft_token> positions only; the processor renames mm_token_type_ids)",
+        bidirectional_image_attention="yes: with token_type_ids the forward (and generate's "
+        "create_masks_for_generate) builds block_sequence_ids (one id per run of consecutive image tokens, -1 "
+        "for text): full-attention layers use OR(causal, same image block), sliding layers AND(sliding window, "
+        "OR(causal, same block)); so an image token sees the later tokens of its own image, not the next image "
+        "(boi/eoi stay causal). generate passes token_type_ids on the first (prefill) iteration only "
+        "(prepare_inputs_for_generation sets it None when decoding with a cache). Dropping token_type_ids "
+        "changes the logits.",
+        mrope="no: plain 1-D positions (position_ids (batch, seq)); local and global rope thetas per layer type",
+        get_image_features="model.model.get_image_features(pixel_values, **kwargs) -> BaseModelOutputWithPooling, "
+        "pooler_output a (num_images, mm_tokens_per_image, hidden) tensor",
+        language_model="model.model.language_model (Gemma3TextModel); vision tower model.model.vision_tower (SigLIP)",
+        notes="text layer_types ['sliding_attention', 'full_attention'], sliding_window 32; the language model "
+        "gets a dict of masks per layer type. The text embeddings are scaled by sqrt(hidden_size) "
+        "(Gemma3TextScaledWordEmbedding); the image features are not. Gemma 3 initializes the image projection "
+        "(multi_modal_projector.mm_input_projection_weight) to zeros: re-drawn here (std 1), or images do "
+        "nothing. tie_word_embeddings=False here (tied, the random model repeats its last token).",
+    ),
+    "llava_onevision": dict(
+        model_class="LlavaOnevisionForConditionalGeneration",
+        processor_class="LlavaOnevisionProcessor (video_processor=None)",
+        image_processor_class="LlavaOnevisionImageProcessorPil",
+        image_token="<image>",
+        image_token_id=259,
+        placeholder="<image>",
+        image_tokens=51,
+        image_tokens_40x56=39,
+        image_tokens_rule="one image in a sample: anyres: a 24x24 base tile (3x3 patches = 9 tokens) + the best "
+        "pinpoint grid of tiles, unpadded to the aspect ratio, one image_newline token per row (64x64: 9 + 6*6 + 6 "
+        "= 51). Several images in a sample: the base tile only + 1 newline = 10 tokens each (batch_num_images).",
+        processor_outputs="input_ids, attention_mask, pixel_values ((num_images, max_tiles, 3, 24, 24), zero-padded "
+        "tiles), image_sizes ((num_images, 2) original h, w), batch_num_images ((batch,))",
+        bidirectional_image_attention="no (causal)",
+        mrope="no: 1-D positions",
+        get_image_features="model.model.get_image_features(pixel_values, image_sizes, vision_feature_layer=None, "
+        "vision_feature_select_strategy=None, vision_aspect_ratio=None, batch_num_images=None, **kwargs) -> "
+        "BaseModelOutputWithPooling, pooler_output a list of one (n_tokens_i, hidden) tensor per image (newline "
+        "tokens included)",
+        language_model="model.model.language_model (Qwen2Model); vision tower model.model.vision_tower (SigLIP)",
+        notes="learned model.model.image_newline vector appended per row (and once per image in multi-image). "
+        "Without batch_num_images get_image_features treats every image as single (anyres), so the token counts "
+        "only match when it is passed as the processor returns it.",
+    ),
+    "idefics3": dict(
+        model_class="Idefics3ForConditionalGeneration",
+        processor_class="Idefics3Processor",
+        image_processor_class="Idefics3ImageProcessorPil",
+        image_token="<image>",
+        image_token_id=259,
+        placeholder="<image>; the processor expands it to, per tile, '<fake_token_around_image><row_i_col_j>' + "
+        "<image> * image_seq_len (a newline after each row), then '\\n<fake_token_around_image><global-img>' + "
+        "<image> * image_seq_len + '<fake_token_around_image>'",
+        image_tokens=20,
+        image_tokens_40x56=20,
+        image_tokens_rule="image_seq_len = (32 // 8) ** 2 // scale_factor**2 = 4 per tile; the image is resized to "
+        "longest edge 64 and split into 32x32 tiles (2x2 here) plus a global 32x32 tile: 5 * 4 = 20",
+        processor_outputs="input_ids, attention_mask, pixel_values ((batch, max_tiles, 3, 32, 32), all-zero padding "
+        "tiles), pixel_attention_mask ((batch, max_tiles, 32, 32))",
+        bidirectional_image_attention="no (causal language model; the vision tower is non-causal)",
+        mrope="no: 1-D positions",
+        get_image_features="model.model.get_image_features(pixel_values, pixel_attention_mask=None, **kwargs) -> "
+        "BaseModelOutputWithPooling, pooler_output a list of one tensor per SAMPLE (all its images' tokens "
+        "concatenated), not per image",
+        language_model="model.model.text_model (LlamaModel; not language_model); vision model.model.vision_model",
+        notes="the processor calls tokenizer.add_special_tokens in its __init__ (fake/image/end_of_utterance) and "
+        "needs <global-img> and <row_i_col_j> (i, j <= 6) as tokens; pixel-shuffle connector (scale_factor 2). "
+        "SmolVLM (same model family) is left out: SmolVLMProcessor requires the num2words package, not installed.",
+    ),
+    "internvl": dict(
+        model_class="InternVLForConditionalGeneration",
+        processor_class="InternVLProcessor (video_processor=None)",
+        image_processor_class="GotOcr2ImageProcessorPil (crop_to_patches=True)",
+        image_token="<IMG_CONTEXT>",
+        image_token_id=261,
+        placeholder="<IMG_CONTEXT> (template writes '<IMG_CONTEXT>\\n'); the processor expands it to '<img>' + "
+        "<IMG_CONTEXT> * (image_seq_length * num_tiles) + '</img>'",
+        image_tokens=20,
+        image_tokens_40x56=12,
+        image_tokens_rule="image_seq_length = 4 per 32x32 tile (4x4 patches, CLS dropped, pixel shuffle 0.5); "
+        "tiles: the best grid of up to max_patches=4 tiles for the aspect ratio, plus a thumbnail when more than "
+        "one (64x64: 2x2 + 1 = 5 tiles = 20; 40x56: 1x2 + 1 = 3 tiles = 12)",
+        processor_outputs="input_ids, attention_mask, pixel_values ((total_tiles, 3, 32, 32), all images' tiles)",
+        bidirectional_image_attention="no (causal)",
+        mrope="no: 1-D positions",
+        get_image_features="model.model.get_image_features(pixel_values, vision_feature_layer=None, "
+        "vision_feature_select_strategy=None, **kwargs) -> InternVLVisionModelOutputWithPooling, pooler_output a "
+        "(total_tiles, tokens_per_tile, hidden) tensor (not split per image)",
+        language_model="model.model.language_model (Qwen2Model); vision tower model.model.vision_tower",
+        notes="tie_word_embeddings True (the default; kept). The processor pads on the left (text_kwargs "
+        "padding_side='left'); its image_token_ids (for mm_token_type_ids) include <img> and </img>.",
+    ),
+    "llava": dict(
+        model_class="LlavaForConditionalGeneration",
+        processor_class="LlavaProcessor",
+        image_processor_class="LlavaImageProcessorPil",
+        image_token="<image>",
+        image_token_id=259,
+        placeholder="<image> (the processor repeats it)",
+        image_tokens=16,
+        image_tokens_40x56=16,
+        image_tokens_rule="(32 // 8) ** 2 patches + 1 CLS - 1 (vision_feature_select_strategy 'default' drops "
+        "CLS): every image is resized (shortest edge 32) and center-cropped to 32x32",
+        processor_outputs="input_ids, attention_mask, pixel_values ((num_images, 3, 32, 32))",
+        bidirectional_image_attention="no (causal)",
+        mrope="no: 1-D positions",
+        get_image_features="model.model.get_image_features(pixel_values, vision_feature_layer=None, "
+        "vision_feature_select_strategy=None, image_sizes=None, **kwargs) -> BaseModelOutputWithPooling, "
+        "pooler_output a list of one (n_tokens, hidden) tensor per image",
+        language_model="model.model.language_model (LlamaModel); vision tower model.model.vision_tower (CLIP)",
+        notes="vision_feature_layer -2 (the second-to-last hidden state of the CLIP tower).",
+    ),
+}

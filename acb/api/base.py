@@ -244,15 +244,11 @@ class EngineBase:
         """
         import os
 
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
-        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-        vision = False
-        try:
-            cfg = AutoConfig.from_pretrained(path)
-            vision = cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and hasattr(cfg, "vision_config")
-        except (OSError, ValueError, KeyError):
-            pass  # (from_pretrained below says what is wrong)
+        from acb.model_source import load_processor, vision_checkpoint
+
+        vision = vision_checkpoint(path)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         try:
             model: PreTrainedModel = auto.from_pretrained(path, dtype=dtype, **model_kwargs)
@@ -270,9 +266,7 @@ class EngineBase:
             model = model.to(device)  # type: ignore[arg-type]
         if tokenizer is None:
             if vision:  # its processor: the chat template, the image processor and the tokenizer
-                from transformers import AutoProcessor
-
-                tokenizer = AutoProcessor.from_pretrained(path)  # type: ignore[no-untyped-call]
+                tokenizer = load_processor(path)
             else:
                 tokenizer = AutoTokenizer.from_pretrained(path)
         model = model.eval()  # type: ignore[no-untyped-call]  # unannotated in transformers; returns the model
