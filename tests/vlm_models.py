@@ -62,7 +62,7 @@ def image(seed: int, size: tuple[int, int] = IMAGE_SIZE) -> Image:
 
     width, height = size
     pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-    return PILImage.fromarray(pixels, mode="RGB")
+    return PILImage.fromarray(pixels)  # uint8 (height, width, 3): RGB
 
 
 def messages(images: list, text: str) -> list[dict]:
@@ -144,9 +144,11 @@ def _qwen_vl(arch: str) -> tuple[Any, Any]:
     text = dict(_TEXT, vocab_size=len(tok))
     if arch == "qwen3_vl":
         vision["deepstack_visual_indexes"] = [0]
-        # head_dim 16: 8 rotary frequencies, interleaved T/H/W as [24, 20, 20] are for 64
-        text.update(head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[4, 2, 2]))
-        text["rope_parameters"]["mrope_interleaved"] = True
+        # head_dim 16: 8 rotary frequencies, split T/H/W as the real [24, 20, 20] splits 64
+        text.update(
+            head_dim=16,
+            rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[4, 2, 2], mrope_interleaved=True),
+        )
     else:
         # Qwen3.5: gated-delta-rule (linear attention) and full-attention layers; partial rotary (1/4 of head_dim)
         text.update(
