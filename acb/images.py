@@ -42,6 +42,7 @@ __all__ = [
     "image_parts",
     "load_image",
     "process_prompt",
+    "type_spans",
 ]
 
 # the keys of a processor's output that are text, not images (the rest go to the vision code)
@@ -61,6 +62,9 @@ class ImageInputs:
     hashes: tuple[bytes, ...]  # one per image, in order (SHA-256 of its pixels, or of its tensors)
     first: int  # the position of the request's first image token (0 when the model does not say)
     num_image_tokens: int  # its image placeholder tokens (0 when the model does not say)
+    # the prompt positions [a, b) of each image whose tokens attend to each other both ways
+    # (Gemma 3's prefill): a prefill chunk never ends inside one (set by the engine, per model)
+    spans: tuple[tuple[int, int], ...] = ()
     key: bytes = field(init=False)  # all of them: salts the prefix cache from ``first`` on
 
     def __post_init__(self) -> None:
@@ -267,6 +271,24 @@ def process_prompt(
         num_image_tokens=len(placeholders),
     )
     return ImagePrompt(ids, images, prompt)
+
+
+def type_spans(tensors: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """The runs ``[a, b)`` of image tokens that a processor's ``token_type_ids`` (or
+    ``mm_token_type_ids``) mark with 1: each image's block of tokens."""
+    for name in ("token_type_ids", "mm_token_type_ids"):
+        types = tensors.get(name)
+        if types is not None:
+            flags = [int(t) == 1 for t in types.reshape(-1).tolist()]
+            spans, start = [], None
+            for i, on in enumerate([*flags, False]):
+                if on and start is None:
+                    start = i
+                elif not on and start is not None:
+                    spans.append((start, i))
+                    start = None
+            return tuple(spans)
+    return ()
 
 
 def image_token_id(config: Any) -> int | None:

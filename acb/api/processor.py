@@ -377,7 +377,7 @@ class InputProcessor:
             raise InvalidRequestError("prompt_ids is empty: a request needs at least one prompt token", "prompt")
         check_prompt_vocab(ids, vocab, "prompt")
         if images is not None:
-            self.check_images(images)
+            images = self.check_images(images)
         return ids, images
 
     def process_images(self, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None) -> ImagePrompt:
@@ -401,8 +401,9 @@ class InputProcessor:
         except TypeError as exc:
             raise InvalidRequestTypeError(str(exc), "prompt") from exc
 
-    def check_images(self, images: ImageInputs) -> None:
-        """Refuse images the engine cannot run, or whose embeddings can never fit its budget."""
+    def check_images(self, images: ImageInputs) -> ImageInputs:
+        """Refuse images the engine cannot run, or whose embeddings can never fit its budget;
+        return them as the engine runs them (with the blocks a prefill chunk must not cut)."""
         runner = self.live_core().runner
         why = runner.images_refused()
         if why:
@@ -416,6 +417,7 @@ class InputProcessor:
                 f"({budget / 2**20:.1f} MiB): send smaller images, or raise image_cache_bytes",
                 "prompt",
             )
+        return runner.with_image_spans(images)
 
     @staticmethod
     def check_args(sampling: SamplingParams | None, request_id: str | None, cache_salt: str | None) -> SamplingParams:
@@ -675,7 +677,7 @@ class InputProcessor:
         params = replace(FALLBACK, prompt_logprobs=max(top_logprobs, 1), logprobs_mode="raw")
         check_logprobs(params, vocab)
         if images is not None:
-            self.check_images(images)
+            images = self.check_images(images)
         return self._build(
             core,
             list(head.prompt_ids),

@@ -24,6 +24,7 @@ import torch
 from acb.config import ContinuousBatchingConfig
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
 from acb.errors import UnsupportedModelError
+from acb.images import type_spans
 from acb.runner.attention import (
     AttentionBackend,
     SharedAttention,
@@ -340,6 +341,13 @@ class ModelRunner:
             return "images are not run under tensor parallel yet"
         return ""
 
+    def with_image_spans(self, images: ImageInputs) -> ImageInputs:
+        """``images`` with the spans of the image blocks whose tokens attend to each other both
+        ways, for a model that does that (a prefill chunk never ends inside one)."""
+        if self.vision is None or not self.vision.bidirectional:
+            return images
+        return dataclasses.replace(images, spans=type_spans(images.tensors))
+
     def image_bytes(self, images: ImageInputs) -> int:
         """About what a request's image embeddings take on the device: a row of the model's
         hidden size per image token (the pixel tensors' own size when the model names no token)."""
@@ -607,6 +615,8 @@ class ModelRunner:
                 self.own_forward.copy(src, dst)
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
+            if self.vision is not None and self.vision.step_groups:  # image blocks that attend both ways
+                ctx.metadata.image_groups = self.vision.step_groups
             with contextlib.ExitStack() as per_request:
                 # the linear layers and the indexers run per request segment of the flattened batch
                 if linear is not None:
@@ -615,6 +625,8 @@ class ModelRunner:
                     per_request.enter_context(indexed_step(self.kv_cache, batch.attn))
                 if own is not None:
                     per_request.enter_context(own_cache_step(own, sched.num_new, sched.rows))
+                if batch.inputs_embeds is not None and self.vision is not None:
+                    per_request.enter_context(self.vision.language_model_kwargs())
                 logits = self.forward(batch, ctx)
             for src, dst in sched.state_copies_after:  # forks: children start from the parent's state
                 if linear is not None:

@@ -367,6 +367,17 @@ def resolve_config(
             )
         logger.info("%s has indexed sparse attention (DSA): the torch attention backend runs it", type(model).__name__)
         backend = "torch"
+    from acb.runner.vision import bidirectional_images, takes_images
+
+    if not own_path and takes_images(model) and bidirectional_images(model) and backend != "torch":
+        # image tokens that attend to their whole image: a mask the torch reference backend applies
+        if config.attn_backend is not None:
+            raise ValueError(
+                f"attn_backend={config.attn_backend!r} cannot run {type(model).__name__}'s image attention (an "
+                "image's tokens see each other both ways); use attn_backend='torch'"
+            )
+        logger.info("%s's image tokens attend both ways: the torch attention backend runs it", type(model).__name__)
+        backend = "torch"
     if config.attn_backend == "flash_attn":  # an automatic pick has passed this check already
         from acb.runner.attention import flash_attn_backend
 

@@ -25,11 +25,15 @@ same images again, does not run the vision encoder again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 import torch
 
@@ -37,7 +41,15 @@ if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
     from acb.core.request import Request
 
-__all__ = ["Embedded", "ImageEmbedder", "takes_images"]
+__all__ = ["Embedded", "ImageEmbedder", "bidirectional_images", "takes_images"]
+
+
+def bidirectional_images(model: Any) -> bool:
+    """The model's image tokens attend to each other both ways in prefill (Gemma 3's, found by
+    the mask helper its code calls: image blocks from the processor's token types)."""
+    from acb.runner.intercept import code_names
+
+    return any("get_block_sequence_ids_for_mask" in code_names(type(m)) for m in model.modules())
 
 
 def takes_images(model: Any) -> bool:
@@ -60,11 +72,18 @@ class Embedded:
     rows: torch.Tensor  # [K, D] (device): the embeddings there
     prompt_len: int
     mrope: torch.Tensor | None  # [R, L] long (device): the language model's position ids, or None
-    delta: int  # positions after the prompt: index + delta
+    delta: int  # positions after the prompt: index + delta (in the rotary rows)
+    # Qwen3-VL's DeepStack: vision features the language model adds to the hidden states at these
+    # prompt positions after its first layers ([K] long; [layers, K, D]), or None
+    deep_positions: torch.Tensor | None = None
+    deep_rows: torch.Tensor | None = None
+    # models whose image tokens see each other both ways: each prompt position's image block (-1: none)
+    groups: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.rows.nbytes + self.positions.nbytes + (self.mrope.nbytes if self.mrope is not None else 0))
+        extra = [t for t in (self.mrope, self.deep_positions, self.deep_rows) if t is not None]
+        return int(self.rows.nbytes + self.positions.nbytes + sum(t.nbytes for t in extra))
 
 
 class ImageEmbedder:
@@ -81,6 +100,11 @@ class ImageEmbedder:
         self._free: OrderedDict[bytes, Embedded] = OrderedDict()  # entries no row holds (LRU)
         self._free_bytes = 0
         self.mrope = False  # the model's positions have several rows (found at the first capture)
+        self._lm_kwargs: dict[str, Any] = {}  # the step's extra language-model arguments
+        self.bidirectional = bidirectional_images(model)
+        # the step's prefill segments whose image blocks attend both ways: their flattened start
+        # -> the block of each of their context positions (acb.runner.attention.torch_backend)
+        self.step_groups: dict[int, torch.Tensor] = {}
         self.encoder_s = 0.0  # seconds in the model's own vision code (figures)
         self.captures = 0
         self._lock = threading.Lock()
@@ -175,11 +199,22 @@ class ImageEmbedder:
         mrope, delta = None, 0
         if isinstance(pos, torch.Tensor) and pos.dim() == 3:  # [R, 1, L]: multimodal rotary positions
             mrope = pos[:, 0].to(torch.long)
-            delta = int(mrope[-1].max()) + 1 - len(prompt)
+            # (Qwen's four rows: text positions for the mask, then the three rotary ones)
+            delta = int(mrope[-3:].max()) + 1 - len(prompt)
+        deep_positions = deep_rows = None
+        mask, deep = seen.get("visual_pos_masks"), seen.get("deepstack_visual_embeds")
+        if isinstance(mask, torch.Tensor) and deep:
+            deep_positions = mask[0].nonzero()[:, 0]
+            deep_rows = torch.stack([d.to(embeds.dtype) for d in deep]).clone()
         self.mrope = self.mrope or mrope is not None
         self.encoder_s += time.perf_counter() - t0
         self.captures += 1
-        return Embedded(differ, embeds[differ].clone(), len(prompt), mrope, delta)
+        groups = None
+        if images.spans:
+            groups = torch.full((len(prompt),), -1, dtype=torch.long, device=self.device)
+            for k, (a, b) in enumerate(images.spans):
+                groups[a:b] = k
+        return Embedded(differ, embeds[differ].clone(), len(prompt), mrope, delta, deep_positions, deep_rows, groups)
 
     # a step ------------------------------------------------------------------
     def step_inputs(
@@ -187,6 +222,7 @@ class ImageEmbedder:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``inputs_embeds`` ``[1, T, D]`` and ``position_ids`` (``[1, T]``, or ``[R, 1, T]`` for
         M-RoPE) for a step with image requests in it; None when it has none."""
+        self.step_groups = {}
         with_images = [
             i
             for i, req in enumerate(sched.requests)
@@ -199,14 +235,28 @@ class ImageEmbedder:
             starts.append(starts[-1] + n)
         embeds = self.embed(input_ids)  # [1, T, D]
         positions = position_ids
+        deep_at: list[torch.Tensor] = []  # flattened-batch indices of DeepStack positions, ascending
+        deep_rows: list[torch.Tensor] = []  # their rows, [layers, k, D] each
         for i in with_images:
             req, n, start = sched.requests[i], sched.num_new[i], sched.start_pos[i]
             entry = self.entry(req)
             off = starts[i]
+            if entry.groups is not None and start < entry.prompt_len and n > 1:
+                end = start + n
+                groups = entry.groups[:end]
+                if end > entry.prompt_len:
+                    groups = torch.cat([groups, groups.new_full((end - entry.prompt_len,), -1)])
+                self.step_groups[off] = groups
             if start < entry.prompt_len:  # this step prefills part of the prompt: its image rows
                 sel = (entry.positions >= start) & (entry.positions < start + n)
                 if bool(sel.any()):
                     embeds[0, off + entry.positions[sel] - start] = entry.rows[sel].to(embeds.dtype)
+                if entry.deep_positions is not None and entry.deep_rows is not None:
+                    dp = entry.deep_positions
+                    deep = (dp >= start) & (dp < start + n)
+                    if bool(deep.any()):
+                        deep_at.append(off + dp[deep] - start)
+                        deep_rows.append(entry.deep_rows[:, deep])
             if entry.mrope is not None:
                 if positions.dim() == 2:
                     positions = positions[None].expand(entry.mrope.shape[0], -1, -1).clone()
@@ -215,5 +265,32 @@ class ImageEmbedder:
                     positions[:, 0, off : off + end - start] = entry.mrope[:, start:end]
                 after = max(start, entry.prompt_len)
                 if after < start + n:
-                    positions[:, 0, off + after - start : off + n] += entry.delta
+                    positions[-3:, 0, off + after - start : off + n] += entry.delta
+        self._lm_kwargs = {}
+        if deep_at:  # the language model adds these after its first layers (its own code does)
+            mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            mask[0, torch.cat(deep_at)] = True
+            rows = torch.cat(deep_rows, dim=1).to(embeds.dtype)
+            self._lm_kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": list(rows.unbind(0))}
         return embeds, positions
+
+    @contextlib.contextmanager
+    def language_model_kwargs(self) -> Iterator[None]:
+        """During a step's forward: the language model also gets the arguments its own model
+        computes from the images (DeepStack's), which a forward on ``inputs_embeds`` leaves out."""
+        extra, self._lm_kwargs = self._lm_kwargs, {}
+        if not extra:
+            yield
+            return
+        decoder = self.decoder
+        forward = type(decoder).forward
+
+        def with_extra(*args: Any, **kw: Any) -> Any:
+            kw.update(extra)
+            return forward(decoder, *args, **kw)
+
+        decoder.forward = with_extra
+        try:
+            yield
+        finally:
+            del decoder.forward

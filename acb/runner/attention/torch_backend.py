@@ -61,6 +61,9 @@ class TorchMetadata:
     decode: list[_DecodeGroup]
     prefills: list[_Prefill]
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+    # prefill segments (by flattened start) whose image tokens attend to their whole image (Gemma
+    # 3): the image block of each context position, -1 for text (acb.runner.vision)
+    image_groups: dict[int, torch.Tensor] | None = None
 
 
 def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
@@ -171,7 +174,8 @@ class TorchBackend:
     def _prefill_mask(
         self, md: TorchMetadata, k: int, p: _Prefill, window: int | None, chunk: int | None
     ) -> torch.Tensor | None:
-        if p.blocks is None and window is None and chunk is None:
+        groups = md.image_groups.get(p.q_start) if md.image_groups else None
+        if p.blocks is None and window is None and chunk is None and groups is None:
             return None  # plain causal over the chunk: SDPA's is_causal
         key = ("p", k, window, chunk)
         m = md._masks.get(key)
@@ -180,6 +184,9 @@ class TorchBackend:
             qpos = torch.arange(p.ctx_len - p.q_len, p.ctx_len, device=device)[:, None]
             kpos = torch.arange(p.ctx_len, device=device)[None, :]
             m = kpos <= qpos
+            if groups is not None:  # an image's tokens also see its later ones (the window still applies)
+                gq = groups[p.ctx_len - p.q_len :][:, None]
+                m |= (gq == groups[None, :]) & (gq >= 0)
             if window is not None:
                 m &= kpos > qpos - window
             if chunk is not None:
