@@ -375,9 +375,9 @@ class InputProcessor:
             raise InvalidRequestTypeError(str(exc), "prompt") from exc
         if not ids:
             raise InvalidRequestError("prompt_ids is empty: a request needs at least one prompt token", "prompt")
-        check_prompt_vocab(ids, vocab, "prompt")
         if images is not None:
             images = self.check_images(images)
+        check_prompt_vocab(ids, vocab, "prompt")
         return ids, images
 
     def process_images(self, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None) -> ImagePrompt:

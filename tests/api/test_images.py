@@ -1,0 +1,165 @@
+"""Images in, text out: vision-language models through the engine, exact against ``model.generate``.
+
+Seven tiny random VLMs built in code (:mod:`tests.vlm_models`: Qwen3-VL with DeepStack and
+four-row M-RoPE, Qwen3.5 with linear-attention layers, Gemma 3 whose image tokens attend both
+ways, LLaVA-OneVision, Idefics3, InternVL, LLaVA), each with its own processor. Requests with one
+image, two images of different sizes and none run in one batch; greedy tokens must equal
+``model.generate`` on the same processor outputs, whole, with chunk boundaries inside an image's
+tokens, and under preemption with async batching. Scoring an image prompt equals a plain
+forward's log-softmax; the prefix cache never shares K/V between two requests whose images differ.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+
+import acb
+from tests.vlm_models import ARCHS, image, messages, tiny_vlm
+
+MAX_NEW = 6
+
+
+def chats() -> list[list[dict]]:
+    return [
+        messages([image(1)], "describe this"),
+        messages([image(2), image(3, (40, 56))], "two images"),
+        [{"role": "user", "content": "text only"}],
+        messages([image(4)], "another one, with a longer text"),
+    ]
+
+
+def processed(arch: str, chat: list[dict]):
+    _, processor = tiny_vlm(arch)
+    return processor.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+
+
+def reference(arch: str, chat: list[dict], max_new: int = MAX_NEW) -> list[int]:
+    model, _ = tiny_vlm(arch)
+    inputs = processed(arch, chat)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+MODES = {
+    "whole": dict(num_blocks=64, page_size=8),
+    # chunks of 7 tokens: boundaries fall inside every image's tokens (but Gemma 3's blocks)
+    "chunked": dict(num_blocks=64, page_size=8, max_batch_tokens=7),
+    "preempt-async": dict(num_blocks=30, page_size=4, max_batch_tokens=16, use_async_batching=True),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_parity_with_and_without_images(arch, mode):
+    model, processor = tiny_vlm(arch)
+    cs = chats()
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**MODES[mode]), processor=processor) as eng:
+        outs = eng.generate_batch(cs, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
+        got = [o.generated_tokens for o in outs.values()]
+        if mode == "preempt-async":
+            assert eng.stats.preemptions > 0
+        # the vision encoder ran once per request with images, whatever the chunks and recomputes
+        assert eng.runner.vision.captures == 3
+    assert got == [reference(arch, c) for c in cs]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3", "idefics3"])
+def test_samples_scoring_and_processed_inputs(arch):
+    """``n = 2`` forks an image request's KV; a processor's output (a ``BatchFeature``) is a prompt
+    as good as the chat it came from; scoring an image prompt's continuations equals the log-softmax
+    of a plain forward with the same processor outputs."""
+    model, processor = tiny_vlm(arch)
+    chat = chats()[1]
+    want = reference(arch, chat)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8), processor=processor) as eng:
+        out = eng.generate(chat, max_new_tokens=MAX_NEW, ignore_eos=True, n=2)
+        assert [s.generated_tokens for s in out.samples] == [want, want]
+        assert eng.generate(processed(arch, chat), max_new_tokens=MAX_NEW, ignore_eos=True).generated_tokens == want
+        inputs = processed(arch, chats()[0])
+        conts = [[40, 41, 42], [43], [40, 44]]
+        scores = eng.score_batch([(inputs, conts)], progress_bar=False)[0]
+    ctx = inputs["input_ids"][0].tolist()
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    for cont, score in zip(conts, scores.continuations):
+        ids = torch.tensor([ctx + cont])
+        kw = dict(extra)
+        for name in ("token_type_ids", "mm_token_type_ids"):  # (per-token: extended over the continuation)
+            if name in kw:
+                kw[name] = torch.cat([kw[name], kw[name].new_zeros((1, len(cont)))], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).logits[0, len(ctx) - 1 : -1]
+        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(score.logprobs), lp, atol=1e-4), (score.logprobs, lp.tolist())
+
+
+def test_the_prefix_cache_keys_include_the_images():
+    """Same text, another image: no K/V shared past the first image token (and other tokens); the
+    same image and text: shared."""
+    model, processor = tiny_vlm("llava")
+    a, b = messages([image(1)], "same text"), messages([image(2)], "same text")
+    first = processed("llava", a)["input_ids"][0].tolist().index(model.config.image_token_id)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=4)
+    with acb.Engine(model, cfg, processor=processor) as eng:
+        one = eng.generate(a, max_new_tokens=MAX_NEW, ignore_eos=True)
+        other = eng.generate(b, max_new_tokens=MAX_NEW, ignore_eos=True)
+        again = eng.generate(a, max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert other.num_cached_tokens == first // 4 * 4  # the text before the image only
+    assert again.num_cached_tokens > first
+    assert one.generated_tokens == again.generated_tokens == reference("llava", a)
+    assert other.generated_tokens == reference("llava", b) != one.generated_tokens
+
+
+@pytest.mark.anyio
+async def test_async_submit_streams_an_image_request():
+    """``AsyncEngine.submit`` with images (processed in a worker thread), streamed; OpenAI's
+    ``image_url`` data-URL parts are taken as ``image`` parts are."""
+    model, processor = tiny_vlm("qwen3_vl")
+    buf = io.BytesIO()
+    image(1).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "describe this"}],
+        }
+    ]
+    async with acb.AsyncEngine(
+        model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8), processor=processor
+    ) as eng:
+        handle = await eng.submit(chat, max_new_tokens=MAX_NEW, ignore_eos=True)
+        streamed = [t async for delta in handle for t in delta.token_ids]
+        out = await handle.result()
+    assert streamed == out.generated_tokens == reference("qwen3_vl", chats()[0])
+
+
+def test_refusals_name_what_is_wrong():
+    model, processor = tiny_vlm("llava")
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8), processor=processor) as eng:
+        bad = [{"role": "user", "content": [{"type": "image", "image": b"not an image"}]}]
+        with pytest.raises(acb.InvalidRequestError, match="image 0: cannot decode"):
+            eng.generate(bad, max_new_tokens=2)
+        remote = [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}
+        ]
+        with pytest.raises(acb.InvalidRequestError, match="remote URLs are not fetched"):
+            eng.generate(remote, max_new_tokens=2)
+    # embeddings that can never fit the engine's image budget: refused at submit, by size
+    small = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, image_cache_bytes=1024)
+    with acb.Engine(model, small, processor=processor) as eng:
+        with pytest.raises(acb.InvalidRequestError, match="image_cache_bytes"):
+            eng.generate(chats()[0], max_new_tokens=2)
+    # a text-only model
+    from tests.conftest import get_model
+
+    with acb.Engine(
+        get_model("llama"), acb.ContinuousBatchingConfig(num_blocks=64, page_size=8), processor=processor
+    ) as eng:
+        with pytest.raises(acb.InvalidRequestError, match="takes no images"):
+            eng.generate(chats()[0], max_new_tokens=2)
