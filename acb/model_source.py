@@ -168,17 +168,23 @@ def load_processor(path: str, **kwargs: Any) -> Any:
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import processor_class_from_name
 
-    cls_name = None
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        try:
-            from transformers.utils import cached_file
+    from transformers.utils import cached_file
 
-            file = cached_file(path, name, **kwargs)
-            if file:
-                with open(file) as f:
-                    cls_name = json.load(f).get("processor_class") or cls_name
+    cls_name, template = None, None
+    for name in ("processor_config.json", "preprocessor_config.json", "chat_template.json", "chat_template.jinja"):
+        try:
+            file = cached_file(path, name, _raise_exceptions_for_missing_entries=False, **kwargs)
         except (OSError, ValueError):
             continue
+        if not file:
+            continue
+        with open(file) as f:
+            if name.endswith(".jinja"):
+                template = template or f.read()
+                continue
+            data = json.load(f)
+        cls_name = cls_name or data.get("processor_class")
+        template = template or data.get("chat_template")
     if cls_name is None:
         raise first
     cls = processor_class_from_name(cls_name)
@@ -188,7 +194,21 @@ def load_processor(path: str, **kwargs: Any) -> Any:
     }
     if "video_processor" in getattr(cls, "get_attributes", lambda: [])():
         parts["video_processor"] = None
-    return cls(**parts)
+    template = template or getattr(parts["tokenizer"], "chat_template", None)
+    if template is not None:
+        parts["chat_template"] = template
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self: Any, name: str, arg: Any) -> Any:  # (None: the video processor left out)
+        return None if arg is None else check(self, name, arg)
+
+    ProcessorMixin.check_argument_for_proper_class = lenient  # type: ignore[method-assign]
+    try:
+        return cls(**parts)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check  # type: ignore[method-assign]
 
 
 def under_torchrun() -> bool:
