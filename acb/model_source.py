@@ -167,7 +167,6 @@ def load_processor(path: str, **kwargs: Any) -> Any:
 
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import processor_class_from_name
-
     from transformers.utils import cached_file
 
     cls_name, template = None, None
