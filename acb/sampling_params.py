@@ -301,7 +301,6 @@ class SamplingParams:
             ("encoder_repetition_penalty", 1.0),
             ("bad_words_ids", None),
             ("sequence_bias", None),
-            ("suppress_tokens", None),
             ("begin_suppress_tokens", None),
             ("forced_bos_token_id", None),
             ("forced_eos_token_id", None),
@@ -321,7 +320,10 @@ class SamplingParams:
         top_k = get("top_k")
         min_p = get("min_p")
         rep = get("repetition_penalty")
+        # suppressed tokens (TRL sets a VLM's image token): a logit bias of -inf, as transformers' processor masks them
+        suppress = {int(t): float("-inf") for t in get("suppress_tokens") or ()}
         return cls(
+            logit_bias=suppress or None,
             max_new_tokens=get("max_new_tokens") if get("max_new_tokens") is not None else DEFAULT_MAX_NEW_TOKENS,
             min_new_tokens=get("min_new_tokens") or 0,
             temperature=float(get("temperature") if get("temperature") is not None else 1.0) if do_sample else 0.0,

@@ -64,6 +64,8 @@ try:
         handle_stop_sequences,
         normalize_gen_kwargs,
         postprocess_generated_text,
+        replace_placeholders,
+        resize_image,
         resolve_max_length,
     )
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # type: ignore[import-untyped]
@@ -73,7 +75,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Hashable, Sequence
 
     import torch
     from lm_eval.api.instance import Instance  # type: ignore[import-untyped]
@@ -84,6 +86,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# lm-eval's image placeholder in a multimodal task's text (hf-multimodal's DEFAULT_IMAGE_PLACEHOLDER)
+DEFAULT_IMAGE_PLACEHOLDER = "<image>"
+
 # lm-eval generation keywords that map one to one onto SamplingParams fields
 _SAMPLING_KEYS = frozenset(
     {"top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "min_new_tokens"}
@@ -91,6 +96,7 @@ _SAMPLING_KEYS = frozenset(
 _ENGINE_KEYS = frozenset(f.name for f in fields(ContinuousBatchingConfig) if f.init)
 
 _T = TypeVar("_T")
+_K = TypeVar("_K", bound="Hashable")
 # loglikelihood request as TemplateLM hands it over: ((context, continuation) or None, context ids, continuation ids)
 _TokenRequest = tuple["tuple[str, str] | None", list[int], list[int]]
 
@@ -157,19 +163,9 @@ class AcbLM(TemplateLM):
         hub_kwargs: dict[str, Any] = {"revision": revision} if revision is not None else {}
         if trust_remote_code:
             hub_kwargs["trust_remote_code"] = True
-        tok = _load_tokenizer(tokenizer, pretrained, hub_kwargs)
         if isinstance(pretrained, str):
-            import torch
-
-            if device is None:
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            if isinstance(dtype, str) and dtype != "auto":
-                if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                    raise ValueError(f"dtype={dtype!r}: expected 'auto' or a torch dtype name such as 'bfloat16'")
-                dtype = getattr(torch, dtype)
-            engine = Engine.from_pretrained(pretrained, config, dtype=dtype, device=device, tokenizer=tok, **hub_kwargs)
-        else:
-            engine = Engine(pretrained, config, tokenizer=tok)
+            dtype, device = _placement(dtype, device)
+        engine, tok = self._make_engine(pretrained, tokenizer, config, dtype, device, hub_kwargs)
         self.engine = engine
         self.tokenizer = tok
         engine.start()
@@ -199,6 +195,23 @@ class AcbLM(TemplateLM):
         self.custom_prefix_token_id = prefix_token_id
         self.chat_template_args = dict(chat_template_args or {})
         self._device = engine.config.device
+
+    def _make_engine(
+        self,
+        pretrained: str | PreTrainedModel,
+        tokenizer: Any,
+        config: ContinuousBatchingConfig,
+        dtype: str | torch.dtype,
+        device: str | None,
+        hub_kwargs: dict[str, Any],
+    ) -> tuple[Engine, Any]:
+        """The engine (not started) and the tokenizer lm-eval's text goes through."""
+        tok = _load_tokenizer(tokenizer, pretrained, hub_kwargs)
+        if isinstance(pretrained, str):
+            engine = Engine.from_pretrained(pretrained, config, dtype=dtype, device=device, tokenizer=tok, **hub_kwargs)
+        else:
+            engine = Engine(pretrained, config, tokenizer=tok)
+        return engine, tok
 
     # ------------------------------------------------------------------ life
     def close(self) -> None:
@@ -322,20 +335,28 @@ class AcbLM(TemplateLM):
             key = (tuple(window[: len(window) - len(cont)]), tuple(cont))
             items.setdefault(key[0], {})[key[1]] = None
             keys.append(key)
-        batch = [(list(c), [list(x) for x in conts]) for c, conts in items.items()]
-        outs = self.engine.score_batch(batch, progress_bar=not disable_tqdm)
-        scored: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, bool]] = {}
-        for (ctx_key, conts), out in zip(items.items(), outs):
-            if out.status != RequestStatus.FINISHED:
-                raise RuntimeError(f"acb loglikelihood: scoring failed: {out.error}")
-            for cont_key, s in zip(conts, out.continuations):
-                scored[(ctx_key, cont_key)] = (s.logprob, s.greedy)
+        scored = self._score({c: (list(c), conts) for c, conts in items.items()}, disable_tqdm)
         results = []
         for (request_str, _, _), key in zip(requests, keys):
             if request_str is not None:  # rolling windows are cached per document, by the caller
                 self.cache_hook.add_partial("loglikelihood", request_str, scored[key])
             results.append(scored[key])
         return results
+
+    def _score(
+        self, items: dict[_K, tuple[Any, dict[tuple[int, ...], None]]], disable_tqdm: bool
+    ) -> dict[tuple[_K, tuple[int, ...]], tuple[float, bool]]:
+        """Score every item (key: its context as a prompt, its distinct continuations) in one
+        :meth:`acb.Engine.score_batch` call: ``(key, continuation) -> (logprob, greedy)``."""
+        batch = [(context, [list(x) for x in conts]) for context, conts in items.values()]
+        outs = self.engine.score_batch(batch, progress_bar=not disable_tqdm)
+        scored: dict[tuple[_K, tuple[int, ...]], tuple[float, bool]] = {}
+        for (key, (_, conts)), out in zip(items.items(), outs):
+            if out.status != RequestStatus.FINISHED:
+                raise RuntimeError(f"acb loglikelihood: scoring failed: {out.error}")
+            for cont_key, s in zip(conts, out.continuations):
+                scored[(key, cont_key)] = (s.logprob, s.greedy)
+        return scored
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """Each text's logprob over lm-eval's disjoint rolling windows of ``max_length`` tokens
@@ -366,14 +387,13 @@ class AcbLM(TemplateLM):
         """Generate for every context at once, each with its own stop strings and token budget;
         the text is cut before the first stop string (the model's EOS text is one), as ``hf``."""
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        prompts: list[list[int]] = []
+        prompts: list[Any] = []
         params: list[SamplingParams] = []
         stops: list[list[str]] = []
-        for context, gen_kwargs in (req.args for req in requests):
-            sp, until, max_gen_toks = self._sampling(gen_kwargs, eos)
+        for req in requests:
+            sp, until, max_gen_toks = self._sampling(req.args[1], eos)
             # room for the generated tokens, as hf: the context is cut from the left
-            ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen_toks)
-            prompts.append(ids or [self.prefix_token_id])  # an empty context: the prefix token, as loglikelihood
+            prompts.append(self._generation_prompt(req.args, self.max_length - max_gen_toks))
             params.append(sp)
             stops.append(until)
 
@@ -382,8 +402,13 @@ class AcbLM(TemplateLM):
 
         texts = self._run(prompts, params, "acb generate_until", disable_tqdm, text_of)
         for req, text in zip(requests, texts):
-            self.cache_hook.add_partial("generate_until", req.args, text)
+            self.cache_hook.add_partial("generate_until", req.args[:2], text)
         return texts
+
+    def _generation_prompt(self, args: tuple[Any, ...], max_context: int) -> Any:
+        """A ``generate_until`` request's prompt: its context's ids, cut from the left to ``max_context``."""
+        ids = self.tok_encode(args[0], left_truncate_len=max_context)
+        return ids or [self.prefix_token_id]  # an empty context: the prefix token, as loglikelihood
 
     def _sampling(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[SamplingParams, list[str], int]:
         """A task's generation keywords as SamplingParams, its stop strings (with the EOS text) and
@@ -417,7 +442,7 @@ class AcbLM(TemplateLM):
 
     def _run(
         self,
-        prompts: list[list[int]],
+        prompts: list[Any],
         params: list[SamplingParams],
         desc: str,
         disable_tqdm: bool,
@@ -443,6 +468,281 @@ class AcbLM(TemplateLM):
             raise
 
 
+class AcbMultimodalLM(AcbLM):
+    """lm-eval model ``"acb-multimodal"``: :class:`AcbLM` for a vision-language model, with
+    lm-eval's ``hf-multimodal`` handling of a request's images.
+
+    Args:
+        pretrained: a vision-language checkpoint (loaded with ``AutoModelForImageTextToText``, its
+            processor with :func:`acb.model_source.load_processor`), or a model object (then pass
+            ``processor``, or the processor is loaded from the model's ``name_or_path``).
+        processor: the model's processor (an object, or where to load it from); ``tokenizer``
+            is taken as such too, as ``hf-multimodal`` does. Its tokenizer is lm-eval's tokenizer.
+        image_token_id, image_string: what lm-eval's ``<image>`` placeholders become: the string
+            ``image_string``, else the decoded ``image_token_id`` (default: the model config's
+            ``image_token_id`` / ``image_token_index``).
+        interleave: as ``hf-multimodal``, under a chat template: the images where the
+            placeholders are (True) or all before the text (False).
+        max_images: at most this many images a request (the first ones); further placeholders
+            are left as they are.
+        convert_img_format: convert the images to RGB first.
+        min_pixels, max_pixels: passed to the processor as it is loaded (Qwen-VL's image sizes).
+        image_width, image_height, image_max_side: resize each image as ``hf-multimodal`` does
+            (lm-eval's ``resize_image``) before the processor sees it.
+        **kwargs: :class:`AcbLM`'s arguments (``dtype``, ``device``, ``max_length``,
+            ``max_gen_toks``, the engine's settings...).
+    """
+
+    MULTIMODAL = True  # lm-eval runs tasks with images (doc_to_image) on models with this flag
+
+    def __init__(
+        self,
+        pretrained: str | PreTrainedModel,
+        processor: Any = None,
+        image_token_id: int | None = None,
+        image_string: str | None = None,
+        interleave: bool = True,
+        max_images: int | None = 999,
+        convert_img_format: bool = False,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        image_width: int | None = None,
+        image_height: int | None = None,
+        image_max_side: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if image_max_side and (image_width or image_height):
+            raise ValueError(
+                "Ambiguous config for image resize: you can not specify both image_max_side and "
+                "(image_width or image_height)"
+            )
+        self.processor = processor
+        self.pixels = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+        self.image_width, self.image_height, self.image_max_side = image_width, image_height, image_max_side
+        self.interleave = interleave
+        self.max_images = 999 if max_images is None else int(max_images)
+        self.rgb = convert_img_format
+        self.chat_applied = False  # as hf-multimodal: once a chat template rendered a prompt, it placed the images
+        super().__init__(pretrained, **kwargs)
+        from acb.images import image_token_id as config_image_token_id
+
+        # the model's placeholder id, for the left-truncation checks
+        self._image_token_id = config_image_token_id(self.engine.model.config)
+        if image_string:
+            self.image_token: str = image_string
+        else:
+            token_id = (
+                int(image_token_id)
+                if image_token_id
+                else (
+                    getattr(self.engine.model.config, "image_token_id", None)
+                    or getattr(self.engine.model.config, "image_token_index", None)
+                )
+            )
+            if token_id is None:
+                self.close()
+                raise ValueError(
+                    "the model's config has no image_token_id (or image_token_index): pass image_token_id "
+                    "or image_string in the model arguments"
+                )
+            self._image_token_id = int(token_id)
+            self.image_token = self.tok_decode([int(token_id)], skip_special_tokens=False)
+
+    def _make_engine(
+        self,
+        pretrained: str | PreTrainedModel,
+        tokenizer: Any,
+        config: ContinuousBatchingConfig,
+        dtype: str | torch.dtype,
+        device: str | None,
+        hub_kwargs: dict[str, Any],
+    ) -> tuple[Engine, Any]:
+        processor = self.processor if self.processor is not None else tokenizer
+        if processor is None or isinstance(processor, str):
+            from acb.model_source import load_processor
+
+            source = processor or (
+                pretrained if isinstance(pretrained, str) else getattr(pretrained.config, "name_or_path", "")
+            )
+            if not source:
+                raise ValueError(
+                    "AcbMultimodalLM needs a processor with a model object that has no name_or_path: pass processor=..."
+                )
+            processor = load_processor(source, **hub_kwargs, **self.pixels)
+        if not hasattr(processor, "tokenizer") or not hasattr(processor, "image_processor"):
+            raise TypeError(
+                f"processor: expected the model's processor (an AutoProcessor with a tokenizer and an image "
+                f"processor), got {type(processor).__name__}"
+            )
+        self.processor = processor
+        if isinstance(pretrained, str):
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(pretrained, dtype=dtype, **hub_kwargs)
+            model = model.to(device).eval()  # type: ignore[arg-type]
+        else:
+            model = pretrained
+        return Engine(model, config, processor=processor), processor.tokenizer
+
+    # ----------------------------------------------------------- chat
+    def apply_chat_template(self, chat_history: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat rendered by the processor's template, each ``<image>`` placeholder an image
+        part (where it stood with ``interleave``, else before the message's text), as ``hf-multimodal``."""
+        self.chat_applied = True
+        chat = []
+        for message in chat_history:
+            text = message["content"]
+            wanted = min(self.max_images, text.count(DEFAULT_IMAGE_PLACEHOLDER))
+            content: list[dict[str, Any]] = []
+            if not self.interleave:
+                content.extend({"type": "image", "image": None} for _ in range(wanted))
+                content.append({"type": "text", "text": text.replace(DEFAULT_IMAGE_PLACEHOLDER, "")})
+            else:
+                parts = text.split(DEFAULT_IMAGE_PLACEHOLDER)
+                for i, part in enumerate(parts):
+                    if part:
+                        content.append({"type": "text", "text": part})
+                    if i < len(parts) - 1 and i < self.max_images:
+                        content.append({"type": "image"})
+            chat.append({**message, "content": content})
+        return str(
+            self.processor.apply_chat_template(
+                chat,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+                **self.chat_template_args,
+            )
+        )
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The processor's chat template (lm-eval records it and keys its cache with it)."""
+        if not hasattr(self.processor, "apply_chat_template"):
+            return super().chat_template(chat_template)  # type: ignore[no-any-return]
+        tok, self.tokenizer = self.tokenizer, self.processor
+        try:
+            return super().chat_template(chat_template)  # type: ignore[no-any-return]
+        finally:
+            self.tokenizer = tok
+
+    # ------------------------------------------------------------- images
+    def _images(self, aux: dict[str, Any]) -> list[Any]:
+        """A request's images as ``hf-multimodal`` hands them to the processor: resized, the
+        first ``max_images``, converted to RGB with ``convert_img_format``."""
+        visual = aux.get("visual")
+        if visual is None:
+            return []
+        images = list(visual) if isinstance(visual, (list, tuple)) else [visual]
+        images = [resize_image(im, self.image_width, self.image_height, self.image_max_side) for im in images]
+        images = images[: self.max_images]
+        return [im.convert("RGB") for im in images] if self.rgb else images
+
+    def _encode(self, text: str, images: list[Any]) -> Any:
+        """``text`` and ``images`` through the processor, one request (``hf-multimodal``'s call):
+        the ``<image>`` placeholders become the model's image token string first, unless a chat
+        template rendered the text. A ``BatchFeature`` of ``[1, ...]`` tensors."""
+        if not self.chat_applied:
+            text = replace_placeholders(text, DEFAULT_IMAGE_PLACEHOLDER, self.image_token, self.max_images)
+        # LLaVA's processor takes a flat list of images; the others one list per text
+        batch = images if getattr(self.engine.model.config, "model_type", "") == "llava" else [images]
+        enc = self.processor(text=[text], images=batch or None, return_tensors="pt")
+        enc.pop("attention_mask", None)
+        return enc.to(next(self.engine.model.parameters()).dtype)  # the floating tensors, as hf-multimodal casts them
+
+    def _cut_left(self, enc: Any, keep: int) -> Any:
+        """``enc`` with its first tokens dropped so that ``keep`` remain (and the per-token tensors
+        with them), as ``hf-multimodal`` cuts a long context; refused where an image's tokens would go."""
+        ids = enc["input_ids"]
+        drop = ids.shape[-1] - keep
+        if drop <= 0:
+            return enc
+        if self._image_token_id is not None and bool((ids[..., :drop] == self._image_token_id).any()):
+            raise ValueError(
+                f"a context of {ids.shape[-1]} tokens must lose its first {drop} to fit the context window, "
+                f"and that would cut an image's tokens: raise max_length or lower max_gen_toks"
+            )
+        for name in list(enc.keys()):
+            if name == "input_ids" or name.endswith("token_type_ids"):
+                enc[name] = enc[name][..., drop:]
+        return enc
+
+    def _generation_prompt(self, args: tuple[Any, ...], max_context: int) -> Any:
+        if len(args) < 3:
+            return super()._generation_prompt(args, max_context)
+        enc = self._cut_left(self._encode(args[0], self._images(args[2])), max_context)
+        return enc if len(enc.keys()) > 1 else enc["input_ids"][0].tolist()
+
+    # ------------------------------------------------------------- requests
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Requests without images as :class:`AcbLM`'s; those with images scored on their
+        processed context (``hf-multimodal``'s ``_encode_multimodal_pair`` split: the context and
+        the whole text processed with the images, the continuation the tokens past the context's)."""
+        with_images = [i for i, r in enumerate(requests) if len(r.args) >= 3]
+        if not with_images:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)  # type: ignore[no-any-return]
+        picked = set(with_images)
+        text = [r for i, r in enumerate(requests) if i not in picked]
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        if text:
+            text_results = iter(super().loglikelihood(text, disable_tqdm=disable_tqdm))
+            for i in range(len(requests)):
+                if i not in picked:
+                    results[i] = next(text_results)
+        items: dict[tuple[Any, ...], tuple[Any, dict[tuple[int, ...], None]]] = {}
+        keys = []
+        for i in with_images:
+            context, continuation, aux = requests[i].args
+            if context == "":
+                raise ValueError("loglikelihood: a request with images needs a non-empty context (as hf-multimodal)")
+            n_spaces = len(context) - len(context.rstrip())
+            if n_spaces:
+                context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+            images = self._images(aux)
+            ctx = self._encode(context, images)
+            whole = self._encode(context + continuation, images)["input_ids"][0].tolist()
+            ctx_ids = ctx["input_ids"][0].tolist()
+            cont = tuple(whole[len(ctx_ids) :])
+            if not cont:
+                raise ValueError("loglikelihood: the continuation encodes to no tokens")
+            if len(cont) > self.max_length:
+                raise ValueError(
+                    f"loglikelihood: a continuation of {len(cont)} tokens does not fit the "
+                    f"context window of {self.max_length} tokens"
+                )
+            # the window hf scores: context and continuation cut from the left to max_length + 1 tokens
+            ctx = self._cut_left(ctx, self.max_length + 1 - len(cont))
+            # one item per context and images (the same list object: a document's choices)
+            key = (tuple(ctx["input_ids"][0].tolist()), id(aux.get("visual")))
+            items.setdefault(key, (ctx if len(ctx.keys()) > 1 else list(key[0]), {}))[1][cont] = None
+            keys.append((key, cont))
+        scored = self._score(items, disable_tqdm)
+        for i, key in zip(with_images, keys):
+            results[i] = scored[key]
+            context, continuation, aux = requests[i].args
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), scored[key])
+        return [r for r in results if r is not None]
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        if any(len(r.args) >= 3 for r in requests):
+            raise NotImplementedError(
+                "acb-multimodal does not score images (loglikelihood_rolling); use 'acb' for text-only rolling tasks"
+            )
+        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+
+
+def _placement(dtype: str | torch.dtype, device: str | None) -> tuple[str | torch.dtype, str]:
+    """A checkpoint's dtype (a name made a ``torch.dtype``; ``"auto"`` kept) and device (default
+    ``cuda`` when available, else ``cpu``)."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(dtype, str) and dtype != "auto":
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype={dtype!r}: expected 'auto' or a torch dtype name such as 'bfloat16'")
+        dtype = getattr(torch, dtype)
+    return dtype, device
+
+
 def _load_tokenizer(
     tokenizer: str | TokenizerLike | None, pretrained: str | PreTrainedModel, hub_kwargs: dict[str, Any]
 ) -> Any:
@@ -463,6 +763,7 @@ def _load_tokenizer(
 # A placeholder rather than the class: ``python -m acb.integrations.lm_eval`` runs this file as
 # ``__main__`` too, and lm-eval refuses a second, different class under the same name.
 model_registry.register("acb", target="acb.integrations.lm_eval:AcbLM")
+model_registry.register("acb-multimodal", target="acb.integrations.lm_eval:AcbMultimodalLM")
 
 
 def main() -> None:

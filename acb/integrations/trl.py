@@ -77,6 +77,7 @@ class AcbRollouts:
         self.completions = 0
         self._installed = False
         self._closed = False
+        self._trainer: Any = None  # a vision-language trainer whose generation this object took over
         self._lock = threading.Lock()  # close() against a call starting the engine in another thread
 
     # ------------------------------------------------------------ install
@@ -89,14 +90,64 @@ class AcbRollouts:
         self._installed = True
         return self
 
+    def take_over_generation(self, trainer: Any) -> AcbRollouts:
+        """A vision-language trainer's rollouts through this object: TRL's prompt tokenizing is
+        kept (its training forward needs its batched image tensors) and each prompt is also
+        processed on its own, as one acb request with its images; TRL's generation step then
+        generates these through the engine (a prompt acb has no processed form of, a tool
+        turn's, goes to TRL's own generation)."""
+        tokenize, generate = trainer._tokenize_prompts, trainer._generate_single_turn
+        rows: dict[tuple[int, ...], Any] = {}
+
+        def tokenize_prompts(prompts: list) -> Any:
+            prompt_ids, images, fields = tokenize(prompts)
+            rows.clear()
+            if images is not None:
+                from trl.data_utils import prepare_multimodal_messages
+
+                for prompt, ids in zip(prompts, prompt_ids):
+                    one = trainer.processing_class.apply_chat_template(
+                        conversation=[prepare_multimodal_messages(prompt)],
+                        tools=trainer.tools or None,
+                        chat_template=trainer.chat_template,
+                        add_generation_prompt=True,
+                        tokenize=True,
+                        return_dict=True,
+                        return_tensors="pt",
+                        **trainer.chat_template_kwargs,
+                    )
+                    if one["input_ids"][0].tolist() == list(ids):  # (else TRL's own generation runs it)
+                        rows[tuple(ids)] = one
+            return prompt_ids, images, fields
+
+        def generate_single_turn(prompt_ids: list, images: Any, fields: Any, *args: Any, **kwargs: Any) -> Any:
+            inputs = [rows.get(tuple(ids)) for ids in prompt_ids]
+            if images is not None and any(x is None for x, im in zip(inputs, images) if im):
+                return generate(prompt_ids, images, fields, *args, **kwargs)
+            out = self(
+                [x if x is not None else list(ids) for x, ids in zip(inputs, prompt_ids)],
+                generation_config=trainer.generation_config,
+                progress_bar=False,
+            )
+            return [list(o.generated_tokens) for o in out.values()], None
+
+        trainer._tokenize_prompts, trainer._generate_single_turn = tokenize_prompts, generate_single_turn
+        self._trainer = trainer
+        return self
+
     def close(self) -> None:
-        """Stop the engine and give the model its own ``generate_batch`` back; idempotent."""
+        """Stop the engine and give the model its own ``generate_batch`` back (and a trainer its
+        own generation); idempotent."""
         with self._lock:
             self._closed = True
             if self._installed:
                 if vars(self.model).get("generate_batch") is self:
                     del self.model.generate_batch
                 self._installed = False
+            trainer, self._trainer = self._trainer, None
+            if trainer is not None:
+                for name in ("_tokenize_prompts", "_generate_single_turn"):
+                    vars(trainer).pop(name, None)
             self._stop_engine()
 
     @property
@@ -184,8 +235,9 @@ def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> Ac
     """Make a TRL trainer (or a model) generate through acb; returns the installed
     :class:`AcbRollouts` (a context manager: leaving it stops the engine and undoes the change).
 
-    ``target``: a ``GRPOTrainer`` built with ``use_transformers_continuous_batching=True``, or
-    the model itself. ``config``: acb's (or transformers') continuous-batching config, overriding
+    ``target``: a ``GRPOTrainer`` built with ``use_transformers_continuous_batching=True``, a
+    ``GRPOTrainer`` of a vision-language policy (TRL's own generation path: acb takes it over,
+    images included), or the model itself. ``config``: acb's (or transformers') continuous-batching config, overriding
     the one TRL passes. ``sleep``: free the KV cache between rounds (default: on CUDA).
     A trainer's ``GRPOConfig.vllm_structured_outputs_regex`` constrains every rollout (TRL
     itself applies it only when generating with vLLM).
@@ -193,6 +245,14 @@ def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> Ac
     model = target
     tokenizer = None
     structured = None
+    if hasattr(target, "accelerator") and hasattr(target, "model") and getattr(target, "_is_vlm", False):
+        # a vision-language policy: TRL refuses continuous batching for it, so acb takes its own
+        # generation path instead (the images reach acb's engine, the training forward is TRL's)
+        if getattr(target, "use_vllm", False):
+            raise ValueError("the trainer generates with vLLM: build it without use_vllm for use_acb to take over")
+        model = target.accelerator.unwrap_model(target.model)
+        rollouts = AcbRollouts(model, config, sleep=sleep)
+        return rollouts.install().take_over_generation(target)
     if hasattr(target, "accelerator") and hasattr(target, "model"):  # a trainer
         if not getattr(target, "use_transformers_continuous_batching", False):
             raise ValueError(

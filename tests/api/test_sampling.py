@@ -244,6 +244,18 @@ def test_generation_config_processors():
         continuous_batching_config=acb.ContinuousBatchingConfig(**CFG),
     )
     assert res["req_0"].generated_tokens == ref
+    # suppress_tokens (TRL sets a VLM's image token): the tokens generate would have picked, never picked
+    suppress = ref[:2]
+    gc = GenerationConfig(max_new_tokens=5, do_sample=False, suppress_tokens=suppress, eos_token_id=-1)
+    ref = _hf(model, [5, 6, 7], max_new_tokens=5, suppress_tokens=suppress).sequences[0, 3:].tolist()
+    res = acb.generate_batch(
+        model,
+        [[5, 6, 7]],
+        generation_config=gc,
+        progress_bar=False,
+        continuous_batching_config=acb.ContinuousBatchingConfig(**CFG),
+    )
+    assert res["req_0"].generated_tokens == ref and not set(ref) & set(suppress)
     with pytest.warns(UserWarning, match="typical_p"):
         acb.generate_batch(
             model,
