@@ -116,8 +116,9 @@ class ContinuousBatchingConfig:
     runner: str | None = None
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions
     # vision-language models: bytes of image embeddings kept on the device (the running requests'
-    # images, then recent ones for reuse); a request whose images need more is refused at submit.
-    # None: an eighth of the KV cache's bytes, at least 64 MiB
+    # images, then recent ones for reuse), set aside before the KV cache is sized from the memory
+    # budget; a request whose images need more is refused at submit. None: a sixteenth of the
+    # memory budget (with num_blocks given: an eighth of the KV cache's bytes), at least 64 MiB
     image_cache_bytes: int | None = None
     # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights in steps of
     # at most 128 tokens (None: on when the model is on CPU, not compiled, not tensor parallel and

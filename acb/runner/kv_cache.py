@@ -262,14 +262,16 @@ def size_kv_cache(
     max_len: int,
     max_reqs: int,
     max_batch_tokens: int,
+    reserved: int = 0,
 ) -> int:
     """How many KV blocks (scratch block included) fit in the memory budget once one step's
-    transient memory is set aside, and no more than every running request at full length can
-    use. Raises ``ValueError`` with the figures when not even one ``max_len`` request fits."""
+    transient memory (and ``reserved`` bytes: a vision-language model's image embeddings) is set
+    aside, and no more than every running request at full length can use. Raises
+    ``ValueError`` with the figures when not even one ``max_len`` request fits."""
     dtype = spec.dtype
     per_block = spec.bytes_per_block(block_size)
     budget = kv_memory_budget(device, max_memory_percent)
-    workspace = step_workspace_bytes(model, max_batch_tokens, max_reqs, dtype)
+    workspace = step_workspace_bytes(model, max_batch_tokens, max_reqs, dtype) + reserved
     useful = max_reqs * math.ceil(max_len / block_size) + 1
     if per_block == 0:  # state layers only (Mamba): blocks cost nothing, they only measure lengths
         return min(useful, max_reqs * math.ceil(NO_KV_MAX_LEN / block_size) + 1)
@@ -282,7 +284,7 @@ def size_kv_cache(
             f"{needed * per_block / 2**20:.1f} MiB of KV cache, but the budget is "
             f"{budget / 2**20:.1f} MiB ({'max_memory_percent of free CUDA memory' if cuda else 'share of available RAM'}) "
             f"minus {workspace / 2**20:.1f} MiB for a step of max_batch_tokens={max_batch_tokens} and "
-            f"max_requests_per_batch={max_reqs}. Lower max_model_len, max_batch_tokens or "
+            f"max_requests_per_batch={max_reqs} (and image embeddings: image_cache_bytes). Lower max_model_len, max_batch_tokens or "
             "max_requests_per_batch, raise max_memory_percent, or set num_blocks."
         )
     return num_blocks

@@ -403,9 +403,17 @@ def resolve_config(
             model, max_batch_tokens, max_reqs, dtype
         )
         max_len = max(block_size, min(NO_KV_MAX_LEN, (room // per_block - 1) * block_size))
+    # a vision-language model's image embeddings: set aside before the KV cache is sized from
+    # the memory budget (a sixteenth of it by default, at least 64 MiB)
+    images = not own_path and takes_images(model)
+    image_bytes = config.image_cache_bytes
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
+        if images and image_bytes is None:
+            from acb.runner.kv_cache import kv_memory_budget
+
+            image_bytes = max(64 << 20, kv_memory_budget(device, config.max_memory_percent) // 16)
         num_blocks = size_kv_cache(
             model,
             spec,
@@ -415,6 +423,7 @@ def resolve_config(
             max_len=max_len,
             max_reqs=max_reqs,
             max_batch_tokens=max_batch_tokens,
+            reserved=image_bytes or 0 if images else 0,
         )
     # as transformers: the offload space is capped at the threshold's share of the RAM available
     # now (0 turns offload off), and None sizes it to that cap
@@ -443,7 +452,7 @@ def resolve_config(
         num_swap_blocks=swap_bytes // per_block if per_block else 0,
         prefix_caching=config.allow_block_sharing,
         async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
-        image_cache_bytes=config.image_cache_bytes or max(64 << 20, num_blocks * per_block // 8),
+        image_cache_bytes=image_bytes or max(64 << 20, num_blocks * per_block // 8),
     )
     return resolved, spec
 
