@@ -336,9 +336,8 @@ class RequestGroup:
         statuses = {o.status for o in outs}
         for bad in (RequestStatus.FAILED, RequestStatus.CANCELLED):
             if bad in statuses:
-                head.status = bad
-                first = next((o for o in outs if o.status == bad), head)
-                head.error, head.failure = first.error, first.failure
+                first = next(o for o in outs if o.status == bad)  # (before the head takes the status)
+                head.status, head.error, head.failure = bad, first.error, first.failure
                 break
         head.samples = [
             SampleOutput(

@@ -4,7 +4,7 @@ Importing this module registers the model with lm-eval (extra ``eval``: ``pip in
 ".[eval]"`` in acb's checkout)::
 
     import lm_eval
-    import acb.integrations.lm_eval  # noqa: F401 - registers "acb"
+    import acb.integrations.lm_eval  # noqa: F401 - registers "acb" (and "acb-multimodal", below)
 
     results = lm_eval.simple_evaluate(model="acb", model_args="pretrained=PATH,dtype=bfloat16",
                                       tasks=["hellaswag"], device="cuda")
@@ -39,6 +39,42 @@ scored, never fed.
 continuations of one context are one item (one-token choices come from one forward of the
 context), the prefix cache is read for every context (a task's few-shot preamble is computed
 once per engine, not once per document), and the LM head runs only on the scored rows.
+
+Images: model ``"acb-multimodal"``
+----------------------------------
+
+:class:`AcbMultimodalLM` runs lm-eval's tasks with images (a task's ``doc_to_image``) on a
+vision-language model, as lm-eval's own ``hf-multimodal`` backend does and with its model
+arguments (``image_token_id``/``image_string``, ``interleave``, ``max_images``,
+``convert_img_format``, ``min_pixels``/``max_pixels``, ``image_width``/``image_height``/
+``image_max_side``), plus :class:`AcbLM`'s::
+
+    results = lm_eval.simple_evaluate(model="acb-multimodal", model_args="pretrained=PATH",
+                                      tasks=["mmmu_val"], device="cuda")
+    # or a model object and its processor
+    results = lm_eval.simple_evaluate(model="acb-multimodal",
+                                      model_args={"pretrained": model, "processor": processor}, ...)
+
+A checkpoint is loaded with ``AutoModelForImageTextToText`` and its processor with
+:func:`acb.model_source.load_processor`; the processor's tokenizer is lm-eval's tokenizer. A
+request with images (lm-eval hands them over as ``{"visual": [images]}`` after the request's own
+arguments) is made what ``hf-multimodal`` makes of it, one request at a time: the images resized
+and cut to ``max_images``, each ``<image>`` in the text replaced by the model's image token
+string (unless a chat template rendered the text: then the processor's template placed image
+parts where the placeholders were), and ``processor(text=..., images=...)``; its ``input_ids``
+and pixel tensors go to the engine as one processed prompt. So:
+
+- ``generate_until``: greedy (or sampled) generation with the task's stop strings and
+  ``max_gen_toks``, the text cut as ``hf-multimodal`` cuts it; a context longer than the
+  window is cut from the left, and refused where that would cut an image's tokens.
+- ``loglikelihood`` (multiple choice): ``hf-multimodal``'s pair encoding (the context and the
+  whole text processed with the images, the continuation the tokens past the context's), scored
+  on the processed context through :meth:`acb.Engine.score_batch`; ``hf-multimodal`` itself
+  refuses these requests ("not yet tested").
+- ``loglikelihood_rolling`` with images is refused, as by ``hf-multimodal``.
+
+Requests without images take :class:`AcbLM`'s text path. The command line takes ``--model
+acb-multimodal`` too.
 """
 
 from __future__ import annotations
@@ -545,7 +581,8 @@ class AcbMultimodalLM(AcbLM):
                     "the model's config has no image_token_id (or image_token_index): pass image_token_id "
                     "or image_string in the model arguments"
                 )
-            self._image_token_id = int(token_id)
+            if self._image_token_id is None:
+                self._image_token_id = int(token_id)
             self.image_token = self.tok_decode([int(token_id)], skip_special_tokens=False)
 
     def _make_engine(
@@ -578,8 +615,8 @@ class AcbMultimodalLM(AcbLM):
         if isinstance(pretrained, str):
             from transformers import AutoModelForImageTextToText
 
-            model = AutoModelForImageTextToText.from_pretrained(pretrained, dtype=dtype, **hub_kwargs)
-            model = model.to(device).eval()  # type: ignore[arg-type]
+            model: Any = AutoModelForImageTextToText.from_pretrained(pretrained, dtype=dtype, **hub_kwargs)
+            model = model.to(device).eval()
         else:
             model = pretrained
         return Engine(model, config, processor=processor), processor.tokenizer
@@ -617,10 +654,10 @@ class AcbMultimodalLM(AcbLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """The processor's chat template (lm-eval records it and keys its cache with it)."""
         if not hasattr(self.processor, "apply_chat_template"):
-            return super().chat_template(chat_template)  # type: ignore[no-any-return]
+            return super().chat_template(chat_template)
         tok, self.tokenizer = self.tokenizer, self.processor
         try:
-            return super().chat_template(chat_template)  # type: ignore[no-any-return]
+            return super().chat_template(chat_template)
         finally:
             self.tokenizer = tok
 
@@ -644,7 +681,7 @@ class AcbMultimodalLM(AcbLM):
             text = replace_placeholders(text, DEFAULT_IMAGE_PLACEHOLDER, self.image_token, self.max_images)
         # LLaVA's processor takes a flat list of images; the others one list per text
         batch = images if getattr(self.engine.model.config, "model_type", "") == "llava" else [images]
-        enc = self.processor(text=[text], images=batch or None, return_tensors="pt")
+        enc = self.processor(text=[text], images=batch if images else None, return_tensors="pt")
         enc.pop("attention_mask", None)
         return enc.to(next(self.engine.model.parameters()).dtype)  # the floating tensors, as hf-multimodal casts them
 
@@ -669,7 +706,7 @@ class AcbMultimodalLM(AcbLM):
         if len(args) < 3:
             return super()._generation_prompt(args, max_context)
         enc = self._cut_left(self._encode(args[0], self._images(args[2])), max_context)
-        return enc if len(enc.keys()) > 1 else enc["input_ids"][0].tolist()
+        return enc if _has_pixels(enc) else enc["input_ids"][0].tolist()
 
     # ------------------------------------------------------------- requests
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -678,7 +715,7 @@ class AcbMultimodalLM(AcbLM):
         the whole text processed with the images, the continuation the tokens past the context's)."""
         with_images = [i for i, r in enumerate(requests) if len(r.args) >= 3]
         if not with_images:
-            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)  # type: ignore[no-any-return]
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
         picked = set(with_images)
         text = [r for i, r in enumerate(requests) if i not in picked]
         results: list[tuple[float, bool] | None] = [None] * len(requests)
@@ -712,21 +749,25 @@ class AcbMultimodalLM(AcbLM):
             ctx = self._cut_left(ctx, self.max_length + 1 - len(cont))
             # one item per context and images (the same list object: a document's choices)
             key = (tuple(ctx["input_ids"][0].tolist()), id(aux.get("visual")))
-            items.setdefault(key, (ctx if len(ctx.keys()) > 1 else list(key[0]), {}))[1][cont] = None
+            items.setdefault(key, (ctx if _has_pixels(ctx) else list(key[0]), {}))[1][cont] = None
             keys.append((key, cont))
         scored = self._score(items, disable_tqdm)
-        for i, key in zip(with_images, keys):
-            results[i] = scored[key]
-            context, continuation, aux = requests[i].args
-            self.cache_hook.add_partial("loglikelihood", (context, continuation), scored[key])
+        for i, pair in zip(with_images, keys):
+            results[i] = scored[pair]
+            self.cache_hook.add_partial("loglikelihood", requests[i].args[:2], scored[pair])
         return [r for r in results if r is not None]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        if any(len(r.args) >= 3 for r in requests):
+        if any(len(r.args) > 1 for r in requests):  # (the text, then lm-eval's {"visual": ...})
             raise NotImplementedError(
                 "acb-multimodal does not score images (loglikelihood_rolling); use 'acb' for text-only rolling tasks"
             )
         return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+
+
+def _has_pixels(enc: Any) -> bool:
+    """A processor's output that carries images (more than token ids and per-token types)."""
+    return any(k not in ("input_ids", "attention_mask") and not k.endswith("token_type_ids") for k in enc.keys())
 
 
 def _placement(dtype: str | torch.dtype, device: str | None) -> tuple[str | torch.dtype, str]:

@@ -169,6 +169,9 @@ class ImageEmbedder:
         prompt = req.token_ids[: req.prompt_len]
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in images.tensors.items()}
+        for name, value in kwargs.items():  # per-token types, over a prompt that grew past the processed one
+            if name.endswith("token_type_ids") and isinstance(value, torch.Tensor) and value.shape[-1] < len(prompt):
+                kwargs[name] = torch.nn.functional.pad(value, (0, len(prompt) - value.shape[-1]))  # (0: text)
         seen: dict[str, Any] = {}
 
         def stand_in(*args: Any, **kw: Any) -> Any:

@@ -163,3 +163,27 @@ def test_refusals_name_what_is_wrong():
     ) as eng:
         with pytest.raises(acb.InvalidRequestError, match="takes no images"):
             eng.generate(chats()[0], max_new_tokens=2)
+
+
+def test_scoring_a_fresh_image_context_and_a_childs_failure(monkeypatch):
+    """Qwen's per-token types cover a scoring child's longer prompt (its capture once failed on
+    a fresh engine); a group whose child fails carries the child's error, not None."""
+    model, processor = tiny_vlm("qwen3_vl")
+    inputs = processed("qwen3_vl", chats()[0])
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8)
+    with acb.Engine(model, cfg, processor=processor) as eng:
+        out = eng.score_batch([(inputs, [[40, 41, 42]])], progress_bar=False)[0]
+        assert out.status == acb.RequestStatus.FINISHED and len(out.continuations[0].logprobs) == 3
+    from acb.runner.vision import ImageEmbedder
+
+    capture = ImageEmbedder.capture
+
+    def child_fails(self, req):
+        if "#" in req.request_id:
+            raise RuntimeError("the child's capture broke")
+        return capture(self, req)
+
+    monkeypatch.setattr(ImageEmbedder, "capture", child_fails)
+    with acb.Engine(model, cfg, processor=processor) as eng:
+        out = eng.score_batch([(inputs, [[40, 41, 42], [43, 44]])], progress_bar=False)[0]
+    assert out.status == acb.RequestStatus.FAILED and "the child's capture broke" in (out.error or "")
