@@ -106,7 +106,8 @@ class ImageEmbedder:
         # -> the block of each of their context positions (acb.runner.attention.torch_backend)
         self.step_groups: dict[int, torch.Tensor] = {}
         self.encoder_s = 0.0  # seconds in the model's own vision code (figures)
-        self.captures = 0
+        self.captures = 0  # requests whose images the model's own code ran on
+        self.capture_calls = 0  # calls of it (several requests of a step go together)
         self._lock = threading.Lock()
 
     # lifecycle ---------------------------------------------------------------
@@ -161,17 +162,53 @@ class ImageEmbedder:
     # the model's own code ------------------------------------------------------
     def capture(self, req: Request) -> Embedded:
         """Run the model on the request's prompt and images up to its language model."""
+        return self.capture_many([req])[0]
+
+    def capture_many(self, reqs: list[Request]) -> list[Embedded]:
+        """:meth:`capture` for several requests in one call of the model's own code, as the
+        padded batch its processor would make of them (prompts left-padded, per-token types
+        padded alike, image tensors concatenated), so that the vision encoder runs once for
+        their images together; requests whose image tensors do not concatenate (other shapes
+        past the first dimension) go one by one."""
         import time
 
-        images = req.images
-        assert images is not None
         t0 = time.perf_counter()
-        prompt = req.token_ids[: req.prompt_len]
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in images.tensors.items()}
-        for name, value in kwargs.items():  # per-token types, over a prompt that grew past the processed one
-            if name.endswith("token_type_ids") and isinstance(value, torch.Tensor) and value.shape[-1] < len(prompt):
-                kwargs[name] = torch.nn.functional.pad(value, (0, len(prompt) - value.shape[-1]))  # (0: text)
+        groups: dict[tuple, list[Request]] = {}
+        for req in reqs:
+            assert req.images is not None
+            sig = tuple(
+                (k, tuple(v.shape[1:]) if not k.endswith("token_type_ids") else ())
+                for k, v in sorted(req.images.tensors.items())
+                if isinstance(v, torch.Tensor)
+            )
+            groups.setdefault(sig, []).append(req)
+        made = {id(r): e for g in groups.values() for r, e in zip(g, self._capture(g))}
+        self.encoder_s += time.perf_counter() - t0
+        return [made[id(r)] for r in reqs]
+
+    def _capture(self, reqs: list[Request]) -> list[Embedded]:
+        prompts = [req.token_ids[: req.prompt_len] for req in reqs]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(reqs), width), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[b, width - len(p) :] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        kwargs: dict[str, Any] = {}
+        first = reqs[0].images
+        assert first is not None
+        for name, value in first.tensors.items():
+            values = [r.images.tensors[name] for r in reqs if r.images is not None]
+            if not isinstance(value, torch.Tensor):
+                kwargs[name] = value
+            elif name.endswith("token_type_ids"):  # per token: over each prompt, left-padded (0: text)
+                rows = [v.reshape(-1)[: len(p)] for v, p in zip(values, prompts)]
+                kwargs[name] = torch.stack(
+                    [torch.nn.functional.pad(r, (width - len(p), len(p) - r.shape[0])) for r, p in zip(rows, prompts)]
+                ).to(self.device)
+            else:  # images (or their patches, sizes, counts) along the first dimension
+                kwargs[name] = torch.cat(values).to(self.device)
         seen: dict[str, Any] = {}
 
         def stand_in(*args: Any, **kw: Any) -> Any:
@@ -184,7 +221,7 @@ class ImageEmbedder:
         with self._lock:
             decoder.forward = stand_in
             try:
-                self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kwargs)
+                self.model(input_ids=ids, attention_mask=attn, use_cache=False, **kwargs)
             except _Captured:
                 pass
             finally:
@@ -195,29 +232,41 @@ class ImageEmbedder:
                 f"{type(self.model).__name__} did not hand inputs_embeds to its language model "
                 f"({type(decoder).__name__}); acb cannot run its images"
             )
-        embeds = embeds[0]  # [L, D]
-        plain = self.embed(ids)[0]
-        differ = (embeds != plain).any(-1).nonzero()[:, 0]
+        plain = self.embed(ids)
         pos = seen.get("position_ids")
-        mrope, delta = None, 0
-        if isinstance(pos, torch.Tensor) and pos.dim() == 3:  # [R, 1, L]: multimodal rotary positions
-            mrope = pos[:, 0].to(torch.long)
-            # (Qwen's four rows: text positions for the mask, then the three rotary ones)
-            delta = int(mrope[-3:].max()) + 1 - len(prompt)
-        deep_positions = deep_rows = None
         mask, deep = seen.get("visual_pos_masks"), seen.get("deepstack_visual_embeds")
-        if isinstance(mask, torch.Tensor) and deep:
-            deep_positions = mask[0].nonzero()[:, 0]
-            deep_rows = torch.stack([d.to(embeds.dtype) for d in deep]).clone()
-        self.mrope = self.mrope or mrope is not None
-        self.encoder_s += time.perf_counter() - t0
-        self.captures += 1
-        groups = None
-        if images.spans:
-            groups = torch.full((len(prompt),), -1, dtype=torch.long, device=self.device)
-            for k, (a, b) in enumerate(images.spans):
-                groups[a:b] = k
-        return Embedded(differ, embeds[differ].clone(), len(prompt), mrope, delta, deep_positions, deep_rows, groups)
+        deep_split = None
+        if isinstance(mask, torch.Tensor) and deep:  # DeepStack rows: row-major over the padded batch
+            counts = mask.sum(dim=1).tolist()
+            deep_split = [torch.stack(parts) for parts in zip(*(d.split(counts) for d in deep))]
+        out = []
+        for b, (req, prompt) in enumerate(zip(reqs, prompts)):
+            lo = width - len(prompt)
+            e = embeds[b, lo:]  # [L, D]
+            differ = (e != plain[b, lo:]).any(-1).nonzero()[:, 0]
+            mrope, delta = None, 0
+            if isinstance(pos, torch.Tensor) and pos.dim() == 3:  # [R, B, L]: multimodal rotary positions
+                mrope = pos[:, b, lo:].to(torch.long).clone()
+                # (Qwen's four rows: text positions for the mask, then the three rotary ones)
+                delta = int(mrope[-3:].max()) + 1 - len(prompt)
+            deep_positions = deep_rows = None
+            if deep_split is not None and isinstance(mask, torch.Tensor):
+                deep_positions = mask[b, lo:].nonzero()[:, 0]
+                deep_rows = deep_split[b].to(e.dtype).clone()
+            images = req.images
+            assert images is not None
+            blocks = None
+            if images.spans:
+                blocks = torch.full((len(prompt),), -1, dtype=torch.long, device=self.device)
+                for k, (a, z) in enumerate(images.spans):
+                    blocks[a:z] = k
+            self.mrope = self.mrope or mrope is not None
+            out.append(
+                Embedded(differ, e[differ].clone(), len(prompt), mrope, delta, deep_positions, deep_rows, blocks)
+            )
+        self.captures += len(reqs)
+        self.capture_calls += 1
+        return out
 
     # a step ------------------------------------------------------------------
     def step_inputs(
@@ -236,6 +285,15 @@ class ImageEmbedder:
         starts = [0]
         for n in sched.num_new:
             starts.append(starts[-1] + n)
+        fresh = [
+            sched.requests[i]
+            for i in with_images
+            if self.key(sched.requests[i]) not in self._used and self.key(sched.requests[i]) not in self._free
+        ]
+        if len(fresh) > 1:  # their images through the vision encoder together
+            for req, entry in zip(fresh, self.capture_many(fresh)):
+                self._free[self.key(req)] = entry  # (taken by entry() below)
+                self._free_bytes += entry.nbytes
         embeds = self.embed(input_ids)  # [1, T, D]
         positions = position_ids
         deep_at: list[torch.Tensor] = []  # flattened-batch indices of DeepStack positions, ascending

@@ -99,6 +99,20 @@ def test_samples_scoring_and_processed_inputs(arch):
         assert torch.allclose(torch.tensor(score.logprobs), lp, atol=1e-4), (score.logprobs, lp.tolist())
 
 
+@pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3", "llava"])
+def test_requests_admitted_together_share_one_vision_call(arch):
+    """The image requests a step admits go through the model's own vision code in one padded
+    call (its batch, as the processor would make it), and stay exact."""
+    model, processor = tiny_vlm(arch)
+    cs = [messages([image(30 + i)], f"request {i} " * (i + 1)) for i in range(4)]
+    # (no prefix caching: requests sharing a prompt prefix would otherwise wait a step for its blocks)
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, allow_block_sharing=False)
+    with acb.Engine(model, cfg, processor=processor) as eng:
+        outs = eng.generate_batch(cs, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
+        assert eng.runner.vision.captures == 4 and eng.runner.vision.capture_calls == 1
+    assert [o.generated_tokens for o in outs.values()] == [reference(arch, c) for c in cs]
+
+
 def test_the_prefix_cache_keys_include_the_images():
     """Same text, another image: no K/V shared past the first image token (and other tokens); the
     same image and text: shared."""
@@ -176,14 +190,14 @@ def test_scoring_a_fresh_image_context_and_a_childs_failure(monkeypatch):
         assert out.status == acb.RequestStatus.FINISHED and len(out.continuations[0].logprobs) == 3
     from acb.runner.vision import ImageEmbedder
 
-    capture = ImageEmbedder.capture
+    capture = ImageEmbedder._capture
 
-    def child_fails(self, req):
-        if "#" in req.request_id:
+    def child_fails(self, reqs):
+        if any("#" in req.request_id for req in reqs):
             raise RuntimeError("the child's capture broke")
-        return capture(self, req)
+        return capture(self, reqs)
 
-    monkeypatch.setattr(ImageEmbedder, "capture", child_fails)
+    monkeypatch.setattr(ImageEmbedder, "_capture", child_fails)
     with acb.Engine(model, cfg, processor=processor) as eng:
         out = eng.score_batch([(inputs, [[40, 41, 42], [43, 44]])], progress_bar=False)[0]
     assert out.status == acb.RequestStatus.FAILED and "the child's capture broke" in (out.error or "")
