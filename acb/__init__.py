@@ -14,6 +14,7 @@ from acb.errors import (
     QueueFullError,
     RequestFailedError,
     UnsupportedModelError,
+    WeightUpdateError,
 )
 from acb.outputs import (
     ContinuationScore,
@@ -53,6 +54,7 @@ __all__ = [
     "StructuredOutputs",
     "SyncRequestHandle",
     "UnsupportedModelError",
+    "WeightUpdateError",
     "generate_batch",
     "init_continuous_batching",
 ]

@@ -124,3 +124,9 @@ class RequestFailedError(AcbError):
 
 class UnsupportedModelError(AcbError):
     """The model cannot be run by acb; the message names the reason."""
+
+
+class WeightUpdateError(ValueError):
+    """A weight update refused before anything was written (the old weights still serve): an
+    unknown name, a shape or dtype that does not fit, a checkpoint that does not read, a sender
+    that died half-way. The message says what was wrong."""

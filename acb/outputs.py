@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.IntEnum):
@@ -147,6 +148,10 @@ class GenerationOutput:
     next_token_top_logprobs: list[tuple[int, float]] | None = None
     # n > 1: every sample (the top-level token fields then repeat sample 0); None when n == 1
     samples: list[SampleOutput] | None = None
+    # the version of the weights its tokens were sampled under (Engine.update_weights; 0: the
+    # weights the engine started with), or [(version, first token, end), ...] when an update
+    # landed while it ran (pause(mode="keep"))
+    weight_version: Any = 0
 
     def is_finished(self) -> bool:
         """Whether the request reached a terminal state (finished, failed or cancelled)."""

@@ -334,6 +334,18 @@ class AsyncEngine(EngineBase):
         forgotten: int = await await_future(self._reset_prefix_cache_future())
         return forgotten
 
+    # ------------------------------------------------------ weight updates
+    async def update_weights(self, named_tensors: Any, *, version: Any = None) -> Any:
+        """:meth:`acb.Engine.update_weights`: the tensors checked and staged in a worker thread,
+        swapped in between two steps; returns the version now running."""
+        staged = await anyio.to_thread.run_sync(self.stage_weights, named_tensors)
+        return await await_future(self._swap_future(staged, version))
+
+    async def load_weights(self, path: Any, *, version: Any = None) -> Any:
+        """:meth:`acb.Engine.load_weights`: the checkpoint read and staged in a worker thread."""
+        staged = await anyio.to_thread.run_sync(self.stage_checkpoint, path)
+        return await await_future(self._swap_future(staged, version))
+
     # ------------------------------------------------------ pause and sleep
     async def pause(self, mode: str = "wait") -> None:
         """Stop running steps, e.g. while the model trains between rounds; returns once paused.

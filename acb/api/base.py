@@ -288,6 +288,40 @@ class EngineBase:
 
     # ------------------------------------------------------ pause and sleep
     # the blocking and async forms (Engine, AsyncEngine) wrap these futures
+    # ---------------------------------------------------------- weight updates
+    @property
+    def weight_version(self) -> Any:
+        """The version of the weights the engine runs (0: those it started with)."""
+        return self.core.weight_version if self.core is not None else 0
+
+    def stage_weights(self, named_tensors: Any) -> Any:
+        """An update's tensors checked and staged (:func:`acb.runner.weight_update.stage`): the
+        caller's thread does the copying, the engine thread only the swap.
+
+        Raises:
+            WeightUpdateError: a name, shape or dtype that does not fit (nothing written).
+        """
+        from acb.runner.tp_sync import tp_size_of
+        from acb.runner.weight_update import stage
+
+        if tp_size_of(self.model) > 1:
+            raise RuntimeError("weight updates are not supported under tensor parallel yet")
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        return stage(self.model, items)
+
+    def stage_checkpoint(self, path: Any) -> Any:
+        """:meth:`stage_weights` for a safetensors checkpoint (a directory or one file)."""
+        from acb.runner.weight_update import read_checkpoint
+
+        return self.stage_weights(read_checkpoint(path))
+
+    def _swap_future(self, staged: Any, version: Any) -> Future[Any]:
+        from acb.runner.weight_update import version_after
+
+        return self._live_core().call(
+            lambda core: core.swap_weights(staged, version_after(core.weight_version, version))
+        )
+
     def _pause_future(self, mode: str) -> Future[None]:
         return self._live_core().pause(mode)
 

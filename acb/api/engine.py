@@ -232,6 +232,31 @@ class Engine(EngineBase):
         """
         return self._reset_prefix_cache_future().result(timeout)
 
+    def update_weights(self, named_tensors: Any, *, version: Any = None, timeout: float | None = None) -> Any:
+        """Replace weights by name, atomically: every name, shape and dtype is checked against
+        the model and the tensors are staged before anything is written; the swap happens on
+        the engine thread between two steps. The prefix cache is dropped; requests that go on
+        report the version their tokens were sampled under (``GenerationOutput.weight_version``).
+
+        Args:
+            named_tensors: ``{name: tensor}`` or ``(name, tensor)`` pairs, by the model's own
+                names (``model.named_parameters()``, persistent buffers); any subset.
+            version: the new version (default: the current one plus one).
+            timeout: the most seconds to wait for the swap.
+
+        Returns:
+            The version now running.
+
+        Raises:
+            WeightUpdateError: an unknown name, a shape or dtype that does not fit (nothing written).
+        """
+        return self._swap_future(self.stage_weights(named_tensors), version).result(timeout)
+
+    def load_weights(self, path: Any, *, version: Any = None, timeout: float | None = None) -> Any:
+        """:meth:`update_weights` from a safetensors checkpoint (a directory or one file) on
+        local disk; every tensor in it is checked before anything is written."""
+        return self._swap_future(self.stage_checkpoint(path), version).result(timeout)
+
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
         """Stop running steps, e.g. while the model trains between rounds; returns once paused.
         Requests submitted while paused are accepted and wait.

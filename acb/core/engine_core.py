@@ -144,6 +144,7 @@ class EngineCore:
         self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.weight_version: Any = 0  # the version of the weights steps run with (swap_weights)
         self._closed = False  # set (under _lock) as the thread exits; adds are refused after
         self._drain_on_stop = False
         # the caller's pause and sleep: two holds that compose (their contract: acb.core.holds)
@@ -375,6 +376,9 @@ class EngineCore:
                         raise RuntimeError("a request has structured outputs and this engine has no grammar compiler")
                     self._grammars = self._grammar_factory()
                 req = build_request(er, self.tokenizer, self._grammars)
+                if self.weight_version != 0:
+                    for member in req.group.members if req.group is not None else (req,):
+                        member.versions = [(self.weight_version, 0)]
                 if self._stopping and not self._drain_on_stop:
                     self._end_unscheduled(req, RequestStatus.CANCELLED)
                     return False
@@ -721,6 +725,24 @@ class EngineCore:
             n = self._reset_for(weights=True)
             if n:
                 logger.info("the model's weights changed: %d cached prefix blocks forgotten", n)
+
+    def swap_weights(self, staged: Any, version: Any) -> Any:
+        """Swap an update's staged weights in (engine thread, between two steps: through
+        :meth:`call`), drop what was computed with the old ones, and give the running requests
+        the new version; returns it. ``staged``: :class:`acb.runner.weight_update.Staged`."""
+        staged.swap()
+        self.weight_version = version
+        for req in (*self.scheduler.live.values(), *self.holds.held):
+            req.new_weights(version)
+        forgotten = self._reset_for(weights=True)
+        logger.info(
+            "weights updated to version %r (%d tensors, %.1f MiB); %d cached prefix blocks forgotten",
+            version,
+            len(staged.names),
+            staged.nbytes / 2**20,
+            forgotten,
+        )
+        return version
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (engine thread), and whatever else the runner derived from

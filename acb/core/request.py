@@ -97,6 +97,7 @@ class Request:
         "score_next",
         "images",
         "images_key",
+        "versions",
         "out",
     )
 
@@ -168,6 +169,8 @@ class Request:
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
         self.images: ImageInputs | None = None  # its images, processed at submit (acb.images)
         self.images_key: bytes | None = None  # the runner's key of their embeddings (acb.runner.vision)
+        # the weight versions its tokens were sampled under: (version, index of its first token)
+        self.versions: list[tuple[Any, int]] = [(0, 0)]
         self.swapped: tuple[list[int], int] | None = None  # (host blocks, tokens) while offloaded
         # tokens scheduled for sampling whose values are not back yet (async batching: up to 2)
         self.in_flight = 0
@@ -289,7 +292,26 @@ class Request:
             prompt_top_logprobs=[list(t) for t in out.prompt_tops] if out.prompt_tops is not None else None,
             next_token_logprobs=list(out.next_lps) if out.next_lps is not None else None,
             next_token_top_logprobs=list(out.next_top) if out.next_top is not None else None,
+            weight_version=self.weight_version(),
         )
+
+    def weight_version(self) -> Any:
+        """The weight version its tokens were sampled under, or, when an update landed while it
+        ran, ``[(version, first token, end), ...]`` spans over its generated tokens."""
+        versions = self.versions
+        if len(versions) == 1:
+            return versions[0][0]
+        ends = [start for _, start in versions[1:]] + [self.num_generated]
+        return [(v, start, end) for (v, start), end in zip(versions, ends)]
+
+    def new_weights(self, version: Any) -> None:
+        """Weights of ``version`` were swapped in: the tokens it samples from now on are theirs
+        (those in flight were sampled before)."""
+        at = self.num_generated + self.in_flight
+        if at == 0 or self.versions[-1][1] == at:
+            self.versions[-1] = (version, self.versions[-1][1])
+        else:
+            self.versions.append((version, at))
 
     def _text(self) -> str | None:
         """The output text (stop strings only; None otherwise, or if the tokenizer cannot decode

@@ -1,0 +1,146 @@
+"""Weight updates from elsewhere: named tensors checked whole against the model, staged, then
+swapped in between two engine steps.
+
+An update is atomic. :func:`check_specs` and :func:`stage` check every name, shape and dtype
+against the model before anything is written. The tensors are staged: copied to the model's
+device and dtype, apart from the weights, off the engine thread (a receiver fills them, or a
+checkpoint is read into them). Only then does :meth:`Staged.swap` copy them into the weights, on
+the engine thread, between two steps, under ``torch.no_grad``. A bad update leaves the weights as
+they were and raises :class:`WeightUpdateError` naming what was wrong:
+
+- an unknown name, a shape that differs, a dtype of another kind (an integer for a float);
+- a checkpoint that does not read;
+- a sender that died half-way.
+
+Names are the model's own (``model.named_parameters()`` and its persistent buffers, tied
+weights under each of their names). A floating dtype other than the weight's is cast: a trainer
+in float32 may update a server in bfloat16.
+
+The engine drops its prefix cache and whatever it derived from the weights (the packed CPU
+linears) with the swap, and gives the new version to the requests that go on under it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from acb.errors import WeightUpdateError
+
+__all__ = ["Staged", "WeightUpdateError", "check_specs", "read_checkpoint", "stage", "weight_targets"]
+
+
+def weight_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What an update may write: every parameter (tied ones under each of their names) and
+    persistent buffer, by the model's own names."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in skip:
+                out[f"{module_name}.{name}" if module_name else name] = buf
+    return out
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "float" if dtype.is_floating_point else "complex" if dtype.is_complex else str(dtype)
+
+
+def check_specs(targets: dict[str, torch.Tensor], specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    """Refuse an update, before any byte of it moves, whose names, shapes or dtypes do not fit.
+
+    Raises:
+        WeightUpdateError: listing every problem (the first ten, and how many more).
+    """
+    problems = []
+    seen = set()
+    for name, shape, dtype in specs:
+        if name in seen:
+            problems.append(f"{name}: named twice")
+        seen.add(name)
+        target = targets.get(name)
+        if target is None:
+            problems.append(f"{name}: the model has no such parameter or buffer")
+        elif tuple(shape) != tuple(target.shape):
+            problems.append(f"{name}: shape {tuple(shape)}, the model's is {tuple(target.shape)}")
+        elif _kind(dtype) != _kind(target.dtype):
+            problems.append(f"{name}: dtype {dtype}, the model's is {target.dtype}")
+    if not seen:
+        problems.append("the update names no tensor")
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise WeightUpdateError("weight update refused, nothing written: " + "; ".join(problems[:10]) + more)
+
+
+@dataclass
+class Staged:
+    """An update's tensors, checked and staged on the model's device and dtype."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (the weight, its new value)
+    names: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self.pairs)
+
+    def swap(self) -> None:
+        """Write the new values into the weights (engine thread, between two steps)."""
+        with torch.no_grad():
+            for weight, value in self.pairs:
+                weight.copy_(value)
+
+
+def stage(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    """Check then stage ``(name, tensor)`` pairs (copies: the caller may reuse its tensors).
+
+    Raises:
+        WeightUpdateError: a name, shape or dtype that does not fit (nothing staged).
+    """
+    targets = weight_targets(model)
+    items = [(name, t if isinstance(t, torch.Tensor) else torch.as_tensor(t)) for name, t in named]
+    check_specs(targets, ((n, tuple(t.shape), t.dtype) for n, t in items))
+    pairs = []
+    for name, tensor in items:
+        target = targets[name]
+        value = torch.empty_like(target)
+        value.copy_(tensor.detach())
+        pairs.append((target, value))
+    return Staged(pairs, [n for n, _ in items])
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors checkpoint directory (or one ``.safetensors`` file), by name.
+
+    Raises:
+        WeightUpdateError: no such path, no safetensors file in it, or one that does not read.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise WeightUpdateError(f"weight update refused, nothing written: no such checkpoint {path!r}")
+    if not files:
+        raise WeightUpdateError(f"weight update refused, nothing written: no .safetensors file in {path!r}")
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise WeightUpdateError(f"weight update refused, nothing written: {file}: {exc}") from None
+
+
+def version_after(current: Any, given: Any) -> Any:
+    """The version an update brings: the one given, else the current one plus one (an int)."""
+    if given is not None:
+        return given
+    return current + 1 if isinstance(current, int) else 1
