@@ -341,6 +341,11 @@ class AsyncEngine(EngineBase):
         staged = await anyio.to_thread.run_sync(self.stage_weights, named_tensors)
         return await await_future(self._swap_future(staged, version))
 
+    async def swap_weights(self, staged: Any, version: Any = None) -> Any:
+        """Swap in an update already staged (:meth:`stage_weights`: a receiver staged it)
+        between two steps; returns the version now running."""
+        return await await_future(self._swap_future(staged, version))
+
     async def load_weights(self, path: Any, *, version: Any = None) -> Any:
         """:meth:`acb.Engine.load_weights`: the checkpoint read and staged in a worker thread."""
         staged = await anyio.to_thread.run_sync(self.stage_checkpoint, path)

@@ -118,6 +118,14 @@ def _add_serve(sub: Any) -> None:
         metavar="S",
         help="seconds an image URL's fetch may take (default: 5)",
     )
+    rl = p.add_argument_group("a trainer elsewhere (RL)")
+    rl.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve the routes a trainer drives: /pause, /resume, /is_paused, /sleep, /wake_up, "
+        "/update_weights_from_disk, /init_weight_transfer, /update_weights, /close_weight_transfer "
+        "(behind --api-key when set)",
+    )
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument(
         "--max-queue-size",
@@ -260,6 +268,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
         media_fetch_timeout=args.media_fetch_timeout,
+        enable_weight_updates=args.enable_weight_updates,
     )
     return ServerSettings(
         model=source,

@@ -88,6 +88,8 @@ class AppOptions:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     media_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
+    # the routes of a trainer elsewhere (acb.serve.weights): pause, sleep, weight updates
+    enable_weight_updates: bool = False
 
 
 def build_app(
@@ -109,6 +111,7 @@ def build_app(
     max_image_bytes: int | None = None,
     max_image_pixels: int | None = None,
     media_fetch_timeout: float | None = None,
+    enable_weight_updates: bool | None = None,
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
     when the app starts (``/health`` says when it is ready) and stopped when it stops.
@@ -128,7 +131,9 @@ def build_app(
     image URLs the server fetches (by default none: images come as ``data:`` URLs), within
     ``media_fetch_timeout`` seconds; an image has at most ``max_image_bytes`` bytes and
     ``max_image_pixels`` pixels (:mod:`acb.serve.media`). Arguments not given take
-    :class:`AppOptions`' defaults."""
+    :class:`AppOptions`' defaults. ``enable_weight_updates``: the routes a trainer elsewhere
+    drives (pause, sleep, weight updates from disk or over ``torch.distributed``:
+    :mod:`acb.serve.weights`), behind ``api_key`` when one is set."""
     given: dict[str, Any] = {
         "trust_request_chat_template": trust_request_chat_template,
         "max_prompts_per_request": max_prompts_per_request,
@@ -141,6 +146,7 @@ def build_app(
         "max_image_bytes": max_image_bytes,
         "max_image_pixels": max_image_pixels,
         "media_fetch_timeout": media_fetch_timeout,
+        "enable_weight_updates": enable_weight_updates,
     }
     options = replace(AppOptions(), **{k: v for k, v in given.items() if v is not None})
     shaping.check_parsers(options.tool_call_parser, options.reasoning_parser)
@@ -179,6 +185,8 @@ def build_app(
             finally:
                 state.stopped = True
                 tg.cancel_scope.cancel()
+        for stop in state.on_stop:
+            stop()
         await engine.shutdown(cancel_pending=True)
         state.renderer.close()
 
@@ -222,6 +230,10 @@ def build_app(
         )
 
     responses.add_routes(app, state)  # POST /v1/responses (the Responses API)
+    if options.enable_weight_updates:  # a trainer's routes: pause, sleep, weights (acb.serve.weights)
+        from acb.serve import weights
+
+        weights.add_routes(app, state)
     return app
 
 
@@ -262,6 +274,7 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
             logprobs=body.logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             shaper=lambda: shaping.OutputShaper(plan, parser, prompts.tail, constrained=constraint is not None),
+            token_ids=body.return_token_ids,
         )
 
     return Job(
@@ -297,6 +310,7 @@ def _completion_job(state: ServerState, body: CompletionRequest) -> Job:
         n=body.n,
         logprobs=body.logprobs is not None,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        token_ids=body.return_token_ids,
     )
     return Job(
         sampling,

@@ -116,6 +116,14 @@ class TokenTexts:
         return self.get(token)[0]
 
 
+def weight_version(outs: Sequence[GenerationOutput]) -> Any:
+    """The response's weight version: its outputs' (the first one's when they differ; spans
+    ``[version, first token, end]`` when an update landed while it ran)."""
+    versions = [o.weight_version for o in outs]
+    v = versions[0] if versions else 0
+    return [list(span) for span in v] if isinstance(v, list) else v
+
+
 def chat_logprobs(
     texts: TokenTexts,
     tokens: Sequence[int],
@@ -217,6 +225,11 @@ class CompletionOutput:
         include_usage: a stream's last chunk carries the usage (``stream_options.include_usage``).
         shaper: makes a chat choice's :class:`~acb.serve.shaping.OutputShaper` (reasoning, tool
             calls); ``None``: the text is the content.
+        token_ids: each choice carries its ``token_ids`` and ``prompt_token_ids`` (vLLM's
+            ``return_token_ids``).
+
+    Every response (a stream: its last chunks) carries the ``weight_version`` its tokens were
+    sampled under (:attr:`acb.GenerationOutput.weight_version`).
     """
 
     def __init__(
@@ -230,6 +243,7 @@ class CompletionOutput:
         logprobs: bool,
         include_usage: bool = False,
         shaper: Callable[[], shaping.OutputShaper] | None = None,
+        token_ids: bool = False,
     ) -> None:
         self.chat = chat
         self.model = model
@@ -239,6 +253,7 @@ class CompletionOutput:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.shaper = shaper if chat else None
+        self.token_ids = token_ids  # return_token_ids: the prompt's and each choice's token ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # a text choice's length so far (logprobs' text_offset)
@@ -284,6 +299,8 @@ class CompletionOutput:
                             "finish_reason": finish_reason(s),
                         }
                     )
+                if self.token_ids:
+                    choices[-1].update(token_ids=list(s.generated_tokens), prompt_token_ids=list(out.prompt_ids))
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -291,10 +308,11 @@ class CompletionOutput:
             "model": self.model,
             "choices": choices,
             "usage": usage(outs),
+            "weight_version": weight_version(outs),
         }
 
     # ---------------------------------------------------------------- the stream
-    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> str:
+    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None, version: Any = None) -> str:
         data: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -304,6 +322,8 @@ class CompletionOutput:
         }
         if self.include_usage:
             data["usage"] = use
+        if version is not None:  # (a sample's last chunk)
+            data["weight_version"] = version
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     def start(self) -> list[str]:
@@ -335,7 +355,10 @@ class CompletionOutput:
             SSE events (none or one).
         """
         choices = self._choices(p, delta)
-        return [self._chunk(choices)] if choices else []
+        if not choices:
+            return []
+        final = delta.output if delta.finished else None
+        return [self._chunk(choices, version=weight_version([final]) if final is not None else None)]
 
     def end(self, finals: Sequence[GenerationOutput]) -> list[str]:
         """A stream's last events, once every request finished: the usage chunk if asked for,
@@ -397,6 +420,8 @@ class CompletionOutput:
                     }
                 )
                 self._offsets[index] = off + len(delta.text or "")
+            if self.token_ids and choices:
+                choices[-1]["token_ids"] = list(delta.token_ids)
         if delta.finished and delta.output is not None:
             for s in samples(delta.output):
                 i = p * n + getattr(s, "index", 0)

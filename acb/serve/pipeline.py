@@ -122,6 +122,7 @@ class ServerState:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.media = media or MediaPolicy()  # what a request's images may be (acb.serve.media)
+        self.on_stop: list[Callable[[], None]] = []  # called once the app stops (before the engine)
         self.ready = False
         self.stopped = False
         self.created = int(time.time())

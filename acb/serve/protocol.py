@@ -142,6 +142,9 @@ class _Common(RequestBody):
     min_tokens: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response (RL rollouts); logprobs
+    # are then the processed ones, of the distribution each token was drawn from
+    return_token_ids: bool = False
 
     # fields that change what a request means, which acb does not implement
     _refused: tuple[str, ...] = ()
@@ -187,6 +190,7 @@ class _Common(RequestBody):
                 seed=self.seed,
                 n=self.n,
                 logprobs=logprobs,
+                logprobs_mode="processed" if self.return_token_ids and logprobs is not None else None,
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured,

@@ -1,0 +1,273 @@
+"""RL past one process: ``acb serve --enable-weight-updates`` as the rollout server of a trainer
+in another process, with the real pieces: a real ``acb serve`` process, ``torch.distributed``
+over gloo, TRL's own ``GRPOTrainer`` with ``acb.rl.rollout_func`` and a callback that pushes the
+weights after each optimizer step. No vLLM anywhere.
+
+- Three GRPO steps: after each push the server's greedy output equals the trainer's own
+  ``model.generate`` exactly, and ``weight_version`` advances.
+- A push with a wrong shape is a 4xx. The old weights still serve, and the next good push works.
+- A request parked by ``POST /pause?mode=keep`` while the weights change finishes after
+  ``/resume``, with spans saying which tokens came from which version.
+- A trainer process killed mid-broadcast leaves the server serving its old weights, and it
+  accepts a new ``/init_weight_transfer``.
+- ``/update_weights_from_disk`` and the pause and sleep routes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("trl")
+
+from acb.models import build_tokenizer, tiny_model  # noqa: E402
+from acb.rl import PushWeights, WeightPusher, WeightPushError, rollout_func  # noqa: E402
+from tests.conftest import reference_generate  # noqa: E402
+from tests.serve.test_openai_server import CHAT_TEMPLATE, ROOT, _free_port, _serve  # noqa: E402
+
+NAME = "tiny"
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    model = tiny_model("llama", seed=3, vocab_size=len(tok))
+    d = tmp_path_factory.mktemp("tiny-rl")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return SimpleNamespace(dir=d, model=model, tok=tok)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    args = ["--served-model-name", NAME, "--enable-weight-updates", "--num-blocks", "128", "--page-size", "8"]
+    yield from _serve(checkpoint, tmp_path_factory, "rl", args)
+
+
+def base(server) -> str:
+    return server.url.removesuffix("/v1")
+
+
+def post(server, path: str, body: dict | None = None, timeout: float = 120) -> dict:
+    req = urllib.request.Request(
+        base(server) + path, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def greedy(server, prompt: list[int], n: int = MAX_NEW) -> tuple[list[int], object]:
+    out = post(
+        server,
+        "/v1/completions",
+        {
+            "model": NAME,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    return out["choices"][0]["token_ids"], out["weight_version"]
+
+
+PROMPT = [5, 9, 14, 3, 77, 41, 8]
+
+
+def shifted(model, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return out
+
+
+def test_pushes_land_exactly_and_a_bad_push_changes_nothing(server, checkpoint):
+    model = copy.deepcopy(checkpoint.model)
+    start, _ = greedy(server, PROMPT)
+    assert start == reference_generate(model, PROMPT, MAX_NEW)
+    with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60) as pusher:
+        bad = [
+            (n, torch.zeros(t.shape[0] + 1, *t.shape[1:])) if i == 0 else (n, t)
+            for i, (n, t) in enumerate(model.named_parameters())
+        ]
+        with pytest.raises(WeightPushError, match="400.*shape"):
+            pusher.push(bad, version=99)
+        assert greedy(server, PROMPT) == (start, 0)  # the old weights still serve
+        trained = shifted(model, 1)
+        assert pusher.push(trained, version=1) == 1
+        got, version = greedy(server, PROMPT)
+        assert version == 1 and got == reference_generate(trained, PROMPT, MAX_NEW) != start
+
+
+def test_grpo_trainer_generates_remotely_and_pushes_after_each_step(server, checkpoint, tmp_path):
+    """TRL's GRPOTrainer with ``rollout_func`` on the server and a callback that pushes the
+    weights after each optimizer step: three steps; after each push the server's greedy tokens
+    equal the trainer's own ``model.generate``, and the version is the step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = copy.deepcopy(checkpoint.model)
+    pusher = WeightPusher([base(server)], master_port=_free_port(), timeout_s=60)
+    pusher.push(model, version=0)  # the server starts from the trainer's weights
+    checks = []
+
+    class Check(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):  # (after PushWeights: it was added first)
+            got, version = greedy(server, PROMPT)
+            was = model.training  # (the server runs eval semantics; TRL leaves the model training)
+            model.eval()
+            want = reference_generate(model, PROMPT, MAX_NEW)
+            model.train(was)
+            checks.append((version, got == want))
+
+    seen = []
+
+    def reward(prompts, completions, completion_ids, **kw):
+        seen.append([list(c) for c in completion_ids])
+        return [(sum(c) % 97) / 97.0 for c in completion_ids]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_NEW,
+        max_steps=3,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        learning_rate=0.05,
+        temperature=1.0,
+    )
+    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        reward_funcs=reward,
+        processing_class=checkpoint.tok,
+        train_dataset=ds,
+        rollout_func=rollout_func(base(server), NAME),
+        callbacks=[PushWeights(pusher), Check()],
+    )
+    try:
+        trainer.train()
+    finally:
+        pusher.close()
+    assert trainer.state.global_step == 3 and len(seen) == 3
+    assert checks == [(1, True), (2, True), (3, True)]
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), checkpoint.model.parameters()))
+
+
+def test_pause_keep_across_an_update_and_the_routes(server, checkpoint, tmp_path):
+    model = copy.deepcopy(checkpoint.model)
+    trained = shifted(model, 4)
+    result: dict = {}
+
+    def long_request() -> None:
+        result["out"] = post(
+            server,
+            "/v1/completions",
+            {"model": NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True},
+            timeout=300,
+        )
+
+    with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60) as pusher:
+        pusher.push(model, version="a")
+        t = threading.Thread(target=long_request)
+        t.start()
+        import time
+
+        time.sleep(0.5)  # (the request is running; whenever the pause lands, its spans say where)
+        assert post(server, "/pause?mode=keep") == {"paused": True}
+        assert json.loads(urllib.request.urlopen(base(server) + "/is_paused").read()) == {"paused": True}
+        pusher.push(trained, version="b")
+        post(server, "/resume")
+        t.join(timeout=300)
+    spans = result["out"]["weight_version"]
+    assert [s[0] for s in spans] == ["a", "b"] and spans[0][1] == 0 and spans[-1][2] == 400, spans
+    # from disk (SGLang's route), and sleep / wake
+    trained.save_pretrained(tmp_path / "ckpt")
+    assert (
+        post(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "ckpt"), "weight_version": "disk"})[
+            "weight_version"
+        ]
+        == "disk"
+    )
+    assert post(server, "/sleep")["sleeping"] and not post(server, "/wake_up")["sleeping"]
+    got, version = greedy(server, PROMPT)
+    assert version == "disk" and got == reference_generate(trained, PROMPT, MAX_NEW)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(server, "/update_weights_from_disk", {"model_path": "/nonexistent"})
+    assert info.value.code == 400
+
+
+KILLED_TRAINER = textwrap.dedent(
+    """
+    import os, sys, threading, time, json, urllib.request
+    import torch
+    from acb.weight_transfer import TransferGroup
+    url, port, ckpt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    def post(path, body):
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=120).read()
+        except Exception:
+            pass
+    threading.Thread(target=post, args=("/init_weight_transfer", {"master_address": "127.0.0.1", "master_port": port,
+        "world_size": 2, "rank_offset": 1, "timeout_s": 20}), daemon=True).start()
+    group = TransferGroup.join("127.0.0.1", port, 2, 0, timeout_s=20)
+    time.sleep(1.0)
+    items = [(n, p.detach() + 1) for n, p in model.named_parameters()]
+    body = {"names": [n for n, _ in items], "dtype_names": ["float32"] * len(items),
+            "shapes": [list(t.shape) for _, t in items], "weight_version": "never", "bucket_bytes": 4096, "seq": 1}
+    threading.Thread(target=post, args=("/update_weights", body), daemon=True).start()
+    group.verdicts(1)
+    group.decide(1, True)
+    group.broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for _, t in items])[:4096].clone())
+    print("sent one bucket", flush=True)
+    os._exit(17)  # killed mid-broadcast
+    """
+)
+
+
+def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(server, checkpoint, tmp_path):
+    before, version = greedy(server, PROMPT)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_TRAINER)
+    env = {"PYTHONPATH": str(ROOT)}
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, str(script), base(server), str(_free_port()), str(checkpoint.dir)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 17 and "sent one bucket" in proc.stdout, proc.stderr[-2000:]
+    # the server's receive fails (its group's peer is gone): nothing swapped, the old weights serve
+    assert greedy(server, PROMPT) == (before, version)
+    # and a new trainer joins and pushes
+    trained = shifted(checkpoint.model, 9)
+    with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60) as pusher:
+        assert pusher.push(trained, version="after") == "after"
+    assert greedy(server, PROMPT) == (reference_generate(trained, PROMPT, MAX_NEW), "after")
