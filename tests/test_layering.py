@@ -221,7 +221,14 @@ OPTIONAL = {
     "opentelemetry.exporter": {"acb.telemetry"},
     "prometheus_client": {"acb.telemetry"},
     # the server stack (extra "serve") lives in the acb.serve package alone
-    "fastapi": {"acb.serve", "acb.serve.app", "acb.serve.pipeline", "acb.serve.protocol", "acb.serve.responses"},
+    "fastapi": {
+        "acb.serve",
+        "acb.serve.app",
+        "acb.serve.pipeline",
+        "acb.serve.protocol",
+        "acb.serve.responses",
+        "acb.serve.weights",
+    },
     "uvicorn": {"acb.serve.launch"},
     "starlette": {"acb.serve.protocol", "acb.serve.ingress"},
 }
