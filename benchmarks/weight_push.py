@@ -1,0 +1,220 @@
+"""Remote rollouts: what a weight push costs, and GRPO steps per minute remote vs colocated.
+
+    python benchmarks/weight_push.py [--layers 28] [--out benchmarks/results/weight_push_cpu.json]
+
+1. A Qwen3-0.6B-shaped model (hidden 1024, 28 layers, 16 heads, 8 KV heads, MLP 3072,
+   vocabulary 151,936; random weights, bfloat16: 0.6B parameters, 1.2 GB), saved as a
+   checkpoint on local disk. It is served by ``acb serve --enable-weight-updates`` processes
+   on this machine, and pushed from this process over gloo (:class:`acb.rl.WeightPusher`,
+   256 MiB buckets) to one server and to two servers at once. That is set against ``POST
+   /update_weights_from_disk`` of the same checkpoint, all in the same run.
+2. TRL's ``GRPOTrainer`` on the embedded tiny model, 4 steps of 16 completions of at most 32
+   tokens. It runs colocated, on acb in the trainer's process (``use_acb``), and remote, on an
+   ``acb serve`` process (``acb.rl.rollout_func``, with the weights pushed after each step). The
+   figure is steps per minute for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from acb.rl import PushWeights, WeightPusher, rollout_func  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    """``acb serve --enable-weight-updates`` on a free port."""
+
+    def __init__(self, ckpt: Path, name: str, log: Path, extra: list[str] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "acb", "serve", "--model", str(ckpt), "--port", str(self.port)]
+        args += ["--served-model-name", name, "--enable-weight-updates", "--num-blocks", "64", *extra]
+        self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.5)
+            assert self.proc.poll() is None, log.read_text()[-3000:]
+        raise TimeoutError(log.read_text()[-3000:])
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=1200) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+
+
+def qwen3_06b(layers: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        hidden_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+def push_figures(layers: int, tmp: Path) -> dict:
+    model = qwen3_06b(layers)
+    params = sum(p.numel() for p in model.parameters())
+    ckpt = tmp / "qwen3-0.6b"
+    model.save_pretrained(ckpt)
+    from acb.models import build_tokenizer
+
+    build_tokenizer().save_pretrained(ckpt)
+    out: dict = {"parameters": params, "bytes": sum(p.nbytes for p in model.parameters())}
+    servers = [Served(ckpt, "qwen", tmp / f"serve{i}.log") for i in range(2)]
+    try:
+        for n in (1, 2):
+            with WeightPusher([s.url for s in servers[:n]], master_port=free_port(), timeout_s=600) as pusher:
+                pusher.init()
+                t0 = time.perf_counter()
+                pusher.push(model, version=f"push-{n}")
+                out[f"push_{n}_servers_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        servers[0].post("/update_weights_from_disk", {"model_path": str(ckpt), "weight_version": "disk"})
+        out["load_from_disk_s"] = time.perf_counter() - t0
+    finally:
+        for s in servers:
+            s.stop()
+    return out
+
+
+def grpo_figures(tmp: Path, steps: int = 4) -> dict:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from acb.integrations.trl import use_acb
+    from acb.models import build_tokenizer, tiny_model
+
+    tok = build_tokenizer()
+    base = tiny_model("llama", seed=3, vocab_size=len(tok))
+    ds = Dataset.from_list([{"prompt": f"question {i}: what is {i} plus {2 * i}?"} for i in range(16)])
+
+    def reward(prompts, completions, completion_ids, **kw):
+        return [(sum(c) % 97) / 97.0 for c in completion_ids]
+
+    def args(colocated: bool) -> GRPOConfig:
+        return GRPOConfig(
+            output_dir=str(tmp / "out"),
+            per_device_train_batch_size=16,
+            num_generations=4,
+            max_completion_length=32,
+            max_steps=steps,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            save_strategy="no",
+            seed=0,
+            learning_rate=0.01,
+            use_transformers_continuous_batching=colocated,
+            transformers_continuous_batching_config={"num_blocks": 256, "max_batch_tokens": 512} if colocated else None,
+        )
+
+    out = {}
+    model = copy.deepcopy(base)
+    trainer = GRPOTrainer(model=model, args=args(True), reward_funcs=reward, processing_class=tok, train_dataset=ds)
+    with use_acb(trainer):
+        t0 = time.perf_counter()
+        trainer.train()
+        out["colocated_steps_per_min"] = steps * 60 / (time.perf_counter() - t0)
+    ckpt = tmp / "tiny"
+    base.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    server = Served(ckpt, "tiny", tmp / "serve-tiny.log", ["--page-size", "16", "--num-blocks", "256"])
+    try:
+        model = copy.deepcopy(base)
+        with WeightPusher([server.url], master_port=free_port(), timeout_s=120) as pusher:
+            trainer = GRPOTrainer(
+                model=model,
+                args=args(False),
+                reward_funcs=reward,
+                processing_class=tok,
+                train_dataset=ds,
+                rollout_func=rollout_func(server.url, "tiny"),
+                callbacks=[PushWeights(pusher)],
+            )
+            pusher.push(model, version=0)
+            t0 = time.perf_counter()
+            trainer.train()
+            out["remote_steps_per_min"] = steps * 60 / (time.perf_counter() - t0)
+    finally:
+        server.stop()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--out", default="benchmarks/results/weight_push_cpu.json")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        push = push_figures(a.layers, tmp)
+        grpo = grpo_figures(tmp)
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "push": push,
+        "grpo": grpo,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    gb = push["bytes"] / 1e9
+    print(f"Qwen3-0.6B shape: {push['parameters'] / 1e6:.0f}M parameters, {gb:.2f} GB bfloat16\n")
+    print("| what | seconds | GB/s |")
+    print("|---|---|---|")
+    for key, label in (
+        ("push_1_servers_s", "push over gloo, one server"),
+        ("push_2_servers_s", "push over gloo, two servers"),
+        ("load_from_disk_s", "update_weights_from_disk"),
+    ):
+        print(f"| {label} | {push[key]:.1f} | {gb / push[key]:.2f} |")
+    print(
+        f"\nGRPO steps per minute (tiny model): colocated {grpo['colocated_steps_per_min']:.1f}, "
+        f"remote {grpo['remote_steps_per_min']:.1f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
