@@ -220,12 +220,10 @@ def test_pause_keep_across_an_update_and_the_routes(server, checkpoint, tmp_path
 
 KILLED_TRAINER = textwrap.dedent(
     """
-    import os, sys, threading, time, json, urllib.request
+    import json, os, sys, threading, time, urllib.request
     import torch
     from acb.weight_transfer import TransferGroup
-    url, port, ckpt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    url, port, shapes = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     def post(path, body):
         req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         try:
@@ -236,7 +234,7 @@ KILLED_TRAINER = textwrap.dedent(
         "world_size": 2, "rank_offset": 1, "timeout_s": 20}), daemon=True).start()
     group = TransferGroup.join("127.0.0.1", port, 2, 0, timeout_s=20)
     time.sleep(1.0)
-    items = [(n, p.detach() + 1) for n, p in model.named_parameters()]
+    items = [(n, torch.ones(s)) for n, s in shapes]
     body = {"names": [n for n, _ in items], "dtype_names": ["float32"] * len(items),
             "shapes": [list(t.shape) for _, t in items], "weight_version": "never", "bucket_bytes": 4096, "seq": 1}
     threading.Thread(target=post, args=("/update_weights", body), daemon=True).start()
@@ -251,13 +249,14 @@ KILLED_TRAINER = textwrap.dedent(
 
 def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(server, checkpoint, tmp_path):
     before, version = greedy(server, PROMPT)
+    shapes = [(n, list(p.shape)) for n, p in checkpoint.model.named_parameters()]
     script = tmp_path / "killed.py"
     script.write_text(KILLED_TRAINER)
     env = {"PYTHONPATH": str(ROOT)}
     import os
 
     proc = subprocess.run(
-        [sys.executable, str(script), base(server), str(_free_port()), str(checkpoint.dir)],
+        [sys.executable, str(script), base(server), str(_free_port()), json.dumps(shapes)],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
