@@ -337,17 +337,47 @@ class AsyncEngine(EngineBase):
     # ------------------------------------------------------ weight updates
     async def update_weights(self, named_tensors: Any, *, version: Any = None) -> Any:
         """:meth:`acb.Engine.update_weights`: the tensors checked and staged in a worker thread,
-        swapped in between two steps; returns the version now running."""
+        swapped in between two steps.
+
+        Args:
+            named_tensors: ``{name: tensor}`` or ``(name, tensor)`` pairs, by the model's own names.
+            version: the new version (default: the current one plus one).
+
+        Returns:
+            The version now running.
+
+        Raises:
+            WeightUpdateError: an unknown name, a shape or dtype that does not fit (nothing written).
+        """
         staged = await anyio.to_thread.run_sync(self.stage_weights, named_tensors)
         return await await_future(self._swap_future(staged, version))
 
     async def swap_weights(self, staged: Any, version: Any = None) -> Any:
         """Swap in an update already staged (:meth:`stage_weights`: a receiver staged it)
-        between two steps; returns the version now running."""
+        between two steps.
+
+        Args:
+            staged: what :meth:`stage_weights` or :meth:`stage_checkpoint` returned.
+            version: the new version (default: the current one plus one).
+
+        Returns:
+            The version now running.
+        """
         return await await_future(self._swap_future(staged, version))
 
     async def load_weights(self, path: Any, *, version: Any = None) -> Any:
-        """:meth:`acb.Engine.load_weights`: the checkpoint read and staged in a worker thread."""
+        """:meth:`acb.Engine.load_weights`: the checkpoint read and staged in a worker thread.
+
+        Args:
+            path: a safetensors checkpoint (a directory or one file) on local disk.
+            version: the new version (default: the current one plus one).
+
+        Returns:
+            The version now running.
+
+        Raises:
+            WeightUpdateError: a checkpoint that does not read, or a tensor that does not fit.
+        """
         staged = await anyio.to_thread.run_sync(self.stage_checkpoint, path)
         return await await_future(self._swap_future(staged, version))
 

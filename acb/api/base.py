@@ -298,6 +298,12 @@ class EngineBase:
         """An update's tensors checked and staged (:func:`acb.runner.weight_update.stage`): the
         caller's thread does the copying, the engine thread only the swap.
 
+        Args:
+            named_tensors: ``{name: tensor}`` or ``(name, tensor)`` pairs, by the model's own names.
+
+        Returns:
+            The staged update (:class:`acb.runner.weight_update.Staged`), for ``swap_weights``.
+
         Raises:
             WeightUpdateError: a name, shape or dtype that does not fit (nothing written).
         """
@@ -310,7 +316,17 @@ class EngineBase:
         return stage(self.model, items)
 
     def stage_checkpoint(self, path: Any) -> Any:
-        """:meth:`stage_weights` for a safetensors checkpoint (a directory or one file)."""
+        """:meth:`stage_weights` for a safetensors checkpoint (a directory or one file).
+
+        Args:
+            path: the checkpoint, on local disk.
+
+        Returns:
+            The staged update.
+
+        Raises:
+            WeightUpdateError: a checkpoint that does not read, or a tensor that does not fit.
+        """
         from acb.runner.weight_update import read_checkpoint
 
         return self.stage_weights(read_checkpoint(path))

@@ -254,7 +254,19 @@ class Engine(EngineBase):
 
     def load_weights(self, path: Any, *, version: Any = None, timeout: float | None = None) -> Any:
         """:meth:`update_weights` from a safetensors checkpoint (a directory or one file) on
-        local disk; every tensor in it is checked before anything is written."""
+        local disk; every tensor in it is checked before anything is written.
+
+        Args:
+            path: the checkpoint.
+            version: the new version (default: the current one plus one).
+            timeout: the most seconds to wait for the swap.
+
+        Returns:
+            The version now running.
+
+        Raises:
+            WeightUpdateError: a checkpoint that does not read, or a tensor that does not fit.
+        """
         return self._swap_future(self.stage_checkpoint(path), version).result(timeout)
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
