@@ -669,3 +669,11 @@ def test_serve_help_names_every_route(capsys):
     out = capsys.readouterr().out
     for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics"):
         assert route in out, route
+
+
+def test_weight_updates_are_refused_with_ray(capsys):
+    """The trainer's routes would reach one replica behind the Ray ingress: refused, saying what to do."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--ray", "--enable-weight-updates"])
+    assert exc.value.code == 2
+    assert "--enable-weight-updates is not supported with --ray" in capsys.readouterr().err

@@ -219,6 +219,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.ray or args.num_replicas is not None:
             raise CliError("--data-parallel N is --ray --num-replicas N: give one of them")
         args.ray, args.num_replicas = True, args.data_parallel
+    if args.ray and args.enable_weight_updates:
+        # the ingress sends a request to one replica: a pause or an update would reach only it
+        raise CliError(
+            "--enable-weight-updates is not supported with --ray yet (the routes would reach one replica): "
+            "run one acb serve per device and push to each (acb.rl.WeightPusher takes several servers)"
+        )
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = server_settings(args)
     if args.ray:
