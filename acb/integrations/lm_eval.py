@@ -567,14 +567,7 @@ class AcbMultimodalLM(AcbLM):
         if image_string:
             self.image_token: str = image_string
         else:
-            token_id = (
-                int(image_token_id)
-                if image_token_id
-                else (
-                    getattr(self.engine.model.config, "image_token_id", None)
-                    or getattr(self.engine.model.config, "image_token_index", None)
-                )
-            )
+            token_id = int(image_token_id) if image_token_id else self._image_token_id
             if token_id is None:
                 self.close()
                 raise ValueError(
