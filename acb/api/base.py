@@ -48,8 +48,11 @@ class EngineBase:
     """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style:
     start-up, validation at submit, the engine core and its thread.
 
-    ``runner_cls`` builds the model runner (default :class:`acb.runner.model_runner.ModelRunner`);
-    the overhead benchmark passes a runner whose forward costs nothing.
+    ``tokenizer`` turns text and chats into token ids; ``processor`` (a vision-language model's
+    ``AutoProcessor``) takes its place for a model that sees images, whose prompts may then hold
+    images (:mod:`acb.images`). ``runner_cls`` builds the model runner (default
+    :class:`acb.runner.model_runner.ModelRunner`); the overhead benchmark passes a runner whose
+    forward costs nothing.
     """
 
     def __init__(
