@@ -113,6 +113,21 @@ def test_requests_admitted_together_share_one_vision_call(arch):
     assert [o.generated_tokens for o in outs.values()] == [reference(arch, c) for c in cs]
 
 
+@pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3", "llava"])
+def test_offloaded_image_requests_resume_exactly(arch):
+    """Preempted image requests go to host memory and come back (no recompute): exact, and M-RoPE
+    positions and image rows still right after the swap."""
+    model, processor = tiny_vlm(arch)
+    cs = chats()
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=30, page_size=4, max_batch_tokens=16, use_async_batching=True, cpu_offload_space=0.01
+    )
+    with acb.Engine(model, cfg, processor=processor) as eng:
+        outs = eng.generate_batch(cs, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
+        assert eng.stats.preemptions > 0 and eng.stats.swapped_in_blocks > 0
+    assert [o.generated_tokens for o in outs.values()] == [reference(arch, c) for c in cs]
+
+
 def test_the_prefix_cache_keys_include_the_images():
     """Same text, another image: no K/V shared past the first image token (and other tokens); the
     same image and text: shared."""
