@@ -139,7 +139,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         port = _field(body, "master_port", int)
         world = _field(body, "world_size", int)
         rank = _field(body, "rank_offset", int)
-        timeout = float(body.get("timeout_s") or 120.0)
+        timeout = float(_field(body, "timeout_s", (int, float), required=False) or 120.0)
         if not 0 < rank < world:
             raise APIError(
                 400, f"rank_offset must be in [1, world_size): the trainer is rank 0; got {rank}", param="rank_offset"
@@ -167,7 +167,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         dtype_names = _field(body, "dtype_names", list)
         shapes = _field(body, "shapes", list)
         seq = _field(body, "seq", int)
-        bucket_bytes = int(body.get("bucket_bytes") or (256 << 20))
+        bucket_bytes = _field(body, "bucket_bytes", int, required=False) or (256 << 20)
+        if bucket_bytes < 1:
+            raise APIError(400, f"bucket_bytes must be >= 1, got {bucket_bytes}", param="bucket_bytes")
         version = body.get("weight_version")
         if not len(names) == len(dtype_names) == len(shapes):
             raise APIError(400, "names, dtype_names and shapes must have one entry per tensor", param="names")

@@ -270,3 +270,47 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(server, checkpoin
     with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60) as pusher:
         assert pusher.push(trained, version="after") == "after"
     assert greedy(server, PROMPT) == (reference_generate(trained, PROMPT, MAX_NEW), "after")
+
+
+@pytest.mark.parametrize(
+    "path, body, code, says",
+    [
+        ("/pause", {"mode": "sometimes"}, 400, "mode must be one of"),
+        (
+            "/init_weight_transfer",
+            {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "rank_offset": 0},
+            400,
+            "rank_offset",
+        ),
+        ("/init_weight_transfer", {"master_address": "127.0.0.1"}, 400, "master_port"),
+        (
+            "/update_weights",
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "seq": 1, "bucket_bytes": "x"},
+            400,
+            "bucket_bytes",
+        ),
+        (
+            "/update_weights",
+            {"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[1]], "seq": 1},
+            400,
+            "one entry per tensor",
+        ),
+        (
+            "/update_weights",
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "seq": 1},
+            409,
+            "init_weight_transfer",
+        ),
+        ("/update_weights_from_disk", {}, 400, "model_path"),
+    ],
+)
+def test_malformed_calls_are_4xx_and_harm_nothing(server, path, body, code, says):
+    before = greedy(server, PROMPT)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(server, path, body)
+    assert info.value.code == code
+    assert says in json.loads(info.value.read())["error"]["message"]
+    assert (
+        greedy(server, PROMPT) == before
+        and not json.loads(urllib.request.urlopen(base(server) + "/is_paused").read())["paused"]
+    )
