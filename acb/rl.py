@@ -2,8 +2,9 @@
 generate GRPO rollouts on them, with no vLLM anywhere.
 
 - :class:`WeightPusher` joins a ``torch.distributed`` group with one or more servers started
-  with ``acb serve --enable-weight-updates`` (gloo on CPU, NCCL on CUDA), and pushes a module's
-  weights to all of them at once, in buckets (:mod:`acb.weight_transfer`). An update is
+  with ``acb serve --enable-weight-updates`` (gloo on CPU, NCCL on CUDA; an ``acb serve --ray
+  --num-replicas N`` is N ranks, one per replica), and pushes a module's weights to all of them
+  at once, in buckets (:mod:`acb.weight_transfer`). An update is
   all-or-nothing: every server checks the names, shapes and dtypes first, and none receives
   unless all agreed.
 - :func:`rollout_func` makes the ``rollout_func`` of TRL's ``GRPOTrainer``. It renders each
@@ -50,9 +51,11 @@ class WeightPushError(RuntimeError):
     server that refused kept its old weights)."""
 
 
-def _post(url: str, body: dict[str, Any] | None, api_key: str | None, timeout: float) -> dict[str, Any]:
-    data = json.dumps(body or {}).encode()
-    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+def _post(
+    url: str, body: dict[str, Any] | None, api_key: str | None, timeout: float, method: str = "POST"
+) -> dict[str, Any]:
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
@@ -72,7 +75,8 @@ class WeightPusher:
 
     Args:
         servers: the servers' base URLs (``http://host:port``). Each joins the group with its
-            own rank (1, 2, ...); the trainer is rank 0 and hosts the group's store.
+            own ranks (1, 2, ...: as many as its ``GET /get_world_size`` says, one per replica
+            of an ``acb serve --ray``); the trainer is rank 0 and hosts the group's store.
         master_address: the address the servers reach the trainer at.
         master_port: a free port there, for the group's store.
         api_key: the servers' ``--api-key``, if any.
@@ -132,13 +136,14 @@ class WeightPusher:
         """Join the group with every server (each ``POST /init_weight_transfer``); blocks until
         all joined."""
         self.close()
-        world = 1 + len(self.servers)
+        sizes = self.world_sizes()
+        world = 1 + sum(sizes)
         bodies = [
             {
                 "master_address": self.master_address,
                 "master_port": self.master_port,
                 "world_size": world,
-                "rank_offset": i + 1,
+                "rank_offset": 1 + sum(sizes[:i]),
                 "timeout_s": self.timeout_s,
             }
             for i in range(len(self.servers))
@@ -151,6 +156,17 @@ class WeightPusher:
 
         self._all("/init_weight_transfer", bodies, join)
         self.seq = 0
+
+    def world_sizes(self) -> list[int]:
+        """The ranks each server takes in the group (its ``GET /get_world_size``)."""
+        out = []
+        for url in self.servers:
+            answer = _post(url + "/get_world_size", None, self.api_key, self.timeout_s + 30, method="GET")
+            size = answer.get("world_size")
+            if not isinstance(size, int) or size < 1:
+                raise WeightPushError(f"{url}/get_world_size answered {answer!r}")
+            out.append(size)
+        return out
 
     def push(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: Any = None) -> Any:
         """Push ``weights`` (a module's parameters and persistent buffers, or ``(name, tensor)``

@@ -1,13 +1,15 @@
 """Remote rollouts: what a weight push costs, and GRPO steps per minute remote vs colocated.
 
-    python benchmarks/weight_push.py [--layers 28] [--out benchmarks/results/weight_push_cpu.json]
+    python benchmarks/weight_push.py [--layers 28] [--no-ray] [--out benchmarks/results/weight_push_cpu.json]
 
 1. A Qwen3-0.6B-shaped model (hidden 1024, 28 layers, 16 heads, 8 KV heads, MLP 3072,
    vocabulary 151,936; random weights, bfloat16: 0.6B parameters, 1.2 GB), saved as a
    checkpoint on local disk. It is served by ``acb serve --enable-weight-updates`` processes
    on this machine, and pushed from this process over gloo (:class:`acb.rl.WeightPusher`,
-   256 MiB buckets) to one server and to two servers at once. That is set against ``POST
-   /update_weights_from_disk`` of the same checkpoint, all in the same run.
+   256 MiB buckets) to one server, to two servers at once, and to the two replicas of one
+   ``acb serve --ray --num-replicas 2`` (``--ray``; the ingress fans the routes out to both).
+   That is set against ``POST /update_weights_from_disk`` of the same checkpoint, all in the
+   same run.
 2. TRL's ``GRPOTrainer`` on the embedded tiny model, 4 steps of 16 completions of at most 32
    tokens. It runs colocated, on acb in the trainer's process (``use_acb``), and remote, on an
    ``acb serve`` process (``acb.rl.rollout_func``, with the weights pushed after each step). The
@@ -54,12 +56,21 @@ class Served:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:
-                if urllib.request.urlopen(self.url + "/health", timeout=5).status == 200:
+                if urllib.request.urlopen(self.url + "/health", timeout=5).status == 200 and self.world_ready():
                     return
             except OSError:
                 time.sleep(0.5)
             assert self.proc.poll() is None, log.read_text()[-3000:]
         raise TimeoutError(log.read_text()[-3000:])
+
+    def world_ready(self) -> bool:
+        """Every replica up (``--ray``: the ingress answers ``/get_world_size`` once all are)."""
+        try:
+            with urllib.request.urlopen(self.url + "/get_world_size", timeout=120) as r:
+                return json.loads(r.read())["world_size"] >= 1
+        except OSError:
+            time.sleep(0.5)
+            return False
 
     def post(self, path: str, body: dict) -> dict:
         req = urllib.request.Request(
@@ -92,7 +103,7 @@ def qwen3_06b(layers: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
-def push_figures(layers: int, tmp: Path) -> dict:
+def push_figures(layers: int, tmp: Path, ray: bool = True) -> dict:
     model = qwen3_06b(layers)
     params = sum(p.numel() for p in model.parameters())
     ckpt = tmp / "qwen3-0.6b"
@@ -117,6 +128,17 @@ def push_figures(layers: int, tmp: Path) -> dict:
     finally:
         for s in servers:
             s.stop()
+    if ray:
+        replicas = Served(ckpt, "qwen", tmp / "serve-ray.log", ["--ray", "--num-replicas", "2"])
+        try:
+            with WeightPusher([replicas.url], master_port=free_port(), timeout_s=600) as pusher:
+                assert pusher.world_sizes() == [2]
+                pusher.push(model, version="warm-ray")
+                t0 = time.perf_counter()
+                pusher.push(model, version="push-ray")
+                out["push_2_ray_replicas_s"] = time.perf_counter() - t0
+        finally:
+            replicas.stop()
     return out
 
 
@@ -186,11 +208,12 @@ def grpo_figures(tmp: Path, steps: int = 4) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--no-ray", action="store_true", help="skip the push to acb serve --ray's two replicas")
     ap.add_argument("--out", default="benchmarks/results/weight_push_cpu.json")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        push = push_figures(a.layers, tmp)
+        push = push_figures(a.layers, tmp, ray=not a.no_ray)
         grpo = grpo_figures(tmp)
     result = {
         "date": time.strftime("%Y-%m-%d"),
@@ -208,9 +231,11 @@ def main() -> int:
     for key, label in (
         ("push_1_servers_s", "push over gloo, one server"),
         ("push_2_servers_s", "push over gloo, two servers"),
+        ("push_2_ray_replicas_s", "push over gloo, acb serve --ray, two replicas"),
         ("load_from_disk_s", "update_weights_from_disk"),
     ):
-        print(f"| {label} | {push[key]:.1f} | {gb / push[key]:.2f} |")
+        if key in push:
+            print(f"| {label} | {push[key]:.1f} | {gb / push[key]:.2f} |")
     print(
         f"\nGRPO steps per minute (tiny model): colocated {grpo['colocated_steps_per_min']:.1f}, "
         f"remote {grpo['remote_steps_per_min']:.1f}"

@@ -671,9 +671,15 @@ def test_serve_help_names_every_route(capsys):
         assert route in out, route
 
 
-def test_weight_updates_are_refused_with_ray(capsys):
-    """The trainer's routes would reach one replica behind the Ray ingress: refused, saying what to do."""
+def test_weight_updates_with_ray_need_a_fixed_replica_count(capsys):
+    """A trainer's group has one rank per replica: autoscaling is refused, saying what to do (the
+    config file's builder too)."""
+    from acb.cli.serve import build_ray_application
+
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--ray", "--enable-weight-updates"])
+        main(["serve", "--ray", "--enable-weight-updates", "--min-replicas", "1", "--max-replicas", "3"])
     assert exc.value.code == 2
-    assert "--enable-weight-updates is not supported with --ray" in capsys.readouterr().err
+    assert "--enable-weight-updates needs a fixed replica count" in capsys.readouterr().err
+    pytest.importorskip("ray.serve")
+    with pytest.raises(ValueError, match="fixed replica count"):
+        build_ray_application({"argv": "--enable-weight-updates", "min_replicas": 1, "max_replicas": 2})

@@ -264,7 +264,16 @@ def _run(cmd: list[str] | str, cwd: Path) -> subprocess.CompletedProcess:
     return p
 
 
-_LM_EVAL_RUNS: dict[tuple[str, ...], subprocess.CompletedProcess] = {}  # an lm-eval command's run, by its words
+# a command's run, by its words: the same `acb generate` or lm-eval line on several pages (the
+# README's two commands are getting-started's; its lm-eval line is the evaluation guide's) runs once
+_RUNS: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
+
+
+def _run_once(argv: list[str], cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    key = tuple(argv)
+    if key not in _RUNS:
+        _RUNS[key] = _run(cmd, cwd)
+    return _RUNS[key]
 
 
 @pytest.mark.parametrize("block", SHELL, ids=str)
@@ -281,15 +290,11 @@ def test_shell_commands_run_or_parse_as_written(block: Block, tmp_path: Path) ->
             continue
         where = where or _ckpt_and_task(tmp_path)
         if argv[:2] == ["acb", "generate"] and "torchrun" not in block.source:
-            p = _run(_substitute(argv, where), tmp_path)
+            p = _run_once(argv, _substitute(argv, where), tmp_path)
             assert "requests:" in p.stderr and " 0 failed" in p.stderr, p.stderr[-2000:]
         elif argv[:3] == ["python", "-m", "acb.integrations.lm_eval"]:
             pytest.importorskip("lm_eval")
-            # the same command on two pages (the README's and the evaluation guide's) runs once
-            key = tuple(argv)
-            if key not in _LM_EVAL_RUNS:
-                _LM_EVAL_RUNS[key] = _run([sys.executable, *_substitute(argv, where)[1:]], tmp_path)
-            p = _LM_EVAL_RUNS[key]
+            p = _run_once(argv, [sys.executable, *_substitute(argv, where)[1:]], tmp_path)
             assert "tiny_mc" in p.stdout and "acc" in p.stdout, p.stdout[-2000:]
         elif argv[0] == "acb":
             _parse_acb(_substitute(argv, where)[1:])

@@ -123,8 +123,8 @@ def _add_serve(sub: Any) -> None:
         "--enable-weight-updates",
         action="store_true",
         help="serve the routes a trainer drives: /pause, /resume, /is_paused, /sleep, /wake_up, "
-        "/update_weights_from_disk, /init_weight_transfer, /update_weights, /close_weight_transfer "
-        "(behind --api-key when set)",
+        "/update_weights_from_disk, /init_weight_transfer, /update_weights, /close_weight_transfer, "
+        "/get_world_size (behind --api-key when set; with --ray, each reaches every replica)",
     )
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument(
@@ -219,11 +219,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.ray or args.num_replicas is not None:
             raise CliError("--data-parallel N is --ray --num-replicas N: give one of them")
         args.ray, args.num_replicas = True, args.data_parallel
-    if args.ray and args.enable_weight_updates:
-        # the ingress sends a request to one replica: a pause or an update would reach only it
+    if args.ray and args.enable_weight_updates and (args.min_replicas is not None or args.max_replicas is not None):
         raise CliError(
-            "--enable-weight-updates is not supported with --ray yet (the routes would reach one replica): "
-            "run one acb serve per device and push to each (acb.rl.WeightPusher takes several servers)"
+            "--enable-weight-updates needs a fixed replica count (--num-replicas N): a trainer's weight-transfer "
+            "group has one rank per replica; drop --min-replicas/--max-replicas"
         )
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = server_settings(args)

@@ -23,6 +23,12 @@ least loaded one with room among a rank. Ray Serve lacked only this key (its pre
 router reads LLM request objects with ``.messages``/``.prompt``; its HTTP proxy routes before
 reading a body). The router never fails a request: without a usable key, any replica serves it.
 
+With ``--enable-weight-updates`` (a fixed replica count), the trainer's routes reach every
+replica (:class:`acb.serve.ingress.FanOut`): each replica joins the trainer's
+``torch.distributed`` group with its own rank, so :class:`acb.rl.WeightPusher` pushes to all of
+them in one broadcast. The ingress addresses a replica by its id (the request's ``replica``,
+which the router honours alone) and learns the ids from its own router.
+
 A replica that dies mid-request: the ingress answers an OpenAI error body (503) when nothing
 was sent yet, and ends a stream with an SSE error event and ``[DONE]``; Serve replaces the
 replica (health checks also fail a replica whose engine died). On SIGINT/SIGTERM the launcher
@@ -34,13 +40,15 @@ running then end with an OpenAI error), then Serve stops the replicas. Each resp
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import logging
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
-from acb.serve.ingress import IngressDrain, RoutedRequest, affinity_key, forwarding_app
+from acb.serve.ingress import FanOut, IngressDrain, RoutedRequest, affinity_key, forwarding_app
 from acb.serve.launch import Server, ServerSettings, build_server
+from acb.serve.protocol import APIError
 
 try:
     from ray import serve
@@ -69,6 +77,19 @@ logger = logging.getLogger(__name__)
 # engine's own queue and max_queue_size decide what waits)
 DEFAULT_MAX_ONGOING_REQUESTS = 256
 APP_NAME = "acb"
+FAN_OUT_TIMEOUT_S = 60.0  # how long a trainer's route waits for every replica to be up and reached
+
+
+def live_replicas() -> dict[str, tuple[str, ...]]:
+    """The replicas each app's router was last told of, in this process (the ingress's: its
+    fan-out reads them). Found through ``sys.modules`` at each call: Serve ships the ingress's
+    class by value, with copies of the globals (and classes) its methods name, so a module
+    global read from there would be a copy, never updated."""
+    import sys
+
+    module = sys.modules["acb.distributed.ray_serve"]
+    table: dict[str, tuple[str, ...]] = module.__dict__.setdefault("_live_replicas_by_app", {})
+    return table
 
 
 class RayStartError(RuntimeError):
@@ -77,7 +98,13 @@ class RayStartError(RuntimeError):
 
 class PrefixAffinityRouter(RequestRouter):
     """Rendezvous hashing of each request's prefix key over the live replicas: the preferred
-    replica first, the others (least loaded first, by Ray Serve) next."""
+    replica first, the others (least loaded first, by Ray Serve) next. A request that names its
+    replica (a fanned-out trainer's route) goes there alone, and waits while it is busy."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's hook when the replica set changes: recorded for the ingress's fan-out too."""
+        super().update_replicas(replicas)
+        live_replicas()[self.app_name] = tuple(r.replica_id.unique_id for r in replicas)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -97,6 +124,9 @@ class PrefixAffinityRouter(RequestRouter):
                 pending_request.routing_context.should_backoff = True  # all full: back off, not spin
             key = None
             if pending_request is not None and pending_request.args:
+                target = getattr(pending_request.args[0], "replica", None)
+                if target is not None:  # (none while it is gone: the ingress's time limit answers)
+                    return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
                 key = getattr(pending_request.args[0], "affinity", None)
             if not key or len(candidate_replicas) < 2:
                 return [candidate_replicas]
@@ -195,6 +225,10 @@ class AcbEngine:
                 except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the response is over either way
                     task.cancel()
 
+    def replica(self) -> str:
+        """This replica's id (a call that makes the caller's router learn the replicas)."""
+        return self.replica_id
+
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is replaced.
 
@@ -218,19 +252,70 @@ def _cancel(stream: Any) -> None:
 class AcbIngress:
     """Reads each request and forwards it to an engine replica by handle (see the module docstring)."""
 
-    def __init__(self, engines: DeploymentHandle, max_body_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self, engines: DeploymentHandle, max_body_bytes: int = 16 << 20, fan_out_replicas: int | None = None
+    ) -> None:
         self.engines = engines
         self.max_body_bytes = max_body_bytes
+        self.fan_out_replicas = fan_out_replicas  # (--enable-weight-updates: the fixed replica count)
         self.stopping = IngressDrain()
 
     def __serve_build_asgi_app__(self) -> Any:
         engines = self.engines
+        fan_out = None
+        if self.fan_out_replicas:
+            fan_out = FanOut(self._every_replica, self._send_to_replica)
         return forwarding_app(
             lambda routed: engines.options(stream=True).forward.remote(routed),
             self.max_body_bytes,
             self.stopping,
             _cancel,
+            fan_out,
         )
+
+    async def _every_replica(self) -> tuple[str, ...]:
+        """Every replica's id once the router knows all of them (a 503 after
+        :data:`FAN_OUT_TIMEOUT_S`: a trainer's route must reach each)."""
+        want = self.fan_out_replicas or 1
+        app = serve.get_replica_context().app_name
+        deadline = asyncio.get_running_loop().time() + FAN_OUT_TIMEOUT_S
+        asked = False
+        while len(known := live_replicas().get(app, ())) < want:
+            if not asked:  # (the router starts, and learns the replicas, with the handle's first call)
+                await self.engines.replica.remote()
+                asked = True
+            if asyncio.get_running_loop().time() > deadline:
+                raise APIError(
+                    503,
+                    f"{len(known)} of {want} engine replicas are up; a trainer's route must reach every one",
+                    type="server_error",
+                )
+            await asyncio.sleep(0.1)
+        return known
+
+    async def _send_to_replica(self, routed: RoutedRequest) -> tuple[int, bytes]:
+        """Run ``routed`` on the replica it names: its status and whole body."""
+
+        async def collect() -> tuple[int, bytes]:
+            stream: Any = self.engines.options(stream=True).forward.remote(routed)  # (a response generator)
+            head = None
+            chunks = []
+            async for item in stream:
+                if head is None:
+                    head = item
+                else:
+                    chunks.append(item)
+            if head is None:
+                raise RuntimeError("the replica sent no response")
+            return int(head[0]), b"".join(chunks)
+
+        # Outside the incoming request's context: Serve gives a call made in it that request's
+        # internal id, and its router fulfils requests by that id, so the second of two calls
+        # from one request would wait forever. (An update waits for the trainer's broadcast: the
+        # route's own timeouts come first.)
+        loop = asyncio.get_running_loop()
+        task = contextvars.Context().run(loop.create_task, asyncio.wait_for(collect(), FAN_OUT_TIMEOUT_S + 600))
+        return await task
 
     async def drain(self, grace_period: float) -> int:
         """Stop as a plain ``acb serve`` stops (:meth:`acb.serve.ingress.IngressDrain.drain`).
@@ -311,7 +396,18 @@ def build_application(
 
     Returns:
         The bound application (for ``serve.run``, or a config file's builder).
+
+    Raises:
+        ValueError: weight updates with autoscaling (a trainer's group has a fixed size).
     """
+    fan_out = None
+    if settings.app.enable_weight_updates:
+        if min_replicas is not None or max_replicas is not None:
+            raise ValueError(
+                "--enable-weight-updates needs a fixed replica count (--num-replicas N): a trainer's "
+                "weight-transfer group has one rank per replica; drop --min-replicas/--max-replicas"
+            )
+        fan_out = num_replicas or 1
     opts = deployment_options(
         num_replicas=num_replicas,
         min_replicas=min_replicas,
@@ -333,7 +429,7 @@ def build_application(
     ingress = serve.deployment(AcbIngress, name="AcbIngress").options(  # type: ignore[attr-defined]
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096
     )
-    return ingress.bind(engines, settings.max_body_bytes)
+    return ingress.bind(engines, settings.max_body_bytes, fan_out)
 
 
 def run(app: Any, settings: ServerSettings, *, address: str | None = None, replicas: int = 1) -> None:

@@ -11,6 +11,13 @@ app answers it as a plain ``acb serve`` does (a 400). A request may name its own
 ``x-acb-affinity`` header (requests with the same value meet on one replica: a conversation
 whose prefix changes, or a scraper of ``/metrics`` visiting each replica).
 
+The routes a trainer drives (``acb serve --enable-weight-updates``: :data:`FAN_OUT_ROUTES`) go to
+every replica, not one (:class:`FanOut`): a pause, a sleep or a weight update reaches each; in
+``/init_weight_transfer`` each replica joins the trainer's group with its own rank (the body's
+``rank_offset`` plus its index, replicas in a fixed order), and ``GET /get_world_size`` answers
+the replica count, so the trainer sizes the group. The answer is the replicas' common one, or
+the failures of those that failed, each named.
+
 On SIGINT/SIGTERM the launcher calls :meth:`IngressDrain.drain`, as a plain ``acb serve``'s
 :class:`~acb.serve.protocol.Drain` runs: new requests and ``/health`` get 503, requests in flight
 get the grace period, and those still running then end with the server-shutdown error (a 503
@@ -24,13 +31,22 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from acb.serve.protocol import DRAIN_FLUSH_S, APIError, internal_error, read_body, shutdown_error
 
-__all__ = ["AFFINITY_CHARS", "AFFINITY_HEADER", "IngressDrain", "RoutedRequest", "affinity_key", "forwarding_app"]
+__all__ = [
+    "AFFINITY_CHARS",
+    "AFFINITY_HEADER",
+    "FAN_OUT_ROUTES",
+    "FanOut",
+    "IngressDrain",
+    "RoutedRequest",
+    "affinity_key",
+    "forwarding_app",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +57,7 @@ AFFINITY_HEADER = "x-acb-affinity"  # a request's own routing key, instead of it
 @dataclass(frozen=True)
 class RoutedRequest:
     """An HTTP request as the ingress hands it to an engine replica (``affinity``: its prefix key,
-    a hex digest)."""
+    a hex digest; ``replica``: the one replica it must reach, for a fanned-out route)."""
 
     affinity: str | None
     method: str
@@ -49,6 +65,7 @@ class RoutedRequest:
     query: str
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    replica: str | None = None
 
 
 def affinity_key(path: str, body: bytes) -> str | None:
@@ -133,6 +150,103 @@ class IngressDrain:
             self.expired.set_result(None)
 
 
+# the routes of acb.serve.weights: every replica must see them
+FAN_OUT_ROUTES = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/sleep",
+        "/wake_up",
+        "/update_weights_from_disk",
+        "/init_weight_transfer",
+        "/update_weights",
+        "/close_weight_transfer",
+        "/get_world_size",
+    }
+)
+
+
+class FanOut:
+    """Sends a trainer's route to every replica and merges their answers (see the module
+    docstring).
+
+    Args:
+        replicas: ``await replicas()`` gives every replica's id once all are up (raises
+            :class:`~acb.serve.protocol.APIError` when they are not).
+        send: ``await send(routed)`` runs ``routed`` on the replica it names: its status and body.
+    """
+
+    def __init__(
+        self,
+        replicas: Callable[[], Awaitable[Sequence[str]]],
+        send: Callable[[RoutedRequest], Awaitable[tuple[int, bytes]]],
+    ) -> None:
+        self.replicas = replicas
+        self.send = send
+
+    async def __call__(self, routed: RoutedRequest) -> tuple[int, dict[str, Any]]:
+        """One fanned-out request: its status and JSON body."""
+        ids = sorted(await self.replicas())
+        if routed.path.rstrip("/") == "/get_world_size":
+            return 200, {"world_size": len(ids)}
+        bodies = [routed.body] * len(ids)
+        if routed.path.rstrip("/") == "/init_weight_transfer":
+            bodies = _ranked(routed.body, len(ids))
+        answers = await asyncio.gather(
+            *(self.send(replace(routed, replica=r, body=b)) for r, b in zip(ids, bodies)), return_exceptions=True
+        )
+        return _merge(routed.path.rstrip("/"), ids, answers)
+
+
+def _ranked(body: bytes, n: int) -> list[bytes]:
+    """``/init_weight_transfer``'s body for each of ``n`` replicas: replica ``i`` joins with
+    ``rank_offset + i``. A body that is not that route's JSON goes unchanged (each replica
+    refuses it as a plain server does)."""
+    try:
+        doc = json.loads(body)
+        offset = doc["rank_offset"]
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError
+    except Exception:  # noqa: BLE001 - the replicas answer it
+        return [body] * n
+    return [json.dumps({**doc, "rank_offset": offset + i}).encode() for i in range(n)]
+
+
+def _merge(path: str, ids: Sequence[str], answers: Sequence[Any]) -> tuple[int, dict[str, Any]]:
+    """The replicas' answers as one: the first replica's body when all succeeded (``/is_paused``:
+    paused when every replica is), else the failures, each named, under the most telling status
+    (a refusal before the 409 it caused elsewhere, a 4xx before a 5xx)."""
+    failed: list[tuple[int, str]] = []
+    bodies: list[dict[str, Any]] = []
+    for rid, answer in zip(ids, answers):
+        if isinstance(answer, BaseException):
+            failed.append((503, f"replica {rid}: {type(answer).__name__}: {answer}"))
+            continue
+        status, raw = answer
+        try:
+            doc = json.loads(raw) if raw else {}
+        except ValueError:
+            doc = {"error": {"message": raw[:200].decode(errors="replace")}}
+        if status == 200 and isinstance(doc, dict):
+            bodies.append(doc)
+            continue
+        message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
+        failed.append((status, f"replica {rid}: {message or raw[:200].decode(errors='replace')}"))
+    if not failed:
+        out = dict(bodies[0]) if bodies else {}
+        if path == "/is_paused":
+            out["paused"] = all(b.get("paused") for b in bodies)
+        out["replicas"] = len(ids)
+        return 200, out
+    status = min(failed, key=lambda f: (f[0] == 409, f[0] >= 500, f[0]))[0]
+    message = "; ".join(m for _, m in failed)
+    if len(failed) < len(ids):
+        message += f" ({len(ids) - len(failed)} of {len(ids)} replicas succeeded)"
+    err = APIError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
+    return status, err.body()
+
+
 class _ShutdownExpired(Exception):
     pass
 
@@ -148,6 +262,7 @@ def forwarding_app(
     max_body_bytes: int,
     drain: IngressDrain | None = None,
     cancel: Callable[[Any], Any] | None = None,
+    fan_out: FanOut | None = None,
 ) -> Any:
     """The ingress app.
 
@@ -203,6 +318,11 @@ def forwarding_app(
         routed = RoutedRequest(
             key, request.method, request.url.path, request.url.query, tuple(request.headers.items()), body
         )
+        if fan_out is not None and request.url.path.rstrip("/") in FAN_OUT_ROUTES:
+            from starlette.responses import JSONResponse
+
+            status, doc = await fan_out(routed)
+            return JSONResponse(doc, status_code=status)
         stream: Any = call(routed)  # (a DeploymentResponseGenerator)
         try:
             status, headers = await next_item(stream)

@@ -7,6 +7,9 @@ set. Route and field names follow vLLM's where it has one (SGLang's for the upda
 - ``POST /pause`` (``mode``: ``wait`` | ``keep`` | ``abort``, as a query parameter or a JSON
   field; ``abort`` cancels the running requests), ``POST /resume``, ``GET /is_paused``
   (``{"paused": true|false}``), ``POST /sleep``, ``POST /wake_up``;
+- ``GET /get_world_size`` (``{"world_size": ...}``): the ranks this server takes in a trainer's
+  group (1; ``acb serve --ray``'s ingress answers its replica count and sends each route to
+  every replica: :class:`acb.serve.ingress.FanOut`);
 - ``POST /update_weights_from_disk`` (``{"model_path": ..., "weight_version": ...}``): a
   safetensors checkpoint on the server's disk (:meth:`acb.AsyncEngine.load_weights`);
 - a distributed update in three calls (:mod:`acb.weight_transfer`): ``POST
@@ -107,6 +110,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def is_paused(request: Request) -> Response:
         authorize(state, request)
         return JSONResponse({"paused": engine.is_paused})
+
+    @app.get("/get_world_size")
+    async def world_size(request: Request) -> Response:
+        authorize(state, request)
+        return JSONResponse({"world_size": 1})
 
     @app.post("/sleep")
     async def sleep(request: Request) -> Response:

@@ -12,6 +12,9 @@ client. One server (two one-CPU replicas) serves the module, so that Ray starts 
   limit a 413 before the rest of it is read;
 - Ray's temp folder holds a stale ``ray_current_cluster`` (an aborted ``ray start``): the
   launcher starts its own local Ray all the same;
+- a trainer elsewhere (``--enable-weight-updates``): its routes reach both replicas, each joins
+  the trainer's group with its own rank; a bad push changes neither, a good one lands on both
+  exactly; TRL's GRPOTrainer for three steps pushing after each, both replicas exact after each;
 - last, SIGTERM with requests in flight: the one that can finish in the grace period does, the
   eight that cannot end with an OpenAI error (streamed: an error event, then ``[DONE]``), and
   the launcher exits 0.
@@ -103,6 +106,7 @@ def server(checkpoint, otlp, stale_ray_tmp, tmp_path_factory):
             str(MAX_BODY),
             "--otlp-endpoint",
             otlp.http_endpoint,
+            "--enable-weight-updates",
         ],
         tmp_path_factory.mktemp("ray-serve-logs") / "ray.log",
         extra_env={"RAY_TMPDIR": stale_ray_tmp[0], "OTEL_BSP_SCHEDULE_DELAY": "200"},
@@ -381,6 +385,99 @@ class TestEveryRequestIsAnswered:
         assert status == 200, data
 
 
+# ---------------------------------------------------------------------------------------------
+# a trainer elsewhere: the weight routes reach every replica (issue 42)
+
+RL_PROMPT = [5, 9, 14, 3, 77, 41, 8]
+
+
+def _replica_keys(server) -> dict[str, str]:
+    """An ``x-acb-affinity`` value that reaches each replica."""
+    keys: dict[str, str] = {}
+    for k in range(200):
+        status, headers, body = raw(server.port, "GET", "/metrics", headers={"x-acb-affinity": f"pick {k}"})
+        assert status == 200, body
+        keys.setdefault(headers["x-acb-replica"], f"pick {k}")
+        if len(keys) == 2:
+            return keys
+    raise AssertionError(f"only {sorted(keys)} reached")
+
+
+def _greedy_on_each(server, keys: dict[str, str], n: int = 8) -> list[tuple[list[int], object]]:
+    """Each replica's greedy tokens for :data:`RL_PROMPT` and the weight version they came from."""
+    out = []
+    for rid, key in sorted(keys.items()):
+        body = {
+            "model": NAME,
+            "prompt": RL_PROMPT,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        status, headers, data = raw(server.port, "POST", "/v1/completions", body, {"x-acb-affinity": key})
+        assert status == 200 and headers["x-acb-replica"] == rid, (status, data[:300])
+        doc = json.loads(data)
+        out.append((doc["choices"][0]["token_ids"], doc["weight_version"]))
+    return out
+
+
+class TestWeightUpdatesReachEveryReplica:
+    def test_a_push_lands_on_both_replicas_and_a_bad_one_on_neither(self, server, checkpoint):
+        import copy
+
+        import torch
+
+        from acb.rl import WeightPusher, WeightPushError
+        from tests.serve.test_openai_server import _free_port
+
+        base = server.url.removesuffix("/v1")
+        keys = _replica_keys(server)
+        status, _, data = raw(server.port, "GET", "/get_world_size")
+        assert status == 200 and json.loads(data)["world_size"] == 2, data
+        start = _greedy_on_each(server, keys)
+        want = reference_generate(checkpoint.model, RL_PROMPT, 8)
+        assert [tokens for tokens, _ in start] == [want, want]
+        trained = copy.deepcopy(checkpoint.model)
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+        with WeightPusher([base], master_port=_free_port(), timeout_s=60) as pusher:
+            assert pusher.world_sizes() == [2]
+            bad = [(n, torch.zeros(3, 3)) if i == 0 else (n, t) for i, (n, t) in enumerate(trained.named_parameters())]
+            with pytest.raises(WeightPushError, match="400.*replica .*shape"):
+                pusher.push(bad, version="bad")
+            assert _greedy_on_each(server, keys) == start  # neither replica changed
+            assert pusher.push(trained, version="pushed") == "pushed"
+            want = reference_generate(trained, RL_PROMPT, 8)
+            assert _greedy_on_each(server, keys) == [(want, "pushed")] * 2
+            # a pause reaches both; is_paused says so only when every replica is paused
+            status, _, data = raw(server.port, "POST", "/pause?mode=keep")
+            assert status == 200, data
+            status, _, data = raw(server.port, "GET", "/is_paused")
+            assert status == 200 and json.loads(data) == {"paused": True, "replicas": 2}, data
+            assert raw(server.port, "POST", "/resume")[0] == 200
+            assert json.loads(raw(server.port, "GET", "/is_paused")[2])["paused"] is False
+            pusher.push(checkpoint.model, version=0)  # (the module's other tests expect the checkpoint)
+        assert _greedy_on_each(server, keys) == [(reference_generate(checkpoint.model, RL_PROMPT, 8), 0)] * 2
+
+    def test_grpo_trainer_pushes_to_both_replicas_after_each_step(self, server, checkpoint, tmp_path):
+        pytest.importorskip("trl")
+        from acb.rl import WeightPusher
+        from tests.integrations.test_rl_remote import grpo_three_steps
+        from tests.serve.test_openai_server import _free_port
+
+        base = server.url.removesuffix("/v1")
+        keys = _replica_keys(server)
+        try:
+            grpo_three_steps(
+                base, NAME, checkpoint.model, checkpoint.tok, tmp_path, lambda: _greedy_on_each(server, keys)
+            )
+        finally:
+            with WeightPusher([base], master_port=_free_port(), timeout_s=60) as pusher:
+                pusher.push(checkpoint.model, version=0)
+
+
 def test_the_prefix_key_is_a_digest_or_none_whatever_the_body():
     """The ingress's key never raises (a raise in the router left the request unanswered): odd
     bodies give None or a hex digest; a shared prefix and salt give the same key."""
@@ -413,6 +510,58 @@ def test_the_prefix_key_is_a_digest_or_none_whatever_the_body():
     assert affinity_key("/v1/chat/completions", chat("a")) != affinity_key("/v1/chat/completions", chat("b"))
     assert affinity_key("/v1/chat/completions", chat("a", "x")) != affinity_key("/v1/chat/completions", chat("a"))
     assert affinity_key("/v1/models", b"") is None
+
+
+def test_the_fan_out_ranks_each_replica_and_names_each_failure():
+    """``FanOut`` alone (the ingress's side, no Ray): each replica gets its own rank in
+    ``/init_weight_transfer``; answers merge to the common one, or to the failures, each named,
+    under the refusal's status (not the 409 it caused on the others); a replica that raised is a
+    503 naming it."""
+    import asyncio
+
+    from acb.serve.ingress import FanOut, RoutedRequest
+
+    sent: list[RoutedRequest] = []
+
+    def fan(answer):
+        async def replicas():
+            return ["r-b", "r-a", "r-c"]
+
+        async def send(routed):
+            sent.append(routed)
+            return answer(routed)
+
+        return FanOut(replicas, send)
+
+    def req(path, body):
+        return RoutedRequest(None, "POST", path, "", (), json.dumps(body).encode())
+
+    ok = fan(lambda r: (200, json.dumps({"success": True, "rank": json.loads(r.body)["rank_offset"]}).encode()))
+    body = {"master_address": "h", "master_port": 1, "world_size": 4, "rank_offset": 1}
+    status, doc = asyncio.run(ok(req("/init_weight_transfer", body)))
+    assert status == 200 and doc["replicas"] == 3
+    assert sorted((r.replica, json.loads(r.body)["rank_offset"]) for r in sent) == [("r-a", 1), ("r-b", 2), ("r-c", 3)]
+    assert asyncio.run(ok(req("/get_world_size", {}))) == (200, {"world_size": 3})
+
+    def refused(r):
+        if r.replica == "r-b":
+            return 400, json.dumps({"error": {"message": "shape of w is wrong"}}).encode()
+        return 409, json.dumps({"error": {"message": "called off"}}).encode()
+
+    status, doc = asyncio.run(fan(refused)(req("/update_weights", {"names": []})))
+    assert status == 400 and "replica r-b: shape of w is wrong" in doc["error"]["message"], doc
+    assert "replica r-a: called off" in doc["error"]["message"]
+
+    def one_died(r):
+        if r.replica == "r-c":
+            raise RuntimeError("actor died")
+        return 200, b'{"paused": true}'
+
+    status, doc = asyncio.run(fan(one_died)(req("/pause", {})))
+    assert status == 503 and "replica r-c: RuntimeError: actor died" in doc["error"]["message"]
+    assert "2 of 3 replicas succeeded" in doc["error"]["message"]
+    half = fan(lambda r: (200, json.dumps({"paused": r.replica != "r-a"}).encode()))
+    assert asyncio.run(half(req("/is_paused", {}))) == (200, {"paused": False, "replicas": 3})
 
 
 def test_the_config_file_builder_checks_the_flags():

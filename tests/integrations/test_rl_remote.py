@@ -114,27 +114,27 @@ def test_pushes_land_exactly_and_a_bad_push_changes_nothing(server, checkpoint):
         assert version == 1 and got == reference_generate(trained, PROMPT, MAX_NEW) != start
 
 
-def test_grpo_trainer_generates_remotely_and_pushes_after_each_step(server, checkpoint, tmp_path):
-    """TRL's GRPOTrainer with ``rollout_func`` on the server and a callback that pushes the
-    weights after each optimizer step: three steps; after each push the server's greedy tokens
-    equal the trainer's own ``model.generate``, and the version is the step."""
+def grpo_three_steps(url: str, name: str, start, tok, tmp_path, served) -> None:
+    """TRL's GRPOTrainer with ``rollout_func`` on the server at ``url`` and a callback that pushes
+    the weights after each optimizer step: three steps; after each push every replica's greedy
+    tokens (``served()``: ``(tokens, version)`` per replica) equal the trainer's own
+    ``model.generate``, and the version is the step."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    model = copy.deepcopy(checkpoint.model)
-    pusher = WeightPusher([base(server)], master_port=_free_port(), timeout_s=60)
+    model = copy.deepcopy(start)
+    pusher = WeightPusher([url], master_port=_free_port(), timeout_s=60)
     pusher.push(model, version=0)  # the server starts from the trainer's weights
     checks = []
 
     class Check(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):  # (after PushWeights: it was added first)
-            got, version = greedy(server, PROMPT)
             was = model.training  # (the server runs eval semantics; TRL leaves the model training)
             model.eval()
             want = reference_generate(model, PROMPT, MAX_NEW)
             model.train(was)
-            checks.append((version, got == want))
+            checks.append([(version, got == want) for got, version in served()])
 
     seen = []
 
@@ -161,9 +161,9 @@ def test_grpo_trainer_generates_remotely_and_pushes_after_each_step(server, chec
         model=model,
         args=args,
         reward_funcs=reward,
-        processing_class=checkpoint.tok,
+        processing_class=tok,
         train_dataset=ds,
-        rollout_func=rollout_func(base(server), NAME),
+        rollout_func=rollout_func(url, name),
         callbacks=[PushWeights(pusher), Check()],
     )
     try:
@@ -171,8 +171,13 @@ def test_grpo_trainer_generates_remotely_and_pushes_after_each_step(server, chec
     finally:
         pusher.close()
     assert trainer.state.global_step == 3 and len(seen) == 3
-    assert checks == [(1, True), (2, True), (3, True)]
-    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), checkpoint.model.parameters()))
+    replicas = len(checks[0])
+    assert checks == [[(step, True)] * replicas for step in (1, 2, 3)], checks
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters()))
+
+
+def test_grpo_trainer_generates_remotely_and_pushes_after_each_step(server, checkpoint, tmp_path):
+    grpo_three_steps(base(server), NAME, checkpoint.model, checkpoint.tok, tmp_path, lambda: [greedy(server, PROMPT)])
 
 
 def test_pause_keep_across_an_update_and_the_routes(server, checkpoint, tmp_path):
