@@ -58,7 +58,7 @@ def run_generate(model: Any, ps: list[list[int]], new: int) -> tuple[float, list
 def run_acb(engine: acb.Engine, ps: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
     outs = engine.generate_batch(ps, max_new_tokens=new, ignore_eos=True, temperature=0.0, progress_bar=False)
-    return time.perf_counter() - t0, [o.generated_tokens for o in outs]
+    return time.perf_counter() - t0, [o.generated_tokens for o in outs.values()]
 
 
 def stream_acb(model: Any, p: list[int], new: int) -> tuple[float, float]:

@@ -9,7 +9,8 @@ measures both), and its rows do not depend on how many rows share the call.
 The user's model is not touched: the packed copies live here, and a ``TorchFunctionMode``
 entered around the engine's forward (on the engine thread only) sends ``F.linear`` calls on
 packed weights to oneDNN. The mode costs a few microseconds per torch call of the forward, so
-it is used only where it was measured to pay (``MIN_LAYER_PARAMS``, ``MAX_STEP_TOKENS``).
+it is used only where it was measured to pay (``MIN_LAYER_PARAMS``, ``MIN_STEP_TOKENS``,
+``MAX_STEP_TOKENS``).
 Every other call, and every call outside the engine's step, runs as before. The copies cost
 the linear weights' size in host memory once more, and are made again when the weights change,
 by the same key that guards the prefix cache (:class:`acb.runner.weights.WeightWatch`: the
@@ -40,7 +41,13 @@ _LINEAR = torch.nn.functional.linear
 # layer): 0.6-0.9x at every size. So, by default, only models of at least MIN_LAYER_PARAMS
 # linear parameters per layer use it, and only on steps of at most MAX_STEP_TOKENS tokens
 # (decode steps; prefill chunks keep MKL).
+# A step of one token (one request decoding) is the exception: MKL's matrix-vector product beats
+# oneDNN's inner product there (benchmarks/small_batch.py's engines, packed against plain on the
+# same model in one run, 2026-11-28: hidden 512, 30.2 against 41.1 ms per step; hidden 1024,
+# 33.5 against 42.1), while oneDNN wins from 2 rows on (1.13-1.26x at hidden 512, 1.46-1.81x at
+# hidden 1024). So one-token steps keep MKL too.
 MIN_LAYER_PARAMS = 2_000_000
+MIN_STEP_TOKENS = 2
 MAX_STEP_TOKENS = 128
 
 
@@ -137,8 +144,8 @@ class PackedLinears:
 
     def active(self, tokens: int) -> contextlib.AbstractContextManager:
         """The packed path for ``F.linear`` calls in this block (this thread only), when a step
-        of ``tokens`` tokens is small enough to gain from it; else nothing."""
-        if tokens > self.max_step_tokens:
+        of ``tokens`` tokens is small enough to gain from it (and more than one token); else nothing."""
+        if tokens > self.max_step_tokens or tokens < MIN_STEP_TOKENS:
             return contextlib.nullcontext()
         self.refresh()
         return _PackedMode(self._table)

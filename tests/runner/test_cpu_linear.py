@@ -17,7 +17,14 @@ import torch
 
 import acb
 from acb.models import tiny_model
-from acb.runner.cpu_linear import MAX_STEP_TOKENS, MIN_LAYER_PARAMS, PackedLinears, _PackedMode, linear_params_per_layer
+from acb.runner.cpu_linear import (
+    MAX_STEP_TOKENS,
+    MIN_LAYER_PARAMS,
+    MIN_STEP_TOKENS,
+    PackedLinears,
+    _PackedMode,
+    linear_params_per_layer,
+)
 from tests.conftest import prompts_of_lengths, reference_generate
 
 CFG = dict(page_size=8, num_blocks=96)
@@ -80,6 +87,8 @@ def test_on_by_default_for_models_large_enough_and_for_small_steps_only():
         assert packed is not None and eng.core.runner.cfg.packed_linears == len(_linears(big))
         assert isinstance(packed.active(MAX_STEP_TOKENS), _PackedMode)
         assert not isinstance(packed.active(MAX_STEP_TOKENS + 1), _PackedMode)  # prefill chunks: MKL
+        assert isinstance(packed.active(MIN_STEP_TOKENS), _PackedMode)
+        assert not isinstance(packed.active(1), _PackedMode)  # one request decoding: MKL's GEMV
     small = tiny_model("llama", seed=3)
     assert linear_params_per_layer(small) < MIN_LAYER_PARAMS
     with acb.Engine(small, acb.ContinuousBatchingConfig(**CFG)) as eng:
