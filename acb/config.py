@@ -121,7 +121,7 @@ class ContinuousBatchingConfig:
     # memory budget (with num_blocks given: an eighth of the KV cache's bytes), at least 64 MiB
     image_cache_bytes: int | None = None
     # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights in steps of
-    # at most 128 tokens (None: on when the model is on CPU, not compiled, not tensor parallel and
+    # 2 to 128 tokens (None: on when the model is on CPU, not compiled, not tensor parallel and
     # has at least 2M linear parameters per layer; the copies take the linear weights' size in
     # host memory once more)
     cpu_packed_linears: bool | None = None
