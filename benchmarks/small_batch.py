@@ -41,9 +41,9 @@ def prompts(b: int, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(3, vocab, (b, n), generator=g).tolist()
 
 
-def run_generate(model: Any, ps: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+def greedy_generate(model: Any, ps: list[list[int]], new: int, streamer: Any = None) -> torch.Tensor:
+    """``model.generate`` on equal-length prompts, exactly ``new`` tokens each, greedy."""
     ids = torch.tensor(ps)
-    t0 = time.perf_counter()
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -51,8 +51,15 @@ def run_generate(model: Any, ps: list[list[int]], new: int) -> tuple[float, list
         min_new_tokens=new,
         do_sample=False,
         pad_token_id=0,
+        streamer=streamer,
     )
-    return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
+    return out[:, ids.shape[1] :]
+
+
+def run_generate(model: Any, ps: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    out = greedy_generate(model, ps, new)
+    return time.perf_counter() - t0, out.tolist()
 
 
 def run_acb(engine: acb.Engine, ps: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
@@ -93,17 +100,8 @@ def stream_generate(model: Any, p: list[int], new: int) -> tuple[float, float]:
             pass
 
     clock = Clock()
-    ids = torch.tensor([p])
     t0 = time.perf_counter()
-    model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-        streamer=clock,
-    )
+    greedy_generate(model, [p], new, clock)
     t = clock.times
     return t[0] - t0, statistics.median(b - a for a, b in zip(t, t[1:]))
 
