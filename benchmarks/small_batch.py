@@ -11,7 +11,9 @@ B prompts of ``--prompt`` tokens, ``--new`` new tokens each (EOS ignored), greed
 - ``model.generate``: one call on the B prompts (equal lengths: no padding), SDPA attention.
 
 The two alternate ``--repeats`` times per B; each figure is the best of its repeats, and the
-greedy tokens are checked equal. The streamed request: one ``AsyncEngine`` stream of the same
+greedy tokens are checked equal. One more acb call per B splits its steps by phase (the
+engine's own timers: schedule, staging, output processing on the host; the compute: forward,
+sampling and the one sync), in ms per step. The streamed request: one ``AsyncEngine`` stream of the same
 lengths, the time to its first token and the median gap between tokens, against ``generate``'s
 own with a streamer on the same prompt.
 """
@@ -66,6 +68,22 @@ def run_acb(engine: acb.Engine, ps: list[list[int]], new: int) -> tuple[float, l
     t0 = time.perf_counter()
     outs = engine.generate_batch(ps, max_new_tokens=new, ignore_eos=True, temperature=0.0, progress_bar=False)
     return time.perf_counter() - t0, [o.generated_tokens for o in outs.values()]
+
+
+def step_phases(engine: acb.Engine, ps: list[list[int]], new: int) -> dict[str, float]:
+    """One call's engine steps split by phase (``EngineStats``), in ms per step: the host's
+    schedule, input staging and output processing, and the compute (forward, sampling, the sync)."""
+    before = engine.stats
+    run_acb(engine, ps, new)
+    after = engine.stats
+    steps = max(1, after.steps - before.steps)
+    return {
+        "steps": steps,
+        "schedule_ms": 1000 * (after.host_schedule_s - before.host_schedule_s) / steps,
+        "stage_ms": 1000 * (after.host_stage_s - before.host_stage_s) / steps,
+        "process_ms": 1000 * (after.host_process_s - before.host_process_s) / steps,
+        "compute_ms": 1000 * (after.compute_s - before.compute_s) / steps,
+    }
 
 
 def stream_acb(model: Any, p: list[int], new: int) -> tuple[float, float]:
@@ -139,10 +157,12 @@ def main() -> int:
                 "acb_ms_per_step": 1000 * min(acb_s) / a.new,
                 "generate_ms_per_step": 1000 * min(gen_s) / a.new,
             }
+            row["acb_step_phases"] = step_phases(engine, ps, a.new)
             rows.append(row)
             print(
                 f"B={b:3d}: acb {row['acb_s']:.2f} s, generate {row['generate_s']:.2f} s, "
-                f"{row['acb_speedup']:.2f}x, same tokens: {same}",
+                f"{row['acb_speedup']:.2f}x, same tokens: {same}; acb per step: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["acb_step_phases"].items() if k != "steps"),
                 flush=True,
             )
     p = prompts(1, a.prompt, spec.vocab, 7)[0]
