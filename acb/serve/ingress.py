@@ -15,7 +15,7 @@ The routes a trainer drives (``acb serve --enable-weight-updates``: :data:`FAN_O
 every replica, not one (:class:`FanOut`): a pause, a sleep or a weight update reaches each; in
 ``/init_weight_transfer`` each replica joins the trainer's group with its own rank (the body's
 ``rank_offset`` plus its index, replicas in a fixed order), and ``GET /get_world_size`` answers
-the replica count, so the trainer sizes the group. The answer is the replicas' common one, or
+the sum of the replicas' own (one rank each), so the trainer sizes the group. The answer is the replicas' common one, or
 the failures of those that failed, each named.
 
 On SIGINT/SIGTERM the launcher calls :meth:`IngressDrain.drain`, as a plain ``acb serve``'s
@@ -188,8 +188,6 @@ class FanOut:
     async def __call__(self, routed: RoutedRequest) -> tuple[int, dict[str, Any]]:
         """One fanned-out request: its status and JSON body."""
         ids = sorted(await self.replicas())
-        if routed.path.rstrip("/") == "/get_world_size":
-            return 200, {"world_size": len(ids)}
         bodies = [routed.body] * len(ids)
         if routed.path.rstrip("/") == "/init_weight_transfer":
             bodies = _ranked(routed.body, len(ids))
@@ -234,6 +232,8 @@ def _merge(path: str, ids: Sequence[str], answers: Sequence[Any]) -> tuple[int, 
         message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
         failed.append((status, f"replica {rid}: {message or raw[:200].decode(errors='replace')}"))
     if not failed:
+        if path == "/get_world_size":  # (each replica answered it: its API key checked there)
+            return 200, {"world_size": sum(int(b.get("world_size", 0)) for b in bodies)}
         out = dict(bodies[0]) if bodies else {}
         if path == "/is_paused":
             out["paused"] = all(b.get("paused") for b in bodies)

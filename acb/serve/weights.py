@@ -8,8 +8,8 @@ set. Route and field names follow vLLM's where it has one (SGLang's for the upda
   field; ``abort`` cancels the running requests), ``POST /resume``, ``GET /is_paused``
   (``{"paused": true|false}``), ``POST /sleep``, ``POST /wake_up``;
 - ``GET /get_world_size`` (``{"world_size": ...}``): the ranks this server takes in a trainer's
-  group (1; ``acb serve --ray``'s ingress answers its replica count and sends each route to
-  every replica: :class:`acb.serve.ingress.FanOut`);
+  group (1; ``acb serve --ray``'s ingress sends each route to every replica and answers the
+  sum, its replica count: :class:`acb.serve.ingress.FanOut`);
 - ``POST /update_weights_from_disk`` (``{"model_path": ..., "weight_version": ...}``): a
   safetensors checkpoint on the server's disk (:meth:`acb.AsyncEngine.load_weights`);
 - a distributed update in three calls (:mod:`acb.weight_transfer`): ``POST

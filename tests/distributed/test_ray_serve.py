@@ -536,12 +536,21 @@ def test_the_fan_out_ranks_each_replica_and_names_each_failure():
     def req(path, body):
         return RoutedRequest(None, "POST", path, "", (), json.dumps(body).encode())
 
-    ok = fan(lambda r: (200, json.dumps({"success": True, "rank": json.loads(r.body)["rank_offset"]}).encode()))
+    def ok_answer(r):
+        if r.path == "/get_world_size":
+            return 200, b'{"world_size": 1}'
+        return 200, json.dumps({"success": True, "rank": json.loads(r.body)["rank_offset"]}).encode()
+
+    ok = fan(ok_answer)
     body = {"master_address": "h", "master_port": 1, "world_size": 4, "rank_offset": 1}
     status, doc = asyncio.run(ok(req("/init_weight_transfer", body)))
     assert status == 200 and doc["replicas"] == 3
     assert sorted((r.replica, json.loads(r.body)["rank_offset"]) for r in sent) == [("r-a", 1), ("r-b", 2), ("r-c", 3)]
     assert asyncio.run(ok(req("/get_world_size", {}))) == (200, {"world_size": 3})
+    # the replicas check the API key of every fanned-out route, /get_world_size included
+    unauthorized = fan(lambda r: (401, b'{"error": {"message": "invalid API key"}}'))
+    status, doc = asyncio.run(unauthorized(req("/get_world_size", {})))
+    assert status == 401 and "invalid API key" in doc["error"]["message"], doc
 
     def refused(r):
         if r.replica == "r-b":
