@@ -219,11 +219,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.ray or args.num_replicas is not None:
             raise CliError("--data-parallel N is --ray --num-replicas N: give one of them")
         args.ray, args.num_replicas = True, args.data_parallel
-    if args.ray and args.enable_weight_updates and (args.min_replicas is not None or args.max_replicas is not None):
-        raise CliError(
-            "--enable-weight-updates needs a fixed replica count (--num-replicas N): a trainer's weight-transfer "
-            "group has one rank per replica; drop --min-replicas/--max-replicas"
-        )
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = server_settings(args)
     if args.ray:
@@ -313,7 +308,10 @@ def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
         from acb.distributed import ray_serve
     except ImportError as exc:
         raise CliError(str(exc)) from None
-    app = ray_serve.build_application(settings, **_ray_options(args))
+    try:
+        app = ray_serve.build_application(settings, **_ray_options(args))
+    except ValueError as exc:  # (weight updates with autoscaling)
+        raise CliError(str(exc)) from None
     try:
         ray_serve.run(app, settings, address=args.ray_address, replicas=args.num_replicas or args.min_replicas or 1)
     except ray_serve.RayStartError as exc:
