@@ -25,7 +25,6 @@ parity across batch compositions needs).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from acb.bench.common import machine_info  # noqa: E402
+from acb.bench.common import machine_info, write_json  # noqa: E402
 from acb.runner.attention.torch_backend import CHUNK_BYTES, TorchBackend  # noqa: E402
 
 H, HKV, D, PAGE = 8, 4, 64, 32
@@ -170,8 +169,7 @@ def main() -> int:
         "shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "page": PAGE, "dtype": "float32"},
         "rows": rows,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(a.out, result)
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import acb  # noqa: E402
-from acb.bench.common import ModelSpec, machine_info  # noqa: E402
+from acb.bench.common import ModelSpec, machine_info, write_json  # noqa: E402
 
 
 def prompts(b: int, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -182,8 +181,7 @@ def main() -> int:
         "rows": rows,
         "stream": stream,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(a.out, result)
     return 0
 
 
