@@ -34,54 +34,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import acb  # noqa: E402
-from acb.bench.common import MODEL_SHAPES, ModelSpec, machine_info, matmul_peak_gflops, random_prompts, workload_flops  # noqa: E402
+from acb.bench.common import (  # noqa: E402
+    MODEL_SHAPES,
+    ModelSpec,
+    machine_info,
+    matmul_peak_gflops,
+    op_kind,
+    random_prompts,
+    workload_flops,
+)
 from acb.bench.offline import MAX_BATCH_TOKENS, MAX_REQUESTS, SIZES  # noqa: E402
 
 PHASES = ("acb::attention", "acb::lm_head", "acb::sampler", "acb::metadata", "acb::stage")
-MATMUL = {
-    "aten::mm",
-    "aten::addmm",
-    "aten::bmm",
-    "aten::matmul",
-    "aten::linear",
-    "aten::baddbmm",
-    "mkldnn::_linear_pointwise",
-}
-SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")
-GATHER = {
-    "aten::index",
-    "aten::index_copy_",
-    "aten::index_select",
-    "aten::gather",
-    "aten::index_put_",
-    "aten::_index_put_impl_",
-    "aten::take",
-}
-COPY = {
-    "aten::copy_",
-    "aten::to",
-    "aten::_to_copy",
-    "aten::contiguous",
-    "aten::cat",
-    "aten::clone",
-    "aten::repeat_interleave",
-    "aten::expand",
-    "aten::empty",
-    "aten::empty_strided",
-    "aten::new_empty",
-}
-
-
-def _kind(name: str) -> str:
-    if name in MATMUL:
-        return "matmul"
-    if name.startswith(SDPA_PREFIX):
-        return "sdpa"
-    if name in GATHER:
-        return "gather/scatter"
-    if name in COPY:
-        return "copy"
-    return "elementwise" if name.startswith("aten::") else "other"
 
 
 def _wrap(obj: Any, attr: str, label: str) -> None:
@@ -129,7 +93,7 @@ def breakdown(prof: torch.profiler.profile) -> dict[str, Any]:
             parent = parent.cpu_parent
         if phase is None:
             phase = "body" if in_forward else "engine"
-        table[phase][_kind(ev.name)] += ev.self_cpu_time_total
+        table[phase][op_kind(ev.name)] += ev.self_cpu_time_total
     return {p: dict(k) for p, k in table.items()}
 
 

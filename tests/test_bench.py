@@ -52,8 +52,11 @@ def test_workload_json(results, workload):
             assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
     elif workload == "eval":
         assert [r["engine"] for r in rows] == ["acb", "hf (batch 16)"]  # (hf's batch "auto" on a GPU only)
-        assert all(set(r["per_task"]) == {"fewshot_letters", "endings", "fewshot_gen"} for r in rows)
+        tasks = {"fewshot_letters", "endings", "fewshot_gen", "rolling"}
+        assert all(set(r["per_task"]) == tasks for r in rows)
+        assert all(set(r["per_task_limited"]) == tasks | {"together"} for r in rows)
         assert data["result"]["agreement"]["ok"] is True  # acb's numbers are hf's
+        assert data["result"]["agreement_limited"]["ok"] is True
         floor = data["result"]["floor"]
         assert floor["total"] == pytest.approx(floor["linear"] + floor["attention"] + floor["lm_head"])
         assert 0 < floor["floor_s"] and floor["positions"] > 0
@@ -64,6 +67,14 @@ def test_workload_json(results, workload):
                 a["schedule_us"] + a["stage_us"] + a["process_us"]
             )
             assert r["transformers"]["host_us"] > 0
+        steps = data["result"]["steps"]
+        assert [r["batch"] for r in steps] == [1, 4]
+        for r in steps:
+            for side in (r["acb"], r["generate"]):
+                assert side["step_ms"] > 0 and side["matmul_ms"] > 0
+                assert side["outside_matmul_ms"] == pytest.approx(side["step_ms"] - side["matmul_ms"])
+                assert "sdpa" in side["outside_ops_ms"]
+            assert r["greedy_tokens_equal"] is True
         tel = {t["mode"]: t for t in data["result"]["telemetry"]}
         assert set(tel) == {"off", "api", "sdk"} and all(t["host_us"] > 0 for t in tel.values())
         assert not tel["off"]["sdk_imported"] and not tel["api"]["sdk_imported"] and tel["sdk"]["sdk_imported"]

@@ -292,4 +292,4 @@ def test_the_readme_test_command_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in readme
-    assert re.search(r"ruff format --check && ruff check && mypy && python -m pytest -q$", ci)
+    assert re.search(r"ruff format --check && ruff check && mypy && python -m pytest -q -n 2 --dist loadfile$", ci)

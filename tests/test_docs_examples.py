@@ -7,11 +7,12 @@
   it too). Blocks marked ``<!-- docs-test: compile only (why; given: NAME, ...) -->`` (a GPU, a
   cluster, a server, a download) are compiled and name-checked, not run; ``given:`` lists the
   names the reader supplies. Top-level ``await`` is allowed (a notebook cell's).
-- **Shell blocks** are split into commands. ``acb generate`` and ``python -m
-  acb.integrations.lm_eval`` lines run, as written, on the embedded tiny model saved as a local
-  checkpoint (``PATH``, ``./my-checkpoint``) and a tiny local lm-eval task (``hellaswag``; no
-  downloads); other ``acb`` commands are parsed by acb's own argument parser; install lines are
-  checked by ``tests/test_docs.py``; a command nobody classified fails the test.
+- **Shell blocks** are split into commands. ``acb generate`` lines run, as written, on the
+  embedded tiny model saved as a local checkpoint (``PATH``, ``./my-checkpoint``); ``python -m
+  acb.integrations.lm_eval`` lines are run by ``tests/integrations/test_lm_eval.py::test_cli``
+  (every flag they use, on a tiny local task: no downloads); other ``acb`` commands are parsed by
+  acb's own argument parser; install lines are checked by ``tests/test_docs.py``; a command
+  nobody classified fails the test.
 """
 
 from __future__ import annotations
@@ -200,28 +201,21 @@ CHECKED_ELSEWHERE = {
     ("mkdocs", "serve"): "tests/test_docs.py builds the site",
     ("curl",): "a running acb serve (tests/serve drive every endpoint)",
     ("python", "benchmarks/gpu_check.py"): "a GPU",
+    ("python", "-m", "acb.integrations.lm_eval"): (
+        "tests/integrations/test_lm_eval.py::test_cli runs this entry point with every flag the pages' lm-eval "
+        "lines use (it reads them from the pages) and checks its metrics against the in-process run"
+    ),
 }
 
 
 def _ckpt_and_task(tmp: Path) -> dict[str, str]:
-    """The embedded model saved as a checkpoint folder, and a one-document lm-eval task."""
+    """The embedded model saved as a checkpoint folder."""
     from acb.models import build_tokenizer, default_model
 
     ckpt = tmp / "ckpt"
     default_model().save_pretrained(ckpt)
     build_tokenizer().save_pretrained(ckpt)
-    tasks = tmp / "tasks"
-    tasks.mkdir()
-    (tasks / "data.jsonl").write_text(
-        '{"q": "The capital of France is", "choices": [" Paris", " Oslo"], "a": 0}\n'
-        '{"q": "2 + 2 =", "choices": [" 4", " 5"], "a": 0}\n'
-    )
-    (tasks / "tiny_mc.yaml").write_text(
-        f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'data.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{a}}'\nmetric_list:\n  - metric: acc\n"
-    )
-    return {"ckpt": str(ckpt), "tasks": str(tasks)}
+    return {"ckpt": str(ckpt)}
 
 
 def _substitute(argv: list[str], where: dict[str, str]) -> list[str]:
@@ -232,10 +226,6 @@ def _substitute(argv: list[str], where: dict[str, str]) -> list[str]:
         if a == "cuda" and i and argv[i - 1] == "--device":
             a = "cpu"
         out.append(a)
-    if "--tasks" in out:
-        i = out.index("--tasks") + 1
-        out[i] = "tiny_mc"
-        out += ["--include_path", where["tasks"], "--limit", "2"]
     return out
 
 
@@ -264,8 +254,8 @@ def _run(cmd: list[str] | str, cwd: Path) -> subprocess.CompletedProcess:
     return p
 
 
-# a command's run, by its words: the same `acb generate` or lm-eval line on several pages (the
-# README's two commands are getting-started's; its lm-eval line is the evaluation guide's) runs once
+# a command's run, by its words: the same `acb generate` line on several pages (the README's two
+# commands are getting-started's) runs once
 _RUNS: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
 
 
@@ -292,10 +282,6 @@ def test_shell_commands_run_or_parse_as_written(block: Block, tmp_path: Path) ->
         if argv[:2] == ["acb", "generate"] and "torchrun" not in block.source:
             p = _run_once(argv, _substitute(argv, where), tmp_path)
             assert "requests:" in p.stderr and " 0 failed" in p.stderr, p.stderr[-2000:]
-        elif argv[:3] == ["python", "-m", "acb.integrations.lm_eval"]:
-            pytest.importorskip("lm_eval")
-            p = _run_once(argv, [sys.executable, *_substitute(argv, where)[1:]], tmp_path)
-            assert "tiny_mc" in p.stdout and "acc" in p.stdout, p.stdout[-2000:]
         elif argv[0] == "acb":
             _parse_acb(_substitute(argv, where)[1:])
         else:

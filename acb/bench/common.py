@@ -204,3 +204,52 @@ def matmul_peak_gflops(
     best["dtype"] = str(dtype).replace("torch.", "")
     best["threads"] = torch.get_num_threads()
     return best
+
+
+# torch.profiler op names by kind (the profiles of benchmarks/profile_offline.py and `acb bench overhead`)
+MATMUL = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::baddbmm",
+    "mkldnn::_linear_pointwise",
+}
+SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")
+GATHER = {
+    "aten::index",
+    "aten::index_copy_",
+    "aten::index_select",
+    "aten::gather",
+    "aten::index_put_",
+    "aten::_index_put_impl_",
+    "aten::take",
+}
+COPY = {
+    "aten::copy_",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::contiguous",
+    "aten::cat",
+    "aten::clone",
+    "aten::repeat_interleave",
+    "aten::expand",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::new_empty",
+}
+
+
+def op_kind(name: str) -> str:
+    """The kind of a profiled op, by its name: ``matmul``, ``sdpa``, ``gather/scatter``, ``copy``,
+    ``elementwise`` (the rest of aten) or ``other``."""
+    if name in MATMUL:
+        return "matmul"
+    if name.startswith(SDPA_PREFIX):
+        return "sdpa"
+    if name in GATHER:
+        return "gather/scatter"
+    if name in COPY:
+        return "copy"
+    return "elementwise" if name.startswith("aten::") else "other"

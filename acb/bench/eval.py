@@ -6,7 +6,13 @@ random-weight Llama saved to a temporary directory with a tokenizer built in cod
 - ``fewshot_letters`` (MMLU-like): 5-shot multiple choice (the same five examples before every
   question, lm-eval's ``first_n`` sampler, as MMLU), four one-letter answers " A".." D";
 - ``endings`` (HellaSwag-like): 0-shot, four endings of several tokens each;
-- ``fewshot_gen`` (GSM8K-like): 4-shot ``generate_until``, greedy, stop strings.
+- ``fewshot_gen`` (GSM8K-like): 4-shot ``generate_until``, greedy, stop strings;
+- ``rolling`` (WikiText-like), the held-out shape (added after the engine's scoring was tuned
+  on the other three, and not tuned on): ``loglikelihood_rolling`` perplexity of long documents,
+  each scored in lm-eval's disjoint windows of the model's ``max_length``.
+
+Each task is timed on all its documents and again on the first 48 (``limit``), and the four
+together are timed once more as one ``simple_evaluate`` call on 48 documents each.
 
 Each backend (``hf`` at batch size 16, and ``auto`` on a GPU: on a CPU its batch-size detection
 alone, a forward of 64 windows of ``max_length`` tokens, takes minutes; ``acb`` with the
@@ -37,9 +43,13 @@ import torch
 
 from acb.bench.common import ModelSpec, matmul_peak_gflops
 
-TASKS = ("fewshot_letters", "endings", "fewshot_gen")
-# documents per task: (fewshot_letters, endings, fewshot_gen)
-DOCS = {"default": (120, 120, 16), "tiny": (6, 6, 3)}
+TASKS = ("fewshot_letters", "endings", "fewshot_gen", "rolling")
+# documents per task: (fewshot_letters, endings, fewshot_gen, rolling)
+DOCS = {"default": (120, 120, 16, 24), "tiny": (6, 6, 3, 2)}
+# the smaller runs: each task, then all of them in one call, on the first LIMIT documents of each
+LIMIT = {"default": 48, "tiny": 3}
+TOGETHER = "together"  # the label of the one call on every task
+ROLLING_CHARS = {"default": (1500, 5000), "tiny": (200, 600)}  # a rolling document's length (bytes: tokens)
 MAX_GEN_TOKS = {"default": 48, "tiny": 8}
 SHAPES = {
     # >= 15M parameters (the issue's 17M-parameter Llama), byte-level vocabulary
@@ -79,7 +89,7 @@ def sentence(rng: random.Random, lo: int, hi: int, words: tuple[str, ...] | list
 
 def _write_tasks(folder: str, size: str) -> None:
     rng = random.Random(0)
-    n_letters, n_endings, n_gen = DOCS[size]
+    n_letters, n_endings, n_gen, n_rolling = DOCS[size]
 
     def dump(name: str, rows: list[dict[str, Any]]) -> str:
         path = os.path.join(folder, f"{name}.jsonl")
@@ -141,6 +151,11 @@ def _write_tasks(folder: str, size: str) -> None:
             "  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
         ),
     }
+    tasks["rolling"] = (
+        {"test": dump("rolling_test", [{"text": sentence(rng, *ROLLING_CHARS[size])} for _ in range(n_rolling)])},
+        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n",
+    )
     for name, (files, body) in tasks.items():
         splits = "".join(f"    {split}: {path}\n" for split, path in files.items())
         with open(os.path.join(folder, f"{name}.yaml"), "w", encoding="utf-8") as f:
@@ -285,8 +300,11 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     if env_info is not None:
         evaluator.add_env_info = lambda storage: None
     seconds: dict[str, dict[str, float]] = {label: {} for label in sides}
+    limited: dict[str, dict[str, float]] = {label: {} for label in sides}  # the first LIMIT documents
     outs: dict[str, dict[str, dict]] = {label: {} for label in sides}
+    limited_outs: dict[str, dict[str, dict]] = {label: {} for label in sides}
     rec = _Recorder()
+    limit = LIMIT[size]
     try:
         for model_name, args in sides.values():  # untimed warm-up
             evaluate(model_name, args, list(TASKS), limit=2)
@@ -296,7 +314,11 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
                 for label, (model_name, args) in sides.items():  # interleaved: a slow spell hits every side
                     outs[label][task], seconds[label][task] = evaluate(model_name, args, [task])
         finally:
-            undo()
+            undo()  # (the floor is of the full runs)
+        for task in (*TASKS, TOGETHER):
+            for label, (model_name, args) in sides.items():
+                names = list(TASKS) if task == TOGETHER else [task]
+                limited_outs[label][task], limited[label][task] = evaluate(model_name, args, names, limit=limit)
     finally:
         if env_info is not None:
             evaluator.add_env_info = env_info
@@ -314,6 +336,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
                 "engine": label,
                 "seconds": total,
                 "per_task": seconds[label],
+                "per_task_limited": limited[label],
                 "metrics": {
                     t: {
                         k: v
@@ -335,6 +358,8 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
         },
         "settings": {
             "docs": dict(zip(TASKS, DOCS[size])),
+            "limit": limit,
+            "held_out": "rolling",
             "max_gen_toks": MAX_GEN_TOKS[size],
             "timed": "model loading included, after an untimed 2-document run of every task",
         },
@@ -350,33 +375,45 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
         for r in rows:
             r["hf_batch16_over_this"] = {t: ref["per_task"][t] / r["per_task"][t] for t in TASKS}
             r["speedup_vs_hf_batch16"] = ref["seconds"] / r["seconds"]
+            r["hf_batch16_over_this_limited"] = {
+                t: ref["per_task_limited"][t] / r["per_task_limited"][t] for t in (*TASKS, TOGETHER)
+            }
         doc["agreement"] = _agreement(outs["hf (batch 16)"], outs["acb"], tok)
+        doc["agreement_limited"] = _agreement(
+            limited_outs["hf (batch 16)"][TOGETHER], limited_outs["acb"][TOGETHER], tok, together=True
+        )
     return doc
 
 
-def _agreement(hf: dict[str, dict], acb: dict[str, dict], tok: Any) -> dict[str, Any]:
+def _agreement(hf: dict, acb: dict, tok: Any, together: bool = False) -> dict[str, Any]:
     """Whether acb's numbers are hf's: the largest loglikelihood difference (absolute, and per
-    continuation token), and equal greedy flags, generations and metrics."""
-    worst, worst_tok, same_flags, same_text = 0.0, 0.0, True, True
+    scored token), and equal greedy flags, generations and metrics (a perplexity within 1e-5 of
+    hf's, relative: it is the exponential of a sum of float32 loglikelihoods). ``hf`` and ``acb``
+    map each task to its ``simple_evaluate`` output, or are one output of every task (``together``)."""
+    worst, worst_tok, same_flags, same_text, metrics = 0.0, 0.0, True, True, True
     for task in TASKS:
-        a = sorted(hf[task]["samples"][task], key=lambda s: s["doc_id"])
-        b = sorted(acb[task]["samples"][task], key=lambda s: s["doc_id"])
+        out_hf, out_acb = (hf, acb) if together else (hf[task], acb[task])
+        a = sorted(out_hf["samples"][task], key=lambda s: s["doc_id"])
+        b = sorted(out_acb["samples"][task], key=lambda s: s["doc_id"])
         for x, y in zip(a, b):
             for args, rx, ry in zip(x["arguments"], x["resps"], y["resps"]):
                 rx, ry = rx[0], ry[0]
-                if isinstance(rx, (list, tuple)):
+                if isinstance(rx, (list, tuple)):  # loglikelihood: (logprob, greedy)
                     n = max(len(tok(args[1], add_special_tokens=False)["input_ids"]), 1)
                     worst = max(worst, abs(rx[0] - ry[0]))
                     worst_tok = max(worst_tok, abs(rx[0] - ry[0]) / n)
                     same_flags &= bool(rx[1]) == bool(ry[1])
+                elif isinstance(rx, float):  # loglikelihood_rolling: the document's logprob
+                    n = max(len(tok(args[0], add_special_tokens=False)["input_ids"]), 1)
+                    worst = max(worst, abs(rx - ry))
+                    worst_tok = max(worst_tok, abs(rx - ry) / n)
                 else:
                     same_text &= rx == ry
-    metrics = all(
-        abs(v - acb[t]["results"][t].get(k, float("nan"))) <= 1e-9 or (v != v)
-        for t in TASKS
-        for k, v in hf[t]["results"][t].items()
-        if isinstance(v, float) and "stderr" not in k
-    )
+        for k, v in out_hf["results"][task].items():
+            if not isinstance(v, float) or "stderr" in k or v != v:
+                continue
+            w = out_acb["results"][task].get(k, float("nan"))
+            metrics &= bool(abs(v - w) <= (1e-5 * abs(v) if "perplexity" in k or "bits" in k else 1e-9))
     # float32 noise, not a difference of method: after 1,500-token contexts (the few-shot task) a
     # float32 forward of this model is 5e-5 to 1.5e-4 from a float64 one, per token, whichever way
     # it is batched (measured: a plain forward, an hf-style right-padded batch and acb's scoring
@@ -394,18 +431,39 @@ def _agreement(hf: dict[str, dict], acb: dict[str, dict], tok: Any) -> dict[str,
 
 def markdown(doc: dict[str, Any]) -> list[str]:
     r = doc["result"]
+    tasks = list(r["rows"][0]["per_task"])  # (a result written before a task was added has fewer)
     lines = [
-        "| backend | " + " | ".join(f"{t} (s)" for t in TASKS) + " | total (s) | speed-up vs hf batch 16 |",
-        "|---|" + "---|" * (len(TASKS) + 2),
+        "| backend | " + " | ".join(f"{t} (s)" for t in tasks) + " | total (s) | speed-up vs hf batch 16 |",
+        "|---|" + "---|" * (len(tasks) + 2),
     ]
     for row in r["rows"]:
         per = " | ".join(
             f"{row['per_task'][t]:.2f}"
             + (f" ({row['hf_batch16_over_this'][t]:.2f}x)" if "hf_batch16_over_this" in row else "")
-            for t in TASKS
+            for t in tasks
         )
         sp = f"{row['speedup_vs_hf_batch16']:.2f}x" if "speedup_vs_hf_batch16" in row else ""
         lines.append(f"| {row['engine']} | {per} | {row['seconds']:.2f} | {sp} |")
+    limit = r["settings"].get("limit")
+    lines += (
+        []
+        if limit is None
+        else [
+            "",
+            f"The first {limit} documents of each task (fewer where a task has fewer), then every task in one "
+            f"`simple_evaluate` call ({TOGETHER}):",
+            "",
+            "| backend | " + " | ".join(f"{t} (s)" for t in (*tasks, TOGETHER)) + " |",
+            "|---|" + "---|" * (len(tasks) + 1),
+        ]
+    )
+    for row in r["rows"] if limit is not None else []:
+        per = " | ".join(
+            f"{row['per_task_limited'][t]:.2f}"
+            + (f" ({row['hf_batch16_over_this_limited'][t]:.2f}x)" if "hf_batch16_over_this_limited" in row else "")
+            for t in (*tasks, TOGETHER)
+        )
+        lines.append(f"| {row['engine']} | {per} |")
     f = r["floor"]
     lines += [
         "",
@@ -422,6 +480,11 @@ def markdown(doc: dict[str, Any]) -> list[str]:
             f"Numbers agree with hf (batch 16): {'yes' if a['ok'] else 'NO'} (largest loglikelihood "
             f"difference {a['max_abs_loglikelihood_diff']:.1e}, at most {a['max_diff_per_token']:.1e} per "
             f"continuation token; greedy flags, generations and metrics "
-            f"{'equal' if a['greedy_flags_equal'] and a['generations_equal'] and a['metrics_equal'] else 'differ'}).",
+            f"{'equal' if a['greedy_flags_equal'] and a['generations_equal'] and a['metrics_equal'] else 'differ'})"
+            + (
+                f"; in the one call on {limit} documents each: {'yes' if r['agreement_limited']['ok'] else 'NO'}."
+                if "agreement_limited" in r
+                else "."
+            ),
         ]
     return lines

@@ -1,4 +1,5 @@
-"""``overhead``: engine host time per decode step with a null model, for 1..1024 running requests.
+"""``overhead``: engine host time per decode step with a null model, for 1..1024 running requests,
+and a real model's decode step split into its matmuls and everything else, against ``model.generate``.
 
 acb runs with a runner whose forward returns zero logits without touching the model, so
 what is left is the engine's own host work per step: schedule, stage inputs (positions,
@@ -6,6 +7,16 @@ slot mapping, block-table rows, attention metadata, sampling parameters) and pro
 outputs (record tokens, stop checks, deliver to handles). transformers' continuous
 batching runs the same tiny model, and its ``prepare_next_batch`` + ``update_batch`` are
 timed (its forward excluded). Medians over the steps in which every request decodes.
+
+The real-model part (``steps``) runs the benchmark's model at B = 1, 4, 16 (equal prompt lengths,
+EOS ignored, greedy) through ``Engine.generate_batch`` and one ``model.generate`` call, and
+measures one decode step of each: the time of a call with ``1 + K`` new tokens less that of a
+call with one (the prefill and its first token), over ``K``. A second pair of calls under
+torch.profiler gives the self time of the matmul ops per decode step (the linear layers and the
+LM head); the step's time outside its matmuls is the unprofiled step less that. The other ops'
+self times, by kind (attention, gathers, copies, elementwise), say where it goes (as profiled:
+the profiler's cost per op inflates the small ones); acb's engine timers split its host share
+(schedule, stage, process).
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from typing import Any
 import torch
 
 import acb
-from acb.bench.common import ModelSpec, tf_page
+from acb.bench.common import ModelSpec, op_kind, tf_page
 from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -27,6 +38,11 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 TELEMETRY_MODES = ("off", "api", "sdk")  # OTEL_SDK_DISABLED; the API alone (no SDK); SDK + OTLP exporter
 PROMPT_LEN = 4
+# the real model's decode step: batch sizes, prompt length, decode steps timed (K), repeats (best of)
+STEP_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(batches=[1, 4], prompt=16, decode_steps=16, repeats=1),
+    "default": dict(batches=[1, 4, 16], prompt=128, decode_steps=48, repeats=2),
+}
 
 
 class NullModelRunner(ModelRunner):
@@ -149,6 +165,120 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
         host_us=(statistics.median(prep) + statistics.median(upd)) * 1e6,
         steps_measured=len(upd),
     )
+
+
+# ------------------------------------------------------------------ a real model's decode step
+def _op_times_ms(prof: torch.profiler.profile) -> dict[str, float]:
+    """Self CPU time per kind of op (``op_kind``), in ms."""
+    kinds: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.key.startswith(("acb::", "ProfilerStep")):  # ranges, not ops
+            continue
+        k = op_kind(ev.key)
+        kinds[k] = kinds.get(k, 0.0) + ev.self_cpu_time_total / 1e3
+    return kinds
+
+
+def _decode_step(call: Any, profile: Any, new: int, repeats: int) -> tuple[float, dict[str, float], list[list[int]]]:
+    """One decode step's ms (the best of ``repeats`` pairs of calls with ``1 + new`` and 1 new
+    tokens), its ops' self ms per kind (a profiled pair), and the long call's tokens."""
+    longs, shorts = [], []
+    tokens: list[list[int]] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call(1)
+        shorts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        tokens = call(1 + new)
+        longs.append(time.perf_counter() - t0)
+    step_ms = (min(longs) - min(shorts)) / new * 1e3
+    short_ops = profile(lambda: call(1))
+    long_ops = profile(lambda: call(1 + new))
+    ops = {k: (long_ops.get(k, 0.0) - short_ops.get(k, 0.0)) / new for k in set(long_ops) | set(short_ops)}
+    return step_ms, ops, tokens
+
+
+def _step_row(step_ms: float, ops: dict[str, float]) -> dict[str, Any]:
+    matmul = ops.get("matmul", 0.0)
+    rest = {k: v for k, v in sorted(ops.items()) if k != "matmul"}
+    return dict(
+        step_ms=step_ms,
+        matmul_ms=matmul,
+        outside_matmul_ms=step_ms - matmul,
+        # the ops that are not matmuls, by kind, as profiled (the profiler's cost per op inflates the small ones)
+        outside_ops_ms=rest,
+    )
+
+
+def real_steps(size: str, spec: ModelSpec, baselines: bool = True) -> list[dict[str, Any]]:
+    """The benchmark's model, B = 1, 4, 16: a decode step's ms, its matmuls' ms and the rest,
+    acb against ``model.generate`` (same prompts, same number of tokens)."""
+    p = STEP_SIZES[size]
+    model = spec.build().eval()
+    new = p["decode_steps"]
+    rows = []
+    with acb.Engine(model) as engine:
+        core = engine.core
+        assert core is not None  # started
+
+        def acb_profile(fn: Any) -> dict[str, float]:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            core.call(lambda _c: prof.__enter__()).result()  # on the engine thread, where the steps run
+            try:
+                fn()
+            finally:
+                core.call(lambda _c: prof.__exit__(None, None, None)).result()
+            return _op_times_ms(prof)
+
+        def generate_profile(fn: Any) -> dict[str, float]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                fn()
+            return _op_times_ms(prof)
+
+        # a first profile on each thread (kineto's first start on a thread is slow and says so on stderr)
+        acb_profile(lambda: None)
+        generate_profile(lambda: None)
+        g = torch.Generator().manual_seed(0)
+        for b in p["batches"]:
+            ps = torch.randint(3, spec.vocab, (b, p["prompt"]), generator=g).tolist()
+            ids = torch.tensor(ps)
+
+            def run_acb(k: int, ps: list[list[int]] = ps) -> list[list[int]]:
+                outs = engine.generate_batch(ps, max_new_tokens=k, ignore_eos=True, temperature=0.0, progress_bar=False)
+                return [o.generated_tokens for o in outs.values()]
+
+            def run_generate(k: int, ids: torch.Tensor = ids) -> list[list[int]]:
+                with torch.no_grad():
+                    out = model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=k,
+                        min_new_tokens=k,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
+                return out[:, ids.shape[1] :].tolist()
+
+            run_acb(2)  # (warm: this B's shapes)
+            before = engine.stats
+            step_ms, ops, toks = _decode_step(run_acb, acb_profile, new, p["repeats"])
+            after = engine.stats
+            steps = max(1, after.steps - before.steps)
+            row: dict[str, Any] = dict(batch=b, acb=_step_row(step_ms, ops))
+            row["acb"]["host_ms"] = {  # the engine's own timers, per step of every call above
+                "schedule": (after.host_schedule_s - before.host_schedule_s) / steps * 1e3,
+                "stage": (after.host_stage_s - before.host_stage_s) / steps * 1e3,
+                "process": (after.host_process_s - before.host_process_s) / steps * 1e3,
+            }
+            if baselines:
+                run_generate(2)
+                step_ms, ops, ref = _decode_step(run_generate, generate_profile, new, p["repeats"])
+                row["generate"] = _step_row(step_ms, ops)
+                row["outside_matmul_ratio"] = row["generate"]["outside_matmul_ms"] / row["acb"]["outside_matmul_ms"]
+                row["step_ratio"] = row["generate"]["step_ms"] / row["acb"]["step_ms"]
+                row["greedy_tokens_equal"] = toks == ref
+            rows.append(row)
+    return rows
 
 
 # ------------------------------------------------------------------ telemetry's cost
@@ -304,6 +434,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
             row["transformers"] = tf
             row["ratio"] = tf["host_us"] / row["acb"]["host_us"] if tf else None
         rows.append(row)
+    steps = real_steps(size, spec, baselines)
     tel = _telemetry(p["telemetry_running"], p["steps"], p["telemetry_rounds"])
     off = next(r for r in tel if r["mode"] == "off")["host_us"]
     for r in tel:
@@ -312,6 +443,8 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
         workload="overhead",
         settings=dict(p, prompt_len=PROMPT_LEN, null_model=True),
         rows=rows,
+        steps=steps,
+        steps_settings=STEP_SIZES[size],
         telemetry=tel,
         notes=notes,
     )

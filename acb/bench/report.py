@@ -124,6 +124,36 @@ def markdown_for(doc: dict[str, Any]) -> str:
                 f"| {row['running']} | {a['schedule_us']:.0f} / {a['stage_us']:.0f} / {a['process_us']:.0f} | "
                 f"{a['host_us']:.0f} | {tf_us} | {ratio} |"
             )
+        if r.get("steps"):
+            st = r["steps_settings"]
+            lines += [
+                "",
+                f"A real model's decode step (the benchmark's model, B prompts of {st['prompt']} tokens; one step: "
+                f"a call with 1 + {st['decode_steps']} new tokens less a call with 1, over {st['decode_steps']}), "
+                "against `model.generate` on the same prompts: the step's ms, its matmuls' ms (linear layers and "
+                "LM head, torch.profiler self time) and the rest (the unprofiled step less the matmuls); "
+                "the other ops' self times by kind, as profiled (which inflates small ops).",
+                "",
+                "| B | engine | step ms | matmul ms | outside matmul ms | of it: attention (sdpa) / gather / copy / "
+                "elementwise / other ops (profiled ms) | generate / acb: step / outside |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for row in r["steps"]:
+                for name in ("acb", "generate"):
+                    e = row.get(name)
+                    if not e:
+                        continue
+                    o = e["outside_ops_ms"]
+                    split = " / ".join(
+                        f"{o.get(k, 0.0):.2f}" for k in ("sdpa", "gather/scatter", "copy", "elementwise", "other")
+                    )
+                    ratio = ""
+                    if name == "acb" and row.get("step_ratio"):
+                        ratio = f"{row['step_ratio']:.2f}x / {row['outside_matmul_ratio']:.2f}x"
+                    lines.append(
+                        f"| {row['batch']} | {name} | {e['step_ms']:.2f} | {e['matmul_ms']:.2f} | "
+                        f"{e['outside_matmul_ms']:.2f} | {split} | {ratio} |"
+                    )
         if r.get("telemetry"):
             n = r["telemetry"][0]["running"]
             lines += [
@@ -216,14 +246,13 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         ax.set_yscale("log")
         ax.legend()
     elif w == "eval":  # seconds per task, one group of bars per backend
-        from acb.bench.eval import TASKS
-
+        tasks = list(r["rows"][0]["per_task"])  # the result's own
         width = 0.8 / len(r["rows"])
         for k, row in enumerate(r["rows"]):
-            xs = [i + k * width for i in range(len(TASKS))]
-            bars = ax.bar(xs, [row["per_task"][t] for t in TASKS], width, label=row["engine"])
+            xs = [i + k * width for i in range(len(tasks))]
+            bars = ax.bar(xs, [row["per_task"][t] for t in tasks], width, label=row["engine"])
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
-        ax.set_xticks([i + width * (len(r["rows"]) - 1) / 2 for i in range(len(TASKS))], list(TASKS))
+        ax.set_xticks([i + width * (len(r["rows"]) - 1) / 2 for i in range(len(tasks))], list(tasks))
         ax.set_ylabel("seconds (lower is better)")
         ax.legend()
     elif w == "overhead":

@@ -285,7 +285,8 @@ def test_on_the_own_cache_path_matches_hf(workdir, task_manager, hf_run):
 
 
 def test_cli(workdir, acb_run, tmp_path):
-    """``python -m acb.integrations.lm_eval`` is lm-eval's command line with "acb" registered."""
+    """``python -m acb.integrations.lm_eval`` is lm-eval's command line with "acb" registered: the
+    command the README and the evaluation guide show, with their flags, on a local task."""
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [
         sys.executable,
@@ -304,6 +305,18 @@ def test_cli(workdir, acb_run, tmp_path):
         "--output_path",
         str(tmp_path / "out"),
     ]
+    # the pages' lm-eval lines (tests/test_docs_examples.py leaves them to this test): the same entry
+    # point, and no flag this run does not use
+    from tests.test_docs_examples import SHELL, commands
+
+    lines = [a for b in SHELL for a in commands(b) if a[:3] == ["python", "-m", "acb.integrations.lm_eval"]]
+    assert lines, "no page shows the lm-eval command"
+    for argv in lines:
+        flags = {a.split("=")[0] for a in argv if a.startswith("--")}
+        assert flags <= set(cmd), f"{argv}: a flag this test does not run"
+        assert argv[argv.index("--model") + 1] == "acb" and argv[argv.index("--model_args") + 1].startswith(
+            "pretrained="
+        )
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     (path,) = glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)
