@@ -71,9 +71,11 @@ def test_workload_json(results, workload):
         assert [r["batch"] for r in steps] == [1, 4]
         for r in steps:
             for side in (r["acb"], r["generate"]):
-                assert side["step_ms"] > 0 and side["matmul_ms"] > 0
+                assert side["step_ms"] > 0
                 assert side["outside_matmul_ms"] == pytest.approx(side["step_ms"] - side["matmul_ms"])
                 assert "sdpa" in side["outside_ops_ms"]
+            # the profiles saw every matmul of a step on both sides: the tiny Llama's 2 x 7 linears and its head
+            assert r["acb"]["matmul_calls"] == r["generate"]["matmul_calls"] == 15
             assert r["greedy_tokens_equal"] is True
         tel = {t["mode"]: t for t in data["result"]["telemetry"]}
         assert set(tel) == {"off", "api", "sdk"} and all(t["host_us"] > 0 for t in tel.values())

@@ -168,14 +168,20 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
 
 
 # ------------------------------------------------------------------ a real model's decode step
+# the ops that do a matmul's arithmetic (aten::linear and aten::matmul only call one of them)
+GEMM_LEAVES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
+
+
 def _op_times_ms(prof: torch.profiler.profile) -> dict[str, float]:
-    """Self CPU time per kind of op (``op_kind``), in ms."""
-    kinds: dict[str, float] = {}
+    """Self CPU time per kind of op (``op_kind``), in ms, and ``gemm_calls``: how many matmuls ran."""
+    kinds: dict[str, float] = {"gemm_calls": 0.0}
     for ev in prof.key_averages():
         if ev.key.startswith(("acb::", "ProfilerStep")):  # ranges, not ops
             continue
         k = op_kind(ev.key)
         kinds[k] = kinds.get(k, 0.0) + ev.self_cpu_time_total / 1e3
+        if ev.key in GEMM_LEAVES:
+            kinds["gemm_calls"] += ev.count
     return kinds
 
 
@@ -200,10 +206,11 @@ def _decode_step(call: Any, profile: Any, new: int, repeats: int) -> tuple[float
 
 def _step_row(step_ms: float, ops: dict[str, float]) -> dict[str, Any]:
     matmul = ops.get("matmul", 0.0)
-    rest = {k: v for k, v in sorted(ops.items()) if k != "matmul"}
+    rest = {k: v for k, v in sorted(ops.items()) if k not in ("matmul", "gemm_calls")}
     return dict(
         step_ms=step_ms,
         matmul_ms=matmul,
+        matmul_calls=ops["gemm_calls"],  # per decode step: the model's linear layers and its LM head
         outside_matmul_ms=step_ms - matmul,
         # the ops that are not matmuls, by kind, as profiled (the profiler's cost per op inflates the small ones)
         outside_ops_ms=rest,
