@@ -112,7 +112,9 @@ def local_ray():
         )
         ctx = ray.data.DataContext.get_current()
         saved = ctx.wait_for_min_actors_s, ctx.enable_progress_bars
-        ctx.wait_for_min_actors_s, ctx.enable_progress_bars = 120, False
+        # a hang guard: the suite's two workers share the cores, and on a loaded machine the actors of
+        # the previous test's pool can take a while to release their CPUs (120 s ran out once)
+        ctx.wait_for_min_actors_s, ctx.enable_progress_bars = 600, False
         try:
             yield ray.get_runtime_context().gcs_address
         finally:
