@@ -34,27 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import acb  # noqa: E402
-from acb.bench.common import ModelSpec, machine_info, write_json  # noqa: E402
+from acb.bench.common import ModelSpec, greedy_generate, machine_info, write_json  # noqa: E402
 
 
 def prompts(b: int, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed + b)
     return torch.randint(3, vocab, (b, n), generator=g).tolist()
-
-
-def greedy_generate(model: Any, ps: list[list[int]], new: int, streamer: Any = None) -> torch.Tensor:
-    """``model.generate`` on equal-length prompts, exactly ``new`` tokens each, greedy."""
-    ids = torch.tensor(ps)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-        streamer=streamer,
-    )
-    return out[:, ids.shape[1] :]
 
 
 def run_generate(model: Any, ps: list[list[int]], new: int) -> tuple[float, list[list[int]]]:

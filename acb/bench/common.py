@@ -122,6 +122,23 @@ def reset_peak_memory(device: str) -> None:
         torch.cuda.reset_peak_memory_stats(torch.device(device))
 
 
+def greedy_generate(model: Any, prompts: list[list[int]], new: int, streamer: Any = None) -> torch.Tensor:
+    """``model.generate`` on equal-length prompts, exactly ``new`` tokens each, greedy: the
+    generated ids, ``[B, new]``."""
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
+    return out[:, ids.shape[1] :]
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

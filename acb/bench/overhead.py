@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import acb
-from acb.bench.common import ModelSpec, op_kind, tf_page
+from acb.bench.common import ModelSpec, greedy_generate, op_kind, tf_page
 from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -248,23 +248,13 @@ def real_steps(size: str, spec: ModelSpec, baselines: bool = True) -> list[dict[
         g = torch.Generator().manual_seed(0)
         for b in p["batches"]:
             ps = torch.randint(3, spec.vocab, (b, p["prompt"]), generator=g).tolist()
-            ids = torch.tensor(ps)
 
             def run_acb(k: int, ps: list[list[int]] = ps) -> list[list[int]]:
                 outs = engine.generate_batch(ps, max_new_tokens=k, ignore_eos=True, temperature=0.0, progress_bar=False)
                 return [o.generated_tokens for o in outs.values()]
 
-            def run_generate(k: int, ids: torch.Tensor = ids) -> list[list[int]]:
-                with torch.no_grad():
-                    out = model.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        max_new_tokens=k,
-                        min_new_tokens=k,
-                        do_sample=False,
-                        pad_token_id=0,
-                    )
-                return out[:, ids.shape[1] :].tolist()
+            def run_generate(k: int, ps: list[list[int]] = ps) -> list[list[int]]:
+                return greedy_generate(model, ps, k).tolist()
 
             run_acb(2)  # (warm: this B's shapes)
             before = engine.stats
