@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import acb  # noqa: E402
-from acb.bench.common import ModelSpec, greedy_generate, machine_info, write_json  # noqa: E402
+from acb.bench.common import ModelSpec, acb_greedy, greedy_generate, machine_info, phase_ms, write_json  # noqa: E402
 
 
 def prompts(b: int, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -50,8 +50,8 @@ def run_generate(model: Any, ps: list[list[int]], new: int) -> tuple[float, list
 
 def run_acb(engine: acb.Engine, ps: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
-    outs = engine.generate_batch(ps, max_new_tokens=new, ignore_eos=True, temperature=0.0, progress_bar=False)
-    return time.perf_counter() - t0, [o.generated_tokens for o in outs.values()]
+    toks = acb_greedy(engine, ps, new)
+    return time.perf_counter() - t0, toks
 
 
 def step_phases(engine: acb.Engine, ps: list[list[int]], new: int) -> dict[str, float]:
@@ -59,15 +59,7 @@ def step_phases(engine: acb.Engine, ps: list[list[int]], new: int) -> dict[str, 
     schedule, input staging and output processing, and the compute (forward, sampling, the sync)."""
     before = engine.stats
     run_acb(engine, ps, new)
-    after = engine.stats
-    steps = max(1, after.steps - before.steps)
-    return {
-        "steps": steps,
-        "schedule_ms": 1000 * (after.host_schedule_s - before.host_schedule_s) / steps,
-        "stage_ms": 1000 * (after.host_stage_s - before.host_stage_s) / steps,
-        "process_ms": 1000 * (after.host_process_s - before.host_process_s) / steps,
-        "compute_ms": 1000 * (after.compute_s - before.compute_s) / steps,
-    }
+    return phase_ms(before, engine.stats)
 
 
 def stream_acb(model: Any, p: list[int], new: int) -> tuple[float, float]:

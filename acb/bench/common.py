@@ -139,6 +139,26 @@ def greedy_generate(model: Any, prompts: list[list[int]], new: int, streamer: An
     return out[:, ids.shape[1] :]
 
 
+def acb_greedy(engine: Any, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """``engine.generate_batch`` on ``prompts``, exactly ``new`` tokens each (EOS ignored), greedy:
+    the generated ids, in the prompts' order."""
+    outs = engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True, temperature=0.0, progress_bar=False)
+    return [o.generated_tokens for o in outs.values()]
+
+
+def phase_ms(before: Any, after: Any) -> dict[str, float]:
+    """The engine's steps between two ``Engine.stats`` split by phase, in ms per step: the host's
+    schedule, input staging and output processing, and the compute (forward, sampling, the sync)."""
+    steps = max(1, after.steps - before.steps)
+    return {
+        "steps": steps,
+        "schedule_ms": 1000 * (after.host_schedule_s - before.host_schedule_s) / steps,
+        "stage_ms": 1000 * (after.host_stage_s - before.host_stage_s) / steps,
+        "process_ms": 1000 * (after.host_process_s - before.host_process_s) / steps,
+        "compute_ms": 1000 * (after.compute_s - before.compute_s) / steps,
+    }
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -224,15 +244,9 @@ def matmul_peak_gflops(
 
 
 # torch.profiler op names by kind (the profiles of benchmarks/profile_offline.py and `acb bench overhead`)
-MATMUL = {
-    "aten::mm",
-    "aten::addmm",
-    "aten::bmm",
-    "aten::matmul",
-    "aten::linear",
-    "aten::baddbmm",
-    "mkldnn::_linear_pointwise",
-}
+# the ops that do a matmul's arithmetic (aten::linear and aten::matmul only call one of them)
+GEMM_LEAVES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
+MATMUL = GEMM_LEAVES | {"aten::matmul", "aten::linear"}
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")
 GATHER = {
     "aten::index",

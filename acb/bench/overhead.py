@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import acb
-from acb.bench.common import ModelSpec, greedy_generate, op_kind, tf_page
+from acb.bench.common import GEMM_LEAVES, ModelSpec, acb_greedy, greedy_generate, op_kind, phase_ms, tf_page
 from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -168,8 +168,6 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
 
 
 # ------------------------------------------------------------------ a real model's decode step
-# the ops that do a matmul's arithmetic (aten::linear and aten::matmul only call one of them)
-GEMM_LEAVES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
 
 
 def _op_times_ms(prof: torch.profiler.profile) -> dict[str, float]:
@@ -250,8 +248,7 @@ def real_steps(size: str, spec: ModelSpec, baselines: bool = True) -> list[dict[
             ps = torch.randint(3, spec.vocab, (b, p["prompt"]), generator=g).tolist()
 
             def run_acb(k: int, ps: list[list[int]] = ps) -> list[list[int]]:
-                outs = engine.generate_batch(ps, max_new_tokens=k, ignore_eos=True, temperature=0.0, progress_bar=False)
-                return [o.generated_tokens for o in outs.values()]
+                return acb_greedy(engine, ps, k)
 
             def run_generate(k: int, ps: list[list[int]] = ps) -> list[list[int]]:
                 return greedy_generate(model, ps, k).tolist()
@@ -259,14 +256,9 @@ def real_steps(size: str, spec: ModelSpec, baselines: bool = True) -> list[dict[
             run_acb(2)  # (warm: this B's shapes)
             before = engine.stats
             step_ms, ops, toks = _decode_step(run_acb, acb_profile, new, p["repeats"])
-            after = engine.stats
-            steps = max(1, after.steps - before.steps)
+            phases = phase_ms(before, engine.stats)  # the engine's own timers, per step of every call above
             row: dict[str, Any] = dict(batch=b, acb=_step_row(step_ms, ops))
-            row["acb"]["host_ms"] = {  # the engine's own timers, per step of every call above
-                "schedule": (after.host_schedule_s - before.host_schedule_s) / steps * 1e3,
-                "stage": (after.host_stage_s - before.host_stage_s) / steps * 1e3,
-                "process": (after.host_process_s - before.host_process_s) / steps * 1e3,
-            }
+            row["acb"]["host_ms"] = {k: phases[f"{k}_ms"] for k in ("schedule", "stage", "process")}
             if baselines:
                 run_generate(2)
                 step_ms, ops, ref = _decode_step(run_generate, generate_profile, new, p["repeats"])
