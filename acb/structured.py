@@ -813,8 +813,15 @@ def _compile_spec(xc: xgrammar.GrammarCompiler, spec: StructuredOutputs) -> xgra
             return xc.compile_grammar(_choice_ebnf(spec.choice or ()))
         return xc.compile_grammar(payload)
     except RuntimeError as exc:  # xgrammar's parse/convert errors are RuntimeErrors from C++
+        message = _xgr_message(exc)
+        if "Circular $ref chain with no schema content" in message:
+            # xgrammar >= 0.2.9 refuses a schema that only refers to itself while converting it
+            # (0.2.8 compiled it to a grammar that matches nothing, refused below): the same answer
+            raise InvalidRequestError(
+                f"the {spec.kind} constraint can never be met: {_NO_TEXT}", "structured_outputs"
+            ) from None
         raise InvalidRequestError(
-            f"cannot compile the {spec.kind} constraint: {_xgr_message(exc)}", "structured_outputs"
+            f"cannot compile the {spec.kind} constraint: {message}", "structured_outputs"
         ) from None
 
 

@@ -208,7 +208,7 @@ CHECKED_ELSEWHERE = {
 }
 
 
-def _ckpt_and_task(tmp: Path) -> dict[str, str]:
+def _checkpoint(tmp: Path) -> dict[str, str]:
     """The embedded model saved as a checkpoint folder."""
     from acb.models import build_tokenizer, default_model
 
@@ -278,7 +278,7 @@ def test_shell_commands_run_or_parse_as_written(block: Block, tmp_path: Path) ->
         if argv[0] == "printf" or argv[:1] == ["echo"]:  # makes an input file the next command reads
             _run(shlex.join(argv).replace("'>'", ">"), tmp_path)
             continue
-        where = where or _ckpt_and_task(tmp_path)
+        where = where or _checkpoint(tmp_path)
         if argv[:2] == ["acb", "generate"] and "torchrun" not in block.source:
             p = _run_once(argv, _substitute(argv, where), tmp_path)
             assert "requests:" in p.stderr and " 0 failed" in p.stderr, p.stderr[-2000:]
