@@ -122,7 +122,7 @@ class ContinuousBatchingConfig:
     image_cache_bytes: int | None = None
     # CPU: the forward's float32 linears run on oneDNN-packed copies of their weights in steps of
     # 2 to 128 tokens (None: on when the model is on CPU, not compiled, not tensor parallel and
-    # has at least 2M linear parameters per layer; the copies take the linear weights' size in
+    # has at least 250k linear parameters per layer; the copies take the linear weights' size in
     # host memory once more)
     cpu_packed_linears: bool | None = None
     # structured outputs: wall-clock seconds one request's grammar may take to compile; past it the

@@ -121,7 +121,7 @@ def _add_engine_flags(eng: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="CPU: run float32 linear layers of decode steps on oneDNN-packed weight "
-        "copies (default: on for models of at least 2M linear params per layer)",
+        "copies (default: on for models of at least 250k linear params per layer)",
     )
     eng.add_argument(
         "--scheduler",

@@ -537,6 +537,8 @@ class ModelRunner:
             self.shared_attention.remove()
         self._weights.close()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
+        if self.packed is not None:  # the linears get their own forward back
+            self.packed.remove()
         self.packed = None
         # the runner is unusable after close, so these are not typed Optional
         self.kv_cache = self.staging = self.sampling = self.inputs = None  # type: ignore[assignment]

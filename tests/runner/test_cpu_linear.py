@@ -1,7 +1,7 @@
 """oneDNN-packed linear weights on CPU (``cpu_packed_linears``, on by default there).
 
 The engine's forward runs its float32 ``nn.Linear`` layers on packed copies of their weights
-(by default for models of at least 2M linear parameters per layer, on steps of at most 128
+(by default for models of at least 250k linear parameters per layer, on steps of at most 128
 tokens; the tiny models here turn it on explicitly).
 These tests check that the copies are used, that they follow every kind of weight change (an
 in-place update, a replaced ``.data``, a fused optimizer step, and a ``.data`` write followed by
@@ -11,6 +11,9 @@ that sleep frees them.
 """
 
 from __future__ import annotations
+
+import copy as copy_module
+import threading
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from acb.runner.cpu_linear import (
     MIN_LAYER_PARAMS,
     MIN_STEP_TOKENS,
     PackedLinears,
-    _PackedMode,
+    _TLS,
     linear_params_per_layer,
 )
 from tests.conftest import prompts_of_lengths, reference_generate
@@ -35,11 +38,18 @@ def _linears(model):
     return [m for m in model.modules() if type(m) is torch.nn.Linear]
 
 
-def test_the_mode_sends_linear_calls_on_packed_weights_to_onednn():
+def _active(ctx) -> bool:
+    """Whether the context routes this thread's packed linears to oneDNN."""
+    with ctx:
+        return getattr(_TLS, "table", None) is not None
+
+
+def test_the_route_sends_calls_on_packed_weights_to_onednn_on_this_thread_only():
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(32, 48)
     other = torch.nn.Linear(32, 8, bias=False)
-    packed = PackedLinears(torch.nn.Sequential(lin, other), lambda: 0)
+    model = torch.nn.Sequential(lin, other)
+    packed = PackedLinears(model, lambda: 0)
     packed.refresh()
     assert len(packed) == 2 and packed.packs == 1 and packed.nbytes == (32 * 48 + 32 * 8) * 4
     calls = []
@@ -53,21 +63,48 @@ def test_the_mode_sends_linear_calls_on_packed_weights_to_onednn():
     x = torch.randn(3, 5, 32, generator=g)
     with torch.no_grad():
         want = [torch.nn.functional.linear(x, lin.weight, lin.bias), torch.nn.functional.linear(x, other.weight)]
-        mode = _PackedMode(packed._table)
         orig = torch.ops.mkldnn._linear_pointwise
         try:
             torch.ops.mkldnn._linear_pointwise = Spy()  # type: ignore[attr-defined]
-            with mode:
-                got = [lin(x), torch.nn.functional.linear(input=x, weight=other.weight), other(x)]
-                plain = torch.nn.functional.linear(x, torch.randn(4, 32, generator=g))  # not packed: the usual path
+            outside = lin(x)  # not in a step: the class's own forward
+            with packed.active(MIN_STEP_TOKENS):
+                got = [lin(x), other(x)]
+                plain = torch.nn.functional.linear(x, lin.weight, lin.bias)  # a direct call: the usual path
                 wide = lin.to(torch.float64)(x.double())  # a float64 call falls through too
+                elsewhere = []
+                t = threading.Thread(target=lambda: elsewhere.append(other(x)))  # another thread: its own forward
+                t.start()
+                t.join()
+            copy = copy_module.deepcopy(model)  # the copy's route is bound to the copy
+            with torch.no_grad():
+                copy[1].weight.mul_(2)
+            with packed.active(MIN_STEP_TOKENS):
+                doubled = copy[1](x)  # not among the packed weights: its own forward, its own weight
         finally:
             torch.ops.mkldnn._linear_pointwise = orig  # type: ignore[attr-defined]
-    assert len(calls) == 3 and all(c.is_mkldnn for c in calls)
+    assert len(calls) == 2 and all(c.is_mkldnn for c in calls)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[2], want[1], atol=1e-5, rtol=1e-5)
-    assert plain.shape == (3, 5, 4) and wide.dtype == torch.float64
+    torch.testing.assert_close(outside, want[0], atol=0, rtol=0)
+    torch.testing.assert_close(elsewhere[0], want[1], atol=0, rtol=0)
+    torch.testing.assert_close(doubled, 2 * want[1], atol=1e-5, rtol=1e-5)
+    assert plain.shape == (3, 5, 48) and wide.dtype == torch.float64
+    packed.remove()
+    assert "forward" not in vars(lin) and "forward" not in vars(other) and packed.nbytes == 0
+
+
+def test_two_engines_on_one_model_share_the_route():
+    lin = torch.nn.Linear(8, 8)
+    a, b = PackedLinears(lin, lambda: 0), PackedLinears(lin, lambda: 0)
+    a.refresh()
+    b.refresh()
+    a.remove()
+    assert "forward" in vars(lin)  # b still routes it
+    with torch.no_grad(), b.active(MIN_STEP_TOKENS):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    b.remove()
+    assert "forward" not in vars(lin)
 
 
 def test_on_by_default_for_models_large_enough_and_for_small_steps_only():
@@ -85,10 +122,12 @@ def test_on_by_default_for_models_large_enough_and_for_small_steps_only():
     with acb.Engine(big, acb.ContinuousBatchingConfig(**CFG)) as eng:
         packed = eng.core.runner.packed
         assert packed is not None and eng.core.runner.cfg.packed_linears == len(_linears(big))
-        assert isinstance(packed.active(MAX_STEP_TOKENS), _PackedMode)
-        assert not isinstance(packed.active(MAX_STEP_TOKENS + 1), _PackedMode)  # prefill chunks: MKL
-        assert isinstance(packed.active(MIN_STEP_TOKENS), _PackedMode)
-        assert not isinstance(packed.active(1), _PackedMode)  # one request decoding: MKL's GEMV
+        assert _active(packed.active(MAX_STEP_TOKENS))
+        assert not _active(packed.active(MAX_STEP_TOKENS + 1))  # prefill chunks: MKL
+        assert _active(packed.active(MIN_STEP_TOKENS))
+        assert not _active(packed.active(1))  # one request decoding: MKL's GEMV
+        assert all("forward" in vars(m) for m in _linears(big))
+    assert all("forward" not in vars(m) for m in _linears(big))  # closed: the model's own forwards back
     small = tiny_model("llama", seed=3)
     assert linear_params_per_layer(small) < MIN_LAYER_PARAMS
     with acb.Engine(small, acb.ContinuousBatchingConfig(**CFG)) as eng:
@@ -177,8 +216,8 @@ def test_the_users_forward_on_another_thread_is_untouched():
             for p in prompts_of_lengths([8] * 6, seed=63)
         ]
         # the engine thread is inside its packed forwards meanwhile; this thread's forward and
-        # backward see no mode and take the model's own linears
-        assert torch._C._len_torch_function_stack() == 0
+        # backward see no packed table and take the model's own linears
+        assert getattr(_TLS, "table", None) is None
         model.train()
         loss = model(ids, labels=ids).loss
         loss.backward()
