@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
-ATTN_BACKENDS = ("torch", "triton", "flash_attn")
+ATTN_BACKENDS = ("torch", "cpu", "triton", "flash_attn")
 
 # field -> why it has no effect
 NOT_YET_SUPPORTED: dict[str, str] = {
@@ -109,7 +109,7 @@ class ContinuousBatchingConfig:
     max_cached_graphs: int | None = None  # deprecated in transformers; no effect
     block_size: int | None = None  # use page_size
     # acb only
-    attn_backend: str | None = None  # "torch", "triton", "flash_attn"; None = the best available
+    attn_backend: str | None = None  # "torch", "cpu", "triton", "flash_attn"; None = the best available
     # "paged": acb's paged KV cache (refused, with the reason, for a model it cannot page);
     # "own_cache": the model on its own cache objects, as model.generate runs it (acb.runner.own_forward);
     # None: paged when the model passes its checks, else its own cache, said in one log line

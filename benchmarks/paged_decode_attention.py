@@ -1,5 +1,6 @@
 """Decode attention over paged K/V on CPU: the torch backend's gather + SDPA against PyTorch's
-FlexAttention reading the pages where they lie, one layer, in one run (issue 43, item 1).
+FlexAttention and acb's own kernel (the CPU backend's), both reading the pages where they lie,
+one layer, in one run (issue 43, item 1).
 
     python benchmarks/paged_decode_attention.py [--cases 1x256,16x256,64x512,128x256] [--out benchmarks/results/paged_decode_attention_cpu.json]
 
@@ -14,6 +15,9 @@ random. For B rows of C context tokens each:
   template), the whole cache as one long key sequence, and a ``BlockMask`` whose KV blocks are
   the pages: each row's block list is its block-table row (full pages, then the last, partial
   one under a length mask). Nothing is copied.
+- **acb's kernel, in place**: ``acb/runner/attention/cpu_kernels.c`` (the ``"cpu"`` backend's
+  decode path, the CPU default since 2026-11-28): each (row, KV head) task reads the row's keys
+  and values in their pages, in position order. Nothing is copied, nothing padded.
 
 Each side's time per call is the best of three timed loops; the compile time of the first
 flex call is reported too (inductor caches it on disk for later processes). Also measured: the
@@ -37,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from acb.bench.common import machine_info, write_json  # noqa: E402
+from acb.runner.attention import cpu_kernels  # noqa: E402
 from acb.runner.attention.torch_backend import CHUNK_BYTES, TorchBackend  # noqa: E402
 
 H, HKV, D, PAGE = 8, 4, 64, 32
@@ -120,6 +125,15 @@ def case(b: int, ctx: int, flex: Any) -> dict[str, Any]:
             enable_gqa=True,
         )
 
+    def kernel(qq: torch.Tensor = q, tab: torch.Tensor = table, ln: torch.Tensor = lens) -> torch.Tensor:
+        rows = qq.shape[0]
+        out = torch.empty(rows, H, D)
+        idx = torch.arange(rows)
+        cpu_kernels.paged_attention(
+            qq[:, :, 0, :], k_cache, v_cache, tab, idx, idx, ln, out, D**-0.5, None, None, None, None
+        )
+        return out[:, :, None, :]
+
     t = time.perf_counter()
     got = in_place()
     compile_s = time.perf_counter() - t
@@ -127,6 +141,8 @@ def case(b: int, ctx: int, flex: Any) -> dict[str, Any]:
     alone_sdpa = gather_sdpa(q[:1], table[:1])
     alone_flex = in_place(q[:1], table[:1], lens[:1])
     bm = block_mask(table, lens)
+    mine = kernel()
+    alone_mine = kernel(q[:1], table[:1], lens[:1])
     row = {
         "rows": b,
         "context": ctx,
@@ -134,6 +150,9 @@ def case(b: int, ctx: int, flex: Any) -> dict[str, Any]:
         "flex_in_place_ms": best_ms(
             lambda: flex(q, keys.expand(b, -1, -1, -1), values.expand(b, -1, -1, -1), block_mask=bm, enable_gqa=True)
         ),
+        "acb_kernel_ms": best_ms(kernel),
+        "acb_kernel_max_abs_diff": (mine - want).abs().max().item(),
+        "acb_kernel_row_alone_equals_in_batch": bool(torch.equal(alone_mine[0], mine[0])),
         "block_mask_ms": best_ms(lambda: block_mask(table, lens)),
         "first_flex_call_s": compile_s,
         "max_abs_diff": (got - want).abs().max().item(),
@@ -141,6 +160,7 @@ def case(b: int, ctx: int, flex: Any) -> dict[str, Any]:
         "flex_row_alone_equals_in_batch": bool(torch.equal(alone_flex[0], got[0])),
     }
     row["flex_speedup"] = row["gather_sdpa_ms"] / row["flex_in_place_ms"]
+    row["acb_kernel_speedup"] = row["gather_sdpa_ms"] / row["acb_kernel_ms"]
     return row
 
 
@@ -152,6 +172,7 @@ def main() -> int:
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
+    assert cpu_kernels.load() is not None, cpu_kernels.problem()
     rows = []
     for spec in a.cases.split(","):
         b, ctx = (int(x) for x in spec.split("x"))
@@ -161,7 +182,9 @@ def main() -> int:
             f"B={b:4d} context {ctx:5d}: gather+SDPA {r['gather_sdpa_ms']:.2f} ms, flex in place "
             f"{r['flex_in_place_ms']:.2f} ms ({r['flex_speedup']:.2f}x; block mask {r['block_mask_ms']:.2f} ms, "
             f"first call {r['first_flex_call_s']:.1f} s), max diff {r['max_abs_diff']:.1e}, row alone = in batch: "
-            f"SDPA {r['sdpa_row_alone_equals_in_batch']}, flex {r['flex_row_alone_equals_in_batch']}",
+            f"SDPA {r['sdpa_row_alone_equals_in_batch']}, flex {r['flex_row_alone_equals_in_batch']}; acb kernel "
+            f"{r['acb_kernel_ms']:.2f} ms ({r['acb_kernel_speedup']:.2f}x, max diff {r['acb_kernel_max_abs_diff']:.1e}, "
+            f"row alone = in batch {r['acb_kernel_row_alone_equals_in_batch']})",
             flush=True,
         )
     result = {

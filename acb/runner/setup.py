@@ -300,7 +300,8 @@ def model_max_len(model: PreTrainedModel) -> int:
 
 def default_backend(device: torch.device, dtype: torch.dtype, block_size: int | None) -> str:
     """flash-attn on CUDA when it is installed and fits (fp16/bf16, blocks of 256k tokens), else
-    Triton on CUDA when it imports, else the torch reference."""
+    Triton on CUDA when it imports; on CPU, acb's own kernel for float32 where it builds; else the
+    torch reference."""
     if device.type == "cuda":
         import importlib.util
 
@@ -311,6 +312,11 @@ def default_backend(device: torch.device, dtype: torch.dtype, block_size: int | 
         if importlib.util.find_spec("triton") is not None:
             return "triton"
         logger.warning("triton is not installed; using the torch attention backend on CUDA")
+    elif device.type == "cpu" and dtype == torch.float32:
+        from acb.runner.attention import cpu_backend
+
+        if cpu_backend.unavailable_reason() is None:
+            return "cpu"
     return "torch"
 
 
@@ -358,8 +364,9 @@ def resolve_config(
     backend = "torch" if own_path else config.attn_backend or default_backend(device, dtype, config.page_size)
     from acb.runner.indexed import indexer_modules
 
-    if not own_path and indexer_modules(model) and backend != "torch":
-        # indexed attention's selection is applied by the torch reference backend only
+    if not own_path and indexer_modules(model) and backend not in ("torch", "cpu"):
+        # indexed attention's selection is applied by the torch reference backend only (the CPU
+        # backend hands its indexed layers to it)
         if config.attn_backend is not None:
             raise ValueError(
                 f"attn_backend={config.attn_backend!r} cannot run {type(model).__name__}'s indexed sparse attention "
@@ -369,8 +376,9 @@ def resolve_config(
         backend = "torch"
     from acb.runner.vision import bidirectional_images, takes_images
 
-    if not own_path and takes_images(model) and bidirectional_images(model) and backend != "torch":
+    if not own_path and takes_images(model) and bidirectional_images(model) and backend not in ("torch", "cpu"):
         # image tokens that attend to their whole image: a mask the torch reference backend applies
+        # (the CPU backend's prefill chunks are the torch backend's)
         if config.attn_backend is not None:
             raise ValueError(
                 f"attn_backend={config.attn_backend!r} cannot run {type(model).__name__}'s image attention (an "

@@ -434,11 +434,15 @@ def register_with_transformers(compiled: bool = False) -> None:
 
 
 def make_backend(name: str) -> AttentionBackend:
-    """The backend called ``name`` ("torch", "triton" or "flash_attn")."""
+    """The backend called ``name`` ("torch", "cpu", "triton" or "flash_attn")."""
     if name == "torch":
         from acb.runner.attention.torch_backend import TorchBackend
 
         return TorchBackend()
+    if name == "cpu":
+        from acb.runner.attention.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if name == "triton":
         from acb.runner.attention.triton_backend import TritonBackend
 

@@ -64,6 +64,9 @@ class TorchMetadata:
     # prefill segments (by flattened start) whose image tokens attend to their whole image (Gemma
     # 3): the image block of each context position, -1 for text (acb.runner.vision)
     image_groups: dict[int, torch.Tensor] | None = None
+    # the CPU backend's decode rows for its kernel: the block table, and each row's batch index,
+    # token index and context length (acb.runner.attention.cpu_backend)
+    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
@@ -224,22 +227,8 @@ class TorchBackend:
         q = query[0]  # [H, T, D]
         out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
         hkv, d = k_pages.shape[2], k_pages.shape[3]
-        for g, group in enumerate(md.decode):
-            length = group.num_blocks * md.block_size
-            dmask = self._decode_mask(md, g, sliding_window, chunk)
-            # a chunk of rows at a time, so that its gathered K/V is still in cache when SDPA reads it
-            rows_per = max(1, CHUNK_BYTES // (2 * length * hkv * d * k_pages.element_size()))
-            for a in range(0, group.rows.numel(), rows_per):
-                rows = group.rows[a : a + rows_per]
-                blocks = group.blocks[a * group.num_blocks : (a + rows_per) * group.num_blocks]
-                qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
-                kd = self._gather(k_pages, blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
-                vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
-                rmask = dmask[a : a + rows_per]
-                if index is not None:  # indexed attention: the keys the indexer selected, of those
-                    rmask = rmask & allowed_keys(index, rows, length)[:, None, None, :]
-                o = _attend(qd, kd, vd, rmask, False, scaling, softcap, sinks)
-                out[rows] = o[:, :, 0, :]
+        if md.decode:
+            self._decode(md, q, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index)
         for k, p in enumerate(md.prefills):
             s, n = p.q_start, p.q_len
             qp = q[:, s : s + n, :].unsqueeze(0)  # [1, H, n, D]
@@ -257,6 +246,39 @@ class TorchBackend:
             o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap, sinks)
             out[s : s + n] = o[0].transpose(0, 1)
         return out.unsqueeze(0)  # [1, T, H, D]
+
+    def _decode(
+        self,
+        md: TorchMetadata,
+        q: torch.Tensor,  # [H, T, D]
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        out: torch.Tensor,  # [T, H, D]: the decode rows' are written
+        scaling: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        chunk: int | None,
+        index: torch.Tensor | None,
+    ) -> None:
+        """The decode rows: each group's pages gathered, then SDPA with a length mask."""
+        hkv, d = k_pages.shape[2], k_pages.shape[3]
+        for g, group in enumerate(md.decode):
+            length = group.num_blocks * md.block_size
+            dmask = self._decode_mask(md, g, sliding_window, chunk)
+            # a chunk of rows at a time, so that its gathered K/V is still in cache when SDPA reads it
+            rows_per = max(1, CHUNK_BYTES // (2 * length * hkv * d * k_pages.element_size()))
+            for a in range(0, group.rows.numel(), rows_per):
+                rows = group.rows[a : a + rows_per]
+                blocks = group.blocks[a * group.num_blocks : (a + rows_per) * group.num_blocks]
+                qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
+                kd = self._gather(k_pages, blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
+                vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
+                rmask = dmask[a : a + rows_per]
+                if index is not None:  # indexed attention: the keys the indexer selected, of those
+                    rmask = rmask & allowed_keys(index, rows, length)[:, None, None, :]
+                o = _attend(qd, kd, vd, rmask, False, scaling, softcap, sinks)
+                out[rows] = o[:, :, 0, :]
 
 
 def _attend(

@@ -1,0 +1,175 @@
+"""The CPU backend (``attn_backend="cpu"``, the CPU default for float32 models): decode rows attend
+over the paged cache in place through acb's C kernel (``acb/runner/attention/cpu_kernels.c``).
+
+Checked here: the kernel against the torch backend (the reference) with every attention feature
+it takes (GQA groups, sliding windows, chunked attention, soft-capping, sinks, head sizes, page
+sizes, scattered pages); that a row's output has the same bits alone as inside any batch; that
+the engine picks it by default and keeps the torch backend where the kernel cannot be built;
+and tokens equal to ``model.generate`` with the kernel running, with async batching, preemption
+and offload.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import acb
+from acb.models import tiny_model
+from acb.runner.attention import BatchInputs, StepContext, cpu_backend, cpu_kernels
+from acb.runner.attention.cpu_backend import CpuBackend
+from acb.runner.attention.torch_backend import TorchBackend
+from acb.runner.kv_cache import KVCache, KVSpec
+from tests.conftest import prompts_of_lengths, reference_generate
+
+pytestmark = pytest.mark.skipif(cpu_backend.unavailable_reason() is not None, reason="no C compiler here")
+
+
+def _step(num_new, start, block_size, heads, hkv, head_dim, seed=0):
+    """A step over a cache whose pages are scattered: the batch, q/k/v and a filled cache layer."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [s + n for s, n in zip(start, num_new)]
+    cols = max(-(-n // block_size) for n in lens)
+    table = (torch.randperm(len(lens) * cols, generator=g) + 1).view(len(lens), cols).long()
+    slots = [int(table[i, p // block_size]) * block_size + p % block_size
+             for i, (s, n) in enumerate(zip(start, num_new)) for p in range(s, s + n)]  # fmt: skip
+    qsl = [0]
+    for n in num_new:
+        qsl.append(qsl[-1] + n)
+    batch = BatchInputs(
+        slot_mapping=torch.tensor(slots),
+        block_table=table,
+        seq_lens=torch.tensor(lens),
+        query_start_loc=torch.tensor(qsl),
+        num_new=list(num_new),
+        start_pos=list(start),
+        max_seq_len=max(lens),
+    )
+    t = qsl[-1]
+    q = torch.randn(1, heads, t, head_dim, generator=g)
+    k = torch.randn(1, hkv, t, head_dim, generator=g)
+    v = torch.randn(1, hkv, t, head_dim, generator=g)
+    pages = torch.randn(1 + len(lens) * cols, block_size, hkv, head_dim, generator=g)
+    return batch, q, k, v, pages
+
+
+def _run(backend, batch, q, k, v, pages, block_size, **features):
+    spec = KVSpec(num_layers=1, num_kv_heads=pages.shape[2], head_dim=pages.shape[3], dtype=torch.float32)
+    cache = KVCache(spec, pages.shape[0], block_size, torch.device("cpu"))
+    cache.k[0].copy_(pages)
+    cache.v[0].copy_(pages.flip(0) * 0.5)
+    ctx = StepContext(cache, backend, backend.build_metadata(batch, block_size))
+    kw = dict(scaling=features.pop("scaling", None), sliding_window=None, softcap=None) | features
+    return backend.forward(0, q, k, v, ctx, **kw)[0]  # [T, H, D]
+
+
+FEATURES = [
+    dict(),
+    dict(scaling=0.3),
+    dict(sliding_window=7),
+    dict(chunk=16),
+    dict(softcap=5.0),
+    dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, 3.0])),
+    dict(sliding_window=20, softcap=30.0, sinks=torch.linspace(-1, 1, 8)),
+]
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "+".join(f) or "plain")
+@pytest.mark.parametrize(("heads", "hkv", "head_dim", "block_size"), [(8, 2, 64, 16), (8, 8, 32, 8), (8, 1, 80, 4)])
+def test_the_kernel_agrees_with_the_torch_backend(features, heads, hkv, head_dim, block_size):
+    # decode rows of many lengths (one page, a partial page, many pages) beside two prefill chunks
+    num_new, start = [1, 1, 6, 1, 1, 9, 1], [0, 37, 0, 15, 3, 20, 64]
+    batch, q, k, v, pages = _step(num_new, start, block_size, heads, hkv, head_dim)
+    want = _run(TorchBackend(), batch, q, k, v, pages, block_size, **dict(features))
+    calls = []
+    real = cpu_kernels.paged_attention
+
+    def spy(*a, **kw):
+        calls.append(a[4].numel())
+        return real(*a, **kw)
+
+    cpu_kernels.paged_attention = spy
+    try:
+        got = _run(CpuBackend(), batch, q, k, v, pages, block_size, **dict(features))
+    finally:
+        cpu_kernels.paged_attention = real
+    assert calls == [5]  # one kernel call for the five decode rows
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_a_rows_output_does_not_depend_on_its_batch():
+    """The same decode row, alone and inside batches of other rows (other lengths, other orders):
+    the same bits, where SDPA over gathered, padded pages does not promise it."""
+    block_size, heads, hkv, d = 8, 8, 2, 64
+    batch, q, k, v, pages = _step([1] * 9, [40, 3, 17, 90, 8, 55, 1, 33, 70], block_size, heads, hkv, d, seed=3)
+
+    def alone_and_in(rows):
+        sub = BatchInputs(
+            slot_mapping=batch.slot_mapping[rows],
+            block_table=batch.block_table[rows],
+            seq_lens=batch.seq_lens[rows],
+            query_start_loc=torch.arange(len(rows) + 1),
+            num_new=[1] * len(rows),
+            start_pos=[batch.start_pos[i] for i in rows],
+            max_seq_len=max(int(batch.seq_lens[i]) for i in rows),
+        )
+        return _run(CpuBackend(), sub, q[:, :, rows], k[:, :, rows], v[:, :, rows], pages, block_size)
+
+    alone = alone_and_in([3])[0]
+    for rows in ([0, 3], [3, 1, 2, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1, 0]):
+        torch.testing.assert_close(alone_and_in(rows)[rows.index(3)], alone, atol=0, rtol=0)
+
+
+def test_the_engine_picks_it_on_cpu_and_keeps_torch_where_it_cannot_be_built(monkeypatch, caplog):
+    model = tiny_model("llama", seed=4)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
+        assert eng.core.runner.cfg.attn_backend == "cpu" and isinstance(eng.core.runner.backend, CpuBackend)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32, attn_backend="torch")) as eng:
+        assert type(eng.core.runner.backend) is TorchBackend  # the reference, when asked
+    bf16 = tiny_model("llama", seed=4, dtype=torch.bfloat16)
+    with acb.Engine(bf16, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
+        assert eng.core.runner.cfg.attn_backend == "torch"  # the kernel is float32 only
+    # a machine without a C compiler: told once (INFO), the torch backend runs
+    monkeypatch.setattr(cpu_kernels, "_TRIED", False)
+    monkeypatch.setattr(cpu_kernels, "_LIB", None)
+    monkeypatch.setattr(cpu_kernels, "_PROBLEM", None)
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    with caplog.at_level("INFO"), acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
+        assert eng.core.runner.cfg.attn_backend == "torch"
+    assert "no C compiler" in caplog.text and cpu_backend.unavailable_reason() == cpu_kernels.problem()
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_TRIED", False)
+    monkeypatch.setattr(cpu_kernels, "_LIB", None)
+    monkeypatch.setattr(cpu_kernels, "_PROBLEM", None)
+    monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
+    assert cpu_kernels.load() is None
+    assert cpu_kernels.problem().startswith("cc failed") or "failed" in cpu_kernels.problem()
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_generate_parity_with_async_batching_preemption_and_offload(offload, monkeypatch):
+    calls = []
+    real = cpu_kernels.paged_attention
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    model = tiny_model("qwen2", seed=15)
+    prompts = prompts_of_lengths([20, 31, 12, 25, 9, 17, 28, 14], seed=66)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4,
+        num_blocks=17,
+        safety_margin=0.0,
+        use_async_batching=True,
+        cpu_offload_space=0.01 if offload else 0.0,
+    )
+    with acb.Engine(model, cfg) as eng:
+        assert eng.core.runner.cfg.attn_backend == "cpu"
+        handles = [eng.submit(p, acb.SamplingParams(max_new_tokens=16)) for p in prompts]
+        outs = [h.result(timeout=120) for h in handles]
+        stats = eng.stats
+    assert calls and stats.preemptions > 0 and (stats.swapped_out_blocks > 0) == offload
+    assert [o.generated_tokens for o in outs] == [reference_generate(model, p, 16) for p in prompts]
