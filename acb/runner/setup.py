@@ -386,6 +386,14 @@ def resolve_config(
             )
         logger.info("%s's image tokens attend both ways: the torch attention backend runs it", type(model).__name__)
         backend = "torch"
+    if config.attn_backend == "cpu":
+        from acb.runner.attention import cpu_backend
+
+        problem = cpu_backend.unavailable_reason()
+        if problem is not None:
+            raise ValueError(f"attn_backend='cpu' cannot run here: {problem}; use attn_backend='torch'")
+        if device.type != "cpu":
+            raise ValueError(f"attn_backend='cpu' runs on CPU; the model is on {device}")
     if config.attn_backend == "flash_attn":  # an automatic pick has passed this check already
         from acb.runner.attention import flash_attn_backend
 

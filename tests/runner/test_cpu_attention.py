@@ -137,6 +137,30 @@ def test_the_engine_picks_it_on_cpu_and_keeps_torch_where_it_cannot_be_built(mon
     with caplog.at_level("INFO"), acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
         assert eng.core.runner.cfg.attn_backend == "torch"
     assert "no C compiler" in caplog.text and cpu_backend.unavailable_reason() == cpu_kernels.problem()
+    # asked for by name there: refused at start, with the reason and the way out
+    with pytest.raises(ValueError, match=r"attn_backend='cpu' cannot run here: no C compiler.*attn_backend='torch'"):
+        acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32, attn_backend="cpu")).start()
+
+
+def test_asked_for_by_name_in_a_fresh_process_it_builds_and_runs(tmp_path):
+    """The kernel is loaded by the engine's start when the backend is named (not only by the
+    automatic pick's check): a fresh process, an empty cache directory."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import acb; from acb.models import tiny_model; from tests.conftest import reference_generate\n"
+        "m = tiny_model('llama', seed=5)\n"
+        "with acb.Engine(m, acb.ContinuousBatchingConfig(page_size=8, num_blocks=32, attn_backend='cpu')) as e:\n"
+        "    out = e.generate([5, 6, 7, 8], acb.SamplingParams(max_new_tokens=6)).generated_tokens\n"
+        "assert out == reference_generate(m, [5, 6, 7, 8], 6), out\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, ACB_CACHE_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path):

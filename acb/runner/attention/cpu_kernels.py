@@ -155,8 +155,9 @@ def paged_attention(
     chunk: int | None,
     sinks: torch.Tensor | None,  # [H] float32 contiguous, or None
 ) -> None:
-    lib = _LIB
-    assert lib is not None, "load() first"
+    lib = _LIB or load()
+    if lib is None:
+        raise RuntimeError(f"acb's CPU attention kernel is not available: {_PROBLEM}")
     h, d = q.shape[1], q.shape[2]
     rc = lib.acb_paged_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1),
