@@ -19,6 +19,10 @@ random. For B rows of C context tokens each:
   decode path, the CPU default since 2026-11-28): each (row, KV head) task reads the row's keys
   and values in their pages, in position order. Nothing is copied, nothing padded.
 
+``--chunks``: prefill chunks after a cached prefix (scoring continuations), the torch backend
+(prefix gathered, one SDPA per chunk) against the CPU backend sending every chunk's queries to
+its kernel, to place ``acb.runner.attention.cpu_backend.MAX_KERNEL_CHUNK_WORK``.
+
 Each side's time per call is the best of three timed loops; the compile time of the first
 flex call is reported too (inductor caches it on disk for later processes). Also measured: the
 largest difference between the two, and whether each side's output for a row is the same
@@ -164,9 +168,68 @@ def case(b: int, ctx: int, flex: Any) -> dict[str, Any]:
     return row
 
 
+def chunk_case(rows: int, prefix: int, n: int) -> dict[str, Any]:
+    """``rows`` prefill chunks of ``n`` tokens, each after a cached prefix of ``prefix`` tokens
+    (scoring continuations): the torch backend (prefix gathered, SDPA per chunk) against the CPU
+    backend sending every chunk's queries to its kernel."""
+    from acb.runner.attention import BatchInputs, StepContext, cpu_backend
+    from acb.runner.attention.cpu_backend import CpuBackend
+    from acb.runner.kv_cache import KVCache, KVSpec
+
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    lens = [prefix + n] * rows
+    cols = -(-(prefix + n) // PAGE)
+    table = (torch.randperm(rows * cols, generator=g) + 1).view(rows, cols).long()
+    slots = [int(table[i, p // PAGE]) * PAGE + p % PAGE for i in range(rows) for p in range(prefix, prefix + n)]
+    batch = BatchInputs(
+        slot_mapping=torch.tensor(slots),
+        block_table=table,
+        seq_lens=torch.tensor(lens),
+        query_start_loc=torch.arange(rows + 1) * n,
+        num_new=[n] * rows,
+        start_pos=[prefix] * rows,
+        max_seq_len=prefix + n,
+    )
+    spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    q = torch.randn(1, H, rows * n, D, generator=g)
+    k = torch.randn(1, HKV, rows * n, D, generator=g)
+    v = torch.randn(1, HKV, rows * n, D, generator=g)
+    cache = KVCache(spec, 1 + rows * cols, PAGE, torch.device("cpu"))
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    saved = cpu_backend.MAX_KERNEL_CHUNK_WORK
+    cpu_backend.MAX_KERNEL_CHUNK_WORK = 1 << 40  # every chunk to the kernel, whatever its size
+    try:
+        res = {}
+        outs = {}
+        for name, backend in (("torch", TorchBackend()), ("kernel", CpuBackend())):
+            ctx = StepContext(cache, backend, backend.build_metadata(batch, PAGE))
+
+            def call(b: Any = backend, c: Any = ctx) -> torch.Tensor:
+                return b.forward(0, q, k, v, c, scaling=None, sliding_window=None, softcap=None)
+
+            outs[name] = call()
+            res[f"{name}_ms"] = best_ms(call, n=5)
+    finally:
+        cpu_backend.MAX_KERNEL_CHUNK_WORK = saved
+    return dict(
+        rows=rows,
+        prefix=prefix,
+        chunk=n,
+        **res,
+        kernel_speedup=res["torch_ms"] / res["kernel_ms"],
+        max_abs_diff=(outs["torch"] - outs["kernel"]).abs().max().item(),
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="1x256,16x256,64x512,128x256")
+    ap.add_argument(
+        "--chunks",
+        default="8x512x2,8x512x4,8x512x8,8x512x16,32x128x4,32x128x8",
+        help="ROWSxPREFIXxCHUNK: prefill chunks after a cached prefix, torch backend against the kernel",
+    )
     ap.add_argument("--out", default="benchmarks/results/paged_decode_attention_cpu.json")
     a = ap.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
@@ -187,8 +250,19 @@ def main() -> int:
             f"row alone = in batch {r['acb_kernel_row_alone_equals_in_batch']})",
             flush=True,
         )
+    chunk_rows = []
+    for spec in a.chunks.split(",") if a.chunks else []:
+        b, prefix, n = (int(x) for x in spec.split("x"))
+        r = chunk_case(b, prefix, n)
+        chunk_rows.append(r)
+        print(
+            f"{b} chunks of {n} after {prefix} cached: torch backend {r['torch_ms']:.2f} ms, kernel "
+            f"{r['kernel_ms']:.2f} ms ({r['kernel_speedup']:.2f}x), max diff {r['max_abs_diff']:.1e}",
+            flush=True,
+        )
     result = {
         "machine": machine_info(),
+        "chunks": chunk_rows,
         "shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "page": PAGE, "dtype": "float32"},
         "rows": rows,
     }

@@ -17,7 +17,7 @@ import torch
 import acb
 from acb.models import tiny_model
 from acb.runner.attention import BatchInputs, StepContext, cpu_backend, cpu_kernels
-from acb.runner.attention.cpu_backend import CpuBackend
+from acb.runner.attention.cpu_backend import CpuBackend, _to_kernel
 from acb.runner.attention.torch_backend import TorchBackend
 from acb.runner.kv_cache import KVCache, KVSpec
 from tests.conftest import prompts_of_lengths, reference_generate
@@ -77,8 +77,11 @@ FEATURES = [
 @pytest.mark.parametrize("features", FEATURES, ids=lambda f: "+".join(f) or "plain")
 @pytest.mark.parametrize(("heads", "hkv", "head_dim", "block_size"), [(8, 2, 64, 16), (8, 8, 32, 8), (8, 1, 80, 4)])
 def test_the_kernel_agrees_with_the_torch_backend(features, heads, hkv, head_dim, block_size):
-    # decode rows of many lengths (one page, a partial page, many pages) beside two prefill chunks
-    num_new, start = [1, 1, 6, 1, 1, 9, 1], [0, 37, 0, 15, 3, 20, 64]
+    # decode rows of many lengths (one page, a partial page, many pages) beside three prefill
+    # chunks: a fresh prompt and a long chunk after a cached prefix (SDPA), a short chunk after one
+    # (the kernel, query by query)
+    num_new, start = [1, 1, 6, 1, 1, 9, 1, 60], [0, 37, 0, 15, 3, 20, 64, 10]
+    assert _to_kernel(20, 9) and not _to_kernel(10, 60) and not _to_kernel(0, 6)
     batch, q, k, v, pages = _step(num_new, start, block_size, heads, hkv, head_dim)
     want = _run(TorchBackend(), batch, q, k, v, pages, block_size, **dict(features))
     calls = []
@@ -93,7 +96,7 @@ def test_the_kernel_agrees_with_the_torch_backend(features, heads, hkv, head_dim
         got = _run(CpuBackend(), batch, q, k, v, pages, block_size, **dict(features))
     finally:
         cpu_kernels.paged_attention = real
-    assert calls == [5]  # one kernel call for the five decode rows
+    assert calls == [5 + 9]  # one kernel call: the five decode rows and the short chunk's nine queries
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

@@ -4,9 +4,11 @@ kernel (:mod:`acb.runner.attention.cpu_kernels`); everything else as the torch b
 The torch backend gathers each decode row's pages into a workspace and runs SDPA on the copy,
 padded to its group's longest row. Here each decode row's query reads its keys and values in
 their pages: no copy, no padding, and a row's sums run over its keys in the same order whatever
-the batch holds. Prefill chunks (their queries are many: SDPA's blocked matrix products win) and
-the layers the kernel does not take (indexed attention, a cache that is not float32) run as in
-the torch backend, which stays the reference the tests compare against.
+the batch holds. Short prefill chunks after a cached prefix (``MAX_KERNEL_CHUNK_WORK``) go to the
+kernel the same way, one query token at a time. Longer prefill chunks (their queries are many:
+SDPA's blocked matrix products win) and the layers the kernel does not take (indexed attention,
+a cache that is not float32, image tokens that attend both ways) run as in the torch backend,
+which stays the reference the tests compare against.
 
 On by default on CPU where the kernel builds (a C compiler is on the machine; see
 :func:`acb.runner.attention.cpu_kernels.load`) and agrees with the torch backend
@@ -19,6 +21,19 @@ import torch
 
 from acb.runner.attention import BatchInputs, cpu_kernels
 from acb.runner.attention.torch_backend import TorchBackend, TorchMetadata
+
+# a prefill chunk after a cached prefix runs its queries through the kernel too (scoring
+# continuations) when its queries times its context is at most this; larger chunks gather the
+# prefix and run SDPA, whose blocked matrix products win there. Measured (8 chunks after 512
+# cached tokens, 32 after 128; benchmarks/paged_decode_attention.py --chunks, 2026-11-28): kernel
+# against gather + SDPA 2.66x at 2 x 514, 1.27x at 4 x 516, 0.88x at 8 x 520, 0.49x at 16 x 528;
+# 3.22x at 4 x 132, 1.81x at 8 x 136
+MAX_KERNEL_CHUNK_WORK = 3072
+
+
+def _to_kernel(start: int, n: int) -> bool:
+    """Whether a prefill chunk of ``n`` queries after ``start`` cached tokens goes to the kernel."""
+    return start > 0 and n * (start + n) <= MAX_KERNEL_CHUNK_WORK
 
 
 def unavailable_reason() -> str | None:
@@ -34,14 +49,18 @@ class CpuBackend(TorchBackend):
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
         md = super().build_metadata(batch, block_size)
-        if md.decode:
+        # short chunks after a cached prefix: their queries go to the kernel beside the decode rows
+        md.kernel_prefills = [p for p in md.prefills if _to_kernel(p.ctx_len - p.q_len, p.q_len)]
+        if md.kernel_prefills:
+            md.prefills = [p for p in md.prefills if not _to_kernel(p.ctx_len - p.q_len, p.q_len)]
+        if md.decode or md.kernel_prefills:
             rows, toks, lens = [], [], []
             tok = 0
             for i, n in enumerate(batch.num_new):
-                if n == 1:
-                    rows.append(i)
-                    toks.append(tok)
-                    lens.append(batch.start_pos[i] + 1)
+                if n == 1 or _to_kernel(batch.start_pos[i], n):
+                    rows.extend([i] * n)
+                    toks.extend(range(tok, tok + n))
+                    lens.extend(range(batch.start_pos[i] + 1, batch.start_pos[i] + n + 1))
                 tok += n
             table = batch.block_table
             if table.dtype != torch.long or table.stride(-1) != 1:
@@ -66,6 +85,7 @@ class CpuBackend(TorchBackend):
         if (
             md.kernel_rows is None
             or index is not None
+            or (md.image_groups and any(p.q_start in md.image_groups for p in md.kernel_prefills))
             or q.dtype != torch.float32
             or k_pages.dtype != torch.float32
             or q.device.type != "cpu"
@@ -73,9 +93,12 @@ class CpuBackend(TorchBackend):
             or not (k_pages.is_contiguous() and v_pages.is_contiguous())
             or q.stride(2) != 1
         ):
-            return super()._decode(
-                md, q, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index
-            )
+            super()._decode(md, q, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index)
+            for j, p in enumerate(md.kernel_prefills, start=len(md.prefills)):
+                self._prefill(
+                    md, j, p, q, None, None, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index
+                )
+            return
         table, rows, toks, lens = md.kernel_rows
         cpu_kernels.paged_attention(
             q.transpose(0, 1),  # [T, H, D]

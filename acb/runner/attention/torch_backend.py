@@ -67,6 +67,9 @@ class TorchMetadata:
     # the CPU backend's decode rows for its kernel: the block table, and each row's batch index,
     # token index and context length (acb.runner.attention.cpu_backend)
     kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the CPU backend's prefill chunks whose queries its kernel takes (short chunks after a cached
+    # prefix), out of ``prefills``; the torch path runs them where the kernel cannot
+    kernel_prefills: list[_Prefill] = field(default_factory=list)
 
 
 def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
@@ -226,26 +229,50 @@ class TorchBackend:
 
         q = query[0]  # [H, T, D]
         out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
-        hkv, d = k_pages.shape[2], k_pages.shape[3]
-        if md.decode:
+        if md.decode or md.kernel_prefills:
             self._decode(md, q, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index)
         for k, p in enumerate(md.prefills):
-            s, n = p.q_start, p.q_len
-            qp = q[:, s : s + n, :].unsqueeze(0)  # [1, H, n, D]
-            if p.blocks is None:
-                kp = key[:, :, s : s + n, :]
-                vp = value[:, :, s : s + n, :]
-            else:
-                kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-                vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-            mask = self._prefill_mask(md, k, p, sliding_window, chunk)
-            if index is not None:  # indexed attention: of the causal keys, those the indexer selected
-                if mask is None:
-                    mask = torch.ones(n, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - n)
-                mask = mask & allowed_keys(index, slice(s, s + n), p.ctx_len)
-            o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap, sinks)
-            out[s : s + n] = o[0].transpose(0, 1)
+            self._prefill(
+                md, k, p, q, key, value, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index
+            )
         return out.unsqueeze(0)  # [1, T, H, D]
+
+    def _prefill(
+        self,
+        md: TorchMetadata,
+        k: int,  # the chunk's number (its mask's key)
+        p: _Prefill,
+        q: torch.Tensor,  # [H, T, D]
+        key: torch.Tensor | None,  # [1, Hkv, T, D] (read for a chunk with no cached prefix only)
+        value: torch.Tensor | None,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        out: torch.Tensor,  # [T, H, D]: the chunk's rows are written
+        scaling: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        chunk: int | None,
+        index: torch.Tensor | None,
+    ) -> None:
+        """One prefill chunk: its cached prefix gathered (if any), then SDPA, causal bottom-right."""
+        hkv, d = k_pages.shape[2], k_pages.shape[3]
+        s, n = p.q_start, p.q_len
+        qp = q[:, s : s + n, :].unsqueeze(0)  # [1, H, n, D]
+        if p.blocks is None:
+            assert key is not None and value is not None
+            kp = key[:, :, s : s + n, :]
+            vp = value[:, :, s : s + n, :]
+        else:
+            kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+            vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+        mask = self._prefill_mask(md, k, p, sliding_window, chunk)
+        if index is not None:  # indexed attention: of the causal keys, those the indexer selected
+            if mask is None:
+                mask = torch.ones(n, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - n)
+            mask = mask & allowed_keys(index, slice(s, s + n), p.ctx_len)
+        o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap, sinks)
+        out[s : s + n] = o[0].transpose(0, 1)
 
     def _decode(
         self,
