@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,16 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import acb  # noqa: E402
-from acb.bench.common import ModelSpec, acb_greedy, greedy_generate, machine_info, write_json  # noqa: E402
-
-
-def step_ms(run: Callable[[int], Any], new: int) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    run(1)
-    t1 = time.perf_counter()
-    toks = run(1 + new)
-    t2 = time.perf_counter()
-    return ((t2 - t1) - (t1 - t0)) / new * 1e3, toks
+from acb.bench.common import ModelSpec, acb_greedy, decode_step_ms, greedy_generate, machine_info, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -64,7 +54,7 @@ def main() -> None:
             toks: dict[str, Any] = {}
             for _ in range(args.repeats):
                 for name, fn in sides.items():
-                    t, toks[name] = step_ms(fn, args.new)
+                    t, toks[name] = decode_step_ms(fn, args.new)
                     ms[name].append(t)
             row: dict[str, Any] = {"batch": b, **{f"{k}_ms": min(v) for k, v in ms.items()}, "all_ms": ms}
             row["cpu_vs_torch"] = row["torch_ms"] / row["cpu_ms"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import acb  # noqa: E402
-from acb.bench.common import ModelSpec, acb_greedy, machine_info, write_json  # noqa: E402
+from acb.bench.common import ModelSpec, acb_greedy, decode_step_ms, machine_info, write_json  # noqa: E402
 from acb.models import tiny_model  # noqa: E402
 from acb.runner import cpu_linear  # noqa: E402
 
@@ -73,15 +72,6 @@ def _mode_active(self: cpu_linear.PackedLinears, tokens: int) -> contextlib.Abst
     return cm()
 
 
-def _step_ms(run: Callable[[int], Any], steps: int) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    run(1)
-    t1 = time.perf_counter()
-    toks = run(1 + steps)
-    t2 = time.perf_counter()
-    return ((t2 - t1) - (t1 - t0)) / steps * 1e3, toks
-
-
 def route_ab(repeats: int) -> list[dict[str, Any]]:
     spec = ModelSpec(size="default")
     model = spec.build().eval()
@@ -97,7 +87,7 @@ def route_ab(repeats: int) -> list[dict[str, Any]]:
                 for _ in range(repeats):
                     for name, active in (("function_mode", _mode_active), ("module_route", _ROUTE_ACTIVE)):
                         cpu_linear.PackedLinears.active = active  # type: ignore[method-assign]
-                        t, toks[name] = _step_ms(lambda k: acb_greedy(eng, ps, k), 48)
+                        t, toks[name] = decode_step_ms(lambda k: acb_greedy(eng, ps, k), 48)
                         ms[name].append(t)
             finally:
                 cpu_linear.PackedLinears.active = _ROUTE_ACTIVE  # type: ignore[method-assign]
@@ -134,7 +124,7 @@ def sizes_ab(repeats: int) -> list[dict[str, Any]]:
                 ms: dict[bool, list[float]] = {True: [], False: []}
                 for _ in range(repeats):
                     for k, e in engines.items():
-                        ms[k].append(_step_ms(lambda n, e=e: acb_greedy(e, ps, n), 32)[0])
+                        ms[k].append(decode_step_ms(lambda n, e=e: acb_greedy(e, ps, n), 32)[0])
                 row = dict(
                     hidden=hidden,
                     linear_params_per_layer=per_layer,

@@ -8,6 +8,8 @@ import math
 import os
 import platform
 import resource
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +161,17 @@ def phase_ms(before: Any, after: Any) -> dict[str, float]:
     }
 
 
+def decode_step_ms(run: Callable[[int], Any], steps: int) -> tuple[float, Any]:
+    """One decode step's ms: a call of ``1 + steps`` new tokens less a call of one, over ``steps``
+    (the prefill and the start of a call cancel out); and the longer call's result."""
+    t0 = time.perf_counter()
+    run(1)
+    t1 = time.perf_counter()
+    out = run(1 + steps)
+    t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / steps * 1e3, out
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -217,8 +230,6 @@ def matmul_peak_gflops(
     (tall-skinny) ``torch.mm`` calls, each repeated for about ``seconds / 4`` (and at least
     ``min_reps`` times, after one untimed call), the best GFLOP/s of a single call (the fastest
     call, not the mean: on a shared machine the mean measures the neighbours too)."""
-    import time
-
     dev = torch.device(device)
     shapes = [(1024, 1024, 1024), (2048, 2048, 2048), (2048, 512, 2048), (512, 512, 8192)]
     best: dict[str, Any] = {"gflops": 0.0, "shape": None}
@@ -247,7 +258,8 @@ def matmul_peak_gflops(
 # the ops that do a matmul's arithmetic (aten::linear and aten::matmul only call one of them)
 GEMM_LEAVES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
 MATMUL = GEMM_LEAVES | {"aten::matmul", "aten::linear"}
-SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")
+# attention: SDPA's ops, and acb's CPU kernel (a ctypes call the profiler sees through its record_function)
+SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention", "acb::paged_attention")
 GATHER = {
     "aten::index",
     "aten::index_copy_",

@@ -159,6 +159,10 @@ def paged_attention(
     if lib is None:
         raise RuntimeError(f"acb's CPU attention kernel is not available: {_PROBLEM}")
     h, d = q.shape[1], q.shape[2]
+    profiled = torch.autograd._profiler_enabled()  # then the call is a named range (a ctypes call is no op)
+    rec = torch.profiler.record_function("acb::paged_attention") if profiled else None
+    if rec is not None:
+        rec.__enter__()
     rc = lib.acb_paged_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_pages.data_ptr(), v_pages.data_ptr(),
@@ -170,5 +174,7 @@ def paged_attention(
         out.data_ptr(), out.stride(0), out.stride(1),
         torch.get_num_threads(),
     )  # fmt: skip
+    if rec is not None:
+        rec.__exit__(None, None, None)
     if rc != 0:
         raise MemoryError("acb's CPU attention kernel could not allocate its score buffer")
