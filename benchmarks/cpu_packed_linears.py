@@ -94,8 +94,11 @@ def route_ab(repeats: int) -> list[dict[str, Any]]:
             row = dict(batch=b, **{k: min(v) for k, v in ms.items()}, all_ms=ms)
             row["speedup"] = row["function_mode"] / row["module_route"]
             row["same_tokens"] = toks["function_mode"] == toks["module_route"]
-            print(f"route B={b}: function mode {row['function_mode']:.2f} ms/step, module route "
-                  f"{row['module_route']:.2f} ({row['speedup']:.2f}x), same tokens {row['same_tokens']}", flush=True)
+            print(
+                f"route B={b}: function mode {row['function_mode']:.2f} ms/step, module route "
+                f"{row['module_route']:.2f} ({row['speedup']:.2f}x), same tokens {row['same_tokens']}",
+                flush=True,
+            )
             rows.append(row)
     return rows
 
@@ -134,8 +137,11 @@ def sizes_ab(repeats: int) -> list[dict[str, Any]]:
                     all_ms={"packed": ms[True], "plain": ms[False]},
                 )
                 row["speedup"] = row["plain_ms"] / row["packed_ms"]
-                print(f"hidden {hidden} ({per_layer / 1e6:.2f}M per layer) B={b}: packed {row['packed_ms']:.2f}, "
-                      f"plain {row['plain_ms']:.2f} ms/step ({row['speedup']:.2f}x)", flush=True)
+                print(
+                    f"hidden {hidden} ({per_layer / 1e6:.2f}M per layer) B={b}: packed {row['packed_ms']:.2f}, "
+                    f"plain {row['plain_ms']:.2f} ms/step ({row['speedup']:.2f}x)",
+                    flush=True,
+                )
                 rows.append(row)
     return rows
 

@@ -259,7 +259,14 @@ def matmul_peak_gflops(
 GEMM_LEAVES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
 MATMUL = GEMM_LEAVES | {"aten::matmul", "aten::linear"}
 # attention: SDPA's ops, and acb's CPU kernel (a ctypes call the profiler sees through its record_function)
-SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention", "acb::paged_attention")
+SDPA_PREFIX = (
+    "aten::_scaled_dot_product",
+    "aten::scaled_dot_product",
+    "aten::_flash_attention",
+    "acb::paged_attention",
+)
+# acb's named ranges that are kernels (no ops inside them): counted as ops, where other ranges are not
+KERNEL_RANGES = frozenset({"acb::paged_attention"})
 GATHER = {
     "aten::index",
     "aten::index_copy_",

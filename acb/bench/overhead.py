@@ -29,7 +29,16 @@ from typing import Any
 import torch
 
 import acb
-from acb.bench.common import GEMM_LEAVES, ModelSpec, acb_greedy, greedy_generate, op_kind, phase_ms, tf_page
+from acb.bench.common import (
+    GEMM_LEAVES,
+    KERNEL_RANGES,
+    ModelSpec,
+    acb_greedy,
+    greedy_generate,
+    op_kind,
+    phase_ms,
+    tf_page,
+)
 from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -174,7 +183,7 @@ def _op_times_ms(prof: torch.profiler.profile) -> dict[str, float]:
     """Self CPU time per kind of op (``op_kind``), in ms, and ``gemm_calls``: how many matmuls ran."""
     kinds: dict[str, float] = {"gemm_calls": 0.0}
     for ev in prof.key_averages():
-        if ev.key.startswith(("acb::", "ProfilerStep")):  # ranges, not ops
+        if ev.key.startswith(("acb::", "ProfilerStep")) and ev.key not in KERNEL_RANGES:  # ranges, not ops
             continue
         k = op_kind(ev.key)
         kinds[k] = kinds.get(k, 0.0) + ev.self_cpu_time_total / 1e3

@@ -30,7 +30,6 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
 
 import torch
 

@@ -84,7 +84,9 @@ def test_indexers_are_found_and_their_keys_paged(arch):
         assert all(t.numel() == 0 for t in runner.kv_cache.v[spec.attention_layers :])
         assert spec.bytes_per_token()["index keys"] == len(indexers) * width * 4
         assert spec.bytes_per_block(8) == sum(t.nbytes for t in runner.kv_cache.k + runner.kv_cache.v) // 16
-        assert runner.cfg.attn_backend in ("torch", "cpu") and not runner.cfg.cuda_graphs  # cpu: its indexed layers on torch's path
+        assert (
+            runner.cfg.attn_backend in ("torch", "cpu") and not runner.cfg.cuda_graphs
+        )  # cpu: its indexed layers on torch's path
 
 
 def test_the_selection_changes_the_tokens():

@@ -21,11 +21,11 @@ import torch
 import acb
 from acb.models import tiny_model
 from acb.runner.cpu_linear import (
+    _TLS,
     MAX_STEP_TOKENS,
     MIN_LAYER_PARAMS,
     MIN_STEP_TOKENS,
     PackedLinears,
-    _TLS,
     linear_params_per_layer,
 )
 from tests.conftest import prompts_of_lengths, reference_generate

@@ -54,7 +54,9 @@ class CpuBackend(TorchBackend):
         if md.kernel_prefills:
             md.prefills = [p for p in md.prefills if not _to_kernel(p.ctx_len - p.q_len, p.q_len)]
         if md.decode or md.kernel_prefills:
-            rows, toks, lens = [], [], []
+            rows: list[int] = []
+            toks: list[int] = []
+            lens: list[int] = []
             tok = 0
             for i, n in enumerate(batch.num_new):
                 if n == 1 or _to_kernel(batch.start_pos[i], n):
@@ -96,7 +98,21 @@ class CpuBackend(TorchBackend):
             super()._decode(md, q, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index)
             for j, p in enumerate(md.kernel_prefills, start=len(md.prefills)):
                 self._prefill(
-                    md, j, p, q, None, None, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index
+                    md,
+                    j,
+                    p,
+                    q,
+                    None,
+                    None,
+                    k_pages,
+                    v_pages,
+                    out,
+                    scaling,
+                    sliding_window,
+                    softcap,
+                    sinks,
+                    chunk,
+                    index,
                 )
             return
         table, rows, toks, lens = md.kernel_rows

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ _TRIED = False
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_ARGTYPES = [
+_ARGTYPES: list[Any] = [
     _PTR, _I64, _I64,  # q, its token and head strides
     _PTR, _PTR,  # k, v pages
     _PTR, _I64,  # block table, its row stride
@@ -78,9 +79,7 @@ def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        res = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
-        )
+        res = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             return (res.stderr or res.stdout).strip().splitlines()[-1] if (res.stderr or res.stdout) else "failed"
         os.replace(tmp, target)
