@@ -714,8 +714,9 @@ def test_sigterm_every_client_gets_a_proper_end(server, client):
     event, then [DONE]); then the launcher exits 0.
 
     Nothing here assumes the machine's speed: the finishing request's length comes from the
-    token rate measured under this same load (a quarter of the grace period's worth), and the
-    long ones are checked to need many grace periods at that rate."""
+    token rate measured under this same load (an eighth of the grace period's worth, a margin for
+    the other test worker's load), and the long ones are checked to need many grace periods at
+    that rate."""
     kinds = [(st, via) for st in (True, False) for via in (True, True, False, False)]
     with ThreadPoolExecutor(len(kinds)) as pool:
         futures = [pool.submit(_long_request, server.port, st, via) for st, via in kinds]
@@ -737,7 +738,9 @@ def test_sigterm_every_client_gets_a_proper_end(server, client):
                 f"this machine is too fast for {LONG} tokens to outlast a {GRACE} s grace period "
                 f"({rate:.0f} tokens/s per stream)"
             )
-        finish = max(2, int(rate * GRACE / 4))
+        # an eighth of the grace period's worth at the measured rate: a quarter once failed under a
+        # clean clone's two-worker run (the other worker's module slowed this one's replica)
+        finish = max(2, int(rate * GRACE / 8))
         stream = client.completions.create(
             model=NAME,
             prompt="finish me",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from acb.runner.attention import BatchInputs, cpu_kernels
-from acb.runner.attention.torch_backend import TorchBackend, TorchMetadata
+from acb.runner.attention.torch_backend import LayerAttention, TorchBackend, TorchMetadata
 
 # a prefill chunk after a cached prefix runs its queries through the kernel too (scoring
 # continuations) when its queries times its context is at most this; larger chunks gather the
@@ -77,16 +77,11 @@ class CpuBackend(TorchBackend):
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         out: torch.Tensor,
-        scaling: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-        chunk: int | None,
-        index: torch.Tensor | None,
+        la: LayerAttention,
     ) -> None:
         if (
             md.kernel_rows is None
-            or index is not None
+            or la.index is not None
             or (md.image_groups and any(p.q_start in md.image_groups for p in md.kernel_prefills))
             or q.dtype != torch.float32
             or k_pages.dtype != torch.float32
@@ -95,25 +90,9 @@ class CpuBackend(TorchBackend):
             or not (k_pages.is_contiguous() and v_pages.is_contiguous())
             or q.stride(2) != 1
         ):
-            super()._decode(md, q, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index)
+            super()._decode(md, q, k_pages, v_pages, out, la)
             for j, p in enumerate(md.kernel_prefills, start=len(md.prefills)):
-                self._prefill(
-                    md,
-                    j,
-                    p,
-                    q,
-                    None,
-                    None,
-                    k_pages,
-                    v_pages,
-                    out,
-                    scaling,
-                    sliding_window,
-                    softcap,
-                    sinks,
-                    chunk,
-                    index,
-                )
+                self._prefill(md, j, p, q, None, None, k_pages, v_pages, out, la)
             return
         table, rows, toks, lens = md.kernel_rows
         cpu_kernels.paged_attention(
@@ -125,9 +104,9 @@ class CpuBackend(TorchBackend):
             toks,
             lens,
             out,
-            scaling if scaling is not None else q.shape[-1] ** -0.5,
-            softcap,
-            sliding_window,
-            chunk,
-            sinks.to(torch.float32).contiguous() if sinks is not None else None,
+            la.scaling if la.scaling is not None else q.shape[-1] ** -0.5,
+            la.softcap,
+            la.sliding_window,
+            la.chunk,
+            la.sinks.to(torch.float32).contiguous() if la.sinks is not None else None,
         )

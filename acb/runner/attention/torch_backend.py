@@ -72,6 +72,18 @@ class TorchMetadata:
     kernel_prefills: list[_Prefill] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention settings, as the backend's forward got them."""
+
+    scaling: float | None
+    sliding_window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    chunk: int | None
+    index: torch.Tensor | None
+
+
 def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
     """Indices into ``lengths`` (context lengths of decode rows), longest first, split where a
     row's page count falls below ``GROUP_RATIO`` of its group's first (at most ``MAX_GROUPS``)."""
@@ -229,12 +241,11 @@ class TorchBackend:
 
         q = query[0]  # [H, T, D]
         out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
+        la = LayerAttention(scaling, sliding_window, softcap, sinks, chunk, index)
         if md.decode or md.kernel_prefills:
-            self._decode(md, q, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index)
+            self._decode(md, q, k_pages, v_pages, out, la)
         for k, p in enumerate(md.prefills):
-            self._prefill(
-                md, k, p, q, key, value, k_pages, v_pages, out, scaling, sliding_window, softcap, sinks, chunk, index
-            )
+            self._prefill(md, k, p, q, key, value, k_pages, v_pages, out, la)
         return out.unsqueeze(0)  # [1, T, H, D]
 
     def _prefill(
@@ -248,12 +259,7 @@ class TorchBackend:
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         out: torch.Tensor,  # [T, H, D]: the chunk's rows are written
-        scaling: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-        chunk: int | None,
-        index: torch.Tensor | None,
+        la: LayerAttention,
     ) -> None:
         """One prefill chunk: its cached prefix gathered (if any), then SDPA, causal bottom-right."""
         hkv, d = k_pages.shape[2], k_pages.shape[3]
@@ -266,12 +272,12 @@ class TorchBackend:
         else:
             kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
             vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-        mask = self._prefill_mask(md, k, p, sliding_window, chunk)
-        if index is not None:  # indexed attention: of the causal keys, those the indexer selected
+        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk)
+        if la.index is not None:  # indexed attention: of the causal keys, those the indexer selected
             if mask is None:
                 mask = torch.ones(n, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - n)
-            mask = mask & allowed_keys(index, slice(s, s + n), p.ctx_len)
-        o = _attend(qp, kp, vp, mask, mask is None, scaling, softcap, sinks)
+            mask = mask & allowed_keys(la.index, slice(s, s + n), p.ctx_len)
+        o = _attend(qp, kp, vp, mask, mask is None, la.scaling, la.softcap, la.sinks)
         out[s : s + n] = o[0].transpose(0, 1)
 
     def _decode(
@@ -281,18 +287,13 @@ class TorchBackend:
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         out: torch.Tensor,  # [T, H, D]: the decode rows' are written
-        scaling: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-        chunk: int | None,
-        index: torch.Tensor | None,
+        la: LayerAttention,
     ) -> None:
         """The decode rows: each group's pages gathered, then SDPA with a length mask."""
         hkv, d = k_pages.shape[2], k_pages.shape[3]
         for g, group in enumerate(md.decode):
             length = group.num_blocks * md.block_size
-            dmask = self._decode_mask(md, g, sliding_window, chunk)
+            dmask = self._decode_mask(md, g, la.sliding_window, la.chunk)
             # a chunk of rows at a time, so that its gathered K/V is still in cache when SDPA reads it
             rows_per = max(1, CHUNK_BYTES // (2 * length * hkv * d * k_pages.element_size()))
             for a in range(0, group.rows.numel(), rows_per):
@@ -302,9 +303,9 @@ class TorchBackend:
                 kd = self._gather(k_pages, blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
                 vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
                 rmask = dmask[a : a + rows_per]
-                if index is not None:  # indexed attention: the keys the indexer selected, of those
-                    rmask = rmask & allowed_keys(index, rows, length)[:, None, None, :]
-                o = _attend(qd, kd, vd, rmask, False, scaling, softcap, sinks)
+                if la.index is not None:  # indexed attention: the keys the indexer selected, of those
+                    rmask = rmask & allowed_keys(la.index, rows, length)[:, None, None, :]
+                o = _attend(qd, kd, vd, rmask, False, la.scaling, la.softcap, la.sinks)
                 out[rows] = o[:, :, 0, :]
 
 
