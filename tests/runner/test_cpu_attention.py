@@ -200,3 +200,17 @@ def test_generate_parity_with_async_batching_preemption_and_offload(offload, mon
         stats = eng.stats
     assert calls and stats.preemptions > 0 and (stats.swapped_out_blocks > 0) == offload
     assert [o.generated_tokens for o in outs] == [reference_generate(model, p, 16) for p in prompts]
+
+
+def test_a_library_built_for_another_cpu_is_not_loaded(monkeypatch, tmp_path):
+    """The library is built for ``-march=native``: a cache directory shared with a machine whose
+    CPU differs (a home directory on NFS) must not hand this one the other's build."""
+    monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
+    built = []
+    for flags in ("flags : sse avx2\n", "flags : sse avx2 avx512f\n", "flags : sse avx2\n"):
+        monkeypatch.setattr(cpu_kernels, "_TRIED", False)
+        monkeypatch.setattr(cpu_kernels, "_LIB", None)
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda f=flags: f)
+        assert cpu_kernels.load() is not None
+        built.append(sorted(p.name for p in (tmp_path / "kernels").glob("*.so")))
+    assert len(built[0]) == 1 and len(built[1]) == 2 and built[2] == built[1]  # the first CPU's build reused

@@ -4,7 +4,8 @@ through ctypes.
 The C source is compiled once per machine with the system's C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into acb's cache directory (``$ACB_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/acb``, else ``~/.cache/acb``), keyed by the source, the compiler's version, the
-flags and the machine, so a changed source or compiler builds again. Building takes about a
+flags and the machine (its CPU's model and instruction sets: the library is built for
+``-march=native``), so a changed source, compiler or CPU builds again. Building takes about a
 second. Where no compiler works, :func:`load` says why and the engine keeps the torch backend.
 
 OpenMP: the library is built with ``-fopenmp``; at run time its ``libgomp.so.1`` is the one torch
@@ -57,6 +58,18 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "acb"
+
+
+def _cpu_flags() -> str:
+    """This CPU's model and instruction-set flags (Linux): part of the cache key, since the library
+    is built for ``-march=native`` and a home directory may be shared by machines with other CPUs
+    (one built with AVX-512 would crash on a CPU without it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "model name"))]
+    except OSError:
+        return ""
+    return "".join(sorted(set(lines)))
 
 
 def _compiler() -> str | None:
@@ -124,7 +137,8 @@ def _load() -> ctypes.CDLL | None:
     version = _version(cc)
     last = None
     for flags in (FLAGS + ("-fopenmp",), FLAGS + ("-fopenmp-simd",)):  # threads where OpenMP links, else one
-        key = hashlib.sha256(b"\0".join([src, version.encode(), " ".join(flags).encode(), platform.machine().encode()]))
+        parts = [src, version.encode(), " ".join(flags).encode(), platform.machine().encode(), _cpu_flags().encode()]
+        key = hashlib.sha256(b"\0".join(parts))
         target = cache_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
         if not target.exists():
             last = _build(cc, flags, target)
