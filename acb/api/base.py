@@ -29,6 +29,7 @@ from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore
 from acb.core.messages import EngineStats
 from acb.errors import EngineNotRunningError, InvalidRequestError
+from acb.runner.host_threads import release_idle_threads
 from acb.sampling_params import FALLBACK, SamplingParams
 from acb.text import text_tokenizer
 
@@ -151,6 +152,9 @@ class EngineBase:
             core.on_exit = self._on_core_exit
             self.core = core
             core.start()
+            # this thread built the model: its idle OpenMP workers would slow every parallel
+            # region of the engine thread's (acb.runner.host_threads)
+            release_idle_threads()
             telemetry.watch_engine(self, self.model_name)
 
     def _on_core_exit(self) -> None:

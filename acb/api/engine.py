@@ -20,6 +20,7 @@ from acb.api.sinks import ThreadSink
 from acb.config import ConfigLike
 from acb.errors import AcbError, QueueFullError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, ScoreOutput
+from acb.runner.host_threads import release_idle_threads
 from acb.sampling_params import SamplingParams, with_overrides
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class Engine(EngineBase):
     ) -> SyncRequestHandle:
         req = self.processor.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
         self.enqueue_blocking(req, wait=wait, timeout=timeout)
+        release_idle_threads()  # this thread now waits on the engine's (acb.runner.host_threads)
         return SyncRequestHandle(req.request_id, req.sink, self.cancel)
 
     def submit(
@@ -426,6 +428,7 @@ class Engine(EngineBase):
         index = {r.request_id: i for i, r in enumerate(reqs)}
         results: dict[str, GenerationOutput] = {}
         meter = _Meter(bar)
+        release_idle_threads()  # this thread now waits on the engine's (acb.runner.host_threads)
         expected = 0  # requests that will have an output: enqueued, or failed for a dead engine
         stopping = given_back = False
 

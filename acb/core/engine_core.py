@@ -306,6 +306,8 @@ class EngineCore:
                     if self._flush_inflight():
                         continue
                     self.holds.drained(self.scheduler.has_work())
+                    if not self._wake.is_set():
+                        self.runner.idle()
                     if self.sync is None:
                         self._wake.wait()
                     elif self.sync.is_leader:  # an empty frame now and then: the followers see it is alive

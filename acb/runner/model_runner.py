@@ -25,6 +25,7 @@ from acb.config import ContinuousBatchingConfig
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.images import type_spans
+from acb.runner.host_threads import release_idle_threads
 from acb.runner.attention import (
     AttentionBackend,
     SharedAttention,
@@ -403,6 +404,12 @@ class ModelRunner:
             measured = max(0, reserved - torch.cuda.memory_reserved(self.device))
         self.asleep = True
         return MemoryReleased(kv, graphs, staging, other, measured)
+
+    def idle(self) -> None:
+        """The engine has no work until its next command: hand back this thread's OpenMP workers,
+        so that other threads' parallel regions are not throttled while it waits
+        (:mod:`acb.runner.host_threads`; the next step starts a new pool)."""
+        release_idle_threads()
 
     def wake_up(self) -> None:
         """Allocate again what :meth:`sleep` freed and capture the decode graphs again."""

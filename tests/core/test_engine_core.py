@@ -35,6 +35,7 @@ class FakeRunner:
         self.prev: tuple[list, list[int]] | None = None  # (sample_reqs, sampled) of the last launched step
         self.fail_execute_at = fail_execute_at
         self.fail_finish_at = fail_finish_at
+        self.idles = 0  # idle() calls: the core went to wait with no work
 
     # the rest of acb.core.messages.Runner: no memory to free, weights that never change
     def sleep(self):
@@ -42,6 +43,9 @@ class FakeRunner:
 
     def wake_up(self):
         self.asleep = False
+
+    def idle(self):
+        self.idles += 1
 
     def weights_changed(self) -> bool:
         return False
