@@ -54,7 +54,7 @@ def test_workload_json(results, workload):
         assert [r["engine"] for r in rows] == ["acb", "hf (batch 16)"]  # (hf's batch "auto" on a GPU only)
         tasks = {"fewshot_letters", "endings", "fewshot_gen", "rolling"}
         assert all(set(r["per_task"]) == tasks for r in rows)
-        assert all(set(r["per_task_limited"]) == tasks | {"together"} for r in rows)
+        assert all(set(r["per_task_limited"]) == tasks | {"together", "three together"} for r in rows)
         assert data["result"]["agreement"]["ok"] is True  # acb's numbers are hf's
         assert data["result"]["agreement_limited"]["ok"] is True
         floor = data["result"]["floor"]
