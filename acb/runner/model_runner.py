@@ -25,7 +25,6 @@ from acb.config import ContinuousBatchingConfig
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
 from acb.errors import UnsupportedModelError
 from acb.images import type_spans
-from acb.runner.host_threads import release_idle_threads
 from acb.runner.attention import (
     AttentionBackend,
     SharedAttention,
@@ -36,6 +35,7 @@ from acb.runner.attention import (
 )
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.eval_mode import DROPOUT_GUARD
+from acb.runner.host_threads import release_idle_threads
 from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec
