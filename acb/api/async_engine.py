@@ -90,8 +90,8 @@ class AsyncEngine(EngineBase):
         )
 
     def _handle(self, req: Submission) -> RequestHandle:
-        self.admit(req)
         release_idle_threads()  # the loop's thread computes nothing for the engine (acb.runner.host_threads)
+        self.admit(req)
         return RequestHandle(req.request_id, req.sink, self.cancel)
 
     async def submit(

@@ -91,8 +91,10 @@ class Engine(EngineBase):
         self, prompt_ids: Prompt, sampling: SamplingParams | None, wait: bool, timeout: float | None, **kw: Any
     ) -> SyncRequestHandle:
         req = self.processor.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
+        # this thread is about to wait on the engine's (acb.runner.host_threads); before the
+        # enqueue, so that submits in a row reach the engine as close together as they did
+        release_idle_threads()
         self.enqueue_blocking(req, wait=wait, timeout=timeout)
-        release_idle_threads()  # this thread now waits on the engine's (acb.runner.host_threads)
         return SyncRequestHandle(req.request_id, req.sink, self.cancel)
 
     def submit(

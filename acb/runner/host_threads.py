@@ -73,7 +73,7 @@ def _resolve() -> tuple[object, int] | None:
                     initial.restype = ctypes.c_int
                     _pause = (fn, int(initial()))
                 except (OSError, AttributeError) as exc:  # an older libgomp (before OpenMP 5.0)
-                    logger.debug("acb: no omp_pause_resource in %s: %s", path, exc)
+                    logger.debug("no omp_pause_resource in %s: %s", path, exc)
         return _pause
 
 
