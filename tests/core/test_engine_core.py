@@ -4,6 +4,7 @@ a failing step, stop and drain, stats."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -165,6 +166,27 @@ def test_steps_in_order_and_outputs_right(async_batching):
     assert st.finished == 6 and st.generated_tokens == 42 and st.failed == 0 and st.running == 0
     assert st.steps == len(launched)
     core.check_invariants()
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_the_runner_is_told_when_the_core_runs_out_of_work(async_batching):
+    # (where the runner hands back its thread pool: acb.runner.host_threads); never mid-work
+    runner, col = FakeRunner(), Collector(6)
+    core = make_core(runner, col, async_batching=async_batching)
+    steps_at_idle: list[int] = []
+    runner.idle = lambda: steps_at_idle.append(len([c for c in runner.calls if c[0] == "finish"]))
+    core.start()
+    for r in requests():
+        core.add(r)
+    assert col.done.wait(30)
+    end = time.monotonic() + 30
+    while not steps_at_idle or steps_at_idle[-1] != len([c for c in runner.calls if c[0] == "finish"]):
+        assert time.monotonic() < end, "the core never went idle after its work"
+        time.sleep(0.01)
+    core.stop(timeout=30)
+    finished = len([c for c in runner.calls if c[0] == "finish"])
+    assert steps_at_idle[-1] == finished  # told after the last step was read
+    assert len(steps_at_idle) < finished  # not once per step: only when out of work
 
 
 @pytest.mark.parametrize("where", ["execute", "finish"])
