@@ -27,15 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import acb  # noqa: E402
-import acb.api.async_engine  # noqa: E402
 import acb.api.base  # noqa: E402
-import acb.api.engine  # noqa: E402
 import acb.runner.model_runner  # noqa: E402
 from acb.bench.common import ModelSpec, decode_step_ms, machine_info, write_json  # noqa: E402
 from acb.models import default_model  # noqa: E402
 from acb.runner import host_threads  # noqa: E402
 
-CALLERS = (acb.api.base, acb.api.engine, acb.api.async_engine, acb.runner.model_runner)  # modules that call it
+CALLERS = (acb.api.base, acb.runner.model_runner)  # the modules that call it
 
 
 def hand_back(on: bool) -> None:

@@ -15,7 +15,6 @@ from acb.api.sinks import AsyncSink
 from acb.errors import InvalidRequestError, QueueFullError, RequestFailedError
 from acb.images import ImagePrompt, has_images
 from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
-from acb.runner.host_threads import release_idle_threads
 from acb.sampling_params import SamplingParams, with_overrides
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ class AsyncEngine(EngineBase):
         )
 
     def _handle(self, req: Submission) -> RequestHandle:
-        release_idle_threads()  # the loop's thread computes nothing for the engine (acb.runner.host_threads)
+        self._about_to_wait()  # the loop's thread computes nothing for the engine
         self.admit(req)
         return RequestHandle(req.request_id, req.sink, self.cancel)
 

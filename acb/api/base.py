@@ -154,8 +154,16 @@ class EngineBase:
             core.start()
             # this thread built the model: its idle OpenMP workers would slow every parallel
             # region of the engine thread's (acb.runner.host_threads)
-            release_idle_threads()
+            self._about_to_wait()
             telemetry.watch_engine(self, self.model_name)
+
+    def _about_to_wait(self) -> None:
+        """The calling thread is about to wait on the engine: on a CPU engine, hand back its
+        OpenMP workers, so that the engine thread's parallel regions are not throttled
+        (:mod:`acb.runner.host_threads`; a GPU engine's thread opens few, and keeps them)."""
+        runner = self.runner
+        if runner is not None and runner.device.type == "cpu":
+            release_idle_threads()
 
     def _on_core_exit(self) -> None:
         self.gate.close()

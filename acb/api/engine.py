@@ -20,7 +20,6 @@ from acb.api.sinks import ThreadSink
 from acb.config import ConfigLike
 from acb.errors import AcbError, QueueFullError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, ScoreOutput
-from acb.runner.host_threads import release_idle_threads
 from acb.sampling_params import SamplingParams, with_overrides
 
 if TYPE_CHECKING:
@@ -91,9 +90,8 @@ class Engine(EngineBase):
         self, prompt_ids: Prompt, sampling: SamplingParams | None, wait: bool, timeout: float | None, **kw: Any
     ) -> SyncRequestHandle:
         req = self.processor.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
-        # this thread is about to wait on the engine's (acb.runner.host_threads); before the
-        # enqueue, so that submits in a row reach the engine as close together as they did
-        release_idle_threads()
+        # before the enqueue, so that submits in a row reach the engine as close together as they did
+        self._about_to_wait()
         self.enqueue_blocking(req, wait=wait, timeout=timeout)
         return SyncRequestHandle(req.request_id, req.sink, self.cancel)
 
@@ -430,7 +428,7 @@ class Engine(EngineBase):
         index = {r.request_id: i for i, r in enumerate(reqs)}
         results: dict[str, GenerationOutput] = {}
         meter = _Meter(bar)
-        release_idle_threads()  # this thread now waits on the engine's (acb.runner.host_threads)
+        self._about_to_wait()
         expected = 0  # requests that will have an output: enqueued, or failed for a dead engine
         stopping = given_back = False
 

@@ -14,12 +14,16 @@ thread while the main thread's pool existed, a fixed ~170 us added to every para
 
 OpenMP 5.0's ``omp_pause_resource`` on the host device frees the *calling* thread's pool (libgomp:
 ``gomp_pause_host``; the workers exit and are no longer counted); its next parallel region makes
-a new one, which costs one thread start. So acb hands back
+a new one, which costs one thread start. So, for an engine on the CPU, acb hands back
 
-- the pool of the thread that starts an engine (it built the model), and of a thread that blocks
-  on the engine (``generate_batch``, ``score_batch``, ``generate``: it waits, it computes nothing);
+- the pool of the thread that starts the engine (it built the model), of a thread that blocks on
+  it (``generate_batch``, ``score_batch``, ``generate``, ``submit``: it waits, it computes
+  nothing) and of the event loop's thread that submits to an ``AsyncEngine``;
 - the engine thread's own, each time the engine runs out of work (a trainer's thread, or a
   ``model.generate`` on the main thread, then runs unthrottled while the engine waits).
+
+A GPU engine's thread opens few parallel regions (its work is on the device), so nothing is
+handed back there. Same-run figures: ``benchmarks/omp_workers.py``.
 
 Only with libgomp loaded (Linux); elsewhere (LLVM's libomp, no OpenMP) nothing is done.
 """

@@ -408,8 +408,10 @@ class ModelRunner:
     def idle(self) -> None:
         """The engine has no work until its next command: hand back this thread's OpenMP workers,
         so that other threads' parallel regions are not throttled while it waits
-        (:mod:`acb.runner.host_threads`; the next step starts a new pool)."""
-        release_idle_threads()
+        (:mod:`acb.runner.host_threads`; the next step starts a new pool). On CPU only: a GPU
+        engine's thread opens few parallel regions, and keeps its pool."""
+        if self.device.type == "cpu":
+            release_idle_threads()
 
     def wake_up(self) -> None:
         """Allocate again what :meth:`sleep` freed and capture the decode graphs again."""
