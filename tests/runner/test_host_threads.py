@@ -42,6 +42,12 @@ SCRIPT = textwrap.dedent(
     parallel()
     out["after_region"] = threads() - base  # this thread's pool: one worker
     out["released"] = host_threads.release_idle_threads()
+    out["threads_kept"] = torch.get_num_threads()  # the thread's own setting outlives its pool
+    torch.set_num_threads(1)
+    parallel()
+    host_threads.release_idle_threads()
+    out["threads_kept_1"] = torch.get_num_threads()
+    torch.set_num_threads(2)
     out["after_release"] = settle(base) - base
     parallel()  # a new pool on the next region
     out["again"] = threads() - base
@@ -73,6 +79,7 @@ def test_waiting_threads_hand_back_their_workers() -> None:
     assert out["libgomp"]
     assert out["after_region"] == 1, out  # a parallel region made this thread a pool of one worker
     assert out["released"] and out["after_release"] == 0, out
+    assert out["threads_kept"] == 2 and out["threads_kept_1"] == 1, out  # torch.set_num_threads survives it
     assert out["again"] == 1, out
     assert out["after_start"] == 0, out  # Engine.start handed back the starting thread's worker
     assert out["finished"]
