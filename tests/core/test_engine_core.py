@@ -36,7 +36,7 @@ class FakeRunner:
         self.prev: tuple[list, list[int]] | None = None  # (sample_reqs, sampled) of the last launched step
         self.fail_execute_at = fail_execute_at
         self.fail_finish_at = fail_finish_at
-        self.idles = 0  # idle() calls: the core went to wait with no work
+        self.idle_at: list[int] = []  # at each idle() (the core went to wait with no work): steps finished
 
     # the rest of acb.core.messages.Runner: no memory to free, weights that never change
     def sleep(self):
@@ -46,7 +46,7 @@ class FakeRunner:
         self.asleep = False
 
     def idle(self):
-        self.idles += 1
+        self.idle_at.append(sum(1 for kind, _ in self.calls if kind == "finish"))
 
     def weights_changed(self) -> bool:
         return False
@@ -173,8 +173,7 @@ def test_the_runner_is_told_when_the_core_runs_out_of_work(async_batching):
     # (where the runner hands back its thread pool: acb.runner.host_threads); never mid-work
     runner, col = FakeRunner(), Collector(6)
     core = make_core(runner, col, async_batching=async_batching)
-    steps_at_idle: list[int] = []
-    runner.idle = lambda: steps_at_idle.append(len([c for c in runner.calls if c[0] == "finish"]))
+    steps_at_idle = runner.idle_at
     core.start()
     for r in requests():
         core.add(r)
