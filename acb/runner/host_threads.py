@@ -34,6 +34,7 @@ import ctypes
 import logging
 import sys
 import threading
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft
 
 _lock = threading.Lock()
 _resolved = False
-_pause: tuple[object, int] | None = None  # (omp_pause_resource, the host device's number)
+_pause: tuple[Callable[[int, int], int], int] | None = None  # (omp_pause_resource, the host device's number)
 
 
 def loaded_libgomp() -> str | None:
@@ -59,11 +60,12 @@ def loaded_libgomp() -> str | None:
     return None
 
 
-def _resolve() -> tuple[object, int] | None:
+def _resolve() -> tuple[Callable[[int, int], int], int] | None:
     global _resolved, _pause
+    if _resolved:  # (every submit and every idle engine asks: no lock once it is known)
+        return _pause
     with _lock:
         if not _resolved:
-            _resolved = True
             import torch  # noqa: F401 - loads torch's libgomp first, so the one found is the one it runs on
 
             path = loaded_libgomp()
@@ -78,6 +80,7 @@ def _resolve() -> tuple[object, int] | None:
                     _pause = (fn, int(initial()))
                 except (OSError, AttributeError) as exc:  # an older libgomp (before OpenMP 5.0)
                     logger.debug("no omp_pause_resource in %s: %s", path, exc)
+            _resolved = True  # (last: the lock-free read above must not see it before _pause)
         return _pause
 
 
@@ -89,4 +92,4 @@ def release_idle_threads() -> bool:
     if pause is None:
         return False
     fn, device = pause
-    return fn(OMP_PAUSE_SOFT, device) == 0  # type: ignore[operator]
+    return fn(OMP_PAUSE_SOFT, device) == 0
