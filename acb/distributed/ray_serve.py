@@ -33,7 +33,8 @@ A replica that dies mid-request: the ingress answers an OpenAI error body (503) 
 was sent yet, and ends a stream with an SSE error event and ``[DONE]``; Serve replaces the
 replica (health checks also fail a replica whose engine died). On SIGINT/SIGTERM the launcher
 drains the ingress (``--grace-period``, as a plain ``acb serve`` drains: the requests still
-running then end with an OpenAI error), then Serve stops the replicas. Each response carries
+running then end with an OpenAI error), then Serve stops the replicas and the launcher exits 0;
+also while Serve is still starting the application (its proxy serves once one replica is up). Each response carries
 ``x-acb-replica``: the replica that served it.
 """
 
@@ -43,6 +44,9 @@ import asyncio
 import contextvars
 import hashlib
 import logging
+import signal
+import threading
+import time
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
@@ -432,11 +436,84 @@ def build_application(
     return ingress.bind(engines, settings.max_body_bytes, fan_out)
 
 
+class _Stopped(BaseException):
+    """A signal during Serve's start (a BaseException: no ``except Exception`` on the way swallows it)."""
+
+
+class _StopSignals:
+    """The launcher's SIGINT/SIGTERM handlers, in place from the end of ``ray.init`` on.
+
+    Ray's start-up leaves its own handlers behind: its core worker's crash handler on SIGTERM
+    prints a stack trace and the process aborts (exit status -6), with no drain, the streams in
+    flight cut. Serve's HTTP proxy answers requests before ``serve.run`` returns (``serve.run``
+    waits for every replica; one replica up is enough to serve), so ours must be in place before
+    Serve starts. While armed (Serve starting), a signal raises :class:`_Stopped` in the main
+    thread, as Ctrl-C's ``KeyboardInterrupt`` would: ``serve.run`` may wait forever (a replica
+    that cannot be placed). Later signals are only counted: the first starts the drain, a second
+    ends its grace period.
+    """
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.got = threading.Event()
+        self.armed = False
+
+    def install(self) -> None:
+        self.armed = True
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        self.signals.append(sig)
+        self.got.set()
+        if self.armed:
+            self.armed = False
+            raise _Stopped
+
+
+def _app_ingress() -> DeploymentHandle | None:
+    """The application's ingress, if Serve got as far as creating it (a signal during the start)."""
+    try:
+        return serve.get_app_handle(APP_NAME)
+    except Exception:  # noqa: BLE001 - no application (yet): nothing to drain
+        return None
+
+
+def _drain(handle: DeploymentHandle, grace_period: float, stop: _StopSignals) -> None:
+    """Drain the ingress (:meth:`AcbIngress.drain`); a second signal ends the grace period."""
+    from acb.serve.protocol import DRAIN_FLUSH_S
+
+    drained = handle.drain.remote(grace_period)
+    deadline = time.monotonic() + grace_period + DRAIN_FLUSH_S + 30.0  # (an ingress that never answers)
+    hurried = False
+    while True:
+        try:
+            drained.result(timeout_s=0.2)
+            return
+        except TimeoutError:
+            if len(stop.signals) > 1 and not hurried:  # a second signal ends the grace period at once
+                handle.hurry.remote()
+                hurried = True
+            if time.monotonic() > deadline:
+                logger.warning("acb serve: the ingress did not finish draining; stopping anyway")
+                return
+        except Exception as exc:  # noqa: BLE001 - the ingress is gone: stop the rest anyway
+            logger.warning("acb serve: draining the ingress failed: %r", exc)
+            return
+
+
 def run(app: Any, settings: ServerSettings, *, address: str | None = None, replicas: int = 1) -> None:
     """Serve ``app`` (:func:`build_application`) on a new local Ray, or the cluster at
     ``address``, on the settings' host and port until SIGINT/SIGTERM; then drain the ingress
     (the settings' grace period; a second signal ends it at once) and stop Serve and Ray. What
     ``acb serve --ray`` runs.
+
+    A signal from the end of Ray's start on drains the same way, also before the application is
+    ready (Serve's proxy may serve requests while a replica still starts, or cannot be placed);
+    one during ``ray.init`` itself meets Ray's own handlers.
 
     A new local Ray is started whatever an earlier ``ray start`` left in Ray's temp folder (its
     ``ray_current_cluster`` file may name a cluster that is gone).
@@ -450,10 +527,6 @@ def run(app: Any, settings: ServerSettings, *, address: str | None = None, repli
     Raises:
         RayStartError: Ray or Serve did not start.
     """
-    import signal
-    import threading
-    import time
-
     import ray
 
     t0 = time.perf_counter()
@@ -464,43 +537,33 @@ def run(app: Any, settings: ServerSettings, *, address: str | None = None, repli
         raise RayStartError(
             f"Ray did not start{f' at --ray-address {address}' if address else ''}: {type(exc).__name__}: {exc}"
         ) from None
-    signals: list[int] = []
-    got = threading.Event()
+    stop = _StopSignals()
     try:
+        handle: DeploymentHandle | None = None
         try:
-            serve.start(http_options={"host": host, "port": port})
-            handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            try:
+                stop.install()  # (Ray's start-up installed its own: see _StopSignals)
+                serve.start(http_options={"host": host, "port": port})
+                handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            finally:
+                stop.disarm()
+        except _Stopped:
+            print("acb serve: stopping before the application was ready: draining the ingress", flush=True)
+            handle = _app_ingress()
         except Exception as exc:  # noqa: BLE001
             raise RayStartError(f"Ray Serve did not start the application: {type(exc).__name__}: {exc}") from None
-
-        def on_signal(sig: int, frame: Any) -> None:
-            signals.append(sig)
-            got.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):  # (after Ray's start-up, which installs its own)
-            signal.signal(sig, on_signal)
-        gcs = ray.get_runtime_context().gcs_address
-        print(
-            f"acb serve: {settings.served_name!r} ready at http://{host}:{port} (OpenAI API under /v1) on Ray "
-            f"Serve (Ray at {gcs}), {replicas} replica(s), started in {time.perf_counter() - t0:.1f} s",
-            flush=True,
-        )
-        while not got.wait(0.2):
-            pass
-        print("acb serve: stopping: draining the ingress", flush=True)
-        drained = handle.drain.remote(settings.grace_period)
-        hurried = False
-        while True:
-            try:
-                drained.result(timeout_s=0.2)
-                break
-            except TimeoutError:
-                if len(signals) > 1 and not hurried:  # a second signal ends the grace period at once
-                    handle.hurry.remote()
-                    hurried = True
-            except Exception as exc:  # noqa: BLE001 - the ingress is gone: stop the rest anyway
-                logger.warning("acb serve: draining the ingress failed: %r", exc)
-                break
+        else:
+            gcs = ray.get_runtime_context().gcs_address
+            print(
+                f"acb serve: {settings.served_name!r} ready at http://{host}:{port} (OpenAI API under /v1) on Ray "
+                f"Serve (Ray at {gcs}), {replicas} replica(s), started in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
+            while not stop.got.wait(0.2):
+                pass
+            print("acb serve: stopping: draining the ingress", flush=True)
+        if handle is not None:
+            _drain(handle, settings.grace_period, stop)
     finally:
         serve.shutdown()  # stops the replicas (each runs its app's lifespan shutdown)
         ray.shutdown()

@@ -17,7 +17,10 @@ client. One server (two one-CPU replicas) serves the module, so that Ray starts 
   exactly; TRL's GRPOTrainer for three steps pushing after each, both replicas exact after each;
 - last, SIGTERM with requests in flight: the one that can finish in the grace period does, the
   eight that cannot end with an OpenAI error (streamed: an error event, then ``[DONE]``), and
-  the launcher exits 0.
+  the launcher exits 0;
+- after it, on a server of its own: SIGTERM while Serve still starts the application (one of
+  two replicas up, the other never placed), a stream in flight: the same error event and
+  ``[DONE]`` after the grace period, and exit 0 (Ray's crash handler had aborted it: -6).
 """
 
 from __future__ import annotations
@@ -792,3 +795,51 @@ def test_sigterm_every_client_gets_a_proper_end(server, client):
             assert r["status"] == 503 and r["headers"].get("retry-after") == "1", r
             assert check_error_body(r["data"], 503)["code"] == "server_shutdown"
     assert rc == 0, f"exit status {rc}:\n{server.tail()}"
+
+
+def test_sigterm_before_the_application_is_ready_drains_and_exits_0(checkpoint, tmp_path):
+    """SIGTERM while Serve is still starting the application, with a stream in flight (issue 52
+    item 9): Serve's proxy serves as soon as one replica is up, while ``serve.run`` waits for the
+    other, here forever (Ray has one CPU, each replica takes one). The launcher had not yet put
+    its handlers in place: Ray's crash handler took the SIGTERM, the process aborted (-6) and the
+    stream was cut without an error event or ``[DONE]``. Now the stream gets the grace period
+    (2 s), then the server-shutdown error event and ``[DONE]``, and the launcher exits 0.
+
+    Its own ``acb serve --ray`` (after the module's server has stopped): the window is at start."""
+    ray_tmp = tempfile.mkdtemp(prefix="acbray", dir="/tmp")  # (a short path: Ray's sockets live under it)
+    s = Server(
+        checkpoint.dir,
+        ["--ray", "--num-replicas", "2", "--served-model-name", NAME, "--grace-period", "2"]
+        + ["--page-size", "16", "--num-blocks", "300"],
+        tmp_path / "ray-starting.log",
+        extra_env={"RAY_TMPDIR": ray_tmp, "RAY_OVERRIDE_RESOURCES": '{"CPU": 1}'},
+    )
+    try:
+        s.wait_ready(timeout=240)  # (one replica answers /health through the ingress)
+        with openai.OpenAI(base_url=s.url, api_key="none", max_retries=0, timeout=120) as c:
+            stream = c.completions.with_streaming_response.create(
+                model=NAME, prompt="in flight at SIGTERM", max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}
+            )
+            with stream as resp:
+                lines = resp.iter_lines()
+                first = next(line for line in lines if line.startswith("data:"))
+                assert "ready at" not in s.tail(100_000), "the application became ready: the test proves nothing"
+                s.proc.send_signal(signal.SIGTERM)
+                s.signalled = True
+                t_term = time.monotonic()
+                rest = [line for line in lines if line.startswith("data:")]
+            took = time.monotonic() - t_term
+        rc = s.wait_exit(120)
+        events = [first, *rest]
+        assert events[-1].strip() == "data: [DONE]", (events[-3:], s.tail())
+        ends = [ch.get("finish_reason") for e in events[:-1] for ch in json.loads(e[5:]).get("choices", [])]
+        if "length" in ends:
+            pytest.skip(f"this machine generated {LONG} tokens within the 2 s grace period")
+        err = check_error_body(events[-2][5:].strip().encode(), 503)
+        assert err["code"] == "server_shutdown", err
+        assert took >= 1.5, f"the stream ended {took:.1f} s after SIGTERM, before its grace period"
+        assert rc == 0, f"exit status {rc}:\n{s.tail()}"
+        assert "SIGTERM received" not in s.tail(100_000)  # (Ray's crash handler's line)
+    finally:
+        s.stop(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
