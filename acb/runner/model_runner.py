@@ -426,13 +426,13 @@ class ModelRunner:
     def _checked_backend(self, config: ContinuousBatchingConfig, spec: KVSpec) -> AttentionBackend:
         """The configured backend; when it was picked automatically, it must first agree with the
         torch reference on this device (flash_attn falls back to triton, triton to torch)."""
-        from acb.runner.attention import check_backend
+        from acb.runner.attention import check_backend, query_heads
 
         name = self.cfg.attn_backend
-        while config.attn_backend is None and name != "torch":
+        # a model without attention layers (pure Mamba2) never calls the backend: nothing to check
+        while config.attn_backend is None and name != "torch" and spec.groups():
             try:
                 backend = make_backend(name)
-                heads = self.model.config.get_text_config().num_attention_heads // tp_size_of(self.model)
                 problem = None
                 for kv_heads, head_dim in spec.groups():  # each page shape the model's layers use
                     problem = problem or check_backend(
@@ -442,7 +442,7 @@ class ModelRunner:
                         head_dim=head_dim,
                         block_size=self.cfg.block_size,
                         kv_heads=kv_heads,
-                        heads=heads,
+                        heads=query_heads(self.model.config, kv_heads, tp_size_of(self.model)),
                     )
             except Exception as exc:  # noqa: BLE001 - reported, then the next backend
                 problem = f"{type(exc).__name__}: {exc}"
@@ -522,10 +522,13 @@ class ModelRunner:
         return True
 
     def forget_weights(self) -> None:
-        """Drop what was derived from the weights (the packed linears); the next step rebuilds it.
-        For weight changes the version counters cannot see (writes through ``.data``)."""
+        """Drop what was derived from the weights (the packed linears, the image embeddings no row
+        holds); the next step rebuilds it. For weight changes the version counters cannot see
+        (writes through ``.data``)."""
         if self.packed is not None:
             self.packed.release()
+        if self.vision is not None:
+            self.vision.forget_unused()
 
     def close(self) -> None:
         """Give the model its own attention implementation back, and drop the KV cache, the

@@ -104,13 +104,26 @@ def check_model(model: PreTrainedModel) -> None:
 
 
 def _attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
-    """The model's attention modules by layer index (modules with a ``layer_idx`` and q/o projections)."""
+    """The language model's attention modules by layer index (modules with a ``layer_idx`` and q/o
+    projections). Only the decoder's: a vision or audio tower's layers are numbered from 0 too
+    (Gemma 4's are found first), and their shapes are not the KV cache's."""
     out: dict[int, torch.nn.Module] = {}
-    for m in model.modules():
+    for m in _decoder(model).modules():
         idx = getattr(m, "layer_idx", None)
         if isinstance(idx, int) and hasattr(m, "q_proj") and hasattr(m, "o_proj"):
             out.setdefault(idx, m)
     return out
+
+
+def _decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The model's language model (``get_decoder()``: the text model of a vision-language model),
+    or the model itself when it does not say."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model whose get_decoder does not apply to it
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:

@@ -15,6 +15,7 @@ the prefix cache, in mixed batches of very different lengths. The Triton and fla
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -285,6 +286,62 @@ def test_per_layer_shapes_score_offload_cancel_and_sleep(arch):
         assert after.generated_tokens == _reference(arch, tuple(long[:30]), MAX_NEW)
 
 
+# Gemma 4's conditional model (a vision tower beside the text model) on a 26B-A4B-style text config:
+# K=V full layers with one global KV head, an MoE block in every layer, no KV sharing and no per-layer
+# inputs. Its vision tower's attention layers are numbered from 0 too: the cache must be sized from
+# the text model's layers only (they were taken for layers 0 and 1, and every request failed).
+GEMMA4_26B_A4B_TEXT = dict(
+    FEATURE_CONFIGS["gemma4_text"],
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    vocab_size=256,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+)
+
+
+@functools.cache
+def gemma4_conditional():
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    config = Gemma4Config(
+        text_config=GEMMA4_26B_A4B_TEXT,
+        vision_config=vision,
+        audio_config=None,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    return Gemma4ForConditionalGeneration(config).eval()
+
+
+def test_gemma4_conditional_model_is_sized_by_its_text_model():
+    """The conditional model's cache takes its text layers' shapes (a 26B-A4B-style text config:
+    (2, 16) sliding, (1, 32) K=V full), whatever its vision tower's attention looks like; greedy
+    equals ``model.generate`` on the conditional model, whole and in chunks."""
+    model = gemma4_conditional()
+    prompts = prompts_of_lengths(LENGTHS, seed=1)
+    want = [reference_generate(model, p, MAX_NEW) for p in prompts]
+    assert len({tuple(w) for w in want}) > 1  # (the tokens depend on the prompt)
+    for budget in (None, 8):
+        cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=budget)
+        with acb.Engine(model, cfg) as eng:
+            assert [tuple(t.shape[2:]) for t in eng.runner.kv_cache.k] == [(2, 16), (2, 16), (1, 32)] * 2
+            outs = eng.generate_batch(prompts, max_new_tokens=MAX_NEW, progress_bar=False)
+        assert [o.generated_tokens for o in outs.values()] == want
+
+
 # --- refused at start, with the feature named ------------------------------------------------------------
 
 
@@ -414,3 +471,18 @@ def test_each_family_from_its_real_defaults_starts_sized_and_exact(arch, async_b
         assert eng.config.num_blocks > 0
         outs = eng.generate_batch(prompts, max_new_tokens=6, do_sample=False, progress_bar=False)
     assert [o.generated_tokens for o in outs.values()] == refs
+
+
+def test_a_model_without_attention_skips_the_attention_check(caplog):
+    """Pure Mamba2 has no attention layer: the automatic backend's start-up check (which reads head
+    counts such a config does not have) is skipped, silently, and the model stays exact."""
+    from tests.api.test_state_layers import model_of as state_model
+    from tests.api.test_state_layers import prompts, reference
+
+    ps = prompts([5, 17, 9], arch="mamba2")
+    with caplog.at_level(logging.WARNING, logger="acb"):
+        with acb.Engine(state_model("mamba2"), acb.ContinuousBatchingConfig(num_blocks=32, page_size=8)) as eng:
+            assert eng.runner.kv_cache.spec.groups() == {}
+            outs = eng.generate_batch(ps, max_new_tokens=6, ignore_eos=True, progress_bar=False)
+    assert not [r.getMessage() for r in caplog.records if "attention" in r.getMessage()]
+    assert [o.generated_tokens for o in outs.values()] == [reference("mamba2", tuple(p)) for p in ps]

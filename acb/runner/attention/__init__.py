@@ -454,6 +454,20 @@ def make_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}")
 
 
+def query_heads(config: Any, kv_heads: int, tp: int = 1) -> int:
+    """The query heads per KV head group that :func:`check_backend` runs with for a model: its text
+    config's ``num_attention_heads`` on this rank (of ``tp``), or ``kv_heads`` (one query head per
+    KV head) when the config names none a page shape of ``kv_heads`` heads can take."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        heads = getattr(text, "num_attention_heads", None)
+    except Exception:  # noqa: BLE001 - a per-layer config refusing the global read
+        heads = None
+    if isinstance(heads, int) and heads >= tp and (heads // tp) % kv_heads == 0:
+        return heads // tp
+    return kv_heads
+
+
 def check_backend(
     candidate: AttentionBackend,
     device: torch.device,
