@@ -99,6 +99,10 @@ class ImageEmbedder:
         self._rows: dict[int, bytes] = {}  # row -> its entry's key
         self._free: OrderedDict[bytes, Embedded] = OrderedDict()  # entries no row holds (LRU)
         self._free_bytes = 0
+        # the weights' generation, part of every key made from now on (forget_unused moves it on),
+        # and the keys rows still held then: made by the old weights, dropped once no row holds them
+        self.generation = 0
+        self._stale: set[bytes] = set()
         self.mrope = False  # the model's positions have several rows (found at the first capture)
         self._lm_kwargs: dict[str, Any] = {}  # the step's extra language-model arguments
         self.bidirectional = bidirectional_images(model)
@@ -119,6 +123,9 @@ class ImageEmbedder:
         entry = self._used.pop(key, None)
         if entry is None:
             return
+        if key in self._stale:
+            self._stale.discard(key)
+            return
         self._free[key] = entry
         self._free_bytes += entry.nbytes
         while self._free_bytes > self.max_bytes and self._free:
@@ -126,21 +133,32 @@ class ImageEmbedder:
             self._free_bytes -= old.nbytes
 
     def clear(self) -> None:
+        self._stale.clear()
         self._used.clear()
         self._rows.clear()
+        self._free.clear()
+        self._free_bytes = 0
+
+    def forget_unused(self) -> None:
+        """The weights changed: no request from now on is given an entry the old weights made.
+        Those no row holds are dropped; a row's own stays with it (as its K/V does) and is dropped
+        when the row lets it go; keys made from now on are of the next generation."""
+        self.generation += 1
+        self._stale.update(self._used)
         self._free.clear()
         self._free_bytes = 0
 
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._used.values()) + self._free_bytes
 
-    @staticmethod
-    def key(req: Request) -> bytes:
-        """The request's images and prompt tokens (computed once per request)."""
+    def key(self, req: Request) -> bytes:
+        """The request's images and prompt tokens, and the weights' generation (computed once per
+        request)."""
         if req.images_key is None:
             images = req.images
             assert images is not None
             h = hashlib.sha256(images.key)
+            h.update(self.generation.to_bytes(8, "little"))
             h.update(repr(req.token_ids[: req.prompt_len]).encode())
             req.images_key = h.digest()
         return req.images_key

@@ -13,8 +13,13 @@ they were and raises :class:`WeightUpdateError` naming what was wrong:
 - a sender that died half-way.
 
 Names are the model's own (``model.named_parameters()`` and its persistent buffers, tied
-weights under each of their names). A floating dtype other than the weight's is cast: a trainer
-in float32 may update a server in bfloat16.
+weights under each of their names), or the checkpoint's, as ``save_pretrained`` writes them:
+transformers keeps the original checkpoint layout on disk (Mixtral's and Qwen3-MoE's experts one
+tensor each, LLaVA's ``language_model.model.*``) and converts it when it loads.
+:func:`model_names` does the same conversion with transformers' own machinery for the model's
+class (its checkpoint conversion mapping: the renamings and the converters that merge per-expert
+tensors), so whatever ``from_pretrained`` loads into the model, an update loads too. A floating
+dtype other than the weight's is cast: a trainer in float32 may update a server in bfloat16.
 
 The engine drops its prefix cache and whatever it derived from the weights (the packed CPU
 linears) with the swap, and gives the new version to the requests that go on under it.
@@ -22,6 +27,7 @@ linears) with the swap, and gives the new version to the requests that go on und
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,7 +37,15 @@ import torch
 
 from acb.errors import WeightUpdateError
 
-__all__ = ["Staged", "WeightUpdateError", "check_specs", "read_checkpoint", "stage", "weight_targets"]
+__all__ = [
+    "Staged",
+    "WeightUpdateError",
+    "check_specs",
+    "model_names",
+    "read_checkpoint",
+    "stage",
+    "weight_targets",
+]
 
 
 def weight_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,14 +108,83 @@ class Staged:
                 weight.copy_(value)
 
 
+def model_names(
+    model: torch.nn.Module, items: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """``items`` under the model's own names: a name the model has is kept; any other is converted
+    as ``from_pretrained`` converts a checkpoint's keys for the model's class (transformers'
+    ``get_model_conversion_mapping``: its renamings, then at most one converter, which may merge
+    several checkpoint tensors into one weight, e.g. a layer's per-expert ``w1``/``w3`` into its
+    fused ``gate_up_proj``). A name that maps to nothing the model has is kept as it is, for
+    :func:`check_specs` to name.
+
+    Raises:
+        WeightUpdateError: a converter that cannot merge what the checkpoint gives (a missing
+            expert, mismatched shapes).
+    """
+    if targets is None:
+        targets = weight_targets(model)
+    if all(name in targets for name, _ in items):
+        return items  # (the model's own names: a trainer's push, a state dict)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:  # (a transformers without conversion mappings keeps checkpoint names)
+        return items
+    if not isinstance(model, PreTrainedModel):
+        return items
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    prefix = model.base_model_prefix or None  # (a base model's checkpoint into a head model, and back)
+    out: list[tuple[str, torch.Tensor]] = []
+    merging: dict[str, Any] = {}  # the first target's name -> its converter, collecting its tensors
+    # in natural key order, as transformers collects them: experts 0, 1, ..., 10 stack in that order
+    for name, tensor in sorted(items, key=lambda kv: dot_natural_key(kv[0])):
+        if name in targets:
+            out.append((name, tensor))
+            continue
+        renamed, pattern = rename_source_key(name, renamings, converters, prefix, targets)
+        if renamed not in targets:
+            out.append((name, tensor))  # (unknown: refused under the name the caller gave)
+        elif pattern is None:
+            out.append((renamed, tensor))
+        else:
+            converter = merging.get(renamed)
+            if converter is None:
+                converter = merging[renamed] = copy.deepcopy(by_pattern[pattern])
+            converter.add_tensor(renamed, name, pattern, tensor)
+    for first, converter in merging.items():
+        sources = sorted({s for group in converter.layer_targets.values() for s in group}, key=dot_natural_key)
+        try:
+            made = converter.convert(first, model=model, config=getattr(model, "config", None))
+        except Exception as exc:  # noqa: BLE001 - transformers' ops raise what torch raises
+            raise WeightUpdateError(
+                f"weight update refused, nothing written: {first}: cannot make it from the checkpoint's "
+                f"{', '.join(sources[:4])}{' ...' if len(sources) > 4 else ''} ({type(exc).__name__}: {exc})"
+            ) from None
+        for target, value in made.items():
+            out.append((target, value[0] if isinstance(value, list) else value))
+    return out
+
+
 def stage(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-    """Check then stage ``(name, tensor)`` pairs (copies: the caller may reuse its tensors).
+    """Check then stage ``(name, tensor)`` pairs (copies: the caller may reuse its tensors). Names
+    are the model's or its checkpoint's (:func:`model_names`).
 
     Raises:
         WeightUpdateError: a name, shape or dtype that does not fit (nothing staged).
     """
     targets = weight_targets(model)
     items = [(name, t if isinstance(t, torch.Tensor) else torch.as_tensor(t)) for name, t in named]
+    items = model_names(model, items, targets)
     check_specs(targets, ((n, tuple(t.shape), t.dtype) for n, t in items))
     pairs = []
     for name, tensor in items:

@@ -119,3 +119,66 @@ def test_pause_keep_across_an_update_gives_version_spans(async_batching):
             cache, token = step.past_key_values, int(step.logits[0, -1].argmax())
             rest.append(token)
     assert out.generated_tokens[a1:] == rest
+
+
+# tiny MoE configs (every expert's tensors written one by one by save_pretrained)
+_MOE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+MOE = {
+    "mixtral": dict(_MOE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(_MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+}
+
+
+def _moe(arch: str, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **MOE[arch]), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "llava"])
+def test_load_weights_takes_the_folder_save_pretrained_writes(arch, tmp_path):
+    """Mixtral and Qwen3-MoE checkpoints keep each expert's tensors apart, LLaVA's its
+    ``language_model.model.*`` names; ``load_weights`` converts them as ``from_pretrained`` does
+    (every model class of the sweep: ``tests/runner/test_checkpoint_names.py``), and the engine
+    then generates what the saved model generates."""
+    if arch == "llava":
+        from tests.vlm_models import image, messages, tiny_vlm
+
+        base, processor = tiny_vlm("llava")
+        model, trained = copy.deepcopy(base), copy.deepcopy(base)
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        chat = messages([image(1)], "describe this")
+        inputs = processor.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.no_grad():
+            out = trained.generate(**inputs, max_new_tokens=8, do_sample=False)
+        want = out[0, inputs["input_ids"].shape[1] :].tolist()
+        prompt, kwargs = chat, {"processor": processor}
+    else:
+        model, trained = _moe(arch, 0), _moe(arch, 1)
+        prompt = prompts_of_lengths([13], seed=8)[0]
+        want, kwargs = reference_generate(trained, prompt, 8), {}
+    trained.save_pretrained(tmp_path / "ckpt")
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG), **kwargs) as eng:
+        before = eng.generate_batch([prompt], max_new_tokens=8, ignore_eos=True, progress_bar=False)
+        assert eng.load_weights(tmp_path / "ckpt", version=2) == 2
+        after = eng.generate_batch([prompt], max_new_tokens=8, ignore_eos=True, progress_bar=False)
+    (b,), (a,) = before.values(), after.values()
+    assert a.weight_version == 2 and a.generated_tokens == want != b.generated_tokens
+    saved = dict(trained.named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
