@@ -33,6 +33,7 @@ time.
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import urllib.error
 import urllib.request
@@ -41,19 +42,41 @@ from typing import Any
 
 import torch
 
-from acb.weight_transfer import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, TransferGroup, dtype_name
+from acb.errors import InvalidRequestError
+from acb.weight_transfer import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, TransferGroup, dtype_name, host_store
 
-__all__ = ["PushWeights", "WeightPushError", "WeightPusher", "rollout_func"]
+__all__ = ["PushWeights", "RolloutError", "WeightPushError", "WeightPusher", "rollout_func"]
 
 
 class WeightPushError(RuntimeError):
-    """A push that did not land on every server (each server's answer is in the message; a
-    server that refused kept its old weights)."""
+    """A push (or a join) that did not land on every server: each server's answer, or the
+    trainer's own failure, is in the message (a server that refused kept its old weights).
+    ``status`` is the HTTP status when one server answered it."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
-def _post(
+class RolloutError(RuntimeError):
+    """A generation on a server failed other than by a refused request (the server's error, or
+    no answer); ``status`` is the HTTP status, if any."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _HTTPError(Exception):
+    def __init__(self, url: str, status: int, message: str, param: str | None) -> None:
+        super().__init__(f"{url}: {status}: {message}")
+        self.status, self.message, self.param = status, message, param
+
+
+def _request(
     url: str, body: dict[str, Any] | None, api_key: str | None, timeout: float, method: str = "POST"
 ) -> dict[str, Any]:
+    """One JSON call; a server's error answer raises :class:`_HTTPError` with its message."""
     data = json.dumps(body or {}).encode() if method == "POST" else None
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     if api_key:
@@ -62,23 +85,76 @@ def _post(
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return dict(json.loads(resp.read() or b"{}"))
     except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")
+        detail: Any = exc.read().decode(errors="replace")
+        param = None
         try:
-            detail = json.loads(detail)["error"]["message"]
+            error = json.loads(detail)["error"]
+            detail, param = error["message"], error.get("param")
         except (ValueError, KeyError, TypeError):
             pass
-        raise WeightPushError(f"{url}: {exc.code}: {detail}") from None
+        raise _HTTPError(url, exc.code, str(detail), param) from None
+
+
+def _post(
+    url: str, body: dict[str, Any] | None, api_key: str | None, timeout: float, method: str = "POST"
+) -> dict[str, Any]:
+    try:
+        return _request(url, body, api_key, timeout, method)
+    except _HTTPError as exc:
+        raise WeightPushError(str(exc), exc.status) from None
+    except (OSError, ValueError) as exc:  # no answer (refused, reset, timed out), or not JSON
+        raise WeightPushError(f"{url}: {type(exc).__name__}: {exc}") from None
+
+
+def _in_thread(fn: Callable[[], Any], stop: Callable[[], bool], on_late: Callable[[Any], None]) -> Any:
+    """``fn()`` in a thread of its own; its result, or ``None`` as soon as ``stop()`` (``fn``'s
+    result, if it ever comes, then goes to ``on_late``)."""
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            result, box["error"] = None, exc
+        with lock:
+            box["done"] = True
+            late = box.get("gave_up", False)
+        if late and result is not None:
+            on_late(result)
+        box["result"] = result
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    while True:
+        t.join(0.01)
+        with lock:
+            if box.get("done"):
+                break
+            if stop():
+                box["gave_up"] = True
+                return None
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class WeightPusher:
     """Pushes weights to rollout servers (see the module docstring).
 
+    A push that fails (a server gone, the trainer stalled past ``timeout_s`` between two buckets,
+    another trainer now holding the servers) raises :class:`WeightPushError` and leaves the group:
+    the next push joins again (taking the servers back) rather than wait on a group a server
+    already closed. A push the servers refused (a wrong name, shape or dtype) keeps the group.
+
     Args:
         servers: the servers' base URLs (``http://host:port``). Each joins the group with its
             own ranks (1, 2, ...: as many as its ``GET /get_world_size`` says, one per replica
             of an ``acb serve --ray``); the trainer is rank 0 and hosts the group's store.
-        master_address: the address the servers reach the trainer at.
-        master_port: a free port there, for the group's store.
+        master_address: the address the servers reach the trainer at (each server must allow it:
+            ``acb serve --weight-transfer-hosts``, loopback by default).
+        master_port: a free port there, for the group's store (held until :meth:`close`).
         api_key: the servers' ``--api-key``, if any.
         bucket_bytes: the most bytes broadcast in one call.
         timeout_s: how long a join, a handshake or a broadcast may wait.
@@ -105,39 +181,64 @@ class WeightPusher:
         self.group: TransferGroup | None = None
         self.seq = 0
         self.version: Any = 0
+        self._store: Any = None  # the group's TCPStore, hosted here for the pusher's life
 
     # ------------------------------------------------------------ the group
-    def _all(self, path: str, bodies: Sequence[dict[str, Any]], also: Callable[[], Any] | None = None) -> list[Any]:
-        """POST ``bodies[i]`` to server ``i``'s ``path`` at once (threads), running ``also`` in
-        this thread meanwhile; every answer, or the first error raised after all ended."""
+    def _all(
+        self,
+        path: str,
+        bodies: Sequence[dict[str, Any]],
+        also: Callable[[Callable[[], bool]], Any] | None = None,
+    ) -> list[Any]:
+        """POST ``bodies[i]`` to server ``i``'s ``path`` at once (threads), running
+        ``also(failed)`` in this thread meanwhile (``failed()``: whether a server already answered
+        with an error, so ``also`` need not wait for what that server will never do); every
+        answer, or a :class:`WeightPushError` after all ended (the servers' errors, and
+        ``also``'s own)."""
         results: list[Any] = [None] * len(self.servers)
+        failed = threading.Event()
 
         def call(i: int) -> None:
             try:
                 results[i] = _post(self.servers[i] + path, bodies[i], self.api_key, self.timeout_s + 30)
             except Exception as exc:  # noqa: BLE001 - reported below, with the others'
                 results[i] = exc
+                failed.set()
 
         threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(self.servers))]
         for t in threads:
             t.start()
+        own: BaseException | None = None
         try:
             if also is not None:
-                also()
+                also(failed.is_set)
+        except Exception as exc:  # noqa: BLE001 - reported with the servers' answers
+            own = exc
         finally:
             for t in threads:
                 t.join()
         errors = [r for r in results if isinstance(r, Exception)]
+        if own is not None:
+            said = "; ".join(str(e) for e in errors) or "every server answered"
+            raise WeightPushError(
+                f"the trainer's side failed: {type(own).__name__}: {own} (the servers: {said})"
+            ) from own
         if errors:
-            raise WeightPushError("; ".join(str(e) for e in errors))
+            statuses = {getattr(e, "status", None) for e in errors}
+            raise WeightPushError("; ".join(str(e) for e in errors), statuses.pop() if len(statuses) == 1 else None)
         return results
 
     def init(self) -> None:
-        """Join the group with every server (each ``POST /init_weight_transfer``); blocks until
-        all joined."""
-        self.close()
+        """Join a new group with every server (each ``POST /init_weight_transfer``: a server
+        leaves any other group for this one); blocks until all joined.
+
+        Raises:
+            WeightPushError: a server refused or could not join (its answer is in the message).
+        """
+        self._leave()
         sizes = self.world_sizes()
         world = 1 + sum(sizes)
+        group_id = secrets.token_hex(8)
         bodies = [
             {
                 "master_address": self.master_address,
@@ -145,17 +246,45 @@ class WeightPusher:
                 "world_size": world,
                 "rank_offset": 1 + sum(sizes[:i]),
                 "timeout_s": self.timeout_s,
+                "group_id": group_id,
             }
             for i in range(len(self.servers))
         ]
+        if self._store is None:
+            try:
+                self._store = host_store(self.master_address, self.master_port, timeout_s=self.timeout_s)
+            except (RuntimeError, OSError) as exc:
+                raise WeightPushError(
+                    f"hosting the group's store at {self.master_address}:{self.master_port} failed: {exc}"
+                ) from exc
+        joined: list[TransferGroup] = []
 
-        def join() -> None:
-            self.group = TransferGroup.join(
-                self.master_address, self.master_port, world, 0, device=self.device, timeout_s=self.timeout_s
-            )
+        def join(failed: Callable[[], bool]) -> None:
+            def connect() -> TransferGroup:
+                return TransferGroup.join(
+                    self.master_address,
+                    self.master_port,
+                    world,
+                    0,
+                    group_id=group_id,
+                    device=self.device,
+                    timeout_s=self.timeout_s,
+                    store=self._store,
+                )
 
-        self._all("/init_weight_transfer", bodies, join)
-        self.seq = 0
+            # (in a thread: a server that refused never joins, and the wait ends with its answer)
+            group = _in_thread(connect, failed, lambda late: late.close())
+            if group is not None:
+                joined.append(group)
+
+        try:
+            self._all("/init_weight_transfer", bodies, join)
+        except BaseException:
+            for g in joined:
+                g.close()
+            self._notify_close(group_id)
+            raise
+        self.group, self.seq = joined[0], 0
 
     def world_sizes(self) -> list[int]:
         """The ranks each server takes in the group (its ``GET /get_world_size``)."""
@@ -170,27 +299,23 @@ class WeightPusher:
 
     def push(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: Any = None) -> Any:
         """Push ``weights`` (a module's parameters and persistent buffers, or ``(name, tensor)``
-        pairs) to every server; returns the version they now run.
+        pairs) to every server (joining first if the pusher is in no group); returns the version
+        they now run.
 
         Raises:
-            WeightPushError: a server refused it (all keep their old weights), or the broadcast
-                failed.
+            WeightPushError: a tensor that cannot be sent (a meta tensor: nothing is sent), a
+                server refused it (all keep their old weights), or the push failed on the way
+                (the group is left; the next push joins again).
         """
+        names, tensors = _named_tensors(weights)
         if self.group is None:
             self.init()
         group = self.group
         assert group is not None
-        if isinstance(weights, torch.nn.Module):
-            from acb.runner.weight_update import weight_targets
-
-            items = list(weight_targets(weights).items())
-        else:
-            items = list(weights)
-        names = [n for n, _ in items]
-        tensors = [t.detach() for _, t in items]
         self.seq += 1
         seq = self.seq
         body = {
+            "group_id": group.group_id,
             "names": names,
             "dtype_names": [dtype_name(t.dtype) for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
@@ -199,28 +324,55 @@ class WeightPusher:
             "seq": seq,
         }
         refused: list[str] = []
+        ended: list[bool] = []  # [True]: every server gave its verdict and none will receive
 
-        def broadcast() -> None:
-            verdicts = group.verdicts(seq)
+        def broadcast(failed: Callable[[], bool]) -> None:
+            verdicts = group.verdicts(seq, stop=failed)
+            if verdicts is None:  # a server answered before its verdict (not in this group now)
+                group.decide(seq, False)  # (the others answer at once, rather than at their timeout)
+                return
             refused.extend(f"rank {r}: {v.removeprefix('error: ')}" for r, v in verdicts.items() if v != "ok")
             group.decide(seq, not refused)
-            if not refused:
-                with torch.no_grad():
-                    group.send(tensors, self.bucket_bytes)
+            if refused:
+                ended.append(True)
+                return
+            with torch.no_grad():
+                group.send(tensors, self.bucket_bytes)
 
-        answers = self._all("/update_weights", [body] * len(self.servers), broadcast)
+        try:
+            answers = self._all("/update_weights", [body] * len(self.servers), broadcast)
+        except WeightPushError as exc:
+            if not (ended and exc.status in (400, 409)):  # (a clean refusal keeps the group)
+                self._leave()
+            raise
         self.version = answers[0].get("weight_version")
         return self.version
 
-    def close(self) -> None:
-        """Leave the group (each server ``POST /close_weight_transfer``)."""
+    def _leave(self) -> None:
+        """Drop this side of the group (the servers told, best effort)."""
         group, self.group = self.group, None
-        if group is None:
-            return
-        try:
-            self._all("/close_weight_transfer", [{}] * len(self.servers))
-        finally:
+        if group is not None:
             group.close()
+            self._notify_close(group.group_id)
+
+    def _notify_close(self, group_id: str) -> None:
+        for url in self.servers:
+            try:
+                _post(url + "/close_weight_transfer", {"group_id": group_id}, self.api_key, min(self.timeout_s, 10))
+            except WeightPushError:
+                pass  # (a server gone, or busy: it closed the group itself, or the next join replaces it)
+
+    def close(self) -> None:
+        """Leave the group (each server ``POST /close_weight_transfer``, for this group only: a
+        server that joined another trainer's since keeps that one) and stop hosting its store."""
+        group, self.group = self.group, None
+        try:
+            if group is not None:
+                self._all("/close_weight_transfer", [{"group_id": group.group_id}] * len(self.servers))
+        finally:
+            if group is not None:
+                group.close()
+            self._store = None
 
     def __enter__(self) -> WeightPusher:
         return self
@@ -229,10 +381,39 @@ class WeightPusher:
         self.close()
 
 
+def _named_tensors(weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[Any]]:
+    """The names and tensors of a push, checked before anything is sent."""
+    if isinstance(weights, torch.nn.Module):
+        from acb.runner.weight_update import weight_targets
+
+        items = list(weight_targets(weights).items())
+    else:
+        items = list(weights)
+    names, tensors = [], []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise WeightPushError(f"push needs (name, tensor) pairs; got {type(item).__name__} {str(item)[:80]!r}")
+        name, t = item
+        if not isinstance(t, torch.Tensor):
+            raise WeightPushError(f"{name}: a {type(t).__name__}, not a tensor; nothing sent")
+        if t.is_meta:
+            raise WeightPushError(
+                f"{name} is on the meta device (an offloaded or not yet materialised parameter): it has no "
+                "data to send; gather it onto a device first (nothing sent)"
+            )
+        if t.layout != torch.strided:
+            raise WeightPushError(f"{name}: a {t.layout} tensor cannot be sent; make it dense (nothing sent)")
+        names.append(name)
+        tensors.append(t.detach())
+    return names, tensors
+
+
 def _completions(
     servers: Sequence[str], model: str, prompts: list[list[int]], params: dict[str, Any], api_key: str | None
 ) -> list[dict[str, Any]]:
-    """Every prompt's choice from ``/v1/completions``, the prompts spread over the servers."""
+    """Every prompt's choice from ``/v1/completions``, the prompts spread over the servers; a
+    server's refusal raises what acb raises for it in process (:class:`InvalidRequestError`),
+    any other failure :class:`RolloutError`."""
     share = [list(range(i, len(prompts), len(servers))) for i in range(len(servers))]
     out: list[Any] = [None] * len(prompts)
     errors: list[Exception] = []
@@ -242,9 +423,15 @@ def _completions(
             return
         body = {"model": model, "prompt": [prompts[i] for i in idx], "return_token_ids": True, **params}
         try:
-            answer = _post(server.rstrip("/") + "/v1/completions", body, api_key, 600)
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
+            answer = _request(server.rstrip("/") + "/v1/completions", body, api_key, 600)
+        except _HTTPError as exc:
+            if 400 <= exc.status < 500 and exc.status not in (401, 403, 404, 408, 429):
+                errors.append(InvalidRequestError(str(exc), field=exc.param))
+            else:
+                errors.append(RolloutError(str(exc), exc.status))
+            return
+        except (OSError, ValueError) as exc:
+            errors.append(RolloutError(f"{server}: {type(exc).__name__}: {exc}"))
             return
         for choice in answer["choices"]:
             out[idx[choice["index"]]] = choice
@@ -255,7 +442,7 @@ def _completions(
     for t in threads:
         t.join()
     if errors:
-        raise WeightPushError("; ".join(str(e) for e in errors))
+        raise errors[0]
     return out
 
 

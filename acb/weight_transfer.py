@@ -1,15 +1,21 @@
 """Weights from a trainer to rollout servers over ``torch.distributed``: the group, the buckets,
 and the handshake that keeps an update all-or-nothing.
 
-The trainer is rank 0 and hosts the group's ``TCPStore``; each server (each replica) joins with
-its own rank (``rank_offset`` + its index). The group is a process group of its own (gloo on
-CPU, NCCL on CUDA), built on that store: it never touches a process's default group, so a
-server under ``torchrun`` keeps its own.
+The trainer is rank 0 and hosts the group's ``TCPStore`` (:func:`host_store`: one per trainer,
+kept for its life, so that joining again never has to bind the port again); each server (each
+replica) joins with its own rank (``rank_offset`` + its index). The group is a process group of
+its own (gloo on CPU, NCCL on CUDA), built on that store: it never touches a process's default
+group, so a server under ``torchrun`` keeps its own.
 
-One update, ``seq``-numbered:
+Each group has a ``group_id`` (the trainer's choice, or the server's when the trainer gives
+none): every key the group and its handshake write is under ``acb/<group_id>/``, and every
+update names its group, so a server that left one trainer's group for another's refuses the
+first one's updates instead of answering them on the second's.
 
-1. The trainer asks every server to receive it (``POST /update_weights``: names, dtypes,
-   shapes, the version, the bucket size).
+One update, ``seq``-numbered within its group:
+
+1. The trainer asks every server to receive it (``POST /update_weights``: the group id, names,
+   dtypes, shapes, the version, the bucket size).
 2. Each server checks the names, shapes and dtypes against its model and writes its verdict
    to the store (``"ok"`` or the error).
 3. The trainer reads every verdict and writes ``"go"`` if all are ok, else ``"abort"``: then
@@ -18,24 +24,45 @@ One update, ``seq``-numbered:
    tensors, at most ``bucket_bytes`` each, sent as one flat byte buffer, not one call per
    tensor). A server stages what it received, then swaps it in between two engine steps.
 
-A sender that dies mid-broadcast makes the receive fail (the group's timeout, or the connection
-closed): nothing is swapped, the server closes its group and accepts a new
+A sender that dies or stalls mid-broadcast makes the receive fail (the group's timeout, or the
+connection closed): nothing is swapped, the server closes its side of the group and accepts a new
 ``init_weight_transfer``.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator, Sequence
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["TransferGroup", "buckets", "dtype_of", "dtype_name"]
+__all__ = ["TransferGroup", "buckets", "check_group_id", "dtype_of", "dtype_name", "host_store"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 120.0
+MAX_TIMEOUT_S = 3600.0  # the longest a join, a handshake or one bucket may wait
+MAX_WORLD_SIZE = 1 << 16
+_GROUP_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def check_group_id(group_id: object) -> str:
+    """``group_id`` if it is one (1 to 64 letters, digits, ``_``, ``.``, ``-``: it names store keys)."""
+    if not isinstance(group_id, str) or not _GROUP_ID.fullmatch(group_id):
+        raise ValueError(f"group_id must be 1 to 64 letters, digits, '_', '.' or '-'; got {group_id!r}")
+    return group_id
+
+
+def host_store(master_address: str, master_port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Rank 0's ``TCPStore`` on ``master_port`` (it listens there until dropped). It does not wait
+    for the others: each group's own rendezvous does."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(master_address, int(master_port), None, True, timeout, wait_for_workers=False)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -76,11 +103,13 @@ def buckets(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], buck
 class TransferGroup:
     """One side of the trainer-servers group (see the module docstring)."""
 
-    store: torch.distributed.Store
+    store: Any  # the group's own keys: a torch.distributed.PrefixStore over the trainer's TCPStore
     group: Any  # a ProcessGroupGloo or ProcessGroupNCCL of its own
     rank: int
     world_size: int
     device: torch.device
+    group_id: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @classmethod
     def join(
@@ -90,21 +119,30 @@ class TransferGroup:
         world_size: int,
         rank: int,
         *,
+        group_id: str,
         device: torch.device | str = "cpu",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        store: Any = None,
     ) -> TransferGroup:
-        """Join (rank 0: create) the group; blocks until every rank joined."""
+        """Join group ``group_id`` (rank 0 with ``store`` from :func:`host_store`, or a new one);
+        blocks until every rank joined (at most ``timeout_s``)."""
         import torch.distributed as dist
 
+        check_group_id(group_id)
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout)
+        if store is None:
+            if rank == 0:
+                store = host_store(master_address, master_port, timeout_s=timeout_s)
+            else:
+                store = dist.TCPStore(master_address, int(master_port), None, False, timeout, wait_for_workers=False)
+        own = dist.PrefixStore(f"acb/{group_id}", store)
         device = torch.device(device)
         pg: Any
         if device.type == "cuda":
-            pg = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+            pg = dist.ProcessGroupNCCL(own, rank, world_size, dist.ProcessGroupNCCL.Options())
         else:
-            pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        return cls(store, pg, rank, world_size, device)
+            pg = dist.ProcessGroupGloo(own, rank, world_size, timeout)
+        return cls(own, pg, rank, world_size, device, group_id, timeout_s)
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """Rank 0's ``flat`` (a byte buffer) into every rank's (raises when a rank is gone)."""
@@ -136,21 +174,34 @@ class TransferGroup:
     # the handshake -------------------------------------------------------------
     def verdict(self, seq: int, error: str | None) -> None:
         """A server's answer to update ``seq``: ``None`` (ready) or what is wrong."""
-        self.store.set(f"acb/{seq}/verdict/{self.rank}", "ok" if error is None else "error: " + error)
+        self.store.set(f"{seq}/verdict/{self.rank}", "ok" if error is None else "error: " + error)
 
-    def verdicts(self, seq: int) -> dict[int, str]:
-        """Rank 0: every server's answer to update ``seq`` (waits for them)."""
-        keys = [f"acb/{seq}/verdict/{r}" for r in range(1, self.world_size)]
-        self.store.wait(keys)
-        return {r: self.store.get(k).decode() for r, k in zip(range(1, self.world_size), keys)}
+    def verdicts(self, seq: int, stop: Callable[[], bool] | None = None) -> dict[int, str] | None:
+        """Rank 0: every server's answer to update ``seq``, waiting for them (at most the group's
+        timeout: a ``TimeoutError`` naming the ranks that did not answer); ``None`` as soon as
+        ``stop()`` says to give up (a server answered the trainer's request with an error, so it
+        will write no verdict)."""
+        keys = {r: f"{seq}/verdict/{r}" for r in range(1, self.world_size)}
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.002
+        while not self.store.check(list(keys.values())):
+            if stop is not None and stop():
+                return None
+            if time.monotonic() > deadline:
+                missing = [r for r, k in keys.items() if not self.store.check([k])]
+                raise TimeoutError(f"ranks {missing} gave no verdict on update {seq} within {self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return {r: self.store.get(k).decode() for r, k in keys.items()}
 
     def decide(self, seq: int, go: bool) -> None:
-        self.store.set(f"acb/{seq}/decision", "go" if go else "abort")
+        self.store.set(f"{seq}/decision", "go" if go else "abort")
 
     def decision(self, seq: int) -> bool:
-        """A server: whether rank 0 will broadcast update ``seq`` (waits for it)."""
-        self.store.wait([f"acb/{seq}/decision"])
-        return self.store.get(f"acb/{seq}/decision").decode() == "go"
+        """A server: whether rank 0 will broadcast update ``seq`` (waits for it, at most the
+        group's timeout)."""
+        self.store.wait([f"{seq}/decision"])
+        return self.store.get(f"{seq}/decision").decode() == "go"
 
     def close(self) -> None:
         try:

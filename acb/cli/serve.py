@@ -126,6 +126,14 @@ def _add_serve(sub: Any) -> None:
         "/update_weights_from_disk, /init_weight_transfer, /update_weights, /close_weight_transfer, "
         "/get_world_size (behind --api-key when set; with --ray, each reaches every replica)",
     )
+    rl.add_argument(
+        "--weight-transfer-hosts",
+        nargs="+",
+        default=["127.0.0.0/8", "::1"],
+        metavar="HOST",
+        help="trainer addresses /init_weight_transfer may make the server connect to: IP addresses, "
+        "networks (10.0.0.0/8), host names, or * for anywhere (default: loopback only)",
+    )
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument(
         "--max-queue-size",
@@ -269,6 +277,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_image_pixels=args.max_image_pixels,
         media_fetch_timeout=args.media_fetch_timeout,
         enable_weight_updates=args.enable_weight_updates,
+        weight_transfer_hosts=tuple(args.weight_transfer_hosts),
     )
     return ServerSettings(
         model=source,

@@ -90,6 +90,8 @@ class AppOptions:
     media_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
     # the routes of a trainer elsewhere (acb.serve.weights): pause, sleep, weight updates
     enable_weight_updates: bool = False
+    # where /init_weight_transfer may make the server connect (acb.serve.weights.resolve_trainer)
+    weight_transfer_hosts: tuple[str, ...] = ("127.0.0.0/8", "::1")
 
 
 def build_app(
@@ -112,6 +114,7 @@ def build_app(
     max_image_pixels: int | None = None,
     media_fetch_timeout: float | None = None,
     enable_weight_updates: bool | None = None,
+    weight_transfer_hosts: Sequence[str] | None = None,
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. The engine is started in the background
     when the app starts (``/health`` says when it is ready) and stopped when it stops.
@@ -133,7 +136,9 @@ def build_app(
     ``max_image_pixels`` pixels (:mod:`acb.serve.media`). Arguments not given take
     :class:`AppOptions`' defaults. ``enable_weight_updates``: the routes a trainer elsewhere
     drives (pause, sleep, weight updates from disk or over ``torch.distributed``:
-    :mod:`acb.serve.weights`), behind ``api_key`` when one is set."""
+    :mod:`acb.serve.weights`), behind ``api_key`` when one is set; ``weight_transfer_hosts``: the
+    trainer addresses (IPs, networks, host names, ``*``) it may join a group at (loopback by
+    default)."""
     given: dict[str, Any] = {
         "trust_request_chat_template": trust_request_chat_template,
         "max_prompts_per_request": max_prompts_per_request,
@@ -147,6 +152,7 @@ def build_app(
         "max_image_pixels": max_image_pixels,
         "media_fetch_timeout": media_fetch_timeout,
         "enable_weight_updates": enable_weight_updates,
+        "weight_transfer_hosts": None if weight_transfer_hosts is None else tuple(weight_transfer_hosts),
     }
     options = replace(AppOptions(), **{k: v for k, v in given.items() if v is not None})
     shaping.check_parsers(options.tool_call_parser, options.reasoning_parser)
@@ -233,7 +239,7 @@ def build_app(
     if options.enable_weight_updates:  # a trainer's routes: pause, sleep, weights (acb.serve.weights)
         from acb.serve import weights
 
-        weights.add_routes(app, state)
+        weights.add_routes(app, state, options.weight_transfer_hosts)
     return app
 
 

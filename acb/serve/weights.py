@@ -14,21 +14,33 @@ set. Route and field names follow vLLM's where it has one (SGLang's for the upda
   safetensors checkpoint on the server's disk (:meth:`acb.AsyncEngine.load_weights`);
 - a distributed update in three calls (:mod:`acb.weight_transfer`): ``POST
   /init_weight_transfer`` (``master_address``, ``master_port``, ``world_size``,
-  ``rank_offset``: the server joins the trainer's group, gloo on CPU, NCCL on CUDA), ``POST
-  /update_weights`` (``names``, ``dtype_names``, ``shapes``, ``weight_version``,
+  ``rank_offset``, optional ``timeout_s`` and ``group_id``: the server leaves any group it was
+  in and joins the trainer's, gloo on CPU, NCCL on CUDA; it answers the ``group_id``), ``POST
+  /update_weights`` (``group_id``, ``names``, ``dtype_names``, ``shapes``, ``weight_version``,
   ``bucket_bytes``, ``seq``: the trainer broadcasts the tensors, bucketed), ``POST
-  /close_weight_transfer``.
+  /close_weight_transfer`` (with a ``group_id``: only if that is still the server's group).
 
 Each answers ``{"weight_version": ...}`` where it changes it. A refused update is a 400 naming
-what was wrong, and the old weights serve. A broadcast that fails half-way (the trainer gone)
-is a 503, and the old weights serve; the group is closed and a new ``/init_weight_transfer`` is
-accepted. The routes are clients of the public engine API, as the rest of ``serve/`` is; the
-blocking parts (joining the group, receiving, staging) run in worker threads.
+what was wrong, and the old weights serve. An update for a group the server is not in (it left
+it for another trainer's, or closed it after a failure) is a 409, and nothing is written. A
+broadcast that fails half-way (the trainer gone, or stalled past the group's timeout) is a 503,
+and the old weights serve; the group is closed and a new ``/init_weight_transfer`` is accepted.
+
+The server connects only to the trainer addresses its operator allowed (``--weight-transfer-hosts``,
+:func:`resolve_trainer`: loopback by default); anything else is a 403 before any connection. The
+routes replace the served weights: behind ``--api-key`` when the port is reachable by others.
+The routes are clients of the public engine API, as the rest of ``serve/`` is; the blocking parts
+(joining the group, receiving, staging) run in worker threads.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import secrets
+import socket
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -38,12 +50,69 @@ from fastapi.responses import JSONResponse, Response
 from acb.errors import WeightUpdateError
 from acb.serve.pipeline import authorize
 from acb.serve.protocol import APIError
+from acb.weight_transfer import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    MAX_WORLD_SIZE,
+    TransferGroup,
+    check_group_id,
+    dtype_of,
+)
 
 if TYPE_CHECKING:
     from acb.serve.pipeline import ServerState
-    from acb.weight_transfer import TransferGroup
 
 _MODES = {"wait": "wait", "keep": "keep", "abort": "cancel", "cancel": "cancel"}
+# where the server connects for a trainer's group unless told otherwise (--weight-transfer-hosts)
+LOOPBACK = ("127.0.0.0/8", "::1")
+
+
+def resolve_trainer(address: str, port: int, allowed: Sequence[str]) -> str:
+    """The IP address to reach the trainer at ``address`` through, if the operator allows it.
+
+    Args:
+        address: the trainer's ``master_address`` (a host name or an IP address).
+        port: its ``master_port``.
+        allowed: the operator's ``--weight-transfer-hosts``: IP addresses, networks
+            (``10.0.0.0/8``), host names (allowing the addresses they resolve to), or ``*``
+            (anywhere).
+
+    Returns:
+        The address to connect to: one ``address`` resolved to, checked (so that a second
+        lookup cannot lead elsewhere), or ``address`` itself when anything is allowed.
+
+    Raises:
+        APIError: 400 when ``address`` does not resolve; 403 when an address it resolves to is
+            not allowed.
+    """
+    if "*" in allowed:
+        return address
+    try:
+        found = [info[4][0] for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)]
+    except (OSError, UnicodeError) as exc:
+        raise APIError(400, f"master_address {address!r} does not resolve: {exc}", param="master_address") from None
+    networks, names = [], []
+    for entry in allowed:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            names.append(entry)
+    for name in names:  # a host name allows what it resolves to now
+        try:
+            networks += [ipaddress.ip_network(i[4][0]) for i in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)]
+        except (OSError, UnicodeError, ValueError):
+            continue
+    refused = [a for a in found if not any(ipaddress.ip_address(a.split("%")[0]) in n for n in networks)]
+    if refused or not found:
+        raise APIError(
+            403,
+            f"this server does not connect to master_address {address!r} ({', '.join(refused or found)}): it is "
+            f"not among its --weight-transfer-hosts ({' '.join(allowed) or 'none'}; loopback by default); "
+            "its operator can allow it with --weight-transfer-hosts",
+            param="master_address",
+        )
+    return found[0]
 
 
 class _Transfer:
@@ -83,9 +152,10 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, re
     return value
 
 
-def add_routes(app: FastAPI, state: ServerState) -> None:
+def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = LOOPBACK) -> None:
     """Add the weight-update routes to ``app`` (``build_app`` does, with
-    ``enable_weight_updates``)."""
+    ``enable_weight_updates``). ``allowed_hosts``: where ``/init_weight_transfer`` may make the
+    server connect (:func:`resolve_trainer`)."""
     engine = state.engine
     transfer = _Transfer()
     state.on_stop.append(transfer.close)
@@ -147,25 +217,46 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         port = _field(body, "master_port", int)
         world = _field(body, "world_size", int)
         rank = _field(body, "rank_offset", int)
-        timeout = float(_field(body, "timeout_s", (int, float), required=False) or 120.0)
+        timeout = _field(body, "timeout_s", (int, float), required=False)
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        group_id = _field(body, "group_id", str, required=False) or secrets.token_hex(8)
+        if not address or len(address) > 253:
+            raise APIError(400, "master_address must be a host name or an IP address", param="master_address")
+        if not 0 < port < 65536:
+            raise APIError(400, f"master_port must be in [1, 65535], got {port}", param="master_port")
+        if not 2 <= world <= MAX_WORLD_SIZE:
+            raise APIError(
+                400,
+                f"world_size must be in [2, {MAX_WORLD_SIZE}] (the trainer and its servers), got {world}",
+                param="world_size",
+            )
         if not 0 < rank < world:
             raise APIError(
                 400, f"rank_offset must be in [1, world_size): the trainer is rank 0; got {rank}", param="rank_offset"
             )
+        if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+            raise APIError(
+                400, f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout}", param="timeout_s"
+            )
+        try:
+            check_group_id(group_id)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="group_id") from None
 
         def join() -> None:
-            from acb.weight_transfer import TransferGroup
-
             with transfer.lock:
                 transfer.close()  # (a new trainer, or the same one after a failure)
+                target = resolve_trainer(address, port, allowed_hosts)
                 device = next(engine.model.parameters()).device
-                transfer.group = TransferGroup.join(address, port, world, rank, device=device, timeout_s=timeout)
+                transfer.group = TransferGroup.join(
+                    target, port, world, rank, group_id=group_id, device=device, timeout_s=timeout
+                )
 
         try:
             await anyio.to_thread.run_sync(join)
-        except (RuntimeError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError, ValueError, TypeError, OverflowError) as exc:
             raise APIError(503, f"joining the trainer's group failed: {type(exc).__name__}: {exc}") from None
-        return JSONResponse({"success": True, "rank": rank, "world_size": world})
+        return JSONResponse({"success": True, "rank": rank, "world_size": world, "group_id": group_id})
 
     @app.post("/update_weights")
     async def update(request: Request) -> Response:
@@ -175,32 +266,60 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         dtype_names = _field(body, "dtype_names", list)
         shapes = _field(body, "shapes", list)
         seq = _field(body, "seq", int)
-        bucket_bytes = _field(body, "bucket_bytes", int, required=False) or (256 << 20)
+        bucket_bytes = _field(body, "bucket_bytes", int, required=False) or DEFAULT_BUCKET_BYTES
         if bucket_bytes < 1:
             raise APIError(400, f"bucket_bytes must be >= 1, got {bucket_bytes}", param="bucket_bytes")
         version = body.get("weight_version")
         if not len(names) == len(dtype_names) == len(shapes):
             raise APIError(400, "names, dtype_names and shapes must have one entry per tensor", param="names")
+        for field, items in (("names", names), ("dtype_names", dtype_names)):
+            if not all(isinstance(x, str) for x in items):
+                raise APIError(400, f"{field} must be a list of strings", param=field)
+        if not all(
+            isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
+            for s in shapes
+        ):
+            raise APIError(400, "shapes must be a list of lists of sizes (integers >= 0)", param="shapes")
+        group_id = _field(body, "group_id", str)  # (the group the trainer pushes on: /init_weight_transfer's)
 
         def receive() -> Any:
             """Check, answer the handshake, receive, stage (a worker thread); the staged update."""
             from acb.runner.weight_update import check_specs, weight_targets
-            from acb.weight_transfer import dtype_of
 
             with transfer.lock:
                 group = transfer.group
                 if group is None:
-                    raise APIError(409, "no weight transfer group: call /init_weight_transfer first")
+                    raise APIError(
+                        409,
+                        f"no weight transfer group (group {group_id} is not this server's): call "
+                        "/init_weight_transfer first; nothing written",
+                    )
+                if group.group_id != group_id:
+                    raise APIError(
+                        409,
+                        f"this server left group {group_id}: another trainer joined it to group {group.group_id} "
+                        "with /init_weight_transfer since; nothing written, its weights are not this update's. "
+                        "Call /init_weight_transfer again to take the server back",
+                    )
                 error = None
                 try:
                     dtypes = [dtype_of(d) for d in dtype_names]
                     check_specs(weight_targets(engine.model), zip(names, [tuple(s) for s in shapes], dtypes))
                 except (WeightUpdateError, ValueError, TypeError) as exc:
                     error = str(exc)
-                group.verdict(seq, error)
+                try:
+                    group.verdict(seq, error)
+                    go = error is None and group.decision(seq)
+                except Exception as exc:  # noqa: BLE001 - the trainer's store gone, or its decision late
+                    transfer.close()
+                    raise APIError(
+                        503,
+                        f"the trainer did not answer the handshake ({type(exc).__name__}: {exc}); nothing written, "
+                        "the old weights serve; call /init_weight_transfer again",
+                    ) from None
                 if error is not None:
                     raise APIError(400, error, param="names")
-                if not group.decision(seq):
+                if not go:
                     raise APIError(
                         409, "the trainer called the update off (another server refused it); nothing written"
                     )
@@ -222,10 +341,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/close_weight_transfer")
     async def close_transfer(request: Request) -> Response:
         authorize(state, request)
+        body = await _json(request)
+        group_id = _field(body, "group_id", str, required=False)
 
-        def close() -> None:
+        def close() -> bool:
             with transfer.lock:
+                if transfer.group is None or group_id is not None and transfer.group.group_id != group_id:
+                    return False  # (a trainer leaving a group the server already left: another's stays)
                 transfer.close()
+                return True
 
-        await anyio.to_thread.run_sync(close)
-        return JSONResponse({"success": True})
+        closed = await anyio.to_thread.run_sync(close)
+        return JSONResponse({"success": True, "closed": closed})

@@ -11,6 +11,11 @@ weights after each optimizer step. No vLLM anywhere.
 - A trainer process killed mid-broadcast leaves the server serving its old weights, and it
   accepts a new ``/init_weight_transfer``.
 - ``/update_weights_from_disk`` and the pause and sleep routes.
+- Two trainers: the one whose group the server left is refused with a 409 (never its version on
+  the other's tensors), its ``close()`` leaves the other's group alone; a seeded interleaving of
+  two trainers' joins, pushes and closes keeps every served version on its own weights.
+- A push that fails (a stall past the group's timeout, a meta tensor) raises ``WeightPushError``,
+  and the same pusher's next push lands.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -30,8 +37,10 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("trl")
 
+from acb.errors import InvalidRequestError  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from acb.rl import PushWeights, WeightPusher, WeightPushError, rollout_func  # noqa: E402
+from acb.runner.weight_update import weight_targets  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
 from tests.serve.test_openai_server import CHAT_TEMPLATE, ROOT, _free_port, _serve  # noqa: E402
 
@@ -216,8 +225,6 @@ def test_pause_keep_across_an_update_and_the_routes(server, checkpoint, tmp_path
         pusher.push(model, version="a")
         t = threading.Thread(target=long_request)
         t.start()
-        import time
-
         time.sleep(0.5)  # (the request is running; whenever the pause lands, its spans say where)
         assert post(server, "/pause?mode=keep") == {"paused": True}
         assert json.loads(urllib.request.urlopen(base(server) + "/is_paused").read()) == {"paused": True}
@@ -255,12 +262,13 @@ KILLED_TRAINER = textwrap.dedent(
         except Exception:
             pass
     threading.Thread(target=post, args=("/init_weight_transfer", {"master_address": "127.0.0.1", "master_port": port,
-        "world_size": 2, "rank_offset": 1, "timeout_s": 20}), daemon=True).start()
-    group = TransferGroup.join("127.0.0.1", port, 2, 0, timeout_s=20)
+        "world_size": 2, "rank_offset": 1, "timeout_s": 20, "group_id": "killed"}), daemon=True).start()
+    group = TransferGroup.join("127.0.0.1", port, 2, 0, group_id="killed", timeout_s=20)
     time.sleep(1.0)
     items = [(n, torch.ones(s)) for n, s in shapes]
     body = {"names": [n for n, _ in items], "dtype_names": ["float32"] * len(items),
-            "shapes": [list(t.shape) for _, t in items], "weight_version": "never", "bucket_bytes": 4096, "seq": 1}
+            "shapes": [list(t.shape) for _, t in items], "weight_version": "never", "bucket_bytes": 4096, "seq": 1,
+            "group_id": "killed"}
     threading.Thread(target=post, args=("/update_weights", body), daemon=True).start()
     group.verdicts(1)
     group.decide(1, True)
@@ -296,6 +304,9 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(server, checkpoin
     assert greedy(server, PROMPT) == (reference_generate(trained, PROMPT, MAX_NEW), "after")
 
 
+INIT = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 2, "rank_offset": 1, "timeout_s": 2}
+
+
 @pytest.mark.parametrize(
     "path, body, code, says",
     [
@@ -321,11 +332,38 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_old_weights(server, checkpoin
         ),
         (
             "/update_weights",
-            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "seq": 1},
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "seq": 1, "group_id": "g"},
             409,
             "init_weight_transfer",
         ),
+        (
+            "/update_weights",
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "seq": 1},
+            400,
+            "group_id",
+        ),
         ("/update_weights_from_disk", {}, 400, "model_path"),
+        # out of range: a 400 naming the field, not a 500 from deep in torch.distributed
+        ("/init_weight_transfer", {**INIT, "timeout_s": 1e300}, 400, "timeout_s"),
+        ("/init_weight_transfer", {**INIT, "timeout_s": float("nan")}, 400, "timeout_s"),
+        ("/init_weight_transfer", {**INIT, "master_port": 1000000}, 400, "master_port"),
+        ("/init_weight_transfer", {**INIT, "world_size": 10**12}, 400, "world_size"),
+        ("/init_weight_transfer", {**INIT, "group_id": "a b/../c"}, 400, "group_id"),
+        ("/init_weight_transfer", {**INIT, "master_address": ""}, 400, "master_address"),
+        # somewhere the operator did not allow (loopback only by default): nothing connected to
+        ("/init_weight_transfer", {**INIT, "master_address": "203.0.113.7"}, 403, "--weight-transfer-hosts"),
+        (
+            "/update_weights",
+            {"names": ["a"], "dtype_names": [7], "shapes": [[1]], "seq": 1, "group_id": "g"},
+            400,
+            "dtype_names",
+        ),
+        (
+            "/update_weights",
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [["x"]], "seq": 1, "group_id": "g"},
+            400,
+            "shapes",
+        ),
     ],
 )
 def test_malformed_calls_are_4xx_and_harm_nothing(server, path, body, code, says):
@@ -338,3 +376,211 @@ def test_malformed_calls_are_4xx_and_harm_nothing(server, path, body, code, says
         greedy(server, PROMPT) == before
         and not json.loads(urllib.request.urlopen(base(server) + "/is_paused").read())["paused"]
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# two trainers, and pushes that fail
+
+
+SECOND_TRAINER = textwrap.dedent(
+    """
+    import sys, torch
+    from acb.rl import WeightPusher
+    url, port = sys.argv[1], int(sys.argv[2])
+    pusher = WeightPusher([url], master_port=port, timeout_s=10)
+    pusher.init()
+    print("joined", flush=True)
+    for line in sys.stdin:  # "<version> <weights file>": push them under that version
+        version, path = line.split()
+        try:
+            print("pushed", pusher.push(torch.load(path, weights_only=True).items(), version=version), flush=True)
+        except Exception as exc:
+            print("failed", type(exc).__name__, str(exc).replace(chr(10), " "), flush=True)
+    pusher.close()
+    """
+)
+
+
+def test_a_second_trainer_takes_the_server_and_the_first_is_refused(server, checkpoint, tmp_path):
+    """Trainer A joins, trainer B (another process) joins: the server leaves A's group. A pushes
+    and B pushes a second later: A is refused with a 409 saying another trainer joined (its
+    version never labels B's tensors), B's push lands under B's version, and A's ``close()``
+    leaves B's group alone (B's next push lands)."""
+    import os
+
+    model = copy.deepcopy(checkpoint.model)
+    weights = {v: shifted(model, seed) for v, seed in (("A1", 31), ("B1", 32), ("B2", 33))}
+    for v in ("B1", "B2"):
+        torch.save(dict(weight_targets(weights[v])), tmp_path / f"{v}.pt")
+    script = tmp_path / "second.py"
+    script.write_text(SECOND_TRAINER)
+    a = WeightPusher([base(server)], master_port=_free_port(), timeout_s=10)
+    b = subprocess.Popen(
+        [sys.executable, str(script), base(server), str(_free_port())],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        a.init()
+        assert b.stdout.readline() == "joined\n", b.stderr.read()[-2000:]  # the server left A's group
+        failed: list[BaseException] = []
+
+        def push_a() -> None:
+            try:
+                a.push(weights["A1"], version="A1")
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                failed.append(exc)
+
+        t = threading.Thread(target=push_a)
+        t.start()
+        time.sleep(1.0)
+        b.stdin.write(f"B1 {tmp_path / 'B1.pt'}\n")
+        b.stdin.flush()
+        answer_b = b.stdout.readline()
+        t.join(timeout=60)
+        assert answer_b == "pushed B1\n", answer_b
+        assert len(failed) == 1 and isinstance(failed[0], WeightPushError), failed
+        assert "409" in str(failed[0]) and "another trainer" in str(failed[0]), failed[0]
+        assert greedy(server, PROMPT) == (reference_generate(weights["B1"], PROMPT, MAX_NEW), "B1")
+        a.close()  # A's group is gone from the server already: B's must stay
+        b.stdin.write(f"B2 {tmp_path / 'B2.pt'}\n")
+        b.stdin.flush()
+        assert b.stdout.readline() == "pushed B2\n"
+        assert greedy(server, PROMPT) == (reference_generate(weights["B2"], PROMPT, MAX_NEW), "B2")
+        b.stdin.close()
+        assert b.wait(timeout=60) == 0, b.stderr.read()[-2000:]
+    finally:
+        a.close()
+        if b.poll() is None:
+            b.kill()
+            b.wait()
+
+
+def test_two_trainers_interleaved_never_mislabel(server, checkpoint):
+    """A seeded interleaving of two trainers' joins, pushes (one at a time, and both at once) and
+    closes: every push ends in its version or a ``WeightPushError``, a push from the trainer whose
+    group the server holds lands, one whose group the server left is refused, and after every
+    step the server's greedy tokens are those of the weights its ``weight_version`` names."""
+    import random
+
+    model = copy.deepcopy(checkpoint.model)
+    rng = random.Random(52)
+    refs: dict[object, list[int]] = {}
+    pushers = {who: WeightPusher([base(server)], master_port=_free_port(), timeout_s=20) for who in "AB"}
+    owner: list[str | None] = [None]  # whose group the server holds (the last to join; "?": not known)
+    served: dict[object, list[int]] = {}
+    count = [0]
+
+    def push(who: str) -> tuple[str, object]:
+        count[0] += 1
+        version = f"{who}{count[0]}"
+        trained = shifted(model, 100 + count[0])
+        refs[version] = reference_generate(trained, PROMPT, MAX_NEW)
+        try:
+            return "ok", pushers[who].push(trained, version=version)
+        except WeightPushError as exc:
+            return "refused", str(exc)
+
+    start = greedy(server, PROMPT)
+    refs[start[1]] = start[0]
+    ops = ["init", "push", "close", "both"]
+    log = []
+    try:
+        for _ in range(12):
+            op, who = rng.choice(ops), rng.choice("AB")
+            other = "B" if who == "A" else "A"
+            if op == "init":
+                pushers[who].init()
+                owner[0] = who
+            elif op == "close":
+                pushers[who].close()
+                if owner[0] == who:
+                    owner[0] = None
+            elif op == "push":
+                held = pushers[who].group is not None
+                outcome, said = push(who)
+                if not held or owner[0] == who:  # (no group: the push joins first, taking the server)
+                    assert outcome == "ok", (log, said)
+                elif owner[0] != "?":  # the server left this trainer's group: refused, and it must say why
+                    assert outcome == "refused" and "409" in said, (log, said)
+                owner[0] = who if outcome == "ok" else "?" if owner[0] == "?" else owner[0]
+            else:  # both at once
+                outs: dict[str, tuple[str, object]] = {}
+                threads = [threading.Thread(target=lambda w=w: outs.__setitem__(w, push(w))) for w in (who, other)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=120)
+                assert set(outs) == {"A", "B"} and any(o == "ok" for o, _ in outs.values()), (log, outs)
+                owner[0] = "?"  # (who holds it now depends on the race; the next init or push says)
+            got, version = greedy(server, PROMPT)
+            log.append((op, who, version))
+            assert version in refs and got == refs[version], log
+            served[version] = got
+    finally:
+        for p in pushers.values():
+            p.close()
+    assert len(served) >= 3, log  # (the seed exercises several pushes that landed)
+
+
+def test_a_failed_push_raises_weight_push_error_and_the_next_lands(server, checkpoint):
+    """A tensor it cannot send (a meta tensor: an offloaded parameter) is refused before anything
+    moves; a stall past the group's timeout between two buckets makes the server give up (503):
+    both raise ``WeightPushError`` with the cause, the old weights serve, and the same pusher's
+    next push lands at once (it joins again rather than waiting on a group the server closed)."""
+    model = copy.deepcopy(checkpoint.model)
+    with WeightPusher([base(server)], master_port=_free_port(), timeout_s=3, bucket_bytes=4096) as pusher:
+        first = shifted(model, 41)
+        assert pusher.push(first, version="m1") == "m1"
+        landed = (reference_generate(first, PROMPT, MAX_NEW), "m1")
+        assert greedy(server, PROMPT) == landed
+        offloaded = [
+            (n, torch.empty(t.shape, device="meta")) if i == 1 else (n, t)
+            for i, (n, t) in enumerate(weight_targets(shifted(model, 42)).items())
+        ]
+        with pytest.raises(WeightPushError, match="meta"):
+            pusher.push(offloaded, version="meta")
+        assert greedy(server, PROMPT) == landed
+        second = shifted(model, 43)
+        t0 = time.monotonic()
+        assert pusher.push(second, version="m2") == "m2"
+        assert time.monotonic() - t0 < 3  # (not the group's timeout)
+        landed = (reference_generate(second, PROMPT, MAX_NEW), "m2")
+        assert greedy(server, PROMPT) == landed
+        # the trainer stalls between two buckets past the group's timeout (3 s)
+        group = pusher.group
+        real, calls = group.broadcast, []
+
+        def stalling(flat: torch.Tensor) -> None:
+            calls.append(len(flat))
+            if len(calls) == 2:
+                time.sleep(4.5)
+            real(flat)
+
+        group.broadcast = stalling
+        with pytest.raises(WeightPushError, match="503"):
+            pusher.push(shifted(model, 44), version="stalled")
+        assert greedy(server, PROMPT) == landed
+        third = shifted(model, 45)
+        t0 = time.monotonic()
+        assert pusher.push(third, version="m3") == "m3"
+        assert time.monotonic() - t0 < 3
+        assert greedy(server, PROMPT) == (reference_generate(third, PROMPT, MAX_NEW), "m3")
+
+
+def test_rollout_func_raises_the_generations_own_error(server, checkpoint):
+    """A prompt the server refuses (empty, or longer than the model takes) is the generation's
+    error (acb's ``InvalidRequestError``, with the server's message and field), not a weight push's."""
+    trainer = SimpleNamespace(
+        processing_class=checkpoint.tok,
+        args=SimpleNamespace(max_completion_length=4, temperature=1.0, top_p=1.0),
+    )
+    rollouts = rollout_func(base(server), NAME)
+    assert len(rollouts(["hello"], trainer)["completion_ids"][0]) == 4
+    for prompts in ([""], ["hello", "word " * 5000]):  # (an empty prompt; one past 1024 positions)
+        with pytest.raises(InvalidRequestError, match="prompt") as info:
+            rollouts(prompts, trainer)
+        assert not isinstance(info.value, WeightPushError) and info.value.field == "prompt", info.value
