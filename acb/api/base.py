@@ -347,8 +347,9 @@ class EngineBase:
         return self.stage_weights(read_checkpoint(path))
 
     def _swap_future(self, staged: Any, version: Any) -> Future[Any]:
-        from acb.runner.weight_update import version_after
+        from acb.runner.weight_update import check_version, version_after
 
+        version = check_version(version)  # (every facade's update comes through here)
         return self._live_core().call(
             lambda core: core.swap_weights(staged, version_after(core.weight_version, version))
         )

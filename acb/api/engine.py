@@ -250,8 +250,12 @@ class Engine(EngineBase):
             The version now running.
 
         Raises:
-            WeightUpdateError: an unknown name, a shape or dtype that does not fit (nothing written).
+            WeightUpdateError: an unknown name, a shape or dtype that does not fit, a version that
+                is neither an int nor a str (nothing written).
         """
+        from acb.runner.weight_update import check_version
+
+        check_version(version)  # (before the staging's work)
         return self._swap_future(self.stage_weights(named_tensors), version).result(timeout)
 
     def load_weights(self, path: Any, *, version: Any = None, timeout: float | None = None) -> Any:
@@ -267,8 +271,12 @@ class Engine(EngineBase):
             The version now running.
 
         Raises:
-            WeightUpdateError: a checkpoint that does not read, or a tensor that does not fit.
+            WeightUpdateError: a checkpoint that does not read, a tensor that does not fit, a
+                version that is neither an int nor a str (nothing written).
         """
+        from acb.runner.weight_update import check_version
+
+        check_version(version)  # (before the checkpoint is read)
         return self._swap_future(self.stage_checkpoint(path), version).result(timeout)
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:

@@ -28,6 +28,7 @@ linears) with the swap, and gives the new version to the requests that go on und
 from __future__ import annotations
 
 import copy
+import operator
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ __all__ = [
     "Staged",
     "WeightUpdateError",
     "check_specs",
+    "check_version",
     "model_names",
     "read_checkpoint",
     "stage",
@@ -220,6 +222,54 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.T
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise WeightUpdateError(f"weight update refused, nothing written: {file}: {exc}") from None
+
+
+MAX_VERSION_CHARS = 256  # a str version's length, at most (every response carries it)
+
+
+def check_version(version: Any) -> Any:
+    """The version an update is given, checked before anything moves: None (the current one plus
+    one), an int (not a bool; numpy's and torch's integer scalars are taken as ints) in the
+    signed 64-bit range, or a non-empty str of at most :data:`MAX_VERSION_CHARS` characters that
+    encodes as UTF-8. Every output carries it (``weight_version``, in every response of the
+    server), so it must be a plain JSON value: a float (NaN) or a list (the form outputs give the
+    versions of an update that landed while they ran) would break them.
+
+    Returns:
+        The version (an integer scalar as an ``int``).
+
+    Raises:
+        WeightUpdateError: naming ``weight_version`` and what is wrong (nothing written).
+    """
+    refused = "weight update refused, nothing written: its version (weight_version) must be"
+    if version is None or isinstance(version, str):
+        if version is not None:
+            if not 0 < len(version) <= MAX_VERSION_CHARS:
+                raise WeightUpdateError(
+                    f"{refused} a non-empty str of at most {MAX_VERSION_CHARS} characters; got {len(version)}"
+                )
+            try:
+                version.encode("utf-8")
+            except UnicodeEncodeError:
+                raise WeightUpdateError(f"{refused} text that encodes as UTF-8; got {version!r}") from None
+        return version
+    if not isinstance(version, (bool, float, complex)) and hasattr(version, "__index__"):
+        try:
+            version = operator.index(version)  # (a numpy or torch integer scalar)
+        except TypeError:
+            pass
+    if isinstance(version, int) and not isinstance(version, bool):
+        if not -(2**63) <= version < 2**63:
+            raise WeightUpdateError(f"{refused} an int in the signed 64-bit range; got {version}")
+        return version
+    note = (
+        " (a list is how an output reports the versions of an update that landed while it ran, not a version)"
+        if isinstance(version, (list, tuple))
+        else ""
+    )
+    shown = repr(version)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise WeightUpdateError(f"{refused} an int or a str; got {type(version).__name__} {shown}{note}")
 
 
 def version_after(current: Any, given: Any) -> Any:

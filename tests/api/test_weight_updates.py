@@ -182,3 +182,42 @@ def test_load_weights_takes_the_folder_save_pretrained_writes(arch, tmp_path):
     assert a.weight_version == 2 and a.generated_tokens == want != b.generated_tokens
     saved = dict(trained.named_parameters())
     assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
+
+
+BAD_VERSIONS = [
+    ([7, 8], "got list \\[7, 8\\] \\(a list is how an output reports"),
+    (float("nan"), "an int or a str; got float nan"),
+    (1.5, "got float 1.5"),
+    (True, "got bool True"),
+    ({"step": 1}, "got dict"),
+    ("", "a non-empty str"),
+    ("x" * 300, "at most 256 characters; got 300"),
+    (2**64, "signed 64-bit range"),
+    ("\ud800", "encodes as UTF-8"),
+]
+
+
+def test_a_version_outputs_cannot_carry_is_refused_before_anything_lands(tmp_path):
+    """A list (the form of an output's spans) or a NaN as the version had been taken, and broke
+    every later output; now each is refused, naming ``weight_version``, with nothing written, and
+    the engine goes on with its weights and version (an int of numpy's is an int)."""
+    import numpy as np
+
+    model = fresh_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    new = shifted(model, 9)
+    fresh_model().save_pretrained(tmp_path / "ckpt")
+    p = prompts_of_lengths([11], seed=2)[0]
+    with acb.Engine(model, acb.ContinuousBatchingConfig(**CFG)) as eng:
+        for bad, says in BAD_VERSIONS:
+            for update in (
+                lambda v: eng.update_weights(new, version=v),
+                lambda v: eng.load_weights(tmp_path / "ckpt", version=v),
+            ):
+                with pytest.raises(acb.WeightUpdateError, match=f"weight_version.*{says}"):
+                    update(bad)
+        assert eng.weight_version == 0 and all(torch.equal(t, before[n]) for n, t in model.named_parameters())
+        out = eng.generate(p, max_new_tokens=6, ignore_eos=True)
+        assert out.weight_version == 0 and out.generated_tokens == reference_generate(fresh_model(), p, 6)
+        assert eng.update_weights(new, version=np.int64(12)) == 12 and type(eng.weight_version) is int
+        assert eng.generate(p, max_new_tokens=6, ignore_eos=True).weight_version == 12
