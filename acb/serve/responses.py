@@ -22,7 +22,10 @@ and the output has a reasoning section, an empty one included; never for an outp
 from its first token: ``text.format``, a forced call), a ``message`` item with one ``output_text`` part (left out when the
 model only called tools, or only reasoned), then one ``function_call`` item per call. ``status``
 is ``completed``, or ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``
-when the length ran out (the last text item is then ``incomplete`` too).
+when the length ran out (the last text item is then ``incomplete`` too). A finished response
+(and the one ``response.completed`` / ``response.incomplete`` carries) has ``weight_version``: the
+version of the weights its tokens were sampled under, as completions and chat have (spans
+``[version, first token, end]`` when an update landed while it ran).
 
 Streaming (``stream=true``): server-sent events, each ``event: <type>`` with a JSON body carrying
 ``type`` and an increasing ``sequence_number``::
@@ -60,7 +63,7 @@ from fastapi.responses import Response
 import acb
 from acb.outputs import GenerationOutput, StreamDelta
 from acb.serve import shaping
-from acb.serve.formatting import finish_reason, samples, usage
+from acb.serve.formatting import finish_reason, samples, usage, weight_version
 from acb.serve.media import content_parts
 from acb.serve.pipeline import Job, Prompts, ServerState, render_messages, serve
 from acb.serve.protocol import APIError, RequestBody, request_param
@@ -383,8 +386,13 @@ class _Shell:
             "user": body.user,
         }
 
-    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+    def response(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None, version: Any = None
+    ) -> dict[str, Any]:
+        """The response object; a finished one (completed or incomplete) carries the
+        ``weight_version`` its tokens were sampled under, as completions and chat do."""
         done = status in ("completed", "incomplete")
+        extra = {"weight_version": version} if done else {}
         return {
             "id": self.id,
             "object": "response",
@@ -397,6 +405,7 @@ class _Shell:
             "output": output,
             "usage": usage if done else None,
             **self.echo,
+            **extra,
         }
 
 
@@ -484,7 +493,7 @@ class _Output:
         self.shaper.shape_whole(samples(out)[0].text or "")
         length, _, use = _finished(self.state, self.shaper, out)
         output = _final_items(self.shaper, self.ids, length)
-        return self.shell.response("incomplete" if length else "completed", output, use)
+        return self.shell.response("incomplete" if length else "completed", output, use, weight_version(outs))
 
     def start(self) -> list[str]:
         return [
@@ -507,7 +516,9 @@ class _Output:
         status = "incomplete" if length else "completed"
         return [
             *self.events.finish(output),
-            self.events.event(f"response.{status}", response=self.shell.response(status, output, use)),
+            self.events.event(
+                f"response.{status}", response=self.shell.response(status, output, use, weight_version(finals[-1:]))
+            ),
         ]
 
     def error(self, err: APIError) -> str:

@@ -80,7 +80,10 @@ def server(checkpoint, tmp_path_factory):
         checkpoint,
         tmp_path_factory,
         "responses",
-        ["--served-model-name", NAME, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", *SMALL_KV],
+        [
+            *("--served-model-name", NAME, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", *SMALL_KV),
+            "--enable-weight-updates",  # (test_a_finished_response_carries_its_weight_version)
+        ],
     )
 
 
@@ -110,6 +113,34 @@ def message_items(r) -> list:
 
 
 # --------------------------------------------------------------------------------------- text
+def test_a_finished_response_carries_its_weight_version(server, client, checkpoint):
+    """Every response says which weights made it (``docs/guides/rl.md``), a Responses one too, and
+    the ``response.completed`` event's. The update loads the very checkpoint the server serves
+    (the same weights: the module's other tests are unaffected) under a new version; before it, a
+    version no output could carry (a list, the spans' form; a NaN) is a 400 naming it, and the
+    server goes on as it was."""
+    first = client.responses.create(model=NAME, input="which weights?", max_output_tokens=3, temperature=0)
+    version = first.weight_version
+    assert isinstance(version, int)
+    for bad in ([7, 8], float("nan")):
+        body = json.dumps({"model_path": str(checkpoint.dir), "weight_version": bad}).encode()
+        status, _, answer = raw(server.port, "POST", "/update_weights_from_disk", body)
+        assert status == 400 and "weight_version" in check_error_body(answer, status)["message"]
+        assert client.responses.create(model=NAME, input="hi", max_output_tokens=3).weight_version == version
+    status, _, answer = raw(
+        server.port, "POST", "/update_weights_from_disk", {"model_path": str(checkpoint.dir), "weight_version": "v-7"}
+    )
+    assert status == 200 and json.loads(answer)["weight_version"] == "v-7"
+    r = client.responses.create(model=NAME, input="which weights?", max_output_tokens=3, temperature=0)
+    assert r.weight_version == "v-7" and r.output_text == first.output_text  # (the same weights)
+    events = list(client.responses.create(model=NAME, input="hi", max_output_tokens=3, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.weight_version == "v-7"
+    assert all(getattr(e.response, "weight_version", None) is None for e in events[:2])  # (in progress)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.weight_version == "v-7"
+
+
 def test_plain_input_equals_generate_and_chat(client, checkpoint):
     messages = [{"role": "user", "content": "héllo wörld"}]
     ids, ref = greedy(checkpoint, messages, 12)
