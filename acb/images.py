@@ -38,18 +38,24 @@ if TYPE_CHECKING:
 __all__ = [
     "ImageInputs",
     "ImagePrompt",
+    "check_size",
     "has_images",
     "image_parts",
     "load_image",
     "process_prompt",
+    "processed_size",
     "type_spans",
 ]
 
 # the keys of a processor's output that are text, not images (the rest go to the vision code)
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask"})
-# how many pixels one image may have, decoded (a 16k x 16k image is 1 GiB of RGBA); acb serve
-# has its own, lower, limit
+# how many pixels one image may have, decoded and as the processor resizes it (a 16k x 16k image
+# is 1 GiB of RGBA); acb serve has its own, lower, limit
 MAX_PIXELS = 64 * 1024 * 1024
+# how much longer than wide (or wider than long) an image may be: a processor that scales the short
+# edge up keeps the aspect ratio, so a 1x30000 strip becomes 32x960000 (Qwen's own resize refuses
+# past 200 as well)
+MAX_ASPECT_RATIO = 200
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,11 +117,20 @@ def has_images(prompt: Any) -> bool:
     return bool(image_parts(prompt))
 
 
-def load_image(source: Any, what: str = "image", max_pixels: int = MAX_PIXELS) -> Any:
-    """A PIL image (RGB) from a PIL image, a local path, bytes, or a ``data:`` URL.
+def load_image(
+    source: Any,
+    what: str = "image",
+    max_pixels: int = MAX_PIXELS,
+    *,
+    max_aspect_ratio: float = MAX_ASPECT_RATIO,
+    image_processor: Any = None,
+) -> Any:
+    """A PIL image (RGB) from a PIL image, a local path, bytes, or a ``data:`` URL, its size
+    checked (:func:`check_size`) from the file's header, before its pixels are decoded.
 
     Raises:
-        ValueError: not decodable, too many pixels, or a remote URL (``what`` names the part).
+        ValueError: not decodable, too many pixels (decoded, or as ``image_processor`` would
+            resize it), too thin, or a remote URL (``what`` names the part).
     """
     from PIL import Image
 
@@ -146,17 +161,85 @@ def load_image(source: Any, what: str = "image", max_pixels: int = MAX_PIXELS) -
                 raise ValueError(
                     f"{what}: expected a PIL image, a path, bytes or a data URL, got {type(source).__name__}"
                 )
-            check_pixels(image.size, what, max_pixels)
+            check_size(image.size, what, max_pixels, max_aspect_ratio, image_processor)
             image.load()
         except (OSError, Image.DecompressionBombError) as exc:  # PIL.UnidentifiedImageError is an OSError
             raise ValueError(f"{what}: cannot decode the image ({type(exc).__name__}: {exc})") from None
-    check_pixels(image.size, what, max_pixels)
+    check_size(image.size, what, max_pixels, max_aspect_ratio, image_processor)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def check_pixels(size: tuple[int, int], what: str, limit: int = MAX_PIXELS) -> None:
-    if size[0] * size[1] > limit:
-        raise ValueError(f"{what}: {size[0]}x{size[1]} pixels is more than the {limit:,} allowed")
+def check_size(
+    size: tuple[int, int],
+    what: str,
+    max_pixels: int = MAX_PIXELS,
+    max_aspect_ratio: float = MAX_ASPECT_RATIO,
+    image_processor: Any = None,
+) -> None:
+    """Refuse an image of ``size`` (width, height) with more than ``max_pixels`` pixels, longer
+    than ``max_aspect_ratio`` times its width (or the reverse), or that ``image_processor`` would
+    make larger than ``max_pixels`` (:func:`processed_size`) — all before a pixel is decoded.
+
+    Raises:
+        ValueError: naming ``what``, the size, and the limit it passes.
+    """
+    width, height = size
+    if width * height > max_pixels:
+        raise ValueError(f"{what}: {width}x{height} pixels is more than the {max_pixels:,} allowed")
+    if max(width, height) > max_aspect_ratio * max(1, min(width, height)):
+        ratio = max(width, height) / max(1, min(width, height))
+        raise ValueError(
+            f"{what}: a {width}x{height} image is {ratio:,.0f} times longer one way than the other, more than "
+            f"the {max_aspect_ratio:g} allowed (the processor keeps the aspect ratio as it resizes)"
+        )
+    if image_processor is None:
+        return
+    w, h, how = processed_size(image_processor, size)
+    if w * h > max_pixels:
+        raise ValueError(
+            f"{what}: the model's processor would make {w}x{h} pixels of this {width}x{height} image ({how}), "
+            f"more than the {max_pixels:,} allowed"
+        )
+
+
+def processed_size(image_processor: Any, size: tuple[int, int]) -> tuple[int, int, str]:
+    """The largest image, ``(width, height, how)``, that ``image_processor`` makes of an image of
+    ``size`` on its way to the pixel tensors, from the size alone: LLaVA's padding to a square
+    (``do_pad`` with a ``pad_to_square`` step), then transformers' own resize when its rule is the
+    shortest edge (scaled to ``size["shortest_edge"]``, the aspect ratio kept, the long edge capped
+    at ``size["longest_edge"]`` when set): the rules under which an image grows with its longer
+    side. Other rules (a fixed size, a longest edge, a pixel budget, a processor's own ``resize``)
+    are bounded by the processor's config; for them this is ``size`` itself."""
+    width, height = size
+    peak, how = (width, height), "as it is"
+    if getattr(image_processor, "do_pad", False) and callable(getattr(image_processor, "pad_to_square", None)):
+        side = max(width, height)
+        if width != height:
+            peak, how = (side, side), "padded to a square"
+        width = height = side
+    target = getattr(image_processor, "size", None)
+    short_edge = _size_field(target, "shortest_edge")
+    own_resize = getattr(type(image_processor).resize, "__module__", "") if hasattr(image_processor, "resize") else ""
+    if getattr(image_processor, "do_resize", True) and short_edge and own_resize == _BASE_RESIZE:
+        long_edge = _size_field(target, "longest_edge")
+        short, long = min(width, height), max(width, height)
+        new_short, new_long = short_edge, int(short_edge * long / max(1, short))
+        if long_edge and new_long > long_edge:
+            new_short, new_long = int(long_edge * new_short / new_long), long_edge
+        resized = (new_short, new_long) if width <= height else (new_long, new_short)
+        if resized[0] * resized[1] > peak[0] * peak[1]:
+            peak, how = resized, f"its short edge scaled to {short_edge}, the aspect ratio kept"
+    return peak[0], peak[1], how
+
+
+# the module of transformers' own ``resize`` (the shortest-edge rule lives there); a processor
+# that defines its own resize (Qwen's pixel budget, Idefics' longest edge) has its own bounds
+_BASE_RESIZE = "transformers.image_processing_backends"
+
+
+def _size_field(size: Any, name: str) -> int | None:
+    value = size.get(name) if isinstance(size, Mapping) else getattr(size, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _image_hash(image: Any) -> bytes:
@@ -245,7 +328,7 @@ def process_prompt(
                         if part["type"] == "image"
                         else part.get("image_url")
                     )
-                    image = load_image(src, f"image {n}")
+                    image = load_image(src, f"image {n}", image_processor=processor.image_processor)
                     hashes.append(_image_hash(image))
                     parts.append({"type": "image", "image": image})
                     n += 1
@@ -263,6 +346,7 @@ def process_prompt(
         tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and v is not None}
         if not hashes:  # (a chat without image parts: text only)
             return ImagePrompt(ids, None, prompt)
+        check_pixel_tensors(tensors, len(hashes))
     placeholders = [i for i, t in enumerate(ids) if t == image_token_id] if image_token_id is not None else []
     images = ImageInputs(
         tensors={k: torch.as_tensor(v) if not isinstance(v, torch.Tensor) else v for k, v in tensors.items()},
@@ -271,6 +355,24 @@ def process_prompt(
         num_image_tokens=len(placeholders),
     )
     return ImagePrompt(ids, images, prompt)
+
+
+def check_pixel_tensors(tensors: Mapping[str, Any], num_images: int, max_pixels: int = MAX_PIXELS) -> None:
+    """Refuse a processor's output whose pixel tensors (its floating-point ones, three values a
+    pixel) hold more than ``max_pixels`` per image: the backstop, before the engine sees them, for
+    a processor whose growth :func:`processed_size` cannot tell from the size.
+
+    Raises:
+        ValueError: saying how many values there are and the limit.
+    """
+    import torch
+
+    values = sum(int(t.numel()) for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+    if values > 3 * max_pixels * max(1, num_images):
+        raise ValueError(
+            f"the processor made {values:,} pixel values of {num_images} image(s), more than "
+            f"{max_pixels:,} pixels an image allows"
+        )
 
 
 def type_spans(tensors: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:

@@ -5,7 +5,10 @@ Responses API its ``{"type": "input_image", "image_url": ...}`` parts. A URL is 
 URL (base64, at most ``max_image_bytes`` decoded) or, for a domain the operator allowed
 (``--allowed-media-domains``), an ``http(s)`` URL fetched with a time limit and the same byte
 limit (redirects are followed only to allowed domains). Anything else is a 400 naming the part.
-A decoded image has at most ``max_image_pixels`` pixels.
+An image has at most ``max_image_pixels`` pixels, decoded and as the model's processor would
+resize it (a processor that scales the short edge keeps the aspect ratio: a 1x30000 strip would
+become 32x960000), and is at most ``max_aspect_ratio`` times longer one way than the other; both
+are read from the file's header, before its pixels are decoded.
 
 The work runs in the render pool (worker threads, each job within its time bound), never on the
 event loop: :func:`load_images` is called by the render job, which then hands the chat to the
@@ -21,12 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from acb.images import load_image
+from acb.images import MAX_ASPECT_RATIO, load_image
 from acb.serve.protocol import APIError
 
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
 DEFAULT_MAX_IMAGE_PIXELS = 6000 * 6000
 DEFAULT_FETCH_TIMEOUT = 5.0
+DEFAULT_MAX_ASPECT_RATIO = MAX_ASPECT_RATIO
 
 
 @dataclass(frozen=True)
@@ -37,18 +41,21 @@ class MediaPolicy:
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
 
     def allows(self, host: str) -> bool:
         """``host`` is an allowed domain or a subdomain of one."""
         host = host.lower().rstrip(".")
         return any(host == d or host.endswith("." + d) for d in (d.lower().strip(".") for d in self.allowed_domains))
 
-    def image(self, url: str, where: str, param: str) -> Any:
-        """The image at ``url`` (a data URL, or an allowed http(s) URL), as a PIL image.
+    def image(self, url: str, where: str, param: str, image_processor: Any = None) -> Any:
+        """The image at ``url`` (a data URL, or an allowed http(s) URL), as a PIL image; its size
+        checked against the limits, and against what ``image_processor`` (the served model's)
+        would make of it, before it is decoded.
 
         Raises:
-            APIError: 400 naming ``where``: a URL not allowed, too many bytes or pixels, a fetch
-                that failed or took too long, bytes that are no image.
+            APIError: 400 naming ``where``: a URL not allowed, too many bytes or pixels (decoded or
+                processed), too thin, a fetch that failed or took too long, bytes that are no image.
         """
         if not isinstance(url, str) or not url:
             raise APIError(400, f"{where}: the image URL must be a non-empty string", param=param)
@@ -59,7 +66,13 @@ class MediaPolicy:
         else:
             source = self._fetch(url, where, param)
         try:
-            return load_image(source, where, max_pixels=self.max_pixels)
+            return load_image(
+                source,
+                where,
+                max_pixels=self.max_pixels,
+                max_aspect_ratio=self.max_aspect_ratio,
+                image_processor=image_processor,
+            )
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 
@@ -121,13 +134,17 @@ def has_image_parts(messages: Sequence[Mapping[str, Any]]) -> bool:
     )
 
 
-def load_images(messages: Sequence[Mapping[str, Any]], policy: MediaPolicy, param: str) -> list[dict[str, Any]]:
+def load_images(
+    messages: Sequence[Mapping[str, Any]], policy: MediaPolicy, param: str, processor: Any = None
+) -> list[dict[str, Any]]:
     """The chat with each ``image_url`` part (as :func:`content_parts` left it) replaced by an
-    ``{"type": "image", "image": <PIL image>}`` part, as processors take it.
+    ``{"type": "image", "image": <PIL image>}`` part, as processors take it. ``processor`` (the
+    served model's) tells how large each image would become.
 
     Raises:
         APIError: 400 for an image that is not allowed or does not load, naming its part.
     """
+    image_processor = getattr(processor, "image_processor", None)
     out = []
     for m in messages:
         content = m.get("content")
@@ -137,7 +154,7 @@ def load_images(messages: Sequence[Mapping[str, Any]], policy: MediaPolicy, para
         parts = []
         for p in content:
             if p.get("type") == "image_url":
-                parts.append({"type": "image", "image": policy.image(p["url"], p["where"], param)})
+                parts.append({"type": "image", "image": policy.image(p["url"], p["where"], param, image_processor)})
             else:
                 parts.append(p)
         out.append({**m, "content": parts})

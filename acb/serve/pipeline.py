@@ -245,7 +245,7 @@ def render_images(
     why = runner.images_refused() if runner is not None else "the engine is not started"
     if why:
         raise APIError(400, f"the served model cannot take images: {why}", param=param)
-    chat = load_images(messages, state.media, param)
+    chat = load_images(messages, state.media, param, engine.tokenizer)
     try:
         prompt = engine.processor.process_images(chat, kwargs)
     except (ValueError, TypeError) as exc:

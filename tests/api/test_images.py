@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 
 import pytest
 import torch
@@ -216,3 +217,65 @@ def test_scoring_a_fresh_image_context_and_a_childs_failure(monkeypatch):
     with acb.Engine(model, cfg, processor=processor) as eng:
         out = eng.score_batch([(inputs, [[40, 41, 42], [43, 44]])], progress_bar=False)[0]
     assert out.status == acb.RequestStatus.FAILED and "the child's capture broke" in (out.error or "")
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature and header claiming ``width`` x ``height`` RGB pixels, with no pixel data:
+    a size check that reads the header refuses it before anything is decoded or allocated."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IEND", b"")
+    )
+
+
+def solid_png(width: int, height: int) -> bytes:
+    """A one-colour PNG (a few hundred bytes however long it is)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 90)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# images of extreme shapes: tiny, one pixel wide or high up to the aspect-ratio limit (served, exact),
+# and past it, or too large decoded or as the processor would make them (refused at submit, naming
+# the image and the limit, before the processor runs)
+SERVED_SIZES = [(1, 1), (1, 200), (200, 1), (3, 2)]
+REFUSED = {
+    "1x201": (solid_png(1, 201), "201 times longer one way"),
+    "30000x1": (solid_png(30000, 1), "30,000 times longer one way"),
+    "1x30000": (solid_png(1, 30000), "30,000 times longer one way"),
+    "huge": (png_header(9000, 8000), "9000x8000 pixels is more than the 67,108,864 allowed"),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_images_of_extreme_shapes_are_served_exactly_or_refused_by_size(arch):
+    """The image fuzz's extreme shapes on every VLM: what passes the size checks is exact against
+    ``model.generate``; what does not is refused at submit with an ``InvalidRequestError`` that says
+    which limit, and the engine serves on. LLaVA-OneVision pads an image to a square before it
+    resizes: a 9000x45 strip (405k pixels) would be 81M pixels there, and is refused for it alone."""
+    model, processor = tiny_vlm(arch)
+    served = [messages([image(60 + i, size)], "what is this") for i, size in enumerate(SERVED_SIZES)]
+    strip = [messages([image(70, (9000, 45))], "a strip")]
+    refused = {**REFUSED}
+    if arch == "llava_onevision":
+        refused["9000x45"] = (strip[0][0]["content"][0]["image"], "would make 9000x9000 pixels")
+    else:
+        served += strip
+    cfg = acb.ContinuousBatchingConfig(num_blocks=128, page_size=8)
+    with acb.Engine(model, cfg, processor=processor) as eng:
+        for name, (img, says) in refused.items():
+            chat = messages([img], "what is this")
+            with pytest.raises(acb.InvalidRequestError, match="image 0: .*" + re.escape(says)) as info:
+                eng.generate(chat, max_new_tokens=2)
+            assert info.value.field == "prompt", name
+        outs = eng.generate_batch(served, max_new_tokens=4, ignore_eos=True, progress_bar=False)
+    assert [o.generated_tokens for o in outs.values()] == [reference(arch, c, 4) for c in served]

@@ -2,7 +2,8 @@
 as a real process driven by the ``openai`` client: image content parts in chat completions and
 the Responses API (data URLs; http URLs from an allowed domain, served by a local HTTP server),
 greedy, equal to ``model.generate`` on the same processor outputs; images refused with a 400 that
-names the part (a domain not allowed, bytes that are no image, an image over the byte limit); a
+names the part (a domain not allowed, bytes that are no image, an image over the byte limit, over
+the pixel limit decoded or as the processor would resize it, past the aspect-ratio limit); a
 text-only chat beside them."""
 
 from __future__ import annotations
@@ -25,12 +26,20 @@ from tests.serve.test_openai_server import _serve  # noqa: E402
 from tests.vlm_models import image, messages, tiny_vlm  # noqa: E402
 
 MAX_BYTES = 60_000
+MAX_PIXELS = 100_000  # the tiny processor scales the short edge to 32: a 1x150 strip would be 32x4800
 
 
 def png(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def solid_png(width: int, height: int) -> bytes:
+    """A one-colour PNG: a few hundred bytes however many pixels it has."""
+    from PIL import Image
+
+    return png(Image.new("RGB", (width, height), (200, 30, 90)))
 
 
 def data_url(raw: bytes) -> str:
@@ -64,6 +73,7 @@ def images_host(tmp_path_factory):
 def server(checkpoint, tmp_path_factory):
     args = ["--served-model-name", "llava", "--num-blocks", "64", "--page-size", "8"]
     args += ["--allowed-media-domains", "127.0.0.1", "--max-image-bytes", str(MAX_BYTES)]
+    args += ["--max-image-pixels", str(MAX_PIXELS)]
     yield from _serve(checkpoint, tmp_path_factory, "llava", args)
 
 
@@ -138,8 +148,13 @@ def test_chat_and_responses_with_images_equal_generate(client, checkpoint, image
         ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "cannot decode"),
         (data_url(png(image(3, (256, 256)))), f"larger than {MAX_BYTES} bytes"),
         ("ftp://127.0.0.1/a.png", "data: URL or an http(s) URL"),
+        # a 1x30000 strip (a few hundred bytes, 30k pixels) that the processor would make 32x960000
+        (data_url(solid_png(1, 30000)), "a 1x30000 image is 30,000 times longer one way than the other"),
+        (data_url(solid_png(30000, 1)), "a 30000x1 image is 30,000 times longer one way than the other"),
+        (data_url(solid_png(1, 150)), "the model's processor would make 32x4800 pixels of this 1x150 image"),
+        (data_url(solid_png(400, 400)), "400x400 pixels is more than the 100,000 allowed"),
     ],
-    ids=["domain", "undecodable", "too-large", "scheme"],
+    ids=["domain", "undecodable", "too-large", "scheme", "1xN", "Nx1", "processed-too-large", "too-many-pixels"],
 )
 def test_a_bad_image_is_a_400_naming_its_part(client, url, says):
     with pytest.raises(openai.BadRequestError) as info:
@@ -147,3 +162,13 @@ def test_a_bad_image_is_a_400_naming_its_part(client, url, says):
     body = info.value.body
     assert says in body["message"] and "messages[0].content[0]" in body["message"], body
     assert body["param"] == "messages"
+
+
+def test_a_thin_image_within_the_limits_is_served_exactly(client, checkpoint):
+    """A 2x100 strip (its processed 32x1600 within the pixel limit, its aspect ratio within 200)
+    goes through as any image does, and exactly."""
+    thin = image(5, (2, 100))
+    got = client.chat.completions.create(
+        model="llava", messages=chat_with(data_url(png(thin))), max_tokens=8, temperature=0, extra_body=EXTRA
+    )
+    assert got.choices[0].message.content == reference(checkpoint, messages([thin], "describe this"), 8)
