@@ -51,11 +51,13 @@ __all__ = ["PushWeights", "RolloutError", "WeightPushError", "WeightPusher", "ro
 class WeightPushError(RuntimeError):
     """A push (or a join) that did not land on every server: each server's answer, or the
     trainer's own failure, is in the message (a server that refused kept its old weights).
-    ``status`` is the HTTP status when one server answered it."""
+    ``status`` is the HTTP status when the servers that failed all answered the same one;
+    ``statuses`` has each failed server's (``None``: no answer)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, statuses: Sequence[int | None] = ()) -> None:
         super().__init__(message)
         self.status = status
+        self.statuses = tuple(statuses) or ((status,) if status is not None else ())
 
 
 class RolloutError(RuntimeError):
@@ -224,8 +226,9 @@ class WeightPusher:
                 f"the trainer's side failed: {type(own).__name__}: {own} (the servers: {said})"
             ) from own
         if errors:
-            statuses = {getattr(e, "status", None) for e in errors}
-            raise WeightPushError("; ".join(str(e) for e in errors), statuses.pop() if len(statuses) == 1 else None)
+            statuses = [getattr(e, "status", None) for e in errors]
+            one = statuses[0] if len(set(statuses)) == 1 else None
+            raise WeightPushError("; ".join(str(e) for e in errors), one, statuses)
         return results
 
     def init(self) -> None:
@@ -282,7 +285,6 @@ class WeightPusher:
         except BaseException:
             for g in joined:
                 g.close()
-            self._notify_close(group_id)
             raise
         self.group, self.seq = joined[0], 0
 
@@ -336,31 +338,32 @@ class WeightPusher:
             if refused:
                 ended.append(True)
                 return
-            with torch.no_grad():
-                group.send(tensors, self.bucket_bytes)
+            try:
+                with torch.no_grad():
+                    group.send(tensors, self.bucket_bytes)
+            except BaseException:
+                group.close()  # (the servers' receive ends now, not at the group's timeout)
+                raise
 
         try:
             answers = self._all("/update_weights", [body] * len(self.servers), broadcast)
         except WeightPushError as exc:
-            if not (ended and exc.status in (400, 409)):  # (a clean refusal keeps the group)
-                self._leave()
+            if not (ended and exc.statuses and all(s in (400, 409) for s in exc.statuses)):
+                self._leave()  # (a clean refusal keeps the group; anything else leaves it)
+            raise
+        except BaseException:  # (interrupted: where the servers stand is not known)
+            self._leave()
             raise
         self.version = answers[0].get("weight_version")
         return self.version
 
     def _leave(self) -> None:
-        """Drop this side of the group (the servers told, best effort)."""
+        """Drop this side of the group. The servers are not told: a failed update closed theirs,
+        one that left it for another trainer's has nothing to close, and the next join replaces
+        whatever is left."""
         group, self.group = self.group, None
         if group is not None:
             group.close()
-            self._notify_close(group.group_id)
-
-    def _notify_close(self, group_id: str) -> None:
-        for url in self.servers:
-            try:
-                _post(url + "/close_weight_transfer", {"group_id": group_id}, self.api_key, min(self.timeout_s, 10))
-            except WeightPushError:
-                pass  # (a server gone, or busy: it closed the group itself, or the next join replaces it)
 
     def close(self) -> None:
         """Leave the group (each server ``POST /close_weight_transfer``, for this group only: a

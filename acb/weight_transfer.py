@@ -46,6 +46,8 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 120.0
 MAX_TIMEOUT_S = 3600.0  # the longest a join, a handshake or one bucket may wait
 MAX_WORLD_SIZE = 1 << 16
+# where a server connects for a trainer's group unless its operator says otherwise
+LOOPBACK_HOSTS = ("127.0.0.0/8", "::1")
 _GROUP_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 

@@ -129,7 +129,7 @@ def _add_serve(sub: Any) -> None:
     rl.add_argument(
         "--weight-transfer-hosts",
         nargs="+",
-        default=["127.0.0.0/8", "::1"],
+        default=None,
         metavar="HOST",
         help="trainer addresses /init_weight_transfer may make the server connect to: IP addresses, "
         "networks (10.0.0.0/8), host names, or * for anywhere (default: loopback only)",
@@ -277,7 +277,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_image_pixels=args.max_image_pixels,
         media_fetch_timeout=args.media_fetch_timeout,
         enable_weight_updates=args.enable_weight_updates,
-        weight_transfer_hosts=tuple(args.weight_transfer_hosts),
+        weight_transfer_hosts=tuple(args.weight_transfer_hosts or AppOptions.weight_transfer_hosts),
     )
     return ServerSettings(
         model=source,

@@ -66,6 +66,7 @@ from acb.serve.protocol import (
 )
 from acb.serve.render_pool import DEFAULT_RENDER_THREADS, DEFAULT_RENDER_TIMEOUT
 from acb.telemetry import Telemetry
+from acb.weight_transfer import LOOPBACK_HOSTS
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024  # completions (prompts × n) one request may ask for
@@ -91,7 +92,7 @@ class AppOptions:
     # the routes of a trainer elsewhere (acb.serve.weights): pause, sleep, weight updates
     enable_weight_updates: bool = False
     # where /init_weight_transfer may make the server connect (acb.serve.weights.resolve_trainer)
-    weight_transfer_hosts: tuple[str, ...] = ("127.0.0.0/8", "::1")
+    weight_transfer_hosts: tuple[str, ...] = LOOPBACK_HOSTS
 
 
 def build_app(

@@ -53,6 +53,7 @@ from acb.serve.protocol import APIError
 from acb.weight_transfer import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
+    LOOPBACK_HOSTS,
     MAX_TIMEOUT_S,
     MAX_WORLD_SIZE,
     TransferGroup,
@@ -64,8 +65,6 @@ if TYPE_CHECKING:
     from acb.serve.pipeline import ServerState
 
 _MODES = {"wait": "wait", "keep": "keep", "abort": "cancel", "cancel": "cancel"}
-# where the server connects for a trainer's group unless told otherwise (--weight-transfer-hosts)
-LOOPBACK = ("127.0.0.0/8", "::1")
 
 
 def resolve_trainer(address: str, port: int, allowed: Sequence[str]) -> str:
@@ -103,7 +102,13 @@ def resolve_trainer(address: str, port: int, allowed: Sequence[str]) -> str:
             networks += [ipaddress.ip_network(i[4][0]) for i in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)]
         except (OSError, UnicodeError, ValueError):
             continue
-    refused = [a for a in found if not any(ipaddress.ip_address(a.split("%")[0]) in n for n in networks)]
+
+    def ip(a: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        got = ipaddress.ip_address(a.split("%")[0])  # (a scoped IPv6 address: its scope dropped)
+        mapped = getattr(got, "ipv4_mapped", None)
+        return mapped if mapped is not None else got
+
+    refused = [a for a in found if not any(ip(a) in n for n in networks)]
     if refused or not found:
         raise APIError(
             403,
@@ -152,7 +157,7 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, re
     return value
 
 
-def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = LOOPBACK) -> None:
+def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = LOOPBACK_HOSTS) -> None:
     """Add the weight-update routes to ``app`` (``build_app`` does, with
     ``enable_weight_updates``). ``allowed_hosts``: where ``/init_weight_transfer`` may make the
     server connect (:func:`resolve_trainer`)."""
@@ -244,9 +249,10 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
             raise APIError(400, str(exc), param="group_id") from None
 
         def join() -> None:
+            # (before the lock: a refused call leaves the current trainer's group alone)
+            target = resolve_trainer(address, port, allowed_hosts)
             with transfer.lock:
                 transfer.close()  # (a new trainer, or the same one after a failure)
-                target = resolve_trainer(address, port, allowed_hosts)
                 device = next(engine.model.parameters()).device
                 transfer.group = TransferGroup.join(
                     target, port, world, rank, group_id=group_id, device=device, timeout_s=timeout
@@ -284,7 +290,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
 
         def receive() -> Any:
             """Check, answer the handshake, receive, stage (a worker thread); the staged update."""
-            from acb.runner.weight_update import check_specs, weight_targets
+            from acb.runner.weight_update import check_specs, check_version, weight_targets
 
             with transfer.lock:
                 group = transfer.group
@@ -303,6 +309,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                     )
                 error = None
                 try:
+                    check_version(version)  # (one no output could carry: refused before any byte moves)
                     dtypes = [dtype_of(d) for d in dtype_names]
                     check_specs(weight_targets(engine.model), zip(names, [tuple(s) for s in shapes], dtypes))
                 except (WeightUpdateError, ValueError, TypeError) as exc:

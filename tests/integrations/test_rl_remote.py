@@ -584,3 +584,29 @@ def test_rollout_func_raises_the_generations_own_error(server, checkpoint):
         with pytest.raises(InvalidRequestError, match="prompt") as info:
             rollouts(prompts, trainer)
         assert not isinstance(info.value, WeightPushError) and info.value.field == "prompt", info.value
+
+
+def test_the_operator_says_where_the_server_connects():
+    """``--weight-transfer-hosts``: loopback by default; IP addresses, networks, host names (the
+    addresses they resolve to) or ``*``; the checked address is the one connected to. A refusal
+    is a 403 naming the flag (the real server's is in the malformed-calls test)."""
+    from acb.cli import build_parser
+    from acb.cli.serve import server_settings
+    from acb.serve.protocol import APIError
+    from acb.serve.weights import resolve_trainer
+    from acb.weight_transfer import LOOPBACK_HOSTS as LOOPBACK
+
+    assert resolve_trainer("127.0.0.5", 1, LOOPBACK) == "127.0.0.5"
+    assert resolve_trainer("localhost", 1, LOOPBACK) in ("127.0.0.1", "::1")
+    assert resolve_trainer("::ffff:127.0.0.1", 1, LOOPBACK) == "::ffff:127.0.0.1"
+    for address, allowed in (("10.1.2.3", LOOPBACK), ("10.1.2.3", ("10.1.2.4", "192.168.0.0/16", "localhost"))):
+        with pytest.raises(APIError) as info:
+            resolve_trainer(address, 1, allowed)
+        assert info.value.status == 403 and "--weight-transfer-hosts" in info.value.message
+    assert resolve_trainer("10.1.2.3", 1, ("10.0.0.0/8",)) == "10.1.2.3"
+    assert resolve_trainer("127.0.0.1", 1, ("localhost",)) == "127.0.0.1"  # (a name allows its addresses)
+    assert resolve_trainer("trainer.example", 1, ("*",)) == "trainer.example"
+    default = server_settings(build_parser().parse_args(["serve", "--enable-weight-updates"]))
+    assert default.app.weight_transfer_hosts == LOOPBACK
+    args = build_parser().parse_args(["serve", "--weight-transfer-hosts", "10.0.0.0/8", "trainer-host"])
+    assert server_settings(args).app.weight_transfer_hosts == ("10.0.0.0/8", "trainer-host")
