@@ -88,7 +88,7 @@ def resolve_trainer(address: str, port: int, allowed: Sequence[str]) -> str:
     if "*" in allowed:
         return address
     try:
-        found = [info[4][0] for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)]
+        found = [str(info[4][0]) for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)]
     except (OSError, UnicodeError) as exc:
         raise APIError(400, f"master_address {address!r} does not resolve: {exc}", param="master_address") from None
     networks, names = [], []
@@ -99,7 +99,9 @@ def resolve_trainer(address: str, port: int, allowed: Sequence[str]) -> str:
             names.append(entry)
     for name in names:  # a host name allows what it resolves to now
         try:
-            networks += [ipaddress.ip_network(i[4][0]) for i in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)]
+            networks += [
+                ipaddress.ip_network(str(i[4][0])) for i in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            ]
         except (OSError, UnicodeError, ValueError):
             continue
 
