@@ -502,7 +502,9 @@ def rollout_func(
 
 class PushWeights:
     """A ``TrainerCallback`` (duck-typed: no transformers import here) that pushes the model's
-    weights after every optimizer step, versioned by the step (``state.global_step``)."""
+    weights after every optimizer step, versioned by the step (``state.global_step``). A push that
+    fails raises :class:`WeightPushError` out of the step; the pusher has left its group, so the
+    next push (a resumed run's) joins again."""
 
     def __init__(self, pusher: WeightPusher) -> None:
         self.pusher = pusher
