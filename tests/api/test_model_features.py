@@ -329,17 +329,16 @@ def gemma4_conditional():
 def test_gemma4_conditional_model_is_sized_by_its_text_model():
     """The conditional model's cache takes its text layers' shapes (a 26B-A4B-style text config:
     (2, 16) sliding, (1, 32) K=V full), whatever its vision tower's attention looks like; greedy
-    equals ``model.generate`` on the conditional model, whole and in chunks."""
+    equals ``model.generate`` on the conditional model, in a batch of prefill chunks and decode rows."""
     model = gemma4_conditional()
-    prompts = prompts_of_lengths(LENGTHS, seed=1)
+    prompts = prompts_of_lengths([1, 17, 41], seed=1)
     want = [reference_generate(model, p, MAX_NEW) for p in prompts]
     assert len({tuple(w) for w in want}) > 1  # (the tokens depend on the prompt)
-    for budget in (None, 8):
-        cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=budget)
-        with acb.Engine(model, cfg) as eng:
-            assert [tuple(t.shape[2:]) for t in eng.runner.kv_cache.k] == [(2, 16), (2, 16), (1, 32)] * 2
-            outs = eng.generate_batch(prompts, max_new_tokens=MAX_NEW, progress_bar=False)
-        assert [o.generated_tokens for o in outs.values()] == want
+    cfg = acb.ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=16)
+    with acb.Engine(model, cfg) as eng:
+        assert [tuple(t.shape[2:]) for t in eng.runner.kv_cache.k] == [(2, 16), (2, 16), (1, 32)] * 2
+        outs = eng.generate_batch(prompts, max_new_tokens=MAX_NEW, progress_bar=False)
+    assert [o.generated_tokens for o in outs.values()] == want
 
 
 # --- refused at start, with the feature named ------------------------------------------------------------
