@@ -221,3 +221,46 @@ def test_a_version_outputs_cannot_carry_is_refused_before_anything_lands(tmp_pat
         assert out.weight_version == 0 and out.generated_tokens == reference_generate(fresh_model(), p, 6)
         assert eng.update_weights(new, version=np.int64(12)) == 12 and type(eng.weight_version) is int
         assert eng.generate(p, max_new_tokens=6, ignore_eos=True).weight_version == 12
+
+
+def test_a_peft_adapter_switch_drops_the_prefix_cache():
+    """Switching a PEFT adapter off (``disable_adapter()``), to another (``set_adapter``), merging
+    and unmerging it change no parameter the way the other signals see (a merge writes through
+    ``.data``); the weights key holds the adapter layers' state, so the prefix cache is dropped
+    and every request, its prompt all cached otherwise, equals ``PeftModel.generate``."""
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(
+        fresh_model(),
+        peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+    )
+    pm.add_adapter("other", peft.LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj"], init_lora_weights=False))
+    pm.eval()
+    p = prompts_of_lengths([20], seed=5)[0]
+
+    def want() -> list[int]:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        return out[0, len(p) :].tolist()
+
+    seen = []
+    with acb.Engine(pm, acb.ContinuousBatchingConfig(**CFG, allow_block_sharing=True)) as eng:
+
+        def check(state: str, cached: bool = False) -> None:
+            out = eng.generate(p, max_new_tokens=8, ignore_eos=True)
+            assert out.generated_tokens == want(), state
+            assert (out.num_cached_tokens > 0) == cached, state
+            seen.append(tuple(out.generated_tokens))
+
+        check("default adapter")
+        check("default adapter, again", cached=True)  # (the prefix cache is on, and hits)
+        with pm.disable_adapter():
+            check("adapters disabled")
+        check("default adapter after the block")
+        pm.set_adapter("other")
+        check("the other adapter")
+        pm.merge_adapter()
+        check("the other adapter merged")
+        pm.unmerge_adapter()
+        check("the other adapter unmerged")
+    assert len(set(seen)) >= 3  # (the base's, each adapter's: they differ)
