@@ -40,6 +40,7 @@ from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec
 from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step, resumes_prefill
+from acb.runner.module_state import module_attributes
 from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers, own_cache_step
 from acb.runner.own_forward import OwnForward
 from acb.runner.sampler import SamplingState, sample
@@ -110,6 +111,9 @@ class ModelRunner:
         # the paged path when the model passes its checks; else (or when asked) the model's own
         # cache objects, whole (acb.runner.own_forward)
         check_decoder(model)
+        # the model's module attributes before any forward here: state a model keeps in them
+        # (acb.runner.module_state) starts each request from these
+        start = module_attributes(model)
         why = None
         if config.runner != "own_cache":
             try:
@@ -148,7 +152,7 @@ class ModelRunner:
                 + f"its own forward failed on its own cache ({type(exc).__name__}: {exc})"
             ) from exc
         # the whole model on its own caches (the second runner path), or None (the paged path)
-        self.own_forward = OwnForward(model) if own_path else None
+        self.own_forward = OwnForward(model, start) if own_path else None
         # vision-language models: the model's own vision code for the requests with images
         self.vision = ImageEmbedder(model, self.cfg.image_cache_bytes) if takes_images(model) else None
         paged = not own_path

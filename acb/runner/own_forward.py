@@ -36,6 +36,12 @@ values ``[batch, heads, length, dim]``, grown by concatenation): a model whose c
 prefills each prompt in one step (``model.generate`` never resumes such a cache mid-prompt, and
 Moshi's sliding-window cache gives other tokens when it does).
 
+A model that keeps a request's state in its modules' attributes instead of its cache object
+(RecurrentGemma's recurrent blocks: :mod:`acb.runner.module_state`) is found by the first start-up
+try, runs one request at a time, and each request's values of those attributes are put back
+before its forward and taken after it, as if it ran alone; a try that interleaves two requests
+proves it, or the model is refused.
+
 Lifecycle: a request given a row starts with no cache (new, or recomputed after a preemption);
 children of ``n > 1`` fork a deep copy of the parent's; a freed row's cache goes at once. No
 pages, no prefix caching, no offload, no decode graphs.
@@ -50,6 +56,9 @@ import logging
 from typing import Any
 
 import torch
+
+from acb.errors import UnsupportedModelError
+from acb.runner.module_state import ModuleState, Slot, Values, describe
 
 logger = logging.getLogger(__name__)
 
@@ -240,8 +249,11 @@ def _cache_of(kw: dict[str, Any]) -> Any:
 class OwnForward:
     """Runs engine steps on the model's own caches (see the module docstring)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, start: dict[Slot, Any] | None = None) -> None:
+        """``start``: the model's module attributes before the engine ran any forward of it
+        (:func:`acb.runner.module_state.module_attributes`): what a new request starts from."""
         self.model = model
+        self._start = start
         self.config = model.config
         params = inspect.signature(type(model).forward).parameters
         self._positions = "position_ids" in params
@@ -266,6 +278,10 @@ class OwnForward:
         # a model whose cache cannot take a prompt in chunks: replayed as model.generate made it
         self.replays: dict[int, int] = {}
         self.batch: _DecodeBatch | None = None  # the decode rows, or None
+        # state the model keeps in module attributes (found by the first start-up try), and each
+        # row's values of it between its calls
+        self.module_state: ModuleState | None = None
+        self.held: dict[int, Values] = {}
         # the cache layers the model's config asks for: anything but plain growing K/V layers
         # (sliding windows that crop, states) is neither stacked into a batch nor resumed from in a
         # later prefill chunk (model.generate never chunks a prompt; those layers may not follow)
@@ -305,7 +321,7 @@ class OwnForward:
         def close(a: torch.Tensor, b: torch.Tensor) -> bool:
             return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()) + 1e-6))
 
-        with torch.no_grad():
+        def first() -> None:
             for pass_positions in (True, False):  # a prompt, then a token: with position ids, else without
                 if not pass_positions:
                     self._pass_positions = False
@@ -314,6 +330,12 @@ class OwnForward:
                     break
                 except Exception:  # noqa: BLE001 - tried again without them, then left to the requests
                     self.reset(-7)
+
+        with torch.no_grad():
+            # the first try also shows state the model keeps outside its cache (module attributes)
+            self.module_state = ModuleState.of(self.model, first, self._start)
+            if self.module_state is not None:
+                self._interleaved_try(run, tokens, close)
             if self.chunkable:
                 try:
                     whole = run([([-1], [12], [tokens[:, :12]])])
@@ -332,8 +354,37 @@ class OwnForward:
                     self.batchable = all(close(x, y) for x, y in zip(batched, single))
                 except Exception:  # noqa: BLE001 - a cache that cannot be stacked: one row at a time
                     self.batchable = False
-        for row in range(-7, 0):
+        for row in range(-10, 0):
             self.reset(row)
+
+    def _interleaved_try(self, run: Any, tokens: torch.Tensor, close: Any) -> None:
+        """A model with state in its module attributes: runs one request at a time (its decode
+        rows are not stacked), with each request's values put back around its forward. Two
+        requests interleaved must give what one alone gives, or the model is refused."""
+        assert self.module_state is not None
+        self.batchable = False
+        self.reset(-7)
+        names = describe(self.module_state.slots, self.model)
+        try:
+            alone = [run([([-8], [9], [tokens[:, :9]])]), run([([-8], [1], [tokens[:, 9:10]])])]
+            mixed = [run([([-9], [9], [tokens[:, :9]])])]
+            run([([-10], [6], [tokens[:, 3:9]])])
+            mixed.append(run([([-9], [1], [tokens[:, 9:10]])]))
+        except Exception as exc:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} keeps per-request state in module attributes ({names}) and failed "
+                f"when two requests were interleaved with their own values ({type(exc).__name__}: {exc})"
+            ) from exc
+        if not all(close(x, y) for x, y in zip(mixed, alone)):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} keeps per-request state in module attributes ({names}) that acb "
+                "cannot give each request on its own: two requests interleaved differ from one alone"
+            )
+        logger.info(
+            "%s keeps per-request state in module attributes (%s): its requests run one at a time, each on its own",
+            type(self.model).__name__,
+            names,
+        )
 
     # lifecycle ---------------------------------------------------------------
     def reset(self, row: int, prompt_len: int | None = None) -> None:
@@ -347,6 +398,7 @@ class OwnForward:
         self.single.pop(row, None)
         self.ids.pop(row, None)
         self.replays.pop(row, None)
+        self.held.pop(row, None)
         if prompt_len is not None and not self.chunkable:
             self.replays[row] = prompt_len
         if row in self.batch_rows:
@@ -361,17 +413,21 @@ class OwnForward:
         self.reset(dst)
         self.single[dst] = copy.deepcopy(self._take(src))
         self.ids[dst] = self.ids[src].clone()
+        if src in self.held:
+            self.held[dst] = copy.deepcopy(self.held[src])
 
     def clear(self) -> None:
         self.single.clear()
         self.ids.clear()
         self.replays.clear()
+        self.held.clear()
         self.batch = None
 
     def nbytes(self) -> int:
         from acb.runner.own_cache import cache_nbytes
 
         own = sum(cache_nbytes(_cache_of(kw)) for kw in self.single.values())
+        own += sum(ModuleState.nbytes(values) for values in self.held.values())
         return own + (self.batch.nbytes() if self.batch is not None else 0)
 
     # the batch ---------------------------------------------------------------
@@ -528,6 +584,8 @@ class OwnForward:
             group.append(seg)
         if group:
             self._prefill_batch(group, input_ids, want, out)
+        if self.module_state is not None:  # the user's model as it was between steps (a trainer's own forward)
+            self.module_state.restore(None)
         return torch.stack([t for t in out if t is not None]) if out else input_ids.new_empty((0, 0)).float()
 
     @staticmethod
@@ -567,7 +625,7 @@ class OwnForward:
         kw = self.single.get(row)
         first = kw is None
         if kw is None:
-            kw = {"use_cache": True}
+            kw = {"use_cache": True, **self._new_cache()}
         if self._pass_positions:  # as model.generate hands them to a model whose forward takes them
             kw["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None]
         inputs = model.prepare_inputs_for_generation(
@@ -577,12 +635,30 @@ class OwnForward:
             inputs["logits_to_keep"] = n - min(keep, default=n - 1)
         # counted from the end: the model may return logits for fewer or more positions
         picked = [t - n for t in keep]
+        state = self.module_state
+        if state is not None:  # the request's own values of the model's module state (None: a new request's)
+            state.restore(None if first else self.held.get(row))
         outputs = model(**inputs, return_dict=True)
+        if state is not None:
+            self.held[row] = state.save()
         self.single[row] = model._update_model_kwargs_for_generation(
             outputs, kw, is_encoder_decoder=bool(getattr(self.config, "is_encoder_decoder", False)), num_new_tokens=n
         )
         logits = outputs.logits[0]
         return logits[picked] if keep else logits[:0]
+
+    def _new_cache(self) -> dict[str, Any]:
+        """The cache ``model.generate`` hands a request's first call, under the name it uses (none
+        for a model that makes its own in its generation hooks). A model that does not return its
+        cache (RecurrentGemma) keeps this one: without it, each call would start from nothing."""
+        model = self.model
+        supports = getattr(model, "_supports_default_dynamic_cache", None)
+        if getattr(self.config, "is_encoder_decoder", False) or supports is None or not supports():
+            return {}
+        from transformers import DynamicCache
+
+        name = "cache_params" if "mamba" in type(model).__name__.lower() else "past_key_values"
+        return {name: DynamicCache(config=self.config.get_text_config(decoder=True))}
 
     def _run(
         self,

@@ -101,6 +101,33 @@ def check_model(model: PreTrainedModel) -> None:
     # alone, which is what acb runs, is causal throughout
     if bidirectional and bidirectional != "vision":
         raise UnsupportedModelError(f"{name} uses bidirectional attention; acb runs causal attention only")
+    held = _module_state(model)
+    if held:
+        # one flattened forward runs every request of a step: module attributes cannot be per request
+        raise UnsupportedModelError(
+            f"{name} keeps per-request state in module attributes outside its cache object ({held}); "
+            "acb's paged forward runs a step's requests together"
+        )
+
+
+def _module_state(model: PreTrainedModel) -> str | None:
+    """The module attributes a short forward of the model with its own cache sets (the model's
+    values are put back after), by name; None when there are none, or when the try cannot tell
+    (a forward that fails here, or a model split over ranks)."""
+    from acb.runner.module_state import ModuleState, describe
+
+    if tp_size_of(model) > 1:
+        return None
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        return None
+    ids = torch.arange(4, device=model_device(model))[None] % vocab
+    try:
+        with torch.no_grad():
+            found = ModuleState.of(model, lambda: model(input_ids=ids, use_cache=True))
+    except Exception:  # noqa: BLE001 - a model whose bare forward needs more: the other checks decide
+        return None
+    return None if found is None else describe(found.slots, model)
 
 
 def _attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
