@@ -31,6 +31,7 @@ import copy
 import operator
 import os
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +163,9 @@ def model_names(
             converter = merging.get(renamed)
             if converter is None:
                 converter = merging[renamed] = copy.deepcopy(by_pattern[pattern])
-            converter.add_tensor(renamed, name, pattern, tensor)
+            ready: Future[torch.Tensor] = Future()  # (what transformers' loading collects: futures)
+            ready.set_result(tensor)
+            converter.add_tensor(renamed, name, pattern, ready)
     for first, converter in merging.items():
         sources = sorted({s for group in converter.layer_targets.values() for s in group}, key=dot_natural_key)
         try:
