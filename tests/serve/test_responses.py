@@ -117,8 +117,8 @@ def test_a_finished_response_carries_its_weight_version(server, client, checkpoi
     """Every response says which weights made it (``docs/guides/rl.md``), a Responses one too, and
     the ``response.completed`` event's. The update loads the very checkpoint the server serves
     (the same weights: the module's other tests are unaffected) under a new version; before it, a
-    version no output could carry (a list, the spans' form; a NaN) is a 400 naming it, and the
-    server goes on as it was."""
+    version no output could carry (a list, the spans' form; a NaN), from disk or pushed by a
+    trainer, is refused naming it (a 400), and the server goes on as it was."""
     first = client.responses.create(model=NAME, input="which weights?", max_output_tokens=3, temperature=0)
     version = first.weight_version
     assert isinstance(version, int)
@@ -127,6 +127,19 @@ def test_a_finished_response_carries_its_weight_version(server, client, checkpoi
         status, _, answer = raw(server.port, "POST", "/update_weights_from_disk", body)
         assert status == 400 and "weight_version" in check_error_body(answer, status)["message"]
         assert client.responses.create(model=NAME, input="hi", max_output_tokens=3).weight_version == version
+    # a trainer's push: refused at the handshake, before any tensor moves
+    from acb.rl import WeightPusher, WeightPushError
+    from tests.serve.test_openai_server import _free_port
+
+    pusher = WeightPusher([server.url.removesuffix("/v1")], master_port=_free_port(), timeout_s=60)
+    try:
+        for bad in ([7, 8], float("nan")):
+            with pytest.raises(WeightPushError, match="weight_version") as refused:
+                pusher.push(checkpoint.model, version=bad)
+            assert refused.value.statuses == (400,)  # (not a 500 after a broadcast for nothing)
+    finally:
+        pusher.close()
+    assert client.responses.create(model=NAME, input="hi", max_output_tokens=3).weight_version == version
     status, _, answer = raw(
         server.port, "POST", "/update_weights_from_disk", {"model_path": str(checkpoint.dir), "weight_version": "v-7"}
     )
