@@ -1,0 +1,83 @@
+"""Prefix reuse for every layer kind, exact against ``model.generate``.
+
+A request whose prompt is exactly a prefix of whole blocks (``max_new_tokens=1``), or that prefix
+and a few tokens more, then three requests that extend the prefix: the three read the prefix from
+the cache where the kind is cached (they report ``num_cached_tokens``), and give
+``model.generate``'s tokens either way. One family per kind of layer acb knows: full attention,
+sliding windows with soft-capping, per-layer page shapes (Gemma 4), the MLA latent (DeepSeek V3),
+indexed sparse attention's key-only index pages (DeepSeek V3.2, GLM-5 DSA with a shared indexer),
+linear-attention states beside attention (Qwen3-Next), pure state-space layers (Mamba2), attention
+on the model's own cache (GPT-J), DeepSeek V4's own-cache layers. Tiny configs are the catalogue
+sweep's (every layer kind kept). The kinds acb does not reuse yet keep prefix caching off and say
+so (``num_cached_tokens`` 0): issue 53 is to reuse them too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import acb
+from tests.conftest import prompts_of_lengths
+from tests.test_model_sweep import ms
+
+PAGE = 8
+PREFIX = 5 * PAGE  # whole blocks
+MAX_NEW = 6
+
+# arch -> whether its prefix is reused today
+KINDS = {
+    "llama": True,
+    "gemma2": True,
+    "gemma4_text": True,
+    "deepseek_v3": True,
+    "deepseek_v32": True,
+    "glm_moe_dsa": True,
+    "qwen3_next": False,
+    "mamba2": False,
+    "gptj": False,
+    "deepseek_v4": False,
+}
+
+
+@functools.cache
+def model_of(arch: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(ms.tiny_config(arch), dtype=torch.float32).eval()
+
+
+def reference(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("first", ["exactly", "longer"])
+@pytest.mark.parametrize("arch", sorted(KINDS))
+def test_a_prefix_is_reused_exactly(arch, first):
+    model = model_of(arch)
+    vocab = int(model.config.get_text_config().vocab_size)
+    prefix = prompts_of_lengths([PREFIX], vocab=vocab, seed=7)[0]
+    tails = prompts_of_lengths([3, 9, 17], vocab=vocab, seed=8)
+    head = prefix if first == "exactly" else prefix + tails[2][:5]
+    prompts = [prefix + t for t in tails]
+    # the first with exactly the prefix on the plain path; the longer one under async batching
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=64, page_size=PAGE, allow_block_sharing=True, use_async_batching=first == "longer"
+    )
+    with acb.Engine(model, cfg) as eng:
+        eng.generate(head, max_new_tokens=1, ignore_eos=True)
+        outs = list(eng.generate_batch(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False).values())
+    assert [o.num_cached_tokens for o in outs] == [PREFIX if KINDS[arch] else 0] * 3
+    assert [o.generated_tokens for o in outs] == [reference(model, p) for p in prompts]
