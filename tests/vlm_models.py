@@ -355,6 +355,94 @@ def _internvl() -> tuple[Any, Any]:
     return config, processor
 
 
+def _gemma4(bidirectional: str | None) -> tuple[Any, Any]:
+    """Gemma 4's conditional model, its text config a 26B-A4B's in small (sliding and full layers,
+    the full ones K=V with one wider KV head, an MoE block in every layer), with
+    ``use_bidirectional_attention=bidirectional`` (None: causal; "vision": an image's tokens see
+    each other both ways on the sliding layers)."""
+    from transformers import Gemma4Config, Gemma4Processor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    # (the processor needs the audio tokens, and the config the video and audio token ids)
+    tok = _tokenizer(
+        {
+            "boi_token": "<|image>",
+            "eoi_token": "<image|>",
+            "image_token": "<|image|>",
+            "boa_token": "<|audio>",
+            "eoa_token": "<audio|>",
+            "audio_token": "<|audio|>",
+        }
+    )
+    patch, pool, tokens = 4, 2, 70  # 70: the fewest soft tokens per image the processor supports
+    image_processor = Gemma4ImageProcessorPil(patch_size=patch, pooling_kernel_size=pool, max_soft_tokens=tokens)
+    processor = _processor(
+        Gemma4Processor,
+        feature_extractor=None,
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=_chat_template("<|image|>"),
+        image_seq_length=tokens,
+    )
+    text = dict(
+        _TEXT,
+        num_hidden_layers=6,
+        vocab_size=len(tok),
+        vocab_size_per_layer_input=len(tok),
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=8,  # shorter than an image: its tokens see their whole image ahead (not behind)
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        final_logit_softcapping=30.0,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        use_bidirectional_attention=bidirectional,
+    )
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=dict(
+            _VISION,
+            num_key_value_heads=2,
+            head_dim=16,
+            patch_size=patch,
+            pooling_kernel_size=pool,
+            position_embedding_size=64,
+        ),
+        audio_config=None,
+        image_token_id=tok.image_token_id,
+        boi_token_id=tok.boi_token_id,
+        eoi_token_id=tok.eoi_token_id,
+        video_token_id=processor.video_token_id,
+        audio_token_id=tok.audio_token_id,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+    )
+    return config, processor
+
+
+@functools.cache
+def tiny_gemma4(bidirectional: str | None = None) -> tuple[torch.nn.Module, Any]:
+    """A tiny random Gemma 4 conditional model (float32, eval mode) and its processor (see
+    :func:`_gemma4`); the same weights for every ``bidirectional``. Cached, as :func:`tiny_vlm`."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    config, processor = _gemma4(bidirectional)
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config)
+    gen = model.generation_config
+    gen.do_sample = False
+    gen.eos_token_id = None
+    gen.pad_token_id = 0
+    return model.eval(), processor
+
+
 _BUILDERS = {
     "qwen3_vl": functools.partial(_qwen_vl, "qwen3_vl"),
     "qwen3_5": functools.partial(_qwen_vl, "qwen3_5"),

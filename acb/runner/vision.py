@@ -21,6 +21,11 @@ step prefills put back (a chunk boundary may cut an image's tokens anywhere), an
 models, its positions. Entries are keyed by the request's images and tokens; they stay while a
 row uses them and, after, in a byte-bounded LRU, so that a recompute after a preemption, or the
 same images again, does not run the vision encoder again.
+
+Some models' image tokens also attend to their image's later tokens in prefill, on some layers
+(Gemma 3 on every layer; Gemma 4 on its sliding ones, with ``use_bidirectional_attention="vision"``):
+:func:`bidirectional_layers` reads which from the masks the model's own code builds, and a step's
+:class:`ImageBlocks` tell the attention backend each such prefill segment's image blocks.
 """
 
 from __future__ import annotations
@@ -40,16 +45,125 @@ import torch
 if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
     from acb.core.request import Request
+    from acb.runner.kv_cache import KVCache
 
-__all__ = ["Embedded", "ImageEmbedder", "bidirectional_images", "takes_images"]
+__all__ = ["Embedded", "ImageBlocks", "ImageEmbedder", "bidirectional_images", "bidirectional_layers", "takes_images"]
 
 
 def bidirectional_images(model: Any) -> bool:
-    """The model's image tokens attend to each other both ways in prefill (Gemma 3's, found by
-    the mask helper its code calls: image blocks from the processor's token types)."""
-    from acb.runner.intercept import code_names
+    """The model's image tokens attend to each other both ways in prefill, on some of its layers
+    (:func:`bidirectional_layers`)."""
+    return bool(bidirectional_layers(model))
 
-    return any("get_block_sequence_ids_for_mask" in code_names(type(m)) for m in model.modules())
+
+# one language-model stand-in at a time: it replaces the decoder's forward on the model object
+_STAND_IN = threading.Lock()
+
+
+def _language_model_arguments(model: Any, **inputs: Any) -> dict[str, Any]:
+    """The keyword arguments the model's own forward hands its language model for ``inputs`` (the
+    language model is not run: its forward is replaced, for the call, by one that records them)."""
+    seen: dict[str, Any] = {}
+
+    def stand_in(*args: Any, **kw: Any) -> Any:
+        seen.update(kw)
+        if args:
+            seen.setdefault("inputs_embeds", args[0] if args[0] is not None else None)
+        raise _Captured
+
+    decoder = model.get_decoder()
+    with _STAND_IN:
+        decoder.forward = stand_in
+        try:
+            model(use_cache=False, **inputs)
+        except _Captured:
+            pass
+        finally:
+            del decoder.forward
+    return seen
+
+
+def bidirectional_layers(model: Any) -> frozenset[int]:
+    """The language model's layers on which an image's tokens attend to each other both ways in
+    prefill (each also sees its image's later tokens, within the layer's window; everything else
+    stays causal), as the model's own code decides: Gemma 3 on every layer; Gemma 4 on its
+    sliding-window layers only, and only with ``use_bidirectional_attention="vision"`` in its text
+    config (``None``, its smaller models', is causal throughout).
+
+    Models whose code builds image blocks for its masks (it calls ``get_block_sequence_ids_for_mask``)
+    are asked at start: the model's forward runs on a probe prompt (text, an image's placeholder
+    tokens, text, another image, text; per-token types as its processor marks them; no pixels) up
+    to its language model, and the masks it built (one per layer type, by its own attention
+    implementation) are read where an image's first token meets its last. So the config fields and
+    layer types its code reads are the ones that decide, whatever they are. A mask acb's attention
+    cannot reproduce (an image seeing the next image, text seeing a later image) is refused."""
+    from acb.errors import UnsupportedModelError
+    from acb.images import image_token_id
+    from acb.runner.intercept import code_names
+    from acb.runner.tp_sync import tp_size_of
+
+    if not takes_images(model) or tp_size_of(model) > 1:  # (images are not run under tensor parallel)
+        return frozenset()
+    if not any("get_block_sequence_ids_for_mask" in code_names(type(m)) for m in model.modules()):
+        return frozenset()
+    import inspect
+
+    config = model.config
+    text = config.get_text_config()
+    image = image_token_id(config)
+    assert image is not None
+    specials = {
+        v
+        for c in (config, text)
+        for k, v in vars(c).items()
+        if isinstance(v, int) and (k.endswith("token_id") or k.endswith("token_index"))
+    }
+    word = next(i for i in range(3, text.vocab_size) if i not in specials)
+    ids = torch.tensor([[word, image, image, image, word, image, image, word]], device=next(model.parameters()).device)
+    types = (ids == image).long()
+    params = inspect.signature(type(model).forward).parameters
+    inputs: dict[str, Any] = {name: types for name in params if name.endswith("token_type_ids")}
+    name = type(model).__name__
+    try:
+        with torch.no_grad():
+            masks = _language_model_arguments(model, input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"cannot tell which of {name}'s layers let an image's tokens attend to each other both ways: its "
+            f"forward on a probe prompt failed ({type(exc).__name__}: {exc})"
+        ) from exc
+    mask = masks.get("attention_mask")
+    n = int(text.num_hidden_layers)
+    layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
+    out = set()
+    for i, kind in enumerate(layer_types[:n]):
+        m = mask.get(kind) if isinstance(mask, dict) else mask
+        if _attends(m, 0, 1) or _attends(m, 1, 5):
+            raise UnsupportedModelError(
+                f"{name}'s {kind} layers let a text token see a later image, or an image the next one: "
+                "acb's attention lets an image's tokens see their own image only"
+            )
+        if _attends(m, 1, 3):
+            out.add(i)
+    return frozenset(out)
+
+
+def _attends(mask: Any, q: int, kv: int) -> bool:
+    """Whether query ``q`` sees key ``kv`` in the first row of a mask the model's attention
+    implementation built: a boolean or additive 4-D tensor, flex attention's block mask, or None
+    or a 2-D padding mask (causal: the implementation's own default)."""
+    mod = getattr(mask, "mask_mod", None)
+    if mod is not None:  # flex attention's BlockMask
+        device = mask.kv_indices.device
+
+        def at(i: int) -> torch.Tensor:
+            return torch.tensor(i, device=device)
+
+        return bool(mod(at(0), at(0), at(q), at(kv)))
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return kv <= q
+    value = mask[0, 0, q, kv]
+    return bool(value) if value.dtype == torch.bool else bool(value == 0)
 
 
 def takes_images(model: Any) -> bool:
@@ -86,6 +200,24 @@ class Embedded:
         return int(self.rows.nbytes + self.positions.nbytes + sum(t.nbytes for t in extra))
 
 
+@dataclass
+class ImageBlocks:
+    """A step's prefill segments whose image tokens attend to their whole image, and the model's
+    layers where they do (:func:`bidirectional_layers`; the others are causal). The attention
+    backend's prefill masks read them (``acb.runner.attention.torch_backend``)."""
+
+    segments: dict[int, torch.Tensor]  # flattened start -> each context position's image block (-1: text)
+    layers: frozenset[int]  # the model's layer indices
+    _cache_layers: frozenset[int] | None = None
+
+    def on(self, cache: KVCache, layer: int) -> bool:
+        """Whether the cache layer ``layer``'s attention takes the blocks (a KV-shared layer reads
+        the cache layer of an earlier layer of its own type)."""
+        if self._cache_layers is None:
+            self._cache_layers = frozenset(cache.layer_of(i) for i in self.layers)
+        return layer in self._cache_layers
+
+
 class ImageEmbedder:
     """Runs the model's own vision code for the requests of a step (see the module docstring)."""
 
@@ -105,14 +237,14 @@ class ImageEmbedder:
         self._stale: set[bytes] = set()
         self.mrope = False  # the model's positions have several rows (found at the first capture)
         self._lm_kwargs: dict[str, Any] = {}  # the step's extra language-model arguments
-        self.bidirectional = bidirectional_images(model)
-        # the step's prefill segments whose image blocks attend both ways: their flattened start
-        # -> the block of each of their context positions (acb.runner.attention.torch_backend)
-        self.step_groups: dict[int, torch.Tensor] = {}
+        # the language model's layers on which an image's tokens attend to each other both ways
+        self.layers = bidirectional_layers(model)
+        self.bidirectional = bool(self.layers)
+        # the step's prefill segments whose image blocks attend both ways (None: none)
+        self.step_groups: ImageBlocks | None = None
         self.encoder_s = 0.0  # seconds in the model's own vision code (figures)
         self.captures = 0  # requests whose images the model's own code ran on
         self.capture_calls = 0  # calls of it (several requests of a step go together)
-        self._lock = threading.Lock()
 
     # lifecycle ---------------------------------------------------------------
     def release(self, row: int) -> None:
@@ -227,28 +359,12 @@ class ImageEmbedder:
                 ).to(self.device)
             else:  # images (or their patches, sizes, counts) along the first dimension
                 kwargs[name] = torch.cat(values).to(self.device)
-        seen: dict[str, Any] = {}
-
-        def stand_in(*args: Any, **kw: Any) -> Any:
-            seen.update(kw)
-            if args:
-                seen.setdefault("inputs_embeds", args[0] if args[0] is not None else None)
-            raise _Captured
-
-        decoder = self.decoder
-        with self._lock:
-            decoder.forward = stand_in
-            try:
-                self.model(input_ids=ids, attention_mask=attn, use_cache=False, **kwargs)
-            except _Captured:
-                pass
-            finally:
-                del decoder.forward
+        seen = _language_model_arguments(self.model, input_ids=ids, attention_mask=attn, **kwargs)
         embeds = seen.get("inputs_embeds")
         if embeds is None:
             raise RuntimeError(
                 f"{type(self.model).__name__} did not hand inputs_embeds to its language model "
-                f"({type(decoder).__name__}); acb cannot run its images"
+                f"({type(self.decoder).__name__}); acb cannot run its images"
             )
         plain = self.embed(ids)
         pos = seen.get("position_ids")
@@ -292,7 +408,7 @@ class ImageEmbedder:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``inputs_embeds`` ``[1, T, D]`` and ``position_ids`` (``[1, T]``, or ``[R, 1, T]`` for
         M-RoPE) for a step with image requests in it; None when it has none."""
-        self.step_groups = {}
+        self.step_groups = None
         with_images = [
             i
             for i, req in enumerate(sched.requests)
@@ -325,7 +441,9 @@ class ImageEmbedder:
                 groups = entry.groups[:end]
                 if end > entry.prompt_len:
                     groups = torch.cat([groups, groups.new_full((end - entry.prompt_len,), -1)])
-                self.step_groups[off] = groups
+                if self.step_groups is None:
+                    self.step_groups = ImageBlocks({}, self.layers)
+                self.step_groups.segments[off] = groups
             if start < entry.prompt_len:  # this step prefills part of the prompt: its image rows
                 sel = (entry.positions >= start) & (entry.positions < start + n)
                 if bool(sel.any()):

@@ -2,7 +2,8 @@
 
 Seven tiny random VLMs built in code (:mod:`tests.vlm_models`: Qwen3-VL with DeepStack and
 four-row M-RoPE, Qwen3.5 with linear-attention layers, Gemma 3 whose image tokens attend both
-ways, LLaVA-OneVision, Idefics3, InternVL, LLaVA), each with its own processor. Requests with one
+ways, LLaVA-OneVision, Idefics3, InternVL, LLaVA), each with its own processor; and Gemma 4, whose
+image tokens attend both ways on its sliding layers when its config says so. Requests with one
 image, two images of different sizes and none run in one batch; greedy tokens must equal
 ``model.generate`` on the same processor outputs, whole, with chunk boundaries inside an image's
 tokens, and under preemption with async batching. Scoring an image prompt equals a plain
@@ -19,7 +20,9 @@ import pytest
 import torch
 
 import acb
-from tests.vlm_models import ARCHS, image, messages, tiny_vlm
+from acb.errors import UnsupportedModelError
+from acb.runner.vision import bidirectional_layers
+from tests.vlm_models import ARCHS, image, messages, tiny_gemma4, tiny_vlm
 
 MAX_NEW = 6
 
@@ -68,7 +71,69 @@ def test_greedy_parity_with_and_without_images(arch, mode):
             assert eng.stats.preemptions > 0
         # the vision encoder ran once per request with images, whatever the chunks and recomputes
         assert eng.runner.vision.captures == 3
+        # Gemma 3's image tokens see their whole image on every layer (the others: on none)
+        assert eng.runner.vision.layers == ({0, 1} if arch == "gemma3" else set())
     assert got == [reference(arch, c) for c in cs]
+
+
+# Gemma 4 (transformers' Gemma4Model.forward and create_masks_for_vision_model): with
+# use_bidirectional_attention="vision", an image's tokens see each other both ways on the sliding
+# layers and causally on the full ones; with None (the smaller models') every layer is causal. The
+# greedy tokens of the first two chats tell causal, sliding layers only and every layer apart.
+GEMMA4_CHATS = [
+    messages([image(4)], "describe this"),
+    messages([image(4)], "what is it?"),
+    messages([image(2), image(3, (40, 56))], "two images"),
+]
+
+
+def test_gemma4_image_attention_follows_its_config_and_layer_types():
+    """Gemma 4's image tokens attend as its own code decides, from its config and per layer type:
+    exact against ``model.generate`` for ``use_bidirectional_attention`` None and "vision", whole
+    and in prefill chunks (never cut inside an image) with async batching. (acb once applied both
+    ways to every layer of every Gemma 4, decided from the model's code alone.)"""
+    want = {}
+    for setting in (None, "vision"):
+        model, processor = tiny_gemma4(setting)
+        want[setting] = []
+        for chat in GEMMA4_CHATS:
+            inputs = processor.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            )
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+            want[setting].append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    assert want[None][:2] != want["vision"][:2]  # (the setting changes these chats' tokens)
+    sliding = {i for i, kind in enumerate(model.config.text_config.layer_types) if kind == "sliding_attention"}
+    for setting in (None, "vision"):
+        model, processor = tiny_gemma4(setting)
+        for mode in (dict(), dict(max_batch_tokens=16, use_async_batching=True)):
+            cfg = acb.ContinuousBatchingConfig(num_blocks=96, page_size=8, **mode)
+            with acb.Engine(model, cfg, processor=processor) as eng:
+                assert eng.runner.vision.layers == (sliding if setting else set())
+                outs = eng.generate_batch(GEMMA4_CHATS, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
+            assert [o.generated_tokens for o in outs.values()] == want[setting], (setting, mode)
+
+
+def test_image_layers_are_read_from_the_models_own_masks(monkeypatch):
+    """The layers whose image tokens attend both ways are read from the masks the model's own code
+    builds, whatever its attention implementation (SDPA's boolean masks, eager's additive ones);
+    a mask acb cannot reproduce (one block for all of a prompt's images) refuses the model."""
+    model, _ = tiny_vlm("gemma3")
+    own = model.config._attn_implementation
+    try:
+        for impl in ("sdpa", "eager"):
+            model.set_attn_implementation(impl)
+            assert bidirectional_layers(model) == {0, 1}, impl
+    finally:
+        model.set_attn_implementation(own)
+    import transformers.models.gemma3.modeling_gemma3 as gemma3
+
+    monkeypatch.setattr(
+        gemma3, "get_block_sequence_ids_for_mask", lambda types, device=None: torch.where(types == 1, 0, -1)
+    )
+    with pytest.raises(UnsupportedModelError, match="an image the next one"):
+        bidirectional_layers(model)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3", "idefics3"])

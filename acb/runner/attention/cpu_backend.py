@@ -82,7 +82,11 @@ class CpuBackend(TorchBackend):
         if (
             md.kernel_rows is None
             or la.index is not None
-            or (md.image_groups and any(p.q_start in md.image_groups for p in md.kernel_prefills))
+            or (
+                la.images
+                and md.image_groups is not None
+                and any(p.q_start in md.image_groups.segments for p in md.kernel_prefills)
+            )
             or q.dtype != torch.float32
             or k_pages.dtype != torch.float32
             or q.device.type != "cpu"

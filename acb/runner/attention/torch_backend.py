@@ -16,13 +16,16 @@ page, every time. A decode group is gathered and attended a few MB of K/V at a t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from acb.runner.attention import BatchInputs, StepContext
 from acb.runner.indexed import allowed_keys
+
+if TYPE_CHECKING:
+    from acb.runner.vision import ImageBlocks
 
 # a decode row starts a new group when its pages are fewer than this share of the group's
 # longest row's (so a group pads at most ~1/0.7 of its real context), up to MAX_GROUPS groups
@@ -61,9 +64,10 @@ class TorchMetadata:
     decode: list[_DecodeGroup]
     prefills: list[_Prefill]
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
-    # prefill segments (by flattened start) whose image tokens attend to their whole image (Gemma
-    # 3): the image block of each context position, -1 for text (acb.runner.vision)
-    image_groups: dict[int, torch.Tensor] | None = None
+    # prefill segments whose image tokens attend to their whole image on some layers (Gemma 3's
+    # every layer, Gemma 4's sliding ones): each context position's image block, and those layers
+    # (acb.runner.vision)
+    image_groups: ImageBlocks | None = None
     # the CPU backend's decode rows for its kernel: the block table, and each row's batch index,
     # token index and context length (acb.runner.attention.cpu_backend)
     kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -82,6 +86,7 @@ class LayerAttention:
     sinks: torch.Tensor | None
     chunk: int | None
     index: torch.Tensor | None
+    images: bool = False  # its prefill masks let an image's tokens see their whole image (the step's image blocks)
 
 
 def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
@@ -190,12 +195,12 @@ class TorchBackend:
         return m
 
     def _prefill_mask(
-        self, md: TorchMetadata, k: int, p: _Prefill, window: int | None, chunk: int | None
+        self, md: TorchMetadata, k: int, p: _Prefill, window: int | None, chunk: int | None, images: bool
     ) -> torch.Tensor | None:
-        groups = md.image_groups.get(p.q_start) if md.image_groups else None
+        groups = md.image_groups.segments.get(p.q_start) if images and md.image_groups is not None else None
         if p.blocks is None and window is None and chunk is None and groups is None:
             return None  # plain causal over the chunk: SDPA's is_causal
-        key = ("p", k, window, chunk)
+        key = ("p", k, window, chunk, groups is not None)
         m = md._masks.get(key)
         if m is None:
             device = md.slot_mapping.device
@@ -241,7 +246,8 @@ class TorchBackend:
 
         q = query[0]  # [H, T, D]
         out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
-        la = LayerAttention(scaling, sliding_window, softcap, sinks, chunk, index)
+        images = md.image_groups is not None and md.image_groups.on(cache, layer)
+        la = LayerAttention(scaling, sliding_window, softcap, sinks, chunk, index, images)
         if md.decode or md.kernel_prefills:
             self._decode(md, q, k_pages, v_pages, out, la)
         for k, p in enumerate(md.prefills):
@@ -272,7 +278,7 @@ class TorchBackend:
         else:
             kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
             vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk)
+        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk, la.images)
         if la.index is not None:  # indexed attention: of the causal keys, those the indexer selected
             if mask is None:
                 mask = torch.ones(n, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - n)
