@@ -1,10 +1,10 @@
 """The sinks that carry results from the engine thread to callers, and :func:`deliver`.
 
 The engine thread hands each step's results to :func:`deliver` as one list. Results for
-requests awaited on an event loop are grouped per loop and sent with **one** thread-safe,
-non-blocking call per loop per step; on the loop, each request's :class:`AsyncSink` appends
-the new tokens to what its consumer has not read yet, so a slow consumer gets several steps
-coalesced into one delta. Requests consumed from plain threads use :class:`ThreadSink` (a
+requests awaited on an event loop are posted to each request's :class:`AsyncSink` (in the
+engine's order) and the loops are called with **one** thread-safe, non-blocking call per loop
+per step; on the loop, the sink appends what was posted to what its consumer has not read yet,
+so a slow consumer gets several steps coalesced into one delta. Requests consumed from plain threads use :class:`ThreadSink` (a
 ``threading.Condition``; no event loop needed).
 
 Text is decoded in one place per request: here, on the consumer's side, by an
@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -190,25 +191,40 @@ class _SinkState:
 class AsyncSink:
     """Results of one request for event-loop consumers (asyncio or trio), awaitable from any loop.
 
-    The engine delivers to the sink's ``loop`` (the submitting loop, or the loop of the consumer
-    that waited last) with one ``call_soon_threadsafe`` per loop per step. A consumer waiting on
-    another loop is woken through its own loop, and the sink then follows it there. The state
-    is guarded by a lock, since a push and a consumer on another loop run on different threads.
+    The engine posts each delivery (:meth:`post`, in its order) and calls the sink's ``loop``
+    (the submitting loop, or the loop of the consumer that waited last) to :meth:`push` it, with
+    one ``call_soon_threadsafe`` per loop per step. A consumer waiting on another loop is woken
+    through its own loop, and the sink then follows it there. So two steps in a row may be
+    pushed from two loops, and the later step's call may run first (its loop's thread ran while
+    the other's did not): a push therefore adds everything posted so far, in the engine's order,
+    and a later call finds nothing left. The state is guarded by a lock, since a push and a
+    consumer on another loop run on different threads.
     """
 
-    __slots__ = ("loop", "state", "_lock", "_waiters")
+    __slots__ = ("loop", "state", "_lock", "_waiters", "_posted")
 
     def __init__(self, request_id: str, loop: Any) -> None:
         self.loop = loop  # an asyncio loop or a _TrioLoop
         self.state = _SinkState(request_id)
         self._lock = threading.Lock()
         self._waiters: list[tuple[Any, Any]] = []  # (loop, future) of consumers waiting for a push
+        # deliveries posted by the engine thread, not yet pushed (a deque: appends and pops are atomic)
+        self._posted: deque[Delivery] = deque()
 
-    def push(self, d: Delivery, here: Any = None) -> None:
-        """Add one delivery; ``here`` is the loop this runs on (None: another thread, when the
-        sink's loop is closed). Waiters on ``here`` are woken directly, others through their loop."""
+    def post(self, d: Delivery) -> None:
+        """On the engine thread: queue one delivery for the next :meth:`push`, from whichever loop."""
+        self._posted.append(d)
+
+    def push(self, here: Any = None) -> None:
+        """Add every delivery posted so far, in order; ``here`` is the loop this runs on (None:
+        another thread, when the sink's loop is closed). Waiters on ``here`` are woken directly,
+        others through their loop."""
         with self._lock:
-            self.state.add(d)
+            posted = self._posted
+            if not posted:  # an earlier push (from another loop) took them
+                return
+            while posted:
+                self.state.add(posted.popleft())
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
             if loop is here:
@@ -315,10 +331,10 @@ def _call_back(fn: Callable[..., Any], request_id: str, *args: Any) -> None:
         logger.exception("a result callback for request %r raised", request_id)
 
 
-def _push_all(batch: list[tuple[Any, Delivery]], here: Any = None) -> None:
-    """Push a batch of deliveries into their AsyncSinks, on loop ``here`` (None: on another thread)."""
-    for sink, d in batch:
-        _call_back(sink.push, sink.state.request_id, d, here)
+def _push_all(batch: list[AsyncSink], here: Any = None) -> None:
+    """Push what was posted to these AsyncSinks, on loop ``here`` (None: on another thread)."""
+    for sink in batch:
+        _call_back(sink.push, sink.state.request_id, here)
 
 
 class SinkRegistry:
@@ -346,7 +362,7 @@ class SinkRegistry:
         """One ``call_soon_threadsafe`` per loop per step. It never raises: a failing sink or
         callback is logged, and the other results still go out."""
         sinks = self._sinks
-        per_loop: dict[Any, list[tuple[Any, Delivery]]] = {}
+        per_loop: dict[Any, dict[AsyncSink, None]] = {}  # (a sink once per loop: n > 1 samples post several)
         for d in items:
             sink = sinks.pop(d.key, None) if d.final is not None else sinks.get(d.key)
             if sink is None:
@@ -355,10 +371,11 @@ class SinkRegistry:
             if loop is None:  # a ThreadSink (or a caller's own sink without a loop): push from here
                 _call_back(sink.push, sink.state.request_id, d)
             else:
-                per_loop.setdefault(loop, []).append((sink, d))
+                sink.post(d)
+                per_loop.setdefault(loop, {})[sink] = None
         for loop, batch in per_loop.items():
             try:
-                loop.call_soon_threadsafe(_push_all, batch, loop)
+                loop.call_soon_threadsafe(_push_all, list(batch), loop)
             except RuntimeError:  # that loop is closed: the sinks are thread-safe, so push from here
                 # (a consumer on another loop may still await them)
-                _push_all(batch)
+                _push_all(list(batch))

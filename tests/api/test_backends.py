@@ -205,23 +205,99 @@ async def test_text_streams():
     assert sum((d.token_ids for d in deltas), []) == ref
 
 
+class StepGate:
+    """A forward pre-hook on a model's input embeddings: each forward (one engine step) waits for a
+    permit from the test, until :meth:`open`. ``started`` counts the forwards begun."""
+
+    def __init__(self, model) -> None:
+        self.started = 0
+        self._permits = threading.Semaphore(0)
+        self._opened = False
+        self._changed = threading.Condition()
+        self._hook = model.get_input_embeddings().register_forward_pre_hook(self._gate)
+
+    def _gate(self, _module, _args) -> None:
+        with self._changed:
+            self.started += 1
+            self._changed.notify_all()
+        if not self._opened:
+            assert self._permits.acquire(timeout=HANG_GUARD), "the test never let this step run"
+
+    def allow(self, n: int) -> None:
+        self._permits.release(n)
+
+    def wait_started(self, n: int) -> None:
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.started >= n, HANG_GUARD), f"{self.started} steps, not {n}"
+
+    def open(self) -> None:
+        self._opened = True
+        self._permits.release(1_000)
+
+    def remove(self) -> None:
+        self.open()
+        self._hook.remove()
+
+
 async def test_one_handle_awaited_on_two_loops_at_once(anyio_backend):
-    # this loop streams; a loop of the other library, on another thread, awaits the result meanwhile
-    ref = reference_generate(get_model("llama"), [5, 6, 7], 60)  # before the engine runs
+    """This loop streams while a loop of the other library, on another thread, awaits the result.
+
+    The engine calls the loop of the consumer that waited last, so two steps in a row may be
+    pushed from two loops; a loop whose thread does not run for a while (a loaded machine) held
+    its step back while the next step reached the stream through the other loop: the stream gave
+    the tokens out of order (tokens 34 and 35 swapped, seen "under load"). Constructed here: the
+    other loop waits for the result, then stalls while the first steps are posted to it; this loop
+    then waits on the stream and gets the later steps. The stream must still be in order."""
+    model = get_model("llama")
+    ref = reference_generate(model, [5, 6, 7], 60)  # before the engine runs
     async with engine() as eng:
-        h = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=60))
-        other: dict[str, acb.GenerationOutput] = {}
+        gate = StepGate(model)
+        try:
+            h = await eng.submit([5, 6, 7], acb.SamplingParams(max_new_tokens=60))
+            waiting, thaw = threading.Event(), threading.Event()
 
-        async def elsewhere():
-            other["out"] = await anyio.to_thread.run_sync(
-                lambda: anyio.run(h.result, backend=other_backend(anyio_backend))
-            )
+            async def there() -> acb.GenerationOutput:  # on the other loop, in another thread
+                out: dict[str, acb.GenerationOutput] = {}
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(elsewhere)
-            tokens = [t async for d in h for t in d.token_ids]
-        here = await h.result()
-    assert other["out"] is here and tokens == here.generated_tokens == ref
+                async def result() -> None:
+                    out["r"] = await h.result()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(result)
+                    await anyio.wait_all_tasks_blocked()  # result() waits: the engine calls this loop now
+                    waiting.set()
+                    thaw.wait(HANG_GUARD)  # this loop's thread stalls, with what is posted to it queued
+                return out["r"]
+
+            other: dict[str, acb.GenerationOutput] = {}
+
+            async def elsewhere() -> None:
+                other["out"] = await anyio.to_thread.run_sync(
+                    lambda: anyio.run(there, backend=other_backend(anyio_backend))
+                )
+
+            tokens: list[int] = []
+
+            async def stream() -> None:
+                tokens.extend([t async for d in h for t in d.token_ids])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(elsewhere)
+                await anyio.to_thread.run_sync(waiting.wait, HANG_GUARD)
+                try:
+                    gate.allow(2)  # the prefill and one decode step: both posted to the stalled loop
+                    await anyio.to_thread.run_sync(gate.wait_started, 3)
+                    async with anyio.create_task_group() as streaming:
+                        streaming.start_soon(stream)
+                        await anyio.wait_all_tasks_blocked()  # the stream waits here: later steps come here
+                        gate.open()
+                finally:
+                    thaw.set()
+            here = await h.result()
+        finally:
+            gate.remove()
+    assert other["out"] is here and here.generated_tokens == ref
+    assert tokens == ref
 
 
 # ------------------------------------------------------------------ without a running loop
