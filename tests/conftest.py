@@ -74,14 +74,20 @@ def get_model(arch: str = "llama", **kw):
     return _cached_model(arch, **kw)
 
 
-def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens from plain ``model.generate`` on one unpadded prompt."""
+def reference_generate(
+    model, prompt: list[int], max_new_tokens: int, *, ignore_eos: bool = False, cache=None
+) -> list[int]:
+    """Greedy tokens from plain ``model.generate`` on one unpadded prompt (``ignore_eos``: EOS does
+    not stop it; ``cache``: resumed from a cache the prompt's first tokens filled)."""
+    extra = dict(eos_token_id=None, pad_token_id=0) if ignore_eos else {}
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            past_key_values=cache,
+            **extra,
         )
     return out[0, len(prompt) :].tolist()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import acb
-from tests.conftest import assert_scores_match_forward, prompts_of_lengths
+from tests.conftest import assert_scores_match_forward, prompts_of_lengths, reference_generate
 from tests.test_model_sweep import ms
 
 ARCHS = ["axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4"]
@@ -310,21 +310,10 @@ def test_a_prefix_hit_is_transformers_own_reuse_of_the_prefix_cache(arch, first)
     if len(head) > len(prefix):
         filled.crop(len(prefix) - len(head))  # (a negative count: the tokens to drop)
 
-    def generate(p: list[int], cache: DynamicCache | None) -> list[int]:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                past_key_values=cache,
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        return out[0, len(p) :].tolist()
-
-    resumed = [generate(p, copy.deepcopy(filled)) for p in prompts_]
-    assert resumed != [generate(p, None) for p in prompts_]  # transformers' own two answers differ
+    resumed = [reference_generate(model, p, MAX_NEW, ignore_eos=True, cache=copy.deepcopy(filled)) for p in prompts_]
+    assert resumed != [
+        reference_generate(model, p, MAX_NEW, ignore_eos=True) for p in prompts_
+    ]  # transformers' own two answers differ
     cfg = acb.ContinuousBatchingConfig(
         num_blocks=64, page_size=8, allow_block_sharing=True, use_async_batching=first == "longer"
     )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import acb
-from tests.conftest import prompts_of_lengths
+from tests.conftest import prompts_of_lengths, reference_generate
 from tests.test_model_sweep import ms
 
 PAGE = 8
@@ -50,19 +50,6 @@ def model_of(arch: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(ms.tiny_config(arch), dtype=torch.float32).eval()
 
 
-def reference(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize("first", ["exactly", "longer"])
 @pytest.mark.parametrize("arch", sorted(KINDS))
 def test_a_prefix_is_reused_exactly(arch, first):
@@ -80,4 +67,6 @@ def test_a_prefix_is_reused_exactly(arch, first):
         eng.generate(head, max_new_tokens=1, ignore_eos=True)
         outs = list(eng.generate_batch(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False).values())
     assert [o.num_cached_tokens for o in outs] == [PREFIX if KINDS[arch] else 0] * 3
-    assert [o.generated_tokens for o in outs] == [reference(model, p) for p in prompts]
+    assert [o.generated_tokens for o in outs] == [
+        reference_generate(model, p, MAX_NEW, ignore_eos=True) for p in prompts
+    ]
