@@ -3,10 +3,20 @@
 Each round samples `n` completions per prompt with the sampler's own logprobs
 (`logprobs_mode="processed"`: the distribution each token was drawn from), scores them with a toy
 reward (completions rich in vowels win), recomputes the policy's logprobs the way a trainer does
-(`log_softmax(logits / temperature)`) and checks they agree with the sampler's (the importance
-ratio starts at 1), then takes an optimizer step on the model in place. Between rounds the engine
+(`log_softmax(logits / temperature)`) and compares them with the sampler's (the importance ratio
+starts at 1), then takes an optimizer step on the model in place. Between rounds the engine
 sleeps (its KV cache freed for the backward pass) and wakes up; the optimizer step is noticed
-and no stale prefix-cache entry is read.
+and no stale prefix-cache entry is read: each round, a fresh engine on a copy of the weights
+samples the same tokens with the same logprobs, bit for bit.
+
+The sampler's and the trainer's logprobs agree to float rounding, not bit for bit: the engine
+computes each token in a decode step (its paged attention, a batch of other rows), the trainer
+the whole sequence in one forward (transformers' attention); float32 sums in another order and
+split another way end in other last bits (here up to about 1e-4 in a logprob). Two engines on the
+same weights, the same batches and the same thread count compute the same bits: so the prompts
+of a round are submitted while the engine is paused, and enter its first step together
+(`generate_batch` enqueues them one by one while the engine may already be stepping: which rows
+share a step could then depend on timing), and sampling is seeded.
 
     python examples/grpo_loop.py --model ./my-checkpoint --rounds 3
 
@@ -16,6 +26,7 @@ Without --model it runs acb's embedded random-weight model (the reward then move
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
@@ -29,6 +40,15 @@ def reward(text: str) -> float:
     return sum(ch in "aeiou" for ch in text) / max(1, len(text))
 
 
+def sample(engine: acb.Engine, prompt_ids: list[list[int]], sampling: acb.SamplingParams) -> list[acb.GenerationOutput]:
+    """One round's samples, the prompts submitted while the engine is paused: they enter its first
+    step together, so its batches are the same on every run and in every engine."""
+    engine.pause()
+    handles = [engine.submit(p, sampling) for p in prompt_ids]
+    engine.resume()
+    return [h.result() for h in handles]
+
+
 def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> None:
     if model_path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -40,6 +60,7 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
     temperature = 0.9
     # top_k=0, top_p=1: no truncation, so "processed" logprobs are exactly log_softmax(logits / T)
     sampling = acb.SamplingParams(
+        seed=0,  # with the same weights and batches, the same samples (a fresh engine checks each round)
         n=n,
         do_sample=True,
         temperature=temperature,
@@ -54,10 +75,15 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
     config = acb.ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=512)
     with acb.Engine(model, config, tokenizer=tokenizer) as engine:
         for rnd in range(1, rounds + 1):
-            outputs = engine.generate_batch(prompt_ids, sampling, progress_bar=False)
+            outputs = sample(engine, prompt_ids, sampling)
+            with acb.Engine(copy.deepcopy(model), config, tokenizer=tokenizer) as fresh:
+                again = sample(fresh, prompt_ids, sampling)
+            same = [(s.generated_tokens, s.logprobs) for o in outputs for s in o.samples or []] == [
+                (s.generated_tokens, s.logprobs) for o in again for s in o.samples or []
+            ]
             model.train()
             losses, worst = [], 0.0
-            for prompt, out in zip(prompt_ids, outputs.values()):
+            for prompt, out in zip(prompt_ids, outputs):
                 samples = out.samples or []
                 rewards = torch.tensor([reward(tokenizer.decode(s.generated_tokens)) for s in samples])
                 advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
@@ -70,7 +96,7 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
                     ratio = (new_lp - old_lp).exp()  # 1 at the first step of a round
                     losses.append(-(ratio * adv).mean())
             mean_reward = sum(
-                reward(tokenizer.decode(s.generated_tokens)) for o in outputs.values() for s in (o.samples or [])
+                reward(tokenizer.decode(s.generated_tokens)) for o in outputs for s in (o.samples or [])
             ) / (len(prompt_ids) * n)
             freed = engine.sleep()  # the backward pass gets the KV cache's memory
             torch.stack(losses).mean().backward()
@@ -80,7 +106,8 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
             engine.wake_up()
             print(
                 f"round {rnd}: {len(prompt_ids)} prompts x {n} samples, mean reward {mean_reward:.3f}, "
-                f"max |sampler - trainer logprob| {worst:.2e}, slept freeing {freed.total / 2**20:.1f} MiB"
+                f"max |sampler - trainer logprob| {worst:.2e}, a fresh engine samples the same: {same}, "
+                f"slept freeing {freed.total / 2**20:.1f} MiB"
             )
         print(
             f"engine: {engine.stats.finished} sequences generated, prefix cache dropped "

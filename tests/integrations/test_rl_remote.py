@@ -3,8 +3,9 @@ in another process, with the real pieces: a real ``acb serve`` process, ``torch.
 over gloo, TRL's own ``GRPOTrainer`` with ``acb.rl.rollout_func`` and a callback that pushes the
 weights after each optimizer step. No vLLM anywhere.
 
-- Three GRPO steps: after each push the server's greedy output equals the trainer's own
-  ``model.generate`` exactly, and ``weight_version`` advances.
+- Three GRPO steps: after each push the server's greedy output equals, token for token, an
+  engine's in the trainer's process on the trainer's weights with the server's thread count
+  (like with like: equal by construction when the push landed), and ``weight_version`` advances.
 - A push with a wrong shape is a 4xx. The old weights still serve, and the next good push works.
 - A request parked by ``POST /pause?mode=keep`` while the weights change finishes after
   ``/resume``, with spans saying which tokens came from which version.
@@ -37,6 +38,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("trl")
 
+import acb  # noqa: E402
 from acb.errors import InvalidRequestError  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from acb.rl import PushWeights, WeightPusher, WeightPushError, rollout_func  # noqa: E402
@@ -62,7 +64,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     args = ["--served-model-name", NAME, "--enable-weight-updates", "--num-blocks", "128", "--page-size", "8"]
-    yield from _serve(checkpoint, tmp_path_factory, "rl", args)
+    yield from _serve(checkpoint, tmp_path_factory, "rl", args, {"OMP_NUM_THREADS": str(SERVER_THREADS)})
 
 
 def base(server) -> str:
@@ -105,22 +107,34 @@ def shifted(model, seed: int) -> torch.nn.Module:
     return out
 
 
-def greedy_equal_or_tie(model, prompt: list[int], got: list[int], want: list[int], tol: float = 1e-4) -> bool:
-    """``got`` (a server's greedy tokens) is ``want`` (``model.generate``'s), or first departs from it
-    at a float tie: where the two first differ, ``model``'s logits of the two tokens (after the
-    prompt and ``want``'s tokens before it) are within ``tol``. The server and this process run the
-    matmuls on different thread counts, so their last bits differ; the rollouts a GRPO step trains
-    on are sampled under load, so the weights after a step differ from run to run, and now and
-    then they put two tokens within those bits of each other. A weight push that did not land
-    differs by more."""
-    if got == want:
-        return True
-    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if k is None:  # one is a prefix of the other: not a tie, a length difference
-        return False
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + want[:k]])).logits[0, -1]
-    return abs(float(logits[got[k]]) - float(logits[want[k]])) <= tol
+GREEDY = acb.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+
+SERVER_THREADS = 1  # the server's intra-op threads (OMP_NUM_THREADS); Ray gives a 1-CPU replica 1 too
+
+
+def served_reference(model, threads: int = SERVER_THREADS) -> acb.Engine:
+    """An acb engine on ``model``, made as the servers' are (page size 8, 128 blocks), whose thread
+    runs ``threads`` intra-op threads, as theirs do: a lone greedy request runs the same kernels on
+    the same shapes with the same thread count, so on the same weights its tokens are the served
+    ones bit for bit. (``model.generate`` is not such a reference: it attends with other kernels,
+    and the last bits of its logits differ from any engine's (about 1e-6 on these models); a
+    CPU matmul of several rows also splits its work by thread count, and the trainer's process
+    runs 1 thread under xdist, 2 otherwise. Where the weights after a GRPO step put two tokens
+    within those bits of each other, its greedy tokens and the server's part.)"""
+    eng = acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=128))
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the engine thread takes torch's count at its first parallel op
+    try:
+        eng.start()
+        eng.generate(PROMPT, GREEDY)
+        assert eng.call(lambda c: torch.get_num_threads()).result() == threads
+    except BaseException:
+        eng.shutdown()
+        raise
+    finally:
+        torch.set_num_threads(was)
+    return eng
 
 
 def test_pushes_land_exactly_and_a_bad_push_changes_nothing(server, checkpoint):
@@ -141,28 +155,31 @@ def test_pushes_land_exactly_and_a_bad_push_changes_nothing(server, checkpoint):
         assert version == 1 and got == reference_generate(trained, PROMPT, MAX_NEW) != start
 
 
-def grpo_three_steps(url: str, name: str, start, tok, tmp_path, served) -> None:
+def grpo_three_steps(url: str, name: str, start, tok, tmp_path, served, threads: int = SERVER_THREADS) -> None:
     """TRL's GRPOTrainer with ``rollout_func`` on the server at ``url`` and a callback that pushes
     the weights after each optimizer step: three steps; after each push every replica's greedy
-    tokens (``served()``: ``(tokens, version)`` per replica) equal the trainer's own
-    ``model.generate`` (or leave it at a float tie: :func:`greedy_equal_or_tie`), and the version
-    is the step."""
+    tokens (``served()``: ``(tokens, version)`` per replica) are exactly those of an engine in
+    this process on the trainer's weights (:func:`served_reference`: the servers' kernels, shapes
+    and thread count, ``threads``), and the version is the step. A push that did not land, or
+    landed other bits, serves other weights."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     model = copy.deepcopy(start)
+    mirror = copy.deepcopy(start).eval()  # the trainer's weights, copied in after each step
+    reference = served_reference(mirror, threads)
     pusher = WeightPusher([url], master_port=_free_port(), timeout_s=60)
     pusher.push(model, version=0)  # the server starts from the trainer's weights
     checks = []
 
     class Check(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):  # (after PushWeights: it was added first)
-            was = model.training  # (the server runs eval semantics; TRL leaves the model training)
-            model.eval()
-            want = reference_generate(model, PROMPT, MAX_NEW)
-            checks.append([(version, greedy_equal_or_tie(model, PROMPT, got, want)) for got, version in served()])
-            model.train(was)
+            with torch.no_grad():
+                for mine, trained in zip(mirror.parameters(), model.parameters(), strict=True):
+                    mine.copy_(trained)
+            want = reference.generate(PROMPT, GREEDY).generated_tokens
+            checks.append([(version, got == want) for got, version in served()])
 
     seen = []
 
@@ -198,6 +215,7 @@ def grpo_three_steps(url: str, name: str, start, tok, tmp_path, served) -> None:
         trainer.train()
     finally:
         pusher.close()
+        reference.shutdown()
     assert trainer.state.global_step == 3 and len(seen) == 3
     replicas = len(checks[0])
     assert checks == [[(step, True)] * replicas for step in (1, 2, 3)], checks
