@@ -355,11 +355,13 @@ def _internvl() -> tuple[Any, Any]:
     return config, processor
 
 
-def _gemma4(bidirectional: str | None) -> tuple[Any, Any]:
+def _gemma4(bidirectional: str | None, per_layer: bool = False) -> tuple[Any, Any]:
     """Gemma 4's conditional model, its text config a 26B-A4B's in small (sliding and full layers,
     the full ones K=V with one wider KV head, an MoE block in every layer), with
     ``use_bidirectional_attention=bidirectional`` (None: causal; "vision": an image's tokens see
-    each other both ways on the sliding layers)."""
+    each other both ways on the sliding layers). ``per_layer``: an E2B/E4B's instead (per-layer
+    inputs, ``hidden_size_per_layer_input`` 8, and the last two layers reading earlier layers' K/V;
+    dense, separate K and V)."""
     from transformers import Gemma4Config, Gemma4Processor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -405,6 +407,17 @@ def _gemma4(bidirectional: str | None) -> tuple[Any, Any]:
         hidden_size_per_layer_input=0,
         use_bidirectional_attention=bidirectional,
     )
+    if per_layer:
+        text.update(
+            num_global_key_value_heads=None,
+            attention_k_eq_v=False,
+            enable_moe_block=False,
+            num_experts=None,
+            top_k_experts=None,
+            moe_intermediate_size=None,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8,
+        )
     config = Gemma4Config(
         text_config=text,
         vision_config=dict(
@@ -428,12 +441,12 @@ def _gemma4(bidirectional: str | None) -> tuple[Any, Any]:
 
 
 @functools.cache
-def tiny_gemma4(bidirectional: str | None = None) -> tuple[torch.nn.Module, Any]:
+def tiny_gemma4(bidirectional: str | None = None, per_layer: bool = False) -> tuple[torch.nn.Module, Any]:
     """A tiny random Gemma 4 conditional model (float32, eval mode) and its processor (see
     :func:`_gemma4`); the same weights for every ``bidirectional``. Cached, as :func:`tiny_vlm`."""
     from transformers import Gemma4ForConditionalGeneration
 
-    config, processor = _gemma4(bidirectional)
+    config, processor = _gemma4(bidirectional, per_layer)
     torch.manual_seed(0)
     model = Gemma4ForConditionalGeneration(config)
     gen = model.generation_config
@@ -441,6 +454,100 @@ def tiny_gemma4(bidirectional: str | None = None) -> tuple[torch.nn.Module, Any]
     gen.eos_token_id = None
     gen.pad_token_id = 0
     return model.eval(), processor
+
+
+@functools.cache
+def tiny_paligemma() -> tuple[torch.nn.Module, Any]:
+    """A tiny random PaliGemma (a Gemma text model, SigLIP vision; float32, eval mode) and its
+    processor. Its prompt is a prefix whose tokens, image and text, all see each other both ways
+    (``token_type_ids`` 0 on the whole prompt: a prefix-LM); its config sets the text config's
+    ``use_bidirectional_attention`` (True when unset)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    size, patch = 32, 8
+    image_processor = SiglipImageProcessorPil(size={"height": size, "width": size})
+    image_processor.image_seq_length = (size // patch) ** 2  # (a checkpoint's preprocessor config has it)
+    processor = PaliGemmaProcessor(
+        image_processor=image_processor,
+        tokenizer=_tokenizer({"image_token": "<image>"}),
+        chat_template=_chat_template("<image>"),
+    )
+    vocab = len(processor.tokenizer)
+    config = PaliGemmaConfig(
+        text_config=dict(_TEXT, model_type="gemma", vocab_size=vocab, head_dim=16),
+        vision_config=dict(_VISION, model_type="siglip_vision_model", image_size=size, patch_size=patch),
+        image_token_index=processor.image_token_id,
+        projection_dim=_TEXT["hidden_size"],
+        hidden_size=_TEXT["hidden_size"],
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = PaliGemmaForConditionalGeneration(config)
+    gen = model.generation_config
+    gen.do_sample, gen.eos_token_id, gen.pad_token_id = False, None, 0
+    return model.eval(), processor
+
+
+# Molmo2's special tokens in the tiny model (inside its vocabulary: acb checks prompt ids against the output
+# vocabulary, and a real Molmo2's are past it, in its additional embeddings)
+_MOLMO2_VOCAB = 320
+_MOLMO2_START, _MOLMO2_END, _MOLMO2_PATCH, _MOLMO2_COL, _MOLMO2_LOW = range(300, 305)
+
+
+@functools.cache
+def tiny_molmo2() -> torch.nn.Module:
+    """A tiny random Molmo2 (float32, eval mode). Its processor's image processor needs torchvision
+    (not installed): :func:`molmo2_prompt` makes its outputs by hand. Its own forward puts every image
+    token of a prompt in one block whose tokens see each other both ways (``mm_token_type_ids``)."""
+    from transformers import Molmo2Config, Molmo2ForConditionalGeneration
+
+    patch = 4
+    head = dict(num_attention_heads=2, num_key_value_heads=2, head_dim=16, initializer_range=INIT_RANGE)
+    config = Molmo2Config(
+        text_config=dict(_TEXT, vocab_size=_MOLMO2_VOCAB, additional_vocab_size=0, head_dim=16),
+        vision_config=dict(_VISION, **head, image_size=[4 * patch, 4 * patch], patch_size=patch),
+        adapter_config=dict(
+            **head, vision_feature_layer=[-1, -2], hidden_size=32, intermediate_size=64, text_hidden_size=64
+        ),
+        image_start_token_id=_MOLMO2_START,
+        image_end_token_id=_MOLMO2_END,
+        image_patch_id=_MOLMO2_PATCH,
+        low_res_image_start_token_id=_MOLMO2_LOW,
+        frame_start_token_id=305,
+        frame_end_token_id=306,
+        initializer_range=INIT_RANGE,
+    )
+    torch.manual_seed(0)
+    model = Molmo2ForConditionalGeneration(config)
+    gen = model.generation_config
+    gen.do_sample, gen.eos_token_id, gen.pad_token_id = False, None, 0
+    return model.eval()
+
+
+def molmo2_prompt(seed: int, images: int, words: list[int]) -> dict[str, torch.Tensor]:
+    """What Molmo2's processor makes of a prompt with ``images`` random images (16x16 pixels, a
+    low-resolution crop and one tile of 4x4 patches, each pooled 2x2 to 2x2 tokens) between
+    ``words``: per image, ``<low_res_im_start>``, two rows of two patches and a column token,
+    ``<im_end><im_start>``, the same, ``<im_end>``: 14 tokens, all marked 1 in ``mm_token_type_ids``."""
+    row = [_MOLMO2_PATCH, _MOLMO2_PATCH, _MOLMO2_COL]
+    ids = [1, *words[:3]]
+    for k in range(images):
+        ids += [_MOLMO2_LOW, *row, *row, _MOLMO2_END, _MOLMO2_START, *row, *row, _MOLMO2_END, *words[3 + k : 5 + k]]
+    ids += words[:4]
+    t = torch.tensor([ids])
+    grid = torch.arange(16).reshape(2, 2, 2, 2).permute(0, 2, 1, 3).reshape(4, 4)  # 2x2 pooling windows
+    pooling = torch.cat([grid + 32 * k + 16 * crop for k in range(images) for crop in range(2)])
+    return dict(
+        input_ids=t,
+        attention_mask=torch.ones_like(t),
+        mm_token_type_ids=(t >= _MOLMO2_START).long(),
+        pixel_values=torch.randn(2 * images, 16, 4 * 4 * 3, generator=torch.Generator().manual_seed(seed)),
+        image_token_pooling=pooling,
+        image_grids=torch.tensor([[2, 2, 2, 2]] * images),
+        image_num_crops=torch.tensor([2] * images),
+    )
 
 
 _BUILDERS = {

@@ -24,7 +24,6 @@ import torch
 from acb.config import ContinuousBatchingConfig
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
 from acb.errors import UnsupportedModelError
-from acb.images import type_spans
 from acb.runner.attention import (
     AttentionBackend,
     SharedAttention,
@@ -123,6 +122,7 @@ class ModelRunner:
                     raise
                 why = str(exc)
         own_path = config.runner == "own_cache" or why is not None
+        self._paged_refused = why  # why the paged path refused the model (None: it did not)
         if own_path:
             logger.info(
                 "%s runs on its own cache objects, not paged: %s",
@@ -341,17 +341,17 @@ class ModelRunner:
         if self.vision is None:
             return f"{type(self.model).__name__} takes no images (no image token and vision config)"
         if self.own_forward is not None:
-            return "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only"
+            return "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only" + (
+                f" (the paged path refuses it: {self._paged_refused})" if self._paged_refused else ""
+            )
         if tp_size_of(self.model) > 1:
             return "images are not run under tensor parallel yet"
-        return ""
+        return self.vision.refused
 
     def with_image_spans(self, images: ImageInputs) -> ImageInputs:
         """``images`` with the spans of the image blocks whose tokens attend to each other both
         ways, for a model that does that (a prefill chunk never ends inside one)."""
-        if self.vision is None or not self.vision.bidirectional:
-            return images
-        return dataclasses.replace(images, spans=type_spans(images.tensors))
+        return images if self.vision is None else self.vision.with_spans(images)
 
     def image_bytes(self, images: ImageInputs) -> int:
         """About what a request's image embeddings take on the device: a row of the model's
@@ -776,6 +776,8 @@ class ModelRunner:
         )
         if batch.inputs_embeds is not None:  # a step with image rows (acb.runner.vision)
             kw["input_ids"], kw["inputs_embeds"] = None, batch.inputs_embeds
+            if self.vision is not None:
+                kw.update(self.vision.model_kwargs())
         with self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext():
             if self._supports_logits_to_keep:
                 return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]

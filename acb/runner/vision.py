@@ -31,7 +31,10 @@ Some models' image tokens also attend to their image's later tokens in prefill, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import inspect
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -42,18 +45,32 @@ if TYPE_CHECKING:
 
 import torch
 
+from acb.images import type_spans
+
 if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
     from acb.core.request import Request
+    from acb.images import ImageInputs
     from acb.runner.kv_cache import KVCache
 
-__all__ = ["Embedded", "ImageBlocks", "ImageEmbedder", "bidirectional_images", "bidirectional_layers", "takes_images"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Embedded",
+    "ImageAttention",
+    "ImageBlocks",
+    "ImageEmbedder",
+    "bidirectional_images",
+    "bidirectional_layers",
+    "image_attention",
+    "takes_images",
+]
 
 
 def bidirectional_images(model: Any) -> bool:
     """The model's image tokens attend to each other both ways in prefill, on some of its layers
-    (:func:`bidirectional_layers`)."""
-    return bool(bidirectional_layers(model))
+    (:func:`image_attention`)."""
+    return bool(image_attention(model).layers)
 
 
 # one language-model stand-in at a time: it replaces the decoder's forward on the model object
@@ -83,31 +100,44 @@ def _language_model_arguments(model: Any, **inputs: Any) -> dict[str, Any]:
     return seen
 
 
-def bidirectional_layers(model: Any) -> frozenset[int]:
-    """The language model's layers on which an image's tokens attend to each other both ways in
+@dataclass(frozen=True)
+class ImageAttention:
+    """How a model's image tokens attend in prefill, as its own masks say (:func:`image_attention`)."""
+
+    # the language model's layers on which an image block's tokens see each other both ways
+    layers: frozenset[int] = frozenset()
+    # all of a prompt's images make one block (an image also sees the later images, across the text
+    # between them: Molmo2): acb runs such a prompt only when its image tokens are one run
+    one_block: bool = False
+    # why acb cannot run the model's images ("" when it can)
+    refused: str = ""
+
+
+# the probe prompt: text, an image's three placeholder tokens, text, another image's two, text
+_PROBE = "tIIItIIt"
+
+
+def image_attention(model: Any) -> ImageAttention:
+    """Which of the language model's layers let an image's tokens attend to each other both ways in
     prefill (each also sees its image's later tokens, within the layer's window; everything else
     stays causal), as the model's own code decides: Gemma 3 on every layer; Gemma 4 on its
     sliding-window layers only, and only with ``use_bidirectional_attention="vision"`` in its text
-    config (``None``, its smaller models', is causal throughout).
+    config; Molmo2 puts all of a prompt's images in one block.
 
-    Models whose code builds image blocks for its masks (it calls ``get_block_sequence_ids_for_mask``)
-    are asked at start: the model's forward runs on a probe prompt (text, an image's placeholder
-    tokens, text, another image, text; per-token types as its processor marks them; no pixels) up
-    to its language model, and the masks it built (one per layer type, by its own attention
-    implementation) are read where an image's first token meets its last. So the config fields and
-    layer types its code reads are the ones that decide, whatever they are. A mask acb's attention
-    cannot reproduce (an image seeing the next image, text seeing a later image) is refused."""
-    from acb.errors import UnsupportedModelError
+    Every vision-language model is asked at start, whatever its code calls: its forward runs on a
+    probe prompt (text, an image's placeholder tokens, text, another image, text; per-token types
+    as processors mark them, 1 on image tokens; no pixels) up to its language model, and the masks
+    it built (one per layer type, by its own attention implementation) are read whole. Where a
+    token sees a later one is compared with what acb's attention can do: nothing (causal), each
+    image's tokens their own image's, or every image token every image's (acb then runs prompts
+    whose image tokens are one run). Any other mask (a text token that sees a later token, as a
+    prefix-LM's prompt does) refuses the model's images, and so does a probe that fails; each
+    request's own masks are checked again when its images are embedded (:meth:`ImageEmbedder.capture`)."""
     from acb.images import image_token_id
-    from acb.runner.intercept import code_names
     from acb.runner.tp_sync import tp_size_of
 
     if not takes_images(model) or tp_size_of(model) > 1:  # (images are not run under tensor parallel)
-        return frozenset()
-    if not any("get_block_sequence_ids_for_mask" in code_names(type(m)) for m in model.modules()):
-        return frozenset()
-    import inspect
-
+        return ImageAttention()
     config = model.config
     text = config.get_text_config()
     image = image_token_id(config)
@@ -119,7 +149,7 @@ def bidirectional_layers(model: Any) -> frozenset[int]:
         if isinstance(v, int) and (k.endswith("token_id") or k.endswith("token_index"))
     }
     word = next(i for i in range(3, text.vocab_size) if i not in specials)
-    ids = torch.tensor([[word, image, image, image, word, image, image, word]], device=next(model.parameters()).device)
+    ids = torch.tensor([[image if c == "I" else word for c in _PROBE]], device=next(model.parameters()).device)
     types = (ids == image).long()
     params = inspect.signature(type(model).forward).parameters
     inputs: dict[str, Any] = {name: types for name in params if name.endswith("token_type_ids")}
@@ -127,43 +157,86 @@ def bidirectional_layers(model: Any) -> frozenset[int]:
     try:
         with torch.no_grad():
             masks = _language_model_arguments(model, input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
-    except Exception as exc:
-        raise UnsupportedModelError(
-            f"cannot tell which of {name}'s layers let an image's tokens attend to each other both ways: its "
-            f"forward on a probe prompt failed ({type(exc).__name__}: {exc})"
-        ) from exc
+    except Exception as exc:  # noqa: BLE001 - the model's own forward: any failure is the reason
+        return ImageAttention(
+            refused=f"acb cannot tell how {name}'s image tokens attend to each other: its forward on a probe "
+            f"prompt failed ({type(exc).__name__}: {exc})"
+        )
     mask = masks.get("attention_mask")
     n = int(text.num_hidden_layers)
     layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
-    out = set()
+    image_pos = types[0].bool()
+    run = _runs(image_pos)
+    later = torch.ones(len(_PROBE), len(_PROBE), dtype=torch.bool, device=ids.device).triu(1)
+    own = later & (run[:, None] == run[None, :]) & (run[:, None] >= 0)  # each image its own later tokens
+    every = later & image_pos[:, None] & image_pos[None, :]  # every image token every later one
+    layers, one_block = set(), False
     for i, kind in enumerate(layer_types[:n]):
         m = mask.get(kind) if isinstance(mask, dict) else mask
-        if _attends(m, 0, 1) or _attends(m, 1, 5):
-            raise UnsupportedModelError(
-                f"{name}'s {kind} layers let a text token see a later image, or an image the next one: "
-                "acb's attention lets an image's tokens see their own image only"
+        sees = _sees(m, 0, 0, len(_PROBE), ids.device)
+        if sees is None:
+            return ImageAttention(refused=f"acb cannot read {name}'s {kind} mask ({type(m).__name__})")
+        ahead = sees & later
+        if not ahead.any():
+            continue
+        if torch.equal(ahead, own):
+            layers.add(i)
+        elif torch.equal(ahead, every):
+            layers.add(i)
+            one_block = True
+        else:
+            text_too = bool((ahead & ~(image_pos[:, None] & image_pos[None, :])).any())
+            return ImageAttention(
+                refused=f"{name}'s {kind} layers let "
+                + (
+                    "text tokens see later tokens (a prompt that attends both ways, as a prefix-LM's does)"
+                    if text_too
+                    else "image tokens see later image tokens in a way other than per image or all images together"
+                )
+                + ", and acb's attention lets a token see later ones only within its own image"
             )
-        if _attends(m, 1, 3):
-            out.add(i)
-    return frozenset(out)
+    return ImageAttention(frozenset(layers), one_block)
 
 
-def _attends(mask: Any, q: int, kv: int) -> bool:
-    """Whether query ``q`` sees key ``kv`` in the first row of a mask the model's attention
-    implementation built: a boolean or additive 4-D tensor, flex attention's block mask, or None
-    or a 2-D padding mask (causal: the implementation's own default)."""
+def bidirectional_layers(model: Any) -> frozenset[int]:
+    """The layers of :func:`image_attention`.
+
+    Raises:
+        UnsupportedModelError: acb cannot run the model's images (the reason)."""
+    from acb.errors import UnsupportedModelError
+
+    found = image_attention(model)
+    if found.refused:
+        raise UnsupportedModelError(found.refused)
+    return found.layers
+
+
+def _runs(flags: torch.Tensor) -> torch.Tensor:
+    """Each position's run of consecutive True ``flags`` (0, 1, ...), -1 where False."""
+    starts = flags & ~torch.cat([flags.new_zeros(1), flags[:-1]])
+    return torch.where(flags, starts.long().cumsum(0) - 1, -1)
+
+
+def _sees(mask: Any, b: int, lo: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """``[n, n]`` bool: whether query ``lo + i`` sees key ``lo + j`` in batch row ``b`` of a mask
+    the model's attention implementation built: a boolean or additive 4-D tensor, flex attention's
+    block mask, or None or a 2-D padding mask (causal: the implementation's own default). None
+    when the mask is of another kind."""
     mod = getattr(mask, "mask_mod", None)
-    if mod is not None:  # flex attention's BlockMask
-        device = mask.kv_indices.device
-
-        def at(i: int) -> torch.Tensor:
-            return torch.tensor(i, device=device)
-
-        return bool(mod(at(0), at(0), at(q), at(kv)))
+    idx = torch.arange(lo, lo + n, device=device)
+    if mod is not None:  # flex attention's BlockMask: its mask function, on every pair at once
+        d = mask.kv_indices.device
+        try:
+            out = mod(torch.tensor(b, device=d), torch.tensor(0, device=d), idx.to(d)[:, None], idx.to(d)[None, :])
+            return torch.as_tensor(out, device=d).bool().expand(n, n).to(device)
+        except Exception:  # noqa: BLE001 - a mask function that takes single indices only
+            return None
+    if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        return idx[None, :] <= idx[:, None]
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return kv <= q
-    value = mask[0, 0, q, kv]
-    return bool(value) if value.dtype == torch.bool else bool(value == 0)
+        return None
+    value = mask[b, 0, lo : lo + n, lo : lo + n]
+    return (value if value.dtype == torch.bool else value == 0).to(device)
 
 
 def takes_images(model: Any) -> bool:
@@ -193,10 +266,15 @@ class Embedded:
     deep_rows: torch.Tensor | None = None
     # models whose image tokens see each other both ways: each prompt position's image block (-1: none)
     groups: torch.Tensor | None = None
+    # Gemma 3n/4's per-layer inputs where the model's own code made other ones than the plain
+    # lookup of the prompt's tokens gives ([K] long; [K, layers, D']), or None
+    layer_positions: torch.Tensor | None = None
+    layer_rows: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        extra = [t for t in (self.mrope, self.deep_positions, self.deep_rows) if t is not None]
+        parts = (self.mrope, self.deep_positions, self.deep_rows, self.layer_positions, self.layer_rows)
+        extra = [t for t in parts if t is not None]
         return int(self.rows.nbytes + self.positions.nbytes + sum(t.nbytes for t in extra))
 
 
@@ -237,9 +315,32 @@ class ImageEmbedder:
         self._stale: set[bytes] = set()
         self.mrope = False  # the model's positions have several rows (found at the first capture)
         self._lm_kwargs: dict[str, Any] = {}  # the step's extra language-model arguments
-        # the language model's layers on which an image's tokens attend to each other both ways
-        self.layers = bidirectional_layers(model)
+        self._model_kwargs: dict[str, Any] = {}  # the step's extra arguments of the model's own forward
+        # how image tokens attend (the layers on which an image's tokens see each other both ways)
+        found = image_attention(model)
+        self.layers = found.layers
         self.bidirectional = bool(self.layers)
+        self.one_block = found.one_block
+        self.refused = found.refused
+        text = model.config.get_text_config()
+        kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers))
+        self._kinds_both_ways = {kinds[i] for i in self.layers if i < len(kinds)}
+        # Gemma 3n/4's per-layer inputs (token-identity embeddings the language model adds in every
+        # layer): its own code computes them from input_ids, so a forward on inputs_embeds is handed
+        # them: the decoder's own lookup for the step's tokens, each image request's rows as its
+        # model made them (an image token's are another token's)
+        lookup = getattr(self.decoder, "get_per_layer_inputs", None)
+        self._per_layer = (
+            lookup
+            if callable(lookup)
+            and getattr(text, "hidden_size_per_layer_input", 0)
+            and "per_layer_inputs" in inspect.signature(type(model).forward).parameters
+            else None
+        )
+        # whether the model's own code makes of several requests' images together what it makes of
+        # each alone (None: not tried yet): its image tensors may refer to each other (Molmo2's
+        # pooling indices into its pixel patches), so the first batch is checked one by one
+        self._batches: bool | None = None
         # the step's prefill segments whose image blocks attend both ways (None: none)
         self.step_groups: ImageBlocks | None = None
         self.encoder_s = 0.0  # seconds in the model's own vision code (figures)
@@ -332,7 +433,24 @@ class ImageEmbedder:
                 if isinstance(v, torch.Tensor)
             )
             groups.setdefault(sig, []).append(req)
-        made = {id(r): e for g in groups.values() for r, e in zip(g, self._capture(g))}
+        made: dict[int, Embedded] = {}
+        for group in groups.values():
+            parts = [group] if len(group) == 1 or self._batches is not False else [[r] for r in group]
+            for part in parts:
+                entries = self._capture(part)
+                if len(part) > 1 and self._batches is None:
+                    alone = [self._capture([r])[0] for r in part]
+                    self._batches = all(_same(a, b) for a, b in zip(entries, alone))
+                    if not self._batches:
+                        logger.info(
+                            "%s's own code makes other image embeddings of several requests together than of "
+                            "each alone: acb runs it one request at a time",
+                            type(self.model).__name__,
+                        )
+                        entries = alone
+                made.update(zip(map(id, part), entries))
+                self.captures += len(part)
+                self.capture_calls += 1 if self._batches is not False else len(part)
         self.encoder_s += time.perf_counter() - t0
         return [made[id(r)] for r in reqs]
 
@@ -367,6 +485,8 @@ class ImageEmbedder:
                 f"({type(self.decoder).__name__}); acb cannot run its images"
             )
         plain = self.embed(ids)
+        layers = seen.get("per_layer_inputs") if self._per_layer is not None else None
+        plain_layers = self._per_layer(ids) if isinstance(layers, torch.Tensor) and self._per_layer else None
         pos = seen.get("position_ids")
         mask, deep = seen.get("visual_pos_masks"), seen.get("deepstack_visual_embeds")
         deep_split = None
@@ -395,12 +515,54 @@ class ImageEmbedder:
                 for k, (a, z) in enumerate(images.spans):
                     blocks[a:z] = k
             self.mrope = self.mrope or mrope is not None
+            self._check_mask(seen.get("attention_mask"), b, lo, len(prompt), blocks)
+            layer_positions = layer_rows = None
+            if layers is not None and plain_layers is not None:
+                got = layers[b, lo:]  # [L, layers, D']
+                layer_positions = (got != plain_layers[b, lo:]).flatten(1).any(-1).nonzero()[:, 0]
+                layer_rows = got[layer_positions].clone()
             out.append(
-                Embedded(differ, e[differ].clone(), len(prompt), mrope, delta, deep_positions, deep_rows, blocks)
+                Embedded(
+                    differ,
+                    e[differ].clone(),
+                    len(prompt),
+                    mrope,
+                    delta,
+                    deep_positions,
+                    deep_rows,
+                    blocks,
+                    layer_positions,
+                    layer_rows,
+                )
             )
-        self.captures += len(reqs)
-        self.capture_calls += 1
         return out
+
+    def _check_mask(self, mask: Any, b: int, lo: int, n: int, blocks: torch.Tensor | None) -> None:
+        """The masks the model's own code built for this request (row ``b`` of the capture's batch,
+        its prompt from ``lo``) let a token see later ones exactly where acb's attention will: within
+        each image block, on the layer types whose layers take the blocks; nowhere else. A request
+        whose masks differ (a model whose probe at start did not show it) is refused here, before
+        any of its tokens is computed, rather than answered with other tokens."""
+        later = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)
+        own = later & (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0) if blocks is not None else None
+        for kind, m in mask.items() if isinstance(mask, dict) else [(None, mask)]:
+            sees = _sees(m, b, lo, n, self.device)
+            if sees is None:  # (a mask function that takes single indices: the probe at start decided)
+                continue
+            both_ways = kind in self._kinds_both_ways if kind is not None else self.bidirectional
+            ahead = sees & later
+            want = own if both_ways and own is not None else None
+            if (want is None and bool(ahead.any())) or (want is not None and not torch.equal(ahead, want)):
+                from acb.errors import UnsupportedModelError
+
+                q, k = (ahead ^ want if want is not None else ahead).nonzero()[0].tolist()
+                how = "lets" if bool(ahead[q, k]) else "does not let"
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__}'s own {kind or 'attention'} mask for this prompt {how} token {q} "
+                    f"see the later token {k}, and acb's attention would not do the same (it lets a token see later "
+                    "ones only within its image's tokens, on the layers the model's masks showed at start): the "
+                    "request is refused rather than answered with other tokens"
+                )
 
     # a step ------------------------------------------------------------------
     def step_inputs(
@@ -429,6 +591,8 @@ class ImageEmbedder:
                 self._free[self.key(req)] = entry  # (taken by entry() below)
                 self._free_bytes += entry.nbytes
         embeds = self.embed(input_ids)  # [1, T, D]
+        # per-layer inputs: the decoder's own lookup of the step's tokens, image rows put back below
+        layers = self._per_layer(input_ids) if self._per_layer is not None else None  # [1, T, layers, D']
         positions = position_ids
         deep_at: list[torch.Tensor] = []  # flattened-batch indices of DeepStack positions, ascending
         deep_rows: list[torch.Tensor] = []  # their rows, [layers, k, D] each
@@ -448,6 +612,11 @@ class ImageEmbedder:
                 sel = (entry.positions >= start) & (entry.positions < start + n)
                 if bool(sel.any()):
                     embeds[0, off + entry.positions[sel] - start] = entry.rows[sel].to(embeds.dtype)
+                if layers is not None and entry.layer_positions is not None and entry.layer_rows is not None:
+                    lp = entry.layer_positions
+                    at = (lp >= start) & (lp < start + n)
+                    if bool(at.any()):
+                        layers[0, off + lp[at] - start] = entry.layer_rows[at].to(layers.dtype)
                 if entry.deep_positions is not None and entry.deep_rows is not None:
                     dp = entry.deep_positions
                     deep = (dp >= start) & (dp < start + n)
@@ -464,12 +633,40 @@ class ImageEmbedder:
                 if after < start + n:
                     positions[-3:, 0, off + after - start : off + n] += entry.delta
         self._lm_kwargs = {}
+        self._model_kwargs = {} if layers is None else {"per_layer_inputs": layers}
         if deep_at:  # the language model adds these after its first layers (its own code does)
             mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
             mask[0, torch.cat(deep_at)] = True
             rows = torch.cat(deep_rows, dim=1).to(embeds.dtype)
             self._lm_kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": list(rows.unbind(0))}
         return embeds, positions
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The step's extra arguments of the model's own forward on ``inputs_embeds`` (Gemma 3n/4's
+        ``per_layer_inputs``, which it computes from ``input_ids`` otherwise); taken once."""
+        extra, self._model_kwargs = self._model_kwargs, {}
+        return extra
+
+    def with_spans(self, images: ImageInputs) -> ImageInputs:
+        """``images`` with the spans of the image blocks whose tokens attend to each other both
+        ways, for a model that does that (a prefill chunk never ends inside one).
+
+        Raises:
+            InvalidRequestError: the model puts all of a prompt's images in one block, and this
+                prompt's image tokens are more than one run (acb's attention cannot do that)."""
+        if not self.bidirectional:
+            return images
+        spans = type_spans(images.tensors)
+        if self.one_block and len(spans) > 1:
+            from acb.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"{type(self.model).__name__} lets every image token of a prompt see every other one, both ways, "
+                f"across the text between them; acb's attention lets an image's tokens see their own image only, "
+                f"so it runs this model's prompts with one image (one run of image tokens); this one has {len(spans)}",
+                "prompt",
+            )
+        return dataclasses.replace(images, spans=spans)
 
     @contextlib.contextmanager
     def language_model_kwargs(self) -> Iterator[None]:
@@ -491,3 +688,24 @@ class ImageEmbedder:
             yield
         finally:
             del decoder.forward
+
+
+def _same(a: Embedded, b: Embedded) -> bool:
+    """Two captures of one request give the same embeddings (up to the rounding of a batched
+    vision encoder: a capture that mixes requests up differs by far more)."""
+
+    def close(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+        if x is None or y is None:
+            return x is None and y is None
+        if x.shape != y.shape:
+            return False
+        if not x.is_floating_point():
+            return torch.equal(x, y)
+        scale = float(x.abs().max()) if x.numel() else 0.0
+        return bool((x - y).abs().max() <= 1e-3 * max(scale, 1e-6)) if x.numel() else True
+
+    return all(
+        close(getattr(a, f.name), getattr(b, f.name))
+        for f in dataclasses.fields(Embedded)
+        if f.name not in ("prompt_len", "delta")
+    ) and (a.prompt_len, a.delta) == (b.prompt_len, b.delta)

@@ -21,8 +21,17 @@ import torch
 
 import acb
 from acb.errors import UnsupportedModelError
-from acb.runner.vision import bidirectional_layers
-from tests.vlm_models import ARCHS, image, messages, tiny_gemma4, tiny_vlm
+from acb.runner.vision import ImageAttention, bidirectional_layers, image_attention
+from tests.vlm_models import (
+    ARCHS,
+    image,
+    messages,
+    molmo2_prompt,
+    tiny_gemma4,
+    tiny_molmo2,
+    tiny_paligemma,
+    tiny_vlm,
+)
 
 MAX_NEW = 6
 
@@ -117,8 +126,9 @@ def test_gemma4_image_attention_follows_its_config_and_layer_types():
 
 def test_image_layers_are_read_from_the_models_own_masks(monkeypatch):
     """The layers whose image tokens attend both ways are read from the masks the model's own code
-    builds, whatever its attention implementation (SDPA's boolean masks, eager's additive ones);
-    a mask acb cannot reproduce (one block for all of a prompt's images) refuses the model."""
+    builds, whatever its attention implementation (SDPA's boolean masks, eager's additive ones):
+    per image, or one block for all of a prompt's images (Molmo2's); a mask acb cannot reproduce
+    (text tokens that see later ones) refuses the model's images."""
     model, _ = tiny_vlm("gemma3")
     own = model.config._attn_implementation
     try:
@@ -129,11 +139,93 @@ def test_image_layers_are_read_from_the_models_own_masks(monkeypatch):
         model.set_attn_implementation(own)
     import transformers.models.gemma3.modeling_gemma3 as gemma3
 
-    monkeypatch.setattr(
-        gemma3, "get_block_sequence_ids_for_mask", lambda types, device=None: torch.where(types == 1, 0, -1)
-    )
-    with pytest.raises(UnsupportedModelError, match="an image the next one"):
+    blocks = gemma3.get_block_sequence_ids_for_mask
+    monkeypatch.setattr(gemma3, "get_block_sequence_ids_for_mask", lambda t, device=None: torch.where(t == 1, 0, -1))
+    assert image_attention(model) == ImageAttention(frozenset({0, 1}), one_block=True)
+    monkeypatch.setattr(gemma3, "get_block_sequence_ids_for_mask", lambda t, device=None: torch.where(t == 0, 0, -1))
+    with pytest.raises(UnsupportedModelError, match="let text tokens see later tokens"):
         bidirectional_layers(model)
+    # blocks only in prompts longer than the probe's: the probe sees a causal model, and the request's
+    # own masks refuse it when its images are embedded (before, it ran causal: other tokens)
+    monkeypatch.setattr(
+        gemma3, "get_block_sequence_ids_for_mask", lambda t, device=None: blocks(t * (t.shape[-1] > 8), device)
+    )
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8)) as eng:
+        assert eng.runner.vision.layers == set()
+        out = eng.generate_batch([processed("gemma3", chats()[0])], max_new_tokens=2, progress_bar=False)
+    (res,) = out.values()
+    assert res.status == acb.RequestStatus.FAILED
+    assert "mask for this prompt lets token" in (res.error or "") and "refused" in (res.error or "")
+
+
+def test_gemma4_per_layer_inputs_with_images():
+    """An E2B/E4B-style Gemma 4 (per-layer inputs, KV-shared layers): its own code computes the
+    per-layer inputs from ``input_ids`` (an image token's as the pad token's), which a forward on
+    ``inputs_embeds`` lacks; acb hands them over, its own for image requests. Exact against
+    ``model.generate`` with text and image requests in one batch, whole and chunked with async
+    batching (every request of a step with images failed before, the text ones too)."""
+    model, processor = tiny_gemma4(None, per_layer=True)
+    cs = [GEMMA4_CHATS[0], [{"role": "user", "content": "text only"}], GEMMA4_CHATS[2]]
+    want = []
+    for chat in cs:
+        inputs = processor.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        want.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    for mode in (dict(), dict(max_batch_tokens=16, use_async_batching=True)):
+        cfg = acb.ContinuousBatchingConfig(num_blocks=96, page_size=8, **mode)
+        with acb.Engine(model, cfg, processor=processor) as eng:
+            outs = eng.generate_batch(cs, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
+        assert [o.generated_tokens for o in outs.values()] == want, mode
+
+
+def test_image_masks_acb_cannot_follow_are_refused():
+    """Models whose image masks are not Gemma 3's per-image blocks, found by what their masks do.
+    Molmo2 puts every image token of a prompt in one block (an image sees the later images, across
+    the text between them): a prompt with one image is exact against ``model.generate`` (whole, and
+    chunked with async batching; its image tensors index each other, so its images are embedded
+    request by request), one with two is refused at submit (before, it ran causal: other tokens).
+    PaliGemma's prompt attends both ways whole (a prefix-LM): its images are refused, saying why,
+    its text is exact; with the config's flag off its masks still say so, and refuse it."""
+    model = tiny_molmo2()
+    words = [[40, 41, 42, 43, 44, 45], [60, 61, 62, 63, 64, 65], [66, 61, 62, 63, 64, 65]]
+    prompts: list = [molmo2_prompt(seed, 1, w) for seed, w in zip((1, 3, 4), words)]
+    text = [1, 5, 6, 7, 8, 9, 10] * 3
+    want = []
+    for p in [
+        *prompts,
+        {"input_ids": torch.tensor([text]), "attention_mask": torch.ones(1, len(text), dtype=torch.long)},
+    ]:
+        with torch.no_grad():
+            out = model.generate(**p, max_new_tokens=MAX_NEW, do_sample=False)
+        want.append(out[0, p["input_ids"].shape[1] :].tolist())
+    for mode in (dict(), dict(max_batch_tokens=7, use_async_batching=True)):
+        with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, **mode)) as eng:
+            assert eng.runner.vision.one_block and eng.runner.vision.layers == {0, 1}
+            outs = eng.generate_batch([*prompts, text], max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
+            with pytest.raises(acb.InvalidRequestError, match="prompts with one image .*this one has 2"):
+                eng.generate(molmo2_prompt(2, 2, words[0]), max_new_tokens=2)
+        assert [o.generated_tokens for o in outs.values()] == want, mode
+
+    model, processor = tiny_paligemma()
+    ids = [1, 70, 71, 85, 69, 84, 75, 68, 71, 223] * 2
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids) :].tolist()
+    text_config = model.config.text_config
+    try:
+        for flag, says in ((True, "the paged path refuses it: .*bidirectional attention"), (False, "text tokens see")):
+            text_config.use_bidirectional_attention = flag
+            with acb.Engine(
+                model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8), processor=processor
+            ) as eng:
+                with pytest.raises(acb.InvalidRequestError, match="this engine cannot run images: .*" + says):
+                    eng.generate(messages([image(1)], "describe this"), max_new_tokens=2)
+                if flag:
+                    assert eng.generate(ids, max_new_tokens=MAX_NEW, ignore_eos=True).generated_tokens == want
+    finally:
+        text_config.use_bidirectional_attention = True
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3", "idefics3"])
