@@ -543,14 +543,15 @@ class ImageEmbedder:
         each image block, on the layer types whose layers take the blocks; nowhere else. A request
         whose masks differ (a model whose probe at start did not show it) is refused here, before
         any of its tokens is computed, rather than answered with other tokens."""
-        later = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)
-        own = later & (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0) if blocks is not None else None
+        own = None
+        if blocks is not None:
+            own = ((blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)).triu(1)
         for kind, m in mask.items() if isinstance(mask, dict) else [(None, mask)]:
             sees = _sees(m, b, lo, n, self.device)
             if sees is None:  # (a mask function that takes single indices: the probe at start decided)
                 continue
             both_ways = kind in self._kinds_both_ways if kind is not None else self.bidirectional
-            ahead = sees & later
+            ahead = sees.triu(1)  # [n, n]: where a token sees a later one
             want = own if both_ways and own is not None else None
             if (want is None and bool(ahead.any())) or (want is not None and not torch.equal(ahead, want)):
                 from acb.errors import UnsupportedModelError
