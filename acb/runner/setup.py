@@ -111,9 +111,10 @@ def check_model(model: PreTrainedModel) -> None:
 
 
 def _module_state(model: PreTrainedModel) -> str | None:
-    """The module attributes a short forward of the model with its own cache sets (the model's
-    values are put back after), by name; None when there are none, or when the try cannot tell
-    (a forward that fails here, or a model split over ranks)."""
+    """The module attributes a short forward of the model's language model with its own cache sets
+    (the model's values are put back after), by name; None when there are none, or when the try
+    cannot tell (a forward that fails here, or a model split over ranks). The head is left out: it
+    keeps no state, and costs a vocabulary's worth of work."""
     from acb.runner.module_state import ModuleState, describe
 
     if tp_size_of(model) > 1:
@@ -124,7 +125,8 @@ def _module_state(model: PreTrainedModel) -> str | None:
     ids = torch.arange(4, device=model_device(model))[None] % vocab
     try:
         with torch.no_grad():
-            found = ModuleState.of(model, lambda: model(input_ids=ids, use_cache=True))
+            decoder = _decoder(model)
+            found = ModuleState.of(model, lambda: decoder(input_ids=ids, use_cache=True))
     except Exception:  # noqa: BLE001 - a model whose bare forward needs more: the other checks decide
         return None
     return None if found is None else describe(found.slots, model)
