@@ -13,7 +13,14 @@ and raises. What it keeps (an :class:`Embedded`):
   features, wherever the model put them), with their prompt positions;
 * the language model's ``position_ids`` when they have more than one row (M-RoPE), and the
   offset of the positions after the prompt (``rope_deltas``: a generated token at index ``t``
-  has position ``t + delta`` in every row, as the model's own decode computes it).
+  has position ``t + delta`` in every row, as the model's own decode computes it);
+* the per-layer inputs it hands its language model where they are not the plain lookup of the
+  prompt's tokens (Gemma 3n/4's, which it computes from ``input_ids``: an image token's are the
+  pad token's), and Qwen3-VL's DeepStack rows.
+
+The first call that embeds several requests' images together is checked against one call per
+request: a model whose image tensors refer to each other (Molmo2's pooling indices into its
+patches) is then embedded request by request.
 
 A step whose tokens include a request with images then runs the model on ``inputs_embeds``: the
 token embeddings of the flattened batch, with each such request's rows for the positions this
@@ -23,9 +30,11 @@ row uses them and, after, in a byte-bounded LRU, so that a recompute after a pre
 same images again, does not run the vision encoder again.
 
 Some models' image tokens also attend to their image's later tokens in prefill, on some layers
-(Gemma 3 on every layer; Gemma 4 on its sliding ones, with ``use_bidirectional_attention="vision"``):
-:func:`bidirectional_layers` reads which from the masks the model's own code builds, and a step's
-:class:`ImageBlocks` tell the attention backend each such prefill segment's image blocks.
+(Gemma 3 on every layer; Gemma 4 on its sliding ones, with ``use_bidirectional_attention="vision"``;
+Molmo2 to every image of the prompt): :func:`image_attention` reads which from the masks every
+VLM's own code builds, and a step's :class:`ImageBlocks` tell the attention backend each such
+prefill segment's image blocks. A mask acb cannot follow refuses the model's images; each
+request's own masks are checked again when its images are embedded.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ if TYPE_CHECKING:
 
 import torch
 
-from acb.images import type_spans
+from acb.images import image_token_id, type_spans
 
 if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
@@ -133,7 +142,6 @@ def image_attention(model: Any) -> ImageAttention:
     whose image tokens are one run). Any other mask (a text token that sees a later token, as a
     prefix-LM's prompt does) refuses the model's images, and so does a probe that fails; each
     request's own masks are checked again when its images are embedded (:meth:`ImageEmbedder.capture`)."""
-    from acb.images import image_token_id
     from acb.runner.tp_sync import tp_size_of
 
     if not takes_images(model) or tp_size_of(model) > 1:  # (images are not run under tensor parallel)
@@ -235,14 +243,12 @@ def _sees(mask: Any, b: int, lo: int, n: int, device: torch.device) -> torch.Ten
         return idx[None, :] <= idx[:, None]
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         return None
-    value = mask[b, 0, lo : lo + n, lo : lo + n]
+    value = mask[min(b, mask.shape[0] - 1), 0, lo : lo + n, lo : lo + n]  # (a batch dimension may be broadcast)
     return (value if value.dtype == torch.bool else value == 0).to(device)
 
 
 def takes_images(model: Any) -> bool:
     """A vision-language model: an image placeholder token and a vision sub-config."""
-    from acb.images import image_token_id
-
     config = model.config
     return image_token_id(config) is not None and getattr(config, "vision_config", None) is not None
 
@@ -324,6 +330,7 @@ class ImageEmbedder:
         self.refused = found.refused
         text = model.config.get_text_config()
         kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers))
+        self._kinds = set(kinds)
         self._kinds_both_ways = {kinds[i] for i in self.layers if i < len(kinds)}
         # Gemma 3n/4's per-layer inputs (token-identity embeddings the language model adds in every
         # layer): its own code computes them from input_ids, so a forward on inputs_embeds is handed
@@ -333,10 +340,12 @@ class ImageEmbedder:
         self._per_layer = (
             lookup
             if callable(lookup)
-            and getattr(text, "hidden_size_per_layer_input", 0)
+            and bool(getattr(text, "hidden_size_per_layer_input", None))
             and "per_layer_inputs" in inspect.signature(type(model).forward).parameters
             else None
         )
+        self._image_token = image_token_id(model.config)
+        self._pad_token = int(getattr(text, "pad_token_id", None) or 0)
         # whether the model's own code makes of several requests' images together what it makes of
         # each alone (None: not tried yet): its image tensors may refer to each other (Molmo2's
         # pooling indices into its pixel patches), so the first batch is checked one by one
@@ -486,7 +495,7 @@ class ImageEmbedder:
             )
         plain = self.embed(ids)
         layers = seen.get("per_layer_inputs") if self._per_layer is not None else None
-        plain_layers = self._per_layer(ids) if isinstance(layers, torch.Tensor) and self._per_layer else None
+        plain_layers = self._plain_layers(ids) if isinstance(layers, torch.Tensor) else None
         pos = seen.get("position_ids")
         mask, deep = seen.get("visual_pos_masks"), seen.get("deepstack_visual_embeds")
         deep_split = None
@@ -547,6 +556,8 @@ class ImageEmbedder:
         if blocks is not None:
             own = ((blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)).triu(1)
         for kind, m in mask.items() if isinstance(mask, dict) else [(None, mask)]:
+            if kind is not None and kind not in self._kinds:  # (a mask no layer of the model reads)
+                continue
             sees = _sees(m, b, lo, n, self.device)
             if sees is None:  # (a mask function that takes single indices: the probe at start decided)
                 continue
@@ -564,6 +575,14 @@ class ImageEmbedder:
                     "ones only within its image's tokens, on the layers the model's masks showed at start): the "
                     "request is refused rather than answered with other tokens"
                 )
+
+    def _plain_layers(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The decoder's own per-layer inputs of ``ids`` (None for a model without them); image
+        placeholders are looked up as the pad token (their ids may lie past the lookup's table:
+        what the model's own code made there is put back from its capture)."""
+        if self._per_layer is None:
+            return None
+        return self._per_layer(torch.where(ids == self._image_token, self._pad_token, ids))
 
     # a step ------------------------------------------------------------------
     def step_inputs(
@@ -593,7 +612,7 @@ class ImageEmbedder:
                 self._free_bytes += entry.nbytes
         embeds = self.embed(input_ids)  # [1, T, D]
         # per-layer inputs: the decoder's own lookup of the step's tokens, image rows put back below
-        layers = self._per_layer(input_ids) if self._per_layer is not None else None  # [1, T, layers, D']
+        layers = self._plain_layers(input_ids)  # [1, T, layers, D'] or None
         positions = position_ids
         deep_at: list[torch.Tensor] = []  # flattened-batch indices of DeepStack positions, ascending
         deep_rows: list[torch.Tensor] = []  # their rows, [layers, k, D] each
