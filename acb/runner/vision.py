@@ -582,7 +582,7 @@ class ImageEmbedder:
         what the model's own code made there is put back from its capture)."""
         if self._per_layer is None:
             return None
-        return self._per_layer(torch.where(ids == self._image_token, self._pad_token, ids))
+        return self._per_layer(ids.masked_fill(ids == self._image_token, self._pad_token))
 
     # a step ------------------------------------------------------------------
     def step_inputs(
