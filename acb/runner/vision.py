@@ -344,7 +344,7 @@ class ImageEmbedder:
             and "per_layer_inputs" in inspect.signature(type(model).forward).parameters
             else None
         )
-        self._image_token = image_token_id(model.config)
+        self._image_token = int(image_token_id(model.config) or -1)  # (a VLM has one: takes_images)
         self._pad_token = int(getattr(text, "pad_token_id", None) or 0)
         # whether the model's own code makes of several requests' images together what it makes of
         # each alone (None: not tried yet): its image tensors may refer to each other (Molmo2's
