@@ -510,21 +510,24 @@ class InputProcessor:
                 )
 
     @staticmethod
-    def check_score_group(group: Sequence[ScoreTarget], vocab: int, cfg: ResolvedConfig) -> None:
+    def check_score_group(
+        group: Sequence[ScoreTarget], vocab: int, cfg: ResolvedConfig, prompt_vocab: int | None = None
+    ) -> None:
         """Refuse a scoring group (a context request, then its children) that is malformed or can
         never fit.
 
         Args:
             group: the group's targets, its context request first.
-            vocab: the model's vocabulary size.
+            vocab: the model's vocabulary size (what a continuation token may be).
             cfg: the engine's resolved sizes.
+            prompt_vocab: the ids the context may hold (the input embeddings'; ``vocab`` if None).
 
         Raises:
             InvalidRequestError: a token outside the vocabulary, a child that does not extend the
                 context, or a group that can never fit (field ``continuations``).
         """
         head = group[0].prompt_ids
-        check_prompt_vocab(head, vocab, "context")
+        check_prompt_vocab(head, prompt_vocab or vocab, "context")
         check_vocab("continuations", group[0].next_tokens or (), vocab, "continuation")
         for child in group[1:]:
             check_vocab("continuations", child.prompt_ids, vocab, "continuation")
@@ -598,7 +601,7 @@ class InputProcessor:
         engine = self._engine
         core = self.live_core()
         vocab = core.runner.vocab_size
-        ids, images = self.prompt_and_images(prompt_ids, vocab, chat_template_kwargs)
+        ids, images = self.prompt_and_images(prompt_ids, core.runner.input_vocab_size, chat_template_kwargs)
         sampling = self.check_args(sampling, request_id, cache_salt)
         params = sampling.merged_over(engine.defaults)
         check_vocab("logit_bias", params.logit_bias or (), vocab)
@@ -672,7 +675,7 @@ class InputProcessor:
         vocab = core.runner.vocab_size
         head = group[0]
         self.check_args(None, request_id, cache_salt)
-        self.check_score_group(group, vocab, core.runner.cfg)
+        self.check_score_group(group, vocab, core.runner.cfg, core.runner.input_vocab_size)
         # nothing is sampled: the raw logprobs of the scored positions only
         params = replace(FALLBACK, prompt_logprobs=max(top_logprobs, 1), logprobs_mode="raw")
         check_logprobs(params, vocab)

@@ -199,7 +199,8 @@ class Runner(Protocol):
     """What the core needs of a model runner (:class:`acb.runner.model_runner.ModelRunner`)."""
 
     cfg: ResolvedConfig  # the sizes and policies the engine runs with
-    vocab_size: int
+    vocab_size: int  # the output vocabulary: what can be sampled, scored and biased
+    input_vocab_size: int  # the ids a prompt may hold (Molmo2's image tokens lie past the output vocabulary)
     asleep: bool  # sleep() freed the cache and the step buffers
     last_stage_s: float  # host time of the last execute's input staging
 

@@ -174,6 +174,9 @@ class ModelRunner:
             if model.get_output_embeddings() is not None
             else int(model.config.get_text_config().vocab_size)
         )
+        embeddings = model.get_input_embeddings()
+        rows = getattr(embeddings, "num_embeddings", None)
+        self.input_vocab_size = max(self.vocab_size, rows if isinstance(rows, int) else 0)
         self.kv_cache = KVCache(spec, self.cfg.num_blocks, self.cfg.block_size, self.device)
         self.kv_cache.allocate_swap(self.cfg.num_swap_blocks)
         if (

@@ -485,3 +485,27 @@ def test_a_model_without_attention_skips_the_attention_check(caplog):
             outs = eng.generate_batch(ps, max_new_tokens=6, ignore_eos=True, progress_bar=False)
     assert not [r.getMessage() for r in caplog.records if "attention" in r.getMessage()]
     assert [o.generated_tokens for o in outs.values()] == [reference("mamba2", tuple(p)) for p in ps]
+
+
+def test_prompt_ids_may_reach_past_the_output_vocabulary():
+    """Prompt ids are checked against the input embeddings (Molmo2's image tokens lie past its
+    output vocabulary): an id the embeddings hold runs exactly; one past them is refused; what is
+    sampled, scored or biased stays within the output vocabulary."""
+    from acb.models import tiny_model
+
+    model = tiny_model("llama", tie_word_embeddings=False)
+    vocab = model.config.vocab_size
+    torch.manual_seed(3)
+    model.model.embed_tokens = torch.nn.Embedding(vocab + 8, model.config.hidden_size)
+    prompt = [5, vocab + 3, 9, vocab + 7, 11]
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32, page_size=8)) as eng:
+        out = eng.generate(prompt, max_new_tokens=6, ignore_eos=True)
+        assert out.generated_tokens == reference_generate(model, prompt, 6, ignore_eos=True)
+        with pytest.raises(acb.InvalidRequestError, match=rf"prompt_ids\[1\] = {vocab + 8} is outside"):
+            eng.generate([5, vocab + 8], max_new_tokens=1)
+        with pytest.raises(acb.InvalidRequestError, match="continuation token id"):
+            eng.score(prompt, [[vocab + 3]])
+        scored = eng.score(prompt, [[4]])  # a context with those ids is scored as a forward gives it
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)[4].item()
+    assert scored.continuations[0].logprobs[0] == pytest.approx(expected, abs=1e-5)

@@ -27,6 +27,7 @@ class FakeRunner:
     device does, and checks that each placeholder points at its own request's last sample."""
 
     vocab_size = 256
+    input_vocab_size = 256
     asleep = False
     last_stage_s = 0.0
 
