@@ -54,31 +54,13 @@ SCRIPT = textwrap.dedent(
 
     # an engine: starting it hands back the starting thread's pool; the engine thread's own
     # pool is handed back whenever the engine runs out of work
-    # a matmul of several rows whose bits depend on the thread count (its work is split by it):
-    # which count a thread's matmuls run on, read from their bits
-    g = torch.Generator().manual_seed(0)
-    probes = [(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)) for m, k, n in
-              [(7, 64, 256), (5, 256, 1024), (9, 128, 512), (3, 512, 2048)]]
-    def bits_at(threads):
-        torch.set_num_threads(threads)
-        return [torch.nn.functional.linear(a, w) for a, w in probes]
-    by_count = {1: bits_at(1), 2: bits_at(2)}
-    torch.set_num_threads(2)
-    which = [i for i in range(len(probes)) if not torch.equal(by_count[1][i], by_count[2][i])]
-    out["probe"] = bool(which)
-    def count_of_bits(_core=None):
-        got = [torch.nn.functional.linear(*probes[i]) for i in which]
-        return [t for t in (1, 2) if all(torch.equal(x, by_count[t][i]) for x, i in zip(got, which))]
-
     eng = acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=32, page_size=8, max_batch_tokens=64))
     eng.start()
     with_engine = base + 1  # the engine thread, no workers (it has not stepped yet)
     out["after_start"] = settle(with_engine) - with_engine
-    out["engine_bits_first"] = eng.call(count_of_bits).result()  # its first matmuls
     outs = eng.generate_batch([[5, 6, 7, 8] * 4] * 4, acb.SamplingParams(max_new_tokens=8), progress_bar=False)
     out["finished"] = all(o.status == acb.RequestStatus.FINISHED for o in outs.values())
     out["idle_engine"] = settle(with_engine) - with_engine
-    out["engine_bits_after_release"] = eng.call(count_of_bits).result()  # its pool went: a new one
     parallel()  # the caller computes again while the engine is idle: only its own pool exists
     out["caller_again"] = threads() - with_engine
     eng.shutdown()
@@ -102,10 +84,6 @@ def test_waiting_threads_hand_back_their_workers() -> None:
     assert out["after_start"] == 0, out  # Engine.start handed back the starting thread's worker
     assert out["finished"]
     assert out["idle_engine"] == 0, out  # the engine's pool went when its work did
-    if out["probe"]:  # (a CPU where no probe's bits depend on the thread count tells nothing)
-        # the engine thread's matmuls run on the thread count set where it started (2), before
-        # and after its pool is handed back (the new pool is made with the thread's own setting)
-        assert out["engine_bits_first"] == out["engine_bits_after_release"] == [2], out
     assert out["caller_again"] == 1, out
 
 
