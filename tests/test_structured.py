@@ -524,6 +524,8 @@ def test_a_closed_compilers_idle_workers_serve_the_next_one(tok):
     wait_until(lambda: any(w._busy for w in a._workers), "a worker compiling the slow spec")
     busy = next(w for w in a._workers if w._busy)
     idle = next(w for w in a._workers if w is not busy)
+    # (the other worker's process may still be spawning: once seen, in a whole-suite run)
+    wait_until(idle.alive, "the idle worker's process running")
     killed_pid, idle_pid = busy._proc.pid, idle._proc.pid
     a.close()
     with pytest.raises(EngineNotRunningError, match="closed"):
