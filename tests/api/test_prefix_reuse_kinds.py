@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import acb
-from tests.conftest import prompts_of_lengths, reference_generate
+from tests.conftest import assert_scores_match_forward, prompts_of_lengths, reference_generate
 from tests.test_model_sweep import ms
 
 PAGE = 8
@@ -70,3 +70,34 @@ def test_a_prefix_is_reused_exactly(arch, first):
     assert [o.generated_tokens for o in outs] == [
         reference_generate(model, p, MAX_NEW, ignore_eos=True) for p in prompts
     ]
+
+
+@pytest.mark.parametrize("arch", sorted(KINDS))
+def test_a_reused_prefix_holds_under_samples_preemption_sleep_and_scoring(arch):
+    """The same prefix, on one engine small enough to preempt (offloading where the kind can be
+    offloaded, recomputing where not yet): its extensions with ``n = 2``, preempted, then after
+    ``sleep()``/``wake_up()`` (the cache dropped: nothing reused, still exact), then scored against
+    a plain forward."""
+    model = model_of(arch)
+    vocab = int(model.config.get_text_config().vocab_size)
+    prefix = prompts_of_lengths([PREFIX], vocab=vocab, seed=17)[0]
+    tails = prompts_of_lengths([4, 11, 6, 9], vocab=vocab, seed=18)
+    prompts = [prefix + t for t in tails]
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=16, page_size=PAGE, allow_block_sharing=True, safety_margin=0.0, cpu_offload_space=0.01
+    )
+    new = 3 * PAGE  # each sample grows by three blocks: the engine must preempt
+    refs = [reference_generate(model, p, new, ignore_eos=True) for p in prompts]
+    with acb.Engine(model, cfg) as eng:
+        eng.generate(prefix, max_new_tokens=1, ignore_eos=True)
+        outs = list(eng.generate_batch(prompts, max_new_tokens=new, ignore_eos=True, n=2, progress_bar=False).values())
+        assert [[s.generated_tokens for s in o.samples] for o in outs] == [[r, r] for r in refs]
+        assert [o.num_cached_tokens for o in outs] == [PREFIX if KINDS[arch] else 0] * len(prompts)
+        assert eng.stats.preemptions > 0, eng.stats
+        # the paged kinds are offloaded; the state layers and own caches are recomputed (issue 53)
+        assert (eng.stats.swapped_out_blocks > 0) == KINDS[arch], eng.stats
+        eng.sleep()
+        eng.wake_up()
+        again = eng.generate(prompts[0], max_new_tokens=new, ignore_eos=True)
+        assert again.generated_tokens == refs[0] and again.num_cached_tokens == 0
+        assert_scores_match_forward(eng, model, prompts[1], [tails[2][:1], tails[3][:3]])
