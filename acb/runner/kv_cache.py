@@ -47,6 +47,9 @@ class KVSpec:
     # what a token costs the model's own cache objects of the layers that run on them
     # (acb.runner.own_cache: no pages; measured at start), counted in a block's cost
     own_bytes_per_token: int = 0
+    # cache layers that hold an MLA layer's latent (acb.runner.latent): key-only, shape
+    # (1, kv_lora_rank + qk_rope_head_dim); the module's own expand_kv makes K/V of them at attention
+    latent_layers: tuple[int, ...] = ()
 
     @property
     def attention_layers(self) -> int:
@@ -54,8 +57,8 @@ class KVSpec:
         return self.num_layers - len(self.index_layers)
 
     def is_key_only(self, layer: int) -> bool:
-        """Whether cache layer ``layer`` holds keys only (an indexer's)."""
-        return layer >= self.attention_layers
+        """Whether cache layer ``layer`` holds keys only (an indexer's, or an MLA layer's latent)."""
+        return layer >= self.attention_layers or layer in self.latent_layers
 
     def index_layer_of(self, layer_idx: int) -> int:
         """The key-only cache layer of the indexer of the model's layer ``layer_idx``."""
@@ -66,19 +69,24 @@ class KVSpec:
         return (self.num_kv_heads, self.head_dim) if self.layer_shapes is None else self.layer_shapes[layer]
 
     def groups(self) -> dict[tuple[int, int], list[int]]:
-        """The attention cache layers of each shape, ``(kv_heads, head_dim) -> [cache layer, ...]``."""
+        """The attention cache layers of each shape, ``(kv_heads, head_dim) -> [cache layer, ...]``
+        (K and V pages; the latent layers are not among them)."""
         out: dict[tuple[int, int], list[int]] = {}
         for layer in range(self.attention_layers):
+            if layer in self.latent_layers:
+                continue
             out.setdefault(self.shape_of(layer), []).append(layer)
         return out
 
     def bytes_per_token(self) -> dict[tuple[int, int] | str, int]:
         """What one cached token costs in each group (K and V of its layers), and in the indexers'
-        key-only layers (``"index keys"``), in bytes."""
+        key-only layers (``"index keys"``) and in the MLA layers' latent (``"latent"``), in bytes."""
         elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
         out: dict[tuple[int, int] | str, int] = {
             (h, d): 2 * len(layers) * h * d * elem for (h, d), layers in self.groups().items()
         }
+        if self.latent_layers:
+            out["latent"] = sum(math.prod(self.shape_of(layer)) for layer in self.latent_layers) * elem
         if self.index_layers:
             h, d = self.shape_of(self.attention_layers)
             out["index keys"] = len(self.index_layers) * h * d * elem

@@ -38,6 +38,7 @@ from acb.runner.host_threads import release_idle_threads
 from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kv_cache import KVCache, KVSpec
+from acb.runner.latent import LatentLayers
 from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step, resumes_prefill
 from acb.runner.module_state import module_attributes
 from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers, own_cache_step
@@ -165,6 +166,8 @@ class ModelRunner:
         self.shared_attention = SharedAttention(model) if paged else None
         # indexed (DSA) attention: the indexers run per request over their paged keys
         self.indexed = IndexedLayers(model) if paged and indexer_modules(model) else None
+        # MLA layers paged as their latent: their expand_kv passes it through to acb's attention
+        self.latent = LatentLayers(model) if paged and spec.latent_layers else None
         if self.linear is not None or self.own is not None or self.own_forward is not None:
             self._hybrid_settings(config)
         if self.packed is not None:
@@ -196,6 +199,7 @@ class ModelRunner:
             and self.linear is None
             and self.own is None
             and self.indexed is None
+            and self.latent is None
             and paged,
             graph_step=config.q_padding_interval_size or None,
         )
@@ -203,7 +207,7 @@ class ModelRunner:
         if group is not None:  # before any collective of the model's: the ranks must run the same steps
             check_same_settings(group, self.cfg)
         self._compiled: dict[str, Any] = {}
-        if self.indexed is not None:
+        if self.indexed is not None or self.latent is not None:
             self._indexed_settings(config)
         elif self.linear is None and self.own is None and paged:
             self._setup_compile(config)
@@ -290,7 +294,8 @@ class ModelRunner:
 
     def _indexed_settings(self, config: ContinuousBatchingConfig) -> None:
         """An indexed-attention model's indexers run once per request, from Python (the reference
-        path): decode graphs and torch.compile are off for it."""
+        path), and an MLA model's latent is expanded per request by the torch backend: decode
+        graphs and torch.compile are off for them."""
         if (
             config.use_cuda_graph
             or config.default_compile_level
@@ -298,8 +303,9 @@ class ModelRunner:
             or config.varlen_compile_config is not None
         ):
             logger.warning(
-                "decode CUDA graphs and torch.compile are off for %s: its attention indexers run per request",
+                "decode CUDA graphs and torch.compile are off for %s: its %s per request",
                 type(self.model).__name__,
+                "attention indexers run" if self.indexed is not None else "MLA latent is expanded",
             )
 
     def _packed_linears(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> PackedLinears | None:
@@ -552,6 +558,8 @@ class ModelRunner:
             self.own.remove()
         if self.indexed is not None:
             self.indexed.remove()
+        if self.latent is not None:
+            self.latent.remove()
         if self.shared_attention is not None:
             self.shared_attention.remove()
         self._weights.close()

@@ -216,14 +216,18 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
+def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype, latent: bool = False) -> KVSpec:
     """The KV cache's page shapes: one for every layer from the config, or one per cache layer
     when the attention modules differ in shape (Gemma 4's full layers are wider than its sliding
     ones; MiMo V2 Flash's sliding layers have more KV heads), then a key-only layer per indexer
-    of an indexed-attention model (DSA: ``(1, index key width)``)."""
+    of an indexed-attention model (DSA: ``(1, index key width)``). With ``latent``, an MLA
+    layer's cache layer holds its latent, key-only ``(1, kv_lora_rank + qk_rope_head_dim)``
+    (:mod:`acb.runner.latent`), instead of its expanded heads."""
     from acb.runner.indexed import index_key_dim, indexer_modules
 
     spec = _attention_spec(model, dtype)
+    if latent:
+        spec = _latent_spec(model, spec)
     indexers = indexer_modules(model)
     if not indexers:
         return spec
@@ -235,6 +239,35 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
         layer_shapes=tuple(shapes),
         index_layers=tuple(m.layer_idx for m in indexers),
     )
+
+
+def _latent_spec(model: PreTrainedModel, spec: KVSpec) -> KVSpec:
+    """``spec`` with the cache layers of the model's MLA modules holding their latent."""
+    from acb.runner.latent import latent_modules, latent_width
+
+    mods = latent_modules(model)
+    if not mods or spec.num_layers == 0:
+        return spec
+    shapes = [spec.shape_of(layer) for layer in range(spec.num_layers)]
+    latent: set[int] = set()
+    for idx, m in mods.items():
+        layer = idx if spec.layer_map is None else spec.layer_map[idx]
+        shapes[layer] = (1, latent_width(m))
+        latent.add(layer)
+    kv_heads, head_dim = max(shapes, key=lambda s: s[0] * s[1])
+    return dataclasses.replace(
+        spec,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        layer_shapes=tuple(shapes),
+        latent_layers=tuple(sorted(latent)),
+    )
+
+
+def latent_backend(backend: str) -> bool:
+    """Whether attention backend ``backend`` attends over an MLA latent (the torch backend, and the
+    CPU backend, which hands those layers to it)."""
+    return backend in ("torch", "cpu")
 
 
 def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
@@ -402,9 +435,17 @@ def resolve_config(
     """
     device = model_device(model)
     dtype = next(model.parameters()).dtype
-    spec = own_path_spec(model, dtype) if own_path else kv_spec_of(model, dtype)
     backend = "torch" if own_path else config.attn_backend or default_backend(device, dtype, config.page_size)
     from acb.runner.indexed import indexer_modules
+    from acb.runner.latent import latent_modules
+
+    latent = not own_path and bool(latent_modules(model))
+    if latent and not latent_backend(backend) and config.attn_backend is None:
+        # the MLA latent is attended by the torch backend (a Triton kernel over the latent is to come);
+        # a backend asked for by name keeps the expanded heads instead
+        logger.info("%s's MLA latent is paged: the torch attention backend runs it", type(model).__name__)
+        backend = "torch"
+    latent = latent and latent_backend(backend)
 
     if not own_path and indexer_modules(model) and backend not in ("torch", "cpu"):
         # indexed attention's selection is applied by the torch reference backend only (the CPU
@@ -416,6 +457,7 @@ def resolve_config(
             )
         logger.info("%s has indexed sparse attention (DSA): the torch attention backend runs it", type(model).__name__)
         backend = "torch"
+    spec = own_path_spec(model, dtype) if own_path else kv_spec_of(model, dtype, latent=latent)
     from acb.runner.vision import bidirectional_images, takes_images
 
     if not own_path and takes_images(model) and bidirectional_images(model) and backend not in ("torch", "cpu"):

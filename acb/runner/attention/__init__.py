@@ -20,6 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from acb.runner.kv_cache import KVCache
+    from acb.runner.latent import LatentExpand
 
 ATTN_IMPL_NAME = "acb_paged"
 
@@ -58,6 +59,9 @@ class AttentionBackend(Protocol):
         store: bool = True,  # False: the step's K/V are already in this cache layer (a KV-shared layer)
         index: torch.Tensor | None = None,  # [1, T, k] indexed attention (DSA): each query's keys, -1 for none
     ) -> torch.Tensor: ...  # [1, T, heads, head_dim]
+
+    # the torch backend (and the CPU backend, its subclass) also takes ``latent=`` (an MLA layer paged
+    # as its latent, acb.runner.latent): the key is the step's latent and the cache layer holds it
 
 
 @dataclass
@@ -170,6 +174,35 @@ def acb_attention_forward(
     # layers) is told its layer at call time instead (SharedAttention)
     called = getattr(_CALLED_AT, "layer", None)
     layer_idx: int = called if called is not None else module.layer_idx  # type: ignore[assignment]
+    latent: LatentExpand | None = getattr(module, "_acb_latent", None)  # acb.runner.latent.LATENT_ATTR
+    if latent is not None and (ctx is True or ctx.kv_cache.layer_of(layer_idx) not in ctx.kv_cache.spec.latent_layers):
+        # the latent came through, but this engine's cache holds the expanded heads (another engine
+        # on the model pages the latent): expand the step's tokens as the model would
+        key, value = latent.original(key, value)
+        latent = None
+    if latent is not None:
+        # an MLA layer paged as its latent: its expand_kv passed the latent through (key = kv_nope
+        # [1, 1, T, r], value = k_rot [1, 1, T, rope]); the backend stores [kv_nope | k_rot] and
+        # expands the request's latent with the module's own expand_kv
+        assert ctx is not True
+        lat = torch.cat([key, value.to(key.dtype)], dim=-1)
+        out = _forward(
+            ctx,
+            layer_idx,
+            query,
+            lat,
+            lat,
+            scaling,
+            sliding_window,
+            softcap,
+            sinks,
+            chunk,
+            not shared,
+            tuning,
+            kwargs.get("indices"),
+            latent,
+        )
+        return out, None
     k_dim, v_dim = key.shape[-1], value.shape[-1]
     if k_dim != v_dim:  # latent attention (MLA): the cache holds keys and values at the wider width,
         # the narrower zero-padded (zeros add nothing to q.k, and padded value columns are dropped)
@@ -279,6 +312,7 @@ def _forward(
     store: bool,
     tuning: list[float] | None = None,
     index: torch.Tensor | None = None,
+    latent: LatentExpand | None = None,
 ) -> torch.Tensor:
     if tuning is not None:
         query = _fix_temperature(query, ctx.metadata, tuning)
@@ -292,7 +326,9 @@ def _forward(
             f"holds {heads} of {width}; the model's config and attention modules do not describe its "
             "attention layers"
         )
-    return ctx.backend.forward(
+    # (latent= only for the torch backend and its CPU subclass: resolve_config pages no latent for others)
+    backend: Any = ctx.backend
+    return backend.forward(
         layer,
         query,
         key,
@@ -305,6 +341,7 @@ def _forward(
         chunk=chunk,
         store=store,
         index=index,
+        **({"latent": latent} if latent is not None else {}),
     )
 
 

@@ -82,6 +82,7 @@ class CpuBackend(TorchBackend):
         if (
             md.kernel_rows is None
             or la.index is not None
+            or la.latent is not None
             or (
                 la.images
                 and md.image_groups is not None

@@ -25,6 +25,7 @@ from acb.runner.attention import BatchInputs, StepContext
 from acb.runner.indexed import allowed_keys
 
 if TYPE_CHECKING:
+    from acb.runner.latent import LatentExpand
     from acb.runner.vision import ImageBlocks
 
 # a decode row starts a new group when its pages are fewer than this share of the group's
@@ -87,6 +88,9 @@ class LayerAttention:
     chunk: int | None
     index: torch.Tensor | None
     images: bool = False  # its prefill masks let an image's tokens see their whole image (the step's image blocks)
+    # an MLA layer paged as its latent (acb.runner.latent): the key pages hold [kv_nope | k_rot], which
+    # this expands into the layer's K/V (the module's own expand_kv) where the gathered context is attended
+    latent: LatentExpand | None = None
 
 
 def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
@@ -233,21 +237,25 @@ class TorchBackend:
         chunk: int | None = None,
         store: bool = True,
         index: torch.Tensor | None = None,
+        latent: LatentExpand | None = None,  # key is the step's MLA latent [1, 1, T, r + rope]; no values
     ) -> torch.Tensor:
         md: TorchMetadata = ctx.metadata
         cache = ctx.kv_cache
         k_pages, v_pages = cache.k[layer], cache.v[layer]  # [num_blocks, block_size, Hkv, D]
         if store:
-            k_flat, v_flat = cache.flat_k(layer), cache.flat_v(layer)
+            k_flat = cache.flat_k(layer)
             k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
-            v_new = value[0].transpose(0, 1)
             k_flat.index_copy_(0, md.slot_mapping, k_new.to(k_flat.dtype))
-            v_flat.index_copy_(0, md.slot_mapping, v_new.to(v_flat.dtype))
+            if latent is None:
+                v_flat = cache.flat_v(layer)
+                v_new = value[0].transpose(0, 1)
+                v_flat.index_copy_(0, md.slot_mapping, v_new.to(v_flat.dtype))
 
         q = query[0]  # [H, T, D]
-        out = query.new_empty(md.num_tokens, q.shape[0], q.shape[2])  # [T, H, D]
+        v_dim = q.shape[2] if latent is None else latent.v_dim
+        out = query.new_empty(md.num_tokens, q.shape[0], v_dim)  # [T, H, Dv]
         images = md.image_groups is not None and md.image_groups.on(cache, layer)
-        la = LayerAttention(scaling, sliding_window, softcap, sinks, chunk, index, images)
+        la = LayerAttention(scaling, sliding_window, softcap, sinks, chunk, index, images, latent)
         if md.decode or md.kernel_prefills:
             self._decode(md, q, k_pages, v_pages, out, la)
         for k, p in enumerate(md.prefills):
@@ -271,7 +279,14 @@ class TorchBackend:
         hkv, d = k_pages.shape[2], k_pages.shape[3]
         s, n = p.q_start, p.q_len
         qp = q[:, s : s + n, :].unsqueeze(0)  # [1, H, n, D]
-        if p.blocks is None:
+        if la.latent is not None:  # the request's latent, expanded by the module's own code (as generate)
+            if p.blocks is None:
+                assert key is not None
+                lat = key[:, :, s : s + n, :]
+            else:
+                lat = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+            kp, vp = la.latent(lat)
+        elif p.blocks is None:
             assert key is not None and value is not None
             kp = key[:, :, s : s + n, :]
             vp = value[:, :, s : s + n, :]
@@ -301,13 +316,17 @@ class TorchBackend:
             length = group.num_blocks * md.block_size
             dmask = self._decode_mask(md, g, la.sliding_window, la.chunk)
             # a chunk of rows at a time, so that its gathered K/V is still in cache when SDPA reads it
-            rows_per = max(1, CHUNK_BYTES // (2 * length * hkv * d * k_pages.element_size()))
+            width = 2 * hkv * d if la.latent is None else la.latent.heads * (q.shape[2] + la.latent.v_dim)
+            rows_per = max(1, CHUNK_BYTES // (length * width * k_pages.element_size()))
             for a in range(0, group.rows.numel(), rows_per):
                 rows = group.rows[a : a + rows_per]
                 blocks = group.blocks[a * group.num_blocks : (a + rows_per) * group.num_blocks]
                 qd = q[:, rows, :].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
                 kd = self._gather(k_pages, blocks, "k").view(-1, length, hkv, d).transpose(1, 2)  # [G, Hkv, L, D]
-                vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
+                if la.latent is not None:  # the rows' latent [G, 1, L, r + rope] expanded into their K/V
+                    kd, vd = la.latent(kd)
+                else:
+                    vd = self._gather(v_pages, blocks, "v").view(-1, length, hkv, d).transpose(1, 2)
                 rmask = dmask[a : a + rows_per]
                 if la.index is not None:  # indexed attention: the keys the indexer selected, of those
                     rmask = rmask & allowed_keys(la.index, rows, length)[:, None, None, :]
