@@ -65,7 +65,8 @@ class ContinuousBatchingConfig:
     - ``max_blocks_per_request``, ``kv_padding_interval_size``, ``disable_nccl_graph_mixing`` and
       ``cpu_group_timeout`` have no effect (``NOT_YET_SUPPORTED``; non-default values warn).
     - ``use_cuda_graph`` applies to decode-only steps; mixed steps always run eagerly.
-    - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``, and the
+    - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``,
+      ``mla_latent_cache``, and the
       structured-outputs compile budget ``grammar_compile_timeout_s``, ``grammar_max_bytes``,
       ``grammar_max_repetition`` (:mod:`acb.grammar_budget`).
 
@@ -125,6 +126,12 @@ class ContinuousBatchingConfig:
     # has at least 250k linear parameters per layer; the copies take the linear weights' size in
     # host memory once more)
     cpu_packed_linears: bool | None = None
+    # multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-5, Kimi, MiniCPM3, ...): page each MLA
+    # layer's latent (kv_lora_rank + qk_rope_head_dim values per token) instead of its expanded
+    # heads, 5-85x less KV memory, expanded per request by the torch attention backend as
+    # model.generate expands it (exact); decode is about 2x slower than on expanded pages until the
+    # absorbed-query path lands, so it is off by default
+    mla_latent_cache: bool = False
     # structured outputs: wall-clock seconds one request's grammar may take to compile; past it the
     # compile's worker process is killed and the submit refused with a ValueError naming this field
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
@@ -229,6 +236,7 @@ class ContinuousBatchingConfig:
             "per_request_processors",
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
+            "mla_latent_cache",
         ):
             check(name, isinstance(getattr(self, name), bool), "a bool")
         for name in ("use_async_batching", "use_default_compile_configs", "cpu_packed_linears"):

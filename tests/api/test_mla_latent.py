@@ -59,7 +59,9 @@ def test_the_latent_is_paged_and_exact(arch):
     ids = torch.tensor([ps[1]])
     with torch.no_grad():
         before = model(ids).logits
-    cfg = acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, max_batch_tokens=16)  # chunked prefill
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=16, page_size=8, max_batch_tokens=16, mla_latent_cache=True
+    )  # chunked prefill
     with acb.Engine(model, cfg) as eng:
         runner = eng.runner
         cache = runner.kv_cache
@@ -117,11 +119,38 @@ def test_a_backend_asked_for_by_name_keeps_the_expanded_heads():
 
     model = model_of("deepseek_v3")
     resolved, spec = resolve_config(
-        model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, attn_backend="triton")
+        model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, attn_backend="triton", mla_latent_cache=True)
     )
     assert resolved.attn_backend == "triton"
     assert spec.latent_layers == () and "latent" not in spec.bytes_per_token()
     resolved, spec = resolve_config(
-        model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, attn_backend="torch")
+        model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, attn_backend="torch", mla_latent_cache=True)
     )
     assert spec.latent_layers == (0, 1)
+    _, spec = resolve_config(model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8))
+    assert spec.latent_layers == ()  # off by default: decode on expanded pages is faster until the absorbed path
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_the_latent_holds_under_prefix_reuse_samples_preemption_offload_and_sleep(arch):
+    """A prefix sent once, then extended with ``n = 2`` on an engine small enough to preempt (the
+    latent pages offloaded and back), then after ``sleep()``/``wake_up()``: ``model.generate``'s
+    tokens, the prefix read from the cache."""
+    model = model_of(arch)
+    vocab = int(model.config.get_text_config().vocab_size)
+    prefix = prompts_of_lengths([40], vocab=vocab, seed=17)[0]
+    prompts = [prefix + t for t in prompts_of_lengths([4, 11, 6, 9], vocab=vocab, seed=18)]
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=16, page_size=8, safety_margin=0.0, cpu_offload_space=0.01, mla_latent_cache=True
+    )
+    refs = [reference_generate(model, p, 24, ignore_eos=True) for p in prompts]
+    with acb.Engine(model, cfg) as eng:
+        assert eng.runner.kv_cache.spec.latent_layers
+        eng.generate(prefix, max_new_tokens=1, ignore_eos=True)
+        outs = list(eng.generate_batch(prompts, max_new_tokens=24, ignore_eos=True, n=2, progress_bar=False).values())
+        assert [[s.generated_tokens for s in o.samples] for o in outs] == [[r, r] for r in refs]
+        assert [o.num_cached_tokens for o in outs] == [40] * len(prompts)
+        assert eng.stats.preemptions > 0 and eng.stats.swapped_out_blocks > 0, eng.stats
+        eng.sleep()
+        eng.wake_up()
+        assert eng.generate(prompts[0], max_new_tokens=24, ignore_eos=True).generated_tokens == refs[0]
