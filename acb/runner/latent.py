@@ -71,12 +71,12 @@ def is_latent_module(m: Any) -> bool:
 
 def latent_modules(model: torch.nn.Module) -> dict[int, Any]:
     """The model's MLA attention modules by layer index (empty for a model without)."""
-    from acb.runner.setup import _decoder
+    from acb.runner.model_support import decoder_of
 
     out: dict[int, Any] = {}
-    for m in _decoder(model).modules():  # type: ignore[arg-type]
+    for m in decoder_of(model).modules():
         if is_latent_module(m):
-            out.setdefault(int(m.layer_idx), m)  # type: ignore[arg-type]
+            out.setdefault(int(m.layer_idx), m)
     return out
 
 
@@ -86,10 +86,10 @@ def latent_width(m: Any) -> int:
 
 
 def _passing(original: Callable[..., Any]) -> Callable[..., Any]:
-    from acb.runner.attention import _OWN_HERE, in_step
+    from acb.runner.attention import in_step, on_own_attention
 
     def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if in_step() and not getattr(_OWN_HERE, "on", False):  # acb's attention pages the latent itself
+        if in_step() and not on_own_attention():  # acb's attention pages the latent itself
             return kv_nope, k_rot
         return original(kv_nope, k_rot)  # not an engine step: as the model always does
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 # what these models do that acb's paged attention cannot reproduce
 REFUSED_CLASSES: dict[str, str] = {
     "DogeForCausalLM": "builds a content-dependent attention bias from the attention mask before calling the "
@@ -61,3 +63,14 @@ def refusal(model: Any) -> str | None:
         if isinstance(value, (list, tuple)):
             return f"{name} has per-layer attention shapes (its {field} is a list, one per layer)"
     return None
+
+
+def decoder_of(model: Any) -> Any:
+    """The model's language model (``get_decoder()``: the text model of a vision-language model),
+    or the model itself when it does not say."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model whose get_decoder does not apply to it
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else model

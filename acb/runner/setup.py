@@ -18,6 +18,7 @@ from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, set_own_implementation
 from acb.runner.kv_cache import NO_KV_MAX_LEN, KVSpec, available_host_memory, size_kv_cache
+from acb.runner.model_support import decoder_of
 from acb.runner.tp_sync import agree_min, tp_group, tp_size_of
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ def _module_state(model: PreTrainedModel) -> str | None:
     ids = torch.arange(4, device=model_device(model))[None] % vocab
     try:
         with torch.no_grad():
-            decoder = _decoder(model)
+            decoder = decoder_of(model)
             found = ModuleState.of(model, lambda: decoder(input_ids=ids, use_cache=True))
     except Exception:  # noqa: BLE001 - a model whose bare forward needs more: the other checks decide
         return None
@@ -137,22 +138,11 @@ def _attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
     projections). Only the decoder's: a vision or audio tower's layers are numbered from 0 too
     (Gemma 4's are found first), and their shapes are not the KV cache's."""
     out: dict[int, torch.nn.Module] = {}
-    for m in _decoder(model).modules():
+    for m in decoder_of(model).modules():
         idx = getattr(m, "layer_idx", None)
         if isinstance(idx, int) and hasattr(m, "q_proj") and hasattr(m, "o_proj"):
             out.setdefault(idx, m)
     return out
-
-
-def _decoder(model: PreTrainedModel) -> torch.nn.Module:
-    """The model's language model (``get_decoder()``: the text model of a vision-language model),
-    or the model itself when it does not say."""
-    get = getattr(model, "get_decoder", None)
-    try:
-        decoder = get() if callable(get) else None
-    except Exception:  # noqa: BLE001 - a model whose get_decoder does not apply to it
-        decoder = None
-    return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:

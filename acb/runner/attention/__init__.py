@@ -247,6 +247,11 @@ def own_attention_here() -> Iterator[None]:
         _OWN_HERE.on = prev
 
 
+def on_own_attention() -> bool:
+    """Whether this thread is inside :func:`own_attention_here`."""
+    return bool(getattr(_OWN_HERE, "on", False))
+
+
 def fold_selection(
     mask: torch.Tensor | None, index: torch.Tensor, key_len: int, dtype: torch.dtype
 ) -> torch.Tensor | None:
