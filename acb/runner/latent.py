@@ -32,17 +32,46 @@ LATENT_ATTR = "_acb_latent"
 
 @dataclass(frozen=True)
 class LatentExpand:
-    """How a latent layer's cached latent becomes its K/V: ``expand(latent)`` with ``latent``
-    ``[B, 1, L, rank + rope]`` gives K ``[B, H, L, nope + rope]`` and V ``[B, H, L, v_dim]``."""
+    """How a latent layer's cached latent is attended.
+
+    B1: ``expand(latent)`` with ``latent`` ``[B, 1, L, rank + rope]`` gives K ``[B, H, L, nope + rope]``
+    and V ``[B, H, L, v_dim]`` (the module's own ``expand_kv``). B3 (``absorbs``): the query is
+    ``[q_nope . W_UK | q_rot]`` (:meth:`absorb_query`) over the latent as one K = V head, and the
+    output's first ``rank`` columns times ``W_UV^T`` are the heads' values (:meth:`unabsorb`)."""
 
     original: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     rank: int
     rope: int
     v_dim: int
     heads: int
+    nope: int = 0
+    # the module's kv_b_proj where B3 applies (its weight read at each call, so that weights updated or
+    # replaced between steps are the ones used); None: B1 only
+    kv_b: torch.nn.Linear | None = None
 
     def __call__(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.original(latent[..., : self.rank], latent[..., self.rank :])
+
+    @property
+    def absorbs(self) -> bool:
+        return self.kv_b is not None
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.kv_b is not None
+        w = self.kv_b.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, r], W_UV [H, v, r]
+
+    def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[H, T, nope + rope]`` (the module's query, ``[q_nope | q_rot]``) as ``[H, T, rank + rope]``
+        against the latent: ``q_nope . k_nope = q_nope . (W_UK c) = (W_UK^T q_nope) . c``."""
+        w_uk, _ = self._weights()
+        return torch.cat([torch.bmm(q[..., : self.nope], w_uk.to(q.dtype)), q[..., self.nope :]], dim=-1)
+
+    def unabsorb(self, o: torch.Tensor) -> torch.Tensor:
+        """``o`` ``[T, H, >= rank]`` (attention over the latent as values) as the heads' values
+        ``[T, H, v_dim]``: ``sum_j p_j (W_UV c_j) = W_UV sum_j p_j c_j``."""
+        _, w_uv = self._weights()
+        return torch.bmm(o[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2).to(o.dtype)).transpose(0, 1)
 
 
 def _int(m: Any, name: str) -> int | None:
@@ -96,21 +125,70 @@ def _passing(original: Callable[..., Any]) -> Callable[..., Any]:
     return expand_kv
 
 
+def absorbable(m: Any, original: Callable[..., Any]) -> bool:
+    """Whether ``m``'s ``expand_kv`` (``original``) is what B3 assumes, checked on a few random latent
+    tokens: K = ``[c W_UK^T | k_rot]`` per head and V = ``c W_UV^T``, ``W_UK`` and ``W_UV`` the
+    ``[H, nope, r]`` and ``[H, v, r]`` parts of ``kv_b_proj.weight`` viewed as ``[H, nope + v, r]``,
+    and no bias. A module that expands otherwise (or a quantized ``kv_b_proj``) keeps B1."""
+    lin = m.kv_b_proj
+    w = getattr(lin, "weight", None)
+    rank, rope, nope, v = (int(m.kv_lora_rank), int(m.qk_rope_head_dim), int(m.qk_nope_head_dim), int(m.v_head_dim))
+    if (
+        getattr(lin, "bias", None) is not None
+        or not isinstance(w, torch.Tensor)
+        or not w.is_floating_point()
+        or w.is_meta
+        or w.dim() != 2
+        or w.shape[1] != rank
+        or w.shape[0] % (nope + v)
+    ):
+        return False
+    heads = w.shape[0] // (nope + v)
+    probe = LatentExpand(original, rank, rope, v, heads, nope, lin)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n = 3
+    with torch.no_grad():
+        c = torch.randn(1, 1, n, rank, generator=g).to(w.device, w.dtype)
+        k_rot = torch.randn(1, 1, n, rope, generator=g).to(w.device, w.dtype)
+        try:
+            k, val = original(c, k_rot)
+        except Exception:  # noqa: BLE001 (an expand_kv that cannot take this probe: B1, which calls it as the model does)
+            return False
+        if tuple(k.shape) != (1, heads, n, nope + rope) or tuple(val.shape) != (1, heads, n, v):
+            return False
+        # attention of each head's one query over the n keys, both ways
+        q = torch.randn(heads, 1, nope + rope, generator=g).to(w.device, w.dtype)
+        want = torch.softmax(q @ k[0].transpose(1, 2), -1) @ val[0]  # [H, 1, v]
+        qa = probe.absorb_query(q)  # [H, 1, r + rope]
+        lat = torch.cat([c, k_rot], -1)[0, 0]  # [n, r + rope]
+        got = probe.unabsorb((torch.softmax(qa @ lat.T, -1) @ lat).transpose(0, 1)).transpose(0, 1)
+    tol = 1e-3 if w.dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
+
+
+# B3 for the decode rows (and the CPU kernel's short chunks) where the module passes absorbable(); False
+# keeps B1 everywhere (the benchmark's and the tests' switch, read when an engine starts)
+ABSORB = True
+
+
 class LatentLayers:
     """``expand_kv`` of the model's MLA modules replaced by a pass-through within engine steps (for an
     engine's life), and each module's original kept for acb's attention (:data:`LATENT_ATTR`)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, absorb: bool | None = None) -> None:
+        absorb = ABSORB if absorb is None else absorb
         self.modules: list[Any] = []
         for m in latent_modules(model).values():
             if LATENT_ATTR in vars(m):  # another engine on this model has it already
                 continue
             original = m.expand_kv
-            heads = int(m.kv_b_proj.out_features) // (int(m.qk_nope_head_dim) + int(m.v_head_dim))
+            nope, v = int(m.qk_nope_head_dim), int(m.v_head_dim)
+            heads = int(m.kv_b_proj.out_features) // (nope + v)
+            kv_b = m.kv_b_proj if absorb and absorbable(m, original) else None
             setattr(
                 m,
                 LATENT_ATTR,
-                LatentExpand(original, int(m.kv_lora_rank), int(m.qk_rope_head_dim), int(m.v_head_dim), heads),
+                LatentExpand(original, int(m.kv_lora_rank), int(m.qk_rope_head_dim), v, heads, nope, kv_b),
             )
             m.expand_kv = _passing(original)
             self.modules.append(m)

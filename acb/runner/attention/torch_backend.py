@@ -89,7 +89,8 @@ class LayerAttention:
     index: torch.Tensor | None
     images: bool = False  # its prefill masks let an image's tokens see their whole image (the step's image blocks)
     # an MLA layer paged as its latent (acb.runner.latent): the key pages hold [kv_nope | k_rot], which
-    # this expands into the layer's K/V (the module's own expand_kv) where the gathered context is attended
+    # this expands into the layer's K/V (the module's own expand_kv: B1) where the gathered context is
+    # attended, or (decode rows, where it absorbs: B3) attends as one head with the query absorbed
     latent: LatentExpand | None = None
 
 
@@ -311,6 +312,9 @@ class TorchBackend:
         la: LayerAttention,
     ) -> None:
         """The decode rows: each group's pages gathered, then SDPA with a length mask."""
+        if la.latent is not None and la.latent.absorbs and la.sinks is None:
+            self._decode_absorbed(md, q, k_pages, out, la)
+            return
         hkv, d = k_pages.shape[2], k_pages.shape[3]
         for g, group in enumerate(md.decode):
             length = group.num_blocks * md.block_size
@@ -332,6 +336,37 @@ class TorchBackend:
                     rmask = rmask & allowed_keys(la.index, rows, length)[:, None, None, :]
                 o = _attend(qd, kd, vd, rmask, False, la.scaling, la.softcap, la.sinks)
                 out[rows] = o[:, :, 0, :]
+
+    def _decode_absorbed(
+        self,
+        md: TorchMetadata,
+        q: torch.Tensor,  # [H, T, nope + rope]
+        k_pages: torch.Tensor,  # [num_blocks, block_size, 1, r + rope]: the latent
+        out: torch.Tensor,  # [T, H, v_dim]: the decode rows' are written
+        la: LayerAttention,
+    ) -> None:
+        """An MLA layer's decode rows over its latent pages, absorbed (B3 of ``acb.runner.latent``):
+        the rows' queries ``[q_nope . W_UK | q_rot]`` attend over the one latent head as keys and
+        values, the heads folded into the query length (one SDPA call attends them all, no head
+        expanded), and the output's first ``r`` columns times ``W_UV^T`` are the heads' values."""
+        lat = la.latent
+        assert lat is not None
+        d = k_pages.shape[3]
+        scale = la.scaling if la.scaling is not None else q.shape[2] ** -0.5  # the model's, of nope + rope
+        for g, group in enumerate(md.decode):
+            length = group.num_blocks * md.block_size
+            dmask = self._decode_mask(md, g, la.sliding_window, la.chunk)
+            qa = lat.absorb_query(q[:, group.rows, :]).transpose(0, 1).unsqueeze(1)  # [G, 1, H, r + rope]
+            oa = qa.new_empty(qa.shape)
+            rows_per = max(1, CHUNK_BYTES // (length * d * k_pages.element_size()))
+            for a in range(0, group.rows.numel(), rows_per):
+                blocks = group.blocks[a * group.num_blocks : (a + rows_per) * group.num_blocks]
+                kd = self._gather(k_pages, blocks, "k").view(-1, length, 1, d).transpose(1, 2)  # [g, 1, L, r + rope]
+                rmask = dmask[a : a + rows_per]  # [g, 1, 1, L]: the same keys for every head of a row
+                if la.index is not None:  # indexed attention: the keys the indexer selected, of those
+                    rmask = rmask & allowed_keys(la.index, group.rows[a : a + rows_per], length)[:, None, None, :]
+                oa[a : a + rows_per] = _attend(qa[a : a + rows_per], kd, kd, rmask, False, scale, la.softcap)
+            out[group.rows] = lat.unabsorb(oa[:, 0])
 
 
 def _attend(
