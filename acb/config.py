@@ -66,7 +66,7 @@ class ContinuousBatchingConfig:
       ``cpu_group_timeout`` have no effect (``NOT_YET_SUPPORTED``; non-default values warn).
     - ``use_cuda_graph`` applies to decode-only steps; mixed steps always run eagerly.
     - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``,
-      ``mla_latent_cache``, and the
+      ``mla_latent_cache``, ``state_snapshots``, and the
       structured-outputs compile budget ``grammar_compile_timeout_s``, ``grammar_max_bytes``,
       ``grammar_max_repetition`` (:mod:`acb.grammar_budget`).
 
@@ -132,6 +132,11 @@ class ContinuousBatchingConfig:
     # model.generate expands it (exact); decode is about 2x slower than on expanded pages until the
     # absorbed-query path lands, so it is off by default
     mla_latent_cache: bool = False
+    # state layers (linear attention, Mamba, short convolutions): slots of state snapshots kept with
+    # cached blocks, so that a prefix hit resumes the layers' state too (one slot: one request's
+    # state over every state layer, priced in the memory budget). None: twice
+    # max_requests_per_batch, within a quarter of the budget; 0: no prefix caching for such models
+    state_snapshots: int | None = None
     # structured outputs: wall-clock seconds one request's grammar may take to compile; past it the
     # compile's worker process is killed and the submit refused with a ValueError naming this field
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
@@ -248,7 +253,7 @@ class ContinuousBatchingConfig:
         check("safety_margin", v is None or (is_num(v) and 0 <= v < 1), "in [0, 1)")
         for name in ("max_queue_size", "q_padding_interval_size", "kv_padding_interval_size", "default_compile_level"):
             check(name, is_int(getattr(self, name)) and getattr(self, name) >= 0, "an int >= 0")
-        for name in ("max_blocks_per_request", "max_cached_graphs"):
+        for name in ("max_blocks_per_request", "max_cached_graphs", "state_snapshots"):
             v = getattr(self, name)
             check(name, v is None or (is_int(v) and v >= 0), "None or an int >= 0")
         check("seed", self.seed is None or is_int(self.seed), "None or an int")
@@ -368,6 +373,10 @@ class ResolvedConfig:
     # each prompt prefilled in one step, never in chunks: the model's state layers cannot resume a
     # prefill from a state (Mamba1's scan); a prompt longer than max_batch_tokens runs alone
     whole_prefill: bool = False
+    # state layers (linear attention, Mamba, short convolutions): slots of state snapshots kept
+    # with cached blocks, so that a prefix hit resumes their state too (0: prefix caching cannot
+    # reuse state layers, or is off)
+    state_snapshots: int = 0
     async_batching: bool = False  # schedule step N+1 while step N runs
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (the eager twin on CPU)
     graph_step: int | None = None  # batch-size granularity of the decode graphs (q_padding_interval_size)

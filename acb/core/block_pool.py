@@ -12,11 +12,19 @@ in the free queue; allocation takes the least recently freed block first and for
 digest then. Blocks of a sequence are freed tail first, so a prefix's tail is evicted
 before its head.
 
+State snapshots (models with state layers: linear attention, Mamba, short convolutions): a
+cached block's KV alone cannot resume such a model, which also needs the layers' state where the
+block ends. A :class:`SnapshotPool` slot holds that state; a cached block may carry one
+(``BlockPool.snapshot``). A slot goes back when its block is evicted, when the cache is reset, or
+(least recently used first) when a new snapshot needs a slot and none is free; the block keeps its
+KV then, only state hits up to it are lost.
+
 Invariants (checked by :meth:`BlockPool.check`):
 
 - every usable block is either free (ref count 0, in the free queue once) or referenced;
 - ``num_free + num_used == num_usable``;
-- the digest map and the per-block digests agree.
+- the digest map and the per-block digests agree;
+- a block carrying a snapshot is cached, and the snapshot pool agrees on which block holds a slot.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ def block_digest(parent: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
 class BlockPool:
     """Hands out KV blocks all-or-nothing, takes them back by reference count, caches prefixes."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, snapshot_slots: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is scratch)")
         self.num_blocks = num_blocks
@@ -51,6 +59,9 @@ class BlockPool:
         # front = evicted first
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.evictions = 0  # cached blocks handed out for new content (their digest forgotten)
+        # state snapshots (see the module docstring): the slot each cached block carries, or -1
+        self.snapshots = SnapshotPool(snapshot_slots) if snapshot_slots and enable_caching else None
+        self.snapshot = [-1] * num_blocks
 
     @property
     def num_usable(self) -> int:
@@ -83,6 +94,8 @@ class BlockPool:
                 del self.cached[d]
                 digests[b] = None
                 self.evictions += 1
+                if self.snapshot[b] >= 0:
+                    self.drop_snapshot(b)
             rc[b] = 1
             out.append(b)
         return out
@@ -137,12 +150,50 @@ class BlockPool:
         self.digests[block] = digest
 
     def reset_cache(self) -> int:
-        """Forget every digest (blocks in use stay in use); returns how many were forgotten."""
+        """Forget every digest and snapshot (blocks in use stay in use); returns how many digests
+        were forgotten."""
         n = len(self.cached)
         for b in self.cached.values():
             self.digests[b] = None
+            if self.snapshot[b] >= 0:
+                self.drop_snapshot(b)
         self.cached.clear()
         return n
+
+    # ------------------------------------------------------------- snapshots
+    def attach_snapshot(self, digest: bytes, slot: int) -> bool:
+        """Let the cached block known by ``digest`` carry the state snapshot in ``slot`` (the
+        state where that block ends). False (the slot is the caller's to give back) when no block
+        is cached under ``digest`` or it carries one already (the first holder wins)."""
+        snaps = self.snapshots
+        assert snaps is not None
+        b = self.cached.get(digest)
+        if b is None or self.snapshot[b] >= 0:
+            return False
+        self.snapshot[b] = slot
+        snaps.attach(slot, b)
+        return True
+
+    def drop_snapshot(self, block: int) -> None:
+        """``block`` no longer carries a snapshot; its slot is free."""
+        snaps = self.snapshots
+        assert snaps is not None
+        snaps.release(self.snapshot[block])
+        self.snapshot[block] = -1
+
+    def take_snapshot_slot(self) -> int | None:
+        """A slot for a new snapshot: a free one, else the least recently used one's (its block
+        keeps its KV and loses the snapshot); None when every slot is pending."""
+        snaps = self.snapshots
+        assert snaps is not None
+        slot = snaps.take_free()
+        if slot is None:
+            oldest = snaps.oldest()
+            if oldest is None:
+                return None
+            self.drop_snapshot(snaps.block_of[oldest])
+            slot = snaps.take_free()
+        return slot
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call this after every engine test)."""
@@ -156,6 +207,60 @@ class BlockPool:
         for d, b in self.cached.items():
             assert self.digests[b] == d, f"block {b}: digest map and block digest disagree"
         assert sum(d is not None for d in self.digests) == len(self.cached)
+        snaps = self.snapshots
+        if snaps is not None:
+            for b, slot in enumerate(self.snapshot):
+                if slot >= 0:
+                    assert self.digests[b] is not None, f"block {b} carries snapshot {slot} but is not cached"
+                    assert snaps.block_of[slot] == b, f"snapshot {slot}: held by block {snaps.block_of[slot]}, not {b}"
+            assert sum(s >= 0 for s in self.snapshot) == len(snaps._lru)
+        else:
+            assert all(s < 0 for s in self.snapshot)
+
+
+class SnapshotPool:
+    """Slots of state snapshots: free, pending (taken for a step whose output is not recorded
+    yet) or attached to a cached block (kept in least-recently-used order)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.block_of = [-1] * num_slots  # the block an attached slot's snapshot belongs to
+        self._lru: OrderedDict[int, None] = OrderedDict()  # attached slots, least recently used first
+        self.restores = 0  # snapshots read by prefix hits
+        self.evictions = 0  # snapshots dropped for a newer one while their block stayed cached
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_attached(self) -> int:
+        return len(self._lru)
+
+    def take_free(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def oldest(self) -> int | None:
+        if not self._lru:
+            return None
+        self.evictions += 1
+        return next(iter(self._lru))
+
+    def attach(self, slot: int, block: int) -> None:
+        self.block_of[slot] = block
+        self._lru[slot] = None
+
+    def touch(self, slot: int) -> None:
+        """A prefix hit read the slot: it is the most recently used."""
+        self._lru.move_to_end(slot)
+        self.restores += 1
+
+    def release(self, slot: int) -> None:
+        """A pending or attached slot is free again."""
+        if self._lru.pop(slot, 0) is None:
+            self.block_of[slot] = -1
+        self._free.append(slot)
 
 
 class SwapSpace:

@@ -34,6 +34,19 @@ The contract:
   kept through offload and forks), so a step launched before the reset and recorded after it
   (async batching), or a request that was running across the change, cannot put K/V of the old
   weights, or K/V that attended to it, back in the cache.
+- State snapshots (a model with state layers; the pool has a :class:`SnapshotPool`): a prefix
+  hit must end at a block that carries a snapshot of the layers' state where it ends, so
+  ``lookup`` cuts the cached chain back to its last such block, and ``admit`` plans the
+  snapshot's restore into the request's row (``SchedulerOutput.restores``). At admission
+  ``plan_snapshots`` picks where the request's prefill will take snapshots, at block
+  boundaries only: where its cached chain ended without one (an earlier prompt diverged
+  there), where it diverges from the requests queued behind it (an evaluation's shared
+  contexts), and at its prompt's last full block and the block before the last token (the same
+  prompt, or the prompt extended, again). ``note_snapshots`` takes a slot for each boundary a
+  step crosses (``SchedulerOutput.snapshots``); ``register_computed`` attaches it to the cached
+  block once the step's output is recorded (a step that fails gives it back at ``end_step``).
+  A request whose prefix another running request will snapshot waits for it, as a paged one
+  waits for blocks in progress.
 """
 
 from __future__ import annotations
@@ -61,6 +74,15 @@ class KVManager:
         # (with async batching the previous step is still in flight while the next is built)
         self._computing: dict[int, set[bytes]] = {}
         self.epoch = 0  # moves on with every reset_prefix_cache (see the module docstring)
+        # state snapshots: digests a running request will snapshot (planned or in a step in flight)
+        self._planned: dict[bytes, int] = {}
+        # step id -> (slot, digest, request, epoch) of the snapshots that step takes
+        self._pending: dict[int, list[tuple[int, bytes, Request, int]]] = {}
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether prefix hits need a state snapshot (a model with state layers)."""
+        return self.pool.snapshots is not None
 
     # -------------------------------------------------------------- questions
     @property
@@ -88,13 +110,24 @@ class KVManager:
         that records prompt logprobs from position ``lp_start`` computes that position and on)."""
         if not self.pool.enable_caching:
             return []
+        hits = self.pool.lookup(self._digests(req, self._lookup_blocks(req)))
+        if self.pool.snapshots is not None:  # a hit ends where a snapshot of the state does
+            snap = self.pool.snapshot
+            while hits and snap[hits[-1]] < 0:
+                hits.pop()
+        return hits
+
+    def _lookup_blocks(self, req: Request) -> int:
         upto = req.num_tokens - 1 if req.prompt_lps is None else min(req.num_tokens - 1, req.lp_start)
-        return self.pool.lookup(self._digests(req, upto // self.block_size))
+        return upto // self.block_size
 
     def prefix_in_progress(self, req: Request, hits: list[int]) -> bool:
         """Whether the block after ``req``'s cached prefix is being computed by a step whose output
         is not recorded yet (another request with the same prefix)."""
         hashes = req.block_hashes
+        if self.pool.snapshots is not None:  # a snapshot another request will take further along
+            planned = self._planned
+            return bool(planned) and any(d in planned for d in hashes[len(hits) : self._lookup_blocks(req)])
         nxt = hashes[len(hits)] if len(hits) < len(hashes) else None
         return nxt is not None and any(nxt in p for p in self._computing.values())
 
@@ -113,8 +146,12 @@ class KVManager:
             self._host_to_free = []
 
     def end_step(self, step_id: int) -> None:
-        """The step's output was recorded, or it failed, or it ran nothing."""
+        """The step's output was recorded (after ``register_computed``), or it failed, or it ran
+        nothing: the snapshot slots it took and did not attach go back."""
         self._computing.pop(step_id, None)
+        for slot, digest, _, _ in self._pending.pop(step_id, ()):
+            self._unplan(digest)
+            self.pool.snapshots.release(slot)  # type: ignore[union-attr]
 
     def take_decode_slot(self, req: Request, out: SchedulerOutput) -> bool:
         """Room for one more token of ``req`` without taking a block from anyone: a new block when
@@ -159,6 +196,11 @@ class KVManager:
         req.num_registered = len(hits)
         if hits:
             out.block_updates.append((req.row, 0, list(hits)))
+            snaps = self.pool.snapshots
+            if snaps is not None:  # the state where the hit ends, into the request's row
+                slot = self.pool.snapshot[hits[-1]]
+                snaps.touch(slot)
+                out.restores.append((slot, req.row))
         self._take_blocks(out, req, num_new, blocks)
         return swapped_in
 
@@ -195,7 +237,11 @@ class KVManager:
         return host, req.num_computed_tokens
 
     def free(self, req: Request) -> None:
-        """Give back every block ``req`` holds, device and host."""
+        """Give back every block ``req`` holds, device and host (and the snapshots it planned)."""
+        if req.snap_plan:
+            for _, digest in req.snap_plan:
+                self._unplan(digest)
+            req.snap_plan = []
         if req.swapped is not None:
             swap = self.swap
             assert swap is not None  # a request is swapped out only into the swap space
@@ -214,7 +260,7 @@ class KVManager:
 
     def register_computed(self, out: SchedulerOutput) -> None:
         """The step's output is recorded: its full blocks become findable in the prefix cache (a
-        later step may already be scheduled, with async batching)."""
+        later step may already be scheduled, with async batching), with the snapshots it took."""
         if not self.pool.enable_caching:
             return
         bs, epoch = self.block_size, self.epoch
@@ -222,6 +268,63 @@ class KVManager:
             upto = min(start + n, len(req.token_ids)) // bs
             if upto > req.num_registered and not req.status.is_terminal and req.kv_epoch == epoch:
                 self._register(req, upto)
+        pending = self._pending.pop(out.step_id, None)
+        if pending:
+            pool = self.pool
+            for slot, digest, req, at in pending:
+                self._unplan(digest)
+                if at != epoch or req.status.is_terminal or not pool.attach_snapshot(digest, slot):
+                    pool.snapshots.release(slot)  # type: ignore[union-attr]
+
+    # -------------------------------------------------------------- snapshots
+    def plan_snapshots(self, req: Request, hits: int, peers: Iterable[Request]) -> None:
+        """Where the prefill of ``req`` (admitted with ``hits`` cached blocks, a snapshot at the
+        last) takes snapshots of its state (see the module docstring); ``peers``: the requests
+        queued behind it."""
+        bs = self.block_size
+        prompt_blocks = req.prompt_len // bs
+        if prompt_blocks <= hits or req.kv_epoch != self.epoch:
+            return
+        digests = self._digests(req, prompt_blocks)
+        ends = {prompt_blocks, self._lookup_blocks(req)}
+        chain = len(self.pool.lookup(digests))
+        ends.add(chain)  # the cached chain ends here without a snapshot
+        for peer in peers:  # where the requests behind it part from it
+            theirs = self._digests(peer, min(self._lookup_blocks(peer), prompt_blocks))
+            same = 0
+            while same < len(theirs) and theirs[same] == digests[same]:
+                same += 1
+            ends.add(same)
+        snap, cached = self.pool.snapshot, self.pool.cached
+        plan = []
+        for end in sorted(e for e in ends if hits < e <= prompt_blocks):
+            digest = digests[end - 1]
+            b = cached.get(digest)
+            if b is not None and snap[b] >= 0:
+                continue  # taken already (by a request that diverged later)
+            plan.append((end * bs, digest))
+            self._planned[digest] = self._planned.get(digest, 0) + 1
+        req.snap_plan = plan
+
+    def note_snapshots(self, out: SchedulerOutput, req: Request, start: int, end: int) -> None:
+        """The snapshots of ``req``'s plan that this step's tokens ``[start, end)`` reach: each gets
+        a slot (the least recently used one's when none is free; none at all: skipped)."""
+        plan = req.snap_plan
+        while plan and plan[0][0] <= end:
+            pos, digest = plan.pop(0)
+            slot = self.pool.take_snapshot_slot() if pos > start else None
+            if slot is None:
+                self._unplan(digest)
+                continue
+            out.snapshots.append((req.row, pos - start, slot))
+            self._pending.setdefault(out.step_id, []).append((slot, digest, req, req.kv_epoch))
+
+    def _unplan(self, digest: bytes) -> None:
+        n = self._planned[digest] - 1
+        if n:
+            self._planned[digest] = n
+        else:
+            del self._planned[digest]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix and start a new epoch; returns how many blocks were forgotten."""
@@ -245,7 +348,13 @@ class KVManager:
             assert rc == holders.get(b, 0), f"block {b}: ref count {rc}, held by {holders.get(b, 0)} requests"
         for r in waiting:
             assert not r.block_ids, f"{r} is queued but holds blocks"
+            assert not r.snap_plan, f"{r} is queued but plans snapshots"
+        snaps = self.pool.snapshots
+        if snaps is not None:
+            pending = sum(len(p) for p in self._pending.values())
+            assert snaps.num_free + snaps.num_attached + pending == snaps.num_slots, "snapshot slots leaked"
         if idle:
+            assert not self._planned and not any(self._pending.values()), "snapshots planned with no live request"
             assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"
             held = self.host_blocks_held
             assert held == 0, f"{held} offload blocks leaked with no live request"

@@ -148,6 +148,11 @@ class SchedulerOutput:
     # forks (n > 1, scoring groups): (parent row, child row) whose per-request recurrent state
     # (hybrid models' linear-attention layers) the child copies after the forward
     state_copies_after: list[tuple[int, int]] = field(default_factory=list)
+    # state layers' snapshots (acb.core.kv_manager): (slot, row) restored into a row before the
+    # forward (a prefix hit), and (row, offset in its segment, slot) taken by the forward after
+    # that many of the row's tokens in this step
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 

@@ -88,6 +88,7 @@ class Request:
         "block_hashes",
         "num_registered",
         "kv_epoch",
+        "snap_plan",
         "cache_salt",
         "swapped",
         "in_flight",
@@ -166,6 +167,9 @@ class Request:
         # the prefix cache's epoch (KVManager.epoch: it moves on when the weights change) in which
         # this request's KV was computed: KV from another epoch is never registered
         self.kv_epoch = 0
+        # state layers: (position, digest of the block ending there) where this request's prefill
+        # takes a snapshot of its state for the prefix cache (acb.core.kv_manager)
+        self.snap_plan: list[tuple[int, bytes]] = []
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
         self.images: ImageInputs | None = None  # its images, processed at submit (acb.images)
         self.images_key: bytes | None = None  # the runner's key of their embeddings (acb.runner.vision)

@@ -38,6 +38,7 @@ The contract, in one place:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ from acb.core.request import Request
 from acb.outputs import FailureKind, FinishReason, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerStats"]
+
+# state layers: how many queued requests an admitted one compares its prompt with, to snapshot
+# its state where they part (their shared context is then computed once)
+SNAPSHOT_PEERS = 8
 
 
 @dataclass
@@ -417,6 +422,8 @@ class Scheduler:
             for c in rowless:
                 c.row = self._free_rows.pop()
             swapped_in = kv.admit(req, hits, computed, num_new, out)
+            if kv.snapshots and not resumed:  # where its prefill snapshots its state layers
+                kv.plan_snapshots(req, len(hits), itertools.islice(self.waiting, SNAPSHOT_PEERS))
             if req.num_preemptions and req.events is not None:
                 req.events.append(("resumed", time.perf_counter()))
             if resumed:
@@ -461,6 +468,8 @@ class Scheduler:
             out.placeholders.append((len(out.input_ids), self._placeholder_src(out, req)))
             out.input_ids.append(0)
         req.num_computed_tokens = end
+        if req.snap_plan:
+            self.kv.note_snapshots(out, req, start, end)
         if req.scoring and end == known:  # its prompt is done: it ends with this step, sampling nothing
             req.in_flight += 1  # (so that nothing schedules it again meanwhile)
             out.scored.append(req)
@@ -547,8 +556,8 @@ class Scheduler:
         Finished requests have left the running list and their blocks are free when this returns.
         """
         now = time.perf_counter()
-        self.kv.end_step(out.step_id)
         self.kv.register_computed(out)
+        self.kv.end_step(out.step_id)
         progressed: list[Request] = []
         finished: list[Request] = []
         for k, req in enumerate(out.sample_reqs):

@@ -20,10 +20,14 @@ State lifecycle (by the request's persistent block-table row, never its position
   chunk's state to the next);
 - ``n > 1`` and scoring groups: children fork from the parent's state after the step that
   completes the parent's prompt (``SchedulerOutput.state_copies_after``, then ``copy``);
+- prefix caching: the scheduler plans snapshots of a request's state at block boundaries of its
+  prompt (``SchedulerOutput.snapshots``: row, offset in its segment, slot); the layer's own code
+  then runs that segment in pieces split there, and the state after each piece is copied into a
+  snapshot slot (rows past the request rows of :class:`LinearStates`). A prefix hit restores the
+  snapshot of its last block into the request's row (``SchedulerOutput.restores``) and the
+  prefill resumes from it, as a chunked prefill resumes from its previous chunk;
 - preemption recomputes (the state cannot be rebuilt from offloaded KV blocks: offload is off
-  for hybrid models), and prefix caching is off (a cached prefix has KV but no state; states
-  snapshotted at block boundaries would be the alternative, at ``[heads, k, v]`` floats per
-  layer per block).
+  for hybrid models).
 
 One Python loop over the batch's requests per linear layer per step: the model's torch code is
 the CPU reference (and the kernels it picks from the hub on GPU); a varlen kernel over all
@@ -86,12 +90,15 @@ class LinearStates:
     write, from the shapes the layer gives: ``[rows, conv_dim, kernel]`` and ``[rows, heads,
     k_dim, v_dim]``), and which layers of each row hold a state."""
 
-    def __init__(self, rows: int, device: torch.device, conv_only: frozenset[int] = frozenset()) -> None:
-        self.rows = rows
+    def __init__(
+        self, rows: int, device: torch.device, conv_only: frozenset[int] = frozenset(), slots: int = 0
+    ) -> None:
+        self.rows = rows  # request rows; snapshot slot ``s`` is row ``rows + s`` of each table
+        self.slots = slots
         self.device = device
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
-        self.valid: list[set[int]] = [set() for _ in range(rows)]
+        self.valid: list[set[int]] = [set() for _ in range(rows + slots)]
         # layers whose state is a convolution state alone (LFM's short conv): written means valid
         self.conv_only = conv_only
 
@@ -107,16 +114,34 @@ class LinearStates:
                     table[layer][dst].copy_(table[layer][src])
         self.valid[dst] = set(self.valid[src])
 
+    def snapshot(self, layer: int, row: int, slot: int) -> None:
+        """Copy ``layer``'s state of ``row`` (as it is now, mid-forward) into snapshot ``slot``."""
+        dst = self.rows + slot
+        for table in (self.conv, self.recurrent):
+            if layer in table:
+                table[layer][dst].copy_(table[layer][row])
+        if layer in self.valid[row]:
+            self.valid[dst].add(layer)
+
+    def clear_slot(self, slot: int) -> None:
+        """A snapshot is about to be taken into ``slot``: what it held is gone."""
+        self.valid[self.rows + slot].clear()
+
+    def restore(self, slot: int, row: int) -> None:
+        """A prefix hit: ``row``'s request resumes from the state in snapshot ``slot``."""
+        self.copy(self.rows + slot, row)
+
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.conv.values(), *self.recurrent.values()))
 
     def bytes_per_request(self) -> int:
-        return self.nbytes() // max(self.rows, 1)
+        return self.nbytes() // max(self.rows + self.slots, 1)
 
     def _buffer(self, table: dict[int, torch.Tensor], layer: int, like: torch.Tensor) -> torch.Tensor:
         buf = table.get(layer)
         if buf is None:
-            buf = table[layer] = torch.zeros((self.rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            shape = (self.rows + self.slots, *like.shape[1:])
+            buf = table[layer] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return buf
 
 
@@ -247,23 +272,41 @@ class _BatchCache:
 
 
 class _Step:
-    __slots__ = ("states", "segments")
+    __slots__ = ("states", "segments", "snapshots")
 
-    def __init__(self, states: LinearStates, segments: list[tuple[int, int, int]]) -> None:
+    def __init__(
+        self,
+        states: LinearStates,
+        segments: list[tuple[int, int, int]],
+        snapshots: dict[int, list[tuple[int, int]]],
+    ) -> None:
         self.states = states
         self.segments = segments  # (first token, end, request row) of each request in the batch
+        self.snapshots = snapshots  # row -> (offset in its segment, slot), in order
 
 
 @contextlib.contextmanager
-def linear_step(states: LinearStates, num_new: list[int], rows: list[int]) -> Iterator[None]:
+def linear_step(
+    states: LinearStates,
+    num_new: list[int],
+    rows: list[int],
+    snapshots: list[tuple[int, int, int]] | tuple[()] = (),
+) -> Iterator[None]:
     """Within the block, the intercepted linear layers of this thread's forward run per request
-    (``num_new`` tokens each, in batch order, with the states of their ``rows``)."""
+    (``num_new`` tokens each, in batch order, with the states of their ``rows``), and take the
+    ``snapshots`` (row, offset in its segment, slot) of the step."""
     segments, lo = [], 0
     for n, row in zip(num_new, rows):
         segments.append((lo, lo + n, row))
         lo += n
+    snaps: dict[int, list[tuple[int, int]]] = {}
+    for row, offset, slot in snapshots:
+        states.clear_slot(slot)
+        snaps.setdefault(row, []).append((offset, slot))
+    for at in snaps.values():
+        at.sort()
     prev = getattr(_STEP, "step", None)
-    _STEP.step = _Step(states, segments)
+    _STEP.step = _Step(states, segments, snaps)
     try:
         yield
     finally:
@@ -334,12 +377,33 @@ def _forward(
     # the layer's torch path needs none of it, and its conv kernel would take it for varlen arguments
     hidden_states = args[0] if args else kwargs["hidden_states"]
     states = step.states
-    decode = [(lo, row) for lo, hi, row in step.segments if hi - lo == 1 and layer in states.valid[row]]
+    snaps = step.snapshots
+
+    def segment(lo: int, hi: int, row: int) -> Any:
+        """The layer's own code over one request's tokens ``[lo, hi)``, in pieces split where the
+        step takes snapshots of the row's state."""
+        at = snaps.get(row)
+        if not at:
+            return _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row), extra, slice(lo, hi))
+        pieces, a = [], lo
+        for offset, slot in at:
+            b = lo + offset
+            if b > a:
+                cache = _RequestCache(states, row)
+                pieces.append(_call(original, cache_arg, hidden_states[:, a:b], cache, extra, slice(a, b)))
+                a = b
+            states.snapshot(layer, row, slot)
+        if hi > a:
+            pieces.append(
+                _call(original, cache_arg, hidden_states[:, a:hi], _RequestCache(states, row), extra, slice(a, hi))
+            )
+        return pieces[0] if len(pieces) == 1 else _cat(pieces, per_token)
+
+    decode = [
+        (lo, row) for lo, hi, row in step.segments if hi - lo == 1 and layer in states.valid[row] and row not in snaps
+    ]
     if len(decode) < 2:  # one call per request
-        outs = [
-            _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row), extra, slice(lo, hi))
-            for lo, hi, row in step.segments
-        ]
+        outs = [segment(lo, hi, row) for lo, hi, row in step.segments]
         return _cat(outs, per_token)
     # the decode rows in one batched call of the layer (one token each, as model.generate's
     # batched decode), the others one call per request
@@ -361,7 +425,7 @@ def _forward(
             out[0, at] = p[:, 0]
     for lo, hi, row in step.segments:
         if not (hi - lo == 1 and row in batched):
-            got = _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row), extra, slice(lo, hi))
+            got = segment(lo, hi, row)
             for out, p in zip(outs, (got,) if single else got):
                 if out is not None:
                     out[:, lo:hi] = p
@@ -418,6 +482,28 @@ def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
         if not torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6):
             return False
     return True
+
+
+def state_row_bytes(layers: list[torch.nn.Module], hidden_size: int) -> int:
+    """Bytes of one request's state over ``layers`` (conv and recurrent, as the layers' own code
+    writes them: dtype included), measured by one 2-token call of each layer on a scratch state."""
+    total = 0
+    for layer in layers:
+        param = next(layer.parameters(), None)
+        if param is None:
+            continue
+        x = torch.zeros(1, 2, hidden_size, device=param.device, dtype=param.dtype)
+        arg = _cache_arg(layer)
+        extra = {name: None for name in _required(inspect.signature(type(layer).forward), arg, (x,), {})}
+        conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
+        states = LinearStates(1, param.device, conv_only)
+        try:
+            with torch.no_grad():
+                layer(x, **{arg: _RequestCache(states, 0)}, **extra)
+        except Exception:  # noqa: BLE001 - a layer that cannot run alone: its state is not measured
+            continue
+        total += states.nbytes()
+    return total
 
 
 class LinearLayers:

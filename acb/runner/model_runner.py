@@ -37,9 +37,16 @@ from acb.runner.eval_mode import DROPOUT_GUARD
 from acb.runner.host_threads import release_idle_threads
 from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
-from acb.runner.kv_cache import KVCache, KVSpec
+from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
 from acb.runner.latent import LatentLayers
-from acb.runner.linear_state import LinearLayers, LinearStates, linear_layers, linear_step, resumes_prefill
+from acb.runner.linear_state import (
+    LinearLayers,
+    LinearStates,
+    linear_layers,
+    linear_step,
+    resumes_prefill,
+    state_row_bytes,
+)
 from acb.runner.module_state import module_attributes
 from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers, own_cache_step
 from acb.runner.own_forward import OwnForward
@@ -54,7 +61,7 @@ from acb.runner.setup import (
     resolve_config,
     staging_bytes,
 )
-from acb.runner.tp_sync import check_same_settings, tp_group, tp_size_of
+from acb.runner.tp_sync import agree_min, check_same_settings, tp_group, tp_size_of
 from acb.runner.vision import ImageEmbedder, takes_images
 from acb.runner.weights import WeightsKey, WeightWatch
 
@@ -169,7 +176,7 @@ class ModelRunner:
         # MLA layers paged as their latent: their expand_kv passes it through to acb's attention
         self.latent = LatentLayers(model) if paged and spec.latent_layers else None
         if self.linear is not None or self.own is not None or self.own_forward is not None:
-            self._hybrid_settings(config)
+            self._hybrid_settings(config, spec)
         if self.packed is not None:
             self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
         self.vocab_size = (
@@ -242,14 +249,28 @@ class ModelRunner:
             self.device,
         )
 
-    def _hybrid_settings(self, config: ContinuousBatchingConfig) -> None:
-        """A hybrid model's linear layers keep a recurrent state per request, which neither a
-        cached prefix nor offloaded KV blocks hold: prefix caching and offload are off (a
-        preempted request recomputes), and so are decode graphs and torch.compile (the layers
-        run once per request, from Python)."""
+    def _hybrid_settings(self, config: ContinuousBatchingConfig, spec: KVSpec) -> None:
+        """A hybrid model's linear layers keep a recurrent state per request, which offloaded KV
+        blocks do not hold: offload is off (a preempted request recomputes). Prefix caching keeps
+        snapshots of the state layers' state with cached blocks (:mod:`acb.core.kv_manager`) where
+        every state layer resumes a prefill from a state; it is off for a model that cannot (Mamba1)
+        or that keeps its own caches. Decode graphs and torch.compile are off (the layers run once
+        per request, from Python). The rows of state and the snapshots are priced in the KV
+        cache's memory budget."""
+        hidden = getattr(self.model.config.get_text_config(), "hidden_size", 0)
+        tried: dict[type, bool] = {}
+        for layer in self.linear.layers if self.linear is not None else ():
+            if type(layer) not in tried:
+                tried[type(layer)] = resumes_prefill(layer, hidden)
+        whole = [cls.__name__ for cls, ok in tried.items() if not ok]
+        # snapshots of the state layers' state resume a prefix hit, where every state layer resumes
+        snapshots = self.cfg.prefix_caching and not whole and self.own is None and self.own_forward is None
         off = [
             name
-            for name, on in (("prefix caching", self.cfg.prefix_caching), ("KV offload", self.cfg.num_swap_blocks > 0))
+            for name, on in (
+                ("prefix caching", self.cfg.prefix_caching and not snapshots),
+                ("KV offload", self.cfg.num_swap_blocks > 0),
+            )
             if on
         ]
         if off:
@@ -259,12 +280,6 @@ class ModelRunner:
                 type(self.model).__name__,
                 " and ".join(off),
             )
-        hidden = getattr(self.model.config.get_text_config(), "hidden_size", 0)
-        tried: dict[type, bool] = {}
-        for layer in self.linear.layers if self.linear is not None else ():
-            if type(layer) not in tried:
-                tried[type(layer)] = resumes_prefill(layer, hidden)
-        whole = [cls.__name__ for cls, ok in tried.items() if not ok]
         if whole:
             logger.info(
                 "%s's %s layers cannot resume a prefill from a state: each prompt is prefilled in one step",
@@ -278,7 +293,14 @@ class ModelRunner:
                 type(self.model).__name__,
             )
             whole.append("own cache")
-        self.cfg = dataclasses.replace(self.cfg, prefix_caching=False, num_swap_blocks=0, whole_prefill=bool(whole))
+        slots = self._state_memory(config, spec, snapshots) if self.linear is not None else 0
+        self.cfg = dataclasses.replace(
+            self.cfg,
+            prefix_caching=snapshots and slots > 0,
+            num_swap_blocks=0,
+            whole_prefill=bool(whole),
+            state_snapshots=slots if snapshots else 0,
+        )
         if (
             config.use_cuda_graph
             or config.default_compile_level
@@ -290,7 +312,51 @@ class ModelRunner:
                 type(self.model).__name__,
             )
         conv_only = self.linear.conv_only if self.linear is not None else frozenset()
-        self.states = LinearStates(self.cfg.max_requests_per_batch + 1, self.device, conv_only)
+        self.states = LinearStates(
+            self.cfg.max_requests_per_batch + 1, self.device, conv_only, self.cfg.state_snapshots
+        )
+
+    def _state_memory(self, config: ContinuousBatchingConfig, spec: KVSpec, snapshots: bool) -> int:
+        """Price the state layers' rows (one per request, and a scratch one) and snapshot slots in
+        the memory budget: a cache sized from the budget gives up the KV blocks they take.
+        Returns the number of snapshot slots (``state_snapshots``, or by default twice the rows,
+        within a quarter of the budget)."""
+        assert self.linear is not None
+        row_bytes = state_row_bytes(self.linear.layers, getattr(self.model.config.get_text_config(), "hidden_size", 0))
+        rows = self.cfg.max_requests_per_batch + 1
+        budget = kv_memory_budget(self.device, config.max_memory_percent)
+        if not snapshots:
+            slots = 0
+        elif config.state_snapshots is not None:
+            slots = config.state_snapshots
+        else:
+            slots = max(1, min(2 * rows, budget // 4 // max(row_bytes, 1)))
+        group = tp_group(self.model)
+        if group is not None:  # every rank runs the same schedule
+            (slots,) = agree_min(group, [slots])
+        per_block = spec.bytes_per_block(self.cfg.block_size)
+        if config.num_blocks is None and per_block and row_bytes:
+            needed = self.cfg.max_blocks_per_seq + 1
+            taken = -(-(rows + slots) * row_bytes // per_block)
+            if self.cfg.num_blocks - taken < needed and config.state_snapshots is None:
+                slots = max(0, (self.cfg.num_blocks - needed) * per_block // row_bytes - rows)
+                taken = -(-(rows + slots) * row_bytes // per_block)
+            num_blocks = max(needed, self.cfg.num_blocks - taken)
+            self.cfg = dataclasses.replace(
+                self.cfg,
+                num_blocks=num_blocks,
+                kv_cache_bytes=num_blocks * per_block,
+                max_model_len=min(self.cfg.max_model_len, (num_blocks - 1) * self.cfg.block_size),
+            )
+        logger.info(
+            "%s's state layers: %.1f MiB per request row (%d rows), %d snapshot slots for prefix caching (%.1f MiB)",
+            type(self.model).__name__,
+            row_bytes / 2**20,
+            rows,
+            slots,
+            slots * row_bytes / 2**20,
+        )
+        return slots
 
     def _indexed_settings(self, config: ContinuousBatchingConfig) -> None:
         """An indexed-attention model's indexers run once per request, from Python (the reference
@@ -401,7 +467,7 @@ class ModelRunner:
         self._prev_ids = None  # type: ignore[assignment]
         if self.linear is not None:  # the requests are recomputed after wake_up: their states start anew
             other += self.states.nbytes()
-            self.states = LinearStates(self.states.rows, self.device, self.states.conv_only)
+            self.states = LinearStates(self.states.rows, self.device, self.states.conv_only, self.states.slots)
         if self.own_caches is not None:
             other += self.own_caches.nbytes()
             self.own_caches.clear()
@@ -589,6 +655,8 @@ class ModelRunner:
         if linear is not None:  # a request given a row starts with no recurrent state (new, or recomputed)
             for req in sched.row_inits:
                 linear.reset(req.row)
+            for slot, row in sched.restores:  # or, on a prefix hit, with the state where the hit ends
+                linear.restore(slot, row)
         for own in (self.own_caches, self.own_forward):
             if own is not None:  # a request's own cache starts empty (new, or recomputed); a freed row's goes
                 for row in sched.freed_rows:
@@ -649,7 +717,7 @@ class ModelRunner:
             with contextlib.ExitStack() as per_request:
                 # the linear layers and the indexers run per request segment of the flattened batch
                 if linear is not None:
-                    per_request.enter_context(linear_step(linear, sched.num_new, sched.rows))
+                    per_request.enter_context(linear_step(linear, sched.num_new, sched.rows, sched.snapshots))
                 if self.indexed is not None:
                     per_request.enter_context(indexed_step(self.kv_cache, batch.attn))
                 if own is not None:

@@ -95,7 +95,9 @@ def test_layers_are_found_by_their_interface(arch):
         assert runner.cfg.whole_prefill is whole
         if kv_layers is not None:
             assert len(runner.kv_cache.k) == kv_layers
-        assert not runner.cfg.prefix_caching and runner.cfg.num_swap_blocks == 0
+        # prefix caching through snapshots of the state, where every state layer resumes a prefill
+        assert runner.cfg.prefix_caching is (not whole) and (runner.cfg.state_snapshots > 0) is (not whole)
+        assert runner.cfg.num_swap_blocks == 0
 
 
 @pytest.mark.parametrize(
@@ -116,6 +118,26 @@ def test_greedy_parity(arch, cfg):
         if "num_blocks" in cfg:
             assert eng.stats.preemptions > 0
     assert got == [reference(arch, tuple(p)) for p in ps]
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_a_shared_prefix_is_reused_from_a_snapshot_of_the_state(arch):
+    """A prefix of five blocks sent once (its prompt exactly the prefix), then three requests that
+    extend it, in chunks of 12 tokens (so snapshots fall inside chunks, at their ends and at the
+    prompt's end) under async batching: the three hit the prefix (its KV and the state layers'
+    state where it ends, restored from a snapshot) and give ``model.generate``'s tokens. Mamba1's
+    scan cannot resume a prefill from a state: its models prefill whole and reuse nothing yet."""
+    _, whole, _ = FAMILIES[arch]
+    prefix = prompts([40], seed=11, arch=arch)[0]
+    ps = [prefix + t for t in prompts([3, 9, 17], seed=12, arch=arch)]
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, max_batch_tokens=12, use_async_batching=True)
+    with acb.Engine(model_of(arch), cfg) as eng:
+        eng.generate(prefix, max_new_tokens=1, ignore_eos=True)
+        outs = list(run(eng, ps).values())
+        snaps = eng.call(lambda core: core.pool.snapshots).result(timeout=60)
+    assert [o.num_cached_tokens for o in outs] == [0 if whole else 40] * 3
+    assert [o.generated_tokens for o in outs] == [reference(arch, tuple(p)) for p in ps]
+    assert (snaps is not None and snaps.restores == 3) is (not whole)
 
 
 @pytest.mark.parametrize("arch", ["mamba", "bamba", "nemotron_h", "minimax", "lfm3"])
