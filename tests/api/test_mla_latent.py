@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import acb
+from acb.runner import latent
 from acb.runner.latent import latent_modules
 from acb.runner.setup import kv_spec_of
 from tests.conftest import prompts_of_lengths, reference_generate
@@ -46,11 +47,15 @@ def model_of(arch: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(ms.tiny_config(arch), dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("absorb", [True, False], ids=["B3", "B1"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_latent_is_paged_and_exact(arch):
+def test_the_latent_is_paged_and_exact(arch, absorb, monkeypatch):
     """Each MLA layer's cache layer is key-only, ``(1, r + rope)`` wide: what a token costs there is
     ``(r + rope) * 4`` bytes in float32, and what is allocated is that. The model's own forward
-    meanwhile (a trainer's) and after the engine is its own; the tokens are ``model.generate``'s."""
+    meanwhile (a trainer's) and after the engine is its own; the tokens are ``model.generate``'s,
+    with the decode rows and short chunks absorbed (B3, the default) and with every query attending
+    the expanded latent (B1)."""
+    monkeypatch.setattr(latent, "ABSORB", absorb)
     model = model_of(arch)
     mods = latent_modules(model)
     assert mods, arch
@@ -74,6 +79,8 @@ def test_the_latent_is_paged_and_exact(arch):
         assert spec.bytes_per_token()["latent"] == sum(widths) * 4
         assert spec.bytes_per_block(8) == sum(t.nbytes for t in cache.k + cache.v) // 16
         assert runner.cfg.attn_backend in ("torch", "cpu") and not runner.cfg.cuda_graphs
+        # every family's expand_kv is the one B3 assumes (the probe at start)
+        assert [getattr(m, latent.LATENT_ATTR).absorbs for _, m in sorted(mods.items())] == [absorb] * len(mods)
         got = [
             o.generated_tokens
             for o in eng.generate_batch(ps, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False).values()

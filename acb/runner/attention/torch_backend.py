@@ -94,6 +94,15 @@ class LayerAttention:
     latent: LatentExpand | None = None
 
 
+def absorbs_chunk(latent: LatentExpand, n: int) -> bool:
+    """Whether a chunk of ``n`` queries after a cached prefix attends an MLA layer's latent absorbed
+    (B3) rather than expanded (B1). Per key, B1 expands the latent into the heads (``H * r * (nope +
+    v)`` multiply-adds) and B3 attends it once per query and head (``n * H * 2 * (r + rope)``): B3 while
+    that is the smaller (one decode row always; chunks of up to 25 queries for the benchmark's shape,
+    113 for DeepSeek V3's)."""
+    return latent.absorbs and n * 2 * (latent.rank + latent.rope) <= latent.rank * (latent.nope + latent.v_dim)
+
+
 def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
     """Indices into ``lengths`` (context lengths of decode rows), longest first, split where a
     row's page count falls below ``GROUP_RATIO`` of its group's first (at most ``MAX_GROUPS``)."""
@@ -279,6 +288,9 @@ class TorchBackend:
         """One prefill chunk: its cached prefix gathered (if any), then SDPA, causal bottom-right."""
         hkv, d = k_pages.shape[2], k_pages.shape[3]
         s, n = p.q_start, p.q_len
+        if la.latent is not None and p.blocks is not None and absorbs_chunk(la.latent, n):
+            self._prefill_absorbed(md, k, p, q, k_pages, out, la)
+            return
         qp = q[:, s : s + n, :].unsqueeze(0)  # [1, H, n, D]
         if la.latent is not None:  # the request's latent, expanded by the module's own code (as generate)
             if p.blocks is None:
@@ -302,6 +314,35 @@ class TorchBackend:
         o = _attend(qp, kp, vp, mask, mask is None, la.scaling, la.softcap, la.sinks)
         out[s : s + n] = o[0].transpose(0, 1)
 
+    def _prefill_absorbed(
+        self,
+        md: TorchMetadata,
+        k: int,
+        p: _Prefill,
+        q: torch.Tensor,  # [H, T, nope + rope]
+        k_pages: torch.Tensor,  # [num_blocks, block_size, 1, r + rope]: the latent
+        out: torch.Tensor,  # [T, H, v_dim]
+        la: LayerAttention,
+    ) -> None:
+        """A short chunk after a cached prefix over an MLA layer's latent pages, absorbed (B3): as
+        :meth:`_decode_absorbed`, the chunk's ``n`` queries of ``H`` heads as ``n * H`` query rows of
+        the one latent head, each row masked as its query."""
+        lat = la.latent
+        assert lat is not None and p.blocks is not None
+        d = k_pages.shape[3]
+        s, n = p.q_start, p.q_len
+        h = q.shape[0]
+        scale = la.scaling if la.scaling is not None else q.shape[2] ** -0.5
+        qa = lat.absorb_query(q[:, s : s + n, :]).transpose(0, 1).reshape(1, 1, n * h, d)  # query-major rows
+        kp = self._gather(k_pages, p.blocks, "k").view(1, -1, 1, d)[:, : p.ctx_len].transpose(1, 2)  # [1, 1, L, d]
+        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk, la.images)
+        assert mask is not None  # a cached prefix: the mask is always built
+        if la.index is not None:
+            mask = mask & allowed_keys(la.index, slice(s, s + n), p.ctx_len)
+        sinks = None if la.sinks is None else la.sinks.repeat(n).view(1, 1, -1, 1)  # each row's head's
+        o = _attend(qa, kp, kp, mask.repeat_interleave(h, dim=0), False, scale, la.softcap, sinks)  # [1, 1, n * H, d]
+        out[s : s + n] = lat.unabsorb(o.view(n, h, d))
+
     def _decode(
         self,
         md: TorchMetadata,
@@ -312,7 +353,7 @@ class TorchBackend:
         la: LayerAttention,
     ) -> None:
         """The decode rows: each group's pages gathered, then SDPA with a length mask."""
-        if la.latent is not None and la.latent.absorbs and la.sinks is None:
+        if la.latent is not None and absorbs_chunk(la.latent, 1):
             self._decode_absorbed(md, q, k_pages, out, la)
             return
         hkv, d = k_pages.shape[2], k_pages.shape[3]
@@ -353,6 +394,7 @@ class TorchBackend:
         assert lat is not None
         d = k_pages.shape[3]
         scale = la.scaling if la.scaling is not None else q.shape[2] ** -0.5  # the model's, of nope + rope
+        sinks = None if la.sinks is None else la.sinks.view(1, 1, -1, 1)  # a query row is a head here
         for g, group in enumerate(md.decode):
             length = group.num_blocks * md.block_size
             dmask = self._decode_mask(md, g, la.sliding_window, la.chunk)
@@ -365,7 +407,7 @@ class TorchBackend:
                 rmask = dmask[a : a + rows_per]  # [g, 1, 1, L]: the same keys for every head of a row
                 if la.index is not None:  # indexed attention: the keys the indexer selected, of those
                     rmask = rmask & allowed_keys(la.index, group.rows[a : a + rows_per], length)[:, None, None, :]
-                oa[a : a + rows_per] = _attend(qa[a : a + rows_per], kd, kd, rmask, False, scale, la.softcap)
+                oa[a : a + rows_per] = _attend(qa[a : a + rows_per], kd, kd, rmask, False, scale, la.softcap, sinks)
             out[group.rows] = lat.unabsorb(oa[:, 0])
 
 
@@ -378,6 +420,7 @@ def _attend(
     scaling: float | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,  # [H] sink logits: one more softmax column per head, whose value is 0
+    # (or [1, 1, Lq, 1]: per query row, where an MLA latent's heads are folded into the query length)
 ) -> torch.Tensor:
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
@@ -402,7 +445,7 @@ def _attend(
         w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(w, v)
     # GPT-OSS's eager: softmax over [scores, sink] (max subtracted), the sink's column dropped
-    sink = sinks.to(w.dtype).reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1)
+    sink = (sinks.reshape(1, -1, 1, 1) if sinks.dim() == 1 else sinks).to(w.dtype).expand(*w.shape[:3], 1)
     w = torch.cat([w, sink], dim=-1)
     w = w - w.max(dim=-1, keepdim=True).values
     w = torch.softmax(w, dim=-1, dtype=w.dtype)[..., :-1].to(v.dtype)
