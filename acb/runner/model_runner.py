@@ -49,7 +49,7 @@ from acb.runner.linear_state import (
 )
 from acb.runner.module_state import module_attributes
 from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers, own_cache_step
-from acb.runner.own_forward import OwnForward
+from acb.runner.own_forward import OwnForward, snapshot_memory
 from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
     _ATTN_SWAP,
@@ -265,6 +265,10 @@ class ModelRunner:
         whole = [cls.__name__ for cls, ok in tried.items() if not ok]
         # snapshots of the state layers' state resume a prefix hit, where every state layer resumes
         snapshots = self.cfg.prefix_caching and not whole and self.own is None and self.own_forward is None
+        # the model on its own caches: snapshots are copies of a request's cache cut at a block
+        # boundary, where the start-up try found a cut exact (acb.runner.own_forward)
+        own_cut = self.own_forward is not None and self.own_forward.croppable
+        snapshots = snapshots or (self.cfg.prefix_caching and not whole and own_cut)
         off = [
             name
             for name, on in (
@@ -294,6 +298,9 @@ class ModelRunner:
             )
             whole.append("own cache")
         slots = self._state_memory(config, spec, snapshots) if self.linear is not None else 0
+        if snapshots and self.own_forward is not None:  # cut copies of own caches, priced at their bound
+            budget = kv_memory_budget(self.device, config.max_memory_percent)
+            self.cfg, slots = snapshot_memory(self.cfg, config, spec.own_bytes_per_token, budget)
         self.cfg = dataclasses.replace(
             self.cfg,
             prefix_caching=snapshots and slots > 0,
@@ -670,6 +677,8 @@ class ModelRunner:
             for req in sched.row_inits:
                 if len(req.token_ids) > req.prompt_len:
                     self.own_forward.reset(req.row, req.prompt_len)
+            for slot, row in sched.restores:  # a prefix hit: a copy of the cache cut where the hit ends
+                self.own_forward.restore(slot, row)
         own = self.own_caches
         if sched.swap_out:  # before swap-ins and the forward, which may reuse these device blocks
             self.kv_cache.swap_out(sched.swap_out)
@@ -708,6 +717,8 @@ class ModelRunner:
                 logits = self.own_forward.forward(
                     batch.input_ids, batch.position_ids, sched.num_new, sched.rows, batch.logits_indices.tolist()
                 )
+            if sched.snapshots:  # the caches cut at block boundaries, kept with the cached blocks
+                self.own_forward.snapshot(sched.snapshots, sched.num_new, sched.rows)
             for src, dst in sched.state_copies_after:  # forks: children start from the parent's cache
                 self.own_forward.copy(src, dst)
         if logits is None:

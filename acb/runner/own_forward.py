@@ -44,12 +44,28 @@ proves it, or the model is refused.
 
 Lifecycle: a request given a row starts with no cache (new, or recomputed after a preemption);
 children of ``n > 1`` fork a deep copy of the parent's; a freed row's cache goes at once. No
-pages, no prefix caching, no offload, no decode graphs.
+pages, no offload, no decode graphs.
+
+Prefix caching (:mod:`acb.core.kv_manager`'s snapshots, as for state layers): where a prompt
+crosses a block boundary the scheduler planned, the request's cache after the step's forward is
+copied and cut back to that position (``snapshot``: every layer's keys and values up to it, the
+prompt's ids up to it) into a slot kept with the cached block; a prefix hit gives the request's
+row a copy of the slot's cache and ids (``restore``) and its prefill goes on from there, as a
+chunked prefill does. A cut is exact only for caches of plain growing K/V layers behind
+transformers' default generation hooks: a start-up try (a prompt cut at a position and resumed
+must give what it gives whole) decides it (``croppable``). The others keep prefix caching off:
+a sliding-window layer (Moshi, DeepSeek V4's) has dropped the keys before the window and cannot
+be cut back; a recurrent or convolutional state (Mamba's ``cache_params``, RWKV's ``state``,
+RecurrentGemma's module attributes) holds no per-position history to cut; a model with its own
+generation hooks (XLNet, Reformer, ProphetNet) may not resume a prompt at all (it prefills whole).
+A slot costs up to ``max_model_len`` tokens of the model's own cache and is priced so
+(:func:`snapshot_memory`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -57,6 +73,7 @@ from typing import Any
 
 import torch
 
+from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.errors import UnsupportedModelError
 from acb.runner.module_state import ModuleState, Slot, Values, describe
 
@@ -141,10 +158,11 @@ def _batch_layer_class() -> type:
             self._r, self._s = rows, self._s + trim
             self._view()
 
-        def row(self, i: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """Row ``i``'s K/V without its padding (copies)."""
+        def row(self, i: int, pad: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            """Row ``i``'s K/V without its padding (its first ``length`` positions; copies)."""
             lo = self._s + pad
-            return self._k[i : i + 1, :, lo : self._e].clone(), self._v[i : i + 1, :, lo : self._e].clone()
+            hi = self._e if length is None else lo + length
+            return self._k[i : i + 1, :, lo:hi].clone(), self._v[i : i + 1, :, lo:hi].clone()
 
         def nbytes(self) -> int:
             return int(self._k.nbytes + self._v.nbytes)
@@ -215,15 +233,14 @@ class _DecodeBatch:
 
     def take(self, row: int, like: Any) -> Any:
         """``row``'s cache alone, without padding (a new cache of plain layers, shaped ``like``)."""
-        i = self.rows.index(row)
-        out = copy.copy(like)
-        out.layers = [_dynamic_layer_class()() for _ in like.layers]
-        for src, dst in zip(self.cache.layers, out.layers):
-            keys, values = src.row(i, self.pads[i])
-            dst.lazy_initialization(keys, values)
-            dst.keys, dst.values = keys, values
+        out = self.copy_of(row, like)
         self.remove([row])
         return out
+
+    def copy_of(self, row: int, like: Any, length: int | None = None) -> Any:
+        """A copy of ``row``'s cache (its first ``length`` positions), without padding; the row stays."""
+        i = self.rows.index(row)
+        return _plain_cache(like, [layer.row(i, self.pads[i], length) for layer in self.cache.layers])
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """The attention mask of a decode step: ``[rows, width + 1]``, zeros over each row's padding."""
@@ -232,6 +249,58 @@ class _DecodeBatch:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.cache.layers)
+
+
+def _plain_cache(like: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A cache of ``like``'s class whose plain layers hold these keys and values (not copied)."""
+    out = copy.copy(like)
+    out.layers = [_dynamic_layer_class()() for _ in kv]
+    for layer, (keys, values) in zip(out.layers, kv):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return out
+
+
+def _cut(cache: Any, length: int) -> Any:
+    """A copy of a plain cache's first ``length`` positions (every layer's keys and values)."""
+    return _plain_cache(
+        cache, [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()) for layer in cache.layers]
+    )
+
+
+def snapshot_memory(
+    cfg: ResolvedConfig, config: ContinuousBatchingConfig, bytes_per_token: int, budget: int
+) -> tuple[ResolvedConfig, int]:
+    """Price the snapshot slots of prefix caching on the model's own caches; returns the config
+    (with fewer blocks when the cache is sized from the budget) and the number of slots.
+
+    A slot holds one request's cache cut at a block boundary of its prompt: up to
+    ``max_model_len`` tokens at ``bytes_per_token`` (the own cache's measured cost). The core's
+    slots are a count, not bytes, so each is priced at that worst case: ``state_snapshots`` slots
+    when asked for, else twice the request rows within a quarter of ``budget`` (the memory budget
+    of the KV cache, as the state layers' snapshots get). Where the blocks are sized from the
+    budget (``num_blocks`` unset) they give up the slots' bytes, keeping room for one request of
+    ``max_model_len``. A slot's snapshot is usually far smaller than the bound (the prompts'
+    shared prefix): pricing by actual bytes needs the core to drop slots the runner evicts."""
+    per_slot = max(1, cfg.max_model_len * bytes_per_token)
+    if config.state_snapshots is not None:
+        slots = config.state_snapshots
+    else:
+        slots = min(2 * (cfg.max_requests_per_batch + 1), budget // 4 // per_slot)
+    per_block = cfg.block_size * bytes_per_token
+    if config.num_blocks is None and per_block and slots:
+        needed = cfg.max_blocks_per_seq + 1
+        room = max(0, cfg.num_blocks - needed) * per_block
+        if config.state_snapshots is None:
+            slots = min(slots, room // per_slot)
+        num_blocks = max(needed, cfg.num_blocks - -(-slots * per_slot // per_block))
+        cfg = dataclasses.replace(
+            cfg,
+            num_blocks=num_blocks,
+            kv_cache_bytes=num_blocks * per_block,
+            max_model_len=min(cfg.max_model_len, (num_blocks - 1) * cfg.block_size),
+        )
+    return cfg, slots
 
 
 def _length(cache: Any) -> int:
@@ -293,7 +362,30 @@ class OwnForward:
         # a prompt may be prefilled in chunks (model.generate never does that): plain caches behind
         # the default generation hooks only (XLNet re-reads its whole input with a dummy token)
         self.chunkable = self.plain and default_hooks
+        # prefix caching: slot -> a request's generation state and ids cut at a block boundary
+        # (see the module docstring); whether a cut is exact is found by the start-up try
+        self.snaps: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
+        self.croppable = False
         self._probe()
+        if not self.croppable:
+            logger.info(
+                "%s's own cache cannot be cut at a block boundary (%s): no prefix caching",
+                type(model).__name__,
+                self._uncut(default_hooks),
+            )
+
+    def _uncut(self, default_hooks: bool) -> str:
+        """Why a request's cache cannot be cut exactly (see the module docstring)."""
+        if not self.plain:
+            kinds = sorted({type(layer).__name__ for layer in getattr(self._empty(), "layers", ())})
+            return f"layers other than plain growing K/V: {', '.join(kinds) or 'a cache of its own'}"
+        if not default_hooks:
+            return "its own generation hooks, which may not resume a prompt"
+        if self.module_state is not None:
+            return "state kept in module attributes"
+        if not self.chunkable:
+            return "a prompt in two chunks does not give what it gives whole"
+        return "a prompt cut and resumed does not give what it gives whole"
 
     # start-up tries ------------------------------------------------------------
     def _probe(self) -> None:
@@ -343,6 +435,16 @@ class OwnForward:
                     self.chunkable = close(chunked, whole)
                 except Exception:  # noqa: BLE001 - a cache that cannot take a chunk: prefill whole
                     self.chunkable = False
+            if self.chunkable and self.module_state is None:
+                try:  # (a prompt cut at a position, restored into another row and resumed)
+                    if not _plain(_cache_of(self.single[-1])):  # (a cache of other layers than its config's)
+                        raise ValueError("not plain")
+                    self.snapshot([(-1, 7, -1)], [12], [-1])
+                    self.restore(-1, -11)
+                    self.croppable = close(run([([-11], [5], [tokens[:, 7:12]])]), whole)
+                except Exception:  # noqa: BLE001 - a cache that cannot be cut: no prefix caching
+                    self.croppable = False
+                self.snaps.pop(-1, None)
             if self.batchable:
                 a, b = tokens[:, :5], tokens[:, 5:14]
                 try:  # (the prompts prefilled as one padded batch, then decoded as one)
@@ -354,7 +456,7 @@ class OwnForward:
                     self.batchable = all(close(x, y) for x, y in zip(batched, single))
                 except Exception:  # noqa: BLE001 - a cache that cannot be stacked: one row at a time
                     self.batchable = False
-        for row in range(-10, 0):
+        for row in range(-11, 0):
             self.reset(row)
 
     def _interleaved_try(self, run: Any, tokens: torch.Tensor, close: Any) -> None:
@@ -416,17 +518,42 @@ class OwnForward:
         if src in self.held:
             self.held[dst] = copy.deepcopy(self.held[src])
 
+    def snapshot(self, taken: list[tuple[int, int, int]], num_new: list[int], rows: list[int]) -> None:
+        """After a step's forward: for each ``(row, offset, slot)``, slot ``slot`` gets a copy of
+        the row's cache and ids cut where the row's first ``offset`` tokens of this step end
+        (``SchedulerOutput.snapshots``; a block boundary of its prompt)."""
+        for row, offset, slot in taken:
+            ids = self.ids[row]
+            pos = int(ids.shape[1]) - num_new[rows.index(row)] + offset
+            if row in self.batch_rows:
+                assert self.batch is not None
+                cache = self.batch.copy_of(row, self.batch.cache, pos)
+            else:
+                cache = _cut(_cache_of(self.single[row]), pos)
+            self.snaps[slot] = ({"use_cache": True, "past_key_values": cache}, ids[:, :pos].clone())
+
+    def restore(self, slot: int, row: int) -> None:
+        """A prefix hit: the row's request goes on from a copy of slot ``slot``'s cache and ids
+        (after the row was reset; before the step's forward)."""
+        self.reset(row)
+        kw, ids = self.snaps[slot]
+        cache = kw["past_key_values"]
+        self.single[row] = {**kw, "past_key_values": _cut(cache, _length(cache))}
+        self.ids[row] = ids.clone()
+
     def clear(self) -> None:
         self.single.clear()
         self.ids.clear()
         self.replays.clear()
         self.held.clear()
+        self.snaps.clear()  # (sleep drops the prefix cache, and the slots with it)
         self.batch = None
 
     def nbytes(self) -> int:
         from acb.runner.own_cache import cache_nbytes
 
         own = sum(cache_nbytes(_cache_of(kw)) for kw in self.single.values())
+        own += sum(cache_nbytes(_cache_of(kw)) for kw, _ in self.snaps.values())
         own += sum(ModuleState.nbytes(values) for values in self.held.values())
         return own + (self.batch.nbytes() if self.batch is not None else 0)
 

@@ -6,7 +6,9 @@ padding), Doge (a content-dependent mask acb's paged attention cannot take), Mos
 sliding-window cache: unbatched, prompts prefilled whole), ProphetNet (a cache that takes one
 token at a time after the first call: found by the start-up try, prefilled whole), XLNet (its
 own generation hooks: a preempted request's recompute replays ``model.generate``'s calls), and Llama
-forced onto this path next to the paged one. Tiny configs are the catalogue sweep's.
+forced onto this path next to the paged one. Tiny configs are the catalogue sweep's. Prefix
+caching cuts a copy of a request's cache at a block boundary where the cache is plain growing
+K/V (GPT-J, Doge, Llama), and stays off where it is not (Moshi's window, ProphetNet, XLNet).
 """
 
 from __future__ import annotations
@@ -52,20 +54,21 @@ def run(eng, ps, **kw):
     return [o.generated_tokens for o in outs.values()]
 
 
-# arch -> (runner config, decode rows batched, prompts prefilled in chunks)
+# arch -> (runner config, decode rows batched, prompts prefilled in chunks, prefix caching: the
+# cache cut at a block boundary)
 CASES = {
-    "gptj": (None, True, True),
-    "doge": (None, True, True),
-    "moshi": (None, False, False),
-    "prophetnet": (None, False, False),
-    "xlnet": (None, False, False),  # its own hooks (a dummy token): a recompute is replayed call by call
-    "llama": ("own_cache", True, True),
+    "gptj": (None, True, True, True),
+    "doge": (None, True, True, True),
+    "moshi": (None, False, False, False),  # a sliding window: the keys before it are gone
+    "prophetnet": (None, False, False, False),  # one token a call after the first: no resuming a prompt
+    "xlnet": (None, False, False, False),  # its own hooks (a dummy token): a recompute is replayed call by call
+    "llama": ("own_cache", True, True, True),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_the_path_is_chosen_at_start_and_said(arch, caplog):
-    runner, batched, chunked = CASES[arch]
+    runner, batched, chunked, prefix = CASES[arch]
     with caplog.at_level(logging.INFO, logger="acb"):
         eng = acb.Engine(model_of(arch), acb.ContinuousBatchingConfig(num_blocks=32, page_size=8, runner=runner))
         eng.start()
@@ -74,7 +77,11 @@ def test_the_path_is_chosen_at_start_and_said(arch, caplog):
         assert r.own_forward is not None
         assert r.own_forward.batchable is batched and r.cfg.whole_prefill is not chunked
         assert r.kv_cache.k == [] and r.kv_cache.spec.bytes_per_token()["own cache"] > 0
-        assert not r.cfg.prefix_caching and r.cfg.num_swap_blocks == 0 and not r.cfg.cuda_graphs
+        assert r.cfg.num_swap_blocks == 0 and not r.cfg.cuda_graphs
+        # prefix caching where the start-up try cut a prompt and resumed it exactly; else off, and why
+        assert r.cfg.prefix_caching is prefix and (r.cfg.state_snapshots > 0) is prefix
+        uncut = [m for m in caplog.messages if "cannot be cut at a block boundary" in m]
+        assert len(uncut) == (not prefix), uncut
         said = [m for m in caplog.messages if "runs on its own cache objects" in m]
         # one line, with the paged path's refusal as the reason (or the config's ask)
         why = said[0].split("not paged: ", 1)[1] if len(said) == 1 else ""
@@ -101,6 +108,24 @@ def test_greedy_parity(arch, cfg):
         if "num_blocks" in cfg:
             assert eng.stats.preemptions > 0
     assert got == [reference(arch, tuple(p)) for p in ps]
+
+
+@pytest.mark.parametrize("arch", ["llama", "moshi"])
+def test_a_shared_prefix_is_reused_where_the_cache_can_be_cut(arch):
+    """A 24-token prefix sent once, then extended by three prompts in one batch (prefilled together
+    and chunked, or whole where the model needs it): where the cache can be cut (Llama's plain
+    K/V), the three read three blocks from a copy of the first request's cache cut at the boundary;
+    where not (Moshi's sliding window), nothing; every request gives ``model.generate``'s tokens
+    either way. (GPT-J's reuse under samples, preemption, sleep and scoring:
+    ``tests/api/test_prefix_reuse_kinds.py``.)"""
+    head = prompts([24], seed=11)[0]
+    ps = [head + tail for tail in prompts([3, 10, 1], seed=12)]
+    cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, runner=CASES[arch][0], max_batch_tokens=16)
+    with acb.Engine(model_of(arch), cfg) as eng:
+        first = eng.generate(head, max_new_tokens=MAX_NEW, ignore_eos=True)
+        outs = list(eng.generate_batch(ps, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False).values())
+    assert [o.num_cached_tokens for o in outs] == [24 if CASES[arch][3] else 0] * 3
+    assert [o.generated_tokens for o in [first, *outs]] == [reference(arch, tuple(p)) for p in [head, *ps]]
 
 
 def test_the_paged_path_refuses_what_it_cannot_page():

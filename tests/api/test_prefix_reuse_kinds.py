@@ -38,11 +38,12 @@ KINDS = {
     "glm_moe_dsa": True,
     "qwen3_next": True,
     "mamba2": True,
-    "gptj": False,
+    "gptj": True,  # own caches: a copy cut at the block boundary (acb.runner.own_forward)
     "deepseek_v4": False,
 }
 # arch -> whether a preempted request's cache is offloaded (else recomputed) today
 OFFLOAD = {**KINDS, "qwen3_next": False, "mamba2": False}
+OFFLOAD.update(gptj=False, deepseek_v4=False)  # own caches: a preempted request recomputes
 
 
 @functools.cache
