@@ -7,15 +7,45 @@ after RoPE), cache it, and expand the whole cached latent into per-head K/V with
 replaces ``expand_kv`` on those modules (an instance attribute) with a pass-through, so acb's
 attention function receives the latent (``key = kv_nope [1, 1, T, r]``, ``value = k_rot
 [1, 1, T, rope]``). It stores ``[kv_nope | k_rot]`` in a key-only cache layer of shape
-``(1, r + rope)`` (:class:`acb.runner.kv_cache.KVSpec` ``latent_layers``), and at attention the
-torch backend gathers the request's latent pages and calls the module's *original* ``expand_kv``
-on them: ``model.generate``'s own arithmetic (B1 of ``docs/design/layer-kinds.md`` §4).
+``(1, r + rope)`` (:class:`acb.runner.kv_cache.KVSpec` ``latent_layers``). The torch backend (and
+the CPU backend, which hands these layers to it) attends over the latent two ways
+(``docs/design/layer-kinds.md`` §4):
+
+- **B3, absorbed** (decode rows, and chunks after a cached prefix short enough that attending the
+  latent per query costs less than expanding it: ``torch_backend.absorbs_chunk``). With ``W_UK``,
+  ``W_UV`` the ``[H, nope, r]`` and ``[H, v, r]`` parts of ``kv_b_proj.weight`` viewed as
+  ``[H, nope + v, r]``, the query ``[q_nope W_UK | q_rot]`` attends, with the model's scaling, over
+  the latent as one head whose keys and values are both ``[c | k_rot]``; the heads are folded into
+  the query length (one SDPA call, no head expanded), and the output's first ``r`` columns times
+  ``W_UV^T`` are the heads' values for ``o_proj``. Per decode token this reads ``r + rope`` values
+  per cached token and layer instead of expanding each one into ``H * (nope + v)``.
+- **B1, expanded** (prefill chunks, and every query where B3 does not apply): gather the request's
+  latent pages and call the module's *original* ``expand_kv`` on them, then SDPA (the values
+  zero-padded to the keys' width, as the expanded cache stores them): ``model.generate``'s
+  arithmetic.
+
+B3 reassociates ``q . (W_UK c)`` as ``(W_UK^T q) . c`` (and likewise for V), so its float32 logits
+differ from ``generate``'s in the last bits. It is kept because it is exact where it counts: the
+greedy tokens of all 13 MLA families of the catalogue equal ``model.generate``'s on B3 as on B1
+(``tests/api/test_mla_latent.py``, both paths; ``tests/runner/test_kind_latent.py`` at the layer,
+allclose at 1e-5), and it is what makes decode over the latent cheaper than over expanded pages
+(``benchmarks/mla_latent.py``). A module gets B3 only where a probe at engine start
+(:func:`absorbable`) finds its ``expand_kv`` to be exactly that decomposition: no ``kv_b_proj``
+bias (a bias would shift every key of a head equally and add once to the values; none of the
+families has one), a plain floating-point weight of the expected shape, and K/V equal to the
+decomposition's on random latents. Otherwise (and with :data:`ABSORB` off) the module keeps B1.
+Attention sinks (Hunyuan V4) and the indexer's selection (DSA: V3.2, GLM-5, Hunyuan V4, AXK2)
+apply on both paths: each folded query row keeps its head's sink and its token's selected keys.
+
+acb's own CPU kernel could run B3 (one KV head, ``G = H``, the latent pages as both K and V), but the
+torch path's one matrix product per row over the gathered latent measured 1.3-2.2x faster (one layer of
+the benchmark's shape, 16 and 64 decode rows of 128 and 1,024 tokens, 1 and 2 threads), so the
+CPU backend hands latent layers to it.
 
 The modules are found by code: their class defines ``expand_kv`` and they have ``kv_b_proj``, an
 int ``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim`` and ``v_head_dim``. A module
-without ``expand_kv`` (transformers before it) stays on the expanded path. Only the torch
-backend (and the CPU backend, which hands these layers to it) attends over the latent; decode
-graphs and torch.compile are off for these models.
+without ``expand_kv`` (transformers before it) stays on the expanded path. Only the torch and CPU
+backends attend over the latent; decode graphs and torch.compile are off for these models.
 """
 
 from __future__ import annotations

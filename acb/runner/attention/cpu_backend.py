@@ -83,7 +83,7 @@ class CpuBackend(TorchBackend):
             md.kernel_rows is None
             or la.index is not None
             # an MLA layer's latent goes to the torch path: B3 there (one SDPA over the latent head, the
-            # heads folded into the query length) measured 1.7-2.2x faster than this kernel taking the
+            # heads folded into the query length) measured 1.3-2.2x faster than this kernel taking the
             # latent pages as K and V with G = H (acb.runner.latent)
             or la.latent is not None
             or (
