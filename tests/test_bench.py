@@ -142,3 +142,50 @@ def test_each_benchmark_has_one_home_and_a_row():
     assert unlisted == [], f"benchmarks/ scripts without a row in benchmarks/README.md: {unlisted}"
     modules = {p.stem.replace("_", "-") for p in (root / "acb" / "bench").glob("*.py")}
     assert set(WORKLOADS) <= modules, f"acb bench workloads not in acb/bench/: {sorted(set(WORKLOADS) - modules)}"
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """The benchmarks on the Qwen3.5-shaped hybrid (``--arch qwen3_5``): shared-prefix, and lm-eval's
+    ``acb`` against its ``hf`` on the few-shot scoring and generation tasks (the full documents)."""
+    from acb.bench import eval as eval_
+    from acb.bench.common import ModelSpec
+
+    out = tmp_path_factory.mktemp("bench_hybrid")
+    prefix = run_workload("shared-prefix", size="tiny", out_dir=str(out), plot=False, arch="qwen3_5")
+    spec = ModelSpec("tiny", arch="qwen3_5")
+    ev = eval_.run("tiny", spec, tasks=("fewshot_letters", "fewshot_gen"), smoke=2)  # 2 documents each, no warm-up
+    return prefix, ev
+
+
+HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_hybrid_shared_prefix_resumes_state_layers(hybrid):
+    doc, _ = hybrid
+    assert doc["json_path"].endswith("cpu_shared-prefix_qwen3_5_tiny.json")
+    with open(doc["json_path"]) as f:
+        data = json.load(f)
+    assert data["model"]["arch"] == "qwen3_5 (random weights)" and data["model"]["layer_types"] == HYBRID_LAYERS
+    r = data["result"]
+    assert r["outputs_identical"] is True  # prefix cache on (snapshots restored) = off
+    on, off = r["rows"]
+    assert on["prefix_hit_rate"] > 0.5 and on["state_snapshot_restores"] > 0
+    assert on["prefill_tokens"] < off["prefill_tokens"]
+    assert off["prefix_hit_rate"] == 0 and off["state_snapshot_restores"] == 0
+    assert "state snapshots restored" in markdown_for(data)
+
+
+def test_hybrid_eval_agrees_with_hf(hybrid):
+    _, ev = hybrid
+    assert ev["model"]["arch"] == "qwen3_5 (random weights)" and ev["model"]["layer_types"] == HYBRID_LAYERS
+    acb_row, hf_row = ev["rows"]
+    assert [acb_row["engine"], hf_row["engine"]] == ["acb", "hf (batch 16)"]
+    assert set(acb_row["per_task"]) == {"fewshot_letters", "fewshot_gen"}
+    assert ev["agreement"]["ok"] is True, ev["agreement"]  # lm-eval's hf loaded the same saved checkpoint
+    assert acb_row["metrics"] == hf_row["metrics"]
+    floor = ev["floor"]
+    assert floor["state"] > 0 and floor["total"] == pytest.approx(
+        floor["linear"] + floor["attention"] + floor["state"] + floor["lm_head"]
+    )
+    assert acb_row["prefix"]["prefix_queries"] > 0

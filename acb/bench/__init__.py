@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from acb.bench.common import ModelSpec, machine_info, write_json
+from acb.bench.common import ARCHS, ModelSpec, machine_info, write_json
 
 WORKLOADS = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve", "eval")
 
@@ -42,11 +42,17 @@ def run_workload(
     out_dir: str | None = None,
     baselines: bool = True,
     plot: bool = True,
+    arch: str = "llama",
 ) -> dict[str, Any]:
-    """Run one workload; returns the JSON document (also written to ``out_dir`` when given)."""
+    """Run one workload; returns the JSON document (also written to ``out_dir`` when given).
+
+    ``arch`` (:data:`acb.bench.common.ARCHS`) is the benchmark model's architecture; a result of
+    another than the Llama is named ``{kind}_{workload}_{arch}``."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
-    spec = ModelSpec(size=size, device=device)
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHS}")
+    spec = ModelSpec(size=size, device=device, arch=arch)
     machine = machine_info(device)
     model = spec.build()
     doc: dict[str, Any] = {"size": size, "machine": machine, "model": spec.describe(model)}
@@ -56,7 +62,10 @@ def run_workload(
         doc["model"] = doc["result"].pop("model")
     if out_dir is not None:
         kind = "gpu" if device.startswith("cuda") else "cpu"
-        stem = os.path.join(out_dir, f"{kind}_{name}" + ("" if size == "default" else f"_{size}"))
+        stem = os.path.join(
+            out_dir,
+            f"{kind}_{name}" + ("" if arch == "llama" else f"_{arch}") + ("" if size == "default" else f"_{size}"),
+        )
         write_json(stem + ".json", doc)
         doc["json_path"] = stem + ".json"
         if plot:

@@ -38,22 +38,145 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+# The architectures a benchmark model can take (``acb bench --arch``): the Llama the figures were
+# first measured on, a Qwen3.5-shaped hybrid (gated-DeltaNet linear attention, three layers to one
+# gated full-attention layer) and a DeepSeek-V3-shaped MLA model (latent attention, MoE).
+ARCHS = ("llama", "qwen3_5", "deepseek_v3")
+
+
+def arch_config(
+    arch: str,
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+) -> Any:
+    """The config of a random-weight benchmark model of ``arch`` (:data:`ARCHS`), sized from a
+    Llama shape (the keyword arguments: :data:`MODEL_SHAPES` or a workload's own):
+
+    - ``llama``: that shape (:func:`acb.models.tiny_config`);
+    - ``qwen3_5``: Qwen3.5's text model (``Qwen3_5TextConfig``) of the same hidden, MLP, heads,
+      vocabulary and positions, its layers rounded up to whole groups of four in Qwen3.5's
+      pattern (three ``linear_attention`` layers, then one ``full_attention``), the linear
+      layers' heads sized as Qwen3.5's are to its hidden (value heads x head dim = hidden, half
+      as many key heads), the full-attention head dim hidden / heads; Qwen3.5's other defaults
+      (gated attention, partial rotary, conv kernel 4) kept;
+    - ``deepseek_v3``: DeepSeek V3 (MLA: ``kv_lora_rank`` hidden / 2, rope head dim half a
+      nope/value head; MoE: 4 routed experts, 2 per token, 1 shared, the first layer dense) at
+      hidden at most 256, as many layers and heads.
+
+    Every model's init is as wide as :func:`acb.models.tiny_config`'s (peaked logits: greedy
+    parity does not hinge on near-ties), BOS 1, EOS 2, untied embeddings."""
+    from transformers import AutoConfig
+
+    from acb.models import tiny_config
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown benchmark architecture {arch!r}; choose from {ARCHS}")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    if arch == "llama":
+        return tiny_config(
+            "llama",
+            vocab_size=vocab_size,
+            max_position_embeddings=max_position_embeddings,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+        )
+    head_dim = hidden_size // num_attention_heads
+    if arch == "qwen3_5":
+        groups = max(1, math.ceil(num_hidden_layers / 4))
+        return AutoConfig.for_model(
+            "qwen3_5_text",
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=4 * groups,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            linear_num_value_heads=num_attention_heads,
+            linear_num_key_heads=max(1, num_attention_heads // 2),
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * groups,
+            **common,
+        )
+    hidden = min(hidden_size, 256)
+    per_head = hidden // num_attention_heads
+    return AutoConfig.for_model(
+        "deepseek_v3",
+        hidden_size=hidden,
+        intermediate_size=intermediate_size * hidden // hidden_size,
+        moe_intermediate_size=intermediate_size * hidden // hidden_size // 2,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        kv_lora_rank=hidden // 2,
+        q_lora_rank=hidden // 2,
+        qk_nope_head_dim=per_head,
+        v_head_dim=per_head,
+        qk_rope_head_dim=per_head // 2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        **common,
+    )
+
+
+def bench_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **shape: int) -> Any:
+    """A random-weight ``arch`` causal LM sized from ``shape`` (:func:`arch_config`), in eval mode
+    on the CPU (``Any``: the baselines call its GenerationMixin methods)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = arch_config(arch, **shape)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
+
+
+def describe_config(arch: str, cfg: Any) -> dict[str, Any]:
+    """A non-Llama benchmark model's sizes for the results JSON (the Llama's are its shape)."""
+    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
+    keys += ["head_dim", "vocab_size", "max_position_embeddings"]
+    if arch == "qwen3_5":
+        keys += ["linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"]
+        keys += ["linear_conv_kernel_dim", "layer_types"]
+    elif arch == "deepseek_v3":
+        keys += ["kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+        keys += ["moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"]
+        keys += ["first_k_dense_replace"]
+    return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+
+
 @dataclass
 class ModelSpec:
     size: str
     seed: int = 0
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    arch: str = "llama"  # one of ARCHS
 
     def build(self) -> Any:
         """The benchmark's model on its device: a transformers causal LM (``Any``: the baselines
         call its GenerationMixin methods, which ``PreTrainedModel`` does not declare)."""
-        from acb.models import tiny_model
-
-        shape: dict[str, Any] = MODEL_SHAPES[self.size]  # keyword arguments of tiny_model
-        model = tiny_model("llama", seed=self.seed, dtype=self.dtype, **shape)
-        # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to): mypy sees it unbound
-        return model.to(self.device)  # type: ignore[arg-type]
+        shape: dict[str, Any] = MODEL_SHAPES[self.size]  # keyword arguments of bench_model
+        model = bench_model(self.arch, seed=self.seed, dtype=self.dtype, **shape)
+        return model.to(self.device)
 
     @property
     def vocab(self) -> int:
@@ -61,11 +184,12 @@ class ModelSpec:
 
     def describe(self, model: torch.nn.Module) -> dict[str, Any]:
         n = sum(p.numel() for p in model.parameters())
+        sizes = MODEL_SHAPES[self.size] if self.arch == "llama" else describe_config(self.arch, model.config)
         return {
-            "arch": "llama (random weights)",
+            "arch": f"{self.arch} (random weights)",
             "params": n,
             "dtype": str(self.dtype).replace("torch.", ""),
-            **MODEL_SHAPES[self.size],
+            **sizes,
         }
 
 

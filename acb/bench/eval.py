@@ -1,7 +1,10 @@
 """``acb bench eval``: lm-eval's model ``acb`` against lm-eval's own ``hf`` backend, same process.
 
 Three local tasks shaped like the evaluations people run, generated here (no downloads), over a
-random-weight Llama saved to a temporary directory with a tokenizer built in code:
+random-weight model saved to a temporary directory with a tokenizer built in code: a Llama, or
+with ``arch="qwen3_5"`` a Qwen3.5-shaped hybrid of the same hidden, MLP, heads and vocabulary
+(gated-DeltaNet linear attention, three layers to one gated full-attention layer:
+:func:`acb.bench.common.arch_config`), which lm-eval's ``hf`` loads with ``AutoModelForCausalLM``:
 
 - ``fewshot_letters`` (MMLU-like): 5-shot multiple choice (the same five examples before every
   question, lm-eval's ``first_n`` sampler, as MMLU), four one-letter answers " A".." D";
@@ -57,6 +60,8 @@ THREE = "three together"
 COMBINED = {TOGETHER: TASKS, THREE: TASKS[:3]}
 ROLLING_CHARS = {"default": (1500, 5000), "tiny": (200, 600)}  # a rolling document's length (bytes: tokens)
 MAX_GEN_TOKS = {"default": 48, "tiny": 8}
+# the architectures the bench runs (acb.bench.common.ARCHS but the MoE, whose floor is not modelled)
+EVAL_ARCHS = ("llama", "qwen3_5")
 SHAPES = {
     # >= 15M parameters (the issue's 17M-parameter Llama), byte-level vocabulary
     "default": dict(
@@ -176,6 +181,18 @@ class _Recorder:
     def __init__(self) -> None:
         self.scored: list[tuple[list[int], list[int]]] = []  # (context, continuation)
         self.generated: list[tuple[list[int], int]] = []  # (prompt, tokens generated)
+        # the engine's prefix cache over the recorded calls: tokens looked up, found, and the
+        # state layers' snapshots restored (Engine.stats before and after each call)
+        self.prefix = dict(prefix_queries=0, prefix_hits=0, state_snapshot_restores=0)
+
+    def count(self, lm: Any, call: Any) -> Any:
+        before = lm.engine.stats
+        try:
+            return call()
+        finally:
+            after = lm.engine.stats
+            for k in self.prefix:
+                self.prefix[k] += getattr(after, k) - getattr(before, k)
 
     def install(self) -> Any:
         from acb.integrations.lm_eval import AcbLM
@@ -184,14 +201,14 @@ class _Recorder:
 
         def loglikelihood_tokens(lm: Any, requests: Any, *a: Any, **kw: Any) -> Any:
             rec.scored.extend(((ctx + cont)[-(lm.max_length + 1) :][: -len(cont)], cont) for _, ctx, cont in requests)
-            return ll(lm, requests, *a, **kw)
+            return rec.count(lm, lambda: ll(lm, requests, *a, **kw))
 
         def run_(lm: Any, prompts: Any, params: Any, desc: Any, disable: Any, keep: Any) -> Any:
             def keep2(i: int, out: Any) -> Any:
                 rec.generated.append((prompts[i], len(out.generated_tokens)))
                 return keep(i, out)
 
-            return run(lm, prompts, params, desc, disable, keep2)
+            return rec.count(lm, lambda: run(lm, prompts, params, desc, disable, keep2))
 
         # setattr: mypy refuses assigning to a method, which patching the class for a run is
         setattr(AcbLM, "_loglikelihood_tokens", loglikelihood_tokens)  # noqa: B010
@@ -204,15 +221,38 @@ class _Recorder:
         return undo
 
 
-def floor_flops(shape: dict[str, int], vocab: int, rec: _Recorder) -> dict[str, float]:
+def token_costs(model: Any) -> dict[str, float]:
+    """A model's least arithmetic per fed token position (2 FLOP per multiply-add): every linear
+    layer of its body once (its ``nn.Linear`` weights; the head is counted per scored row);
+    per key a full-attention layer attends to, QK^T and PV; per position a linear-attention
+    (gated delta rule) layer's recurrence, three products of its state per value head (k^T S,
+    the rank-one update, q S) and its short convolution."""
+    cfg = model.config
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    linear = sum(m.weight.numel() for m in body.modules() if isinstance(m, torch.nn.Linear))
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * layers)
+    full = sum(t != "linear_attention" for t in types)
+    state = 0
+    if full < layers:  # Qwen3.5 / Qwen3-Next's gated DeltaNet layers
+        vh, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim = 2 * cfg.linear_num_key_heads * dk + vh * dv
+        state = (layers - full) * 2 * (3 * vh * dk * dv + conv_dim * cfg.linear_conv_kernel_dim)
+    return dict(
+        linear_per_token=2.0 * linear,
+        attention_per_key=2.0 * 2 * full * heads * hd,
+        state_per_token=float(state),
+        lm_head_per_row=2.0 * cfg.hidden_size * cfg.vocab_size,
+    )
+
+
+def floor_flops(costs: dict[str, float], rec: _Recorder) -> dict[str, float]:
     """The least arithmetic of the recorded work once each distinct prefix is computed once (2 FLOP
-    per multiply-add): every distinct token position fed (a trie over all fed sequences) through
-    the linear layers and causal attention over its position's keys; the LM head on each distinct
-    scored row and on each generated token."""
-    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    hd = h // heads
-    per_token = 2 * layers * (h * (heads * hd + 2 * kv_heads * hd) + heads * hd * h + 3 * h * inter)
+    per multiply-add; ``costs`` from :func:`token_costs`): every distinct token position fed (a
+    trie over all fed sequences) through the linear layers, the state layers' recurrence and causal
+    attention over its position's keys; the LM head on each distinct scored row and on each
+    generated token."""
     root: dict[int, Any] = {}
     positions = keys = 0
     rows: set[int] = set()  # trie nodes whose logits row is needed (one row scores every target there)
@@ -242,24 +282,41 @@ def floor_flops(shape: dict[str, int], vocab: int, rec: _Recorder) -> dict[str, 
         gen_tokens += n
         positions += max(n - 1, 0)  # generated tokens are fed (but the last), each distinct
         keys += sum(len(prompt) + i + 1 for i in range(max(n - 1, 0)))
-    linear = per_token * positions
-    attention = 2 * 2 * layers * heads * hd * keys
-    head = 2 * h * vocab * (len(rows) + gen_tokens)
+    linear = costs["linear_per_token"] * positions
+    attention = costs["attention_per_key"] * keys
+    state = costs["state_per_token"] * positions
+    head = costs["lm_head_per_row"] * (len(rows) + gen_tokens)
     return dict(
-        total=float(linear + attention + head),
+        total=float(linear + attention + state + head),
         linear=float(linear),
         attention=float(attention),
+        state=float(state),
         lm_head=float(head),
         positions=float(positions),
     )
 
 
-def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
+def run(
+    size: str, spec: ModelSpec, baselines: bool = True, tasks: tuple[str, ...] = TASKS, smoke: int | None = None
+) -> dict[str, Any]:
+    """The bench (``acb bench eval``). A shorter run, for the tests: ``tasks`` (some of
+    :data:`TASKS`), and ``smoke``: the first ``smoke`` documents of each task only, no warm-up, no
+    runs on the first ``LIMIT`` documents nor the combined calls."""
+    full = smoke is None  # the whole bench (else a smoke run)
+    if not set(tasks) <= set(TASKS):
+        raise ValueError(f"unknown tasks {sorted(set(tasks) - set(TASKS))}; choose from {TASKS}")
+    combined = COMBINED if full and tuple(tasks) == TASKS else {}
+    if spec.arch not in EVAL_ARCHS:
+        raise ValueError(
+            f"acb bench eval runs {EVAL_ARCHS}, not {spec.arch!r} (its floor counts dense layers: a MoE's "
+            "active experts are not modelled)"
+        )
     import lm_eval  # type: ignore[import-untyped]
     from lm_eval.tasks import TaskManager  # type: ignore[import-untyped]
 
     import acb.integrations.lm_eval  # noqa: F401 - registers "acb"
-    from acb.models import build_tokenizer, tiny_model
+    from acb.bench.common import bench_model, describe_config
+    from acb.models import build_tokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -267,8 +324,10 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     tok = build_tokenizer()
     shape: dict[str, Any] = dict(SHAPES[size], vocab_size=len(tok))
     dtype = torch.float32 if spec.device == "cpu" else torch.bfloat16
-    model = tiny_model("llama", seed=spec.seed, dtype=dtype, **shape)
+    model = bench_model(spec.arch, seed=spec.seed, dtype=dtype, **shape)
     params = sum(p.numel() for p in model.parameters())
+    costs = token_costs(model)
+    sizes = shape if spec.arch == "llama" else describe_config(spec.arch, model.config)
     path = os.path.join(folder, "model")
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -312,16 +371,16 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     rec = _Recorder()
     limit = LIMIT[size]
     try:
-        for model_name, args in sides.values():  # untimed warm-up
-            evaluate(model_name, args, list(TASKS), limit=2)
+        for model_name, args in sides.values() if full else ():  # untimed warm-up
+            evaluate(model_name, args, list(tasks), limit=2)
         undo = rec.install()
         try:
-            for task in TASKS:
+            for task in tasks:
                 for label, (model_name, args) in sides.items():  # interleaved: a slow spell hits every side
-                    outs[label][task], seconds[label][task] = evaluate(model_name, args, [task])
+                    outs[label][task], seconds[label][task] = evaluate(model_name, args, [task], limit=smoke)
         finally:
             undo()  # (the floor is of the full runs)
-        for task in (*TASKS, *COMBINED):
+        for task in (*tasks, *combined) if full else ():
             for label, (model_name, args) in sides.items():
                 if task not in COMBINED and DOCS[size][TASKS.index(task)] <= limit:  # the full run was this run
                     limited_outs[label][task], limited[label][task] = outs[label][task], seconds[label][task]
@@ -336,7 +395,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
         if size == "default"
         else matmul_peak_gflops(spec.device, seconds=0.2, min_reps=1)
     )
-    floor = floor_flops(shape, len(tok), rec)
+    floor = floor_flops(costs, rec)
     rows: list[dict[str, Any]] = []
     for label in sides:
         total = sum(seconds[label].values())
@@ -352,22 +411,26 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
                         for k, v in outs[label][t]["results"][t].items()
                         if isinstance(v, (int, float)) and "stderr" not in k
                     }
-                    for t in TASKS
+                    for t in tasks
                 },
             }
         )
+        if label == "acb":  # its engine's prefix cache over the full runs
+            q = rec.prefix["prefix_queries"]
+            rows[-1]["prefix"] = dict(rec.prefix, hit_rate=rec.prefix["prefix_hits"] / q if q else 0.0)
     doc: dict[str, Any] = {
         "workload": "eval",
         "rows": rows,
         "model": {
-            "arch": "llama (random weights)",
+            "arch": f"{spec.arch} (random weights)",
             "params": params,
             "dtype": str(dtype).replace("torch.", ""),
-            **shape,
+            **sizes,
         },
         "settings": {
             "docs": dict(zip(TASKS, DOCS[size])),
-            "limit": limit,
+            "limit": limit if full else None,
+            "smoke": smoke,
             "held_out": "rolling",
             "max_gen_toks": MAX_GEN_TOKS[size],
             "timed": "model loading included, after an untimed 2-document run of every task",
@@ -382,25 +445,26 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     if baselines:
         ref = next(r for r in rows if r["engine"] == "hf (batch 16)")
         for r in rows:
-            r["hf_batch16_over_this"] = {t: ref["per_task"][t] / r["per_task"][t] for t in TASKS}
+            r["hf_batch16_over_this"] = {t: ref["per_task"][t] / r["per_task"][t] for t in tasks}
             r["speedup_vs_hf_batch16"] = ref["seconds"] / r["seconds"]
             r["hf_batch16_over_this_limited"] = {
-                t: ref["per_task_limited"][t] / r["per_task_limited"][t] for t in (*TASKS, *COMBINED)
+                t: ref["per_task_limited"][t] / r["per_task_limited"][t] for t in r["per_task_limited"]
             }
-        doc["agreement"] = _agreement(outs["hf (batch 16)"], outs["acb"], tok)
-        doc["agreement_limited"] = _agreement(
-            limited_outs["hf (batch 16)"][TOGETHER], limited_outs["acb"][TOGETHER], tok, together=True
-        )
+        doc["agreement"] = _agreement(outs["hf (batch 16)"], outs["acb"], tok, tasks)
+        if combined:
+            doc["agreement_limited"] = _agreement(
+                limited_outs["hf (batch 16)"][TOGETHER], limited_outs["acb"][TOGETHER], tok, TASKS, together=True
+            )
     return doc
 
 
-def _agreement(hf: dict, acb: dict, tok: Any, together: bool = False) -> dict[str, Any]:
+def _agreement(hf: dict, acb: dict, tok: Any, tasks: tuple[str, ...], together: bool = False) -> dict[str, Any]:
     """Whether acb's numbers are hf's: the largest loglikelihood difference (absolute, and per
     scored token), and equal greedy flags, generations and metrics (a perplexity within 1e-5 of
     hf's, relative: it is the exponential of a sum of float32 loglikelihoods). ``hf`` and ``acb``
     map each task to its ``simple_evaluate`` output, or are one output of every task (``together``)."""
     worst, worst_tok, same_flags, same_text, metrics = 0.0, 0.0, True, True, True
-    for task in TASKS:
+    for task in tasks:
         out_hf, out_acb = (hf, acb) if together else (hf[task], acb[task])
         a = sorted(out_hf["samples"][task], key=lambda s: s["doc_id"])
         b = sorted(out_acb["samples"][task], key=lambda s: s["doc_id"])
@@ -480,10 +544,20 @@ def markdown(doc: dict[str, Any]) -> list[str]:
         "",
         f"Floor: once every shared prefix is computed once, the tasks need {f['total'] / 1e9:.1f} GFLOP "
         f"({f['positions']:,.0f} distinct token positions; {f['linear'] / 1e9:.1f} linear, "
-        f"{f['attention'] / 1e9:.1f} attention, {f['lm_head'] / 1e9:.1f} LM head); at this run's float32 "
+        f"{f['attention'] / 1e9:.1f} attention, "
+        + (f"{f['state'] / 1e9:.1f} linear-attention recurrence, " if f.get("state") else "")
+        + f"{f['lm_head'] / 1e9:.1f} LM head); at this run's float32 "
         f"matmul peak of {f['matmul_peak_gflops']:.0f} GFLOP/s ({f['threads']} threads) that is "
         f"{f['floor_s']:.2f} s.",
     ]
+    prefix = next((row["prefix"] for row in r["rows"] if "prefix" in row), None)
+    if prefix is not None:
+        lines += [
+            "",
+            f"acb's prefix cache over the full runs: {prefix['prefix_hits']:,} of {prefix['prefix_queries']:,} "
+            f"prompt tokens found cached ({prefix['hit_rate']:.1%}); state snapshots restored: "
+            f"{prefix['state_snapshot_restores']:,}.",
+        ]
     if "agreement" in r:
         a = r["agreement"]
         lines += [

@@ -78,6 +78,8 @@ def markdown_for(doc: dict[str, Any]) -> str:
         lines.append("|---|---|---|---|---|---|---|" + ("---|" if roof else ""))
         for row in r["rows"]:
             tail = f"{row['prefix_hit_rate']:.1%}" if w == "shared-prefix" else _mib(row.get("peak_memory"))
+            if row.get("state_snapshot_restores"):  # a model with state layers: hits resumed from snapshots
+                tail += f" ({row['state_snapshot_restores']:,} state snapshots restored)"
             lines.append(
                 f"| {row['engine']} | {row['output_tokens']:,} | {row['seconds']:.2f} | "
                 f"{row['tokens_per_s']:,.1f} | {row['requests_per_s']:.2f} | {row['acb_speedup']:.2f}x | "
@@ -179,7 +181,7 @@ def markdown_for(doc: dict[str, Any]) -> str:
 
 def load_results(results_dir: str, kind: str) -> list[dict[str, Any]]:
     docs = []
-    for path in glob.glob(os.path.join(results_dir, f"{kind}_*.json")):
+    for path in sorted(glob.glob(os.path.join(results_dir, f"{kind}_*.json"))):  # (a stable order)
         with open(path) as f:
             doc = json.load(f)
         if "result" in doc and "machine" in doc:

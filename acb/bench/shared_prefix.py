@@ -1,5 +1,10 @@
 """``shared-prefix``: every prompt is one shared prefix plus its own suffix; acb with prefix
-caching on vs off (same process, same model and prompts)."""
+caching on vs off (same process, same model and prompts).
+
+On every benchmark architecture (``--arch``): the Llama, a Qwen3.5-shaped hybrid (whose linear-
+attention layers resume from snapshots of their state kept at block boundaries: each row reports
+the snapshots restored) and a DeepSeek-V3-shaped MLA model (also run with its latent paged,
+``mla_latent_cache=True``)."""
 
 from __future__ import annotations
 
@@ -28,8 +33,14 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     sp = acb.SamplingParams(max_new_tokens=p["max_new"], ignore_eos=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
-    for name, caching in (("acb, prefix cache on", True), ("acb, prefix cache off", False)):
-        cfg = acb.ContinuousBatchingConfig(page_size=32, allow_block_sharing=caching)
+    sides: list[tuple[str, bool, dict[str, Any]]] = [
+        ("acb, prefix cache on", True, {}),
+        ("acb, prefix cache off", False, {}),
+    ]
+    if getattr(model.config, "kv_lora_rank", None):  # MLA: its latent paged as well
+        sides.insert(1, ("acb, prefix cache on, MLA latent paged", True, dict(mla_latent_cache=True)))
+    for name, caching, extra in sides:
+        cfg = acb.ContinuousBatchingConfig(page_size=32, allow_block_sharing=caching, **extra)
         with acb.Engine(model, cfg) as eng:
             eng.generate([5, 6, 7, 8], acb.SamplingParams(max_new_tokens=2))  # warm-up, another prefix
             base = eng.stats
@@ -49,8 +60,11 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
                 requests_per_s=len(prompts) / dt,
                 prefill_tokens=st.prefill_tokens - base.prefill_tokens,
                 prefix_hit_rate=(st.prefix_hits - base.prefix_hits) / queries if queries else 0.0,
+                # state layers: prefix hits that resumed from a snapshot of their state
+                state_snapshot_restores=st.state_snapshot_restores - base.state_snapshot_restores,
+                state_snapshots_cached=st.state_snapshots_cached,
                 peak_memory=peak_memory_bytes(spec.device),
-                settings=f"page_size=32 allow_block_sharing={caching}",
+                settings=f"page_size=32 allow_block_sharing={caching}" + "".join(f" {k}={v}" for k, v in extra.items()),
             )
         )
         outputs[name] = [o.generated_tokens for o in outs]

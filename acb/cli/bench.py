@@ -13,7 +13,7 @@ from acb.cli.common import (
 
 
 def _add_bench(sub: Any) -> None:
-    from acb.bench import WORKLOADS
+    from acb.bench import ARCHS, WORKLOADS
 
     p = sub.add_parser(
         "bench",
@@ -33,6 +33,14 @@ def _add_bench(sub: Any) -> None:
         help="tiny: seconds, for smoke tests; default: the documented workloads",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument(
+        "--arch",
+        choices=list(ARCHS),
+        default="llama",
+        help="the benchmark model (random weights, no download): llama (default), qwen3_5 (a Qwen3.5-shaped "
+        "hybrid: gated-DeltaNet linear attention, three layers to one full attention) or deepseek_v3 (MLA "
+        "+ MoE; not for eval); results of another than llama are named {cpu|gpu}_WORKLOAD_ARCH.json",
+    )
     p.add_argument("--out-dir", default="benchmarks/results", help="where JSON/PNG go (default: benchmarks/results)")
     p.add_argument("--no-baselines", action="store_true", help="skip the transformers / generate baselines")
     p.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
@@ -58,7 +66,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     names = [] if args.workload == "report" else (list(WORKLOADS) if args.workload == "all" else [args.workload])
     logging.getLogger("transformers").setLevel(logging.ERROR)
     for name in names:
-        print(f"== {name} ({args.size}, {args.device})", file=sys.stderr, flush=True)
+        print(f"== {name} ({args.size}, {args.device}, {args.arch})", file=sys.stderr, flush=True)
         doc = run_workload(
             name,
             size=args.size,
@@ -66,6 +74,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             out_dir=args.out_dir,
             baselines=not args.no_baselines,
             plot=not args.no_plot,
+            arch=args.arch,
         )
         print(markdown_for(doc))
         print(
