@@ -377,6 +377,9 @@ class ResolvedConfig:
     # with cached blocks, so that a prefix hit resumes their state too (0: prefix caching cannot
     # reuse state layers, or is off)
     state_snapshots: int = 0
+    # state layers: host rows a preempted request's state is offloaded to, with its KV blocks
+    state_host_rows: int = 0
+    offload_bytes: int = 0  # the host-memory offload space (cpu_offload_space), in bytes
     async_batching: bool = False  # schedule step N+1 while step N runs
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (the eager twin on CPU)
     graph_step: int | None = None  # batch-size granularity of the decode graphs (q_padding_interval_size)

@@ -127,6 +127,7 @@ class EngineCore:
             policy=cfg.scheduler_type,
             safety_margin=cfg.safety_margin,
             swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
+            host_rows=SwapSpace(cfg.state_host_rows) if cfg.state_host_rows else None,
             max_scored_rows=scored_rows_for(runner.vocab_size),
             whole_prefill=cfg.whole_prefill,
         )
@@ -711,6 +712,8 @@ class EngineCore:
             kv_blocks_total=pool.num_usable,
             kv_blocks_cached=pool.num_cached,
             prefix_evictions=pool.evictions,
+            state_snapshots_cached=pool.snapshots.num_attached if pool.snapshots is not None else 0,
+            state_snapshot_restores=pool.snapshots.restores if pool.snapshots is not None else 0,
             host_schedule_s=tm.schedule,
             host_stage_s=tm.stage,
             compute_s=tm.compute,

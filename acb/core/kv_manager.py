@@ -64,9 +64,15 @@ if TYPE_CHECKING:
 class KVManager:
     """Device and host KV blocks of the requests, and the copies that move them."""
 
-    def __init__(self, pool: BlockPool, block_size: int, swap: SwapSpace | None = None) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, swap: SwapSpace | None = None, host_rows: SwapSpace | None = None
+    ) -> None:
         self.pool = pool
         self.swap = swap
+        # state layers: host rows their state is offloaded to with a preempted request's KV (a
+        # model with state layers offloads only when it gets one)
+        self.host_rows = host_rows
+        self._host_rows_to_free: list[int] = []
         self.block_size = block_size
         self._fork_copies: list[int] = []  # blocks allocated in allocate_slots for the fork that follows
         self._host_to_free: list[int] = []  # host blocks read by the last step's swap-ins
@@ -144,6 +150,9 @@ class KVManager:
             assert swap is not None  # host blocks exist only with a swap space
             swap.free(self._host_to_free)
             self._host_to_free = []
+        if self._host_rows_to_free:
+            self.host_rows.free(self._host_rows_to_free)  # type: ignore[union-attr]
+            self._host_rows_to_free = []
 
     def end_step(self, step_id: int) -> None:
         """The step's output was recorded (after ``register_computed``), or it failed, or it ran
@@ -185,8 +194,11 @@ class KVManager:
         if req.swapped is None:  # computed from the current cache (offloaded KV keeps its epoch)
             req.kv_epoch = self.epoch
         else:
-            host = req.swapped[0]
+            host, _, host_row = req.swapped
             out.swap_in.extend(zip(host, blocks[: len(host)]))
+            if host_row >= 0:  # its state layers' state, read back into its row
+                out.row_swap_in.append((host_row, req.row))
+                self._host_rows_to_free.append(host_row)
             swapped_in = len(host)
             # freed after this step, so no swap-out in this step can overwrite them first
             self._host_to_free.extend(host)
@@ -223,18 +235,29 @@ class KVManager:
     def end_fork(self) -> None:
         assert not self._fork_copies, "fork copy blocks left over"
 
-    def plan_swap_out(self, req: Request, out: SchedulerOutput) -> tuple[list[int], int] | None:
-        """Offload ``req``'s computed KV to host blocks when there is room (copied before this
-        step's forward, which may reuse the device blocks). Returns ``(host blocks, tokens)`` to
-        keep in ``req.swapped`` once its device blocks are freed, or None (it will be recomputed)."""
+    def plan_swap_out(self, req: Request, out: SchedulerOutput) -> tuple[list[int], int, int] | None:
+        """Offload ``req``'s computed KV to host blocks (and, for a model with state layers, its
+        row of state to a host row) when there is room (copied before this step's forward, which
+        may reuse them). Returns ``(host blocks, tokens, host row or -1)`` to keep in
+        ``req.swapped`` once its device blocks are freed, or None (it will be recomputed)."""
         n = -(-req.num_computed_tokens // self.block_size)
         if self.swap is None or not n:
             return None
+        host_row = -1
+        if self.host_rows is not None:
+            got = self.host_rows.allocate(1)
+            if got is None:
+                return None
+            host_row = got[0]
         host = self.swap.allocate(n)
         if host is None:
+            if host_row >= 0:
+                self.host_rows.free([host_row])  # type: ignore[union-attr]
             return None
         out.swap_out.extend(zip(req.block_ids[:n], host))
-        return host, req.num_computed_tokens
+        if host_row >= 0:
+            out.row_swap_out.append((req.row, host_row))
+        return host, req.num_computed_tokens, host_row
 
     def free(self, req: Request) -> None:
         """Give back every block ``req`` holds, device and host (and the snapshots it planned)."""
@@ -246,6 +269,8 @@ class KVManager:
             swap = self.swap
             assert swap is not None  # a request is swapped out only into the swap space
             swap.free(req.swapped[0])
+            if req.swapped[2] >= 0:
+                self.host_rows.free([req.swapped[2]])  # type: ignore[union-attr]
             req.swapped = None
         if req.block_ids:
             self.pool.free(req.block_ids)
@@ -358,6 +383,10 @@ class KVManager:
             assert self.pool.num_used == 0, f"{self.pool.num_used} KV blocks leaked with no live request"
             held = self.host_blocks_held
             assert held == 0, f"{held} offload blocks leaked with no live request"
+            rows = self.host_rows
+            if rows is not None:
+                held = rows.num_blocks - rows.num_free - len(self._host_rows_to_free)
+                assert held == 0, f"{held} host rows of state leaked with no live request"
 
     # ---------------------------------------------------------------- helpers
     def _new_blocks_at(self, req: Request, hits: list[int], computed: int, num_new: int) -> int:

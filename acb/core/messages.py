@@ -152,6 +152,10 @@ class SchedulerOutput:
     # forward (a prefix hit), and (row, offset in its segment, slot) taken by the forward after
     # that many of the row's tokens in this step
     restores: list[tuple[int, int]] = field(default_factory=list)
+    # state layers' rows offloaded at preemption: (row, host row) copied before anything else of the
+    # step (the row may go to another request in it), and (host row, row) restored on resumption
+    row_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    row_swap_in: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -323,9 +327,13 @@ class EngineStats:
     compute_s: float = 0.0  # forward + sampling + the sync that reads the sampled ids
     host_process_s: float = 0.0
     swapped_out_blocks: int = 0  # KV blocks offloaded to host memory by preemption
+    swapped_out_rows: int = 0  # rows of state layers' state offloaded with them
     swapped_in_blocks: int = 0
     recomputed_preemptions: int = 0  # preemptions that had to drop the KV (no offload space)
     prefix_evictions: int = 0  # cached prefix blocks reused for other content (LRU)
+    # state layers: snapshots of their state kept with cached blocks, and how many hits restored one
+    state_snapshots_cached: int = 0
+    state_snapshot_restores: int = 0
     paused: bool = False  # pause() (or sleep()) holds the steps back
     asleep: bool = False  # sleep() freed the KV cache and the step buffers
 

@@ -175,7 +175,8 @@ class Request:
         self.images_key: bytes | None = None  # the runner's key of their embeddings (acb.runner.vision)
         # the weight versions its tokens were sampled under: (version, index of its first token)
         self.versions: list[tuple[Any, int]] = [(0, 0)]
-        self.swapped: tuple[list[int], int] | None = None  # (host blocks, tokens) while offloaded
+        # (host blocks, tokens, host row of its state layers' state or -1) while offloaded
+        self.swapped: tuple[list[int], int, int] | None = None
         # tokens scheduled for sampling whose values are not back yet (async batching: up to 2)
         self.in_flight = 0
         self.last_sample = (-1, -1)  # (step id, index among that step's samples) of the latest sample

@@ -67,6 +67,7 @@ class SchedulerStats:
     prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of which found cached
     swapped_out_blocks: int = 0  # KV blocks offloaded to host memory at preemption
+    swapped_out_rows: int = 0  # rows of state layers' state offloaded with them
     swapped_in_blocks: int = 0
     recomputed_preemptions: int = 0  # preemptions that dropped the KV (no offload space)
     failed: int = 0  # requests failed inside a step (the engine's own death is not counted)
@@ -85,6 +86,7 @@ class Scheduler:
         policy: str = "fifo",
         safety_margin: float = 0.0,
         swap: SwapSpace | None = None,
+        host_rows: SwapSpace | None = None,
         fast_decode: bool = True,
         max_scored_rows: int = 1024,
         whole_prefill: bool = False,
@@ -92,7 +94,7 @@ class Scheduler:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
         self.pool = pool  # read-only here (stats, tests): blocks are the KV manager's business
-        self.kv = KVManager(pool, block_size, swap)
+        self.kv = KVManager(pool, block_size, swap, host_rows)
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -104,6 +106,7 @@ class Scheduler:
         self._free_rows = list(range(max_running - 1, -1, -1))
         self._freed_rows: list[int] = []
         self._swap_out_carry: list[tuple[int, int]] = []  # offloads decided by a step that ran nothing
+        self._row_swap_out_carry: list[tuple[int, int]] = []  # (and state rows' offloads)
         # plain decodes take a shortcut past _schedule_tokens; False sends them the general way
         # (the tests check both give the same SchedulerOutput)
         self.fast_decode = fast_decode
@@ -205,6 +208,7 @@ class Scheduler:
         swapped = self.kv.plan_swap_out(req, out) if out is not None else None
         if swapped is not None:
             self.stats.swapped_out_blocks += len(swapped[0])
+            self.stats.swapped_out_rows += swapped[2] >= 0
         else:
             self.stats.recomputed_preemptions += 1
         self._release(req)
@@ -248,7 +252,8 @@ class Scheduler:
             swap_out=self._swap_out_carry,
             swap_in=[],
         )
-        self._freed_rows, self._swap_out_carry = [], []
+        out.row_swap_out = self._row_swap_out_carry
+        self._freed_rows, self._swap_out_carry, self._row_swap_out_carry = [], [], []
         budget = self.max_batch_tokens
         if self.policy == "fifo":
             budget, preempted = self._schedule_running(out, budget, self.running)
@@ -268,6 +273,7 @@ class Scheduler:
             # before the blocks are reused: they go with the next step that runs
             self._freed_rows = out.freed_rows + self._freed_rows
             self._swap_out_carry = out.swap_out
+            self._row_swap_out_carry = out.row_swap_out
             self.kv.end_step(self._step_id)
             return None
         self._step_id += 1

@@ -167,6 +167,8 @@ class KVCache:
         pairs: list[tuple[int, int]], src: tuple[list, list], dst: tuple[list, list], non_blocking: bool
     ) -> None:
         """Per layer, for K and V: ``dst[b] = src[a]`` for each ``(a, b)`` pair, across devices."""
+        if not src[0]:  # no paged layers (state layers only): the blocks hold nothing
+            return
         src_idx = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=src[0][0].device)
         dst_idx = torch.tensor([b for _, b in pairs], dtype=torch.long, device=dst[0][0].device)
         for src_layers, dst_layers in zip(src, dst):

@@ -26,8 +26,9 @@ State lifecycle (by the request's persistent block-table row, never its position
   snapshot slot (rows past the request rows of :class:`LinearStates`). A prefix hit restores the
   snapshot of its last block into the request's row (``SchedulerOutput.restores``) and the
   prefill resumes from it, as a chunked prefill resumes from its previous chunk;
-- preemption recomputes (the state cannot be rebuilt from offloaded KV blocks: offload is off
-  for hybrid models).
+- preemption with offload copies the request's row of state to a host row beside its KV
+  blocks (``SchedulerOutput.row_swap_out``) and back when it resumes (``row_swap_in``); without
+  offload space it recomputes.
 
 One Python loop over the batch's requests per linear layer per step: the model's torch code is
 the CPU reference (and the kernels it picks from the hub on GPU); a varlen kernel over all
@@ -91,7 +92,12 @@ class LinearStates:
     k_dim, v_dim]``), and which layers of each row hold a state."""
 
     def __init__(
-        self, rows: int, device: torch.device, conv_only: frozenset[int] = frozenset(), slots: int = 0
+        self,
+        rows: int,
+        device: torch.device,
+        conv_only: frozenset[int] = frozenset(),
+        slots: int = 0,
+        host_rows: int = 0,
     ) -> None:
         self.rows = rows  # request rows; snapshot slot ``s`` is row ``rows + s`` of each table
         self.slots = slots
@@ -101,6 +107,38 @@ class LinearStates:
         self.valid: list[set[int]] = [set() for _ in range(rows + slots)]
         # layers whose state is a convolution state alone (LFM's short conv): written means valid
         self.conv_only = conv_only
+        # host rows (offload at preemption): per layer [host rows, ...], made at the first offload
+        self.host_rows = host_rows
+        self.host_conv: dict[int, torch.Tensor] = {}
+        self.host_recurrent: dict[int, torch.Tensor] = {}
+        self.host_valid: list[set[int]] = []
+
+    def keep_host_rows(self, other: LinearStates) -> None:
+        """Take ``other``'s host rows (sleep rebuilds the device states; offloaded rows stay)."""
+        self.host_rows, self.host_valid = other.host_rows, other.host_valid
+        self.host_conv, self.host_recurrent = other.host_conv, other.host_recurrent
+
+    def swap_out(self, row: int, host: int) -> None:
+        """A preempted request's state to host row ``host`` (before its row is reused)."""
+        if not self.host_valid:
+            self.host_valid = [set() for _ in range(self.host_rows)]
+        pin = self.device.type == "cuda"
+        for table, dst in ((self.conv, self.host_conv), (self.recurrent, self.host_recurrent)):
+            for layer in self.valid[row]:
+                if layer in table:
+                    if layer not in dst:
+                        t = table[layer]
+                        dst[layer] = torch.zeros((self.host_rows, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                    dst[layer][host].copy_(table[layer][row])
+        self.host_valid[host] = set(self.valid[row])
+
+    def swap_in(self, host: int, row: int) -> None:
+        """A resumed request's state back from host row ``host``."""
+        for table, src in ((self.conv, self.host_conv), (self.recurrent, self.host_recurrent)):
+            for layer in self.host_valid[host]:
+                if layer in src:
+                    table[layer][row].copy_(src[layer][host], non_blocking=True)
+        self.valid[row] = set(self.host_valid[host])
 
     def reset(self, row: int) -> None:
         """The row's request starts with no state (a new request, or a recompute)."""
@@ -362,6 +400,10 @@ def _cat(outs: list[Any], per_token: tuple[bool, ...] | None) -> Any:
 # layer class -> whether each element of its forward's tuple output is per token (found by
 # resumes_prefill's try: MiniMax's lightning attention also returns its state, which is not)
 _PER_TOKEN: dict[type, tuple[bool, ...]] = {}
+# layer classes whose multi-token form ignores a state it is handed (Mamba1's selective scan) but
+# whose one-token form reads it (found by resumes_stepwise's try): a segment that starts from a
+# state runs one token at a time, as model.generate's decoding does
+STEPWISE: set[type] = set()
 
 
 def _forward(
@@ -379,24 +421,33 @@ def _forward(
     states = step.states
     snaps = step.snapshots
 
+    stepwise = cls in STEPWISE
+
+    def run(a: int, b: int, row: int) -> Any:
+        cache = _RequestCache(states, row)
+        if stepwise and b - a > 1 and layer in states.valid[row]:  # resumed from a state: a token at a time
+            outs = [
+                _call(original, cache_arg, hidden_states[:, t : t + 1], cache, extra, slice(t, t + 1))
+                for t in range(a, b)
+            ]
+            return _cat(outs, per_token)
+        return _call(original, cache_arg, hidden_states[:, a:b], cache, extra, slice(a, b))
+
     def segment(lo: int, hi: int, row: int) -> Any:
         """The layer's own code over one request's tokens ``[lo, hi)``, in pieces split where the
         step takes snapshots of the row's state."""
         at = snaps.get(row)
         if not at:
-            return _call(original, cache_arg, hidden_states[:, lo:hi], _RequestCache(states, row), extra, slice(lo, hi))
+            return run(lo, hi, row)
         pieces, a = [], lo
         for offset, slot in at:
             b = lo + offset
             if b > a:
-                cache = _RequestCache(states, row)
-                pieces.append(_call(original, cache_arg, hidden_states[:, a:b], cache, extra, slice(a, b)))
+                pieces.append(run(a, b, row))
                 a = b
             states.snapshot(layer, row, slot)
         if hi > a:
-            pieces.append(
-                _call(original, cache_arg, hidden_states[:, a:hi], _RequestCache(states, row), extra, slice(a, hi))
-            )
+            pieces.append(run(a, hi, row))
         return pieces[0] if len(pieces) == 1 else _cat(pieces, per_token)
 
     decode = [
@@ -504,6 +555,37 @@ def state_row_bytes(layers: list[torch.nn.Module], hidden_size: int) -> int:
             continue
         total += states.nbytes()
     return total
+
+
+def resumes_stepwise(layer: torch.nn.Module, hidden_size: int) -> bool:
+    """For a layer that cannot resume a prefill (:func:`resumes_prefill`): whether it resumes one
+    token at a time, the rest of a prompt after a state taken as decode steps, to what the whole
+    prompt gives (Mamba1: its one-token form reads the state its scan ignores). Such a layer's
+    class joins :data:`STEPWISE`."""
+    param = next(layer.parameters(), None)
+    if param is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, hidden_size, generator=g).to(param.device, param.dtype)
+    arg = _cache_arg(layer)
+    extra = {name: None for name in _required(inspect.signature(type(layer).forward), arg, (x,), {})}
+    conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
+    try:
+        with torch.no_grad():
+            whole = layer(x, **{arg: _RequestCache(LinearStates(1, param.device, conv_only), 0)}, **extra)
+            kept = LinearStates(1, param.device, conv_only)
+            layer(x[:, :7], **{arg: _RequestCache(kept, 0)}, **extra)
+            steps = [layer(x[:, t : t + 1], **{arg: _RequestCache(kept, 0)}, **extra) for t in range(7, 12)]
+    except Exception:  # noqa: BLE001 - a layer that cannot run the try alone
+        return False
+    if isinstance(whole, tuple):
+        return False
+    want = whole[:, 7:].float()
+    got = torch.cat(steps, dim=1).float()
+    ok = torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6)
+    if ok:
+        STEPWISE.add(type(layer))
+    return ok
 
 
 class LinearLayers:

@@ -45,6 +45,7 @@ from acb.runner.linear_state import (
     linear_layers,
     linear_step,
     resumes_prefill,
+    resumes_stepwise,
     state_row_bytes,
 )
 from acb.runner.module_state import module_attributes
@@ -250,13 +251,13 @@ class ModelRunner:
         )
 
     def _hybrid_settings(self, config: ContinuousBatchingConfig, spec: KVSpec) -> None:
-        """A hybrid model's linear layers keep a recurrent state per request, which offloaded KV
-        blocks do not hold: offload is off (a preempted request recomputes). Prefix caching keeps
-        snapshots of the state layers' state with cached blocks (:mod:`acb.core.kv_manager`) where
-        every state layer resumes a prefill from a state; it is off for a model that cannot (Mamba1)
-        or that keeps its own caches. Decode graphs and torch.compile are off (the layers run once
-        per request, from Python). The rows of state and the snapshots are priced in the KV
-        cache's memory budget."""
+        """A hybrid model's linear layers keep a recurrent state per request, beside the KV pages.
+        Prefix caching keeps snapshots of that state with cached blocks (:mod:`acb.core.kv_manager`)
+        where every state layer resumes a prefill from a state, whole or (Mamba1, whose scan takes
+        no state: :func:`resumes_stepwise`) one token at a time after a hit. Offload moves a preempted request's row of state to a host row beside its KV
+        blocks. A model that keeps its own caches has neither (a preempted request recomputes).
+        Decode graphs and torch.compile are off (the layers run once per request, from Python).
+        The rows of state, the snapshots and the host rows are priced in the memory budget."""
         hidden = getattr(self.model.config.get_text_config(), "hidden_size", 0)
         tried: dict[type, bool] = {}
         for layer in self.linear.layers if self.linear is not None else ():
@@ -264,7 +265,11 @@ class ModelRunner:
                 tried[type(layer)] = resumes_prefill(layer, hidden)
         whole = [cls.__name__ for cls, ok in tried.items() if not ok]
         # snapshots of the state layers' state resume a prefix hit, where every state layer resumes
-        snapshots = self.cfg.prefix_caching and not whole and self.own is None and self.own_forward is None
+        # (the layers whose scan takes no state: a token at a time after the hit)
+        first = {type(layer): layer for layer in reversed(self.linear.layers)} if self.linear is not None else {}
+        resumes = all(ok or resumes_stepwise(first[cls], hidden) for cls, ok in tried.items())
+        states_only = self.own is None and self.own_forward is None  # no caches of the model's own
+        snapshots = self.cfg.prefix_caching and resumes and states_only
         # the model on its own caches: snapshots are copies of a request's cache cut at a block
         # boundary, where the start-up try found a cut exact (acb.runner.own_forward)
         own_cut = self.own_forward is not None and self.own_forward.croppable
@@ -273,7 +278,7 @@ class ModelRunner:
             name
             for name, on in (
                 ("prefix caching", self.cfg.prefix_caching and not snapshots),
-                ("KV offload", self.cfg.num_swap_blocks > 0),
+                ("KV offload", self.cfg.num_swap_blocks > 0 and not states_only),
             )
             if on
         ]
@@ -304,7 +309,7 @@ class ModelRunner:
         self.cfg = dataclasses.replace(
             self.cfg,
             prefix_caching=snapshots and slots > 0,
-            num_swap_blocks=0,
+            num_swap_blocks=self.cfg.num_swap_blocks if states_only and self.cfg.state_host_rows else 0,
             whole_prefill=bool(whole),
             state_snapshots=slots if snapshots else 0,
         )
@@ -320,14 +325,19 @@ class ModelRunner:
             )
         conv_only = self.linear.conv_only if self.linear is not None else frozenset()
         self.states = LinearStates(
-            self.cfg.max_requests_per_batch + 1, self.device, conv_only, self.cfg.state_snapshots
+            self.cfg.max_requests_per_batch + 1,
+            self.device,
+            conv_only,
+            self.cfg.state_snapshots,
+            self.cfg.state_host_rows,
         )
 
     def _state_memory(self, config: ContinuousBatchingConfig, spec: KVSpec, snapshots: bool) -> int:
         """Price the state layers' rows (one per request, and a scratch one) and snapshot slots in
         the memory budget: a cache sized from the budget gives up the KV blocks they take.
         Returns the number of snapshot slots (``state_snapshots``, or by default twice the rows,
-        within a quarter of the budget)."""
+        within a quarter of the budget). The host-memory offload space is shared between KV blocks
+        and host rows of state (half each, at most four rows per request row)."""
         assert self.linear is not None
         row_bytes = state_row_bytes(self.linear.layers, getattr(self.model.config.get_text_config(), "hidden_size", 0))
         rows = self.cfg.max_requests_per_batch + 1
@@ -355,13 +365,21 @@ class ModelRunner:
                 kv_cache_bytes=num_blocks * per_block,
                 max_model_len=min(self.cfg.max_model_len, (num_blocks - 1) * self.cfg.block_size),
             )
+        offload = self.cfg.offload_bytes if self.own is None and self.own_forward is None else 0
+        host_rows = min(4 * rows, offload // (2 if per_block else 1) // max(row_bytes, 1)) if offload else 0
+        if host_rows:
+            # pages without bytes (state layers only): the host blocks only measure lengths
+            swap_blocks = (offload - host_rows * row_bytes) // per_block if per_block else 4 * self.cfg.num_blocks
+            self.cfg = dataclasses.replace(self.cfg, state_host_rows=host_rows, num_swap_blocks=swap_blocks)
         logger.info(
-            "%s's state layers: %.1f MiB per request row (%d rows), %d snapshot slots for prefix caching (%.1f MiB)",
+            "%s's state layers: %.1f MiB per request row (%d rows), %d snapshot slots for prefix caching "
+            "(%.1f MiB), %d host rows for offload",
             type(self.model).__name__,
             row_bytes / 2**20,
             rows,
             slots,
             slots * row_bytes / 2**20,
+            host_rows,
         )
         return slots
 
@@ -474,7 +492,9 @@ class ModelRunner:
         self._prev_ids = None  # type: ignore[assignment]
         if self.linear is not None:  # the requests are recomputed after wake_up: their states start anew
             other += self.states.nbytes()
-            self.states = LinearStates(self.states.rows, self.device, self.states.conv_only, self.states.slots)
+            old = self.states
+            self.states = LinearStates(old.rows, self.device, old.conv_only, old.slots)
+            self.states.keep_host_rows(old)  # offloaded requests keep their state
         if self.own_caches is not None:
             other += self.own_caches.nbytes()
             self.own_caches.clear()
@@ -660,10 +680,14 @@ class ModelRunner:
             sampling.init_row(req.row, req)
         linear = self.states if self.linear is not None else None
         if linear is not None:  # a request given a row starts with no recurrent state (new, or recomputed)
+            for row, host_row in sched.row_swap_out:  # (first: a preempted request's row may be reused here)
+                linear.swap_out(row, host_row)
             for req in sched.row_inits:
                 linear.reset(req.row)
             for slot, row in sched.restores:  # or, on a prefix hit, with the state where the hit ends
                 linear.restore(slot, row)
+            for host_row, row in sched.row_swap_in:  # or, resumed from host memory, with its own state
+                linear.swap_in(host_row, row)
         for own in (self.own_caches, self.own_forward):
             if own is not None:  # a request's own cache starts empty (new, or recomputed); a freed row's goes
                 for row in sched.freed_rows:

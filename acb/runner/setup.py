@@ -540,6 +540,7 @@ def resolve_config(
         device=str(device),
         kv_cache_bytes=num_blocks * per_block,
         num_swap_blocks=swap_bytes // per_block if per_block else 0,
+        offload_bytes=swap_bytes,
         prefix_caching=config.allow_block_sharing,
         async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
         image_cache_bytes=image_bytes or max(64 << 20, num_blocks * per_block // 8),

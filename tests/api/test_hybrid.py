@@ -91,21 +91,23 @@ def _prompts(lengths, seed=1):
         dict(max_batch_tokens=8),  # chunked prefill: the state carries from chunk to chunk
         dict(use_async_batching=True),
         dict(num_blocks=16, page_size=4, max_batch_tokens=16),  # preemption: recomputed from no state
-        # offload asked for: turned off for a hybrid model (offloaded KV has no state), so it recomputes
-        # (prefix caching stays on: a hit restores a snapshot of the state layers' state)
+        # offload: the KV blocks and the row of state go to host memory and come back
         dict(num_blocks=16, page_size=4, max_batch_tokens=16, cpu_offload_space=0.01, use_async_batching=True),
     ],
-    ids=["whole", "chunked", "async", "preempt", "offload-asked-async"],
+    ids=["whole", "chunked", "async", "preempt", "offload-async"],
 )
 def test_greedy_parity(hybrid, cfg):
     prompts = _prompts([5, 17, 30, 9])
     refs = [reference_generate(hybrid, p, 8) for p in prompts]
     with acb.Engine(hybrid, acb.ContinuousBatchingConfig(**{"num_blocks": 64, "page_size": 8, **cfg})) as eng:
-        assert eng.config.prefix_caching and eng.config.num_swap_blocks == 0  # (offload: off for hybrid models)
+        # prefix caching (a hit restores a snapshot of the state), and offload where asked for
+        assert eng.config.prefix_caching and (eng.config.num_swap_blocks > 0) is ("cpu_offload_space" in cfg)
         res = eng.generate_batch(prompts, max_new_tokens=8, ignore_eos=True, progress_bar=False)
         assert [o.generated_tokens for o in res.values()] == refs
         if "num_blocks" in cfg:
             assert eng.stats.preemptions > 0
+        if "cpu_offload_space" in cfg:  # resumed from host memory, not recomputed
+            assert eng.stats.swapped_out_rows > 0 and eng.stats.recomputed_preemptions == 0, eng.stats
 
 
 def test_samples_fork_the_state_and_late_joiners_do_not_leak(hybrid):

@@ -42,7 +42,7 @@ KINDS = {
     "deepseek_v4": False,
 }
 # arch -> whether a preempted request's cache is offloaded (else recomputed) today
-OFFLOAD = {**KINDS, "qwen3_next": False, "mamba2": False}
+OFFLOAD = dict(KINDS)
 OFFLOAD.update(gptj=False, deepseek_v4=False)  # own caches: a preempted request recomputes
 
 
