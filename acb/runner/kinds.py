@@ -1,0 +1,162 @@
+"""The registry of layer kinds: each kind's :class:`acb.core.cache_spec.LayerKindSpec`, in one place.
+
+A model's layers are found by the code they speak, each kind by its own module (paged attention:
+transformers' attention interface, ``setup``; the MLA latent: ``latent``; an indexer's keys:
+``indexed``; state layers: ``linear_state``; attention on the model's own cache objects:
+``own_cache``; the whole model on its own caches: ``own_forward``; image embeddings: ``vision``).
+:data:`KINDS` lists, in order, one function per kind that describes what the runner found for it
+(None: the model has no such layer), and :func:`layout_of` gathers them into the model's
+:class:`~acb.core.cache_spec.CacheLayout` (``ModelRunner.layout``).
+
+To add a layer kind: write its module (how its layers are found, what it intercepts, its per
+request state), give the runner its object, and add its ``describe`` here; its spec's ``prefix``
+and ``offload`` say what the engine may do with the model (the strictest kind wins), and its
+bytes are what ``docs/memory.md`` reports. See "How to add a layer kind" in ``docs/ARCHITECTURE.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
+from acb.runner.setup import hybrid_attention_layers
+
+if TYPE_CHECKING:
+    from acb.runner.model_runner import ModelRunner
+
+
+def _model_layers_of(r: ModelRunner, cache_layers: set[int]) -> tuple[int, ...]:
+    """The model's layer indices that read and write ``cache_layers`` (of a hybrid: its attention
+    layers only; its state layers are mapped to a cache layer they never touch)."""
+    spec = r.kv_cache.spec
+    if spec.layer_map is None:
+        return tuple(sorted(cache_layers))
+    layers = [i for i, c in enumerate(spec.layer_map) if c in cache_layers]
+    if r.linear is not None:
+        attention = set(hybrid_attention_layers(r.model))
+        layers = [i for i in layers if i in attention]
+    return tuple(layers)
+
+
+def _offload(r: ModelRunner) -> Offload:
+    return Offload.PAGES if r.cfg.num_swap_blocks else Offload.NONE
+
+
+def attention(r: ModelRunner) -> LayerKindSpec | None:
+    """Paged K/V (full, sliding, per-layer shape groups)."""
+    spec = r.kv_cache.spec
+    groups = spec.groups()
+    if r.own_forward is not None or not groups:
+        return None
+    per_token = spec.bytes_per_token()
+    cache_layers = {c for layers in groups.values() for c in layers}
+    return LayerKindSpec(
+        "attention",
+        _model_layers_of(r, cache_layers),
+        page_bytes_per_token=sum(v for k, v in per_token.items() if isinstance(k, tuple)),
+        offload=_offload(r),
+        why="" if r.cfg.num_swap_blocks else "no offload space (cpu_offload_space)",
+    )
+
+
+def latent(r: ModelRunner) -> LayerKindSpec | None:
+    """MLA layers paged as their latent (``kv_lora_rank + qk_rope_head_dim`` per token)."""
+    spec = r.kv_cache.spec
+    if not spec.latent_layers:
+        return None
+    return LayerKindSpec(
+        "latent",
+        _model_layers_of(r, set(spec.latent_layers)),
+        page_bytes_per_token=spec.bytes_per_token()["latent"],
+        offload=_offload(r),
+    )
+
+
+def index_keys(r: ModelRunner) -> LayerKindSpec | None:
+    """Indexed sparse attention's key-only pages (DSA)."""
+    spec = r.kv_cache.spec
+    if not spec.index_layers:
+        return None
+    return LayerKindSpec(
+        "index keys",
+        spec.index_layers,
+        page_bytes_per_token=spec.bytes_per_token()["index keys"],
+        offload=_offload(r),
+    )
+
+
+def state(r: ModelRunner) -> LayerKindSpec | None:
+    """Linear attention, Mamba and short convolutions: a row of state per request."""
+    if r.linear is None:
+        return None
+    cfg = r.cfg
+    row = r.state_row_bytes
+    why = []
+    if not cfg.state_snapshots:
+        why.append("no snapshots: " + r.state_why)
+    if not cfg.state_host_rows:
+        why.append("no host rows (cpu_offload_space)" if r.own is None else "the model also keeps its own caches")
+    return LayerKindSpec(
+        "state",
+        tuple(sorted(int(m.layer_idx) for m in r.linear.layers)),
+        row_bytes=row,
+        snapshot_bytes=row,
+        prefix=PrefixRule.SNAPSHOT if cfg.state_snapshots else PrefixRule.NONE,
+        offload=Offload.ROW if cfg.state_host_rows else Offload.NONE,
+        why="; ".join(why),
+    )
+
+
+def own_cache(r: ModelRunner) -> LayerKindSpec | None:
+    """Attention layers on the model's own cache objects, inside the paged path (DeepSeek V4)."""
+    if r.own is None:
+        return None
+    return LayerKindSpec(
+        "own cache",
+        tuple(sorted(int(m.layer_idx) for m in r.own.layers)),
+        token_bytes=r.kv_cache.spec.own_bytes_per_token,
+        prefix=PrefixRule.NONE,
+        offload=Offload.NONE,
+        why="compressed caches are not cut at block boundaries or offloaded yet (recomputed)",
+    )
+
+
+def own_forward(r: ModelRunner) -> LayerKindSpec | None:
+    """The whole model on its own cache objects (the second runner path)."""
+    if r.own_forward is None:
+        return None
+    on = r.cfg.prefix_caching
+    return LayerKindSpec(
+        "own forward",
+        (),
+        token_bytes=r.kv_cache.spec.own_bytes_per_token,
+        prefix=PrefixRule.SNAPSHOT if on else PrefixRule.NONE,
+        offload=Offload.NONE,
+        why=("" if on else "its cache cannot be cut at a block boundary exactly (or prefix caching is off); ")
+        + "a preempted request recomputes",
+    )
+
+
+def images(r: ModelRunner) -> LayerKindSpec | None:
+    """Image embeddings, kept per request and reused while cached (keyed in the block digests)."""
+    if r.vision is None:
+        return None
+    return LayerKindSpec("images", (), reserved_bytes=r.cfg.image_cache_bytes)
+
+
+# the kinds, in the order a layer is offered to them
+KINDS: tuple[Callable[[ModelRunner], LayerKindSpec | None], ...] = (
+    latent,
+    index_keys,
+    attention,
+    state,
+    own_cache,
+    own_forward,
+    images,
+)
+
+
+def layout_of(runner: ModelRunner) -> CacheLayout:
+    """The model's cache layout, as the runner set it up."""
+    return CacheLayout(tuple(k for k in (describe(runner) for describe in KINDS) if k is not None))
