@@ -37,6 +37,7 @@ from acb.runner.eval_mode import DROPOUT_GUARD
 from acb.runner.host_threads import release_idle_threads
 from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
+from acb.runner.kinds import layout_of
 from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
 from acb.runner.latent import LatentLayers
 from acb.runner.linear_state import (
@@ -162,6 +163,8 @@ class ModelRunner:
             ) from exc
         # the whole model on its own caches (the second runner path), or None (the paged path)
         self.own_forward = OwnForward(model, start) if own_path else None
+        self.state_row_bytes = 0  # one request's state over the state layers (set with them)
+        self.state_why = ""
         # vision-language models: the model's own vision code for the requests with images
         self.vision = ImageEmbedder(model, self.cfg.image_cache_bytes) if takes_images(model) else None
         paged = not own_path
@@ -235,6 +238,8 @@ class ModelRunner:
             _ATTN_SWAP.acquire(model)
         DROPOUT_GUARD.acquire(model)
         self._holds_attn = True
+        # each kind of layer the model has, what its cache costs and how it is reused (acb.runner.kinds)
+        self.layout = layout_of(self)
         logger.info(
             "%d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
             "max_model_len=%d, offload space %d blocks, backend=%s, decode graphs=%s, device=%s",
@@ -306,6 +311,18 @@ class ModelRunner:
         if snapshots and self.own_forward is not None:  # cut copies of own caches, priced at their bound
             budget = kv_memory_budget(self.device, config.max_memory_percent)
             self.cfg, slots = snapshot_memory(self.cfg, config, spec.own_bytes_per_token, budget)
+        # why the state layers' prefix is not reused (acb.runner.kinds reports it)
+        self.state_why = (
+            ""
+            if snapshots and slots
+            else "prefix caching is off (allow_block_sharing=False)"
+            if not self.cfg.prefix_caching
+            else "the model also keeps its own caches"
+            if not states_only
+            else "a layer resumes a prefill neither whole nor a token at a time"
+            if not resumes
+            else "state_snapshots=0"
+        )
         self.cfg = dataclasses.replace(
             self.cfg,
             prefix_caching=snapshots and slots > 0,
@@ -340,6 +357,7 @@ class ModelRunner:
         and host rows of state (half each, at most four rows per request row)."""
         assert self.linear is not None
         row_bytes = state_row_bytes(self.linear.layers, getattr(self.model.config.get_text_config(), "hidden_size", 0))
+        self.state_row_bytes = row_bytes
         rows = self.cfg.max_requests_per_batch + 1
         budget = kv_memory_budget(self.device, config.max_memory_percent)
         if not snapshots:

@@ -145,6 +145,24 @@ def _attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
     return out
 
 
+def hybrid_attention_layers(model: PreTrainedModel) -> list[int]:
+    """A hybrid model's layers with attention: those with an attention module of their own, and
+    those whose type says attention (a shared attention block called at several layers, Zamba2's,
+    is one module for all of them). A state layer with q/o projections of its own (Kimi's delta
+    attention) is no attention module."""
+    from acb.runner.linear_state import linear_layers
+
+    text = model.config.get_text_config()
+    types = list(getattr(text, "layer_types", None) or ())
+    stateless = {"linear_attention", "mamba", "mlp", "moe", "conv"}
+    state = {id(m) for m in linear_layers(model)}
+    # (a shared block's own layer_idx, -1 for Zamba2's, is no layer: it pages by the calling layer's)
+    modules = {
+        i for i, m in _attention_modules(model).items() if id(m) not in state and 0 <= i < text.num_hidden_layers
+    }
+    return sorted(modules | {i for i, t in enumerate(types) if t not in stateless})
+
+
 def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
     """Which cache layer each model layer reads and writes; None when every layer has its own.
 
@@ -162,10 +180,7 @@ def kv_layer_map(model: PreTrainedModel) -> tuple[int, ...] | None:
         # a hybrid model: only its attention layers have a KV cache (the state layers keep a
         # per-request state instead: acb.runner.linear_state, and MLP-only layers keep nothing);
         # the others never read the slot mapped here
-        # the layers with an attention module of their own, and those whose type says attention (a
-        # shared attention block called at several layers, Zamba2's, is one module for all of them)
-        stateless = {"linear_attention", "mamba", "mlp", "moe", "conv"}
-        attention = sorted(set(_attention_modules(model)) | {i for i, t in enumerate(types) if t not in stateless})
+        attention = hybrid_attention_layers(model)
         layers = text.num_hidden_layers
         if not attention or len(attention) == layers:
             return None if attention else tuple([0] * layers)

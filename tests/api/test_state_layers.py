@@ -35,9 +35,11 @@ FAMILIES = {
     "granitemoehybrid": ("GraniteMoeHybridMambaLayer", False, 2),
     "nemotron_h": ("NemotronHMamba2Mixer", False, 1),
     "falcon_h1": ("FalconH1Mixer", False, 3),
-    "zamba2": ("Zamba2MambaMixer", False, None),
-    "kimi_linear": ("KimiLinearDeltaAttention", False, None),
-    "olmo_hybrid": ("OlmoHybridGatedDeltaNet", False, None),
+    # (pages for the attention layers only: not for a shared block's own layer -1, nor for Kimi's
+    # delta attention, whose q/o projections make it look like attention)
+    "zamba2": ("Zamba2MambaMixer", False, 2),
+    "kimi_linear": ("KimiLinearDeltaAttention", False, 1),
+    "olmo_hybrid": ("OlmoHybridGatedDeltaNet", False, 1),
     # a state inside attention: Zaya's compressed convolutional q/k projection and delayed values
     # (its cache argument is past_key_values, and it returns query, key and value)
     "zaya": ("ZayaCCAProjection", False, None),
