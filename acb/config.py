@@ -128,10 +128,12 @@ class ContinuousBatchingConfig:
     cpu_packed_linears: bool | None = None
     # multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-5, Kimi, MiniCPM3, ...): page each MLA
     # layer's latent (kv_lora_rank + qk_rope_head_dim values per token) instead of its expanded
-    # heads, 5-85x less KV memory, expanded per request by the torch attention backend as
-    # model.generate expands it (exact); decode is about 2x slower than on expanded pages until the
-    # absorbed-query path lands, so it is off by default
-    mla_latent_cache: bool = False
+    # heads, 5-85x less KV memory, attended by the torch attention backend (decode rows with the
+    # query absorbed, prefill expanded as model.generate expands it; greedy tokens equal generate's);
+    # CPU decode measured 0.6-0.8x the expanded pages' time (benchmarks/mla_latent.py). On CUDA an
+    # automatic backend pick then takes the torch backend, without decode graphs, for these models;
+    # False keeps the expanded heads (Triton, flash-attn, graphs)
+    mla_latent_cache: bool = True
     # state layers (linear attention, Mamba, short convolutions): slots of state snapshots kept with
     # cached blocks, so that a prefix hit resumes the layers' state too (one slot: one request's
     # state over every state layer, priced in the memory budget). None: twice

@@ -134,8 +134,10 @@ def test_a_backend_asked_for_by_name_keeps_the_expanded_heads():
         model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, attn_backend="torch", mla_latent_cache=True)
     )
     assert spec.latent_layers == (0, 1)
-    _, spec = resolve_config(model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8))
-    assert spec.latent_layers == ()  # off by default: decode on expanded pages is faster until the absorbed path
+    resolved, spec = resolve_config(model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8))
+    assert spec.latent_layers == (0, 1) and resolved.attn_backend in ("torch", "cpu")  # on by default
+    _, spec = resolve_config(model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, mla_latent_cache=False))
+    assert spec.latent_layers == ()
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
