@@ -130,10 +130,12 @@ class ContinuousBatchingConfig:
     # layer's latent (kv_lora_rank + qk_rope_head_dim values per token) instead of its expanded
     # heads, 5-85x less KV memory, attended by the torch attention backend (decode rows with the
     # query absorbed, prefill expanded as model.generate expands it; greedy tokens equal generate's);
-    # CPU decode measured 0.6-0.8x the expanded pages' time (benchmarks/mla_latent.py). On CUDA an
-    # automatic backend pick then takes the torch backend, without decode graphs, for these models;
-    # False keeps the expanded heads (Triton, flash-attn, graphs)
-    mla_latent_cache: bool = True
+    # CPU decode measured 0.6-0.8x the expanded pages' time (benchmarks/mla_latent.py). None: the
+    # latent wherever the torch backend runs the model anyway (CPU; an indexed-attention model, DSA,
+    # on CUDA), the expanded heads on CUDA otherwise (Triton and decode graphs; no latent kernel
+    # yet); True: the latent everywhere (on CUDA the torch backend, without decode graphs); False:
+    # the expanded heads
+    mla_latent_cache: bool | None = None
     # state layers (linear attention, Mamba, short convolutions): slots of state snapshots kept with
     # cached blocks, so that a prefix hit resumes the layers' state too (one slot: one request's
     # state over every state layer, priced in the memory budget). None: twice
@@ -243,10 +245,9 @@ class ContinuousBatchingConfig:
             "per_request_processors",
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
-            "mla_latent_cache",
         ):
             check(name, isinstance(getattr(self, name), bool), "a bool")
-        for name in ("use_async_batching", "use_default_compile_configs", "cpu_packed_linears"):
+        for name in ("use_async_batching", "use_default_compile_configs", "cpu_packed_linears", "mla_latent_cache"):
             check(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")
         v = self.max_memory_percent
         check("max_memory_percent", v is None or (is_num(v) and 0 < v <= 1), "in (0, 1]")

@@ -16,14 +16,23 @@ bytes are what ``docs/memory.md`` reports. See "How to add a layer kind" in ``do
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
+from acb.runner.indexed import indexed_step
+from acb.runner.linear_state import linear_step
+from acb.runner.own_cache import own_cache_step
 from acb.runner.setup import hybrid_attention_layers
 
 if TYPE_CHECKING:
+    from acb.core.messages import SchedulerOutput
+    from acb.runner.input_batch import PreparedBatch
     from acb.runner.model_runner import ModelRunner
+    from acb.runner.own_cache import OwnCaches
+    from acb.runner.own_forward import OwnForward
+    from acb.runner.vision import ImageEmbedder
 
 
 def _model_layers_of(r: ModelRunner, cache_layers: set[int]) -> tuple[int, ...]:
@@ -160,3 +169,132 @@ KINDS: tuple[Callable[[ModelRunner], LayerKindSpec | None], ...] = (
 def layout_of(runner: ModelRunner) -> CacheLayout:
     """The model's cache layout, as the runner set it up."""
     return CacheLayout(tuple(k for k in (describe(runner) for describe in KINDS) if k is not None))
+
+
+# ---------------------------------------------------------------------------------------------
+# What each kind does around a step's forward, in one place: ModelRunner._execute calls every
+# hook's begin_step (rows given, freed, restored, offloaded), enters every step() context around
+# the paged forward (the kind's layers run per request segment inside it), then end_step (forks).
+
+
+class StepHooks:
+    """A kind's part of a step (by default: none)."""
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        """Before the forward: a row given to a request starts empty (or restored, or swapped in)."""
+
+    def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None] | None:
+        """The context the paged forward runs in, for this kind's layers (None: none needed)."""
+        return None
+
+    def end_step(self, sched: SchedulerOutput) -> None:
+        """After the forward: forks copy the parent's per-request state."""
+
+
+class StateHooks(StepHooks):
+    """State layers: the rows of ``runner.states`` (rebuilt by sleep, so read through the runner)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        states = self.runner.states
+        for row, host_row in sched.row_swap_out:  # first: a preempted request's row may be reused here
+            states.swap_out(row, host_row)
+        for req in sched.row_inits:  # a request given a row starts with no state (new, or recomputed)
+            states.reset(req.row)
+        for slot, row in sched.restores:  # or, on a prefix hit, with the state where the hit ends
+            states.restore(slot, row)
+        for host_row, row in sched.row_swap_in:  # or, resumed from host memory, with its own state
+            states.swap_in(host_row, row)
+
+    def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None]:
+        return linear_step(self.runner.states, sched.num_new, sched.rows, sched.snapshots)
+
+    def end_step(self, sched: SchedulerOutput) -> None:
+        for src, dst in sched.state_copies_after:
+            self.runner.states.copy(src, dst)
+
+
+class IndexHooks(StepHooks):
+    """Indexers (DSA): their keys read and written in the request's pages."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None]:
+        return indexed_step(self.runner.kv_cache, batch.attn)
+
+
+class OwnCacheHooks(StepHooks):
+    """Attention layers on the model's own cache objects (DeepSeek V4), one per request row."""
+
+    def __init__(self, caches: OwnCaches) -> None:
+        self.caches = caches
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        for row in sched.freed_rows:  # a freed row's cache goes; a row given starts empty
+            self.caches.reset(row)
+        for req in sched.row_inits:
+            self.caches.reset(req.row)
+
+    def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None]:
+        return own_cache_step(self.caches, sched.num_new, sched.rows)
+
+    def end_step(self, sched: SchedulerOutput) -> None:
+        for src, dst in sched.state_copies_after:
+            self.caches.copy(src, dst)
+
+
+class OwnForwardHooks(StepHooks):
+    """The whole model on its own caches: its forward replaces the paged one (``_execute``)."""
+
+    def __init__(self, own: OwnForward) -> None:
+        self.own = own
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        own = self.own
+        for row in sched.freed_rows:
+            own.reset(row)
+        for req in sched.row_inits:
+            # a recompute, on a model whose cache takes no chunks: replayed from its prompt
+            own.reset(req.row, req.prompt_len if len(req.token_ids) > req.prompt_len else None)
+        for slot, row in sched.restores:  # a prefix hit: a copy of the cache cut where the hit ends
+            own.restore(slot, row)
+
+    def end_step(self, sched: SchedulerOutput) -> None:
+        if sched.snapshots:  # the caches cut at block boundaries, kept with the cached blocks
+            self.own.snapshot(sched.snapshots, sched.num_new, sched.rows)
+        for src, dst in sched.state_copies_after:  # forks: children start from the parent's cache
+            self.own.copy(src, dst)
+
+
+class ImageHooks(StepHooks):
+    """Image embeddings: kept per request, reusable once its row is freed, until evicted."""
+
+    def __init__(self, vision: ImageEmbedder) -> None:
+        self.vision = vision
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        for row in sched.freed_rows:
+            self.vision.release(row)
+
+    def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None] | None:
+        # the language model takes the step's image rows (ImageEmbedder.step_inputs built them)
+        return self.vision.language_model_kwargs() if batch.inputs_embeds is not None else None
+
+
+def hooks_of(runner: ModelRunner) -> list[StepHooks]:
+    """The step hooks of the kinds the runner has, in the order they act."""
+    hooks: list[StepHooks] = []
+    if runner.linear is not None:
+        hooks.append(StateHooks(runner))
+    if runner.indexed is not None:
+        hooks.append(IndexHooks(runner))
+    if runner.own_caches is not None:
+        hooks.append(OwnCacheHooks(runner.own_caches))
+    if runner.own_forward is not None:
+        hooks.append(OwnForwardHooks(runner.own_forward))
+    if runner.vision is not None:
+        hooks.append(ImageHooks(runner.vision))
+    return hooks

@@ -35,22 +35,21 @@ from acb.runner.attention import (
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.eval_mode import DROPOUT_GUARD
 from acb.runner.host_threads import release_idle_threads
-from acb.runner.indexed import IndexedLayers, indexed_step, indexer_modules
+from acb.runner.indexed import IndexedLayers, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
-from acb.runner.kinds import layout_of
+from acb.runner.kinds import hooks_of, layout_of
 from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
 from acb.runner.latent import LatentLayers
 from acb.runner.linear_state import (
     LinearLayers,
     LinearStates,
     linear_layers,
-    linear_step,
     resumes_prefill,
     resumes_stepwise,
     state_row_bytes,
 )
 from acb.runner.module_state import module_attributes
-from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers, own_cache_step
+from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers
 from acb.runner.own_forward import OwnForward, snapshot_memory
 from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
@@ -238,8 +237,10 @@ class ModelRunner:
             _ATTN_SWAP.acquire(model)
         DROPOUT_GUARD.acquire(model)
         self._holds_attn = True
-        # each kind of layer the model has, what its cache costs and how it is reused (acb.runner.kinds)
+        # each kind of layer the model has, what its cache costs and how it is reused, and its part
+        # of a step (acb.runner.kinds)
         self.layout = layout_of(self)
+        self.hooks = hooks_of(self)
         logger.info(
             "%d KV blocks of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests_per_batch=%d, "
             "max_model_len=%d, offload space %d blocks, backend=%s, decode graphs=%s, device=%s",
@@ -696,32 +697,9 @@ class ModelRunner:
             sampling.free_row(row)
         for req in sched.row_inits:
             sampling.init_row(req.row, req)
-        linear = self.states if self.linear is not None else None
-        if linear is not None:  # a request given a row starts with no recurrent state (new, or recomputed)
-            for row, host_row in sched.row_swap_out:  # (first: a preempted request's row may be reused here)
-                linear.swap_out(row, host_row)
-            for req in sched.row_inits:
-                linear.reset(req.row)
-            for slot, row in sched.restores:  # or, on a prefix hit, with the state where the hit ends
-                linear.restore(slot, row)
-            for host_row, row in sched.row_swap_in:  # or, resumed from host memory, with its own state
-                linear.swap_in(host_row, row)
-        for own in (self.own_caches, self.own_forward):
-            if own is not None:  # a request's own cache starts empty (new, or recomputed); a freed row's goes
-                for row in sched.freed_rows:
-                    own.reset(row)
-                for req in sched.row_inits:
-                    own.reset(req.row)
-        if self.vision is not None:  # a freed row's image embeddings may be reused, until evicted
-            for row in sched.freed_rows:
-                self.vision.release(row)
-        if self.own_forward is not None:  # a recompute, on a model whose cache takes no chunks: replayed
-            for req in sched.row_inits:
-                if len(req.token_ids) > req.prompt_len:
-                    self.own_forward.reset(req.row, req.prompt_len)
-            for slot, row in sched.restores:  # a prefix hit: a copy of the cache cut where the hit ends
-                self.own_forward.restore(slot, row)
-        own = self.own_caches
+        hooks = self.hooks  # each layer kind's part of the step (acb.runner.kinds)
+        for h in hooks:  # rows given, freed, restored from a snapshot, swapped in
+            h.begin_step(sched)
         if sched.swap_out:  # before swap-ins and the forward, which may reuse these device blocks
             self.kv_cache.swap_out(sched.swap_out)
         if sched.swap_in:
@@ -759,30 +737,20 @@ class ModelRunner:
                 logits = self.own_forward.forward(
                     batch.input_ids, batch.position_ids, sched.num_new, sched.rows, batch.logits_indices.tolist()
                 )
-            if sched.snapshots:  # the caches cut at block boundaries, kept with the cached blocks
-                self.own_forward.snapshot(sched.snapshots, sched.num_new, sched.rows)
-            for src, dst in sched.state_copies_after:  # forks: children start from the parent's cache
-                self.own_forward.copy(src, dst)
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
             if self.vision is not None and self.vision.step_groups:  # image blocks that attend both ways
                 ctx.metadata.image_groups = self.vision.step_groups
             with contextlib.ExitStack() as per_request:
-                # the linear layers and the indexers run per request segment of the flattened batch
-                if linear is not None:
-                    per_request.enter_context(linear_step(linear, sched.num_new, sched.rows, sched.snapshots))
-                if self.indexed is not None:
-                    per_request.enter_context(indexed_step(self.kv_cache, batch.attn))
-                if own is not None:
-                    per_request.enter_context(own_cache_step(own, sched.num_new, sched.rows))
-                if batch.inputs_embeds is not None and self.vision is not None:
-                    per_request.enter_context(self.vision.language_model_kwargs())
+                # the state layers, indexers and own-cache layers run per request segment of the
+                # flattened batch; the language model takes the step's image rows
+                for h in hooks:
+                    cm = h.step(sched, batch)
+                    if cm is not None:
+                        per_request.enter_context(cm)
                 logits = self.forward(batch, ctx)
-            for src, dst in sched.state_copies_after:  # forks: children start from the parent's state
-                if linear is not None:
-                    linear.copy(src, dst)
-                if own is not None:
-                    own.copy(src, dst)
+        for h in hooks:  # forks: children start from the parent's state (own caches: and snapshots)
+            h.end_step(sched)
         prompt = nxt = None
         if scored:
             n_prompt = logits.shape[0] - num_samples - len(sched.next_lp)

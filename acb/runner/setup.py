@@ -444,7 +444,10 @@ def resolve_config(
     from acb.runner.indexed import indexer_modules
     from acb.runner.latent import latent_modules
 
-    latent = config.mla_latent_cache and not own_path and bool(latent_modules(model))
+    want = config.mla_latent_cache
+    if want is None:  # the latent where the torch backend runs the model anyway (CPU; DSA models)
+        want = latent_backend(backend) or (config.attn_backend is None and bool(indexer_modules(model)))
+    latent = want and not own_path and bool(latent_modules(model))
     if latent and not latent_backend(backend) and config.attn_backend is None:
         # the MLA latent is attended by the torch backend (a Triton kernel over the latent is to come);
         # a backend asked for by name keeps the expanded heads instead
