@@ -41,19 +41,45 @@ def call_arguments(sig: inspect.Signature, module: Any, args: tuple, kwargs: dic
     return out
 
 
+# the instance attribute counting the engines that hold a module's interception, per handler
+_HOLDERS = "_acb_interceptions"
+
+
 class Interception:
     """Each module's ``forward`` replaced by ``handler(original, signature, module, *args,
-    **kwargs)`` until :meth:`remove` (an instance attribute over the class's method)."""
+    **kwargs)`` until :meth:`remove` (an instance attribute over the class's method).
+
+    Two engines on one model install the same handler once: the handlers read the step context of
+    the thread they run on (each engine steps on its own thread), so one wrapper serves both, and
+    the module gets its own ``forward`` back when the last of them is removed. (A second wrapper
+    over the first would take the first's step for its own and cut the batch twice.)"""
 
     def __init__(self, modules: Iterable[Any], handler: Callable[..., Any]) -> None:
         self.layers = list(modules)
+        self.handler = handler
         for m in self.layers:
+            holders: dict[Any, int] | None = vars(m).get(_HOLDERS)
+            if holders is not None and handler in holders:
+                holders[handler] += 1
+                continue
             original = m.forward
             sig = inspect.signature(type(m).forward)
             m.forward = lambda *a, _o=original, _s=sig, _m=m, **k: handler(_o, _s, _m, *a, **k)
+            if holders is None:
+                holders = {}
+                setattr(m, _HOLDERS, holders)
+            holders[handler] = 1
 
     def remove(self) -> None:
         for m in self.layers:
-            if "forward" in vars(m):
-                del m.forward
+            holders = vars(m).get(_HOLDERS)
+            if holders is None or self.handler not in holders:
+                continue
+            holders[self.handler] -= 1
+            if not holders[self.handler]:
+                del holders[self.handler]
+                if not holders:
+                    delattr(m, _HOLDERS)
+                    if "forward" in vars(m):
+                        del m.forward
         self.layers = []

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from acb.runner.intercept import code_names
+from acb.runner.intercept import Interception, code_names
 
 # the cache interfaces a state layer speaks (transformers' linear-attention / SSM caches): a layer
 # class whose own code calls one of these sets on its cache keeps a per-request state acb must hold.
@@ -486,8 +486,7 @@ def _forward(
 def _cache_arg(layer: torch.nn.Module) -> str:
     """The name of the layer's cache argument (``cache_params`` for the SSM and gated-delta-rule
     layers; ``past_key_values`` for a projection inside an attention layer, Zaya's)."""
-    params = inspect.signature(type(layer).forward).parameters  # (the class's: not acb's interception)
-    return next((name for name in ("cache_params", "past_key_values", "cache") if name in params), "cache_params")
+    return _cache_arg_of(type(layer))
 
 
 def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
@@ -588,24 +587,28 @@ def resumes_stepwise(layer: torch.nn.Module, hidden_size: int) -> bool:
     return ok
 
 
-class LinearLayers:
+_CACHE_ARG: dict[type, str] = {}
+
+
+def _cache_arg_of(cls: Any) -> str:
+    arg = _CACHE_ARG.get(cls)
+    if arg is None:
+        params = inspect.signature(cls.forward).parameters  # (the class's: not acb's interception)
+        arg = next((name for name in ("cache_params", "past_key_values", "cache") if name in params), "cache_params")
+        _CACHE_ARG[cls] = arg
+    return arg
+
+
+def _intercepted(original: Any, sig: inspect.Signature, layer: Any, *args: Any, **kwargs: Any) -> Any:
+    cls = type(layer)
+    return _forward(original, layer.layer_idx, _cache_arg_of(cls), sig, cls, *args, **kwargs)
+
+
+class LinearLayers(Interception):
     """The interception of a model's linear layers (installed for an engine's life)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.layers = linear_layers(model)
+        layers = linear_layers(model)
         # layers keeping a convolution state alone: a write makes their state valid
-        self.conv_only = frozenset(layer.layer_idx for layer in self.layers if _conv_only(type(layer)))
-        for layer in self.layers:
-            original = layer.forward
-            arg = _cache_arg(layer)
-            cls = type(layer)
-            sig = inspect.signature(cls.forward)
-            layer.forward = lambda *a, _o=original, _i=layer.layer_idx, _c=arg, _s=sig, _t=cls, **k: _forward(
-                _o, _i, _c, _s, _t, *a, **k
-            )
-
-    def remove(self) -> None:
-        for layer in self.layers:
-            if "forward" in vars(layer):
-                del layer.forward
-        self.layers = []
+        self.conv_only = frozenset(layer.layer_idx for layer in layers if _conv_only(type(layer)))
+        super().__init__(layers, _intercepted)

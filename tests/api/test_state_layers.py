@@ -175,3 +175,21 @@ def test_samples_scoring_cancel_and_sleep(arch):
         assert eng.runner.states.nbytes() == 0
         eng.wake_up()
         assert [x.result(timeout=120).generated_tokens for x in hs] == [reference(arch, tuple(p)) for p in ps]
+
+
+@pytest.mark.parametrize("arch", ["mamba", "qwen3_next"])
+def test_two_engines_on_one_model_at_once(arch):
+    """Two engines open on one model (one with prefix caching, one without) share one interception
+    of its state layers (each engine steps on its own thread): both give ``model.generate``'s
+    tokens, and the layers get their own ``forward`` back when the last engine closes. (A second
+    interception over the first once cut each step's batch twice.)"""
+    model = model_of(arch)
+    ps = prompts([33, 9], seed=21, arch=arch)
+    with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8)) as a:
+        cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, allow_block_sharing=False)
+        with acb.Engine(model, cfg) as b:
+            got = [o.generated_tokens for o in run(a, ps).values()], [o.generated_tokens for o in run(b, ps).values()]
+        again = [o.generated_tokens for o in run(a, ps).values()]  # b closed: a's interception holds
+    want = [reference(arch, tuple(p)) for p in ps]
+    assert got == (want, want) and again == want
+    assert not any("forward" in vars(m) for m in model.modules())
