@@ -382,6 +382,9 @@ class ResolvedConfig:
     state_snapshots: int = 0
     # state layers: host rows a preempted request's state is offloaded to, with its KV blocks
     state_host_rows: int = 0
+    # state layers that resume a prefix hit a token at a time (Mamba1): the longest rest of a prompt
+    # a hit is taken for (past it, recomputing the whole prompt is faster); 0: any
+    state_resume_max_tail: int = 0
     offload_bytes: int = 0  # the host-memory offload space (cpu_offload_space), in bytes
     async_batching: bool = False  # schedule step N+1 while step N runs
     cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (the eager twin on CPU)

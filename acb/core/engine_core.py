@@ -128,6 +128,7 @@ class EngineCore:
             safety_margin=cfg.safety_margin,
             swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
             host_rows=SwapSpace(cfg.state_host_rows) if cfg.state_host_rows else None,
+            resume_max_tail=cfg.state_resume_max_tail,
             max_scored_rows=scored_rows_for(runner.vocab_size),
             whole_prefill=cfg.whole_prefill,
         )

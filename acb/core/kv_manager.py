@@ -65,7 +65,12 @@ class KVManager:
     """Device and host KV blocks of the requests, and the copies that move them."""
 
     def __init__(
-        self, pool: BlockPool, block_size: int, swap: SwapSpace | None = None, host_rows: SwapSpace | None = None
+        self,
+        pool: BlockPool,
+        block_size: int,
+        swap: SwapSpace | None = None,
+        host_rows: SwapSpace | None = None,
+        resume_max_tail: int = 0,
     ) -> None:
         self.pool = pool
         self.swap = swap
@@ -73,6 +78,9 @@ class KVManager:
         # model with state layers offloads only when it gets one)
         self.host_rows = host_rows
         self._host_rows_to_free: list[int] = []
+        # state layers that resume a hit a token at a time (Mamba1): a hit is taken only when at most
+        # this many prompt tokens are left after it (past that, recomputing is faster); 0: any hit
+        self.resume_max_tail = resume_max_tail
         self.block_size = block_size
         self._fork_copies: list[int] = []  # blocks allocated in allocate_slots for the fork that follows
         self._host_to_free: list[int] = []  # host blocks read by the last step's swap-ins
@@ -121,6 +129,8 @@ class KVManager:
             snap = self.pool.snapshot
             while hits and snap[hits[-1]] < 0:
                 hits.pop()
+            if hits and self.resume_max_tail and req.num_tokens - len(hits) * self.block_size > self.resume_max_tail:
+                return []
         return hits
 
     def _lookup_blocks(self, req: Request) -> int:
@@ -133,7 +143,12 @@ class KVManager:
         hashes = req.block_hashes
         if self.pool.snapshots is not None:  # a snapshot another request will take further along
             planned = self._planned
-            return bool(planned) and any(d in planned for d in hashes[len(hits) : self._lookup_blocks(req)])
+            if not planned:
+                return False
+            lo, hi = len(hits), self._lookup_blocks(req)
+            if self.resume_max_tail:  # only for a snapshot whose hit it would take
+                lo = max(lo, -(-(req.num_tokens - self.resume_max_tail) // self.block_size) - 1)
+            return any(d in planned for d in hashes[lo:hi])
         nxt = hashes[len(hits)] if len(hits) < len(hashes) else None
         return nxt is not None and any(nxt in p for p in self._computing.values())
 

@@ -87,6 +87,7 @@ class Scheduler:
         safety_margin: float = 0.0,
         swap: SwapSpace | None = None,
         host_rows: SwapSpace | None = None,
+        resume_max_tail: int = 0,
         fast_decode: bool = True,
         max_scored_rows: int = 1024,
         whole_prefill: bool = False,
@@ -94,7 +95,7 @@ class Scheduler:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
         self.pool = pool  # read-only here (stats, tests): blocks are the KV manager's business
-        self.kv = KVManager(pool, block_size, swap, host_rows)
+        self.kv = KVManager(pool, block_size, swap, host_rows, resume_max_tail)
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running

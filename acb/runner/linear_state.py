@@ -404,6 +404,10 @@ _PER_TOKEN: dict[type, tuple[bool, ...]] = {}
 # whose one-token form reads it (found by resumes_stepwise's try): a segment that starts from a
 # state runs one token at a time, as model.generate's decoding does
 STEPWISE: set[type] = set()
+# the longest rest of a prompt such a layer steps through after a prefix hit: past it, the hit is
+# not taken and the prompt is recomputed whole (benchmarks/mamba1_resume.py: on CPU stepping took
+# 0.4-0.6x a recompute's time at 16-32 tokens after a 512-token prefix, 1.3x at 64, 4.5x at 256)
+STEPWISE_MAX_TAIL = 32
 
 
 def _forward(

@@ -41,6 +41,7 @@ from acb.runner.kinds import hooks_of, layout_of
 from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
 from acb.runner.latent import LatentLayers
 from acb.runner.linear_state import (
+    STEPWISE_MAX_TAIL,
     LinearLayers,
     LinearStates,
     linear_layers,
@@ -330,6 +331,9 @@ class ModelRunner:
             num_swap_blocks=self.cfg.num_swap_blocks if states_only and self.cfg.state_host_rows else 0,
             whole_prefill=bool(whole),
             state_snapshots=slots if snapshots else 0,
+            # stepping a token at a time beats recomputing for short rests of a prompt only
+            # (benchmarks/mamba1_resume.py: on CPU, 0.4-0.6x a recompute at 16-32 tokens, 1.3x at 64)
+            state_resume_max_tail=STEPWISE_MAX_TAIL if snapshots and not all(tried.values()) else 0,
         )
         if (
             config.use_cuda_graph

@@ -168,3 +168,25 @@ def test_no_snapshots_without_slots_or_caching():
     s = Scheduler(BlockPool(64, enable_caching=True), block_size=BS, max_batch_tokens=64, max_running=8)
     s.add(make("a", PREFIX))
     assert not s.schedule().snapshots
+
+
+def test_a_hit_for_layers_that_step_a_token_at_a_time_is_taken_for_a_short_rest_only():
+    """Mamba1 resumes a hit a token at a time: past ``resume_max_tail`` prompt tokens after the hit,
+    recomputing is faster, so the hit is not taken (nor waited for)."""
+    s = Scheduler(
+        BlockPool(64, enable_caching=True, snapshot_slots=8),
+        block_size=BS,
+        max_batch_tokens=64,
+        max_running=8,
+        resume_max_tail=6,
+    )
+    s.add(make("a", PREFIX))
+    finish(s)
+    s.add(make("short", PREFIX + [1] * 6))  # six tokens after the hit: taken
+    out = step(s)
+    assert starts(out)["short"] == 20 and out.restores
+    finish(s)
+    s.add(make("long", PREFIX + [2] * 7))  # seven: recomputed whole
+    out = step(s)
+    assert starts(out)["long"] == 0 and not out.restores
+    finish(s)
