@@ -380,6 +380,9 @@ class ResolvedConfig:
     # with cached blocks, so that a prefix hit resumes their state too (0: prefix caching cannot
     # reuse state layers, or is off)
     state_snapshots: int = 0
+    # the tokens the snapshots may hold together, where a snapshot's size grows with its length (the
+    # model's own caches cut at a block boundary); 0: no such bound (a state snapshot is one row)
+    snapshot_tokens: int = 0
     # state layers: host rows a preempted request's state is offloaded to, with its KV blocks
     state_host_rows: int = 0
     # state layers that resume a prefix hit a token at a time (Mamba1): the longest rest of a prompt

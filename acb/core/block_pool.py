@@ -48,7 +48,9 @@ def block_digest(parent: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
 class BlockPool:
     """Hands out KV blocks all-or-nothing, takes them back by reference count, caches prefixes."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, snapshot_slots: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, snapshot_slots: int = 0, snapshot_tokens: int = 0
+    ) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is scratch)")
         self.num_blocks = num_blocks
@@ -60,7 +62,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.evictions = 0  # cached blocks handed out for new content (their digest forgotten)
         # state snapshots (see the module docstring): the slot each cached block carries, or -1
-        self.snapshots = SnapshotPool(snapshot_slots) if snapshot_slots and enable_caching else None
+        self.snapshots = SnapshotPool(snapshot_slots, snapshot_tokens) if snapshot_slots and enable_caching else None
         self.snapshot = [-1] * num_blocks
 
     @property
@@ -181,19 +183,20 @@ class BlockPool:
         snaps.release(self.snapshot[block])
         self.snapshot[block] = -1
 
-    def take_snapshot_slot(self) -> int | None:
-        """A slot for a new snapshot: a free one, else the least recently used one's (its block
-        keeps its KV and loses the snapshot); None when every slot is pending."""
+    def take_snapshot_slot(self, tokens: int = 0) -> int | None:
+        """A slot for a new snapshot of ``tokens`` tokens: a free one, else the least recently used
+        ones' (their blocks keep their KV and lose the snapshot) until one is free and, with a token
+        budget, the snapshot fits; None when the pending ones leave no room."""
         snaps = self.snapshots
         assert snaps is not None
-        slot = snaps.take_free()
-        if slot is None:
+        if snaps.token_budget and tokens > snaps.token_budget:
+            return None
+        while not snaps.num_free or not snaps.fits(tokens):
             oldest = snaps.oldest()
             if oldest is None:
                 return None
             self.drop_snapshot(snaps.block_of[oldest])
-            slot = snaps.take_free()
-        return slot
+        return snaps.take_free(tokens)
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call this after every engine test)."""
@@ -214,16 +217,23 @@ class BlockPool:
                     assert self.digests[b] is not None, f"block {b} carries snapshot {slot} but is not cached"
                     assert snaps.block_of[slot] == b, f"snapshot {slot}: held by block {snaps.block_of[slot]}, not {b}"
             assert sum(s >= 0 for s in self.snapshot) == len(snaps._lru)
+            assert snaps.used_tokens == sum(snaps.tokens), "snapshot tokens miscounted"
+            assert not snaps.token_budget or snaps.used_tokens <= snaps.token_budget, "snapshot tokens over budget"
         else:
             assert all(s < 0 for s in self.snapshot)
 
 
 class SnapshotPool:
     """Slots of state snapshots: free, pending (taken for a step whose output is not recorded
-    yet) or attached to a cached block (kept in least-recently-used order)."""
+    yet) or attached to a cached block (kept in least-recently-used order). With a token budget
+    (snapshots whose size grows with their position: the model's own caches cut at a block), the
+    slots' tokens together stay within it."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, token_budget: int = 0) -> None:
         self.num_slots = num_slots
+        self.token_budget = token_budget
+        self.tokens = [0] * num_slots  # each taken slot's snapshot length
+        self.used_tokens = 0
         self._free = list(range(num_slots - 1, -1, -1))
         self.block_of = [-1] * num_slots  # the block an attached slot's snapshot belongs to
         self._lru: OrderedDict[int, None] = OrderedDict()  # attached slots, least recently used first
@@ -238,8 +248,16 @@ class SnapshotPool:
     def num_attached(self) -> int:
         return len(self._lru)
 
-    def take_free(self) -> int | None:
-        return self._free.pop() if self._free else None
+    def fits(self, tokens: int) -> bool:
+        return not self.token_budget or self.used_tokens + tokens <= self.token_budget
+
+    def take_free(self, tokens: int = 0) -> int | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.tokens[slot] = tokens
+        self.used_tokens += tokens
+        return slot
 
     def oldest(self) -> int | None:
         if not self._lru:
@@ -260,6 +278,8 @@ class SnapshotPool:
         """A pending or attached slot is free again."""
         if self._lru.pop(slot, 0) is None:
             self.block_of[slot] = -1
+        self.used_tokens -= self.tokens[slot]
+        self.tokens[slot] = 0
         self._free.append(slot)
 
 

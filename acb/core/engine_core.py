@@ -118,7 +118,12 @@ class EngineCore:
         cfg = runner.cfg
         self.weight_resets = 0  # times the prefix cache was dropped because the weights changed
         self.runner = runner
-        self.pool = BlockPool(cfg.num_blocks, enable_caching=cfg.prefix_caching, snapshot_slots=cfg.state_snapshots)
+        self.pool = BlockPool(
+            cfg.num_blocks,
+            enable_caching=cfg.prefix_caching,
+            snapshot_slots=cfg.state_snapshots,
+            snapshot_tokens=cfg.snapshot_tokens,
+        )
         self.scheduler = Scheduler(
             self.pool,
             block_size=cfg.block_size,

@@ -352,7 +352,7 @@ class KVManager:
         plan = req.snap_plan
         while plan and plan[0][0] <= end:
             pos, digest = plan.pop(0)
-            slot = self.pool.take_snapshot_slot() if pos > start else None
+            slot = self.pool.take_snapshot_slot(pos) if pos > start else None
             if slot is None:
                 self._unplan(digest)
                 continue

@@ -310,7 +310,7 @@ class ModelRunner:
             )
             whole.append("own cache")
         slots = self._state_memory(config, spec, snapshots) if self.linear is not None else 0
-        if snapshots and self.own_forward is not None:  # cut copies of own caches, priced at their bound
+        if snapshots and self.own_forward is not None:  # cut copies of own caches, within a token budget
             budget = kv_memory_budget(self.device, config.max_memory_percent)
             self.cfg, slots = snapshot_memory(self.cfg, config, spec.own_bytes_per_token, budget)
         # why the state layers' prefix is not reused (acb.runner.kinds reports it)

@@ -271,36 +271,41 @@ def _cut(cache: Any, length: int) -> Any:
 def snapshot_memory(
     cfg: ResolvedConfig, config: ContinuousBatchingConfig, bytes_per_token: int, budget: int
 ) -> tuple[ResolvedConfig, int]:
-    """Price the snapshot slots of prefix caching on the model's own caches; returns the config
-    (with fewer blocks when the cache is sized from the budget) and the number of slots.
+    """Price the snapshots of prefix caching on the model's own caches; returns the config (with
+    the snapshots' token budget, and fewer blocks when the cache is sized from the budget) and the
+    number of slots.
 
-    A slot holds one request's cache cut at a block boundary of its prompt: up to
-    ``max_model_len`` tokens at ``bytes_per_token`` (the own cache's measured cost). The core's
-    slots are a count, not bytes, so each is priced at that worst case: ``state_snapshots`` slots
-    when asked for, else twice the request rows within a quarter of ``budget`` (the memory budget
-    of the KV cache, as the state layers' snapshots get). Where the blocks are sized from the
-    budget (``num_blocks`` unset) they give up the slots' bytes, keeping room for one request of
-    ``max_model_len``. A slot's snapshot is usually far smaller than the bound (the prompts'
-    shared prefix): pricing by actual bytes needs the core to drop slots the runner evicts."""
-    per_slot = max(1, cfg.max_model_len * bytes_per_token)
+    A slot holds one request's cache cut at a block boundary of its prompt, as many tokens as the
+    boundary's position at ``bytes_per_token`` (the own cache's measured cost). The snapshots are
+    bounded by the tokens they hold together (``snapshot_tokens``: the core evicts the least
+    recently used ones to fit a new one): a quarter of ``budget`` (the KV cache's memory budget, as
+    the state layers' snapshots get), or with ``state_snapshots`` set, that many slots of
+    ``max_model_len`` tokens. The slots are four per request row (or ``state_snapshots``). Where
+    the blocks are sized from the budget (``num_blocks`` unset) they give up the snapshots' bytes,
+    keeping room for one request of ``max_model_len``."""
+    per_token = max(1, bytes_per_token)
     if config.state_snapshots is not None:
         slots = config.state_snapshots
+        tokens = slots * cfg.max_model_len
     else:
-        slots = min(2 * (cfg.max_requests_per_batch + 1), budget // 4 // per_slot)
+        slots = 4 * (cfg.max_requests_per_batch + 1)
+        tokens = budget // 4 // per_token
     per_block = cfg.block_size * bytes_per_token
     if config.num_blocks is None and per_block and slots:
         needed = cfg.max_blocks_per_seq + 1
-        room = max(0, cfg.num_blocks - needed) * per_block
+        room = max(0, cfg.num_blocks - needed) * cfg.block_size
         if config.state_snapshots is None:
-            slots = min(slots, room // per_slot)
-        num_blocks = max(needed, cfg.num_blocks - -(-slots * per_slot // per_block))
+            tokens = min(tokens, room)
+        num_blocks = max(needed, cfg.num_blocks - -(-tokens // cfg.block_size))
         cfg = dataclasses.replace(
             cfg,
             num_blocks=num_blocks,
             kv_cache_bytes=num_blocks * per_block,
             max_model_len=min(cfg.max_model_len, (num_blocks - 1) * cfg.block_size),
         )
-    return cfg, slots
+    if tokens < cfg.block_size:  # not one block's snapshot fits
+        slots = 0
+    return dataclasses.replace(cfg, snapshot_tokens=tokens if slots else 0), slots
 
 
 def _length(cache: Any) -> int:

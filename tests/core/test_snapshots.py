@@ -190,3 +190,25 @@ def test_a_hit_for_layers_that_step_a_token_at_a_time_is_taken_for_a_short_rest_
     out = step(s)
     assert starts(out)["long"] == 0 and not out.restores
     finish(s)
+
+
+def test_snapshots_whose_size_grows_with_their_length_stay_within_a_token_budget():
+    """Own caches cut at a block: a snapshot holds as many tokens as its position; the least
+    recently used ones go until a new one fits the budget; one longer than the budget is not taken."""
+    s = Scheduler(
+        BlockPool(64, enable_caching=True, snapshot_slots=8, snapshot_tokens=40),
+        block_size=BS,
+        max_batch_tokens=64,
+        max_running=8,
+    )
+    s.add(make("a", PREFIX))  # snapshots at 16 and 20 tokens: 36 of 40
+    finish(s)
+    snaps = s.pool.snapshots
+    assert snaps.num_attached == 2 and snaps.used_tokens == 36
+    s.add(make("b", list(range(300, 312))))  # 8 and 12: the 16 and 20 go to fit them
+    finish(s)
+    assert snaps.used_tokens <= 40 and snaps.evictions >= 1
+    s.add(make("c", list(range(400, 444))))  # 44 tokens: its 40- and 44-token snapshots never fit together
+    finish(s)
+    assert snaps.used_tokens <= 40
+    s.check_invariants()
