@@ -154,7 +154,7 @@ def hybrid(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_hybrid")
     prefix = run_workload("shared-prefix", size="tiny", out_dir=str(out), plot=False, arch="qwen3_5")
     spec = ModelSpec("tiny", arch="qwen3_5")
-    ev = eval_.run("tiny", spec, tasks=("fewshot_letters", "fewshot_gen"), smoke=2)  # 2 documents each, no warm-up
+    ev = eval_.run("tiny", spec, tasks=("fewshot_letters", "fewshot_gen"), docs=2, warmup=False)
     return prefix, ev
 
 

@@ -43,11 +43,13 @@ def run_workload(
     baselines: bool = True,
     plot: bool = True,
     arch: str = "llama",
+    eval_docs: int | None = None,
 ) -> dict[str, Any]:
     """Run one workload; returns the JSON document (also written to ``out_dir`` when given).
 
     ``arch`` (:data:`acb.bench.common.ARCHS`) is the benchmark model's architecture; a result of
-    another than the Llama is named ``{kind}_{workload}_{arch}``."""
+    another than the Llama is named ``{kind}_{workload}_{arch}``. ``eval_docs``: the eval bench on the first
+    that many documents of each task (:func:`acb.bench.eval.run`'s ``docs``; named ``..._docs{N}``)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
     if arch not in ARCHS:
@@ -57,14 +59,18 @@ def run_workload(
     model = spec.build()
     doc: dict[str, Any] = {"size": size, "machine": machine, "model": spec.describe(model)}
     del model
-    doc["result"] = _module(name).run(size, spec, baselines=baselines)
+    options = {"docs": eval_docs} if name == "eval" and eval_docs is not None else {}
+    doc["result"] = _module(name).run(size, spec, baselines=baselines, **options)
     if "model" in doc["result"]:  # a workload that runs its own checkpoint describes it
         doc["model"] = doc["result"].pop("model")
     if out_dir is not None:
         kind = "gpu" if device.startswith("cuda") else "cpu"
         stem = os.path.join(
             out_dir,
-            f"{kind}_{name}" + ("" if arch == "llama" else f"_{arch}") + ("" if size == "default" else f"_{size}"),
+            f"{kind}_{name}"
+            + ("" if arch == "llama" else f"_{arch}")
+            + ("" if size == "default" else f"_{size}")
+            + (f"_docs{options['docs']}" if options else ""),
         )
         write_json(stem + ".json", doc)
         doc["json_path"] = stem + ".json"

@@ -297,12 +297,17 @@ def floor_flops(costs: dict[str, float], rec: _Recorder) -> dict[str, float]:
 
 
 def run(
-    size: str, spec: ModelSpec, baselines: bool = True, tasks: tuple[str, ...] = TASKS, smoke: int | None = None
+    size: str,
+    spec: ModelSpec,
+    baselines: bool = True,
+    tasks: tuple[str, ...] = TASKS,
+    docs: int | None = None,
+    warmup: bool = True,
 ) -> dict[str, Any]:
-    """The bench (``acb bench eval``). A shorter run, for the tests: ``tasks`` (some of
-    :data:`TASKS`), and ``smoke``: the first ``smoke`` documents of each task only, no warm-up, no
-    runs on the first ``LIMIT`` documents nor the combined calls."""
-    full = smoke is None  # the whole bench (else a smoke run)
+    """The bench (``acb bench eval``). Shorter runs: ``tasks`` (some of :data:`TASKS`); ``docs``,
+    the first ``docs`` documents of each task only (``acb bench eval --docs``), without the runs on
+    the first ``LIMIT`` documents and the combined calls; ``warmup=False`` (the tests)."""
+    full = docs is None  # the whole bench
     if not set(tasks) <= set(TASKS):
         raise ValueError(f"unknown tasks {sorted(set(tasks) - set(TASKS))}; choose from {TASKS}")
     combined = COMBINED if full and tuple(tasks) == TASKS else {}
@@ -371,13 +376,13 @@ def run(
     rec = _Recorder()
     limit = LIMIT[size]
     try:
-        for model_name, args in sides.values() if full else ():  # untimed warm-up
+        for model_name, args in sides.values() if warmup else ():  # untimed warm-up
             evaluate(model_name, args, list(tasks), limit=2)
         undo = rec.install()
         try:
             for task in tasks:
                 for label, (model_name, args) in sides.items():  # interleaved: a slow spell hits every side
-                    outs[label][task], seconds[label][task] = evaluate(model_name, args, [task], limit=smoke)
+                    outs[label][task], seconds[label][task] = evaluate(model_name, args, [task], limit=docs)
         finally:
             undo()  # (the floor is of the full runs)
         for task in (*tasks, *combined) if full else ():
@@ -428,12 +433,13 @@ def run(
             **sizes,
         },
         "settings": {
-            "docs": dict(zip(TASKS, DOCS[size])),
+            "docs": {t: min(n, docs or n) for t, n in zip(TASKS, DOCS[size]) if t in tasks},
             "limit": limit if full else None,
-            "smoke": smoke,
+            "docs_limit": docs,
             "held_out": "rolling",
             "max_gen_toks": MAX_GEN_TOKS[size],
-            "timed": "model loading included, after an untimed 2-document run of every task",
+            "timed": "model loading included"
+            + (", after an untimed 2-document run of every task" if warmup else ", no warm-up"),
         },
         "floor": {
             **floor,

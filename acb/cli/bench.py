@@ -41,6 +41,14 @@ def _add_bench(sub: Any) -> None:
         "hybrid: gated-DeltaNet linear attention, three layers to one full attention) or deepseek_v3 (MLA "
         "+ MoE; not for eval); results of another than llama are named {cpu|gpu}_WORKLOAD_ARCH.json",
     )
+    p.add_argument(
+        "--docs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="eval only: time the first N documents of each task (no runs on the first 48, nor the combined "
+        "calls); the result is named {cpu|gpu}_eval[_ARCH]_docsN.json",
+    )
     p.add_argument("--out-dir", default="benchmarks/results", help="where JSON/PNG go (default: benchmarks/results)")
     p.add_argument("--no-baselines", action="store_true", help="skip the transformers / generate baselines")
     p.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
@@ -75,6 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             baselines=not args.no_baselines,
             plot=not args.no_plot,
             arch=args.arch,
+            eval_docs=args.docs,
         )
         print(markdown_for(doc))
         print(
