@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +40,12 @@ from typing import Any
 import torch
 
 from acb.runner.intercept import Interception, call_arguments
+from acb.runner.step import CURRENT, entered
 
 # the cache method an indexer's own code calls to store its keys and read them back
 INDEXER_INTERFACE = "update_indexer"
 
 _SPEAKS: dict[type, bool] = {}
-_STEP = threading.local()
 
 
 def _calls_update_indexer(cls: type) -> bool:
@@ -114,12 +113,8 @@ def indexed_step(kv_cache: Any, batch: Any) -> Iterator[None]:
     for i, (n, start) in enumerate(zip(batch.num_new, batch.start_pos)):
         segments.append(_Segment(lo, lo + n, start, batch.block_table[i, : -(-(start + n) // bs)]))
         lo += n
-    prev = getattr(_STEP, "step", None)
-    _STEP.step = _Step(kv_cache, batch.slot_mapping, segments)
-    try:
+    with entered("index", _Step(kv_cache, batch.slot_mapping, segments)):
         yield
-    finally:
-        _STEP.step = prev
 
 
 class _IndexCache:
@@ -145,7 +140,7 @@ class _IndexCache:
 
 
 def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **kwargs: Any) -> Any:
-    step: _Step | None = getattr(_STEP, "step", None)
+    step: _Step | None = CURRENT.index
     if step is None:  # not an engine step: the indexer as it always was
         return original(*args, **kwargs)
     rest = call_arguments(sig, module, args, kwargs)

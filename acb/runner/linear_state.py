@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from acb.runner.intercept import Interception, code_names
+from acb.runner.step import CURRENT, entered
 
 # the cache interfaces a state layer speaks (transformers' linear-attention / SSM caches): a layer
 # class whose own code calls one of these sets on its cache keeps a per-request state acb must hold.
@@ -58,8 +58,6 @@ STATE_INTERFACES = (
     frozenset({"get_conv_state", "update_conv_state"}),
 )
 STATE_INTERFACE = STATE_INTERFACES[0]
-
-_STEP = threading.local()
 
 
 def _speaks_state_interface(cls: type) -> bool:
@@ -343,12 +341,8 @@ def linear_step(
         snaps.setdefault(row, []).append((offset, slot))
     for at in snaps.values():
         at.sort()
-    prev = getattr(_STEP, "step", None)
-    _STEP.step = _Step(states, segments, snaps)
-    try:
+    with entered("states", _Step(states, segments, snaps)):
         yield
-    finally:
-        _STEP.step = prev
 
 
 def _call(original: Any, cache_arg: str, x: torch.Tensor, cache: Any, extra: dict[str, Any], at: Any) -> Any:
@@ -413,7 +407,7 @@ STEPWISE_MAX_TAIL = 32
 def _forward(
     original: Any, layer: int, cache_arg: str, sig: inspect.Signature, cls: type, *args: Any, **kwargs: Any
 ) -> Any:
-    step: _Step | None = getattr(_STEP, "step", None)
+    step: _Step | None = CURRENT.states
     if step is None:  # not an engine step: the layer as it always was
         return original(*args, **kwargs)
     extra = _required(sig, cache_arg, args, kwargs)

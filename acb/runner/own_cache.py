@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,11 +36,10 @@ import torch
 
 from acb.runner.attention import own_attention_here
 from acb.runner.intercept import Interception, call_arguments, code_names
+from acb.runner.step import CURRENT, entered
 
 # the cache-layer method a compressor's own code calls to keep its pooled entries
 COMPRESSOR_INTERFACE = "update_compressor_states"
-
-_STEP = threading.local()
 
 
 def own_cache_layers(model: torch.nn.Module) -> list[Any]:
@@ -147,12 +145,8 @@ def own_cache_step(caches: OwnCaches, num_new: list[int], rows: list[int]) -> It
     for n, row in zip(num_new, rows):
         segments.append((lo, lo + n, row))
         lo += n
-    prev = getattr(_STEP, "step", None)
-    _STEP.step = _Step(caches, segments)
-    try:
+    with entered("own_cache", _Step(caches, segments)):
         yield
-    finally:
-        _STEP.step = prev
 
 
 def _take(value: Any, lo: int, hi: int) -> Any:
@@ -181,7 +175,7 @@ def _mask(config: Any, cache: Any, hidden: torch.Tensor, position_ids: torch.Ten
 
 
 def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **kwargs: Any) -> Any:
-    step: _Step | None = getattr(_STEP, "step", None)
+    step: _Step | None = CURRENT.own_cache
     if step is None:  # not an engine step: the layer as it always was
         return original(*args, **kwargs)
     rest = call_arguments(sig, module, args, kwargs)

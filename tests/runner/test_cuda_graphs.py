@@ -105,13 +105,21 @@ def test_graph_replay_equals_eager_with_sampling_and_n(monkeypatch):
             page_size=4, num_blocks=64, attn_backend="triton", use_cuda_graph=graphs, max_requests_per_batch=8
         )
         with acb.Engine(model, cfg) as eng:
-            outs = [h.result(timeout=600) for h in [eng.submit(p, s) for p, s in zip(prompts, sp)]]
+            # submitted while paused, so that both runs batch the same requests in the same steps
+            # (logprobs depend on the batch's shapes in their last bits; on a busy machine the engine
+            # thread once started stepping between two submits of one run and not the other's)
+            eng.pause()
+            handles = [eng.submit(p, s) for p, s in zip(prompts, sp)]
+            eng.resume()
+            outs = [h.result(timeout=600) for h in handles]
             # one-token prompts, one with n=3: their first step is decode-only and samples rows
             # 0, 0, 0, 1 of the logits (logits_indices is not the identity)
+            eng.pause()
             pair = [
                 eng.submit([9], acb.SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=6)),
                 eng.submit([11], acb.SamplingParams(max_new_tokens=4)),
             ]
+            eng.resume()
             outs += [h.result(timeout=600) for h in pair]
             if graphs:
                 assert sum(eng.runner.graphs.replays.values()) > 0

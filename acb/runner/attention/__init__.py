@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
+
+from acb.runner.step import CURRENT, entered
 
 if TYPE_CHECKING:
     from acb.runner.kv_cache import KVCache
@@ -73,9 +74,6 @@ class StepContext:
     metadata: Any
 
 
-_CALLED_AT = threading.local()
-
-
 class SharedAttention:
     """The attention modules that are told their layer when called (``forward(..., layer_idx)``:
     one module shared by several layers, Zamba2's shared block): each call's ``layer_idx`` is
@@ -102,12 +100,8 @@ class SharedAttention:
 
 def _called_at(original: Any, sig: inspect.Signature, module: Any, *args: Any, **kwargs: Any) -> Any:
     layer = sig.bind_partial(module, *args, **kwargs).arguments.get("layer_idx")
-    prev = getattr(_CALLED_AT, "layer", None)
-    _CALLED_AT.layer = layer
-    try:
+    with entered("called_layer", layer):
         return original(*args, **kwargs)
-    finally:
-        _CALLED_AT.layer = prev
 
 
 def layer_chunk(module: torch.nn.Module) -> int | None:
@@ -144,8 +138,8 @@ def acb_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     ctx: StepContext | Literal[True] | None = kwargs.get("acb_ctx")
     if ctx is None:  # a decoder layer that drops its kwargs (Nemotron): the thread's step, if any
-        ctx = getattr(_STEP, "ctx", None)
-    if getattr(_OWN_HERE, "on", False):  # a layer run on the model's own cache (acb.runner.own_cache)
+        ctx = CURRENT.attention
+    if CURRENT.own_attention:  # a layer run on the model's own cache (acb.runner.own_cache)
         ctx = None
         kwargs.pop("acb_ctx", None)
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
@@ -172,7 +166,7 @@ def acb_attention_forward(
     shared = bool(getattr(module, "is_kv_shared_layer", False))
     # an int on HF attention layers; a shared block's module (Zamba2's, one module called at several
     # layers) is told its layer at call time instead (SharedAttention)
-    called = getattr(_CALLED_AT, "layer", None)
+    called = CURRENT.called_layer
     layer_idx: int = called if called is not None else module.layer_idx  # type: ignore[assignment]
     latent: LatentExpand | None = getattr(module, "_acb_latent", None)  # acb.runner.latent.LATENT_ATTR
     if latent is not None and (ctx is True or ctx.kv_cache.layer_of(layer_idx) not in ctx.kv_cache.spec.latent_layers):
@@ -231,25 +225,18 @@ def acb_attention_forward(
     return (out if k_dim == v_dim else out[..., :v_dim].contiguous()), None
 
 
-_OWN_HERE = threading.local()
-
-
 @contextlib.contextmanager
 def own_attention_here() -> Iterator[None]:
     """Within the block, this thread's attention calls go to the model's own attention function
     (with the mask and keys the model gives it), as outside an engine step: for layers that run
     on the model's own cache (:mod:`acb.runner.own_cache`)."""
-    prev = getattr(_OWN_HERE, "on", False)
-    _OWN_HERE.on = True
-    try:
+    with entered("own_attention", True):
         yield
-    finally:
-        _OWN_HERE.on = prev
 
 
 def on_own_attention() -> bool:
     """Whether this thread is inside :func:`own_attention_here`."""
-    return bool(getattr(_OWN_HERE, "on", False))
+    return CURRENT.own_attention
 
 
 def fold_selection(
@@ -354,24 +341,17 @@ def _forward(
 # Under torch.compile the step's context (host-side metadata, the cache) is not a graph input:
 # the runner sets it for its thread around the forward, and attention is one opaque custom op
 # that reads it, so the rest of the model compiles into one graph around the layers' attention.
-_STEP = threading.local()
-
-
 def in_step() -> bool:
     """Whether this thread is inside an engine step's forward (:func:`step_context`)."""
-    return getattr(_STEP, "ctx", None) is not None
+    return CURRENT.attention is not None
 
 
 @contextlib.contextmanager
 def step_context(ctx: StepContext) -> Iterator[None]:
     """Make ``ctx`` the context of ``acb::paged_attention`` calls on this thread (the runner
     enters it around every engine forward, compiled or not)."""
-    prev = getattr(_STEP, "ctx", None)
-    _STEP.ctx = ctx
-    try:
+    with entered("attention", ctx):
         yield
-    finally:
-        _STEP.ctx = prev
 
 
 @torch.library.custom_op("acb::paged_attention", mutates_args=())
@@ -392,7 +372,7 @@ def paged_attention(
     current step (it also writes the step's keys and values into the cache: a side effect the
     graph cannot see, and needs not, since nothing else in the graph reads the cache).
     [1, T, heads, head_dim]."""
-    ctx: StepContext | None = getattr(_STEP, "ctx", None)
+    ctx: StepContext | None = CURRENT.attention
     if ctx is None:
         raise RuntimeError("acb::paged_attention ran outside an engine step")
     return _forward(ctx, layer, query, key, value, scaling, sliding_window, softcap, sinks, chunk, store, tuning)
