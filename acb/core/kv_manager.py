@@ -41,8 +41,8 @@ The contract:
   ``plan_snapshots`` picks where the request's prefill will take snapshots, at block
   boundaries only: where its cached chain ended without one (an earlier prompt diverged
   there), where it diverges from the requests queued behind it (an evaluation's shared
-  contexts), and at its prompt's last full block and the block before the last token (the same
-  prompt, or the prompt extended, again). ``note_snapshots`` takes a slot for each boundary a
+  contexts), and, for a request that generates, at its prompt's last full block and the block
+  before the last token (the same prompt, or the prompt extended, again). ``note_snapshots`` takes a slot for each boundary a
   step crosses (``SchedulerOutput.snapshots``); ``register_computed`` attaches it to the cached
   block once the step's output is recorded (a step that fails gives it back at ``end_step``).
   A request whose prefix another running request will snapshot waits for it, as a paged one
@@ -326,7 +326,11 @@ class KVManager:
         if prompt_blocks <= hits or req.kv_epoch != self.epoch:
             return
         digests = self._digests(req, prompt_blocks)
-        ends = {prompt_blocks, self._lookup_blocks(req)}
+        # the prompt again, or extended (a chat's next turn): its last full block and the block
+        # before its last token. Not for scoring requests (an evaluation's windows and contexts:
+        # seldom sent again, and their shared contexts are forks or the junctions below): each
+        # snapshot inside a segment costs the state layers one more call
+        ends = set() if req.scoring or req.prompt_lps is not None else {prompt_blocks, self._lookup_blocks(req)}
         chain = len(self.pool.lookup(digests))
         ends.add(chain)  # the cached chain ends here without a snapshot
         for peer in peers:  # where the requests behind it part from it

@@ -212,3 +212,21 @@ def test_snapshots_whose_size_grows_with_their_length_stay_within_a_token_budget
     finish(s)
     assert snaps.used_tokens <= 40
     s.check_invariants()
+
+
+def test_a_scoring_request_snapshots_only_where_others_share_its_prompt():
+    """Scoring (an evaluation's windows and contexts) takes no snapshot on the chance that its prompt
+    comes again (each one inside a segment costs the state layers a call), only at junctions."""
+    s = sched()
+    alone = make("alone", PREFIX)
+    alone.scoring = True
+    s.add(alone)
+    assert not step(s).snapshots
+    finish(s)
+    for i in range(2):
+        r = make(f"r{i}", PREFIX + [i + 1] * 6)
+        r.scoring = True
+        s.add(r)
+    out = step(s)
+    assert [off for off, _ in taken(out)] == [20]  # where the two part
+    finish(s)
