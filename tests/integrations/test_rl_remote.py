@@ -597,7 +597,8 @@ def test_rollout_func_raises_the_generations_own_error(server, checkpoint):
         args=SimpleNamespace(max_completion_length=4, temperature=1.0, top_p=1.0),
     )
     rollouts = rollout_func(base(server), NAME)
-    assert len(rollouts(["hello"], trainer)["completion_ids"][0]) == 4
+    # (sampled at temperature 1: the model's EOS may end it early; a clean-clone run once drew it)
+    assert 1 <= len(rollouts(["hello"], trainer)["completion_ids"][0]) <= 4
     for prompts in ([""], ["hello", "word " * 5000]):  # (an empty prompt; one past 1024 positions)
         with pytest.raises(InvalidRequestError, match="prompt") as info:
             rollouts(prompts, trainer)
