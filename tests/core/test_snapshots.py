@@ -16,13 +16,15 @@ def make(rid: str, tokens: list[int], max_new: int = 2) -> Request:
     return Request(rid, list(tokens), max_new_tokens=max_new)
 
 
-def sched(slots: int = 8, num_blocks: int = 64, budget: int = 64) -> Scheduler:
-    return Scheduler(
+def sched(slots: int = 8, num_blocks: int = 64, budget: int = 64, speculative: int = 0) -> Scheduler:
+    s = Scheduler(
         BlockPool(num_blocks, enable_caching=True, snapshot_slots=slots),
         block_size=BS,
         max_batch_tokens=budget,
         max_running=8,
     )
+    s.kv.speculative_min_tokens = speculative  # (these tests' prompts are short)
+    return s
 
 
 def step(s: Scheduler):
@@ -180,6 +182,7 @@ def test_a_hit_for_layers_that_step_a_token_at_a_time_is_taken_for_a_short_rest_
         max_running=8,
         resume_max_tail=6,
     )
+    s.kv.speculative_min_tokens = 0
     s.add(make("a", PREFIX))
     finish(s)
     s.add(make("short", PREFIX + [1] * 6))  # six tokens after the hit: taken
@@ -201,6 +204,7 @@ def test_snapshots_whose_size_grows_with_their_length_stay_within_a_token_budget
         max_batch_tokens=64,
         max_running=8,
     )
+    s.kv.speculative_min_tokens = 0
     s.add(make("a", PREFIX))  # snapshots at 16 and 20 tokens: 36 of 40
     finish(s)
     snaps = s.pool.snapshots
@@ -229,4 +233,19 @@ def test_a_scoring_request_snapshots_only_where_others_share_its_prompt():
         s.add(r)
     out = step(s)
     assert [off for off, _ in taken(out)] == [20]  # where the two part
+    finish(s)
+
+
+def test_a_short_prompt_is_snapshotted_for_its_own_sake_only_where_it_costs_nothing():
+    """Below ``speculative_min_tokens`` a generating prompt takes its own snapshots only where its
+    prefill ends on a block (no extra call of the state layers): not inside a segment."""
+    s = sched(speculative=100, budget=128)
+    s.add(make("aligned", PREFIX))  # ends on a block: its last full block, free
+    assert [off for off, _ in taken(step(s))] == [20]
+    finish(s)
+    s.add(make("ragged", PREFIX + [1, 2]))  # its last full block is inside the segment
+    assert not step(s).snapshots
+    finish(s)
+    s.add(make("long", list(range(500, 602))))  # 102 tokens: both, inside the segment
+    assert [off for off, _ in taken(step(s))] == [100]
     finish(s)
