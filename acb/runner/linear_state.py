@@ -487,32 +487,59 @@ def _cache_arg(layer: torch.nn.Module) -> str:
     return _cache_arg_of(type(layer))
 
 
+class _Scratch:
+    """A start-up try of one state layer alone: a scratch input of ``tokens`` tokens (random, or
+    zeros), fresh one-row states, and the layer's own forward over a part of the input with them
+    (the arguments the forward requires besides its input and cache are None: MiniMax's rotary
+    embeddings and mask, which its lightning attention does not read)."""
+
+    def __init__(
+        self, layer: torch.nn.Module, param: torch.Tensor, tokens: int, hidden_size: int, random: bool
+    ) -> None:
+        self.layer = layer
+        self.device = param.device
+        if random:
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(1, tokens, hidden_size, generator=g).to(param.device, param.dtype)
+        else:
+            self.x = torch.zeros(1, tokens, hidden_size, device=param.device, dtype=param.dtype)
+        self.arg = _cache_arg(layer)
+        self.extra = {name: None for name in _required(inspect.signature(type(layer).forward), self.arg, (self.x,), {})}
+        self.conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module, tokens: int, hidden_size: int, random: bool = True) -> _Scratch | None:
+        param = next(layer.parameters(), None)
+        return None if param is None else cls(layer, param, tokens, hidden_size, random)
+
+    def states(self) -> LinearStates:
+        return LinearStates(1, self.device, self.conv_only)
+
+    def run(self, x: torch.Tensor, states: LinearStates) -> Any:
+        with torch.no_grad():
+            return self.layer(x, **{self.arg: _RequestCache(states, 0)}, **self.extra)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The start-up tries' tolerance: the same outputs to float rounding of the other order."""
+    want = want.float()
+    return torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6)
+
+
 def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
     """Whether ``layer`` continues a prefill from the state an earlier chunk left: the same tokens
     in two chunks give what they give whole. The gated delta rule and Mamba2's chunk scan take
     the state in; Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba) does not, so a model with
     such layers must prefill each prompt in one step. Tried once per layer class, at start, on
     a scratch state (a layer that fails the try is taken as one that cannot)."""
-    param = next(layer.parameters(), None)
-    if param is None:
+    t = _Scratch.of(layer, 12, hidden_size)
+    if t is None:
         return False
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 12, hidden_size, generator=g).to(param.device, param.dtype)
-    arg = _cache_arg(layer)
-    # arguments the forward requires besides its input and cache: none on this try (MiniMax's rotary
-    # embeddings and mask, which its lightning attention does not read)
-    extra = {name: None for name in _required(inspect.signature(type(layer).forward), arg, (x,), {})}
-    conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
-
-    def states() -> LinearStates:
-        return LinearStates(1, param.device, conv_only)
-
     try:
-        with torch.no_grad():
-            whole = layer(x, **{arg: _RequestCache(states(), 0)}, **extra)
-            kept = states()
-            layer(x[:, :7], **{arg: _RequestCache(kept, 0)}, **extra)
-            second = layer(x[:, 7:], **{arg: _RequestCache(kept, 0)}, **extra)
+        whole = t.run(t.x, t.states())
+        kept = t.states()
+        t.run(t.x[:, :7], kept)
+        second = t.run(t.x[:, 7:], kept)
     except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: prefill whole, to be safe
         return False
     pairs = list(zip(second, whole)) if isinstance(whole, tuple) else [(second, whole)]
@@ -523,13 +550,8 @@ def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
     )
     if isinstance(whole, tuple):
         _PER_TOKEN[type(layer)] = flags
-    for (got, full), per_token in zip(pairs, flags):
-        if not per_token:  # (MiniMax's returned state)
-            continue
-        want = full[:, 7:].float()
-        if not torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6):
-            return False
-    return True
+    # (an output that is not per token: MiniMax's returned state)
+    return all(_close(got, full[:, 7:]) for (got, full), per_token in zip(pairs, flags) if per_token)
 
 
 def state_row_bytes(layers: list[torch.nn.Module], hidden_size: int) -> int:
@@ -537,17 +559,12 @@ def state_row_bytes(layers: list[torch.nn.Module], hidden_size: int) -> int:
     writes them: dtype included), measured by one 2-token call of each layer on a scratch state."""
     total = 0
     for layer in layers:
-        param = next(layer.parameters(), None)
-        if param is None:
+        t = _Scratch.of(layer, 2, hidden_size, random=False)
+        if t is None:
             continue
-        x = torch.zeros(1, 2, hidden_size, device=param.device, dtype=param.dtype)
-        arg = _cache_arg(layer)
-        extra = {name: None for name in _required(inspect.signature(type(layer).forward), arg, (x,), {})}
-        conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
-        states = LinearStates(1, param.device, conv_only)
+        states = t.states()
         try:
-            with torch.no_grad():
-                layer(x, **{arg: _RequestCache(states, 0)}, **extra)
+            t.run(t.x, states)
         except Exception:  # noqa: BLE001 - a layer that cannot run alone: its state is not measured
             continue
         total += states.nbytes()
@@ -559,27 +576,19 @@ def resumes_stepwise(layer: torch.nn.Module, hidden_size: int) -> bool:
     token at a time, the rest of a prompt after a state taken as decode steps, to what the whole
     prompt gives (Mamba1: its one-token form reads the state its scan ignores). Such a layer's
     class joins :data:`STEPWISE`."""
-    param = next(layer.parameters(), None)
-    if param is None:
+    t = _Scratch.of(layer, 12, hidden_size)
+    if t is None:
         return False
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 12, hidden_size, generator=g).to(param.device, param.dtype)
-    arg = _cache_arg(layer)
-    extra = {name: None for name in _required(inspect.signature(type(layer).forward), arg, (x,), {})}
-    conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
     try:
-        with torch.no_grad():
-            whole = layer(x, **{arg: _RequestCache(LinearStates(1, param.device, conv_only), 0)}, **extra)
-            kept = LinearStates(1, param.device, conv_only)
-            layer(x[:, :7], **{arg: _RequestCache(kept, 0)}, **extra)
-            steps = [layer(x[:, t : t + 1], **{arg: _RequestCache(kept, 0)}, **extra) for t in range(7, 12)]
+        whole = t.run(t.x, t.states())
+        kept = t.states()
+        t.run(t.x[:, :7], kept)
+        steps = [t.run(t.x[:, i : i + 1], kept) for i in range(7, 12)]
     except Exception:  # noqa: BLE001 - a layer that cannot run the try alone
         return False
     if isinstance(whole, tuple):
         return False
-    want = whole[:, 7:].float()
-    got = torch.cat(steps, dim=1).float()
-    ok = torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6)
+    ok = _close(torch.cat(steps, dim=1), whole[:, 7:])
     if ok:
         STEPWISE.add(type(layer))
     return ok
