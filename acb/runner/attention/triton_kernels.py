@@ -23,6 +23,11 @@ Kernels
 * ``paged_prefill_attention``: varlen (chunked) prefill. A program owns ``BLOCK_M`` queries of
   one (sequence, head) and walks the key tiles it can see (causal, bottom-right aligned; only the
   window with a sliding window) with an online softmax.
+* ``paged_latent_attention``: an MLA layer's latent pages (``[num_blocks, block_size, 1, r + rope]``,
+  ``acb.runner.latent``) with the query absorbed (B3): one KV head for all ``H`` query heads, whose
+  keys are the whole ``[c | k_rot]`` row and whose values are its first ``r`` columns. One query per
+  program row, each with its own context length and block-table row (decode rows, and each query of
+  a short chunk after a cached prefix); split-K with the decode kernel's reduction.
 
 Both attention kernels take attention sinks (GPT-OSS: a per-head logit in the softmax's
 denominator with no value; the online softmax starts from it, in the decode kernel's first split
@@ -48,9 +53,11 @@ __all__ = [
     "store_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "paged_latent_attention",
     "choose_num_splits",
     "interpreted",
     "precompile",
+    "precompile_latent",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -158,14 +165,19 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _scores(q, k, scale_log2, scale, softcap, HAS_SOFTCAP: tl.constexpr, F32: tl.constexpr):
-    """``q @ k.T`` scaled (and soft-capped) in base 2: ready for ``exp2``."""
-    s = _dot(q, tl.trans(k), F32)
+def _scaled(s, scale_log2, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw scores ``s`` scaled (and soft-capped) in base 2: ready for ``exp2``."""
     if HAS_SOFTCAP:
         s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
     else:
         s = s * scale_log2
     return s
+
+
+@triton.jit
+def _scores(q, k, scale_log2, scale, softcap, HAS_SOFTCAP: tl.constexpr, F32: tl.constexpr):
+    """``q @ k.T`` scaled (and soft-capped) in base 2: ready for ``exp2``."""
+    return _scaled(_dot(q, tl.trans(k), F32), scale_log2, scale, softcap, HAS_SOFTCAP)
 
 
 @triton.jit
@@ -816,6 +828,245 @@ def paged_prefill_attention(
 
 
 # ---------------------------------------------------------------------------------------------
+# (d) an MLA layer's latent pages, the query absorbed (B3 of acb.runner.latent)
+# ---------------------------------------------------------------------------------------------
+
+
+# the block table's width and the split count vary per step (see _decode_split_kernel)
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
+def _latent_decode_kernel(
+    q_ptr,
+    pages_ptr,
+    block_table_ptr,
+    rows_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    sinks_ptr,
+    scale_log2,
+    scale,
+    softcap,
+    window,
+    chunk,
+    num_splits,
+    num_heads,
+    rank,
+    rope,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_pb,
+    stride_po,
+    stride_pd,
+    stride_btb,
+    stride_btc,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HAS_ROWS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    F32: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)  # the query
+    hb = tl.program_id(1)  # its block of heads
+    split = tl.program_id(2)
+    if HAS_ROWS:
+        bt = tl.load(rows_ptr + i).to(tl.int64)
+    else:
+        bt = i
+    seq_len = tl.load(seq_lens_ptr + i).to(tl.int32)
+
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    if HAS_CHUNK:  # the query (position seq_len - 1) sees its own chunk only
+        lo = tl.maximum(lo, (tl.maximum(seq_len, 1) - 1) // chunk * chunk)
+    span = seq_len - lo
+    part = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * part
+    end = tl.minimum(start + part, seq_len)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    c = tl.arange(0, BLOCK_R)  # the latent's first rank columns: keys and values
+    c_mask = c < rank
+    r = rank + tl.arange(0, BLOCK_P)  # its rope columns: keys only
+    r_mask = r < rank + rope
+    q_row = q_ptr + i * stride_qt + heads[:, None] * stride_qh
+    q_c = tl.load(q_row + c[None, :] * stride_qd, mask=h_mask[:, None] & c_mask[None, :], other=0.0)
+    q_r = tl.load(q_row + r[None, :] * stride_qd, mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_SINKS:
+        if split == 0:  # the sink joins the softmax once, as a key of score `sink` and value 0
+            m_i = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    bt_row = block_table_ptr + bt * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
+        blk = tl.load(bt_row + (pos // block_size) * stride_btc, mask=p_mask, other=0).to(tl.int64)
+        page = pages_ptr + blk[:, None] * stride_pb + (pos % block_size)[:, None] * stride_po
+        k_c = tl.load(page + c[None, :] * stride_pd, mask=p_mask[:, None] & c_mask[None, :], other=0.0)  # [N, R]
+        k_r = tl.load(page + r[None, :] * stride_pd, mask=p_mask[:, None] & r_mask[None, :], other=0.0)  # [N, P]
+        s = _dot(q_c, tl.trans(k_c), F32) + _dot(q_r, tl.trans(k_r), F32)  # [H, N]
+        s = _scaled(s, scale_log2, scale, softcap, HAS_SOFTCAP)
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, k_c, m_i, l_i, acc, F32)  # the values: the same rank columns
+
+    if SINGLE_SPLIT:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptr = out_ptr + i * stride_ot + heads[:, None] * stride_oh + c[None, :] * stride_od
+        tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
+    else:
+        # partials: [N, H, S] max/sum and [N, H, S, BLOCK_R] accumulators (_decode_reduce_kernel's layout)
+        hs = (i * num_heads + heads) * num_splits + split
+        tl.store(part_m_ptr + hs, m_i, mask=h_mask)
+        tl.store(part_l_ptr + hs, l_i, mask=h_mask)
+        tl.store(part_acc_ptr + hs[:, None] * BLOCK_R + c[None, :], acc, mask=h_mask[:, None])
+
+
+LATENT_BLOCK_H = 16  # query heads per program (tl.dot's smallest M on a GPU)
+
+
+def _latent_blocks(rank_block: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for the latent kernel: a 512-wide latent tile of 32 keys is 32 KiB in bf16."""
+    return (32, 4) if rank_block >= 256 else (64, 4)
+
+
+def paged_latent_attention(
+    q: torch.Tensor,  # [N, H, rank + rope]: absorbed queries ([q_nope . W_UK | q_rot]), one row per query
+    pages: torch.Tensor,  # [num_blocks, block_size, 1, rank + rope]: the latent [c | k_rot]
+    block_table: torch.Tensor,  # [B, max_blocks] int
+    seq_lens: torch.Tensor,  # [N] int: the keys query i sees (its position + 1)
+    rank: int,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    *,
+    rows: torch.Tensor | None = None,  # [N] int: query i's block-table row; None: row i
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,  # [N, H, >= rank]: the first rank columns are written
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention of absorbed MLA queries over an MLA layer's paged latent (B3 of :mod:`acb.runner.latent`);
+    returns ``[N, H, rank]``, the attention-weighted latent ``c`` (``unabsorb`` makes it the heads' values).
+
+    The latent is one KV head for all ``H`` query heads (GQA with ``G = H``): its keys are the whole
+    ``[c | k_rot]`` row, its values the first ``rank`` columns ``c``. A program owns one query, a block of
+    ``LATENT_BLOCK_H`` heads and one split of the context; each key tile is read once, as ``c`` (a
+    power-of-two block, masked) and ``k_rot`` (another), and ``c`` serves both products. Each query has
+    its own context length and block-table row, so a decode row and each query of a short chunk after a
+    cached prefix (its position ``start + j``, the chunk's causal mask) are rows alike. ``scale``,
+    ``sliding_window``, ``softcap``, ``sinks`` ([H]), ``chunk``, ``num_splits`` and ``max_seq_len`` as in
+    :func:`paged_decode_attention`. Queries with ``seq_len == 0`` produce zeros."""
+    if pages.dim() != 4 or pages.shape[2] != 1:
+        raise ValueError(f"latent pages must be [num_blocks, block_size, 1, rank + rope], got {tuple(pages.shape)}")
+    num_q, num_heads, width = q.shape
+    _, block_size, _, cache_dim = pages.shape
+    rope = width - rank
+    if cache_dim != width or not 0 < rank <= width:
+        raise ValueError(f"query {tuple(q.shape)} with rank {rank} does not fit the latent pages {tuple(pages.shape)}")
+    if seq_lens.shape != (num_q,) or (rows is not None and rows.shape != (num_q,)):
+        raise ValueError(f"seq_lens and rows must be [{num_q}] (one per query)")
+    if out is None:
+        out = torch.empty((num_q, num_heads, rank), dtype=q.dtype, device=q.device)
+    if num_q == 0:
+        return out
+    if scale is None:
+        scale = width**-0.5
+    head_blocks = triton.cdiv(num_heads, LATENT_BLOCK_H)
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())
+        eff = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+        eff = min(eff, chunk) if chunk else eff
+        num_splits = choose_num_splits(num_q, head_blocks, eff, q.device)
+    num_splits = max(1, int(num_splits))
+    block_r = _pow2(rank, 16)
+    block_n, warps = _latent_blocks(block_r)
+    single = num_splits == 1
+    if single:
+        part_acc = part_m = part_l = out  # unused
+    else:
+        part_acc = torch.empty((num_q, num_heads, num_splits, block_r), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_q, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    _check_sinks(sinks, num_heads)
+    _latent_decode_kernel[(num_q, head_blocks, num_splits)](
+        q,
+        pages,
+        block_table,
+        rows if rows is not None else seq_lens,
+        seq_lens,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        sinks if sinks is not None else seq_lens,
+        float(scale) * _LOG2E,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        int(chunk or 1),
+        num_splits,
+        num_heads,
+        rank,
+        rope,
+        block_size,
+        *q.stride(),
+        pages.stride(0),
+        pages.stride(1),
+        pages.stride(3),
+        *block_table.stride(),
+        *out.stride(),
+        HAS_ROWS=rows is not None,
+        HAS_WINDOW=bool(sliding_window),
+        HAS_SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
+        HAS_CHUNK=bool(chunk),
+        SINGLE_SPLIT=single,
+        F32=_upcast(q, pages),
+        BLOCK_H=LATENT_BLOCK_H,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_P=_pow2(rope, 16),
+        num_warps=warps,
+    )
+    if not single:
+        _decode_reduce_kernel[(num_q, num_heads)](
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            seq_lens,  # (no query_start_loc)
+            num_splits,
+            rank,
+            *out.stride(),
+            HAS_QSL=False,
+            BLOCK_S=_pow2(num_splits, MAX_SPLITS),
+            BLOCK_D=block_r,
+            num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # warm-up: every specialisation the engine launches, compiled before the first real step
 # ---------------------------------------------------------------------------------------------
 
@@ -886,3 +1137,28 @@ def precompile(
             sinks=sinks,
             chunk=chunk,
         )
+
+
+def precompile_latent(
+    num_heads: int,
+    pages: torch.Tensor,
+    rank: int,
+    dtype: torch.dtype,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> None:
+    """:func:`precompile` for an MLA layer's latent pages: the latent kernel with one split and with a
+    reduction, for a decode-only step (no rows) and beside other rows (``rows``). Only block 0 is read."""
+    device = pages.device
+    long: dict[str, Any] = dict(dtype=torch.long, device=device)
+    table = torch.zeros(2, 2, **long)
+    q = torch.zeros(2, num_heads, pages.shape[3], dtype=dtype, device=device)
+    lens = torch.tensor([2, 2], **long)
+    for splits in (1, 2):
+        for rows in (None, torch.tensor([1, 0], **long)):
+            paged_latent_attention(
+                q, pages, table, lens, rank, scale, sliding_window, softcap, splits, rows=rows, sinks=sinks, chunk=chunk
+            )
