@@ -121,7 +121,7 @@ def _step(
 ) -> None:
     """One layer of one step through ``TritonBackend.forward``, with inputs laid out as the engine
     builds them: the block table gathered to the step's width, the model's projection views."""
-    from acb.runner.attention import BatchInputs, StepContext
+    from acb.runner.attention import AttentionCall, BatchInputs, StepContext
     from acb.runner.attention.triton_backend import metadata_for
 
     lens = [s + n for s, n in zip(start, num_new)]
@@ -150,9 +150,7 @@ def _step(
         k,
         k.clone(),
         StepContext(cache, backend, md),
-        scaling=case.head_dim**-0.5,
-        sliding_window=case.window,
-        softcap=case.softcap,
+        AttentionCall(scaling=case.head_dim**-0.5, sliding_window=case.window, softcap=case.softcap),
     )
 
 

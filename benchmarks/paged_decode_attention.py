@@ -172,7 +172,7 @@ def chunk_case(rows: int, prefix: int, n: int) -> dict[str, Any]:
     """``rows`` prefill chunks of ``n`` tokens, each after a cached prefix of ``prefix`` tokens
     (scoring continuations): the torch backend (prefix gathered, SDPA per chunk) against the CPU
     backend sending every chunk's queries to its kernel."""
-    from acb.runner.attention import BatchInputs, StepContext, cpu_backend
+    from acb.runner.attention import AttentionCall, BatchInputs, StepContext, cpu_backend
     from acb.runner.attention.cpu_backend import CpuBackend
     from acb.runner.kv_cache import KVCache, KVSpec
 
@@ -206,7 +206,7 @@ def chunk_case(rows: int, prefix: int, n: int) -> dict[str, Any]:
             ctx = StepContext(cache, backend, backend.build_metadata(batch, PAGE))
 
             def call(b: Any = backend, c: Any = ctx) -> torch.Tensor:
-                return b.forward(0, q, k, v, c, scaling=None, sliding_window=None, softcap=None)
+                return b.forward(0, q, k, v, c, AttentionCall())
 
             outs[name] = call()
             res[f"{name}_ms"] = best_ms(call, n=5)

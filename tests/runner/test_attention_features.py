@@ -17,7 +17,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import acb  # noqa: E402
-from acb.runner.attention import BatchInputs, StepContext, flash_attn_backend  # noqa: E402
+from acb.runner.attention import AttentionCall, BatchInputs, StepContext, flash_attn_backend  # noqa: E402
 from acb.runner.attention import triton_kernels as tk  # noqa: E402
 from acb.runner.attention.torch_backend import TorchBackend  # noqa: E402
 from acb.runner.attention.triton_backend import TritonBackend  # noqa: E402
@@ -185,12 +185,7 @@ def test_backend_matches_torch(monkeypatch, backend_name, num_new, start_pos, si
                 key,
                 value,
                 ctx,
-                scaling=0.25,
-                sliding_window=None,
-                softcap=None,
-                sinks=s,
-                chunk=chunk,
-                store=store,
+                AttentionCall(scaling=0.25, sinks=s, chunk=chunk, store=store),
             )
         )
     assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])

@@ -16,7 +16,7 @@ import torch
 
 import acb
 from acb.models import tiny_model
-from acb.runner.attention import BatchInputs, StepContext, cpu_backend, cpu_kernels
+from acb.runner.attention import AttentionCall, BatchInputs, StepContext, cpu_backend, cpu_kernels
 from acb.runner.attention.cpu_backend import CpuBackend, _to_kernel
 from acb.runner.attention.torch_backend import TorchBackend
 from acb.runner.kv_cache import KVCache, KVSpec
@@ -59,8 +59,7 @@ def _run(backend, batch, q, k, v, pages, block_size, **features):
     cache.k[0].copy_(pages)
     cache.v[0].copy_(pages.flip(0) * 0.5)
     ctx = StepContext(cache, backend, backend.build_metadata(batch, block_size))
-    kw = dict(scaling=features.pop("scaling", None), sliding_window=None, softcap=None) | features
-    return backend.forward(0, q, k, v, ctx, **kw)[0]  # [T, H, D]
+    return backend.forward(0, q, k, v, ctx, AttentionCall(**features))[0]  # [T, H, D]
 
 
 FEATURES = [

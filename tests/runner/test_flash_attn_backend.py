@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 import acb  # noqa: E402
 from acb.models import tiny_model  # noqa: E402
-from acb.runner.attention import BatchInputs, StepContext, check_backend, flash_attn_backend  # noqa: E402
+from acb.runner.attention import AttentionCall, BatchInputs, StepContext, check_backend, flash_attn_backend  # noqa: E402
 from acb.runner.attention import triton_kernels as tk  # noqa: E402
 from acb.runner.attention.torch_backend import TorchBackend  # noqa: E402
 from acb.runner.kv_cache import KVCache, KVSpec  # noqa: E402
@@ -99,7 +99,11 @@ def test_backend_matches_torch(fake_flash_attn, num_new, start_pos, window, soft
     outs = []
     for backend, cache in zip((TorchBackend(), flash_attn_backend.FlashAttnBackend()), caches):
         ctx = StepContext(cache, backend, backend.build_metadata(batch, bs))
-        outs.append(backend.forward(0, query, key, value, ctx, scaling=0.25, sliding_window=window, softcap=softcap))
+        outs.append(
+            backend.forward(
+                0, query, key, value, ctx, AttentionCall(scaling=0.25, sliding_window=window, softcap=softcap)
+            )
+        )
     assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
     assert outs[1].shape == (1, t, heads, d)
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acb.runner.attention import BatchInputs, StepContext, torch_backend
+from acb.runner.attention import AttentionCall, BatchInputs, StepContext, torch_backend
 from acb.runner.attention.torch_backend import GROUP_RATIO, MAX_GROUPS, TorchBackend, decode_groups
 from acb.runner.kv_cache import KVCache, KVSpec
 
@@ -98,7 +98,7 @@ def test_mixed_steps_equal_per_sequence_attention(window, chunk_bytes, monkeypat
         k = torch.randn(1, HKV, t, D, generator=g)
         v = torch.randn(1, HKV, t, D, generator=g)
         ctx = StepContext(cache, backend, backend.build_metadata(batch, BS))
-        got = backend.forward(0, q, k, v, ctx, scaling=D**-0.5, sliding_window=window, softcap=None)
+        got = backend.forward(0, q, k, v, ctx, AttentionCall(scaling=D**-0.5, sliding_window=window))
         assert len(ctx.metadata.decode) > 1  # the rows were split
         torch.testing.assert_close(got, _reference(cache, batch, q, window), atol=1e-5, rtol=1e-5)
 
@@ -116,6 +116,34 @@ def test_softcap_path_matches_dense_attention():
     k = torch.randn(1, HKV, 8, D, generator=g)
     v = torch.randn(1, HKV, 8, D, generator=g)
     ctx = StepContext(cache, backend, backend.build_metadata(batch, BS))
-    got = backend.forward(0, q, k, v, ctx, scaling=D**-0.5, sliding_window=None, softcap=1e9)
+    got = backend.forward(0, q, k, v, ctx, AttentionCall(scaling=D**-0.5, softcap=1e9))
     # a cap this large changes nothing: the result is plain attention
     torch.testing.assert_close(got, _reference(cache, batch, q, None), atol=1e-5, rtol=1e-5)
+
+
+def test_a_call_a_backend_does_not_take_is_refused_by_name():
+    """A layer's AttentionCall names the optional features it needs; the attention function
+    refuses a backend without one of them, naming it, before the backend runs."""
+    from acb.runner.attention import _forward
+
+    assert AttentionCall(scaling=0.5).features() == frozenset()
+    index = torch.zeros(1, 3, 2, dtype=torch.long)
+    assert AttentionCall(sinks=torch.zeros(H), chunk=8, index=index).features() == {"sinks", "chunk", "index"}
+
+    class Plain(TorchBackend):  # a backend that takes none of the optional features
+        name = "plain"
+        features = frozenset()
+
+    g = torch.Generator().manual_seed(2)
+    spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    cache = KVCache(spec, 16, BS, torch.device("cpu"))
+    batch = _step([3], [0], cache.num_blocks, g)
+    q, k, v = torch.randn(1, H, 3, D), torch.randn(1, HKV, 3, D), torch.randn(1, HKV, 3, D)
+    for backend in (Plain(), TorchBackend()):
+        ctx = StepContext(cache, backend, backend.build_metadata(batch, BS))
+        call = AttentionCall(scaling=D**-0.5, index=index)
+        if backend.features:
+            assert _forward(ctx, 0, q, k, v, call).shape == (1, 3, H, D)
+        else:
+            with pytest.raises(NotImplementedError, match="index.*'plain' backend"):
+                _forward(ctx, 0, q, k, v, call)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -39,30 +39,60 @@ class BatchInputs:
     max_seq_len: int  # host: max(seq_lens)
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One layer's attention as the model asked for it: everything a backend needs besides the
+    step's query, keys, values and metadata. acb's attention function builds one per call from the
+    module and the keywords the model passed; it is the one argument through which a layer kind
+    reaches a backend. A new variant is a field here (default: off), a name in :meth:`features`,
+    and that name in the ``features`` of the backends that take it (:func:`_forward` refuses the
+    others with a clear error instead of each backend checking its keywords)."""
+
+    scaling: float | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [heads] learned sink logits (GPT-OSS, Hunyuan V4), or None
+    chunk: int | None = None  # chunked attention (Llama 4): keys of the query's own chunk only
+    store: bool = True  # False: the step's K/V are already in this cache layer (a KV-shared layer)
+    index: torch.Tensor | None = None  # [1, T, k] indexed attention (DSA): each query's keys, -1 for none
+    # an MLA layer paged as its latent (acb.runner.latent): the key is the step's latent
+    # [1, 1, T, r + rope], the cache layer holds it, and this expands or absorbs it
+    latent: LatentExpand | None = None
+    tuning: list[float] | None = None  # Llama 4's attention temperature tuning (applied before the backend)
+    # the layer's prefill masks let an image's tokens see their whole image (Gemma 3, Gemma 4's
+    # sliding layers): set by the torch backend from the step's image blocks, not by the model
+    images: bool = False
+
+    def features(self) -> frozenset[str]:
+        """The optional features this call needs a backend to take (its ``features``)."""
+        need = []
+        if self.sinks is not None:
+            need.append("sinks")
+        if self.chunk:
+            need.append("chunk")
+        if self.index is not None:
+            need.append("index")
+        if self.latent is not None:
+            need.append("latent")
+        return frozenset(need)
+
+
 class AttentionBackend(Protocol):
     name: str
+    # the optional AttentionCall features the backend takes (AttentionCall.features)
+    features: frozenset[str]
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> Any: ...
 
     def forward(
         self,
-        layer: int,
+        layer: int,  # the cache layer
         query: torch.Tensor,  # [1, heads, T, head_dim]
         key: torch.Tensor,  # [1, kv_heads, T, head_dim]
         value: torch.Tensor,
         ctx: StepContext,
-        *,
-        scaling: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None = None,  # [heads] learned sink logits (GPT-OSS), or None
-        chunk: int | None = None,  # chunked attention (Llama 4): keys of the query's own chunk only
-        store: bool = True,  # False: the step's K/V are already in this cache layer (a KV-shared layer)
-        index: torch.Tensor | None = None,  # [1, T, k] indexed attention (DSA): each query's keys, -1 for none
+        call: AttentionCall,
     ) -> torch.Tensor: ...  # [1, T, heads, head_dim]
-
-    # the torch backend (and the CPU backend, its subclass) also takes ``latent=`` (an MLA layer paged
-    # as its latent, acb.runner.latent): the key is the step's latent and the cache layer holds it
 
 
 @dataclass
@@ -158,9 +188,6 @@ def acb_attention_forward(
             softcap=softcap,
             **kwargs,
         )
-    sinks = layer_sinks(kwargs)
-    chunk = layer_chunk(module)
-    tuning = temperature_tuning(module)
     # a KV-shared layer (Gemma 3n) gets the K/V its producer layer computed in this same forward,
     # which the producer has written into the cache layer both read
     shared = bool(getattr(module, "is_kv_shared_layer", False))
@@ -168,6 +195,18 @@ def acb_attention_forward(
     # layers) is told its layer at call time instead (SharedAttention)
     called = CURRENT.called_layer
     layer_idx: int = called if called is not None else module.layer_idx  # type: ignore[assignment]
+    call = AttentionCall(
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=layer_sinks(kwargs),
+        chunk=layer_chunk(module),
+        store=not shared,
+        # indexed attention (DSA): the positions the layer's indexer selected for each query
+        # (acb.runner.indexed); the eager/SDPA paths of transformers fold them into the mask instead
+        index=kwargs.get("indices"),
+        tuning=temperature_tuning(module),
+    )
     latent: LatentExpand | None = getattr(module, "_acb_latent", None)  # acb.runner.latent.LATENT_ATTR
     if latent is not None and (ctx is True or ctx.kv_cache.layer_of(layer_idx) not in ctx.kv_cache.spec.latent_layers):
         # the latent came through, but this engine's cache holds the expanded heads (another engine
@@ -180,48 +219,33 @@ def acb_attention_forward(
         # expands the request's latent with the module's own expand_kv
         assert ctx is not True
         lat = torch.cat([key, value.to(key.dtype)], dim=-1)
-        out = _forward(
-            ctx,
-            layer_idx,
-            query,
-            lat,
-            lat,
-            scaling,
-            sliding_window,
-            softcap,
-            sinks,
-            chunk,
-            not shared,
-            tuning,
-            kwargs.get("indices"),
-            latent,
-        )
-        return out, None
+        return _forward(ctx, layer_idx, query, lat, lat, replace(call, latent=latent)), None
     k_dim, v_dim = key.shape[-1], value.shape[-1]
     if k_dim != v_dim:  # latent attention (MLA): the cache holds keys and values at the wider width,
         # the narrower zero-padded (zeros add nothing to q.k, and padded value columns are dropped)
         width = max(k_dim, v_dim)
         if scaling is None:
-            scaling = k_dim**-0.5
+            call = replace(call, scaling=k_dim**-0.5)
         query, key = (torch.nn.functional.pad(t, (0, width - k_dim)) for t in (query, key))
         value = torch.nn.functional.pad(value, (0, width - v_dim))
-    # indexed attention (DSA): the positions the layer's indexer selected for each query
-    # (acb.runner.indexed); the eager/SDPA paths of transformers fold them into the mask instead
-    index = kwargs.get("indices")
-    if index is not None:
-        if ctx is True:
+    if ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
+        if call.index is not None:
             raise RuntimeError("indexed attention does not run under torch.compile in acb")
-        out = _forward(
-            ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning, index
-        )
-    elif ctx is True:  # a compiled step: the context is the thread's, behind an opaque op (no graph break)
         out = torch.ops.acb.paged_attention(
-            query, key, value, layer_idx, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning
+            query,
+            key,
+            value,
+            layer_idx,
+            call.scaling,
+            call.sliding_window,
+            call.softcap,
+            call.sinks,
+            call.chunk,
+            call.store,
+            call.tuning,
         )
     else:
-        out = _forward(
-            ctx, layer_idx, query, key, value, scaling, sliding_window, softcap, sinks, chunk, not shared, tuning
-        )
+        out = _forward(ctx, layer_idx, query, key, value, call)
     return (out if k_dim == v_dim else out[..., :v_dim].contiguous()), None
 
 
@@ -291,23 +315,10 @@ def _fix_temperature(query: torch.Tensor, md: Any, tuning: list[float]) -> torch
 
 
 def _forward(
-    ctx: StepContext,
-    layer_idx: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float | None,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    chunk: int | None,
-    store: bool,
-    tuning: list[float] | None = None,
-    index: torch.Tensor | None = None,
-    latent: LatentExpand | None = None,
+    ctx: StepContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor:
-    if tuning is not None:
-        query = _fix_temperature(query, ctx.metadata, tuning)
+    if call.tuning is not None:
+        query = _fix_temperature(query, ctx.metadata, call.tuning)
     cache = ctx.kv_cache
     spec = cache.spec
     layer = cache.layer_of(layer_idx)
@@ -318,23 +329,14 @@ def _forward(
             f"holds {heads} of {width}; the model's config and attention modules do not describe its "
             "attention layers"
         )
-    # (latent= only for the torch backend and its CPU subclass: resolve_config pages no latent for others)
-    backend: Any = ctx.backend
-    return backend.forward(
-        layer,
-        query,
-        key,
-        value,
-        ctx,
-        scaling=scaling,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
-        chunk=chunk,
-        store=store,
-        index=index,
-        **({"latent": latent} if latent is not None else {}),
-    )
+    backend = ctx.backend
+    missing = call.features() - backend.features
+    if missing:  # resolve_config picks a backend that takes what the model's layers need
+        raise NotImplementedError(
+            f"layer {layer_idx} needs attention with {', '.join(sorted(missing))}, which the "
+            f"{backend.name!r} backend does not take"
+        )
+    return backend.forward(layer, query, key, value, ctx, call)
 
 
 # ------------------------------------------------------------------ compiled steps
@@ -375,7 +377,8 @@ def paged_attention(
     ctx: StepContext | None = CURRENT.attention
     if ctx is None:
         raise RuntimeError("acb::paged_attention ran outside an engine step")
-    return _forward(ctx, layer, query, key, value, scaling, sliding_window, softcap, sinks, chunk, store, tuning)
+    call = AttentionCall(scaling, sliding_window, softcap, sinks, chunk, store, tuning=tuning)
+    return _forward(ctx, layer, query, key, value, call)
 
 
 @paged_attention.register_fake
@@ -562,7 +565,7 @@ def _compare_once(
         cache.k[0].copy_(context)
         cache.v[0].copy_(context.flip(0))
         ctx = StepContext(cache, backend, backend.build_metadata(batch, block_size))
-        outs.append(backend.forward(0, q, k, v, ctx, scaling=head_dim**-0.5, sliding_window=None, softcap=None))
+        outs.append(backend.forward(0, q, k, v, ctx, AttentionCall(scaling=head_dim**-0.5)))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     tol = 1e-4 if dtype == torch.float32 else 3e-2

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from acb.runner.attention import BatchInputs, cpu_kernels
-from acb.runner.attention.torch_backend import LayerAttention, TorchBackend, TorchMetadata
+from acb.runner.attention import AttentionCall, BatchInputs, cpu_kernels
+from acb.runner.attention.torch_backend import TorchBackend, TorchMetadata
 
 # a prefill chunk after a cached prefix runs its queries through the kernel too (scoring
 # continuations) when its queries times its context is at most this; larger chunks gather the
@@ -77,7 +77,7 @@ class CpuBackend(TorchBackend):
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         out: torch.Tensor,
-        la: LayerAttention,
+        la: AttentionCall,
     ) -> None:
         if (
             md.kernel_rows is None

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from acb.runner.attention import BatchInputs, StepContext
+from acb.runner.attention import AttentionCall, BatchInputs, StepContext
 
 PAGE_MULTIPLE = 256  # flash-attn's paged KV cache: page_block_size % 256 == 0
 DTYPES = (torch.float16, torch.bfloat16)
@@ -72,6 +72,7 @@ class FlashMetadata:
 
 class FlashAttnBackend:
     name = "flash_attn"
+    features = frozenset({"sinks", "chunk"})
     supports_graphs = True
 
     def __init__(self) -> None:
@@ -120,47 +121,27 @@ class FlashAttnBackend:
         key: torch.Tensor,  # [1, Hkv, T, D]
         value: torch.Tensor,
         ctx: StepContext,
-        *,
-        scaling: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None = None,
-        chunk: int | None = None,
-        store: bool = True,
-        index: torch.Tensor | None = None,
+        call: AttentionCall,
     ) -> torch.Tensor:
-        if index is not None:  # the engine runs indexed-attention models on the torch backend
-            raise NotImplementedError(f"the {self.name} backend has no indexed (DSA) attention")
         from acb.runner.attention import triton_kernels as tk
 
         md: FlashMetadata = ctx.metadata
-        if chunk:  # no chunked mask in flash-attn: acb's Triton kernels, same cache and step
+        if call.chunk:  # no chunked mask in flash-attn: acb's Triton kernels, same cache and step
             from acb.runner.attention.triton_backend import TritonBackend
 
             if self._triton is None:
                 self._triton = TritonBackend()
             tctx = StepContext(ctx.kv_cache, self._triton, md.triton)
-            return self._triton.forward(
-                layer,
-                query,
-                key,
-                value,
-                tctx,
-                scaling=scaling,
-                sliding_window=sliding_window,
-                softcap=softcap,
-                sinks=sinks,
-                chunk=chunk,
-                store=store,
-            )
+            return self._triton.forward(layer, query, key, value, tctx, call)
         cache = ctx.kv_cache
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        if store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
+        if call.store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
             tk.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, md.slot_mapping)
         q = query[0].transpose(0, 1)  # [T, H, D]
         # transformers' sliding window w: a query sees itself and the w - 1 keys before it
-        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-        cap = float(softcap) if softcap else 0.0
+        scaling, sinks = call.scaling, call.sinks
+        window = (call.sliding_window - 1, 0) if call.sliding_window else (-1, -1)
+        cap = float(call.softcap) if call.softcap else 0.0
         lse_too = sinks is not None
         if md.decode_only:
             res = self._kvcache(

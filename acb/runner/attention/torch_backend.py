@@ -15,13 +15,13 @@ page, every time. A decode group is gathered and attended a few MB of K/V at a t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from acb.runner.attention import BatchInputs, StepContext
+from acb.runner.attention import AttentionCall, BatchInputs, StepContext
 from acb.runner.indexed import allowed_keys
 
 if TYPE_CHECKING:
@@ -77,23 +77,6 @@ class TorchMetadata:
     kernel_prefills: list[_Prefill] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class LayerAttention:
-    """One layer's attention settings, as the backend's forward got them."""
-
-    scaling: float | None
-    sliding_window: int | None
-    softcap: float | None
-    sinks: torch.Tensor | None
-    chunk: int | None
-    index: torch.Tensor | None
-    images: bool = False  # its prefill masks let an image's tokens see their whole image (the step's image blocks)
-    # an MLA layer paged as its latent (acb.runner.latent): the key pages hold [kv_nope | k_rot], which
-    # this expands into the layer's K/V (the module's own expand_kv: B1) where the gathered context is
-    # attended, or (decode rows, where it absorbs: B3) attends as one head with the query absorbed
-    latent: LatentExpand | None = None
-
-
 def absorbs_chunk(latent: LatentExpand, n: int) -> bool:
     """Whether a chunk of ``n`` queries after a cached prefix attends an MLA layer's latent absorbed
     (B3) rather than expanded (B1). Per key, B1 expands the latent into the heads (``H * r * (nope +
@@ -120,6 +103,7 @@ def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
 
 class TorchBackend:
     name = "torch"
+    features = frozenset({"sinks", "chunk", "index", "latent"})
     supports_graphs = False  # gathers are sized from host lengths
 
     def __init__(self) -> None:
@@ -236,23 +220,16 @@ class TorchBackend:
         self,
         layer: int,
         query: torch.Tensor,  # [1, H, T, D]
-        key: torch.Tensor,  # [1, Hkv, T, D]
+        key: torch.Tensor,  # [1, Hkv, T, D] (an MLA latent layer: the step's latent [1, 1, T, r + rope])
         value: torch.Tensor,
         ctx: StepContext,
-        *,
-        scaling: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None = None,
-        chunk: int | None = None,
-        store: bool = True,
-        index: torch.Tensor | None = None,
-        latent: LatentExpand | None = None,  # key is the step's MLA latent [1, 1, T, r + rope]; no values
+        call: AttentionCall,
     ) -> torch.Tensor:
         md: TorchMetadata = ctx.metadata
         cache = ctx.kv_cache
         k_pages, v_pages = cache.k[layer], cache.v[layer]  # [num_blocks, block_size, Hkv, D]
-        if store:
+        latent = call.latent
+        if call.store:
             k_flat = cache.flat_k(layer)
             k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
             k_flat.index_copy_(0, md.slot_mapping, k_new.to(k_flat.dtype))
@@ -265,7 +242,7 @@ class TorchBackend:
         v_dim = q.shape[2] if latent is None else latent.v_dim
         out = query.new_empty(md.num_tokens, q.shape[0], v_dim)  # [T, H, Dv]
         images = md.image_groups is not None and md.image_groups.on(cache, layer)
-        la = LayerAttention(scaling, sliding_window, softcap, sinks, chunk, index, images, latent)
+        la = replace(call, images=True) if images else call
         if md.decode or md.kernel_prefills:
             self._decode(md, q, k_pages, v_pages, out, la)
         for k, p in enumerate(md.prefills):
@@ -283,7 +260,7 @@ class TorchBackend:
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         out: torch.Tensor,  # [T, H, D]: the chunk's rows are written
-        la: LayerAttention,
+        la: AttentionCall,
     ) -> None:
         """One prefill chunk: its cached prefix gathered (if any), then SDPA, causal bottom-right."""
         hkv, d = k_pages.shape[2], k_pages.shape[3]
@@ -322,7 +299,7 @@ class TorchBackend:
         q: torch.Tensor,  # [H, T, nope + rope]
         k_pages: torch.Tensor,  # [num_blocks, block_size, 1, r + rope]: the latent
         out: torch.Tensor,  # [T, H, v_dim]
-        la: LayerAttention,
+        la: AttentionCall,
     ) -> None:
         """A short chunk after a cached prefix over an MLA layer's latent pages, absorbed (B3): as
         :meth:`_decode_absorbed`, the chunk's ``n`` queries of ``H`` heads as ``n * H`` query rows of
@@ -350,7 +327,7 @@ class TorchBackend:
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         out: torch.Tensor,  # [T, H, D]: the decode rows' are written
-        la: LayerAttention,
+        la: AttentionCall,
     ) -> None:
         """The decode rows: each group's pages gathered, then SDPA with a length mask."""
         if la.latent is not None and absorbs_chunk(la.latent, 1):
@@ -384,7 +361,7 @@ class TorchBackend:
         q: torch.Tensor,  # [H, T, nope + rope]
         k_pages: torch.Tensor,  # [num_blocks, block_size, 1, r + rope]: the latent
         out: torch.Tensor,  # [T, H, v_dim]: the decode rows' are written
-        la: LayerAttention,
+        la: AttentionCall,
     ) -> None:
         """An MLA layer's decode rows over its latent pages, absorbed (B3 of ``acb.runner.latent``):
         the rows' queries ``[q_nope . W_UK | q_rot]`` attend over the one latent head as keys and

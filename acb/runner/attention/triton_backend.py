@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from acb.runner.attention import BatchInputs, StepContext
+from acb.runner.attention import AttentionCall, BatchInputs, StepContext
 from acb.runner.attention import triton_kernels as tk
 
 
@@ -56,6 +56,7 @@ def metadata_for(batch: BatchInputs) -> TritonMetadata:
 
 class TritonBackend:
     name = "triton"
+    features = frozenset({"sinks", "chunk"})
     supports_graphs = True  # decode reads every length from device tensors: only the split count is baked
 
     def __init__(self) -> None:
@@ -95,28 +96,19 @@ class TritonBackend:
         key: torch.Tensor,  # [1, Hkv, T, D]
         value: torch.Tensor,
         ctx: StepContext,
-        *,
-        scaling: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None = None,
-        chunk: int | None = None,
-        store: bool = True,
-        index: torch.Tensor | None = None,
+        call: AttentionCall,
     ) -> torch.Tensor:
-        if index is not None:  # the engine runs indexed-attention models on the torch backend
-            raise NotImplementedError(f"the {self.name} backend has no indexed (DSA) attention")
         md: TritonMetadata = ctx.metadata
         cache = ctx.kv_cache
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         k_new = key[0].transpose(0, 1)  # [T, Hkv, D] (a view: strides go to the kernel)
         v_new = value[0].transpose(0, 1)
         q = query[0].transpose(0, 1)  # [T, H, D]
-        window = sliding_window if sliding_window else None
-        cap = softcap if softcap else None
-        chunk = chunk or None
-        if sinks is not None:
-            sinks = sinks.contiguous()
+        scaling = call.scaling
+        window = call.sliding_window if call.sliding_window else None
+        cap = call.softcap if call.softcap else None
+        chunk = call.chunk or None
+        sinks = call.sinks.contiguous() if call.sinks is not None else None
         warm = (
             q.shape[1],
             k_cache.shape[1:],
@@ -131,7 +123,7 @@ class TritonBackend:
             self._warmed.add(warm)
             if not tk.interpreted() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 tk.precompile(q.shape[1], k_cache, v_cache, q.dtype, scaling, window, cap, sinks, chunk)
-        if store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
+        if call.store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
             tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
         out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
         if md.num_decode:
