@@ -17,6 +17,9 @@
    async + graphs (the default), async without graphs, neither.
 4. GPU idle fraction over those runs: 1 - (CUDA kernel time / wall time), from the torch
    profiler.
+5. The same decode steps for an MLA model (DeepSeek V3's attention sizes: 16 heads, latent 512 + 64)
+   with its latent paged (``mla_latent_cache=True``: the Triton backend's latent kernel, no graphs)
+   and with its expanded heads (decode graphs); each row names its backend and KV bytes per token.
 
 Prints a short table last and writes everything, with the device named, to ``--json``. Each
 section records its error instead of stopping the others.
@@ -74,6 +77,39 @@ SHAPES = {
     ),
 }
 
+# section 5: decode of an MLA model with its latent paged (the Triton backend's latent kernel, no
+# graphs) against its expanded heads (graphs): DeepSeek V3's attention sizes, fewer and dense layers
+MLA_SHAPE = dict(
+    arch="deepseek_v3",
+    hidden_size=2048,
+    intermediate_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=768,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    first_k_dense_replace=8,
+    vocab_size=32000,
+    max_position_embeddings=8192,
+)
+MLA_SMOKE_SHAPE = dict(
+    arch="deepseek_v3",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
 
 DEVICE = "cuda"
 LENGTHS = (100, 1024)  # prompt and output lengths, uniform
@@ -86,6 +122,12 @@ def build(shape: dict[str, Any]) -> Any:
     arch = kw.pop("arch")
     kw["initializer_range"] = 0.02
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    if arch == "deepseek_v3":  # not one of acb.models' tiny architectures: its config as given
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(arch, **kw)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(DEVICE)
     return tiny_model(arch, dtype=dtype, **kw).to(DEVICE)
 
 
@@ -204,9 +246,15 @@ def copy_bandwidth() -> float:
 
 
 def decode_steps(
-    shape: dict[str, Any], batches: list[int], bw: float, async_batching: bool, graphs: bool | None
+    shape: dict[str, Any],
+    batches: list[int],
+    bw: float,
+    async_batching: bool,
+    graphs: bool | None,
+    extra: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Decode step period at each batch size against the bandwidth floor, and GPU idle fraction."""
+    """Decode step period at each batch size against the bandwidth floor, and GPU idle fraction
+    (``extra``: more engine config fields)."""
     from torch.profiler import ProfilerActivity, profile
 
     import acb
@@ -217,7 +265,7 @@ def decode_steps(
     rows = []
     for b in batches:
         cfg = acb.ContinuousBatchingConfig(
-            max_requests_per_batch=max(b, 1), use_async_batching=async_batching, use_cuda_graph=graphs
+            max_requests_per_batch=max(b, 1), use_async_batching=async_batching, use_cuda_graph=graphs, **(extra or {})
         )
         with acb.Engine(model, cfg) as eng:
             core = eng.core
@@ -245,6 +293,7 @@ def decode_steps(
             # give the step period (what async batching and graphs shorten)
             log = [s for s in core.step_log if s[0] == b and s[2] == b]
             used_graphs = eng.config.cuda_graphs
+            backend = eng.config.attn_backend
         ends = [s[7] for s in log]
         periods = [y - x for x, y in zip(ends, ends[1:])]
         step = statistics.median(periods) if periods else float("nan")
@@ -259,6 +308,8 @@ def decode_steps(
                 "gpu_idle_fraction": None if busy is None else max(0.0, 1 - busy / wall),
                 "async_batching": async_batching,
                 "cuda_graphs": used_graphs,
+                "attn_backend": backend,
+                "kv_bytes_per_token": kv_per_token,
                 "steps_measured": len(periods),
             }
         )
@@ -441,6 +492,21 @@ def main() -> int:
                 bw,
                 async_mode,
                 graphs,
+            )
+        # an MLA model: its latent paged (mla_latent_cache=True: the Triton backend's latent kernel on
+        # CUDA, no graphs) against its expanded heads (decode graphs)
+        mla = MLA_SMOKE_SHAPE if args.cpu_smoke else MLA_SHAPE
+        for latent in (False, True):
+            section(
+                results,
+                f"decode MLA latent={latent}",
+                decode_steps,
+                mla,
+                batches,
+                bw,
+                True,
+                None,
+                {"mla_latent_cache": latent},
             )
     save(results)
     print(
