@@ -128,13 +128,13 @@ class ContinuousBatchingConfig:
     cpu_packed_linears: bool | None = None
     # multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-5, Kimi, MiniCPM3, ...): page each MLA
     # layer's latent (kv_lora_rank + qk_rope_head_dim values per token) instead of its expanded
-    # heads, 5-85x less KV memory, attended by the torch attention backend (decode rows with the
-    # query absorbed, prefill expanded as model.generate expands it; greedy tokens equal generate's);
-    # CPU decode measured 0.6-0.8x the expanded pages' time (benchmarks/mla_latent.py). None: the
-    # latent wherever the torch backend runs the model anyway (CPU; an indexed-attention model, DSA,
-    # on CUDA), the expanded heads on CUDA otherwise (Triton and decode graphs; no latent kernel
-    # yet); True: the latent everywhere (on CUDA the torch backend, without decode graphs); False:
-    # the expanded heads
+    # heads, 5-85x less KV memory, attended by the torch and Triton attention backends (decode rows
+    # with the query absorbed, prefill expanded as model.generate expands it; greedy tokens equal
+    # generate's); CPU decode measured 0.6-0.8x the expanded pages' time (benchmarks/mla_latent.py).
+    # None: the latent wherever the torch backend runs the model anyway (CPU; an indexed-attention
+    # model, DSA, on CUDA), the expanded heads on CUDA otherwise (with decode graphs); True: the
+    # latent everywhere (on CUDA the Triton backend's latent kernel, without decode graphs; a
+    # flash-attn pick becomes Triton); False: the expanded heads
     mla_latent_cache: bool | None = None
     # state layers (linear attention, Mamba, short convolutions): slots of state snapshots kept with
     # cached blocks, so that a prefix hit resumes the layers' state too (one slot: one request's

@@ -8,8 +8,8 @@ replaces ``expand_kv`` on those modules (an instance attribute) with a pass-thro
 attention function receives the latent (``key = kv_nope [1, 1, T, r]``, ``value = k_rot
 [1, 1, T, rope]``). It stores ``[kv_nope | k_rot]`` in a key-only cache layer of shape
 ``(1, r + rope)`` (:class:`acb.runner.kv_cache.KVSpec` ``latent_layers``). The torch backend (and
-the CPU backend, which hands these layers to it) attends over the latent two ways
-(``docs/design/layer-kinds.md`` §4):
+the CPU backend, which hands these layers to it) and the Triton backend attend over the latent two
+ways (``docs/design/layer-kinds.md`` §4):
 
 - **B3, absorbed** (decode rows, and chunks after a cached prefix short enough that attending the
   latent per query costs less than expanding it: ``torch_backend.absorbs_chunk``). With ``W_UK``,
@@ -44,8 +44,11 @@ CPU backend hands latent layers to it.
 
 The modules are found by code: their class defines ``expand_kv`` and they have ``kv_b_proj``, an
 int ``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim`` and ``v_head_dim``. A module
-without ``expand_kv`` (transformers before it) stays on the expanded path. Only the torch and CPU
-backends attend over the latent; decode graphs and torch.compile are off for these models.
+without ``expand_kv`` (transformers before it) stays on the expanded path. The torch, CPU and Triton
+backends attend over the latent (Triton: B3 by its latent kernel, ``triton_kernels.paged_latent_attention``,
+the latent pages as one KV head for all ``H`` query heads, keys ``[c | k_rot]`` and values ``c``; B1 by
+its prefill kernel over the expanded latent); flash-attn does not. Decode graphs and torch.compile are
+off for these models.
 """
 
 from __future__ import annotations

@@ -270,9 +270,9 @@ def _latent_spec(model: PreTrainedModel, spec: KVSpec) -> KVSpec:
 
 
 def latent_backend(backend: str) -> bool:
-    """Whether attention backend ``backend`` attends over an MLA latent (the torch backend, and the
-    CPU backend, which hands those layers to it)."""
-    return backend in ("torch", "cpu")
+    """Whether attention backend ``backend`` attends over an MLA latent (the torch backend, the CPU
+    backend, which hands those layers to it, and the Triton backend's latent kernel)."""
+    return backend in ("torch", "cpu", "triton")
 
 
 def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
@@ -445,14 +445,17 @@ def resolve_config(
     from acb.runner.latent import latent_modules
 
     want = config.mla_latent_cache
-    if want is None:  # the latent where the torch backend runs the model anyway (CPU; DSA models)
-        want = latent_backend(backend) or (config.attn_backend is None and bool(indexer_modules(model)))
+    if want is None:  # the latent where the torch backend runs the model anyway (CPU; DSA models); on
+        # CUDA otherwise the expanded heads, whose decode steps run in CUDA graphs (a latent model's do not)
+        want = backend in ("torch", "cpu") or (config.attn_backend is None and bool(indexer_modules(model)))
     latent = want and not own_path and bool(latent_modules(model))
     if latent and not latent_backend(backend) and config.attn_backend is None:
-        # the MLA latent is attended by the torch backend (a Triton kernel over the latent is to come);
+        # the MLA latent is attended by the Triton and torch backends (flash-attn has no kernel for it);
         # a backend asked for by name keeps the expanded heads instead
-        logger.info("%s's MLA latent is paged: the torch attention backend runs it", type(model).__name__)
-        backend = "torch"
+        import importlib.util
+
+        backend = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+        logger.info("%s's MLA latent is paged: the %s attention backend runs it", type(model).__name__, backend)
     latent = latent and latent_backend(backend)
 
     if not own_path and indexer_modules(model) and backend not in ("torch", "cpu"):

@@ -119,14 +119,19 @@ def test_deepseek_v3_shaped_bytes_per_token():
     assert sum(expanded.values()) == layers * 2 * 16 * 192 * 4
 
 
-def test_a_backend_asked_for_by_name_keeps_the_expanded_heads():
-    """``attn_backend`` named explicitly, one that cannot attend over the latent (Triton, flash-attn):
-    the MLA layers keep their expanded heads; the torch backend pages the latent."""
+def test_which_backends_page_the_latent():
+    """``mla_latent_cache=True`` pages the latent on the torch and Triton backends (the Triton
+    backend's latent kernel: ``tests/runner/test_triton_latent.py``); Triton without it (the default
+    on CUDA) keeps the expanded heads, as does ``False``; on CPU the default pages it."""
     from acb.runner.setup import resolve_config
 
     model = model_of("deepseek_v3")
     resolved, spec = resolve_config(
         model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, attn_backend="triton", mla_latent_cache=True)
+    )
+    assert resolved.attn_backend == "triton" and spec.latent_layers == (0, 1)
+    resolved, spec = resolve_config(
+        model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, attn_backend="triton")
     )
     assert resolved.attn_backend == "triton"
     assert spec.latent_layers == () and "latent" not in spec.bytes_per_token()
