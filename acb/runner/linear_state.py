@@ -9,9 +9,24 @@ the model's code reads and writes through a cache object (``cache_params.get_con
 assumes one padded batch, where a row is a sequence. acb's batch is one flattened sequence of
 many requests' tokens, so acb intercepts each linear layer's ``forward`` (as it intercepts
 attention, without re-implementing the model): within an engine step, the layer's own forward
-runs once per request segment of the batch, with a cache object (:class:`_RequestCache`) that
-speaks transformers' interface over that request's state in :class:`LinearStates`. Outside an
-engine step (a trainer's own forward) the layer runs as it always did.
+runs over the step's request segments in as few calls as exactness allows, with cache objects that
+speak transformers' interface over those requests' states in :class:`LinearStates`
+(:class:`_RequestCache`: one request; :class:`_BatchCache`: several, gathered and written back).
+Outside an engine step (a trainer's own forward) the layer runs as it always did.
+
+The calls of a step, per state layer:
+- decode rows (one token each, with a state): one batched call, as model.generate's decoding;
+- prefill segments that start with no state (a prompt's first chunk): one call, left-padded as
+  model.generate batches prompts (pads zeroed, and the layer's own padding mask where its forward
+  takes one), where a start-up try per layer class (:func:`batches_prefill`) finds the padded
+  batch gives what a call per segment gives; otherwise a call each;
+- segments that resume from a state (a chunked prefill's later chunks, a prefix hit's rest): one
+  call per length (no padding: pads would move the state), where the try finds it exact; Mamba1's
+  (stepped a token at a time) and those of a length of their own, a call each;
+- a segment with a snapshot inside it: its own calls, split there (a snapshot at a segment's end
+  is taken after its batched call).
+``BATCH_PREFILL = False`` turns the prefill groups off (a call per prefill segment, decode rows
+still batched): ``benchmarks/state_prefill_batch.py`` measures the two.
 
 State lifecycle (by the request's persistent block-table row, never its position in the batch):
 - a request given a row (new, or resumed after a preemption) starts with no state, as the
@@ -30,9 +45,9 @@ State lifecycle (by the request's persistent block-table row, never its position
   blocks (``SchedulerOutput.row_swap_out``) and back when it resumes (``row_swap_in``); without
   offload space it recomputes.
 
-One Python loop over the batch's requests per linear layer per step: the model's torch code is
-the CPU reference (and the kernels it picks from the hub on GPU); a varlen kernel over all
-segments at once (flash-linear-attention's ``cu_seqlens`` kernels) is the GPU path to add.
+The model's torch code is the CPU reference (and the kernels it picks from the hub on GPU); a
+varlen kernel over all segments at once (flash-linear-attention's ``cu_seqlens`` kernels: no
+padding, resumed segments of any lengths together) is the GPU path to add.
 """
 
 from __future__ import annotations
@@ -247,23 +262,28 @@ class _RequestCache:
 
 
 class _BatchCache:
-    """The same interface over several requests' states at once (decode rows: one token each,
-    every one with a state): gathered into a batch for the layer's batched kernels, written back
-    after (:meth:`scatter`)."""
+    """The same interface over several requests' states at once, for one batched call of the
+    layer: rows that all hold a state (decode rows, one token each; resumed prefill segments of one
+    length), gathered into a batch for the layer's batched kernels, or rows that all start with
+    none (``fresh``: first chunks of prompts, left-padded); written back after (:meth:`scatter`)."""
 
-    __slots__ = ("states", "rows", "index", "conv", "recurrent")
+    __slots__ = ("states", "rows", "index", "conv", "recurrent", "fresh")
 
-    def __init__(self, states: LinearStates, rows: list[int], layer: int) -> None:
+    def __init__(self, states: LinearStates, rows: list[int], layer: int, index: torch.Tensor, fresh: bool) -> None:
         self.states = states
         self.rows = rows
-        self.index = torch.tensor(rows, dtype=torch.long, device=states.device)
-        # (decode updates the conv state in place) a layer may keep one of the two only
-        conv, rec = states.conv.get(layer), states.recurrent.get(layer)
-        self.conv = conv.index_select(0, self.index) if conv is not None else None
-        self.recurrent = rec.index_select(0, self.index) if rec is not None else None
+        self.index = index  # the rows, on the device
+        self.fresh = fresh
+        self.conv: torch.Tensor | None = None
+        self.recurrent: torch.Tensor | None = None
+        if not fresh:
+            # (decode updates the conv state in place) a layer may keep one of the two only
+            conv, rec = states.conv.get(layer), states.recurrent.get(layer)
+            self.conv = conv.index_select(0, index) if conv is not None else None
+            self.recurrent = rec.index_select(0, index) if rec is not None else None
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return True
+        return not self.fresh
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
@@ -288,9 +308,17 @@ class _BatchCache:
         conv_kernel_size: int | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        assert self.conv is not None
-        full = torch.cat([self.conv, conv_states], dim=-1)
-        self.conv = full[..., -self.conv.shape[-1] :].clone()
+        """As :meth:`_RequestCache.update_conv_state`, row by row (a fresh batch is left-padded,
+        so each row's last columns are its own)."""
+        if self.conv is not None:
+            full = torch.cat([self.conv, conv_states], dim=-1)
+            k = self.conv.shape[-1]
+        else:
+            k = int(conv_kernel_size or conv_states.shape[-1])
+            full = conv_states
+            if full.shape[-1] < k:
+                full = torch.nn.functional.pad(full, (k - full.shape[-1], 0), value=0)
+        self.conv = full[..., -k:].clone()
         return full
 
     def update_recurrent_state(
@@ -300,15 +328,19 @@ class _BatchCache:
         return recurrent_states
 
     def scatter(self, layer: int) -> None:
+        states = self.states
         if self.conv is not None:
-            self.states.conv[layer].index_copy_(0, self.index, self.conv)
+            states._buffer(states.conv, layer, self.conv).index_copy_(0, self.index, self.conv)
         if self.recurrent is not None:
-            rec = self.states.recurrent[layer]
+            rec = states._buffer(states.recurrent, layer, self.recurrent)
             rec.index_copy_(0, self.index, self.recurrent.to(rec.dtype))
+        if self.fresh and (self.recurrent is not None or (self.conv is not None and layer in states.conv_only)):
+            for row in self.rows:
+                states.valid[row].add(layer)
 
 
 class _Step:
-    __slots__ = ("states", "segments", "snapshots")
+    __slots__ = ("states", "segments", "snapshots", "plans")
 
     def __init__(
         self,
@@ -319,6 +351,62 @@ class _Step:
         self.states = states
         self.segments = segments  # (first token, end, request row) of each request in the batch
         self.snapshots = snapshots  # row -> (offset in its segment, slot), in order
+        self.plans: dict[tuple[tuple[int, int, int], ...], _Plan] = {}  # a batched group's, shared by the layers
+
+
+class _Plan:
+    """Where a batched group's tokens come from and go (made once per step and group, on the host,
+    then copied to the device: no sync). ``take`` ``[B, L]``: each padded row's tokens in the step
+    (a left pad repeats its row's first token, and is zeroed by ``real``); ``dst`` the step
+    positions of the real tokens, in the order ``src`` picks them from the ``[B * L]`` output."""
+
+    __slots__ = ("rows", "index", "take", "real", "mask", "src", "dst")
+
+    def __init__(self, segs: list[tuple[int, int, int]], device: torch.device) -> None:
+        lens = [hi - lo for lo, hi, _ in segs]
+        width = max(lens)
+        self.rows = [row for _, _, row in segs]
+        lo = torch.tensor([s[0] for s in segs])
+        offset = torch.arange(width)[None] - (width - torch.tensor(lens))[:, None]  # [B, L]: < 0 in a pad
+        take = lo[:, None] + offset.clamp(min=0)
+        self.index = torch.tensor(self.rows, device=device)
+        self.take = take.to(device)
+        self.real = self.mask = self.src = None
+        self.dst = take.reshape(-1).to(device)
+        if min(lens) < width:  # left-padded
+            real = (offset >= 0).reshape(-1)
+            src = real.nonzero()[:, 0]  # (host tensors: no device sync)
+            self.real = real.view(len(segs), width, 1).to(device)
+            self.mask = (offset >= 0).long().to(device)  # the layer's padding mask, as model.generate gives it
+            self.src = src.to(device)
+            self.dst = take.reshape(-1)[src].to(device)
+
+
+def _batched(
+    original: Any,
+    cache_arg: str,
+    masks: tuple[str, ...],
+    hidden_states: torch.Tensor,
+    extra: dict[str, Any],
+    states: LinearStates,
+    layer: int,
+    plan: _Plan,
+    fresh: bool,
+) -> Any:
+    """The layer's own forward once over a group of segments (``plan``): rows that all start with
+    no state (``fresh``; left-padded, pads zeroed and masked with the layer's ``masks`` arguments,
+    as model.generate batches prompts), or that all hold one (no pads: equal lengths). Returns the
+    layer's output, ``[B, L, ...]`` per token; the group's rows of state are written back."""
+    cache = _BatchCache(states, plan.rows, layer, plan.index, fresh)
+    x = hidden_states[0, plan.take]  # [B, L, hidden]
+    if plan.real is not None:
+        x = x.masked_fill(~plan.real, 0)
+    args = {name: _take(v, plan.take) for name, v in extra.items()}
+    if plan.mask is not None:
+        args.update(dict.fromkeys(masks, plan.mask))
+    out = original(x, **{cache_arg: cache}, **args)
+    cache.scatter(layer)
+    return out
 
 
 @contextlib.contextmanager
@@ -353,14 +441,15 @@ def _call(original: Any, cache_arg: str, x: torch.Tensor, cache: Any, extra: dic
 
 def _take(value: Any, at: Any) -> Any:
     """A per-token argument (``[1, T, ...]``, or a tuple of them: rotary cos/sin) for the tokens
-    ``at`` selects: a segment (a slice, ``[1, n, ...]``) or decode rows (an index, ``[B, 1, ...]``)."""
+    ``at`` selects: a segment (a slice, ``[1, n, ...]``) or a batched group's rows (an index
+    ``[B, L]``, ``[B, L, ...]``)."""
     if isinstance(value, tuple):
         return tuple(_take(v, at) for v in value)
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return value
     if isinstance(at, slice):
         return value[:, at]
-    return value[0, at].unsqueeze(1)
+    return value[0, at]
 
 
 def _required(sig: inspect.Signature, cache_arg: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -404,14 +493,22 @@ STEPWISE: set[type] = set()
 STEPWISE_MAX_TAIL = 32
 
 
+# prefill segments batched, as decode rows are (False: one call of each state layer per prefill
+# segment, as before; benchmarks/state_prefill_batch.py's A/B)
+BATCH_PREFILL = True
+# layer class -> (whether fresh segments batch left-padded, whether resumed segments of one length
+# batch, the forward's mask arguments), found by batches_prefill's try
+_BATCHES: dict[type, tuple[bool, bool, tuple[str, ...]]] = {}
+
+
 def _forward(
-    original: Any, layer: int, cache_arg: str, sig: inspect.Signature, cls: type, *args: Any, **kwargs: Any
+    original: Any, module: Any, cache_arg: str, sig: inspect.Signature, cls: type, *args: Any, **kwargs: Any
 ) -> Any:
     step: _Step | None = CURRENT.states
     if step is None:  # not an engine step: the layer as it always was
         return original(*args, **kwargs)
+    layer: int = module.layer_idx
     extra = _required(sig, cache_arg, args, kwargs)
-    per_token = _PER_TOKEN.get(cls)
     # the layer's input; its cache argument is replaced by this step's per-request states, and the
     # rest (acb's attention plumbing, transformers' flash kwargs, a padding mask) is not passed:
     # the layer's torch path needs none of it, and its conv kernel would take it for varlen arguments
@@ -428,7 +525,7 @@ def _forward(
                 _call(original, cache_arg, hidden_states[:, t : t + 1], cache, extra, slice(t, t + 1))
                 for t in range(a, b)
             ]
-            return _cat(outs, per_token)
+            return _cat(outs, _PER_TOKEN.get(cls))
         return _call(original, cache_arg, hidden_states[:, a:b], cache, extra, slice(a, b))
 
     def segment(lo: int, hi: int, row: int) -> Any:
@@ -446,34 +543,61 @@ def _forward(
             states.snapshot(layer, row, slot)
         if hi > a:
             pieces.append(run(a, hi, row))
-        return pieces[0] if len(pieces) == 1 else _cat(pieces, per_token)
+        return pieces[0] if len(pieces) == 1 else _cat(pieces, _PER_TOKEN.get(cls))
 
-    decode = [
-        (lo, row) for lo, hi, row in step.segments if hi - lo == 1 and layer in states.valid[row] and row not in snaps
-    ]
-    if len(decode) < 2:  # one call per request
-        outs = [segment(lo, hi, row) for lo, hi, row in step.segments]
-        return _cat(outs, per_token)
-    # the decode rows in one batched call of the layer (one token each, as model.generate's
-    # batched decode), the others one call per request
-    batch = _BatchCache(states, [row for _, row in decode], layer)
-    at = torch.tensor([lo for lo, _ in decode], dtype=torch.long, device=hidden_states.device)
-    rows_out = _call(original, cache_arg, hidden_states[0, at].unsqueeze(1), batch, extra, at)  # [B, 1, ...] each
-    batch.scatter(layer)
-    batched = set(batch.rows)
+    # the segments one call runs together: those starting with no state (left-padded, where the
+    # class's try says so), and those holding one, by length (decode rows: one token each; longer
+    # ones where the try says so; Mamba1's, stepped a token at a time, not). A row taking a
+    # snapshot inside its segment keeps its own calls, split there (one at its end is taken after).
+    fresh: list[tuple[int, int, int]] = []
+    held: dict[int, list[tuple[int, int, int]]] = {}
+    for seg in step.segments:
+        lo, hi, row = seg
+        if row in snaps and any(offset != hi - lo for offset, _ in snaps[row]):
+            continue
+        if layer not in states.valid[row]:
+            fresh.append(seg)
+        elif hi - lo == 1 or not stepwise:
+            held.setdefault(hi - lo, []).append(seg)
+    padded = equal = False
+    masks: tuple[str, ...] = ()
+    if BATCH_PREFILL and (len(fresh) > 1 or any(n > 1 and len(g) > 1 for n, g in held.items())):
+        padded, equal, masks = _batches(module, hidden_states.shape[-1])
+    groups = [(fresh, True)] if padded and len(fresh) > 1 else []
+    groups += [(g, False) for n, g in held.items() if len(g) > 1 and (n == 1 or equal)]
+    if not groups:  # one call per request
+        return _cat([segment(lo, hi, row) for lo, hi, row in step.segments], _PER_TOKEN.get(cls))
+    per_token = _PER_TOKEN.get(cls)
     total = hidden_states.shape[1]
-    single = not isinstance(rows_out, tuple)
-    parts = (rows_out,) if single else rows_out
-    flags = (per_token or (True,) * len(parts)) if not single else (True,)
-    outs = [
-        torch.empty((1, total, *p.shape[2:]), dtype=p.dtype, device=p.device) if f else None
-        for p, f in zip(parts, flags)
-    ]
-    for out, p in zip(outs, parts):
-        if out is not None:
-            out[0, at] = p[:, 0]
+    outs: list[torch.Tensor | None] = []
+    single = True
+    done: set[int] = set()
+    for segs, starts_fresh in groups:
+        key = tuple(segs)
+        plan = step.plans.get(key)
+        if plan is None:
+            plan = step.plans[key] = _Plan(segs, hidden_states.device)
+        got = _batched(original, cache_arg, masks, hidden_states, extra, states, layer, plan, starts_fresh)
+        for row in plan.rows:
+            for _, slot in snaps.get(row, ()):  # (at the segment's end)
+                states.snapshot(layer, row, slot)
+        single = not isinstance(got, tuple)
+        parts = (got,) if single else got
+        if not outs:
+            flags = (per_token or (True,) * len(parts)) if not single else (True,)
+            outs = [
+                torch.empty((1, total, *p.shape[2:]), dtype=p.dtype, device=p.device) if f else None
+                for p, f in zip(parts, flags)
+            ]
+        for out, p in zip(outs, parts):
+            if out is not None:  # [B, L, ...] -> the real tokens' places in the step
+                flat = p.reshape(-1, *p.shape[2:])
+                if plan.src is not None:
+                    flat = flat.index_select(0, plan.src)
+                out[0].index_copy_(0, plan.dst, flat.to(out.dtype))
+        done.update(plan.rows)
     for lo, hi, row in step.segments:
-        if not (hi - lo == 1 and row in batched):
+        if row not in done:
             got = segment(lo, hi, row)
             for out, p in zip(outs, (got,) if single else got):
                 if out is not None:
@@ -512,12 +636,12 @@ class _Scratch:
         param = next(layer.parameters(), None)
         return None if param is None else cls(layer, param, tokens, hidden_size, random)
 
-    def states(self) -> LinearStates:
-        return LinearStates(1, self.device, self.conv_only)
+    def states(self, rows: int = 1) -> LinearStates:
+        return LinearStates(rows, self.device, self.conv_only)
 
-    def run(self, x: torch.Tensor, states: LinearStates) -> Any:
+    def run(self, x: torch.Tensor, states: LinearStates, row: int = 0) -> Any:
         with torch.no_grad():
-            return self.layer(x, **{self.arg: _RequestCache(states, 0)}, **self.extra)
+            return self.layer(x, **{self.arg: _RequestCache(states, row)}, **self.extra)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -594,6 +718,89 @@ def resumes_stepwise(layer: torch.nn.Module, hidden_size: int) -> bool:
     return ok
 
 
+def _mask_args(cls: type) -> tuple[str, ...]:
+    """The forward's padding-mask arguments (``attention_mask``; Zaya's ``conv_mask``)."""
+    return tuple(name for name in list(inspect.signature(cls.forward).parameters)[1:] if "mask" in name)
+
+
+def _states_close(a: LinearStates, b: LinearStates, layer: int, rows: int) -> bool:
+    if any(a.valid[r] != b.valid[r] for r in range(rows)):
+        return False
+    for ta, tb in ((a.conv, b.conv), (a.recurrent, b.recurrent)):
+        if (layer in ta) != (layer in tb):
+            return False
+        if layer in ta and not all(_close(ta[layer][r], tb[layer][r]) for r in range(rows)):
+            return False
+    return True
+
+
+def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool]:
+    """Whether one call of ``layer`` over several requests' prefill segments gives what one call per
+    segment gives (outputs and states, to :func:`_close`): segments that start with no state, of
+    different lengths, left-padded (pads zeroed and masked with the forward's own padding mask, as
+    model.generate batches prompts; one shorter than a convolution kernel among them), and
+    segments that resume from a state, of one length. Tried once per layer class, on scratch
+    states; a layer that fails a try, or cannot run it alone, keeps one call per segment there."""
+    cls = type(layer)
+    t = _Scratch.of(layer, 27, hidden_size)
+    if t is None:
+        return False, False
+    masks = _mask_args(cls)
+    idx = int(layer.layer_idx)  # type: ignore[arg-type]
+    fresh = [(0, 12, 0), (12, 17, 1), (17, 19, 2)]  # 12, 5 and 2 tokens
+    resumed = [(19, 23, 0), (23, 27, 1)]  # 4 tokens each, after rows 0 and 1's first segments
+
+    def alone(states: LinearStates, segs: list[tuple[int, int, int]]) -> list[Any]:
+        return [t.run(t.x[:, lo:hi], states, row) for lo, hi, row in segs]
+
+    def together(states: LinearStates, segs: list[tuple[int, int, int]], starts_fresh: bool) -> Any:
+        with torch.no_grad():
+            plan = _Plan(segs, t.device)
+            return _batched(layer, t.arg, masks, t.x, t.extra, states, idx, plan, starts_fresh)
+
+    def same(want: list[Any], got: Any, segs: list[tuple[int, int, int]]) -> bool:
+        width = max(hi - lo for lo, hi, _ in segs)
+        for b, ((lo, hi, _), one) in enumerate(zip(segs, want)):
+            pairs = list(zip(got, one)) if isinstance(one, tuple) else [(got, one)]
+            for g, w in pairs:
+                per_token = isinstance(w, torch.Tensor) and w.dim() >= 2 and w.shape[1] == hi - lo
+                if per_token and not (g.shape[:2] == (len(segs), width) and _close(g[b, width - (hi - lo) :], w[0])):
+                    return False
+        return True
+
+    try:
+        with entered("states", None):  # (the try may run inside a step: the layer as it always was here)
+            ref = t.states(3)
+            want = alone(ref, fresh)
+            got_states = t.states(3)
+            got = together(got_states, fresh, True)
+            padded = same(want, got, fresh) and _states_close(got_states, ref, idx, 3)
+            if isinstance(want[0], tuple):
+                _PER_TOKEN.setdefault(
+                    cls, tuple(isinstance(w, torch.Tensor) and w.dim() >= 2 and w.shape[1] == 12 for w in want[0])
+                )
+            held = t.states(3)
+            for table, src in ((held.conv, ref.conv), (held.recurrent, ref.recurrent)):
+                table.update({k: v.clone() for k, v in src.items()})
+            held.valid = [set(v) for v in ref.valid]
+            want = alone(ref, resumed)
+            got = together(held, resumed, False)
+            equal = same(want, got, resumed) and _states_close(held, ref, idx, 3)
+    except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: a call per segment, to be safe
+        return False, False
+    return padded, equal
+
+
+def _batches(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool, tuple[str, ...]]:
+    """:func:`batches_prefill`'s answer for the layer's class (tried at its first use), and its
+    forward's mask arguments."""
+    cls = type(layer)
+    known = _BATCHES.get(cls)
+    if known is None:
+        known = _BATCHES[cls] = (*batches_prefill(layer, hidden_size), _mask_args(cls))
+    return known
+
+
 _CACHE_ARG: dict[type, str] = {}
 
 
@@ -608,7 +815,7 @@ def _cache_arg_of(cls: Any) -> str:
 
 def _intercepted(original: Any, sig: inspect.Signature, layer: Any, *args: Any, **kwargs: Any) -> Any:
     cls = type(layer)
-    return _forward(original, layer.layer_idx, _cache_arg_of(cls), sig, cls, *args, **kwargs)
+    return _forward(original, layer, _cache_arg_of(cls), sig, cls, *args, **kwargs)
 
 
 class LinearLayers(Interception):

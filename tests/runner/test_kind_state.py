@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from acb.runner import linear_state
 from acb.runner.linear_state import (
     STEPWISE,
     LinearLayers,
@@ -120,3 +121,109 @@ def test_mamba1_resumes_a_token_at_a_time_not_whole():
     steps = torch.cat([run(layer, kept, 0, x[:, t : t + 1]) for t in range(7, 12)], dim=1)
     diff = float((steps - whole[:, 7:]).abs().max())
     assert diff <= 1e-5 * float(whole.abs().max()) + 1e-6, diff
+
+
+# family -> the arguments its state layer's forward requires besides the input (MiniMax: rotary
+# embeddings and a mask, which its lightning attention does not read; Zaya: its cache argument)
+BATCH_ARCHS = {
+    "qwen3_next": {},
+    "mamba2": {},
+    "mamba": {},  # Mamba1: fresh and decode rows batched, resumed ones stepped a token at a time
+    "lfm2": {},
+    "minimax": {"position_embeddings": None, "attention_mask": None},
+    "zaya": {"past_key_values": None},
+}
+
+
+def step_through(layer, states, num_new, rows, x, kwargs, snapshots=()):
+    with torch.no_grad(), linear_step(states, num_new, rows, snapshots):
+        return layer(x, **kwargs)
+
+
+def clone(states: LinearStates) -> LinearStates:
+    out = LinearStates(states.rows, states.device, states.conv_only, states.slots)
+    out.conv = {k: v.clone() for k, v in states.conv.items()}
+    out.recurrent = {k: v.clone() for k, v in states.recurrent.items()}
+    out.valid = [set(v) for v in states.valid]
+    return out
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-7)
+
+
+@pytest.mark.parametrize("arch", sorted(BATCH_ARCHS))
+def test_prefill_segments_batched_give_what_one_call_each_gives(arch, monkeypatch):
+    """A step of fresh prompts (9, 2 and 1 tokens: left-padded into one call), resumed segments
+    of one length (4 tokens each: one call without padding), decode rows (one call), a resumed
+    segment of its own length and one split at a snapshot (their own calls), snapshots at two
+    segments' ends: the layer's output at every token and every row's state afterwards (the
+    snapshot slots' too) are what the per-request
+    path gives (``BATCH_PREFILL`` off), and the batched groups were taken."""
+    layer = layer_of(arch)
+    idx = layer.layer_idx
+    kwargs = BATCH_ARCHS[arch]
+    size = ms.tiny_config(arch).get_text_config().hidden_size
+    if not resumes_prefill(layer, size):  # (as the engine does at start: Mamba1 resumes a token at a time)
+        assert resumes_stepwise(layer, size)
+    intercept = LinearLayers(layer)
+    try:
+        conv_only = intercept.conv_only
+        states = LinearStates(9, torch.device("cpu"), conv_only, slots=3)
+        # rows 0, 1 (resumed, 4 tokens each), 2, 3 (decode), 7 (resumed, a snapshot inside), 8
+        # (resumed, 3 tokens) hold a state from a first step; rows 4, 5, 6 start fresh
+        primed = [(0, 6), (1, 3), (2, 5), (3, 2), (7, 4), (8, 7)]
+        step_through(layer, states, [n for _, n in primed], [r for r, _ in primed], hidden(arch, 27, seed=5), kwargs)
+        order = [(4, 9), (0, 4), (2, 1), (5, 2), (7, 6), (1, 4), (3, 1), (8, 3), (6, 1)]
+        x = hidden(arch, sum(n for _, n in order), seed=6)
+        num_new, rows = [n for _, n in order], [r for r, _ in order]
+        # row 7's state after 3 of its 6 tokens (its own calls, split there), and rows 5 and 1's at
+        # the end of their segments (taken after their batched calls)
+        snapshots = [(7, 3, 0), (5, 2, 1), (1, 4, 2)]
+
+        monkeypatch.setattr(linear_state, "BATCH_PREFILL", False)
+        want_states = clone(states)
+        want = step_through(layer, want_states, num_new, rows, x, kwargs, snapshots)
+
+        monkeypatch.setattr(linear_state, "BATCH_PREFILL", True)
+        calls = []
+        batched = linear_state._batched
+        monkeypatch.setattr(linear_state, "_batched", lambda *a: calls.append(a[-1]) or batched(*a))
+        got = step_through(layer, states, num_new, rows, x, kwargs, snapshots)
+    finally:
+        intercept.remove()
+    # the fresh rows in one call; the two 4-token resumed rows in one (not Mamba1's); the decode rows
+    assert sorted(calls) == ([False, True] if type(layer) in STEPWISE else [False, False, True])
+    pairs = list(zip(got, want)) if isinstance(want, tuple) else [(got, want)]
+    for g, w in pairs:
+        if g is None or w is None:  # (not per token: MiniMax's returned state)
+            assert g is None and w is None
+            continue
+        assert g.shape == w.shape and close(g, w), float((g - w).abs().max())
+    for row in range(states.rows + states.slots):
+        assert states.valid[row] == want_states.valid[row]
+        for table, ref in ((states.conv, want_states.conv), (states.recurrent, want_states.recurrent)):
+            if idx in ref:
+                assert close(table[idx][row], ref[idx][row]), (
+                    row,
+                    float((table[idx][row] - ref[idx][row]).abs().max()),
+                )
+
+
+def test_a_layer_whose_padded_batch_differs_keeps_a_call_per_prompt(monkeypatch):
+    """The start-up try compares a left-padded batch with one call per segment: where the batch
+    would differ (here: pads not zeroed, and no padding mask passed), fresh segments keep their own
+    calls, and resumed ones of one length still batch."""
+    layer = layer_of("mamba2")
+    size = ms.tiny_config("mamba2").get_text_config().hidden_size
+    assert linear_state.batches_prefill(layer, size) == (True, True)
+    plan = linear_state._Plan.__init__
+
+    def unmasked(self, segs, device):
+        plan(self, segs, device)
+        if self.real is not None:
+            self.real = torch.zeros_like(self.real)  # the pads keep the first token's input
+            self.mask = None
+
+    monkeypatch.setattr(linear_state._Plan, "__init__", unmasked)
+    assert linear_state.batches_prefill(layer, size) == (False, True)
