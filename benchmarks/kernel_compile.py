@@ -65,6 +65,12 @@ class Case:
     step: str  # "decode" (one split), "decode_split" (split-K + reduction), "mixed" (prefill + decode rows), "prefill"
     window: int | None = None
     softcap: float | None = None
+    # an MLA layer paged as its latent of this rank (acb.runner.latent): head_dim is the latent's width
+    # (rank + rope) and kv_heads 1; the query and values are DeepSeek V3's (nope 128 + rope, v 128)
+    latent: int = 0
+
+
+MLA_NOPE = MLA_V = 128
 
 
 class _TargetDriver:
@@ -95,6 +101,9 @@ def cases(quick: bool) -> list[Case]:
         out += [Case(256, "bf16", 8, 4, s, window=4096, softcap=50.0) for s in steps]
         out += [Case(80, "fp32", 4, 4, s) for s in steps]
         out += [Case(96, "fp16", 32, 32, "mixed")]
+        # DeepSeek V3's latent (512 + 64), 16 heads: the latent kernel (B3; "mixed" also runs the
+        # prefill kernel over the expanded latent, B1)
+        out += [Case(576, "bf16", 16, 1, s, latent=512) for s in ("decode", "decode_split", "mixed")]
         return out
     out = []
     for hd, dt, (h, kv), s in itertools.product((64, 80, 96, 128, 256), DTYPES, ((8, 8), (16, 4)), steps):
@@ -102,6 +111,8 @@ def cases(quick: bool) -> list[Case]:
     for hd, s in itertools.product((128, 256), steps):
         out.append(Case(hd, "bf16", 16, 4, s, window=4096))
         out.append(Case(hd, "bf16", 16, 4, s, softcap=50.0))
+    for dt, h, s in itertools.product(DTYPES, (16, 128), ("decode", "decode_split", "mixed")):
+        out.append(Case(576, dt, h, 1, s, latent=512))
     return out
 
 
@@ -114,6 +125,24 @@ def _cache(case: Case, blocks: int):
 
     spec = KVSpec(num_layers=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=DTYPES[case.dtype])
     return KVCache(spec, blocks, BLOCK_SIZE, torch.device("cpu"))
+
+
+def _latent_expand(case: Case):
+    """A ``LatentExpand`` of ``case``'s shape (zero weights, on CPU): what an MLA module's layer passes.
+    (The backend reads a latent layer's pages as ``k[layer]``, ``[blocks, block_size, 1, rank + rope]``:
+    ``_cache``'s layer of one head of ``head_dim``.)"""
+    from acb.runner.latent import LatentExpand
+
+    rank, rope, heads = case.latent, case.head_dim - case.latent, case.heads
+    kv_b = torch.nn.Linear(rank, heads * (MLA_NOPE + MLA_V), bias=False, dtype=DTYPES[case.dtype])
+    torch.nn.init.zeros_(kv_b.weight)
+
+    def expand_kv(c: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, _, n, _ = c.shape
+        kv = kv_b(c).view(b, n, heads, MLA_NOPE + MLA_V).transpose(1, 2)
+        return torch.cat([kv[..., :MLA_NOPE], k_rot.expand(b, heads, n, rope)], -1), kv[..., MLA_NOPE:]
+
+    return LatentExpand(expand_kv, rank, rope, MLA_V, heads, MLA_NOPE, kv_b)
 
 
 def _step(
@@ -142,16 +171,23 @@ def _step(
     md.num_splits = num_splits
     dtype = DTYPES[case.dtype]
     # the model's layout: projections viewed as [1, T, H, D] and transposed to [1, H, T, D]
-    q = torch.zeros(1, t, case.heads, case.head_dim, dtype=dtype).transpose(1, 2)
+    q_dim = MLA_NOPE + case.head_dim - case.latent if case.latent else case.head_dim
+    q = torch.zeros(1, t, case.heads, q_dim, dtype=dtype).transpose(1, 2)
     k = torch.zeros(1, t, case.kv_heads, case.head_dim, dtype=dtype).transpose(1, 2)
-    backend.forward(
-        0,
-        q,
-        k,
-        k.clone(),
-        StepContext(cache, backend, md),
-        AttentionCall(scaling=case.head_dim**-0.5, sliding_window=case.window, softcap=case.softcap),
-    )
+    with torch.no_grad():
+        backend.forward(
+            0,
+            q,
+            k,
+            k.clone(),
+            StepContext(cache, backend, md),
+            AttentionCall(
+                scaling=q_dim**-0.5,
+                sliding_window=case.window,
+                softcap=case.softcap,
+                latent=_latent_expand(case) if case.latent else None,
+            ),
+        )
 
 
 def _drive(case: Case) -> None:
@@ -207,7 +243,13 @@ def intercepted(arch: int):
 
     if tk.interpreted():
         raise RuntimeError("triton_kernels was imported under TRITON_INTERPRET=1")
-    kernels = (tk._store_kv_kernel, tk._decode_split_kernel, tk._decode_reduce_kernel, tk._prefill_kernel)
+    kernels = (
+        tk._store_kv_kernel,
+        tk._decode_split_kernel,
+        tk._decode_reduce_kernel,
+        tk._prefill_kernel,
+        tk._latent_decode_kernel,
+    )
     asked: dict[tuple, tuple] = {}
     tag: list = [None]
 
@@ -344,6 +386,7 @@ def _table(records: list[dict]) -> str:
         c = r["case"]
         extra = "+window" if c["window"] else ""
         extra += "+softcap" if c["softcap"] else ""
+        extra += f"+latent{c['latent']}" if c.get("latent") else ""
         rows.append(
             f"| {r['arch']} | {r['kernel']} | {c['dtype']} | {c['head_dim']} | {c['heads']}/{c['kv_heads']} | "
             f"{c['step']}{extra} | {r.get('registers', '-')} | {r.get('spill_bytes', '-')} | "
@@ -372,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = cases(args.quick)[: args.first]
     t0 = time.perf_counter()
     # after warm-up, no step shape may need a new compile (one family per dtype/head-dim/flags)
-    families = {(c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c for c in todo}
+    # (the latent cases are not swept: their B1 chunks' prefill kernel compiles at first use)
+    families = {(c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c for c in todo if not c.latent}
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         # the compiles run in the pool while this thread sweeps the step shapes (Python work: the
         # compiler's passes and ptxas mostly run without the GIL)
