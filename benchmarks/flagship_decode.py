@@ -111,9 +111,9 @@ def run_acb(model: torch.nn.Module, prompts: list[list[int]], tokens: int) -> di
         runner = eng.runner
         spec = runner.kv_cache.spec
         state = runner.states.bytes_per_request() if runner.linear is not None else 0
-        groups = {f"{h}x{d}": len(layers) for (h, d), layers in spec.groups().items()}
+        groups = {f"{h}x{d}": len(layers) for (h, d), layers in spec.kv_shapes().items()}
         if spec.index_layers:  # the indexers' key-only layers (one key per token each)
-            groups[f"index keys 1x{spec.shape_of(spec.attention_layers)[1]}"] = len(spec.index_layers)
+            groups[f"index keys 1x{spec.shape_of(spec.layers_of('index keys')[0])[1]}"] = len(spec.index_layers)
         kv_per_token = sum(spec.bytes_per_token().values())
         whole = runner.cfg.whole_prefill
     out = sum(len(o.generated_tokens) for o in res.values())

@@ -123,7 +123,7 @@ def _cache(case: Case, blocks: int):
     """A one-layer KV cache of ``case``'s shape, on CPU (the kernels never launch)."""
     from acb.runner.kv_cache import KVCache, KVSpec
 
-    spec = KVSpec(num_layers=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=DTYPES[case.dtype])
+    spec = KVSpec.uniform(1, case.kv_heads, case.head_dim, DTYPES[case.dtype])
     return KVCache(spec, blocks, BLOCK_SIZE, torch.device("cpu"))
 
 

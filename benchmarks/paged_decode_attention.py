@@ -190,7 +190,7 @@ def chunk_case(rows: int, prefix: int, n: int) -> dict[str, Any]:
         start_pos=[prefix] * rows,
         max_seq_len=prefix + n,
     )
-    spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    spec = KVSpec.uniform(1, HKV, D, torch.float32)
     q = torch.randn(1, H, rows * n, D, generator=g)
     k = torch.randn(1, HKV, rows * n, D, generator=g)
     v = torch.randn(1, HKV, rows * n, D, generator=g)

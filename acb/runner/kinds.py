@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
 from acb.runner.indexed import indexed_step
+from acb.runner.kv_cache import INDEX_KEYS, LATENT, OWN_CACHE
 from acb.runner.linear_state import linear_step
 from acb.runner.own_cache import own_cache_step
 from acb.runner.setup import hybrid_attention_layers
@@ -55,7 +56,7 @@ def _offload(r: ModelRunner) -> Offload:
 def attention(r: ModelRunner) -> LayerKindSpec | None:
     """Paged K/V (full, sliding, per-layer shape groups)."""
     spec = r.kv_cache.spec
-    groups = spec.groups()
+    groups = spec.kv_shapes()
     if r.own_forward is not None or not groups:
         return None
     per_token = spec.bytes_per_token()
@@ -77,7 +78,7 @@ def latent(r: ModelRunner) -> LayerKindSpec | None:
     return LayerKindSpec(
         "latent",
         _model_layers_of(r, set(spec.latent_layers)),
-        page_bytes_per_token=spec.bytes_per_token()["latent"],
+        page_bytes_per_token=spec.bytes_per_token()[LATENT],
         offload=_offload(r),
     )
 
@@ -90,7 +91,7 @@ def index_keys(r: ModelRunner) -> LayerKindSpec | None:
     return LayerKindSpec(
         "index keys",
         spec.index_layers,
-        page_bytes_per_token=spec.bytes_per_token()["index keys"],
+        page_bytes_per_token=spec.bytes_per_token()[INDEX_KEYS],
         offload=_offload(r),
     )
 
@@ -124,7 +125,7 @@ def own_cache(r: ModelRunner) -> LayerKindSpec | None:
     return LayerKindSpec(
         "own cache",
         tuple(sorted(int(m.layer_idx) for m in r.own.layers)),
-        token_bytes=r.kv_cache.spec.own_bytes_per_token,
+        token_bytes=r.kv_cache.spec.bytes_per_token().get(OWN_CACHE, 0),
         prefix=PrefixRule.NONE,
         offload=Offload.NONE,
         why="compressed caches are not cut at block boundaries or offloaded yet (recomputed)",
@@ -139,7 +140,7 @@ def own_forward(r: ModelRunner) -> LayerKindSpec | None:
     return LayerKindSpec(
         "own forward",
         (),
-        token_bytes=r.kv_cache.spec.own_bytes_per_token,
+        token_bytes=r.kv_cache.spec.bytes_per_token().get(OWN_CACHE, 0),
         prefix=PrefixRule.SNAPSHOT if on else PrefixRule.NONE,
         offload=Offload.NONE,
         why=("" if on else "its cache cannot be cut at a block boundary exactly (or prefix caching is off); ")

@@ -3,14 +3,16 @@
 Layout per cache layer: K and V each ``[num_blocks, block_size, kv_heads, head_dim]``, where a
 model whose layers differ in shape (Gemma 4's sliding and full layers, MiMo V2 Flash's KV head
 counts) gives each cache layer its own ``(kv_heads, head_dim)``: the layers of one shape form a
-group (:meth:`KVSpec.groups`). Every group has the same ``num_blocks`` and one block table per
-request serves them all, so one block costs the sum of its layers' pages
+page group (:class:`PageGroup`: a kind and a shape). Every group has the same ``num_blocks`` and one
+block table per request serves them all, so one block costs the sum of its layers' pages
 (:meth:`KVSpec.bytes_per_block`) and the memory budget splits between the groups in proportion
 to what a token costs in each. Block 0 is scratch (padded rows write there; nothing reads it).
 
-Indexed (DSA) attention's indexer keys are paged the same way: one key-only cache layer per
-indexer (``[num_blocks, block_size, 1, index_head_dim]``, no values), after the attention
-layers, under the same block table (:mod:`acb.runner.indexed`).
+Other kinds page the same way, in groups of their own kind: indexed (DSA) attention's indexer keys,
+one key-only cache layer per indexer (``[num_blocks, block_size, 1, index_head_dim]``, no values),
+after the attention layers (:mod:`acb.runner.indexed`), and an MLA layer's latent, key-only in its
+layer's place (:mod:`acb.runner.latent`). A new kind adds groups of its kind; ``KVSpec`` has no field
+per kind.
 """
 
 from __future__ import annotations
@@ -29,69 +31,161 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# the kinds of pages (PageGroup.kind): a layer's K and V; an MLA layer's latent (key-only,
+# acb.runner.latent); a DSA indexer's keys (key-only, acb.runner.indexed)
+KV, LATENT, INDEX_KEYS = "kv", "latent", "index keys"
+# what a token costs the model's own cache objects (acb.runner.own_cache): priced, not paged
+OWN_CACHE = "own cache"
+
+
+@dataclass(frozen=True)
+class PageGroup:
+    """Cache layers of one kind and one page shape, under the block table every group shares."""
+
+    kind: str  # KV, LATENT, INDEX_KEYS, or a new kind's name
+    heads: int
+    width: int
+    layers: tuple[int, ...]  # its cache layers (indices into KVCache.k and .v)
+    values: bool = True  # False: key-only pages (the V tensors of its layers are empty)
+    # the model layer whose module writes each cache layer, where the kind does not go through
+    # KVSpec.layer_map (an indexer's keys: the layer it belongs to)
+    owners: tuple[int, ...] = ()
+
+    def bytes_per_token(self, elem: int) -> int:
+        return (2 if self.values else 1) * len(self.layers) * self.heads * self.width * elem
+
+
 @dataclass(frozen=True)
 class KVSpec:
-    num_layers: int  # cache layers (K and V tensors of each); fewer than the model's when layers share
-    num_kv_heads: int
-    head_dim: int
+    """What the paged cache holds: its page groups (each kind of layer and shape), how the model's
+    layers map to cache layers, and what a token costs the layers that keep it off the pages.
+    A layer kind adds its pages as groups of its own kind (no field of its own here); the cache
+    allocates a K (and, unless key-only, a V) tensor per cache layer of every group."""
+
     dtype: torch.dtype
-    # the model's layer index -> its cache layer; None: the identity. Layers that share K/V (Gemma
-    # 3n's last num_kv_shared_layers) map to their producer's cache layer and allocate none
+    groups: tuple[PageGroup, ...] = ()
+    # the model's layer index -> the cache layer its attention (K/V or latent) reads; None: the
+    # identity. Layers that share K/V (Gemma 3n's last num_kv_shared_layers) map to their producer's
+    # cache layer and allocate none; a hybrid's state layers map to a layer they never touch
     layer_map: tuple[int, ...] | None = None
-    # (kv_heads, head_dim) per cache layer when the layers differ in shape; None: every layer is
-    # (num_kv_heads, head_dim). With shapes, num_kv_heads/head_dim are the largest layer's
-    layer_shapes: tuple[tuple[int, int], ...] | None = None
-    # the model's layers with an indexer (DSA), in order: the indexer of the n-th of them keeps its
-    # keys in key-only cache layer ``num_layers - len(index_layers) + n`` (shape (1, index dim))
-    index_layers: tuple[int, ...] = ()
-    # what a token costs the model's own cache objects of the layers that run on them
-    # (acb.runner.own_cache: no pages; measured at start), counted in a block's cost
-    own_bytes_per_token: int = 0
-    # cache layers that hold an MLA layer's latent (acb.runner.latent): key-only, shape
-    # (1, kv_lora_rank + qk_rope_head_dim); the module's own expand_kv makes K/V of them at attention
-    latent_layers: tuple[int, ...] = ()
+    # (kind, bytes) per token of layers that keep it outside the pages (OWN_CACHE), counted in a
+    # block's cost
+    unpaged: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        of: dict[int, PageGroup] = {}
+        for g in self.groups:
+            for layer in g.layers:
+                if layer in of:
+                    raise ValueError(f"cache layer {layer} is in two page groups")
+                of[layer] = g
+        if sorted(of) != list(range(len(of))):
+            raise ValueError(f"the page groups' cache layers {sorted(of)} are not 0..{len(of) - 1}")
+        object.__setattr__(self, "_of", tuple(of[i] for i in range(len(of))))
+
+    @classmethod
+    def from_layers(
+        cls,
+        dtype: torch.dtype,
+        layers: list[tuple[str, int, int]],
+        layer_map: tuple[int, ...] | None = None,
+        owners: dict[int, int] | None = None,
+        unpaged: tuple[tuple[str, int], ...] = (),
+    ) -> KVSpec:
+        """A spec from each cache layer's ``(kind, heads, width)``, in cache-layer order, grouped by
+        kind and shape (``owners``: cache layer -> the model layer that writes it, where the kind
+        says). Kinds other than :data:`KV` are key-only."""
+        by: dict[tuple[str, int, int], list[int]] = {}
+        for i, key in enumerate(layers):
+            by.setdefault(key, []).append(i)
+        own = owners or {}
+        groups = []
+        for (kind, h, w), ls in by.items():
+            named = tuple(own[i] for i in ls if i in own)
+            if named and len(named) != len(ls):
+                raise ValueError(f"the {kind!r} cache layers {ls} name an owner for some layers only")
+            groups.append(PageGroup(kind, h, w, tuple(ls), kind == KV, named))
+        return cls(dtype, tuple(groups), layer_map, unpaged)
+
+    @classmethod
+    def uniform(
+        cls, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, layer_map: tuple[int, ...] | None = None
+    ) -> KVSpec:
+        """``num_layers`` cache layers of K/V pages, all ``(kv_heads, head_dim)``."""
+        return cls.from_layers(dtype, [(KV, kv_heads, head_dim)] * num_layers, layer_map)
 
     @property
-    def attention_layers(self) -> int:
-        """The cache layers holding attention K/V (the first ones; the indexers' follow)."""
-        return self.num_layers - len(self.index_layers)
+    def num_layers(self) -> int:
+        """The cache layers (K and V tensors of each); fewer than the model's when layers share."""
+        return len(self._of)  # type: ignore[attr-defined]
 
-    def is_key_only(self, layer: int) -> bool:
-        """Whether cache layer ``layer`` holds keys only (an indexer's, or an MLA layer's latent)."""
-        return layer >= self.attention_layers or layer in self.latent_layers
+    def group_of(self, layer: int) -> PageGroup:
+        return self._of[layer]  # type: ignore[attr-defined]
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """The cache layers of ``kind``'s groups, in order."""
+        return tuple(sorted(c for g in self.groups if g.kind == kind for c in g.layers))
+
+    def owned(self, kind: str) -> dict[int, int]:
+        """The model layer -> its cache layer of ``kind`` (a kind whose groups name their owners)."""
+        return {o: c for g in self.groups if g.kind == kind for o, c in zip(g.owners, g.layers)}
+
+    @property
+    def latent_layers(self) -> tuple[int, ...]:
+        """The cache layers that hold an MLA layer's latent."""
+        return self.layers_of(LATENT)
+
+    @property
+    def index_layers(self) -> tuple[int, ...]:
+        """The model's layers with an indexer (DSA), in the order of their key-only cache layers."""
+        owned = self.owned(INDEX_KEYS)
+        return tuple(sorted(owned, key=owned.__getitem__))
 
     def index_layer_of(self, layer_idx: int) -> int:
         """The key-only cache layer of the indexer of the model's layer ``layer_idx``."""
-        return self.attention_layers + self.index_layers.index(layer_idx)
+        return self.owned(INDEX_KEYS)[layer_idx]
+
+    def is_key_only(self, layer: int) -> bool:
+        """Whether cache layer ``layer`` holds keys only (an indexer's, or an MLA layer's latent)."""
+        return not self.group_of(layer).values
 
     def shape_of(self, layer: int) -> tuple[int, int]:
-        """``(kv_heads, head_dim)`` of cache layer ``layer``."""
-        return (self.num_kv_heads, self.head_dim) if self.layer_shapes is None else self.layer_shapes[layer]
+        """``(heads, width)`` of cache layer ``layer``."""
+        g = self.group_of(layer)
+        return g.heads, g.width
 
-    def groups(self) -> dict[tuple[int, int], list[int]]:
-        """The attention cache layers of each shape, ``(kv_heads, head_dim) -> [cache layer, ...]``
-        (K and V pages; the latent layers are not among them)."""
+    @property
+    def num_kv_heads(self) -> int:
+        """The heads of the largest page shape (1 with no pages)."""
+        return self._largest()[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self._largest()[1]
+
+    def _largest(self) -> tuple[int, int]:
+        return max(((g.heads, g.width) for g in self.groups), key=lambda s: s[0] * s[1], default=(1, 1))
+
+    def kv_shapes(self) -> dict[tuple[int, int], list[int]]:
+        """The K/V cache layers of each shape, ``(kv_heads, head_dim) -> [cache layer, ...]``
+        (the key-only kinds are not among them)."""
         out: dict[tuple[int, int], list[int]] = {}
-        for layer in range(self.attention_layers):
-            if layer in self.latent_layers:
-                continue
-            out.setdefault(self.shape_of(layer), []).append(layer)
-        return out
+        for g in self.groups:
+            if g.kind == KV:
+                out.setdefault((g.heads, g.width), []).extend(g.layers)
+        return {k: sorted(v) for k, v in out.items()}
 
     def bytes_per_token(self) -> dict[tuple[int, int] | str, int]:
-        """What one cached token costs in each group (K and V of its layers), and in the indexers'
-        key-only layers (``"index keys"``) and in the MLA layers' latent (``"latent"``), in bytes."""
+        """What one cached token costs in bytes: per K/V shape (K and V of its layers), and per
+        other kind (``"latent"``, ``"index keys"``, and the unpaged ``"own cache"``)."""
         elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
-        out: dict[tuple[int, int] | str, int] = {
-            (h, d): 2 * len(layers) * h * d * elem for (h, d), layers in self.groups().items()
-        }
-        if self.latent_layers:
-            out["latent"] = sum(math.prod(self.shape_of(layer)) for layer in self.latent_layers) * elem
-        if self.index_layers:
-            h, d = self.shape_of(self.attention_layers)
-            out["index keys"] = len(self.index_layers) * h * d * elem
-        if self.own_bytes_per_token:
-            out["own cache"] = self.own_bytes_per_token
+        out: dict[tuple[int, int] | str, int] = {}
+        for g in self.groups:
+            key: tuple[int, int] | str = (g.heads, g.width) if g.kind == KV else g.kind
+            out[key] = out.get(key, 0) + g.bytes_per_token(elem)
+        for kind, n in self.unpaged:
+            if n:
+                out[kind] = out.get(kind, 0) + n
         return out
 
     def bytes_per_block(self, block_size: int) -> int:

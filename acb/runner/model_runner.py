@@ -38,7 +38,7 @@ from acb.runner.host_threads import release_idle_threads
 from acb.runner.indexed import IndexedLayers, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kinds import hooks_of, layout_of
-from acb.runner.kv_cache import KVCache, KVSpec, kv_memory_budget
+from acb.runner.kv_cache import OWN_CACHE, KVCache, KVSpec, kv_memory_budget
 from acb.runner.latent import LatentLayers
 from acb.runner.linear_state import (
     STEPWISE_MAX_TAIL,
@@ -312,7 +312,7 @@ class ModelRunner:
         slots = self._state_memory(config, spec, snapshots) if self.linear is not None else 0
         if snapshots and self.own_forward is not None:  # cut copies of own caches, within a token budget
             budget = kv_memory_budget(self.device, config.max_memory_percent)
-            self.cfg, slots = snapshot_memory(self.cfg, config, spec.own_bytes_per_token, budget)
+            self.cfg, slots = snapshot_memory(self.cfg, config, spec.bytes_per_token().get(OWN_CACHE, 0), budget)
         # why the state layers' prefix is not reused (acb.runner.kinds reports it)
         self.state_why = (
             ""
@@ -559,11 +559,11 @@ class ModelRunner:
 
         name = self.cfg.attn_backend
         # a model without attention layers (pure Mamba2) never calls the backend: nothing to check
-        while config.attn_backend is None and name != "torch" and spec.groups():
+        while config.attn_backend is None and name != "torch" and spec.kv_shapes():
             try:
                 backend = make_backend(name)
                 problem = None
-                for kv_heads, head_dim in spec.groups():  # each page shape the model's layers use
+                for kv_heads, head_dim in spec.kv_shapes():  # each page shape the model's layers use
                     problem = problem or check_backend(
                         backend,
                         self.device,

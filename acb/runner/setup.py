@@ -7,7 +7,6 @@ once, at start.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,16 @@ import torch
 from acb.config import ContinuousBatchingConfig, ResolvedConfig
 from acb.errors import UnsupportedModelError
 from acb.runner.attention import ATTN_IMPL_NAME, set_own_implementation
-from acb.runner.kv_cache import NO_KV_MAX_LEN, KVSpec, available_host_memory, size_kv_cache
+from acb.runner.kv_cache import (
+    INDEX_KEYS,
+    KV,
+    LATENT,
+    NO_KV_MAX_LEN,
+    OWN_CACHE,
+    KVSpec,
+    available_host_memory,
+    size_kv_cache,
+)
 from acb.runner.model_support import decoder_of
 from acb.runner.tp_sync import agree_min, tp_group, tp_size_of
 
@@ -236,14 +244,10 @@ def kv_spec_of(model: PreTrainedModel, dtype: torch.dtype, latent: bool = False)
     indexers = indexer_modules(model)
     if not indexers:
         return spec
-    shapes = [spec.shape_of(layer) for layer in range(spec.num_layers)]
-    shapes += [(1, index_key_dim(indexers))] * len(indexers)
-    return dataclasses.replace(
-        spec,
-        num_layers=len(shapes),
-        layer_shapes=tuple(shapes),
-        index_layers=tuple(m.layer_idx for m in indexers),
-    )
+    layers = [(spec.group_of(c).kind, *spec.shape_of(c)) for c in range(spec.num_layers)]
+    owners = {len(layers) + n: m.layer_idx for n, m in enumerate(indexers)}
+    layers += [(INDEX_KEYS, 1, index_key_dim(indexers))] * len(indexers)
+    return KVSpec.from_layers(dtype, layers, spec.layer_map, owners, spec.unpaged)
 
 
 def _latent_spec(model: PreTrainedModel, spec: KVSpec) -> KVSpec:
@@ -253,20 +257,10 @@ def _latent_spec(model: PreTrainedModel, spec: KVSpec) -> KVSpec:
     mods = latent_modules(model)
     if not mods or spec.num_layers == 0:
         return spec
-    shapes = [spec.shape_of(layer) for layer in range(spec.num_layers)]
-    latent: set[int] = set()
+    layers = [(spec.group_of(c).kind, *spec.shape_of(c)) for c in range(spec.num_layers)]
     for idx, m in mods.items():
-        layer = idx if spec.layer_map is None else spec.layer_map[idx]
-        shapes[layer] = (1, latent_width(m))
-        latent.add(layer)
-    kv_heads, head_dim = max(shapes, key=lambda s: s[0] * s[1])
-    return dataclasses.replace(
-        spec,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        layer_shapes=tuple(shapes),
-        latent_layers=tuple(sorted(latent)),
-    )
+        layers[idx if spec.layer_map is None else spec.layer_map[idx]] = (LATENT, 1, latent_width(m))
+    return KVSpec.from_layers(spec.dtype, layers, spec.layer_map, unpaged=spec.unpaged)
 
 
 def latent_backend(backend: str) -> bool:
@@ -286,27 +280,18 @@ def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
                 f"{type(model).__name__} has attention layers acb runs on the model's own cache beside layers it "
                 "pages; acb runs a model with one kind or the other"
             )
-        return KVSpec(
-            num_layers=0,
-            num_kv_heads=1,
-            head_dim=1,
-            dtype=dtype,
-            layer_map=(0,) * text.num_hidden_layers,
-            own_bytes_per_token=own_cache_bytes_per_token(model, model_max_len(model)),
-        )
+        own_bytes = own_cache_bytes_per_token(model, model_max_len(model))
+        return KVSpec(dtype, layer_map=(0,) * text.num_hidden_layers, unpaged=((OWN_CACHE, own_bytes),))
     layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
     if layer_map is not None and not _attention_modules(model) and getattr(text, "num_attention_heads", None) is None:
         # state layers only (Mamba, Mamba2, Falcon-Mamba): no KV cache at all; the blocks are
         # still the scheduler's measure of each request's length
-        return KVSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=dtype, layer_map=layer_map)
+        return KVSpec(dtype, layer_map=layer_map)
     num_layers = text.num_hidden_layers if layer_map is None else max(layer_map) + 1
     shapes = _module_shapes(model, layer_map, num_layers)
-    if shapes is not None and len(set(shapes)) > 1:
-        kv_heads, head_dim = max(shapes, key=lambda s: s[0] * s[1])
-        return KVSpec(num_layers, kv_heads, head_dim, dtype, layer_map=layer_map, layer_shapes=tuple(shapes))
-    if getattr(text, "is_heterogeneous", False) and shapes:  # per-layer fields, all layers alike
-        kv_heads, head_dim = shapes[0]
-        return KVSpec(num_layers, kv_heads, head_dim, dtype, layer_map=layer_map)
+    if shapes and (len(set(shapes)) > 1 or getattr(text, "is_heterogeneous", False)):
+        # layers of different shapes, or per-layer fields (all layers alike)
+        return KVSpec.from_layers(dtype, [(KV, h, d) for h, d in shapes], layer_map)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -317,7 +302,7 @@ def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     # tensor parallel (from_pretrained(tp_plan=...)): the config holds the global head counts, but
     # each rank's k_proj is column-sharded, so its attention sees (and its cache holds) a slice
     kv_heads = local_kv_heads(model, kv_heads)
-    return KVSpec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, layer_map=layer_map)
+    return KVSpec.uniform(num_layers, kv_heads, head_dim, dtype, layer_map)
 
 
 def _module_shapes(
@@ -418,13 +403,7 @@ def own_path_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     blocks measure lengths, sized by what a token costs the model's own cache (measured)."""
     from acb.runner.own_cache import own_cache_bytes_per_token
 
-    return KVSpec(
-        num_layers=0,
-        num_kv_heads=1,
-        head_dim=1,
-        dtype=dtype,
-        own_bytes_per_token=own_cache_bytes_per_token(model, model_max_len(model)),
-    )
+    return KVSpec(dtype, unpaged=((OWN_CACHE, own_cache_bytes_per_token(model, model_max_len(model))),))
 
 
 def resolve_config(

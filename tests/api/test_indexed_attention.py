@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import acb
+from acb.runner.kv_cache import INDEX_KEYS
 from tests.conftest import assert_scores_match_forward, prompts_of_lengths, reference_generate
 from tests.test_model_sweep import ms
 
@@ -79,9 +80,10 @@ def test_indexers_are_found_and_their_keys_paged(arch):
         spec = runner.kv_cache.spec
         assert spec.index_layers == tuple(m.layer_idx for m in indexers)
         width = indexers[0].head_dim
-        keys = runner.kv_cache.k[spec.attention_layers :]
+        index_layers = spec.layers_of(INDEX_KEYS)
+        keys = [runner.kv_cache.k[c] for c in index_layers]
         assert [tuple(t.shape) for t in keys] == [(16, 8, 1, width)] * len(indexers)
-        assert all(t.numel() == 0 for t in runner.kv_cache.v[spec.attention_layers :])
+        assert all(runner.kv_cache.v[c].numel() == 0 for c in index_layers)
         assert spec.bytes_per_token()["index keys"] == len(indexers) * width * 4
         assert spec.bytes_per_block(8) == sum(t.nbytes for t in runner.kv_cache.k + runner.kv_cache.v) // 16
         assert (

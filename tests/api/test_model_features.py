@@ -236,7 +236,7 @@ def test_layers_of_different_shapes_are_cache_groups(arch):
         groups: dict = {}
         for layer, shape in enumerate(shapes):
             groups.setdefault(shape, []).append(layer)
-        assert spec.groups() == groups and len(groups) == 2
+        assert spec.kv_shapes() == groups and len(groups) == 2
         assert spec.bytes_per_token() == {(h, d): 2 * len(ls) * h * d * 4 for (h, d), ls in groups.items()}
         assert spec.bytes_per_block(8) == sum(t.nbytes for t in cache.k + cache.v) // 16
         assert cache.flat_k(2).shape == (16 * 8, *shapes[2])
@@ -481,7 +481,7 @@ def test_a_model_without_attention_skips_the_attention_check(caplog):
     ps = prompts([5, 17, 9], arch="mamba2")
     with caplog.at_level(logging.WARNING, logger="acb"):
         with acb.Engine(state_model("mamba2"), acb.ContinuousBatchingConfig(num_blocks=32, page_size=8)) as eng:
-            assert eng.runner.kv_cache.spec.groups() == {}
+            assert eng.runner.kv_cache.spec.kv_shapes() == {}
             outs = eng.generate_batch(ps, max_new_tokens=6, ignore_eos=True, progress_bar=False)
     assert not [r.getMessage() for r in caplog.records if "attention" in r.getMessage()]
     assert [o.generated_tokens for o in outs.values()] == [reference("mamba2", tuple(p)) for p in ps]

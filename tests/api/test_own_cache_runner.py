@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import acb
+from acb.runner.kv_cache import OWN_CACHE
 from tests.conftest import assert_scores_match_forward, prompts_of_lengths
 from tests.test_model_sweep import ms
 
@@ -182,7 +183,9 @@ def test_a_prompt_that_can_never_fit_is_refused_at_submit():
     cfg = acb.ContinuousBatchingConfig(num_blocks=5, page_size=4)
     with acb.Engine(model_of("gptj"), cfg) as eng:
         spec = eng.runner.kv_cache.spec
-        assert eng.runner.cfg.kv_cache_bytes == 5 * 4 * spec.own_bytes_per_token  # blocks priced by the own cache
+        assert eng.runner.cfg.kv_cache_bytes == 5 * 4 * spec.bytes_per_token().get(
+            OWN_CACHE, 0
+        )  # blocks priced by the own cache
         with pytest.raises(ValueError, match="can never fit"):
             eng.generate(prompts([40])[0], max_new_tokens=2)
 

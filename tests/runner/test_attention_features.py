@@ -158,7 +158,7 @@ def test_backend_matches_torch(monkeypatch, backend_name, num_new, start_pos, si
     hkv, heads, d = 2, 4, 16
     nb = 1 + len(num_new) * max(-(-(s + n) // bs) for s, n in zip(start_pos, num_new))
     batch = _step(num_new, start_pos, bs, nb, seed=23)
-    spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=torch.float32)
+    spec = KVSpec.uniform(1, hkv, d, torch.float32)
     k0, v0 = make_cache(nb, bs, hkv, d, torch.float32, seed=24)
     caches = [KVCache(spec, nb, bs, DEVICE) for _ in range(2)]
     for c in caches:

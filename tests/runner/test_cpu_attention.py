@@ -54,7 +54,7 @@ def _step(num_new, start, block_size, heads, hkv, head_dim, seed=0):
 
 
 def _run(backend, batch, q, k, v, pages, block_size, **features):
-    spec = KVSpec(num_layers=1, num_kv_heads=pages.shape[2], head_dim=pages.shape[3], dtype=torch.float32)
+    spec = KVSpec.uniform(1, pages.shape[2], pages.shape[3], torch.float32)
     cache = KVCache(spec, pages.shape[0], block_size, torch.device("cpu"))
     cache.k[0].copy_(pages)
     cache.v[0].copy_(pages.flip(0) * 0.5)

@@ -71,7 +71,7 @@ def test_backend_matches_torch(fake_flash_attn, num_new, start_pos, window, soft
     seq_lens = [s + n for s, n in zip(start_pos, num_new)]
     cols = max(-(-n // bs) for n in seq_lens)
     nb = 1 + len(seq_lens) * cols
-    spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=torch.float32)
+    spec = KVSpec.uniform(1, hkv, d, torch.float32)
     g = torch.Generator().manual_seed(5)
     ctx_k = torch.randn(nb, bs, hkv, d, generator=g)
     caches = [KVCache(spec, nb, bs, CPU) for _ in range(2)]

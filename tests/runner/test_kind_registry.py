@@ -11,6 +11,7 @@ import torch
 
 import acb
 from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
+from acb.runner.kv_cache import OWN_CACHE
 from tests.test_model_sweep import ms
 
 # arch -> (kinds found, prefix rule, offload rule) with offload space given
@@ -56,7 +57,7 @@ def test_the_kinds_a_model_has_and_the_rules_it_gets(arch):
     attention = [i for k in layout.kinds if k.name in ("attention", "latent", "own cache") for i in k.layers]
     assert len(attention) == len(set(attention))
     assert layout.page_bytes_per_token * cfg.block_size == spec.bytes_per_block(cfg.block_size) - (
-        spec.own_bytes_per_token * cfg.block_size
+        spec.bytes_per_token().get(OWN_CACHE, 0) * cfg.block_size
     )
     n = model.config.get_text_config().num_hidden_layers
     assert all(0 <= i < n for k in layout.kinds for i in k.layers)

@@ -82,7 +82,7 @@ def test_mixed_steps_equal_per_sequence_attention(window, chunk_bytes, monkeypat
     if chunk_bytes is not None:  # every decode row gathered and attended on its own
         monkeypatch.setattr(torch_backend, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
-    spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    spec = KVSpec.uniform(1, HKV, D, torch.float32)
     cache = KVCache(spec, 512, BS, torch.device("cpu"))
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
@@ -106,7 +106,7 @@ def test_mixed_steps_equal_per_sequence_attention(window, chunk_bytes, monkeypat
 def test_softcap_path_matches_dense_attention():
     """Gemma 2's soft-capped logits take the explicit path; one decode group and a prompt."""
     g = torch.Generator().manual_seed(1)
-    spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    spec = KVSpec.uniform(1, HKV, D, torch.float32)
     cache = KVCache(spec, 64, BS, torch.device("cpu"))
     backend = TorchBackend()
     batch = _step([1, 1, 6], [10, 12, 0], cache.num_blocks, g)
@@ -135,7 +135,7 @@ def test_a_call_a_backend_does_not_take_is_refused_by_name():
         features = frozenset()
 
     g = torch.Generator().manual_seed(2)
-    spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    spec = KVSpec.uniform(1, HKV, D, torch.float32)
     cache = KVCache(spec, 16, BS, torch.device("cpu"))
     batch = _step([3], [0], cache.num_blocks, g)
     q, k, v = torch.randn(1, H, 3, D), torch.randn(1, HKV, 3, D), torch.randn(1, HKV, 3, D)

@@ -211,7 +211,7 @@ def test_backend_matches_torch(num_new, start_pos, window, softcap):
     bs, hkv, heads, d, nb = 4, 2, 4, 16, 64
     dtype = torch.float32
     seq_lens = [s + n for s, n in zip(start_pos, num_new)]
-    spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    spec = KVSpec.uniform(1, hkv, d, dtype)
     caches = [KVCache(spec, nb, bs, DEVICE) for _ in range(2)]
     k0, v0 = make_cache(nb, bs, hkv, d, dtype, seed=3)  # the cached prefixes
     for c in caches:

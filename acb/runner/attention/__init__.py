@@ -554,7 +554,7 @@ def _compare_once(
         start_pos=start,
         max_seq_len=max(lens),
     )
-    spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype)
+    spec = KVSpec.uniform(1, hkv, head_dim, dtype)
     outs = []
     q = torch.randn(1, heads, t, head_dim, generator=g).to(device, dtype)
     k = torch.randn(1, hkv, t, head_dim, generator=g).to(device, dtype)
