@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 import torch
 
 from acb.images import image_token_id, type_spans
+from acb.runner.intercept import call_arguments
 
 if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
@@ -69,6 +71,7 @@ __all__ = [
     "ImageAttention",
     "ImageBlocks",
     "ImageEmbedder",
+    "ImageFeatures",
     "bidirectional_images",
     "bidirectional_layers",
     "image_attention",
@@ -86,9 +89,10 @@ def bidirectional_images(model: Any) -> bool:
 _STAND_IN = threading.Lock()
 
 
-def _language_model_arguments(model: Any, **inputs: Any) -> dict[str, Any]:
+def _language_model_arguments(model: Any, features: ImageFeatures | None = None, **inputs: Any) -> dict[str, Any]:
     """The keyword arguments the model's own forward hands its language model for ``inputs`` (the
-    language model is not run: its forward is replaced, for the call, by one that records them)."""
+    language model is not run: its forward is replaced, for the call, by one that records them);
+    with ``features``, the model's image-feature method is served from their cache for the call."""
     seen: dict[str, Any] = {}
 
     def stand_in(*args: Any, **kw: Any) -> Any:
@@ -98,7 +102,7 @@ def _language_model_arguments(model: Any, **inputs: Any) -> dict[str, Any]:
         raise _Captured
 
     decoder = model.get_decoder()
-    with _STAND_IN:
+    with _STAND_IN, features.serving() if features is not None else contextlib.nullcontext():
         decoder.forward = stand_in
         try:
             model(use_cache=False, **inputs)
@@ -302,6 +306,338 @@ class ImageBlocks:
         return layer in self._cache_layers
 
 
+# the per-image cache of the model's image-feature method (False: every capture runs the vision
+# tower on all its requests' images, as before it; benchmarks/vlm_shared_image.py's A/B)
+IMAGE_FEATURE_CACHE = True
+
+# the vision tower's own outputs, which a model's forward does not read once the feature method
+# has made its features (its ``pooler_output``; Qwen3-VL's ``deepstack_features`` too): not kept
+_RAW_FIELDS = frozenset({"last_hidden_state", "hidden_states", "attentions"})
+
+
+class _Uncut(Exception):
+    """A call's images or an output that the cache cannot cut per image."""
+
+
+def _spans(sizes: list[int]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+@dataclass
+class _Units:
+    """A call of the feature method, cut into units the cache keys: an image (its rows of every
+    tensor argument), or a processor's sample of images when a per-sample count says how many
+    (LLaVA-OneVision's ``batch_num_images``: an image's features depend on its sample's count)."""
+
+    named: dict[str, Any]  # the call's arguments by name
+    rows: dict[str, list[tuple[int, int]]]  # tensor argument -> each unit's rows
+    items: list[int]  # each unit's images (the output's entries it owns)
+    keys: list[bytes]  # each unit's content hash
+
+    def arguments(self, units: list[int]) -> dict[str, Any]:
+        """The call's arguments for ``units`` only (in that order)."""
+        out = dict(self.named)
+        for name, spans in self.rows.items():
+            t = self.named[name]
+            idx = [i for u in units for i in range(*spans[u])]
+            out[name] = t.index_select(0, torch.tensor(idx, dtype=torch.long, device=t.device))
+        return out
+
+
+def _units(named: dict[str, Any], twins: dict[int, tuple[torch.Tensor, torch.Tensor]], salt: bytes) -> _Units:
+    """How a call's arguments split into units, from the processor outputs the model hands its
+    feature method: its first argument (the pixel values) has a row per image, or per tile when
+    each image's tiles are rows too (InternVL: a tile is then a unit), or is flattened patches whose
+    per-image counts are the rows' products of an integer grid argument (Qwen's ``image_grid_thw``);
+    every other tensor argument has a row per image (a grid's, sizes', a mask's) or is a per-sample
+    count. Anything else raises :class:`_Uncut` (its calls are run whole, uncached)."""
+    names = list(named)
+    if not names:
+        raise _Uncut("no arguments")
+    first = names[0]
+    tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if first not in tensors:
+        raise _Uncut("its first argument is not a tensor")
+    # each tensor's host copy (the capture's own inputs: no copy from the device for them)
+    host = {}
+    for k, v in tensors.items():
+        twin = twins.get(id(v))
+        host[k] = twin[1] if twin is not None and twin[0] is v else v.detach().cpu()
+    pixels = host[first]
+    rows: dict[str, list[tuple[int, int]]] = {}
+    if pixels.dim() == 2:  # flattened patches: an integer grid argument gives each image's rows
+        grid = next(
+            (
+                k
+                for k, t in host.items()
+                if k != first
+                and t.dim() == 2
+                and not t.is_floating_point()
+                and int(t.prod(-1).sum()) == pixels.shape[0]
+            ),
+            None,
+        )
+        if grid is None:
+            raise _Uncut("flattened pixel rows without a grid that counts them")
+        sizes = [int(x) for x in host[grid].prod(-1).tolist()]
+        items = [1] * len(sizes)
+        rows[first] = _spans(sizes)
+        for k, t in host.items():
+            if k != first:
+                if t.shape[0] != len(sizes):
+                    raise _Uncut(f"{k} has {t.shape[0]} rows for {len(sizes)} images")
+                rows[k] = _spans(items)
+    else:
+        n = pixels.shape[0]
+        counts = None
+        for k, t in host.items():
+            if t.shape[0] == n:
+                continue
+            if (
+                counts is None
+                and t.dim() == 1
+                and not t.is_floating_point()
+                and int(t.sum()) == n
+                and bool((t >= 1).all())
+            ):
+                counts = k
+                continue
+            raise _Uncut(f"{k} has {t.shape[0]} rows for {n} images")
+        items = [int(x) for x in host[counts].tolist()] if counts is not None else [1] * n
+        for k in host:
+            rows[k] = _spans([1] * len(items)) if k == counts else _spans(items)
+    keys = []
+    for u in range(len(items)):
+        h = hashlib.sha256(b"acb-image-features")
+        h.update(salt)
+        for k in sorted(named):
+            h.update(k.encode())
+            if k in rows:
+                a, b = rows[k][u]
+                c = host[k][a:b].contiguous()
+                h.update(f"{c.dtype}{tuple(c.shape)}".encode())
+                if c.numel():
+                    h.update(cast(Any, c.view(torch.uint8).numpy()))  # (a buffer: not copied)
+            else:
+                v = named[k]
+                h.update(repr(v.tolist() if isinstance(v, torch.Tensor) else v).encode())
+        keys.append(h.digest())
+    return _Units(named, rows, items, keys)
+
+
+def _cut(value: Any, items: list[int]) -> tuple[Any, list[Any]]:
+    """``value`` (a field of the feature method's output) cut per unit: its kind (how the parts
+    join back: ``"rows"`` of a tensor, ``("seq", type)`` entries of a tuple or list, ``("nest",
+    type, kinds)`` a tuple or list of those, as DeepStack's per-layer tuples) and each unit's part;
+    a tensor's rows or a sequence's entries are per image, or per unit."""
+    n_units, n_items = len(items), sum(items)
+
+    def spans(length: int) -> list[tuple[int, int]]:
+        if length == n_items:
+            return _spans(items)
+        if length == n_units:
+            return _spans([1] * n_units)
+        raise _Uncut(f"{length} entries for {n_units} units")
+
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise _Uncut("a scalar")
+        return "rows", [value[a:b].clone() for a, b in spans(value.shape[0])]
+    if isinstance(value, (tuple, list)) and value:
+        if all(isinstance(v, torch.Tensor) for v in value):
+            return ("seq", type(value)), [[v.clone() for v in value[a:b]] for a, b in spans(len(value))]
+        if all(isinstance(v, (tuple, list)) for v in value):
+            cuts = [_cut(v, items) for v in value]
+            return ("nest", type(value), tuple(k for k, _ in cuts)), [
+                tuple(parts[u] for _, parts in cuts) for u in range(n_units)
+            ]
+    raise _Uncut(f"a {type(value).__name__}")
+
+
+def _join(kind: Any, parts: list[Any]) -> Any:
+    """The parts of :func:`_cut`, joined back (in the order given)."""
+    if kind == "rows":
+        return torch.cat(parts)
+    if kind[0] == "seq":
+        return kind[1](v for p in parts for v in p)
+    return kind[1](_join(k, [p[i] for p in parts]) for i, k in enumerate(kind[2]))
+
+
+def _part_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.nbytes)
+    if isinstance(value, (tuple, list)):
+        return sum(_part_bytes(v) for v in value)
+    return 0
+
+
+@dataclass
+class _Part:
+    """One unit's share of the feature method's output."""
+
+    layout: tuple  # the output's class and each kept field's kind (all parts joined have one)
+    values: dict[str, Any]  # field -> the unit's part
+    nbytes: int
+    multi: bool  # cut from a call that computed several units
+
+
+def _cut_output(out: Any, items: list[int]) -> tuple[tuple, list[dict[str, Any]]]:
+    """The feature method's output (a ``ModelOutput``) cut per unit: its layout and each unit's
+    fields (the tower's raw outputs left out)."""
+    if not dataclasses.is_dataclass(out) or isinstance(out, type):
+        raise _Uncut(f"its output is a {type(out).__name__}")
+    fields: list[tuple[str, Any]] = []
+    parts: list[dict[str, Any]] = [{} for _ in items]
+    for f in dataclasses.fields(out):
+        value = getattr(out, f.name, None)
+        if value is None or f.name in _RAW_FIELDS:
+            continue
+        kind, cut = _cut(value, items)
+        fields.append((f.name, kind))
+        for d, p in zip(parts, cut):
+            d[f.name] = p
+    if not fields:
+        raise _Uncut("its output has no features")
+    return (type(out), tuple(fields)), parts
+
+
+class ImageFeatures:
+    """The model's own image-feature method, its outputs cached per image by content.
+
+    The method is found by what the model's code calls: every module whose class defines
+    ``get_image_features`` (the method each transformers VLM's forward calls with the pixel
+    values; the outer model's delegates to the inner one's) is served, during a capture, by
+    :meth:`_serve`: the call is cut into units (:func:`_units`: an image, a tile, or a sample's
+    images), each keyed by the SHA-256 of its rows of the tensor arguments and the other arguments;
+    the units not cached go through the method in one call, their outputs are cut per unit
+    (:func:`_cut_output`) and kept, and the call's output is joined from the parts in the order the
+    model asked for them. A call whose units are all new and distinct gets the method's own output.
+    A call the cache cannot cut (Molmo2's pooling indices point across images) runs whole, uncached.
+    The first joined outputs are checked against the model's own (:meth:`ImageEmbedder._capture`);
+    a model whose joined output differs is left uncached."""
+
+    def __init__(self, model: Any) -> None:
+        self.modules = [m for m in model.modules() if callable(getattr(type(m), "get_image_features", None))]
+        self.on = IMAGE_FEATURE_CACHE and bool(self.modules)
+        self.why_off = "" if self.on else ("switched off" if self.modules else "no get_image_features")
+        self.entries: OrderedDict[bytes, _Part] = OrderedDict()  # LRU
+        self.nbytes = 0
+        self.generation = 0  # the weights' (forget moves it on): part of every key
+        # host twins of the capture's device tensors (id -> (device tensor, host tensor))
+        self.twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.verified: set[str] = set()  # kinds of joined outputs found equal to the model's own
+        self.traits: set[str] = set()  # the kinds of joined outputs the current capture got
+        self._inside = False
+        self.tower_calls = 0  # calls of the model's feature method (the vision tower ran)
+        self.computed = 0  # units the method computed
+        self.hits = 0  # units served from the cache
+        self.uncut_calls = 0  # calls run whole, not cut per image
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """The feature method of every module that defines one served by the cache (an instance
+        attribute over the class's method, for the call)."""
+        for m in self.modules:
+            m.get_image_features = functools.partial(self._call, m)
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                vars(m).pop("get_image_features", None)
+
+    def unverified(self) -> bool:
+        """The current capture got a joined output of a kind not yet checked against the model's own."""
+        return not self.traits <= self.verified
+
+    def turn_off(self, why: str, model: Any) -> None:
+        self.on, self.why_off = False, why
+        self.clear()
+        logger.info("%s: image features are not cached per image (%s)", type(model).__name__, why)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
+    def forget(self) -> None:
+        """The weights changed: nothing cached is served again."""
+        self.generation += 1
+        self.clear()
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry (False: none)."""
+        if not self.entries:
+            return False
+        _, old = self.entries.popitem(last=False)
+        self.nbytes -= old.nbytes
+        return True
+
+    def _call(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        fn = type(module).get_image_features
+        if self._inside or not self.on:  # (an outer model's method calling the inner one's)
+            return fn(module, *args, **kwargs)
+        self._inside = True
+        try:
+            return self._serve(module, fn, args, kwargs)
+        finally:
+            self._inside = False
+
+    def _serve(self, module: Any, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        sig = inspect.signature(fn)
+        try:
+            bound = sig.bind(module, *args, **kwargs).arguments
+            if any(sig.parameters[k].kind is inspect.Parameter.VAR_POSITIONAL and v for k, v in bound.items()):
+                raise _Uncut("positional arguments past its named ones")
+            units = _units(call_arguments(sig, module, args, kwargs), self.twins, self.generation.to_bytes(8, "little"))
+        except _Uncut:
+            self.uncut_calls += 1
+            self.tower_calls += 1
+            return fn(module, *args, **kwargs)
+        keys = units.keys
+        n = len(keys)
+        missing: list[int] = []  # the first unit of each key not cached
+        for u, k in enumerate(keys):
+            if k not in self.entries and all(keys[v] != k for v in missing):
+                missing.append(u)
+        fresh: dict[bytes, _Part] = {}
+        out = None
+        if missing:
+            whole = len(missing) == n
+            out = fn(module, *args, **kwargs) if whole else fn(module, **units.arguments(missing))
+            self.tower_calls += 1
+            self.computed += len(missing)
+            try:
+                layout, parts = _cut_output(out, [units.items[u] for u in missing])
+            except _Uncut as exc:
+                self.turn_off(f"its image-feature output cannot be cut per image: {exc}", module)
+                return out if whole else fn(module, *args, **kwargs)
+            for u, values in zip(missing, parts):
+                part = _Part(layout, values, _part_bytes(list(values.values())), len(missing) > 1)
+                fresh[keys[u]] = part
+                self.entries[keys[u]] = part
+                self.nbytes += part.nbytes
+            if whole:  # (every unit new and distinct: the method's own output, as it is)
+                return out
+        got = []
+        for k in keys:
+            if k not in fresh:
+                self.entries.move_to_end(k)
+            got.append(fresh[k] if k in fresh else self.entries[k])
+        self.hits += n - len(missing)
+        layout = got[0].layout
+        if any(p.layout != layout for p in got):  # (outputs of other shapes: the whole call, uncached)
+            self.tower_calls += 1
+            return fn(module, *args, **kwargs)
+        self.traits.add("join" if n > 1 else "one")
+        if any(p.multi for p in got):
+            self.traits.add("split")
+        cls, fields = layout
+        return cls(**{name: _join(kind, [p.values[name] for p in got]) for name, kind in fields})
+
+
 class ImageEmbedder:
     """Runs the model's own vision code for the requests of a step (see the module docstring)."""
 
@@ -352,6 +688,8 @@ class ImageEmbedder:
         self._batches: bool | None = None
         # the step's prefill segments whose image blocks attend both ways (None: none)
         self.step_groups: ImageBlocks | None = None
+        # the model's image-feature method, its outputs cached per image (in this budget too)
+        self.features = ImageFeatures(model)
         self.encoder_s = 0.0  # seconds in the model's own vision code (figures)
         self.captures = 0  # requests whose images the model's own code ran on
         self.capture_calls = 0  # calls of it (several requests of a step go together)
@@ -370,9 +708,16 @@ class ImageEmbedder:
             return
         self._free[key] = entry
         self._free_bytes += entry.nbytes
-        while self._free_bytes > self.max_bytes and self._free:
+        self._evict()
+
+    def _evict(self) -> None:
+        """Within the byte budget: the entries no row holds go first (least recently used first),
+        then cached image features; the rows' own entries stay."""
+        while self.nbytes() > self.max_bytes and self._free:
             _, old = self._free.popitem(last=False)
             self._free_bytes -= old.nbytes
+        while self.nbytes() > self.max_bytes and self.features.evict_one():
+            pass
 
     def clear(self) -> None:
         self._stale.clear()
@@ -380,6 +725,7 @@ class ImageEmbedder:
         self._rows.clear()
         self._free.clear()
         self._free_bytes = 0
+        self.features.clear()
 
     def forget_unused(self) -> None:
         """The weights changed: no request from now on is given an entry the old weights made.
@@ -389,9 +735,12 @@ class ImageEmbedder:
         self._stale.update(self._used)
         self._free.clear()
         self._free_bytes = 0
+        self.features.forget()
 
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._used.values()) + self._free_bytes
+        """The bytes of the entries (rows' and cached) and of the cached image features: within
+        ``image_cache_bytes`` but for the entries rows hold."""
+        return sum(e.nbytes for e in self._used.values()) + self._free_bytes + self.features.nbytes
 
     def key(self, req: Request) -> bytes:
         """The request's images and prompt tokens, and the weights' generation (computed once per
@@ -448,7 +797,7 @@ class ImageEmbedder:
             for part in parts:
                 entries = self._capture(part)
                 if len(part) > 1 and self._batches is None:
-                    alone = [self._capture([r])[0] for r in part]
+                    alone = [self._capture_as([r], uncached=True)[0] for r in part]
                     self._batches = all(_same(a, b) for a, b in zip(entries, alone))
                     if not self._batches:
                         logger.info(
@@ -457,6 +806,8 @@ class ImageEmbedder:
                             type(self.model).__name__,
                         )
                         entries = alone
+                        if self.features.on:  # (its images refer to each other: not cut per image)
+                            self.features.turn_off("its image tensors refer to each other", self.model)
                 made.update(zip(map(id, part), entries))
                 self.captures += len(part)
                 self.capture_calls += 1 if self._batches is not False else len(part)
@@ -464,6 +815,17 @@ class ImageEmbedder:
         return [made[id(r)] for r in reqs]
 
     def _capture(self, reqs: list[Request]) -> list[Embedded]:
+        out = self._capture_as(reqs)
+        self._evict()
+        return out
+
+    def _capture_as(self, reqs: list[Request], uncached: bool = False) -> list[Embedded]:
+        """The requests' entries, from one call of the model's own code on them (``uncached``: its
+        image-feature method not served from the cache). A capture whose image features were
+        joined from cached parts in a way not yet checked is made again plain and compared; a
+        model for which the two differ (or whose forward fails on joined features) is left
+        uncached from then on."""
+        features = None if uncached or not self.features.on else self.features
         prompts = [req.token_ids[: req.prompt_len] for req in reqs]
         width = max(len(p) for p in prompts)
         ids = torch.zeros((len(reqs), width), dtype=torch.long)
@@ -473,6 +835,7 @@ class ImageEmbedder:
             attn[b, width - len(p) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         kwargs: dict[str, Any] = {}
+        twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         first = reqs[0].images
         assert first is not None
         for name, value in first.tensors.items():
@@ -485,8 +848,27 @@ class ImageEmbedder:
                     [torch.nn.functional.pad(r, (width - len(p), len(p) - r.shape[0])) for r, p in zip(rows, prompts)]
                 ).to(self.device)
             else:  # images (or their patches, sizes, counts) along the first dimension
-                kwargs[name] = torch.cat(values).to(self.device)
-        seen = _language_model_arguments(self.model, input_ids=ids, attention_mask=attn, **kwargs)
+                host = torch.cat(values)
+                kwargs[name] = host.to(self.device)
+                twins[id(kwargs[name])] = (kwargs[name], host)
+        if features is not None:
+            features.twins, features.traits = twins, set()
+            try:
+                seen = _language_model_arguments(self.model, features, input_ids=ids, attention_mask=attn, **kwargs)
+            except Exception as exc:
+                if not features.unverified():
+                    raise
+                features.turn_off(
+                    f"its forward failed on joined image features ({type(exc).__name__}: {exc})", self.model
+                )
+                return self._capture_as(reqs, uncached=True)
+            finally:
+                features.twins = {}
+            check = features.unverified()
+            traits = set(features.traits)
+        else:
+            seen = _language_model_arguments(self.model, input_ids=ids, attention_mask=attn, **kwargs)
+            check = False
         embeds = seen.get("inputs_embeds")
         if embeds is None:
             raise RuntimeError(
@@ -544,6 +926,14 @@ class ImageEmbedder:
                     layer_rows,
                 )
             )
+        if check:  # image features joined from cached parts: the same as the model's own?
+            own = self._capture_as(reqs, uncached=True)
+            if all(_same(a, b) for a, b in zip(out, own)):
+                # (a join of several units checked covers the join of one)
+                self.features.verified |= traits | ({"one"} if "join" in traits else set())
+            else:
+                self.features.turn_off("features joined from cached parts differ from its own", self.model)
+                out = own
         return out
 
     def _check_mask(self, mask: Any, b: int, lo: int, n: int, blocks: torch.Tensor | None) -> None:
