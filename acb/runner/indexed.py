@@ -24,9 +24,15 @@ Layers that reuse an earlier layer's selection (GLM-5's and Hunyuan V4's ``"shar
 types) get it from the model's own code, unchanged. The indexers are found by what they do
 (their class calls ``update_indexer`` on its cache), not by a list of names.
 
-One Python loop over the batch's requests per indexer per step: the reference path (the torch
-backend only; decode graphs and torch.compile are off for these models). A batched top-k over
-paged keys (a Triton kernel) is the GPU path to add.
+The segments whose context is no longer than the indexer's top-k (every query selects all its
+keys: most requests of a real DSA model, whose top-k is 2,048) go through the indexer in one call,
+as ``model.generate`` runs a padded batch: right-padded, their keys gathered from their pages to
+the longest context and masked per request (:class:`_BatchIndexCache`, :func:`_batch_call`). Longer
+ones keep a call each: their scores tie exactly where a ReLU zeroes every head's term, and the
+top-k breaks such ties by the row's width, so a padded row could select other keys than the
+request alone (measured: the scores are bitwise equal, the picks among the zeros not). (The torch backend
+only; decode graphs and torch.compile are off for these models. A batched top-k over paged keys, a
+Triton kernel, is the GPU path to add.)
 """
 
 from __future__ import annotations
@@ -139,38 +145,127 @@ class _IndexCache:
         return pages.view(1, -1, pages.shape[-1])[:, :ctx].to(key.dtype)
 
 
+class _BatchIndexCache:
+    """The same interface over several requests' segments at once (a padded batch): the
+    segments' keys written into their pages, and each request's context gathered from its pages,
+    ``[B, ctx_max, D]`` (zeros past a request's own length, which its mask leaves out)."""
+
+    __slots__ = ("step", "segs", "table", "width")
+
+    def __init__(self, step: _Step, segs: list[_Segment], width: int) -> None:
+        self.step = step
+        self.segs = segs
+        self.width = width  # the longest request's context after the step
+        cols = max(len(seg.blocks) for seg in segs)
+        # the requests' pages, padded with the scratch block 0 (never read past a request's length)
+        self.table = torch.stack([torch.nn.functional.pad(seg.blocks, (0, cols - len(seg.blocks))) for seg in segs])
+
+    def update_indexer(self, key: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Store the segments' keys (``[B, n_max, D]``, padded); the requests' keys so far."""
+        cache = self.step.cache
+        layer = cache.spec.index_layer_of(layer_idx)
+        flat = cache.flat_k(layer)  # [slots, 1, D]
+        real = torch.cat([key[i, : seg.hi - seg.lo] for i, seg in enumerate(self.segs)])  # [tokens, D]
+        slots = torch.cat([self.step.slots[seg.lo : seg.hi] for seg in self.segs])
+        flat.index_copy_(0, slots, real[:, None, :].to(flat.dtype))
+        pages = cache.k[layer][self.table]  # [B, cols, block_size, 1, D]
+        return pages.view(len(self.segs), -1, pages.shape[-1])[:, : self.width].to(key.dtype)
+
+
+# switch for A/B measurement: the segments that may share a call go through one (True), or each
+# through its own (False)
+BATCH_SEGMENTS = True
+
+
+def _segment_call(original: Any, rest: dict[str, Any], step: _Step, seg: _Segment) -> torch.Tensor:
+    """The indexer's own forward over one request's segment, with the request's causal mask."""
+    hidden, q_resid = rest["hidden_states"], rest["q_resid"]
+    cos, sin = rest["position_embeddings"]
+    device = hidden.device
+    n = seg.hi - seg.lo
+    ctx = seg.start + n
+    # the request's causal mask as model.generate gives its indexer: query i sees keys <= its position
+    qpos = torch.arange(seg.start, ctx, device=device)[:, None]
+    mask = (torch.arange(ctx, device=device)[None, :] <= qpos)[None]  # [1, n, ctx]
+    kw = dict(rest)
+    kw.update(
+        hidden_states=hidden[:, seg.lo : seg.hi],
+        q_resid=q_resid[:, seg.lo : seg.hi],
+        position_embeddings=(cos[..., seg.lo : seg.hi, :], sin[..., seg.lo : seg.hi, :]),
+        attention_mask=mask,
+        past_key_values=_IndexCache(step, seg),
+    )
+    if "position_ids" in kw:  # unused by the indexers (kept for backward compatibility)
+        kw["position_ids"] = None
+    return original(**kw)[0]  # [n, k]
+
+
+def _batch_call(original: Any, rest: dict[str, Any], step: _Step, segs: list[_Segment]) -> torch.Tensor:
+    """The indexer's own forward over several requests' segments in one call, as ``model.generate``
+    runs a padded batch: the segments right-padded to the longest, each request's keys gathered to
+    the longest context and every query masked as its request's causal mask (a pad query sees no
+    key, and its selection is dropped). Only segments whose every query selects all its keys (its
+    context is no longer than the indexer's top-k) share a call: their selection is the same set
+    however the top-k breaks ties (scores of exactly equal value, which a ReLU'd score makes
+    common), which a wider row would change. Positions the top-k returns past a query's own keys
+    are -1, as a call of its own leaves them. ``[tokens of the segments, k]``, in their order."""
+    hidden, q_resid = rest["hidden_states"], rest["q_resid"]
+    cos, sin = rest["position_embeddings"]
+    device = hidden.device
+    n_max = max(seg.hi - seg.lo for seg in segs)
+    # each padded query's token in the flattened step (a pad repeats its segment's last token)
+    at = torch.tensor(
+        [[seg.lo + min(j, seg.hi - seg.lo - 1) for j in range(n_max)] for seg in segs], device=device
+    )  # [B, n_max]
+    qpos = torch.tensor(
+        [[seg.start + j if j < seg.hi - seg.lo else -1 for j in range(n_max)] for seg in segs], device=device
+    )  # [B, n_max]: each query's position in its request, -1 for a pad
+    width = max(seg.start + seg.hi - seg.lo for seg in segs)
+    mask = torch.arange(width, device=device)[None, None, :] <= qpos[:, :, None]  # [B, n_max, ctx_max]
+    kw = dict(rest)
+    kw.update(
+        hidden_states=hidden[0, at],
+        q_resid=q_resid[0, at],
+        position_embeddings=(cos[0, at], sin[0, at]),
+        attention_mask=mask,
+        past_key_values=_BatchIndexCache(step, segs, width),
+    )
+    if "position_ids" in kw:
+        kw["position_ids"] = None
+    idx = original(**kw)  # [B, n_max, k]
+    idx = torch.where(idx <= qpos[:, :, None], idx, -1).to(idx.dtype)
+    return torch.cat([idx[i, : seg.hi - seg.lo] for i, seg in enumerate(segs)])
+
+
 def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **kwargs: Any) -> Any:
     step: _Step | None = CURRENT.index
     if step is None:  # not an engine step: the indexer as it always was
         return original(*args, **kwargs)
     rest = call_arguments(sig, module, args, kwargs)
-    hidden, q_resid = rest["hidden_states"], rest["q_resid"]
-    cos, sin = rest["position_embeddings"]
-    device = hidden.device
-    outs: list[tuple[_Segment, torch.Tensor]] = []
-    for seg in step.segments:
-        n = seg.hi - seg.lo
-        ctx = seg.start + n
-        # the request's causal mask as model.generate gives its indexer: query i sees keys <= its position
-        qpos = torch.arange(seg.start, ctx, device=device)[:, None]
-        mask = (torch.arange(ctx, device=device)[None, :] <= qpos)[None]  # [1, n, ctx]
-        kw = dict(rest)
-        kw.update(
-            hidden_states=hidden[:, seg.lo : seg.hi],
-            q_resid=q_resid[:, seg.lo : seg.hi],
-            position_embeddings=(cos[..., seg.lo : seg.hi, :], sin[..., seg.lo : seg.hi, :]),
-            attention_mask=mask,
-            past_key_values=_IndexCache(step, seg),
-        )
-        if "position_ids" in kw:  # unused by the indexers (kept for backward compatibility)
-            kw["position_ids"] = None
-        got = original(**kw)
-        outs.append((seg, got[0]))
-    width = max(idx.shape[-1] for _, idx in outs)
-    total = hidden.shape[1]
-    out = torch.full((1, total, width), -1, dtype=outs[0][1].dtype, device=device)
+    hidden = rest["hidden_states"]
+    cos = rest["position_embeddings"][0]
+    topk = getattr(module, "index_topk", None)
+    shared: list[_Segment] = []
+    if BATCH_SEGMENTS and isinstance(topk, int) and hidden.dim() == 3 and cos.dim() == 3 and cos.shape[0] == 1:
+        # (per-token rotary tables [1, T, d], as the DSA models give their indexers)
+        shared = [seg for seg in step.segments if seg.start + seg.hi - seg.lo <= topk]
+    if len(shared) < 2:
+        shared = []
+    together = {id(seg) for seg in shared}
+    outs: list[tuple[_Segment, torch.Tensor]] = [
+        (seg, _segment_call(original, rest, step, seg)) for seg in step.segments if id(seg) not in together
+    ]
+    width = max((idx.shape[-1] for _, idx in outs), default=0)
+    rows = _batch_call(original, rest, step, shared) if shared else None
+    if rows is not None:
+        width = max(width, rows.shape[-1])
+    dtype = rows.dtype if rows is not None else outs[0][1].dtype
+    out = torch.full((1, hidden.shape[1], width), -1, dtype=dtype, device=hidden.device)
     for seg, idx in outs:
         out[0, seg.lo : seg.hi, : idx.shape[-1]] = idx
+    if rows is not None:
+        tokens = torch.cat([torch.arange(seg.lo, seg.hi) for seg in shared]).to(hidden.device)
+        out[0, tokens, : rows.shape[-1]] = rows
     return out  # [1, T, k]: each query's selected positions in its own request, -1 past a short row's
 
 

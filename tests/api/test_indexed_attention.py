@@ -124,6 +124,46 @@ def test_greedy_parity(arch, cfg):
     assert got == [reference(arch, tuple(p)) for p in ps]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_requests_within_the_top_k_share_one_indexer_call(arch, monkeypatch):
+    """With every context within the indexer's top-k (a real DSA model's 2,048 covers most
+    requests), a step's segments go through each indexer in one padded call: fresh prompts,
+    chunks after earlier pages and decode rows together, exact against ``model.generate``, also
+    chunked, under preemption with async batching, with a prefix hit and with n > 1; a context
+    past the top-k takes a call of its own (the 40-token prompt, top-k 32)."""
+    from acb.runner import indexed
+
+    calls = {"shared": 0, "alone": 0}
+    batch, single = indexed._batch_call, indexed._segment_call
+
+    def shared(*a, **k):
+        calls["shared"] += 1
+        return batch(*a, **k)
+
+    def alone(*a, **k):
+        calls["alone"] += 1
+        return single(*a, **k)
+
+    monkeypatch.setattr(indexed, "_batch_call", shared)
+    monkeypatch.setattr(indexed, "_segment_call", alone)
+    ps = prompts([5, 17, 24, 9, 22, 40])
+    for cfg in (
+        dict(num_blocks=64, page_size=8, max_batch_tokens=24),
+        dict(num_blocks=14, page_size=4, max_batch_tokens=16, use_async_batching=True),
+    ):
+        with acb.Engine(model_of(arch, 32), acb.ContinuousBatchingConfig(allow_block_sharing=True, **cfg)) as eng:
+            assert run(eng, ps) == [reference(arch, tuple(p), 32) for p in ps]
+            if cfg["num_blocks"] == 14:
+                assert eng.stats.preemptions > 0
+            else:
+                out = eng.generate(ps[1][:16] + ps[2][:4], max_new_tokens=MAX_NEW, ignore_eos=True, n=2)
+                assert eng.stats.prefix_hits > 0
+                assert [x.generated_tokens for x in out.samples] == [
+                    reference(arch, tuple(ps[1][:16] + ps[2][:4]), 32)
+                ] * 2
+    assert calls["shared"] > 0 and calls["alone"] > 0, calls
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
 def test_prefix_cache_samples_scoring_cancel_and_sleep(arch):
     """A cached prefix brings its indexer keys (the second request reuses the first's pages);
