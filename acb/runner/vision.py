@@ -22,12 +22,25 @@ The first call that embeds several requests' images together is checked against 
 request: a model whose image tensors refer to each other (Molmo2's pooling indices into its
 patches) is then embedded request by request.
 
+The vision tower runs once per distinct image, whatever text comes with it: during a capture, the
+model's own image-feature method (``get_image_features``, which every transformers VLM's forward
+calls with the pixel values) is served by :class:`ImageFeatures`, which cuts the call into images
+(by the processor outputs the method receives: pixel rows, ``image_grid_thw`` rows for Qwen's
+flattened patches, InternVL's tiles, LLaVA-OneVision's per-sample image counts), keys each by the
+hash of its tensors, runs only the images it has not cached, in one call, and joins the output back
+in the order the model asked for. The forward's own code then puts the features where they go, as
+before. A model whose calls cannot be cut (Molmo2) runs each call whole; one whose joined features
+differ from its own (checked on the first joins) is left uncached. ``IMAGE_FEATURE_CACHE = False``
+turns the cache off (``benchmarks/vlm_offline.py --shared`` measures both).
+
 A step whose tokens include a request with images then runs the model on ``inputs_embeds``: the
 token embeddings of the flattened batch, with each such request's rows for the positions this
 step prefills put back (a chunk boundary may cut an image's tokens anywhere), and, for M-RoPE
 models, its positions. Entries are keyed by the request's images and tokens; they stay while a
-row uses them and, after, in a byte-bounded LRU, so that a recompute after a preemption, or the
-same images again, does not run the vision encoder again.
+row uses them and, after, in an LRU, so that a recompute after a preemption, or the same prompt
+again, does not run the model's vision code again. The entries and the cached image features share
+one byte budget (``image_cache_bytes``): past it, the entries no row holds go first, then the
+least recently used features.
 
 Some models' image tokens also attend to their image's later tokens in prefill, on some layers
 (Gemma 3 on every layer; Gemma 4 on its sliding ones, with ``use_bidirectional_attention="vision"``;
@@ -1102,7 +1115,8 @@ class ImageEmbedder:
 
 def _same(a: Embedded, b: Embedded) -> bool:
     """Two captures of one request give the same embeddings (up to the rounding of a batched
-    vision encoder: a capture that mixes requests up differs by far more)."""
+    vision encoder, which in bfloat16 is a few of its steps: a capture that mixes requests or
+    images up differs by far more)."""
 
     def close(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
         if x is None or y is None:
@@ -1112,7 +1126,8 @@ def _same(a: Embedded, b: Embedded) -> bool:
         if not x.is_floating_point():
             return torch.equal(x, y)
         scale = float(x.abs().max()) if x.numel() else 0.0
-        return bool((x - y).abs().max() <= 1e-3 * max(scale, 1e-6)) if x.numel() else True
+        tol = max(1e-3, 8 * torch.finfo(x.dtype).eps)
+        return bool((x - y).abs().max() <= tol * max(scale, 1e-6)) if x.numel() else True
 
     return all(
         close(getattr(a, f.name), getattr(b, f.name))
