@@ -16,13 +16,17 @@ Outside an engine step (a trainer's own forward) the layer runs as it always did
 
 The calls of a step, per state layer:
 - decode rows (one token each, with a state): one batched call, as model.generate's decoding;
-- prefill segments that start with no state (a prompt's first chunk): one call, left-padded as
+- prefill segments that start with no state (a prompt's first chunk): left-padded as
   model.generate batches prompts (pads zeroed, and the layer's own padding mask where its forward
-  takes one), where a start-up try per layer class (:func:`batches_prefill`) finds the padded
-  batch gives what a call per segment gives; otherwise a call each;
-- segments that resume from a state (a chunked prefill's later chunks, a prefix hit's rest): one
-  call per length (no padding: pads would move the state), where the try finds it exact; Mamba1's
-  (stepped a token at a time) and those of a length of their own, a call each;
+  takes one), a call per group of neighbouring lengths (:func:`_padded_groups`), where a start-up
+  try per layer class (:func:`batches_prefill`) finds the padded batch gives what a call per
+  segment gives; otherwise a call each;
+- segments that resume from a state (a chunked prefill's later chunks, a prefix hit's rest, a
+  scoring request's continuations after its context): by length (no padding: pads would move the
+  state), where the try finds it exact; up to :data:`STEP_TOKENS` tokens (and Mamba1's, whose scan
+  ignores a state, at any length) stepped a token at a time in the layer's decode form, every row
+  of the length in each call (a chunked form pads a row to its chunk whatever its length); longer
+  ones in one call, or a call each for a length of its own;
 - a segment with a snapshot inside it: its own calls, split there (a snapshot at a segment's end
   is taken after its batched call).
 ``BATCH_PREFILL = False`` turns the prefill groups off (a call per prefill segment, decode rows
@@ -428,12 +432,24 @@ def _batched(
     layer: int,
     plan: _Plan,
     fresh: bool,
+    stepped: bool = False,
+    per_token: tuple[bool, ...] | None = None,
 ) -> Any:
     """The layer's own forward once over a group of segments (``plan``): rows that all start with
     no state (``fresh``; left-padded, pads zeroed and masked with the layer's ``masks`` arguments,
-    as model.generate batches prompts), or that all hold one (no pads: equal lengths). Returns the
-    layer's output, ``[B, L, ...]`` per token; the group's rows of state are written back."""
+    as model.generate batches prompts), or that all hold one (no pads: equal lengths; ``stepped``:
+    a call per token, the layer's decode form, as model.generate's decoding). Returns the layer's
+    output, ``[B, L, ...]`` per token; the group's rows of state are written back."""
     cache = _BatchCache(states, plan.rows, layer, plan.index, fresh)
+    if stepped:
+        outs = []
+        for t in range(plan.take.shape[1]):
+            at = plan.take[:, t : t + 1]
+            outs.append(
+                original(hidden_states[0, at], **{cache_arg: cache}, **{n: _take(v, at) for n, v in extra.items()})
+            )
+        cache.scatter(layer)
+        return outs[0] if len(outs) == 1 else _cat(outs, per_token)
     x = hidden_states[0, plan.take]  # [B, L, hidden]
     if plan.real is not None:
         x = x.masked_fill(~plan.real, 0)
@@ -534,7 +550,12 @@ STEPWISE_MAX_TAIL = 32
 BATCH_PREFILL = True
 # layer class -> (whether fresh segments batch left-padded, whether resumed segments of one length
 # batch, the forward's mask arguments), found by batches_prefill's try
-_BATCHES: dict[type, tuple[bool, bool, tuple[str, ...]]] = {}
+_BATCHES: dict[type, tuple[bool, bool, bool, tuple[str, ...]]] = {}
+# resumed segments of up to this many tokens (a scoring request's continuation after its context's
+# state, a prefix hit's short rest) are stepped through in the layer's decode form, every row of a
+# length together: a chunked form pads each row to its chunk (64 tokens for the gated delta rule,
+# 256 for Mamba2's scan) whatever the row's length, a decode step costs a token
+STEP_TOKENS = 8
 
 
 def _forward(
@@ -581,10 +602,12 @@ def _forward(
             pieces.append(run(a, hi, row))
         return pieces[0] if len(pieces) == 1 else _cat(pieces, _PER_TOKEN.get(cls))
 
-    # the segments one call runs together: those starting with no state (left-padded, where the
-    # class's try says so), and those holding one, by length (decode rows: one token each; longer
-    # ones where the try says so; Mamba1's, stepped a token at a time, not). A row taking a
-    # snapshot inside its segment keeps its own calls, split there (one at its end is taken after).
+    # the segments one call runs together, where the class's start-up try finds it exact: those
+    # starting with no state, left-padded in groups of neighbouring lengths; those holding one, by
+    # length: decode rows (one token each) in one call, up to STEP_TOKENS (Mamba1's: any length)
+    # stepped together a token at a time in the decode form, longer ones in one call. A row taking
+    # a snapshot inside its segment keeps its own calls, split there (one at its end is taken
+    # after its group's call).
     fresh: list[tuple[int, int, int]] = []
     held: dict[int, list[tuple[int, int, int]]] = {}
     for seg in step.segments:
@@ -593,14 +616,22 @@ def _forward(
             continue
         if layer not in states.valid[row]:
             fresh.append(seg)
-        elif hi - lo == 1 or not stepwise:
+        else:
             held.setdefault(hi - lo, []).append(seg)
-    padded = equal = False
+    padded = equal = stepped = False
     masks: tuple[str, ...] = ()
-    if BATCH_PREFILL and (len(fresh) > 1 or any(n > 1 and len(g) > 1 for n, g in held.items())):
-        padded, equal, masks = _batches(module, hidden_states.shape[-1])
-    groups = [(g, True) for g in _padded_groups(step, fresh) if len(g) > 1] if padded and len(fresh) > 1 else []
-    groups += [(g, False) for n, g in held.items() if len(g) > 1 and (n == 1 or equal)]
+    if BATCH_PREFILL and (len(fresh) > 1 or any(n > 1 for n in held)):
+        padded, equal, stepped, masks = _batches(module, hidden_states.shape[-1])
+    # (segments, starting fresh, stepped a token at a time)
+    groups = [(g, True, False) for g in _padded_groups(step, fresh) if len(g) > 1] if padded and len(fresh) > 1 else []
+    for n, g in held.items():
+        if n == 1:  # decode rows
+            if len(g) > 1:
+                groups.append((g, False, False))
+        elif stepped and (n <= STEP_TOKENS or (stepwise and len(g) > 1)):
+            groups.append((g, False, True))
+        elif equal and not stepwise and len(g) > 1:
+            groups.append((g, False, False))
     if not groups:  # one call per request
         return _cat([segment(lo, hi, row) for lo, hi, row in step.segments], _PER_TOKEN.get(cls))
     per_token = _PER_TOKEN.get(cls)
@@ -608,12 +639,14 @@ def _forward(
     outs: list[torch.Tensor | None] = []
     single = True
     done: set[int] = set()
-    for segs, starts_fresh in groups:
+    for segs, starts_fresh, steps in groups:
         key = tuple(segs)
         plan = step.plans.get(key)
         if plan is None:
             plan = step.plans[key] = _Plan(segs, hidden_states.device)
-        got = _batched(original, cache_arg, masks, hidden_states, extra, states, layer, plan, starts_fresh)
+        got = _batched(
+            original, cache_arg, masks, hidden_states, extra, states, layer, plan, starts_fresh, steps, per_token
+        )
         for row in plan.rows:
             for _, slot in snaps.get(row, ()):  # (at the segment's end)
                 states.snapshot(layer, row, slot)
@@ -770,17 +803,19 @@ def _states_close(a: LinearStates, b: LinearStates, layer: int, rows: int) -> bo
     return True
 
 
-def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool]:
+def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool, bool]:
     """Whether one call of ``layer`` over several requests' prefill segments gives what one call per
-    segment gives (outputs and states, to :func:`_close`): segments that start with no state, of
-    different lengths, left-padded (pads zeroed and masked with the forward's own padding mask, as
-    model.generate batches prompts; one shorter than a convolution kernel among them), and
-    segments that resume from a state, of one length. Tried once per layer class, on scratch
-    states; a layer that fails a try, or cannot run it alone, keeps one call per segment there."""
+    segment gives (outputs and states, to :func:`_close`), for three groups: segments that start
+    with no state, of different lengths, left-padded (pads zeroed and masked with the forward's own
+    padding mask, as model.generate batches prompts; one shorter than a convolution kernel among
+    them); segments that resume from a state, of one length, in one call; and the same stepped a
+    token at a time in the layer's decode form, to what each whole sequence gives (Mamba1's scan,
+    which ignores a state, passes the third only). Tried once per layer class, on scratch states; a
+    layer that fails a try, or cannot run it alone, keeps one call per segment there."""
     cls = type(layer)
     t = _Scratch.of(layer, 27, hidden_size)
     if t is None:
-        return False, False
+        return False, False, False
     masks = _mask_args(cls)
     idx = int(layer.layer_idx)  # type: ignore[arg-type]
     fresh = [(0, 12, 0), (12, 17, 1), (17, 19, 2)]  # 12, 5 and 2 tokens
@@ -789,45 +824,68 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, boo
     def alone(states: LinearStates, segs: list[tuple[int, int, int]]) -> list[Any]:
         return [t.run(t.x[:, lo:hi], states, row) for lo, hi, row in segs]
 
-    def together(states: LinearStates, segs: list[tuple[int, int, int]], starts_fresh: bool) -> Any:
+    def together(states: LinearStates, segs: list[tuple[int, int, int]], starts_fresh: bool, steps: bool) -> Any:
         with torch.no_grad():
             plan = _Plan(segs, t.device)
-            return _batched(layer, t.arg, masks, t.x, t.extra, states, idx, plan, starts_fresh)
+            return _batched(
+                layer, t.arg, masks, t.x, t.extra, states, idx, plan, starts_fresh, steps, _PER_TOKEN.get(cls)
+            )
 
     def same(want: list[Any], got: Any, segs: list[tuple[int, int, int]]) -> bool:
         width = max(hi - lo for lo, hi, _ in segs)
         for b, ((lo, hi, _), one) in enumerate(zip(segs, want)):
-            pairs = list(zip(got, one)) if isinstance(one, tuple) else [(got, one)]
-            for g, w in pairs:
-                per_token = isinstance(w, torch.Tensor) and w.dim() >= 2 and w.shape[1] == hi - lo
+            pairs = list(zip(got, one, _PER_TOKEN[cls])) if isinstance(one, tuple) else [(got, one, True)]
+            for g, w, per_token in pairs:
                 if per_token and not (g.shape[:2] == (len(segs), width) and _close(g[b, width - (hi - lo) :], w[0])):
                     return False
         return True
+
+    def copy(states: LinearStates) -> LinearStates:
+        out = t.states(3)
+        for table, src in ((out.conv, states.conv), (out.recurrent, states.recurrent)):
+            table.update({k: v.clone() for k, v in src.items()})
+        out.valid = [set(v) for v in states.valid]
+        return out
 
     try:
         with entered("states", None):  # (the try may run inside a step: the layer as it always was here)
             ref = t.states(3)
             want = alone(ref, fresh)
-            got_states = t.states(3)
-            got = together(got_states, fresh, True)
-            padded = same(want, got, fresh) and _states_close(got_states, ref, idx, 3)
-            if isinstance(want[0], tuple):
+            if isinstance(want[0], tuple):  # which outputs are per token (12 and 5 of them)
                 _PER_TOKEN.setdefault(
-                    cls, tuple(isinstance(w, torch.Tensor) and w.dim() >= 2 and w.shape[1] == 12 for w in want[0])
+                    cls,
+                    tuple(
+                        all(
+                            isinstance(w, torch.Tensor) and w.dim() >= 2 and w.shape[1] == n
+                            for w, n in zip(ws, (12, 5))
+                        )
+                        for ws in zip(want[0], want[1])
+                    ),
                 )
-            held = t.states(3)
-            for table, src in ((held.conv, ref.conv), (held.recurrent, ref.recurrent)):
-                table.update({k: v.clone() for k, v in src.items()})
-            held.valid = [set(v) for v in ref.valid]
+            got_states = t.states(3)
+            got = together(got_states, fresh, True, False)
+            padded = same(want, got, fresh) and _states_close(got_states, ref, idx, 3)
+            held, stepping = copy(ref), copy(ref)
             want = alone(ref, resumed)
-            got = together(held, resumed, False)
+            got = together(held, resumed, False, False)
             equal = same(want, got, resumed) and _states_close(held, ref, idx, 3)
+            # the whole sequences (first segment, then the resumed one) in one call each
+            whole = t.states(3)
+            wants = []
+            for (lo, hi, row), (a, b, _) in zip(fresh, resumed):
+                out = t.run(torch.cat([t.x[:, lo:hi], t.x[:, a:b]], dim=1), whole, row)
+                if isinstance(out, tuple):
+                    wants.append(tuple(o[:, a - b :] if f else o for o, f in zip(out, _PER_TOKEN[cls])))
+                else:
+                    wants.append(out[:, a - b :])
+            got = together(stepping, resumed, False, True)
+            stepped = same(wants, got, resumed) and _states_close(stepping, whole, idx, 2)
     except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: a call per segment, to be safe
-        return False, False
-    return padded, equal
+        return False, False, False
+    return padded, equal, stepped
 
 
-def _batches(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool, tuple[str, ...]]:
+def _batches(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool, bool, tuple[str, ...]]:
     """:func:`batches_prefill`'s answer for the layer's class (tried at its first use), and its
     forward's mask arguments."""
     cls = type(layer)

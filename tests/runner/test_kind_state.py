@@ -155,8 +155,10 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("arch", sorted(BATCH_ARCHS))
 def test_prefill_segments_batched_give_what_one_call_each_gives(arch, monkeypatch):
     """A step of fresh prompts (9, 2 and 1 tokens: left-padded into one call), resumed segments
-    of one length (4 tokens each: one call without padding), decode rows (one call), a resumed
-    segment of its own length and one split at a snapshot (their own calls), snapshots at two
+    of one length (4 tokens each: stepped together in the decode form; 10 tokens each: one call),
+    decode rows (one call), a resumed segment of its own length (stepped alone), one split at a
+    snapshot (its own calls),
+    snapshots at two
     segments' ends: the layer's output at every token and every row's state afterwards (the
     snapshot slots' too) are what the per-request
     path gives (``BATCH_PREFILL`` off), and the batched groups were taken."""
@@ -169,12 +171,13 @@ def test_prefill_segments_batched_give_what_one_call_each_gives(arch, monkeypatc
     intercept = LinearLayers(layer)
     try:
         conv_only = intercept.conv_only
-        states = LinearStates(9, torch.device("cpu"), conv_only, slots=3)
-        # rows 0, 1 (resumed, 4 tokens each), 2, 3 (decode), 7 (resumed, a snapshot inside), 8
-        # (resumed, 3 tokens) hold a state from a first step; rows 4, 5, 6 start fresh
-        primed = [(0, 6), (1, 3), (2, 5), (3, 2), (7, 4), (8, 7)]
-        step_through(layer, states, [n for _, n in primed], [r for r, _ in primed], hidden(arch, 27, seed=5), kwargs)
-        order = [(4, 9), (0, 4), (2, 1), (5, 2), (7, 6), (1, 4), (3, 1), (8, 3), (6, 1)]
+        states = LinearStates(11, torch.device("cpu"), conv_only, slots=3)
+        # rows 0, 1 (resumed, 4 tokens each), 9, 10 (resumed, 10 tokens each), 2, 3 (decode), 7
+        # (resumed, a snapshot inside), 8 (resumed, 3 tokens) hold a state from a first step; rows
+        # 4, 5, 6 start fresh
+        primed = [(0, 6), (1, 3), (2, 5), (3, 2), (7, 4), (8, 7), (9, 5), (10, 8)]
+        step_through(layer, states, [n for _, n in primed], [r for r, _ in primed], hidden(arch, 40, seed=5), kwargs)
+        order = [(4, 9), (0, 4), (9, 10), (2, 1), (5, 2), (7, 6), (1, 4), (3, 1), (8, 3), (10, 10), (6, 1)]
         x = hidden(arch, sum(n for _, n in order), seed=6)
         num_new, rows = [n for _, n in order], [r for r, _ in order]
         # row 7's state after 3 of its 6 tokens (its own calls, split there), and rows 5 and 1's at
@@ -188,12 +191,15 @@ def test_prefill_segments_batched_give_what_one_call_each_gives(arch, monkeypatc
         monkeypatch.setattr(linear_state, "BATCH_PREFILL", True)
         calls = []
         batched = linear_state._batched
-        monkeypatch.setattr(linear_state, "_batched", lambda *a: calls.append(a[-1]) or batched(*a))
+        monkeypatch.setattr(linear_state, "_batched", lambda *a: calls.append(a[8:10]) or batched(*a))
         got = step_through(layer, states, num_new, rows, x, kwargs, snapshots)
     finally:
         intercept.remove()
-    # the fresh rows in one call; the two 4-token resumed rows in one (not Mamba1's); the decode rows
-    assert sorted(calls) == ([False, True] if type(layer) in STEPWISE else [False, False, True])
+    # (starts fresh, stepped): the decode rows in one call; the two 4-token resumed rows stepped
+    # together, the 3-token one alone (each a call per token); the two 10-token ones in one call
+    # (Mamba1's stepped); the fresh rows in one call
+    ten = (False, type(layer) in STEPWISE)
+    assert sorted(calls) == sorted([(False, False), (False, True), (False, True), ten, (True, False)])
     pairs = list(zip(got, want)) if isinstance(want, tuple) else [(got, want)]
     for g, w in pairs:
         if g is None or w is None:  # (not per token: MiniMax's returned state)
@@ -216,7 +222,7 @@ def test_a_layer_whose_padded_batch_differs_keeps_a_call_per_prompt(monkeypatch)
     calls, and resumed ones of one length still batch."""
     layer = layer_of("mamba2")
     size = ms.tiny_config("mamba2").get_text_config().hidden_size
-    assert linear_state.batches_prefill(layer, size) == (True, True)
+    assert linear_state.batches_prefill(layer, size) == (True, True, True)
     plan = linear_state._Plan.__init__
 
     def unmasked(self, segs, device):
@@ -226,4 +232,4 @@ def test_a_layer_whose_padded_batch_differs_keeps_a_call_per_prompt(monkeypatch)
             self.mask = None
 
     monkeypatch.setattr(linear_state._Plan, "__init__", unmasked)
-    assert linear_state.batches_prefill(layer, size) == (False, True)
+    assert linear_state.batches_prefill(layer, size) == (False, True, True)
