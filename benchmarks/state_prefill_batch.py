@@ -98,6 +98,29 @@ def workload(eng: acb.Engine, kind: str, ps: list[list[int]], new_tokens: int = 
     return time.perf_counter() - t, time.process_time() - cpu, result
 
 
+def eval_ab(docs: int, repeats: int) -> list[dict[str, Any]]:
+    """``acb bench eval --arch qwen3_5 --docs N`` (lm-eval, acb's side only: four tasks, each timed
+    call starting its own engine) with prefill batching on and off, alternating."""
+    from acb.bench.common import ModelSpec
+    from acb.bench.eval import run
+
+    spec = ModelSpec(size="default", arch="qwen3_5")
+    runs: list[dict[str, Any]] = []
+    for i in range(repeats):
+        for batched in (True, False):
+            linear_state.BATCH_PREFILL = batched
+            doc = run("default", spec, baselines=False, docs=docs, warmup=i == 0 and batched)
+            row = doc["rows"][0]
+            runs.append({"batched": batched, "seconds": row["seconds"], "per_task": row["per_task"]})
+            tasks = ", ".join(f"{t} {v:.1f}" for t, v in row["per_task"].items())
+            print(
+                f"  eval docs={docs} {'batched' if batched else 'per-segment'}: {row['seconds']:.1f} s ({tasks})",
+                flush=True,
+            )
+    linear_state.BATCH_PREFILL = True
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -107,11 +130,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="qwen3_5,mamba2")
     ap.add_argument("--workloads", default="first token,score,generate")
+    ap.add_argument(
+        "--eval", type=int, default=0, metavar="DOCS", help="also acb bench eval on the hybrid, DOCS per task"
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "state_prefill_batch_cpu.json"))
     args = ap.parse_args()
     ps = prompts(args.prompts, args.min_len, args.max_len)
     rows = []
-    for name in args.models.split(","):
+    for name in args.models.split(",") if args.models else ():
         model = build(name)
         with acb.Engine(model, acb.ContinuousBatchingConfig()) as eng:
             workload(eng, "first token", ps[:4])  # warm-up (and the layer class's start-up try)
@@ -152,6 +178,13 @@ def main() -> None:
                     f"{row['cpu_speedup']:.2f}x  {same}",
                     flush=True,
                 )
+    evals = eval_ab(args.eval, args.repeats) if args.eval else []
+    if evals:
+        best = {b: min(r["seconds"] for r in evals if r["batched"] is b) for b in (True, False)}
+        print(
+            f"eval (hybrid, docs={args.eval}) batched {best[True]:.1f} s  per-segment {best[False]:.1f} s  "
+            f"{best[False] / best[True]:.2f}x"
+        )
     lengths = [len(p) for p in ps]
     doc = {
         "benchmark": "state_prefill_batch",
@@ -163,6 +196,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "rows": rows,
+        "eval": {"docs": args.eval, "runs": evals} if evals else None,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -787,7 +787,7 @@ def resumes_stepwise(layer: torch.nn.Module, hidden_size: int) -> bool:
     return ok
 
 
-def _mask_args(cls: type) -> tuple[str, ...]:
+def _mask_args(cls: Any) -> tuple[str, ...]:
     """The forward's padding-mask arguments (``attention_mask``; Zaya's ``conv_mask``)."""
     return tuple(name for name in list(inspect.signature(cls.forward).parameters)[1:] if "mask" in name)
 
