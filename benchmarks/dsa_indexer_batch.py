@@ -33,7 +33,8 @@ from acb.runner import indexed  # noqa: E402
 def build(topk: int) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(COMMON, **FAMILIES["deepseek_v32"], index_topk=topk)
+    kw = dict(COMMON, **FAMILIES["deepseek_v32"])
+    kw["index_topk"] = topk
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v32", **kw), dtype=torch.float32).eval()
 
