@@ -398,12 +398,16 @@ class _Plan:
 # itself (the layer's per-call work: the gated delta rule's torch form steps through a chunk's 63
 # rows in Python whatever the batch; on CPU a call of one 64-token row took 13 ms, of four 37 ms)
 PAD_CALL_TOKENS = 32
+# and at most this many rows (bounds a padded call's buffers: a chunked scan's intermediates grow
+# with its rows times its chunk squared, 256 x 256 per head for Mamba2's torch scan)
+PAD_GROUP_ROWS = 8
 
 
 def _padded_groups(step: _Step, fresh: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """The fresh segments in left-padded groups of neighbouring lengths, at the least cost (padded
-    tokens plus :data:`PAD_CALL_TOKENS` a call: a 256-token prompt and a 16-token one are not padded
-    together); once per step (the step's layers share it)."""
+    """The fresh segments in left-padded groups of neighbouring lengths, at most
+    :data:`PAD_GROUP_ROWS` each, at the least cost (padded tokens plus :data:`PAD_CALL_TOKENS` a
+    call: a 256-token prompt and a 16-token one are not padded together); once per step (the
+    step's layers share it)."""
     key = tuple(fresh)
     known = step.groups.get(key)
     if known is not None:
@@ -413,7 +417,9 @@ def _padded_groups(step: _Step, fresh: list[tuple[int, int, int]]) -> list[list[
     # cost[j]: the first j segments (by length) in groups; each group ends at its longest
     cost, cut = [0] + [0] * len(order), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
-        cost[j], cut[j] = min((cost[i] + PAD_CALL_TOKENS + (j - i) * lens[j - 1], i) for i in range(j))
+        cost[j], cut[j] = min(
+            (cost[i] + PAD_CALL_TOKENS + (j - i) * lens[j - 1], i) for i in range(max(0, j - PAD_GROUP_ROWS), j)
+        )
     groups, j = [], len(order)
     while j:
         groups.append(order[cut[j] : j])
