@@ -1,7 +1,10 @@
-"""Prefill segments through each state layer in one call (left-padded fresh prompts, resumed
-segments of one length) against one call per segment, on one engine, alternating.
+"""A step's prefill segments through each state layer in as few calls as exactness allows
+(``acb.runner.linear_state``: fresh prompts left-padded in groups of neighbouring lengths;
+resumed segments of up to 8 tokens stepped together in the decode form, longer ones of one length
+in one call) against one call per segment, on one engine, alternating.
 
-    python benchmarks/state_prefill_batch.py [--prompts 24] [--min-len 64] [--max-len 256] [--repeats 3]
+    python benchmarks/state_prefill_batch.py [--prompts 16] [--min-len 64] [--max-len 256] [--repeats 3]
+        [--eval DOCS]
 
 ``acb.runner.linear_state.BATCH_PREFILL`` switches the two (decode rows are batched either way).
 Models (random weights, float32 on CPU): a Qwen3.5-shaped hybrid as ``acb bench eval --arch
@@ -10,21 +13,35 @@ Mamba2 (hidden 512, 8 layers, 16 heads of 64, state 64). Workloads, the same pro
 sides (lengths uniform in [min, max], seeded), the prefix cache emptied before each run:
 
 - ``first token``: ``generate_batch`` with one new token (an evaluation's one-letter answers);
-- ``score``: ``score_batch``, each prompt with 4 continuations of 1-8 tokens (a multiple choice);
-- ``generate``: ``generate_batch`` with 32 new tokens.
+- ``score``: ``score_batch``, each prompt with 4 continuations of 1-8 tokens (a multiple choice:
+  the continuations resume from their context's state);
+- ``generate``: ``generate_batch`` with ``--new-tokens`` (16) new tokens.
 
 Each workload runs batched and per-segment alternately, ``--repeats`` times each, and keeps each
-side's best (the machine is shared: alternating spreads a slow spell over both sides). The greedy
-tokens of the two sides are compared. Writes ``benchmarks/results/state_prefill_batch_cpu.json``.
+side's best wall and CPU seconds (the machine is shared: alternating spreads a slow spell over
+both sides). The greedy tokens of the two sides are compared (score: the largest logprob
+difference). ``--eval DOCS`` also A/Bs ``acb bench eval --arch qwen3_5 --docs DOCS`` (acb's side).
+Writes ``benchmarks/results/state_prefill_batch_cpu.json``.
 
-Measured (2026-12, CPU: 2 cores shared with other processes, so each figure is the best of 3
-alternating runs; two runs of the script given as run 1 / run 2), 24 prompts of 64-256 tokens,
-seconds per side (batched vs per-segment, their ratio):
+Measured 2026-11-29 on the 2-core CPU shared with other workers (figures taken while the load
+average stayed near 1; under a load of 4-5 the same runs took 3-15x longer and swung either way),
+best of 3 alternating, batched vs per-segment:
 
-- Qwen3.5-shaped hybrid: first token 1.10 vs 1.50 s (1.36x) / ...; score ...; generate ...
-- Mamba2: ...
+| prompts | model | first token | score | generate |
+|---|---|---|---|---|
+| 16 x 64-256 tokens | hybrid | 1.66 vs 1.76 s (1.06x); 0.97x | 2.52 vs 3.00 s (1.19x); 1.18x | 2.28 vs 2.25 s (0.99x); 0.98x |
+| 16 x 64-256 tokens | Mamba2 | 2.83 vs 2.82 s (1.00x); 0.96x | 4.12 vs 8.59 s (2.08x); 1.90x | 4.06 vs 4.03 s (0.99x); 1.09x |
+| 32 x 8-48 tokens | hybrid | 0.74 vs 1.10 s (1.48x); 1.36x | (1.46 vs 2.39 s, 1.64x) | 2.06 vs 2.20 s (1.07x); 1.15x |
+| 32 x 8-48 tokens | Mamba2 | 3.61 vs 3.15 s (0.87x); 0.91x | (5.39 vs 13.55 s, 2.52x) | 4.92 vs 4.65 s (0.94x); 0.77x |
 
-(filled in below by the measurements of this change; see docs/performance.md.)
+(the figure after each ";", and the short prompts' scoring pair in brackets: an earlier run of
+the same code but for the 8-row cap on a padded group.) Fresh prompts of 64-256 tokens gain
+nothing here: transformers' torch fallbacks (no flash-linear-attention, no mamba_ssm) cost per
+token at these lengths, not per call; Mamba2's scan is no faster per row in a padded batch.
+Greedy tokens were the same on both sides but once: in the short hybrid run one prompt's first
+token was a near-tie (logits 14.37548 and 14.37488) that the left-padded batch resolved the other
+way; float rounding of another order, as a padded ``model.generate`` batch has (the pads' decay
+enters the chunk's cumulative sums). Scoring logprobs differ by at most 9e-4.
 """
 
 from __future__ import annotations
