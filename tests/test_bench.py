@@ -126,8 +126,11 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert not errors, errors
     a = res["throughput A: Qwen3-0.6B"]["acb"]
     assert a["tokens"] == res["throughput A: Qwen3-0.6B"]["output_tokens"] and a["tokens_per_s"] > 0
-    rows = [r for k, v in res.items() if k.startswith("decode") for r in v]
+    rows = [r for k, v in res.items() if k.startswith("decode A") for r in v]
     assert len(rows) == 6 and all(r["steps_measured"] > 0 and r["step_ms"] > 0 for r in rows)
+    latent = {k: v for k, v in res.items() if k.startswith("decode MLA")}  # section 5: latent vs expanded
+    assert sorted(latent) == ["decode MLA latent=False", "decode MLA latent=True"], sorted(latent)
+    assert all(v and all(r["steps_measured"] > 0 and r["step_ms"] > 0 for r in v) for v in latent.values())
     assert "decode batch" in p.stdout and "wrote" in p.stdout
 
 
