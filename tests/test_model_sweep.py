@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from acb.bench import families
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The architectures acb claims to run (acb.models' tiny ones, and the newer ones acb targets).
@@ -188,7 +190,7 @@ def test_tiny_config_keeps_each_layer_type() -> None:
         "mlp_only_layers": [3, 5],
         "eos_token_id": [50000, 50001],
     }
-    out = ms.shrink_config_dict(d, {})
+    out = families.shrink_config_dict(d, {})
     # kept: 0 (sliding), 3 (full, MLP-only), 5 (sliding, MLP-only), 7 (full)
     assert out["layer_types"] == ["sliding_attention", "full_attention"] * 2
     assert out["num_hidden_layers"] == 4
@@ -208,7 +210,7 @@ def test_hand_config_lays_over_sub_configs() -> None:
         "attn_config": {"model_type": "", "kv_n_heads": 1, "clip_qkv": None},
         "vision_config": {"model_type": "v", "num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"]},
     }
-    out = ms._lay_over(d, {"num_hidden_layers": 3, "attn_config": {"rope_theta": 1.0}, "vision_config": {"x": 1}})
+    out = families.lay_over(d, {"num_hidden_layers": 3, "attn_config": {"rope_theta": 1.0}, "vision_config": {"x": 1}})
     assert out["num_hidden_layers"] == 3 and "layer_types" not in out and "per_layer_config" not in out
     assert out["attn_config"] == {"model_type": "", "kv_n_heads": 1, "clip_qkv": None, "rope_theta": 1.0}
     assert out["vision_config"]["mlp_layer_types"] == ["dense", "sparse"] and out["vision_config"]["x"] == 1

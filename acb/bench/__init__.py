@@ -18,6 +18,9 @@ from typing import Any
 from acb.bench.common import ARCHS, ModelSpec, machine_info, write_json
 
 WORKLOADS = ("offline", "offline-uniform", "shared-prefix", "online", "overhead", "serve", "eval")
+SIZES = ("tiny", "small", "default")
+# the workloads with a "small" size (a quick figure on any family; eval and serve have their own shapes)
+SMALL_WORKLOADS = ("offline", "offline-uniform", "shared-prefix", "online", "overhead")
 
 
 def _module(name: str) -> Any:
@@ -35,6 +38,33 @@ def _module(name: str) -> Any:
     }[name]
 
 
+def check_workload(name: str, size: str, arch: str, device: str = "cpu") -> ModelSpec:
+    """The model spec of a run, or ``ValueError`` (what and why) for an unknown workload or size, an
+    unknown model type, or a family whose config does not build a model that runs."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+    if size not in SIZES or (size == "small" and name not in SMALL_WORKLOADS):
+        sizes = SIZES if name in SMALL_WORKLOADS else tuple(s for s in SIZES if s != "small")
+        raise ValueError(f"unknown size {size!r} for {name}; choose from {sizes}")
+    spec = ModelSpec(size=size, device=device, arch=arch)
+    spec.config()
+    return spec
+
+
+def acb_refusal(model: Any) -> str | None:
+    """Why acb refuses ``model`` (its start checks' ``UnsupportedModelError``), or None: an engine
+    is started on it and shut down."""
+    import acb
+
+    try:
+        engine = acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=16))
+        engine.start()
+        engine.shutdown()
+    except acb.UnsupportedModelError as e:
+        return str(e)
+    return None
+
+
 def run_workload(
     name: str,
     size: str = "default",
@@ -47,16 +77,23 @@ def run_workload(
 ) -> dict[str, Any]:
     """Run one workload; returns the JSON document (also written to ``out_dir`` when given).
 
-    ``arch`` (:data:`acb.bench.common.ARCHS`) is the benchmark model's architecture; a result of
-    another than the Llama is named ``{kind}_{workload}_{arch}``. ``eval_docs``: the eval bench on the first
-    that many documents of each task (:func:`acb.bench.eval.run`'s ``docs``; named ``..._docs{N}``)."""
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
-    if arch not in ARCHS:
-        raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHS}")
-    spec = ModelSpec(size=size, device=device, arch=arch)
+    ``arch`` is the benchmark model's architecture: one of :data:`acb.bench.common.ARCHS` (sized
+    configs of their own), or any causal-LM model type of transformers (the catalogue sweep's tiny
+    config of that family, scaled toward the size: :mod:`acb.bench.families`); a result of another
+    than the Llama is named ``{kind}_{workload}_{arch}``. Before anything runs: ``ValueError``
+    (:func:`check_workload`) for an unknown model type or one whose config does not build, and
+    ``acb.UnsupportedModelError`` for one acb refuses, with its reason.
+    ``eval_docs``: the eval bench on the first that many documents of each task
+    (:func:`acb.bench.eval.run`'s ``docs``; named ``..._docs{N}``)."""
+    spec = check_workload(name, size, arch, device)
     machine = machine_info(device)
     model = spec.build()
+    if arch not in ARCHS:
+        why = acb_refusal(model)
+        if why is not None:
+            import acb
+
+            raise acb.UnsupportedModelError(f"acb cannot run model type {arch!r}: {why}")
     doc: dict[str, Any] = {"size": size, "machine": machine, "model": spec.describe(model)}
     del model
     options = {"docs": eval_docs} if name == "eval" and eval_docs is not None else {}

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-# Model shapes: "tiny" for smoke tests, "default" the issue's ~40M-parameter Llama.
+# Model shapes: "tiny" for smoke tests, "small" for a quick figure on any family (the families
+# table of docs/performance.md), "default" the issue's ~40M-parameter Llama.
 MODEL_SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(
         hidden_size=64,
@@ -24,6 +25,15 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=256,
+        max_position_embeddings=1024,
+    ),
+    "small": dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
         max_position_embeddings=1024,
     ),
     "default": dict(
@@ -38,9 +48,10 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
 }
 
 
-# The architectures a benchmark model can take (``acb bench --arch``): the Llama the figures were
-# first measured on, a Qwen3.5-shaped hybrid (gated-DeltaNet linear attention, three layers to one
-# gated full-attention layer) and a DeepSeek-V3-shaped MLA model (latent attention, MoE).
+# The architectures with a sized benchmark config of their own (``acb bench --arch``): the Llama the
+# figures were first measured on, a Qwen3.5-shaped hybrid (gated-DeltaNet linear attention, three
+# layers to one gated full-attention layer) and a DeepSeek-V3-shaped MLA model (latent attention,
+# MoE). Any other causal-LM model type of transformers is built by acb.bench.families.
 ARCHS = ("llama", "qwen3_5", "deepseek_v3")
 
 
@@ -139,20 +150,44 @@ def arch_config(
     )
 
 
+def bench_config(arch: str, **shape: int) -> tuple[Any, str | None]:
+    """The config of the benchmark model of ``arch`` sized from ``shape`` (a Llama shape, as
+    :func:`arch_config` takes), and for a family outside :data:`ARCHS` a note of how it was made:
+    :data:`ARCHS` by :func:`arch_config`, any other causal-LM model type by
+    :func:`acb.bench.families.family_config` (the catalogue sweep's tiny config, scaled toward the
+    shape where the config allows). ``ValueError`` for an unknown model type, or one whose config
+    does not build a model that runs."""
+    if arch in ARCHS:
+        return arch_config(arch, **shape), None
+    from acb.bench.families import check_model_type, family_config
+
+    check_model_type(arch, also=ARCHS)
+    return family_config(arch, **shape)
+
+
 def bench_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **shape: int) -> Any:
-    """A random-weight ``arch`` causal LM sized from ``shape`` (:func:`arch_config`), in eval mode
-    on the CPU (``Any``: the baselines call its GenerationMixin methods)."""
+    """A random-weight ``arch`` causal LM sized from ``shape`` (:func:`bench_config`), in eval mode
+    on the CPU (``Any``: the baselines call its GenerationMixin methods). :data:`ARCHS` run on SDPA;
+    other families on transformers' default attention for them."""
     from transformers import AutoModelForCausalLM
 
-    cfg = arch_config(arch, **shape)
+    cfg, _ = bench_config(arch, **shape)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
+    attn: dict[str, Any] = {"attn_implementation": "sdpa"} if arch in ARCHS else {}
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype, **attn).eval()
 
 
 def describe_config(arch: str, cfg: Any) -> dict[str, Any]:
     """A non-Llama benchmark model's sizes for the results JSON (the Llama's are its shape)."""
     keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
     keys += ["head_dim", "vocab_size", "max_position_embeddings"]
+    if arch not in ARCHS:  # any family: its text model's sizes and layer kinds, as its config names them
+        text = cfg.get_text_config()
+        out = {"model_type": text.model_type, "hidden_size": getattr(text, "hidden_size", None)}
+        out.update({k: getattr(text, k) for k in keys if hasattr(text, k)})
+        kinds = ("layer_types", "layers_block_type", "mlp_layer_types", "attn_layer_period", "attn_layer_offset")
+        out.update({k: getattr(text, k) for k in kinds if getattr(text, k, None) is not None})
+        return out
     if arch == "qwen3_5":
         keys += ["linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"]
         keys += ["linear_conv_kernel_dim", "layer_types"]
@@ -169,7 +204,12 @@ class ModelSpec:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    arch: str = "llama"  # one of ARCHS
+    arch: str = "llama"  # one of ARCHS, or any causal-LM model type of transformers (acb.bench.families)
+
+    def config(self) -> tuple[Any, str | None]:
+        """The model's config and, for a family outside :data:`ARCHS`, how it was made
+        (:func:`bench_config`)."""
+        return bench_config(self.arch, **MODEL_SHAPES[self.size])
 
     def build(self) -> Any:
         """The benchmark's model on its device: a transformers causal LM (``Any``: the baselines
@@ -180,16 +220,21 @@ class ModelSpec:
 
     @property
     def vocab(self) -> int:
-        return MODEL_SHAPES[self.size]["vocab_size"]
+        """The model's vocabulary (a family whose config kept its tiny one has that)."""
+        if self.arch in ARCHS:
+            return MODEL_SHAPES[self.size]["vocab_size"]
+        return int(self.config()[0].get_text_config().vocab_size)
 
     def describe(self, model: torch.nn.Module) -> dict[str, Any]:
         n = sum(p.numel() for p in model.parameters())
         sizes = MODEL_SHAPES[self.size] if self.arch == "llama" else describe_config(self.arch, model.config)
+        made = {} if self.arch in ARCHS else {"config": self.config()[1]}
         return {
             "arch": f"{self.arch} (random weights)",
             "params": n,
             "dtype": str(self.dtype).replace("torch.", ""),
             **sizes,
+            **made,
         }
 
 

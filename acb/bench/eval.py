@@ -4,7 +4,8 @@ Three local tasks shaped like the evaluations people run, generated here (no dow
 random-weight model saved to a temporary directory with a tokenizer built in code: a Llama, or
 with ``arch="qwen3_5"`` a Qwen3.5-shaped hybrid of the same hidden, MLP, heads and vocabulary
 (gated-DeltaNet linear attention, three layers to one gated full-attention layer:
-:func:`acb.bench.common.arch_config`), which lm-eval's ``hf`` loads with ``AutoModelForCausalLM``:
+:func:`acb.bench.common.arch_config`), or any other family (``arch`` a causal-LM model type:
+:mod:`acb.bench.families`; no floor then), which lm-eval's ``hf`` loads with ``AutoModelForCausalLM``:
 
 - ``fewshot_letters`` (MMLU-like): 5-shot multiple choice (the same five examples before every
   question, lm-eval's ``first_n`` sampler, as MMLU), four one-letter answers " A".." D";
@@ -60,7 +61,8 @@ THREE = "three together"
 COMBINED = {TOGETHER: TASKS, THREE: TASKS[:3]}
 ROLLING_CHARS = {"default": (1500, 5000), "tiny": (200, 600)}  # a rolling document's length (bytes: tokens)
 MAX_GEN_TOKS = {"default": 48, "tiny": 8}
-# the architectures the bench runs (acb.bench.common.ARCHS but the MoE, whose floor is not modelled)
+# the architectures whose floor is modelled (acb.bench.common.ARCHS but the MoE: its active experts
+# are not); any other family runs without a floor
 EVAL_ARCHS = ("llama", "qwen3_5")
 SHAPES = {
     # >= 15M parameters (the 17M-parameter Llama), byte-level vocabulary
@@ -311,11 +313,6 @@ def run(
     if not set(tasks) <= set(TASKS):
         raise ValueError(f"unknown tasks {sorted(set(tasks) - set(TASKS))}; choose from {TASKS}")
     combined = COMBINED if full and tuple(tasks) == TASKS else {}
-    if spec.arch not in EVAL_ARCHS:
-        raise ValueError(
-            f"acb bench eval runs {EVAL_ARCHS}, not {spec.arch!r} (its floor counts dense layers: a MoE's "
-            "active experts are not modelled)"
-        )
     import lm_eval  # type: ignore[import-untyped]
     from lm_eval.tasks import TaskManager  # type: ignore[import-untyped]
 
@@ -331,7 +328,7 @@ def run(
     dtype = torch.float32 if spec.device == "cpu" else torch.bfloat16
     model = bench_model(spec.arch, seed=spec.seed, dtype=dtype, **shape)
     params = sum(p.numel() for p in model.parameters())
-    costs = token_costs(model)
+    costs = token_costs(model) if spec.arch in EVAL_ARCHS else None  # (another family: no floor)
     sizes = shape if spec.arch == "llama" else describe_config(spec.arch, model.config)
     path = os.path.join(folder, "model")
     model.save_pretrained(path)
@@ -400,7 +397,7 @@ def run(
         if size == "default"
         else matmul_peak_gflops(spec.device, seconds=0.2, min_reps=1)
     )
-    floor = floor_flops(costs, rec)
+    floor = floor_flops(costs, rec) if costs is not None else None
     rows: list[dict[str, Any]] = []
     for label in sides:
         total = sum(seconds[label].values())
@@ -441,7 +438,9 @@ def run(
             "timed": "model loading included"
             + (", after an untimed 2-document run of every task" if warmup else ", no warm-up"),
         },
-        "floor": {
+        "floor": None
+        if floor is None
+        else {
             **floor,
             "matmul_peak_gflops": peak["gflops"],
             "threads": peak["threads"],
@@ -546,16 +545,24 @@ def markdown(doc: dict[str, Any]) -> list[str]:
         )
         lines.append(f"| {row['engine']} | {per} |")
     f = r["floor"]
-    lines += [
-        "",
-        f"Floor: once every shared prefix is computed once, the tasks need {f['total'] / 1e9:.1f} GFLOP "
-        f"({f['positions']:,.0f} distinct token positions; {f['linear'] / 1e9:.1f} linear, "
-        f"{f['attention'] / 1e9:.1f} attention, "
-        + (f"{f['state'] / 1e9:.1f} linear-attention recurrence, " if f.get("state") else "")
-        + f"{f['lm_head'] / 1e9:.1f} LM head); at this run's float32 "
-        f"matmul peak of {f['matmul_peak_gflops']:.0f} GFLOP/s ({f['threads']} threads) that is "
-        f"{f['floor_s']:.2f} s.",
-    ]
+    lines += (
+        [
+            "",
+            "Floor: not modelled for this family (it counts dense linear layers, attention and the gated-"
+            f"DeltaNet recurrence: {', '.join(EVAL_ARCHS)}).",
+        ]
+        if f is None
+        else [
+            "",
+            f"Floor: once every shared prefix is computed once, the tasks need {f['total'] / 1e9:.1f} GFLOP "
+            f"({f['positions']:,.0f} distinct token positions; {f['linear'] / 1e9:.1f} linear, "
+            f"{f['attention'] / 1e9:.1f} attention, "
+            + (f"{f['state'] / 1e9:.1f} linear-attention recurrence, " if f.get("state") else "")
+            + f"{f['lm_head'] / 1e9:.1f} LM head); at this run's float32 "
+            f"matmul peak of {f['matmul_peak_gflops']:.0f} GFLOP/s ({f['threads']} threads) that is "
+            f"{f['floor_s']:.2f} s.",
+        ]
+    )
     prefix = next((row["prefix"] for row in r["rows"] if "prefix" in row), None)
     if prefix is not None:
         lines += [

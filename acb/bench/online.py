@@ -19,6 +19,7 @@ from acb.bench.common import ModelSpec, peak_memory_bytes, percentiles, random_p
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(num_requests=8, rates=[20.0, 80.0], min_prompt_len=4, max_prompt_len=16, min_new=4, max_new=8),
+    "small": dict(num_requests=16, rates=[2.0, 8.0], min_prompt_len=16, max_prompt_len=128, min_new=8, max_new=32),
     "default": dict(
         num_requests=32, rates=[0.5, 1.0, 2.0, 4.0], min_prompt_len=16, max_prompt_len=256, min_new=16, max_new=64
     ),

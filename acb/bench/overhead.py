@@ -8,6 +8,14 @@ outputs (record tokens, stop checks, deliver to handles). transformers' continuo
 batching runs the same tiny model, and its ``prepare_next_batch`` + ``update_batch`` are
 timed (its forward excluded). Medians over the steps in which every request decodes.
 
+Per family (``--arch``): the null model is the Llama's 1-layer tiny model, or for any other
+architecture the tiny model of that family (:data:`acb.bench.common.MODEL_SHAPES` ``tiny``), so its
+layer kinds' own per-step host work (the state layers' rows, snapshots and forks, the page groups'
+metadata) is in the figure; only the forward is skipped (on the own-cache path, the whole
+per-request forward: its host work shows in the real step's time outside the matmuls).
+transformers' side runs the same family where its continuous batching can (else none).
+Telemetry's cost (its own processes) is measured on the Llama only.
+
 The real-model part (``steps``) runs the benchmark's model at B = 1, 4, 16 (equal prompt lengths,
 EOS ignored, greedy) through ``Engine.generate_batch`` and one ``model.generate`` call, and
 measures one decode step of each: the time of a call with ``1 + K`` new tokens less that of a
@@ -43,6 +51,7 @@ from acb.runner.model_runner import ModelRunner
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(running=[1, 4, 16], steps=12, telemetry_running=16, telemetry_rounds=1),
+    "small": dict(running=[1, 16, 64], steps=12, telemetry_running=16, telemetry_rounds=1),
     "default": dict(running=[1, 16, 64, 256, 1024], steps=24, telemetry_running=256, telemetry_rounds=3),
 }
 TELEMETRY_MODES = ("off", "api", "sdk")  # OTEL_SDK_DISABLED; the API alone (no SDK); SDK + OTLP exporter
@@ -50,18 +59,37 @@ PROMPT_LEN = 4
 # the real model's decode step: batch sizes, prompt length, decode steps timed (K), repeats (best of)
 STEP_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(batches=[1, 4], prompt=16, decode_steps=16, repeats=1),
+    "small": dict(batches=[1, 4, 16], prompt=32, decode_steps=16, repeats=2),
     "default": dict(batches=[1, 4, 16], prompt=128, decode_steps=48, repeats=2),
 }
 
 
 class NullModelRunner(ModelRunner):
-    """A runner whose forward costs nothing: zero logits for the sampling rows."""
+    """A runner whose forward costs nothing: zero logits for the sampling rows (on the own-cache
+    path too, where the model's own per-request forward is replaced the same way)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.own_forward is not None:
+
+            def zeros(
+                input_ids: Any, position_ids: Any, num_new: Any, rows: Any, logits_indices: list[int]
+            ) -> torch.Tensor:
+                return torch.zeros(len(logits_indices), self.vocab_size, device=self.device)
+
+            self.own_forward.forward = zeros  # type: ignore[method-assign]
 
     def forward(self, batch: Any, ctx: Any) -> torch.Tensor:
         return torch.zeros(batch.logits_indices.shape[0], self.vocab_size, device=self.device)
 
 
-def _null_model() -> Any:
+def _null_model(arch: str = "llama") -> Any:
+    """The null model's weights (its forward never runs but on transformers' side): a 1-layer tiny
+    Llama, or the tiny model of ``arch`` (its layer kinds set up the engine's per-step work)."""
+    if arch != "llama":
+        from acb.bench.common import MODEL_SHAPES, bench_model
+
+        return bench_model(arch, **MODEL_SHAPES["tiny"])
     from acb.models import tiny_model
 
     return tiny_model(
@@ -76,8 +104,8 @@ def _null_model() -> Any:
     )
 
 
-def _acb(n: int, steps: int, finals: list[Any] | None = None) -> dict[str, float]:
-    model = _null_model()
+def _acb(n: int, steps: int, finals: list[Any] | None = None, arch: str = "llama") -> dict[str, float]:
+    model = _null_model(arch)
     cfg = acb.ContinuousBatchingConfig(
         page_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1), max_batch_tokens=max(2048, n * PROMPT_LEN)
     )
@@ -117,7 +145,7 @@ def _acb(n: int, steps: int, finals: list[Any] | None = None) -> dict[str, float
     return med
 
 
-def _transformers(n: int, steps: int) -> dict[str, float] | None:
+def _transformers(n: int, steps: int, arch: str = "llama") -> dict[str, float] | None:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig as TfConfig
     from transformers.generation.continuous_batching import continuous_api
@@ -145,10 +173,10 @@ def _transformers(n: int, steps: int) -> dict[str, float] | None:
         originals[attr] = getattr(proc, attr)
         setattr(proc, attr, timed(name, originals[attr]))
     try:
-        model = _null_model()
+        model = _null_model(arch)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 256, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
-        model.generate_batch(
+        model.generate_batch(  # (raises for a family transformers' continuous batching cannot run)
             inputs=prompts,
             generation_config=GenerationConfig(max_new_tokens=steps + 2, do_sample=False, eos_token_id=-1),
             continuous_batching_config=TfConfig(
@@ -425,20 +453,31 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
         note = patch_transformers_cpu_memory()
         if note:
             notes.append(note)
+    tf_runs = baselines  # (another family than the Llama: until transformers' side fails on it)
     for n in p["running"]:
-        row = dict(running=n, acb=_acb(n, p["steps"]))
+        row = dict(running=n, acb=_acb(n, p["steps"], arch=spec.arch))
         if baselines:
-            tf = _transformers(n, p["steps"])
+            tf = None
+            try:
+                tf = _transformers(n, p["steps"], spec.arch) if tf_runs else None
+            except Exception as e:  # noqa: BLE001 - a family transformers' paged cache cannot run
+                if spec.arch == "llama":
+                    raise
+                tf_runs = False
+                notes.append(f"transformers CB cannot run this family: {type(e).__name__}: {str(e)[:200]}")
             row["transformers"] = tf
             row["ratio"] = tf["host_us"] / row["acb"]["host_us"] if tf else None
         rows.append(row)
     steps = real_steps(size, spec, baselines)
-    tel = _telemetry(p["telemetry_running"], p["steps"], p["telemetry_rounds"])
-    off = next(r for r in tel if r["mode"] == "off")["host_us"]
-    for r in tel:
-        r["vs_off"] = r["host_us"] / off - 1.0
+    tel = None
+    if spec.arch == "llama":
+        tel = _telemetry(p["telemetry_running"], p["steps"], p["telemetry_rounds"])
+        off = next(r for r in tel if r["mode"] == "off")["host_us"]
+        for r in tel:
+            r["vs_off"] = r["host_us"] / off - 1.0
     return dict(
         workload="overhead",
+        arch=spec.arch,
         settings=dict(p, prompt_len=PROMPT_LEN, null_model=True),
         rows=rows,
         steps=steps,

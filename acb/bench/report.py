@@ -45,6 +45,8 @@ def markdown_for(doc: dict[str, Any]) -> str:
         f"{model['arch']}, {model['params'] / 1e6:.1f}M params, {model['dtype']}"
         if r["workload"] != "overhead"
         else "null model (a 1-layer tiny Llama whose forward is skipped)"
+        if r.get("arch", "llama") == "llama"
+        else f"null model (the tiny {r['arch']} whose forward is skipped); real steps: {model['arch']}"
     )
     head = (
         f"**{r['workload']}** — {device_name(m)}, {m['date'][:10]}, torch {m['torch']}, "

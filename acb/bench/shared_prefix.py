@@ -18,6 +18,7 @@ from acb.bench.common import ModelSpec, peak_memory_bytes, reset_peak_memory
 
 SIZES = {
     "tiny": dict(num_prompts=16, prefix_len=64, suffix_len=8, max_new=8),
+    "small": dict(num_prompts=32, prefix_len=128, suffix_len=16, max_new=16),
     "default": dict(num_prompts=256, prefix_len=512, suffix_len=32, max_new=32),
 }
 

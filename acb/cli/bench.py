@@ -13,7 +13,7 @@ from acb.cli.common import (
 
 
 def _add_bench(sub: Any) -> None:
-    from acb.bench import ARCHS, WORKLOADS
+    from acb.bench import ARCHS, SIZES, WORKLOADS
 
     p = sub.add_parser(
         "bench",
@@ -28,18 +28,22 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("workload", choices=[*WORKLOADS, "all", "report"], help="what to run")
     p.add_argument(
         "--size",
-        choices=["tiny", "default"],
+        choices=list(SIZES),
         default="default",
-        help="tiny: seconds, for smoke tests; default: the documented workloads",
+        help="tiny: seconds, for smoke tests; small: a quick figure on any family (hidden 128, 4 layers; not "
+        "for eval or serve; with 'all', the workloads that take it); default: the documented workloads",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument(
         "--arch",
-        choices=list(ARCHS),
         default="llama",
-        help="the benchmark model (random weights, no download): llama (default), qwen3_5 (a Qwen3.5-shaped "
-        "hybrid: gated-DeltaNet linear attention, three layers to one full attention) or deepseek_v3 (MLA "
-        "+ MoE; not for eval); results of another than llama are named {cpu|gpu}_WORKLOAD_ARCH.json",
+        metavar="MODEL_TYPE",
+        help=f"the benchmark model (random weights, no download): {', '.join(ARCHS)} have sized configs of "
+        "their own (llama the default; qwen3_5 a Qwen3.5-shaped hybrid: gated-DeltaNet linear attention, three "
+        "layers to one full attention; deepseek_v3 MLA + MoE); any other causal-LM model type of transformers "
+        "(gemma3_text, mamba2, jamba, nemotron_h, gptj...) gets the catalogue sweep's tiny config of that "
+        "family, every layer kind kept, scaled toward --size where its config allows; results of another "
+        "than llama are named {cpu|gpu}_WORKLOAD_ARCH.json",
     )
     p.add_argument(
         "--docs",
@@ -63,7 +67,8 @@ def _add_bench(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from acb.bench import WORKLOADS, run_workload
+    import acb
+    from acb.bench import SMALL_WORKLOADS, WORKLOADS, check_workload, run_workload
     from acb.bench.report import markdown_for, update_readme
 
     if args.device.startswith("cuda"):
@@ -71,20 +76,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise CliError("--device cuda: CUDA is not available")
-    names = [] if args.workload == "report" else (list(WORKLOADS) if args.workload == "all" else [args.workload])
+    every = [w for w in WORKLOADS if args.size != "small" or w in SMALL_WORKLOADS]
+    names = [] if args.workload == "report" else (every if args.workload == "all" else [args.workload])
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    for name in names:  # refused before anything runs: an unknown model type or size, with the reason
+        try:
+            check_workload(name, args.size, args.arch, args.device)
+        except ValueError as e:
+            raise CliError(f"acb bench {name}: {e}") from e
     for name in names:
         print(f"== {name} ({args.size}, {args.device}, {args.arch})", file=sys.stderr, flush=True)
-        doc = run_workload(
-            name,
-            size=args.size,
-            device=args.device,
-            out_dir=args.out_dir,
-            baselines=not args.no_baselines,
-            plot=not args.no_plot,
-            arch=args.arch,
-            eval_docs=args.docs,
-        )
+        try:
+            doc = run_workload(
+                name,
+                size=args.size,
+                device=args.device,
+                out_dir=args.out_dir,
+                baselines=not args.no_baselines,
+                plot=not args.no_plot,
+                arch=args.arch,
+                eval_docs=args.docs,
+            )
+        except acb.UnsupportedModelError as e:  # a family acb refuses: the reason, no traceback
+            raise CliError(f"acb bench {name}: {e}") from e
         print(markdown_for(doc))
         print(
             f"wrote {doc['json_path']}"
