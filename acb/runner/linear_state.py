@@ -16,14 +16,17 @@ Outside an engine step (a trainer's own forward) the layer runs as it always did
 
 The calls of a step, per state layer:
 - decode rows (one token each, with a state): one batched call, as model.generate's decoding;
-- prefill segments that start with no state (a prompt's first chunk): left-padded as
-  model.generate batches prompts (pads zeroed, and the layer's own padding mask where its forward
-  takes one), a call per group of neighbouring lengths (:func:`_padded_groups`), where a start-up
-  try per layer class (:func:`batches_prefill`) finds the padded batch gives what a call per
-  segment gives; otherwise a call each;
+- prefill segments that start with no state (a prompt's first chunk): a call each, which gives
+  a prompt the bits model.generate gives it alone; left-padded as model.generate batches prompts
+  (pads zeroed, and the layer's own padding mask where its forward takes one), a call per group
+  of neighbouring lengths (:func:`_padded_groups`), only where a start-up try per layer class
+  (:func:`batches_prefill`) finds the padded batch gives those very bits. No chunked form on CPU
+  does (the gated delta rule, Mamba2's scan: measured, a padded group flipped a greedy token on a
+  near-tie), so theirs keep a call each: the varlen kernels below are their way to fewer calls;
 - segments that resume from a state (a chunked prefill's later chunks, a prefix hit's rest, a
   scoring request's continuations after its context): by length (no padding: pads would move the
-  state), where the try finds it exact; up to :data:`STEP_TOKENS` tokens (and Mamba1's, whose scan
+  state), where the try finds it gives a call each's outputs to float rounding (a call each does
+  not give the whole prompt's bits there either: the split moves the chunk boundaries); up to :data:`STEP_TOKENS` tokens (and Mamba1's, whose scan
   ignores a state, at any length) stepped a token at a time in the layer's decode form, every row
   of the length in each call (a chunked form pads a row to its chunk whatever its length); longer
   ones in one call, or a call each for a length of its own;
@@ -59,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -406,13 +409,15 @@ PAD_GROUP_ROWS = 8
 def _padded_groups(step: _Step, fresh: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """The fresh segments in left-padded groups of neighbouring lengths, at most
     :data:`PAD_GROUP_ROWS` each, at the least cost (padded tokens plus :data:`PAD_CALL_TOKENS` a
-    call: a 256-token prompt and a 16-token one are not padded together); once per step (the
-    step's layers share it)."""
+    call: a 256-token prompt and a 16-token one are not padded together); groups of two or more.
+    A one-token segment keeps its own call: alone, its projections are a matrix-vector product,
+    whose sums run in another order than a batch's (not the same bits). Once per step (the step's
+    layers share it)."""
     key = tuple(fresh)
     known = step.groups.get(key)
     if known is not None:
         return known
-    order = sorted(fresh, key=lambda s: s[1] - s[0])
+    order = sorted((s for s in fresh if s[1] - s[0] > 1), key=lambda s: s[1] - s[0])
     lens = [hi - lo for lo, hi, _ in order]
     # cost[j]: the first j segments (by length) in groups; each group ends at its longest
     cost, cut = [0] + [0] * len(order), [0] * (len(order) + 1)
@@ -422,7 +427,8 @@ def _padded_groups(step: _Step, fresh: list[tuple[int, int, int]]) -> list[list[
         )
     groups, j = [], len(order)
     while j:
-        groups.append(order[cut[j] : j])
+        if j - cut[j] > 1:
+            groups.append(order[cut[j] : j])
         j = cut[j]
     step.groups[key] = groups
     return groups
@@ -554,9 +560,20 @@ STEPWISE_MAX_TAIL = 32
 # prefill segments batched, as decode rows are (False: one call of each state layer per prefill
 # segment, as before; benchmarks/state_prefill_batch.py's A/B)
 BATCH_PREFILL = True
-# layer class -> (whether fresh segments batch left-padded, whether resumed segments of one length
-# batch, the forward's mask arguments), found by batches_prefill's try
-_BATCHES: dict[type, tuple[bool, bool, bool, tuple[str, ...]]] = {}
+
+
+class Batches(NamedTuple):
+    """Which of a layer class's batched calls give what one call per segment gives
+    (:func:`batches_prefill`'s answer)."""
+
+    padded: bool  # fresh segments of different lengths, left-padded: the same bits
+    resumed: bool  # segments resuming from a state, of one length: to float rounding
+    stepped: bool  # those stepped a token at a time in the decode form: to float rounding
+
+
+# layer class -> (which batched calls give a call per segment's bits, the forward's mask
+# arguments), found by batches_prefill's try
+_BATCHES: dict[type, tuple[Batches, tuple[str, ...]]] = {}
 # resumed segments of up to this many tokens (a scoring request's continuation after its context's
 # state, a prefix hit's short rest) are stepped through in the layer's decode form, every row of a
 # length together: a chunked form pads each row to its chunk (64 tokens for the gated delta rule,
@@ -624,19 +641,19 @@ def _forward(
             fresh.append(seg)
         else:
             held.setdefault(hi - lo, []).append(seg)
-    padded = equal = stepped = False
+    can = Batches(False, False, False)
     masks: tuple[str, ...] = ()
     if BATCH_PREFILL and (len(fresh) > 1 or any(n > 1 for n in held)):
-        padded, equal, stepped, masks = _batches(module, hidden_states.shape[-1])
+        can, masks = _batches(module, hidden_states.shape[-1])
     # (segments, starting fresh, stepped a token at a time)
-    groups = [(g, True, False) for g in _padded_groups(step, fresh) if len(g) > 1] if padded and len(fresh) > 1 else []
+    groups = [(g, True, False) for g in _padded_groups(step, fresh)] if can.padded and len(fresh) > 1 else []
     for n, g in held.items():
         if n == 1:  # decode rows
             if len(g) > 1:
                 groups.append((g, False, False))
-        elif stepped and (n <= STEP_TOKENS or (stepwise and len(g) > 1)):
+        elif can.stepped and (n <= STEP_TOKENS or (stepwise and len(g) > 1)):
             groups.append((g, False, True))
-        elif equal and not stepwise and len(g) > 1:
+        elif can.resumed and not stepwise and len(g) > 1:
             groups.append((g, False, False))
     if not groups:  # one call per request
         return _cat([segment(lo, hi, row) for lo, hi, row in step.segments], _PER_TOKEN.get(cls))
@@ -725,6 +742,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6)
 
 
+def _bitwise(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The batched calls' standard: the very bits one call per segment gives."""
+    return got.dtype == want.dtype and torch.equal(got, want)
+
+
 def resumes_prefill(layer: torch.nn.Module, hidden_size: int) -> bool:
     """Whether ``layer`` continues a prefill from the state an earlier chunk left: the same tokens
     in two chunks give what they give whole. The gated delta rule and Mamba2's chunk scan take
@@ -798,30 +820,41 @@ def _mask_args(cls: Any) -> tuple[str, ...]:
     return tuple(name for name in list(inspect.signature(cls.forward).parameters)[1:] if "mask" in name)
 
 
-def _states_close(a: LinearStates, b: LinearStates, layer: int, rows: int) -> bool:
+def _states_match(a: LinearStates, b: LinearStates, layer: int, rows: int, match: Any = _close) -> bool:
     if any(a.valid[r] != b.valid[r] for r in range(rows)):
         return False
     for ta, tb in ((a.conv, b.conv), (a.recurrent, b.recurrent)):
         if (layer in ta) != (layer in tb):
             return False
-        if layer in ta and not all(_close(ta[layer][r], tb[layer][r]) for r in range(rows)):
+        if layer in ta and not all(match(ta[layer][r], tb[layer][r]) for r in range(rows)):
             return False
     return True
 
 
-def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool, bool]:
+def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> Batches:
     """Whether one call of ``layer`` over several requests' prefill segments gives what one call per
-    segment gives (outputs and states, to :func:`_close`), for three groups: segments that start
-    with no state, of different lengths, left-padded (pads zeroed and masked with the forward's own
-    padding mask, as model.generate batches prompts; one shorter than a convolution kernel among
-    them); segments that resume from a state, of one length, in one call; and the same stepped a
-    token at a time in the layer's decode form, to what each whole sequence gives (Mamba1's scan,
-    which ignores a state, passes the third only). Tried once per layer class, on scratch states; a
-    layer that fails a try, or cannot run it alone, keeps one call per segment there."""
+    segment gives, for three groups: segments that start with no state, of different lengths,
+    left-padded (pads zeroed and masked with the forward's own padding mask, as model.generate
+    batches prompts; one shorter than a convolution kernel among them), to the bit; segments that
+    resume from a state, of one length, in one call; and the same stepped a token at a time in the
+    layer's decode form, to what each whole sequence gives (Mamba1's scan, which ignores a state,
+    passes the third only). Tried once per layer class, on scratch states; a layer that fails a
+    try, or cannot run it alone, keeps one call per segment there.
+
+    Fresh prompts are held to the bit: a call each gives a prompt what model.generate gives it
+    alone, and a greedy token on a near-tie follows the bits (measured: a padded group flipped a
+    prompt's first token on logits 14.37548 against 14.37488). The chunked forms fail it, every
+    one acb drives today on CPU (the gated delta rule, Mamba2's scan; the pads' decays enter the
+    chunk's cumulative sums), and an unpadded batch of equal lengths would too: their batched
+    triangular solves and matrix products, and the projections' at a few rows, sum in another order
+    than a batch of one (measured on the gated delta rule: two 6-token prompts, or two 39-token
+    ones, differ from a call each; two 8-token ones happen not to). Resumed segments are held to float
+    rounding: a call each does not give the whole prompt's bits there either (the split moves the
+    chunk boundaries)."""
     cls = type(layer)
     t = _Scratch.of(layer, 27, hidden_size)
     if t is None:
-        return False, False, False
+        return Batches(False, False, False)
     masks = _mask_args(cls)
     idx = int(layer.layer_idx)  # type: ignore[arg-type]
     fresh = [(0, 12, 0), (12, 17, 1), (17, 19, 2)]  # 12, 5 and 2 tokens
@@ -837,12 +870,12 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, boo
                 layer, t.arg, masks, t.x, t.extra, states, idx, plan, starts_fresh, steps, _PER_TOKEN.get(cls)
             )
 
-    def same(want: list[Any], got: Any, segs: list[tuple[int, int, int]]) -> bool:
+    def same(want: list[Any], got: Any, segs: list[tuple[int, int, int]], match: Any) -> bool:
         width = max(hi - lo for lo, hi, _ in segs)
         for b, ((lo, hi, _), one) in enumerate(zip(segs, want)):
             pairs = list(zip(got, one, _PER_TOKEN[cls])) if isinstance(one, tuple) else [(got, one, True)]
             for g, w, per_token in pairs:
-                if per_token and not (g.shape[:2] == (len(segs), width) and _close(g[b, width - (hi - lo) :], w[0])):
+                if per_token and not (g.shape[:2] == (len(segs), width) and match(g[b, width - (hi - lo) :], w[0])):
                     return False
         return True
 
@@ -870,11 +903,11 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, boo
                 )
             got_states = t.states(3)
             got = together(got_states, fresh, True, False)
-            padded = same(want, got, fresh) and _states_close(got_states, ref, idx, 3)
+            padded = same(want, got, fresh, _bitwise) and _states_match(got_states, ref, idx, 3, _bitwise)
             held, stepping = copy(ref), copy(ref)
             want = alone(ref, resumed)
             got = together(held, resumed, False, False)
-            equal = same(want, got, resumed) and _states_close(held, ref, idx, 3)
+            equal = same(want, got, resumed, _close) and _states_match(held, ref, idx, 3)
             # the whole sequences (first segment, then the resumed one) in one call each
             whole = t.states(3)
             wants = []
@@ -885,19 +918,19 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, boo
                 else:
                     wants.append(out[:, a - b :])
             got = together(stepping, resumed, False, True)
-            stepped = same(wants, got, resumed) and _states_close(stepping, whole, idx, 2)
+            stepped = same(wants, got, resumed, _close) and _states_match(stepping, whole, idx, 2)
     except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: a call per segment, to be safe
-        return False, False, False
-    return padded, equal, stepped
+        return Batches(False, False, False)
+    return Batches(padded, equal, stepped)
 
 
-def _batches(layer: torch.nn.Module, hidden_size: int) -> tuple[bool, bool, bool, tuple[str, ...]]:
+def _batches(layer: torch.nn.Module, hidden_size: int) -> tuple[Batches, tuple[str, ...]]:
     """:func:`batches_prefill`'s answer for the layer's class (tried at its first use), and its
     forward's mask arguments."""
     cls = type(layer)
     known = _BATCHES.get(cls)
     if known is None:
-        known = _BATCHES[cls] = (*batches_prefill(layer, hidden_size), _mask_args(cls))
+        known = _BATCHES[cls] = (batches_prefill(layer, hidden_size), _mask_args(cls))
     return known
 
 

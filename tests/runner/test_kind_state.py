@@ -35,7 +35,10 @@ def layer_of(arch: str) -> torch.nn.Module:
 
 
 def hidden(arch: str, n: int, seed: int = 0) -> torch.Tensor:
-    size = ms.tiny_config(arch).get_text_config().hidden_size
+    return hidden_of(ms.tiny_config(arch).get_text_config().hidden_size, n, seed)
+
+
+def hidden_of(size: int, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(1, n, size, generator=torch.Generator().manual_seed(seed))
 
 
@@ -197,9 +200,11 @@ def test_prefill_segments_batched_give_what_one_call_each_gives(arch, monkeypatc
         intercept.remove()
     # (starts fresh, stepped): the decode rows in one call; the two 4-token resumed rows stepped
     # together, the 3-token one alone (each a call per token); the two 10-token ones in one call
-    # (Mamba1's stepped); the fresh rows in one call
+    # (Mamba1's stepped); the fresh rows in one call where their padded call keeps the bits (no
+    # family's chunked or projected form does on CPU: a call each)
     ten = (False, type(layer) in STEPWISE)
-    assert sorted(calls) == sorted([(False, False), (False, True), (False, True), ten, (True, False)])
+    fresh = [(True, False)] if linear_state._batches(layer, size)[0].padded else []
+    assert sorted(calls) == sorted([(False, False), (False, True), (False, True), ten, *fresh])
     pairs = list(zip(got, want)) if isinstance(want, tuple) else [(got, want)]
     for g, w in pairs:
         if g is None or w is None:  # (not per token: MiniMax's returned state)
@@ -216,13 +221,61 @@ def test_prefill_segments_batched_give_what_one_call_each_gives(arch, monkeypatc
                 )
 
 
-def test_a_layer_whose_padded_batch_differs_keeps_a_call_per_prompt(monkeypatch):
-    """The start-up try compares a left-padded batch with one call per segment: where the batch
-    would differ (here: pads not zeroed, and no padding mask passed), fresh segments keep their own
-    calls, and resumed ones of one length still batch."""
-    layer = layer_of("mamba2")
-    size = ms.tiny_config("mamba2").get_text_config().hidden_size
-    assert linear_state.batches_prefill(layer, size) == (True, True, True)
+class ElementwiseConv(torch.nn.Module):
+    """A state layer whose batched call cannot change a bit: a depthwise causal convolution of
+    kernel 3 written as per-element products and sums in a fixed order (a short conv's state alone,
+    transformers' interface), with the padding mask its forward takes."""
+
+    def __init__(self, size: int, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.weight = torch.nn.Parameter(torch.randn(3, size, generator=torch.Generator().manual_seed(7)))
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None):
+        if attention_mask is not None:
+            hidden_states = hidden_states * attention_mask[..., None]
+        n = hidden_states.shape[1]
+        cols = hidden_states.transpose(1, 2)  # [B, size, n]
+        if cache_params is not None:
+            previous = cache_params.get_conv_state(self.layer_idx)
+            cols = cache_params.update_conv_state(cols, self.layer_idx, conv_kernel_size=3)
+            if previous is None:
+                cols = cols[..., -n:]
+        cols = torch.nn.functional.pad(cols, (2, 0))[..., -(n + 2) :]
+        w = self.weight[..., None]
+        out = cols[..., 2:] * w[0] + cols[..., 1:-1] * w[1] + cols[..., :-2] * w[2]
+        return out.transpose(1, 2)
+
+
+def test_a_layer_whose_padded_batch_keeps_the_bits_pads_prompts_together(monkeypatch):
+    """Fresh prompts share a left-padded call only where the class's start-up try finds it gives a
+    call each's very bits: a layer that cannot change a bit in a batch passes (its prompts of
+    different lengths go in one call, and the outputs and states are those of a call each, bitwise;
+    a one-token prompt keeps its own call), and fails once its pads are not zeroed nor masked."""
+    size = 16
+    layer = ElementwiseConv(size)
+    monkeypatch.setattr(linear_state, "_BATCHES", {})
+    assert linear_state._batches(layer, size)[0] == (True, True, True)
+    intercept = LinearLayers(layer)
+    assert intercept.conv_only == {0}
+    try:
+        lens = [9, 1, 2, 5, 2]
+        x = hidden_of(size, sum(lens), seed=3)
+        want_states = LinearStates(len(lens), torch.device("cpu"), intercept.conv_only)
+        monkeypatch.setattr(linear_state, "BATCH_PREFILL", False)
+        want = step_through(layer, want_states, lens, list(range(len(lens))), x, {})
+        monkeypatch.setattr(linear_state, "BATCH_PREFILL", True)
+        calls = []
+        batched = linear_state._batched
+        monkeypatch.setattr(linear_state, "_batched", lambda *a: calls.append(a[7].rows) or batched(*a))
+        states = LinearStates(len(lens), torch.device("cpu"), intercept.conv_only)
+        got = step_through(layer, states, lens, list(range(len(lens))), x, {})
+    finally:
+        intercept.remove()
+    assert sorted(map(sorted, calls)) == [[0, 2, 3, 4]]  # (one group: PAD_CALL_TOKENS outweighs the pads)
+    assert torch.equal(got, want)
+    assert torch.equal(states.conv[0], want_states.conv[0]) and states.valid == want_states.valid
+
     plan = linear_state._Plan.__init__
 
     def unmasked(self, segs, device):
@@ -233,3 +286,33 @@ def test_a_layer_whose_padded_batch_differs_keeps_a_call_per_prompt(monkeypatch)
 
     monkeypatch.setattr(linear_state._Plan, "__init__", unmasked)
     assert linear_state.batches_prefill(layer, size) == (False, True, True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "mamba2", "lfm2"])
+def test_fresh_prompts_of_a_step_keep_the_bits_of_a_call_each(arch, monkeypatch):
+    """A step of fresh prompts of different lengths (some equal, one of one token, one shorter than
+    the convolution kernel) through a state layer gives, bit for bit, the outputs and the states
+    one call per prompt gives (which are each prompt's own model.generate's): a left-padded group
+    moved the bits (the pads' decays in the chunk's cumulative sums), which flipped a greedy token
+    on a near-tie in a Qwen3.5-shaped run."""
+    layer = layer_of(arch)
+    idx = layer.layer_idx
+    monkeypatch.setattr(linear_state, "_BATCHES", {})  # (the start-up try, afresh)
+    lens = [30, 17, 12, 12, 5, 2, 1, 40, 40]
+    x = hidden(arch, sum(lens), seed=8)
+    intercept = LinearLayers(layer)
+    try:
+        results = []
+        for batched in (False, True):
+            monkeypatch.setattr(linear_state, "BATCH_PREFILL", batched)
+            states = LinearStates(len(lens), torch.device("cpu"), intercept.conv_only)
+            out = step_through(layer, states, lens, list(range(len(lens))), x, {})
+            results.append((out[0] if isinstance(out, tuple) else out, states))
+    finally:
+        intercept.remove()
+    (want, want_states), (got, states) = results
+    assert torch.equal(got, want), float((got - want).abs().max())
+    assert states.valid == want_states.valid
+    for table, ref in ((states.conv, want_states.conv), (states.recurrent, want_states.recurrent)):
+        if idx in ref:
+            assert torch.equal(table[idx], ref[idx]), float((table[idx] - ref[idx]).abs().max())
