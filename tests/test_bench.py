@@ -192,3 +192,72 @@ def test_hybrid_eval_agrees_with_hf(hybrid):
         floor["linear"] + floor["attention"] + floor["state"] + floor["lm_head"]
     )
     assert acb_row["prefix"]["prefix_queries"] > 0
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """``--arch`` of a family outside the three sized ones, at the tiniest size and fewer steps:
+    GPT-J (the own-cache path, whose per-request forward the null model skips), offline against
+    transformers' continuous batching and padded generate, and overhead (one running count, one
+    short real step)."""
+    from acb.bench import offline, overhead
+
+    out = tmp_path_factory.mktemp("bench_families")
+    mp = pytest.MonkeyPatch()
+    mp.setitem(offline.SIZES, "tiny", dict(offline.SIZES["tiny"], num_prompts=4, max_new=4))
+    mp.setitem(overhead.SIZES, "tiny", dict(overhead.SIZES["tiny"], running=[4], steps=6))
+    mp.setitem(overhead.STEP_SIZES, "tiny", dict(overhead.STEP_SIZES["tiny"], batches=[2], decode_steps=4))
+    try:
+        docs = [
+            run_workload(w, size="tiny", out_dir=str(out), plot=False, arch="gptj") for w in ("offline", "overhead")
+        ]
+    finally:
+        mp.undo()
+    return docs
+
+
+def test_family_offline_reports_a_ratio(families):
+    doc, _ = families
+    assert doc["json_path"].endswith("cpu_offline_gptj_tiny.json")
+    with open(doc["json_path"]) as f:
+        data = json.load(f)
+    assert data["model"]["arch"] == "gptj (random weights)" and data["model"]["model_type"] == "gptj"
+    assert data["model"]["config"].startswith("the sweep's tiny config")
+    r = data["result"]
+    assert [row["engine"] for row in r["rows"]] == ["acb", "transformers CB", "padded generate"]
+    assert all(row["counts_ok"] for row in r["rows"])
+    assert r["vs_generate"] > 0 and r["vs_generate"] == pytest.approx(r["rows"][-1]["acb_speedup"])
+    assert "padded generate" in markdown_for(data)
+
+
+def test_family_overhead_null_model_and_real_step(families):
+    _, doc = families
+    r = doc["result"]
+    assert r["arch"] == "gptj" and doc["model"]["arch"] == "gptj (random weights)"
+    (row,) = r["rows"]
+    a = row["acb"]  # the tiny GPT-J on its own caches, its per-request forward skipped
+    assert a["steps_measured"] > 0 and a["host_us"] > 0
+    assert row["transformers"]["host_us"] > 0 and row["ratio"] > 0
+    (step,) = r["steps"]
+    assert step["batch"] == 2 and step["greedy_tokens_equal"] is True
+    assert sum(step["acb"]["host_ms"].values()) > 0 and step["acb"]["step_ms"] != 0
+    assert r["telemetry"] is None  # (measured on the Llama only)
+    assert "tiny gptj" in markdown_for(doc)
+
+
+def test_unknown_or_unbuildable_family_is_refused(capsys):
+    """An unknown model type is refused before anything runs, with the close names; a family whose
+    tiny config does not build says why; the CLI prints the one line and exits 2."""
+    from acb.cli import main
+
+    with pytest.raises(ValueError, match=r"unknown model type 'lama'.*did you mean 'llama'"):
+        run_workload("offline", size="tiny", arch="lama", plot=False)
+    with pytest.raises(ValueError, match=r"model type 'gemma4_assistant': .*(cannot be built|does not run)"):
+        run_workload("overhead", size="tiny", arch="gemma4_assistant", plot=False)
+    with pytest.raises(ValueError, match=r"unknown size 'small' for eval"):
+        run_workload("eval", size="small", plot=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "offline", "--size", "tiny", "--arch", "no_such_model"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown model type 'no_such_model'" in err and "Traceback" not in err
