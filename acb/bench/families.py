@@ -262,7 +262,8 @@ def shrink_config_dict(d: dict[str, Any], aliases: dict[str, str]) -> dict[str, 
     if isinstance(d.get("qk_nope_head_dim"), int) and isinstance(d.get("qk_rope_head_dim"), int) and "qk_head_dim" in d:
         d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     _fit_ssm_heads(d)
-    head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else 16
+    given = d.get("head_dim")
+    head_dim = given if isinstance(given, int) else 16
     for key in ("rope_parameters", "rope_scaling"):
         if key in d:
             d[key] = _shrink_rope(d[key], head_dim)
@@ -660,7 +661,7 @@ def check_model_type(model_type: str, also: tuple[str, ...] = ()) -> None:
 def _text_dict(d: dict[str, Any]) -> dict[str, Any]:
     """The dict holding the language model's sizes: the ``text_config`` of a composite config."""
     sub = d.get("text_config")
-    return sub if _is_config_dict(sub) else d
+    return sub if isinstance(sub, dict) and "model_type" in sub else d
 
 
 def _is_int(value: Any) -> bool:
@@ -744,7 +745,7 @@ def _builds(config: Any) -> str | None:
 @functools.lru_cache(maxsize=32)
 def _family_dict(
     model_type: str, hidden_size: int, num_hidden_layers: int, vocab_size: int, max_positions: int
-) -> tuple[type, dict[str, Any], str]:
+) -> tuple[Any, dict[str, Any], str]:
     try:
         tiny = tiny_config(model_type)
     except Exception as e:  # noqa: BLE001
@@ -752,16 +753,16 @@ def _family_dict(
     why = _builds(tiny)
     if why is not None:
         raise ValueError(f"model type {model_type!r}: a random model of its tiny config does not run ({why})")
-    cls = type(tiny)
+    cls: Any = type(tiny)
     base = tiny.to_dict()
     base.pop("transformers_version", None)
     text = _text_dict(base)
     width = text.get("hidden_size", text.get("n_embd", text.get("d_model")))
-    factor = max(1, hidden_size // width) if _is_int(width) and width > 0 else 1
+    factor = max(1, hidden_size // width) if isinstance(width, int) and width > 0 else 1
     _, layers = _layer_count(text)
     times = max(1, num_hidden_layers // layers) if layers > 0 else 1
     tries = [(factor, times), (factor, 1), (1, times), (1, 1)]
-    failures = []
+    failures: list[str] = []
     for f, t in dict.fromkeys(tries):  # (in order, each once)
         d = copy.deepcopy(base)
         td = _text_dict(d)

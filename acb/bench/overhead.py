@@ -89,7 +89,8 @@ def _null_model(arch: str = "llama") -> Any:
     if arch != "llama":
         from acb.bench.common import MODEL_SHAPES, bench_model
 
-        return bench_model(arch, **MODEL_SHAPES["tiny"])
+        shape: dict[str, Any] = MODEL_SHAPES["tiny"]  # (keyword arguments of bench_model)
+        return bench_model(arch, **shape)
     from acb.models import tiny_model
 
     return tiny_model(
