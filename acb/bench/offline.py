@@ -30,7 +30,6 @@ import torch
 
 import acb
 from acb.bench.common import (
-    ARCHS,
     MODEL_SHAPES,
     ModelSpec,
     blocks_for_all,
@@ -250,7 +249,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True, uniform: bool = Fals
         try:
             sides.append(run_transformers_cb(spec, prompts, outs))
         except Exception as e:  # noqa: BLE001 - a family transformers' paged cache cannot run: said, not fatal
-            if spec.arch in ARCHS:
+            if spec.arch == "llama":  # (the Llama's baseline must run; a hybrid's cannot, in transformers 5.23)
                 raise
             notes.append(f"transformers CB cannot run this family: {type(e).__name__}: {str(e)[:200]}")
         sides.append(run_generate(spec, prompts, outs, p["batch_size"]))
