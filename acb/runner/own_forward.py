@@ -18,11 +18,17 @@ Each running request (by block-table row) keeps the cache the model builds for i
   (finished, cancelled, preempted, or scheduled for more than one token) is replaced by the last
   row, and padding columns no row needs any more are dropped by moving the view's start. No
   step copies the other rows' caches;
-* **new requests' whole prompts**, when a step has two or more, are prefilled as left-padded
-  batches of like lengths (sorted, a new group where a row would be padded by more than a
-  quarter of the group's width) and join the decode batch;
-* **prefill chunks and every other segment** run one request at a time on its own cache
-  (whole or chunked prefill, scoring continuations, a fork's own tokens), through the model's
+* **prefill segments** (new requests' whole prompts, a prompt's chunks), when a step has two or
+  more whose only wanted logits are their last token's (or none: a chunk), run as left-padded
+  batches of like lengths (sorted, a new group where a row would be padded by more than a quarter
+  of the group's width), as ``model.generate``'s padded prefill: a chunk that goes on from the
+  request's own cache has that cache stacked, right-aligned, before its tokens (so it heads its
+  group: the group's other rows are no wider, and no padding sits between its cache and its
+  tokens). The group's caches join the decode batch (a row still prefilling leaves it again at
+  its next step, as its own cache; ``BATCH_PREFILL = False``: only new whole prompts are
+  grouped);
+* **every other segment** runs one request at a time on its own cache (a lone prefill, scoring
+  continuations, a fork's own tokens, a model that cannot be batched), through the model's
   own generation hooks, as ``model.generate`` runs one unpadded prompt: its
   ``prepare_inputs_for_generation`` builds the forward's arguments from the request's tokens so
   far and its generation state (the cache, whatever its argument's name: ``past_key_values``,
@@ -64,6 +70,7 @@ A slot costs up to ``max_model_len`` tokens of the model's own cache and is pric
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import inspect
@@ -78,6 +85,11 @@ from acb.errors import UnsupportedModelError
 from acb.runner.module_state import ModuleState, Slot, Values, describe
 
 logger = logging.getLogger(__name__)
+
+# prefill chunks (a prompt's first, and those that go on from a request's own cache) join the
+# step's left-padded prefill groups; False: only new requests' whole prompts do (the A/B switch of
+# benchmarks/own_cache_offline.py)
+BATCH_PREFILL = True
 
 
 def _dynamic_layer_class() -> type:
@@ -596,31 +608,96 @@ class OwnForward:
             self.batch = _DecodeBatch(cache)
         self.batch.add(cache, pads, rows)
 
+    def _groups(
+        self, segments: list[tuple[int, int, int]], want: dict[int, list[int]], logits_indices: list[int]
+    ) -> list[list[tuple[int, int, int]]]:
+        """The step's prefill segments that run as left-padded batches, in groups of like lengths.
+
+        A segment of two or more tokens whose only wanted logits are its last token's (or none: a
+        prompt's chunk) goes in a group when its request starts here (a new prompt, a recompute,
+        a prompt's first chunk) or goes on from a plain cache of its own (a prompt's later chunk,
+        a prefix hit), as ``model.generate``'s padded prefill with the rows' caches stacked,
+        left-padded, before the new tokens. The new tokens are left-padded to the group's width,
+        so a row that goes on from a cache must be as wide as its group, or padding would sit
+        between its cache and its tokens: such a row heads a group. Sorted by length, a row padded
+        by more than a quarter of its group's width (and more than 32 tokens) starts a new group
+        (padding costs a token's compute, a group a pass over the weights). Fewer than two such
+        segments in the step, or a group of one row that goes on from a cache: its own call."""
+        if not self.batchable:
+            return []
+        cands: list[tuple[int, int, int, bool]] = []
+        for lo, hi, row in segments:
+            if hi - lo < 2 or row in self.replays or row in self.batch_rows:
+                continue
+            wanted = self._wanted(want, row, logits_indices)
+            if row in self.single:  # goes on from its own cache
+                if BATCH_PREFILL and wanted in ([], [hi - 1]) and self._plain_single(row):
+                    cands.append((lo, hi, row, True))
+            elif wanted == [hi - 1] or (BATCH_PREFILL and not wanted):
+                cands.append((lo, hi, row, False))
+        if len(cands) < 2:
+            return []
+        groups: list[list[tuple[int, int, int]]] = []
+        group: list[tuple[int, int, int]] = []
+        for lo, hi, row, resumed in sorted(cands, key=lambda c: (c[0] - c[1], not c[3])):
+            if group:
+                width = group[0][1] - group[0][0]
+                if (resumed and hi - lo != width) or width - (hi - lo) > max(32, width // 4):
+                    groups.append(group)
+                    group = []
+            group.append((lo, hi, row))
+        groups.append(group)
+        return [g for g in groups if len(g) > 1 or g[0][2] not in self.single]
+
     def _prefill_batch(
         self,
-        fresh: list[tuple[int, int, int]],
+        group: list[tuple[int, int, int]],
         input_ids: torch.Tensor,
         want: dict[int, list[int]],
         out: list[torch.Tensor | None],
     ) -> None:
-        """Whole prompts of new requests as one left-padded batch, as ``model.generate``'s padded
-        prefill (pads at position 0, masked); their caches then join the decode batch."""
-        lens = [hi - lo for lo, hi, _ in fresh]
+        """A group's segments (:meth:`_groups`) as one left-padded batch, as ``model.generate``'s
+        padded prefill (pads at position 0, masked): the caches of the rows that go on from one
+        stacked, right-aligned, before the new tokens; the group's caches then join the decode
+        batch."""
+        lens = [hi - lo for lo, hi, _ in group]
+        rows = [row for _, _, row in group]
         width = max(lens)
-        ids = input_ids.new_zeros((len(fresh), width))
-        mask = torch.zeros_like(ids)
+        own = {row: self.single.pop(row)["past_key_values"] for row in rows if row in self.single}
+        pasts = [_length(own[row]) if row in own else 0 for row in rows]
+        past = max(pasts)
+        dev = input_ids.device
+        ids = input_ids.new_zeros((len(group), width))
         pos = torch.zeros_like(ids)
-        for i, (lo, hi, _) in enumerate(fresh):
-            n = hi - lo
+        mask = input_ids.new_zeros((len(group), past + width))
+        pads = []
+        for i, (lo, hi, _) in enumerate(group):
+            n, p = hi - lo, pasts[i]
             ids[i, width - n :] = input_ids[0, lo:hi]
-            mask[i, width - n :] = 1
-            pos[i, width - n :] = torch.arange(n, device=ids.device)
-        cache = self._empty()
-        logits = self._run(ids, pos, cache, mask, None)  # [B, V]: each prompt's last token
-        for i, (_, _, row) in enumerate(fresh):
+            pos[i, width - n :] = torch.arange(p, p + n, device=dev)
+            pads.append(past - p if p else past + width - n)  # (a row with a cache is as wide as the group)
+            mask[i, pads[-1] :] = 1
+        cache = self._stacked([own.get(row) for row in rows], pasts, past) if own else self._empty()
+        logits = self._run(ids, pos, cache, mask, None)  # [B, V]: each row's last token
+        for i, row in enumerate(rows):
             for j in want.get(row, []):
                 out[j] = logits[i]
-        self._merge(cache, [width - n for n in lens], [row for _, _, row in fresh])
+        self._merge(cache, pads, rows)
+
+    def _stacked(self, caches: list[Any], pasts: list[int], past: int) -> Any:
+        """One batch cache of plain layers, ``past`` columns wide: each row's own cache (or none)
+        right-aligned, zeros on its left (padding, masked)."""
+        like = next(c for c in caches if c is not None)
+        kv = []
+        for n, src in enumerate(like.layers):
+            shape = (len(caches), src.keys.shape[1], past, src.keys.shape[3])
+            keys, values = src.keys.new_zeros(shape), src.values.new_zeros(shape[:3] + (src.values.shape[3],))
+            for i, (cache, p) in enumerate(zip(caches, pasts)):
+                if cache is not None:
+                    keys[i, :, past - p :] = cache.layers[n].keys[0]
+                    values[i, :, past - p :] = cache.layers[n].values[0]
+            kv.append((keys, values))
+        return _plain_cache(like, kv)
 
     # a step ------------------------------------------------------------------
     def forward(
@@ -636,13 +713,10 @@ class OwnForward:
         for n, row in zip(num_new, rows):
             segments.append((lo, lo + n, row))
             lo += n
-        want: dict[int, list[int]] = {}
-        seg_of = {}
-        for lo, hi, row in segments:
-            for t in range(lo, hi):
-                seg_of[t] = (lo, hi, row)
+        want: dict[int, list[int]] = {}  # row -> the indices of its logits in the output
+        starts = [lo for lo, _, _ in segments]
         for j, t in enumerate(logits_indices):
-            want.setdefault(seg_of[t][2], []).append(j)
+            want.setdefault(segments[bisect.bisect_right(starts, t) - 1][2], []).append(j)
         out: list[torch.Tensor | None] = [None] * len(logits_indices)
         decode = [
             (lo, row)
@@ -657,20 +731,10 @@ class OwnForward:
         leaving = [r for r in self.batch_rows if r not in decode_rows]
         for r in leaving:
             self._take(r)
-        # new requests' whole prompts (their one sampled row the last), two or more: one padded prefill
-        fresh = [
-            (lo, hi, row)
-            for lo, hi, row in segments
-            if self.batchable
-            and hi - lo > 1
-            and row not in self.single
-            and row not in self.batch_rows
-            and row not in self.replays
-            and self._wanted(want, row, logits_indices) == [hi - 1]
-        ]
-        if len(fresh) < 2:
-            fresh = []
-        fresh_rows = {row for _, _, row in fresh}
+        # prefill segments in left-padded groups (new prompts, first chunks, and resumed chunks
+        # of rows whose own caches are plain; see _groups), two or more of them
+        groups = self._groups(segments, want, logits_indices)
+        fresh_rows = {row for group in groups for _, _, row in group}
         for lo, hi, row in segments:
             self._extend(row, input_ids[:, lo:hi])
             if row in decode_rows or row in fresh_rows:
@@ -704,17 +768,8 @@ class OwnForward:
             for _, row in decode:
                 for j in want.get(row, []):
                     out[j] = logits[order[row]]
-        # after the decode rows ran: the new rows join the batch for the next step, prefilled in
-        # groups of like lengths (a row padded by more than a quarter of its group's width, and
-        # more than 32 tokens, starts a new group: padding costs a token's compute, a group a
-        # pass over the weights)
-        group: list[tuple[int, int, int]] = []
-        for seg in sorted(fresh, key=lambda seg: seg[0] - seg[1]):
-            if group and (width := group[0][1] - group[0][0]) - (seg[1] - seg[0]) > max(32, width // 4):
-                self._prefill_batch(group, input_ids, want, out)
-                group = []
-            group.append(seg)
-        if group:
+        # after the decode rows ran: the groups' rows join the batch for the next step
+        for group in groups:
             self._prefill_batch(group, input_ids, want, out)
         if self.module_state is not None:  # the user's model as it was between steps (a trainer's own forward)
             self.module_state.restore(None)

@@ -277,3 +277,31 @@ def test_the_decode_batch_keeps_each_row_as_its_own_cache():
         if batch is not None and not batch.rows:
             batch = None
         check()
+
+
+@pytest.mark.parametrize("arch", ["gptj", "llama"])
+def test_prefill_chunks_run_in_padded_groups_exactly(arch, monkeypatch):
+    """Prompts longer than a step's budget, preempted, under async batching: a prompt's first
+    chunk and its later chunks (going on from its own cache, stacked left-padded before the new
+    tokens) run in the step's left-padded prefill groups next to new prompts, and every request's
+    tokens are still ``model.generate``'s."""
+    from acb.runner.own_forward import OwnForward
+
+    groups: list[list[tuple[bool, bool]]] = []  # per group: (goes on from a cache, a logit wanted) per row
+    spied = OwnForward._prefill_batch
+
+    def spy(self, group, input_ids, want, out):
+        groups.append([(row in self.single, bool(want.get(row))) for _, _, row in group])
+        return spied(self, group, input_ids, want, out)
+
+    monkeypatch.setattr(OwnForward, "_prefill_batch", spy)
+    ps = prompts([23, 5, 30, 12, 37, 9, 19], seed=6)
+    cfg = acb.ContinuousBatchingConfig(
+        num_blocks=14, page_size=4, max_batch_tokens=16, runner=CASES[arch][0], use_async_batching=True
+    )
+    with acb.Engine(model_of(arch), cfg) as eng:
+        got = run(eng, ps)
+        assert eng.stats.preemptions > 0
+    assert got == [reference(arch, tuple(p)) for p in ps]
+    rows = [r for g in groups if len(g) > 1 for r in g]
+    assert (True, True) in rows and (False, False) in rows, groups  # a resumed chunk, a first chunk
