@@ -65,7 +65,7 @@ class ContinuousBatchingConfig:
     - ``max_blocks_per_request``, ``kv_padding_interval_size``, ``disable_nccl_graph_mixing`` and
       ``cpu_group_timeout`` have no effect (``NOT_YET_SUPPORTED``; non-default values warn).
     - ``use_cuda_graph`` applies to decode-only steps; mixed steps always run eagerly.
-    - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``,
+    - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``, ``cpu_threads``,
       ``mla_latent_cache``, ``state_snapshots``, and the
       structured-outputs compile budget ``grammar_compile_timeout_s``, ``grammar_max_bytes``,
       ``grammar_max_repetition`` (:mod:`acb.grammar_budget`).
@@ -126,6 +126,11 @@ class ContinuousBatchingConfig:
     # has at least 250k linear parameters per layer; the copies take the linear weights' size in
     # host memory once more)
     cpu_packed_linears: bool | None = None
+    # CPU: the engine thread's intra-op threads. "auto" (None): torch's count to start with, then
+    # chosen by measuring the engine's own steps (a probe of half as many, or twice as many, now
+    # and then; kept where faster), so that an engine beside another busy process stops waiting
+    # on descheduled threads (acb.runner.host_threads.ThreadTuner); an int pins the count
+    cpu_threads: int | str | None = None
     # multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-5, Kimi, MiniCPM3, ...): page each MLA
     # layer's latent (kv_lora_rank + qk_rope_head_dim values per token) instead of its expanded
     # heads, 5-85x less KV memory, attended by the torch and Triton attention backends (decode rows
@@ -260,6 +265,8 @@ class ContinuousBatchingConfig:
             v = getattr(self, name)
             check(name, v is None or (is_int(v) and v >= 0), "None or an int >= 0")
         check("seed", self.seed is None or is_int(self.seed), "None or an int")
+        v = self.cpu_threads
+        check("cpu_threads", v is None or v == "auto" or (is_int(v) and v > 0), "None, 'auto' or a positive int")
         v = self.cpu_offload_space
         check("cpu_offload_space", v is None or (is_num(v) and v >= 0), "None or a number of GiB >= 0")
         v = self.cpu_offload_space_safety_threshold

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -93,3 +94,168 @@ def release_idle_threads() -> bool:
         return False
     fn, device = pause
     return fn(OMP_PAUSE_SOFT, device) == 0
+
+
+class ThreadTuner:
+    """The engine thread's intra-op thread count, chosen by measuring its own steps.
+
+    Why: with every core busy (a trainer beside the sampler, another job on the machine), a
+    parallel region of ``N`` threads ends only when its slowest worker does, and a worker that
+    shares its core with another process waits for a time slice (milliseconds) at every region's
+    barrier. On this project's 2-core VM beside one spinning process, a 40M-parameter Llama's
+    decode ran 3-30x slower at 2 threads than at 1, ``model.generate`` alike
+    (``benchmarks/contention.py``); on a quiet machine 2 threads are the faster. No fixed count
+    is right for both, and what is busy changes while an engine runs, so it measures:
+
+    - steps are keyed by their shape (decode-only or not, tokens rounded up to a power of two),
+      and each key keeps a moving mean of the step's seconds per token at the current count;
+    - now and then (after ``FIRST_PROBE`` steps, then at doubling intervals up to ``MAX_INTERVAL``
+      while the count holds; at once when a key's mean drifts ``DRIFT``-fold from where it settled,
+      as when a neighbour starts or stops) the next few steps run at a neighbouring count (half,
+      or twice, alternately where both exist): the first of them is not counted (it may start the
+      thread pool), the others are compared with the current count's mean of their key; a probe
+      step ``WORSE`` times slower ends the probe at once, and a geometric mean under ``BETTER``
+      makes the probed count the current one.
+
+    A count change does not change results: acb's CPU kernels and torch's float32 linears and
+    reductions split their work by output rows, not along a sum (``tests/runner/test_threads.py``
+    checks an engine's logprobs bit for bit at 1 and at ``N`` threads). ``set_threads`` is
+    :func:`torch.set_num_threads` on the engine thread (OpenMP's and MKL's counts are per thread:
+    other threads keep theirs); :meth:`close` puts the first count back.
+    """
+
+    FIRST_PROBE = 8
+    MAX_INTERVAL = 256
+    PROBE_STEPS = 3  # measured steps per probe, after the one not counted
+    WORSE = 1.5
+    BETTER = 0.8
+    DRIFT = 1.6
+    ALPHA = 0.3  # weight of a new step in a key's moving mean
+
+    def __init__(
+        self, max_threads: int, set_threads: Callable[[int], None] | None = None, *, pinned: bool = False
+    ) -> None:
+        import torch
+
+        self._initial = torch.get_num_threads()  # (the constructing thread's: what close puts back)
+        self.max_threads = max(1, int(max_threads))
+        ladder = {self.max_threads}
+        n = self.max_threads
+        while n > 1 and not pinned:
+            n //= 2
+            ladder.add(max(n, 1))
+        self.ladder = sorted(ladder)  # the counts tried: N, N/2, N/4, ..., 1 (pinned: N only)
+        self.current = self.max_threads
+        self._set = set_threads or torch.set_num_threads
+        self._applied: int | None = None
+        self._mean: dict[tuple[bool, int], float] = {}
+        self._settled: dict[tuple[bool, int], float] = {}  # each key's mean when the count last changed
+        self._interval = self.FIRST_PROBE
+        self._countdown = self.FIRST_PROBE
+        self._down = True  # the next scheduled probe tries fewer threads (where both ways exist)
+        self._drift: bool | None = None  # a drift's probe: fewer threads (True) or more (False)
+        self._probe: int | None = None
+        self._warming = False
+        self._ratios: list[float] = []
+        self._unmatched = 0
+        self._key: tuple[bool, int] = (True, 1)
+        self._tokens = 1
+        self.switches = 0  # count changes kept (for stats and tests)
+        self.probes = 0
+
+    @property
+    def threads(self) -> int:
+        """The count the next step runs at."""
+        return self._probe if self._probe is not None else self.current
+
+    def _apply(self, n: int) -> None:
+        if n != self._applied:
+            self._set(n)
+            self._applied = n
+
+    def _neighbour(self, down: bool | None) -> int | None:
+        """The count to probe: fewer threads (``down``), more, or (None) alternately where both exist."""
+        i = self.ladder.index(self.current)
+        lower = self.ladder[i - 1] if i > 0 else None
+        upper = self.ladder[i + 1] if i + 1 < len(self.ladder) else None
+        if down is None:
+            if lower is not None and upper is not None:
+                pick = lower if self._down else upper
+                self._down = not self._down
+                return pick
+            return lower if lower is not None else upper
+        return lower if down else upper
+
+    def begin(self, num_tokens: int, decode_only: bool) -> int:
+        """Before a step of ``num_tokens`` tokens: set this thread's count for it; returns the count."""
+        self._tokens = max(int(num_tokens), 1)
+        key = self._key = (decode_only, self._tokens.bit_length())
+        if self._probe is None and len(self.ladder) > 1 and key in self._mean:
+            if self._countdown > 0:
+                self._countdown -= 1
+            else:
+                self._probe = self._neighbour(self._drift)
+                self._drift = None
+                if self._probe is not None:
+                    self._warming, self._ratios, self._unmatched = True, [], 0
+                    self.probes += 1
+                else:
+                    self._countdown = self._interval
+        self._apply(self.threads)
+        return self.threads
+
+    def end(self, seconds: float) -> None:
+        """After the step :meth:`begin` announced: its wall seconds."""
+        key, seconds = self._key, seconds / self._tokens
+        if self._probe is None:
+            old = self._mean.get(key)
+            mean = seconds if old is None else old + self.ALPHA * (seconds - old)
+            self._mean[key] = mean
+            settled = self._settled.setdefault(key, mean)
+            if old is not None and not (settled / self.DRIFT <= mean <= settled * self.DRIFT):
+                # the machine changed under us (a neighbour started or stopped): slower steps
+                # probe fewer threads now, faster ones more, where the ladder has them
+                down = mean > settled
+                self._settled[key] = mean
+                if self._neighbour(down) is not None:
+                    self._drift, self._countdown, self._interval = down, 0, self.FIRST_PROBE
+            return
+        if self._warming:
+            self._warming = False
+            return
+        base = self._mean.get(key)
+        if base is None:
+            self._unmatched += 1
+            if self._unmatched > 2 * self.PROBE_STEPS:
+                self._end_probe(False)
+            return
+        ratio = seconds / max(base, 1e-9)
+        if ratio > self.WORSE:
+            self._end_probe(False)
+            return
+        self._ratios.append(ratio)
+        if len(self._ratios) >= self.PROBE_STEPS:
+            geo = math.exp(sum(map(math.log, self._ratios)) / len(self._ratios))
+            self._end_probe(geo < self.BETTER)
+
+    def _end_probe(self, won: bool) -> None:
+        probe, self._probe = self._probe, None
+        self._drift = None
+        if won and probe is not None:
+            logger.info("acb engine thread: %d intra-op threads (measured faster than %d)", probe, self.current)
+            self.current = probe
+            self.switches += 1
+            self._mean.clear()
+            self._settled.clear()
+            self._interval = self.FIRST_PROBE
+        else:
+            self._interval = min(2 * self._interval, self.MAX_INTERVAL)
+        self._countdown = self._interval
+        self._apply(self.current)
+
+    def close(self) -> None:
+        """Put the count the engine started from back (on the engine thread, as it exits: torch
+        also keeps the last count set as the one new threads start with)."""
+        if self._applied is not None and self._applied != self._initial:
+            self._set(self._initial)
+            self._applied = self._initial

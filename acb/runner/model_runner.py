@@ -34,7 +34,7 @@ from acb.runner.attention import (
 )
 from acb.runner.cpu_linear import MIN_LAYER_PARAMS, PackedLinears, linear_params_per_layer, packable
 from acb.runner.eval_mode import DROPOUT_GUARD
-from acb.runner.host_threads import release_idle_threads
+from acb.runner.host_threads import ThreadTuner, release_idle_threads
 from acb.runner.indexed import IndexedLayers, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kinds import hooks_of, layout_of
@@ -227,6 +227,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode CUDA graphs, set up by warmup()
         self.asleep = False  # sleep() dropped the cache and the step buffers; wake_up() brings them back
         self.last_stage_s = 0.0  # host time of the last step's input staging (read by the engine)
+        # CPU: the engine thread's intra-op threads (pinned, or measured: host_threads.ThreadTuner)
+        self.threads = self._thread_tuner(config, tensor_parallel=group is not None)
         self._no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)
         self._supports_logits_to_keep = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
         register_with_transformers(compiled=bool(self._compiled))
@@ -663,6 +665,8 @@ class ModelRunner:
         """Give the model its own attention implementation back, and drop the KV cache, the
         graphs and the step buffers, so that a stopped engine's device memory is free for the next
         start (the stopped engine core still holds this runner). The runner is unusable after."""
+        if self.threads is not None:  # (on the engine thread, as it exits)
+            self.threads.close()
         if self._holds_attn:
             if self._swapped_attn:
                 _ATTN_SWAP.release(self.model)
@@ -690,8 +694,39 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> InFlightStep:
         """Launch one step (no host sync): stage its inputs (one copy), run the forward and the
         sampler on the compute stream, and start copying the sampled ids back to the host."""
-        with device_scope(self.device, self.streams.compute):
-            return self._execute(sched)
+        tuner = self.threads
+        if tuner is None:
+            with device_scope(self.device, self.streams.compute):
+                return self._execute(sched)
+        # CPU: the step runs here and now (execute is the whole step's work), at the tuner's count
+        tuner.begin(sched.num_tokens, sched.num_decode_tokens == sched.num_tokens)
+        t0 = time.perf_counter()
+        try:
+            with device_scope(self.device, self.streams.compute):
+                return self._execute(sched)
+        finally:
+            tuner.end(time.perf_counter() - t0)
+
+    def _thread_tuner(self, config: ContinuousBatchingConfig, *, tensor_parallel: bool) -> ThreadTuner | None:
+        """The engine thread's intra-op thread count on CPU (None elsewhere): ``cpu_threads`` (or,
+        when it is None, the ``ACB_CPU_THREADS`` environment variable) pins it; "auto" measures
+        (:class:`ThreadTuner`), except under tensor parallelism, where the ranks' steps wait on each
+        other and one rank's step time says little of its own count."""
+        if self.device.type != "cpu":
+            return None
+        want = config.cpu_threads
+        if want is None:
+            env = os.environ.get("ACB_CPU_THREADS", "auto").strip()
+            if env != "auto":
+                if not env.isdigit() or int(env) < 1:
+                    raise ValueError(f"ACB_CPU_THREADS must be 'auto' or a positive int; got {env!r}")
+                want = int(env)
+        if isinstance(want, int):
+            return ThreadTuner(want, pinned=True)
+        n = torch.get_num_threads()
+        if n <= 1 or tensor_parallel:
+            return None
+        return ThreadTuner(n)
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> InFlightStep:
