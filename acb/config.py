@@ -126,10 +126,12 @@ class ContinuousBatchingConfig:
     # has at least 250k linear parameters per layer; the copies take the linear weights' size in
     # host memory once more)
     cpu_packed_linears: bool | None = None
-    # CPU: the engine thread's intra-op threads. "auto" (None): torch's count to start with, then
-    # chosen by measuring the engine's own steps (a probe of half as many, or twice as many, now
-    # and then; kept where faster), so that an engine beside another busy process stops waiting
-    # on descheduled threads (acb.runner.host_threads.ThreadTuner); an int pins the count
+    # CPU: the engine thread's intra-op threads. "auto" (None, unless the ACB_CPU_THREADS environment
+    # variable pins it): torch's count to start with, then chosen by measuring the engine's own
+    # steps (a probe of half as many, or twice as many, now and then; kept where faster), so that
+    # an engine beside another busy process stops waiting on descheduled threads
+    # (acb.runner.host_threads.ThreadTuner); an int pins the count (bitwise repeatable runs: MKL
+    # rounds some small float32 GEMMs differently at another count). The caller's threads keep theirs
     cpu_threads: int | str | None = None
     # multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-5, Kimi, MiniCPM3, ...): page each MLA
     # layer's latent (kv_lora_rank + qk_rope_head_dim values per token) instead of its expanded

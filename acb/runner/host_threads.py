@@ -26,6 +26,9 @@ A GPU engine's thread opens few parallel regions (its work is on the device), so
 handed back there. Same-run figures: ``benchmarks/omp_workers.py``.
 
 Only with libgomp loaded (Linux); elsewhere (LLVM's libomp, no OpenMP) nothing is done.
+
+The engine thread's count itself is :class:`ThreadTuner`'s: measured by its own steps, so that a
+busy machine does not leave every parallel region waiting on a descheduled worker.
 """
 
 from __future__ import annotations
