@@ -622,7 +622,7 @@ class OwnForward:
         between its cache and its tokens: such a row heads a group. Sorted by length, a row padded
         by more than a quarter of its group's width (and more than 32 tokens) starts a new group
         (padding costs a token's compute, a group a pass over the weights). Fewer than two such
-        segments in the step, or a group of one row that goes on from a cache: its own call."""
+        segments in the step, or a group of one chunk: its own call."""
         if not self.batchable:
             return []
         cands: list[tuple[int, int, int, bool]] = []
@@ -647,7 +647,9 @@ class OwnForward:
                     group = []
             group.append((lo, hi, row))
         groups.append(group)
-        return [g for g in groups if len(g) > 1 or g[0][2] not in self.single]
+        # (a lone new whole prompt still joins the batch this way; a lone chunk keeps its own cache)
+        whole = {row for lo, hi, row, resumed in cands if not resumed and want.get(row)}
+        return [g for g in groups if len(g) > 1 or g[0][2] in whole]
 
     def _prefill_batch(
         self,
