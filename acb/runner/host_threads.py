@@ -112,13 +112,14 @@ class ThreadTuner:
 
     - steps are keyed by their shape (decode-only or not, tokens rounded up to a power of two),
       and each key keeps a moving mean of the step's seconds per token at the current count;
-    - now and then (after ``FIRST_PROBE`` steps, then at doubling intervals up to ``MAX_INTERVAL``
-      while the count holds; at once when a key's mean drifts ``DRIFT``-fold from where it settled,
-      as when a neighbour starts or stops) the next few steps run at a neighbouring count (half,
-      or twice, alternately where both exist): the first of them is not counted (it may start the
-      thread pool), the others are compared with the current count's mean of their key; a probe
-      step ``WORSE`` times slower ends the probe at once, and a geometric mean under ``BETTER``
-      makes the probed count the current one.
+    - now and then the next few steps run at a neighbouring count (half, or twice, alternately
+      where both exist): after ``FIRST_PROBE`` steps, then at intervals that grow while the count
+      holds (doubling, and long enough that losing probes cost at most ``BUDGET`` of the time, up
+      to ``MAX_INTERVAL``), and sooner when a key's mean drifts ``DRIFT``-fold from where it
+      settled, as when a neighbour starts or stops. Each probe step is compared with the current
+      count's mean of its key: the first ends the probe if ``WORSE_FIRST`` times slower (it may
+      also start a thread pool, so it is not counted otherwise), a later one if ``WORSE`` times;
+      a geometric mean of the counted ones under ``BETTER`` makes the probed count the current.
 
     A count change does not change results: acb's CPU kernels and torch's float32 linears and
     reductions split their work by output rows, not along a sum (``tests/runner/test_threads.py``
@@ -128,12 +129,14 @@ class ThreadTuner:
     """
 
     FIRST_PROBE = 8
-    MAX_INTERVAL = 256
+    MAX_INTERVAL = 512
     PROBE_STEPS = 3  # measured steps per probe, after the one not counted
-    WORSE = 1.5
+    WORSE = 1.5  # a counted probe step this much slower than the current count's ends the probe
+    WORSE_FIRST = 3.0  # the same for the first probe step (which may also start a thread pool)
     BETTER = 0.8
     DRIFT = 1.6
     ALPHA = 0.3  # weight of a new step in a key's moving mean
+    BUDGET = 0.05  # what losing probes may cost, as a fraction of the steps' time
 
     def __init__(
         self, max_threads: int, set_threads: Callable[[int], None] | None = None, *, pinned: bool = False
@@ -161,6 +164,8 @@ class ThreadTuner:
         self._warming = False
         self._ratios: list[float] = []
         self._unmatched = 0
+        self._cost = 0.0  # the running probe's extra time, in steps of the current count
+        self._since = 0  # steps since the last probe ended
         self._key: tuple[bool, int] = (True, 1)
         self._tokens = 1
         self.switches = 0  # count changes kept (for stats and tests)
@@ -193,6 +198,8 @@ class ThreadTuner:
         """Before a step of ``num_tokens`` tokens: set this thread's count for it; returns the count."""
         self._tokens = max(int(num_tokens), 1)
         key = self._key = (decode_only, self._tokens.bit_length())
+        if self._probe is None:
+            self._since += 1
         if self._probe is None and len(self.ladder) > 1 and key in self._mean:
             if self._countdown > 0:
                 self._countdown -= 1
@@ -200,7 +207,7 @@ class ThreadTuner:
                 self._probe = self._neighbour(self._drift)
                 self._drift = None
                 if self._probe is not None:
-                    self._warming, self._ratios, self._unmatched = True, [], 0
+                    self._warming, self._ratios, self._unmatched, self._cost = True, [], 0, 0.0
                     self.probes += 1
                 else:
                     self._countdown = self._interval
@@ -217,42 +224,54 @@ class ThreadTuner:
             settled = self._settled.setdefault(key, mean)
             if old is not None and not (settled / self.DRIFT <= mean <= settled * self.DRIFT):
                 # the machine changed under us (a neighbour started or stopped): slower steps
-                # probe fewer threads now, faster ones more, where the ladder has them
+                # probe fewer threads now, faster ones more, where the ladder has them (but not
+                # sooner than a quarter of the interval the last probes' cost set)
                 down = mean > settled
                 self._settled[key] = mean
-                if self._neighbour(down) is not None:
-                    self._drift, self._countdown, self._interval = down, 0, self.FIRST_PROBE
-            return
-        if self._warming:
-            self._warming = False
+                if self._neighbour(down) is not None and self._since >= self._interval // 4:
+                    self._drift, self._countdown = down, 0
             return
         base = self._mean.get(key)
-        if base is None:
+        ratio = seconds / max(base, 1e-9) if base is not None else None
+        if ratio is not None:
+            self._cost += max(ratio - 1.0, 0.0)
+        if self._warming:
+            self._warming = False
+            if ratio is not None and ratio > self.WORSE_FIRST:
+                self._end_probe(False)
+            return
+        if ratio is None:
             self._unmatched += 1
             if self._unmatched > 2 * self.PROBE_STEPS:
                 self._end_probe(False)
             return
-        ratio = seconds / max(base, 1e-9)
         if ratio > self.WORSE:
             self._end_probe(False)
             return
         self._ratios.append(ratio)
         if len(self._ratios) >= self.PROBE_STEPS:
             geo = math.exp(sum(map(math.log, self._ratios)) / len(self._ratios))
-            self._end_probe(geo < self.BETTER)
+            self._end_probe(geo < self.BETTER, geo)
 
-    def _end_probe(self, won: bool) -> None:
+    def _end_probe(self, won: bool, ratio: float = 1.0) -> None:
+        """End the probe. The next one is due after an interval long enough that a losing probe
+        costs at most ``BUDGET`` of the steps' time: after a loss, twice the last interval or the
+        lost probe's cost over the budget; after a win, what a probe back would cost by the win's
+        own ratio (at least ``FIRST_PROBE``)."""
         probe, self._probe = self._probe, None
         self._drift = None
+        self._since = 0
         if won and probe is not None:
             logger.info("acb engine thread: %d intra-op threads (measured faster than %d)", probe, self.current)
             self.current = probe
             self.switches += 1
             self._mean.clear()
             self._settled.clear()
-            self._interval = self.FIRST_PROBE
+            back = 2 * (1.0 / max(ratio, 1e-3) - 1.0)  # a probe back: its first step and one counted
+            self._interval = max(self.FIRST_PROBE, math.ceil(back / self.BUDGET))
         else:
-            self._interval = min(2 * self._interval, self.MAX_INTERVAL)
+            self._interval = max(2 * self._interval, math.ceil(self._cost / self.BUDGET))
+        self._interval = min(self._interval, self.MAX_INTERVAL)
         self._countdown = self._interval
         self._apply(self.current)
 
