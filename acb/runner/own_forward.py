@@ -24,7 +24,7 @@ Each running request (by block-table row) keeps the cache the model builds for i
   of the group's width), as ``model.generate``'s padded prefill: a chunk that goes on from the
   request's own cache has that cache stacked, right-aligned, before its tokens (so it heads its
   group: the group's other rows are no wider, and no padding sits between its cache and its
-  tokens). The group's caches join the decode batch (a row still prefilling leaves it again at
+  tokens; where the start-up try finds that exact). The group's caches join the decode batch (a row still prefilling leaves it again at
   its next step, as its own cache; ``BATCH_PREFILL = False``: only new whole prompts are
   grouped);
 * **every other segment** runs one request at a time on its own cache (a lone prefill, scoring
@@ -379,6 +379,9 @@ class OwnForward:
         # a prompt may be prefilled in chunks (model.generate never does that): plain caches behind
         # the default generation hooks only (XLNet re-reads its whole input with a dummy token)
         self.chunkable = self.plain and default_hooks
+        # a later chunk's cache stacked with others' in a prefill group (:meth:`_groups`): found
+        # by the start-up try
+        self.group_chunks = False
         # prefix caching: slot -> a request's generation state and ids cut at a block boundary
         # (see the module docstring); whether a cut is exact is found by the start-up try
         self.snaps: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
@@ -409,8 +412,10 @@ class OwnForward:
         """Try what the model's own code is assumed to do, on scratch rows, once at start: a
         prompt prefilled in two chunks must give what it gives whole (ProphetNet's cache takes
         one token at a time after the first call), and two requests decoded as one padded batch
-        what they give one at a time (GIT's mask does not follow left padding). What fails the
-        try is not done: prompts are prefilled whole, decode rows run one at a time."""
+        what they give one at a time (GIT's mask does not follow left padding), and two chunks
+        going on from their caches (stacked, left-padded) as one padded batch what they give one
+        at a time. What fails the try is not done: prompts are prefilled whole, decode rows run one
+        at a time, chunks one at a time."""
         param = next(self.model.parameters())
         vocab = int(self.config.get_text_config().vocab_size)
         g = torch.Generator().manual_seed(0)
@@ -463,16 +468,25 @@ class OwnForward:
                     self.croppable = False
                 self.snaps.pop(-1, None)
             if self.batchable:
-                a, b = tokens[:, :5], tokens[:, 5:14]
-                try:  # (the prompts prefilled as one padded batch, then decoded as one)
-                    batched = [run([([-3, -4], [5, 9], [a, b])])]
-                    batched.append(run([([-3, -4], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])]))
+                # the prompts prefilled as one padded batch, then decoded as one; then (a cache that
+                # takes chunks) a chunk each, their caches of 6 and 10 tokens stacked
+                steps = [([5, 9], [tokens[:, :5], tokens[:, 5:14]]), ([1, 1], [tokens[:, 5:6], tokens[:, 1:2]])]
+                chunks = ([3, 3], [tokens[:, 6:9], tokens[:, 2:5]])
+                try:
+                    batched = [run([([-3, -4], lens, parts)]) for lens, parts in steps]
                     self.batchable = False
-                    single = [run([([-5, -6], [5, 9], [a, b])])]
-                    single.append(run([([-5, -6], [1, 1], [tokens[:, 5:6], tokens[:, 1:2]])]))
+                    single = [run([([-5, -6], lens, parts)]) for lens, parts in steps]
                     self.batchable = all(close(x, y) for x, y in zip(batched, single))
                 except Exception:  # noqa: BLE001 - a cache that cannot be stacked: one row at a time
                     self.batchable = False
+                if self.batchable and self.chunkable:
+                    try:
+                        alone = run([([-6, -5], *chunks)])  # (single caches, batchable on: a group)
+                        self.group_chunks = True
+                        grouped = run([([-4, -3], *chunks)])
+                        self.group_chunks = close(grouped, alone)
+                    except Exception:  # noqa: BLE001 - chunks one at a time
+                        self.group_chunks = False
         for row in range(-11, 0):
             self.reset(row)
 
@@ -631,7 +645,7 @@ class OwnForward:
                 continue
             wanted = self._wanted(want, row, logits_indices)
             if row in self.single:  # goes on from its own cache
-                if BATCH_PREFILL and wanted in ([], [hi - 1]) and self._plain_single(row):
+                if BATCH_PREFILL and self.group_chunks and wanted in ([], [hi - 1]) and self._plain_single(row):
                     cands.append((lo, hi, row, True))
             elif wanted == [hi - 1] or (BATCH_PREFILL and not wanted):
                 cands.append((lo, hi, row, False))

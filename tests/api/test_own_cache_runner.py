@@ -77,6 +77,7 @@ def test_the_path_is_chosen_at_start_and_said(arch, caplog):
         r = eng.runner
         assert r.own_forward is not None
         assert r.own_forward.batchable is batched and r.cfg.whole_prefill is not chunked
+        assert r.own_forward.group_chunks is (batched and chunked)  # chunks in padded groups: the try said so
         assert r.kv_cache.k == [] and r.kv_cache.spec.bytes_per_token()["own cache"] > 0
         assert r.cfg.num_swap_blocks == 0 and not r.cfg.cuda_graphs
         # prefix caching where the start-up try cut a prompt and resumed it exactly; else off, and why
