@@ -267,8 +267,12 @@ class ContinuousBatchingConfig:
             v = getattr(self, name)
             check(name, v is None or (is_int(v) and v >= 0), "None or an int >= 0")
         check("seed", self.seed is None or is_int(self.seed), "None or an int")
-        v = self.cpu_threads
-        check("cpu_threads", v is None or v == "auto" or (is_int(v) and v > 0), "None, 'auto' or a positive int")
+        t = self.cpu_threads
+        check(
+            "cpu_threads",
+            t is None or t == "auto" or (isinstance(t, int) and is_int(t) and t > 0),
+            "None, 'auto' or a positive int",
+        )
         v = self.cpu_offload_space
         check("cpu_offload_space", v is None or (is_num(v) and v >= 0), "None or a number of GiB >= 0")
         v = self.cpu_offload_space_safety_threshold
