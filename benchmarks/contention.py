@@ -1,7 +1,7 @@
 """acb and padded ``model.generate`` on a quiet machine and beside a CPU hog, in one run.
 
     python benchmarks/contention.py [--arch llama] [--prompts 32] [--new 32] [--hogs 0,1] [--repeats 3]
-        [--out benchmarks/results/contention_cpu.json]
+        [--out benchmarks/results/contention_{arch}_cpu.json]
 
 The question (issue 54 item 6): when another process takes cores (a trainer beside the sampler,
 another job on the machine), does acb lose more of its lead over ``model.generate`` than
@@ -79,8 +79,9 @@ def main() -> int:
     ap.add_argument("--hogs", default="0,1")
     ap.add_argument("--fixed", default=None, help="pinned thread counts to add, e.g. 1,2 (default: 1 and torch's)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/results/contention_cpu.json")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/contention_{arch}_cpu.json")
     args = ap.parse_args()
+    args.out = args.out or f"benchmarks/results/contention_{args.arch}_cpu.json"
 
     shape = dict(MODEL_SHAPES[args.size])
     model = bench_model(args.arch, **shape)
