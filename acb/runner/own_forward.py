@@ -633,36 +633,41 @@ class OwnForward:
         a prefix hit), as ``model.generate``'s padded prefill with the rows' caches stacked,
         left-padded, before the new tokens. The new tokens are left-padded to the group's width,
         so a row that goes on from a cache must be as wide as its group, or padding would sit
-        between its cache and its tokens: such a row heads a group. Sorted by length, a row padded
-        by more than a quarter of its group's width (and more than 32 tokens) starts a new group
-        (padding costs a token's compute, a group a pass over the weights). Fewer than two such
-        segments in the step, or a group of one chunk: its own call."""
+        between its cache and its tokens: such a row heads a group, and the group's other rows
+        attend over its cache's columns as padding. Sorted by length (and cache length), a row
+        padded by more than a quarter of its group's width (and more than 32 tokens), counting
+        those columns, starts a new group (padding costs a token's compute, or a column's
+        attention, a group a pass over the weights). Fewer than two such segments in the step, or
+        a group of one chunk: its own call."""
         if not self.batchable:
             return []
-        cands: list[tuple[int, int, int, bool]] = []
+        cands: list[tuple[int, int, int, int]] = []  # (lo, hi, row, the length of its own cache)
         for lo, hi, row in segments:
             if hi - lo < 2 or row in self.replays or row in self.batch_rows:
                 continue
             wanted = self._wanted(want, row, logits_indices)
             if row in self.single:  # goes on from its own cache
                 if BATCH_PREFILL and self.group_chunks and wanted in ([], [hi - 1]) and self._plain_single(row):
-                    cands.append((lo, hi, row, True))
+                    cands.append((lo, hi, row, _length(_cache_of(self.single[row]))))
             elif wanted == [hi - 1] or (BATCH_PREFILL and not wanted):
-                cands.append((lo, hi, row, False))
+                cands.append((lo, hi, row, 0))
         if len(cands) < 2:
             return []
         groups: list[list[tuple[int, int, int]]] = []
         group: list[tuple[int, int, int]] = []
-        for lo, hi, row, resumed in sorted(cands, key=lambda c: (c[0] - c[1], not c[3])):
-            if group:
-                width = group[0][1] - group[0][0]
-                if (resumed and hi - lo != width) or width - (hi - lo) > max(32, width // 4):
-                    groups.append(group)
-                    group = []
+        width = past = 0
+        for lo, hi, row, own in sorted(cands, key=lambda c: (c[0] - c[1], -c[3])):
+            if group and (
+                (own and hi - lo != width) or own > past or width - (hi - lo) + past - own > max(32, width // 4)
+            ):
+                groups.append(group)
+                group = []
+            if not group:
+                width, past = hi - lo, own
             group.append((lo, hi, row))
         groups.append(group)
         # (a lone new whole prompt still joins the batch this way; a lone chunk keeps its own cache)
-        whole = {row for lo, hi, row, resumed in cands if not resumed and want.get(row)}
+        whole = {row for lo, hi, row, own in cands if not own and want.get(row)}
         return [g for g in groups if len(g) > 1 or g[0][2] in whole]
 
     def _prefill_batch(
