@@ -32,6 +32,11 @@ from acb.runner.attention import BatchInputs
 
 _ALIGN = 16  # bytes; every staged array starts aligned, so byte views can be re-typed
 _TORCH_DTYPE = {np.int64: torch.int64, np.float32: torch.float32, np.bool_: torch.bool, np.int32: torch.int32}
+# Host fast paths (issue 54, item 5): a staging layout's device views made once and reused, and a
+# decode-only step's arrays computed without the general path's repeats and cumsums. False runs
+# the general path every step (benchmarks' A/B; results are the same either way).
+REUSE = True
+_MAX_LAYOUTS = 32  # layouts remembered per staging set (mixed steps' shapes vary; decode ones repeat)
 
 
 class _DoneEvent:
@@ -73,6 +78,12 @@ class StagingSet:
         self.consumed = streams.event()  # device buffer free again once this completes
         self.uses = 0  # steps staged through this set (tests read it)
         self._arrays: list[tuple[str, np.ndarray]] = []
+        # (name, dtype, shape) of each queued array -> (offsets, bytes, device views): a step shaped
+        # like an earlier one (every decode step of a batch) reuses its views (about 3 torch calls
+        # an array)
+        self._layouts: dict[
+            tuple[tuple[str, str, tuple[int, ...]], ...], tuple[list[int], int, dict[str, torch.Tensor]]
+        ] = {}
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
@@ -80,6 +91,7 @@ class StagingSet:
             self.copied.synchronize()
             self.consumed.synchronize()
         self.capacity = capacity
+        self._layouts = {}  # their views are of the old device buffer
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.streams.cuda)
         self.host_np = self.host.numpy()
         self.dev = torch.empty(capacity, dtype=torch.uint8, device=self.device)
@@ -96,17 +108,23 @@ class StagingSet:
     def send(self) -> dict[str, torch.Tensor]:
         """Pack the queued arrays, copy them to the device in one transfer on the copy stream,
         make the compute stream wait for it, and return device views by name."""
-        layout = []
-        off = 0
-        for name, a in self._arrays:
-            layout.append((name, a, off))
-            off += -(-a.nbytes // _ALIGN) * _ALIGN
-        total = max(off, _ALIGN)
-        if total > self.capacity:
-            self._grow(max(total, 2 * self.capacity))
+        arrays = self._arrays
+        key = tuple((name, a.dtype.char, a.shape) for name, a in arrays)
+        known = self._layouts.get(key) if REUSE else None
+        if known is not None:
+            offsets, total, views = known
+        else:
+            offsets = []
+            off = 0
+            for _, a in arrays:
+                offsets.append(off)
+                off += -(-a.nbytes // _ALIGN) * _ALIGN
+            total = max(off, _ALIGN)
+            if total > self.capacity:
+                self._grow(max(total, 2 * self.capacity))
         self.copied.synchronize()  # the previous copy out of this host buffer is done (two steps ago)
         buf = self.host_np
-        for _, a, o in layout:
+        for (_, a), o in zip(arrays, offsets):
             buf[o : o + a.nbytes] = a.reshape(-1).view(np.uint8)
         s = self.streams
         if s.cuda:
@@ -121,13 +139,18 @@ class StagingSet:
             compute.wait_event(self.copied)  # type: ignore[arg-type]
         else:
             self.dev[:total].copy_(self.host[:total])
-        views = {}
-        for name, a, o in layout:
-            dtype = _TORCH_DTYPE[a.dtype.type]
-            views[name] = self.dev[o : o + a.nbytes].view(dtype).view(a.shape)
+        if known is None:
+            views = {}
+            for (name, a), o in zip(arrays, offsets):
+                dtype = _TORCH_DTYPE[a.dtype.type]
+                views[name] = self.dev[o : o + a.nbytes].view(dtype).view(a.shape)
+            if REUSE:
+                if len(self._layouts) >= _MAX_LAYOUTS:
+                    self._layouts.clear()
+                self._layouts[key] = (offsets, total, views)
         self._arrays = []
         self.uses += 1
-        return views
+        return dict(views)  # (a copy: the cached one stays as made)
 
     def release(self) -> None:
         """Mark, on the compute stream, the point after which this set's device views are unused."""
@@ -170,6 +193,7 @@ class InputBatch:
         self.scratch_row = max_rows  # all zeros: padded rows read scratch block 0
         self.block_table = np.zeros((max_rows + 1, max_blocks_per_seq), dtype=np.int64)
         self.block_table_dev = torch.zeros((max_rows + 1, max_blocks_per_seq), dtype=torch.long, device=device)
+        self._aranges: dict[int, np.ndarray] = {}  # B -> arange(B + 1): a decode step's qsl (read-only)
 
     def stage(self, out: SchedulerOutput, st: StagingSet) -> _HostBatch:
         """Compute the step's host arrays and queue them on ``st``."""
@@ -181,6 +205,9 @@ class InputBatch:
             bt[row, col : col + len(blocks)] = blocks
             upd_idx.append(np.arange(row * cols + col, row * cols + col + len(blocks), dtype=np.int64))
             upd_val.append(np.asarray(blocks, dtype=np.int64))
+        n = len(out.num_new)
+        if REUSE and n and len(out.input_ids) == n and max(out.num_new) == 1:
+            return self._stage_decode(out, st, upd_idx, upd_val)
         num_new = np.asarray(out.num_new, dtype=np.int64)
         start = np.asarray(out.start_pos, dtype=np.int64)
         seq_lens = start + num_new
@@ -199,6 +226,35 @@ class InputBatch:
         st.add("seq_lens", seq_lens)
         st.add("qsl", qsl)
         st.add("rows", rows)
+        self._stage_rest(out, st, upd_idx, upd_val)
+        identity = len(out.sample_idx) == len(num_new) and out.sample_idx == list(range(len(num_new)))
+        return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new), identity)
+
+    def _stage_decode(
+        self, out: SchedulerOutput, st: StagingSet, upd_idx: list[np.ndarray], upd_val: list[np.ndarray]
+    ) -> _HostBatch:
+        """:meth:`stage` for a decode-only step (one query token a row): the same arrays, with no
+        cumsum or repeat (token i is row i, at position ``start_pos[i]``)."""
+        n = len(out.num_new)
+        ar = self._aranges.get(n)
+        if ar is None:
+            ar = self._aranges[n] = np.arange(n + 1, dtype=np.int64)
+        bs = self.block_size
+        start = np.asarray(out.start_pos, dtype=np.int64)
+        rows = np.asarray(out.rows, dtype=np.int64)
+        identity = len(out.sample_idx) == n and out.sample_idx == list(range(n))
+        st.add("input_ids", np.asarray(out.input_ids, dtype=np.int64))
+        st.add("positions", start)
+        st.add("slots", self.block_table[rows, start // bs] * bs + start % bs)
+        st.add("logits_idx", ar[:n] if identity else np.asarray(out.sample_idx, dtype=np.int64))
+        st.add("seq_lens", start + 1)
+        st.add("qsl", ar)
+        st.add("rows", rows)
+        self._stage_rest(out, st, upd_idx, upd_val)
+        return _HostBatch(out.num_new, out.start_pos, max(out.start_pos) + 1, True, identity)
+
+    @staticmethod
+    def _stage_rest(out: SchedulerOutput, st: StagingSet, upd_idx: list[np.ndarray], upd_val: list[np.ndarray]) -> None:
         if upd_idx:
             st.add("bt_idx", np.concatenate(upd_idx))
             st.add("bt_val", np.concatenate(upd_val))
@@ -206,8 +262,6 @@ class InputBatch:
             ph = np.asarray(out.placeholders, dtype=np.int64)
             st.add("ph_at", ph[:, 0])
             st.add("ph_src", ph[:, 1])
-        identity = len(out.sample_idx) == len(num_new) and out.sample_idx == list(range(len(num_new)))
-        return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new), identity)
 
     def build(self, host: _HostBatch, dev: dict[str, torch.Tensor], prev_ids: torch.Tensor) -> PreparedBatch:
         """Device side (compute stream): apply block-table updates, fill placeholders, gather rows."""

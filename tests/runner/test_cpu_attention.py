@@ -213,3 +213,32 @@ def test_a_library_built_for_another_cpu_is_not_loaded(monkeypatch, tmp_path):
         assert cpu_kernels.load() is not None
         built.append(sorted(p.name for p in (tmp_path / "kernels").glob("*.so")))
     assert len(built[0]) == 1 and len(built[1]) == 2 and built[2] == built[1]  # the first CPU's build reused
+
+
+def test_decode_only_metadata_equals_the_general_build(monkeypatch):
+    """Issue 54 item 5: a decode-only step's metadata (the kernel's rows from a cached arange, its
+    lengths the staged seq_lens, the torch path's decode groups built on first read) equals the
+    general build's, for batches of several sizes and lengths, and the attention out of it too."""
+    bs = 4
+    for num, start in (([1], [6]), ([1, 1, 1], [3, 17, 8]), ([1] * 5, [0, 40, 2, 9, 33]), ([1, 1, 1], [5, 2, 30])):
+        batch, q, k, v, pages = _step(num, start, bs, 4, 2, 16)
+        mds = {}
+        for reuse in (True, False):
+            monkeypatch.setattr(cpu_backend, "REUSE", reuse)
+            mds[reuse] = CpuBackend().build_metadata(batch, bs)
+        fast, general = mds[True], mds[False]
+        assert fast.groups is None  # not built until a layer falls back to the torch path
+        assert [t.tolist() for t in fast.kernel_rows] == [t.tolist() for t in general.kernel_rows]
+        assert (fast.num_tokens, fast.decode_rows, fast.prefills, fast.kernel_prefills) == (
+            general.num_tokens,
+            general.decode_rows,
+            general.prefills,
+            general.kernel_prefills,
+        )
+        assert [(g.rows.tolist(), g.blocks.tolist(), g.seq_lens.tolist(), g.num_blocks) for g in fast.decode] == [
+            (g.rows.tolist(), g.blocks.tolist(), g.seq_lens.tolist(), g.num_blocks) for g in general.decode
+        ]
+        monkeypatch.setattr(cpu_backend, "REUSE", True)
+        out = _run(CpuBackend(), batch, q, k, v, pages, bs)
+        monkeypatch.setattr(cpu_backend, "REUSE", False)
+        assert torch.equal(out, _run(CpuBackend(), batch, q, k, v, pages, bs))

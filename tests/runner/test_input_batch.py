@@ -91,3 +91,56 @@ def test_device_block_table_mirrors_the_host_and_slots_follow_it():
     assert b.attn.slot_mapping.tolist() == [36, 21]
     assert b.attn.block_table.tolist() == [[7, 3, 9], [5, 0, 0]]
     assert torch.equal(ib.block_table_dev, torch.from_numpy(ib.block_table))
+
+
+def test_decode_fast_path_stages_what_the_general_path_stages(monkeypatch):
+    """Issue 54 item 5: a decode-only step's arrays (no cumsum or repeat) and the staging set's
+    reused device views give the same inputs as the general path, step after step, as rows join,
+    leave, cross into new blocks, sample out of order and take placeholders."""
+    from acb.runner import input_batch
+
+    steps = [
+        _sched([0, 1, 2], [1, 1, 1], [4, 9, 2], [(1, 2, [11])]),
+        _sched([0, 1, 2], [1, 1, 1], [5, 10, 3], [], ids=[-1, 8, -1]),
+        _sched([2, 0], [1, 1], [4, 6], [(2, 1, [6])]),  # row 1 left
+        _sched([2, 0, 3], [1, 1, 1], [5, 7, 0], [(3, 0, [12])]),  # row 3 joined (its first token)
+        _sched([3, 0, 2], [1, 1, 1], [1, 8, 6], [(0, 2, [13])]),  # same size, other order
+    ]
+    steps[1].placeholders = [(0, 1), (2, 0)]
+    steps[4].sample_idx = [2, 0]  # not the identity: logits rows 2, 0
+    steps[4].sample_rows = [2, 3]
+
+    def run(reuse: bool) -> list[dict[str, object]]:
+        monkeypatch.setattr(input_batch, "REUSE", reuse)
+        ib = InputBatch(max_rows=4, max_blocks_per_seq=4, block_size=4, device=CPU)
+        for row, blocks in ((0, [1, 2]), (1, [3, 4]), (2, [5])):
+            ib.block_table[row, : len(blocks)] = blocks
+            ib.block_table_dev[row, : len(blocks)] = torch.tensor(blocks)
+        ring = StagingRing(256, CPU, DeviceStreams(CPU))
+        prev = torch.tensor([50, 51, 52])
+        seen = []
+        for s in steps * 2:  # twice: the second round reuses every layout's views
+            st = ring.begin()
+            host = ib.stage(s, st)
+            b = ib.build(host, st.send(), prev)
+            seen.append(
+                dict(
+                    ids=b.input_ids.tolist(),
+                    pos=b.position_ids.tolist(),
+                    logits=b.logits_indices.tolist(),
+                    identity=b.logits_identity,
+                    decode=b.decode_only,
+                    rows=b.rows.tolist(),
+                    slots=b.attn.slot_mapping.tolist(),
+                    table=b.attn.block_table.tolist(),
+                    lens=b.attn.seq_lens.tolist(),
+                    qsl=b.attn.query_start_loc.tolist(),
+                    max_len=b.attn.max_seq_len,
+                    dev_table=ib.block_table_dev.tolist(),
+                )
+            )
+        return seen
+
+    fast, general = run(True), run(False)
+    assert fast == general
+    assert fast[1]["ids"] == [[51, 8, 50]] and fast[4]["logits"] == [2, 0] and not fast[4]["identity"]

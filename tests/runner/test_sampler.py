@@ -180,3 +180,55 @@ def test_plain_greedy_on_half_precision_logits_equals_the_float32_argmax():
     step, dev = stage_standalone(state, list(range(n)), [0] * n)
     ids = sample(logits, step, state, dev)
     assert ids.dtype == torch.long and torch.equal(ids, logits.float().argmax(dim=-1))
+
+
+def test_reused_step_parameters_follow_rows_that_join_leave_and_change(monkeypatch):
+    """Issue 54 item 5: a step with the previous step's rows reuses its parameter rows, so a row
+    freed and given to a request with other parameters between two steps (the same row list)
+    must stage the new parameters, as must rows joining, leaving or reordering."""
+    from acb.runner import sampler as sampler_mod
+
+    greedy = acb.SamplingParams(max_new_tokens=8)
+    hot = acb.SamplingParams(temperature=0.7, top_k=5, max_new_tokens=8, logprobs=2)
+    pen = acb.SamplingParams(temperature=1.3, repetition_penalty=1.2, max_new_tokens=8, logit_bias={3: 1.5})
+    # per step: (rows freed, (row, params) initialised, the step's rows, gen_idx)
+    plan = [
+        ([], [(0, greedy), (1, hot)], [0, 1], [0, 0]),
+        ([], [], [0, 1], [1, 1]),
+        ([], [], [0, 1], [2, 2]),
+        ([], [(1, pen)], [0, 1], [3, 0]),  # row 1 (re)initialised: same rows, new parameters
+        ([], [], [0, 1], [4, 1]),
+        ([1], [], [0], [5]),  # row 1 left (and with it the penalties and biases)
+        ([], [(2, greedy)], [0, 2], [6, 0]),  # row 2 joined
+        ([], [], [2, 0], [1, 7]),  # reordered
+    ]
+
+    def run(reuse: bool) -> list[tuple]:
+        monkeypatch.setattr(sampler_mod, "REUSE", reuse)
+        state = SamplingState(4, V, torch.device("cpu"))
+        seen = []
+        for freed, inits, rows, gen in plan:
+            for r in freed:
+                state.free_row(r)
+            for r, sp in inits:
+                state.init_row(r, make_req(r, sp, [5, 6, 7], seed=r + 1))
+            step, dev = stage_standalone(state, rows, gen)
+            seen.append(
+                (
+                    {k: v.tolist() for k, v in dev.items()},
+                    step.rows.tolist(),
+                    step.gen_idx.tolist(),
+                    step.params.tolist(),
+                    step.any_sampling,
+                    step.top_kp_width,
+                    step.any_min_p,
+                    step.max_logprobs,
+                    state.live(),
+                )
+            )
+        return seen
+
+    fast, general = run(True), run(False)
+    assert fast == general
+    assert fast[2][8] == (False, False, False) and fast[3][8] == (True, True, False)
+    assert fast[5][8] == (False, False, False)

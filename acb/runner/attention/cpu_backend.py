@@ -20,7 +20,11 @@ from __future__ import annotations
 import torch
 
 from acb.runner.attention import AttentionCall, BatchInputs, cpu_kernels
-from acb.runner.attention.torch_backend import TorchBackend, TorchMetadata
+from acb.runner.attention.torch_backend import TorchBackend, TorchMetadata, decode_groups_of
+
+# Host fast path (issue 54, item 5): a decode-only step's metadata without Python loops over its
+# rows. False builds it the general way every step (benchmarks' A/B; the same metadata either way).
+REUSE = True
 
 # a prefill chunk after a cached prefix runs its queries through the kernel too (scoring
 # continuations) when its queries times its context is at most this; larger chunks gather the
@@ -47,13 +51,20 @@ class CpuBackend(TorchBackend):
     name = "cpu"
     supports_graphs = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._aranges: dict[int, torch.Tensor] = {}  # n -> arange(n): a decode-only step's rows and tokens
+
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
+        n = len(batch.num_new)
+        if REUSE and batch.slot_mapping.numel() == n:
+            return self._decode_metadata(batch, block_size)
         md = super().build_metadata(batch, block_size)
         # short chunks after a cached prefix: their queries go to the kernel beside the decode rows
         md.kernel_prefills = [p for p in md.prefills if _to_kernel(p.ctx_len - p.q_len, p.q_len)]
         if md.kernel_prefills:
             md.prefills = [p for p in md.prefills if not _to_kernel(p.ctx_len - p.q_len, p.q_len)]
-        if md.decode or md.kernel_prefills:
+        if md.decode_rows or md.kernel_prefills:
             rows: list[int] = []
             toks: list[int] = []
             lens: list[int] = []
@@ -64,11 +75,36 @@ class CpuBackend(TorchBackend):
                     toks.extend(range(tok, tok + n))
                     lens.extend(range(batch.start_pos[i] + 1, batch.start_pos[i] + n + 1))
                 tok += n
-            table = batch.block_table
-            if table.dtype != torch.long or table.stride(-1) != 1:
-                table = table.to(torch.long).contiguous()
-            md.kernel_rows = (table, torch.tensor(rows), torch.tensor(toks), torch.tensor(lens))
+            md.kernel_rows = (self._table(batch), torch.tensor(rows), torch.tensor(toks), torch.tensor(lens))
         return md
+
+    def _decode_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
+        """A decode-only step (every row one query token): the kernel's rows and tokens are
+        ``arange(B)`` (made once per B) and each row's keys its ``seq_lens``, already on the
+        device; the torch path's decode groups are built only if a layer falls back to it."""
+        n = len(batch.num_new)
+        ar = self._aranges.get(n)
+        if ar is None:
+            ar = self._aranges[n] = torch.arange(n, dtype=torch.long)
+        dec = list(range(n))
+        return TorchMetadata(
+            slot_mapping=batch.slot_mapping,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            num_tokens=n,
+            block_size=block_size,
+            prefills=[],
+            decode_rows=n,
+            build_groups=lambda: decode_groups_of(batch, block_size, dec, list(range(n + 1))),
+            kernel_rows=(self._table(batch), ar, ar, batch.seq_lens),
+        )
+
+    @staticmethod
+    def _table(batch: BatchInputs) -> torch.Tensor:
+        table = batch.block_table
+        if table.dtype != torch.long or table.stride(-1) != 1:
+            table = table.to(torch.long).contiguous()
+        return table
 
     def _decode(
         self,

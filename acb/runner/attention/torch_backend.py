@@ -25,6 +25,8 @@ from acb.runner.attention import AttentionCall, BatchInputs, StepContext
 from acb.runner.indexed import allowed_keys
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from acb.runner.latent import LatentExpand
     from acb.runner.vision import ImageBlocks
 
@@ -62,8 +64,8 @@ class TorchMetadata:
     seq_lens: torch.Tensor  # [B]
     num_tokens: int
     block_size: int
-    decode: list[_DecodeGroup]
     prefills: list[_Prefill]
+    decode_rows: int  # rows of one query token (the decode rows)
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     # prefill segments whose image tokens attend to their whole image on some layers (Gemma 3's
     # every layer, Gemma 4's sliding ones): each context position's image block, and those layers
@@ -75,6 +77,18 @@ class TorchMetadata:
     # the CPU backend's prefill chunks whose queries its kernel takes (short chunks after a cached
     # prefix), out of ``prefills``; the torch path runs them where the kernel cannot
     kernel_prefills: list[_Prefill] = field(default_factory=list)
+    # the decode rows' groups (:attr:`decode`), or what builds them on first read: a backend that
+    # may not need them (the CPU backend's kernel takes its decode rows) leaves them to then
+    groups: list[_DecodeGroup] | None = None
+    build_groups: Callable[[], list[_DecodeGroup]] | None = None
+
+    @property
+    def decode(self) -> list[_DecodeGroup]:
+        """The decode rows' groups (the torch path's padded SDPA calls), longest rows first."""
+        if self.groups is None:
+            assert self.build_groups is not None  # one of the two is set
+            self.groups, self.build_groups = self.build_groups(), None
+        return self.groups
 
 
 def absorbs_chunk(latent: LatentExpand, n: int) -> bool:
@@ -101,6 +115,26 @@ def decode_groups(lengths: list[int], block_size: int) -> list[list[int]]:
     return groups
 
 
+def decode_groups_of(batch: BatchInputs, block_size: int, dec: list[int], qsl: list[int]) -> list[_DecodeGroup]:
+    """The decode rows' groups (:func:`decode_groups`): ``dec`` the rows of one query token,
+    ``qsl`` the host copy of ``query_start_loc``."""
+    device = batch.slot_mapping.device
+    groups = []
+    for members in decode_groups([batch.start_pos[i] + 1 for i in dec], block_size):
+        rows = [dec[j] for j in members]
+        nb = -(-(batch.start_pos[rows[0]] + 1) // block_size)
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        groups.append(
+            _DecodeGroup(
+                rows=torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device),
+                blocks=batch.block_table[idx, :nb].reshape(-1),
+                seq_lens=batch.seq_lens[idx],
+                num_blocks=nb,
+            )
+        )
+    return groups
+
+
 class TorchBackend:
     name = "torch"
     features = frozenset({"sinks", "chunk", "index", "latent"})
@@ -111,24 +145,10 @@ class TorchBackend:
         self._workspace: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
-        device = batch.slot_mapping.device
         qsl = [0]  # host copy of query_start_loc (no device read)
         for n in batch.num_new:
             qsl.append(qsl[-1] + n)
         dec = [i for i, n in enumerate(batch.num_new) if n == 1]
-        groups = []
-        for members in decode_groups([batch.start_pos[i] + 1 for i in dec], block_size):
-            rows = [dec[j] for j in members]
-            nb = -(-(batch.start_pos[rows[0]] + 1) // block_size)
-            idx = torch.tensor(rows, dtype=torch.long, device=device)
-            groups.append(
-                _DecodeGroup(
-                    rows=torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device),
-                    blocks=batch.block_table[idx, :nb].reshape(-1),
-                    seq_lens=batch.seq_lens[idx],
-                    num_blocks=nb,
-                )
-            )
         prefills = []
         for i, n in enumerate(batch.num_new):
             if n == 1:
@@ -143,8 +163,9 @@ class TorchBackend:
             seq_lens=batch.seq_lens,
             num_tokens=batch.slot_mapping.numel(),
             block_size=block_size,
-            decode=groups,
             prefills=prefills,
+            decode_rows=len(dec),
+            groups=decode_groups_of(batch, block_size, dec, qsl),
         )
 
     def release(self) -> int:
@@ -243,7 +264,7 @@ class TorchBackend:
         out = query.new_empty(md.num_tokens, q.shape[0], v_dim)  # [T, H, Dv]
         images = md.image_groups is not None and md.image_groups.on(cache, layer)
         la = replace(call, images=True) if images else call
-        if md.decode or md.kernel_prefills:
+        if md.decode_rows or md.kernel_prefills:
             self._decode(md, q, k_pages, v_pages, out, la)
         for k, p in enumerate(md.prefills):
             self._prefill(md, k, p, q, key, value, k_pages, v_pages, out, la)
