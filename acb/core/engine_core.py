@@ -14,7 +14,6 @@ receive results through the ``deliver`` callback, which gets one list of
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -710,7 +709,7 @@ class EngineCore:
         """A new snapshot: the scheduler's counters as they are (same names), and the engine's own."""
         pool, tm = self.pool, self.timing
         self.stats = EngineStats(
-            **dataclasses.asdict(self.scheduler.stats),
+            **vars(self.scheduler.stats),  # (flat ints: no asdict's deep copy, every step)
             generated_tokens=self._generated,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
