@@ -1,7 +1,8 @@
 """The second runner path (the model on its own cache objects) against padded ``model.generate``,
 in one run, on ``acb bench offline``'s mixed-length workload.
 
-    python benchmarks/own_cache_offline.py [--prompts 64] [--out benchmarks/results/own_cache_cpu.json]
+    python benchmarks/own_cache_offline.py [--prompts 64] [--rounds 3] [--ab] [--max-batch-tokens 2048]
+        [--no-paged] [--out benchmarks/results/own_cache_cpu.json]
 
 Models (random weights, float32, CPU): a GPT-J-shaped model (hidden 256, 8 layers, 8 heads,
 vocabulary 4,096: attention outside transformers' attention interface, so only this path runs
@@ -10,7 +11,18 @@ table shows what the paged path buys. Workload as ``acb bench offline``: prompts
 random tokens, each with its own output length of 16 to 128 tokens, EOS ignored. Padded
 ``generate`` runs groups of 32 prompts (left-padded, ``min_new_tokens = max_new_tokens =`` the
 group's largest), credited with each request's own tokens only. Engine start (and its start-up
-tries) is outside the timed region; one warm-up request runs first on each side.
+tries) is outside the timed region; one warm-up request runs first on each side. ``--rounds N``
+runs the sides alternately N times and keeps each side's best; ``--ab`` adds a side with
+``acb.runner.own_forward.BATCH_PREFILL`` off (a prompt's chunks one call each; only new whole
+prompts in padded groups). The load average at the start and end is in the result.
+
+Figures (2 threads, ``--ab --rounds 3``, 2026-11-29, load average 2.3 at start and end, a test
+run beside part of it; ``benchmarks/results/own_cache_cpu.json``): GPT-J shape 642 tok/s against
+padded ``generate``'s 330 (1.95x), Llama on its own cache 806 / 410 (1.96x), Llama paged 853 / 445
+(1.92x). Chunks grouped against one call each: 0.87x (GPT-J) and 0.97x (Llama) here, 1.03x and
+1.08x in a run an hour earlier (load 1.3-1.8): noise, since the two sides differ by one model call
+of about 250 (the scheduler gives a step at most one unfinished prompt's chunk, so a chunk rarely
+has a partner of its width).
 """
 
 from __future__ import annotations
