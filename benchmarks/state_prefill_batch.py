@@ -1,7 +1,8 @@
 """A step's prefill segments through each state layer in as few calls as exactness allows
-(``acb.runner.linear_state``: fresh prompts left-padded in groups of neighbouring lengths;
-resumed segments of up to 8 tokens stepped together in the decode form, longer ones of one length
-in one call) against one call per segment, on one engine, alternating.
+(``acb.runner.linear_state``: fresh prompts left-padded in groups of neighbouring lengths where
+the layer's padded call gives a call each's very bits, which no chunked form on CPU does, so they
+keep a call each here; resumed segments of up to 8 tokens stepped together in the decode form,
+longer ones of one length in one call) against one call per segment, on one engine, alternating.
 
     python benchmarks/state_prefill_batch.py [--prompts 16] [--min-len 64] [--max-len 256] [--repeats 3]
         [--eval DOCS]
@@ -23,25 +24,37 @@ both sides). The greedy tokens of the two sides are compared (score: the largest
 difference). ``--eval DOCS`` also A/Bs ``acb bench eval --arch qwen3_5 --docs DOCS`` (acb's side).
 Writes ``benchmarks/results/state_prefill_batch_cpu.json``.
 
-Measured 2026-11-29 on the 2-core CPU shared with other workers (figures taken while the load
-average stayed near 1; under a load of 4-5 the same runs took 3-15x longer and swung either way),
-best of 3 alternating, batched vs per-segment:
+Measured 2026-11-30 on the 2-core CPU shared with other workers, after fresh prompts were held to
+a call each's bits (their padded calls had flipped a greedy token on a near-tie: see below), each
+model and length range in a run of its own, started when no other benchmark ran and the 1-minute
+load was below 2.5 (another worker's tests ran beside some; the load during each run: 16 x
+64-256: hybrid 2.3-3.9, Mamba2 2.2-3.2; 32 x 8-48: hybrid 1.4-1.5, Mamba2 2.0-2.5), best of 3
+alternating, batched vs per-segment (wall; then CPU):
 
 | prompts | model | first token | score | generate |
 |---|---|---|---|---|
-| 16 x 64-256 tokens | hybrid | 1.66 vs 1.76 s (1.06x); 0.97x | 2.52 vs 3.00 s (1.19x); 1.18x | 2.28 vs 2.25 s (0.99x); 0.98x |
-| 16 x 64-256 tokens | Mamba2 | 2.83 vs 2.82 s (1.00x); 0.96x | 4.12 vs 8.59 s (2.08x); 1.90x | 4.06 vs 4.03 s (0.99x); 1.09x |
-| 32 x 8-48 tokens | hybrid | 0.74 vs 1.10 s (1.48x); 1.36x | (1.46 vs 2.39 s, 1.64x) | 2.06 vs 2.20 s (1.07x); 1.15x |
-| 32 x 8-48 tokens | Mamba2 | 3.61 vs 3.15 s (0.87x); 0.91x | (5.39 vs 13.55 s, 2.52x) | 4.92 vs 4.65 s (0.94x); 0.77x |
+| 16 x 64-256 tokens | hybrid | 3.68 vs 3.54 s (0.96x); 1.01x | 4.53 vs 5.03 s (1.11x); 1.15x | 4.38 vs 4.53 s (1.03x); 1.03x |
+| 16 x 64-256 tokens | Mamba2 | 2.27 vs 2.17 s (0.96x); 0.95x | 2.74 vs 6.94 s (2.53x); 2.22x | 4.60 vs 4.51 s (0.98x); 0.97x |
+| 32 x 8-48 tokens | hybrid | 0.68 vs 0.71 s (1.05x); 1.04x | 1.22 vs 1.89 s (1.55x); 1.28x | 1.22 vs 1.25 s (1.03x); 1.15x |
+| 32 x 8-48 tokens | Mamba2 | 2.97 vs 2.87 s (0.97x); 0.98x | 4.01 vs 10.18 s (2.54x); 2.58x | 5.91 vs 5.53 s (0.93x); 1.08x |
 
-(the figure after each ";", and the short prompts' scoring pair in brackets: an earlier run of
-the same code but for the 8-row cap on a padded group.) Fresh prompts of 64-256 tokens gain
-nothing here: transformers' torch fallbacks (no flash-linear-attention, no mamba_ssm) cost per
-token at these lengths, not per call; Mamba2's scan is no faster per row in a padded batch.
-Greedy tokens were the same on both sides but once: in the short hybrid run one prompt's first
-token was a near-tie (logits 14.37548 and 14.37488) that the left-padded batch resolved the other
-way; float rounding of another order, as a padded ``model.generate`` batch has (the pads' decay
-enters the chunk's cumulative sums). Scoring logprobs differ by at most 9e-4.
+The first-token and generate workloads now make the same calls on both sides (fresh prompts a call
+each, decode rows batched either way), so their ratios are the machine's spread (0.93-1.08x
+wall). What batching still buys is the resumed segments' (scoring: 1.11-1.55x on the hybrid,
+2.53-2.54x on Mamba2). Greedy tokens were the same on both sides in every run; scoring logprobs
+within 7.6e-5. ``--eval 8`` (load 1.5-2.1): 29.7 vs 30.1 s, 1.01x (the rolling task, one window a
+step, is 23 s of it).
+
+Before (2026-11-29, the load near 1; fresh prompts left-padded in groups): 16 x 64-256 first
+token 1.06x hybrid, 1.00x Mamba2; 32 x 8-48 first token 1.48x hybrid but 0.87x Mamba2 (3.61 vs
+3.15 s: its torch scan is no faster per row in a padded batch), generate 1.07x / 0.94x. The short
+hybrid run's one differing greedy token was a near-tie (logits 14.37548 and 14.37488) that the
+left-padded batch resolved the other way: the pads' decay enters the chunk's cumulative sums, so
+the bits were not a call each's (model.generate's for the prompt alone). A padded call is now
+taken only where ``batches_prefill``'s try finds it gives those very bits, which no chunked form
+does on CPU; nor does an unpadded batch of equal lengths (the batched triangular solves and
+products sum in another order than a batch of one), so the hybrid's short-prompt gain is gone
+with the flip. Fewer calls for fresh prompts, exactly, is the varlen kernels' job (issue 54).
 """
 
 from __future__ import annotations
