@@ -24,7 +24,7 @@ both sides). The greedy tokens of the two sides are compared (score: the largest
 difference). ``--eval DOCS`` also A/Bs ``acb bench eval --arch qwen3_5 --docs DOCS`` (acb's side).
 Writes ``benchmarks/results/state_prefill_batch_cpu.json``.
 
-Measured 2026-11-30 on the 2-core CPU shared with other workers, after fresh prompts were held to
+Measured 2026-11-29 on the 2-core CPU shared with other workers, after fresh prompts were held to
 a call each's bits (their padded calls had flipped a greedy token on a near-tie: see below), each
 model and length range in a run of its own, started when no other benchmark ran and the 1-minute
 load was below 2.5 (another worker's tests ran beside some; the load during each run: 16 x
