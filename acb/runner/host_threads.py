@@ -165,7 +165,10 @@ class ThreadTuner:
         self._ratios: list[float] = []
         self._unmatched = 0
         self._cost = 0.0  # the running probe's extra time, in steps of the current count
+        self._cost_s = 0.0  # the same in seconds
         self._since = 0  # steps since the last probe ended
+        self._elapsed = 0.0  # seconds of steps since the last probe ended
+        self._due_s = 0.0  # seconds of steps the next probe waits for (the last loss's cost over the budget)
         self._key: tuple[bool, int] = (True, 1)
         self._tokens = 1
         self.switches = 0  # count changes kept (for stats and tests)
@@ -203,11 +206,12 @@ class ThreadTuner:
         if self._probe is None and len(self.ladder) > 1 and key in self._mean:
             if self._countdown > 0:
                 self._countdown -= 1
-            else:
+            elif self._elapsed >= (self._due_s if self._drift is None else self._due_s / 4):
                 self._probe = self._neighbour(self._drift)
                 self._drift = None
                 if self._probe is not None:
-                    self._warming, self._ratios, self._unmatched, self._cost = True, [], 0, 0.0
+                    self._warming, self._ratios, self._unmatched = True, [], 0
+                    self._cost = self._cost_s = 0.0
                     self.probes += 1
                 else:
                     self._countdown = self._interval
@@ -216,8 +220,9 @@ class ThreadTuner:
 
     def end(self, seconds: float) -> None:
         """After the step :meth:`begin` announced: its wall seconds."""
-        key, seconds = self._key, seconds / self._tokens
+        raw, key, seconds = seconds, self._key, seconds / self._tokens
         if self._probe is None:
+            self._elapsed += raw
             old = self._mean.get(key)
             mean = seconds if old is None else old + self.ALPHA * (seconds - old)
             self._mean[key] = mean
@@ -233,8 +238,9 @@ class ThreadTuner:
             return
         base = self._mean.get(key)
         ratio = seconds / max(base, 1e-9) if base is not None else None
-        if ratio is not None:
+        if ratio is not None and base is not None:
             self._cost += max(ratio - 1.0, 0.0)
+            self._cost_s += max(raw - base * self._tokens, 0.0)
         if self._warming:
             self._warming = False
             if ratio is not None and ratio > self.WORSE_FIRST:
@@ -256,11 +262,15 @@ class ThreadTuner:
     def _end_probe(self, won: bool, ratio: float = 1.0) -> None:
         """End the probe. The next one is due after an interval long enough that a losing probe
         costs at most ``BUDGET`` of the steps' time: after a loss, twice the last interval or the
-        lost probe's cost over the budget; after a win, what a probe back would cost by the win's
-        own ratio (at least ``FIRST_PROBE``)."""
+        lost probe's cost over the budget, in steps, and its extra seconds over the budget in
+        seconds of steps (steps differ in length: a probe that lands on a long prefill costs
+        more); after a win, what a probe back would cost by the win's own ratio (at least
+        ``FIRST_PROBE`` steps)."""
         probe, self._probe = self._probe, None
         self._drift = None
         self._since = 0
+        self._elapsed = 0.0
+        self._due_s = 0.0 if won else self._cost_s / self.BUDGET
         if won and probe is not None:
             logger.info("acb engine thread: %d intra-op threads (measured faster than %d)", probe, self.current)
             self.current = probe

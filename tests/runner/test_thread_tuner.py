@@ -68,6 +68,22 @@ def test_the_tuner_keeps_the_faster_count_and_follows_a_change() -> None:
     assert tuner.current == 2 and tuner.switches == 2
 
 
+def test_probes_cost_little_when_steps_differ_in_length() -> None:
+    """An evaluation's steps: short decode steps and, every eighth, a 2,048-token prefill. A probe
+    that lands on the long step costs that step's extra seconds; the next waits until the steps'
+    time covers it at the budget, so probing costs under 2% where the count is right already."""
+    m = Machine({1: 1.8, 2: 1.0})
+    tuner = ThreadTuner(2, m.set)
+    spent = ideal = 0.0
+    for i in range(3000):
+        tokens, decode = (2048, False) if i % 8 == 7 else (16, True)
+        n = tuner.begin(tokens, decode)
+        spent, ideal = spent + tokens * m.cost[n], ideal + tokens * m.cost[2]
+        tuner.end(tokens * m.cost[n])
+    assert tuner.current == 2 and tuner.probes >= 3
+    assert spent / ideal - 1 < 0.02, spent / ideal - 1
+
+
 def test_noise_within_the_margin_does_not_switch() -> None:
     m = Machine({1: 1.05, 2: 1.0})  # 1 thread 5% slower: not worth a switch either way
     tuner = ThreadTuner(2, m.set)
