@@ -206,7 +206,7 @@ class ThreadTuner:
         if self._probe is None and len(self.ladder) > 1 and key in self._mean:
             if self._countdown > 0:
                 self._countdown -= 1
-            elif self._elapsed >= (self._due_s if self._drift is None else self._due_s / 4):
+            elif self._elapsed >= self._gate(self._mean[key] * self._tokens):
                 self._probe = self._neighbour(self._drift)
                 self._drift = None
                 if self._probe is not None:
@@ -217,6 +217,14 @@ class ThreadTuner:
                     self._countdown = self._interval
         self._apply(self.threads)
         return self.threads
+
+    def _gate(self, expected: float) -> float:
+        """Seconds of steps since the last probe before one may start on a step expected to take
+        ``expected`` seconds: the last loss's cost over the budget, and this step's own possible
+        loss (a first probe step may take up to ``WORSE_FIRST`` times as long) over the budget;
+        a quarter of that for a drift's probe."""
+        gate = max(self._due_s, (self.WORSE_FIRST - 1.0) * expected / self.BUDGET)
+        return gate if self._drift is None else gate / 4
 
     def end(self, seconds: float) -> None:
         """After the step :meth:`begin` announced: its wall seconds."""
