@@ -222,9 +222,9 @@ class ThreadTuner:
         """Seconds of steps since the last probe before one may start on a step expected to take
         ``expected`` seconds: the last loss's cost over the budget, and this step's own possible
         loss (a first probe step may take up to ``WORSE_FIRST`` times as long) over the budget;
-        a quarter of that for a drift's probe."""
+        an eighth of that for a drift's probe (the drift is evidence that it may pay)."""
         gate = max(self._due_s, (self.WORSE_FIRST - 1.0) * expected / self.BUDGET)
-        return gate if self._drift is None else gate / 4
+        return gate if self._drift is None else gate / 8
 
     def end(self, seconds: float) -> None:
         """After the step :meth:`begin` announced: its wall seconds."""
