@@ -131,7 +131,8 @@ class ContinuousBatchingConfig:
     # steps (a probe of half as many, or twice as many, now and then; kept where faster), so that
     # an engine beside another busy process stops waiting on descheduled threads
     # (acb.runner.host_threads.ThreadTuner); an int pins the count (bitwise repeatable runs: MKL
-    # rounds some small float32 GEMMs differently at another count). The caller's threads keep theirs
+    # rounds some small float32 GEMMs differently at another count); "fixed" keeps the count torch
+    # gives the engine thread (OMP_NUM_THREADS, torch.set_num_threads). The caller's threads keep theirs
     cpu_threads: int | str | None = None
     # multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-5, Kimi, MiniCPM3, ...): page each MLA
     # layer's latent (kv_lora_rank + qk_rope_head_dim values per token) instead of its expanded
@@ -270,8 +271,8 @@ class ContinuousBatchingConfig:
         t = self.cpu_threads
         check(
             "cpu_threads",
-            t is None or t == "auto" or (isinstance(t, int) and is_int(t) and t > 0),
-            "None, 'auto' or a positive int",
+            t is None or t in ("auto", "fixed") or (isinstance(t, int) and is_int(t) and t > 0),
+            "None, 'auto', 'fixed' or a positive int",
         )
         v = self.cpu_offload_space
         check("cpu_offload_space", v is None or (is_num(v) and v >= 0), "None or a number of GiB >= 0")

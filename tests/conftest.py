@@ -19,11 +19,12 @@ from acb.models import tiny_model
 
 # the README's test command runs two pytest-xdist workers on the 2-core CI: a thread each
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
-# engines (here and in the servers, trainers and workers the tests start) run at that count, pinned:
-# the tuner of cpu_threads="auto" would pick by the machine's load, and some float32 GEMMs round
-# differently at another count, so bitwise comparisons between engines would hang on the load
+# engines (here and in the servers, trainers and workers the tests start) keep the count torch gives
+# their thread, as the tests set it (torch.set_num_threads, OMP_NUM_THREADS): the tuner of
+# cpu_threads="auto" would pick by the machine's load, and some float32 GEMMs round differently at
+# another count, so bitwise comparisons between engines would hang on the load
 # (tests/runner/test_thread_tuner.py tests "auto" itself)
-os.environ.setdefault("ACB_CPU_THREADS", str(torch.get_num_threads()))
+os.environ["ACB_CPU_THREADS"] = "fixed"
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -58,7 +58,7 @@ TELEMETRY_MODES = ("off", "api", "sdk")  # OTEL_SDK_DISABLED; the API alone (no 
 PROMPT_LEN = 4
 # the real model's decode step: batch sizes, prompt length, decode steps timed (K), repeats (best of)
 STEP_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(batches=[1, 4], prompt=16, decode_steps=16, repeats=1),
+    "tiny": dict(batches=[1, 4], prompt=16, decode_steps=16, repeats=2),
     "small": dict(batches=[1, 4, 16], prompt=32, decode_steps=16, repeats=2),
     "default": dict(batches=[1, 4, 16], prompt=128, decode_steps=48, repeats=2),
 }

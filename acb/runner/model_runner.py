@@ -709,7 +709,8 @@ class ModelRunner:
 
     def _thread_tuner(self, config: ContinuousBatchingConfig, *, tensor_parallel: bool) -> ThreadTuner | None:
         """The engine thread's intra-op thread count on CPU (None elsewhere): ``cpu_threads`` (or,
-        when it is None, the ``ACB_CPU_THREADS`` environment variable) pins it; "auto" measures
+        when it is None, the ``ACB_CPU_THREADS`` environment variable) pins it to an int, or leaves
+        it at the count torch gives the thread ("fixed"); "auto" measures
         (:class:`ThreadTuner`), except under tensor parallelism, where the ranks' steps wait on each
         other and one rank's step time says little of its own count."""
         if self.device.type != "cpu":
@@ -717,10 +718,14 @@ class ModelRunner:
         want = config.cpu_threads
         if want is None:
             env = os.environ.get("ACB_CPU_THREADS", "auto").strip()
-            if env != "auto":
+            if env not in ("auto", "fixed"):
                 if not env.isdigit() or int(env) < 1:
-                    raise ValueError(f"ACB_CPU_THREADS must be 'auto' or a positive int; got {env!r}")
+                    raise ValueError(f"ACB_CPU_THREADS must be 'auto', 'fixed' or a positive int; got {env!r}")
                 want = int(env)
+            else:
+                want = env
+        if want == "fixed":  # the count torch gives the engine thread, as it is (no measuring)
+            return None
         if isinstance(want, int):
             return ThreadTuner(want, pinned=True)
         n = torch.get_num_threads()

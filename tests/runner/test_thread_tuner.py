@@ -118,7 +118,7 @@ def test_a_wide_ladder_and_a_pinned_count() -> None:
 
 
 def test_cpu_threads_is_validated() -> None:
-    for bad in (0, -1, "fast", 1.5):
+    for bad in (0, -1, "fast", 1.5, True):
         with pytest.raises(ValueError, match="cpu_threads"):
             acb.ContinuousBatchingConfig(cpu_threads=bad).validate()
 
@@ -151,8 +151,8 @@ def test_tokens_and_logprobs_at_one_and_two_threads(arch: str) -> None:
 
 
 def test_an_auto_engine_tunes_and_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``cpu_threads="auto"`` (the default outside this suite, which pins the count through
-    ``ACB_CPU_THREADS`` so that its bitwise comparisons between engines do not hang on the load):
+    """``cpu_threads="auto"`` (the default outside this suite, which keeps torch's count through
+    ``ACB_CPU_THREADS=fixed`` so that its bitwise comparisons between engines do not hang on the load):
     the engine thread measures its steps from torch's count, and its tokens are generate's."""
     model = get_model("llama")
     prompts = prompts_of_lengths([7, 30, 12, 50], vocab=model.config.vocab_size, seed=5)
@@ -165,6 +165,8 @@ def test_an_auto_engine_tunes_and_stays_exact(monkeypatch: pytest.MonkeyPatch) -
             assert [o.generated_tokens for o in outs.values()] == want
     if torch.get_num_threads() > 1:
         assert tuner is not None and tuner.ladder[-1] == torch.get_num_threads() and tuner.probes > 0
+    with acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=16, cpu_threads="fixed")) as eng:
+        assert eng.core.runner.threads is None  # torch's count for the thread, unmeasured
     monkeypatch.setenv("ACB_CPU_THREADS", "many")
     with pytest.raises(ValueError, match="ACB_CPU_THREADS"):
         acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=16)).start()
