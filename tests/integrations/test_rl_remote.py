@@ -230,26 +230,38 @@ def test_pause_keep_across_an_update_and_the_routes(server, checkpoint, tmp_path
     model = copy.deepcopy(checkpoint.model)
     trained = shifted(model, 4)
     result: dict = {}
+    started = threading.Event()
 
-    def long_request() -> None:
-        result["out"] = post(
-            server,
-            "/v1/completions",
-            {"model": NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True},
-            timeout=300,
+    def long_request() -> None:  # streamed, so that the pause comes once its first tokens are out
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        req = urllib.request.Request(
+            base(server) + "/v1/completions",
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
         )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                started.set()
+                if "weight_version" in chunk:  # (the stream's last chunks carry it)
+                    result["versions"] = chunk["weight_version"]
 
     with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60) as pusher:
         pusher.push(model, version="a")
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(0.5)  # (the request is running; whenever the pause lands, its spans say where)
+        # the request is running (400 tokens take this tiny model a few tenths of a second, so a
+        # fixed sleep could miss them all); whenever the pause lands, its spans say where
+        assert started.wait(120)
         assert post(server, "/pause?mode=keep") == {"paused": True}
         assert json.loads(urllib.request.urlopen(base(server) + "/is_paused").read()) == {"paused": True}
         pusher.push(trained, version="b")
         post(server, "/resume")
         t.join(timeout=300)
-    spans = result["out"]["weight_version"]
+    spans = result["versions"]
     assert [s[0] for s in spans] == ["a", "b"] and spans[0][1] == 0 and spans[-1][2] == 400, spans
     # from disk (SGLang's route), and sleep / wake
     trained.save_pretrained(tmp_path / "ckpt")
