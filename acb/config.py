@@ -112,7 +112,7 @@ class ContinuousBatchingConfig:
     # acb only
     attn_backend: str | None = None  # "torch", "cpu", "triton", "flash_attn"; None = the best available
     # "paged": acb's paged KV cache (refused, with the reason, for a model it cannot page);
-    # "own_cache": the model on its own cache objects, as model.generate runs it (acb.runner.own_forward);
+    # "own_cache": the model on its own cache objects, as model.generate runs it (acb.runner.own_cache_runner);
     # None: paged when the model passes its checks, else its own cache, said in one log line
     runner: str | None = None
     max_model_len: int | None = None  # most tokens per request; default: the model's max positions

@@ -13,7 +13,7 @@ random tokens, each with its own output length of 16 to 128 tokens, EOS ignored.
 group's largest), credited with each request's own tokens only. Engine start (and its start-up
 tries) is outside the timed region; one warm-up request runs first on each side. ``--rounds N``
 runs the sides alternately N times and keeps each side's best; ``--ab`` adds a side with
-``acb.runner.own_forward.BATCH_PREFILL`` off (a prompt's chunks one call each; only new whole
+``acb.runner.own_cache_runner.BATCH_PREFILL`` off (a prompt's chunks one call each; only new whole
 prompts in padded groups). The load average at the start and end is in the result.
 
 Figures (2 threads, ``--ab --rounds 3``, 2026-11-29, load average 2.3 at start and end, a test
@@ -68,7 +68,7 @@ def run_acb(
     cfg = acb.ContinuousBatchingConfig(runner=runner, max_requests_per_batch=32, max_batch_tokens=budget)
     with acb.Engine(model, cfg) as eng:
         eng.generate(prompts[0][:8], max_new_tokens=2, ignore_eos=True)  # warm-up
-        path = "own cache" if eng.runner.own_forward is not None else "paged"
+        path = "unpaged" if eng.runner.own_cache_runner is not None else "paged"
         params = [acb.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs]
         t0 = time.perf_counter()
         res = eng.generate_batch(prompts, params, progress_bar=False)

@@ -4,7 +4,7 @@ extended, with and without prefix caching, in one run.
     python benchmarks/own_cache_prefix.py [--out benchmarks/results/own_cache_prefix_cpu.json]
 
 Models (random weights, float32, CPU; attention outside transformers' attention interface, so they
-run on their own ``DynamicCache`` per request, ``acb.runner.own_forward``): the tests' tiny GPT-J
+run on their own ``DynamicCache`` per request, ``acb.runner.own_cache_runner``): the tests' tiny GPT-J
 (``tests/test_model_sweep.py``'s catalogue config: hidden 64, 2 layers, where a forward's fixed
 cost dominates) and ``own_cache_offline.py``'s GPT-J shape (hidden 256, 8 layers). Workload: a 160-token prefix as one
 request (8 new tokens), then 8 prompts extending it by 8 to 64 tokens, sent as one batch

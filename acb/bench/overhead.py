@@ -70,14 +70,14 @@ class NullModelRunner(ModelRunner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.own_forward is not None:
+        if self.own_cache_runner is not None:
 
             def zeros(
                 input_ids: Any, position_ids: Any, num_new: Any, rows: Any, logits_indices: list[int]
             ) -> torch.Tensor:
                 return torch.zeros(len(logits_indices), self.vocab_size, device=self.device)
 
-            self.own_forward.forward = zeros  # type: ignore[method-assign]
+            self.own_cache_runner.forward = zeros  # type: ignore[method-assign]
 
     def forward(self, batch: Any, ctx: Any) -> torch.Tensor:
         return torch.zeros(batch.logits_indices.shape[0], self.vocab_size, device=self.device)

@@ -40,7 +40,7 @@ _OFFLOAD_ORDER = (Offload.PAGES, Offload.ROW, Offload.NONE)
 class LayerKindSpec:
     """One kind of layer of a model, and what its cache costs."""
 
-    name: str  # "attention", "latent", "index keys", "state", "own cache", "own forward", "images"
+    name: str  # "attention", "latent", "index keys", "state", "unpaged", "own cache runner", "images"
     layers: tuple[int, ...]  # the model's layer indices it serves (empty: the whole model)
     page_bytes_per_token: int = 0  # in the KV pages
     row_bytes: int = 0  # held per running request outside the pages (a row of state)

@@ -3,7 +3,7 @@
 A model's layers are found by the code they speak, each kind by its own module (paged attention:
 transformers' attention interface, ``setup``; the MLA latent: ``latent``; an indexer's keys:
 ``indexed``; state layers: ``linear_state``; attention on the model's own cache objects:
-``own_cache``; the whole model on its own caches: ``own_forward``; image embeddings: ``vision``).
+``unpaged_layers``; the whole model on its own caches: ``own_cache_runner``; image embeddings: ``vision``).
 :data:`KINDS` lists, in order, one function per kind that describes what the runner found for it
 (None: the model has no such layer), and :func:`layout_of` gathers them into the model's
 :class:`~acb.core.cache_spec.CacheLayout` (``ModelRunner.layout``).
@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING
 
 from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
 from acb.runner.indexed import indexed_step
-from acb.runner.kv_cache import INDEX_KEYS, LATENT, OWN_CACHE
+from acb.runner.kv_cache import INDEX_KEYS, LATENT, UNPAGED
 from acb.runner.linear_state import linear_step
-from acb.runner.own_cache import own_cache_step
 from acb.runner.setup import hybrid_attention_layers
+from acb.runner.unpaged_layers import unpaged_step
 
 if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
     from acb.runner.input_batch import PreparedBatch
     from acb.runner.model_runner import ModelRunner
-    from acb.runner.own_cache import OwnCaches
-    from acb.runner.own_forward import OwnForward
+    from acb.runner.own_cache_runner import OwnCacheRunner
+    from acb.runner.unpaged_layers import UnpagedCaches
     from acb.runner.vision import ImageEmbedder
 
 
@@ -57,7 +57,7 @@ def attention(r: ModelRunner) -> LayerKindSpec | None:
     """Paged K/V (full, sliding, per-layer shape groups)."""
     spec = r.kv_cache.spec
     groups = spec.kv_shapes()
-    if r.own_forward is not None or not groups:
+    if r.own_cache_runner is not None or not groups:
         return None
     per_token = spec.bytes_per_token()
     cache_layers = {c for layers in groups.values() for c in layers}
@@ -106,7 +106,7 @@ def state(r: ModelRunner) -> LayerKindSpec | None:
     if not cfg.state_snapshots:
         why.append("no snapshots: " + r.state_why)
     if not cfg.state_host_rows:
-        why.append("no host rows (cpu_offload_space)" if r.own is None else "the model also keeps its own caches")
+        why.append("no host rows (cpu_offload_space)" if r.unpaged is None else "the model also keeps its own caches")
     return LayerKindSpec(
         "state",
         tuple(sorted(int(m.layer_idx) for m in r.linear.layers)),
@@ -118,29 +118,29 @@ def state(r: ModelRunner) -> LayerKindSpec | None:
     )
 
 
-def own_cache(r: ModelRunner) -> LayerKindSpec | None:
+def unpaged(r: ModelRunner) -> LayerKindSpec | None:
     """Attention layers on the model's own cache objects, inside the paged path (DeepSeek V4)."""
-    if r.own is None:
+    if r.unpaged is None:
         return None
     return LayerKindSpec(
-        "own cache",
-        tuple(sorted(int(m.layer_idx) for m in r.own.layers)),
-        token_bytes=r.kv_cache.spec.bytes_per_token().get(OWN_CACHE, 0),
+        "unpaged",
+        tuple(sorted(int(m.layer_idx) for m in r.unpaged.layers)),
+        token_bytes=r.kv_cache.spec.bytes_per_token().get(UNPAGED, 0),
         prefix=PrefixRule.NONE,
         offload=Offload.NONE,
         why="compressed caches are not cut at block boundaries or offloaded yet (recomputed)",
     )
 
 
-def own_forward(r: ModelRunner) -> LayerKindSpec | None:
+def own_cache_runner(r: ModelRunner) -> LayerKindSpec | None:
     """The whole model on its own cache objects (the second runner path)."""
-    if r.own_forward is None:
+    if r.own_cache_runner is None:
         return None
     on = r.cfg.prefix_caching
     return LayerKindSpec(
-        "own forward",
+        "own cache runner",
         (),
-        token_bytes=r.kv_cache.spec.bytes_per_token().get(OWN_CACHE, 0),
+        token_bytes=r.kv_cache.spec.bytes_per_token().get(UNPAGED, 0),
         prefix=PrefixRule.SNAPSHOT if on else PrefixRule.NONE,
         offload=Offload.NONE,
         why=("" if on else "its cache cannot be cut at a block boundary exactly (or prefix caching is off); ")
@@ -161,8 +161,8 @@ KINDS: tuple[Callable[[ModelRunner], LayerKindSpec | None], ...] = (
     index_keys,
     attention,
     state,
-    own_cache,
-    own_forward,
+    unpaged,
+    own_cache_runner,
     images,
 )
 
@@ -227,10 +227,10 @@ class IndexHooks(StepHooks):
         return indexed_step(self.runner.kv_cache, batch.attn)
 
 
-class OwnCacheHooks(StepHooks):
+class UnpagedHooks(StepHooks):
     """Attention layers on the model's own cache objects (DeepSeek V4), one per request row."""
 
-    def __init__(self, caches: OwnCaches) -> None:
+    def __init__(self, caches: UnpagedCaches) -> None:
         self.caches = caches
 
     def begin_step(self, sched: SchedulerOutput) -> None:
@@ -240,21 +240,21 @@ class OwnCacheHooks(StepHooks):
             self.caches.reset(req.row)
 
     def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None]:
-        return own_cache_step(self.caches, sched.num_new, sched.rows)
+        return unpaged_step(self.caches, sched.num_new, sched.rows)
 
     def end_step(self, sched: SchedulerOutput) -> None:
         for src, dst in sched.state_copies_after:
             self.caches.copy(src, dst)
 
 
-class OwnForwardHooks(StepHooks):
+class OwnCacheRunnerHooks(StepHooks):
     """The whole model on its own caches: its forward replaces the paged one (``_execute``)."""
 
-    def __init__(self, own: OwnForward) -> None:
-        self.own = own
+    def __init__(self, own: OwnCacheRunner) -> None:
+        self.runner = own
 
     def begin_step(self, sched: SchedulerOutput) -> None:
-        own = self.own
+        own = self.runner
         for row in sched.freed_rows:
             own.reset(row)
         for req in sched.row_inits:
@@ -265,9 +265,9 @@ class OwnForwardHooks(StepHooks):
 
     def end_step(self, sched: SchedulerOutput) -> None:
         if sched.snapshots:  # the caches cut at block boundaries, kept with the cached blocks
-            self.own.snapshot(sched.snapshots, sched.num_new, sched.rows)
+            self.runner.snapshot(sched.snapshots, sched.num_new, sched.rows)
         for src, dst in sched.state_copies_after:  # forks: children start from the parent's cache
-            self.own.copy(src, dst)
+            self.runner.copy(src, dst)
 
 
 class ImageHooks(StepHooks):
@@ -292,10 +292,10 @@ def hooks_of(runner: ModelRunner) -> list[StepHooks]:
         hooks.append(StateHooks(runner))
     if runner.indexed is not None:
         hooks.append(IndexHooks(runner))
-    if runner.own_caches is not None:
-        hooks.append(OwnCacheHooks(runner.own_caches))
-    if runner.own_forward is not None:
-        hooks.append(OwnForwardHooks(runner.own_forward))
+    if runner.unpaged_caches is not None:
+        hooks.append(UnpagedHooks(runner.unpaged_caches))
+    if runner.own_cache_runner is not None:
+        hooks.append(OwnCacheRunnerHooks(runner.own_cache_runner))
     if runner.vision is not None:
         hooks.append(ImageHooks(runner.vision))
     return hooks

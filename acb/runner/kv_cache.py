@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 # the kinds of pages (PageGroup.kind): a layer's K and V; an MLA layer's latent (key-only,
 # acb.runner.latent); a DSA indexer's keys (key-only, acb.runner.indexed)
 KV, LATENT, INDEX_KEYS = "kv", "latent", "index keys"
-# what a token costs the model's own cache objects (acb.runner.own_cache): priced, not paged
-OWN_CACHE = "own cache"
+# what a token costs the model's own cache objects (acb.runner.unpaged_layers): priced, not paged
+UNPAGED = "unpaged"
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class KVSpec:
     # identity. Layers that share K/V (Gemma 3n's last num_kv_shared_layers) map to their producer's
     # cache layer and allocate none; a hybrid's state layers map to a layer they never touch
     layer_map: tuple[int, ...] | None = None
-    # (kind, bytes) per token of layers that keep it outside the pages (OWN_CACHE), counted in a
+    # (kind, bytes) per token of layers that keep it outside the pages (UNPAGED), counted in a
     # block's cost
     unpaged: tuple[tuple[str, int], ...] = ()
 
@@ -177,7 +177,7 @@ class KVSpec:
 
     def bytes_per_token(self) -> dict[tuple[int, int] | str, int]:
         """What one cached token costs in bytes: per K/V shape (K and V of its layers), and per
-        other kind (``"latent"``, ``"index keys"``, and the unpaged ``"own cache"``)."""
+        other kind (``"latent"``, ``"index keys"``, and the unpaged ``"unpaged"``)."""
         elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
         out: dict[tuple[int, int] | str, int] = {}
         for g in self.groups:

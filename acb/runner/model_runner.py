@@ -38,7 +38,7 @@ from acb.runner.host_threads import ThreadTuner, release_idle_threads
 from acb.runner.indexed import IndexedLayers, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kinds import hooks_of, layout_of
-from acb.runner.kv_cache import OWN_CACHE, KVCache, KVSpec, kv_memory_budget
+from acb.runner.kv_cache import UNPAGED, KVCache, KVSpec, kv_memory_budget
 from acb.runner.latent import LatentLayers
 from acb.runner.linear_state import (
     STEPWISE_MAX_TAIL,
@@ -50,8 +50,7 @@ from acb.runner.linear_state import (
     state_row_bytes,
 )
 from acb.runner.module_state import module_attributes
-from acb.runner.own_cache import OwnCacheLayers, OwnCaches, own_cache_layers
-from acb.runner.own_forward import OwnForward, snapshot_memory
+from acb.runner.own_cache_runner import OwnCacheRunner, snapshot_memory
 from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
     _ATTN_SWAP,
@@ -64,6 +63,7 @@ from acb.runner.setup import (
     staging_bytes,
 )
 from acb.runner.tp_sync import agree_min, check_same_settings, tp_group, tp_size_of
+from acb.runner.unpaged_layers import UnpagedCaches, UnpagedLayers, find_unpaged_layers
 from acb.runner.vision import ImageEmbedder, takes_images
 from acb.runner.weights import WeightsKey, WeightWatch
 
@@ -118,7 +118,7 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, config: ContinuousBatchingConfig) -> None:
         # the paged path when the model passes its checks; else (or when asked) the model's own
-        # cache objects, whole (acb.runner.own_forward)
+        # cache objects, whole (acb.runner.own_cache_runner)
         check_decoder(model)
         # the model's module attributes before any forward here: state a model keeps in them
         # (acb.runner.module_state) starts each request from these
@@ -162,7 +162,7 @@ class ModelRunner:
                 + f"its own forward failed on its own cache ({type(exc).__name__}: {exc})"
             ) from exc
         # the whole model on its own caches (the second runner path), or None (the paged path)
-        self.own_forward = OwnForward(model, start) if own_path else None
+        self.own_cache_runner = OwnCacheRunner(model, start) if own_path else None
         self.state_row_bytes = 0  # one request's state over the state layers (set with them)
         self.state_why = ""
         # vision-language models: the model's own vision code for the requests with images
@@ -171,15 +171,15 @@ class ModelRunner:
         # hybrid models: linear-attention layers run per request with their recurrent state
         self.linear = LinearLayers(model) if paged and linear_layers(model) else None
         # attention layers that run per request on the model's own cache (DeepSeek V4's compressed attention)
-        self.own = OwnCacheLayers(model) if paged and own_cache_layers(model) else None
-        self.own_caches = OwnCaches(model.config) if self.own is not None else None
+        self.unpaged = UnpagedLayers(model) if paged and find_unpaged_layers(model) else None
+        self.unpaged_caches = UnpagedCaches(model.config) if self.unpaged is not None else None
         # modules told their layer at call time (Zamba2)
         self.shared_attention = SharedAttention(model) if paged else None
         # indexed (DSA) attention: the indexers run per request over their paged keys
         self.indexed = IndexedLayers(model) if paged and indexer_modules(model) else None
         # MLA layers paged as their latent: their expand_kv passes it through to acb's attention
         self.latent = LatentLayers(model) if paged and spec.latent_layers else None
-        if self.linear is not None or self.own is not None or self.own_forward is not None:
+        if self.linear is not None or self.unpaged is not None or self.own_cache_runner is not None:
             self._hybrid_settings(config, spec)
         if self.packed is not None:
             self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
@@ -208,7 +208,7 @@ class ModelRunner:
             self.cfg,
             cuda_graphs=self._want_graphs()
             and self.linear is None
-            and self.own is None
+            and self.unpaged is None
             and self.indexed is None
             and self.latent is None
             and paged,
@@ -220,7 +220,7 @@ class ModelRunner:
         self._compiled: dict[str, Any] = {}
         if self.indexed is not None or self.latent is not None:
             self._indexed_settings(config)
-        elif self.linear is None and self.own is None and paged:
+        elif self.linear is None and self.unpaged is None and paged:
             self._setup_compile(config)
         self.streams = DeviceStreams(self.device)
         self._step_buffers()
@@ -277,11 +277,11 @@ class ModelRunner:
         # (the layers whose scan takes no state: a token at a time after the hit)
         first = {type(layer): layer for layer in reversed(self.linear.layers)} if self.linear is not None else {}
         resumes = all(ok or resumes_stepwise(first[cls], hidden) for cls, ok in tried.items())
-        states_only = self.own is None and self.own_forward is None  # no caches of the model's own
+        states_only = self.unpaged is None and self.own_cache_runner is None  # no caches of the model's own
         snapshots = self.cfg.prefix_caching and resumes and states_only
         # the model on its own caches: snapshots are copies of a request's cache cut at a block
-        # boundary, where the start-up try found a cut exact (acb.runner.own_forward)
-        own_cut = self.own_forward is not None and self.own_forward.croppable
+        # boundary, where the start-up try found a cut exact (acb.runner.own_cache_runner)
+        own_cut = self.own_cache_runner is not None and self.own_cache_runner.croppable
         snapshots = snapshots or (self.cfg.prefix_caching and not whole and own_cut)
         off = [
             name
@@ -304,17 +304,17 @@ class ModelRunner:
                 type(self.model).__name__,
                 ", ".join(whole),
             )
-        if self.own_forward is not None and not self.own_forward.chunkable:
+        if self.own_cache_runner is not None and not self.own_cache_runner.chunkable:
             logger.info(
                 "%s's own cache or generation hooks are not plain growing K/V behind transformers' defaults: "
                 "each prompt is prefilled in one step",
                 type(self.model).__name__,
             )
-            whole.append("own cache")
+            whole.append("unpaged")
         slots = self._state_memory(config, spec, snapshots) if self.linear is not None else 0
-        if snapshots and self.own_forward is not None:  # cut copies of own caches, within a token budget
+        if snapshots and self.own_cache_runner is not None:  # cut copies of own caches, within a token budget
             budget = kv_memory_budget(self.device, config.max_memory_percent)
-            self.cfg, slots = snapshot_memory(self.cfg, config, spec.bytes_per_token().get(OWN_CACHE, 0), budget)
+            self.cfg, slots = snapshot_memory(self.cfg, config, spec.bytes_per_token().get(UNPAGED, 0), budget)
         # why the state layers' prefix is not reused (acb.runner.kinds reports it)
         self.state_why = (
             ""
@@ -390,7 +390,7 @@ class ModelRunner:
                 kv_cache_bytes=num_blocks * per_block,
                 max_model_len=min(self.cfg.max_model_len, (num_blocks - 1) * self.cfg.block_size),
             )
-        offload = self.cfg.offload_bytes if self.own is None and self.own_forward is None else 0
+        offload = self.cfg.offload_bytes if self.unpaged is None and self.own_cache_runner is None else 0
         host_rows = min(4 * rows, offload // (2 if per_block else 1) // max(row_bytes, 1)) if offload else 0
         if host_rows:
             # pages without bytes (state layers only): the host blocks only measure lengths
@@ -465,7 +465,7 @@ class ModelRunner:
         """Why this engine cannot run a request's images ("" when it can)."""
         if self.vision is None:
             return f"{type(self.model).__name__} takes no images (no image token and vision config)"
-        if self.own_forward is not None:
+        if self.own_cache_runner is not None:
             return "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only" + (
                 f" (the paged path refuses it: {self._paged_refused})" if self._paged_refused else ""
             )
@@ -520,12 +520,12 @@ class ModelRunner:
             old = self.states
             self.states = LinearStates(old.rows, self.device, old.conv_only, old.slots)
             self.states.keep_host_rows(old)  # offloaded requests keep their state
-        if self.own_caches is not None:
-            other += self.own_caches.nbytes()
-            self.own_caches.clear()
-        if self.own_forward is not None:
-            other += self.own_forward.nbytes()
-            self.own_forward.clear()
+        if self.unpaged_caches is not None:
+            other += self.unpaged_caches.nbytes()
+            self.unpaged_caches.clear()
+        if self.own_cache_runner is not None:
+            other += self.own_cache_runner.nbytes()
+            self.own_cache_runner.clear()
         if self.vision is not None:
             other += self.vision.nbytes()
             self.vision.clear()
@@ -674,8 +674,8 @@ class ModelRunner:
             self._holds_attn = False
         if self.linear is not None:
             self.linear.remove()
-        if self.own is not None:
-            self.own.remove()
+        if self.unpaged is not None:
+            self.unpaged.remove()
         if self.indexed is not None:
             self.indexed.remove()
         if self.latent is not None:
@@ -775,10 +775,10 @@ class ModelRunner:
         logits = None
         if self.graphs is not None and batch.decode_only:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
-        if self.own_forward is not None:  # the model on its own caches (the second runner path)
+        if self.own_cache_runner is not None:  # the model on its own caches (the second runner path)
             # inside a step context: the model's dropout is off on this thread (acb.runner.eval_mode)
             with step_context(StepContext(self.kv_cache, self.backend, None)):
-                logits = self.own_forward.forward(
+                logits = self.own_cache_runner.forward(
                     batch.input_ids, batch.position_ids, sched.num_new, sched.rows, batch.logits_indices.tolist()
                 )
         if logits is None:

@@ -10,7 +10,7 @@ each request on whatever the previous one left behind.
 :func:`find_module_state` finds these attributes by what a forward does to them (an attribute that
 is a tensor, or becomes one, and is replaced or written in place by a forward with a cache), not
 by a list of models. :class:`ModuleState` then gives each request its own values: restored before
-the request's forward, saved after it (:mod:`acb.runner.own_forward` runs such a model one
+the request's forward, saved after it (:mod:`acb.runner.own_cache_runner` runs such a model one
 request at a time). The paged path cannot do that within its one flattened forward, so a model
 found with such state runs on its own cache objects (:func:`acb.runner.setup.check_model`).
 """

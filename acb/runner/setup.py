@@ -21,7 +21,7 @@ from acb.runner.kv_cache import (
     KV,
     LATENT,
     NO_KV_MAX_LEN,
-    OWN_CACHE,
+    UNPAGED,
     KVSpec,
     available_host_memory,
     size_kv_cache,
@@ -49,7 +49,7 @@ def check_decoder(model: PreTrainedModel) -> None:
 
 def check_model(model: PreTrainedModel) -> None:
     """Refuse, with the reason, models acb cannot page (they run on the model's own cache
-    instead, :mod:`acb.runner.own_forward`, unless the paged path was asked for)."""
+    instead, :mod:`acb.runner.own_cache_runner`, unless the paged path was asked for)."""
     cfg = model.config
     name = type(model).__name__
     check_decoder(model)
@@ -60,10 +60,10 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(why)
     from acb.runner.indexed import indexer_modules
     from acb.runner.linear_state import linear_layers
-    from acb.runner.own_cache import own_cache_layers
+    from acb.runner.unpaged_layers import find_unpaged_layers
 
     # attention layers run on the model's own cache, per request (DeepSeek V4's compressed attention)
-    own = {m.layer_idx for m in own_cache_layers(model)}
+    own = {m.layer_idx for m in find_unpaged_layers(model)}
     states = linear_layers(model)
     hybrid = bool(states)  # linear-attention layers acb drives with per-request states
     idx = [m.layer_idx for m in states]
@@ -271,17 +271,17 @@ def latent_backend(backend: str) -> bool:
 
 def _attention_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
     text = model.config.get_text_config()
-    from acb.runner.own_cache import own_cache_bytes_per_token, own_cache_layers
+    from acb.runner.unpaged_layers import find_unpaged_layers, unpaged_bytes_per_token
 
-    own = own_cache_layers(model)
-    if own:  # layers on the model's own cache (acb.runner.own_cache) use no pages: the blocks only measure lengths
+    own = find_unpaged_layers(model)
+    if own:  # layers on the model's own cache (acb.runner.unpaged_layers) use no pages: the blocks only measure lengths
         if len(own) != text.num_hidden_layers:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has attention layers acb runs on the model's own cache beside layers it "
                 "pages; acb runs a model with one kind or the other"
             )
-        own_bytes = own_cache_bytes_per_token(model, model_max_len(model))
-        return KVSpec(dtype, layer_map=(0,) * text.num_hidden_layers, unpaged=((OWN_CACHE, own_bytes),))
+        own_bytes = unpaged_bytes_per_token(model, model_max_len(model))
+        return KVSpec(dtype, layer_map=(0,) * text.num_hidden_layers, unpaged=((UNPAGED, own_bytes),))
     layer_map = kv_layer_map(model)  # KV-shared layers read their producer's cache layer
     if layer_map is not None and not _attention_modules(model) and getattr(text, "num_attention_heads", None) is None:
         # state layers only (Mamba, Mamba2, Falcon-Mamba): no KV cache at all; the blocks are
@@ -399,11 +399,11 @@ def staging_bytes(cfg: ResolvedConfig) -> int:
 
 
 def own_path_spec(model: PreTrainedModel, dtype: torch.dtype) -> KVSpec:
-    """The model on its own cache objects, whole (:mod:`acb.runner.own_forward`): no pages; the
+    """The model on its own cache objects, whole (:mod:`acb.runner.own_cache_runner`): no pages; the
     blocks measure lengths, sized by what a token costs the model's own cache (measured)."""
-    from acb.runner.own_cache import own_cache_bytes_per_token
+    from acb.runner.unpaged_layers import unpaged_bytes_per_token
 
-    return KVSpec(dtype, unpaged=((OWN_CACHE, own_cache_bytes_per_token(model, model_max_len(model))),))
+    return KVSpec(dtype, unpaged=((UNPAGED, unpaged_bytes_per_token(model, model_max_len(model))),))
 
 
 def resolve_config(

@@ -7,7 +7,7 @@ always did). Each engine has its own thread, so two engines on one model see the
 through the same interception (:class:`acb.runner.intercept.Interception`). The fields are set for
 a block with :func:`entered` (nested blocks restore the outer value), by the kinds' own context
 managers: ``attention.step_context``, ``linear_state.linear_step``, ``indexed.indexed_step``,
-``own_cache.own_cache_step``, ``attention.SharedAttention`` (``called_layer``) and
+``unpaged_layers.unpaged_step``, ``attention.SharedAttention`` (``called_layer``) and
 ``attention.own_attention_here`` (``own_attention``).
 """
 
@@ -24,7 +24,7 @@ class _Step(threading.local):
         self.attention: Any = None  # attention.StepContext: the KV cache, the backend, the metadata
         self.states: Any = None  # linear_state: the state layers' rows and the step's segments
         self.index: Any = None  # indexed: the indexers' key pages and the step's segments
-        self.own_cache: Any = None  # own_cache: the own-cache layers' caches and segments
+        self.unpaged: Any = None  # unpaged_layers: the own-cache layers' caches and segments
         self.called_layer: int | None = None  # the layer calling a shared attention module (Zamba2)
         self.own_attention: bool = False  # inside an own-cache layer: its attention is the model's own
 

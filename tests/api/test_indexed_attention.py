@@ -225,12 +225,12 @@ def test_deepseek_v4_layers_run_on_their_own_cache():
             for t in types
             if t in rates
         )
-        assert runner.kv_cache.spec.bytes_per_token() == {"own cache": int(per_token * 4)}
+        assert runner.kv_cache.spec.bytes_per_token() == {"unpaged": int(per_token * 4)}
         assert not runner.cfg.prefix_caching and runner.cfg.num_swap_blocks == 0
         run(eng, prompts([19, 6, 11]))
         # the next step frees the finished requests' rows, and their caches with them
         eng.generate(prompts([4])[0], max_new_tokens=2, ignore_eos=True)
-        assert eng.call(lambda core: len(runner.own_caches.rows)).result(timeout=60) <= 1
+        assert eng.call(lambda core: len(runner.unpaged_caches.rows)).result(timeout=60) <= 1
 
 
 @pytest.mark.parametrize(
@@ -295,7 +295,7 @@ def test_deepseek_v4_samples_scoring_cancel_and_sleep():
         assert h.result(timeout=120).status == acb.RequestStatus.CANCELLED
         hs = [eng.submit(p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in ps]
         eng.sleep()
-        assert eng.runner.own_caches.rows == {}
+        assert eng.runner.unpaged_caches.rows == {}
         eng.wake_up()
         assert [x.result(timeout=120).generated_tokens for x in hs] == [reference("deepseek_v4", tuple(p)) for p in ps]
 

@@ -352,7 +352,7 @@ def _refused(model, match, own_runs=True):
         acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=8, runner="paged")).start()
     if own_runs:
         with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=8)) as eng:
-            assert eng.runner.own_forward is not None
+            assert eng.runner.own_cache_runner is not None
         return
     with pytest.raises(UnsupportedModelError, match=f"paged path refuses it .*{match}.*its own forward failed"):
         acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=8)).start()

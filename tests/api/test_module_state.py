@@ -128,7 +128,7 @@ def test_each_request_runs_on_its_own_module_state(name, cfg, caplog):
     model = model_of(name)
     config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, "page_size": 8, **cfg})
     with caplog.at_level(logging.INFO, logger="acb"), acb.Engine(model, config) as eng:
-        assert eng.runner.own_forward is not None and eng.runner.own_forward.module_state is not None
+        assert eng.runner.own_cache_runner is not None and eng.runner.own_cache_runner.module_state is not None
         outs = list(
             eng.generate_batch(ps, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False, logprobs=0).values()
         )

@@ -1,4 +1,4 @@
-"""The second runner path (``acb.runner.own_forward``): models acb cannot page run on the model's
+"""The second runner path (``acb.runner.own_cache_runner``): models acb cannot page run on the model's
 own cache objects, exact against ``model.generate``, behind the same engine, API and scheduler.
 
 GPT-J (attention outside transformers' attention interface: decode rows batched with left
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import acb
-from acb.runner.kv_cache import OWN_CACHE
+from acb.runner.kv_cache import UNPAGED
 from tests.conftest import assert_scores_match_forward, prompts_of_lengths
 from tests.test_model_sweep import ms
 
@@ -75,10 +75,10 @@ def test_the_path_is_chosen_at_start_and_said(arch, caplog):
         eng.start()
     try:
         r = eng.runner
-        assert r.own_forward is not None
-        assert r.own_forward.batchable is batched and r.cfg.whole_prefill is not chunked
-        assert r.own_forward.group_chunks is (batched and chunked)  # chunks in padded groups: the try said so
-        assert r.kv_cache.k == [] and r.kv_cache.spec.bytes_per_token()["own cache"] > 0
+        assert r.own_cache_runner is not None
+        assert r.own_cache_runner.batchable is batched and r.cfg.whole_prefill is not chunked
+        assert r.own_cache_runner.group_chunks is (batched and chunked)  # chunks in padded groups: the try said so
+        assert r.kv_cache.k == [] and r.kv_cache.spec.bytes_per_token()["unpaged"] > 0
         assert r.cfg.num_swap_blocks == 0 and not r.cfg.cuda_graphs
         # prefix caching where the start-up try cut a prompt and resumed it exactly; else off, and why
         assert r.cfg.prefix_caching is prefix and (r.cfg.state_snapshots > 0) is prefix
@@ -173,7 +173,7 @@ def test_samples_sampling_scoring_stops_cancel_and_sleep(arch):
         assert h.result(timeout=120).status in (acb.RequestStatus.CANCELLED, acb.RequestStatus.FINISHED)
         hs = [eng.submit(p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in ps]
         eng.sleep()
-        assert eng.runner.own_forward.nbytes() == 0
+        assert eng.runner.own_cache_runner.nbytes() == 0
         eng.wake_up()
         assert [x.result(timeout=120).generated_tokens for x in hs] == [reference(arch, tuple(p)) for p in ps]
 
@@ -185,7 +185,7 @@ def test_a_prompt_that_can_never_fit_is_refused_at_submit():
     with acb.Engine(model_of("gptj"), cfg) as eng:
         spec = eng.runner.kv_cache.spec
         assert eng.runner.cfg.kv_cache_bytes == 5 * 4 * spec.bytes_per_token().get(
-            OWN_CACHE, 0
+            UNPAGED, 0
         )  # blocks priced by the own cache
         with pytest.raises(ValueError, match="can never fit"):
             eng.generate(prompts([40])[0], max_new_tokens=2)
@@ -203,7 +203,7 @@ def test_rows_join_and_leave_the_decode_batch_exactly(arch, use_async):
         num_blocks=64, page_size=8, runner=CASES[arch][0], max_requests_per_batch=3, use_async_batching=use_async
     )
     with acb.Engine(model_of(arch), cfg) as eng:
-        assert eng.runner.own_forward.batchable
+        assert eng.runner.own_cache_runner.batchable
         params = [acb.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news]
         got = [o.generated_tokens for o in eng.generate_batch(ps, params, progress_bar=False).values()]
     with torch.no_grad():
@@ -220,7 +220,7 @@ def test_the_decode_batch_keeps_each_row_as_its_own_cache():
     every row's keys and values, its padding (zeros, masked) and the trimmed width."""
     from transformers import DynamicCache
 
-    from acb.runner.own_forward import _DecodeBatch
+    from acb.runner.own_cache_runner import _DecodeBatch
 
     g = torch.Generator().manual_seed(0)
     layers, heads, dim = 2, 2, 3
@@ -286,16 +286,16 @@ def test_prefill_chunks_run_in_padded_groups_exactly(arch, monkeypatch):
     chunk and its later chunks (going on from its own cache, stacked left-padded before the new
     tokens) run in the step's left-padded prefill groups next to new prompts, and every request's
     tokens are still ``model.generate``'s."""
-    from acb.runner.own_forward import OwnForward
+    from acb.runner.own_cache_runner import OwnCacheRunner
 
     groups: list[list[tuple[bool, bool]]] = []  # per group: (goes on from a cache, a logit wanted) per row
-    spied = OwnForward._prefill_batch
+    spied = OwnCacheRunner._prefill_batch
 
     def spy(self, group, input_ids, want, out):
         groups.append([(row in self.single, bool(want.get(row))) for _, _, row in group])
         return spied(self, group, input_ids, want, out)
 
-    monkeypatch.setattr(OwnForward, "_prefill_batch", spy)
+    monkeypatch.setattr(OwnCacheRunner, "_prefill_batch", spy)
     ps = prompts([23, 5, 30, 12, 37, 9, 19], seed=6)
     cfg = acb.ContinuousBatchingConfig(
         num_blocks=14, page_size=4, max_batch_tokens=16, runner=CASES[arch][0], use_async_batching=True

@@ -38,7 +38,7 @@ KINDS = {
     "glm_moe_dsa": True,
     "qwen3_next": True,
     "mamba2": True,
-    "gptj": True,  # own caches: a copy cut at the block boundary (acb.runner.own_forward)
+    "gptj": True,  # own caches: a copy cut at the block boundary (acb.runner.own_cache_runner)
     "deepseek_v4": False,
 }
 # arch -> whether a preempted request's cache is offloaded (else recomputed) today

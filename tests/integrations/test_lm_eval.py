@@ -279,7 +279,7 @@ def test_on_the_own_cache_path_matches_hf(workdir, task_manager, hf_run):
     """The second runner path (the model on its own cache objects: what acb runs a model it
     cannot page on) gives lm-eval's hf backend's answers too."""
     with AcbLM(workdir["model"], tokenizer=workdir["tok"], max_length=MAX_LENGTH, runner="own_cache") as lm:
-        assert lm.engine.runner.own_forward is not None
+        assert lm.engine.runner.own_cache_runner is not None
         got = _evaluate(lm, task_manager)
     _assert_same_as_hf(hf_run, got)
 

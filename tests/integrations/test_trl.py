@@ -243,7 +243,7 @@ def test_greedy_grpo_on_a_model_only_the_own_cache_path_runs(tmp_path):
     trainer = _trainer(model, tok, reward, greedy=True, tmp_path=tmp_path)
     with use_acb(trainer) as rollouts:
         trainer.train()
-        assert rollouts.engine.runner.own_forward is not None and rollouts.calls == 2
+        assert rollouts.engine.runner.own_cache_runner is not None and rollouts.calls == 2
     assert trainer.state.global_step == 2 and len(seen[0]) == 4
     for prompt, got in seen[0]:
         ids = tok(prompt)["input_ids"]

@@ -11,7 +11,7 @@ import torch
 
 import acb
 from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
-from acb.runner.kv_cache import OWN_CACHE
+from acb.runner.kv_cache import UNPAGED
 from tests.test_model_sweep import ms
 
 # arch -> (kinds found, prefix rule, offload rule) with offload space given
@@ -25,8 +25,8 @@ EXPECTED = {
     "mamba": (("state",), "snapshot", "row"),  # Mamba1: a hit resumes a token at a time
     "falcon_h1": (("attention", "state"), "snapshot", "row"),
     "kimi_linear": (("attention", "state"), "snapshot", "row"),
-    "deepseek_v4": (("own cache",), "none", "none"),
-    "gptj": (("own forward",), "snapshot", "none"),
+    "deepseek_v4": (("unpaged",), "none", "none"),
+    "gptj": (("own cache runner",), "snapshot", "none"),
 }
 
 
@@ -54,10 +54,10 @@ def test_the_kinds_a_model_has_and_the_rules_it_gets(arch):
     assert (cfg.state_snapshots > 0) is (prefix == "snapshot")
     assert (cfg.num_swap_blocks > 0) is (layout.offload != Offload.NONE)
     # each attention layer is served by one kind; the page bytes are the pages' bytes
-    attention = [i for k in layout.kinds if k.name in ("attention", "latent", "own cache") for i in k.layers]
+    attention = [i for k in layout.kinds if k.name in ("attention", "latent", "unpaged") for i in k.layers]
     assert len(attention) == len(set(attention))
     assert layout.page_bytes_per_token * cfg.block_size == spec.bytes_per_block(cfg.block_size) - (
-        spec.bytes_per_token().get(OWN_CACHE, 0) * cfg.block_size
+        spec.bytes_per_token().get(UNPAGED, 0) * cfg.block_size
     )
     n = model.config.get_text_config().num_hidden_layers
     assert all(0 <= i < n for k in layout.kinds for i in k.layers)
@@ -86,9 +86,9 @@ def test_a_state_model_without_offload_space_or_snapshots_says_why():
 def test_the_strictest_rule_wins():
     a = LayerKindSpec("attention", (0,), page_bytes_per_token=8)
     s = LayerKindSpec("state", (1,), row_bytes=100, prefix=PrefixRule.SNAPSHOT, offload=Offload.ROW)
-    o = LayerKindSpec("own cache", (2,), token_bytes=4, prefix=PrefixRule.NONE, offload=Offload.NONE, why="w")
+    o = LayerKindSpec("unpaged", (2,), token_bytes=4, prefix=PrefixRule.NONE, offload=Offload.NONE, why="w")
     assert CacheLayout((a,)).prefix_rule == PrefixRule.CHAIN
     assert CacheLayout((a, s)).prefix_rule == PrefixRule.SNAPSHOT and CacheLayout((s, a)).offload == Offload.ROW
     assert CacheLayout((o, s, a)).prefix_rule == PrefixRule.NONE and CacheLayout((a, o)).offload == Offload.NONE
     assert CacheLayout((a, s, o)).bytes_per_request(10) == 10 * (8 + 4) + 100
-    assert CacheLayout((a, o)).why == "own cache: w"
+    assert CacheLayout((a, o)).why == "unpaged: w"

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acb.runner.kv_cache import INDEX_KEYS, KV, LATENT, OWN_CACHE, KVCache, KVSpec, PageGroup
+from acb.runner.kv_cache import INDEX_KEYS, KV, LATENT, UNPAGED, KVCache, KVSpec, PageGroup
 
 
 def test_page_groups_price_and_allocate_every_kind():
     # two K/V shapes (a sliding and a full layer), an MLA layer's latent in its place, then an
     # indexer's keys owned by model layer 2
     layers = [(KV, 2, 8), (KV, 1, 16), (LATENT, 1, 12), (KV, 2, 8), (INDEX_KEYS, 1, 4)]
-    spec = KVSpec.from_layers(torch.float32, layers, owners={4: 2}, unpaged=((OWN_CACHE, 0),))
+    spec = KVSpec.from_layers(torch.float32, layers, owners={4: 2}, unpaged=((UNPAGED, 0),))
     assert spec.num_layers == 5
     assert spec.kv_shapes() == {(2, 8): [0, 3], (1, 16): [1]}
     assert spec.latent_layers == (2,) and spec.layers_of(INDEX_KEYS) == (4,)
@@ -29,8 +29,8 @@ def test_page_groups_price_and_allocate_every_kind():
 
 
 def test_layers_without_pages_are_priced_by_kind():
-    spec = KVSpec(torch.float16, layer_map=(0, 0, 0), unpaged=((OWN_CACHE, 96),))
-    assert spec.num_layers == 0 and spec.kv_shapes() == {} and spec.bytes_per_token() == {OWN_CACHE: 96}
+    spec = KVSpec(torch.float16, layer_map=(0, 0, 0), unpaged=((UNPAGED, 96),))
+    assert spec.num_layers == 0 and spec.kv_shapes() == {} and spec.bytes_per_token() == {UNPAGED: 96}
     assert spec.bytes_per_block(16) == 16 * 96 and (spec.num_kv_heads, spec.head_dim) == (1, 1)
 
 

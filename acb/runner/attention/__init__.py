@@ -169,7 +169,7 @@ def acb_attention_forward(
     ctx: StepContext | Literal[True] | None = kwargs.get("acb_ctx")
     if ctx is None:  # a decoder layer that drops its kwargs (Nemotron): the thread's step, if any
         ctx = CURRENT.attention
-    if CURRENT.own_attention:  # a layer run on the model's own cache (acb.runner.own_cache)
+    if CURRENT.own_attention:  # a layer run on the model's own cache (acb.runner.unpaged_layers)
         ctx = None
         kwargs.pop("acb_ctx", None)
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
@@ -253,7 +253,7 @@ def acb_attention_forward(
 def own_attention_here() -> Iterator[None]:
     """Within the block, this thread's attention calls go to the model's own attention function
     (with the mask and keys the model gives it), as outside an engine step: for layers that run
-    on the model's own cache (:mod:`acb.runner.own_cache`)."""
+    on the model's own cache (:mod:`acb.runner.unpaged_layers`)."""
     with entered("own_attention", True):
         yield
 

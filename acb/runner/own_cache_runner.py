@@ -332,7 +332,7 @@ def _cache_of(kw: dict[str, Any]) -> Any:
     return None
 
 
-class OwnForward:
+class OwnCacheRunner:
     """Runs engine steps on the model's own caches (see the module docstring)."""
 
     def __init__(self, model: Any, start: dict[Slot, Any] | None = None) -> None:
@@ -581,7 +581,7 @@ class OwnForward:
         self.batch = None
 
     def nbytes(self) -> int:
-        from acb.runner.own_cache import cache_nbytes
+        from acb.runner.unpaged_layers import cache_nbytes
 
         own = sum(cache_nbytes(_cache_of(kw)) for kw in self.single.values())
         own += sum(cache_nbytes(_cache_of(kw)) for kw, _ in self.snaps.values())

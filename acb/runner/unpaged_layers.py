@@ -42,7 +42,7 @@ from acb.runner.step import CURRENT, entered
 COMPRESSOR_INTERFACE = "update_compressor_states"
 
 
-def own_cache_layers(model: torch.nn.Module) -> list[Any]:
+def find_unpaged_layers(model: torch.nn.Module) -> list[Any]:
     """The model's attention modules that run on its own cache: every module (with a
     ``layer_idx``) of a class some instance of which has a compressor submodule whose class
     calls ``update_compressor_states`` (a class's layers without a compressor, DeepSeek V4's
@@ -57,7 +57,7 @@ def own_cache_layers(model: torch.nn.Module) -> list[Any]:
     return [found[i] for i in sorted(found)]
 
 
-class OwnCaches:
+class UnpagedCaches:
     """The model's own cache object of each request row (made at its first step)."""
 
     def __init__(self, config: Any) -> None:
@@ -107,7 +107,7 @@ def cache_nbytes(cache: Any, depth: int = 0) -> int:
     return sum(cache_nbytes(v, depth + 1) for v in items)
 
 
-def own_cache_bytes_per_token(model: Any, max_len: int) -> int:
+def unpaged_bytes_per_token(model: Any, max_len: int) -> int:
     """What one more token costs the model's own cache of a request, measured: two forwards of
     random tokens (``n`` and ``2n`` long, ``n`` up to 256, past any window a layer keeps only
     the end of at these sizes) into fresh caches, and the difference of their bytes per token.
@@ -131,21 +131,21 @@ def own_cache_bytes_per_token(model: Any, max_len: int) -> int:
 class _Step:
     __slots__ = ("caches", "segments", "masks")
 
-    def __init__(self, caches: OwnCaches, segments: list[tuple[int, int, int]]) -> None:
+    def __init__(self, caches: UnpagedCaches, segments: list[tuple[int, int, int]]) -> None:
         self.caches = caches
         self.segments = segments  # (first token, end, request row)
         self.masks: dict[int, Any] = {}  # row -> the request's mask for this step
 
 
 @contextlib.contextmanager
-def own_cache_step(caches: OwnCaches, num_new: list[int], rows: list[int]) -> Iterator[None]:
+def unpaged_step(caches: UnpagedCaches, num_new: list[int], rows: list[int]) -> Iterator[None]:
     """Within the block, the intercepted layers of this thread's forward run per request
     (``num_new`` tokens each, in batch order, on the caches of their ``rows``)."""
     segments, lo = [], 0
     for n, row in zip(num_new, rows):
         segments.append((lo, lo + n, row))
         lo += n
-    with entered("own_cache", _Step(caches, segments)):
+    with entered("unpaged", _Step(caches, segments)):
         yield
 
 
@@ -175,7 +175,7 @@ def _mask(config: Any, cache: Any, hidden: torch.Tensor, position_ids: torch.Ten
 
 
 def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **kwargs: Any) -> Any:
-    step: _Step | None = CURRENT.own_cache
+    step: _Step | None = CURRENT.unpaged
     if step is None:  # not an engine step: the layer as it always was
         return original(*args, **kwargs)
     rest = call_arguments(sig, module, args, kwargs)
@@ -209,8 +209,8 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
     return (joined, None)
 
 
-class OwnCacheLayers(Interception):
+class UnpagedLayers(Interception):
     """The interception of a model's own-cache attention layers (installed for an engine's life)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(own_cache_layers(model), _forward)
+        super().__init__(find_unpaged_layers(model), _forward)
