@@ -214,7 +214,7 @@ def test_deepseek_v4_layers_run_on_their_own_cache():
     cfg = acb.ContinuousBatchingConfig(num_blocks=16, page_size=8, allow_block_sharing=True, cpu_offload_space=0.01)
     with acb.Engine(model, cfg) as eng:
         runner = eng.runner
-        assert [m.layer_idx for m in runner.own.layers] == [0, 1, 2, 3]
+        assert [m.layer_idx for m in runner.unpaged.layers] == [0, 1, 2, 3]
         assert runner.kv_cache.k == [] and runner.kv_cache.spec.num_layers == 0
         # the blocks are sized by what a token costs the model's own caches, measured at start: a
         # pooled entry per compress_rate tokens (CSA: the compressor's and its indexer's; HCA: one)
