@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from acb.api.ids import RequestIds
 from acb.core.engine_core import EngineCore
 from acb.models import tiny_model
 
@@ -102,13 +103,20 @@ def reference_generate(
 def kv_leak_check(monkeypatch):
     """After every test: every engine is stopped, every request ended, no KV block held."""
     cores: list[EngineCore] = []
+    registries: list[RequestIds] = []
     original = EngineCore.__init__
+    original_ids = RequestIds.__init__
 
     def tracking_init(self, *a, **kw):
         original(self, *a, **kw)
         cores.append(self)
 
+    def tracking_ids(self):
+        original_ids(self)
+        registries.append(self)
+
     monkeypatch.setattr(EngineCore, "__init__", tracking_init)
+    monkeypatch.setattr(RequestIds, "__init__", tracking_ids)
     yield cores
     for core in cores:
         if core.is_running:
@@ -117,7 +125,8 @@ def kv_leak_check(monkeypatch):
         core.check_invariants()
         assert core.pool.num_used == 0, f"{core.pool.num_used} KV blocks still held"
         assert not core.scheduler.live, f"requests left without an outcome: {list(core.scheduler.live)}"
-        assert not core.live_ids, f"request ids never released: {sorted(core.live_ids)}"
+    for ids in registries:
+        assert not ids.live, f"request ids never released: {sorted(ids.live)}"
 
 
 # A wait on the engine that never ends fails after this many seconds: a hang-guard, far above what

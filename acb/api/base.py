@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from acb import telemetry
 from acb.api.gate import AdmissionGate
+from acb.api.ids import RequestIds
 from acb.api.processor import InputProcessor, Submission
 from acb.api.sinks import SinkRegistry
 from acb.config import ConfigLike, ResolvedConfig, as_config
@@ -83,6 +84,7 @@ class EngineBase:
         self.runner: ModelRunner | None = None
         self.gate = AdmissionGate(config.max_queue_size)
         self.sinks = SinkRegistry()  # where the engine delivers each submit's results
+        self.ids = RequestIds()  # the ids live requests hold (claimed at submit, released with the final output)
         self._grammar_compiler: GrammarCompiler | None = None  # structured outputs: built on first use
         self._grammar_lock = threading.Lock()
         # the input processor: every submit is checked and made an engine request there
@@ -144,6 +146,7 @@ class EngineBase:
             core = EngineCore(
                 runner,
                 deliver=self.sinks.deliver,
+                release_id=self.ids.release,
                 on_dequeued=None if follower else self.gate.release,
                 sync=sync,
                 tokenizer=self.tokenizer,
@@ -446,10 +449,8 @@ class EngineBase:
         Args:
             req: what :meth:`make_request` returned.
         """
-        core = self._made_core()
         self.sinks.discard(req.engine_request.sink_key)
-        for mid in req.engine_request.member_ids:
-            core.release_id(mid)
+        self.ids.release_all(req.engine_request.member_ids)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request by id.
@@ -461,7 +462,7 @@ class EngineBase:
             Whether a live request had that id (unknown or finished ids: a logged no-op).
         """
         core = self.core
-        if core is None or not core.is_live(request_id):
+        if core is None or not self.ids.is_live(request_id):
             logger.info("cancel(%r): no live request with that id; nothing to do", request_id)
             return False
         core.cancel(request_id)

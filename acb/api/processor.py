@@ -233,17 +233,6 @@ def _member_ids(request_id: str, n: int) -> list[str]:
     return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
 
 
-def _claim_all(core: EngineCore, ids: Sequence[str]) -> str | None:
-    """Claim every id of ``ids`` or, when one is live already, none; returns that live id (None
-    when all are claimed)."""
-    for k, mid in enumerate(ids):
-        if not core.reserve_id(mid):
-            for taken in ids[:k]:
-                core.release_id(taken)
-            return mid
-    return None
-
-
 class Submission:
     """A validated submit on the caller's side (what :meth:`InputProcessor.make_request` returns):
     the :class:`EngineRequest` to post, and the sink its results go to. Its request ids are
@@ -721,14 +710,13 @@ class InputProcessor:
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         if request_id is None:  # a fresh id whose samples' ids are free too (a caller may hold "req_3#1")
             request_id = f"{id_prefix}_{next(self._ids)}"
-            while _claim_all(core, _member_ids(request_id, n)) is not None:
+            while engine.ids.claim(_member_ids(request_id, n)) is not None:
                 request_id = f"{id_prefix}_{next(self._ids)}"
-        elif not core.reserve_id(request_id):
-            raise InvalidRequestError(f"request_id {request_id!r} is already used by a live request", "request_id")
-        else:  # the samples' internal ids must not collide either
-            taken = _claim_all(core, _member_ids(request_id, n)[1:])
-            if taken is not None:
-                core.release_id(request_id)
+        else:
+            taken = engine.ids.claim(_member_ids(request_id, n))
+            if taken == request_id:
+                raise InvalidRequestError(f"request_id {request_id!r} is already used by a live request", "request_id")
+            if taken is not None:  # the samples' internal ids must not collide either
                 raise InvalidRequestError(
                     f"request id {taken!r} (sample of {request_id!r}) is already live", "request_id"
                 )
@@ -760,8 +748,7 @@ class InputProcessor:
                 images,
             )
         except BaseException:
-            for mid in member_ids:
-                core.release_id(mid)
+            engine.ids.release_all(member_ids)
             raise
         return Submission(er, sink)
 

@@ -104,6 +104,7 @@ class EngineCore:
         runner: Runner,
         *,
         deliver: Callable[[list[Delivery]], None],
+        release_id: Callable[[str], None] | None = None,
         on_dequeued: Callable[[int], None] | None = None,
         sync: StepSyncLike | None = None,
         tokenizer: TokenizerLike | None = None,
@@ -112,7 +113,8 @@ class EngineCore:
         """Sizes and policies come from ``runner.cfg`` (the runner resolved them on the device).
         ``sync``: the tensor-parallel command broadcast (:mod:`acb.runner.tp_sync`), when the
         model is sharded over several ranks. ``tokenizer``: decodes the text of requests with
-        stop strings (the only text decoded on the engine thread). ``grammars``: builds (once) the
+        stop strings (the only text decoded on the engine thread). ``release_id``: gives a request's
+        id back to the API's registry once its final output is built. ``grammars``: builds (once) the
         grammar compiler of structured outputs, asked for when the first constrained request comes."""
         cfg = runner.cfg
         self.weight_resets = 0  # times the prefix cache was dropped because the weights changed
@@ -147,7 +149,6 @@ class EngineCore:
         self._inbox: deque[Command] = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.weight_version: Any = 0  # the version of the weights steps run with (swap_weights)
@@ -157,7 +158,8 @@ class EngineCore:
         self.holds: Holds[Request] = Holds(
             asleep=self.runner_asleep, release=self.scheduler.add, changed=self._publish_stats
         )
-        self.outputs = DeliveryBuilder(self.release_id)  # what callers receive
+        self._release_id = release_id or (lambda request_id: None)
+        self.outputs = DeliveryBuilder(self._release_id)  # what callers receive
         self.dead_error: BaseException | None = None
         self.stats = EngineStats(kv_blocks_total=self.pool.num_usable)
         self._generated = 0
@@ -178,12 +180,6 @@ class EngineCore:
         return self._thread
 
     @property
-    def live_ids(self) -> frozenset[str]:
-        """The request ids claimed by live requests (a snapshot)."""
-        with self._lock:
-            return frozenset(self._live_ids)
-
-    @property
     def is_running(self) -> bool:
         """Whether the engine thread is alive."""
         return self._thread is not None and self._thread.is_alive()
@@ -197,33 +193,6 @@ class EngineCore:
             raise EngineDeadError(f"the engine died: {self.dead_error!r}") from self.dead_error
         if not self.is_running or self._stopping:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
-
-    def reserve_id(self, request_id: str) -> bool:
-        """Claim a request id for a new request; False if a live request already has it."""
-        with self._lock:
-            if request_id in self._live_ids:
-                return False
-            self._live_ids.add(request_id)
-            return True
-
-    def release_id(self, request_id: str) -> None:
-        """Give a claimed request id back (its request ended, or was never posted).
-
-        Args:
-            request_id: the id.
-        """
-        with self._lock:
-            self._live_ids.discard(request_id)
-
-    def is_live(self, request_id: str) -> bool:
-        """Args:
-            request_id: the id.
-
-        Returns:
-            Whether a live request holds it.
-        """
-        with self._lock:
-            return request_id in self._live_ids
 
     def add(self, req: EngineRequest) -> None:
         """Post a validated request to the engine thread (its ids already claimed).
@@ -690,8 +659,8 @@ class EngineCore:
             self.scheduler.release_all()
         except BaseException:  # noqa: BLE001
             logger.exception("could not release the dead engine's KV blocks")
-        with self._lock:
-            self._live_ids.clear()
+        for req in reqs + queued_adds:
+            self._release_id(req.request_id)
         for req in reqs + queued_adds:
             try:
                 final = self.outputs.final_of(req)

@@ -60,7 +60,7 @@ async def test_cancelled_while_waiting_for_a_queue_slot_gives_the_id_back():
         with anyio.move_on_after(0.2) as scope:  # a trio cancel scope under trio
             await eng.submit([7], acb.SamplingParams(max_new_tokens=2), request_id="patient")
         assert scope.cancelled_caught
-        assert not eng.core.is_live("patient")
+        assert not eng.ids.is_live("patient")
         # still full, and the id is free again: QueueFullError, not "already used"
         with pytest.raises(acb.QueueFullError):
             eng.submit_nowait([7], request_id="patient")
@@ -69,7 +69,7 @@ async def test_cancelled_while_waiting_for_a_queue_slot_gives_the_id_back():
             tg.start_soon(functools.partial(eng.submit, [7], request_id="patient"))
             await anyio.wait_all_tasks_blocked()  # the submit is parked on the queue's gate
             tg.cancel_scope.cancel()
-        assert not eng.core.is_live("patient")
+        assert not eng.ids.is_live("patient")
         held.set()
         h0.cancel()
         h1.cancel()  # the queue slot and the row are free again
@@ -138,7 +138,7 @@ async def test_engine_death_reaches_every_handle_and_waiting_submit(monkeypatch)
                 await h1.result()
     assert len(errors) == 1  # the submit waiting for a slot heard of it too
     await anyio.to_thread.run_sync(eng.join, 30)
-    assert not eng.is_running and not eng.core.live_ids
+    assert not eng.is_running and not eng.ids.live
     with pytest.raises(acb.EngineDeadError):
         await eng.submit([5])
 

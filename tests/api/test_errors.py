@@ -119,7 +119,7 @@ async def test_engine_death_fails_every_pending_handle(model, monkeypatch):
     with pytest.raises(acb.EngineDeadError):
         await eng.submit([1, 2, 3])
     # a dead engine gives back every block, row and id (the leak check after the test sees it)
-    assert eng.core.pool.num_used == 0 and not eng.core.live_ids and not sched.live
+    assert eng.core.pool.num_used == 0 and not eng.ids.live and not sched.live
 
 
 def test_unsupported_model_refused():

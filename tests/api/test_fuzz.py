@@ -418,7 +418,7 @@ async def until_idle(engine: acb.AsyncEngine, timeout: float = 120.0) -> None:
     """Wait until no request is live (``timeout``: a hang-guard only, far above any example's need)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while engine.core.live_ids:
+    while engine.ids.live:
         assert engine.is_running, "the engine stopped"
         assert loop.time() < deadline, "requests still live: the engine made no progress"
         await asyncio.sleep(0.002)

@@ -276,7 +276,7 @@ async def test_engine_death_reaches_every_handle_even_if_decoding_fails(model, m
     for h in hs:
         with pytest.raises(acb.EngineDeadError):
             await asyncio.wait_for(h.result(), 30)
-    assert core.pool.num_used == 0 and not core.live_ids  # a dead engine holds nothing
+    assert core.pool.num_used == 0 and not eng.ids.live  # a dead engine holds nothing
 
 
 def test_a_raising_result_callback_does_not_stop_the_engine(model, caplog):

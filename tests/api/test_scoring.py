@@ -165,12 +165,12 @@ async def test_async_score_and_cancellation(model):
         gate = threading.Event()
         eng.core.call(lambda c: gate.wait(HANG_GUARD))
         task = asyncio.ensure_future(eng.score(ctx, [[3], [4, 5]]))
-        await eventually(lambda: eng.core.live_ids, "the score's engine requests are submitted")
+        await eventually(lambda: eng.ids.live, "the score's engine requests are submitted")
         task.cancel()  # (the engine is held: they cannot have ended)
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await eventually(lambda: not eng.core.live_ids, "the cancelled score's engine requests end")
+        await eventually(lambda: not eng.ids.live, "the cancelled score's engine requests end")
 
 
 def test_bad_scoring_input_is_refused(model):
@@ -188,7 +188,7 @@ def test_bad_scoring_input_is_refused(model):
         ):
             with pytest.raises(exc, match=match):
                 eng.score(*args, **kw)
-        assert not eng.core.live_ids
+        assert not eng.ids.live
         # the longest windows that fit: a context of limit tokens and a continuation of 1; a
         # continuation of 2 forks a child from the context request, which then needs the context's
         # full blocks and two partial ones: 61 * 8 + 7 = 495 context tokens in 63 blocks
@@ -252,6 +252,6 @@ def test_a_scoring_group_too_wide_for_the_rows_is_refused(model, rows):
             "(Engine.score plans groups that fit)"
         )
         assert "samples" not in message  # (not the refusal of n=2 samples)
-        assert not eng.core.live_ids  # the id was never claimed: it can be used
+        assert not eng.ids.live  # the id was never claimed: it can be used
         out = eng.score(ctx, conts, request_id="wide")
     check(model, out, ctx, conts)

@@ -146,7 +146,7 @@ async def test_async_engine_bad_specs_cancel_and_stream(model, tok):
         async for _ in h:
             break
         assert (await h.result()).status == acb.RequestStatus.CANCELLED
-        assert not eng.core.live_ids
+        assert not eng.ids.live
 
 
 def test_structured_outputs_need_a_tokenizer_and_flexible_whitespace(model, tok):
@@ -349,7 +349,7 @@ def test_a_grammar_that_cannot_go_on_ends_with_finish_reason_grammar(model, tok,
             assert (s.finish_reason, s.text in ("abc", "bac")) == (acb.FinishReason.GRAMMAR, True), s
         # alone, streamed: the deltas add up to the output, which ends the same way
         assert eng.generate(prompts[0], sps[3]).text == "ab"
-        assert not eng.core.live_ids
+        assert not eng.ids.live
         assert eng.stats.preemptions > 0 or "max_batch_tokens" not in cfg
 
 

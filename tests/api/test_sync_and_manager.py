@@ -264,7 +264,7 @@ def test_generate_batch_callback_per_prompt_sampling_and_stop(async_batching, of
         statuses = {o.status for o in res.values()}
         assert statuses <= {acb.RequestStatus.FINISHED, acb.RequestStatus.CANCELLED}
         assert acb.RequestStatus.CANCELLED in statuses
-        assert not any(eng.core.is_live(f"req_{i}") for i in range(len(many)))
+        assert not any(eng.ids.is_live(f"req_{i}") for i in range(len(many)))
         # the engine outlives it: the same ids run again
         again = eng.generate_batch(prompts[:2], max_new_tokens=3, progress_bar=False)
         assert [o.generated_tokens for o in again.values()] == [

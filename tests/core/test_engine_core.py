@@ -104,7 +104,7 @@ class Collector:
             self.done.set()
 
 
-def make_core(runner, collector, *, async_batching, num_blocks=64, budget=16) -> EngineCore:
+def make_core(runner, collector, *, async_batching, num_blocks=64, budget=16, release_id=None) -> EngineCore:
     runner.cfg = ResolvedConfig(
         block_size=4,
         num_blocks=num_blocks,
@@ -121,7 +121,7 @@ def make_core(runner, collector, *, async_batching, num_blocks=64, budget=16) ->
         kv_cache_bytes=0,
         async_batching=async_batching,
     )
-    return EngineCore(runner, deliver=collector)
+    return EngineCore(runner, deliver=collector, release_id=release_id)
 
 
 def requests(n: int = 6, max_new: int = 7) -> list[EngineRequest]:
@@ -231,7 +231,8 @@ def test_stop_cancels_or_drains(drain):
 
 def test_a_dead_engine_fails_everyone_and_holds_nothing(monkeypatch):
     runner, col = FakeRunner(), Collector(6)
-    core = make_core(runner, col, async_batching=True)
+    released: list[str] = []
+    core = make_core(runner, col, async_batching=True, release_id=released.append)
     core.start()
     gate = threading.Event()
     core.call(lambda c: gate.wait(30))
@@ -247,5 +248,5 @@ def test_a_dead_engine_fails_everyone_and_holds_nothing(monkeypatch):
     core.join(30)
     assert isinstance(core.dead_error, AssertionError)
     assert all(o.failure == FailureKind.ENGINE_DEAD for o in col.finals.values())
-    assert core.pool.num_used == 0 and not core.live_ids
+    assert core.pool.num_used == 0 and set(released) == {r.request_id for r in requests()}  # every id given back
     core.check_invariants()
