@@ -22,7 +22,7 @@ from acb.cli.common import (
 from acb.grammar_budget import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_BYTES, DEFAULT_MAX_REPETITION
 
 if TYPE_CHECKING:
-    from acb.serve.launch import ServerSettings
+    from acb.serve.settings import ServerSettings
 
 
 def _add_serve(sub: Any) -> None:
@@ -251,14 +251,13 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         args: the parsed flags of ``acb serve``.
 
     Returns:
-        The :class:`acb.serve.ServerSettings`.
+        The :class:`acb.serve.settings.ServerSettings`.
 
     Raises:
         CliError: the serve extra is missing, or a flag's value is refused.
     """
     try:
-        from acb.serve.app import AppOptions
-        from acb.serve.launch import ServerSettings, TelemetrySettings
+        from acb.serve.settings import ServerSettings, TelemetrySettings
     except ImportError as exc:
         raise CliError(str(exc)) from None
     source = model_source(args)
@@ -266,19 +265,6 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         source.check()
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    app = AppOptions(
-        trust_request_chat_template=args.trust_request_chat_template,
-        max_prompts_per_request=args.max_prompts_per_request,
-        grace_period=args.grace_period,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        allowed_media_domains=tuple(args.allowed_media_domains),
-        max_image_bytes=args.max_image_bytes,
-        max_image_pixels=args.max_image_pixels,
-        media_fetch_timeout=args.media_fetch_timeout,
-        enable_weight_updates=args.enable_weight_updates,
-        weight_transfer_hosts=tuple(args.weight_transfer_hosts or AppOptions.weight_transfer_hosts),
-    )
     return ServerSettings(
         model=source,
         engine=_engine_config(
@@ -292,7 +278,17 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         name=args.served_model_name,
         api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
         max_body_bytes=args.max_body_bytes,
-        app=app,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_prompts_per_request=args.max_prompts_per_request,
+        grace_period=args.grace_period,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        allowed_media_domains=tuple(args.allowed_media_domains),
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        media_fetch_timeout=args.media_fetch_timeout,
+        enable_weight_updates=args.enable_weight_updates,
+        weight_transfer_hosts=tuple(args.weight_transfer_hosts or ServerSettings.weight_transfer_hosts),
         telemetry=TelemetrySettings(args.otlp_endpoint, args.otlp_protocol, args.otel_capture_content),
         host=args.host,
         port=args.port,

@@ -51,8 +51,9 @@ from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 from acb.serve.ingress import FanOut, IngressDrain, RoutedRequest, affinity_key, forwarding_app
-from acb.serve.launch import Server, ServerSettings, build_server
+from acb.serve.launch import Server, build_server
 from acb.serve.protocol import APIError
+from acb.serve.settings import ServerSettings
 
 try:
     from ray import serve
@@ -405,7 +406,7 @@ def build_application(
         ValueError: weight updates with autoscaling (a trainer's group has a fixed size).
     """
     fan_out = None
-    if settings.app.enable_weight_updates:
+    if settings.enable_weight_updates:
         if min_replicas is not None or max_replicas is not None:
             raise ValueError(
                 "--enable-weight-updates needs a fixed replica count (--num-replicas N): a trainer's "
@@ -418,7 +419,7 @@ def build_application(
         max_replicas=max_replicas,
         num_gpus=num_gpus,
         num_cpus=num_cpus,
-        grace_period=settings.grace_period,
+        grace_period=settings.grace_seconds,
     )
     engines = (
         serve.deployment(AcbEngine, name="AcbEngine")
@@ -563,7 +564,7 @@ def run(app: Any, settings: ServerSettings, *, address: str | None = None, repli
                 pass
             print("acb serve: stopping: draining the ingress", flush=True)
         if handle is not None:
-            _drain(handle, settings.grace_period, stop)
+            _drain(handle, settings.grace_seconds, stop)
     finally:
         serve.shutdown()  # stops the replicas (each runs its app's lifespan shutdown)
         ray.shutdown()

@@ -1,7 +1,8 @@
 """``acb serve``: an OpenAI-compatible HTTP server on :class:`acb.AsyncEngine` (extra ``serve``:
-FastAPI, uvicorn, the OpenTelemetry SDK and its Prometheus exporter). :func:`build_app` gives the
-app; :func:`run` serves an engine built in code; :class:`ServerSettings` and :func:`build_server`
-are the one way every ``acb serve`` server starts (:mod:`acb.serve.launch`)."""
+FastAPI, uvicorn, the OpenTelemetry SDK and its Prometheus exporter). :class:`ServerSettings`
+(:mod:`acb.serve.settings`) is everything one server is; :func:`build_server` is the one way every
+``acb serve`` server starts from them, and :func:`run` builds one and serves HTTP (or serves an
+engine built in code) (:mod:`acb.serve.launch`); :func:`build_app` gives the app on an engine."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ _missing = telemetry.sdk_missing(prometheus=True)  # /metrics: the SDK's Prometh
 if _missing is not None:  # pragma: no cover - depends on the install
     raise ImportError(f"acb serve needs the serve extra: pip install -e '.[serve]' in acb's checkout ({_missing})")
 
-from acb.serve.app import DEFAULT_MAX_BODY_BYTES, build_app  # noqa: E402
-from acb.serve.launch import Server, ServerSettings, TelemetrySettings, build_server, run  # noqa: E402
+from acb.serve.app import build_app  # noqa: E402
+from acb.serve.launch import Server, build_server, run  # noqa: E402
+from acb.serve.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings, TelemetrySettings  # noqa: E402
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",

@@ -28,25 +28,18 @@ A client of the library like any user's code: it only calls the engine's public 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-import acb
-from acb.serve import responses, shaping
+from acb.api.async_engine import AsyncEngine
+from acb.serve import responses, routes, shaping
 from acb.serve.formatting import CompletionOutput
-from acb.serve.media import (
-    DEFAULT_FETCH_TIMEOUT,
-    DEFAULT_MAX_IMAGE_BYTES,
-    DEFAULT_MAX_IMAGE_PIXELS,
-    MediaPolicy,
-    content_parts,
-)
+from acb.serve.media import content_parts
 from acb.serve.pipeline import (
     Job,
     Prompts,
@@ -64,122 +57,34 @@ from acb.serve.protocol import (
     check_choices,
     install_error_handlers,
 )
-from acb.serve.render_pool import DEFAULT_RENDER_THREADS, DEFAULT_RENDER_TIMEOUT
+from acb.serve.settings import ServerSettings
 from acb.telemetry import Telemetry
-from acb.weight_transfer import LOOPBACK_HOSTS
-
-DEFAULT_MAX_BODY_BYTES = 16 << 20
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024  # completions (prompts × n) one request may ask for
-
-
-@dataclass(frozen=True)
-class AppOptions:
-    """:func:`build_app`'s settings beyond the engine and the name (see its docstring)."""
-
-    trust_request_chat_template: bool = False
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
-    grace_period: float | None = None
-    render_timeout: float = DEFAULT_RENDER_TIMEOUT
-    render_threads: int = DEFAULT_RENDER_THREADS
-    tool_call_parser: str | None = None  # acb.serve.tool_parsers.TOOL_PARSERS: tool_choice "auto"
-    reasoning_parser: str | None = None  # acb.serve.reasoning.REASONING_PARSERS: reasoning_content
-    # images in requests (acb.serve.media): domains whose http(s) image URLs are fetched (none:
-    # data URLs only), the largest image in bytes and in pixels, seconds a fetch may take
-    allowed_media_domains: tuple[str, ...] = ()
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    media_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
-    # the routes of a trainer elsewhere (acb.serve.weights): pause, sleep, weight updates
-    enable_weight_updates: bool = False
-    # where /init_weight_transfer may make the server connect (acb.serve.weights.resolve_trainer)
-    weight_transfer_hosts: tuple[str, ...] = LOOPBACK_HOSTS
 
 
 def build_app(
-    engine: acb.AsyncEngine,
-    model_name: str,
+    engine: AsyncEngine,
+    settings: ServerSettings,
     *,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_ready: Callable[[], None] | None = None,
     telemetry: Telemetry | None = None,
-    trust_request_chat_template: bool | None = None,
-    max_prompts_per_request: int | None = None,
-    grace_period: float | None = None,
-    render_timeout: float | None = None,
-    render_threads: int | None = None,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    allowed_media_domains: Sequence[str] | None = None,
-    max_image_bytes: int | None = None,
-    max_image_pixels: int | None = None,
-    media_fetch_timeout: float | None = None,
-    enable_weight_updates: bool | None = None,
-    weight_transfer_hosts: Sequence[str] | None = None,
 ) -> FastAPI:
-    """The app serving ``engine`` as ``model_name``. The engine is started in the background
-    when the app starts (``/health`` says when it is ready) and stopped when it stops.
-    ``telemetry`` (from ``acb.telemetry.configure(prometheus=True)``) gives ``/metrics``; each
-    request gets a SERVER span when a tracer provider is set.
+    """The app serving ``engine`` as ``settings.served_name``, with the app's part of
+    ``settings`` (:class:`~acb.serve.settings.ServerSettings`: the API key, the body and prompt
+    limits, the parsers, the media limits, a trainer's routes...; its model and engine fields are
+    not read: the engine is given). The engine is started in the background when the app starts
+    (``/health`` says when it is ready) and stopped when it stops. ``on_ready`` is called once it
+    runs. ``telemetry`` (from ``acb.telemetry.configure(prometheus=True)``) gives ``/metrics``;
+    each request gets a SERVER span when a tracer provider is set. Its routes are those of
+    :data:`acb.serve.routes.ROUTES` (a trainer's only with ``settings.enable_weight_updates``).
 
-    ``trust_request_chat_template``: accept a chat template in the request (``chat_template``,
-    or in ``chat_template_kwargs``); by default a 400, since the server would run the client's
-    code. ``max_prompts_per_request``: the most completions (prompts × ``n``) one request may ask
-    for; more is a 400. ``grace_period``: seconds requests in flight get after SIGINT/SIGTERM
-    (default: the server's own, uvicorn's ``timeout_graceful_shutdown``). ``render_timeout``:
-    seconds a request's chat rendering and tokenizing may take (a 400 past it);
-    ``render_threads``: how many run at once. ``tool_call_parser`` (``hermes``, ``llama3_json``):
-    how ``tool_choice="auto"`` finds tool calls in the model's text (without one, ``auto`` is
-    refused). ``reasoning_parser`` (``deepseek_r1``, ``qwen3``): the model's ``<think>`` text is
-    returned as ``reasoning_content``. ``allowed_media_domains``: the domains whose ``http(s)``
-    image URLs the server fetches (by default none: images come as ``data:`` URLs), within
-    ``media_fetch_timeout`` seconds; an image has at most ``max_image_bytes`` bytes and
-    ``max_image_pixels`` pixels (:mod:`acb.serve.media`). Arguments not given take
-    :class:`AppOptions`' defaults. ``enable_weight_updates``: the routes a trainer elsewhere
-    drives (pause, sleep, weight updates from disk or over ``torch.distributed``:
-    :mod:`acb.serve.weights`), behind ``api_key`` when one is set; ``weight_transfer_hosts``: the
-    trainer addresses (IPs, networks, host names, ``*``) it may join a group at (loopback by
-    default)."""
-    given: dict[str, Any] = {
-        "trust_request_chat_template": trust_request_chat_template,
-        "max_prompts_per_request": max_prompts_per_request,
-        "grace_period": grace_period,
-        "render_timeout": render_timeout,
-        "render_threads": render_threads,
-        "tool_call_parser": tool_call_parser,
-        "reasoning_parser": reasoning_parser,
-        "allowed_media_domains": None if allowed_media_domains is None else tuple(allowed_media_domains),
-        "max_image_bytes": max_image_bytes,
-        "max_image_pixels": max_image_pixels,
-        "media_fetch_timeout": media_fetch_timeout,
-        "enable_weight_updates": enable_weight_updates,
-        "weight_transfer_hosts": None if weight_transfer_hosts is None else tuple(weight_transfer_hosts),
-    }
-    options = replace(AppOptions(), **{k: v for k, v in given.items() if v is not None})
-    shaping.check_parsers(options.tool_call_parser, options.reasoning_parser)
-    if options.max_prompts_per_request < 1:
-        raise ValueError(f"max_prompts_per_request must be >= 1, got {options.max_prompts_per_request}")
-    state = ServerState(
-        engine,
-        model_name,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        on_ready=on_ready,
-        telemetry=telemetry,
-        trust_request_chat_template=options.trust_request_chat_template,
-        max_prompts_per_request=options.max_prompts_per_request,
-        grace_period=options.grace_period,
-        render_threads=options.render_threads,
-        render_timeout=options.render_timeout,
-        tool_call_parser=options.tool_call_parser,
-        reasoning_parser=options.reasoning_parser,
-        media=MediaPolicy(
-            options.allowed_media_domains,
-            options.max_image_bytes,
-            options.max_image_pixels,
-            options.media_fetch_timeout,
-        ),
-    )
+    Raises:
+        ValueError: an unknown parser, or ``max_prompts_per_request`` below 1.
+    """
+    shaping.check_parsers(settings.tool_call_parser, settings.reasoning_parser)
+    if settings.max_prompts_per_request < 1:
+        raise ValueError(f"max_prompts_per_request must be >= 1, got {settings.max_prompts_per_request}")
+    state = ServerState(engine, settings, on_ready=on_ready, telemetry=telemetry)
+    model_name = state.model_name
     engine.model_name = model_name  # the name in the engine's spans and metrics
 
     @asynccontextmanager
@@ -203,13 +108,13 @@ def build_app(
 
     install_error_handlers(app)  # OpenAI error bodies on every failure path
 
-    @app.get("/health")
+    @routes.add(app, routes.HEALTH)
     async def health() -> Response:
         if state.ready and not state.closing:
             return PlainTextResponse("ok")
         return PlainTextResponse("starting" if not state.closing else "shutting down", status_code=503)
 
-    @app.get("/metrics")
+    @routes.add(app, routes.METRICS)
     async def metrics() -> Response:
         tel = state.telemetry
         if tel is None or tel.prometheus_registry is None:
@@ -218,7 +123,7 @@ def build_app(
             )
         return Response(tel.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @routes.add(app, routes.MODELS)
     async def models(request: Request) -> dict[str, Any]:
         authorize(state, request)
         return {
@@ -226,21 +131,21 @@ def build_app(
             "data": [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "acb"}],
         }
 
-    @app.post("/v1/chat/completions")
+    @routes.add(app, routes.CHAT_COMPLETIONS)
     async def chat(request: Request) -> Response:
         return await serve(state, request, ChatCompletionRequest, "chat", lambda body: _chat_job(state, body))
 
-    @app.post("/v1/completions")
+    @routes.add(app, routes.COMPLETIONS)
     async def completions(request: Request) -> Response:
         return await serve(
             state, request, CompletionRequest, "text_completion", lambda body: _completion_job(state, body)
         )
 
     responses.add_routes(app, state)  # POST /v1/responses (the Responses API)
-    if options.enable_weight_updates:  # a trainer's routes: pause, sleep, weights (acb.serve.weights)
+    if settings.enable_weight_updates:  # a trainer's routes: pause, sleep, weights (acb.serve.weights)
         from acb.serve import weights
 
-        weights.add_routes(app, state, options.weight_transfer_hosts)
+        weights.add_routes(app, state, settings.weight_transfer_hosts)
     return app
 
 
@@ -250,9 +155,9 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
     vLLM's ``structured_outputs``, a forced tool call), its choices shaped into messages."""
     if state.tokenizer is None:
         raise APIError(400, "the served model has no tokenizer: chat needs one", param="messages")
-    kwargs = body.template_kwargs(state.trust_request_chat_template)
-    check_choices(1, body.n, state.max_prompts_per_request)
-    plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
+    kwargs = body.template_kwargs(state.settings.trust_request_chat_template)
+    check_choices(1, body.n, state.settings.max_prompts_per_request)
+    plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.tool_call_parser)
     if plan.template_tools is not None:  # the model's chat template renders the tools
         kwargs = {**(kwargs or {}), "tools": plan.template_tools}
     constraint = shaping.one_constraint(
@@ -269,7 +174,7 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         for i, m in enumerate(body.messages)
     ]
     sampling = body.sampling(body.max_new_tokens(), body.logprobs_k(), None if constraint is None else constraint.spec)
-    tokenizer, parser = state.tokenizer, state.reasoning_parser
+    tokenizer, parser = state.tokenizer, state.settings.reasoning_parser
 
     def output(prompts: Prompts) -> CompletionOutput:
         return CompletionOutput(
@@ -303,7 +208,7 @@ def _completion_job(state: ServerState, body: CompletionRequest) -> Job:
     """A text completion's part of the pipeline: its prompts (texts tokenized in one batch, token
     ids as they are), its constraint (vLLM's ``structured_outputs``), its choices as text."""
     prompts = body.prompts()
-    check_choices(len(prompts), body.n, state.max_prompts_per_request)
+    check_choices(len(prompts), body.n, state.settings.max_prompts_per_request)
     if any(isinstance(p, str) for p in prompts) and state.tokenizer is None:
         raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
     structured = shaping.structured_from_extra(body.model_extra or {})

@@ -11,12 +11,15 @@ app answers it as a plain ``acb serve`` does (a 400). A request may name its own
 ``x-acb-affinity`` header (requests with the same value meet on one replica: a conversation
 whose prefix changes, or a scraper of ``/metrics`` visiting each replica).
 
-The routes a trainer drives (``acb serve --enable-weight-updates``: :data:`FAN_OUT_ROUTES`) go to
-every replica, not one (:class:`FanOut`): a pause, a sleep or a weight update reaches each; in
-``/init_weight_transfer`` each replica joins the trainer's group with its own rank (the body's
-``rank_offset`` plus its index, replicas in a fixed order), and ``GET /get_world_size`` answers
-the sum of the replicas' own (one rank each), so the trainer sizes the group. The answer is the replicas' common one, or
-the failures of those that failed, each named.
+What a route needs from the ingress is read from the app's own route table
+(:data:`acb.serve.routes.ROUTES`), never listed here: a generation's prompt makes its prefix key
+(:data:`PROMPT_PATHS`), and the routes a trainer drives (``acb serve --enable-weight-updates``:
+:data:`FAN_OUT_ROUTES`) go to every replica, not one (:class:`FanOut`): a pause, a sleep or a
+weight update reaches each; in ``/init_weight_transfer`` each replica joins the trainer's group
+with its own rank (the body's ``rank_offset`` plus its index, replicas in a fixed order), and
+``GET /get_world_size`` answers the sum of the replicas' own (one rank each), so the trainer sizes
+the group. The answer is the replicas' common one, or the failures of those that failed, each
+named. Any other path is forwarded as it is (the replica's app answers it, a 404 included).
 
 On SIGINT/SIGTERM the launcher calls :meth:`IngressDrain.drain`, as a plain ``acb serve``'s
 :class:`~acb.serve.protocol.Drain` runs: new requests and ``/health`` get 503, requests in flight
@@ -31,11 +34,12 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from acb.serve.protocol import DRAIN_FLUSH_S, APIError, internal_error, read_body, shutdown_error
+from acb.serve.routes import HEALTH, ROUTES, Route
 
 __all__ = [
     "AFFINITY_CHARS",
@@ -43,6 +47,7 @@ __all__ = [
     "FAN_OUT_ROUTES",
     "FanOut",
     "IngressDrain",
+    "PROMPT_PATHS",
     "RoutedRequest",
     "affinity_key",
     "forwarding_app",
@@ -79,7 +84,7 @@ def affinity_key(path: str, body: bytes) -> str | None:
     Returns:
         A hex digest, or None (not a generation, or a body the replica will refuse).
     """
-    if not path.rstrip("/").endswith(("/chat/completions", "/completions", "/responses")):
+    if path.rstrip("/") not in PROMPT_PATHS:
         return None
     try:
         doc = json.loads(body)
@@ -150,21 +155,10 @@ class IngressDrain:
             self.expired.set_result(None)
 
 
-# the routes of acb.serve.weights: every replica must see them
-FAN_OUT_ROUTES = frozenset(
-    {
-        "/pause",
-        "/resume",
-        "/is_paused",
-        "/sleep",
-        "/wake_up",
-        "/update_weights_from_disk",
-        "/init_weight_transfer",
-        "/update_weights",
-        "/close_weight_transfer",
-        "/get_world_size",
-    }
-)
+# what the ingress does by route, read from the app's own table (acb.serve.routes): a trainer's
+# routes reach every replica; a generation's prompt makes its prefix key
+FAN_OUT_ROUTES: Mapping[str, Route] = {r.path: r for r in ROUTES if r.trainer}
+PROMPT_PATHS = frozenset(r.path for r in ROUTES if r.prompt)
 
 
 class FanOut:
@@ -187,20 +181,22 @@ class FanOut:
 
     async def __call__(self, routed: RoutedRequest) -> tuple[int, dict[str, Any]]:
         """One fanned-out request: its status and JSON body."""
+        path = routed.path.rstrip("/")
+        route = FAN_OUT_ROUTES.get(path) or Route(path, (routed.method,), trainer=True)
         ids = sorted(await self.replicas())
         bodies = [routed.body] * len(ids)
-        if routed.path.rstrip("/") == "/init_weight_transfer":
+        if route.ranked:
             bodies = _ranked(routed.body, len(ids))
         answers = await asyncio.gather(
             *(self.send(replace(routed, replica=r, body=b)) for r, b in zip(ids, bodies)), return_exceptions=True
         )
-        return _merge(routed.path.rstrip("/"), ids, answers)
+        return _merge(route, ids, answers)
 
 
 def _ranked(body: bytes, n: int) -> list[bytes]:
-    """``/init_weight_transfer``'s body for each of ``n`` replicas: replica ``i`` joins with
-    ``rank_offset + i``. A body that is not that route's JSON goes unchanged (each replica
-    refuses it as a plain server does)."""
+    """A ranked route's body (``/init_weight_transfer``'s) for each of ``n`` replicas: replica
+    ``i`` joins with ``rank_offset + i``. A body that is not that route's JSON goes unchanged
+    (each replica refuses it as a plain server does)."""
     try:
         doc = json.loads(body)
         offset = doc["rank_offset"]
@@ -211,9 +207,10 @@ def _ranked(body: bytes, n: int) -> list[bytes]:
     return [json.dumps({**doc, "rank_offset": offset + i}).encode() for i in range(n)]
 
 
-def _merge(path: str, ids: Sequence[str], answers: Sequence[Any]) -> tuple[int, dict[str, Any]]:
-    """The replicas' answers as one: the first replica's body when all succeeded (``/is_paused``:
-    paused when every replica is), else the failures, each named, under the most telling status
+def _merge(route: Route, ids: Sequence[str], answers: Sequence[Any]) -> tuple[int, dict[str, Any]]:
+    """The replicas' answers as one: as the route's ``merge`` says when all succeeded (the first
+    replica's body; ``/is_paused``: paused when every replica is; ``/get_world_size``: the sum),
+    else the failures, each named, under the most telling status
     (a refusal before the 409 it caused elsewhere, a 4xx before a 5xx)."""
     failed: list[tuple[int, str]] = []
     bodies: list[dict[str, Any]] = []
@@ -232,10 +229,10 @@ def _merge(path: str, ids: Sequence[str], answers: Sequence[Any]) -> tuple[int, 
         message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
         failed.append((status, f"replica {rid}: {message or raw[:200].decode(errors='replace')}"))
     if not failed:
-        if path == "/get_world_size":  # (each replica answered it: its API key checked there)
+        if route.merge == "world_size":  # (each replica answered it: its API key checked there)
             return 200, {"world_size": sum(int(b.get("world_size", 0)) for b in bodies)}
         out = dict(bodies[0]) if bodies else {}
-        if path == "/is_paused":
+        if route.merge == "all_paused":
             out["paused"] = all(b.get("paused") for b in bodies)
         out["replicas"] = len(ids)
         return 200, out
@@ -279,7 +276,7 @@ def forwarding_app(
     """
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse, StreamingResponse
-    from starlette.routing import Route
+    from starlette.routing import Route as StarletteRoute
 
     limit = max_body_bytes
     draining = drain if drain is not None else IngressDrain()
@@ -307,7 +304,7 @@ def forwarding_app(
 
     async def forward(request: Any) -> Any:
         if draining.closing:
-            if request.url.path == "/health":
+            if request.url.path == HEALTH.path:
                 return PlainTextResponse("shutting down", status_code=503)
             return _json_error(
                 APIError(503, "the server is shutting down", type="server_error", headers={"Retry-After": "1"})
@@ -375,7 +372,7 @@ def forwarding_app(
             return _json_error(internal_error(exc))
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
-    app = Starlette(routes=[Route("/{path:path}", answer, methods=methods)])
+    app = Starlette(routes=[StarletteRoute("/{path:path}", answer, methods=methods)])
     return _Counting(app, draining)
 
 

@@ -1,5 +1,6 @@
-"""One way to start a server: :class:`ServerSettings` (built once, from ``acb serve``'s flags or in
-code) and :func:`build_server`, which turns them into a :class:`Server`.
+"""One way to start a server: :class:`~acb.serve.settings.ServerSettings` (built once, from ``acb
+serve``'s flags or in code) and :func:`build_server`, which turns them into a :class:`Server`
+(:func:`run`: build it and serve HTTP, in one call).
 
 Every server goes through :func:`build_server`: a plain ``acb serve`` (which then serves HTTP
 with uvicorn, :meth:`Server.run`), its ``torchrun`` followers (whose server is following the
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterator, MutableMapping
-from dataclasses import dataclass, field
 from typing import Any
 
 try:
@@ -26,56 +25,17 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"acb serve needs the serve extra: pip install -e '.[serve]' in acb's checkout ({exc})") from None
 
-import acb
 from acb import telemetry
-from acb.model_source import ModelSource, follow, is_tp_follower
-from acb.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, AppOptions, build_app
+from acb.api.async_engine import AsyncEngine
+from acb.model_source import follow, is_tp_follower
+from acb.serve.app import build_app
+from acb.serve.settings import ServerSettings
 
-__all__ = ["Server", "ServerSettings", "TelemetrySettings", "build_server", "run"]
-
-
-@dataclass(frozen=True)
-class TelemetrySettings:
-    """Where the server's spans and metrics go: OTLP to ``otlp_endpoint`` (None: the standard
-    ``OTEL_EXPORTER_OTLP_*`` variables, else no export) over ``otlp_protocol``; prompt and output
-    text in the spans with ``capture_content``. ``/metrics`` is always served."""
-
-    otlp_endpoint: str | None = None
-    otlp_protocol: str | None = None
-    capture_content: bool = False
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """Everything one server is: the model (:class:`~acb.model_source.ModelSource`), the engine's
-    config, the name it is served as, the app's options (:func:`acb.serve.app.build_app`'s
-    keywords), telemetry, and where a plain server listens. Plain values: it pickles, so that a
-    Ray Serve replica receives the same settings as the launcher built."""
-
-    model: ModelSource = field(default_factory=ModelSource)
-    engine: acb.ContinuousBatchingConfig = field(default_factory=acb.ContinuousBatchingConfig)
-    name: str | None = None  # None: the model's default name (its directory's)
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    app: AppOptions = field(default_factory=AppOptions)
-    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    verbose: bool = False  # acb's info messages on stderr
-
-    @property
-    def served_name(self) -> str:
-        """The model's name in the API and in telemetry."""
-        return self.name or self.model.default_name
-
-    @property
-    def grace_period(self) -> float:
-        """Seconds requests in flight get on SIGINT/SIGTERM."""
-        return 30.0 if self.app.grace_period is None else self.app.grace_period
+__all__ = ["Server", "build_server", "run"]
 
 
 class Server:
-    """A server built from :class:`ServerSettings` (:func:`build_server`): its ``engine``, its
+    """A server built from :class:`~acb.serve.settings.ServerSettings` (:func:`build_server`): its ``engine``, its
     ``app`` and its ``telemetry``; or, on a tensor-parallel follower rank, what it follows
     (``follower``: true, and no app).
 
@@ -88,7 +48,7 @@ class Server:
     def __init__(
         self,
         settings: ServerSettings,
-        engine: acb.AsyncEngine | None,
+        engine: AsyncEngine | None,
         tel: telemetry.Telemetry,
         follower: tuple[Any, Any, Any] | None = None,
     ) -> None:
@@ -102,15 +62,7 @@ class Server:
         self._lifespan: _Lifespan | None = None
         self.app: Any = None
         if engine is not None:
-            self.app = build_app(
-                engine,
-                settings.served_name,
-                api_key=settings.api_key,
-                max_body_bytes=settings.max_body_bytes,
-                on_ready=self._on_ready,
-                telemetry=tel,
-                **dataclasses.asdict(settings.app),
-            )
+            self.app = build_app(engine, settings, on_ready=self._on_ready, telemetry=tel)
 
     def _on_ready(self) -> None:
         if self._announce is not None:
@@ -138,7 +90,7 @@ class Server:
             print(f"acb serve: {s.served_name!r} ready at http://{s.host}:{s.port} (OpenAI API under /v1)", flush=True)
 
         self._announce = announce
-        _serve_http(self.app, s.host, s.port, s.grace_period, "warning", self.telemetry)
+        _serve_http(self.app, s.host, s.port, s.grace_seconds, self.telemetry)
 
     async def start(self) -> None:
         """Run the app's lifespan startup in this event loop and wait until the engine runs
@@ -190,8 +142,7 @@ def build_server(settings: ServerSettings) -> Server:
         logging.getLogger("acb").setLevel(logging.INFO)
     settings.model.check()
     device = settings.model.torch_device()
-    t = settings.telemetry
-    tel = telemetry.configure(t.otlp_endpoint, t.otlp_protocol, prometheus=True, capture_content=t.capture_content)
+    tel = _configure_telemetry(settings)
     try:
         if settings.model.path is None:
             print(
@@ -204,82 +155,51 @@ def build_server(settings: ServerSettings) -> Server:
         model = settings.model.load_model(device)
         if is_tp_follower(model):  # torchrun: rank 0 serves HTTP, the other ranks run its steps
             return Server(settings, None, tel, follower=(model, settings.engine, tokenizer))
-        engine = acb.AsyncEngine(model, settings.engine, tokenizer=tokenizer)
+        engine = AsyncEngine(model, settings.engine, tokenizer=tokenizer)
         return Server(settings, engine, tel)
     except BaseException:
         tel.shutdown()
         raise
 
 
-def run(
-    engine: acb.AsyncEngine,
-    model_name: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    grace_period: float = 30.0,
-    log_level: str = "warning",
-    announce: Any = None,
-    otlp_endpoint: str | None = None,
-    otlp_protocol: str | None = None,
-    capture_content: bool = False,
-    trust_request_chat_template: bool = False,
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-) -> None:
-    """Serve an engine built in code until SIGINT/SIGTERM; then stop accepting, give in-flight
-    requests ``grace_period`` seconds to finish (the rest are cancelled) and stop the engine.
-    (``acb serve`` builds its engine from flags instead: :func:`build_server`.)
+def run(settings: ServerSettings, engine: AsyncEngine | None = None) -> None:
+    """Serve HTTP on the settings' host and port until SIGINT/SIGTERM; then stop accepting, give
+    requests in flight the grace period (the rest end with an OpenAI error) and stop the engine:
+    ``build_server(settings).run()``, or, with ``engine`` (built in code, not started: the app
+    starts it), that engine served with the settings' app, telemetry and address (their model and
+    engine fields are not read).
 
     Args:
-        engine: the engine to serve (not started: the app starts it).
-        model_name: its name in the API.
-        host: the address to bind.
-        port: the port.
-        api_key: the key ``/v1`` requires (None: none).
-        max_body_bytes: the largest request body accepted.
-        grace_period: seconds requests in flight get on SIGINT/SIGTERM.
-        log_level: uvicorn's log level.
-        announce: a file the ready line goes to (default: stdout).
-        otlp_endpoint: OTLP collector base URL (default: the ``OTEL_EXPORTER_OTLP_*`` variables).
-        otlp_protocol: ``http/protobuf`` or ``grpc``.
-        capture_content: record prompt and output text in the spans.
-        trust_request_chat_template: see :func:`acb.serve.app.build_app`.
-        max_prompts_per_request: see :func:`acb.serve.app.build_app`.
-        tool_call_parser: see :func:`acb.serve.app.build_app`.
-        reasoning_parser: see :func:`acb.serve.app.build_app`.
+        settings: the server's settings.
+        engine: an engine built in code, instead of the one ``settings`` describe.
+
+    Raises:
+        ValueError: the model cannot be loaded, or a setting is refused.
+        RuntimeError: a tensor-parallel engine died (follower rank).
     """
-    tel = telemetry.configure(otlp_endpoint, otlp_protocol, prometheus=True, capture_content=capture_content)
-
-    def ready() -> None:
-        line = f"acb serve: {model_name!r} ready at http://{host}:{port} (OpenAI API under /v1)"
-        print(line, file=announce or sys.stdout, flush=True)
-
-    app = build_app(
-        engine,
-        model_name,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        on_ready=ready,
-        telemetry=tel,
-        trust_request_chat_template=trust_request_chat_template,
-        max_prompts_per_request=max_prompts_per_request,
-        grace_period=grace_period,
-        tool_call_parser=tool_call_parser,
-        reasoning_parser=reasoning_parser,
-    )
-    _serve_http(app, host, port, grace_period, log_level, tel)
+    if engine is None:
+        build_server(settings).run()
+        return
+    tel = _configure_telemetry(settings)
+    try:
+        server = Server(settings, engine, tel)
+    except BaseException:
+        tel.shutdown()
+        raise
+    server.run()
 
 
-def _serve_http(app: Any, host: str, port: int, grace_period: float, log_level: str, tel: telemetry.Telemetry) -> None:
+def _configure_telemetry(settings: ServerSettings) -> telemetry.Telemetry:
+    t = settings.telemetry
+    return telemetry.configure(t.otlp_endpoint, t.otlp_protocol, prometheus=True, capture_content=t.capture_content)
+
+
+def _serve_http(app: Any, host: str, port: int, grace_period: float, tel: telemetry.Telemetry) -> None:
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        log_level=log_level,
+        log_level="warning",
         timeout_graceful_shutdown=max(1, round(grace_period)),
         access_log=False,
     )

@@ -28,11 +28,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-import acb
+from acb.api.async_engine import AsyncEngine
+from acb.api.handles import RequestHandle
 from acb.errors import EngineDeadError, EngineNotRunningError, QueueFullError, RequestFailedError
 from acb.outputs import GenerationOutput, RequestStatus, StreamDelta
+from acb.sampling_params import SamplingParams
 from acb.serve.formatting import TokenTexts
-from acb.serve.media import MediaPolicy, has_image_parts, load_images
+from acb.serve.media import has_image_parts, load_images
 from acb.serve.protocol import (
     ENGINE_PARAMS,
     APIError,
@@ -45,6 +47,7 @@ from acb.serve.protocol import (
     shutdown_error,
 )
 from acb.serve.render_pool import RenderPool
+from acb.serve.settings import ServerSettings
 from acb.serve.shaping import Constraint
 from acb.structured_outputs import StructuredOutputs
 from acb.telemetry import ServerSpan, Telemetry, request_attributes
@@ -78,56 +81,32 @@ class ServerState:
 
     Args:
         engine: the served engine.
-        model_name: the name it is served as.
-        api_key: the key a request must bear (``None``: no auth).
-        max_body_bytes: the largest request body.
+        settings: the server's settings (:class:`~acb.serve.settings.ServerSettings`; the app
+            reads its own part: the name, the API key, the limits, the parsers, the media).
         on_ready: called once the engine started.
         telemetry: ``/metrics``' source, if configured.
-        trust_request_chat_template: a request may bring its own chat template.
-        max_prompts_per_request: the most completions (prompts × ``n``) one request may ask for.
-        grace_period: seconds requests in flight get after SIGINT/SIGTERM (``None``: the server's).
-        render_threads: the render pool's threads.
-        render_timeout: seconds a request's rendering may take.
-        tool_call_parser: how ``tool_choice="auto"`` finds calls in the model's text.
-        reasoning_parser: how the model's reasoning is told from its answer.
-        media: the limits of a request's images (allowed domains, bytes, pixels, fetch time).
     """
 
     def __init__(
         self,
-        engine: acb.AsyncEngine,
-        model_name: str,
+        engine: AsyncEngine,
+        settings: ServerSettings,
         *,
-        api_key: str | None,
-        max_body_bytes: int,
-        on_ready: Callable[[], None] | None,
-        telemetry: Telemetry | None,
-        trust_request_chat_template: bool,
-        max_prompts_per_request: int,
-        grace_period: float | None,
-        render_threads: int,
-        render_timeout: float,
-        tool_call_parser: str | None,
-        reasoning_parser: str | None,
-        media: MediaPolicy | None = None,
+        on_ready: Callable[[], None] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.engine = engine
-        self.model_name = model_name
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.settings = settings
+        self.model_name = settings.served_name
         self.on_ready = on_ready
         self.telemetry = telemetry
-        self.trust_request_chat_template = trust_request_chat_template
-        self.max_prompts_per_request = max_prompts_per_request
-        self.tool_call_parser = tool_call_parser
-        self.reasoning_parser = reasoning_parser
-        self.media = media or MediaPolicy()  # what a request's images may be (acb.serve.media)
+        self.media = settings.media  # what a request's images may be (acb.serve.media)
         self.on_stop: list[Callable[[], None]] = []  # called once the app stops (before the engine)
         self.ready = False
         self.stopped = False
         self.created = int(time.time())
-        self.drain = Drain(grace_period)
-        self.renderer = RenderPool(render_threads, render_timeout)
+        self.drain = Drain(settings.grace_period)
+        self.renderer = RenderPool(settings.render_threads, settings.render_timeout)
         self.texts = TokenTexts(engine.tokenizer)
 
     @property
@@ -182,7 +161,7 @@ class Job:
     (over :data:`~acb.serve.protocol.ENGINE_PARAMS`).
     """
 
-    sampling: acb.SamplingParams
+    sampling: SamplingParams
     stream: bool
     render: Callable[[], Prompts]
     output: Callable[[Prompts], Output]
@@ -302,7 +281,7 @@ async def serve(
     body = await parse(state, request, schema)
     job = plan(body)
     span = server_span(state, request, operation, job.sampling, job.stream)
-    handles: list[acb.RequestHandle] = []
+    handles: list[RequestHandle] = []
     try:
         with span.active():
             constraint = job.constraint
@@ -340,11 +319,11 @@ def authorize(state: ServerState, request: Request) -> None:
     Raises:
         APIError: 401 for a wrong or missing key.
     """
-    if state.api_key is None:
+    if state.settings.api_key is None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.settings.api_key.encode()):
         raise APIError(
             401,
             "invalid or missing API key (Authorization: Bearer ...)",
@@ -377,7 +356,7 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
             type="server_error",
             headers={"Retry-After": "1"},
         )
-    raw = await read_body(request, state.max_body_bytes)
+    raw = await read_body(request, state.settings.max_body_bytes)
     try:
         body = schema.model_validate_json(raw)
     except ValidationError as exc:
@@ -398,7 +377,7 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
 
 
 def server_span(
-    state: ServerState, request: Request, operation: str, sampling: acb.SamplingParams, stream: bool
+    state: ServerState, request: Request, operation: str, sampling: SamplingParams, stream: bool
 ) -> ServerSpan:
     """The request's SERVER span (continuing the caller's ``traceparent``).
 
@@ -458,11 +437,11 @@ async def compile_grammar(state: ServerState, spec: StructuredOutputs, param: st
 def submit(
     state: ServerState,
     prompt: Any,
-    sampling: acb.SamplingParams,
+    sampling: SamplingParams,
     params: Mapping[str, str | None] | None = None,
     *,
     where: str | None = None,
-) -> acb.RequestHandle:
+) -> RequestHandle:
     """Submit one prompt. The engine's validation is the only one (a prompt that can never fit
     the model or the cache included): its refusals are 400s naming the request's field.
 
@@ -497,7 +476,7 @@ def submit(
 
 
 async def await_all(
-    state: ServerState, request: Request, handles: Sequence[acb.RequestHandle], span: ServerSpan
+    state: ServerState, request: Request, handles: Sequence[RequestHandle], span: ServerSpan
 ) -> list[GenerationOutput]:
     """Every handle's final output; the client going away, or the end of the server's grace
     period, cancels them all. Ends the span.
@@ -563,7 +542,7 @@ async def await_all(
 
 
 async def stream(
-    state: ServerState, handles: Sequence[acb.RequestHandle], span: ServerSpan, output: Output
+    state: ServerState, handles: Sequence[RequestHandle], span: ServerSpan, output: Output
 ) -> AsyncIterator[str]:
     """The request's outputs as server-sent events, made by the route's ``output``: its start,
     each delta's, its end; a failure after the stream began ends it with ``output``'s error event.

@@ -60,9 +60,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-import acb
 from acb.outputs import GenerationOutput, StreamDelta
-from acb.serve import shaping
+from acb.sampling_params import SamplingParams
+from acb.serve import routes, shaping
 from acb.serve.formatting import finish_reason, samples, usage, weight_version
 from acb.serve.media import content_parts
 from acb.serve.pipeline import Job, Prompts, ServerState, render_messages, serve
@@ -141,10 +141,10 @@ class ResponsesRequest(RequestBody):
         fmt = (self.text or {}).get("format")
         return dict(fmt) if isinstance(fmt, Mapping) else None
 
-    def sampling(self, structured: StructuredOutputs | None) -> acb.SamplingParams:
+    def sampling(self, structured: StructuredOutputs | None) -> SamplingParams:
         """The request as engine sampling settings; bad values are 400s naming the field."""
         try:
-            return acb.SamplingParams(
+            return SamplingParams(
                 max_new_tokens=self.max_output_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
@@ -335,7 +335,7 @@ def _reasoning_tokens(state: ServerState, shaper: shaping.OutputShaper, tokens: 
     """How many generated tokens were reasoning: those up to the one that completes the end tag
     (all of them when the reasoning never ended). Token bytes, not a re-tokenized text: the
     model's own tokens are counted."""
-    name = state.reasoning_parser
+    name = state.settings.reasoning_parser
     if name is None or not shaper.has_reasoning:
         return 0
     end = REASONING_PARSERS[name].end_tag.encode()
@@ -440,7 +440,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         state: its state.
     """
 
-    @app.post("/v1/responses")
+    @routes.add(app, routes.RESPONSES)
     async def responses(request: Request) -> Response:
         return await serve(state, request, ResponsesRequest, "chat", lambda body: _job(state, body))
 
@@ -450,13 +450,13 @@ def _job(state: ServerState, body: ResponsesRequest) -> Job:
     rendered by the model's template; its constraint; its output as items and events."""
     if state.tokenizer is None:
         raise APIError(400, "the served model has no tokenizer: the Responses API needs one", param="input")
-    plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
+    plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.tool_call_parser)
     constraint = _structured(body, plan)
     messages = input_messages(body.instructions, body.input)
     sampling = body.sampling(None if constraint is None else constraint.spec)
     kwargs = {"tools": plan.template_tools} if plan.template_tools else None
     shell = _Shell(state, body, plan)  # (everything is checked before the request is submitted)
-    tokenizer, parser = state.tokenizer, state.reasoning_parser
+    tokenizer, parser = state.tokenizer, state.settings.reasoning_parser
 
     def output(prompts: Prompts) -> _Output:
         shaper = shaping.OutputShaper(plan, parser, prompts.tail, constrained=constraint is not None)

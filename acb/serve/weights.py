@@ -48,6 +48,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from acb.errors import WeightUpdateError
+from acb.serve import routes
 from acb.serve.pipeline import authorize
 from acb.serve.protocol import APIError
 from acb.weight_transfer import (
@@ -167,7 +168,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
     transfer = _Transfer()
     state.on_stop.append(transfer.close)
 
-    @app.post("/pause")
+    @routes.add(app, routes.PAUSE)
     async def pause(request: Request) -> Response:
         authorize(state, request)
         body = await _json(request)
@@ -177,35 +178,35 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
         await engine.pause(_MODES[mode])
         return JSONResponse({"paused": True})
 
-    @app.post("/resume")
+    @routes.add(app, routes.RESUME)
     async def resume(request: Request) -> Response:
         authorize(state, request)
         await engine.resume()
         return JSONResponse({"paused": engine.is_paused})
 
-    @app.get("/is_paused")
+    @routes.add(app, routes.IS_PAUSED)
     async def is_paused(request: Request) -> Response:
         authorize(state, request)
         return JSONResponse({"paused": engine.is_paused})
 
-    @app.get("/get_world_size")
+    @routes.add(app, routes.GET_WORLD_SIZE)
     async def world_size(request: Request) -> Response:
         authorize(state, request)
         return JSONResponse({"world_size": 1})
 
-    @app.post("/sleep")
+    @routes.add(app, routes.SLEEP)
     async def sleep(request: Request) -> Response:
         authorize(state, request)
         freed = await engine.sleep()
         return JSONResponse({"sleeping": True, "freed_bytes": int(getattr(freed, "total", 0) or 0)})
 
-    @app.post("/wake_up")
+    @routes.add(app, routes.WAKE_UP)
     async def wake_up(request: Request) -> Response:
         authorize(state, request)
         await engine.wake_up()
         return JSONResponse({"sleeping": False})
 
-    @app.post("/update_weights_from_disk")
+    @routes.add(app, routes.UPDATE_WEIGHTS_FROM_DISK)
     async def update_from_disk(request: Request) -> Response:
         authorize(state, request)
         body = await _json(request)
@@ -216,7 +217,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
             raise APIError(400, str(exc), param="model_path") from None
         return JSONResponse({"success": True, "weight_version": version})
 
-    @app.post("/init_weight_transfer")
+    @routes.add(app, routes.INIT_WEIGHT_TRANSFER)
     async def init_transfer(request: Request) -> Response:
         authorize(state, request)
         body = await _json(request)
@@ -266,7 +267,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
             raise APIError(503, f"joining the trainer's group failed: {type(exc).__name__}: {exc}") from None
         return JSONResponse({"success": True, "rank": rank, "world_size": world, "group_id": group_id})
 
-    @app.post("/update_weights")
+    @routes.add(app, routes.UPDATE_WEIGHTS)
     async def update(request: Request) -> Response:
         authorize(state, request)
         body = await _json(request)
@@ -347,7 +348,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
         new = await engine.swap_weights(staged, version)
         return JSONResponse({"success": True, "weight_version": new})
 
-    @app.post("/close_weight_transfer")
+    @routes.add(app, routes.CLOSE_WEIGHT_TRANSFER)
     async def close_transfer(request: Request) -> Response:
         authorize(state, request)
         body = await _json(request)

@@ -647,11 +647,11 @@ def test_the_replicas_receive_every_flag_as_settings():
         1000,
     )
     assert (
-        s.app.grace_period,
-        s.app.tool_call_parser,
-        s.app.reasoning_parser,
-        s.app.max_prompts_per_request,
-        s.app.trust_request_chat_template,
+        s.grace_period,
+        s.tool_call_parser,
+        s.reasoning_parser,
+        s.max_prompts_per_request,
+        s.trust_request_chat_template,
         s.verbose,
     ) == (2.0, "hermes", "qwen3", 7, True, True)
     assert (s.telemetry.otlp_endpoint, s.telemetry.otlp_protocol, s.telemetry.capture_content) == (

@@ -29,6 +29,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import acb  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from acb.serve.app import build_app  # noqa: E402
+from acb.serve.settings import ServerSettings  # noqa: E402
 from tests.serve.helpers import check_error_body, raw  # noqa: E402
 
 NAME = "m"
@@ -80,13 +81,15 @@ def served():
     ready = threading.Event()
     app = build_app(
         engine,
-        NAME,
+        ServerSettings(
+            name=NAME,
+            trust_request_chat_template=True,
+            render_timeout=RENDER_TIMEOUT,
+            render_threads=1,
+            tool_call_parser="hermes",
+            reasoning_parser="deepseek_r1",
+        ),
         on_ready=ready.set,
-        trust_request_chat_template=True,
-        render_timeout=RENDER_TIMEOUT,
-        render_threads=1,
-        tool_call_parser="hermes",
-        reasoning_parser="deepseek_r1",
     )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import acb  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
-from acb.serve import build_app  # noqa: E402
+from acb.serve import ServerSettings, build_app  # noqa: E402
 from tests.serve.helpers import raw  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def test_503_until_the_engine_has_started_then_served():
 
     engine.start = held_start  # type: ignore[method-assign]
     ready = threading.Event()
-    app = build_app(engine, "m", on_ready=ready.set)
+    app = build_app(engine, ServerSettings(name="m"), on_ready=ready.set)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
