@@ -27,8 +27,7 @@ from acb.outputs import (
 )
 from acb.sampling_params import SamplingParams
 from acb.structured_outputs import StructuredOutputs
-
-__version__ = "0.1.0"
+from acb.version import __version__ as __version__
 
 __all__ = [
     "AcbError",

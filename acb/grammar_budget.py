@@ -23,19 +23,33 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from acb.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from acb.config import ContinuousBatchingConfig
     from acb.structured_outputs import StructuredOutputs
 
-__all__ = ["GrammarBudget", "repetition"]
+__all__ = ["GrammarBudget", "GrammarLimits", "repetition"]
 
 DEFAULT_MAX_BYTES = 128 * 1024
 DEFAULT_MAX_REPETITION = 1000
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+class GrammarLimits(Protocol):
+    """What :meth:`GrammarBudget.from_config` reads of a config: the ``grammar_*`` fields of
+    :class:`acb.ContinuousBatchingConfig` (a protocol, so this module, below the config, need not
+    import it)."""
+
+    @property
+    def grammar_max_bytes(self) -> int: ...
+
+    @property
+    def grammar_max_repetition(self) -> int: ...
+
+    @property
+    def grammar_compile_timeout_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,7 @@ class GrammarBudget:
             raise ValueError(f"GrammarBudget.compile_timeout_s must be a number of seconds > 0, got {t!r}")
 
     @classmethod
-    def from_config(cls, config: ContinuousBatchingConfig) -> GrammarBudget:
+    def from_config(cls, config: GrammarLimits) -> GrammarBudget:
         """The budget an engine's config sets (its ``grammar_*`` fields).
 
         Args:

@@ -10,13 +10,12 @@ frozen value, so that it travels (pickled) to the process that loads it. Its err
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL_NAME", "DTYPES", "ModelSource", "follow", "is_tp_follower", "under_torchrun"]
+__all__ = ["DEFAULT_MODEL_NAME", "DTYPES", "ModelSource", "under_torchrun"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MODEL_NAME = "acb-default"
@@ -238,48 +237,3 @@ def _load_tp_model(path: str | None, dtype: Any) -> Any:
         except Exception as exc:
             raise ValueError(f"--model: cannot load {path} tensor-parallel: {type(exc).__name__}: {exc}") from None
     return model.eval()
-
-
-def is_tp_follower(model: Any) -> bool:
-    """Whether this process is a tensor-parallel rank other than its group's first (whose engine
-    follows the leader's).
-
-    Args:
-        model: the loaded model.
-
-    Returns:
-        True on a follower rank; False on the leader or without tensor parallelism.
-    """
-    from acb.runner.tp_sync import tp_group
-
-    group = tp_group(model)
-    if group is None:
-        return False
-    import torch.distributed as dist
-
-    return bool(dist.get_rank() != dist.get_process_group_ranks(group)[0])
-
-
-def follow(model: Any, config: Any, tokenizer: Any) -> None:
-    """A follower rank's whole job: run the leader's requests in lock step until it stops (with
-    the tokenizer: the leader's stop strings end a request on every rank at the same token).
-
-    Args:
-        model: this rank's shard of the model.
-        config: the engine's ``ContinuousBatchingConfig`` (the leader's settings).
-        tokenizer: the tokenizer, or None.
-
-    Raises:
-        RuntimeError: the tensor-parallel engine died.
-    """
-    import acb
-
-    # torchrun passes SIGTERM (and a terminal's Ctrl-C reaches every rank): the leader stops the
-    # engines of all ranks, so a follower leaving on its own would only break the leader's step
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    engine = acb.Engine(model, config, tokenizer=tokenizer)
-    engine.start()
-    engine.join()
-    if engine.core is not None and engine.core.dead_error is not None:
-        raise RuntimeError(f"the tensor-parallel engine died: {engine.core.dead_error!r}")

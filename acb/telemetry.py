@@ -47,6 +47,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
+from acb.version import __version__
+
 if TYPE_CHECKING:
     from acb.outputs import GenerationOutput
     from acb.sampling_params import SamplingParams
@@ -145,8 +147,6 @@ def _metering() -> bool:
 
 
 def _version() -> str:
-    from acb import __version__
-
     return __version__
 
 

@@ -128,7 +128,7 @@ def test_greedy_is_deterministic_and_ignore_eos_fills(tmp_path):
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_engine_flags_reach_the_config(command):
-    from acb.cli import _engine_config, build_parser
+    from acb.cli import build_parser, engine_config
 
     flags = [
         "--async-batching",
@@ -146,7 +146,7 @@ def test_engine_flags_reach_the_config(command):
         "8",
         "--cpu-packed-linears",
     ]
-    cfg = _engine_config(build_parser().parse_args([command, *flags]))
+    cfg = engine_config(build_parser().parse_args([command, *flags]))
     assert (
         cfg.use_async_batching,
         cfg.use_cuda_graph,
@@ -158,7 +158,7 @@ def test_engine_flags_reach_the_config(command):
         cfg.page_size,
         cfg.cpu_packed_linears,
     ) == (True, False, False, 0.5, "torch", "prefill_first", 300, 8, True)
-    default = _engine_config(build_parser().parse_args([command]))
+    default = engine_config(build_parser().parse_args([command]))
     assert (
         default.use_async_batching,
         default.use_cuda_graph,
@@ -166,7 +166,7 @@ def test_engine_flags_reach_the_config(command):
         default.cpu_offload_space,
         default.cpu_packed_linears,
     ) == (None, None, True, 0.0, None)  # the engine's own defaults
-    off = _engine_config(build_parser().parse_args([command, "--no-cpu-packed-linears"]))
+    off = engine_config(build_parser().parse_args([command, "--no-cpu-packed-linears"]))
     assert off.cpu_packed_linears is False
 
 

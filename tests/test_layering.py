@@ -1,14 +1,18 @@
 """The layering rules (docs/ARCHITECTURE.md, "The layering rules"), checked on the source (static:
 every ``import`` that runs, i.e. outside ``if TYPE_CHECKING:`` blocks, at module level or inside
-functions).
+functions; the cycle and root checks also count the ``TYPE_CHECKING`` ones).
 
 - ``acb.core`` is plain Python: no torch, no asyncio/anyio, and nothing from the layers above it.
 - ``acb.runner`` never imports asyncio and nothing above it (api, serve, distributed, ...).
 - ``acb.api`` does not import the server, the integrations, scale-out, the CLI or the benchmarks.
 - Nothing the CLI builds on (the server, scale-out, the model loader) imports the CLI.
 - No import cycle among acb's modules, counting the imports inside functions (a circle hidden in a
-  function is still a circle).
-- No private name (``_name``) imported from one of the server's modules into another.
+  function is still a circle) and the type-only ones (a ``Protocol`` or a shared types module
+  breaks those).
+- No module inside acb imports the root package (``import acb``, ``from acb import Engine``): each
+  imports a name from the module that defines it (the root's ``__init__`` imports them all, so a
+  module it reaches that reaches back is a circle).
+- No private name (``_name``) imported from one of acb's modules into another.
 - Each optional dependency is imported in its one home module.
 """
 
@@ -29,14 +33,18 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: pathlib.Path, *, module_level_only: bool = False) -> list[str]:
-    """The modules ``path`` imports at run time (``from a import b`` gives ``a`` and ``a.b``)."""
+def _imports(path: pathlib.Path, *, module_level_only: bool = False, type_only: bool = False) -> list[str]:
+    """The modules ``path`` imports at run time (``from a import b`` gives ``a`` and ``a.b``);
+    with ``type_only``, the ``TYPE_CHECKING`` ones too."""
     found: list[str] = []
     package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
 
     class Visitor(ast.NodeVisitor):
         def visit_If(self, node: ast.If) -> None:
             test = node.test
+            if type_only:
+                self.generic_visit(node)
+                return
             if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING":
                 for n in node.orelse:
                     self.visit(n)
@@ -138,12 +146,65 @@ def _real_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return [c for c in _cycles(graph) if not set(c) & packages]
 
 
+# Type-only circles still to break (issue 55; other helpers are on them): each is the edge
+# (importer, imported) the cycle check leaves out. Empty this list as they are fixed.
+TYPE_ONLY_CYCLES_LEFT = {
+    ("acb.api.base", "acb.api.processor"),  # api.base <-> api.processor
+    ("acb.core.messages", "acb.core.request"),  # core.messages <-> core.request
+    # (found by the type-only check: runner/'s own, model_runner <-> kinds)
+    ("acb.runner.kinds", "acb.runner.model_runner"),
+}
+
+
+def _graph(*, type_only: bool = False) -> dict[str, set[str]]:
+    return {
+        name: {imp for imp in _imports(path, type_only=type_only) if imp in MODULES and imp != name}
+        for name, path in MODULES.items()
+    }
+
+
 def test_no_import_cycles_even_inside_functions():
     """acb's modules import each other one way only, counting the imports inside functions (app
     once imported responses in build_app, and responses imported app's helpers; the CLI, the
     server and the Ray Serve replica once went round through functions)."""
-    graph = {name: {imp for imp in _imports(path) if imp in MODULES and imp != name} for name, path in MODULES.items()}
+    graph = _graph()
     assert not _real_cycles(graph), f"import cycles: {_real_cycles(graph)}"
+
+
+def test_no_import_cycles_even_type_only():
+    """...nor through ``if TYPE_CHECKING:`` imports (config and grammar_budget once named each
+    other's types: a ``Protocol`` in the lower module broke it), but for the allow-list above."""
+    graph = _graph(type_only=True)
+    for importer, imported in TYPE_ONLY_CYCLES_LEFT:  # (an edge already gone is fine: the lead empties the list)
+        graph[importer].discard(imported)
+    assert not _real_cycles(graph), f"import cycles (type-only imports counted): {_real_cycles(graph)}"
+
+
+def _root_imports(path: pathlib.Path, text: str | None = None) -> list[str]:
+    """What ``path`` (or ``text``, as if it were ``path``'s) imports of the root package itself
+    (``import acb``; ``from acb import X`` where ``acb.X`` is no module), anywhere in it."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
+        if isinstance(node, ast.Import):
+            found.extend("acb" for a in node.names if a.name == "acb")
+        elif isinstance(node, ast.ImportFrom) and node.module == "acb" and not node.level:
+            found.extend(f"acb.{a.name}" for a in node.names if f"acb.{a.name}" not in MODULES)
+    return found
+
+
+def test_no_module_imports_the_root_package():
+    """Inside acb, a name is imported from the module that defines it, never through the root
+    package (telemetry once read ``acb.__version__`` and model_source ``acb.Engine``, inside
+    functions: a circle through ``acb/__init__.py``); ``from acb import telemetry`` (a
+    submodule) is fine."""
+    bad = [(name, imp) for name, path in MODULES.items() if name != "acb" for imp in _root_imports(path)]
+    assert not bad, f"imports of the root package inside it: {bad}"
+
+
+def test_the_root_import_check_sees_them():
+    src = ROOT / "serve" / "_probe_root_imports.py"  # (read, never imported)
+    text = "import acb\nfrom acb import telemetry\ndef f():\n    from acb import Engine, errors\n"
+    assert _root_imports(src, text) == ["acb", "acb.Engine"]
 
 
 def test_the_cycle_check_sees_a_circle_hidden_in_a_function():
@@ -177,17 +238,30 @@ def _private_imports(path: pathlib.Path, text: str | None = None) -> list[tuple[
     return found
 
 
-def test_no_private_names_across_server_modules():
-    """No module of acb.serve imports another's private names (``from acb.serve.app import
-    _parse``): what the server's modules share is public, in the module that owns it."""
-    bad = [
+# Private names still crossing a module (issue 55; other helpers are on them): (importer,
+# defining module, name). Empty this list as they are fixed.
+PRIVATE_IMPORTS_LEFT = {
+    ("acb.api.gate", "acb.api.loops", "_wake_threadsafe"),
+    ("acb.api.sinks", "acb.api.loops", "_wake"),
+    ("acb.api.sinks", "acb.api.loops", "_wake_threadsafe"),
+    # (found by the check over all of acb: runner/'s own)
+    ("acb.runner.model_runner", "acb.runner.setup", "_ATTN_SWAP"),
+    ("acb.runner.model_runner", "acb.runner.setup", "_decode_graph_flag"),
+}
+
+
+def test_no_private_names_across_modules():
+    """No module of acb imports another's private names (``from acb.serve.app import _parse``,
+    ``from acb.cli.serve import _add_serve``): what modules share is public, in the module that
+    owns it. But for the allow-list above."""
+    found = {
         (name, mod, imp)
         for name, path in MODULES.items()
-        if _under(name, "acb.serve")
         for mod, imp in _private_imports(path)
-        if _under(mod, "acb.serve") and mod != name
-    ]
-    assert not bad, f"private names imported across acb.serve's modules: {bad}"
+        if _under(mod, "acb") and mod != name
+    }
+    bad = sorted(found - PRIVATE_IMPORTS_LEFT)
+    assert not bad, f"private names imported across acb's modules: {bad}"
 
 
 def test_the_private_import_check_sees_them():

@@ -54,13 +54,15 @@ def check_workload(name: str, size: str, arch: str, device: str = "cpu") -> Mode
 def acb_refusal(model: Any) -> str | None:
     """Why acb refuses ``model`` (its start checks' ``UnsupportedModelError``), or None: an engine
     is started on it and shut down."""
-    import acb
+    from acb.api.engine import Engine
+    from acb.config import ContinuousBatchingConfig
+    from acb.errors import UnsupportedModelError
 
     try:
-        engine = acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=16, page_size=16))
+        engine = Engine(model, ContinuousBatchingConfig(num_blocks=16, page_size=16))
         engine.start()
         engine.shutdown()
-    except acb.UnsupportedModelError as e:
+    except UnsupportedModelError as e:
         return str(e)
     return None
 
@@ -91,9 +93,9 @@ def run_workload(
     if arch not in ARCHS:
         why = acb_refusal(model)
         if why is not None:
-            import acb
+            from acb.errors import UnsupportedModelError
 
-            raise acb.UnsupportedModelError(f"acb cannot run model type {arch!r}: {why}")
+            raise UnsupportedModelError(f"acb cannot run model type {arch!r}: {why}")
     doc: dict[str, Any] = {"size": size, "machine": machine, "model": spec.describe(model)}
     del model
     options = {"docs": eval_docs} if name == "eval" and eval_docs is not None else {}

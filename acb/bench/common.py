@@ -241,7 +241,7 @@ class ModelSpec:
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     import transformers
 
-    import acb
+    from acb.version import __version__
 
     try:
         load = os.getloadavg()
@@ -255,7 +255,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         torch_threads=torch.get_num_threads(),
         torch=torch.__version__,
         transformers=transformers.__version__,
-        acb=acb.__version__,
+        acb=__version__,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         loadavg_at_start=load,
         device=device,

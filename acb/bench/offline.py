@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-import acb
+from acb.api.engine import Engine, generate_batch
 from acb.bench.common import (
     MODEL_SHAPES,
     ModelSpec,
@@ -40,7 +40,9 @@ from acb.bench.common import (
     tf_page,
     workload_flops,
 )
+from acb.config import ContinuousBatchingConfig
 from acb.runner.kv_cache import meminfo_bytes
+from acb.sampling_params import SamplingParams
 
 SIZES = {
     "tiny": dict(num_prompts=8, min_prompt_len=4, max_prompt_len=32, min_new=4, max_new=8, batch_size=4),
@@ -80,28 +82,28 @@ def patch_transformers_cpu_memory() -> str | None:
 def run_acb(spec: ModelSpec, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
     model = spec.build()
     bs = 32
-    cfg = acb.ContinuousBatchingConfig(
+    cfg = ContinuousBatchingConfig(
         page_size=bs,
         num_blocks=blocks_for_all([len(p) + o for p, o in zip(prompts, outs)], bs) + 1,
         max_batch_tokens=MAX_BATCH_TOKENS,
         max_requests_per_batch=MAX_REQUESTS,
         seed=0,
     )
-    acb.generate_batch(
+    generate_batch(
         model,
         prompts[:2],
-        sampling=acb.SamplingParams(max_new_tokens=4, ignore_eos=True),
+        sampling=SamplingParams(max_new_tokens=4, ignore_eos=True),
         progress_bar=False,
         continuous_batching_config=cfg,
     )  # warm-up
     reset_peak_memory(spec.device)
     t_setup = time.perf_counter()
-    engine = acb.Engine(model, cfg)
+    engine = Engine(model, cfg)
     engine.start()
     setup = time.perf_counter() - t_setup
     try:
         t0 = time.perf_counter()
-        hs = [engine.submit(p, acb.SamplingParams(max_new_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
+        hs = [engine.submit(p, SamplingParams(max_new_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
         results = [h.result() for h in hs]
         dt = time.perf_counter() - t0
         stats = engine.stats

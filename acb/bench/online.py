@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
-import acb
+from acb.api.async_engine import AsyncEngine
 from acb.bench.common import ModelSpec, peak_memory_bytes, percentiles, random_prompts, reset_peak_memory
+from acb.config import ContinuousBatchingConfig
+from acb.sampling_params import SamplingParams
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(num_requests=8, rates=[20.0, 80.0], min_prompt_len=4, max_prompt_len=16, min_new=4, max_new=8),
@@ -31,12 +33,12 @@ async def _one_rate(model: Any, prompts: list[list[int]], outs: list[int], rate:
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
-    async with acb.AsyncEngine(model, acb.ContinuousBatchingConfig(page_size=32)) as eng:
-        await eng.generate([5, 6, 7], acb.SamplingParams(max_new_tokens=2))  # warm-up
+    async with AsyncEngine(model, ContinuousBatchingConfig(page_size=32)) as eng:
+        await eng.generate([5, 6, 7], SamplingParams(max_new_tokens=2))  # warm-up
 
         async def client(p: list[int], n: int) -> int:
             t0 = time.perf_counter()
-            h = await eng.submit(p, acb.SamplingParams(max_new_tokens=n, ignore_eos=True), record_timestamps=True)
+            h = await eng.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True), record_timestamps=True)
             first = None
             async for _ in h:
                 if first is None:

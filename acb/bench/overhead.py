@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-import acb
+from acb.api.engine import Engine
 from acb.bench.common import (
     GEMM_LEAVES,
     KERNEL_RANGES,
@@ -47,7 +47,9 @@ from acb.bench.common import (
     phase_ms,
     tf_page,
 )
+from acb.config import ContinuousBatchingConfig
 from acb.runner.model_runner import ModelRunner
+from acb.sampling_params import SamplingParams
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(running=[1, 4, 16], steps=12, telemetry_running=16, telemetry_rounds=1),
@@ -107,10 +109,10 @@ def _null_model(arch: str = "llama") -> Any:
 
 def _acb(n: int, steps: int, finals: list[Any] | None = None, arch: str = "llama") -> dict[str, float]:
     model = _null_model(arch)
-    cfg = acb.ContinuousBatchingConfig(
+    cfg = ContinuousBatchingConfig(
         page_size=16, num_blocks=n * 8 + 8, max_requests_per_batch=max(n, 1), max_batch_tokens=max(2048, n * PROMPT_LEN)
     )
-    eng = acb.Engine(model, cfg, runner_cls=NullModelRunner)
+    eng = Engine(model, cfg, runner_cls=NullModelRunner)
     eng.start()
     try:
         core = eng.core
@@ -123,7 +125,7 @@ def _acb(n: int, steps: int, finals: list[Any] | None = None, arch: str = "llama
         hs = [
             eng.submit(
                 torch.randint(3, 256, (PROMPT_LEN,), generator=g).tolist(),
-                acb.SamplingParams(max_new_tokens=steps + 2, ignore_eos=True),
+                SamplingParams(max_new_tokens=steps + 2, ignore_eos=True),
             )
             for _ in range(n)
         ]
@@ -260,7 +262,7 @@ def real_steps(size: str, spec: ModelSpec, baselines: bool = True) -> list[dict[
     model = spec.build().eval()
     new = p["decode_steps"]
     rows = []
-    with acb.Engine(model) as engine:
+    with Engine(model) as engine:
         core = engine.core
         assert core is not None  # started
 
@@ -342,7 +344,7 @@ def telemetry_child(mode: str, n: int, steps: int) -> dict[str, Any]:
     _acb(n, steps)  # warm-up (first-use imports and instrument creation)
     res = _acb(n, steps * 2, finals)
     # one ended request's recording, as the handle does it when the final output arrives
-    trace = telemetry.begin([5, 6, 7], "null-model", acb.SamplingParams(max_new_tokens=steps + 2))
+    trace = telemetry.begin([5, 6, 7], "null-model", SamplingParams(max_new_tokens=steps + 2))
     t0 = time.perf_counter()
     for out in finals:
         telemetry.end(trace, out)

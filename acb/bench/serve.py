@@ -288,9 +288,9 @@ class Target:
         t0 = time.perf_counter()
         times: list[float] = []
         if self.engine is not None:
-            import acb
+            from acb.sampling_params import SamplingParams
 
-            h = await self.engine.submit(chat, acb.SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))
+            h = await self.engine.submit(chat, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))
             async for d in h:
                 if d.text:
                     times.append(time.perf_counter())
@@ -410,14 +410,15 @@ async def drive(
 def _in_process(ckpt: str, p: dict[str, Any], device: str, chats: list[list[dict[str, str]]]) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import acb
+    from acb.api.async_engine import AsyncEngine
+    from acb.config import ContinuousBatchingConfig
 
     tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True).to(device).eval()  # type: ignore[arg-type]
-    cfg = acb.ContinuousBatchingConfig(page_size=p["page_size"], num_blocks=p["num_blocks"])
+    cfg = ContinuousBatchingConfig(page_size=p["page_size"], num_blocks=p["num_blocks"])
 
     async def go() -> list[dict[str, Any]]:
-        async with acb.AsyncEngine(model, cfg, tokenizer=tok) as eng:
+        async with AsyncEngine(model, cfg, tokenizer=tok) as eng:
             return await drive(Target(INPROC, engine=eng), p, chats, rates=False)
 
     return asyncio.run(go())

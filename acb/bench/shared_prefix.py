@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-import acb
+from acb.api.engine import Engine
 from acb.bench.common import ModelSpec, peak_memory_bytes, reset_peak_memory
+from acb.config import ContinuousBatchingConfig
+from acb.sampling_params import SamplingParams
 
 SIZES = {
     "tiny": dict(num_prompts=16, prefix_len=64, suffix_len=8, max_new=8),
@@ -31,7 +33,7 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     prompts = [
         prefix + torch.randint(3, spec.vocab, (p["suffix_len"],), generator=g).tolist() for _ in range(p["num_prompts"])
     ]
-    sp = acb.SamplingParams(max_new_tokens=p["max_new"], ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=p["max_new"], ignore_eos=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
     sides: list[tuple[str, bool, dict[str, Any]]] = [
@@ -41,9 +43,9 @@ def run(size: str, spec: ModelSpec, baselines: bool = True) -> dict[str, Any]:
     if getattr(model.config, "kv_lora_rank", None):  # MLA: its latent paged as well
         sides.insert(1, ("acb, prefix cache on, MLA latent paged", True, dict(mla_latent_cache=True)))
     for name, caching, extra in sides:
-        cfg = acb.ContinuousBatchingConfig(page_size=32, allow_block_sharing=caching, **extra)
-        with acb.Engine(model, cfg) as eng:
-            eng.generate([5, 6, 7, 8], acb.SamplingParams(max_new_tokens=2))  # warm-up, another prefix
+        cfg = ContinuousBatchingConfig(page_size=32, allow_block_sharing=caching, **extra)
+        with Engine(model, cfg) as eng:
+            eng.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=2))  # warm-up, another prefix
             base = eng.stats
             reset_peak_memory(spec.device)
             t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from acb.cli.bench import _add_bench, cmd_bench
+from acb.cli.bench import add_bench_parser, cmd_bench
 from acb.cli.common import (
     DEFAULT_OUTPUT,
     EXIT_BROKEN_PIPE,
@@ -18,17 +18,17 @@ from acb.cli.common import (
     STDOUT,
     CliError,
     PromptSpec,
-    _engine_config,
+    engine_config,
 )
 from acb.cli.generate import (
     ResultWriter,
-    _add_generate,
+    add_generate_parser,
     cmd_generate,
     load_prompts,
     run_requests,
     synthetic_prompts,
 )
-from acb.cli.serve import _add_serve, cmd_serve
+from acb.cli.serve import add_serve_parser, cmd_serve
 
 __all__ = [
     "DEFAULT_OUTPUT",
@@ -46,7 +46,7 @@ __all__ = [
     "main",
     "run_requests",
     "synthetic_prompts",
-    "_engine_config",
+    "engine_config",
 ]
 
 
@@ -55,13 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="acb",
         description="acb: continuous batching for Hugging Face transformers causal LMs.",
     )
-    from acb import __version__
+    from acb.version import __version__
 
     parser.add_argument("--version", action="version", version=f"acb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_bench(sub)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

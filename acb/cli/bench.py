@@ -12,7 +12,7 @@ from acb.cli.common import (
 )
 
 
-def _add_bench(sub: Any) -> None:
+def add_bench_parser(sub: Any) -> None:
     from acb.bench import ARCHS, SIZES, WORKLOADS
 
     p = sub.add_parser(
@@ -67,9 +67,9 @@ def _add_bench(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import acb
     from acb.bench import SMALL_WORKLOADS, WORKLOADS, check_workload, run_workload
     from acb.bench.report import markdown_for, update_readme
+    from acb.errors import UnsupportedModelError
 
     if args.device.startswith("cuda"):
         import torch
@@ -97,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 arch=args.arch,
                 eval_docs=args.docs,
             )
-        except acb.UnsupportedModelError as e:  # a family acb refuses: the reason, no traceback
+        except UnsupportedModelError as e:  # a family acb refuses: the reason, no traceback
             raise CliError(f"acb bench {name}: {e}") from e
         print(markdown_for(doc))
         print(

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from acb.config import ATTN_BACKENDS, SCHEDULER_TYPES
-from acb.model_source import DTYPES, ModelSource, follow, is_tp_follower
+from acb.distributed.tp import follow
+from acb.model_source import DTYPES, ModelSource
 
 DEFAULT_OUTPUT = "acb_generate_out.jsonl"
 STDOUT = "-"  # --output - : results on stdout, every human-facing line on stderr
@@ -38,18 +39,18 @@ class PromptSpec:
         return self.where if self.where is not None else f"prompt {index} (id {self.id!r})"
 
 
-def _add_engine_flags(eng: Any) -> None:
+def add_engine_flags(eng: Any) -> None:
     """The ContinuousBatchingConfig fields that `generate` and `serve` both expose."""
     eng.add_argument(
         "--max-batch-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="token budget per step (default: resolved by the engine)",
     )
     eng.add_argument(
         "--num-blocks",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="KV cache blocks (default: from available memory)",
@@ -58,21 +59,21 @@ def _add_engine_flags(eng: Any) -> None:
         "--page-size",
         "--block-size",
         dest="page_size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="tokens per KV block (default: resolved by the engine)",
     )
     eng.add_argument(
         "--max-requests-per-batch",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="most sequences in one step (default: resolved by the engine)",
     )
     eng.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="most tokens (prompt + generated) per request (default: the model's max positions)",
@@ -100,7 +101,7 @@ def _add_engine_flags(eng: Any) -> None:
     )
     eng.add_argument(
         "--cpu-offload-space",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.0,
         metavar="GIB",
         help="GiB of host memory to offload preempted requests' KV blocks to (default: 0 = none)",
@@ -132,7 +133,7 @@ def _add_engine_flags(eng: Any) -> None:
     )
 
 
-def _add_model_flags(p: Any) -> Any:
+def add_model_flags(p: Any) -> Any:
     """--model, --dtype, --device (the "model" group, returned for more)."""
     src = p.add_argument_group("model")
     src.add_argument(
@@ -147,7 +148,7 @@ def _add_model_flags(p: Any) -> Any:
     return src
 
 
-def _add_telemetry_flags(p: Any) -> None:
+def add_telemetry_flags(p: Any) -> None:
     tel = p.add_argument_group("telemetry (OpenTelemetry; needs the otel extra for OTLP)")
     tel.add_argument(
         "--otlp-endpoint",
@@ -169,17 +170,17 @@ def _add_telemetry_flags(p: Any) -> None:
     )
 
 
-def _model_name(args: argparse.Namespace) -> str:
+def served_name(args: argparse.Namespace) -> str:
     """The model's name in the API and in telemetry: the checkpoint directory's name, or acb-default."""
     return getattr(args, "served_model_name", None) or ModelSource(args.model).default_name
 
 
-def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
+def engine_config(args: argparse.Namespace, **extra: Any) -> Any:
     """The engine's config from the shared engine flags (plus ``extra`` fields)."""
-    import acb
+    from acb.config import ContinuousBatchingConfig
 
     try:
-        return acb.ContinuousBatchingConfig(
+        return ContinuousBatchingConfig(
             max_batch_tokens=args.max_batch_tokens,
             num_blocks=args.num_blocks,
             page_size=args.page_size,
@@ -199,7 +200,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> Any:
         raise CliError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -220,15 +221,15 @@ def _finite_float(text: str, *, zero_ok: bool) -> float:
     return v
 
 
-def _non_negative_float(text: str) -> float:
+def non_negative_float(text: str) -> float:
     return _finite_float(text, zero_ok=True)
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     return _finite_float(text, zero_ok=False)
 
 
-def _check_paths(args: argparse.Namespace) -> None:
+def check_paths(args: argparse.Namespace) -> None:
     if args.prompts is not None and not os.path.isfile(args.prompts):
         raise CliError(f"--prompts: no such file: {args.prompts}")
     if args.model is not None and not os.path.isdir(args.model):
@@ -247,23 +248,19 @@ def model_source(args: argparse.Namespace) -> ModelSource:
     return ModelSource(args.model, args.dtype, args.device, progress=not getattr(args, "no_progress", True))
 
 
-def _check_device(device: str) -> Any:
+def check_device(device: str) -> Any:
     try:
         return ModelSource(device=device).torch_device()
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
 
-def _load_tokenizer(args: argparse.Namespace) -> Any:
+def load_tokenizer(args: argparse.Namespace) -> Any:
     return model_source(args).load_tokenizer(f"acb {args.command}")
 
 
-def _is_tp_follower(model: Any) -> bool:
-    return is_tp_follower(model)
-
-
-def _follow(model: Any, cfg: Any, tokenizer: Any) -> int:
-    """A follower rank's whole run (:func:`acb.model_source.follow`); its exit status."""
+def run_follower(model: Any, cfg: Any, tokenizer: Any) -> int:
+    """A follower rank's whole run (:func:`acb.distributed.tp.follow`); its exit status."""
     try:
         follow(model, cfg, tokenizer)
     except RuntimeError as exc:
@@ -271,14 +268,14 @@ def _follow(model: Any, cfg: Any, tokenizer: Any) -> int:
     return 0
 
 
-def _load_model(args: argparse.Namespace, device: Any) -> Any:
+def load_model(args: argparse.Namespace, device: Any) -> Any:
     try:
         return model_source(args).load_model(device)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
 
-def _vocab_size(model: Any) -> int:
+def text_vocab_size(model: Any) -> int:
     cfg = model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return int(text.vocab_size)

@@ -25,24 +25,24 @@ from acb.cli.common import (
     STDOUT,
     CliError,
     PromptSpec,
-    _add_engine_flags,
-    _add_model_flags,
-    _add_telemetry_flags,
-    _check_device,
-    _check_paths,
-    _engine_config,
-    _follow,
-    _is_tp_follower,
-    _load_model,
-    _load_tokenizer,
-    _model_name,
-    _non_negative_float,
-    _positive_int,
-    _vocab_size,
+    add_engine_flags,
+    add_model_flags,
+    add_telemetry_flags,
+    check_device,
+    check_paths,
+    engine_config,
+    load_model,
+    load_tokenizer,
+    non_negative_float,
+    positive_int,
+    run_follower,
+    served_name,
+    text_vocab_size,
 )
+from acb.distributed.tp import is_tp_follower
 
 
-def _add_generate(sub: Any) -> None:
+def add_generate_parser(sub: Any) -> None:
     p = sub.add_parser(
         "generate",
         help="generate for a batch of prompts and write JSONL results",
@@ -70,7 +70,7 @@ def _add_generate(sub: Any) -> None:
             "130 when interrupted."
         ),
     )
-    _add_model_flags(p)
+    add_model_flags(p)
 
     pr = p.add_argument_group("prompts")
     pr.add_argument(
@@ -80,18 +80,18 @@ def _add_generate(sub: Any) -> None:
         help="JSONL prompts file (see below). Default: synthetic random prompts.",
     )
     pr.add_argument(
-        "--num-prompts", type=_positive_int, default=64, metavar="N", help="number of synthetic prompts (default: 64)"
+        "--num-prompts", type=positive_int, default=64, metavar="N", help="number of synthetic prompts (default: 64)"
     )
     pr.add_argument(
         "--min-prompt-len",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         metavar="N",
         help="shortest synthetic prompt, in tokens (default: 16)",
     )
     pr.add_argument(
         "--max-prompt-len",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         metavar="N",
         help="longest synthetic prompt, in tokens (default: 256)",
@@ -101,13 +101,13 @@ def _add_generate(sub: Any) -> None:
     sp = p.add_argument_group("sampling")
     sp.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         metavar="N",
         help="most tokens to generate per request (default: 64)",
     )
     sp.add_argument(
-        "--temperature", type=_non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)"
+        "--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)"
     )
     sp.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens (0 = off)")
     sp.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass (1 = off)")
@@ -117,7 +117,7 @@ def _add_generate(sub: Any) -> None:
     )
     sp.add_argument(
         "-n",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="samples per prompt (the prompt is prefilled once); output lines gain 'samples'",
@@ -130,8 +130,8 @@ def _add_generate(sub: Any) -> None:
     )
 
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
-    _add_engine_flags(eng)
-    _add_telemetry_flags(p)
+    add_engine_flags(eng)
+    add_telemetry_flags(p)
 
     out = p.add_argument_group("output")
     out.add_argument(
@@ -345,10 +345,10 @@ class RunResult:
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    import acb
+    from acb.sampling_params import SamplingParams
 
     try:
-        return acb.SamplingParams(
+        return SamplingParams(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             ignore_eos=args.ignore_eos,
@@ -376,15 +376,15 @@ def run_requests(
     """
     from dataclasses import replace
 
-    import acb
+    from acb.api.engine import Engine
 
     sampling = _sampling(args)
     run = RunResult(total=len(specs))
     per_prompt = [
         sampling if s.max_new_tokens is None else replace(sampling, max_new_tokens=s.max_new_tokens) for s in specs
     ]
-    engine = acb.Engine(model, cfg)
-    engine.model_name = _model_name(args)
+    engine = Engine(model, cfg)
+    engine.model_name = served_name(args)
     engine.start()
     bar = None
     writer: ResultWriter | None = None
@@ -504,13 +504,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.output_defaulted = args.output is None  # no -o: say where the results go when the file opens
     if args.output is None:
         args.output = DEFAULT_OUTPUT
-    _check_paths(args)
-    device = _check_device(args.device)
+    check_paths(args)
+    device = check_device(args.device)
     if args.verbose:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("acb").setLevel(logging.INFO)
 
-    cfg = _engine_config(args, seed=args.seed)
+    cfg = engine_config(args, seed=args.seed)
     tel = _configure_telemetry(args)
     try:
         return _generate(args, cfg, device, t_start)
@@ -532,14 +532,14 @@ def _configure_telemetry(args: argparse.Namespace) -> Any:
 
 
 def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -> int:
-    import acb
+    from acb.errors import UnsupportedModelError
 
-    tokenizer = _load_tokenizer(args)
+    tokenizer = load_tokenizer(args)
     specs = load_prompts(args.prompts, tokenizer) if args.prompts is not None else None
-    model = _load_model(args, device)
-    if _is_tp_follower(model):  # torchrun: rank 0 submits and writes the results, the other ranks follow
-        return _follow(model, cfg, tokenizer)
-    vocab = _vocab_size(model)
+    model = load_model(args, device)
+    if is_tp_follower(model):  # torchrun: rank 0 submits and writes the results, the other ranks follow
+        return run_follower(model, cfg, tokenizer)
+    vocab = text_vocab_size(model)
     if specs is None:
         exclude = set(SPECIAL_IDS) | set(getattr(tokenizer, "all_special_ids", None) or ())
         specs = synthetic_prompts(
@@ -570,7 +570,7 @@ def _generate(args: argparse.Namespace, cfg: Any, device: str, t_start: float) -
         run, writer = run_requests(model, specs, cfg, args, open_output, tokenizer)
     except (ValueError, TypeError) as exc:  # rejected at submit
         raise CliError(str(exc)) from None
-    except acb.UnsupportedModelError as exc:
+    except UnsupportedModelError as exc:
         raise CliError(f"unsupported model: {exc}") from None
     finally:
         for stream in opened:

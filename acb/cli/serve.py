@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from acb.cli.common import (
     CliError,
-    _add_engine_flags,
-    _add_model_flags,
-    _add_telemetry_flags,
-    _engine_config,
-    _non_negative_float,
-    _positive_float,
-    _positive_int,
+    add_engine_flags,
+    add_model_flags,
+    add_telemetry_flags,
+    engine_config,
     model_source,
+    non_negative_float,
+    positive_float,
+    positive_int,
 )
 from acb.grammar_budget import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_BYTES, DEFAULT_MAX_REPETITION
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from acb.serve.settings import ServerSettings
 
 
-def _add_serve(sub: Any) -> None:
+def add_serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
@@ -37,7 +37,7 @@ def _add_serve(sub: Any) -> None:
             "OpenAI error) and exit 0."
         ),
     )
-    src = _add_model_flags(p)
+    src = add_model_flags(p)
     src.add_argument(
         "--served-model-name",
         metavar="NAME",
@@ -52,21 +52,21 @@ def _add_serve(sub: Any) -> None:
     )
     http.add_argument(
         "--max-body-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=16 << 20,
         metavar="N",
         help="largest request body accepted; larger ones get 413 (default: 16 MiB)",
     )
     http.add_argument(
         "--grace-period",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=30.0,
         metavar="S",
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 30)",
     )
     http.add_argument(
         "--max-prompts-per-request",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         metavar="N",
         help="most completions (prompts x n) one request may ask for; more get 400 (default: 1024)",
@@ -142,29 +142,29 @@ def _add_serve(sub: Any) -> None:
         metavar="N",
         help="most requests waiting to be scheduled; more get 429 (default: 0 = unlimited)",
     )
-    _add_engine_flags(eng)
-    _add_telemetry_flags(p)
+    add_engine_flags(eng)
+    add_telemetry_flags(p)
     eng.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
     budget = p.add_argument_group(
         "structured outputs' compile budget (per request; a spec over it is a 400 naming the limit)"
     )
     budget.add_argument(
         "--grammar-compile-timeout-s",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_COMPILE_TIMEOUT_S,
         metavar="S",
         help=f"seconds one grammar may take to compile; it is stopped then (default: {DEFAULT_COMPILE_TIMEOUT_S:g})",
     )
     budget.add_argument(
         "--grammar-max-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_BYTES,
         metavar="N",
         help=f"largest schema, regex or grammar, in bytes (default: {DEFAULT_MAX_BYTES})",
     )
     budget.add_argument(
         "--grammar-max-repetition",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_REPETITION,
         metavar="N",
         help="how far the {m,n} counts of a spec's patterns may expand, nested counts multiplied "
@@ -179,19 +179,19 @@ def _add_serve(sub: Any) -> None:
     )
     ray.add_argument(
         "--num-replicas",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="replicas (default 1; with --min/--max-replicas, the initial count)",
     )
     ray.add_argument(
         "--min-replicas",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="A",
         help="autoscale between A and B replicas on ongoing requests",
     )
-    ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B")
+    ray.add_argument("--max-replicas", type=positive_int, default=None, metavar="B")
     ray.add_argument(
         "--ray-address",
         default=None,
@@ -201,7 +201,7 @@ def _add_serve(sub: Any) -> None:
     )
     ray.add_argument(
         "--data-parallel",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="the same as --ray --num-replicas N on a local Ray (one scale-out path for online serving: Ray Serve)",
@@ -267,7 +267,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         raise CliError(str(exc)) from None
     return ServerSettings(
         model=source,
-        engine=_engine_config(
+        engine=engine_config(
             args,
             max_queue_size=args.max_queue_size,
             seed=args.seed,
@@ -326,7 +326,7 @@ def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
 
 def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="acb")
-    _add_serve(parser.add_subparsers(dest="command", required=True))
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
     return parser
 
 

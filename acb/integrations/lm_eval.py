@@ -88,7 +88,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tqdm.auto import tqdm
 
-from acb import ContinuousBatchingConfig, Engine, RequestStatus, SamplingParams
+from acb.api.engine import Engine
+from acb.config import ContinuousBatchingConfig
+from acb.outputs import RequestStatus
+from acb.sampling_params import SamplingParams
 
 try:
     # lm_eval.models registers the built-in backends (lazily), which lm-eval itself only does while
@@ -117,7 +120,8 @@ if TYPE_CHECKING:
     from lm_eval.api.instance import Instance  # type: ignore[import-untyped]
     from transformers import PreTrainedModel
 
-    from acb import GenerationOutput, SyncRequestHandle
+    from acb.api.handles import SyncRequestHandle
+    from acb.outputs import GenerationOutput
     from acb.text import TokenizerLike
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 from acb import telemetry
 from acb.api.async_engine import AsyncEngine
-from acb.model_source import follow, is_tp_follower
+from acb.distributed.tp import follow, is_tp_follower
 from acb.serve.app import build_app
 from acb.serve.settings import ServerSettings
 
