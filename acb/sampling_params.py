@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -265,6 +265,42 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.do_sample is False or not self.temperature
+
+    # The tokens a request may never sample, stated once: the sampler builds its min_new_tokens
+    # table from held_stops (acb.runner.sampler; a -inf bias is -inf once added to the logits), and
+    # structured outputs' dead-end check (acb.core.grammar_masks) reads never_sampled.
+    def held_stops(self, stop_token_ids: frozenset[int]) -> frozenset[int]:
+        """The stop tokens ``min_new_tokens`` holds back: never sampled as a generated token whose
+        index (0 = the first) is below ``min_new_tokens``.
+
+        Args:
+            stop_token_ids: the request's resolved stop tokens (``EngineRequest.stop_token_ids``).
+
+        Returns:
+            ``stop_token_ids`` when ``min_new_tokens`` is set, else an empty set.
+        """
+        return stop_token_ids if self.min_new_tokens and stop_token_ids else frozenset()
+
+    def never_sampled(self, stop_token_ids: frozenset[int], gen_idx: int) -> Collection[int]:
+        """The tokens never sampled as a request's ``gen_idx``-th generated token (0 = the first):
+        the stop tokens ``min_new_tokens`` still holds back (:meth:`held_stops`), and those with a
+        ``-inf`` logit bias.
+
+        Args:
+            stop_token_ids: the request's resolved stop tokens (``EngineRequest.stop_token_ids``).
+            gen_idx: the index of the token being generated.
+
+        Returns:
+            Those tokens (empty for most requests).
+        """
+        held: Collection[int] = ()
+        if self.min_new_tokens and gen_idx < self.min_new_tokens:
+            held = self.held_stops(stop_token_ids)
+        if self.logit_bias:
+            banned = [t for t, b in self.logit_bias.items() if b == -math.inf]
+            if banned:
+                held = {*held, *banned}
+        return held
 
     @classmethod
     def from_generation_config(

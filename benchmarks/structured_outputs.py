@@ -29,7 +29,7 @@ import torch
 
 import acb
 import acb.structured as structured
-from acb.core import engine_core
+from acb.core.grammar_masks import GrammarMasks
 from acb.models import tiny_model
 
 SCHEMA = {
@@ -82,15 +82,15 @@ class Timers:
 
     def __init__(self) -> None:
         self.fill = self.apply = 0.0
-        self._fill = engine_core.EngineCore._fill_grammar_masks
+        self._fill = GrammarMasks.fill
         self._apply = structured.apply_bitmask
 
     def __enter__(self) -> Timers:
         timers, fill, apply = self, self._fill, self._apply
 
-        def timed_fill(core, sched):  # type: ignore[no-untyped-def]
+        def timed_fill(masks, sched):  # type: ignore[no-untyped-def]
             t = time.perf_counter()
-            fill(core, sched)
+            fill(masks, sched)
             timers.fill += time.perf_counter() - t
 
         def timed_apply(*a, **k):  # type: ignore[no-untyped-def]
@@ -98,12 +98,12 @@ class Timers:
             apply(*a, **k)
             timers.apply += time.perf_counter() - t
 
-        engine_core.EngineCore._fill_grammar_masks = timed_fill  # type: ignore[method-assign]
+        GrammarMasks.fill = timed_fill  # type: ignore[method-assign]
         structured.apply_bitmask = timed_apply
         return self
 
     def __exit__(self, *exc: object) -> None:
-        engine_core.EngineCore._fill_grammar_masks = self._fill  # type: ignore[method-assign]
+        GrammarMasks.fill = self._fill  # type: ignore[method-assign]
         structured.apply_bitmask = self._apply
 
 

@@ -10,7 +10,6 @@
 - :class:`LaunchedStep`: a step the runner has launched, held by the core until its results
   are read (the next step with async batching).
 - :class:`ModelRunnerOutput`: a launched step's results once read (``Runner.finish``: the sync).
-- :class:`StepTimes`: the host time per phase of the steps so far.
 - :class:`Runner`: the whole surface the core uses of a model runner.
 - :data:`Command`: what callers post to the engine thread (``Add``, ``Cancel``, ``Call``,
   ``Pause``, ``Resume``, ``ResetPrefix``, ``Sleep``, ``Wake``, ``Stop``).
@@ -22,7 +21,6 @@ the other tensor-parallel ranks.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -94,22 +92,11 @@ class NextRows(NamedTuple):
 
 
 class GrammarMask(NamedTuple):
-    """The token bitmask of a step's constrained samples (structured outputs), filled on the
-    engine thread by their matchers before the step is launched."""
+    """The token bitmask of a step's constrained samples (structured outputs), filled by their
+    matchers as the scheduler builds the step (:class:`acb.core.grammar_masks.GrammarMasks`)."""
 
     bitmask: torch.Tensor  # host int32 [num samples, ceil(V / 32)]; rows not in ``rows`` allow all
     rows: list[int]  # indices among the step's samples of the constrained ones
-
-
-class GrammarSupport(Protocol):
-    """What the core needs to constrain outputs (:class:`acb.structured.GrammarCompiler`)."""
-
-    def compile_now(self, spec: Any) -> Any: ...  # -> a compiled grammar with .matcher()
-    def bitmask(self, rows: int) -> torch.Tensor: ...
-    # the rows of a filled bitmask with no token left once each row's excluded ones are out
-    def dead_ends(
-        self, bitmask: torch.Tensor, rows: Sequence[int], excluded: Sequence[Collection[int]]
-    ) -> list[int]: ...
 
 
 @dataclass
@@ -169,16 +156,6 @@ class SchedulerOutput:
         return len(self.requests)
 
 
-@dataclass
-class StepTimes:
-    """Host seconds spent per phase, summed over the steps so far."""
-
-    schedule: float = 0.0
-    stage: float = 0.0  # the runner's input preparation, inside execute
-    compute: float = 0.0  # forward + sampling + the sync that reads the sampled ids
-    process: float = 0.0  # recording the outputs and building the deliveries
-
-
 @dataclass(frozen=True)
 class LaunchedStep:
     """A step launched on the runner, waiting for its results to be read."""
@@ -220,6 +197,7 @@ class Runner(Protocol):
     def idle(self) -> None: ...  # no work until the next command: release what waiting needs not hold
     def weights_changed(self) -> bool: ...
     def forget_weights(self) -> None: ...
+    def swap_weights(self, staged: Any) -> None: ...  # copy a staged update in (acb.runner.weight_update.Staged)
     def images_refused(self) -> str: ...  # why it cannot run images ("" when it can)
     def with_image_spans(self, images: ImageInputs) -> ImageInputs: ...  # blocks a chunk must not cut
     def image_bytes(self, images: ImageInputs) -> int: ...  # what a request's image embeddings take

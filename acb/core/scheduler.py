@@ -34,6 +34,9 @@ The contract, in one place:
   only once nothing of it is in flight.
 - A step that schedules nothing returns ``None``, but what it decided (rows freed, KV
   offloads) goes out with the next step that runs, before anything can reuse those blocks.
+- Structured outputs: the output carries the step's grammar bitmask (``SchedulerOutput.grammar``),
+  filled last by :class:`acb.core.grammar_masks.GrammarMasks` from the constrained samples'
+  matchers; an engine that never saw a constrained request skips it.
 """
 
 from __future__ import annotations
@@ -42,12 +45,17 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from acb.core.block_pool import BlockPool, SwapSpace
+from acb.core.grammar_masks import GrammarMasks
 from acb.core.kv_manager import KVManager
 from acb.core.messages import NextRows, PromptRows, SchedulerOutput
 from acb.core.request import Request
 from acb.outputs import FailureKind, FinishReason, RequestStatus
+
+if TYPE_CHECKING:
+    from acb.config import ResolvedConfig
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
@@ -91,6 +99,7 @@ class Scheduler:
         fast_decode: bool = True,
         max_scored_rows: int = 1024,
         whole_prefill: bool = False,
+        grammar: GrammarMasks | None = None,
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"unknown scheduler policy {policy!r}")
@@ -116,8 +125,56 @@ class Scheduler:
         # empty step, whatever its length
         self.whole_prefill = whole_prefill
         self.max_scored_rows = max_scored_rows
+        self.grammar = grammar  # structured outputs: fills each step's token bitmask
         self._step_id = 0
         self.stats = SchedulerStats()
+
+    @classmethod
+    def from_config(cls, cfg: ResolvedConfig, *, max_scored_rows: int, grammar: GrammarMasks | None) -> Scheduler:
+        """The engine's scheduler over a fresh block pool, both set up by the resolved config.
+
+        Args:
+            cfg: the sizes and policies the engine runs with (``Runner.cfg``).
+            max_scored_rows: rows of logits a step may compute for scoring.
+            grammar: structured outputs' masks (filled at the end of each :meth:`schedule`).
+        """
+        pool = BlockPool(
+            cfg.num_blocks,
+            enable_caching=cfg.prefix_caching,
+            snapshot_slots=cfg.state_snapshots,
+            snapshot_tokens=cfg.snapshot_tokens,
+        )
+        return cls(
+            pool,
+            block_size=cfg.block_size,
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_running=cfg.max_requests_per_batch,
+            policy=cfg.scheduler_type,
+            safety_margin=cfg.safety_margin,
+            swap=SwapSpace(cfg.num_swap_blocks) if cfg.num_swap_blocks else None,
+            host_rows=SwapSpace(cfg.state_host_rows) if cfg.state_host_rows else None,
+            resume_max_tail=cfg.state_resume_max_tail,
+            max_scored_rows=max_scored_rows,
+            whole_prefill=cfg.whole_prefill,
+            grammar=grammar,
+        )
+
+    def gauges(self) -> dict[str, Any]:
+        """Its counters (:class:`SchedulerStats`, same names) and gauges as they are now, under the
+        names of :class:`acb.core.messages.EngineStats`."""
+        pool = self.pool
+        snaps = pool.snapshots
+        return {
+            **vars(self.stats),  # (flat ints: no asdict's deep copy, every step)
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_total": pool.num_usable,
+            "kv_blocks_cached": pool.num_cached,
+            "prefix_evictions": pool.evictions,
+            "state_snapshots_cached": snaps.num_attached if snaps is not None else 0,
+            "state_snapshot_restores": snaps.restores if snaps is not None else 0,
+        }
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -282,6 +339,9 @@ class Scheduler:
         st.steps += 1
         st.prefill_tokens += out.num_prefill_tokens
         st.decode_tokens += out.num_decode_tokens
+        grammar = self.grammar
+        if grammar is not None and grammar.compiler is not None:  # (no constrained request yet: nothing to fill)
+            grammar.fill(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, candidates: list[Request]) -> tuple[int, bool]:

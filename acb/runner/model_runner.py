@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
     from acb.images import ImageInputs
     from acb.runner.cuda_graphs import DecodeGraphs
+    from acb.runner.weight_update import Staged
 
 logger = logging.getLogger(__name__)
 
@@ -660,6 +661,12 @@ class ModelRunner:
             self.packed.release()
         if self.vision is not None:
             self.vision.forget_unused()
+
+    def swap_weights(self, staged: Staged) -> None:
+        """Copy an update's staged tensors into the weights (engine thread, between two steps). The
+        core then forgets what it computed with the old ones (``forget_weights`` and the prefix cache)."""
+        staged.swap()
+        logger.info("swapped in %d updated tensors (%.1f MiB)", len(staged.names), staged.nbytes / 2**20)
 
     def close(self) -> None:
         """Give the model its own attention implementation back, and drop the KV cache, the

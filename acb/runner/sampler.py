@@ -154,11 +154,14 @@ class SamplingState:
             ops["bias_r"].append(np.full(len(sp.logit_bias), row, dtype=np.int64))
             ops["bias_c"].append(np.fromiter(sp.logit_bias.keys(), dtype=np.int64))
             ops["bias_v"].append(np.fromiter(sp.logit_bias.values(), dtype=np.float32))
-        self.live_min_new[row] = bool(sp.min_new_tokens) and bool(req.stop_token_ids)
-        if self.live_min_new[row]:
+        # the tokens min_new_tokens holds back (the rule's one statement: SamplingParams.held_stops),
+        # suppressed on the device while gen_idx < C_MINNEW
+        held = sp.held_stops(req.stop_token_ids)
+        self.live_min_new[row] = bool(held)
+        if held:
             ops["stop_rows"].append(row)
-            ops["stop_r"].append(np.full(len(req.stop_token_ids), row, dtype=np.int64))
-            ops["stop_c"].append(np.asarray(sorted(req.stop_token_ids), dtype=np.int64))
+            ops["stop_r"].append(np.full(len(held), row, dtype=np.int64))
+            ops["stop_c"].append(np.asarray(sorted(held), dtype=np.int64))
 
     def free_row(self, row: int) -> None:
         self._version += 1

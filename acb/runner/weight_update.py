@@ -21,8 +21,10 @@ class (its checkpoint conversion mapping: the renamings and the converters that 
 tensors), so whatever ``from_pretrained`` loads into the model, an update loads too. A floating
 dtype other than the weight's is cast: a trainer in float32 may update a server in bfloat16.
 
-The engine drops its prefix cache and whatever it derived from the weights (the packed CPU
-linears) with the swap, and gives the new version to the requests that go on under it.
+The swap is the runner's (``ModelRunner.swap_weights``, which calls :meth:`Staged.swap`); the
+engine core asks for it (``EngineCore.swap_weights``), then drops its prefix cache and whatever the
+runner derived from the weights (the packed CPU linears), and gives the new version to the requests
+that go on under it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from acb.core.deliveries import DeliveryBuilder
 from acb.core.messages import EngineRequest
-from acb.core.request import Request, build_request
+from acb.core.request import Request
+from acb.core.request_builder import build_request
 from acb.outputs import FinishReason, RequestStatus
 from acb.sampling_params import FALLBACK
 

@@ -11,7 +11,7 @@ import pytest
 import acb
 from acb.api.sinks import ThreadSink
 from acb.core.messages import Add
-from acb.core.request import build_request
+from acb.core.request_builder import build_request
 from acb.core.wire import from_wire, to_wire
 from acb.distributed.tp import decode_commands, encode_commands
 from acb.models import build_tokenizer, default_model
