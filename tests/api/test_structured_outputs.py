@@ -320,7 +320,7 @@ def test_a_grammar_that_cannot_go_on_ends_with_finish_reason_grammar(model, tok,
     output the tokens before the dead end (a prefix of a match); the others are unaffected."""
     config = acb.ContinuousBatchingConfig(**{"num_blocks": 64, **cfg})
     b = tok("b").input_ids[-1]
-    prompts = [tok(f"prompt {i}").input_ids for i in range(6)]
+    prompts = [tok(f"prompt {i}").input_ids for i in range(7)]
     refs = [reference_generate(model, p, 10) for p in prompts[:3]]
     with acb.Engine(model, config, tokenizer=tok) as eng:
         sps = [acb.SamplingParams(max_new_tokens=10) for _ in range(3)] + [
@@ -336,6 +336,10 @@ def test_a_grammar_that_cannot_go_on_ends_with_finish_reason_grammar(model, tok,
                 seed=3,
                 structured_outputs={"regex": "(ab|ba)c"},
             ),
+            # both bans at once: after "a", min_new_tokens holds back the end and "b" is -inf
+            acb.SamplingParams(
+                max_new_tokens=10, min_new_tokens=3, logit_bias={b: float("-inf")}, structured_outputs={"regex": "ab?"}
+            ),
         ]
         res = eng.generate_batch(prompts, sps, progress_bar=False)
         assert [res[f"req_{i}"].generated_tokens for i in range(3)] == refs
@@ -347,6 +351,8 @@ def test_a_grammar_that_cannot_go_on_ends_with_finish_reason_grammar(model, tok,
         assert (out.status, out.finish_reason, out.text) == (*grammar_end, "a")
         for s in res["req_5"].samples:
             assert (s.finish_reason, s.text in ("abc", "bac")) == (acb.FinishReason.GRAMMAR, True), s
+        out = res["req_6"]
+        assert (out.status, out.finish_reason, out.text) == (*grammar_end, "a")
         # alone, streamed: the deltas add up to the output, which ends the same way
         assert eng.generate(prompts[0], sps[3]).text == "ab"
         assert not eng.ids.live

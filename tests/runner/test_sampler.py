@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 import acb
 from acb.core.request import Request
 from acb.runner.sampler import C_TEMP, SamplingState, process_logits, sample, seeded_uniforms, stage_standalone
+from acb.sampling_params import FALLBACK
 
 V = 64
 EOS = 2
@@ -232,3 +233,57 @@ def test_reused_step_parameters_follow_rows_that_join_leave_and_change(monkeypat
     assert fast == general
     assert fast[2][8] == (False, False, False) and fast[3][8] == (True, True, False)
     assert fast[5][8] == (False, False, False)
+
+
+BAN_CASES = [
+    acb.SamplingParams(min_new_tokens=2),
+    acb.SamplingParams(min_new_tokens=2, logit_bias={5: float("-inf"), 6: -100.0}),
+    acb.SamplingParams(logit_bias={EOS: float("-inf")}),
+    acb.SamplingParams(),
+    acb.SamplingParams(min_new_tokens=3, logit_bias={7: float("-inf"), 8: 3.0}, temperature=0.0),
+]
+
+
+def _banned(gen_idx: int, stops: frozenset[int]) -> list[set[int]]:
+    """The tokens the sampler's processors set to -inf, per BAN_CASES row, at ``gen_idx``."""
+    state = SamplingState(len(BAN_CASES), V, torch.device("cpu"))
+    for i, sp in enumerate(BAN_CASES):
+        r = Request(f"r{i}", [3, 4], max_new_tokens=10, stop_token_ids=stops, params=sp.merged_over(FALLBACK))
+        state.init_row(i, r)
+    rows = list(range(len(BAN_CASES)))
+    step, dev = stage_standalone(state, rows, [gen_idx] * len(rows))
+    logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(gen_idx))
+    use_penalty, use_bias, use_min_new = state.live()
+    x = process_logits(
+        logits,
+        dev["sp_params"],
+        dev["sp_gen"],
+        dev["sp_rows"],
+        state,
+        use_penalty=use_penalty,
+        use_bias=use_bias,
+        use_min_new=use_min_new,
+        any_sampling=False,
+    ).x
+    return [set(torch.isneginf(x[i]).nonzero().flatten().tolist()) for i in rows]
+
+
+@pytest.mark.parametrize("gen_idx", [0, 1, 2, 3])
+def test_what_the_sampler_bans_is_the_one_rule(gen_idx):
+    """The tokens the sampler never samples (-inf after the bias and min_new_tokens) are exactly
+    SamplingParams.never_sampled, the rule structured outputs' dead-end check reads
+    (acb.core.grammar_masks); before, the check kept its own copy of the sampler's rules."""
+    stops = frozenset({EOS, 11})
+    banned = _banned(gen_idx, stops)
+    for sp, got in zip(BAN_CASES, banned):
+        assert got == set(sp.merged_over(FALLBACK).never_sampled(stops, gen_idx)), sp
+
+
+def test_the_sampler_reads_the_rule_it_shares(monkeypatch):
+    """The sampler's min_new_tokens table is built from SamplingParams.held_stops itself: a change
+    of the rule there changes both what the sampler bans and what never_sampled says."""
+    monkeypatch.setattr(acb.SamplingParams, "held_stops", lambda self, stops: frozenset({13}))
+    banned = _banned(0, frozenset({EOS}))
+    assert banned[0] == {13} and banned[3] == set()  # (min_new_tokens=2; none)
+    for sp, got in zip(BAN_CASES, banned):
+        assert got == set(sp.merged_over(FALLBACK).never_sampled(frozenset({EOS}), 0)), sp
