@@ -10,8 +10,9 @@ from acb.api import scoring
 from acb.api.base import EngineBase
 from acb.api.handles import RequestHandle
 from acb.api.loops import await_future, current_loop
-from acb.api.processor import Submission
 from acb.api.sinks import AsyncSink
+from acb.api.submissions import Submission
+from acb.api.weights import swap
 from acb.errors import InvalidRequestError, QueueFullError, RequestFailedError
 from acb.images import ImagePrompt, has_images
 from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
@@ -78,7 +79,7 @@ class AsyncEngine(EngineBase):
         chat_template_kwargs: Any = None,
     ) -> Submission:
         loop = current_loop()  # the handle's home loop (asyncio's, or the trio run's)
-        return self.processor.make_request(
+        return self.make_request(
             prompt_ids,
             sampling,
             sink_factory=lambda rid: AsyncSink(rid, loop),
@@ -304,7 +305,7 @@ class AsyncEngine(EngineBase):
         """
         loop = current_loop()
         plans, ids, engine_ids, reqs = scoring.make_requests(
-            self.processor, items, top_logprobs, cache_salt, request_ids, lambda rid: AsyncSink(rid, loop)
+            self, items, top_logprobs, cache_salt, request_ids, lambda rid: AsyncSink(rid, loop)
         )
         handles: list[RequestHandle] = []
         outputs: dict[str, GenerationOutput] = {}
@@ -332,7 +333,7 @@ class AsyncEngine(EngineBase):
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
         requests run: blocks in use stay in use. Returns how many blocks were forgotten."""
-        forgotten: int = await await_future(self._reset_prefix_cache_future())
+        forgotten: int = await await_future(self._live_core().command("reset_prefix"))
         return forgotten
 
     # ------------------------------------------------------ weight updates
@@ -351,7 +352,7 @@ class AsyncEngine(EngineBase):
             WeightUpdateError: an unknown name, a shape or dtype that does not fit (nothing written).
         """
         staged = await anyio.to_thread.run_sync(self.stage_weights, named_tensors)
-        return await await_future(self._swap_future(staged, version))
+        return await await_future(swap(self._live_core, staged, version))
 
     async def swap_weights(self, staged: Any, version: Any = None) -> Any:
         """Swap in an update already staged (:meth:`stage_weights`: a receiver staged it)
@@ -364,7 +365,7 @@ class AsyncEngine(EngineBase):
         Returns:
             The version now running.
         """
-        return await await_future(self._swap_future(staged, version))
+        return await await_future(swap(self._live_core, staged, version))
 
     async def load_weights(self, path: Any, *, version: Any = None) -> Any:
         """:meth:`acb.Engine.load_weights`: the checkpoint read and staged in a worker thread.
@@ -380,7 +381,7 @@ class AsyncEngine(EngineBase):
             WeightUpdateError: a checkpoint that does not read, or a tensor that does not fit.
         """
         staged = await anyio.to_thread.run_sync(self.stage_checkpoint, path)
-        return await await_future(self._swap_future(staged, version))
+        return await await_future(swap(self._live_core, staged, version))
 
     # ------------------------------------------------------ pause and sleep
     async def pause(self, mode: str = "wait") -> None:
@@ -391,22 +392,22 @@ class AsyncEngine(EngineBase):
             mode: ``"wait"`` lets the live requests finish first, ``"cancel"`` cancels them,
                 ``"keep"`` parks them where they are (they continue after :meth:`resume`).
         """
-        await await_future(self._pause_future(mode))
+        await await_future(self._live_core().pause(mode))
 
     async def resume(self) -> None:
         """Run steps again after :meth:`pause`."""
-        await await_future(self._resume_future())
+        await await_future(self._live_core().resume())
 
     async def sleep(self) -> MemoryReleased:
         """Free the KV cache, the decode graphs and the step buffers (the model stays) and return
         the bytes freed. No steps run until :meth:`wake_up`; running requests are taken off the
         device and recomputed after it; the prefix cache is emptied. A pause in effect (or a
         ``pause("wait")`` still draining) is left as it is and holds after waking."""
-        released: MemoryReleased = await await_future(self._sleep_future())
+        released: MemoryReleased = await await_future(self._live_core().command("sleep"))
         return released
 
     async def wake_up(self) -> None:
         """Allocate again what :meth:`sleep` freed (and capture the graphs); steps run again
         unless a :meth:`pause` holds them (a paused engine stays paused until :meth:`resume`; a
         drain that ``sleep`` interrupted goes on)."""
-        await await_future(self._wake_up_future())
+        await await_future(self._live_core().command("wake"))

@@ -2,53 +2,58 @@
 two facades with the same method names).
 
 Its public surface is what every facade (``AsyncEngine``, ``Engine``, ``generate_batch``,
-the manager) and every client of the library uses: ``prepare``/``start``/``stop``/``join``,
-``processor`` (the :class:`~acb.api.processor.InputProcessor`: validate a submit and claim its
-id), ``admit``/``enqueue`` (hand it to the engine), ``abandon``, ``cancel``, ``call`` (run a
-function on the engine thread), and read-only ``core``, ``runner``, ``gate``, ``defaults``,
-``config``, ``stats``.
+the manager) and every client of the library uses: ``prepare``/``start``/``stop``/``join``;
+``make_request``, the one submit path (the input processor, ``processor``, checks the submit and
+builds its engine request; ``submissions`` claims its ids, registers its sink and begins its
+trace; a scoring group's is :func:`acb.api.scoring.make_score_request`); ``admit`` (hand it to the engine), ``abandon``,
+``cancel``, ``call`` (run a function on the engine thread); and read-only ``core``, ``runner``,
+``gate``, ``defaults``, ``config``, ``stats``.
 
-The API layer never touches the device: the runner is built here (which measures memory
-and swaps the attention implementation) but only ever driven by the engine thread.
+The API layer never touches the device: the runner is built here (which measures memory and
+swaps the attention implementation) and what submits are checked against is read from it once,
+at start (:class:`~acb.api.processor.ModelFacts`); after that, only the engine thread drives it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from acb import telemetry
 from acb.api.gate import AdmissionGate
+from acb.api.grammars import Grammars
 from acb.api.ids import RequestIds
-from acb.api.processor import InputProcessor, Submission
+from acb.api.loading import build_runner, load_pretrained
+from acb.api.processor import InputProcessor, ModelFacts, request_defaults
 from acb.api.sinks import SinkRegistry
+from acb.api.submissions import Submission, Submissions
+from acb.api.weights import stage_checkpoint, stage_weights
 from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore
 from acb.core.messages import EngineStats
-from acb.errors import EngineNotRunningError, InvalidRequestError
+from acb.errors import EngineNotRunningError
+from acb.images import image_token_id
 from acb.runner.host_threads import release_idle_threads
-from acb.sampling_params import FALLBACK, SamplingParams
-from acb.text import text_tokenizer
+from acb.telemetry import watch_engine
 
 if TYPE_CHECKING:
     import torch
     from transformers import GenerationConfig, PreTrainedModel
     from typing_extensions import Self
 
-    from acb.runner.model_runner import MemoryReleased, ModelRunner
+    from acb.runner.model_runner import ModelRunner
+    from acb.sampling_params import SamplingParams
     from acb.structured import GrammarCompiler
-    from acb.text import TokenizerLike
+    from acb.text import Prompt, TokenizerLike
 
 logger = logging.getLogger(__name__)
 
 
 class EngineBase:
     """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style:
-    start-up, validation at submit, the engine core and its thread.
+    start-up, the submit path, the engine core and its thread.
 
     ``tokenizer`` turns text and chats into token ids; ``processor`` (a vision-language model's
     ``AutoProcessor``) takes its place for a model that sees images, whose prompts may then hold
@@ -78,17 +83,17 @@ class EngineBase:
         self.tokenizer = processor if processor is not None else tokenizer
         # the model's name in telemetry (gen_ai.request.model); acb serve sets the served name
         self.model_name: str = getattr(model.config, "name_or_path", "") or model.config.model_type or "model"
-        self.set_generation_config(generation_config)
         self._runner_cls = runner_cls
         self.core: EngineCore | None = None
         self.runner: ModelRunner | None = None
         self.gate = AdmissionGate(config.max_queue_size)
         self.sinks = SinkRegistry()  # where the engine delivers each submit's results
         self.ids = RequestIds()  # the ids live requests hold (claimed at submit, released with the final output)
-        self._grammar_compiler: GrammarCompiler | None = None  # structured outputs: built on first use
-        self._grammar_lock = threading.Lock()
-        # the input processor: every submit is checked and made an engine request there
-        self.processor = InputProcessor(self, config.seed)
+        # where a checked submit claims its ids, draws its seed and registers its sink
+        self.submissions = Submissions(self.ids, self.sinks, config.seed)
+        self._grammars = Grammars(self.tokenizer)  # structured outputs: the compiler, built on first use
+        self._facts: ModelFacts | None = None  # what submits are checked against (read at start)
+        self.set_generation_config(generation_config)  # (and the input processor, ``processor``)
         self._start_lock = threading.Lock()
         self._context_depth = 0
         self._context_lock = threading.Lock()
@@ -100,32 +105,20 @@ class EngineBase:
         Args:
             generation_config: a transformers ``GenerationConfig`` (None: acb's defaults).
         """
-        config = self.cb_config
-        defaults = FALLBACK
-        if generation_config is not None:
-            defaults = SamplingParams.from_generation_config(
-                generation_config, self.model.config, drop_unsupported=config.drop_unsupported_processors
-            ).merged_over(FALLBACK)
-        if config.return_logprobs:  # transformers' meaning: logprobs of the processed logits
-            defaults = replace(defaults, logprobs=defaults.logprobs or 0, logprobs_mode="processed")
         self.generation_config = generation_config
-        self.defaults = replace(defaults, logprobs_mode=defaults.logprobs_mode or "raw")
+        self.defaults = request_defaults(generation_config, self.model.config, self.cb_config)
+        self._renew_processor()
+
+    def _renew_processor(self) -> None:
+        # the input processor holds plain values: a new one when the defaults or the facts change
+        image_token = image_token_id(self.model.config)
+        self.processor = InputProcessor(self._facts, self.tokenizer, self.defaults, self._grammars, image_token)
 
     # ------------------------------------------------------------------ life
     def prepare(self) -> None:
         """Check the model, size and allocate the KV cache (idempotent; ``start`` calls it)."""
         if self.runner is None:
-            from acb.runner.model_runner import ModelRunner  # the API's only torch code
-            from acb.runner.setup import device_scope, model_device
-
-            with device_scope(model_device(self.model)):
-                runner = (self._runner_cls or ModelRunner)(self.model, self.cb_config)
-                try:
-                    runner.warmup()  # captures the decode CUDA graphs when enabled
-                except BaseException:
-                    runner.close()
-                    raise
-            self.runner = runner
+            self.runner = build_runner(self.model, self.cb_config, self._runner_cls)
 
     def start(self) -> None:
         """Check the model, build the KV cache and start the engine thread (the context manager does this)."""
@@ -136,13 +129,15 @@ class EngineBase:
             runner = self.runner
             assert runner is not None  # prepare() built it
             self.gate = AdmissionGate(self.cb_config.max_queue_size)
-            sync = None
             from acb.runner.tp_sync import StepSync, tp_group
 
-            group = tp_group(self.model)
-            if group is not None:  # tensor parallel: every rank's engine runs the leader's requests
-                sync = StepSync(group)
+            group = tp_group(self.model)  # tensor parallel: every rank's engine runs the leader's requests
+            sync = StepSync(group) if group is not None else None
             follower = sync is not None and not sync.is_leader
+            # read once, before the engine thread drives the runner: submits never call it
+            self._facts = ModelFacts(runner.cfg, runner.vocab_size, runner.input_vocab_size, runner.media_facts())
+            self._renew_processor()
+            self._grammars.open(runner.vocab_size, self.cb_config, follower)
             core = EngineCore(
                 runner,
                 deliver=self.sinks.deliver,
@@ -158,7 +153,7 @@ class EngineBase:
             # this thread built the model: its idle OpenMP workers would slow every parallel
             # region of the engine thread's (acb.runner.host_threads)
             self._about_to_wait()
-            telemetry.watch_engine(self, self.model_name)
+            watch_engine(self, self.model_name)
 
     def _about_to_wait(self) -> None:
         """The calling thread is about to wait on the engine: on a CPU engine, hand back its
@@ -170,10 +165,7 @@ class EngineBase:
 
     def _on_core_exit(self) -> None:
         self.gate.close()
-        with self._grammar_lock:
-            if self._grammar_compiler is not None:
-                self._grammar_compiler.close()
-                self._grammar_compiler = None
+        self._grammars.close()
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -250,46 +242,14 @@ class EngineBase:
         tokenizer: TokenizerLike | None = None,
         **model_kwargs: Any,
     ) -> Self:
-        """An engine (not started) for a checkpoint: the model, its tokenizer and its generation
-        config, loaded by transformers from a local directory or a hub id. ``device``: where the
-        model goes (``"cuda"``, ``"cpu"``...); ``model_kwargs`` go to ``from_pretrained``. A
-        vision-language checkpoint (one ``AutoModelForImageTextToText`` loads) comes with its
-        ``AutoProcessor`` in place of the tokenizer, so chats with images work.
+        """An engine (not started) for a checkpoint (a local folder or a hub id): the model, its
+        tokenizer (a vision-language checkpoint's ``AutoProcessor``) and its generation config, as
+        :func:`acb.api.loading.load_pretrained` loads them (its arguments, and its ``OSError`` for
+        a checkpoint that is nowhere); ``config`` is the engine's."""
+        model, tok = load_pretrained(path, dtype=dtype, device=device, tokenizer=tokenizer, **model_kwargs)
+        return cls(model, config, getattr(model, "generation_config", None), tokenizer=tok)
 
-        Raises:
-            OSError: ``path`` is no checkpoint folder and the hub (or, with ``HF_HUB_OFFLINE=1``,
-                its local cache) does not have it; the message says how to use a local folder.
-        """
-        import os
-
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
-
-        from acb.model_source import load_processor, vision_checkpoint
-
-        vision = vision_checkpoint(path)
-        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        try:
-            model: PreTrainedModel = auto.from_pretrained(path, dtype=dtype, **model_kwargs)
-        except OSError as exc:
-            if os.path.isdir(path):
-                raise
-            raise OSError(
-                f"cannot load {path!r}: it is not a local folder, and neither the Hugging Face hub nor its "
-                f"cache has it ({exc}). Pass a checkpoint folder instead (one save_pretrained wrote, or "
-                "`hf download ORG/NAME --local-dir DIR`); without a network, HF_HUB_OFFLINE=1 makes a hub "
-                "id fail at once instead of after retries"
-            ) from exc
-        if device is not None:
-            # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to): mypy sees it unbound
-            model = model.to(device)  # type: ignore[arg-type]
-        if tokenizer is None:
-            if vision:  # its processor: the chat template, the image processor and the tokenizer
-                tokenizer = load_processor(path)
-            else:
-                tokenizer = AutoTokenizer.from_pretrained(path)
-        model = model.eval()  # type: ignore[no-untyped-call]  # unannotated in transformers; returns the model
-        return cls(model, config, getattr(model, "generation_config", None), tokenizer=tokenizer)
-
+    # -------------------------------------------- the engine thread's commands
     def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run ``fn(core)`` on the engine thread between steps.
 
@@ -301,78 +261,11 @@ class EngineBase:
         """
         return self._live_core().call(fn)
 
-    def _reset_prefix_cache_future(self) -> Future[int]:
-        return self._live_core().command("reset_prefix")
-
-    # ------------------------------------------------------ pause and sleep
-    # the blocking and async forms (Engine, AsyncEngine) wrap these futures
-    # ---------------------------------------------------------- weight updates
-    @property
-    def weight_version(self) -> Any:
-        """The version of the weights the engine runs (0: those it started with)."""
-        return self.core.weight_version if self.core is not None else 0
-
-    def stage_weights(self, named_tensors: Any) -> Any:
-        """An update's tensors checked and staged (:func:`acb.runner.weight_update.stage`): the
-        caller's thread does the copying, the engine thread only the swap.
-
-        Args:
-            named_tensors: ``{name: tensor}`` or ``(name, tensor)`` pairs, by the model's own names.
-
-        Returns:
-            The staged update (:class:`acb.runner.weight_update.Staged`), for ``swap_weights``.
-
-        Raises:
-            WeightUpdateError: a name, shape or dtype that does not fit (nothing written).
-        """
-        from acb.runner.tp_sync import tp_size_of
-        from acb.runner.weight_update import stage
-
-        if tp_size_of(self.model) > 1:
-            raise RuntimeError("weight updates are not supported under tensor parallel yet")
-        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        return stage(self.model, items)
-
-    def stage_checkpoint(self, path: Any) -> Any:
-        """:meth:`stage_weights` for a safetensors checkpoint (a directory or one file).
-
-        Args:
-            path: the checkpoint, on local disk.
-
-        Returns:
-            The staged update.
-
-        Raises:
-            WeightUpdateError: a checkpoint that does not read, or a tensor that does not fit.
-        """
-        from acb.runner.weight_update import read_checkpoint
-
-        return self.stage_weights(read_checkpoint(path))
-
-    def _swap_future(self, staged: Any, version: Any) -> Future[Any]:
-        from acb.runner.weight_update import check_version, version_after
-
-        version = check_version(version)  # (every facade's update comes through here)
-        return self._live_core().call(
-            lambda core: core.swap_weights(staged, version_after(core.weight_version, version))
-        )
-
-    def _pause_future(self, mode: str) -> Future[None]:
-        return self._live_core().pause(mode)
-
-    def _resume_future(self) -> Future[None]:
-        return self._live_core().resume()
-
-    def _sleep_future(self) -> Future[MemoryReleased]:
-        return self._live_core().command("sleep")
-
-    def _wake_up_future(self) -> Future[None]:
-        return self._live_core().command("wake")
-
-    def _live_core(self) -> EngineCore:
+    def _live_core(self, not_running: str = "the engine is not running") -> EngineCore:
+        """The running core (the facades' pause, sleep, weight swap and reset go through it)."""
         core = self.core
         if core is None:
-            raise EngineNotRunningError("the engine is not running")
+            raise EngineNotRunningError(not_running)
         core.check_alive()
         return core
 
@@ -386,71 +279,108 @@ class EngineBase:
         """Whether ``sleep`` freed the KV cache (``wake_up`` brings it back)."""
         return self.core is not None and self.core.runner_asleep()
 
+    @property
+    def weight_version(self) -> Any:
+        """The version of the weights the engine runs (0: those it started with)."""
+        return self.core.weight_version if self.core is not None else 0
+
+    def stage_weights(self, named_tensors: Any) -> Any:
+        """An update's tensors checked and staged on this thread, for the engine thread's swap
+        (:func:`acb.api.weights.stage_weights`: a name, shape or dtype that does not fit is a
+        ``WeightUpdateError``, and nothing is written).
+
+        Args:
+            named_tensors: ``{name: tensor}`` or ``(name, tensor)`` pairs, by the model's own names.
+        """
+        return stage_weights(self.model, named_tensors)
+
+    def stage_checkpoint(self, path: Any) -> Any:
+        """:meth:`stage_weights` for a safetensors checkpoint (:func:`acb.api.weights.stage_checkpoint`).
+
+        Args:
+            path: the checkpoint (a directory or one file), on local disk.
+        """
+        return stage_checkpoint(self.model, path)
+
     # --------------------------------------------------------------- submit
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler of structured outputs (built on first use: xgrammar reads the
         tokenizer's whole vocabulary once). Its stop tokens are the engine's EOS ids."""
-        with self._grammar_lock:
-            if self._grammar_compiler is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError(
-                        "structured_outputs need a tokenizer: pass tokenizer=... to the engine", "structured_outputs"
-                    )
-                from acb.grammar_budget import GrammarBudget
-                from acb.structured import GrammarCompiler
+        return self._grammars.get(self.defaults.stop_token_ids, self._live_core)
 
-                core = self._live_core()
-                vocab = core.runner.vocab_size
-                eos = [t for t in self.defaults.stop_token_ids or () if 0 <= t < vocab]
-                budget = GrammarBudget.from_config(self.cb_config)
-                if core.sync is not None and not core.sync.is_leader:
-                    # a follower compiles what its leader accepted (the static limits agree): a
-                    # time limit could refuse here what the leader ran, and the ranks would part
-                    budget = replace(budget, compile_timeout_s=None)
-                self._grammar_compiler = GrammarCompiler(
-                    text_tokenizer(self.tokenizer), vocab, stop_token_ids=eos or None, budget=budget
-                )
-            return self._grammar_compiler
-
-    def _made_core(self) -> EngineCore:
-        """The core of a request from :meth:`make_request` (which needed one; it is never unset)."""
-        core = self.core
-        assert core is not None
+    def submit_core(self) -> EngineCore:
+        """The core a submit goes to: running, alive and this rank's own (every submit path asks
+        first; ``EngineNotRunningError``, ``EngineDeadError``, or a ``RuntimeError`` on a
+        tensor-parallel follower, whose leader takes the submits)."""
+        core = self._live_core("the engine is not running (start it, or use it as a context manager)")
+        if core.sync is not None and not core.sync.is_leader and threading.current_thread() is not core.thread:
+            raise RuntimeError(
+                f"this is a tensor-parallel follower (rank {core.sync.rank}): submit requests on the leader, rank "
+                f"{core.sync.leader_rank}, whose engine runs them on every rank (generate_batch returns {{}} here)"
+            )
         return core
 
-    def enqueue(self, req: Submission) -> None:
-        """Hand a validated request to the engine (the caller holds its queue slot).
+    def make_request(
+        self,
+        prompt_ids: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        sink_factory: Callable[[str], Any],
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+        cache_salt: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Submission:
+        """A generation's submit: checked and built by the input processor
+        (``processor.process``), then opened (``submissions.open``: its ids claimed, its sink
+        registered, its trace begun). Post it with :meth:`admit`, or give it back with
+        :meth:`abandon`. Bad input is a ``ValueError``/``TypeError`` naming its ``field``, and
+        leaves nothing behind.
 
         Args:
-            req: what :meth:`make_request` returned.
+            prompt_ids: token ids, text or a chat (with a tokenizer), or a prompt with images.
+            sampling: how to decode (merged over the engine's defaults).
+            sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
+            request_id: its id (default: a fresh ``req_<n>``); none of its samples' may be live.
+            record_timestamps: record each token's arrival time.
+            cache_salt: keeps its prefix-cache entries apart from other salts'.
+            chat_template_kwargs: the chat template's variables (a chat prompt).
         """
-        self._made_core().add(req.engine_request)
+        self.submit_core()
+        made = self.processor.process(
+            prompt_ids,
+            sampling,
+            request_id=request_id,
+            record_timestamps=record_timestamps,
+            cache_salt=cache_salt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.submissions.open(made, sink_factory, self.tokenizer, self.model_name)
 
     def admit(self, req: Submission) -> None:
-        """Hand a validated request, holding a queue slot, to the engine; undo both on failure.
+        """Hand a submit, holding a queue slot, to the engine; if the engine died
+        (``EngineDeadError``), give back the slot, the sink and the ids.
 
         Args:
             req: what :meth:`make_request` returned.
-
-        Raises:
-            EngineDeadError: the engine died (the slot and the ids are given back).
         """
         try:
-            self._made_core().check_alive()
-            self.enqueue(req)
+            core = self.core
+            assert core is not None  # (make_request needed one; it is never unset)
+            core.check_alive()
+            core.add(req.engine_request)
         except BaseException:
             self.gate.release()
             self.abandon(req)
             raise
 
     def abandon(self, req: Submission) -> None:
-        """Undo ``make_request`` for a request that will not be enqueued.
+        """Undo :meth:`make_request` for a submit that will not be posted (its sink and ids).
 
         Args:
             req: what :meth:`make_request` returned.
         """
-        self.sinks.discard(req.engine_request.sink_key)
-        self.ids.release_all(req.engine_request.member_ids)
+        self.submissions.abandon(req)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request by id.

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from acb.api import scoring
 from acb.api.base import EngineBase
 from acb.api.handles import SyncRequestHandle
-from acb.api.processor import Submission
 from acb.api.sinks import ThreadSink
+from acb.api.submissions import Submission
+from acb.api.weights import swap
 from acb.config import ConfigLike
 from acb.errors import AcbError, QueueFullError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, ScoreOutput
@@ -65,12 +66,11 @@ class Engine(EngineBase):
         self.stop(drain=not cancel_pending, timeout=timeout)
 
     def enqueue_blocking(self, req: Submission, *, wait: bool = True, timeout: float | None = None) -> None:
-        """Take a queue slot for a request from the input processor
-        (:meth:`acb.api.processor.InputProcessor.make_request`) and hand it to the engine.
+        """Take a queue slot for a submit (:meth:`make_request`) and hand it to the engine.
         On failure the request's id is given back.
 
         Args:
-            req: what :meth:`acb.api.processor.InputProcessor.make_request` returned.
+            req: what :meth:`make_request` returned.
             wait: wait while ``max_queue_size`` requests wait (else raise at once).
             timeout: the most seconds to wait for a slot.
 
@@ -89,7 +89,7 @@ class Engine(EngineBase):
     def _submit(
         self, prompt_ids: Prompt, sampling: SamplingParams | None, wait: bool, timeout: float | None, **kw: Any
     ) -> SyncRequestHandle:
-        req = self.processor.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
+        req = self.make_request(prompt_ids, sampling, sink_factory=ThreadSink, **kw)
         # before the enqueue, so that submits in a row reach the engine as close together as they did
         self._about_to_wait()
         self.enqueue_blocking(req, wait=wait, timeout=timeout)
@@ -232,7 +232,8 @@ class Engine(EngineBase):
         Returns:
             How many blocks were forgotten.
         """
-        return self._reset_prefix_cache_future().result(timeout)
+        forgotten: int = self._live_core().command("reset_prefix").result(timeout)
+        return forgotten
 
     def update_weights(self, named_tensors: Any, *, version: Any = None, timeout: float | None = None) -> Any:
         """Replace weights by name, atomically: every name, shape and dtype is checked against
@@ -256,7 +257,7 @@ class Engine(EngineBase):
         from acb.runner.weight_update import check_version
 
         check_version(version)  # (before the staging's work)
-        return self._swap_future(self.stage_weights(named_tensors), version).result(timeout)
+        return swap(self._live_core, self.stage_weights(named_tensors), version).result(timeout)
 
     def load_weights(self, path: Any, *, version: Any = None, timeout: float | None = None) -> Any:
         """:meth:`update_weights` from a safetensors checkpoint (a directory or one file) on
@@ -277,7 +278,7 @@ class Engine(EngineBase):
         from acb.runner.weight_update import check_version
 
         check_version(version)  # (before the checkpoint is read)
-        return self._swap_future(self.stage_checkpoint(path), version).result(timeout)
+        return swap(self._live_core, self.stage_checkpoint(path), version).result(timeout)
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
         """Stop running steps, e.g. while the model trains between rounds; returns once paused.
@@ -288,7 +289,7 @@ class Engine(EngineBase):
                 ``"keep"`` parks them where they are (they continue after :meth:`resume`).
             timeout: the most seconds to wait (``"wait"``: for the live requests to finish).
         """
-        self._pause_future(mode).result(timeout)
+        self._live_core().pause(mode).result(timeout)
 
     def resume(self, timeout: float | None = None) -> None:
         """Run steps again after :meth:`pause`.
@@ -296,7 +297,7 @@ class Engine(EngineBase):
         Args:
             timeout: the most seconds to wait for the engine thread to do it.
         """
-        self._resume_future().result(timeout)
+        self._live_core().resume().result(timeout)
 
     def sleep(self, timeout: float | None = None) -> MemoryReleased:
         """Free the KV cache, the decode graphs and the step buffers (the model stays) and return
@@ -310,7 +311,7 @@ class Engine(EngineBase):
         Returns:
             What was freed, in bytes by kind (:class:`acb.runner.model_runner.MemoryReleased`).
         """
-        released: MemoryReleased = self._sleep_future().result(timeout)
+        released: MemoryReleased = self._live_core().command("sleep").result(timeout)
         return released
 
     def wake_up(self, timeout: float | None = None) -> None:
@@ -321,7 +322,7 @@ class Engine(EngineBase):
         Args:
             timeout: the most seconds to wait for the engine thread to do it.
         """
-        self._wake_up_future().result(timeout)
+        self._live_core().command("wake").result(timeout)
 
     def generate_batch(
         self,
@@ -385,13 +386,13 @@ class Engine(EngineBase):
         sink = functools.partial(ThreadSink, on_final=done.put)
         # the engine requests take fresh ids (another call, or a submit, may be running beside this
         # one); the results are named req_<i> of this call, as transformers' are
-        reqs = self.processor.make_all(
+        reqs = self.submissions.make_all(
             "inputs",
             (
                 (
                     i,
                     functools.partial(
-                        self.processor.make_request,
+                        self.make_request,
                         prompt,
                         per_prompt[i],
                         record_timestamps=record_timestamps,
@@ -429,7 +430,7 @@ class Engine(EngineBase):
         should_stop: Callable[[], bool] | None = None,
     ) -> dict[str, GenerationOutput]:
         """The one batch loop (``generate_batch``, ``score_batch``, ``acb generate``): enqueue
-        requests from :meth:`acb.api.processor.InputProcessor.make_request` (whose sinks put their
+        requests from :meth:`make_request` (whose sinks put their
         final output on ``done``) in order, taking queue slots as they free up, and block until
         every request enqueued has ended; their outputs by request id. ``should_stop`` and
         interrupts: see :meth:`generate_batch`."""
@@ -568,7 +569,7 @@ class Engine(EngineBase):
             return []
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         plans, ids, engine_ids, reqs = scoring.make_requests(
-            self.processor, items, top_logprobs, cache_salt, request_ids, lambda rid: ThreadSink(rid, on_final=done.put)
+            self, items, top_logprobs, cache_salt, request_ids, lambda rid: ThreadSink(rid, on_final=done.put)
         )
         results = self._run_made(reqs, done, _progress(len(reqs), progress_bar, desc="score_batch"))
         return scoring.assemble_batch(plans, ids, engine_ids, results, top_logprobs)

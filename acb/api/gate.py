@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any
 
-from acb.api.loops import _wake_threadsafe, current_loop
+from acb.api.loops import current_loop, wake_threadsafe
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class AdmissionGate:
         waiters, self._async_waiters = self._async_waiters, []
         self._cond.notify_all()
         for loop, fut in waiters:
-            _wake_threadsafe(loop, fut)
+            wake_threadsafe(loop, fut)
 
     def acquire_blocking(self, timeout: float | None = None) -> bool:
         if self.limit <= 0:

@@ -109,15 +109,16 @@ def is_cancellation(exc: BaseException) -> bool:
     return trio is not None and isinstance(exc, trio.Cancelled)
 
 
-def _wake(fut: Any) -> None:
+def wake(fut: Any) -> None:
     """Set a waiter (on its own loop); a waiter already set or cancelled is left alone."""
     if not fut.done():
         fut.set_result(None)
 
 
-def _wake_threadsafe(loop: Any, fut: Any) -> None:
+def wake_threadsafe(loop: Any, fut: Any) -> None:
+    """:func:`wake` a waiter from another thread, through its loop (a closed loop: nobody waits)."""
     try:
-        loop.call_soon_threadsafe(_wake, fut)
+        loop.call_soon_threadsafe(wake, fut)
     except RuntimeError:  # that loop is closed: nobody is waiting there any more
         pass
 
@@ -127,7 +128,7 @@ async def await_future(fut: concurrent.futures.Future[Any]) -> Any:
     cancelling the wait cancels the future if it has not started."""
     loop = current_loop()
     done = loop.create_future()
-    fut.add_done_callback(lambda _: _wake_threadsafe(loop, done))
+    fut.add_done_callback(lambda _: wake_threadsafe(loop, done))
     try:
         await done
     except BaseException:

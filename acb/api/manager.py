@@ -270,7 +270,7 @@ class ContinuousBatchingManager:
 
             return ThreadSink(rid, on_push=on_push)
 
-        req = self._engine.processor.make_request(
+        req = self._engine.make_request(
             input_ids, sampling, request_id=request_id, record_timestamps=record_timestamps, sink_factory=make_sink
         )
         rid = req.request_id

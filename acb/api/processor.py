@@ -2,7 +2,12 @@
 ``Processor`` is, in its own room).
 
 :class:`InputProcessor` is what every facade (``AsyncEngine``, ``Engine``, ``generate_batch``,
-the manager, the scoring calls) goes through before the engine sees a request:
+the manager, the scoring calls) goes through before the engine sees a request. It is built from
+what it checks against, plain values all: the engine's :class:`ModelFacts` (its resolved sizes,
+the vocabularies, the model's :class:`~acb.runner.vision.MediaFacts`: read from the runner once,
+when the engine starts), the tokenizer (or the model's processor), the requests' defaults, the
+grammar compiler's holder and the model's image token. It holds no engine, and has no side
+effects: processing a submit twice, or processing one and dropping it, leaves nothing behind.
 
 - :func:`as_token_list` is the one prompt normaliser, called once per prompt on its way in (a
   scoring group's prompts are normalised when they are planned, and reach the processor as
@@ -10,46 +15,41 @@ the manager, the scoring calls) goes through before the engine sees a request:
 - the named validators (``check_*``) each refuse one thing, with an
   :class:`~acb.errors.InvalidRequestError` (or :class:`~acb.errors.InvalidRequestTypeError`)
   whose ``field`` is the public name of what it is about;
-- :meth:`InputProcessor.make_request` (a generation) and
-  :meth:`InputProcessor.make_score_request` (a scoring group) check everything, then claim the
-  request ids (all or none), register the sink and build the frozen :class:`EngineRequest`;
-  :meth:`InputProcessor.make_all` does several at once (all or none).
-
-The engine (:class:`acb.api.base.EngineBase`) keeps the lifecycle: it owns the core, the sinks,
-the defaults and the grammar compiler, which the processor reads through it.
+- :meth:`InputProcessor.process` (a generation) and :meth:`InputProcessor.process_score` (a
+  scoring group) check everything and return the frozen :class:`EngineRequest`, built by
+  keyword, in a :class:`Processed`. What only the submit decides (the request id it claims, the
+  sink key it registers, the seed it draws for a request without one, when it was submitted) is
+  filled in there: :class:`acb.api.submissions.Submissions`.
 """
 
 from __future__ import annotations
 
-import itertools
 import operator
-import random
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from acb import telemetry
 from acb.core.messages import EngineRequest, ScoreTarget
-from acb.errors import EngineNotRunningError, InvalidRequestError, InvalidRequestTypeError, prefixed
-from acb.images import ImagePrompt, has_images, image_token_id, process_prompt
-from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStatus
+from acb.errors import EngineNotRunningError, InvalidRequestError, InvalidRequestTypeError
+from acb.images import ImagePrompt, has_images, process_prompt
 from acb.sampling_params import FALLBACK, SamplingParams
-from acb.text import IncrementalDetokenizer, encode_prompt
+from acb.text import encode_prompt
 
 if TYPE_CHECKING:
-    from acb.api.base import EngineBase
-    from acb.config import ResolvedConfig
-    from acb.core.engine_core import EngineCore
+    from transformers import GenerationConfig, PretrainedConfig
+
+    from acb.api.grammars import Grammars
+    from acb.config import ContinuousBatchingConfig, ResolvedConfig
     from acb.images import ImageInputs
+    from acb.runner.vision import MediaFacts
     from acb.structured import CompiledGrammar, GrammarCompiler
     from acb.structured_outputs import StructuredOutputs
-    from acb.text import Prompt
+    from acb.text import Prompt, TokenizerLike
 
 __all__ = [
     "InputProcessor",
-    "Submission",
+    "ModelFacts",
+    "Processed",
     "as_token_list",
     "check_logprobs",
     "check_min_tokens",
@@ -57,6 +57,7 @@ __all__ = [
     "check_vocab",
     "compile_grammar",
     "fork_blocks",
+    "request_defaults",
 ]
 
 
@@ -227,127 +228,105 @@ def fork_blocks(prompt_len: int, n: int, cfg: ResolvedConfig) -> tuple[int, int]
     return prompt_len // bs + (n if prompt_len % bs else 0), cfg.num_blocks - 1
 
 
-def _member_ids(request_id: str, n: int) -> list[str]:
-    """The ids a request of ``n`` samples (or scoring members) claims: its own, then its samples'
-    (as :attr:`acb.core.messages.EngineRequest.member_ids` names them)."""
-    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+def request_defaults(
+    generation_config: GenerationConfig | None, model_config: PretrainedConfig, config: ContinuousBatchingConfig
+) -> SamplingParams:
+    """The defaults a request's sampling params are merged over.
+
+    Args:
+        generation_config: a transformers ``GenerationConfig`` (None: acb's defaults).
+        model_config: the model's config (what the generation config's fields are read against).
+        config: the engine's config (``drop_unsupported_processors``, ``return_logprobs``).
+
+    Returns:
+        The resolved defaults (over :data:`acb.sampling_params.FALLBACK`).
+    """
+    defaults = FALLBACK
+    if generation_config is not None:
+        defaults = SamplingParams.from_generation_config(
+            generation_config, model_config, drop_unsupported=config.drop_unsupported_processors
+        ).merged_over(FALLBACK)
+    if config.return_logprobs:  # transformers' meaning: logprobs of the processed logits
+        defaults = replace(defaults, logprobs=defaults.logprobs or 0, logprobs_mode="processed")
+    return replace(defaults, logprobs_mode=defaults.logprobs_mode or "raw")
 
 
-class Submission:
-    """A validated submit on the caller's side (what :meth:`InputProcessor.make_request` returns):
-    the :class:`EngineRequest` to post, and the sink its results go to. Its request ids are
-    claimed until it is posted (:meth:`acb.api.base.EngineBase.admit`) or given back
-    (:meth:`acb.api.base.EngineBase.abandon`)."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What submits are checked against, fixed when the engine starts: read from the runner once,
+    on the starting thread, before the engine thread drives it."""
 
-    __slots__ = ("engine_request", "sink")
+    cfg: ResolvedConfig  # the resolved sizes (block size, rows, max_model_len, image_cache_bytes...)
+    vocab_size: int  # the output vocabulary: what can be sampled, scored and biased
+    input_vocab_size: int  # the ids a prompt may hold (Molmo2's image tokens lie past the output vocabulary)
+    media: MediaFacts  # the model's images: whether it runs them, their blocks, their price
 
-    def __init__(self, engine_request: EngineRequest, sink: Any) -> None:
-        self.engine_request = engine_request
-        self.sink = sink
 
-    @property
-    def request_id(self) -> str:
-        return self.engine_request.request_id
+class Processed(NamedTuple):
+    """A submit checked and built (:meth:`InputProcessor.process`): its :class:`EngineRequest`, and
+    what the submit needs besides (:meth:`acb.api.submissions.Submissions.open`). The request's
+    ``request_id`` is the caller's (``""`` when it gave none), its ``sink_key`` is -1 (no sink yet),
+    its ``seed`` the caller's (0 when it gave none: the submit draws one) and ``created_time`` 0:
+    the submit fills them in."""
 
-    def failed_output(self, error: str, failure: FailureKind) -> GenerationOutput:
-        """The outcome of a submit that never reached the engine (it died first).
-
-        Args:
-            error: the error's text.
-            failure: its kind.
-
-        Returns:
-            A FAILED output with the request's id and prompt.
-        """
-        er = self.engine_request
-        return GenerationOutput(
-            request_id=er.request_id,
-            prompt_ids=list(er.prompt_ids),
-            status=RequestStatus.FAILED,
-            finish_reason=FinishReason.ERROR,
-            error=error,
-            failure=failure,
-        )
+    request: EngineRequest
+    request_id: str | None  # the caller's id (None: the submit claims a fresh one)
+    prompt: Any  # what the caller gave as the prompt (its trace reads it)
 
 
 class InputProcessor:
-    """Checks submits against the engine's model and sizes and builds their engine requests.
+    """Checks submits against the model and the engine's sizes and builds their engine requests.
 
     Args:
-        engine: the engine whose core, sinks, tokenizer, defaults and grammar compiler it uses.
-        seed: seeds the draws of the requests without a seed (the engine's ``seed``), so that
-            runs repeat.
+        facts: what the engine runs with (None before it first starts: only
+            :meth:`process_images` works then).
+        tokenizer: the engine's tokenizer, or the model's processor (None: token ids only).
+        defaults: what a request's sampling params are merged over.
+        grammars: the holder of the grammar compiler (structured outputs).
+        image_token: the model's image placeholder token id (None: it has none).
     """
 
-    def __init__(self, engine: EngineBase, seed: int | None) -> None:
-        self._engine = engine
-        # requests without a seed draw one here, so that the engine's seed makes runs repeatable
-        self._seeds = random.Random(seed)
-        self._ids = itertools.count()
+    def __init__(
+        self,
+        facts: ModelFacts | None,
+        tokenizer: TokenizerLike | None,
+        defaults: SamplingParams,
+        grammars: Grammars,
+        image_token: int | None,
+    ) -> None:
+        self.facts = facts
+        self.tokenizer = tokenizer
+        self.defaults = defaults
+        self.grammars = grammars
+        self.image_token = image_token
 
-    @property
-    def tokenizer(self) -> Any:
-        """The engine's tokenizer (None without one)."""
-        return self._engine.tokenizer
-
-    # ------------------------------------------------------------ validators
-    def live_core(self) -> EngineCore:
-        """The core a submit goes to.
-
-        Returns:
-            The running core.
-
-        Raises:
-            EngineNotRunningError: the engine is not started.
-            EngineDeadError: the engine died.
-            RuntimeError: this is a tensor-parallel follower (its leader takes the submits).
-        """
-        core = self._engine.core
-        if core is None:
+    def started(self) -> ModelFacts:
+        """The facts submits are checked against (``EngineNotRunningError`` before the engine's
+        first start)."""
+        if self.facts is None:
             raise EngineNotRunningError("the engine is not running (start it, or use it as a context manager)")
-        core.check_alive()
-        if core.sync is not None and not core.sync.is_leader and threading.current_thread() is not core.thread:
-            raise RuntimeError(
-                f"this is a tensor-parallel follower (rank {core.sync.rank}): submit requests on the leader, rank "
-                f"{core.sync.leader_rank}, whose engine runs them on every rank (generate_batch returns {{}} here)"
-            )
-        return core
+        return self.facts
 
-    def prompt_ids(
-        self, prompt: Prompt, vocab: int, chat_template_kwargs: Mapping[str, Any] | None = None
-    ) -> list[int]:
-        """A prompt normalised (text and chats encoded with the tokenizer) and checked.
-
-        Args:
-            prompt: token ids, text or a chat.
-            vocab: the model's vocabulary size.
-            chat_template_kwargs: the chat template's variables.
-
-        Returns:
-            Its token ids.
-
-        Raises:
-            InvalidRequestError: empty, or an id outside the vocabulary (field ``prompt``).
-            InvalidRequestTypeError: not token ids (nor, with a tokenizer, text or a chat).
-        """
-        ids, images = self.prompt_and_images(prompt, vocab, chat_template_kwargs)
-        if images is not None:
-            raise InvalidRequestError("this call takes no images", "prompt")
-        return ids
-
+    # ------------------------------------------------------------ prompts
     def prompt_and_images(
         self, prompt: Prompt, vocab: int, chat_template_kwargs: Mapping[str, Any] | None = None
     ) -> tuple[list[int], ImageInputs | None]:
-        """:meth:`prompt_ids` for a prompt that may have images (:mod:`acb.images`): a chat with
-        image parts is processed by the engine's processor, a processor's output taken as it is.
+        """A prompt normalised (text and chats encoded with the tokenizer; a chat with image parts
+        processed by the model's processor, a processor's output taken as it is) and checked.
+
+        Args:
+            prompt: token ids, text, a chat, or a processor's output.
+            vocab: the ids a prompt may hold (the input embeddings').
+            chat_template_kwargs: the chat template's variables.
 
         Returns:
             Its token ids and its images (None: none).
 
         Raises:
-            InvalidRequestError: as :meth:`prompt_ids`; an image that does not load or is too
-                large, or images for an engine that cannot run them (field ``prompt``).
-            InvalidRequestTypeError: as :meth:`prompt_ids`.
+            InvalidRequestError: empty, or an id outside the vocabulary; an image that does not
+                load or is too large, or images for an engine that cannot run them (field
+                ``prompt``).
+            InvalidRequestTypeError: not token ids (nor, with a tokenizer, text or a chat).
         """
         images = None
         try:
@@ -355,7 +334,7 @@ class InputProcessor:
                 processed = self.process_images(prompt, chat_template_kwargs)
                 ids, images = list(processed), processed.images
             else:
-                ids = as_token_list(encode_prompt(self._engine.tokenizer, prompt, chat_template_kwargs))
+                ids = as_token_list(encode_prompt(self.tokenizer, prompt, chat_template_kwargs))
         except (InvalidRequestError, InvalidRequestTypeError):
             raise
         except ValueError as exc:  # the tokenizer's side (an empty text, a template that refuses)
@@ -380,25 +359,26 @@ class InputProcessor:
         """
         try:
             return process_prompt(
-                self._engine.tokenizer,
-                prompt,
-                image_token_id=image_token_id(self._engine.model.config),
-                chat_template_kwargs=chat_template_kwargs,
+                self.tokenizer, prompt, image_token_id=self.image_token, chat_template_kwargs=chat_template_kwargs
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "prompt") from exc
         except TypeError as exc:
             raise InvalidRequestTypeError(str(exc), "prompt") from exc
 
+    def images_refused(self) -> str:
+        """Why this engine cannot run a request's images ("" when it can)."""
+        return self.facts.media.refused if self.facts is not None else "the engine is not started"
+
     def check_images(self, images: ImageInputs) -> ImageInputs:
         """Refuse images the engine cannot run, or whose embeddings can never fit its budget;
         return them as the engine runs them (with the blocks a prefill chunk must not cut)."""
-        runner = self.live_core().runner
-        why = runner.images_refused()
-        if why:
-            raise InvalidRequestError(f"this engine cannot run images: {why}", "prompt")
-        need = runner.image_bytes(images)
-        budget = runner.cfg.image_cache_bytes
+        facts = self.started()
+        media = facts.media
+        if media.refused:
+            raise InvalidRequestError(f"this engine cannot run images: {media.refused}", "prompt")
+        need = media.nbytes(images)
+        budget = facts.cfg.image_cache_bytes
         if need > budget:
             raise InvalidRequestError(
                 f"the request's images ({images.num_image_tokens} image tokens, {len(images.hashes)} image(s)) "
@@ -406,8 +386,9 @@ class InputProcessor:
                 f"({budget / 2**20:.1f} MiB): send smaller images, or raise image_cache_bytes",
                 "prompt",
             )
-        return runner.with_image_spans(images)
+        return media.with_spans(images)
 
+    # ------------------------------------------------------------ validators
     @staticmethod
     def check_args(sampling: SamplingParams | None, request_id: str | None, cache_salt: str | None) -> SamplingParams:
         """Check the types of a submit's arguments.
@@ -551,58 +532,48 @@ class InputProcessor:
                 )
 
     # ------------------------------------------------------------- requests
-    def make_request(
+    def process(
         self,
         prompt_ids: Prompt,
         sampling: SamplingParams | None = None,
         *,
-        sink_factory: Callable[[str], Any],
         request_id: str | None = None,
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> Submission:
-        """Validate one submit and build its :class:`EngineRequest`, whose results go to
-        ``sink_factory(request_id)`` (a ``ThreadSink`` or an ``AsyncSink``). Everything is checked
-        before the request id is claimed, so a refused submit leaves nothing behind. Hand it to the
-        engine with :meth:`acb.api.base.EngineBase.admit` (or ``enqueue`` when holding a queue
-        slot), or give its id back with ``abandon``.
+    ) -> Processed:
+        """Check one generation's submit and build its :class:`EngineRequest`.
 
         Args:
-            prompt_ids: token ids, text or a chat (with a tokenizer).
-            sampling: how to decode (merged over the engine's defaults).
-            sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
-            request_id: its id (default ``req_<n>``, an id no live request has, nor its samples:
-                unique per call, whoever else submits at the same time).
+            prompt_ids: token ids, text or a chat (with a tokenizer), or a prompt with images.
+            sampling: how to decode (merged over the defaults).
+            request_id: its id (None: the submit claims a fresh ``req_<n>``).
             record_timestamps: record each token's arrival time.
             cache_salt: keeps its prefix-cache entries apart from other salts'.
             chat_template_kwargs: the chat template's variables (a chat prompt).
 
         Returns:
-            The :class:`Submission` (its :class:`EngineRequest` and its sink).
+            The :class:`Processed` request.
 
         Raises:
-            InvalidRequestError: bad input (the message names it, ``field`` too); nothing is left
-                behind.
+            InvalidRequestError: bad input (the message names it, ``field`` too).
             InvalidRequestTypeError: an argument of the wrong type.
-            EngineNotRunningError: the engine is not started.
+            EngineNotRunningError: the engine has never started.
         """
-        engine = self._engine
-        core = self.live_core()
-        vocab = core.runner.vocab_size
-        ids, images = self.prompt_and_images(prompt_ids, core.runner.input_vocab_size, chat_template_kwargs)
+        facts = self.started()
+        vocab, cfg = facts.vocab_size, facts.cfg
+        ids, images = self.prompt_and_images(prompt_ids, facts.input_vocab_size, chat_template_kwargs)
         sampling = self.check_args(sampling, request_id, cache_salt)
-        params = sampling.merged_over(engine.defaults)
+        params = sampling.merged_over(self.defaults)
         check_vocab("logit_bias", params.logit_bias or (), vocab)
         stop_ids = self.stop_ids(sampling, params, vocab)
         check_logprobs(params, vocab)
-        if params.stop and engine.tokenizer is None:
+        if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer: pass tokenizer=... to the engine", "stop")
         grammar = None
         if params.structured_outputs is not None:
             # (a cache hit after an async submit: AsyncEngine compiles it off the loop first)
-            grammar = compile_grammar(engine.grammars(), params.structured_outputs)
-        cfg = core.runner.cfg
+            grammar = compile_grammar(self.grammars.get(self.defaults.stop_token_ids), params.structured_outputs)
         n, max_new_tokens = params.n, params.max_new_tokens
         assert n is not None and max_new_tokens is not None  # the defaults (over FALLBACK) set them
         self.check_fits(len(ids), n, cfg)
@@ -612,170 +583,73 @@ class InputProcessor:
             check_min_tokens(grammar, min_new, stop_ids)
         if min_new != (params.min_new_tokens or 0):
             params = replace(params, min_new_tokens=min_new)
-        return self._build(
-            core,
-            prompt_ids,
-            ids,
-            params,
-            max_new,
-            stop_ids,
-            n,
-            request_id,
-            "req",
-            sink_factory,
-            record_timestamps,
-            cache_salt,
-            None,
-            images,
+        request = EngineRequest(
+            request_id=request_id or "",
+            sink_key=-1,
+            prompt_ids=tuple(ids),
+            params=params,
+            max_new_tokens=max_new,
+            stop_token_ids=stop_ids,
+            seed=params.seed or 0,
+            n=n,
+            record_timestamps=record_timestamps,
+            cache_salt=cache_salt or None,
+            images=images,
         )
+        source = prompt_ids.source if isinstance(prompt_ids, ImagePrompt) else prompt_ids
+        return Processed(request, request_id, source)
 
-    def make_score_request(
+    def process_score(
         self,
         group: Sequence[ScoreTarget],
         top_logprobs: int,
         *,
-        sink_factory: Callable[[str], Any],
         request_id: str | None = None,
         cache_salt: str | None = None,
         images: ImageInputs | None = None,
-    ) -> Submission:
-        """Validate one scoring group (planned by :func:`acb.api.scoring.plan`) and build its
-        :class:`EngineRequest`, as :meth:`make_request` does for a generation: the context request
+    ) -> Processed:
+        """Check one scoring group (planned by :func:`acb.api.scoring.plan`) and build its
+        :class:`EngineRequest`, as :meth:`process` does for a generation: the context request
         records the prompt logprobs of its target and samples nothing; its children fork from it
         once its prompt is done, as the samples of ``n > 1`` do.
 
         Args:
             group: the group's targets (prompts of plain ints), its context request first.
             top_logprobs: the alternatives to record at each scored position.
-            sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
-            request_id: its id (default ``score_<n>``, as :meth:`make_request` makes them).
+            request_id: its id (None: the submit claims a fresh ``score_<n>``).
             cache_salt: keeps its prefix-cache entries apart from other salts'.
             images: the context's images, processed (:mod:`acb.images`).
 
         Returns:
-            The :class:`Submission`.
+            The :class:`Processed` request.
 
         Raises:
             InvalidRequestError: bad input (its ``field``: ``continuations``, ``request_id``...).
             InvalidRequestTypeError: an argument of the wrong type.
-            EngineNotRunningError: the engine is not started.
+            EngineNotRunningError: the engine has never started.
         """
-        core = self.live_core()
-        vocab = core.runner.vocab_size
-        head = group[0]
+        facts = self.started()
+        vocab = facts.vocab_size
+        head = list(group[0].prompt_ids)
         self.check_args(None, request_id, cache_salt)
-        self.check_score_group(group, vocab, core.runner.cfg, core.runner.input_vocab_size)
+        self.check_score_group(group, vocab, facts.cfg, facts.input_vocab_size)
         # nothing is sampled: the raw logprobs of the scored positions only
         params = replace(FALLBACK, prompt_logprobs=max(top_logprobs, 1), logprobs_mode="raw")
         check_logprobs(params, vocab)
         if images is not None:
             images = self.check_images(images)
-        return self._build(
-            core,
-            list(head.prompt_ids),
-            list(head.prompt_ids),
-            params,
-            0,
-            frozenset(),
-            len(group),
-            request_id,
-            "score",
-            sink_factory,
-            False,
-            cache_salt,
-            group,
-            images,
+        request = EngineRequest(
+            request_id=request_id or "",
+            sink_key=-1,
+            prompt_ids=tuple(head),
+            params=params,
+            max_new_tokens=0,
+            stop_token_ids=frozenset(),
+            seed=params.seed or 0,
+            n=len(group),
+            cache_salt=cache_salt or None,
+            score=group[0],
+            children=tuple(group[1:]),
+            images=images,
         )
-
-    def _build(
-        self,
-        core: EngineCore,
-        prompt: Any,
-        ids: list[int],
-        params: SamplingParams,
-        max_new: int,
-        stop_ids: frozenset[int],
-        n: int,
-        request_id: str | None,
-        id_prefix: str,
-        sink_factory: Callable[[str], Any],
-        record_timestamps: bool,
-        cache_salt: str | None,
-        score: Sequence[ScoreTarget] | None,
-        images: ImageInputs | None = None,
-    ) -> Submission:
-        """Every check passed: claim the ids (all of them, or none), make and register the sink,
-        and build the :class:`EngineRequest`."""
-        engine = self._engine
-        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        if request_id is None:  # a fresh id whose samples' ids are free too (a caller may hold "req_3#1")
-            request_id = f"{id_prefix}_{next(self._ids)}"
-            while engine.ids.claim(_member_ids(request_id, n)) is not None:
-                request_id = f"{id_prefix}_{next(self._ids)}"
-        else:
-            taken = engine.ids.claim(_member_ids(request_id, n))
-            if taken == request_id:
-                raise InvalidRequestError(f"request_id {request_id!r} is already used by a live request", "request_id")
-            if taken is not None:  # the samples' internal ids must not collide either
-                raise InvalidRequestError(
-                    f"request id {taken!r} (sample of {request_id!r}) is already live", "request_id"
-                )
-        member_ids = _member_ids(request_id, n)
-        try:
-            sink = sink_factory(request_id)
-            source = prompt.source if isinstance(prompt, ImagePrompt) else prompt
-            sink.state.trace = telemetry.begin(source, engine.model_name, params)
-            tokenizer = engine.tokenizer
-            if tokenizer is not None and score is None and not params.stop:
-                # text for the stream and the output, decoded on the consumer's side (with stop
-                # strings, the engine thread decodes it as it matches them)
-                skip = params.skip_special_tokens is not False
-                sink.state.detokenizers = [IncrementalDetokenizer(tokenizer, skip) for _ in range(n)]
-            er = EngineRequest(
-                request_id,
-                engine.sinks.register(sink),
-                tuple(ids),
-                params,
-                max_new,
-                stop_ids,
-                base_seed,
-                n,
-                time.perf_counter(),
-                record_timestamps,
-                cache_salt or None,
-                score[0] if score else None,
-                tuple(score[1:]) if score else (),
-                images,
-            )
-        except BaseException:
-            engine.ids.release_all(member_ids)
-            raise
-        return Submission(er, sink)
-
-    def make_all(self, field: str, makers: Iterable[tuple[int, Callable[[], Submission]]]) -> list[Submission]:
-        """Several submits validated together (a batch call): all of them, or none.
-
-        Args:
-            field: the argument's name in errors (``inputs[i]: ...``).
-            makers: ``(i, maker)`` pairs, each ``maker()`` a :meth:`make_request` call.
-
-        Returns:
-            The submissions, in order.
-
-        Raises:
-            ValueError: the first bad one, named ``field[i]`` (the others are given back; an
-                :class:`InvalidRequestError` keeps its field).
-            TypeError: likewise, for an argument of the wrong type.
-        """
-        made: list[Submission] = []
-        try:
-            for i, make in makers:
-                try:
-                    made.append(make())
-                except (ValueError, TypeError) as exc:
-                    raise prefixed(exc, f"{field}[{i}]") from None
-        except BaseException:
-            for r in made:
-                self._engine.abandon(r)
-            raise
-        return made
+        return Processed(request, request_id, head)

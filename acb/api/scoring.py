@@ -2,8 +2,9 @@
 
 ``Engine.score(context, continuations)`` (and ``AsyncEngine.score``, ``score_batch``) is what an
 evaluation harness needs for multiple-choice and perplexity tasks. It is planned here as engine
-requests that go through the input processor
-(:meth:`acb.api.processor.InputProcessor.make_score_request`):
+requests, each made by :func:`make_score_request` (the input processor's
+:meth:`~acb.api.processor.InputProcessor.process_score`, then the submit's
+:meth:`~acb.api.submissions.Submissions.open`):
 
 - a call is one engine request per group: a **context request** (prompt: the context) and, for
   the continuations of two or more tokens, one **child** per distinct continuation-but-its-last-
@@ -37,14 +38,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from acb.api.processor import InputProcessor, Submission, as_token_list
+from acb.api.processor import as_token_list
 from acb.core.messages import ScoreTarget
 from acb.errors import InvalidRequestError, InvalidRequestTypeError, prefixed
 from acb.images import ImageInputs, has_images
 from acb.outputs import ContinuationScore, GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from acb.api.base import EngineBase
+    from acb.api.submissions import Submission
 
 
 @dataclass(frozen=True)
@@ -301,21 +306,61 @@ def ordered_groups(plans: Sequence[Plan], ids: Sequence[str | None]) -> list[tup
     return [groups[k] for k in prefix_order([g[0].prompt_ids for _, _, _, g in groups])]
 
 
+def make_score_request(
+    engine: EngineBase,
+    group: Sequence[ScoreTarget],
+    top_logprobs: int,
+    *,
+    sink_factory: Callable[[str], Any],
+    request_id: str | None = None,
+    cache_salt: str | None = None,
+    images: ImageInputs | None = None,
+) -> Submission:
+    """A scoring group's submit, made as :meth:`acb.api.base.EngineBase.make_request` makes a
+    generation's: checked and built by the engine's input processor
+    (:meth:`~acb.api.processor.InputProcessor.process_score`), then opened
+    (:meth:`~acb.api.submissions.Submissions.open`: its ids claimed, its sink registered, its
+    trace begun). Post it with ``engine.admit``, or give it back with ``engine.abandon``.
+
+    Args:
+        engine: the engine it goes to.
+        group: the group's targets (planned by :func:`plan`), its context request first.
+        top_logprobs: the alternatives to record at each scored position.
+        sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
+        request_id: its id (default: a fresh ``score_<n>``).
+        cache_salt: keeps its prefix-cache entries apart from other salts'.
+        images: the context's images, processed (:mod:`acb.images`).
+
+    Returns:
+        The :class:`~acb.api.submissions.Submission`.
+
+    Raises:
+        InvalidRequestError: bad input (its ``field``: ``continuations``, ``request_id``...);
+            nothing is left behind.
+        InvalidRequestTypeError: an argument of the wrong type.
+        EngineNotRunningError: the engine is not started.
+    """
+    engine.submit_core()
+    made = engine.processor.process_score(
+        group, top_logprobs, request_id=request_id, cache_salt=cache_salt, images=images
+    )
+    return engine.submissions.open(made, sink_factory, engine.tokenizer, engine.model_name)
+
+
 def make_requests(
-    processor: InputProcessor,
+    engine: EngineBase,
     items: Sequence[tuple[Any, Sequence[Any]]],
     top_logprobs: int,
     cache_salt: str | None,
     request_ids: Sequence[str] | None,
     sink_factory: Callable[[str], Any],
 ) -> tuple[list[Plan], list[str], list[list[str]], list[Submission]]:
-    """Validate and plan a ``score_batch`` call and build its engine requests (one per group,
-    in submission order: sorted for prefix reuse), as
-    :meth:`~acb.api.processor.InputProcessor.make_request` does for one submit: all of them or,
+    """Validate and plan a ``score_batch`` call and make its engine requests (one per group, in
+    submission order: sorted for prefix reuse) with :func:`make_score_request`: all of them or,
     on an error naming the item, none.
 
     Args:
-        processor: the engine's input processor.
+        engine: the engine they go to.
         items: ``(context, continuations)`` pairs.
         top_logprobs: the top alternatives to record at each scored position.
         cache_salt: keeps the prefix-cache entries apart from other salts'.
@@ -332,8 +377,9 @@ def make_requests(
         ValueError: a bad item, named ``items[i]``.
         TypeError: an item of the wrong type, named likewise.
     """
-    core = processor.live_core()
-    cfg = core.runner.cfg
+    engine.submit_core()
+    cfg = engine.processor.started().cfg
+    processor = engine.processor
     # contexts with images: processed first (acb.images); their groups carry the images
     images: list[ImageInputs | None] = []
     processed = []
@@ -352,18 +398,24 @@ def make_requests(
     # a model that prefills whole (its state layers cannot resume a prefill) cannot fork a child
     # from its context's state mid-prompt either: each body is then a request of its own
     plans = plan_batch(
-        processed, top_logprobs, processor.tokenizer, 1 if cfg.whole_prefill else cfg.max_requests_per_batch
+        processed, top_logprobs, engine.tokenizer, 1 if cfg.whole_prefill else cfg.max_requests_per_batch
     )
     given = batch_ids(request_ids, len(plans))
     order = ordered_groups(plans, given)
 
     def maker(rid: str | None, group: list[Member], pictures: ImageInputs | None) -> Callable[[], Submission]:
         targets = [m.target for m in group]
-        return lambda: processor.make_score_request(
-            targets, top_logprobs, sink_factory=sink_factory, request_id=rid, cache_salt=cache_salt, images=pictures
+        return lambda: make_score_request(
+            engine,
+            targets,
+            top_logprobs,
+            sink_factory=sink_factory,
+            request_id=rid,
+            cache_salt=cache_salt,
+            images=pictures,
         )
 
-    reqs = processor.make_all("items", ((i, maker(rid, group, images[i])) for i, _, rid, group in order))
+    reqs = engine.submissions.make_all("items", ((i, maker(rid, group, images[i])) for i, _, rid, group in order))
     engine_ids: list[list[str]] = [[""] * len(gs) for _, _, gs in plans]
     for (i, j, _, _), req in zip(order, reqs):
         engine_ids[i][j] = req.request_id

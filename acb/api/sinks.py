@@ -23,12 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
-from acb import telemetry
-from acb.api.loops import _wake, _wake_threadsafe, current_loop
+from acb.api.loops import current_loop, wake, wake_threadsafe
 from acb.core.messages import Delivery
 from acb.errors import EngineDeadError, RequestFailedError
 from acb.outputs import FailureKind, GenerationOutput, RequestStatus, StreamDelta
 from acb.telemetry import RequestTrace
+from acb.telemetry import end as end_trace
 from acb.text import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class _SinkState:
                     self._drop_text()
             self.final = d.final
             if self.trace is not None:  # on the consumer's side (its loop), never per token
-                telemetry.end(self.trace, d.final)
+                end_trace(self.trace, d.final)
                 self.trace = None
 
     def _drop_text(self) -> None:
@@ -228,9 +228,9 @@ class AsyncSink:
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
             if loop is here:
-                _wake(fut)
+                wake(fut)
             else:
-                _wake_threadsafe(loop, fut)
+                wake_threadsafe(loop, fut)
 
     @property
     def done(self) -> bool:

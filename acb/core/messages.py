@@ -198,9 +198,6 @@ class Runner(Protocol):
     def weights_changed(self) -> bool: ...
     def forget_weights(self) -> None: ...
     def swap_weights(self, staged: Any) -> None: ...  # copy a staged update in (acb.runner.weight_update.Staged)
-    def images_refused(self) -> str: ...  # why it cannot run images ("" when it can)
-    def with_image_spans(self, images: ImageInputs) -> ImageInputs: ...  # blocks a chunk must not cut
-    def image_bytes(self, images: ImageInputs) -> int: ...  # what a request's image embeddings take
 
 
 # ---------------------------------------------------------------- the inbox's commands

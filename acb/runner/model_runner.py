@@ -64,13 +64,12 @@ from acb.runner.setup import (
 )
 from acb.runner.tp_sync import agree_min, check_same_settings, tp_group, tp_size_of
 from acb.runner.unpaged_layers import UnpagedCaches, UnpagedLayers, find_unpaged_layers
-from acb.runner.vision import ImageEmbedder, takes_images
+from acb.runner.vision import ImageEmbedder, MediaFacts, takes_images
 from acb.runner.weights import WeightsKey, WeightWatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from acb.images import ImageInputs
     from acb.runner.cuda_graphs import DecodeGraphs
     from acb.runner.weight_update import Staged
 
@@ -462,29 +461,24 @@ class ModelRunner:
         self.sampling = SamplingState(cfg.max_requests_per_batch, self.vocab_size, self.device)
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
 
-    def images_refused(self) -> str:
-        """Why this engine cannot run a request's images ("" when it can)."""
-        if self.vision is None:
-            return f"{type(self.model).__name__} takes no images (no image token and vision config)"
-        if self.own_cache_runner is not None:
-            return "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only" + (
+    def media_facts(self) -> MediaFacts:
+        """What a submit needs to know of the model's images (:class:`acb.runner.vision.MediaFacts`),
+        read once when the engine starts, before its thread runs: submits never call the runner."""
+        vision, name = self.vision, type(self.model).__name__
+        if vision is None:
+            refused = f"{name} takes no images (no image token and vision config)"
+        elif self.own_cache_runner is not None:
+            refused = "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only" + (
                 f" (the paged path refuses it: {self._paged_refused})" if self._paged_refused else ""
             )
-        if tp_size_of(self.model) > 1:
-            return "images are not run under tensor parallel yet"
-        return self.vision.refused
-
-    def with_image_spans(self, images: ImageInputs) -> ImageInputs:
-        """``images`` with the spans of the image blocks whose tokens attend to each other both
-        ways, for a model that does that (a prefill chunk never ends inside one)."""
-        return images if self.vision is None else self.vision.with_spans(images)
-
-    def image_bytes(self, images: ImageInputs) -> int:
-        """About what a request's image embeddings take on the device: a row of the model's
-        hidden size per image token (the pixel tensors' own size when the model names no token)."""
+        elif tp_size_of(self.model) > 1:
+            refused = "images are not run under tensor parallel yet"
+        else:
+            refused = vision.refused
         text = self.model.config.get_text_config()
-        width = int(getattr(text, "hidden_size", 0) or 0) * self.model.dtype.itemsize
-        return images.num_image_tokens * width if images.num_image_tokens and width else images.nbytes
+        row = int(getattr(text, "hidden_size", 0) or 0) * self.model.dtype.itemsize
+        both_ways, one_block = (vision.bidirectional, vision.one_block) if vision is not None else (False, False)
+        return MediaFacts(refused, row, both_ways, one_block, name)
 
     def sleep(self) -> MemoryReleased:
         """Free the device memory the engine holds besides the model: the KV cache, the decode

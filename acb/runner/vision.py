@@ -85,6 +85,7 @@ __all__ = [
     "ImageBlocks",
     "ImageEmbedder",
     "ImageFeatures",
+    "MediaFacts",
     "bidirectional_images",
     "bidirectional_layers",
     "image_attention",
@@ -137,6 +138,48 @@ class ImageAttention:
     one_block: bool = False
     # why acb cannot run the model's images ("" when it can)
     refused: str = ""
+
+
+@dataclass(frozen=True)
+class MediaFacts:
+    """What a submit needs to know of the model's images, fixed when the engine starts
+    (:meth:`acb.runner.model_runner.ModelRunner.media_facts`): plain values, and pure functions of a
+    request's processed tensors. The input processor reads them on the caller's thread, so no
+    submit calls the runner (only the engine thread drives it)."""
+
+    refused: str = ""  # why this engine cannot run images ("" when it can)
+    row_bytes: int = 0  # one image token's embedding row on the device (hidden size x dtype size; 0: unknown)
+    both_ways: bool = False  # an image's tokens attend to each other both ways on some layers
+    one_block: bool = False  # all of a prompt's images make one such block (Molmo2)
+    model: str = ""  # the model's class name, for the refusals
+
+    def nbytes(self, images: ImageInputs) -> int:
+        """About what a request's image embeddings take on the device: a row of the model's hidden
+        size per image token (the pixel tensors' own size when the model names no token)."""
+        if images.num_image_tokens and self.row_bytes:
+            return images.num_image_tokens * self.row_bytes
+        return images.nbytes
+
+    def with_spans(self, images: ImageInputs) -> ImageInputs:
+        """``images`` with the spans of the image blocks whose tokens attend to each other both
+        ways, for a model that does that (a prefill chunk never ends inside one).
+
+        Raises:
+            InvalidRequestError: the model puts all of a prompt's images in one block, and this
+                prompt's image tokens are more than one run (acb's attention cannot do that)."""
+        if not self.both_ways:
+            return images
+        spans = type_spans(images.tensors)
+        if self.one_block and len(spans) > 1:
+            from acb.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"{self.model} lets every image token of a prompt see every other one, both ways, "
+                f"across the text between them; acb's attention lets an image's tokens see their own image only, "
+                f"so it runs this model's prompts with one image (one run of image tokens); this one has {len(spans)}",
+                "prompt",
+            )
+        return dataclasses.replace(images, spans=spans)
 
 
 # the probe prompt: text, an image's three placeholder tokens, text, another image's two, text
@@ -1069,27 +1112,6 @@ class ImageEmbedder:
         ``per_layer_inputs``, which it computes from ``input_ids`` otherwise); taken once."""
         extra, self._model_kwargs = self._model_kwargs, {}
         return extra
-
-    def with_spans(self, images: ImageInputs) -> ImageInputs:
-        """``images`` with the spans of the image blocks whose tokens attend to each other both
-        ways, for a model that does that (a prefill chunk never ends inside one).
-
-        Raises:
-            InvalidRequestError: the model puts all of a prompt's images in one block, and this
-                prompt's image tokens are more than one run (acb's attention cannot do that)."""
-        if not self.bidirectional:
-            return images
-        spans = type_spans(images.tensors)
-        if self.one_block and len(spans) > 1:
-            from acb.errors import InvalidRequestError
-
-            raise InvalidRequestError(
-                f"{type(self.model).__name__} lets every image token of a prompt see every other one, both ways, "
-                f"across the text between them; acb's attention lets an image's tokens see their own image only, "
-                f"so it runs this model's prompts with one image (one run of image tokens); this one has {len(spans)}",
-                "prompt",
-            )
-        return dataclasses.replace(images, spans=spans)
 
     @contextlib.contextmanager
     def language_model_kwargs(self) -> Iterator[None]:

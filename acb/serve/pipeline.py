@@ -220,8 +220,7 @@ def render_images(
             part), or a chat the processor refused.
     """
     engine = state.engine
-    runner = engine.runner
-    why = runner.images_refused() if runner is not None else "the engine is not started"
+    why = engine.processor.images_refused() if engine.runner is not None else "the engine is not started"
     if why:
         raise APIError(400, f"the served model cannot take images: {why}", param=param)
     chat = load_images(messages, state.media, param, engine.tokenizer)

@@ -233,7 +233,7 @@ def test_a_scoring_group_too_wide_for_the_rows_is_refused(model, rows):
     ``max_requests_per_batch`` (``Engine.score`` never plans one), it is a ``ValueError`` about the
     continuations, which says so in scoring's words (not the ``n`` samples' refusal); nothing is
     left behind. ``Engine.score`` of the same continuations plans groups that fit and scores them."""
-    from acb.api.scoring import plan
+    from acb.api.scoring import make_score_request, plan
     from acb.api.sinks import ThreadSink
 
     ctx = prompts_of_lengths([13], seed=78)[0]
@@ -243,7 +243,7 @@ def test_a_scoring_group_too_wide_for_the_rows_is_refused(model, rows):
     cfg = acb.ContinuousBatchingConfig(page_size=4, num_blocks=32, max_requests_per_batch=rows)
     with acb.Engine(model, cfg) as eng:
         with pytest.raises(ValueError) as info:
-            eng.processor.make_score_request([m.target for m in group], 0, sink_factory=ThreadSink, request_id="wide")
+            make_score_request(eng, [m.target for m in group], 0, sink_factory=ThreadSink, request_id="wide")
         assert isinstance(info.value, acb.InvalidRequestError) and info.value.field == "continuations"
         message = str(info.value)
         assert message == (

@@ -53,7 +53,7 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
     and the engine-thread state a follower builds from it is the leader's."""
     with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64), tokenizer=build_tokenizer()) as eng:
         core = eng.core
-        sub = eng.processor.make_request(
+        sub = eng.make_request(
             "some prompt", acb.SamplingParams(**kw), sink_factory=ThreadSink, cache_salt="salt", record_timestamps=True
         )
         er = sub.engine_request
@@ -98,12 +98,12 @@ def test_a_request_crosses_to_the_followers_unchanged(kw):
 def test_a_scoring_group_crosses_to_the_followers_unchanged():
     """A scoring group (context request and the children that fork from it) is rebuilt on a
     follower with the same prompts, scored positions and tokens."""
-    from acb.api.scoring import plan
+    from acb.api.scoring import make_score_request, plan
 
     with acb.Engine(default_model(), acb.ContinuousBatchingConfig(num_blocks=64)) as eng:
         core = eng.core
         (group,) = plan([5, 6, 7, 8, 9], [[3], [4, 5, 6], [4, 5, 7], [8, 9]], 2)
-        sub = eng.processor.make_score_request([m.target for m in group], 2, sink_factory=ThreadSink)
+        sub = make_score_request(eng, [m.target for m in group], 2, sink_factory=ThreadSink)
         eng.abandon(sub)
         er = sub.engine_request
         copy = _crossed(core, er)
