@@ -638,6 +638,6 @@ def test_the_operator_says_where_the_server_connects():
     assert resolve_trainer("127.0.0.1", 1, ("localhost",)) == "127.0.0.1"  # (a name allows its addresses)
     assert resolve_trainer("trainer.example", 1, ("*",)) == "trainer.example"
     default = server_settings(build_parser().parse_args(["serve", "--enable-weight-updates"]))
-    assert default.app.weight_transfer_hosts == LOOPBACK
+    assert default.weight_transfer_hosts == LOOPBACK
     args = build_parser().parse_args(["serve", "--weight-transfer-hosts", "10.0.0.0/8", "trainer-host"])
-    assert server_settings(args).app.weight_transfer_hosts == ("10.0.0.0/8", "trainer-host")
+    assert server_settings(args).weight_transfer_hosts == ("10.0.0.0/8", "trainer-host")
