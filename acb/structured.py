@@ -35,9 +35,10 @@ How the engine uses it, per step::
         m.accept(sampled[row])
 
 Dead ends: a row whose mask, less the tokens the later processors never let it sample (stop tokens
-that ``min_new_tokens`` holds back, ``-inf`` logit biases), allows nothing cannot go on: the engine
-finds it when it fills the masks (:meth:`GrammarCompiler.dead_ends`, which opens that row so the
-step samples from finite logits), drops the token sampled there, and finishes the request with
+that ``min_new_tokens`` holds back, ``-inf`` logit biases: ``SamplingParams.never_sampled``), allows
+nothing cannot go on: ``acb.core.grammar_masks.GrammarMasks`` finds it as it fills the step's masks
+for the scheduler (:meth:`GrammarCompiler.dead_ends`, which opens that row so the step samples from
+finite logits); the engine drops the token sampled there and finishes the request with
 ``FinishReason.GRAMMAR``. A token the grammar rejects (NaN logits) ends it the same way.
 
 End of a grammar: once the text is complete, the mask allows the stop tokens (the tokenizer's
