@@ -99,7 +99,7 @@ def test_the_processor_is_built_from_its_parts_and_holds_no_engine():
         facts = eng.processor.facts
         assert isinstance(facts, ModelFacts)
         mine = InputProcessor(ModelFacts(**vars(facts)), tok, eng.defaults, Grammars(tok), None)
-        assert _reaches([eng], (EngineBase,)) == [eng]  # (the walk finds an engine where there is one)
+        assert any(e is eng for e in _reaches([eng], (EngineBase,)))  # (the walk finds one where there is one)
         for p in (mine, eng.processor):
             assert not _reaches(p, (EngineBase, EngineCore, ModelRunner))
         sampling = acb.SamplingParams(max_new_tokens=3, stop_token_ids=[1])
