@@ -13,7 +13,7 @@ new tokens, EOS ignored. Padded ``generate`` runs groups of 16 chats (processed 
 left-padded; ``min_new_tokens = max_new_tokens =`` the group's largest), credited with each
 request's own tokens only. Three sides, alternating, ``--rounds`` times, each side's best kept (and
 every round's figure written): acb; acb with its per-image cache of image features off
-(``acb.runner.vision.IMAGE_FEATURE_CACHE = False``: each request's images go through the tower with
+(``acb.runner.media.IMAGE_FEATURE_CACHE = False``: each request's images go through the tower with
 it, as before the cache); padded ``generate``. Each side's seconds in the vision tower (the model's
 ``visual`` module) and its calls are measured in the same run. Engine start is outside the timed
 region, and so is a warm-up with the engine's one-time checks (two requests' images embedded
@@ -131,9 +131,9 @@ class VisionClock:
 
 
 def run_acb(model, processor, chats, outs, clock: VisionClock, feature_cache: bool = True) -> dict:
-    from acb.runner import vision
+    from acb.runner import media as runner_media
 
-    vision.IMAGE_FEATURE_CACHE = feature_cache  # (read when the engine starts)
+    runner_media.IMAGE_FEATURE_CACHE = feature_cache  # (read when the engine starts)
     cfg = acb.ContinuousBatchingConfig(max_requests_per_batch=32, max_batch_tokens=2048)
     with acb.Engine(model, cfg, processor=processor) as eng:
         # warm-up, with the engine's one-time checks: several requests' images embedded together
@@ -143,13 +143,13 @@ def run_acb(model, processor, chats, outs, clock: VisionClock, feature_cache: bo
         eng.generate_batch([warm_up_chat(1, "again"), warm_up_chat(0, "again")], warm, progress_bar=False)
         params = [acb.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs]
         clock.reset()
-        features = eng.runner.vision.features
+        features = eng.runner.media.features
         computed, hits = features.computed, features.hits
         t0 = time.perf_counter()
         res = eng.generate_batch(chats, params, progress_bar=False)
         wall = time.perf_counter() - t0
         tower = {"images_computed": features.computed - computed, "images_reused": features.hits - hits}
-    vision.IMAGE_FEATURE_CACHE = True
+    runner_media.IMAGE_FEATURE_CACHE = True
     tokens = sum(len(o.generated_tokens) for o in res.values())
     assert tokens == sum(outs), (tokens, sum(outs))
     return {

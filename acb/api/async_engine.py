@@ -14,7 +14,7 @@ from acb.api.sinks import AsyncSink
 from acb.api.submissions import Submission
 from acb.api.weights import swap
 from acb.errors import InvalidRequestError, QueueFullError, RequestFailedError
-from acb.images import ImagePrompt, has_images
+from acb.media import MediaPrompt, has_media
 from acb.outputs import GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import SamplingParams, with_overrides
 
@@ -131,8 +131,8 @@ class AsyncEngine(EngineBase):
         sampling = with_overrides("submit", sampling, sampling_kwargs)
         if sampling is not None and sampling.structured_outputs is not None and self.is_running:
             await self.compile_structured_outputs(sampling.structured_outputs)  # (make_request finds it cached)
-        if has_images(prompt_ids) and not isinstance(prompt_ids, ImagePrompt):  # decoded and processed off the loop
-            prompt_ids = await anyio.to_thread.run_sync(self.processor.process_images, prompt_ids, chat_template_kwargs)
+        if has_media(prompt_ids) and not isinstance(prompt_ids, MediaPrompt):  # decoded and processed off the loop
+            prompt_ids = await anyio.to_thread.run_sync(self.processor.process_media, prompt_ids, chat_template_kwargs)
         req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
         try:
             await self.gate.acquire()

@@ -34,9 +34,10 @@ from acb.config import ConfigLike, ResolvedConfig, as_config
 from acb.core.engine_core import EngineCore
 from acb.core.messages import EngineStats
 from acb.errors import EngineNotRunningError
-from acb.images import image_token_id
+from acb.media import placeholder_token_ids
 from acb.runner.host_threads import release_idle_threads
 from acb.telemetry import watch_engine
+from acb.text import text_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -51,13 +52,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _is_model_processor(obj: Any) -> bool:
+    """Whether ``obj`` is a model's processor (transformers' ``ProcessorMixin``), not a tokenizer."""
+    from transformers.processing_utils import ProcessorMixin
+
+    return isinstance(obj, ProcessorMixin)
+
+
 class EngineBase:
     """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style:
     start-up, the submit path, the engine core and its thread.
 
-    ``tokenizer`` turns text and chats into token ids; ``processor`` (a vision-language model's
-    ``AutoProcessor``) takes its place for a model that sees images, whose prompts may then hold
-    images (:mod:`acb.images`). ``runner_cls`` builds the model runner (default
+    ``tokenizer`` turns text and chats into token ids and decodes text (``engine.tokenizer``);
+    ``processor`` (a vision-language model's ``AutoProcessor``, ``engine.model_processor``; one
+    given as ``tokenizer`` is taken as one) renders the chats of a model that sees images, whose
+    prompts may then hold media (:mod:`acb.media`), and its tokenizer decodes the text
+    (``engine.renderer`` is whichever renders). ``runner_cls`` builds the model runner (default
     :class:`acb.runner.model_runner.ModelRunner`); the overhead benchmark passes a runner whose
     forward costs nothing.
     """
@@ -79,8 +89,11 @@ class EngineBase:
         if generation_config is None:
             generation_config = getattr(model, "generation_config", None)
         # a vision-language model's processor (its AutoProcessor: chat template, image processor
-        # and tokenizer) stands where a tokenizer does: text is its tokenizer's, images its own
-        self.tokenizer = processor if processor is not None else tokenizer
+        # and tokenizer) renders its chats and media; text is decoded by the text tokenizer
+        if processor is None and _is_model_processor(tokenizer):  # (acb serve and acb generate load one so)
+            processor, tokenizer = tokenizer, None
+        self.model_processor = processor
+        self.tokenizer = tokenizer if tokenizer is not None or processor is None else text_tokenizer(processor)
         # the model's name in telemetry (gen_ai.request.model); acb serve sets the served name
         self.model_name: str = getattr(model.config, "name_or_path", "") or model.config.model_type or "model"
         self._runner_cls = runner_cls
@@ -98,6 +111,12 @@ class EngineBase:
         self._context_depth = 0
         self._context_lock = threading.Lock()
 
+    @property
+    def renderer(self) -> TokenizerLike | None:
+        """What turns a prompt's text, chat and media into ids: the model's processor where the
+        engine has one (its chat template and media processing), else the tokenizer."""
+        return self.model_processor if self.model_processor is not None else self.tokenizer
+
     def set_generation_config(self, generation_config: GenerationConfig | None) -> None:
         """Make ``generation_config`` the defaults of the requests submitted from now on (a live
         engine kept across calls that each bring their own, as a trainer's rollouts do).
@@ -111,8 +130,8 @@ class EngineBase:
 
     def _renew_processor(self) -> None:
         # the input processor holds plain values: a new one when the defaults or the facts change
-        image_token = image_token_id(self.model.config)
-        self.processor = InputProcessor(self._facts, self.tokenizer, self.defaults, self._grammars, image_token)
+        placeholders = placeholder_token_ids(self.model.config)
+        self.processor = InputProcessor(self._facts, self.renderer, self.defaults, self._grammars, placeholders)
 
     # ------------------------------------------------------------------ life
     def prepare(self) -> None:

@@ -4,7 +4,7 @@
 :class:`InputProcessor` is what every facade (``AsyncEngine``, ``Engine``, ``generate_batch``,
 the manager, the scoring calls) goes through before the engine sees a request. It is built from
 what it checks against, plain values all: the engine's :class:`ModelFacts` (its resolved sizes,
-the vocabularies, the model's :class:`~acb.runner.vision.MediaFacts`: read from the runner once,
+the vocabularies, the model's :class:`~acb.runner.media.MediaFacts`: read from the runner once,
 when the engine starts), the tokenizer (or the model's processor), the requests' defaults, the
 grammar compiler's holder and the model's image token. It holds no engine, and has no side
 effects: processing a submit twice, or processing one and dropping it, leaves nothing behind.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from acb.core.messages import EngineRequest, ScoreTarget
 from acb.errors import EngineNotRunningError, InvalidRequestError, InvalidRequestTypeError
-from acb.images import ImagePrompt, has_images, process_prompt
+from acb.media import MediaPrompt, has_media, process_prompt
 from acb.sampling_params import FALLBACK, SamplingParams
 from acb.text import encode_prompt
 
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
     from acb.api.grammars import Grammars
     from acb.config import ContinuousBatchingConfig, ResolvedConfig
-    from acb.images import ImageInputs
-    from acb.runner.vision import MediaFacts
+    from acb.media import MediaInputs
+    from acb.runner.media import MediaFacts
     from acb.structured import CompiledGrammar, GrammarCompiler
     from acb.structured_outputs import StructuredOutputs
     from acb.text import Prompt, TokenizerLike
@@ -279,26 +279,27 @@ class InputProcessor:
 
     Args:
         facts: what the engine runs with (None before it first starts: only
-            :meth:`process_images` works then).
-        tokenizer: the engine's tokenizer, or the model's processor (None: token ids only).
+            :meth:`process_media` works then).
+        renderer: what renders and tokenizes prompts: the model's processor where the engine has
+            one, else its tokenizer (None: token ids only).
         defaults: what a request's sampling params are merged over.
         grammars: the holder of the grammar compiler (structured outputs).
-        image_token: the model's image placeholder token id (None: it has none).
+        placeholder_ids: the model's media placeholder token ids (:func:`acb.media.placeholder_token_ids`).
     """
 
     def __init__(
         self,
         facts: ModelFacts | None,
-        tokenizer: TokenizerLike | None,
+        renderer: TokenizerLike | None,
         defaults: SamplingParams,
         grammars: Grammars,
-        image_token: int | None,
+        placeholder_ids: frozenset[int],
     ) -> None:
         self.facts = facts
-        self.tokenizer = tokenizer
+        self.renderer = renderer
         self.defaults = defaults
         self.grammars = grammars
-        self.image_token = image_token
+        self.placeholder_ids = placeholder_ids
 
     def started(self) -> ModelFacts:
         """The facts submits are checked against (``EngineNotRunningError`` before the engine's
@@ -308,9 +309,9 @@ class InputProcessor:
         return self.facts
 
     # ------------------------------------------------------------ prompts
-    def prompt_and_images(
+    def prompt_and_media(
         self, prompt: Prompt, vocab: int, chat_template_kwargs: Mapping[str, Any] | None = None
-    ) -> tuple[list[int], ImageInputs | None]:
+    ) -> tuple[list[int], MediaInputs | None]:
         """A prompt normalised (text and chats encoded with the tokenizer; a chat with image parts
         processed by the model's processor, a processor's output taken as it is) and checked.
 
@@ -328,13 +329,13 @@ class InputProcessor:
                 ``prompt``).
             InvalidRequestTypeError: not token ids (nor, with a tokenizer, text or a chat).
         """
-        images = None
+        media = None
         try:
-            if has_images(prompt):
-                processed = self.process_images(prompt, chat_template_kwargs)
-                ids, images = list(processed), processed.images
+            if has_media(prompt):
+                processed = self.process_media(prompt, chat_template_kwargs)
+                ids, media = list(processed), processed.media
             else:
-                ids = as_token_list(encode_prompt(self.tokenizer, prompt, chat_template_kwargs))
+                ids = as_token_list(encode_prompt(self.renderer, prompt, chat_template_kwargs))
         except (InvalidRequestError, InvalidRequestTypeError):
             raise
         except ValueError as exc:  # the tokenizer's side (an empty text, a template that refuses)
@@ -343,13 +344,13 @@ class InputProcessor:
             raise InvalidRequestTypeError(str(exc), "prompt") from exc
         if not ids:
             raise InvalidRequestError("prompt_ids is empty: a request needs at least one prompt token", "prompt")
-        if images is not None:
-            images = self.check_images(images)
+        if media is not None:
+            media = self.check_media(media)
         check_prompt_vocab(ids, vocab, "prompt")
-        return ids, images
+        return ids, media
 
-    def process_images(self, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None) -> ImagePrompt:
-        """A prompt with images processed (:func:`acb.images.process_prompt`): the CPU work of a
+    def process_media(self, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None) -> MediaPrompt:
+        """A prompt with images processed (:func:`acb.media.process_prompt`): the CPU work of a
         submit with images, which an async submit runs in a worker thread.
 
         Raises:
@@ -359,34 +360,34 @@ class InputProcessor:
         """
         try:
             return process_prompt(
-                self.tokenizer, prompt, image_token_id=self.image_token, chat_template_kwargs=chat_template_kwargs
+                self.renderer, prompt, placeholder_ids=self.placeholder_ids, chat_template_kwargs=chat_template_kwargs
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "prompt") from exc
         except TypeError as exc:
             raise InvalidRequestTypeError(str(exc), "prompt") from exc
 
-    def images_refused(self) -> str:
+    def media_refused(self) -> str:
         """Why this engine cannot run a request's images ("" when it can)."""
         return self.facts.media.refused if self.facts is not None else "the engine is not started"
 
-    def check_images(self, images: ImageInputs) -> ImageInputs:
+    def check_media(self, inputs: MediaInputs) -> MediaInputs:
         """Refuse images the engine cannot run, or whose embeddings can never fit its budget;
         return them as the engine runs them (with the blocks a prefill chunk must not cut)."""
         facts = self.started()
         media = facts.media
         if media.refused:
             raise InvalidRequestError(f"this engine cannot run images: {media.refused}", "prompt")
-        need = media.nbytes(images)
+        need = media.nbytes(inputs)
         budget = facts.cfg.image_cache_bytes
         if need > budget:
             raise InvalidRequestError(
-                f"the request's images ({images.num_image_tokens} image tokens, {len(images.hashes)} image(s)) "
+                f"the request's images ({inputs.num_placeholders} image tokens, {len(inputs.hashes)} image(s)) "
                 f"need about {need / 2**20:.1f} MiB of embeddings, more than the engine's image_cache_bytes "
                 f"({budget / 2**20:.1f} MiB): send smaller images, or raise image_cache_bytes",
                 "prompt",
             )
-        return media.with_spans(images)
+        return media.with_spans(inputs)
 
     # ------------------------------------------------------------ validators
     @staticmethod
@@ -562,13 +563,13 @@ class InputProcessor:
         """
         facts = self.started()
         vocab, cfg = facts.vocab_size, facts.cfg
-        ids, images = self.prompt_and_images(prompt_ids, facts.input_vocab_size, chat_template_kwargs)
+        ids, media = self.prompt_and_media(prompt_ids, facts.input_vocab_size, chat_template_kwargs)
         sampling = self.check_args(sampling, request_id, cache_salt)
         params = sampling.merged_over(self.defaults)
         check_vocab("logit_bias", params.logit_bias or (), vocab)
         stop_ids = self.stop_ids(sampling, params, vocab)
         check_logprobs(params, vocab)
-        if params.stop and self.tokenizer is None:
+        if params.stop and self.renderer is None:
             raise InvalidRequestError("stop strings need a tokenizer: pass tokenizer=... to the engine", "stop")
         grammar = None
         if params.structured_outputs is not None:
@@ -594,9 +595,9 @@ class InputProcessor:
             n=n,
             record_timestamps=record_timestamps,
             cache_salt=cache_salt or None,
-            images=images,
+            media=media,
         )
-        source = prompt_ids.source if isinstance(prompt_ids, ImagePrompt) else prompt_ids
+        source = prompt_ids.source if isinstance(prompt_ids, MediaPrompt) else prompt_ids
         return Processed(request, request_id, source)
 
     def process_score(
@@ -606,7 +607,7 @@ class InputProcessor:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        images: ImageInputs | None = None,
+        media: MediaInputs | None = None,
     ) -> Processed:
         """Check one scoring group (planned by :func:`acb.api.scoring.plan`) and build its
         :class:`EngineRequest`, as :meth:`process` does for a generation: the context request
@@ -618,7 +619,7 @@ class InputProcessor:
             top_logprobs: the alternatives to record at each scored position.
             request_id: its id (None: the submit claims a fresh ``score_<n>``).
             cache_salt: keeps its prefix-cache entries apart from other salts'.
-            images: the context's images, processed (:mod:`acb.images`).
+            media: the context's media, processed (:mod:`acb.media`).
 
         Returns:
             The :class:`Processed` request.
@@ -636,8 +637,8 @@ class InputProcessor:
         # nothing is sampled: the raw logprobs of the scored positions only
         params = replace(FALLBACK, prompt_logprobs=max(top_logprobs, 1), logprobs_mode="raw")
         check_logprobs(params, vocab)
-        if images is not None:
-            images = self.check_images(images)
+        if media is not None:
+            media = self.check_media(media)
         request = EngineRequest(
             request_id=request_id or "",
             sink_key=-1,
@@ -650,6 +651,6 @@ class InputProcessor:
             cache_salt=cache_salt or None,
             score=group[0],
             children=tuple(group[1:]),
-            images=images,
+            media=media,
         )
         return Processed(request, request_id, head)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from acb.api.processor import as_token_list
 from acb.core.messages import ScoreTarget
 from acb.errors import InvalidRequestError, InvalidRequestTypeError, prefixed
-from acb.images import ImageInputs, has_images
+from acb.media import MediaInputs, has_media
 from acb.outputs import ContinuationScore, GenerationOutput, RequestStatus, ScoreOutput
 from acb.sampling_params import MAX_LOGPROBS
 
@@ -314,7 +314,7 @@ def make_score_request(
     sink_factory: Callable[[str], Any],
     request_id: str | None = None,
     cache_salt: str | None = None,
-    images: ImageInputs | None = None,
+    media: MediaInputs | None = None,
 ) -> Submission:
     """A scoring group's submit, made as :meth:`acb.api.base.EngineBase.make_request` makes a
     generation's: checked and built by the engine's input processor
@@ -329,7 +329,7 @@ def make_score_request(
         sink_factory: ``sink_factory(request_id)`` makes the sink its results go to.
         request_id: its id (default: a fresh ``score_<n>``).
         cache_salt: keeps its prefix-cache entries apart from other salts'.
-        images: the context's images, processed (:mod:`acb.images`).
+        media: the context's media, processed (:mod:`acb.media`).
 
     Returns:
         The :class:`~acb.api.submissions.Submission`.
@@ -342,7 +342,7 @@ def make_score_request(
     """
     engine.submit_core()
     made = engine.processor.process_score(
-        group, top_logprobs, request_id=request_id, cache_salt=cache_salt, images=images
+        group, top_logprobs, request_id=request_id, cache_salt=cache_salt, media=media
     )
     return engine.submissions.open(made, sink_factory, engine.tokenizer, engine.model_name)
 
@@ -380,18 +380,18 @@ def make_requests(
     engine.submit_core()
     cfg = engine.processor.started().cfg
     processor = engine.processor
-    # contexts with images: processed first (acb.images); their groups carry the images
-    images: list[ImageInputs | None] = []
+    # contexts with images: processed first (acb.media); their groups carry the images
+    images: list[MediaInputs | None] = []
     processed = []
     for i, item in enumerate(items):
         context = item[0] if isinstance(item, Sequence) and len(item) == 2 else None
-        if context is not None and has_images(context):
+        if context is not None and has_media(context):
             try:
-                context = processor.process_images(context)
+                context = processor.process_media(context)
             except (ValueError, TypeError) as exc:
                 raise prefixed(exc, f"items[{i}]") from None
             processed.append((context, item[1]))
-            images.append(context.images)
+            images.append(context.media)
         else:
             processed.append(item)
             images.append(None)
@@ -403,7 +403,7 @@ def make_requests(
     given = batch_ids(request_ids, len(plans))
     order = ordered_groups(plans, given)
 
-    def maker(rid: str | None, group: list[Member], pictures: ImageInputs | None) -> Callable[[], Submission]:
+    def maker(rid: str | None, group: list[Member], pictures: MediaInputs | None) -> Callable[[], Submission]:
         targets = [m.target for m in group]
         return lambda: make_score_request(
             engine,
@@ -412,7 +412,7 @@ def make_requests(
             sink_factory=sink_factory,
             request_id=rid,
             cache_salt=cache_salt,
-            images=pictures,
+            media=pictures,
         )
 
     reqs = engine.submissions.make_all("items", ((i, maker(rid, group, images[i])) for i, _, rid, group in order))

@@ -443,7 +443,7 @@ class KVManager:
         hashes = req.block_hashes
         bs = self.block_size
         toks = req.token_ids
-        images = req.images
+        images = req.media
         while len(hashes) < num_blocks:
             b = len(hashes)
             salt = req.cache_salt

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from acb.config import ResolvedConfig
     from acb.core.request import Request
-    from acb.images import ImageInputs
+    from acb.media import MediaInputs
     from acb.outputs import GenerationOutput
     from acb.sampling_params import SamplingParams
 
@@ -50,7 +50,7 @@ class EngineRequest:
     """One validated submit: everything the engine needs, nothing of the caller's (no sink,
     tokenizer or trace). ``n`` samples (``n > 1``) or a scoring group (``children``) become one
     :class:`acb.core.request.RequestGroup` whose members are ``request_id`` and
-    ``request_id#1``..; every id was claimed on the core before this was built."""
+    ``request_id#1``..; every id was claimed in the API's registry (``acb.api.ids``) on submit."""
 
     request_id: str
     sink_key: int  # where its results go: the API's sink registered under this key (never reused)
@@ -66,7 +66,7 @@ class EngineRequest:
     # a scoring request (samples nothing): its own target, then its children's
     score: ScoreTarget | None = None
     children: tuple[ScoreTarget, ...] = ()
-    images: ImageInputs | None = None  # its images, processed (acb.images): the model's vision code runs on them
+    media: MediaInputs | None = None  # its media (images), processed (acb.media): the model's own encoders run on them
 
     @property
     def member_ids(self) -> list[str]:

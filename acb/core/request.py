@@ -17,7 +17,7 @@ from acb.outputs import FailureKind, FinishReason, GenerationOutput, RequestStat
 from acb.text import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from acb.images import ImageInputs
+    from acb.media import MediaInputs
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Request:
         "scoring",
         "lp_start",
         "score_next",
-        "images",
+        "media",
         "images_key",
         "versions",
         "out",
@@ -169,8 +169,8 @@ class Request:
         # takes a snapshot of its state for the prefix cache (acb.core.kv_manager)
         self.snap_plan: list[tuple[int, bytes]] = []
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
-        self.images: ImageInputs | None = None  # its images, processed at submit (acb.images)
-        self.images_key: bytes | None = None  # the runner's key of their embeddings (acb.runner.vision)
+        self.media: MediaInputs | None = None  # its images, processed at submit (acb.media)
+        self.images_key: bytes | None = None  # the runner's key of their embeddings (acb.runner.media)
         # the weight versions its tokens were sampled under: (version, index of its first token)
         self.versions: list[tuple[Any, int]] = [(0, 0)]
         # (host blocks, tokens, host row of its state layers' state or -1) while offloaded

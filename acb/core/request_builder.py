@@ -64,7 +64,7 @@ def build_request(
             req.prompt_lps, req.out.prompt_tops = [], []
         if er.cache_salt:
             req.cache_salt = er.cache_salt.encode()
-        req.images = er.images
+        req.media = er.media
         members.append(req)
     if len(members) > 1:
         RequestGroup(er.request_id, members)

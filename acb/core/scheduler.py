@@ -392,8 +392,8 @@ class Scheduler:
             num_new = min(todo, budget)
             if req.prompt_lps is not None:
                 num_new = self._cap_scored(out, req, computed, num_new)
-            if req.images is not None:
-                num_new = self._whole_images(req, computed, num_new)
+            if req.media is not None:
+                num_new = self._whole_spans(req, computed, num_new)
             if num_new <= 0:
                 continue
             need = kv.blocks_needed(req, num_new)
@@ -426,13 +426,13 @@ class Scheduler:
         return budget, preempted_any
 
     @staticmethod
-    def _whole_images(req: Request, computed: int, num_new: int) -> int:
+    def _whole_spans(req: Request, computed: int, num_new: int) -> int:
         """A prefill chunk never ends inside an image whose tokens attend to each other both ways
         (Gemma 3): it stops before the image, or, starting at or in it, takes the rest of it
         (past the step's budget if it must, as a whole prefill does)."""
-        assert req.images is not None
+        assert req.media is not None
         end = computed + num_new
-        for a, b in req.images.spans:
+        for a, b in req.media.spans:
             if a < end < b:
                 return a - computed if a > computed else b - computed
         return num_new
@@ -474,8 +474,8 @@ class Scheduler:
                 # whole: past the budget by at most this step's decodes (or, alone, by its length)
                 budget = todo
             num_new = self._cap_scored(out, req, computed, min(todo, budget))
-            if req.images is not None:
-                num_new = self._whole_images(req, computed, num_new)
+            if req.media is not None:
+                num_new = self._whole_spans(req, computed, num_new)
             if num_new <= 0:
                 break  # this step's rows of logits for scoring are taken: next step
             need_free = kv.admission_cost(req, hits, computed, num_new)

@@ -564,10 +564,10 @@ class AcbMultimodalLM(AcbLM):
         self.rgb = convert_img_format
         self.chat_applied = False  # as hf-multimodal: once a chat template rendered a prompt, it placed the images
         super().__init__(pretrained, **kwargs)
-        from acb.images import image_token_id as config_image_token_id
+        from acb.media import modality_token_id
 
         # the model's placeholder id, for the left-truncation checks
-        self._image_token_id = config_image_token_id(self.engine.model.config)
+        self._image_token_id = modality_token_id(self.engine.model.config, "image")
         if image_string:
             self.image_token: str = image_string
         else:

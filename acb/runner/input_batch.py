@@ -180,7 +180,7 @@ class PreparedBatch:
     rows: torch.Tensor  # [B] long: block-table rows of the scheduled sequences
     decode_only: bool
     logits_identity: bool = False  # sequence i samples row i, once each (logits_indices is arange(B))
-    # [1, T, D]: the token embeddings with image rows put in (acb.runner.vision), or None
+    # [1, T, D]: the token embeddings with image rows put in (acb.runner.media), or None
     inputs_embeds: torch.Tensor | None = None
 
 

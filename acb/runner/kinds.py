@@ -30,10 +30,10 @@ from acb.runner.unpaged_layers import unpaged_step
 if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
     from acb.runner.input_batch import PreparedBatch
+    from acb.runner.media import MediaEmbedder
     from acb.runner.model_runner import ModelRunner
     from acb.runner.own_cache_runner import OwnCacheRunner
     from acb.runner.unpaged_layers import UnpagedCaches
-    from acb.runner.vision import ImageEmbedder
 
 
 def _model_layers_of(r: ModelRunner, cache_layers: set[int]) -> tuple[int, ...]:
@@ -150,9 +150,9 @@ def own_cache_runner(r: ModelRunner) -> LayerKindSpec | None:
 
 def images(r: ModelRunner) -> LayerKindSpec | None:
     """Image embeddings, kept per request and reused while cached (keyed in the block digests)."""
-    if r.vision is None:
+    if r.media is None:
         return None
-    return LayerKindSpec("images", (), reserved_bytes=r.cfg.image_cache_bytes)
+    return LayerKindSpec("media", (), reserved_bytes=r.cfg.image_cache_bytes)
 
 
 # the kinds, in the order a layer is offered to them
@@ -270,19 +270,19 @@ class OwnCacheRunnerHooks(StepHooks):
             self.runner.copy(src, dst)
 
 
-class ImageHooks(StepHooks):
+class MediaHooks(StepHooks):
     """Image embeddings: kept per request, reusable once its row is freed, until evicted."""
 
-    def __init__(self, vision: ImageEmbedder) -> None:
-        self.vision = vision
+    def __init__(self, media: MediaEmbedder) -> None:
+        self.media = media
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for row in sched.freed_rows:
-            self.vision.release(row)
+            self.media.release(row)
 
     def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None] | None:
-        # the language model takes the step's image rows (ImageEmbedder.step_inputs built them)
-        return self.vision.language_model_kwargs() if batch.inputs_embeds is not None else None
+        # the language model takes the step's image rows (MediaEmbedder.step_inputs built them)
+        return self.media.language_model_kwargs() if batch.inputs_embeds is not None else None
 
 
 def hooks_of(runner: ModelRunner) -> list[StepHooks]:
@@ -296,6 +296,6 @@ def hooks_of(runner: ModelRunner) -> list[StepHooks]:
         hooks.append(UnpagedHooks(runner.unpaged_caches))
     if runner.own_cache_runner is not None:
         hooks.append(OwnCacheRunnerHooks(runner.own_cache_runner))
-    if runner.vision is not None:
-        hooks.append(ImageHooks(runner.vision))
+    if runner.media is not None:
+        hooks.append(MediaHooks(runner.media))
     return hooks

@@ -49,6 +49,7 @@ from acb.runner.linear_state import (
     resumes_stepwise,
     state_row_bytes,
 )
+from acb.runner.media import MediaEmbedder, MediaFacts, takes_media
 from acb.runner.module_state import module_attributes
 from acb.runner.own_cache_runner import OwnCacheRunner, snapshot_memory
 from acb.runner.sampler import SamplingState, sample
@@ -64,7 +65,6 @@ from acb.runner.setup import (
 )
 from acb.runner.tp_sync import agree_min, check_same_settings, tp_group, tp_size_of
 from acb.runner.unpaged_layers import UnpagedCaches, UnpagedLayers, find_unpaged_layers
-from acb.runner.vision import ImageEmbedder, MediaFacts, takes_images
 from acb.runner.weights import WeightsKey, WeightWatch
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class ModelRunner:
         self.state_row_bytes = 0  # one request's state over the state layers (set with them)
         self.state_why = ""
         # vision-language models: the model's own vision code for the requests with images
-        self.vision = ImageEmbedder(model, self.cfg.image_cache_bytes) if takes_images(model) else None
+        self.media = MediaEmbedder(model, self.cfg.image_cache_bytes) if takes_media(model) else None
         paged = not own_path
         # hybrid models: linear-attention layers run per request with their recurrent state
         self.linear = LinearLayers(model) if paged and linear_layers(model) else None
@@ -462,14 +462,15 @@ class ModelRunner:
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
 
     def media_facts(self) -> MediaFacts:
-        """What a submit needs to know of the model's images (:class:`acb.runner.vision.MediaFacts`),
+        """What a submit needs to know of the model's images (:class:`acb.runner.media.MediaFacts`),
         read once when the engine starts, before its thread runs: submits never call the runner."""
-        vision, name = self.vision, type(self.model).__name__
+        vision, name = self.media, type(self.model).__name__
         if vision is None:
             refused = f"{name} takes no images (no image token and vision config)"
         elif self.own_cache_runner is not None:
-            refused = "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only" + (
-                f" (the paged path refuses it: {self._paged_refused})" if self._paged_refused else ""
+            refused = (
+                "the model runs on its own cache objects (runner='own_cache'); images run on the paged path only"
+                + (f" (the paged path refuses it: {self._paged_refused})" if self._paged_refused else "")
             )
         elif tp_size_of(self.model) > 1:
             refused = "images are not run under tensor parallel yet"
@@ -521,9 +522,9 @@ class ModelRunner:
         if self.own_cache_runner is not None:
             other += self.own_cache_runner.nbytes()
             self.own_cache_runner.clear()
-        if self.vision is not None:
-            other += self.vision.nbytes()
-            self.vision.clear()
+        if self.media is not None:
+            other += self.media.nbytes()
+            self.media.clear()
         measured = None
         if cuda:
             torch.cuda.empty_cache()
@@ -653,8 +654,8 @@ class ModelRunner:
         (writes through ``.data``)."""
         if self.packed is not None:
             self.packed.release()
-        if self.vision is not None:
-            self.vision.forget_unused()
+        if self.media is not None:
+            self.media.forget_unused()
 
     def swap_weights(self, staged: Staged) -> None:
         """Copy an update's staged tensors into the weights (engine thread, between two steps). The
@@ -756,8 +757,8 @@ class ModelRunner:
         self.last_stage_s = time.perf_counter() - t0
         sampling.apply_inits(dev)
         batch = self.inputs.build(host, dev, self._prev_ids)
-        if self.vision is not None:  # image rows (and multimodal positions) of the requests with images
-            mm = self.vision.step_inputs(sched, batch.input_ids, batch.position_ids)
+        if self.media is not None:  # image rows (and multimodal positions) of the requests with images
+            mm = self.media.step_inputs(sched, batch.input_ids, batch.position_ids)
             if mm is not None:
                 batch = dataclasses.replace(batch, inputs_embeds=mm[0], position_ids=mm[1], decode_only=False)
         num_samples = len(sched.sample_idx)
@@ -784,8 +785,8 @@ class ModelRunner:
                 )
         if logits is None:
             ctx = StepContext(self.kv_cache, self.backend, self.backend.build_metadata(batch.attn, self.cfg.block_size))
-            if self.vision is not None and self.vision.step_groups:  # image blocks that attend both ways
-                ctx.metadata.image_groups = self.vision.step_groups
+            if self.media is not None and self.media.step_groups:  # image blocks that attend both ways
+                ctx.metadata.media_groups = self.media.step_groups
             with contextlib.ExitStack() as per_request:
                 # the state layers, indexers and own-cache layers run per request segment of the
                 # flattened batch; the language model takes the step's image rows
@@ -919,10 +920,10 @@ class ModelRunner:
             use_cache=False,
             acb_ctx=ctx,
         )
-        if batch.inputs_embeds is not None:  # a step with image rows (acb.runner.vision)
+        if batch.inputs_embeds is not None:  # a step with image rows (acb.runner.media)
             kw["input_ids"], kw["inputs_embeds"] = None, batch.inputs_embeds
-            if self.vision is not None:
-                kw.update(self.vision.model_kwargs())
+            if self.media is not None:
+                kw.update(self.media.model_kwargs())
         with self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext():
             if self._supports_logits_to_keep:
                 return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]

@@ -448,9 +448,9 @@ def resolve_config(
         logger.info("%s has indexed sparse attention (DSA): the torch attention backend runs it", type(model).__name__)
         backend = "torch"
     spec = own_path_spec(model, dtype) if own_path else kv_spec_of(model, dtype, latent=latent)
-    from acb.runner.vision import bidirectional_images, takes_images
+    from acb.runner.media import bidirectional_media, takes_media
 
-    if not own_path and takes_images(model) and bidirectional_images(model) and backend not in ("torch", "cpu"):
+    if not own_path and takes_media(model) and bidirectional_media(model) and backend not in ("torch", "cpu"):
         # image tokens that attend to their whole image: a mask the torch reference backend applies
         # (the CPU backend's prefill chunks are the torch backend's)
         if config.attn_backend is not None:
@@ -495,7 +495,7 @@ def resolve_config(
         max_len = max(block_size, min(NO_KV_MAX_LEN, (room // per_block - 1) * block_size))
     # a vision-language model's image embeddings: set aside before the KV cache is sized from
     # the memory budget (a sixteenth of it by default, at least 64 MiB)
-    images = not own_path and takes_images(model)
+    images = not own_path and takes_media(model)
     image_bytes = config.image_cache_bytes
     if config.num_blocks is not None:
         num_blocks = config.num_blocks

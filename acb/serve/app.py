@@ -153,7 +153,7 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
     """A chat completion's part of the pipeline: its checks, its chat rendered by the model's
     template (with the tools, when the template renders them), its constraint (``response_format``,
     vLLM's ``structured_outputs``, a forced tool call), its choices shaped into messages."""
-    if state.tokenizer is None:
+    if state.prompt_renderer is None:
         raise APIError(400, "the served model has no tokenizer: chat needs one", param="messages")
     kwargs = body.template_kwargs(state.settings.trust_request_chat_template)
     check_choices(1, body.n, state.settings.max_prompts_per_request)
@@ -174,7 +174,7 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
         for i, m in enumerate(body.messages)
     ]
     sampling = body.sampling(body.max_new_tokens(), body.logprobs_k(), None if constraint is None else constraint.spec)
-    tokenizer, parser = state.tokenizer, state.settings.reasoning_parser
+    tokenizer, parser = state.prompt_renderer, state.settings.reasoning_parser
 
     def output(prompts: Prompts) -> CompletionOutput:
         return CompletionOutput(
@@ -209,11 +209,11 @@ def _completion_job(state: ServerState, body: CompletionRequest) -> Job:
     ids as they are), its constraint (vLLM's ``structured_outputs``), its choices as text."""
     prompts = body.prompts()
     check_choices(len(prompts), body.n, state.settings.max_prompts_per_request)
-    if any(isinstance(p, str) for p in prompts) and state.tokenizer is None:
+    if any(isinstance(p, str) for p in prompts) and state.prompt_renderer is None:
         raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
     structured = shaping.structured_from_extra(body.model_extra or {})
     sampling = body.sampling(body.max_tokens, body.logprobs, structured)
-    tokenizer = state.tokenizer
+    tokenizer = state.prompt_renderer
     output = CompletionOutput(
         chat=False,
         model=state.model_name,

@@ -12,7 +12,7 @@ are read from the file's header, before its pixels are decoded.
 
 The work runs in the render pool (worker threads, each job within its time bound), never on the
 event loop: :func:`load_images` is called by the render job, which then hands the chat to the
-engine's processor (:func:`acb.images.process_prompt`).
+engine's processor (:func:`acb.media.process_prompt`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from acb.images import MAX_ASPECT_RATIO, load_image
+from acb.media import MAX_ASPECT_RATIO, load_image
 from acb.serve.protocol import APIError
 
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20

@@ -110,9 +110,10 @@ class ServerState:
         self.texts = TokenTexts(engine.tokenizer)
 
     @property
-    def tokenizer(self) -> Any:
-        """The engine's tokenizer (``None`` for a model served by token ids only)."""
-        return self.engine.tokenizer
+    def prompt_renderer(self) -> Any:
+        """What renders chats and tokenizes text: the engine's :attr:`~acb.api.base.EngineBase.renderer`
+        (the model's processor, else its tokenizer; ``None`` for a model served by token ids only)."""
+        return self.engine.renderer
 
     @property
     def closing(self) -> bool:
@@ -213,22 +214,22 @@ def render_images(
 ) -> Prompts:
     """A chat with images (a render pool job): each image fetched or decoded within the server's
     limits (:mod:`acb.serve.media`), then the chat rendered and the images processed by the
-    engine's processor, as one :class:`acb.images.ImagePrompt`.
+    engine's processor, as one :class:`acb.media.MediaPrompt`.
 
     Raises:
         APIError: 400 for a model without images, an image refused or undecodable (naming its
             part), or a chat the processor refused.
     """
     engine = state.engine
-    why = engine.processor.images_refused() if engine.runner is not None else "the engine is not started"
+    why = engine.processor.media_refused() if engine.runner is not None else "the engine is not started"
     if why:
         raise APIError(400, f"the served model cannot take images: {why}", param=param)
-    chat = load_images(messages, state.media, param, engine.tokenizer)
+    chat = load_images(messages, state.media, param, engine.model_processor)
     try:
-        prompt = engine.processor.process_images(chat, kwargs)
+        prompt = engine.processor.process_media(chat, kwargs)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc), param=param) from None
-    tok = text_tokenizer(engine.tokenizer)
+    tok = engine.tokenizer
     tail = str(tok.decode(prompt[-64:])) if with_tail and tok is not None else ""
     return Prompts([prompt], tail)
 

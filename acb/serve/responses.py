@@ -448,7 +448,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 def _job(state: ServerState, body: ResponsesRequest) -> Job:
     """A Responses request's part of the pipeline: its chat (instructions and input items),
     rendered by the model's template; its constraint; its output as items and events."""
-    if state.tokenizer is None:
+    if state.prompt_renderer is None:
         raise APIError(400, "the served model has no tokenizer: the Responses API needs one", param="input")
     plan = shaping.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.tool_call_parser)
     constraint = _structured(body, plan)
@@ -456,7 +456,7 @@ def _job(state: ServerState, body: ResponsesRequest) -> Job:
     sampling = body.sampling(None if constraint is None else constraint.spec)
     kwargs = {"tools": plan.template_tools} if plan.template_tools else None
     shell = _Shell(state, body, plan)  # (everything is checked before the request is submitted)
-    tokenizer, parser = state.tokenizer, state.settings.reasoning_parser
+    tokenizer, parser = state.prompt_renderer, state.settings.reasoning_parser
 
     def output(prompts: Prompts) -> _Output:
         shaper = shaping.OutputShaper(plan, parser, prompts.tail, constrained=constraint is not None)

@@ -21,7 +21,7 @@ import torch
 
 import acb
 from acb.errors import UnsupportedModelError
-from acb.runner.vision import ImageAttention, bidirectional_layers, image_attention
+from acb.runner.media import MediaAttention, bidirectional_layers, media_attention
 from tests.vlm_models import (
     ARCHS,
     image,
@@ -79,9 +79,9 @@ def test_greedy_parity_with_and_without_images(arch, mode):
         if mode == "preempt-async":
             assert eng.stats.preemptions > 0
         # the vision encoder ran once per request with images, whatever the chunks and recomputes
-        assert eng.runner.vision.captures == 3
+        assert eng.runner.media.captures == 3
         # Gemma 3's image tokens see their whole image on every layer (the others: on none)
-        assert eng.runner.vision.layers == ({0, 1} if arch == "gemma3" else set())
+        assert eng.runner.media.layers == ({0, 1} if arch == "gemma3" else set())
     assert got == [reference(arch, c) for c in cs]
 
 
@@ -119,7 +119,7 @@ def test_gemma4_image_attention_follows_its_config_and_layer_types():
         for mode in (dict(), dict(max_batch_tokens=16, use_async_batching=True)):
             cfg = acb.ContinuousBatchingConfig(num_blocks=96, page_size=8, **mode)
             with acb.Engine(model, cfg, processor=processor) as eng:
-                assert eng.runner.vision.layers == (sliding if setting else set())
+                assert eng.runner.media.layers == (sliding if setting else set())
                 outs = eng.generate_batch(GEMMA4_CHATS, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
             assert [o.generated_tokens for o in outs.values()] == want[setting], (setting, mode)
 
@@ -141,7 +141,7 @@ def test_image_layers_are_read_from_the_models_own_masks(monkeypatch):
 
     blocks = gemma3.get_block_sequence_ids_for_mask
     monkeypatch.setattr(gemma3, "get_block_sequence_ids_for_mask", lambda t, device=None: torch.where(t == 1, 0, -1))
-    assert image_attention(model) == ImageAttention(frozenset({0, 1}), one_block=True)
+    assert media_attention(model) == MediaAttention(frozenset({0, 1}), one_block=True)
     monkeypatch.setattr(gemma3, "get_block_sequence_ids_for_mask", lambda t, device=None: torch.where(t == 0, 0, -1))
     with pytest.raises(UnsupportedModelError, match="let text tokens see later tokens"):
         bidirectional_layers(model)
@@ -151,7 +151,7 @@ def test_image_layers_are_read_from_the_models_own_masks(monkeypatch):
         gemma3, "get_block_sequence_ids_for_mask", lambda t, device=None: blocks(t * (t.shape[-1] > 8), device)
     )
     with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8)) as eng:
-        assert eng.runner.vision.layers == set()
+        assert eng.runner.media.layers == set()
         out = eng.generate_batch([processed("gemma3", chats()[0])], max_new_tokens=2, progress_bar=False)
     (res,) = out.values()
     assert res.status == acb.RequestStatus.FAILED
@@ -203,7 +203,7 @@ def test_image_masks_acb_cannot_follow_are_refused():
         want.append(out[0, p["input_ids"].shape[1] :].tolist())
     for mode in (dict(), dict(max_batch_tokens=7, use_async_batching=True)):
         with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, **mode)) as eng:
-            assert eng.runner.vision.one_block and eng.runner.vision.layers == {0, 1}
+            assert eng.runner.media.one_block and eng.runner.media.layers == {0, 1}
             outs = eng.generate_batch([*prompts, text], max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
             with pytest.raises(acb.InvalidRequestError, match="prompts with one image .*this one has 2"):
                 eng.generate(molmo2_prompt(2, 2, words[0]), max_new_tokens=2)
@@ -267,7 +267,7 @@ def test_requests_admitted_together_share_one_vision_call(arch):
     cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, allow_block_sharing=False)
     with acb.Engine(model, cfg, processor=processor) as eng:
         outs = eng.generate_batch(cs, max_new_tokens=MAX_NEW, ignore_eos=True, progress_bar=False)
-        assert eng.runner.vision.captures == 4 and eng.runner.vision.capture_calls == 1
+        assert eng.runner.media.captures == 4 and eng.runner.media.capture_calls == 1
     assert [o.generated_tokens for o in outs.values()] == [reference(arch, c) for c in cs]
 
 
@@ -361,16 +361,16 @@ def test_scoring_a_fresh_image_context_and_a_childs_failure(monkeypatch):
     with acb.Engine(model, cfg, processor=processor) as eng:
         out = eng.score_batch([(inputs, [[40, 41, 42]])], progress_bar=False)[0]
         assert out.status == acb.RequestStatus.FINISHED and len(out.continuations[0].logprobs) == 3
-    from acb.runner.vision import ImageEmbedder
+    from acb.runner.media import MediaEmbedder
 
-    capture = ImageEmbedder._capture
+    capture = MediaEmbedder._capture
 
     def child_fails(self, reqs):
         if any("#" in req.request_id for req in reqs):
             raise RuntimeError("the child's capture broke")
         return capture(self, reqs)
 
-    monkeypatch.setattr(ImageEmbedder, "_capture", child_fails)
+    monkeypatch.setattr(MediaEmbedder, "_capture", child_fails)
     with acb.Engine(model, cfg, processor=processor) as eng:
         out = eng.score_batch([(inputs, [[40, 41, 42], [43, 44]])], progress_bar=False)[0]
     assert out.status == acb.RequestStatus.FAILED and "the child's capture broke" in (out.error or "")

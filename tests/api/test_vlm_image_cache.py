@@ -1,4 +1,4 @@
-"""Image features cached per image (``acb.runner.vision.ImageFeatures``): the vision tower runs
+"""Image features cached per image (``acb.runner.media.ImageFeatures``): the vision tower runs
 once per distinct image, whatever text comes with it, and a step's new images go to it in one
 call; exact against ``model.generate``, within the image budget.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import acb
-from acb.runner import vision
+from acb.runner import media as runner_media
 from tests.vlm_models import image, messages, molmo2_prompt, tiny_molmo2, tiny_vlm
 
 MAX_NEW = 4
@@ -66,7 +66,7 @@ def test_one_image_runs_the_tower_once_whatever_the_text(arch, monkeypatch):
     first = [messages([image(40)], "what is this"), messages([image(41)], "describe it")]
     again = [messages([image(41)], "and this one, what colour"), messages([image(40)], "say more")]
     with acb.Engine(model, cfg, processor=processor) as eng:
-        features = eng.runner.vision.features
+        features = eng.runner.media.features
         # warm-up: the first joined outputs are checked once against the model's own (a run more)
         generate(eng, [messages([image(50)], "a"), messages([image(51)], "b")], 1)
         generate(eng, [messages([image(51)], "c"), messages([image(50)], "d")], 1)
@@ -78,7 +78,7 @@ def test_one_image_runs_the_tower_once_whatever_the_text(arch, monkeypatch):
         assert new > 0 and features.hits == hits
         got += generate(eng, again)
         assert calls[0] == 1 and features.hits == hits + new  # the same images again: not run
-        assert eng.runner.vision.captures == 8  # (each request's own prompt still goes through the model)
+        assert eng.runner.media.captures == 8  # (each request's own prompt still goes through the model)
     assert got == [reference(arch, c) for c in first + again]
 
 
@@ -93,7 +93,7 @@ def test_a_tiny_budget_evicts_features_and_stays_exact():
     for budget in (6 << 10, 1 << 20):
         cfg = acb.ContinuousBatchingConfig(num_blocks=64, page_size=8, image_cache_bytes=budget)
         with acb.Engine(model, cfg, processor=processor) as eng:
-            embedder = eng.runner.vision
+            embedder = eng.runner.media
             assert eng.runner.cfg.image_cache_bytes == budget
             got = [generate(eng, [c])[0] for c in chats]  # one at a time
             generate(eng, [[{"role": "user", "content": "text"}]], 1)  # (its step lets the last row's entry go)
@@ -114,17 +114,17 @@ def test_features_joined_unlike_the_models_own_are_not_used(monkeypatch):
     features (here: each cached part's rows scaled) turns the cache off for the model, and the
     tokens stay the model's own."""
     model, processor = tiny_vlm("llava")
-    join = vision._join
+    join = runner_media._join
 
     def scaled(kind, parts):  # (LLaVA's features: a list of one tensor per image)
         joined = join(kind, parts)
         return type(joined)(t * 1.5 for t in joined) if isinstance(joined, (list, tuple)) else joined * 1.5
 
-    monkeypatch.setattr(vision, "_join", scaled)
+    monkeypatch.setattr(runner_media, "_join", scaled)
     chats = [messages([image(44)], "what is this"), messages([image(44)], "tell me again")]
     with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8), processor=processor) as eng:
         got = [generate(eng, [c])[0] for c in chats]
-        features = eng.runner.vision.features
+        features = eng.runner.media.features
         assert not features.on and "differ from its own" in features.why_off and features.nbytes == 0
     assert got == [reference("llava", c) for c in chats]
 
@@ -143,6 +143,6 @@ def test_images_that_refer_to_each_other_keep_the_request_path(monkeypatch):
     calls[0] = 0
     with acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=64, page_size=8)) as eng:
         got = [eng.generate(p, max_new_tokens=MAX_NEW, ignore_eos=True).generated_tokens for p in prompts]
-        features = eng.runner.vision.features
+        features = eng.runner.media.features
         assert features.uncut_calls == 2 and features.computed == 0 and features.nbytes == 0
     assert calls[0] == 2 and got == want

@@ -73,7 +73,7 @@ def test_greedy_vlm_grpo_generates_through_acb(arch, tmp_path):
         trainer.train()
         assert rollouts.calls == 2 and rollouts.engine is not None
         assert rollouts.engine.stats.finished == rollouts.completions == 2 * 4  # every rollout came from acb
-        assert rollouts.engine.runner.vision.captures > 0  # with its images
+        assert rollouts.engine.runner.media.captures > 0  # with its images
     assert "_generate_single_turn" not in vars(trainer) and "generate_batch" not in vars(model)  # given back
     assert trainer.state.global_step == 2
     # the first round ran on the starting weights: each rollout is model.generate on its own prompt

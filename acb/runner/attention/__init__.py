@@ -61,7 +61,7 @@ class AttentionCall:
     tuning: list[float] | None = None  # Llama 4's attention temperature tuning (applied before the backend)
     # the layer's prefill masks let an image's tokens see their whole image (Gemma 3, Gemma 4's
     # sliding layers): set by the torch backend from the step's image blocks, not by the model
-    images: bool = False
+    media_blocks: bool = False
 
     def features(self) -> frozenset[str]:
         """The optional features this call needs a backend to take (its ``features``)."""

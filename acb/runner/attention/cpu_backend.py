@@ -123,9 +123,9 @@ class CpuBackend(TorchBackend):
             # latent pages as K and V with G = H (acb.runner.latent)
             or la.latent is not None
             or (
-                la.images
-                and md.image_groups is not None
-                and any(p.q_start in md.image_groups.segments for p in md.kernel_prefills)
+                la.media_blocks
+                and md.media_groups is not None
+                and any(p.q_start in md.media_groups.segments for p in md.kernel_prefills)
             )
             or q.dtype != torch.float32
             or k_pages.dtype != torch.float32

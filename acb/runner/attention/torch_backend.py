@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from acb.runner.latent import LatentExpand
-    from acb.runner.vision import ImageBlocks
+    from acb.runner.media import MediaBlocks
 
 # a decode row starts a new group when its pages are fewer than this share of the group's
 # longest row's (so a group pads at most ~1/0.7 of its real context), up to MAX_GROUPS groups
@@ -69,8 +69,8 @@ class TorchMetadata:
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     # prefill segments whose image tokens attend to their whole image on some layers (Gemma 3's
     # every layer, Gemma 4's sliding ones): each context position's image block, and those layers
-    # (acb.runner.vision)
-    image_groups: ImageBlocks | None = None
+    # (acb.runner.media)
+    media_groups: MediaBlocks | None = None
     # the CPU backend's decode rows for its kernel: the block table, and each row's batch index,
     # token index and context length (acb.runner.attention.cpu_backend)
     kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -214,9 +214,9 @@ class TorchBackend:
         return m
 
     def _prefill_mask(
-        self, md: TorchMetadata, k: int, p: _Prefill, window: int | None, chunk: int | None, images: bool
+        self, md: TorchMetadata, k: int, p: _Prefill, window: int | None, chunk: int | None, media_blocks: bool
     ) -> torch.Tensor | None:
-        groups = md.image_groups.segments.get(p.q_start) if images and md.image_groups is not None else None
+        groups = md.media_groups.segments.get(p.q_start) if media_blocks and md.media_groups is not None else None
         if p.blocks is None and window is None and chunk is None and groups is None:
             return None  # plain causal over the chunk: SDPA's is_causal
         key = ("p", k, window, chunk, groups is not None)
@@ -262,8 +262,8 @@ class TorchBackend:
         q = query[0]  # [H, T, D]
         v_dim = q.shape[2] if latent is None else latent.v_dim
         out = query.new_empty(md.num_tokens, q.shape[0], v_dim)  # [T, H, Dv]
-        images = md.image_groups is not None and md.image_groups.on(cache, layer)
-        la = replace(call, images=True) if images else call
+        media_blocks = md.media_groups is not None and md.media_groups.on(cache, layer)
+        la = replace(call, media_blocks=True) if media_blocks else call
         if md.decode_rows or md.kernel_prefills:
             self._decode(md, q, k_pages, v_pages, out, la)
         for k, p in enumerate(md.prefills):
@@ -304,7 +304,7 @@ class TorchBackend:
         else:
             kp = self._gather(k_pages, p.blocks, "k").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
             vp = self._gather(v_pages, p.blocks, "v").view(-1, hkv, d)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk, la.images)
+        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk, la.media_blocks)
         if la.index is not None:  # indexed attention: of the causal keys, those the indexer selected
             if mask is None:
                 mask = torch.ones(n, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - n)
@@ -333,7 +333,7 @@ class TorchBackend:
         scale = la.scaling if la.scaling is not None else q.shape[2] ** -0.5
         qa = lat.absorb_query(q[:, s : s + n, :]).transpose(0, 1).reshape(1, 1, n * h, d)  # query-major rows
         kp = self._gather(k_pages, p.blocks, "k").view(1, -1, 1, d)[:, : p.ctx_len].transpose(1, 2)  # [1, 1, L, d]
-        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk, la.images)
+        mask = self._prefill_mask(md, k, p, la.sliding_window, la.chunk, la.media_blocks)
         assert mask is not None  # a cached prefix: the mask is always built
         if la.index is not None:
             mask = mask & allowed_keys(la.index, slice(s, s + n), p.ctx_len)

@@ -1,6 +1,11 @@
-"""Images in a prompt: found, loaded, hashed and processed at submit, off the engine thread.
+"""Media in a prompt: found, loaded, hashed and processed at submit, off the engine thread.
 
-A prompt sees images in one of two forms:
+The path is named for any modality; images are the one with a loader today. A modality is a row
+of :data:`MODALITIES` (:class:`Modality`: its chat part types, where a part keeps its source,
+its loader and hash, and the config fields that name its placeholder token), so video or audio
+would be a loader and a token id here, and nothing else on the path would change its name.
+
+A prompt sees media in one of two forms:
 
 - a chat whose messages' ``content`` is a list of parts, some of them images:
   ``{"type": "image", "image": <PIL image | path | bytes | data URL>}`` (as transformers'
@@ -10,12 +15,12 @@ A prompt sees images in one of two forms:
 - an already processed ``BatchFeature`` (or any mapping) with ``input_ids`` and the tensors the
   processor made (``pixel_values``, ``image_grid_thw``, ``image_sizes``...), one request.
 
-Either becomes an :class:`ImagePrompt`: the token ids (image placeholders included, as many as
-the processor put there) and the :class:`ImageInputs` the engine carries with the request. The
+Either becomes an :class:`MediaPrompt`: the token ids (image placeholders included, as many as
+the processor put there) and the :class:`MediaInputs` the engine carries with the request. The
 engine thread never runs the processor; it runs the model's own vision code on
-``ImageInputs.tensors`` (:mod:`acb.runner.vision`). Each image is hashed by its content, so
+``MediaInputs.tensors`` (:mod:`acb.runner.media`). Each image is hashed by its content, so
 that the prefix cache never shares K/V between two requests with the same text and different
-images (``ImageInputs.key`` salts every block from the first image token on) and does share it
+images (``MediaInputs.key`` salts every block from the first image token on) and does share it
 when the images are the same.
 
 Remote URLs are not fetched here: ``acb serve`` fetches them itself, for the domains its
@@ -28,7 +33,7 @@ import base64
 import binascii
 import hashlib
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +41,16 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ImageInputs",
-    "ImagePrompt",
+    "MODALITIES",
+    "MediaInputs",
+    "MediaPrompt",
+    "Modality",
     "check_size",
-    "has_images",
-    "image_parts",
+    "has_media",
     "load_image",
+    "media_parts",
+    "modality_token_id",
+    "placeholder_token_ids",
     "process_prompt",
     "processed_size",
     "type_spans",
@@ -59,7 +68,7 @@ MAX_ASPECT_RATIO = 200
 
 
 @dataclass(frozen=True, eq=False)
-class ImageInputs:
+class MediaInputs:
     """The images of one request, processed: what the model's own forward takes beside
     ``input_ids`` (``pixel_values`` and the rest of the processor's output, each ``[1, ...]`` or as
     the processor batches one request), and their content hashes."""
@@ -67,7 +76,7 @@ class ImageInputs:
     tensors: Mapping[str, torch.Tensor]
     hashes: tuple[bytes, ...]  # one per image, in order (SHA-256 of its pixels, or of its tensors)
     first: int  # the position of the request's first image token (0 when the model does not say)
-    num_image_tokens: int  # its image placeholder tokens (0 when the model does not say)
+    num_placeholders: int  # its image placeholder tokens (0 when the model does not say)
     # the prompt positions [a, b) of each image whose tokens attend to each other both ways
     # (Gemma 3's prefill): a prefill chunk never ends inside one (set by the engine, per model)
     spans: tuple[tuple[int, int], ...] = ()
@@ -84,19 +93,19 @@ class ImageInputs:
         return sum(int(getattr(t, "nbytes", 0)) for t in self.tensors.values())
 
 
-class ImagePrompt(list[int]):  # the token ids
-    """A prompt processed at submit: its token ids (this list) and its :class:`ImageInputs`
+class MediaPrompt(list[int]):  # the token ids
+    """A prompt processed at submit: its token ids (this list) and its :class:`MediaInputs`
     (``None``: no image after all). The engine takes it as it is, so a caller that processes
     elsewhere (an async submit does it in a worker thread, off the event loop) submits this."""
 
-    def __init__(self, token_ids: Sequence[int], images: ImageInputs | None, source: Any = None) -> None:
+    def __init__(self, token_ids: Sequence[int], media: MediaInputs | None, source: Any = None) -> None:
         super().__init__(int(t) for t in token_ids)
-        self.images = images
+        self.media = media
         self.source = source  # what the caller gave (a chat: telemetry reads it as one)
 
 
-def image_parts(prompt: Any) -> list[Mapping[str, Any]]:
-    """The image content parts of a chat prompt, in order (none for anything else)."""
+def media_parts(prompt: Any) -> list[Mapping[str, Any]]:
+    """The media content parts of a chat prompt (of every modality), in order (none for anything else)."""
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
         return []
     out: list[Mapping[str, Any]] = []
@@ -104,17 +113,17 @@ def image_parts(prompt: Any) -> list[Mapping[str, Any]]:
         content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, (str, bytes)) or not isinstance(content, Sequence):
             continue
-        out.extend(p for p in content if isinstance(p, Mapping) and p.get("type") in ("image", "image_url"))
+        out.extend(p for p in content if isinstance(p, Mapping) and p.get("type") in _PART_TYPES)
     return out
 
 
-def has_images(prompt: Any) -> bool:
-    """A chat with image parts, or a processor's output with pixel tensors."""
-    if isinstance(prompt, ImagePrompt):
-        return prompt.images is not None
+def has_media(prompt: Any) -> bool:
+    """A chat with media parts, or a processor's output with tensors beside its text."""
+    if isinstance(prompt, MediaPrompt):
+        return prompt.media is not None
     if isinstance(prompt, Mapping):
         return "input_ids" in prompt and any(k not in _TEXT_KEYS for k in prompt)
-    return bool(image_parts(prompt))
+    return bool(media_parts(prompt))
 
 
 def load_image(
@@ -277,15 +286,15 @@ def process_prompt(
     processor: Any,
     prompt: Any,
     *,
-    image_token_id: int | None,
+    placeholder_ids: frozenset[int] = frozenset(),
     chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> ImagePrompt:
-    """A prompt with images as token ids and :class:`ImageInputs` (see the module docstring).
+) -> MediaPrompt:
+    """A prompt with images as token ids and :class:`MediaInputs` (see the module docstring).
 
     Args:
         processor: the engine's processor (needed for a chat; a processed mapping needs none).
         prompt: a chat with image parts, or a processor's output for one request.
-        image_token_id: the model's image placeholder id (``config.image_token_id``), if it has one.
+        placeholder_ids: the model's media placeholder token ids (:func:`placeholder_token_ids`).
         chat_template_kwargs: the chat template's variables.
 
     Raises:
@@ -294,7 +303,7 @@ def process_prompt(
     """
     import torch
 
-    if isinstance(prompt, ImagePrompt):
+    if isinstance(prompt, MediaPrompt):
         return prompt
     hashes: list[bytes]
     if isinstance(prompt, Mapping):
@@ -322,18 +331,14 @@ def process_prompt(
                 continue
             parts = []
             for part in content:
-                if isinstance(part, Mapping) and part.get("type") in ("image", "image_url"):
-                    src = (
-                        part.get("image", part.get("url", part.get("path")))
-                        if part["type"] == "image"
-                        else part.get("image_url")
-                    )
-                    image = load_image(src, f"image {n}", image_processor=processor.image_processor)
-                    hashes.append(_image_hash(image))
-                    parts.append({"type": "image", "image": image})
-                    n += 1
-                else:
+                modality = _BY_PART_TYPE.get(str(part.get("type"))) if isinstance(part, Mapping) else None
+                if modality is None:
                     parts.append(dict(part))
+                    continue
+                item = modality.load(modality.source(part), f"{modality.name} {n}", processor)
+                hashes.append(modality.hash(item))
+                parts.append({"type": modality.name, modality.name: item})
+                n += 1
             messages.append({**message, "content": parts})
         kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
         try:
@@ -345,16 +350,16 @@ def process_prompt(
         ids = _one_request(torch.as_tensor(out["input_ids"]), "input_ids").tolist()
         tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and v is not None}
         if not hashes:  # (a chat without image parts: text only)
-            return ImagePrompt(ids, None, prompt)
+            return MediaPrompt(ids, None, prompt)
         check_pixel_tensors(tensors, len(hashes))
-    placeholders = [i for i, t in enumerate(ids) if t == image_token_id] if image_token_id is not None else []
-    images = ImageInputs(
+    placeholders = [i for i, t in enumerate(ids) if t in placeholder_ids]
+    images = MediaInputs(
         tensors={k: torch.as_tensor(v) if not isinstance(v, torch.Tensor) else v for k, v in tensors.items()},
         hashes=tuple(hashes),
         first=placeholders[0] if placeholders else 0,
-        num_image_tokens=len(placeholders),
+        num_placeholders=len(placeholders),
     )
-    return ImagePrompt(ids, images, prompt)
+    return MediaPrompt(ids, images, prompt)
 
 
 def check_pixel_tensors(tensors: Mapping[str, Any], num_images: int, max_pixels: int = MAX_PIXELS) -> None:
@@ -393,11 +398,54 @@ def type_spans(tensors: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
     return ()
 
 
-def image_token_id(config: Any) -> int | None:
-    """The model's image placeholder token id, from its config (``image_token_id`` or
-    ``image_token_index``), or None."""
-    for name in ("image_token_id", "image_token_index"):
+def modality_token_id(config: Any, modality: str = "image") -> int | None:
+    """The model's placeholder token id for ``modality``, from its config (for images
+    ``image_token_id`` or ``image_token_index``), or None."""
+    for name in _BY_NAME[modality].token_fields:
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
     return None
+
+
+def placeholder_token_ids(config: Any) -> frozenset[int]:
+    """The placeholder token ids of every modality the model's config names."""
+    found = (modality_token_id(config, m.name) for m in MODALITIES)
+    return frozenset(t for t in found if t is not None)
+
+
+@dataclass(frozen=True)
+class Modality:
+    """One kind of media on the path: how a chat names it and a model's config its placeholder."""
+
+    name: str  # the part type a processor's chat template takes ("image")
+    part_types: tuple[str, ...]  # the chat content part types of this modality (OpenAI's too)
+    token_fields: tuple[str, ...]  # the config fields that name its placeholder token id
+    source: Callable[[Mapping[str, Any]], Any]  # a part -> what it holds (an object, path, bytes or URL)
+    load: Callable[[Any, str, Any], Any]  # (source, its name in errors, the processor) -> the loaded item
+    hash: Callable[[Any], bytes]  # a loaded item's content hash
+
+
+def _image_source(part: Mapping[str, Any]) -> Any:
+    if part["type"] == "image":
+        return part.get("image", part.get("url", part.get("path")))
+    return part.get("image_url")
+
+
+def _load_image_part(src: Any, what: str, processor: Any) -> Any:
+    return load_image(src, what, image_processor=processor.image_processor)
+
+
+MODALITIES: tuple[Modality, ...] = (
+    Modality(
+        "image",
+        ("image", "image_url"),
+        ("image_token_id", "image_token_index"),
+        _image_source,
+        _load_image_part,
+        _image_hash,
+    ),
+)
+_BY_NAME = {m.name: m for m in MODALITIES}
+_BY_PART_TYPE = {t: m for m in MODALITIES for t in m.part_types}
+_PART_TYPES = frozenset(_BY_PART_TYPE)

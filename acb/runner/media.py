@@ -5,7 +5,7 @@ pixels, puts the image features where the image placeholder tokens are (each mod
 way: newline tokens between rows, tiles, scaling...), computes its positions (Qwen's multimodal
 RoPE: three rows of positions, from the image layout) and hands ``inputs_embeds`` and
 ``position_ids`` to its language model. acb runs exactly that code, once per request, and stops it
-at the language model: :meth:`ImageEmbedder.capture` calls the whole model on the request's
+at the language model: :meth:`MediaEmbedder.capture` calls the whole model on the request's
 prompt and images with the language model's forward replaced by one that records its arguments
 and raises. What it keeps (an :class:`Embedded`):
 
@@ -44,8 +44,8 @@ least recently used features.
 
 Some models' image tokens also attend to their image's later tokens in prefill, on some layers
 (Gemma 3 on every layer; Gemma 4 on its sliding ones, with ``use_bidirectional_attention="vision"``;
-Molmo2 to every image of the prompt): :func:`image_attention` reads which from the masks every
-VLM's own code builds, and a step's :class:`ImageBlocks` tell the attention backend each such
+Molmo2 to every image of the prompt): :func:`media_attention` reads which from the masks every
+VLM's own code builds, and a step's :class:`MediaBlocks` tell the attention backend each such
 prefill segment's image blocks. A mask acb cannot follow refuses the model's images; each
 request's own masks are checked again when its images are embedded.
 """
@@ -68,35 +68,35 @@ if TYPE_CHECKING:
 
 import torch
 
-from acb.images import image_token_id, type_spans
+from acb.media import modality_token_id, placeholder_token_ids, type_spans
 from acb.runner.intercept import call_arguments
 
 if TYPE_CHECKING:
     from acb.core.messages import SchedulerOutput
     from acb.core.request import Request
-    from acb.images import ImageInputs
+    from acb.media import MediaInputs
     from acb.runner.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Embedded",
-    "ImageAttention",
-    "ImageBlocks",
-    "ImageEmbedder",
+    "MediaAttention",
+    "MediaBlocks",
+    "MediaEmbedder",
     "ImageFeatures",
     "MediaFacts",
-    "bidirectional_images",
+    "bidirectional_media",
     "bidirectional_layers",
-    "image_attention",
-    "takes_images",
+    "media_attention",
+    "takes_media",
 ]
 
 
-def bidirectional_images(model: Any) -> bool:
+def bidirectional_media(model: Any) -> bool:
     """The model's image tokens attend to each other both ways in prefill, on some of its layers
-    (:func:`image_attention`)."""
-    return bool(image_attention(model).layers)
+    (:func:`media_attention`)."""
+    return bool(media_attention(model).layers)
 
 
 # one language-model stand-in at a time: it replaces the decoder's forward on the model object
@@ -128,8 +128,8 @@ def _language_model_arguments(model: Any, features: ImageFeatures | None = None,
 
 
 @dataclass(frozen=True)
-class ImageAttention:
-    """How a model's image tokens attend in prefill, as its own masks say (:func:`image_attention`)."""
+class MediaAttention:
+    """How a model's image tokens attend in prefill, as its own masks say (:func:`media_attention`)."""
 
     # the language model's layers on which an image block's tokens see each other both ways
     layers: frozenset[int] = frozenset()
@@ -153,14 +153,14 @@ class MediaFacts:
     one_block: bool = False  # all of a prompt's images make one such block (Molmo2)
     model: str = ""  # the model's class name, for the refusals
 
-    def nbytes(self, images: ImageInputs) -> int:
+    def nbytes(self, images: MediaInputs) -> int:
         """About what a request's image embeddings take on the device: a row of the model's hidden
         size per image token (the pixel tensors' own size when the model names no token)."""
-        if images.num_image_tokens and self.row_bytes:
-            return images.num_image_tokens * self.row_bytes
+        if images.num_placeholders and self.row_bytes:
+            return images.num_placeholders * self.row_bytes
         return images.nbytes
 
-    def with_spans(self, images: ImageInputs) -> ImageInputs:
+    def with_spans(self, images: MediaInputs) -> MediaInputs:
         """``images`` with the spans of the image blocks whose tokens attend to each other both
         ways, for a model that does that (a prefill chunk never ends inside one).
 
@@ -186,7 +186,7 @@ class MediaFacts:
 _PROBE = "tIIItIIt"
 
 
-def image_attention(model: Any) -> ImageAttention:
+def media_attention(model: Any) -> MediaAttention:
     """Which of the language model's layers let an image's tokens attend to each other both ways in
     prefill (each also sees its image's later tokens, within the layer's window; everything else
     stays causal), as the model's own code decides: Gemma 3 on every layer; Gemma 4 on its
@@ -201,14 +201,14 @@ def image_attention(model: Any) -> ImageAttention:
     image's tokens their own image's, or every image token every image's (acb then runs prompts
     whose image tokens are one run). Any other mask (a text token that sees a later token, as a
     prefix-LM's prompt does) refuses the model's images, and so does a probe that fails; each
-    request's own masks are checked again when its images are embedded (:meth:`ImageEmbedder.capture`)."""
+    request's own masks are checked again when its images are embedded (:meth:`MediaEmbedder.capture`)."""
     from acb.runner.tp_sync import tp_size_of
 
-    if not takes_images(model) or tp_size_of(model) > 1:  # (images are not run under tensor parallel)
-        return ImageAttention()
+    if not takes_media(model) or tp_size_of(model) > 1:  # (images are not run under tensor parallel)
+        return MediaAttention()
     config = model.config
     text = config.get_text_config()
-    image = image_token_id(config)
+    image = modality_token_id(config, "image")
     assert image is not None
     specials = {
         v
@@ -226,7 +226,7 @@ def image_attention(model: Any) -> ImageAttention:
         with torch.no_grad():
             masks = _language_model_arguments(model, input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
     except Exception as exc:  # noqa: BLE001 - the model's own forward: any failure is the reason
-        return ImageAttention(
+        return MediaAttention(
             refused=f"acb cannot tell how {name}'s image tokens attend to each other: its forward on a probe "
             f"prompt failed ({type(exc).__name__}: {exc})"
         )
@@ -243,7 +243,7 @@ def image_attention(model: Any) -> ImageAttention:
         m = mask.get(kind) if isinstance(mask, dict) else mask
         sees = _sees(m, 0, 0, len(_PROBE), ids.device)
         if sees is None:
-            return ImageAttention(refused=f"acb cannot read {name}'s {kind} mask ({type(m).__name__})")
+            return MediaAttention(refused=f"acb cannot read {name}'s {kind} mask ({type(m).__name__})")
         ahead = sees & later
         if not ahead.any():
             continue
@@ -254,7 +254,7 @@ def image_attention(model: Any) -> ImageAttention:
             one_block = True
         else:
             text_too = bool((ahead & ~(image_pos[:, None] & image_pos[None, :])).any())
-            return ImageAttention(
+            return MediaAttention(
                 refused=f"{name}'s {kind} layers let "
                 + (
                     "text tokens see later tokens (a prompt that attends both ways, as a prefix-LM's does)"
@@ -263,17 +263,17 @@ def image_attention(model: Any) -> ImageAttention:
                 )
                 + ", and acb's attention lets a token see later ones only within its own image"
             )
-    return ImageAttention(frozenset(layers), one_block)
+    return MediaAttention(frozenset(layers), one_block)
 
 
 def bidirectional_layers(model: Any) -> frozenset[int]:
-    """The layers of :func:`image_attention`.
+    """The layers of :func:`media_attention`.
 
     Raises:
         UnsupportedModelError: acb cannot run the model's images (the reason)."""
     from acb.errors import UnsupportedModelError
 
-    found = image_attention(model)
+    found = media_attention(model)
     if found.refused:
         raise UnsupportedModelError(found.refused)
     return found.layers
@@ -307,10 +307,10 @@ def _sees(mask: Any, b: int, lo: int, n: int, device: torch.device) -> torch.Ten
     return (value if value.dtype == torch.bool else value == 0).to(device)
 
 
-def takes_images(model: Any) -> bool:
+def takes_media(model: Any) -> bool:
     """A vision-language model: an image placeholder token and a vision sub-config."""
     config = model.config
-    return image_token_id(config) is not None and getattr(config, "vision_config", None) is not None
+    return modality_token_id(config, "image") is not None and getattr(config, "vision_config", None) is not None
 
 
 class _Captured(Exception):
@@ -345,7 +345,7 @@ class Embedded:
 
 
 @dataclass
-class ImageBlocks:
+class MediaBlocks:
     """A step's prefill segments whose image tokens attend to their whole image, and the model's
     layers where they do (:func:`bidirectional_layers`; the others are causal). The attention
     backend's prefill masks read them (``acb.runner.attention.torch_backend``)."""
@@ -573,7 +573,7 @@ class ImageFeatures:
     (:func:`_cut_output`) and kept, and the call's output is joined from the parts in the order the
     model asked for them. A call whose units are all new and distinct gets the method's own output.
     A call the cache cannot cut (Molmo2's pooling indices point across images) runs whole, uncached.
-    The first joined outputs are checked against the model's own (:meth:`ImageEmbedder._capture`);
+    The first joined outputs are checked against the model's own (:meth:`MediaEmbedder._capture`);
     a model whose joined output differs is left uncached."""
 
     def __init__(self, model: Any) -> None:
@@ -694,7 +694,7 @@ class ImageFeatures:
         return cls(**{name: _join(kind, [p.values[name] for p in got]) for name, kind in fields})
 
 
-class ImageEmbedder:
+class MediaEmbedder:
     """Runs the model's own vision code for the requests of a step (see the module docstring)."""
 
     def __init__(self, model: Any, max_bytes: int) -> None:
@@ -715,7 +715,7 @@ class ImageEmbedder:
         self._lm_kwargs: dict[str, Any] = {}  # the step's extra language-model arguments
         self._model_kwargs: dict[str, Any] = {}  # the step's extra arguments of the model's own forward
         # how image tokens attend (the layers on which an image's tokens see each other both ways)
-        found = image_attention(model)
+        found = media_attention(model)
         self.layers = found.layers
         self.bidirectional = bool(self.layers)
         self.one_block = found.one_block
@@ -736,14 +736,15 @@ class ImageEmbedder:
             and "per_layer_inputs" in inspect.signature(type(model).forward).parameters
             else None
         )
-        self._image_token = int(image_token_id(model.config) or -1)  # (a VLM has one: takes_images)
+        device = next(model.parameters()).device
+        self._placeholders = torch.tensor(sorted(placeholder_token_ids(model.config)), dtype=torch.long, device=device)
         self._pad_token = int(getattr(text, "pad_token_id", None) or 0)
         # whether the model's own code makes of several requests' images together what it makes of
         # each alone (None: not tried yet): its image tensors may refer to each other (Molmo2's
         # pooling indices into its pixel patches), so the first batch is checked one by one
         self._batches: bool | None = None
         # the step's prefill segments whose image blocks attend both ways (None: none)
-        self.step_groups: ImageBlocks | None = None
+        self.step_groups: MediaBlocks | None = None
         # the model's image-feature method, its outputs cached per image (in this budget too)
         self.features = ImageFeatures(model)
         self.encoder_s = 0.0  # seconds in the model's own vision code (figures)
@@ -802,7 +803,7 @@ class ImageEmbedder:
         """The request's images and prompt tokens, and the weights' generation (computed once per
         request)."""
         if req.images_key is None:
-            images = req.images
+            images = req.media
             assert images is not None
             h = hashlib.sha256(images.key)
             h.update(self.generation.to_bytes(8, "little"))
@@ -840,10 +841,10 @@ class ImageEmbedder:
         t0 = time.perf_counter()
         groups: dict[tuple, list[Request]] = {}
         for req in reqs:
-            assert req.images is not None
+            assert req.media is not None
             sig = tuple(
                 (k, tuple(v.shape[1:]) if not k.endswith("token_type_ids") else ())
-                for k, v in sorted(req.images.tensors.items())
+                for k, v in sorted(req.media.tensors.items())
                 if isinstance(v, torch.Tensor)
             )
             groups.setdefault(sig, []).append(req)
@@ -892,10 +893,10 @@ class ImageEmbedder:
         ids, attn = ids.to(self.device), attn.to(self.device)
         kwargs: dict[str, Any] = {}
         twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        first = reqs[0].images
+        first = reqs[0].media
         assert first is not None
         for name, value in first.tensors.items():
-            values = [r.images.tensors[name] for r in reqs if r.images is not None]
+            values = [r.media.tensors[name] for r in reqs if r.media is not None]
             if not isinstance(value, torch.Tensor):
                 kwargs[name] = value
             elif name.endswith("token_type_ids"):  # per token: over each prompt, left-padded (0: text)
@@ -954,7 +955,7 @@ class ImageEmbedder:
             if deep_split is not None and isinstance(mask, torch.Tensor):
                 deep_positions = mask[b, lo:].nonzero()[:, 0]
                 deep_rows = deep_split[b].to(e.dtype).clone()
-            images = req.images
+            images = req.media
             assert images is not None
             blocks = None
             if images.spans:
@@ -1024,11 +1025,11 @@ class ImageEmbedder:
 
     def _plain_layers(self, ids: torch.Tensor) -> torch.Tensor | None:
         """The decoder's own per-layer inputs of ``ids`` (None for a model without them); image
-        placeholders are looked up as the pad token (their ids may lie past the lookup's table:
+        placeholders (of any modality) are looked up as the pad token (their ids may lie past the lookup's table:
         what the model's own code made there is put back from its capture)."""
         if self._per_layer is None:
             return None
-        return self._per_layer(ids.masked_fill(ids == self._image_token, self._pad_token))
+        return self._per_layer(ids.masked_fill(torch.isin(ids, self._placeholders), self._pad_token))
 
     # a step ------------------------------------------------------------------
     def step_inputs(
@@ -1040,7 +1041,7 @@ class ImageEmbedder:
         with_images = [
             i
             for i, req in enumerate(sched.requests)
-            if req.images is not None and (self.mrope or sched.start_pos[i] < req.prompt_len)
+            if req.media is not None and (self.mrope or sched.start_pos[i] < req.prompt_len)
         ]
         if not with_images:  # (decode rows of a model whose positions are the plain ones need nothing)
             return None
@@ -1072,7 +1073,7 @@ class ImageEmbedder:
                 if end > entry.prompt_len:
                     groups = torch.cat([groups, groups.new_full((end - entry.prompt_len,), -1)])
                 if self.step_groups is None:
-                    self.step_groups = ImageBlocks({}, self.layers)
+                    self.step_groups = MediaBlocks({}, self.layers)
                 self.step_groups.segments[off] = groups
             if start < entry.prompt_len:  # this step prefills part of the prompt: its image rows
                 sel = (entry.positions >= start) & (entry.positions < start + n)
