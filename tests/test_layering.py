@@ -146,16 +146,6 @@ def _real_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return [c for c in _cycles(graph) if not set(c) & packages]
 
 
-# Type-only circles still to break (issue 55; other helpers are on them): each is the edge
-# (importer, imported) the cycle check leaves out. Empty this list as they are fixed.
-TYPE_ONLY_CYCLES_LEFT = {
-    ("acb.api.base", "acb.api.processor"),  # api.base <-> api.processor
-    ("acb.core.messages", "acb.core.request"),  # core.messages <-> core.request
-    # (found by the type-only check: runner/'s own, model_runner <-> kinds)
-    ("acb.runner.kinds", "acb.runner.model_runner"),
-}
-
-
 def _graph(*, type_only: bool = False) -> dict[str, set[str]]:
     return {
         name: {imp for imp in _imports(path, type_only=type_only) if imp in MODULES and imp != name}
@@ -173,10 +163,8 @@ def test_no_import_cycles_even_inside_functions():
 
 def test_no_import_cycles_even_type_only():
     """...nor through ``if TYPE_CHECKING:`` imports (config and grammar_budget once named each
-    other's types: a ``Protocol`` in the lower module broke it), but for the allow-list above."""
+    other's types: a ``Protocol`` in the lower module broke it; kinds reads the runner through one)."""
     graph = _graph(type_only=True)
-    for importer, imported in TYPE_ONLY_CYCLES_LEFT:  # (an edge already gone is fine: the lead empties the list)
-        graph[importer].discard(imported)
     assert not _real_cycles(graph), f"import cycles (type-only imports counted): {_real_cycles(graph)}"
 
 
@@ -238,29 +226,17 @@ def _private_imports(path: pathlib.Path, text: str | None = None) -> list[tuple[
     return found
 
 
-# Private names still crossing a module (issue 55; other helpers are on them): (importer,
-# defining module, name). Empty this list as they are fixed.
-PRIVATE_IMPORTS_LEFT = {
-    ("acb.api.gate", "acb.api.loops", "_wake_threadsafe"),
-    ("acb.api.sinks", "acb.api.loops", "_wake"),
-    ("acb.api.sinks", "acb.api.loops", "_wake_threadsafe"),
-    # (found by the check over all of acb: runner/'s own)
-    ("acb.runner.model_runner", "acb.runner.setup", "_ATTN_SWAP"),
-    ("acb.runner.model_runner", "acb.runner.setup", "_decode_graph_flag"),
-}
-
-
 def test_no_private_names_across_modules():
     """No module of acb imports another's private names (``from acb.serve.app import _parse``,
     ``from acb.cli.serve import _add_serve``): what modules share is public, in the module that
-    owns it. But for the allow-list above."""
+    owns it."""
     found = {
         (name, mod, imp)
         for name, path in MODULES.items()
         for mod, imp in _private_imports(path)
         if _under(mod, "acb") and mod != name
     }
-    bad = sorted(found - PRIVATE_IMPORTS_LEFT)
+    bad = sorted(found)
     assert not bad, f"private names imported across acb's modules: {bad}"
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
 from acb.runner.indexed import indexed_step
@@ -28,15 +28,36 @@ from acb.runner.setup import hybrid_attention_layers
 from acb.runner.unpaged_layers import unpaged_step
 
 if TYPE_CHECKING:
+    from acb.config import ResolvedConfig
     from acb.core.messages import SchedulerOutput
+    from acb.runner.indexed import IndexedLayers
     from acb.runner.input_batch import PreparedBatch
+    from acb.runner.kv_cache import KVCache
+    from acb.runner.linear_state import LinearLayers, LinearStates
     from acb.runner.media import MediaEmbedder
-    from acb.runner.model_runner import ModelRunner
     from acb.runner.own_cache_runner import OwnCacheRunner
-    from acb.runner.unpaged_layers import UnpagedCaches
+    from acb.runner.unpaged_layers import UnpagedCaches, UnpagedLayers
 
 
-def _model_layers_of(r: ModelRunner, cache_layers: set[int]) -> tuple[int, ...]:
+class RunnerParts(Protocol):
+    """What the kinds read of the model runner (:class:`acb.runner.model_runner.ModelRunner`):
+    its config, its cache and each kind's layers and rows (None where the model has none)."""
+
+    cfg: ResolvedConfig
+    model: Any
+    kv_cache: KVCache
+    linear: LinearLayers | None  # state layers
+    states: LinearStates  # their rows (rebuilt by sleep)
+    state_row_bytes: int
+    state_why: str
+    indexed: IndexedLayers | None
+    unpaged: UnpagedLayers | None
+    unpaged_caches: UnpagedCaches | None
+    own_cache_runner: OwnCacheRunner | None
+    media: MediaEmbedder | None
+
+
+def _model_layers_of(r: RunnerParts, cache_layers: set[int]) -> tuple[int, ...]:
     """The model's layer indices that read and write ``cache_layers`` (of a hybrid: its attention
     layers only; its state layers are mapped to a cache layer they never touch)."""
     spec = r.kv_cache.spec
@@ -49,11 +70,11 @@ def _model_layers_of(r: ModelRunner, cache_layers: set[int]) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def _offload(r: ModelRunner) -> Offload:
+def _offload(r: RunnerParts) -> Offload:
     return Offload.PAGES if r.cfg.num_swap_blocks else Offload.NONE
 
 
-def attention(r: ModelRunner) -> LayerKindSpec | None:
+def attention(r: RunnerParts) -> LayerKindSpec | None:
     """Paged K/V (full, sliding, per-layer shape groups)."""
     spec = r.kv_cache.spec
     groups = spec.kv_shapes()
@@ -70,7 +91,7 @@ def attention(r: ModelRunner) -> LayerKindSpec | None:
     )
 
 
-def latent(r: ModelRunner) -> LayerKindSpec | None:
+def latent(r: RunnerParts) -> LayerKindSpec | None:
     """MLA layers paged as their latent (``kv_lora_rank + qk_rope_head_dim`` per token)."""
     spec = r.kv_cache.spec
     if not spec.latent_layers:
@@ -83,7 +104,7 @@ def latent(r: ModelRunner) -> LayerKindSpec | None:
     )
 
 
-def index_keys(r: ModelRunner) -> LayerKindSpec | None:
+def index_keys(r: RunnerParts) -> LayerKindSpec | None:
     """Indexed sparse attention's key-only pages (DSA)."""
     spec = r.kv_cache.spec
     if not spec.index_layers:
@@ -96,7 +117,7 @@ def index_keys(r: ModelRunner) -> LayerKindSpec | None:
     )
 
 
-def state(r: ModelRunner) -> LayerKindSpec | None:
+def state(r: RunnerParts) -> LayerKindSpec | None:
     """Linear attention, Mamba and short convolutions: a row of state per request."""
     if r.linear is None:
         return None
@@ -118,7 +139,7 @@ def state(r: ModelRunner) -> LayerKindSpec | None:
     )
 
 
-def unpaged(r: ModelRunner) -> LayerKindSpec | None:
+def unpaged(r: RunnerParts) -> LayerKindSpec | None:
     """Attention layers on the model's own cache objects, inside the paged path (DeepSeek V4)."""
     if r.unpaged is None:
         return None
@@ -132,7 +153,7 @@ def unpaged(r: ModelRunner) -> LayerKindSpec | None:
     )
 
 
-def own_cache_runner(r: ModelRunner) -> LayerKindSpec | None:
+def own_cache_runner(r: RunnerParts) -> LayerKindSpec | None:
     """The whole model on its own cache objects (the second runner path)."""
     if r.own_cache_runner is None:
         return None
@@ -148,7 +169,7 @@ def own_cache_runner(r: ModelRunner) -> LayerKindSpec | None:
     )
 
 
-def images(r: ModelRunner) -> LayerKindSpec | None:
+def images(r: RunnerParts) -> LayerKindSpec | None:
     """Image embeddings, kept per request and reused while cached (keyed in the block digests)."""
     if r.media is None:
         return None
@@ -156,7 +177,7 @@ def images(r: ModelRunner) -> LayerKindSpec | None:
 
 
 # the kinds, in the order a layer is offered to them
-KINDS: tuple[Callable[[ModelRunner], LayerKindSpec | None], ...] = (
+KINDS: tuple[Callable[[RunnerParts], LayerKindSpec | None], ...] = (
     latent,
     index_keys,
     attention,
@@ -167,13 +188,13 @@ KINDS: tuple[Callable[[ModelRunner], LayerKindSpec | None], ...] = (
 )
 
 
-def layout_of(runner: ModelRunner) -> CacheLayout:
+def layout_of(runner: RunnerParts) -> CacheLayout:
     """The model's cache layout, as the runner set it up."""
     return CacheLayout(tuple(k for k in (describe(runner) for describe in KINDS) if k is not None))
 
 
 # ---------------------------------------------------------------------------------------------
-# What each kind does around a step's forward, in one place: ModelRunner._execute calls every
+# What each kind does around a step's forward, in one place: RunnerParts._execute calls every
 # hook's begin_step (rows given, freed, restored, offloaded), enters every step() context around
 # the paged forward (the kind's layers run per request segment inside it), then end_step (forks).
 
@@ -195,7 +216,7 @@ class StepHooks:
 class StateHooks(StepHooks):
     """State layers: the rows of ``runner.states`` (rebuilt by sleep, so read through the runner)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: RunnerParts) -> None:
         self.runner = runner
 
     def begin_step(self, sched: SchedulerOutput) -> None:
@@ -220,7 +241,7 @@ class StateHooks(StepHooks):
 class IndexHooks(StepHooks):
     """Indexers (DSA): their keys read and written in the request's pages."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: RunnerParts) -> None:
         self.runner = runner
 
     def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None]:
@@ -285,7 +306,7 @@ class MediaHooks(StepHooks):
         return self.media.language_model_kwargs() if batch.inputs_embeds is not None else None
 
 
-def hooks_of(runner: ModelRunner) -> list[StepHooks]:
+def hooks_of(runner: RunnerParts) -> list[StepHooks]:
     """The step hooks of the kinds the runner has, in the order they act."""
     hooks: list[StepHooks] = []
     if runner.linear is not None:

@@ -54,10 +54,10 @@ from acb.runner.module_state import module_attributes
 from acb.runner.own_cache_runner import OwnCacheRunner, snapshot_memory
 from acb.runner.sampler import SamplingState, sample
 from acb.runner.setup import (
-    _ATTN_SWAP,
-    _decode_graph_flag,
+    ATTN_SWAP,
     check_decoder,
     check_model,
+    decode_graph_flag,
     device_scope,
     model_device,
     resolve_config,
@@ -203,7 +203,7 @@ class ModelRunner:
                 "in Triton's interpreter, for testing); use attn_backend='torch' on CPU"
             )
         self.backend = self._checked_backend(config, spec)
-        self._graphs_requested = _decode_graph_flag(config.use_cuda_graph)
+        self._graphs_requested = decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(
             self.cfg,
             cuda_graphs=self._want_graphs()
@@ -237,7 +237,7 @@ class ModelRunner:
         self._weights_seen = self._weights.key()
         self._swapped_attn = paged  # the own-cache path runs the model's own attention
         if paged:
-            _ATTN_SWAP.acquire(model)
+            ATTN_SWAP.acquire(model)
         DROPOUT_GUARD.acquire(model)
         self._holds_attn = True
         # each kind of layer the model has, what its cache costs and how it is reused, and its part
@@ -671,7 +671,7 @@ class ModelRunner:
             self.threads.close()
         if self._holds_attn:
             if self._swapped_attn:
-                _ATTN_SWAP.release(self.model)
+                ATTN_SWAP.release(self.model)
             DROPOUT_GUARD.release(self.model)
             self._holds_attn = False
         if self.linear is not None:

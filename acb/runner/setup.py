@@ -548,7 +548,7 @@ def resolve_config(
     return resolved, spec
 
 
-def _decode_graph_flag(use_cuda_graph: bool | tuple[bool, bool] | None) -> bool | None:
+def decode_graph_flag(use_cuda_graph: bool | tuple[bool, bool] | None) -> bool | None:
     """transformers' ``use_cuda_graph`` (a bool for both paths, or (varlen, decode)) -> the decode flag."""
     if isinstance(use_cuda_graph, tuple):
         if use_cuda_graph[0]:
@@ -628,4 +628,4 @@ def _configs(model: PreTrainedModel) -> list[Any]:
     return out
 
 
-_ATTN_SWAP = _AttentionSwap()
+ATTN_SWAP = _AttentionSwap()
