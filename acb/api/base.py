@@ -52,22 +52,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _is_model_processor(obj: Any) -> bool:
-    """Whether ``obj`` is a model's processor (transformers' ``ProcessorMixin``), not a tokenizer."""
+def text_and_processor(tokenizer: Any, processor: Any) -> tuple[Any, Any]:
+    """The engine's text tokenizer and the model's processor (a vision-language model's
+    ``AutoProcessor``: its chat template, media processing and tokenizer; ``None`` for a text model),
+    from what it was given: a processor given as ``tokenizer`` is taken as one (acb serve and acb
+    generate load one so), and without a tokenizer the processor's own decodes the text."""
     from transformers.processing_utils import ProcessorMixin
 
-    return isinstance(obj, ProcessorMixin)
+    if processor is None and isinstance(tokenizer, ProcessorMixin):
+        processor, tokenizer = tokenizer, None
+    return (tokenizer if tokenizer is not None or processor is None else text_tokenizer(processor)), processor
 
 
 class EngineBase:
     """What :class:`acb.AsyncEngine` and :class:`acb.Engine` share besides their submit style:
     start-up, the submit path, the engine core and its thread.
 
-    ``tokenizer`` turns text and chats into token ids and decodes text (``engine.tokenizer``);
-    ``processor`` (a vision-language model's ``AutoProcessor``, ``engine.model_processor``; one
-    given as ``tokenizer`` is taken as one) renders the chats of a model that sees images, whose
-    prompts may then hold media (:mod:`acb.media`), and its tokenizer decodes the text
-    (``engine.renderer`` is whichever renders). ``runner_cls`` builds the model runner (default
+    ``tokenizer`` turns text into ids and decodes it (``engine.tokenizer``); ``processor`` (the
+    model's ``AutoProcessor``, ``engine.model_processor``: :func:`text_and_processor`) renders the
+    chats and media (:mod:`acb.media`) of a model that sees images. ``runner_cls`` builds the model runner (default
     :class:`acb.runner.model_runner.ModelRunner`); the overhead benchmark passes a runner whose
     forward costs nothing.
     """
@@ -88,12 +91,7 @@ class EngineBase:
         self.cb_config = config  # acb's form of what was given; ``config`` is what it resolves to here
         if generation_config is None:
             generation_config = getattr(model, "generation_config", None)
-        # a vision-language model's processor (its AutoProcessor: chat template, image processor
-        # and tokenizer) renders its chats and media; text is decoded by the text tokenizer
-        if processor is None and _is_model_processor(tokenizer):  # (acb serve and acb generate load one so)
-            processor, tokenizer = tokenizer, None
-        self.model_processor = processor
-        self.tokenizer = tokenizer if tokenizer is not None or processor is None else text_tokenizer(processor)
+        self.tokenizer, self.model_processor = text_and_processor(tokenizer, processor)
         # the model's name in telemetry (gen_ai.request.model); acb serve sets the served name
         self.model_name: str = getattr(model.config, "name_or_path", "") or model.config.model_type or "model"
         self._runner_cls = runner_cls
