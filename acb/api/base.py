@@ -52,7 +52,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def text_and_processor(tokenizer: Any, processor: Any) -> tuple[Any, Any]:
+def text_and_processor(
+    tokenizer: TokenizerLike | None, processor: TokenizerLike | None
+) -> tuple[TokenizerLike | None, TokenizerLike | None]:
     """The engine's text tokenizer and the model's processor (a vision-language model's
     ``AutoProcessor``: its chat template, media processing and tokenizer; ``None`` for a text model),
     from what it was given: a processor given as ``tokenizer`` is taken as one (acb serve and acb
