@@ -67,6 +67,7 @@ class EngineRequest:
     score: ScoreTarget | None = None
     children: tuple[ScoreTarget, ...] = ()
     media: MediaInputs | None = None  # its media (images), processed (acb.media): the model's own encoders run on them
+    lora_slot: int = 0  # its LoRA adapter's slot in the runner (acb.api.loras; 0: the base model)
 
     @property
     def member_ids(self) -> list[str]:

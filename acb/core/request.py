@@ -95,6 +95,7 @@ class Request:
         "lp_start",
         "score_next",
         "media",
+        "lora_slot",
         "images_key",
         "versions",
         "out",
@@ -170,6 +171,7 @@ class Request:
         self.snap_plan: list[tuple[int, bytes]] = []
         self.cache_salt = b""  # isolates this request's prefix-cache entries (e.g. per tenant)
         self.media: MediaInputs | None = None  # its images, processed at submit (acb.media)
+        self.lora_slot = 0  # its LoRA adapter's slot in the runner's stacked buffers (0: none)
         self.images_key: bytes | None = None  # the runner's key of their embeddings (acb.runner.media)
         # the weight versions its tokens were sampled under: (version, index of its first token)
         self.versions: list[tuple[Any, int]] = [(0, 0)]

@@ -65,6 +65,7 @@ def build_request(
         if er.cache_salt:
             req.cache_salt = er.cache_salt.encode()
         req.media = er.media
+        req.lora_slot = er.lora_slot
         members.append(req)
     if len(members) > 1:
         RequestGroup(er.request_id, members)

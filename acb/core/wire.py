@@ -57,6 +57,7 @@ def to_wire(cmd: Command) -> tuple[Any, ...]:
                 req.record_timestamps,
                 req.cache_salt,
                 score,
+                req.lora_slot,
             )
         case Cancel(request_id):
             return ("cancel", request_id)
@@ -80,7 +81,7 @@ def from_wire(wire: tuple[Any, ...]) -> Command:
     delivers nowhere; its futures are its own)."""
     kind = wire[0]
     if kind == "add":
-        _, rid, prompt, values, max_new, stop_ids, seed, n, stamps, salt, score = wire
+        _, rid, prompt, values, max_new, stop_ids, seed, n, stamps, salt, score, lora_slot = wire
         params = SamplingParams(**dict(zip((f.name for f in dataclasses.fields(SamplingParams)), values)))
         targets = [ScoreTarget(tuple(p), start, None if nxt is None else tuple(nxt)) for p, start, nxt in score or ()]
         return Add(
@@ -98,6 +99,7 @@ def from_wire(wire: tuple[Any, ...]) -> Command:
                 salt,
                 targets[0] if targets else None,
                 tuple(targets[1:]),
+                lora_slot=lora_slot,
             )
         )
     simple: dict[str, Callable[[], Command]] = {
