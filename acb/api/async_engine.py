@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Unpack
 
+    from acb.api.loras import LoraInfo
     from acb.runner.model_runner import MemoryReleased
     from acb.sampling_params import SamplingKwargs
     from acb.structured_outputs import StructuredOutputs
@@ -77,6 +78,7 @@ class AsyncEngine(EngineBase):
         record_timestamps: bool,
         cache_salt: str | None,
         chat_template_kwargs: Any = None,
+        lora: str | None = None,
     ) -> Submission:
         loop = current_loop()  # the handle's home loop (asyncio's, or the trio run's)
         return self.make_request(
@@ -87,6 +89,7 @@ class AsyncEngine(EngineBase):
             record_timestamps=record_timestamps,
             cache_salt=cache_salt,
             chat_template_kwargs=chat_template_kwargs,
+            lora=lora,
         )
 
     def _handle(self, req: Submission) -> RequestHandle:
@@ -103,6 +106,7 @@ class AsyncEngine(EngineBase):
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> RequestHandle:
         """Validate and admit a request; waits while ``max_queue_size`` requests are waiting.
@@ -115,6 +119,7 @@ class AsyncEngine(EngineBase):
             record_timestamps: record each token's arrival time in the output.
             cache_salt: keeps the request's prefix-cache entries apart from other salts'.
             chat_template_kwargs: the chat template's variables (a chat prompt).
+            lora: the LoRA adapter it runs with, by name (:meth:`add_lora`; None: the base model).
             **sampling_kwargs: fields of :class:`SamplingParams` (``max_new_tokens=8,
                 temperature=0.7``) laid over ``sampling``.
 
@@ -133,7 +138,7 @@ class AsyncEngine(EngineBase):
             await self.compile_structured_outputs(sampling.structured_outputs)  # (make_request finds it cached)
         if has_media(prompt_ids) and not isinstance(prompt_ids, MediaPrompt):  # decoded and processed off the loop
             prompt_ids = await anyio.to_thread.run_sync(self.processor.process_media, prompt_ids, chat_template_kwargs)
-        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs, lora)
         try:
             await self.gate.acquire()
         except BaseException:
@@ -172,6 +177,7 @@ class AsyncEngine(EngineBase):
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> RequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting. Must be
@@ -184,6 +190,7 @@ class AsyncEngine(EngineBase):
             record_timestamps: as for :meth:`submit`.
             cache_salt: as for :meth:`submit`.
             chat_template_kwargs: as for :meth:`submit`.
+            lora: as for :meth:`submit`.
             **sampling_kwargs: as for :meth:`submit`.
 
         Returns:
@@ -194,7 +201,7 @@ class AsyncEngine(EngineBase):
             ValueError: bad input, as for :meth:`submit`.
         """
         sampling = with_overrides("submit_nowait", sampling, sampling_kwargs)
-        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs)
+        req = self._make(prompt_ids, sampling, request_id, record_timestamps, cache_salt, chat_template_kwargs, lora)
         if not self.gate.try_acquire():
             self.abandon(req)
             raise QueueFullError(f"{self.gate.limit} requests are already waiting (max_queue_size)")
@@ -209,6 +216,7 @@ class AsyncEngine(EngineBase):
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> GenerationOutput:
         """Submit and await the final output in one call.
@@ -220,6 +228,7 @@ class AsyncEngine(EngineBase):
             record_timestamps: as for :meth:`submit`.
             cache_salt: as for :meth:`submit`.
             chat_template_kwargs: as for :meth:`submit`.
+            lora: as for :meth:`submit`.
             **sampling_kwargs: as for :meth:`submit`.
 
         Returns:
@@ -238,6 +247,7 @@ class AsyncEngine(EngineBase):
             record_timestamps=record_timestamps,
             cache_salt=cache_salt,
             chat_template_kwargs=chat_template_kwargs,
+            lora=lora,
         )
         return await handle.result()
 
@@ -249,6 +259,7 @@ class AsyncEngine(EngineBase):
         top_logprobs: int = 0,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> ScoreOutput:
         """How likely each continuation of ``context`` is (as :meth:`acb.Engine.score`).
         Cancelling the awaiting task cancels its engine requests.
@@ -259,6 +270,7 @@ class AsyncEngine(EngineBase):
             top_logprobs: also return the ``k`` most likely tokens at each scored position.
             request_id: the id of the (first) engine request.
             cache_salt: keeps the prefix-cache entries apart from other salts'.
+            lora: the LoRA adapter it is scored with, by name (None: the base model).
 
         Returns:
             A :class:`acb.ScoreOutput`: per continuation, every token's raw logprob, whether it
@@ -273,6 +285,7 @@ class AsyncEngine(EngineBase):
             top_logprobs=top_logprobs,
             cache_salt=cache_salt,
             request_ids=[request_id] if request_id else None,
+            lora=lora,
         )
         if out.status != RequestStatus.FINISHED:
             raise RequestFailedError(out.error or f"scoring {out.request_id!r} ended {out.status.name}")
@@ -285,6 +298,7 @@ class AsyncEngine(EngineBase):
         top_logprobs: int = 0,
         cache_salt: str | None = None,
         request_ids: Sequence[str] | None = None,
+        lora: str | None = None,
     ) -> list[ScoreOutput]:
         """:meth:`score` for many items at once (as :meth:`acb.Engine.score_batch`): every item
         is validated before any runs, and the engine requests are submitted sorted by their
@@ -295,6 +309,7 @@ class AsyncEngine(EngineBase):
             top_logprobs: also return the ``k`` most likely tokens at each scored position.
             cache_salt: keeps the prefix-cache entries apart from other salts'.
             request_ids: one id per item (default: a fresh ``score_<n>`` each, unique per call).
+            lora: the LoRA adapter every item is scored with, by name (None: the base model).
 
         Returns:
             One :class:`acb.ScoreOutput` per item, in input order; a failed item keeps its
@@ -305,7 +320,7 @@ class AsyncEngine(EngineBase):
         """
         loop = current_loop()
         plans, ids, engine_ids, reqs = scoring.make_requests(
-            self, items, top_logprobs, cache_salt, request_ids, lambda rid: AsyncSink(rid, loop)
+            self, items, top_logprobs, cache_salt, request_ids, lambda rid: AsyncSink(rid, loop), lora
         )
         handles: list[RequestHandle] = []
         outputs: dict[str, GenerationOutput] = {}
@@ -329,6 +344,38 @@ class AsyncEngine(EngineBase):
                 h.cancel()
             raise
         return scoring.assemble_batch(plans, ids, engine_ids, outputs, top_logprobs)
+
+    # --------------------------------------------------------- LoRA adapters
+    async def add_lora(self, name: str, source: Any) -> LoraInfo:
+        """:meth:`acb.Engine.add_lora`: the adapter read and checked in a worker thread, then
+        installed between two steps.
+
+        Args:
+            name: what submits call it (``lora=name``).
+            source: a PEFT adapter folder, or a ``peft.PeftModel`` (its active adapter).
+
+        Returns:
+            The adapter's :class:`acb.api.loras.LoraInfo`.
+
+        Raises:
+            ValueError: as for :meth:`acb.Engine.add_lora` (field ``lora``).
+        """
+        return await anyio.to_thread.run_sync(self.loras.add, name, source, self.model, self.config, self.call)
+
+    async def remove_lora(self, name: str) -> LoraInfo:
+        """:meth:`acb.Engine.remove_lora`: refused while a live request uses the adapter.
+
+        Args:
+            name: the adapter's name.
+
+        Returns:
+            The removed adapter's :class:`acb.api.loras.LoraInfo`.
+        """
+        return await anyio.to_thread.run_sync(self.loras.remove, name, self.call)
+
+    def list_loras(self) -> list[LoraInfo]:
+        """The LoRA adapters loaded now, by slot."""
+        return self.loras.list()
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while

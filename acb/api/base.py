@@ -26,6 +26,7 @@ from acb.api.gate import AdmissionGate
 from acb.api.grammars import Grammars
 from acb.api.ids import RequestIds
 from acb.api.loading import build_runner, load_pretrained
+from acb.api.loras import Loras
 from acb.api.processor import InputProcessor, ModelFacts, request_defaults
 from acb.api.sinks import SinkRegistry
 from acb.api.submissions import Submission, Submissions
@@ -102,8 +103,9 @@ class EngineBase:
         self.gate = AdmissionGate(config.max_queue_size)
         self.sinks = SinkRegistry()  # where the engine delivers each submit's results
         self.ids = RequestIds()  # the ids live requests hold (claimed at submit, released with the final output)
+        self.loras = Loras(self.ids)  # the LoRA adapters by name (the facades' add_lora, remove_lora)
         # where a checked submit claims its ids, draws its seed and registers its sink
-        self.submissions = Submissions(self.ids, self.sinks, config.seed)
+        self.submissions = Submissions(self.ids, self.sinks, config.seed, self.loras)
         self._grammars = Grammars(self.tokenizer)  # structured outputs: the compiler, built on first use
         self._facts: ModelFacts | None = None  # what submits are checked against (read at start)
         self.set_generation_config(generation_config)  # (and the input processor, ``processor``)
@@ -130,8 +132,8 @@ class EngineBase:
 
     def _renew_processor(self) -> None:
         # the input processor holds plain values: a new one when the defaults or the facts change
-        placeholders = placeholder_token_ids(self.model.config)
-        self.processor = InputProcessor(self._facts, self.renderer, self.defaults, self._grammars, placeholders)
+        marks = placeholder_token_ids(self.model.config)
+        self.processor = InputProcessor(self._facts, self.renderer, self.defaults, self._grammars, marks, self.loras)
 
     # ------------------------------------------------------------------ life
     def prepare(self) -> None:
@@ -349,6 +351,7 @@ class EngineBase:
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora: str | None = None,
     ) -> Submission:
         """A generation's submit: checked and built by the input processor
         (``processor.process``), then opened (``submissions.open``: its ids claimed, its sink
@@ -364,16 +367,13 @@ class EngineBase:
             record_timestamps: record each token's arrival time.
             cache_salt: keeps its prefix-cache entries apart from other salts'.
             chat_template_kwargs: the chat template's variables (a chat prompt).
+            lora: the LoRA adapter it runs with, by name (``loras``; None: the base model).
         """
         self.submit_core()
         made = self.processor.process(
-            prompt_ids,
-            sampling,
-            request_id=request_id,
-            record_timestamps=record_timestamps,
-            cache_salt=cache_salt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+            prompt_ids, sampling, request_id=request_id, record_timestamps=record_timestamps,
+            cache_salt=cache_salt, chat_template_kwargs=chat_template_kwargs, lora=lora,
+        )  # fmt: skip
         return self.submissions.open(made, sink_factory, self.tokenizer, self.model_name)
 
     def admit(self, req: Submission) -> None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
+    from acb.api.loras import LoraInfo
     from acb.runner.model_runner import MemoryReleased
     from acb.sampling_params import SamplingKwargs
     from acb.text import Prompt
@@ -105,6 +106,7 @@ class Engine(EngineBase):
         timeout: float | None = None,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> SyncRequestHandle:
         """Validate and admit a request; blocks while ``max_queue_size`` requests are waiting.
@@ -117,6 +119,7 @@ class Engine(EngineBase):
             timeout: the most seconds to wait for a queue slot.
             cache_salt: keeps the request's prefix-cache entries apart from other salts'.
             chat_template_kwargs: the chat template's variables (a chat prompt).
+            lora: the LoRA adapter it runs with, by name (:meth:`add_lora`; None: the base model).
             **sampling_kwargs: fields of :class:`SamplingParams` laid over ``sampling``.
 
         Returns:
@@ -136,6 +139,7 @@ class Engine(EngineBase):
             record_timestamps=record_timestamps,
             cache_salt=cache_salt,
             chat_template_kwargs=chat_template_kwargs,
+            lora=lora,
         )
 
     def submit_nowait(
@@ -147,6 +151,7 @@ class Engine(EngineBase):
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> SyncRequestHandle:
         """Like :meth:`submit`, but raises :class:`QueueFullError` instead of waiting.
@@ -158,6 +163,7 @@ class Engine(EngineBase):
             record_timestamps: as for :meth:`submit`.
             cache_salt: as for :meth:`submit`.
             chat_template_kwargs: as for :meth:`submit`.
+            lora: as for :meth:`submit`.
             **sampling_kwargs: as for :meth:`submit`.
 
         Returns:
@@ -177,6 +183,7 @@ class Engine(EngineBase):
             record_timestamps=record_timestamps,
             cache_salt=cache_salt,
             chat_template_kwargs=chat_template_kwargs,
+            lora=lora,
         )
 
     def generate(
@@ -189,6 +196,7 @@ class Engine(EngineBase):
         timeout: float | None = None,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
         **sampling_kwargs: Unpack[SamplingKwargs],
     ) -> GenerationOutput:
         """Submit and wait for the final output in one call.
@@ -201,6 +209,7 @@ class Engine(EngineBase):
             timeout: the most seconds to wait for a queue slot.
             cache_salt: as for :meth:`submit`.
             chat_template_kwargs: as for :meth:`submit`.
+            lora: as for :meth:`submit`.
             **sampling_kwargs: as for :meth:`submit`.
 
         Returns:
@@ -220,7 +229,48 @@ class Engine(EngineBase):
             record_timestamps=record_timestamps,
             cache_salt=cache_salt,
             chat_template_kwargs=chat_template_kwargs,
+            lora=lora,
         ).result()
+
+    def add_lora(self, name: str, source: Any, *, timeout: float | None = None) -> LoraInfo:
+        """Load a LoRA adapter on this thread and install it between two steps; submits then
+        name it (``lora=name``). The engine needs ``max_loras >= 1`` free slots (:mod:`acb.api.loras`).
+
+        Args:
+            name: what submits call it.
+            source: a PEFT adapter folder (``save_pretrained``'s), or a ``peft.PeftModel`` (its
+                active adapter).
+            timeout: the most seconds to wait for the engine thread to install it.
+
+        Returns:
+            The adapter's :class:`acb.api.loras.LoraInfo` (its slot, rank, content hash).
+
+        Raises:
+            ValueError: LoRA off (``max_loras=0``), no free slot, the name loaded already, or an
+                adapter that does not fit the model (a rank over ``max_lora_rank``, a target module
+                the model does not have); the field of each is ``lora``.
+        """
+        return self.loras.add(name, source, self.model, self.config, self.call, timeout)
+
+    def remove_lora(self, name: str, *, timeout: float | None = None) -> LoraInfo:
+        """Take a LoRA adapter out of the engine, freeing its slot; refused while a live request
+        (queued or running) was submitted with it.
+
+        Args:
+            name: the adapter's name.
+            timeout: the most seconds to wait for the engine thread.
+
+        Returns:
+            The removed adapter's :class:`acb.api.loras.LoraInfo`.
+
+        Raises:
+            ValueError: no adapter of that name, or live requests use it (field ``lora``).
+        """
+        return self.loras.remove(name, self.call, timeout)
+
+    def list_loras(self) -> list[LoraInfo]:
+        """The LoRA adapters loaded now, by slot."""
+        return self.loras.list()
 
     def reset_prefix_cache(self, timeout: float | None = None) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
@@ -333,6 +383,7 @@ class Engine(EngineBase):
         progress_bar: bool = True,
         on_result: Callable[[int, GenerationOutput], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        lora: str | Sequence[str | None] | None = None,
         **kwargs: Unpack[SamplingKwargs],
     ) -> dict[str, GenerationOutput]:
         """:func:`acb.generate_batch` on this running engine (kept across calls: a trainer's
@@ -357,6 +408,8 @@ class Engine(EngineBase):
                 True nothing more is submitted, the running and queued requests are cancelled,
                 and the call returns when each has its final output (the prompts never
                 submitted are left out of the result).
+            lora: the LoRA adapter every prompt runs with, by name, or one per prompt (None: the
+                base model); one batch mixes adapters and the base model freely.
             **kwargs: fields of :class:`SamplingParams` laid over each prompt's ``sampling``.
 
         Returns:
@@ -381,6 +434,7 @@ class Engine(EngineBase):
             per_prompt = [one] * len(inputs)
         if not inputs:
             return {}
+        loras = _per_prompt_lora(lora, len(inputs))
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         n = len(inputs)
         sink = functools.partial(ThreadSink, on_final=done.put)
@@ -397,6 +451,7 @@ class Engine(EngineBase):
                         per_prompt[i],
                         record_timestamps=record_timestamps,
                         sink_factory=sink,
+                        lora=loras[i],
                     ),
                 )
                 for i, prompt in enumerate(inputs)
@@ -506,6 +561,7 @@ class Engine(EngineBase):
         top_logprobs: int = 0,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> ScoreOutput:
         """How likely each continuation of ``context`` is. Nothing is sampled: the context's prefix
         is read from and written to the prefix cache like any prompt's, one-token continuations
@@ -518,6 +574,7 @@ class Engine(EngineBase):
             top_logprobs: also return the ``k`` most likely tokens at each scored position.
             request_id: the id of the (first) engine request (default: a fresh ``score_<n>``).
             cache_salt: keeps the prefix-cache entries apart from other salts'.
+            lora: the LoRA adapter it is scored with, by name (None: the base model).
 
         Returns:
             A :class:`acb.ScoreOutput`: per continuation, every token's logprob (raw
@@ -533,6 +590,7 @@ class Engine(EngineBase):
             cache_salt=cache_salt,
             progress_bar=False,
             request_ids=[request_id] if request_id else None,
+            lora=lora,
         )
         if out.status != RequestStatus.FINISHED:
             raise RequestFailedError(out.error or f"scoring {out.request_id!r} ended {out.status.name}")
@@ -546,6 +604,7 @@ class Engine(EngineBase):
         cache_salt: str | None = None,
         progress_bar: bool = True,
         request_ids: Sequence[str] | None = None,
+        lora: str | None = None,
     ) -> list[ScoreOutput]:
         """:meth:`score` for many items at once. Every item is validated before any runs; the
         engine requests are submitted sorted by their tokens, so that contexts sharing a prefix (a
@@ -557,6 +616,7 @@ class Engine(EngineBase):
             cache_salt: keeps the prefix-cache entries apart from other salts'.
             progress_bar: a tqdm bar counting engine requests.
             request_ids: one id per item (default: a fresh ``score_<n>`` each, unique per call).
+            lora: the LoRA adapter every item is scored with, by name (None: the base model).
 
         Returns:
             One :class:`acb.ScoreOutput` per item, in input order; a failed item keeps its place
@@ -569,7 +629,7 @@ class Engine(EngineBase):
             return []
         done: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         plans, ids, engine_ids, reqs = scoring.make_requests(
-            self, items, top_logprobs, cache_salt, request_ids, lambda rid: ThreadSink(rid, on_final=done.put)
+            self, items, top_logprobs, cache_salt, request_ids, lambda rid: ThreadSink(rid, on_final=done.put), lora
         )
         results = self._run_made(reqs, done, _progress(len(reqs), progress_bar, desc="score_batch"))
         return scoring.assemble_batch(plans, ids, engine_ids, results, top_logprobs)
@@ -627,6 +687,17 @@ def generate_batch(
         return engine.generate_batch(inputs, sampling, record_timestamps=record_timestamps, progress_bar=progress_bar)
     finally:
         engine.shutdown()
+
+
+def _per_prompt_lora(lora: str | Sequence[str | None] | None, n: int) -> Sequence[str | None]:
+    """``generate_batch``'s ``lora``: one adapter name for every prompt, or one per prompt."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * n
+    if not isinstance(lora, (list, tuple)) or len(lora) != n:
+        raise ValueError(
+            f"generate_batch(): lora must be one adapter name, or a list of one per prompt ({n}), got {lora!r}"
+        )
+    return lora
 
 
 def _prompt_list(inputs: Any) -> list[Any]:

@@ -193,6 +193,7 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        lora: str | None = None,
         **logit_processor_kwargs: Any,
     ) -> str:
         """Queue one request (transformers' ``add_request``). Blocks while ``max_queue_size``
@@ -205,6 +206,8 @@ class ContinuousBatchingManager:
             streaming: deliver partial outputs as tokens come (``get_result`` returns them).
             record_timestamps: record each token's arrival time.
             eos_token_id: the stop token(s) (default: the generation config's).
+            lora: the LoRA adapter it runs with, by name (``manager.engine.add_lora``; None: the
+                base model).
             **logit_processor_kwargs: sampling settings (``temperature``, ``top_k``...), applied
                 per request with ``per_request_processors=True`` (else ignored with a warning).
 
@@ -271,7 +274,12 @@ class ContinuousBatchingManager:
             return ThreadSink(rid, on_push=on_push)
 
         req = self._engine.make_request(
-            input_ids, sampling, request_id=request_id, record_timestamps=record_timestamps, sink_factory=make_sink
+            input_ids,
+            sampling,
+            request_id=request_id,
+            record_timestamps=record_timestamps,
+            sink_factory=make_sink,
+            lora=lora,
         )
         rid = req.request_id
         self._engine.enqueue_blocking(req)

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from acb.api.loras import lora_salt
 from acb.core.messages import EngineRequest, ScoreTarget
 from acb.errors import EngineNotRunningError, InvalidRequestError, InvalidRequestTypeError
 from acb.media import MediaPrompt, has_media, process_prompt
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig
 
     from acb.api.grammars import Grammars
+    from acb.api.loras import LoraInfo, Loras
     from acb.config import ContinuousBatchingConfig, ResolvedConfig
     from acb.media import MediaInputs
     from acb.runner.media import MediaFacts
@@ -272,6 +274,7 @@ class Processed(NamedTuple):
     request: EngineRequest
     request_id: str | None  # the caller's id (None: the submit claims a fresh one)
     prompt: Any  # what the caller gave as the prompt (its trace reads it)
+    lora: LoraInfo | None = None  # its LoRA adapter (the submit records that its ids use it)
 
 
 class InputProcessor:
@@ -285,6 +288,7 @@ class InputProcessor:
         defaults: what a request's sampling params are merged over.
         grammars: the holder of the grammar compiler (structured outputs).
         placeholder_ids: the model's media placeholder token ids (:func:`acb.media.placeholder_token_ids`).
+        loras: the engine's LoRA adapters by name (None: none can be named).
     """
 
     def __init__(
@@ -294,12 +298,14 @@ class InputProcessor:
         defaults: SamplingParams,
         grammars: Grammars,
         placeholder_ids: frozenset[int],
+        loras: Loras | None = None,
     ) -> None:
         self.facts = facts
         self.renderer = renderer
         self.defaults = defaults
         self.grammars = grammars
         self.placeholder_ids = placeholder_ids
+        self.loras = loras
 
     def started(self) -> ModelFacts:
         """The facts submits are checked against (``EngineNotRunningError`` before the engine's
@@ -419,6 +425,19 @@ class InputProcessor:
                 f"cache_salt must be a str or None, got {type(cache_salt).__name__}", "cache_salt"
             )
         return sampling
+
+    def lora(self, name: str | None) -> LoraInfo | None:
+        """The adapter a submit names (None: the base model).
+
+        Raises:
+            InvalidRequestError: no adapter of that name is loaded (field ``lora``).
+            InvalidRequestTypeError: not a str.
+        """
+        if name is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded (this engine holds none)", "lora")
+        return self.loras.resolve(name)
 
     def stop_ids(self, sampling: SamplingParams, params: SamplingParams, vocab: int) -> frozenset[int]:
         """A request's stop token ids (checking the caller's).
@@ -542,6 +561,7 @@ class InputProcessor:
         record_timestamps: bool = False,
         cache_salt: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora: str | None = None,
     ) -> Processed:
         """Check one generation's submit and build its :class:`EngineRequest`.
 
@@ -552,6 +572,7 @@ class InputProcessor:
             record_timestamps: record each token's arrival time.
             cache_salt: keeps its prefix-cache entries apart from other salts'.
             chat_template_kwargs: the chat template's variables (a chat prompt).
+            lora: the name of the LoRA adapter it runs with (None: the base model).
 
         Returns:
             The :class:`Processed` request.
@@ -565,6 +586,7 @@ class InputProcessor:
         vocab, cfg = facts.vocab_size, facts.cfg
         ids, media = self.prompt_and_media(prompt_ids, facts.input_vocab_size, chat_template_kwargs)
         sampling = self.check_args(sampling, request_id, cache_salt)
+        adapter = self.lora(lora)
         params = sampling.merged_over(self.defaults)
         check_vocab("logit_bias", params.logit_bias or (), vocab)
         stop_ids = self.stop_ids(sampling, params, vocab)
@@ -594,11 +616,12 @@ class InputProcessor:
             seed=params.seed or 0,
             n=n,
             record_timestamps=record_timestamps,
-            cache_salt=cache_salt or None,
+            cache_salt=lora_salt(cache_salt, adapter),
             media=media,
+            lora_slot=adapter.slot if adapter is not None else 0,
         )
         source = prompt_ids.source if isinstance(prompt_ids, MediaPrompt) else prompt_ids
-        return Processed(request, request_id, source)
+        return Processed(request, request_id, source, adapter)
 
     def process_score(
         self,
@@ -608,6 +631,7 @@ class InputProcessor:
         request_id: str | None = None,
         cache_salt: str | None = None,
         media: MediaInputs | None = None,
+        lora: str | None = None,
     ) -> Processed:
         """Check one scoring group (planned by :func:`acb.api.scoring.plan`) and build its
         :class:`EngineRequest`, as :meth:`process` does for a generation: the context request
@@ -620,6 +644,7 @@ class InputProcessor:
             request_id: its id (None: the submit claims a fresh ``score_<n>``).
             cache_salt: keeps its prefix-cache entries apart from other salts'.
             media: the context's media, processed (:mod:`acb.media`).
+            lora: the name of the LoRA adapter it is scored with (None: the base model).
 
         Returns:
             The :class:`Processed` request.
@@ -633,6 +658,7 @@ class InputProcessor:
         vocab = facts.vocab_size
         head = list(group[0].prompt_ids)
         self.check_args(None, request_id, cache_salt)
+        adapter = self.lora(lora)
         self.check_score_group(group, vocab, facts.cfg, facts.input_vocab_size)
         # nothing is sampled: the raw logprobs of the scored positions only
         params = replace(FALLBACK, prompt_logprobs=max(top_logprobs, 1), logprobs_mode="raw")
@@ -648,9 +674,10 @@ class InputProcessor:
             stop_token_ids=frozenset(),
             seed=params.seed or 0,
             n=len(group),
-            cache_salt=cache_salt or None,
+            cache_salt=lora_salt(cache_salt, adapter),
             score=group[0],
             children=tuple(group[1:]),
             media=media,
+            lora_slot=adapter.slot if adapter is not None else 0,
         )
-        return Processed(request, request_id, head)
+        return Processed(request, request_id, head, adapter)

@@ -315,6 +315,7 @@ def make_score_request(
     request_id: str | None = None,
     cache_salt: str | None = None,
     media: MediaInputs | None = None,
+    lora: str | None = None,
 ) -> Submission:
     """A scoring group's submit, made as :meth:`acb.api.base.EngineBase.make_request` makes a
     generation's: checked and built by the engine's input processor
@@ -330,6 +331,7 @@ def make_score_request(
         request_id: its id (default: a fresh ``score_<n>``).
         cache_salt: keeps its prefix-cache entries apart from other salts'.
         media: the context's media, processed (:mod:`acb.media`).
+        lora: the LoRA adapter it is scored with, by name (None: the base model).
 
     Returns:
         The :class:`~acb.api.submissions.Submission`.
@@ -342,7 +344,7 @@ def make_score_request(
     """
     engine.submit_core()
     made = engine.processor.process_score(
-        group, top_logprobs, request_id=request_id, cache_salt=cache_salt, media=media
+        group, top_logprobs, request_id=request_id, cache_salt=cache_salt, media=media, lora=lora
     )
     return engine.submissions.open(made, sink_factory, engine.tokenizer, engine.model_name)
 
@@ -354,6 +356,7 @@ def make_requests(
     cache_salt: str | None,
     request_ids: Sequence[str] | None,
     sink_factory: Callable[[str], Any],
+    lora: str | None = None,
 ) -> tuple[list[Plan], list[str], list[list[str]], list[Submission]]:
     """Validate and plan a ``score_batch`` call and make its engine requests (one per group, in
     submission order: sorted for prefix reuse) with :func:`make_score_request`: all of them or,
@@ -368,6 +371,7 @@ def make_requests(
             gets a fresh ``score_<n>`` id, and an item's id is its first group's (unique per
             call: concurrent calls never collide).
         sink_factory: makes each engine request's sink.
+        lora: the LoRA adapter every item is scored with, by name (None: the base model).
 
     Returns:
         The plans, the items' ids and each item's engine request ids by group (for
@@ -413,6 +417,7 @@ def make_requests(
             request_id=rid,
             cache_salt=cache_salt,
             media=pictures,
+            lora=lora,
         )
 
     reqs = engine.submissions.make_all("items", ((i, maker(rid, group, images[i])) for i, _, rid, group in order))

@@ -26,6 +26,7 @@ from acb.text import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from acb.api.ids import RequestIds
+    from acb.api.loras import Loras
     from acb.api.processor import Processed
     from acb.api.sinks import SinkRegistry
     from acb.core.messages import EngineRequest
@@ -85,11 +86,13 @@ class Submissions:
         sinks: the engine's sinks, by key (where it delivers).
         seed: seeds the draws of the requests without a seed (the engine's ``seed``), so that
             runs repeat.
+        loras: the engine's LoRA adapters (a submit's ids are recorded as using its adapter).
     """
 
-    def __init__(self, ids: RequestIds, sinks: SinkRegistry, seed: int | None) -> None:
+    def __init__(self, ids: RequestIds, sinks: SinkRegistry, seed: int | None, loras: Loras | None = None) -> None:
         self.ids = ids
         self.sinks = sinks
+        self.loras = loras
         # requests without a seed draw one here, so that the engine's seed makes runs repeatable
         self._seeds = random.Random(seed)
         self._fresh = itertools.count()  # the <n> of fresh req_<n> / score_<n> ids
@@ -112,12 +115,15 @@ class Submissions:
 
         Raises:
             InvalidRequestError: its id, or one of its samples', is live (field ``request_id``);
-                nothing is left behind.
+                its LoRA adapter was removed since it was checked (field ``lora``); nothing is
+                left behind.
         """
         er, params = made.request, made.request.params
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request_id = self._claim(made.request_id, "req" if er.score is None else "score", er.n)
         try:
+            if self.loras is not None:  # (after the claim: an adapter is not removed under a live id)
+                self.loras.attach(made.lora, member_ids(request_id, er.n))
             sink = sink_factory(request_id)
             sink.state.trace = begin(made.prompt, model_name, params)
             if tokenizer is not None and er.score is None and not params.stop:
