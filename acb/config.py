@@ -66,7 +66,7 @@ class ContinuousBatchingConfig:
       ``cpu_group_timeout`` have no effect (``NOT_YET_SUPPORTED``; non-default values warn).
     - ``use_cuda_graph`` applies to decode-only steps; mixed steps always run eagerly.
     - acb's own additions: ``attn_backend``, ``max_model_len``, ``cpu_packed_linears``, ``cpu_threads``,
-      ``mla_latent_cache``, ``state_snapshots``, and the
+      ``mla_latent_cache``, ``state_snapshots``, ``max_loras``, ``max_lora_rank``, and the
       structured-outputs compile budget ``grammar_compile_timeout_s``, ``grammar_max_bytes``,
       ``grammar_max_repetition`` (:mod:`acb.grammar_budget`).
 
@@ -159,6 +159,12 @@ class ContinuousBatchingConfig:
     # patterns and EBNF may expand to (summed; nested counts multiply); more is refused at submit
     # before any compile
     grammar_max_repetition: int = DEFAULT_MAX_REPETITION
+    # LoRA adapters (acb.lora, acb.runner.lora): how many may be loaded at once, each request choosing
+    # one or none; 0 turns LoRA off. Their stacked buffers, (max_loras + 1) x max_lora_rank x (in + out)
+    # per target linear of the decoder, are set aside before the KV cache is sized
+    max_loras: int = 0
+    # the largest adapter rank taken; a higher-rank adapter is refused when added
+    max_lora_rank: int = 16
     _warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -264,6 +270,8 @@ class ContinuousBatchingConfig:
         check("safety_margin", v is None or (is_num(v) and 0 <= v < 1), "in [0, 1)")
         for name in ("max_queue_size", "q_padding_interval_size", "kv_padding_interval_size", "default_compile_level"):
             check(name, is_int(getattr(self, name)) and getattr(self, name) >= 0, "an int >= 0")
+        check("max_loras", is_int(self.max_loras) and self.max_loras >= 0, "an int >= 0 (0: LoRA off)")
+        check("max_lora_rank", is_int(self.max_lora_rank) and self.max_lora_rank >= 1, "a positive int")
         for name in ("max_blocks_per_request", "max_cached_graphs", "state_snapshots"):
             v = getattr(self, name)
             check(name, v is None or (is_int(v) and v >= 0), "None or an int >= 0")
@@ -408,6 +416,9 @@ class ResolvedConfig:
     graph_step: int | None = None  # batch-size granularity of the decode graphs (q_padding_interval_size)
     packed_linears: int = 0  # CPU: float32 linears whose forward runs on oneDNN-packed weights
     image_cache_bytes: int = 64 << 20  # vision-language models: image embeddings kept on the device
+    max_loras: int = 0  # LoRA adapters loaded at once (0: LoRA off)
+    max_lora_rank: int = 16  # the largest adapter rank taken
+    lora_bytes: int = 0  # the adapters' stacked buffers, set aside before the KV cache was sized
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -172,6 +172,17 @@ class StagingRing:
 
 
 @dataclass
+class LoraRows:
+    """A step's LoRA rows (``acb.runner.lora``): the flattened batch's tokens of requests with an
+    adapter, sorted by slot (stable), on the device; and, on the host, the runs of equal slots."""
+
+    order: torch.Tensor  # [n] long: token indices into the step's T tokens
+    slots: torch.Tensor  # [n] long: each one's slot (1..max_loras)
+    runs: list[tuple[int, int, int]]  # (slot, start in order, count), slots ascending
+    num_tokens: int  # T
+
+
+@dataclass
 class PreparedBatch:
     input_ids: torch.Tensor  # [1, T] long
     position_ids: torch.Tensor  # [1, T] long
@@ -182,13 +193,17 @@ class PreparedBatch:
     logits_identity: bool = False  # sequence i samples row i, once each (logits_indices is arange(B))
     # [1, T, D]: the token embeddings with image rows put in (acb.runner.media), or None
     inputs_embeds: torch.Tensor | None = None
+    lora: LoraRows | None = None  # the adapter rows, when any request of the step has an adapter
 
 
 class InputBatch:
     """The block table (host copy and device copy) and the per-step input arrays."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device, lora: bool = False
+    ) -> None:
         self.block_size = block_size
+        self.lora = lora  # stage each step's per-token LoRA slots (max_loras > 0)
         self.device = device
         self.scratch_row = max_rows  # all zeros: padded rows read scratch block 0
         self.block_table = np.zeros((max_rows + 1, max_blocks_per_seq), dtype=np.int64)
@@ -228,7 +243,8 @@ class InputBatch:
         st.add("rows", rows)
         self._stage_rest(out, st, upd_idx, upd_val)
         identity = len(out.sample_idx) == len(num_new) and out.sample_idx == list(range(len(num_new)))
-        return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new), identity)
+        runs = self._stage_lora(out, st, num_new) if self.lora else None
+        return _HostBatch(out.num_new, out.start_pos, int(seq_lens.max()), total == len(num_new), identity, runs)
 
     def _stage_decode(
         self, out: SchedulerOutput, st: StagingSet, upd_idx: list[np.ndarray], upd_val: list[np.ndarray]
@@ -251,7 +267,27 @@ class InputBatch:
         st.add("qsl", ar)
         st.add("rows", rows)
         self._stage_rest(out, st, upd_idx, upd_val)
-        return _HostBatch(out.num_new, out.start_pos, max(out.start_pos) + 1, True, identity)
+        runs = self._stage_lora(out, st, None) if self.lora else None
+        return _HostBatch(out.num_new, out.start_pos, max(out.start_pos) + 1, True, identity, runs)
+
+    @staticmethod
+    def _stage_lora(
+        out: SchedulerOutput, st: StagingSet, num_new: np.ndarray | None
+    ) -> list[tuple[int, int, int]] | None:
+        """The per-token LoRA slot index (``num_new`` None: one token a request): the tokens of
+        requests with an adapter, sorted by slot, and their slots; None when the step has none
+        (then the interceptions return the base output at once)."""
+        slots = np.fromiter((r.lora_slot for r in out.requests), dtype=np.int64, count=len(out.requests))
+        if not slots.any():
+            return None
+        tok = slots if num_new is None else np.repeat(slots, num_new)
+        order = np.argsort(tok, kind="stable")
+        order = order[int((tok == 0).sum()) :]
+        tok_slots = tok[order]
+        uniq, starts, counts = np.unique(tok_slots, return_index=True, return_counts=True)
+        st.add("lora_order", order.astype(np.int64))
+        st.add("lora_slot", tok_slots)
+        return list(zip(uniq.tolist(), starts.tolist(), counts.tolist()))
 
     @staticmethod
     def _stage_rest(out: SchedulerOutput, st: StagingSet, upd_idx: list[np.ndarray], upd_val: list[np.ndarray]) -> None:
@@ -288,6 +324,9 @@ class InputBatch:
             rows=dev["rows"],
             decode_only=host.decode_only,
             logits_identity=host.logits_identity,
+            lora=None
+            if host.lora_runs is None
+            else LoraRows(dev["lora_order"], dev["lora_slot"], host.lora_runs, int(input_ids.shape[0])),
         )
 
 
@@ -298,3 +337,4 @@ class _HostBatch:
     max_seq_len: int
     decode_only: bool
     logits_identity: bool
+    lora_runs: list[tuple[int, int, int]] | None = None  # LoRA: (slot, start, count) of the adapter rows

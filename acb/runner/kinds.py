@@ -3,7 +3,8 @@
 A model's layers are found by the code they speak, each kind by its own module (paged attention:
 transformers' attention interface, ``setup``; the MLA latent: ``latent``; an indexer's keys:
 ``indexed``; state layers: ``linear_state``; attention on the model's own cache objects:
-``unpaged_layers``; the whole model on its own caches: ``own_cache_runner``; image embeddings: ``vision``).
+``unpaged_layers``; the whole model on its own caches: ``own_cache_runner``; image embeddings: ``media``;
+LoRA adapters' stacked buffers: ``lora``).
 :data:`KINDS` lists, in order, one function per kind that describes what the runner found for it
 (None: the model has no such layer), and :func:`layout_of` gathers them into the model's
 :class:`~acb.core.cache_spec.CacheLayout` (``ModelRunner.layout``).
@@ -24,7 +25,9 @@ from acb.core.cache_spec import CacheLayout, LayerKindSpec, Offload, PrefixRule
 from acb.runner.indexed import indexed_step
 from acb.runner.kv_cache import INDEX_KEYS, LATENT, UNPAGED
 from acb.runner.linear_state import linear_step
+from acb.runner.lora import LoraStep
 from acb.runner.setup import hybrid_attention_layers
+from acb.runner.step import entered
 from acb.runner.unpaged_layers import unpaged_step
 
 if TYPE_CHECKING:
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from acb.runner.input_batch import PreparedBatch
     from acb.runner.kv_cache import KVCache
     from acb.runner.linear_state import LinearLayers, LinearStates
+    from acb.runner.lora import LoraLayers
     from acb.runner.media import MediaEmbedder
     from acb.runner.own_cache_runner import OwnCacheRunner
     from acb.runner.unpaged_layers import UnpagedCaches, UnpagedLayers
@@ -55,6 +59,7 @@ class RunnerParts(Protocol):
     unpaged_caches: UnpagedCaches | None
     own_cache_runner: OwnCacheRunner | None
     media: MediaEmbedder | None
+    lora: LoraLayers | None  # LoRA adapters' stacked buffers (max_loras > 0)
 
 
 def _model_layers_of(r: RunnerParts, cache_layers: set[int]) -> tuple[int, ...]:
@@ -176,6 +181,14 @@ def images(r: RunnerParts) -> LayerKindSpec | None:
     return LayerKindSpec("media", (), reserved_bytes=r.cfg.image_cache_bytes)
 
 
+def lora(r: RunnerParts) -> LayerKindSpec | None:
+    """LoRA adapters: stacked buffers for every target linear, set aside once (``max_loras + 1``
+    slots of ``max_lora_rank``); a request's adapter salts its prefix keys (no sharing across)."""
+    if r.lora is None:
+        return None
+    return LayerKindSpec("lora", (), reserved_bytes=r.lora.reserved_bytes)
+
+
 # the kinds, in the order a layer is offered to them
 KINDS: tuple[Callable[[RunnerParts], LayerKindSpec | None], ...] = (
     latent,
@@ -185,6 +198,7 @@ KINDS: tuple[Callable[[RunnerParts], LayerKindSpec | None], ...] = (
     unpaged,
     own_cache_runner,
     images,
+    lora,
 )
 
 
@@ -306,6 +320,17 @@ class MediaHooks(StepHooks):
         return self.media.language_model_kwargs() if batch.inputs_embeds is not None else None
 
 
+class LoraHooks(StepHooks):
+    """LoRA adapters: the step's adapter rows (staged with its inputs) reach the target linears'
+    interception as ``CURRENT.lora``; a step with none enters nothing."""
+
+    def __init__(self, layers: LoraLayers) -> None:
+        self.layers = layers
+
+    def step(self, sched: SchedulerOutput, batch: PreparedBatch) -> contextlib.AbstractContextManager[None] | None:
+        return None if batch.lora is None else entered("lora", LoraStep(self.layers, batch.lora))
+
+
 def hooks_of(runner: RunnerParts) -> list[StepHooks]:
     """The step hooks of the kinds the runner has, in the order they act."""
     hooks: list[StepHooks] = []
@@ -319,4 +344,6 @@ def hooks_of(runner: RunnerParts) -> list[StepHooks]:
         hooks.append(OwnCacheRunnerHooks(runner.own_cache_runner))
     if runner.media is not None:
         hooks.append(MediaHooks(runner.media))
+    if runner.lora is not None:
+        hooks.append(LoraHooks(runner.lora))
     return hooks

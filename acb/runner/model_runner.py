@@ -23,7 +23,9 @@ import torch
 
 from acb.config import ContinuousBatchingConfig
 from acb.core.messages import ModelRunnerOutput, SchedulerOutput
-from acb.errors import UnsupportedModelError
+from acb.errors import InvalidRequestError, UnsupportedModelError
+from acb.lora import FIELD as LORA_FIELD
+from acb.lora import LoraAdapter
 from acb.runner.attention import (
     AttentionBackend,
     SharedAttention,
@@ -39,7 +41,7 @@ from acb.runner.indexed import IndexedLayers, indexer_modules
 from acb.runner.input_batch import DeviceStreams, InputBatch, PreparedBatch, StagingRing
 from acb.runner.kinds import hooks_of, layout_of
 from acb.runner.kv_cache import UNPAGED, KVCache, KVSpec, kv_memory_budget
-from acb.runner.latent import LatentLayers
+from acb.runner.latent import LatentLayers, latent_modules
 from acb.runner.linear_state import (
     STEPWISE_MAX_TAIL,
     LinearLayers,
@@ -49,6 +51,7 @@ from acb.runner.linear_state import (
     resumes_stepwise,
     state_row_bytes,
 )
+from acb.runner.lora import LoraLayers
 from acb.runner.media import MediaEmbedder, MediaFacts, takes_media
 from acb.runner.module_state import module_attributes
 from acb.runner.own_cache_runner import OwnCacheRunner, snapshot_memory
@@ -183,6 +186,8 @@ class ModelRunner:
             self._hybrid_settings(config, spec)
         if self.packed is not None:
             self.cfg = dataclasses.replace(self.cfg, packed_linears=len(self.packed))
+        # LoRA adapters: stacked buffers per target linear, priced before the KV blocks are made
+        self.lora = self._lora_layers(config, spec, own_path)
         self.vocab_size = (
             int(model.get_output_embeddings().weight.shape[0])
             if model.get_output_embeddings() is not None
@@ -220,6 +225,12 @@ class ModelRunner:
         self._compiled: dict[str, Any] = {}
         if self.indexed is not None or self.latent is not None:
             self._indexed_settings(config)
+        elif self.lora is not None and (
+            config.default_compile_level
+            or config.decode_compile_config is not None
+            or config.varlen_compile_config is not None
+        ):
+            logger.warning("torch.compile is off with max_loras > 0: the adapters' interception runs eagerly")
         elif self.linear is None and self.unpaged is None and paged:
             self._setup_compile(config)
         self.streams = DeviceStreams(self.device)
@@ -408,6 +419,78 @@ class ModelRunner:
         )
         return slots
 
+    def _lora_layers(self, config: ContinuousBatchingConfig, spec: KVSpec, own_path: bool) -> LoraLayers | None:
+        """The LoRA adapters' stacked buffers (None with ``max_loras == 0``), priced in the memory
+        budget: a cache sized from the budget gives up the KV blocks they take. Refused where
+        adapters do not run yet: tensor parallel, the own-cache runner path."""
+        if not config.max_loras:
+            return None
+        name = type(self.model).__name__
+        if own_path:
+            raise ValueError(
+                f"LoRA adapters (max_loras={config.max_loras}) run on the paged path only, and {name} runs on its "
+                "own cache objects ("
+                + (f"the paged path refuses it: {self._paged_refused}" if self._paged_refused else "runner='own_cache'")
+                + "); set max_loras=0"
+            )
+        if tp_size_of(self.model) > 1:
+            raise ValueError(
+                f"LoRA adapters (max_loras={config.max_loras}) are not run under tensor parallel yet; set max_loras=0"
+            )
+        per_segment = [
+            *(self.linear.layers if self.linear is not None else ()),
+            *(self.unpaged.layers if self.unpaged is not None else ()),
+            *(self.indexed.layers if self.indexed is not None else ()),
+        ]
+        kv_b = [m.kv_b_proj for m in latent_modules(self.model).values()] if self.latent is not None else []
+        lora = LoraLayers(
+            self.model, config.max_loras, config.max_lora_rank, self.device, per_segment=per_segment, not_per_token=kv_b
+        )
+        nbytes = lora.reserved_bytes
+        per_block = spec.bytes_per_block(self.cfg.block_size)
+        if config.num_blocks is None and per_block and nbytes:
+            needed = self.cfg.max_blocks_per_seq + 1
+            num_blocks = self.cfg.num_blocks - -(-nbytes // per_block)
+            if num_blocks < needed:
+                raise ValueError(
+                    f"not enough memory for LoRA adapters: max_loras={config.max_loras} of max_lora_rank="
+                    f"{config.max_lora_rank} take {nbytes / 2**20:.1f} MiB, and what is left of the budget holds "
+                    f"{max(num_blocks, 0)} KV blocks where one request of max_model_len={self.cfg.max_model_len} "
+                    f"needs {needed}; lower max_loras, max_lora_rank or max_model_len, or set num_blocks"
+                )
+            self.cfg = dataclasses.replace(
+                self.cfg,
+                num_blocks=num_blocks,
+                kv_cache_bytes=num_blocks * per_block,
+                max_model_len=min(self.cfg.max_model_len, (num_blocks - 1) * self.cfg.block_size),
+            )
+        self.cfg = dataclasses.replace(
+            self.cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, lora_bytes=nbytes
+        )
+        logger.info(
+            "LoRA: %d adapter slots of rank <= %d over %d target linears (%.1f MiB set aside)",
+            config.max_loras,
+            config.max_lora_rank,
+            len(lora.targets),
+            nbytes / 2**20,
+        )
+        return lora
+
+    def add_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` (``1..max_loras``; 0 is "no adapter"), replacing what was there.
+        Engine thread only (through ``EngineCore.call``), between two steps."""
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA is off: ContinuousBatchingConfig.max_loras is 0; set max_loras > 0 to load adapters", LORA_FIELD
+            )
+        self.lora.add(slot, adapter)
+
+    def remove_lora(self, slot: int) -> None:
+        """Empty ``slot`` (engine thread only); requests still naming it would run the base model."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is off: ContinuousBatchingConfig.max_loras is 0", LORA_FIELD)
+        self.lora.remove(slot)
+
     def _indexed_settings(self, config: ContinuousBatchingConfig) -> None:
         """An indexed-attention model's indexers run once per request, from Python (the reference
         path), and an MLA model's latent is expanded per request by the torch backend: decode
@@ -456,7 +539,9 @@ class ModelRunner:
         what a step needs besides the KV cache (built at start and by ``wake_up``, with no request
         holding a row)."""
         cfg = self.cfg
-        self.inputs = InputBatch(cfg.max_requests_per_batch, cfg.max_blocks_per_seq, cfg.block_size, self.device)
+        self.inputs = InputBatch(
+            cfg.max_requests_per_batch, cfg.max_blocks_per_seq, cfg.block_size, self.device, lora=self.lora is not None
+        )
         self.staging = StagingRing(staging_bytes(cfg), self.device, self.streams)
         self.sampling = SamplingState(cfg.max_requests_per_batch, self.vocab_size, self.device)
         self._prev_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's sampled ids
@@ -684,6 +769,8 @@ class ModelRunner:
             self.latent.remove()
         if self.shared_attention is not None:
             self.shared_attention.remove()
+        if self.lora is not None:
+            self.lora.close()
         self._weights.close()
         self.graphs = None  # the graphs hold the runner: break the cycle, so their pool goes now
         if self.packed is not None:  # the linears get their own forward back
@@ -775,7 +862,7 @@ class ModelRunner:
                 decode_only=False,
             )
         logits = None
-        if self.graphs is not None and batch.decode_only:
+        if self.graphs is not None and batch.decode_only and batch.lora is None:  # adapter rows: eager
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
         if self.own_cache_runner is not None:  # the model on its own caches (the second runner path)
             # inside a step context: the model's dropout is off on this thread (acb.runner.eval_mode)

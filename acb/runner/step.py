@@ -7,8 +7,8 @@ always did). Each engine has its own thread, so two engines on one model see the
 through the same interception (:class:`acb.runner.intercept.Interception`). The fields are set for
 a block with :func:`entered` (nested blocks restore the outer value), by the kinds' own context
 managers: ``attention.step_context``, ``linear_state.linear_step``, ``indexed.indexed_step``,
-``unpaged_layers.unpaged_step``, ``attention.SharedAttention`` (``called_layer``) and
-``attention.own_attention_here`` (``own_attention``).
+``unpaged_layers.unpaged_step``, ``attention.SharedAttention`` (``called_layer``),
+``attention.own_attention_here`` (``own_attention``) and ``kinds.LoraHooks`` (``lora``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class _Step(threading.local):
         self.unpaged: Any = None  # unpaged_layers: the own-cache layers' caches and segments
         self.called_layer: int | None = None  # the layer calling a shared attention module (Zamba2)
         self.own_attention: bool = False  # inside an own-cache layer: its attention is the model's own
+        self.lora: Any = None  # lora.LoraStep: the adapters' buffers and the step's adapter rows (None: none)
 
 
 CURRENT = _Step()

@@ -1,0 +1,220 @@
+"""LoRA adapters inside engine steps: the base layer runs once for the whole batch, and each row
+adds its own adapter's low-rank update (issue 56).
+
+:class:`LoraLayers` holds, for each target linear an adapter has named (an ``nn.Linear`` of the
+model's decoder, :func:`acb.lora.lora_targets`), stacked buffers ``A [max_loras + 1, r_max, in]``,
+``B [max_loras + 1, out, r_max]`` and a scaling per slot (slot 0 is "no adapter" and stays zero),
+filled by :meth:`LoraLayers.add` / :meth:`LoraLayers.remove` on the engine thread. The first adapter
+that targets a linear installs an instance ``forward`` on it for the engine's life
+(:class:`acb.runner.intercept.Interception`); outside a step, or in a step with no adapter row, it
+returns the base layer's output at once (one thread-local read).
+
+A step's adapter rows reach it as :class:`acb.runner.input_batch.LoraRows` (staged with the step's
+inputs in the one host-to-device copy: the token indices of the adapter rows sorted by slot, their
+slots, and the host's runs of equal slots), through ``CURRENT.lora`` (:mod:`acb.runner.step`),
+entered by the kind's :class:`acb.runner.kinds.LoraHooks`. Each target linear then computes
+
+    out = base(x);  out[rows of slot s] += lora_B_s(lora_A_s(x[rows of slot s])) * scaling_s
+
+in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in one of two forms:
+
+* **grouped** (the default): one gather of the adapter rows, then per slot present one pair of
+  matmuls on its rows at the adapter's own rank, and an ``index_add_`` back;
+* **gathered** (:data:`GATHERED`): ``A`` and ``B`` gathered per row and two ``bmm`` at ``r_max``
+  (SGMV's shape; its per-row ``[out, r_max]`` copy of ``B`` makes it costly for prefill rows).
+
+``benchmarks/lora_offline.py`` times both (results/lora_cpu.json); the grouped form was faster on
+CPU at every adapter count measured, so it is the default. No device sync either way: the runs'
+slots and counts are host values.
+
+Decode CUDA graphs are captured without adapters (the interception returns the base output): a
+decode step with adapter rows runs eagerly; a step without any replays its graph as before.
+torch.compile is off with ``max_loras > 0``. Not supported yet (refused with the reason): tensor
+parallel, the own-cache runner path, linears inside layers acb runs per request segment (state
+layers, indexers, own-cache attention) and MLA's ``kv_b_proj``; PEFT's ``target_parameters``
+(fused MoE experts) is refused by :func:`acb.lora.load_adapter`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from acb.errors import InvalidRequestError
+from acb.lora import FIELD, LoraAdapter, lora_targets
+from acb.runner.intercept import Interception
+from acb.runner.step import CURRENT
+
+if TYPE_CHECKING:
+    from acb.runner.input_batch import LoraRows
+
+# True: the gathered form (A and B gathered per row, bmm); False: the grouped form (a pair of
+# matmuls per slot present). Measured by benchmarks/lora_offline.py; tests/runner/test_lora.py runs both.
+GATHERED = False
+
+
+class _Slots:
+    """One target linear's stacked adapter buffers."""
+
+    def __init__(self, lin: torch.nn.Linear, slots: int, max_rank: int, device: torch.device) -> None:
+        dtype = lin.weight.dtype
+        self.A = torch.zeros((slots, max_rank, lin.in_features), dtype=dtype, device=device)
+        self.B = torch.zeros((slots, lin.out_features, max_rank), dtype=dtype, device=device)
+        self.scale = [0.0] * slots  # PEFT multiplies by a Python float: so does the grouped form
+        self.scale_dev = torch.zeros(slots, dtype=dtype, device=device)  # the gathered form's
+        self.rank = [0] * slots  # 0: the slot's adapter does not target this linear
+
+    def clear(self, slot: int) -> None:
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        self.scale[slot] = 0.0
+        self.scale_dev[slot] = 0.0
+        self.rank[slot] = 0
+
+
+def reserved_bytes(targets: dict[str, torch.nn.Linear], max_loras: int, max_rank: int) -> int:
+    """The device bytes the stacked buffers take when every target linear has them (priced in
+    the memory budget before the KV blocks are counted, whichever an adapter names)."""
+    total = 0
+    for lin in targets.values():
+        elem = lin.weight.element_size()
+        total += (max_loras + 1) * (max_rank * (lin.in_features + lin.out_features) + 1) * elem
+    return total
+
+
+@dataclass
+class LoraStep:
+    """``CURRENT.lora`` inside a step with adapter rows: the engine's layers and the step's rows."""
+
+    layers: LoraLayers
+    rows: LoraRows
+
+
+class LoraLayers:
+    """The adapters' stacked buffers per target linear, and the interception of those linears
+    (engine thread only; installed for the engine's life as adapters first name them)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        per_segment: Iterable[torch.nn.Module] = (),
+        not_per_token: Iterable[torch.nn.Module] = (),
+    ) -> None:
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.device = device
+        self.targets = lora_targets(model)
+        # linears whose input is not the step's tokens in batch order: inside layers run per request
+        # segment (state layers, indexers, own-cache attention), or fed other rows (MLA's kv_b_proj)
+        self._refused: dict[int, str] = {}
+        for layer in per_segment:
+            for m in layer.modules():
+                self._refused[id(m)] = f"inside {type(layer).__name__}, which acb runs per request segment"
+        for m in not_per_token:
+            self._refused[id(m)] = "it is fed the cached latent, not the step's tokens (MLA's kv_b_proj)"
+        self.reserved_bytes = reserved_bytes(self.targets, max_loras, max_rank)
+        self.buffers: dict[torch.nn.Module, _Slots] = {}
+        self.slot_names: list[str | None] = [None] * (max_loras + 1)
+        self._interceptions: list[Interception] = []
+
+    @property
+    def nbytes(self) -> int:
+        """The device bytes of the buffers allocated so far."""
+        return sum(b.A.nbytes + b.B.nbytes + b.scale_dev.nbytes for b in self.buffers.values())
+
+    def add(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` (``1..max_loras``), replacing what was there."""
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside 1..max_loras={self.max_loras}")
+        if adapter.rank > self.max_rank:
+            raise InvalidRequestError(
+                f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is over max_lora_rank={self.max_rank}", FIELD
+            )
+        for path in adapter.weights:  # all checked before anything is written
+            lin = self.targets.get(path)
+            if lin is None:
+                raise InvalidRequestError(
+                    f"LoRA adapter {adapter.name!r}: {path!r} is not an nn.Linear of the engine's model's decoder",
+                    FIELD,
+                )
+            why = self._refused.get(id(lin))
+            if why is not None:
+                raise InvalidRequestError(
+                    f"LoRA adapter {adapter.name!r}: {path!r} cannot take an adapter in acb yet: {why}", FIELD
+                )
+        self.remove(slot)
+        new = []
+        with torch.no_grad():
+            for path, (a, b) in adapter.weights.items():
+                lin = self.targets[path]
+                buf = self.buffers.get(lin)
+                if buf is None:
+                    buf = self.buffers[lin] = _Slots(lin, self.max_loras + 1, self.max_rank, self.device)
+                    new.append(lin)
+                r = int(a.shape[0])
+                buf.A[slot, :r].copy_(a)
+                buf.B[slot, :, :r].copy_(b)
+                buf.rank[slot] = r
+                buf.scale[slot] = float(adapter.scalings.get(path, adapter.scaling))
+                buf.scale_dev[slot] = buf.scale[slot]
+        if new:
+            self._interceptions.append(Interception(new, _lora_forward))
+        self.slot_names[slot] = adapter.name
+
+    def remove(self, slot: int) -> None:
+        """Empty ``slot``: its rows get no update (the interceptions stay)."""
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside 1..max_loras={self.max_loras}")
+        with torch.no_grad():
+            for buf in self.buffers.values():
+                if buf.rank[slot]:
+                    buf.clear(slot)
+        self.slot_names[slot] = None
+
+    def close(self) -> None:
+        """Give the linears their own ``forward`` back (the engine closes)."""
+        for i in self._interceptions:
+            i.remove()
+        self._interceptions = []
+
+
+def _lora_forward(original: Any, sig: inspect.Signature, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    out = original(*args, **kwargs)
+    step: LoraStep | None = CURRENT.lora
+    if step is None:  # outside a step, or a step without adapter rows
+        return out
+    buf = step.layers.buffers.get(module)
+    if buf is None:  # (another engine's target, on a model two engines share)
+        return out
+    x = args[0] if args else kwargs["input"]
+    rows = step.rows
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] != rows.num_tokens:
+        raise RuntimeError(
+            f"LoRA on {type(module).__name__} (in {x2.shape[0]} rows): the step has {rows.num_tokens} tokens; "
+            "acb applies adapters to linears that see every token of the step in batch order"
+        )
+    o2 = out.view(-1, out.shape[-1])
+    xs = x2.index_select(0, rows.order)  # [n, in]: the adapter rows, sorted by slot
+    if GATHERED:
+        slots = rows.slots
+        h = torch.bmm(buf.A.index_select(0, slots), xs[:, :, None])  # [n, r_max, 1]
+        d = torch.bmm(buf.B.index_select(0, slots), h)[:, :, 0]  # [n, out]
+        o2.index_add_(0, rows.order, d * buf.scale_dev.index_select(0, slots)[:, None])
+        return out
+    for slot, start, count in rows.runs:
+        r = buf.rank[slot]
+        if not r:  # this slot's adapter does not target this linear
+            continue
+        d = F.linear(F.linear(xs[start : start + count], buf.A[slot, :r]), buf.B[slot, :, :r]) * buf.scale[slot]
+        o2.index_add_(0, rows.order[start : start + count], d)
+    return out
