@@ -134,6 +134,37 @@ def add_serve_parser(sub: Any) -> None:
         help="trainer addresses /init_weight_transfer may make the server connect to: IP addresses, "
         "networks (10.0.0.0/8), host names, or * for anywhere (default: loopback only)",
     )
+    lora = p.add_argument_group("LoRA adapters (acb/serve/loras.py)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=(),
+        metavar="NAME=PATH",
+        help="PEFT adapter folders loaded at start, each served as the model NAME (the base model keeps "
+        "its own name; GET /v1/models lists them)",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="adapters the engine holds at once (default: as many as --lora-modules, and at least 1 "
+        "with --enable-lora-updates)",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        default=None,
+        metavar="R",
+        help="the largest adapter rank the engine takes (default: the engine's, 16)",
+    )
+    lora.add_argument(
+        "--enable-lora-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which read "
+        "folders on this machine (behind --api-key when set)",
+    )
     eng = p.add_argument_group("engine (acb.ContinuousBatchingConfig)")
     eng.add_argument(
         "--max-queue-size",
@@ -274,6 +305,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             grammar_compile_timeout_s=args.grammar_compile_timeout_s,
             grammar_max_bytes=args.grammar_max_bytes,
             grammar_max_repetition=args.grammar_max_repetition,
+            **_lora_limits(args),
         ),
         name=args.served_model_name,
         api_key=args.api_key if args.api_key is not None else os.environ.get("ACB_API_KEY"),
@@ -289,11 +321,36 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         media_fetch_timeout=args.media_fetch_timeout,
         enable_weight_updates=args.enable_weight_updates,
         weight_transfer_hosts=tuple(args.weight_transfer_hosts or ServerSettings.weight_transfer_hosts),
+        lora_modules=tuple(args.lora_modules),
+        enable_lora_updates=args.enable_lora_updates,
         telemetry=TelemetrySettings(args.otlp_endpoint, args.otlp_protocol, args.otel_capture_content),
         host=args.host,
         port=args.port,
         verbose=args.verbose,
     )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """``--lora-modules``' NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter folder), got {text!r}")
+    return name.strip(), path.strip()
+
+
+def _lora_limits(args: argparse.Namespace) -> dict[str, int]:
+    """The engine's LoRA settings from the flags (none when LoRA is not asked for: the engine's defaults)."""
+    limits = {}
+    max_loras = args.max_loras
+    if max_loras is None and (args.lora_modules or args.enable_lora_updates):
+        max_loras = max(len(args.lora_modules), 1)
+    if max_loras is not None:
+        if max_loras < len(args.lora_modules):
+            raise CliError(f"--max-loras {max_loras} is fewer than the {len(args.lora_modules)} --lora-modules")
+        limits["max_loras"] = max_loras
+    if args.max_lora_rank is not None:
+        limits["max_lora_rank"] = args.max_lora_rank
+    return limits
 
 
 def _ray_options(args: argparse.Namespace) -> dict[str, Any]:

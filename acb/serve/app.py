@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from acb.api.async_engine import AsyncEngine
-from acb.serve import responses, routes, shaping
+from acb.serve import loras, responses, routes, shaping
 from acb.serve.formatting import CompletionOutput
 from acb.serve.media import content_parts
 from acb.serve.pipeline import (
@@ -126,10 +126,13 @@ def build_app(
     @routes.add(app, routes.MODELS)
     async def models(request: Request) -> dict[str, Any]:
         authorize(state, request)
-        return {
-            "object": "list",
-            "data": [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "acb"}],
-        }
+        base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "acb"}
+        adapters = [
+            {**base, "id": info.name, "root": info.source, "parent": state.model_name} for info in engine.list_loras()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    loras.add_routes(app, state)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (acb.serve.loras)
 
     @routes.add(app, routes.CHAT_COMPLETIONS)
     async def chat(request: Request) -> Response:
@@ -179,7 +182,7 @@ def _chat_job(state: ServerState, body: ChatCompletionRequest) -> Job:
     def output(prompts: Prompts) -> CompletionOutput:
         return CompletionOutput(
             chat=True,
-            model=state.model_name,
+            model=body.model,  # the served name, or the LoRA adapter's it selected
             texts=state.texts,
             num_prompts=1,
             n=body.n,
@@ -216,7 +219,7 @@ def _completion_job(state: ServerState, body: CompletionRequest) -> Job:
     tokenizer = state.prompt_renderer
     output = CompletionOutput(
         chat=False,
-        model=state.model_name,
+        model=body.model,  # the served name, or the LoRA adapter's it selected
         texts=state.texts,
         num_prompts=len(prompts),
         n=body.n,
@@ -235,6 +238,7 @@ def _completion_job(state: ServerState, body: CompletionRequest) -> Job:
 
 async def _start_engine(state: ServerState) -> None:
     await anyio.to_thread.run_sync(state.engine.start)
+    await loras.load_modules(state)  # --lora-modules: served before the server says it is ready
     state.ready = True
     if state.on_ready is not None:
         state.on_ready()

@@ -289,10 +289,10 @@ async def serve(
                 await state.drain.until_expired(lambda: compile_grammar(state, constraint.spec, constraint.param))
             prompts = await state.drain.until_expired(lambda: state.renderer.run(job.render))
             several = len(prompts.items) > 1
+            lora = None if body.model == state.model_name else body.model  # (parse checked it is loaded)
             for i, prompt in enumerate(prompts.items):
-                handles.append(
-                    submit(state, prompt, job.sampling, job.params, where=f"prompt[{i}]" if several else None)
-                )
+                where = f"prompt[{i}]" if several else None
+                handles.append(submit(state, prompt, job.sampling, job.params, where=where, lora=lora))
                 if i % 32 == 31:
                     await anyio.sleep(0)  # each submit checks its prompt: let others in meanwhile
         output = job.output(prompts)
@@ -346,7 +346,7 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
 
     Raises:
         APIError: 401 (auth), 503 (not ready, shutting down), 413 (too large), 400 (invalid,
-            refused), 404 (another model).
+            refused), 404 (a model that is neither the served one nor a loaded LoRA adapter).
     """
     authorize(state, request)
     if not state.ready or state.closing:
@@ -365,10 +365,11 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
         raise APIError(
             400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
         ) from None
-    if body.model != state.model_name:
+    if body.model != state.model_name and all(info.name != body.model for info in state.engine.list_loras()):
+        adapters = "".join(f", {info.name!r}" for info in state.engine.list_loras())
         raise APIError(
             404,
-            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}{adapters}",
             param="model",
             code="model_not_found",
         )
@@ -441,6 +442,7 @@ def submit(
     params: Mapping[str, str | None] | None = None,
     *,
     where: str | None = None,
+    lora: str | None = None,
 ) -> RequestHandle:
     """Submit one prompt. The engine's validation is the only one (a prompt that can never fit
     the model or the cache included): its refusals are 400s naming the request's field.
@@ -454,6 +456,7 @@ def submit(
             ``structured_outputs`` to where the constraint came from: a refusal at submit is a
             constraint ``min_tokens`` can never meet).
         where: which of the request's prompts this is (``prompt[3]``), for a refusal of the prompt.
+        lora: the LoRA adapter the request's ``model`` named (None: the served model itself).
 
     Returns:
         The request's handle.
@@ -462,7 +465,7 @@ def submit(
         APIError: 400 for a refusal, 429 when the queue is full, 503 when the engine is not running.
     """
     try:
-        return state.engine.submit_nowait(prompt, sampling, record_timestamps=True)
+        return state.engine.submit_nowait(prompt, sampling, record_timestamps=True, lora=lora)
     except QueueFullError as exc:
         raise APIError(
             429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}

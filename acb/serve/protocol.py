@@ -220,6 +220,7 @@ ENGINE_PARAMS: dict[str, str | None] = {
     "seed": "seed",
     "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens",
+    "lora": "model",  # the LoRA adapter the request's model named (removed as it was submitted)
 }
 
 

@@ -354,7 +354,7 @@ class _Shell:
     def __init__(self, state: ServerState, body: ResponsesRequest, plan: shaping.ToolPlan) -> None:
         self.id = _new_id("resp")
         self.created_at = int(time.time())
-        self.model = state.model_name
+        self.model = body.model  # the served name, or the LoRA adapter's it selected
         tools = [
             {
                 "type": "function",

@@ -21,6 +21,7 @@ __all__ = [
     "HEALTH",
     "INIT_WEIGHT_TRANSFER",
     "IS_PAUSED",
+    "LOAD_LORA_ADAPTER",
     "METRICS",
     "MODELS",
     "PAUSE",
@@ -28,6 +29,7 @@ __all__ = [
     "RESUME",
     "ROUTES",
     "SLEEP",
+    "UNLOAD_LORA_ADAPTER",
     "UPDATE_WEIGHTS",
     "UPDATE_WEIGHTS_FROM_DISK",
     "WAKE_UP",
@@ -65,6 +67,10 @@ MODELS = Route("/v1/models", ("GET",))
 CHAT_COMPLETIONS = Route("/v1/chat/completions", ("POST",), prompt=True)
 COMPLETIONS = Route("/v1/completions", ("POST",), prompt=True)
 RESPONSES = Route("/v1/responses", ("POST",), prompt=True)
+# LoRA adapters loaded and unloaded while serving (vLLM's routes; acb.serve.loras): always served,
+# refused without enable_lora_updates
+LOAD_LORA_ADAPTER = Route("/v1/load_lora_adapter", ("POST",))
+UNLOAD_LORA_ADAPTER = Route("/v1/unload_lora_adapter", ("POST",))
 PAUSE = Route("/pause", ("POST",), trainer=True)
 RESUME = Route("/resume", ("POST",), trainer=True)
 IS_PAUSED = Route("/is_paused", ("GET",), trainer=True, merge="all_paused")
@@ -83,6 +89,8 @@ ROUTES: tuple[Route, ...] = (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     RESPONSES,
+    LOAD_LORA_ADAPTER,
+    UNLOAD_LORA_ADAPTER,
     PAUSE,
     RESUME,
     IS_PAUSED,

@@ -8,6 +8,7 @@ replica receives what the launcher built.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from acb.config import ContinuousBatchingConfig
@@ -88,6 +89,11 @@ class ServerSettings:
     # the trainer addresses (IPs, networks, host names, *) /init_weight_transfer may make the
     # server connect to (acb.serve.weights.resolve_trainer); loopback by default
     weight_transfer_hosts: tuple[str, ...] = LOOPBACK_HOSTS
+    # LoRA adapters (acb.serve.loras): (name, PEFT folder) pairs loaded when the engine starts, each
+    # served as a model of that name (needs engine.max_loras >= their number); and
+    # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's), refused without enable_lora_updates
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora_updates: bool = False
     # -- the process
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
     host: str = "127.0.0.1"  # where Server.run listens
@@ -97,6 +103,12 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for name in ("allowed_media_domains", "weight_transfer_hosts"):  # (a list given in code)
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        modules = self.lora_modules  # (a dict or a list of pairs given in code)
+        pairs = tuple((str(n), str(p)) for n, p in (modules.items() if isinstance(modules, Mapping) else modules))
+        names = [n for n, _ in pairs]
+        if any(not n for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: each adapter needs a name of its own, got {names}")
+        object.__setattr__(self, "lora_modules", pairs)
 
     @property
     def served_name(self) -> str:
