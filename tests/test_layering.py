@@ -274,6 +274,7 @@ OPTIONAL = {
     "fastapi": {
         "acb.serve",
         "acb.serve.app",
+        "acb.serve.loras",
         "acb.serve.pipeline",
         "acb.serve.protocol",
         "acb.serve.responses",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from acb.errors import InvalidRequestError, InvalidRequestTypeError
+from acb.lora import load_adapter
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -164,7 +165,7 @@ class Loras:
         """
         if not isinstance(name, str) or not name:
             raise InvalidRequestTypeError(f"a LoRA adapter's name must be a non-empty str, got {name!r}", "lora")
-        max_loras = int(getattr(cfg, "max_loras", 0))
+        max_loras = cfg.max_loras
         if max_loras <= 0:
             raise InvalidRequestError(
                 "LoRA adapters are off in this engine (max_loras=0): start it with "
@@ -187,9 +188,7 @@ class Loras:
                 )
             self._reserved[name] = slot
         try:
-            from acb.lora import load_adapter
-
-            adapter = load_adapter(source, model, max_rank=int(getattr(cfg, "max_lora_rank", 16)), name=name)
+            adapter = load_adapter(source, model, max_rank=cfg.max_lora_rank, name=name)
             call(lambda core: core.runner.add_lora(slot, adapter)).result(timeout)  # type: ignore[attr-defined]
             info = LoraInfo(name, slot, adapter.rank, adapter.uid, adapter.nbytes, _describe(source))
             with self._lock:
