@@ -8,7 +8,9 @@ install), ``--rounds`` times each; each side's best is kept. Figures:
 
 - ``offline``: acb's output tokens per second on the documented mixed-length workload;
 - ``overhead``: the engine's host microseconds per step (schedule + stage + process, a null model)
-  at each running count.
+  at each running count;
+- ``steps``: the same figure at 1, 64 and 1,024 running requests without ``overhead``'s baselines
+  and telemetry rounds (a run is seconds, so more alternations fit in the same time).
 
 Writes ``results/tree_ab_cpu.json``. The machine's load is printed at each run: compare only
 within one run, on a quiet machine.
@@ -38,9 +40,23 @@ def unpack(rev: str, into: Path) -> Path:
     return into
 
 
+# ``steps``: the engine's host microseconds per all-decode step alone (``acb bench overhead``'s acb
+# side, without its baselines and telemetry rounds: shorter, so more alternations fit)
+STEPS = """
+import json
+from acb.bench.overhead import _acb
+print(json.dumps({n: _acb(n, 40)["host_us"] for n in (1, 64, 1024)}))
+"""
+
+
 def run_one(tree: Path, workload: str, out: Path, size: str) -> dict[str, Any]:
     """One ``acb bench`` run importing acb from ``tree``; returns its JSON."""
     env = dict(os.environ, PYTHONPATH=str(tree))
+    if workload == "steps":
+        got = subprocess.run(
+            [sys.executable, "-c", STEPS], check=True, env=env, cwd=tree, capture_output=True, text=True
+        )
+        return {"steps": json.loads(got.stdout.strip().splitlines()[-1])}
     cmd = [
         sys.executable,
         "-m",
@@ -61,6 +77,8 @@ def run_one(tree: Path, workload: str, out: Path, size: str) -> dict[str, Any]:
 
 def figures(workload: str, data: dict[str, Any]) -> dict[str, float]:
     """The figures compared: higher is better for tokens/s, lower for microseconds."""
+    if workload == "steps":
+        return {f"host_us@{n}": us for n, us in data["steps"].items()}
     rows = data["result"]["rows"]
     if workload == "offline":
         return {"tokens_per_s": next(r["tokens_per_s"] for r in rows if r["engine"] == "acb")}
@@ -72,6 +90,7 @@ def figures(workload: str, data: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="the base revision (a commit of this repository)")
+    ap.add_argument("--new", default=None, help="the new revision (default: the working tree)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size", default="default", help="acb bench's --size (tiny: a smoke test)")
     ap.add_argument("--workloads", default="offline,overhead")
@@ -79,12 +98,12 @@ def main() -> None:
     args = ap.parse_args()
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "acb"], capture_output=True, text=True)
-    sides = {"base": args.base, "new": head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")}
+    sides = {"base": args.base, "new": args.new or head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")}
     best: dict[str, dict[str, dict[str, float]]] = {w: {"base": {}, "new": {}} for w in args.workloads.split(",")}
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = unpack(args.base, Path(tmp) / "base")
-        trees = {"base": base_tree, "new": ROOT}
+        trees = {"base": base_tree, "new": unpack(args.new, Path(tmp) / "new") if args.new else ROOT}
         for rnd in range(args.rounds):
             for workload in best:
                 order = ("base", "new") if rnd % 2 == 0 else ("new", "base")
