@@ -35,6 +35,15 @@ The context window is ``hf``'s: lm-eval's own resolution from the model's config
 ``max_length + 1`` tokens takes ``max_length`` positions, as ``hf``'s forward does: its last token is
 scored, never fed.
 
+A PEFT adapter: ``peft=ADAPTER`` as for lm-eval's ``hf`` (``--model_args
+pretrained=BASE,peft=ADAPTER``): a LoRA adapter folder (``save_pretrained``'s; a hub id is fetched
+at ``revision``) on top of the base model. The engine is started with room for one adapter
+(``max_loras=1`` and ``max_lora_rank`` the adapter's rank, unless the model arguments set them),
+the adapter is installed with :meth:`acb.Engine.add_lora`, and every request (``loglikelihood``,
+``loglikelihood_rolling``, ``generate_until``) runs with it, so the numbers are those of ``hf``'s
+``PeftModel``. As ``hf``, the model's embeddings are resized to the tokenizer's length first when the
+two differ (a checkpoint loaded from a path). ``delta`` (weights added to the base) is refused.
+
 ``loglikelihood`` runs on the engine's scoring requests (:meth:`acb.Engine.score_batch`): the
 continuations of one context are one item (one-token choices come from one forward of the
 context), the prefix cache is read for every context (a task's few-shot preamble is computed
@@ -80,7 +89,9 @@ acb-multimodal`` too.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -89,6 +100,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tqdm.auto import tqdm
 
 from acb.api.engine import Engine
+from acb.api.loading import load_pretrained
 from acb.config import ContinuousBatchingConfig
 from acb.outputs import RequestStatus
 from acb.sampling_params import SamplingParams
@@ -135,6 +147,9 @@ _SAMPLING_KEYS = frozenset(
 )
 _ENGINE_KEYS = frozenset(f.name for f in fields(ContinuousBatchingConfig) if f.init)
 
+# the name the ``peft`` adapter is loaded under in the engine
+PEFT_ADAPTER = "peft"
+
 _T = TypeVar("_T")
 _K = TypeVar("_K", bound="Hashable")
 # loglikelihood request as TemplateLM hands it over: ((context, continuation) or None, context ids, continuation ids)
@@ -161,6 +176,11 @@ class AcbLM(TemplateLM):
         chat_template_args: keyword arguments of the tokenizer's ``apply_chat_template``.
         batch_size, max_batch_size: accepted because lm-eval passes them; acb schedules its own
             batches (``max_batch_tokens``, ``max_requests_per_batch``).
+        peft: a LoRA adapter every request runs with, as lm-eval's ``hf`` takes it: the folder
+            PEFT's ``save_pretrained`` wrote (or a hub id, fetched at ``revision``; or a
+            ``peft.PeftModel``, its active adapter). The engine gets ``max_loras=1`` and the
+            adapter's rank as ``max_lora_rank`` unless these are given (see the module docstring).
+        delta: refused (``hf``'s delta weights; acb does not add weights to a model).
         engine_settings: fields of :class:`acb.ContinuousBatchingConfig` (``num_blocks``,
             ``max_batch_tokens``, ``use_async_batching``, ``max_model_len``, ...).
 
@@ -183,6 +203,8 @@ class AcbLM(TemplateLM):
         chat_template_args: dict[str, Any] | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
+        peft: str | os.PathLike[str] | Any = None,
+        delta: str | None = None,
         **engine_settings: Any,
     ) -> None:
         super().__init__()
@@ -192,6 +214,13 @@ class AcbLM(TemplateLM):
                 f"AcbLM got unknown argument(s) {unknown}: the model arguments are AcbLM's own "
                 "and the fields of acb.ContinuousBatchingConfig"
             )
+        if delta is not None:
+            raise ValueError(
+                "Cannot use both 'peft' and 'delta' options at the same time (as lm-eval's hf)"
+                if peft is not None
+                else f"delta={delta!r}: acb does not add delta weights to a model; add them to the checkpoint "
+                "and pass that as pretrained (a LoRA adapter is taken as peft=...)"
+            )
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             logger.info(
                 "acb schedules its own batches: batch_size=%s / max_batch_size=%s have no effect "
@@ -199,8 +228,12 @@ class AcbLM(TemplateLM):
                 batch_size,
                 max_batch_size,
             )
-        config = ContinuousBatchingConfig(**engine_settings)
         hub_kwargs: dict[str, Any] = {"revision": revision} if revision is not None else {}
+        self.peft = peft
+        self._peft_source = None if peft is None else _adapter_source(peft, revision)
+        if self._peft_source is not None:
+            engine_settings = _lora_settings(engine_settings, self._peft_source)
+        config = ContinuousBatchingConfig(**engine_settings)
         if trust_remote_code:
             hub_kwargs["trust_remote_code"] = True
         if isinstance(pretrained, str):
@@ -212,6 +245,15 @@ class AcbLM(TemplateLM):
         # stops the engine thread when this object is closed, collected, or at exit; it holds the
         # engine only, so it does not keep this object alive
         self._finalizer = weakref.finalize(self, engine.shutdown)
+        # the adapter every request runs with (None: the base model)
+        self._lora: str | None = None
+        if self._peft_source is not None:
+            try:
+                engine.add_lora(PEFT_ADAPTER, self._peft_source)
+            except BaseException:
+                self.close()
+                raise
+            self._lora = PEFT_ADAPTER
         limit = engine.config.max_model_len
         if max_length is not None and not 0 < max_length <= limit:
             self.close()
@@ -247,11 +289,21 @@ class AcbLM(TemplateLM):
     ) -> tuple[Engine, Any]:
         """The engine (not started) and the tokenizer lm-eval's text goes through."""
         tok = _load_tokenizer(tokenizer, pretrained, hub_kwargs)
-        if isinstance(pretrained, str):
+        if not isinstance(pretrained, str):
+            return Engine(pretrained, config, tokenizer=tok), tok
+        if self._peft_source is None:
             engine = Engine.from_pretrained(pretrained, config, dtype=dtype, device=device, tokenizer=tok, **hub_kwargs)
-        else:
-            engine = Engine(pretrained, config, tokenizer=tok)
-        return engine, tok
+            return engine, tok
+        model, _ = load_pretrained(pretrained, dtype=dtype, device=device, tokenizer=tok, **hub_kwargs)
+        # as hf does before it applies an adapter: the embeddings resized to the tokenizer's length
+        # (a vocabulary padded past the tokenizer's loses its extra rows, which changes every logprob)
+        vocab = getattr(getattr(model.config, "text_config", model.config), "vocab_size", None)
+        if vocab is not None and vocab != len(tok):
+            logger.info(
+                "peft: resizing the model's embeddings from %d to the tokenizer's %d rows (as hf)", vocab, len(tok)
+            )
+            model.resize_token_embeddings(len(tok))
+        return Engine(model, config, getattr(model, "generation_config", None), tokenizer=tok), tok
 
     # ------------------------------------------------------------------ life
     def close(self) -> None:
@@ -295,6 +347,11 @@ class AcbLM(TemplateLM):
             "model_num_parameters": sum(p.numel() for p in model.parameters()),
             "model_dtype": str(next(model.parameters()).dtype),
             "acb_engine": asdict(self.engine.config),
+            **(
+                {"peft": str(self.peft) if isinstance(self.peft, (str, os.PathLike)) else "PeftModel"}
+                if self._lora
+                else {}
+            ),
         }
 
     # --------------------------------------------------------------- tokens
@@ -389,7 +446,7 @@ class AcbLM(TemplateLM):
         """Score every item (key: its context as a prompt, its distinct continuations) in one
         :meth:`acb.Engine.score_batch` call: ``(key, continuation) -> (logprob, greedy)``."""
         batch = [(context, [list(x) for x in conts]) for context, conts in items.values()]
-        outs = self.engine.score_batch(batch, progress_bar=not disable_tqdm)
+        outs = self.engine.score_batch(batch, progress_bar=not disable_tqdm, lora=self._lora)
         scored: dict[tuple[_K, tuple[int, ...]], tuple[float, bool]] = {}
         for (key, (_, conts)), out in zip(items.items(), outs):
             if out.status != RequestStatus.FINISHED:
@@ -495,7 +552,7 @@ class AcbLM(TemplateLM):
         handles: list[SyncRequestHandle] = []
         try:
             for ids, sp in zip(prompts, params):
-                handles.append(self.engine.submit(ids, sp))
+                handles.append(self.engine.submit(ids, sp, lora=self._lora))
             kept = []
             with tqdm(total=len(handles), desc=desc, disable=disable_tqdm) as bar:
                 for i, h in enumerate(handles):
@@ -779,6 +836,63 @@ def _placement(dtype: str | torch.dtype, device: str | None) -> tuple[str | torc
             raise ValueError(f"dtype={dtype!r}: expected 'auto' or a torch dtype name such as 'bfloat16'")
         dtype = getattr(torch, dtype)
     return dtype, device
+
+
+def _adapter_source(peft: Any, revision: str | None) -> Any:
+    """What ``add_lora`` reads for ``peft``: a local folder as it is, a ``PeftModel`` as it is,
+    else a hub id, fetched at ``revision`` (as ``hf``'s ``PeftModel.from_pretrained(..., revision=)``)."""
+    if not isinstance(peft, (str, os.PathLike)) or os.path.isdir(peft):
+        return peft
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(
+            str(peft), revision=revision, allow_patterns=["adapter_config.json", "adapter_model.*"]
+        )
+    except Exception as exc:  # noqa: BLE001 - the hub's many errors, said as one
+        raise ValueError(
+            f"peft={str(peft)!r}: not a local folder, and the Hugging Face hub (or its cache) has no such "
+            f"adapter ({type(exc).__name__}: {exc}); pass the folder PEFT's save_pretrained wrote"
+        ) from exc
+
+
+def _adapter_rank(source: Any) -> int | None:
+    """The largest rank of an adapter (its ``r`` and ``rank_pattern``), or None when its config
+    cannot be read here (``add_lora`` then says what is wrong)."""
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            with open(os.path.join(source, "adapter_config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+    else:
+        configs = getattr(source, "peft_config", None)
+        active = getattr(source, "active_adapter", None)
+        if not isinstance(configs, dict) or active not in configs:
+            return None
+        config = vars(configs[active])
+    if not isinstance(config, dict):
+        return None
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    ints = [int(r) for r in ranks if isinstance(r, int)]
+    return max(ints) if ints else None
+
+
+def _lora_settings(settings: dict[str, Any], source: Any) -> dict[str, Any]:
+    """The engine settings with room for the ``peft`` adapter: ``max_loras=1`` and
+    ``max_lora_rank`` the adapter's rank, where the model arguments do not set them."""
+    settings = dict(settings)
+    if "max_loras" not in settings:
+        settings["max_loras"] = 1
+    elif not (isinstance(settings["max_loras"], int) and settings["max_loras"] >= 1):
+        raise ValueError(
+            f"peft: the adapter needs an engine with LoRA on, and max_loras={settings['max_loras']!r} "
+            "turns it off; leave max_loras out (1) or set it >= 1"
+        )
+    rank = _adapter_rank(source)
+    if "max_lora_rank" not in settings and rank is not None:
+        settings["max_lora_rank"] = rank
+    return settings
 
 
 def _load_tokenizer(

@@ -8,6 +8,7 @@ through ``lm_eval.simple_evaluate`` with both backends; every logged sample must
 
 from __future__ import annotations
 
+import copy
 import gc
 import glob
 import json
@@ -16,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -168,9 +170,15 @@ def offline():
         yield
 
 
-def _evaluate(model, task_manager, model_args: str | None = None):
+def _evaluate(model, task_manager, model_args: str | None = None, tasks=TASKS, limit: int | None = None):
     return lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=TASKS, task_manager=task_manager, device="cpu", log_samples=True
+        model=model,
+        model_args=model_args,
+        tasks=tasks,
+        task_manager=task_manager,
+        device="cpu",
+        log_samples=True,
+        limit=limit,
     )
 
 
@@ -211,8 +219,8 @@ def _same(a, b, where: str) -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-def _assert_same_metrics(ref: dict, got: dict) -> None:
-    for task in TASKS:
+def _assert_same_metrics(ref: dict, got: dict, tasks=TASKS) -> None:
+    for task in tasks:
         want, have = ref[task], got[task]
         assert want.keys() == have.keys()
         for key, value in want.items():
@@ -222,15 +230,15 @@ def _assert_same_metrics(ref: dict, got: dict) -> None:
                 assert have[key] == value, f"{task} {key}"
 
 
-def _assert_same_as_hf(hf: dict, got: dict) -> None:
-    for task in TASKS:
+def _assert_same_as_hf(hf: dict, got: dict, tasks=TASKS) -> None:
+    for task in tasks:
         want = sorted(hf["samples"][task], key=lambda s: s["doc_id"])
         have = sorted(got["samples"][task], key=lambda s: s["doc_id"])
         assert [s["doc_id"] for s in want] == [s["doc_id"] for s in have] and want
         for s, t in zip(want, have):
             _same(s["resps"], t["resps"], f"{task} doc {s['doc_id']} resps")
             _same(s["filtered_resps"], t["filtered_resps"], f"{task} doc {s['doc_id']} filtered_resps")
-    _assert_same_metrics(hf["results"], got["results"])
+    _assert_same_metrics(hf["results"], got["results"], tasks)
 
 
 def test_the_tasks_exercise_what_they_should(hf_run):
@@ -282,6 +290,90 @@ def test_on_the_own_cache_path_matches_hf(workdir, task_manager, hf_run):
         assert lm.engine.runner.own_cache_runner is not None
         got = _evaluate(lm, task_manager)
     _assert_same_as_hf(hf_run, got)
+
+
+# ------------------------------------------------------------------ a PEFT adapter (peft=)
+PEFT_TASKS = ["acb_test_mc", "acb_test_gen", "acb_test_roll"]  # the three request types
+PEFT_LIMIT = 3  # documents a task
+
+
+@pytest.fixture(scope="module")
+def adapter(workdir) -> Path:
+    """A LoRA adapter of the tiny model, saved by PEFT (random: PEFT starts lora_B at zero, and
+    such an adapter would change nothing)."""
+    import peft
+
+    torch.manual_seed(0)
+    tuned = peft.get_peft_model(
+        copy.deepcopy(workdir["model"]), peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    )
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    path = workdir["dir"] / "adapter"
+    tuned.save_pretrained(path)
+    return path
+
+
+def test_a_peft_adapter_matches_hf_with_it(workdir, task_manager, hf_run, adapter):
+    """``--model_args pretrained=BASE,peft=ADAPTER``: acb's answers are hf's (a PeftModel) for
+    every request type, and not the base model's (every request ran with the adapter)."""
+    args = f"pretrained={workdir['dir'] / 'model'},peft={adapter},max_length={MAX_LENGTH}"
+    hf = _evaluate("hf", task_manager, args, PEFT_TASKS, PEFT_LIMIT)
+    got = _evaluate("acb", task_manager, args, PEFT_TASKS, PEFT_LIMIT)
+    _assert_same_as_hf(hf, got, PEFT_TASKS)
+    engine = got["config"]["acb_engine"]
+    assert (engine["max_loras"], engine["max_lora_rank"]) == (1, 8)  # room for the one adapter, its rank
+    assert got["config"]["peft"] == str(adapter)
+    for task in PEFT_TASKS:
+        base = {s["doc_id"]: s["resps"] for s in hf_run["samples"][task]}
+        assert all(s["resps"] != base[s["doc_id"]] for s in got["samples"][task]), f"{task}: the base model's answers"
+
+
+def test_peft_resizes_the_embeddings_as_hf(workdir, adapter, tmp_path):
+    """hf resizes the model's embeddings to the tokenizer's length before it applies an adapter: a
+    checkpoint whose vocabulary is padded past the tokenizer's then scores over fewer tokens.
+    acb does the same, so the logprobs are hf's."""
+    from lm_eval.models.huggingface import HFLM
+
+    tok = workdir["tok"]
+    padded = tiny_model("llama", vocab_size=len(tok) + 16, max_position_embeddings=256)
+    padded.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    reqs = [Instance("loglikelihood", {}, (c, x), 0) for c, x in (("Once upon a", " time"), ("abc", " def"))]
+    hf = HFLM(pretrained=str(tmp_path), peft=str(adapter), device="cpu", max_length=MAX_LENGTH)
+    want = hf.loglikelihood(reqs)
+    with AcbLM(str(tmp_path), peft=str(adapter), max_length=MAX_LENGTH) as lm:
+        assert lm.engine.model.config.vocab_size == len(tok)
+        _same(want, lm.loglikelihood(reqs), "a vocabulary padded past the tokenizer's")
+
+
+def test_peft_settings_and_refusals(workdir, adapter):
+    """The model arguments' max_loras/max_lora_rank are kept; what cannot run is refused with why,
+    and an engine already started for it is stopped."""
+    kw = {"tokenizer": workdir["tok"], "max_length": MAX_LENGTH}
+    with AcbLM(workdir["model"], peft=adapter, max_loras=2, max_lora_rank=16, **kw) as lm:
+        assert (lm.engine.config.max_loras, lm.engine.config.max_lora_rank) == (2, 16)
+        assert [i.name for i in lm.engine.list_loras()] == ["peft"]
+        assert lm.get_model_info()["peft"] == str(adapter)
+    threads = {t.name for t in threading.enumerate()}
+    for extra, err, match in (
+        ({"delta": str(adapter)}, ValueError, "both 'peft' and 'delta'"),
+        ({"max_loras": 0}, ValueError, "max_loras=0 turns it off"),
+        ({"max_lora_rank": 4}, ValueError, "rank"),  # given, so kept: the adapter's 8 is over it
+        ({"runner": "own_cache"}, ValueError, "paged path only"),
+    ):
+        with pytest.raises(err, match=match):
+            AcbLM(workdir["model"], peft=adapter, **extra, **kw)
+    with pytest.raises(ValueError, match="delta weights"):
+        AcbLM(workdir["model"], delta=str(adapter), **kw)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        AcbLM(workdir["model"], peft=workdir["dir"] / "model", **kw)  # a checkpoint, not an adapter
+    with pytest.raises(ValueError, match="not a local folder"):
+        AcbLM(workdir["model"], peft=str(workdir["dir"] / "no_such_adapter"), **kw)
+    gc.collect()
+    assert {t.name for t in threading.enumerate()} <= threads  # no engine thread left running
 
 
 def test_cli(workdir, acb_run, tmp_path):
