@@ -377,6 +377,23 @@ class AsyncEngine(EngineBase):
         """The LoRA adapters loaded now, by slot."""
         return self.loras.list()
 
+    async def update_lora(self, name: str, source: Any, *, version: Any = None, timeout: float | None = None) -> Any:
+        """:meth:`acb.Engine.update_lora`: the new weights read and checked, and the wait for the
+        requests in flight with the adapter, in a worker thread.
+
+        Args:
+            name: the adapter's name.
+            source: its new weights (a PEFT folder, a ``PeftModel``, PEFT-keyed tensors).
+            version: the new version (default: the current one plus one).
+            timeout: the most seconds to wait for the requests in flight with the adapter.
+
+        Returns:
+            The version now running.
+        """
+        return await anyio.to_thread.run_sync(
+            lambda: self.loras.update(name, source, self.model, self.config, self.call, version, timeout)
+        )
+
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
         requests run: blocks in use stay in use. Returns how many blocks were forgotten."""

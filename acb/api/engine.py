@@ -272,6 +272,32 @@ class Engine(EngineBase):
         """The LoRA adapters loaded now, by slot."""
         return self.loras.list()
 
+    def update_lora(self, name: str, source: Any, *, version: Any = None, timeout: float | None = None) -> Any:
+        """Replace a loaded LoRA adapter's weights in place (same name, same slot): an RL trainer's
+        LoRA policy after an optimizer step. Everything is checked before anything changes; the swap
+        happens between two steps once no request that uses the adapter has started (those in
+        flight finish on the old weights; those not started yet run the new). Versioned like
+        :meth:`update_weights`: the engine's ``weight_version`` becomes ``version``, the prefix
+        cache is dropped (:mod:`acb.api.loras`).
+
+        Args:
+            name: the adapter's name.
+            source: its new weights: a PEFT adapter folder, a ``peft.PeftModel`` (its active
+                adapter), or ``{key: tensor}`` / ``(key, tensor)`` pairs by PEFT's keys
+                (``peft.get_peft_model_state_dict(model)``): some or all of its tensors, same shapes.
+            version: the new version (default: the current one plus one).
+            timeout: the most seconds to wait for the requests in flight with the adapter.
+
+        Returns:
+            The version now running.
+
+        Raises:
+            ValueError: no adapter of that name (field ``lora``), or tensors that do not fit it
+                (``WeightUpdateError``), or a bad version; nothing changed.
+            TimeoutError: requests using it were still running at ``timeout``; nothing changed.
+        """
+        return self.loras.update(name, source, self.model, self.config, self.call, version, timeout)
+
     def reset_prefix_cache(self, timeout: float | None = None) -> int:
         """Forget every cached prefix (needed after changing the weights in place). Safe while
         requests run: blocks in use stay in use.

@@ -7,7 +7,10 @@ adapters saved with ``save_pretrained`` to a tmp folder and read back by the eng
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -262,3 +265,67 @@ def test_the_slot_crosses_to_tensor_parallel_followers():
     copy = from_wire(to_wire(Add(er)))
     assert isinstance(copy, Add)
     assert dataclasses.replace(copy.req, sink_key=3, created_time=er.created_time) == er
+
+
+def test_update_lora_in_place_waits_for_requests_in_flight(adapters):
+    """``update_lora`` replaces an adapter's weights in its slot, versioned: a request not started
+    yet runs the new weights, one started keeps the old (the swap waits for it, and gives up at its
+    timeout with nothing changed); tensors that do not fit are refused whole. Exact against
+    ``PeftModel.generate`` with the new adapter."""
+    from acb.errors import WeightUpdateError
+
+    base, ref, folders = adapters
+    config_a = ref.peft_config["peft_a"]
+    news = []
+    for seed in (11, 12):
+        new = peft.get_peft_model(tiny_model("llama", seed=3), copy.deepcopy(config_a), adapter_name="peft_a")
+        _randomise(new, "peft_a", seed)
+        news.append((new.eval(), peft.get_peft_model_state_dict(new, adapter_name="peft_a")))
+    prompt = PROMPTS[1]
+    old_want = _peft_generate(ref, prompt, "a")
+    want = [_peft_generate(new, prompt, "a") for new, _ in news]
+    assert len({tuple(old_want), *map(tuple, want)}) == 3  # (each adapter gives other tokens: the test can fail)
+    cfg = acb.ContinuousBatchingConfig(max_loras=1, max_lora_rank=8, page_size=4, num_blocks=256)
+    with acb.Engine(base, cfg) as eng:
+        uid = eng.add_lora("a", folders["a"]).uid
+        # refused whole, nothing changed: a wrong shape, a module the adapter lacks, an unknown adapter
+        state = dict(news[0][1])
+        key = next(iter(state))
+        bad = {**state, key: torch.zeros(state[key].shape[0] + 1, state[key].shape[1])}
+        with pytest.raises(WeightUpdateError, match="shape"):
+            eng.update_lora("a", bad)
+        with pytest.raises(WeightUpdateError, match="not one of adapter 'a'"):
+            eng.update_lora("a", {"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 4)})
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'zz'"):
+            eng.update_lora("zz", state)
+        assert [i.uid for i in eng.list_loras()] == [uid]
+        # a request submitted but not started runs the new weights, under the new version
+        eng.pause("keep")
+        h = eng.submit(prompt, max_new_tokens=MAX_NEW, ignore_eos=True, lora="a")
+        assert eng.update_lora("a", state, version=5) == 5
+        eng.resume()
+        out = h.result(timeout=120)
+        assert out.generated_tokens == want[0] and out.weight_version == 5
+        assert eng.list_loras()[0].uid != uid and eng.list_loras()[0].slot == 1
+        # a started request keeps the weights it started with: the swap waits for it
+        long = eng.generate(PROMPTS[3], max_new_tokens=400, ignore_eos=True, lora="a").generated_tokens
+        h = eng.submit(PROMPTS[3], max_new_tokens=400, ignore_eos=True, lora="a")
+        wait_until(
+            lambda: eng.call(lambda c: any(r.num_generated for r in c.scheduler.live.values())).result(),
+            "the request has sampled a token",
+        )
+        eng.pause("keep")
+        assert not h.done
+        with pytest.raises(TimeoutError, match="still in use"):
+            eng.update_lora("a", news[1][1], version=6, timeout=0.3)
+        landed: list = []
+        t = threading.Thread(target=lambda: landed.append(eng.update_lora("a", news[1][1], version=6, timeout=120)))
+        t.start()
+        time.sleep(0.2)
+        assert not landed  # (waiting for the parked request)
+        eng.resume()
+        out = h.result(timeout=120)
+        t.join(timeout=120)
+        assert out.generated_tokens == long and out.weight_version == 5 and landed == [6]
+        out = eng.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True, lora="a")
+        assert out.generated_tokens == want[1] and out.weight_version == 6
