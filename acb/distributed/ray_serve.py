@@ -26,7 +26,9 @@ reading a body). The router never fails a request: without a usable key, any rep
 With ``--enable-weight-updates`` (a fixed replica count), the trainer's routes reach every
 replica (:class:`acb.serve.ingress.FanOut`): each replica joins the trainer's
 ``torch.distributed`` group with its own rank, so :class:`acb.rl.WeightPusher` pushes to all of
-them in one broadcast. The ingress addresses a replica by its id (the request's ``replica``,
+them in one broadcast. With ``--enable-lora-updates`` (a fixed replica count too: a replica
+started later would lack the adapters loaded before it), ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` reach every replica the same way. The ingress addresses a replica by its id (the request's ``replica``,
 which the router honours alone) and learns the ids from its own router.
 
 A replica that dies mid-request: the ingress answers an OpenAI error body (503) when nothing
@@ -82,7 +84,7 @@ logger = logging.getLogger(__name__)
 # engine's own queue and max_queue_size decide what waits)
 DEFAULT_MAX_ONGOING_REQUESTS = 256
 APP_NAME = "acb"
-FAN_OUT_TIMEOUT_S = 60.0  # how long a trainer's route waits for every replica to be up and reached
+FAN_OUT_TIMEOUT_S = 60.0  # how long a fanned-out route waits for every replica to be up and reached
 
 
 def live_replicas() -> dict[str, tuple[str, ...]]:
@@ -280,7 +282,7 @@ class AcbIngress:
 
     async def _every_replica(self) -> tuple[str, ...]:
         """Every replica's id once the router knows all of them (a 503 after
-        :data:`FAN_OUT_TIMEOUT_S`: a trainer's route must reach each)."""
+        :data:`FAN_OUT_TIMEOUT_S`: a fanned-out route must reach each)."""
         want = self.fan_out_replicas or 1
         app = serve.get_replica_context().app_name
         deadline = asyncio.get_running_loop().time() + FAN_OUT_TIMEOUT_S
@@ -292,7 +294,7 @@ class AcbIngress:
             if asyncio.get_running_loop().time() > deadline:
                 raise APIError(
                     503,
-                    f"{len(known)} of {want} engine replicas are up; a trainer's route must reach every one",
+                    f"{len(known)} of {want} engine replicas are up; this route must reach every one",
                     type="server_error",
                 )
             await asyncio.sleep(0.1)
@@ -403,7 +405,8 @@ def build_application(
         The bound application (for ``serve.run``, or a config file's builder).
 
     Raises:
-        ValueError: weight updates with autoscaling (a trainer's group has a fixed size).
+        ValueError: weight or LoRA updates with autoscaling (a trainer's group has a fixed size; an
+            adapter loaded while serving must reach every replica).
     """
     fan_out = None
     if settings.enable_weight_updates:
@@ -411,6 +414,14 @@ def build_application(
             raise ValueError(
                 "--enable-weight-updates needs a fixed replica count (--num-replicas N): a trainer's "
                 "weight-transfer group has one rank per replica; drop --min-replicas/--max-replicas"
+            )
+        fan_out = num_replicas or 1
+    if settings.enable_lora_updates:
+        if min_replicas is not None or max_replicas is not None:
+            raise ValueError(
+                "--enable-lora-updates needs a fixed replica count (--num-replicas N): an adapter loaded "
+                "while serving goes to every replica, and one started later would not have it; drop "
+                "--min-replicas/--max-replicas (adapters given with --lora-modules load on every replica)"
             )
         fan_out = num_replicas or 1
     opts = deployment_options(

@@ -13,13 +13,17 @@ whose prefix changes, or a scraper of ``/metrics`` visiting each replica).
 
 What a route needs from the ingress is read from the app's own route table
 (:data:`acb.serve.routes.ROUTES`), never listed here: a generation's prompt makes its prefix key
-(:data:`PROMPT_PATHS`), and the routes a trainer drives (``acb serve --enable-weight-updates``:
-:data:`FAN_OUT_ROUTES`) go to every replica, not one (:class:`FanOut`): a pause, a sleep or a
-weight update reaches each; in ``/init_weight_transfer`` each replica joins the trainer's group
-with its own rank (the body's ``rank_offset`` plus its index, replicas in a fixed order), and
-``GET /get_world_size`` answers the sum of the replicas' own (one rank each), so the trainer sizes
-the group. The answer is the replicas' common one, or the failures of those that failed, each
-named. Any other path is forwarded as it is (the replica's app answers it, a 404 included).
+(:data:`PROMPT_PATHS`), and the routes marked ``every_replica`` (:data:`FAN_OUT_ROUTES`: those a
+trainer drives, ``acb serve --enable-weight-updates``, and the LoRA adapters' load and unload,
+``--enable-lora-updates``) go to every replica, not one (:class:`FanOut`): a pause, a sleep, a
+weight update or an adapter reaches each; in ``/init_weight_transfer`` each replica joins the
+trainer's group with its own rank (the body's ``rank_offset`` plus its index, replicas in a fixed
+order), and ``GET /get_world_size`` answers the sum of the replicas' own (one rank each), so the
+trainer sizes the group. The answer is the replicas' common one (the route's ``merge``: a JSON
+body, or a plain text such as vLLM's ``Success: ...`` of the LoRA routes) once every replica
+succeeded, else the failures of those that failed, each named, and how many succeeded (nothing
+is undone on those: an adapter loaded on some replicas is unloaded, or loaded on the rest, by
+the caller). Any other path is forwarded as it is (the replica's app answers it, a 404 included).
 
 On SIGINT/SIGTERM the launcher calls :meth:`IngressDrain.drain`, as a plain ``acb serve``'s
 :class:`~acb.serve.protocol.Drain` runs: new requests and ``/health`` get 503, requests in flight
@@ -156,14 +160,14 @@ class IngressDrain:
 
 
 # what the ingress does by route, read from the app's own table (acb.serve.routes): a trainer's
-# routes reach every replica; a generation's prompt makes its prefix key
-FAN_OUT_ROUTES: Mapping[str, Route] = {r.path: r for r in ROUTES if r.trainer}
+# routes and the LoRA routes reach every replica; a generation's prompt makes its prefix key
+FAN_OUT_ROUTES: Mapping[str, Route] = {r.path: r for r in ROUTES if r.every_replica}
 PROMPT_PATHS = frozenset(r.path for r in ROUTES if r.prompt)
 
 
 class FanOut:
-    """Sends a trainer's route to every replica and merges their answers (see the module
-    docstring).
+    """Sends a route marked ``every_replica`` to every replica and merges their answers (see the
+    module docstring).
 
     Args:
         replicas: ``await replicas()`` gives every replica's id once all are up (raises
@@ -179,10 +183,11 @@ class FanOut:
         self.replicas = replicas
         self.send = send
 
-    async def __call__(self, routed: RoutedRequest) -> tuple[int, dict[str, Any]]:
-        """One fanned-out request: its status and JSON body."""
+    async def __call__(self, routed: RoutedRequest) -> tuple[int, dict[str, Any] | str]:
+        """One fanned-out request: its status and body (JSON, or the text of a ``"text"`` route's
+        success)."""
         path = routed.path.rstrip("/")
-        route = FAN_OUT_ROUTES.get(path) or Route(path, (routed.method,), trainer=True)
+        route = FAN_OUT_ROUTES.get(path) or Route(path, (routed.method,), every_replica=True)
         ids = sorted(await self.replicas())
         bodies = [routed.body] * len(ids)
         if route.ranked:
@@ -207,18 +212,22 @@ def _ranked(body: bytes, n: int) -> list[bytes]:
     return [json.dumps({**doc, "rank_offset": offset + i}).encode() for i in range(n)]
 
 
-def _merge(route: Route, ids: Sequence[str], answers: Sequence[Any]) -> tuple[int, dict[str, Any]]:
+def _merge(route: Route, ids: Sequence[str], answers: Sequence[Any]) -> tuple[int, dict[str, Any] | str]:
     """The replicas' answers as one: as the route's ``merge`` says when all succeeded (the first
-    replica's body; ``/is_paused``: paused when every replica is; ``/get_world_size``: the sum),
-    else the failures, each named, under the most telling status
+    replica's body, or its text; ``/is_paused``: paused when every replica is;
+    ``/get_world_size``: the sum), else the failures, each named, under the most telling status
     (a refusal before the 409 it caused elsewhere, a 4xx before a 5xx)."""
     failed: list[tuple[int, str]] = []
     bodies: list[dict[str, Any]] = []
+    texts: list[str] = []
     for rid, answer in zip(ids, answers):
         if isinstance(answer, BaseException):
             failed.append((503, f"replica {rid}: {type(answer).__name__}: {answer}"))
             continue
         status, raw = answer
+        if status == 200 and route.merge == "text":
+            texts.append(raw.decode(errors="replace"))
+            continue
         try:
             doc = json.loads(raw) if raw else {}
         except ValueError:
@@ -229,6 +238,8 @@ def _merge(route: Route, ids: Sequence[str], answers: Sequence[Any]) -> tuple[in
         message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
         failed.append((status, f"replica {rid}: {message or raw[:200].decode(errors='replace')}"))
     if not failed:
+        if route.merge == "text":
+            return 200, texts[0] if texts else ""
         if route.merge == "world_size":  # (each replica answered it: its API key checked there)
             return 200, {"world_size": sum(int(b.get("world_size", 0)) for b in bodies)}
         out = dict(bodies[0]) if bodies else {}
@@ -319,6 +330,8 @@ def forwarding_app(
             from starlette.responses import JSONResponse
 
             status, doc = await fan_out(routed)
+            if isinstance(doc, str):
+                return PlainTextResponse(doc, status_code=status)
             return JSONResponse(doc, status_code=status)
         stream: Any = call(routed)  # (a DeploymentResponseGenerator)
         try:

@@ -1,8 +1,10 @@
 """acb/serve/routes.py: the app's routes are declared once, and ``acb serve --ray``'s ingress
 (acb/serve/ingress.py) reads the same table: the app serves exactly the table's routes (a
 trainer's with ``enable_weight_updates``), and the ingress, driven over ASGI with stand-in
-replicas (no Ray), sends every trainer route to every replica and every other route to one, a
-generation with its prompt's prefix key, without a list of paths of its own."""
+replicas (no Ray), sends every route marked ``every_replica`` (a trainer's, the LoRA adapters'
+load and unload) to every replica and every other route to one, a generation with its prompt's
+prefix key, without a list of paths of its own; a fanned-out route answers once every replica
+succeeded, in the route's form (JSON, or the LoRA routes' text), else with each failure named."""
 
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ def test_the_ingress_forwards_each_declared_route_as_the_table_says():
 
     async def send(routed):
         every.append(routed)
+        if routed.path in (routes.LOAD_LORA_ADAPTER.path, routes.UNLOAD_LORA_ADAPTER.path):
+            return 200, f"Success: {routed.replica}".encode()  # (a replica answers these with vLLM's text)
         return 200, b'{"world_size": 1, "paused": true}'
 
     app = ingress.forwarding_app(call, 1 << 20, fan_out=ingress.FanOut(replicas, send))
@@ -82,10 +86,14 @@ def test_the_ingress_forwards_each_declared_route_as_the_table_says():
                     every.clear()
                     r = await c.request(method, route.path, content=_body(route))
                     assert r.status_code == 200, (route, r.text)
-                    if route.trainer:
+                    if route.every_replica:
                         assert not one and sorted(x.replica for x in every) == ["r-0", "r-1"], route
                         ranks = sorted(json.loads(x.body)["rank_offset"] for x in every)
                         assert ranks == ([1, 2] if route.ranked else [1, 1]), route
+                        if route.merge == "text":  # the first replica's text, as text
+                            assert r.text == "Success: r-0" and r.headers["content-type"].startswith("text/plain")
+                        else:
+                            assert r.headers["content-type"] == "application/json", route
                     else:
                         assert not every and len(one) == 1 and one[0].path == route.path, route
                         assert (one[0].affinity is not None) == route.prompt, route
@@ -95,7 +103,50 @@ def test_the_ingress_forwards_each_declared_route_as_the_table_says():
             assert [x.path for x in one] == ["/no/such/route"] and one[0].affinity is None
 
     asyncio.run(drive())
-    assert ingress.FAN_OUT_ROUTES.keys() == {r.path for r in routes.ROUTES if r.trainer}
+    assert ingress.FAN_OUT_ROUTES.keys() == {r.path for r in routes.ROUTES if r.every_replica}
+    # a trainer's routes and the LoRA adapters' reach every replica
+    assert all(r.every_replica for r in routes.ROUTES if r.trainer)
+    assert {routes.LOAD_LORA_ADAPTER.path, routes.UNLOAD_LORA_ADAPTER.path} <= ingress.FAN_OUT_ROUTES.keys()
+
+
+def test_a_lora_route_answers_once_every_replica_did():
+    """``POST /v1/load_lora_adapter`` through the ingress: every replica's success is vLLM's text
+    once; a replica that refuses (or died) makes the answer its refusal, the replica named, and
+    says how many loaded it."""
+    answers: dict[str, tuple[int, bytes] | Exception] = {}
+
+    async def replicas():
+        return ["r-1", "r-0", "r-2"]
+
+    async def send(routed):
+        answer = answers[routed.replica]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def call(routed):  # (nothing goes to one replica here)
+        raise AssertionError(routed)
+
+    app = ingress.forwarding_app(call, 1 << 20, fan_out=ingress.FanOut(replicas, send))
+    ok = (200, b"Success: LoRA adapter 'a' added successfully.")
+    full = (400, json.dumps({"error": {"message": "all 1 LoRA slots are taken (b; max_loras=1)"}}).encode())
+    body = {"lora_name": "a", "lora_path": "/adapters/a"}
+
+    async def post(path: str = routes.LOAD_LORA_ADAPTER.path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as c:
+            return await c.post(path, json=body)
+
+    answers.update({"r-0": ok, "r-1": ok, "r-2": ok})
+    r = asyncio.run(post())
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'a' added successfully.")
+    answers["r-1"] = full
+    r = asyncio.run(post())
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "replica r-1: all 1 LoRA slots are taken" in message, r.text
+    assert "2 of 3 replicas succeeded" in message
+    answers.update({"r-1": ok, "r-2": RuntimeError("actor died")})
+    r = asyncio.run(post(routes.UNLOAD_LORA_ADAPTER.path))
+    assert r.status_code == 503 and "replica r-2: RuntimeError: actor died" in r.json()["error"]["message"]
 
 
 def test_the_ingress_lists_no_route_of_its_own():
