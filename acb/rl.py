@@ -14,6 +14,10 @@ generate GRPO rollouts on them, with no vLLM anywhere.
   token was drawn from.
 - :class:`PushWeights` is a ``TrainerCallback`` that pushes the weights after each optimizer
   step, versioned by the step.
+- A LoRA policy (``GRPOTrainer(peft_config=...)``) pushes its adapter only: ``push(model,
+  lora="policy")`` / ``PushWeights(pusher, lora="policy")`` send the active adapter's tensors
+  (``get_peft_model_state_dict``) into the servers' adapter ``policy`` (``acb serve --max-loras 1
+  --lora-modules policy=PATH``), and ``rollout_func(servers, "policy")`` generates with it.
 
 Usage::
 
@@ -299,17 +303,29 @@ class WeightPusher:
             out.append(size)
         return out
 
-    def push(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: Any = None) -> Any:
+    def push(
+        self,
+        weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        version: Any = None,
+        *,
+        lora: str | None = None,
+    ) -> Any:
         """Push ``weights`` (a module's parameters and persistent buffers, or ``(name, tensor)``
         pairs) to every server (joining first if the pusher is in no group); returns the version
         they now run.
 
+        With ``lora``, only a LoRA adapter's tensors are pushed, into the servers' adapter of that
+        name (loaded there with ``acb serve --lora-modules NAME=PATH``): ``weights`` is then a
+        ``peft.PeftModel`` (its active adapter, ``get_peft_model_state_dict``) or ``(key, tensor)``
+        pairs by PEFT's keys. Each server checks them against its adapter (modules, shapes) before
+        anything moves, and swaps them in once no request that started on the adapter is running.
+
         Raises:
             WeightPushError: a tensor that cannot be sent (a meta tensor: nothing is sent), a
                 server refused it (all keep their old weights), or the push failed on the way
-                (the group is left; the next push joins again).
+                (the group is left; the next push joins again); a ``PeftModel`` without ``lora``.
         """
-        names, tensors = _named_tensors(weights)
+        names, tensors = _adapter_tensors(weights) if lora is not None else _named_tensors(weights)
         if self.group is None:
             self.init()
         group = self.group
@@ -325,6 +341,8 @@ class WeightPusher:
             "bucket_bytes": self.bucket_bytes,
             "seq": seq,
         }
+        if lora is not None:
+            body["lora_name"] = lora
         refused: list[str] = []
         ended: list[bool] = []  # [True]: every server gave its verdict and none will receive
 
@@ -384,8 +402,33 @@ class WeightPusher:
         self.close()
 
 
+def _is_peft(model: Any) -> bool:
+    return isinstance(model, torch.nn.Module) and isinstance(getattr(model, "peft_config", None), dict)
+
+
+def _adapter_tensors(weights: Any) -> tuple[list[str], list[Any]]:
+    """A LoRA push's keys and tensors: a ``PeftModel``'s active adapter by PEFT's keys, or pairs."""
+    if _is_peft(weights):
+        from peft import get_peft_model_state_dict
+
+        active = weights.active_adapter
+        if not isinstance(active, str):
+            raise WeightPushError(f"the PeftModel has several active adapters ({active}); push one's tensors as pairs")
+        return _named_tensors(list(get_peft_model_state_dict(weights, adapter_name=active).items()))
+    if isinstance(weights, torch.nn.Module):
+        raise WeightPushError(
+            f"a LoRA push takes a peft.PeftModel or (key, tensor) pairs, got a {type(weights).__name__}; nothing sent"
+        )
+    return _named_tensors(weights)
+
+
 def _named_tensors(weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[Any]]:
     """The names and tensors of a push, checked before anything is sent."""
+    if _is_peft(weights):
+        raise WeightPushError(
+            "a peft.PeftModel: push its adapter with lora=<the servers' adapter name> (acb serve --lora-modules), "
+            "or its base model's weights with push(model.get_base_model()); nothing sent"
+        )
     if isinstance(weights, torch.nn.Module):
         from acb.runner.weight_update import weight_targets
 
@@ -504,10 +547,15 @@ class PushWeights:
     """A ``TrainerCallback`` (duck-typed: no transformers import here) that pushes the model's
     weights after every optimizer step, versioned by the step (``state.global_step``). A push that
     fails raises :class:`WeightPushError` out of the step; the pusher has left its group, so the
-    next push (a resumed run's) joins again."""
+    next push (a resumed run's) joins again.
 
-    def __init__(self, pusher: WeightPusher) -> None:
+    ``lora``: the servers' adapter name, for a LoRA policy (a ``PeftModel``, as ``GRPOTrainer``
+    makes with ``peft_config``): only its active adapter's tensors are pushed
+    (:meth:`WeightPusher.push`), and ``rollout_func(servers, lora)`` generates with it."""
+
+    def __init__(self, pusher: WeightPusher, *, lora: str | None = None) -> None:
         self.pusher = pusher
+        self.lora = lora
         self.pushed: list[Any] = []  # the versions pushed
 
     def __getattr__(self, name: str) -> Any:
@@ -518,4 +566,4 @@ class PushWeights:
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None:
             return
-        self.pushed.append(self.pusher.push(model, version=state.global_step))
+        self.pushed.append(self.pusher.push(model, version=state.global_step, lora=self.lora))

@@ -17,7 +17,10 @@ set. Route and field names follow vLLM's where it has one (SGLang's for the upda
   ``rank_offset``, optional ``timeout_s`` and ``group_id``: the server leaves any group it was
   in and joins the trainer's, gloo on CPU, NCCL on CUDA; it answers the ``group_id``), ``POST
   /update_weights`` (``group_id``, ``names``, ``dtype_names``, ``shapes``, ``weight_version``,
-  ``bucket_bytes``, ``seq``: the trainer broadcasts the tensors, bucketed), ``POST
+  ``bucket_bytes``, ``seq``, and ``lora_name`` to update a loaded LoRA adapter's tensors only: the
+  names are PEFT's keys, as ``get_peft_model_state_dict`` gives them, checked against that adapter's
+  modules and shapes, :meth:`acb.AsyncEngine.update_lora`; the trainer broadcasts the tensors,
+  bucketed), ``POST
   /close_weight_transfer`` (with a ``group_id``: only if that is still the server's group).
 
 Each answers ``{"weight_version": ...}`` where it changes it. A refused update is a 400 naming
@@ -129,6 +132,7 @@ class _Transfer:
     def __init__(self) -> None:
         self.group: TransferGroup | None = None
         self.lock = threading.Lock()  # one update (or join, or close) at a time
+        self.timeout_s = DEFAULT_TIMEOUT_S  # the group's: also how long an adapter's swap waits
 
     def close(self) -> None:
         group, self.group = self.group, None
@@ -260,6 +264,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                 transfer.group = TransferGroup.join(
                     target, port, world, rank, group_id=group_id, device=device, timeout_s=timeout
                 )
+                transfer.timeout_s = timeout
 
         try:
             await anyio.to_thread.run_sync(join)
@@ -290,6 +295,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
         ):
             raise APIError(400, "shapes must be a list of lists of sizes (integers >= 0)", param="shapes")
         group_id = _field(body, "group_id", str)  # (the group the trainer pushes on: /init_weight_transfer's)
+        lora_name = _field(body, "lora_name", str, required=False)  # (an adapter's tensors only)
 
         def receive() -> Any:
             """Check, answer the handshake, receive, stage (a worker thread); the staged update."""
@@ -314,7 +320,11 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                 try:
                     check_version(version)  # (one no output could carry: refused before any byte moves)
                     dtypes = [dtype_of(d) for d in dtype_names]
-                    check_specs(weight_targets(engine.model), zip(names, [tuple(s) for s in shapes], dtypes))
+                    specs = zip(names, [tuple(s) for s in shapes], dtypes)
+                    if lora_name is not None:
+                        engine.loras.check_update(lora_name, specs)
+                    else:
+                        check_specs(weight_targets(engine.model), specs)
                 except (WeightUpdateError, ValueError, TypeError) as exc:
                     error = str(exc)
                 try:
@@ -342,11 +352,23 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                         f"receiving the weights failed ({type(exc).__name__}: {exc}); nothing written, the old "
                         "weights serve; call /init_weight_transfer again",
                     ) from None
+                if lora_name is not None:  # (checked whole against the loaded adapter, copied off the buffers)
+                    return engine.loras.prepare_update(
+                        lora_name, list(zip(names, tensors)), engine.model, engine.config
+                    )
                 return engine.stage_weights(zip(names, tensors))
 
         staged = await anyio.to_thread.run_sync(receive)
-        new = await engine.swap_weights(staged, version)
-        return JSONResponse({"success": True, "weight_version": new})
+        if lora_name is None:
+            new = await engine.swap_weights(staged, version)
+            return JSONResponse({"success": True, "weight_version": new})
+        try:
+            new = await engine.update_lora(lora_name, staged, version=version, timeout=transfer.timeout_s)
+        except TimeoutError as exc:
+            raise APIError(503, str(exc)) from None
+        except ValueError as exc:  # (removed or updated meanwhile: InvalidRequestError)
+            raise APIError(409, f"{exc}; nothing written", param="lora_name") from None
+        return JSONResponse({"success": True, "weight_version": new, "lora_name": lora_name})
 
     @routes.add(app, routes.CLOSE_WEIGHT_TRANSFER)
     async def close_transfer(request: Request) -> Response:

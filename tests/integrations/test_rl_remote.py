@@ -58,12 +58,25 @@ def checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-rl")
     model.save_pretrained(d)
     tok.save_pretrained(d)
-    return SimpleNamespace(dir=d, model=model, tok=tok)
+    # the server's LoRA adapter (a random one: GRPO's LoRA policy pushes its own over it)
+    from peft import get_peft_model
+
+    get_peft_model(copy.deepcopy(model), lora_config()).save_pretrained(d / "policy")
+    return SimpleNamespace(dir=d, model=model, tok=tok, policy=d / "policy")
+
+
+def lora_config():
+    """The LoRA policy's config (the server's adapter folder and the trainer's ``peft_config``):
+    random A and B from the start (``init_lora_weights=False``), so that the adapter changes tokens."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     args = ["--served-model-name", NAME, "--enable-weight-updates", "--num-blocks", "128", "--page-size", "8"]
+    args += ["--max-loras", "1", "--max-lora-rank", "4", "--lora-modules", f"policy={checkpoint.policy}"]
     yield from _serve(checkpoint, tmp_path_factory, "rl", args, {"OMP_NUM_THREADS": str(SERVER_THREADS)})
 
 
@@ -79,12 +92,12 @@ def post(server, path: str, body: dict | None = None, timeout: float = 120) -> d
         return json.loads(resp.read())
 
 
-def greedy(server, prompt: list[int], n: int = MAX_NEW) -> tuple[list[int], object]:
+def greedy(server, prompt: list[int], n: int = MAX_NEW, model: str = NAME) -> tuple[list[int], object]:
     out = post(
         server,
         "/v1/completions",
         {
-            "model": NAME,
+            "model": model,
             "prompt": prompt,
             "max_tokens": n,
             "temperature": 0,
@@ -113,7 +126,7 @@ GREEDY = acb.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
 SERVER_THREADS = 1  # the server's intra-op threads (OMP_NUM_THREADS); Ray gives a 1-CPU replica 1 too
 
 
-def served_reference(model, threads: int = SERVER_THREADS) -> acb.Engine:
+def served_reference(model, threads: int = SERVER_THREADS, lora=None) -> acb.Engine:
     """An acb engine on ``model``, made as the servers' are (page size 8, 128 blocks), whose thread
     runs ``threads`` intra-op threads, as theirs do: a lone greedy request runs the same kernels on
     the same shapes with the same thread count, so on the same weights its tokens are the served
@@ -122,11 +135,14 @@ def served_reference(model, threads: int = SERVER_THREADS) -> acb.Engine:
     CPU matmul of several rows also splits its work by thread count, and the trainer's process
     runs 1 thread under xdist, 2 otherwise. Where the weights after a GRPO step put two tokens
     within those bits of each other, its greedy tokens and the server's part.)"""
-    eng = acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=128))
+    loras = {"max_loras": 1, "max_lora_rank": 4} if lora is not None else {}
+    eng = acb.Engine(model, acb.ContinuousBatchingConfig(page_size=8, num_blocks=128, **loras))
     was = torch.get_num_threads()
     torch.set_num_threads(threads)  # the engine thread takes torch's count at its first parallel op
     try:
         eng.start()
+        if lora is not None:  # (the server's adapter: ``policy``)
+            eng.add_lora("policy", lora)
         eng.generate(PROMPT, GREEDY)
         assert eng.call(lambda c: torch.get_num_threads()).result() == threads
     except BaseException:
@@ -641,3 +657,107 @@ def test_the_operator_says_where_the_server_connects():
     assert default.weight_transfer_hosts == LOOPBACK
     args = build_parser().parse_args(["serve", "--weight-transfer-hosts", "10.0.0.0/8", "trainer-host"])
     assert server_settings(args).weight_transfer_hosts == ("10.0.0.0/8", "trainer-host")
+
+
+def test_grpo_with_a_lora_policy_pushes_its_adapter_only(server, checkpoint, tmp_path):
+    """TRL's GRPOTrainer with a ``peft_config`` (its policy a ``PeftModel``) generating on the
+    server's adapter ``policy`` (``--lora-modules``) and pushing only the adapter's tensors after
+    each step (``PushWeights(pusher, lora="policy")``): the first step's rollouts (greedy) are the
+    trainer's own ``generate``; after each push the served adapter's greedy tokens are those of an
+    engine in this process given the trainer's adapter (``update_lora``), under the step's version;
+    a push that does not fit the adapter is refused whole, and the base model is untouched."""
+    import random
+
+    from datasets import Dataset
+    from peft import get_peft_model_state_dict
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    base_tokens = reference_generate(checkpoint.model, PROMPT, MAX_NEW)
+    pusher = WeightPusher([base(server)], master_port=_free_port(), timeout_s=60)
+    rng = random.Random(56)
+    seen: list = []
+    wanted: list = []
+    checks: list = []
+    inner = rollout_func(base(server), "policy", ignore_eos=True)
+
+    def rollouts(prompts, trainer):
+        out = inner(prompts, trainer)
+        if not seen:  # the first step: the trainer's own generate on its initial adapter
+            policy, was = trainer.model, trainer.model.training
+            policy.eval()  # (TRL trains it in train mode; generating, as acb does, in eval semantics)
+            try:
+                wanted.extend(reference_generate(policy, p, MAX_NEW, ignore_eos=True) for p in out["prompt_ids"])
+            finally:
+                policy.train(was)
+        seen.append(out["completion_ids"])
+        return out
+
+    def reward(prompts, completions, completion_ids, **kw):  # (greedy rollouts: random rewards, so it learns)
+        return [rng.random() for _ in completion_ids]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_NEW,
+        max_steps=2,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        learning_rate=0.05,
+        generation_kwargs={"do_sample": False},
+    )
+    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    reference = None
+
+    class Check(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):  # (after PushWeights)
+            assert reference is not None
+            version = reference.update_lora("policy", model, version=state.global_step)
+            want = reference.generate(PROMPT, GREEDY, lora="policy").generated_tokens
+            checks.append((greedy(server, PROMPT, model="policy"), (want, version)))
+
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(checkpoint.model),
+        args=args,
+        reward_funcs=reward,
+        processing_class=checkpoint.tok,
+        train_dataset=ds,
+        peft_config=lora_config(),
+        rollout_func=rollouts,
+        callbacks=[PushWeights(pusher, lora="policy"), Check()],
+    )
+    policy = trainer.model
+    start = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" in k}
+    try:
+        pusher.push(checkpoint.model, version=0)  # (the base weights: earlier tests pushed others)
+        # refused whole, nothing moves: a shape the adapter does not have, an adapter the server lacks,
+        # a PeftModel pushed as full weights
+        state = get_peft_model_state_dict(policy)
+        key = next(iter(state))
+        bad = [(k, torch.zeros(t.shape[0] + 1, *t.shape[1:]) if k == key else t) for k, t in state.items()]
+        with pytest.raises(WeightPushError, match="400.*shape") as info:
+            pusher.push(bad, version="bad", lora="policy")
+        assert info.value.status == 400
+        with pytest.raises(WeightPushError, match="no LoRA adapter named 'other'"):
+            pusher.push(policy, version="bad", lora="other")
+        with pytest.raises(WeightPushError, match="lora="):
+            pusher.push(policy, version="bad")
+        assert greedy(server, PROMPT)[1] == 0
+        assert pusher.push(policy, version="init", lora="policy") == "init"  # the trainer's initial adapter
+        reference = served_reference(copy.deepcopy(checkpoint.model).eval(), lora=policy)
+        want = reference.generate(PROMPT, GREEDY, lora="policy").generated_tokens
+        assert greedy(server, PROMPT, model="policy") == (want, "init") and want != base_tokens
+        trainer.train()
+    finally:
+        pusher.close()
+        if reference is not None:
+            reference.shutdown()
+    assert trainer.state.global_step == 2 and len(seen) == 2
+    assert seen[0] == wanted and len(wanted) == 4, (seen[0], wanted)  # the first step: the trainer's generate
+    assert checks == [(w, w) for _, w in checks] and [v for _, (_, v) in checks] == [1, 2], checks
+    assert any(not torch.equal(v, policy.state_dict()[k]) for k, v in start.items())  # (it learned)
+    assert greedy(server, PROMPT) == (base_tokens, 2)  # the base model serves its own weights
