@@ -15,6 +15,10 @@ client. One server (two one-CPU replicas) serves the module, so that Ray starts 
 - a trainer elsewhere (``--enable-weight-updates``): its routes reach both replicas, each joins
   the trainer's group with its own rank; a bad push changes neither, a good one lands on both
   exactly; TRL's GRPOTrainer for three steps pushing after each, both replicas exact after each;
+- LoRA adapters loaded while serving (``--enable-lora-updates``): ``/v1/load_lora_adapter``
+  reaches both replicas (each then generates ``PeftModel.generate``'s tokens under the adapter's
+  name), a second load is refused by both, each named, and ``/v1/unload_lora_adapter`` takes it
+  off both;
 - last, SIGTERM with requests in flight: the one that can finish in the grace period does, the
   eight that cannot end with an OpenAI error (streamed: an error event, then ``[DONE]``), and
   the launcher exits 0;
@@ -110,6 +114,7 @@ def server(checkpoint, otlp, stale_ray_tmp, tmp_path_factory):
             "--otlp-endpoint",
             otlp.http_endpoint,
             "--enable-weight-updates",
+            "--enable-lora-updates",
         ],
         tmp_path_factory.mktemp("ray-serve-logs") / "ray.log",
         extra_env={"RAY_TMPDIR": stale_ray_tmp[0], "OTEL_BSP_SCHEDULE_DELAY": "200"},
@@ -406,12 +411,13 @@ def _replica_keys(server) -> dict[str, str]:
     raise AssertionError(f"only {sorted(keys)} reached")
 
 
-def _greedy_on_each(server, keys: dict[str, str], n: int = 8) -> list[tuple[list[int], object]]:
-    """Each replica's greedy tokens for :data:`RL_PROMPT` and the weight version they came from."""
+def _greedy_on_each(server, keys: dict[str, str], n: int = 8, model: str = NAME) -> list[tuple[list[int], object]]:
+    """Each replica's greedy tokens for :data:`RL_PROMPT` (from ``model``: the served name, or an
+    adapter's) and the weight version they came from."""
     out = []
     for rid, key in sorted(keys.items()):
         body = {
-            "model": NAME,
+            "model": model,
             "prompt": RL_PROMPT,
             "max_tokens": n,
             "temperature": 0,
@@ -479,6 +485,46 @@ class TestWeightUpdatesReachEveryReplica:
         finally:
             with WeightPusher([base], master_port=_free_port(), timeout_s=60) as pusher:
                 pusher.push(checkpoint.model, version=0)
+
+
+def test_a_lora_adapter_loaded_while_serving_reaches_both_replicas(server, checkpoint, tmp_path):
+    """vLLM's ``/v1/load_lora_adapter`` through the ingress loads the adapter on every replica
+    (each one then runs it: ``PeftModel.generate``'s tokens under the adapter's name, whichever
+    replica serves), a second load of the name is refused by both, each replica named, and
+    ``/v1/unload_lora_adapter`` takes it off both."""
+    peft = pytest.importorskip("peft")
+    import copy
+
+    import torch
+
+    tuned = peft.get_peft_model(
+        copy.deepcopy(checkpoint.model), peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    )
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:  # (PEFT starts B at zero: such an adapter changes nothing)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    tuned.eval().save_pretrained(tmp_path / "tuned")
+    want = reference_generate(tuned, RL_PROMPT, 8)
+    assert want != reference_generate(checkpoint.model, RL_PROMPT, 8)
+    keys = _replica_keys(server)
+    load = {"lora_name": "tuned", "lora_path": str(tmp_path / "tuned")}
+    status, _, data = raw(server.port, "POST", "/v1/load_lora_adapter", load)
+    try:
+        assert (status, data) == (200, b"Success: LoRA adapter 'tuned' added successfully."), data
+        assert [tokens for tokens, _ in _greedy_on_each(server, keys, model="tuned")] == [want, want]
+        status, _, data = raw(server.port, "POST", "/v1/load_lora_adapter", load)
+        message = json.loads(data)["error"]["message"]
+        assert status == 400 and all(f"replica {rid}: " in message for rid in keys), data
+        assert "already loaded" in message
+    finally:
+        status, _, data = raw(server.port, "POST", "/v1/unload_lora_adapter", {"lora_name": "tuned"})
+    assert (status, data) == (200, b"Success: LoRA adapter 'tuned' removed successfully."), data
+    for key in keys.values():
+        body = {"model": "tuned", "prompt": RL_PROMPT, "max_tokens": 1}
+        status, _, data = raw(server.port, "POST", "/v1/completions", body, {"x-acb-affinity": key})
+        assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found", data
 
 
 def test_the_prefix_key_is_a_digest_or_none_whatever_the_body():
@@ -588,6 +634,8 @@ def test_the_config_file_builder_checks_the_flags():
         build_ray_application({"argv": ["--no-such-flag"]})
     with pytest.raises(ValueError, match="not a local checkpoint"):
         build_ray_application({"argv": ["--model", "/no/such/dir"]})
+    with pytest.raises(ValueError, match="--enable-lora-updates needs a fixed replica count"):
+        build_ray_application({"argv": ["--enable-lora-updates"], "min_replicas": 1, "max_replicas": 2})
     auto = deployment_options(min_replicas=1, max_replicas=3)
     assert auto["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in auto
     assert deployment_options(num_replicas=2, num_gpus=1)["ray_actor_options"]["num_gpus"] == 1
