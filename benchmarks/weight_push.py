@@ -10,6 +10,11 @@
    ``acb serve --ray --num-replicas 2`` (``--ray``; the ingress fans the routes out to both).
    That is set against ``POST /update_weights_from_disk`` of the same checkpoint, all in the
    same run.
+   With a LoRA adapter (r=16 on every attention and MLP linear, ``peft.get_peft_model``) loaded
+   on the server (``--lora-modules policy=...``), the push of the adapter only
+   (``WeightPusher.push(peft_model, lora="policy")``, what a GRPO trainer with a ``peft_config``
+   sends) is set against the push of the whole model, to the same server in the same run
+   (``--lora-only`` runs just that: ``results/weight_push_lora_cpu.json``).
 2. TRL's ``GRPOTrainer`` on the embedded tiny model, 4 steps of 16 completions of at most 32
    tokens. It runs colocated, on acb in the trainer's process (``use_acb``), and remote, on an
    ``acb serve`` process (``acb.rl.rollout_func``, with the weights pushed after each step). The
@@ -131,6 +136,54 @@ def push_figures(layers: int, tmp: Path) -> dict:
     return out
 
 
+def lora_push_figures(layers: int, tmp: Path, ckpt: Path | None = None, rank: int = 16) -> dict:
+    """Bytes and seconds of pushing a LoRA adapter only vs the whole model, to one server that
+    serves both (the second push of each: the first warms the group and the allocations)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    model = qwen3_06b(layers)
+    if ckpt is None:
+        ckpt = tmp / "qwen3-0.6b"
+        model.save_pretrained(ckpt)
+        from acb.models import build_tokenizer
+
+        build_tokenizer().save_pretrained(ckpt)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    )
+    peft_model.save_pretrained(tmp / "policy")
+    adapter = get_peft_model_state_dict(peft_model)
+    out: dict = {
+        "rank": rank,
+        "targets": targets,
+        "adapter_tensors": len(adapter),
+        "adapter_dtype": str(next(iter(adapter.values())).dtype).removeprefix("torch."),
+        "adapter_bytes": sum(t.nbytes for t in adapter.values()),
+        "model_bytes": sum(p.nbytes for p in model.parameters()),
+    }
+    lora = ["--max-loras", "1", "--max-lora-rank", str(rank), "--lora-modules", f"policy={tmp / 'policy'}"]
+    server = Served(ckpt, "qwen", tmp / "serve-lora.log", lora)
+    try:
+        with WeightPusher([server.url], master_port=free_port(), timeout_s=600) as pusher:
+            pusher.init()
+            for what, push in (
+                ("model", lambda v: pusher.push(model, version=v)),
+                ("adapter", lambda v: pusher.push(peft_model, version=v, lora="policy")),
+            ):
+                push(f"warm-{what}")
+                times = []
+                for i in range(3):
+                    t0 = time.perf_counter()
+                    push(f"{what}-{i}")
+                    times.append(time.perf_counter() - t0)
+                out[f"push_{what}_s"] = min(times)
+                out[f"push_{what}_all_s"] = times
+    finally:
+        server.stop()
+    return out
+
+
 def ray_push_figure(layers: int, ckpt: Path, tmp: Path) -> float:
     """Seconds of the second push to ``acb serve --ray --num-replicas 2`` (run last: Ray's
     processes outlive its shutdown for a while, and would share the cores with what follows)."""
@@ -214,11 +267,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--no-ray", action="store_true", help="skip the push to acb serve --ray's two replicas")
-    ap.add_argument("--out", default="benchmarks/results/weight_push_cpu.json")
+    ap.add_argument("--out", default=None, help="default: results/weight_push_cpu.json (--lora-only: _lora_cpu)")
+    ap.add_argument("--lora-only", action="store_true", help="only the adapter-only push against the whole model's")
     a = ap.parse_args()
+    if a.lora_only:
+        with tempfile.TemporaryDirectory() as d:
+            lora = lora_push_figures(a.layers, Path(d))
+        return report_lora(lora, a.out or "benchmarks/results/weight_push_lora_cpu.json")
+    a.out = a.out or "benchmarks/results/weight_push_cpu.json"
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         push = push_figures(a.layers, tmp)
+        push["lora"] = lora_push_figures(a.layers, tmp, Path(push["checkpoint"]))
         grpo = grpo_figures(tmp)
         if not a.no_ray:
             push["push_2_ray_replicas_s"] = ray_push_figure(a.layers, Path(push["checkpoint"]), tmp)
@@ -248,6 +308,28 @@ def main() -> int:
         f"\nGRPO steps per minute (tiny model): colocated {grpo['colocated_steps_per_min']:.1f}, "
         f"remote {grpo['remote_steps_per_min']:.1f}"
     )
+    print_lora(push["lora"])
+    return 0
+
+
+def print_lora(lora: dict) -> None:
+    print(f"\nLoRA r={lora['rank']} on {', '.join(lora['targets'])} ({lora['adapter_dtype']}), one server:")
+    print("| push | MB | seconds |")
+    print("|---|---|---|")
+    for what in ("model", "adapter"):
+        print(f"| {what} | {lora[f'{what}_bytes'] / 1e6:.1f} | {lora[f'push_{what}_s']:.3f} |")
+
+
+def report_lora(lora: dict, out: str) -> int:
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "lora": lora,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print_lora(lora)
     return 0
 
 
