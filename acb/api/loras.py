@@ -397,7 +397,7 @@ class Loras:
                     for r in req.group.members if req.group is not None else (req,):
                         if r.lora_slot == slot and (r.num_computed_tokens or r.num_generated or r.in_flight):
                             return None
-                core.runner.add_lora(slot, adapter)  # (checked whole before it writes)
+                core.runner.add_lora(slot, adapter)  # type: ignore[attr-defined]  # (checked whole first)
                 info = LoraInfo(name, slot, adapter.rank, adapter.uid, adapter.nbytes, where)
                 with self._lock:
                     old = self._by_name[name]
