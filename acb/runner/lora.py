@@ -18,14 +18,19 @@ entered by the kind's :class:`acb.runner.kinds.LoraHooks`. Each target linear th
 
 in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in one of two forms:
 
-* **grouped** (the default): one gather of the adapter rows, then per slot present one pair of
-  matmuls on its rows at the adapter's own rank, and an ``index_add_`` back;
-* **gathered** (:data:`GATHERED`): ``A`` and ``B`` gathered per row and two ``bmm`` at ``r_max``
-  (SGMV's shape; its per-row ``[out, r_max]`` copy of ``B`` makes it costly for prefill rows).
+* **grouped**: one gather of the adapter rows, then per slot present one pair of matmuls on its
+  rows at the adapter's own rank, and an ``index_add_`` back;
+* **gathered**: ``A`` and ``B`` gathered per row and two ``bmm`` at ``r_max`` (SGMV's shape; its
+  per-row ``[out, r_max]`` copy of ``B`` makes it costly for prefill rows).
 
-``benchmarks/lora_offline.py`` times both (results/lora_cpu.json); the grouped form was faster on
-CPU at every adapter count measured, so it is the default. No device sync either way: the runs'
-slots and counts are host values.
+:data:`GATHERED` picks (default: grouped; None: per step, :func:`_gathered`).
+``benchmarks/lora_offline.py`` times both (``benchmarks/results/lora_cpu.json``; CPU, 2 threads,
+48 requests of 16-128 prompt tokens and 32 new, rank-16 adapters on every decoder linear of the
+default Llama). Two runs on 2026-11-29, both under other processes' load (load average 2.4-3.3 and
+2.4-7.6): grouped over gathered 1.30x and 1.10x at 1 adapter, 1.19x and 1.42x at 4; at 16 (3 rows a
+slot) gathered 1.31x in the first run, grouped 1.03x in the second. So grouped is the default; the
+per-step pick (gathered for many slots of few rows) is kept behind ``GATHERED = None`` until a
+quiet run settles it. No device sync either way: the runs' slots and counts are host values.
 
 Decode CUDA graphs are captured without adapters (the interception returns the base output): a
 decode step with adapter rows runs eagerly; a step without any replays its graph as before.
@@ -54,8 +59,19 @@ if TYPE_CHECKING:
     from acb.runner.input_batch import LoraRows
 
 # True: the gathered form (A and B gathered per row, bmm); False: the grouped form (a pair of
-# matmuls per slot present). Measured by benchmarks/lora_offline.py; tests/runner/test_lora.py runs both.
-GATHERED = False
+# matmuls per slot present); None: per step (_gathered). Measured by benchmarks/lora_offline.py;
+# tests/runner/test_lora.py runs both.
+GATHERED: bool | None = False
+# the step's pick: gathered when it has more than GATHER_MIN_SLOTS slots and at most GATHER_MAX_ROWS
+# adapter rows (its per-row copies of B stay small)
+GATHER_MIN_SLOTS = 6
+GATHER_MAX_ROWS = 256
+
+
+def _gathered(rows: LoraRows) -> bool:
+    if GATHERED is not None:
+        return GATHERED
+    return len(rows.runs) > GATHER_MIN_SLOTS and rows.order.shape[0] <= GATHER_MAX_ROWS
 
 
 class _Slots:
@@ -205,7 +221,7 @@ def _lora_forward(original: Any, sig: inspect.Signature, module: torch.nn.Module
         )
     o2 = out.view(-1, out.shape[-1])
     xs = x2.index_select(0, rows.order)  # [n, in]: the adapter rows, sorted by slot
-    if GATHERED:
+    if _gathered(rows):
         slots = rows.slots
         h = torch.bmm(buf.A.index_select(0, slots), xs[:, :, None])  # [n, r_max, 1]
         d = torch.bmm(buf.B.index_select(0, slots), h)[:, :, 0]  # [n, out]

@@ -180,9 +180,11 @@ def test_chunked_and_async(llama, cfg):
     assert _run(llama, **cfg) == llama.refs
 
 
-def test_the_other_form_gives_the_same_tokens(llama, monkeypatch):
-    """The form not picked by default (behind ``runner.lora.GATHERED``) gives the same tokens."""
-    monkeypatch.setattr(runner_lora, "GATHERED", not runner_lora.GATHERED)
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "grouped"])
+def test_each_form_gives_the_same_tokens(llama, monkeypatch, gathered):
+    """Each form of the update, forced (``runner.lora.GATHERED``; by default the step picks), gives
+    PeftModel.generate's tokens."""
+    monkeypatch.setattr(runner_lora, "GATHERED", gathered)
     assert _run(llama) == llama.refs
 
 
@@ -216,7 +218,7 @@ def test_grouped_and_gathered_updates_agree_on_one_linear():
             with entered("lora", LoraStep(layers, rows)):
                 got[gathered] = lin(x)
     finally:
-        runner_lora.GATHERED = False
+        runner_lora.GATHERED = None
         layers.close()
     assert torch.allclose(got[False], want, atol=1e-5) and torch.allclose(got[True], want, atol=1e-5)
     assert "forward" not in vars(lin)  # the linear has its own forward back
