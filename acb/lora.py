@@ -81,7 +81,8 @@ class LoraAdapter:
 def lora_targets(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """The linears an adapter may target: the ``nn.Linear`` modules of the model's decoder (its
     language model), by path in ``model.named_modules()``; the output head is not among them."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     decoder = None
     get = getattr(model, "get_decoder", None)
     if callable(get):
