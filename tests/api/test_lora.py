@@ -308,8 +308,8 @@ def test_update_lora_in_place_waits_for_requests_in_flight(adapters):
         assert out.generated_tokens == want[0] and out.weight_version == 5
         assert eng.list_loras()[0].uid != uid and eng.list_loras()[0].slot == 1
         # a started request keeps the weights it started with: the swap waits for it
-        long = eng.generate(PROMPTS[3], max_new_tokens=400, ignore_eos=True, lora="a").generated_tokens
-        h = eng.submit(PROMPTS[3], max_new_tokens=400, ignore_eos=True, lora="a")
+        long = eng.generate(PROMPTS[3], max_new_tokens=120, ignore_eos=True, lora="a").generated_tokens
+        h = eng.submit(PROMPTS[3], max_new_tokens=120, ignore_eos=True, lora="a")
         wait_until(
             lambda: eng.call(lambda c: any(r.num_generated for r in c.scheduler.live.values())).result(),
             "the request has sampled a token",
@@ -317,7 +317,7 @@ def test_update_lora_in_place_waits_for_requests_in_flight(adapters):
         eng.pause("keep")
         assert not h.done
         with pytest.raises(TimeoutError, match="still in use"):
-            eng.update_lora("a", news[1][1], version=6, timeout=0.3)
+            eng.update_lora("a", news[1][1], version=6, timeout=0.2)
         landed: list = []
         t = threading.Thread(target=lambda: landed.append(eng.update_lora("a", news[1][1], version=6, timeout=120)))
         t.start()
