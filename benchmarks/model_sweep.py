@@ -102,7 +102,7 @@ def _margin(step_logits: Any) -> float:
 
 
 # the runs of each model: name -> config fields and samples per prompt (on the path acb picks;
-# a model it pages runs "unpaged" too): whole prompts; chunked prefill; memory for about one
+# a model it pages runs "own cache" too): whole prompts; chunked prefill; memory for about one
 # request (preemptions, recomputes) with async batching; two samples per prompt (forked caches)
 RUNS: dict[str, tuple[dict[str, Any], int]] = {
     "default": ({}, 1),
@@ -116,7 +116,7 @@ def _run_acb(
     model: Any, prompts: list[list[int]], run: str = "default", runner: str | None = None
 ) -> tuple[list[list[int]] | str, str]:
     """acb's greedy tokens (or the error of a failed request) and the path that ran them
-    ("paged", or "unpaged": the model on its own cache objects); with ``n=2`` each prompt's two
+    ("paged", or "own cache": the model on its own cache objects); with ``n=2`` each prompt's two
     samples, one after the other."""
     from transformers import GenerationConfig
 
@@ -128,7 +128,7 @@ def _run_acb(
     engine = acb.Engine(model, cfg, gen)
     engine.start()
     try:
-        path = "unpaged" if engine.runner.own_cache_runner is not None else "paged"
+        path = "own cache" if engine.runner.own_cache_runner is not None else "paged"
         outs = engine.generate_batch(
             prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, progress_bar=False, do_sample=False, n=n
         )
@@ -216,7 +216,7 @@ def run_model(model_type: str) -> dict[str, Any]:
         if label == "default":
             rec["path"] = path
             if path == "paged":
-                runs.append(("unpaged", "default", "own_cache"))
+                runs.append(("own cache", "default", "own_cache"))
         samples = RUNS[run][1]
         for i, (want, have) in enumerate(zip([r for r in ref for _ in range(samples)], got)):
             p = i // samples

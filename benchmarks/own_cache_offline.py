@@ -68,7 +68,7 @@ def run_acb(
     cfg = acb.ContinuousBatchingConfig(runner=runner, max_requests_per_batch=32, max_batch_tokens=budget)
     with acb.Engine(model, cfg) as eng:
         eng.generate(prompts[0][:8], max_new_tokens=2, ignore_eos=True)  # warm-up
-        path = "unpaged" if eng.runner.own_cache_runner is not None else "paged"
+        path = "own cache" if eng.runner.own_cache_runner is not None else "paged"
         params = [acb.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs]
         t0 = time.perf_counter()
         res = eng.generate_batch(prompts, params, progress_bar=False)
