@@ -28,9 +28,11 @@ in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in one of two forms:
 48 requests of 16-128 prompt tokens and 32 new, rank-16 adapters on every decoder linear of the
 default Llama). Two runs on 2026-11-29, both under other processes' load (load average 2.4-3.3 and
 2.4-7.6): grouped over gathered 1.30x and 1.10x at 1 adapter, 1.19x and 1.42x at 4; at 16 (3 rows a
-slot) gathered 1.31x in the first run, grouped 1.03x in the second. So grouped is the default; the
-per-step pick (gathered for many slots of few rows) is kept behind ``GATHERED = None`` until a
-quiet run settles it. No device sync either way: the runs' slots and counts are host values.
+slot) gathered 1.31x in the first run, grouped 1.03x in the second. A third, quiet run (load 1.1-1.4,
+best of 2): grouped over gathered 1.22x at 1 adapter and 1.17x at 4, gathered over grouped 1.34x at
+16; the per-step pick (gathered for many slots of few rows, ``GATHERED = None``) was the fastest at
+16 (2,115 tok/s against 2,000 and 1,495), but this machine's rounds still swing by a third. So
+grouped stays the default until the pick has a test of its own and more rounds settle it. No device sync either way: the runs' slots and counts are host values.
 
 Decode CUDA graphs are captured without adapters (the interception returns the base output): a
 decode step with adapter rows runs eagerly; a step without any replays its graph as before.
