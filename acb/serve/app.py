@@ -100,7 +100,7 @@ def build_app(
         for stop in state.on_stop:
             stop()
         await engine.shutdown(cancel_pending=True)
-        state.renderer.close()
+        state.render_pool.close()
 
     app = FastAPI(title="acb", lifespan=lifespan)
     app.state.acb = state

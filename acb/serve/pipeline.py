@@ -106,7 +106,7 @@ class ServerState:
         self.stopped = False
         self.created = int(time.time())
         self.drain = Drain(settings.grace_period)
-        self.renderer = RenderPool(settings.render_threads, settings.render_timeout)
+        self.render_pool = RenderPool(settings.render_threads, settings.render_timeout)
         self.texts = TokenTexts(engine.tokenizer)
 
     @property
@@ -287,7 +287,7 @@ async def serve(
             constraint = job.constraint
             if constraint is not None:
                 await state.drain.until_expired(lambda: compile_grammar(state, constraint.spec, constraint.param))
-            prompts = await state.drain.until_expired(lambda: state.renderer.run(job.render))
+            prompts = await state.drain.until_expired(lambda: state.render_pool.run(job.render))
             several = len(prompts.items) > 1
             lora = None if body.model == state.model_name else body.model  # (parse checked it is loaded)
             for i, prompt in enumerate(prompts.items):

@@ -43,7 +43,7 @@ def test_the_app_serves_the_routes_it_declares():
     trainer = build_app(engine, ServerSettings(name="m", enable_weight_updates=True))
     assert _served(trainer) == _declared(trainer=True)
     for app in (plain, trainer):
-        app.state.acb.renderer.close()  # (never started)
+        app.state.acb.render_pool.close()  # (never started)
 
 
 def _body(route: routes.Route) -> bytes:
