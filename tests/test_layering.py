@@ -260,8 +260,9 @@ OPTIONAL = {
     "flash_attn": {"acb.runner.attention.flash_attn_backend"},
     "triton": {
         "acb.runner.attention.triton_kernels",
+        "acb.runner.lora_kernels",  # LoRA's shrink/expand kernels (acb.runner.lora's kernel form)
         "acb.structured",
-    },  # only to ask whether xgrammar's GPU bitmask kernel can run
+    },  # acb.structured: only to ask whether xgrammar's GPU bitmask kernel can run
     "matplotlib": {"acb.bench.report"},
     "ray": {"acb.distributed.ray", "acb.distributed.ray_serve"},  # Ray Data offline, Ray Serve online
     "trl": {"acb.integrations.trl"},

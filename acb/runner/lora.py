@@ -16,12 +16,16 @@ entered by the kind's :class:`acb.runner.kinds.LoraHooks`. Each target linear th
 
     out = base(x);  out[rows of slot s] += lora_B_s(lora_A_s(x[rows of slot s])) * scaling_s
 
-in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in one of two forms:
+in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in one of three forms:
 
 * **grouped**: one gather of the adapter rows, then per slot present one pair of matmuls on its
   rows at the adapter's own rank, and an ``index_add_`` back;
 * **gathered**: ``A`` and ``B`` gathered per row and two ``bmm`` at ``r_max`` (SGMV's shape; its
-  per-row ``[out, r_max]`` copy of ``B`` makes it costly for prefill rows).
+  per-row ``[out, r_max]`` copy of ``B`` makes it costly for prefill rows);
+* **kernel** (on CUDA when triton imports, :data:`KERNEL`): :mod:`acb.runner.lora_kernels`' two
+  Triton kernels in punica's SGMV style, shrink then expand over the step's runs (read from a
+  device copy of the runs made once a step); tested against the grouped form under Triton's
+  interpreter (``tests/runner/test_lora_kernels.py``), not yet timed on a GPU.
 
 :data:`GATHERED` picks (default: grouped; None: per step, :func:`_gathered`).
 ``benchmarks/lora_offline.py`` times both (``benchmarks/results/lora_cpu.json``; CPU, 2 threads,
@@ -44,6 +48,7 @@ layers, indexers, own-cache attention) and MLA's ``kv_b_proj``; PEFT's ``target_
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,6 +73,26 @@ GATHERED: bool | None = False
 # adapter rows (its per-row copies of B stay small)
 GATHER_MIN_SLOTS = 6
 GATHER_MAX_ROWS = 256
+# the kernel form (acb.runner.lora_kernels: Triton shrink/expand over the step's runs, SGMV's
+# style): None: on CUDA when triton imports (CPU keeps GATHERED's form); True: always (tests, under
+# Triton's interpreter on CPU); False: never
+KERNEL: bool | None = None
+
+
+@functools.cache
+def _kernels() -> Any:
+    """acb.runner.lora_kernels, or None where triton does not import."""
+    try:
+        from acb.runner import lora_kernels
+    except ImportError:
+        return None
+    return lora_kernels
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    if KERNEL is None:
+        return x.is_cuda and _kernels() is not None
+    return KERNEL
 
 
 def _gathered(rows: LoraRows) -> bool:
@@ -85,6 +110,9 @@ class _Slots:
         self.B = torch.zeros((slots, lin.out_features, max_rank), dtype=dtype, device=device)
         self.scale = [0.0] * slots  # PEFT multiplies by a Python float: so does the grouped form
         self.scale_dev = torch.zeros(slots, dtype=dtype, device=device)  # the gathered form's
+        # the kernel form's fp32 copy of ``scale``, made at its first use after a change (a few
+        # bytes a slot, outside reserved_bytes)
+        self.scale_f32: torch.Tensor | None = None
         self.rank = [0] * slots  # 0: the slot's adapter does not target this linear
 
     def clear(self, slot: int) -> None:
@@ -92,6 +120,7 @@ class _Slots:
         self.B[slot].zero_()
         self.scale[slot] = 0.0
         self.scale_dev[slot] = 0.0
+        self.scale_f32 = None
         self.rank[slot] = 0
 
 
@@ -111,6 +140,8 @@ class LoraStep:
 
     layers: LoraLayers
     rows: LoraRows
+    runs_dev: torch.Tensor | None = None  # the kernel form's [R, 3] runs on the device (made once a step)
+    max_count: int = 0
 
 
 class LoraLayers:
@@ -184,6 +215,7 @@ class LoraLayers:
                 buf.rank[slot] = r
                 buf.scale[slot] = float(adapter.scalings.get(path, adapter.scaling))
                 buf.scale_dev[slot] = buf.scale[slot]
+                buf.scale_f32 = None
         if new:
             self._interceptions.append(Interception(new, _lora_forward))
         self.slot_names[slot] = adapter.name
@@ -222,6 +254,15 @@ def _lora_forward(original: Any, sig: inspect.Signature, module: torch.nn.Module
             "acb applies adapters to linears that see every token of the step in batch order"
         )
     o2 = out.view(-1, out.shape[-1])
+    if _use_kernel(x2):
+        lk = _kernels()
+        if step.runs_dev is None:
+            step.runs_dev = lk.runs_tensor(rows.runs, x2.device)
+            step.max_count = max((c for _, _, c in rows.runs), default=0)
+        if buf.scale_f32 is None:
+            buf.scale_f32 = torch.tensor(buf.scale, dtype=torch.float32).to(x2.device)
+        lk.lora_apply(x2.contiguous(), o2, buf.A, buf.B, buf.scale_f32, rows.order, step.runs_dev, step.max_count)
+        return out
     xs = x2.index_select(0, rows.order)  # [n, in]: the adapter rows, sorted by slot
     if _gathered(rows):
         slots = rows.slots
