@@ -7,9 +7,12 @@ scaling; the layer computes ``base(x) + B(A(x)) * scaling``, PEFT's order
 (``model.named_modules()``, no PEFT prefix). Loading runs on the caller's thread; the engine thread
 only copies the tensors into its stacked buffers (:class:`acb.runner.lora.LoraLayers`).
 
+PEFT's ``target_parameters`` (LoRA on a MoE's fused 3-D expert parameters, PEFT's ``ParamWrapper``)
+are taken too: :attr:`LoraAdapter.params` holds, per parameter, the factors PEFT folds into the
+weight before the experts run (``W + scaling * lhs @ rhs``, one ``baddbmm``).
+
 PEFT options acb does not run are refused, each with what and why (an
-:class:`~acb.errors.InvalidRequestError` with field ``"lora"``): DoRA, ``target_parameters``
-(fused MoE experts), LoRA biases, ``modules_to_save``, trainable tokens, layer replication, and the
+:class:`~acb.errors.InvalidRequestError` with field ``"lora"``): DoRA, LoRA biases, ``modules_to_save``, trainable tokens, layer replication, and the
 PEFT variants that change the forward (aLoRA, QALoRA, Arrow, BD-LoRA, KaSA, MonteCLoRA).
 ``rank_pattern`` / ``alpha_pattern`` are taken (a rank and a scaling per module, as PEFT resolves
 them), and so is ``use_rslora`` (``alpha / sqrt(r)``).
@@ -17,6 +20,7 @@ them), and so is ``use_rslora`` (``alpha / sqrt(r)``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -34,11 +38,11 @@ from acb.errors import InvalidRequestError, InvalidRequestTypeError
 FIELD = "lora"
 _PREFIX = "base_model.model."  # PEFT's key prefix (PeftModel -> LoraModel -> the base model)
 _KEY = re.compile(r"^(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_NESTED = ".base_layer"  # PEFT nests one ParamWrapper per targeted parameter of a module
 
 # PEFT options that change the forward acb runs: the config key, the value that is plain LoRA, and why
 _REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("use_dora", False, "DoRA (weight-decomposed LoRA) rescales the base weight per column"),
-    ("target_parameters", None, "LoRA on parameters (fused MoE experts) is not a linear layer acb can intercept"),
     ("bias", "none", "adapter biases change the base layers' biases"),
     ("lora_bias", False, "a bias on lora_B"),
     ("modules_to_save", None, "modules_to_save replaces whole modules (full copies), not a low-rank update"),
@@ -67,6 +71,9 @@ class LoraAdapter:
         nbytes: the bytes of its tensors.
         scalings: each module's own scaling where ``rank_pattern`` / ``alpha_pattern`` give it one
             (every module of ``weights`` is in it).
+        params: ``target_parameters``: ``"<module path>.<parameter>"`` -> ``(lhs [E, m, r], rhs
+            [E, r, n], scaling)`` for a 3-D parameter ``W [E, m, n]``: the weight PEFT's
+            ``ParamWrapper`` runs the module with is ``torch.baddbmm(W, lhs, rhs, alpha=scaling)``.
     """
 
     name: str
@@ -76,6 +83,56 @@ class LoraAdapter:
     uid: bytes
     nbytes: int
     scalings: Mapping[str, float]
+    params: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]] = dataclasses.field(default_factory=dict)
+
+
+def adapter_uid(
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scalings: Mapping[str, float],
+    params: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
+    dtype: torch.dtype,
+) -> bytes:
+    """A content hash of an adapter's scalings and tensors (:attr:`LoraAdapter.uid`)."""
+    h = hashlib.sha256()
+    meta: dict[str, Any] = {"scalings": dict(scalings), "dtype": str(dtype)}
+    if params:  # (absent without target_parameters: the hash of a linears-only adapter is unchanged)
+        meta["params"] = {k: v[2] for k, v in params.items()}
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    for path, pair in [*weights.items(), *((k, (v[0], v[1])) for k, v in params.items())]:
+        for t in pair:
+            h.update(f"{path}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def _expert_factors(
+    name: str, module: torch.nn.Module, path: str, a: torch.Tensor, b: torch.Tensor
+) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """PEFT's ``ParamWrapper.get_delta_factors`` for the 3-D parameter of ``module`` that
+    ``lora_A [r*E, in]`` / ``lora_B [out, r*E]`` fit: ``(parameter name, lhs, rhs)``."""
+    transposed = bool(getattr(module, "is_transposed", False))  # [E, in, out] (else [E, out, in])
+    fits = []
+    for pname, p in module.named_parameters(recurse=False):
+        if p.dim() != 3:
+            continue
+        e = int(p.shape[0])
+        out_f, in_f = (int(p.shape[2]), int(p.shape[1])) if transposed else (int(p.shape[1]), int(p.shape[2]))
+        if a.dim() == 2 and b.dim() == 2 and a.shape[0] % e == 0 and tuple(a.shape) == (a.shape[0], in_f):
+            if tuple(b.shape) == (out_f, a.shape[0]):
+                fits.append((pname, e))
+    if len(fits) != 1:
+        raise _refuse(
+            name,
+            f"module {path!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit "
+            + ("none" if not fits else f"several ({[f for f, _ in fits]})")
+            + " of its 3-D parameters",
+        )
+    pname, e = fits[0]
+    wa = a.reshape(e, -1, a.shape[-1])  # [E, r, in]
+    wb = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, out, r]
+    if transposed:
+        return pname, wa.transpose(-2, -1), wb.transpose(-2, -1)
+    return pname, wb, wa
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -218,7 +275,7 @@ def load_adapter(
         if m is None or m["adapter"] is not None:
             raise _refuse(name, f"tensor {key!r} is not a lora_A/lora_B weight of a linear layer")
         path = m["path"].removeprefix(_PREFIX)
-        pairs.setdefault(path, {})[m["ab"]] = t
+        pairs.setdefault(path, {})[m["ab"]] = t  # (a nested ParamWrapper's: "<path>.base_layer...")
     if not pairs:
         raise _refuse(name, "it has no lora_A/lora_B weights")
 
@@ -229,9 +286,35 @@ def load_adapter(
     alphas = config.get("alpha_pattern") or {}
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     scalings: dict[str, float] = {}
+    params: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for path, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise _refuse(name, f"module {path!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        mpath = path
+        while mpath.endswith(_NESTED):
+            mpath = mpath.removesuffix(_NESTED)
+        mod = named.get(mpath)
+        if mod is not None and config.get("target_parameters") and mpath not in targets:
+            if any(p.dim() == 3 for p in mod.parameters(recurse=False)):
+                pname, lhs, rhs = _expert_factors(name, mod, mpath, ab["A"], ab["B"])
+                key = f"{mpath}.{pname}"
+                if key in params:
+                    raise _refuse(name, f"parameter {key!r} has two pairs of lora_A/lora_B")
+                r = int(lhs.shape[-1])
+                if r > max_rank:
+                    raise _refuse(name, f"rank {r} (parameter {key!r}) is over max_lora_rank={max_rank}")
+                ak = _pattern_key(alphas, key)
+                alpha = float(alphas[ak]) if ak is not None else alpha0
+                rk = _pattern_key(ranks, key)
+                want_r = int(ranks[rk]) if rk is not None else r0
+                if want_r != r:
+                    raise _refuse(name, f"parameter {key!r} has rank {r} but its config says {want_r}")
+                params[key] = (
+                    lhs.detach().to("cpu", dtype).contiguous(),
+                    rhs.detach().to("cpu", dtype).contiguous(),
+                    alpha / math.sqrt(r) if rslora else alpha / r,
+                )
+                continue
         if path not in named:
             raise _refuse(name, f"target module {path!r} is not in the model ({type(model).__name__})")
         if path not in targets:
@@ -273,19 +356,16 @@ def load_adapter(
             b.detach().to("cpu", dtype).contiguous(),
         )
 
-    h = hashlib.sha256()
-    h.update(json.dumps({"scalings": scalings, "dtype": str(dtype)}, sort_keys=True).encode())
-    for path, (a, b) in weights.items():
-        for t in (a, b):
-            h.update(f"{path}:{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    rank = max(int(a.shape[0]) for a, _ in weights.values())
+    uid = adapter_uid(weights, scalings, params, dtype)
+    rank = max([int(a.shape[0]) for a, _ in weights.values()] + [int(v[0].shape[-1]) for v in params.values()])
     return LoraAdapter(
         name=name,
         rank=rank,
         scaling=alpha0 / math.sqrt(r0) if rslora else alpha0 / r0,
         weights=weights,
-        uid=h.digest(),
-        nbytes=sum(a.nbytes + b.nbytes for a, b in weights.values()),
+        uid=uid,
+        nbytes=sum(a.nbytes + b.nbytes for a, b in weights.values())
+        + sum(v[0].nbytes + v[1].nbytes for v in params.values()),
         scalings=scalings,
+        params=params,
     )

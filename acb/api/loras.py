@@ -34,8 +34,6 @@ adapter the swap may wait long: it gives up after its timeout with nothing chang
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 import threading
 import time
@@ -46,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from acb.errors import InvalidRequestError, InvalidRequestTypeError, WeightUpdateError
-from acb.lora import LoraAdapter, load_adapter
+from acb.lora import LoraAdapter, adapter_uid, load_adapter
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -339,9 +337,10 @@ class Loras:
                 rank=old.rank,
                 scaling=old.scaling,
                 weights=weights,
-                uid=_uid(weights, old.scalings),
+                uid=_uid(weights, old.scalings, old.params),
                 nbytes=old.nbytes,
                 scalings=old.scalings,
+                params=old.params,  # (target_parameters' factors: kept; an update names linears' tensors)
             )
         return load_adapter(source, model, max_rank=cfg.max_lora_rank, name=name)
 
@@ -482,16 +481,14 @@ def _plan(adapter: LoraAdapter, specs: Iterable[tuple[str, Sequence[int], torch.
     return out
 
 
-def _uid(weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scalings: Mapping[str, float]) -> bytes:
+def _uid(
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scalings: Mapping[str, float],
+    params: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
+) -> bytes:
     """A content hash of an adapter's scalings and tensors (as :func:`acb.lora.load_adapter` makes it)."""
-    dtype = next(iter(weights.values()))[0].dtype
-    h = hashlib.sha256()
-    h.update(json.dumps({"scalings": dict(scalings), "dtype": str(dtype)}, sort_keys=True).encode())
-    for path, (a, b) in weights.items():
-        for t in (a, b):
-            h.update(f"{path}:{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.digest()
+    dtype = next(iter([*(a for a, _ in weights.values()), *(lhs for lhs, _, _ in params.values())])).dtype
+    return adapter_uid(weights, scalings, params, dtype)
 
 
 def _describe(source: Any) -> str:

@@ -1,7 +1,7 @@
 """LoRA adapters in the runner (issue 56): each row of a mixed batch (two adapters and the base model
 in one step) gets greedy tokens equal to ``PeftModel.generate`` with its adapter active, on Llama,
 Qwen3, a MoE (Qwen3-MoE: its attention linears; PEFT maps its MLP names to the fused experts'
-parameters, ``target_parameters``, which acb refuses) and the Qwen3.5 hybrid (attention and MLP
+parameters, ``target_parameters``: tests/runner/test_lora_experts.py) and the Qwen3.5 hybrid (attention and MLP
 linears; the linears of its state layers, run per request segment, refused). The adapters are real
 ``save_pretrained`` folders of random PEFT adapters (lora_B randomised: PEFT inits it to zero),
 loaded by :func:`acb.lora.load_adapter` through ``engine.add_lora``. Both forms of the update
@@ -76,7 +76,7 @@ def _base(arch: str):
 TARGETS = {
     "llama": (["q_proj", "v_proj", "down_proj"], ATTN + MLP),
     "qwen3": (ATTN, ["v_proj", "gate_proj", "up_proj"]),
-    "qwen3_moe": (ATTN, ["k_proj", "o_proj"]),  # (its experts: target_parameters, refused)
+    "qwen3_moe": (ATTN, ["k_proj", "o_proj"]),  # (its experts: target_parameters, test_lora_experts.py)
     "qwen3_5": (ATTN + MLP, ["q_proj", "o_proj", "up_proj"]),
 }
 
@@ -273,7 +273,6 @@ def test_refusals_say_what_and_why(tmp_path):
     # PEFT options acb does not run
     for key, value, match in (
         ("use_dora", True, "DoRA"),
-        ("target_parameters", ["mlp.experts.down_proj"], "fused MoE experts"),
         ("modules_to_save", ["lm_head"], "modules_to_save"),
         ("bias", "all", "biases"),
     ):
@@ -284,9 +283,13 @@ def test_refusals_say_what_and_why(tmp_path):
         (folder / "adapter_config.json").write_text(json.dumps(cfg))
         save_file(tensors, str(folder / "adapter_model.safetensors"))
         refused(folder, match)
-    # a MoE's experts are fused parameters: PEFT targets them with target_parameters
+    # a MoE's experts are fused parameters: PEFT targets them with target_parameters, taken as
+    # LoraAdapter.params (run in tests/runner/test_lora_experts.py)
     moe = _qwen3_moe()
-    refused(_peft(moe, ["q_proj", "down_proj"], 1), "target_parameters=.*fused MoE experts")
+    got = load_adapter(_peft(moe, ["q_proj", "down_proj"], 1), moe, max_rank=16, name="m")
+    assert set(got.params) == {f"model.layers.{i}.mlp.experts.down_proj" for i in range(2)}
+    with pytest.raises(InvalidRequestError, match=r"rank 8 \(parameter .*experts\.down_proj.*max_lora_rank=4"):
+        load_adapter(_peft(moe, ["q_proj", "down_proj"], 1), moe, max_rank=4, name="m")
     # the head is not a decoder linear
     refused(_peft(base, ["lm_head"], 1), "nn.Linear layers of the model's decoder only")
     # a PeftModel source loads the same adapter as its folder
