@@ -19,11 +19,11 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.serve import routes
-from acb.serve.pipeline import ServerState, authorize
+from acb.serve.pipeline import ServerState, authorize, validated
 from acb.serve.protocol import APIError, read_body
 
 __all__ = ["LoadLoraAdapterRequest", "UnloadLoraAdapterRequest", "add_routes", "load_modules"]
@@ -113,12 +113,4 @@ async def _body(state: ServerState, request: Request, schema: type[M]) -> M:
         )
     if not state.ready or state.closing:
         raise APIError(503, "the engine is not ready", type="server_error", headers={"Retry-After": "1"})
-    raw = await read_body(request, state.settings.max_body_bytes)
-    try:
-        return schema.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise APIError(
-            400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
-        ) from None
+    return validated(await read_body(request, state.settings.max_body_bytes), schema)

@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from acb.api.async_engine import AsyncEngine
 from acb.api.handles import RequestHandle
@@ -70,9 +70,11 @@ __all__ = [
     "stream",
     "submit",
     "tokenize_prompts",
+    "validated",
 ]
 
 B = TypeVar("B", bound=RequestBody)
+V = TypeVar("V", bound=BaseModel)
 
 
 class ServerState:
@@ -332,6 +334,19 @@ def authorize(state: ServerState, request: Request) -> None:
         )
 
 
+def validated(raw: bytes, schema: type[V]) -> V:
+    """A request body parsed as ``schema``; an invalid one is a 400 naming its first bad field
+    (OpenAI's ``param``)."""
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise APIError(
+            400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
+        ) from None
+
+
 async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
     """The request's body, authorized, read and checked: the server ready, the body within its
     size limit, valid for ``schema``, for the served model, asking nothing refused.
@@ -356,15 +371,7 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
             type="server_error",
             headers={"Retry-After": "1"},
         )
-    raw = await read_body(request, state.settings.max_body_bytes)
-    try:
-        body = schema.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise APIError(
-            400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
-        ) from None
+    body = validated(await read_body(request, state.settings.max_body_bytes), schema)
     if body.model != state.model_name and all(info.name != body.model for info in state.engine.list_loras()):
         adapters = "".join(f", {info.name!r}" for info in state.engine.list_loras())
         raise APIError(
