@@ -23,25 +23,17 @@ interpreter's bf16 ``tl.dot`` is wrong).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["interpreted", "lora_apply", "runs_tensor"]
+from acb.runner.attention.triton_kernels import interpreted  # (set at triton's import: one answer for both)
+
+__all__ = ["lora_apply", "runs_tensor"]
 
 BLOCK_M = 16
 BLOCK_K = 64
 BLOCK_N = 64
-
-
-@functools.cache
-def interpreted() -> bool:
-    """Whether these kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_shrink_kernel, InterpretedFunction)
 
 
 @triton.jit
@@ -50,6 +42,25 @@ def _dot(a, b, F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a.to(b.dtype), b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _run_rows(runs_ptr, scale_ptr, order_ptr, run, tile, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A program's run (slot, start, count, read from the device) and row tile: the slot, its
+    scaling, the run's rows to update (none for a skipped slot: scaling 0), the tile's row mask,
+    its rows' positions in the sorted order and their tokens, and the rank's offsets and mask."""
+    slot = tl.load(runs_ptr + run * 3).to(tl.int64)
+    start = tl.load(runs_ptr + run * 3 + 1)
+    count = tl.load(runs_ptr + run * 3 + 2)
+    scale = tl.load(scale_ptr + slot)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = tl.where(scale != 0.0, count, 0)
+    mask_m = offs_m < live
+    idx = (start + offs_m).to(tl.int64)
+    tok = tl.load(order_ptr + idx, mask=mask_m, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    return slot, scale, live, mask_m, idx, tok, offs_r, mask_r
 
 
 @triton.jit
@@ -73,17 +84,9 @@ def _shrink_kernel(
 ):
     run = tl.program_id(0)
     tile = tl.program_id(1)
-    slot = tl.load(runs_ptr + run * 3).to(tl.int64)
-    start = tl.load(runs_ptr + run * 3 + 1)
-    count = tl.load(runs_ptr + run * 3 + 2)
-    scale = tl.load(scale_ptr + slot)
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = tl.where(scale != 0.0, count, 0)  # the run's rows to update (none for a skipped slot)
-    mask_m = offs_m < live
-    idx = (start + offs_m).to(tl.int64)
-    tok = tl.load(order_ptr + idx, mask=mask_m, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
+    slot, scale, live, mask_m, idx, tok, offs_r, mask_r = _run_rows(
+        runs_ptr, scale_ptr, order_ptr, run, tile, R, BLOCK_M, BLOCK_R
+    )
     # an idle tile (past the run's rows, or a skipped slot) runs no iteration
     k_end = tl.where(tile * BLOCK_M < live, K, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -128,17 +131,9 @@ def _expand_kernel(
     run = tl.program_id(0)
     tile = tl.program_id(1)
     col = tl.program_id(2)
-    slot = tl.load(runs_ptr + run * 3).to(tl.int64)
-    start = tl.load(runs_ptr + run * 3 + 1)
-    count = tl.load(runs_ptr + run * 3 + 2)
-    scale = tl.load(scale_ptr + slot)
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = tl.where(scale != 0.0, count, 0)  # the run's rows to update (none for a skipped slot)
-    mask_m = offs_m < live
-    idx = (start + offs_m).to(tl.int64)
-    tok = tl.load(order_ptr + idx, mask=mask_m, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
+    slot, scale, live, mask_m, idx, tok, offs_r, mask_r = _run_rows(
+        runs_ptr, scale_ptr, order_ptr, run, tile, R, BLOCK_M, BLOCK_R
+    )
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = tl.load(y_ptr + idx[:, None] * stride_ym + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
