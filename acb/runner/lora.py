@@ -43,12 +43,7 @@ decode step with adapter rows runs eagerly; a step without any replays its graph
 torch.compile is off with ``max_loras > 0``. Not supported yet (refused with the reason): tensor
 parallel, the own-cache runner path, linears inside layers acb runs per request segment (state
 layers, indexers, own-cache attention) and MLA's ``kv_b_proj``; PEFT's ``target_parameters``
-(fused MoE experts' 3-D parameters) runs per slot instead: the experts module is intercepted, runs
-once on every row with its own weights, then once per slot present whose adapter targets it, on that
-slot's rows, with each targeted parameter swapped for ``torch.baddbmm(W, lhs, rhs, alpha=scaling)``
-(the weight PEFT's ``ParamWrapper`` folds for one active adapter, made once per step and slot), its
-output copied over those rows. Those folded factors live on the device per slot (allocated by
-:meth:`LoraLayers.add`, outside :func:`reserved_bytes`).
+(fused MoE experts' 3-D parameters) run in :mod:`acb.runner.lora_experts`.
 """
 
 from __future__ import annotations
@@ -64,7 +59,8 @@ import torch.nn.functional as F
 
 from acb.errors import InvalidRequestError
 from acb.lora import FIELD, LoraAdapter, lora_targets
-from acb.runner.intercept import Interception, call_arguments
+from acb.runner.intercept import Interception
+from acb.runner.lora_experts import ExpertAdapters
 from acb.runner.step import CURRENT
 
 if TYPE_CHECKING:
@@ -179,18 +175,13 @@ class LoraLayers:
         self.buffers: dict[torch.nn.Module, _Slots] = {}
         self.slot_names: list[str | None] = [None] * (max_loras + 1)
         self._interceptions: list[Interception] = []
-        # target_parameters: experts module -> slot -> parameter name -> (lhs, rhs, scaling) on the device
-        self.experts: dict[torch.nn.Module, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]] = {}
+        # target_parameters (fused MoE experts' 3-D parameters): acb.runner.lora_experts
+        self.experts = ExpertAdapters(model, device)
 
     @property
     def nbytes(self) -> int:
         """The device bytes of the buffers allocated so far."""
-        return sum(b.A.nbytes + b.B.nbytes + b.scale_dev.nbytes for b in self.buffers.values()) + sum(
-            lhs.nbytes + rhs.nbytes
-            for per_slot in self.experts.values()
-            for ps in per_slot.values()
-            for lhs, rhs, _ in ps.values()
-        )
+        return sum(b.A.nbytes + b.B.nbytes + b.scale_dev.nbytes for b in self.buffers.values()) + self.experts.nbytes
 
     def add(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (``1..max_loras``), replacing what was there."""
@@ -212,38 +203,9 @@ class LoraLayers:
                 raise InvalidRequestError(
                     f"LoRA adapter {adapter.name!r}: {path!r} cannot take an adapter in acb yet: {why}", FIELD
                 )
-        named = dict(self.model.named_modules())
-        experts: dict[torch.nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = {}
-        for key, (lhs, rhs, scale) in adapter.params.items():
-            mpath, _, pname = key.rpartition(".")
-            mod = named.get(mpath)
-            p = mod._parameters.get(pname) if mod is not None else None
-            if (
-                mod is None
-                or p is None
-                or p.dim() != 3
-                or (p.shape[0], p.shape[1], p.shape[2]) != (lhs.shape[0], lhs.shape[1], rhs.shape[2])
-            ):
-                raise InvalidRequestError(
-                    f"LoRA adapter {adapter.name!r}: {key!r} is not a 3-D parameter of the engine's model "
-                    "that its factors fit",
-                    FIELD,
-                )
-            why = self._refused.get(id(mod))
-            if why is not None:
-                raise InvalidRequestError(
-                    f"LoRA adapter {adapter.name!r}: {key!r} cannot take an adapter in acb yet: {why}", FIELD
-                )
-            experts.setdefault(mod, {})[pname] = (lhs.to(self.device), rhs.to(self.device), float(scale))
+        experts = self.experts.check(adapter, self._refused)
         self.remove(slot)
-        new_experts = []
-        for mod, ps in experts.items():
-            if mod not in self.experts:
-                self.experts[mod] = {}
-                new_experts.append(mod)
-            self.experts[mod][slot] = ps
-        if new_experts:
-            self._interceptions.append(Interception(new_experts, _experts_forward))
+        self.experts.put(slot, experts)
         new = []
         with torch.no_grad():
             for path, (a, b) in adapter.weights.items():
@@ -271,8 +233,7 @@ class LoraLayers:
             for buf in self.buffers.values():
                 if buf.rank[slot]:
                     buf.clear(slot)
-        for per_slot in self.experts.values():
-            per_slot.pop(slot, None)
+        self.experts.remove(slot)
         self.slot_names[slot] = None
 
     def close(self) -> None:
@@ -280,6 +241,7 @@ class LoraLayers:
         for i in self._interceptions:
             i.remove()
         self._interceptions = []
+        self.experts.close()
 
 
 def _lora_forward(original: Any, sig: inspect.Signature, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -321,44 +283,4 @@ def _lora_forward(original: Any, sig: inspect.Signature, module: torch.nn.Module
             continue
         d = F.linear(F.linear(xs[start : start + count], buf.A[slot, :r]), buf.B[slot, :, :r]) * buf.scale[slot]
         o2.index_add_(0, rows.order[start : start + count], d)
-    return out
-
-
-def _experts_forward(original: Any, sig: inspect.Signature, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A MoE experts module some adapter targets with ``target_parameters``: every row with the base
-    weights, then each slot's rows again with PEFT's folded weights, copied over."""
-    out = original(*args, **kwargs)
-    step: LoraStep | None = CURRENT.lora
-    if step is None:
-        return out
-    per_slot = step.layers.experts.get(module)
-    if not per_slot:
-        return out
-    bound = call_arguments(sig, module, args, kwargs)
-    names = list(bound)
-    rows = step.rows
-    n = rows.num_tokens
-    o2 = out.view(-1, out.shape[-1])
-    if o2.shape[0] != n or any(isinstance(v, torch.Tensor) and v.shape[0] != n for v in bound.values()):
-        raise RuntimeError(
-            f"LoRA on {type(module).__name__} (target_parameters): its inputs do not have the step's {n} tokens "
-            "as rows; acb applies adapters to experts that see every token of the step in batch order"
-        )
-    for slot, start, count in rows.runs:
-        ps = per_slot.get(slot)
-        if not ps:
-            continue
-        idx = rows.order[start : start + count]
-        sub = {k: v.index_select(0, idx) if isinstance(v, torch.Tensor) else v for k, v in bound.items()}
-        saved = {p: module._parameters[p] for p in ps}
-        try:
-            for p, (lhs, rhs, scale) in ps.items():
-                w = saved[p]
-                assert w is not None
-                with torch.autocast(device_type=w.device.type, enabled=False):
-                    module._parameters[p] = torch.baddbmm(w, lhs, rhs, alpha=scale)  # type: ignore[assignment]
-            o = original(**{k: sub[k] for k in names})
-        finally:
-            module._parameters.update(saved)
-        o2.index_copy_(0, idx, o.reshape(-1, o2.shape[-1]).to(o2.dtype))
     return out
