@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from acb.errors import EngineDeadError, EngineNotRunningError
 from acb.serve import routes
-from acb.serve.pipeline import ServerState, authorize, validated
+from acb.serve.pipeline import ServerState, authorize, check_ready, validated
 from acb.serve.protocol import APIError, read_body
 
 __all__ = ["LoadLoraAdapterRequest", "UnloadLoraAdapterRequest", "add_routes", "load_modules"]
@@ -111,6 +111,5 @@ async def _body(state: ServerState, request: Request, schema: type[M]) -> M:
             "(start acb serve with --enable-lora-updates)",
             code="not_found",
         )
-    if not state.ready or state.closing:
-        raise APIError(503, "the engine is not ready", type="server_error", headers={"Retry-After": "1"})
+    check_ready(state)
     return validated(await read_body(request, state.settings.max_body_bytes), schema)

@@ -347,6 +347,17 @@ def validated(raw: bytes, schema: type[V]) -> V:
         ) from None
 
 
+def check_ready(state: ServerState) -> None:
+    """A 503 (with ``Retry-After``) while the engine starts or the server shuts down."""
+    if not state.ready or state.closing:
+        raise APIError(
+            503,
+            "the engine is not ready" if not state.closing else "the server is shutting down",
+            type="server_error",
+            headers={"Retry-After": "1"},
+        )
+
+
 async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
     """The request's body, authorized, read and checked: the server ready, the body within its
     size limit, valid for ``schema``, for the served model, asking nothing refused.
@@ -364,13 +375,7 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
             refused), 404 (a model that is neither the served one nor a loaded LoRA adapter).
     """
     authorize(state, request)
-    if not state.ready or state.closing:
-        raise APIError(
-            503,
-            "the engine is not ready" if not state.closing else "the server is shutting down",
-            type="server_error",
-            headers={"Retry-After": "1"},
-        )
+    check_ready(state)
     body = validated(await read_body(request, state.settings.max_body_bytes), schema)
     if body.model != state.model_name and all(info.name != body.model for info in state.engine.list_loras()):
         adapters = "".join(f", {info.name!r}" for info in state.engine.list_loras())
