@@ -111,17 +111,21 @@ class _Slots:
         self.B = torch.zeros((slots, lin.out_features, max_rank), dtype=dtype, device=device)
         self.scale = [0.0] * slots  # PEFT multiplies by a Python float: so does the grouped form
         self.scale_dev = torch.zeros(slots, dtype=dtype, device=device)  # the gathered form's
-        # the kernel form's fp32 copy of ``scale``, made at its first use after a change (a few
-        # bytes a slot, outside reserved_bytes)
-        self.scale_f32: torch.Tensor | None = None
+        # the kernel form's and the per-row form's fp32 copy of ``scale`` (PEFT's product in the
+        # float opmath), written in place: a captured graph reads it at replay (a few bytes a slot,
+        # outside reserved_bytes)
+        self.scale_f32 = torch.zeros(slots, dtype=torch.float32, device=device)
         self.rank = [0] * slots  # 0: the slot's adapter does not target this linear
+
+    def put_scale(self, slot: int, scale: float) -> None:
+        self.scale[slot] = scale
+        self.scale_dev[slot] = scale
+        self.scale_f32[slot] = scale
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
         self.B[slot].zero_()
-        self.scale[slot] = 0.0
-        self.scale_dev[slot] = 0.0
-        self.scale_f32 = None
+        self.put_scale(slot, 0.0)
         self.rank[slot] = 0
 
 
@@ -171,7 +175,10 @@ class LoraLayers:
                 self._refused[id(m)] = f"inside {type(layer).__name__}, which acb runs per request segment"
         for m in not_per_token:
             self._refused[id(m)] = "it is fed the cached latent, not the step's tokens (MLA's kv_b_proj)"
-        self.reserved_bytes = reserved_bytes(self.targets, max_loras, max_rank)
+        # (the fused experts' factors and their transient folded copy: acb.runner.lora_experts)
+        self.reserved_bytes = reserved_bytes(self.targets, max_loras, max_rank) + ExpertAdapters.reserved_bytes(
+            model, max_loras, max_rank, self._refused
+        )
         self.buffers: dict[torch.nn.Module, _Slots] = {}
         self.slot_names: list[str | None] = [None] * (max_loras + 1)
         self._interceptions: list[Interception] = []
@@ -218,9 +225,7 @@ class LoraLayers:
                 buf.A[slot, :r].copy_(a)
                 buf.B[slot, :, :r].copy_(b)
                 buf.rank[slot] = r
-                buf.scale[slot] = float(adapter.scalings.get(path, adapter.scaling))
-                buf.scale_dev[slot] = buf.scale[slot]
-                buf.scale_f32 = None
+                buf.put_scale(slot, float(adapter.scalings.get(path, adapter.scaling)))
         if new:
             self._interceptions.append(Interception(new, _lora_forward))
         self.slot_names[slot] = adapter.name
