@@ -74,6 +74,10 @@ class LoraAdapter:
         params: ``target_parameters``: ``"<module path>.<parameter>"`` -> ``(lhs [E, m, r], rhs
             [E, r, n], scaling)`` for a 3-D parameter ``W [E, m, n]``: the weight PEFT's
             ``ParamWrapper`` runs the module with is ``torch.baddbmm(W, lhs, rhs, alpha=scaling)``.
+        param_paths: for an update by PEFT's keys: each ``ParamWrapper``'s module path as its
+            ``lora_A``/``lora_B`` keys name it (the engine model's path, with PEFT's
+            ``.base_layer`` nesting when a module has several) -> ``(its key in params, whether the
+            parameter is ``[E, in, out]``, the module's ``is_transposed``)``.
     """
 
     name: str
@@ -84,6 +88,7 @@ class LoraAdapter:
     nbytes: int
     scalings: Mapping[str, float]
     params: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]] = dataclasses.field(default_factory=dict)
+    param_paths: Mapping[str, tuple[str, bool]] = dataclasses.field(default_factory=dict)
 
 
 def adapter_uid(
@@ -128,11 +133,47 @@ def _expert_factors(
             + " of its 3-D parameters",
         )
     pname, e = fits[0]
-    wa = a.reshape(e, -1, a.shape[-1])  # [E, r, in]
-    wb = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, out, r]
-    if transposed:
-        return pname, wa.transpose(-2, -1), wb.transpose(-2, -1)
-    return pname, wb, wa
+    factors = dict(_expert_side(ab, t, e, transposed) for ab, t in (("A", a), ("B", b)))
+    return pname, factors[0], factors[1]
+
+
+def _expert_side(ab: str, t: torch.Tensor, e: int, transposed: bool) -> tuple[int, torch.Tensor]:
+    """Which factor (0: lhs, 1: rhs) PEFT's ``lora_A [r*E, in]`` / ``lora_B [out, r*E]`` of a
+    parameter of ``e`` experts gives, and its value (``ParamWrapper.get_delta_factors``)."""
+    if ab == "A":
+        wa = t.reshape(e, -1, t.shape[-1])  # [E, r, in]
+        return (0, wa.transpose(-2, -1)) if transposed else (1, wa)
+    wb = t.reshape(t.shape[0], -1, e).permute(2, 0, 1)  # [E, out, r]
+    return (1, wb.transpose(-2, -1)) if transposed else (0, wb)
+
+
+def expert_tensor_shape(adapter: LoraAdapter, path: str, ab: str) -> tuple[int, int]:
+    """The shape of PEFT's ``lora_A`` (``[r*E, in]``) or ``lora_B`` (``[out, r*E]``) tensor of the
+    ``ParamWrapper`` at ``path`` (a key of :attr:`LoraAdapter.param_paths`) in ``adapter``."""
+    key, transposed = adapter.param_paths[path]
+    lhs, rhs, _ = adapter.params[key]
+    e, m, r = (int(d) for d in lhs.shape)
+    n = int(rhs.shape[2])
+    out_f, in_f = (n, m) if transposed else (m, n)
+    return (e * r, in_f) if ab == "A" else (out_f, e * r)
+
+
+def expert_factors_with(
+    adapter: LoraAdapter,
+    params: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
+    path: str,
+    ab: str,
+    t: torch.Tensor,
+) -> tuple[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """``(key, (lhs, rhs, scaling))``: the entry of ``params`` (``adapter``'s, or an update's so
+    far) for the ``ParamWrapper`` at ``path``, with the factor PEFT's ``lora_A``/``lora_B`` tensor
+    ``t`` gives put in (of :func:`expert_tensor_shape`'s shape; the other factor and the scaling
+    kept)."""
+    key, transposed = adapter.param_paths[path]
+    lhs, rhs, scale = params[key]
+    side, value = _expert_side(ab, t, int(lhs.shape[0]), transposed)
+    value = value.detach().to("cpu", lhs.dtype).contiguous()
+    return key, ((value, rhs, scale) if side == 0 else (lhs, value, scale))
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -287,6 +328,7 @@ def load_adapter(
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     scalings: dict[str, float] = {}
     params: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    param_paths: dict[str, tuple[str, bool]] = {}
     for path, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise _refuse(name, f"module {path!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
@@ -314,6 +356,7 @@ def load_adapter(
                     rhs.detach().to("cpu", dtype).contiguous(),
                     alpha / math.sqrt(r) if rslora else alpha / r,
                 )
+                param_paths[path] = (key, bool(getattr(mod, "is_transposed", False)))
                 continue
         if path not in named:
             raise _refuse(name, f"target module {path!r} is not in the model ({type(model).__name__})")
@@ -368,4 +411,5 @@ def load_adapter(
         + sum(v[0].nbytes + v[1].nbytes for v in params.values()),
         scalings=scalings,
         params=params,
+        param_paths=param_paths,
     )

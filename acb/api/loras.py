@@ -20,7 +20,8 @@ refused by :meth:`Loras.add` (remove it first).
 
 An adapter's weights are updated in place by :meth:`Loras.update` (``engine.update_lora``: an RL
 trainer pushing its LoRA policy): the new tensors (a PEFT folder, a ``PeftModel``, or the adapter's
-tensors by PEFT's names, as ``get_peft_model_state_dict`` gives them) are checked whole against the
+tensors by PEFT's names, as ``get_peft_model_state_dict`` gives them, a fused experts' parameters'
+(``target_parameters``: ``<experts>[.base_layer].lora_A.weight``) among them) are checked whole against the
 loaded adapter before anything changes, then written into the same slot on the engine thread between
 two steps. The rule for requests in flight: **the swap waits for them**. It happens at the first
 point between two steps where no request that uses the adapter has started (none has a token
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from acb.errors import InvalidRequestError, InvalidRequestTypeError, WeightUpdateError
-from acb.lora import LoraAdapter, adapter_uid, load_adapter
+from acb.lora import LoraAdapter, adapter_uid, expert_factors_with, expert_tensor_shape, load_adapter
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -285,7 +286,10 @@ class Loras:
             name: the loaded adapter's name.
             specs: ``(key, shape, dtype)`` per tensor; a key is PEFT's
                 (``base_model.model.<module>.lora_A.weight``, as ``get_peft_model_state_dict``
-                gives it) or the module's path in the engine's model (``<module>.lora_B.weight``).
+                gives it) or the module's path in the engine's model (``<module>.lora_B.weight``);
+                a fused experts' parameter's (``target_parameters``) as PEFT names its
+                ``ParamWrapper`` (``<experts>.lora_A.weight``, ``<experts>.base_layer.lora_A.weight``
+                for a module's second parameter), of PEFT's shapes ``[r*E, in]`` / ``[out, r*E]``.
 
         Raises:
             InvalidRequestError: no adapter of that name (field ``lora``).
@@ -328,7 +332,12 @@ class Loras:
                     )
             plan = _plan(old, [(k, tuple(t.shape), t.dtype) for k, t in items])
             weights = dict(old.weights)
+            params = dict(old.params)
             for (_key, t), (path, ab) in zip(items, plan):
+                if path not in weights:  # a fused experts' parameter (target_parameters): its factor
+                    key, factors = expert_factors_with(old, params, path, ab, t)
+                    params[key] = factors
+                    continue
                 a, b = weights[path]
                 new = t.detach().to("cpu", a.dtype).contiguous()
                 weights[path] = (new, b) if ab == "A" else (a, new)
@@ -337,10 +346,11 @@ class Loras:
                 rank=old.rank,
                 scaling=old.scaling,
                 weights=weights,
-                uid=_uid(weights, old.scalings, old.params),
+                uid=_uid(weights, old.scalings, params),
                 nbytes=old.nbytes,
                 scalings=old.scalings,
-                params=old.params,  # (target_parameters' factors: kept; an update names linears' tensors)
+                params=params,
+                param_paths=old.param_paths,
             )
         return load_adapter(source, model, max_rank=cfg.max_lora_rank, name=name)
 
@@ -459,11 +469,15 @@ def _plan(adapter: LoraAdapter, specs: Iterable[tuple[str, Sequence[int], torch.
             problems.append(f"{key}: named twice")
         seen.add((path, ab))
         pair = adapter.weights.get(path)
-        if pair is None:
-            have = ", ".join(sorted(adapter.weights)[:4]) + (", ..." if len(adapter.weights) > 4 else "")
+        if pair is not None:
+            want = tuple(pair[0 if ab == "A" else 1].shape)
+        elif path in adapter.param_paths:  # a fused experts' parameter: PEFT's lora_A [r*E, in] / lora_B [out, r*E]
+            want = expert_tensor_shape(adapter, path, ab)
+        else:
+            modules = sorted([*adapter.weights, *adapter.param_paths])
+            have = ", ".join(modules[:4]) + (", ..." if len(modules) > 4 else "")
             problems.append(f"{key}: {path!r} is not one of adapter {adapter.name!r}'s modules ({have})")
             continue
-        want = tuple(pair[0 if ab == "A" else 1].shape)
         if tuple(int(d) for d in shape) != want:
             problems.append(
                 f"{key}: shape {list(shape)}, the loaded adapter's is {list(want)} (a new rank or new modules: "
