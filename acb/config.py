@@ -165,6 +165,11 @@ class ContinuousBatchingConfig:
     max_loras: int = 0
     # the largest adapter rank taken; a higher-rank adapter is refused when added
     max_lora_rank: int = 16
+    # a request's tokens and logprobs the same bits whatever else is in its batch (batch size,
+    # chunked prefill, prefix hits, thread count), and equal to a trainer's own forward under
+    # acb.runner.batch_invariant.enabled(model): fixed-order linears and attention
+    # (acb.runner.batch_invariant; float32 on CPU; refused, with the reason, where not covered)
+    batch_invariant: bool = False
     _warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -259,6 +264,7 @@ class ContinuousBatchingConfig:
             "per_request_processors",
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
+            "batch_invariant",
         ):
             check(name, isinstance(getattr(self, name), bool), "a bool")
         for name in ("use_async_batching", "use_default_compile_configs", "cpu_packed_linears", "mla_latent_cache"):
@@ -419,6 +425,7 @@ class ResolvedConfig:
     max_loras: int = 0  # LoRA adapters loaded at once (0: LoRA off)
     max_lora_rank: int = 16  # the largest adapter rank taken
     lora_bytes: int = 0  # the adapters' stacked buffers, set aside before the KV cache was sized
+    batch_invariant: bool = False  # fixed-order linears and attention (acb.runner.batch_invariant)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -26,6 +26,7 @@ from acb.core.messages import ModelRunnerOutput, SchedulerOutput
 from acb.errors import InvalidRequestError, UnsupportedModelError
 from acb.lora import FIELD as LORA_FIELD
 from acb.lora import LoraAdapter
+from acb.runner import batch_invariant
 from acb.runner.attention import (
     AttentionBackend,
     SharedAttention,
@@ -152,7 +153,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a stopped engine freed must count as free when sizing the cache
         # before the cache is sized: the packed copies take host memory
-        self.packed = None if own_path else self._packed_linears(model, config)
+        # (the batch-invariant mode runs every linear through acb.runner.batch_invariant instead)
+        self.packed = None if own_path or config.batch_invariant else self._packed_linears(model, config)
         try:
             self.cfg, spec = resolve_config(model, config, own_path=own_path)
         except Exception as exc:
@@ -208,6 +210,10 @@ class ModelRunner:
                 "in Triton's interpreter, for testing); use attn_backend='torch' on CPU"
             )
         self.backend = self._checked_backend(config, spec)
+        if self.cfg.batch_invariant:  # every query through the fixed-order kernel (checked in resolve_config)
+            if self.cfg.attn_backend != "cpu":
+                raise ValueError("batch_invariant=True: acb's CPU attention kernel failed its start-up check here")
+            self.backend.fixed_order = True  # type: ignore[attr-defined]
         self._graphs_requested = decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(
             self.cfg,
@@ -1011,7 +1017,10 @@ class ModelRunner:
             kw["input_ids"], kw["inputs_embeds"] = None, batch.inputs_embeds
             if self.media is not None:
                 kw.update(self.media.model_kwargs())
-        with self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext():
+        with (
+            self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext(),
+            batch_invariant.engine_step(self.cfg.batch_invariant),
+        ):
             if self._supports_logits_to_keep:
                 return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]
             return self.model(**kw).logits[0, batch.logits_indices]

@@ -420,6 +420,13 @@ def resolve_config(
     device = model_device(model)
     dtype = next(model.parameters()).dtype
     backend = "torch" if own_path else config.attn_backend or default_backend(device, dtype, config.page_size)
+    if config.batch_invariant:  # the fixed-order kernels, or a refusal that says why (acb.runner.batch_invariant)
+        from acb.runner.batch_invariant import refusal
+
+        problem = refusal(model, config, own_path)
+        if problem is not None:
+            raise ValueError(f"batch_invariant=True cannot run {type(model).__name__}: {problem}")
+        backend = "cpu"
     from acb.runner.indexed import indexer_modules
     from acb.runner.latent import latent_modules
 
@@ -544,6 +551,7 @@ def resolve_config(
         prefix_caching=config.allow_block_sharing,
         async_batching=config.use_async_batching if config.use_async_batching is not None else cuda,
         image_cache_bytes=image_bytes or max(64 << 20, num_blocks * per_block // 8),
+        batch_invariant=config.batch_invariant,
     )
     return resolved, spec
 

@@ -35,9 +35,11 @@ REUSE = True
 MAX_KERNEL_CHUNK_WORK = 3072
 
 
-def _to_kernel(start: int, n: int) -> bool:
-    """Whether a prefill chunk of ``n`` queries after ``start`` cached tokens goes to the kernel."""
-    return start > 0 and n * (start + n) <= MAX_KERNEL_CHUNK_WORK
+def _to_kernel(start: int, n: int, fixed_order: bool = False) -> bool:
+    """Whether a prefill chunk of ``n`` queries after ``start`` cached tokens goes to the kernel
+    (every one in the batch-invariant mode: a query's sums then run over its keys in position
+    order however its prompt was chunked)."""
+    return fixed_order or (start > 0 and n * (start + n) <= MAX_KERNEL_CHUNK_WORK)
 
 
 def unavailable_reason() -> str | None:
@@ -51,8 +53,11 @@ class CpuBackend(TorchBackend):
     name = "cpu"
     supports_graphs = False
 
-    def __init__(self) -> None:
+    def __init__(self, fixed_order: bool = False) -> None:
         super().__init__()
+        # the batch-invariant mode (acb.runner.batch_invariant): every query through the kernel,
+        # and a layer the kernel cannot take is an error, not the torch path
+        self.fixed_order = fixed_order
         self._aranges: dict[int, torch.Tensor] = {}  # n -> arange(n): a decode-only step's rows and tokens
 
     def build_metadata(self, batch: BatchInputs, block_size: int) -> TorchMetadata:
@@ -61,16 +66,17 @@ class CpuBackend(TorchBackend):
             return self._decode_metadata(batch, block_size)
         md = super().build_metadata(batch, block_size)
         # short chunks after a cached prefix: their queries go to the kernel beside the decode rows
-        md.kernel_prefills = [p for p in md.prefills if _to_kernel(p.ctx_len - p.q_len, p.q_len)]
+        fixed = self.fixed_order
+        md.kernel_prefills = [p for p in md.prefills if _to_kernel(p.ctx_len - p.q_len, p.q_len, fixed)]
         if md.kernel_prefills:
-            md.prefills = [p for p in md.prefills if not _to_kernel(p.ctx_len - p.q_len, p.q_len)]
+            md.prefills = [p for p in md.prefills if not _to_kernel(p.ctx_len - p.q_len, p.q_len, fixed)]
         if md.decode_rows or md.kernel_prefills:
             rows: list[int] = []
             toks: list[int] = []
             lens: list[int] = []
             tok = 0
             for i, n in enumerate(batch.num_new):
-                if n == 1 or _to_kernel(batch.start_pos[i], n):
+                if n == 1 or _to_kernel(batch.start_pos[i], n, fixed):
                     rows.extend([i] * n)
                     toks.extend(range(tok, tok + n))
                     lens.extend(range(batch.start_pos[i] + 1, batch.start_pos[i] + n + 1))
@@ -134,6 +140,12 @@ class CpuBackend(TorchBackend):
             or not (k_pages.is_contiguous() and v_pages.is_contiguous())
             or q.stride(2) != 1
         ):
+            if self.fixed_order:
+                raise RuntimeError(
+                    "batch_invariant=True: this attention layer cannot run on acb's fixed-order CPU kernel "
+                    f"(query {q.dtype}, cache {k_pages.dtype}, K/V pages {tuple(k_pages.shape)}/{tuple(v_pages.shape)}, "
+                    f"latent={la.latent is not None}, indexed={la.index is not None})"
+                )
             super()._decode(md, q, k_pages, v_pages, out, la)
             for j, p in enumerate(md.kernel_prefills, start=len(md.prefills)):
                 self._prefill(md, j, p, q, None, None, k_pages, v_pages, out, la)

@@ -1,0 +1,457 @@
+"""Batch-invariant, trainer-matched arithmetic on CPU: the ops whose bits would otherwise depend on
+what else is in a step (``batch_invariant=True``), and the same ops for a trainer's own forward.
+
+What breaks invariance on CPU, and what the mode does instead (measured on torch 2.13's MKL 2024.2
+and oneDNN 3.12; :func:`check_linear` repeats the linear measurement on the machine at hand):
+
+- **Linears.** MKL's sgemm (``F.linear`` on a plain weight) computes a row differently with the
+  number of rows in the call and with the thread count (48 of 48 row/position/thread cases
+  differed from the row alone, at every shape tried). oneDNN's inner product
+  (``torch.ops.mkldnn._linear_pointwise``) gives a row the same bits for every row count from 2
+  up (2 to 4099 rows tried), any position, any other rows, 1, 2 or 4 threads, at K up to 11008;
+  with exactly one row it takes another kernel (a matrix-vector one, whose K split follows the
+  thread count: it differs from the 2-row result at K >= 2048). So the mode's linear is oneDNN's,
+  on the weight as the model holds it, with a one-row call padded to two rows (:func:`linear`).
+  It is installed as ``torch.nn.functional.linear`` while the mode is on for the calling thread
+  (every ``nn.Linear``, an LM head, a fused MoE's per-expert ``F.linear``); on other threads, or
+  with the mode off, the original runs. Its backward is the ordinary matrix products (a gradient
+  needs no fixed order: the forward's bits are what a logprob is compared by).
+- **Attention.** acb's CPU kernel (``cpu_kernels.c``) computes a query over its keys in position
+  order, one query at a time, whatever else is in the call: in the mode every query of every
+  prefill chunk goes to it too (otherwise a long chunk runs SDPA's blocked products, whose sums
+  split the keys by the chunk's shape). A trainer's forward over whole sequences uses the same
+  kernel through :data:`ATTN_IMPL_NAME`, a transformers attention function (causal, left padding
+  allowed); its backward recomputes attention with ordinary torch ops.
+- **Norms, the softmax, element-wise ops.** Row reductions over the hidden size (RMSNorm's mean)
+  and the log-softmax over the vocabulary run per row in torch's kernels; the sampler's
+  log-softmax is the trainer's (:func:`token_logprobs`). These were checked, not changed: the
+  tests compare whole engines (a request alone, in a batch of 64, chunked, after a prefix hit, at
+  1 and 2 threads) and a trainer's forward bit for bit.
+
+Float32 on CPU only: :func:`refusal` names what the mode does not cover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+ATTN_IMPL_NAME = "acb_batch_invariant"  # the trainer-side attention function's name in transformers
+
+_TLS = threading.local()  # .on: the mode is on for this thread
+_LOCK = threading.Lock()
+_ORIGINAL_LINEAR: Callable[..., torch.Tensor] | None = None  # torch's F.linear, kept while ours is installed
+
+
+def is_on() -> bool:
+    """Whether the mode is on for the calling thread."""
+    return bool(getattr(_TLS, "on", False))
+
+
+def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's inner product, at least two rows a call (see the module's docstring)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m < 2:  # one row (or none) takes oneDNN's matrix-vector kernel: pad to two
+        x2 = torch.cat([x2, x2.new_zeros(2 - m, x2.shape[1])])
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
+    if m < 2:
+        out = out[:m]
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _fixed_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = (g2 @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and x.dim() >= 1
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with each row's bits independent of the other rows and of the thread count
+    (float32 CPU tensors; anything else goes to torch's own). Differentiable."""
+    if not _applies(x, weight):
+        return (_ORIGINAL_LINEAR or torch.nn.functional.linear)(x, weight, bias)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return _Linear.apply(x, weight, bias)
+    return _fixed_linear(x, weight, bias)
+
+
+def _routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``torch.nn.functional.linear`` is while installed: ours on a thread with the mode on."""
+    if getattr(_TLS, "on", False) and _applies(x, weight):
+        return linear(x, weight, bias)
+    assert _ORIGINAL_LINEAR is not None
+    return _ORIGINAL_LINEAR(x, weight, bias)
+
+
+def _install() -> None:
+    """Put :func:`_routed_linear` in ``torch.nn.functional.linear`` (once per process; it calls
+    torch's own wherever the mode is off, so it stays)."""
+    global _ORIGINAL_LINEAR
+    with _LOCK:
+        if _ORIGINAL_LINEAR is None:
+            _ORIGINAL_LINEAR = torch.nn.functional.linear
+            torch.nn.functional.linear = _routed_linear  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def enabled(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """The mode on the calling thread for the block: a trainer's forward (and backward) computes
+    what an acb engine with ``batch_invariant=True`` computes, bit for bit. With ``model``, its
+    attention is acb's fixed-order function for the block (:data:`ATTN_IMPL_NAME`), and its own
+    comes back after::
+
+        with acb.runner.batch_invariant.enabled(model):
+            logits = model(ids).logits
+        logprobs = token_logprobs(logits[0, len(prompt) - 1 : -1], completion, temperature)
+    """
+    _install()
+    prev = getattr(_TLS, "on", False)
+    _TLS.on = True
+    swap = _AttentionOn(model) if model is not None else contextlib.nullcontext()
+    try:
+        with swap:
+            yield
+    finally:
+        _TLS.on = prev
+
+
+@contextlib.contextmanager
+def engine_step(on: bool) -> Iterator[None]:
+    """The engine thread's step in the mode (``on``), else nothing."""
+    if not on:
+        yield
+        return
+    _install()
+    prev = getattr(_TLS, "on", False)
+    _TLS.on = True
+    try:
+        yield
+    finally:
+        _TLS.on = prev
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], temperature: float = 1.0) -> torch.Tensor:
+    """Each row's logprob of its token, as acb's sampler computes it (float32 logits divided by
+    ``temperature``, log-softmax per row, the token's column): ``logits`` ``[T, V]``, one token
+    per row. The trainer's side of an exact comparison."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device)
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / torch.tensor([temperature], dtype=torch.float32, device=x.device)[:, None]
+    return torch.log_softmax(x, dim=-1).gather(-1, ids[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------- attention (the trainer's side)
+
+
+def _pads(mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None, chunk: int | None) -> list[int]:
+    """Each row's left padding, read from the boolean ``[B, 1, Q, S]`` mask transformers built
+    (None: no padding), and checked to be the causal mask over the rest; anything else is refused."""
+    if mask is None:
+        return [0] * b
+    if mask.dtype != torch.bool or mask.dim() != 4:
+        raise ValueError(
+            f"acb's batch-invariant attention takes a boolean 4-D mask, not {mask.dtype} {tuple(mask.shape)}"
+        )
+    m = mask[:, 0].expand(b, q, s)
+    pads = [int(p) for p in (~m[:, -1, :]).long().cumprod(-1).sum(-1).tolist()]
+    qpos = torch.arange(s - q, s)[:, None]
+    kpos = torch.arange(s)[None, :]
+    for i, pad in enumerate(pads):
+        want = (kpos <= qpos) & (kpos >= pad)
+        if window:
+            want &= qpos - kpos < window
+        if chunk:
+            want &= (kpos - pad) // chunk == (qpos - pad) // chunk
+        rows = slice(max(0, pad - (s - q)), q)  # queries on padding attend to nothing we keep
+        if not torch.equal(m[i, rows], want[rows]):
+            raise ValueError(
+                "acb's batch-invariant attention computes causal attention with left padding only; "
+                "this forward's mask is another (packed sequences, or a custom mask)"
+            )
+    return pads
+
+
+def _kernel_attention(
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, KVH, S, D]
+    value: torch.Tensor,
+    pads: list[int],
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    chunk: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """acb's kernel over whole sequences: each row's keys from its first unpadded position, as
+    an engine's cache holds them (positions from 0). Returns ``[B, Q, H, D]``."""
+    from acb.runner.attention import cpu_kernels
+
+    b, h, q, d = query.shape
+    s = key.shape[2]
+    k = key.transpose(1, 2)  # [B, S, KVH, D]
+    v = value.transpose(1, 2)
+    if any(pads):  # each row's keys moved to start at page position 0
+        idx = torch.stack([(torch.arange(s) + p).clamp(max=s - 1) for p in pads])[:, :, None, None]
+        k = k.gather(1, idx.expand(-1, -1, *k.shape[2:]))
+        v = v.gather(1, idx.expand(-1, -1, *v.shape[2:]))
+    k = k.contiguous().float()
+    v = v.contiguous().float()
+    qt = query.transpose(1, 2).reshape(b * q, h, d).float().contiguous()
+    out = torch.zeros(b * q, h, d, dtype=torch.float32)
+    table = torch.arange(b, dtype=torch.long)[:, None].contiguous()
+    rows = torch.arange(b, dtype=torch.long).repeat_interleave(q)
+    toks = torch.arange(b * q, dtype=torch.long)
+    qabs = torch.arange(s - q, s, dtype=torch.long)  # each query's index among the keys
+    lens = torch.cat([(qabs - p + 1).clamp(min=0) for p in pads])
+    cpu_kernels.paged_attention(
+        qt,
+        k,
+        v,
+        table,
+        rows,
+        toks,
+        lens,
+        out,
+        scale,
+        softcap,
+        window,
+        chunk,
+        sinks.to(torch.float32).contiguous() if sinks is not None else None,
+    )
+    return out.view(b, q, h, d)
+
+
+def _eager_attention(query, key, value, pads, scale, softcap, window, chunk, sinks):
+    """The same attention in ordinary torch ops (the backward's: autograd through it)."""
+    b, h, q, d = query.shape
+    s = key.shape[2]
+    g = h // key.shape[1]
+    k = key.repeat_interleave(g, dim=1)
+    v = value.repeat_interleave(g, dim=1)
+    w = (query @ k.transpose(-1, -2)) * scale
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
+    qpos = torch.arange(s - q, s)[:, None]
+    kpos = torch.arange(s)[None, :]
+    allow = []
+    for pad in pads:
+        a = (kpos <= qpos) & (kpos >= pad)
+        if window:
+            a &= qpos - kpos < window
+        if chunk:
+            a &= (kpos - pad) // chunk == (qpos - pad) // chunk
+        allow.append(a)
+    keep = torch.stack(allow)[:, None]
+    w = w.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink = sinks.reshape(1, h, 1, 1).expand(b, h, q, 1).to(w.dtype)
+        p = torch.softmax(torch.cat([w, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(w, dim=-1)
+    p = torch.nan_to_num(p)  # queries on padding: no keys
+    return (p @ v).transpose(1, 2)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, query, key, value, sinks, pads, scale, softcap, window, chunk):
+        ctx.save_for_backward(query, key, value, sinks)
+        ctx.args = (pads, scale, softcap, window, chunk)
+        return _kernel_attention(query, key, value, pads, scale, softcap, window, chunk, sinks).to(query.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        query, key, value, sinks = ctx.saved_tensors
+        pads, scale, softcap, window, chunk = ctx.args
+        with torch.enable_grad():
+            ins = [
+                t.detach().requires_grad_(need) if t is not None else None
+                for t, need in zip((query, key, value, sinks), ctx.needs_input_grad[:4])
+            ]
+            out = _eager_attention(ins[0], ins[1], ins[2], pads, scale, softcap, window, chunk, ins[3])
+            wrt = [t for t, need in zip(ins, ctx.needs_input_grad[:4]) if t is not None and need]
+            grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True)) if wrt else iter(())
+        res = [next(grads) if t is not None and need else None for t, need in zip(ins, ctx.needs_input_grad[:4])]
+        return (*res, None, None, None, None, None)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function (:data:`ATTN_IMPL_NAME`): acb's fixed-order kernel over
+    the whole sequences, as an engine in the mode computes each query (float32 CPU)."""
+    from acb.runner.attention import layer_chunk, layer_sinks
+
+    if query.device.type != "cpu":
+        raise ValueError("acb's batch-invariant attention runs on CPU tensors only")
+    if dropout and module.training:
+        raise ValueError("acb's batch-invariant attention has no dropout (set the model's attention dropout to 0)")
+    b, _, q, d = query.shape
+    s = key.shape[2]
+    chunk = layer_chunk(module)
+    pads = _pads(attention_mask, b, q, s, sliding_window, chunk)
+    scale = scaling if scaling is not None else d**-0.5
+    out = _Attention.apply(query, key, value, layer_sinks(kwargs), pads, scale, softcap, sliding_window, chunk)
+    return out, None
+
+
+def register_with_transformers() -> None:
+    """Register :func:`attention_forward` (with transformers' SDPA mask) as :data:`ATTN_IMPL_NAME`
+    (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPL_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPL_NAME, sdpa_mask)
+
+
+class _AttentionOn:
+    """A model's attention set to :data:`ATTN_IMPL_NAME` for a block, its own back after."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.own: str | None = None
+
+    def __enter__(self) -> None:
+        register_with_transformers()
+        cfg = getattr(self.model, "config", None)
+        if cfg is None:
+            raise ValueError("enabled(model): the model has no transformers config")
+        self.own = cfg._attn_implementation
+        if self.own != ATTN_IMPL_NAME:
+            _set_attn(self.model, ATTN_IMPL_NAME)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.own is not None and self.own != ATTN_IMPL_NAME:
+            _set_attn(self.model, self.own)
+
+
+def _set_attn(model: Any, impl: str) -> None:
+    try:
+        model.set_attn_implementation(impl)
+    except (AttributeError, ValueError, KeyError, ImportError):
+        model.config._attn_implementation = impl
+
+
+# ---------------------------------------------------------------- what the mode covers
+
+
+def check_linear(shapes: list[tuple[int, int]], threads: tuple[int, ...] = (1, 2)) -> str | None:
+    """Measure :func:`linear` here: a row alone, among 2, 3 and 67 rows, at each thread count,
+    for each ``(in_features, out_features)``; None when every case gives the same bits, else
+    the first that did not."""
+    g = torch.Generator().manual_seed(0)
+    was = torch.get_num_threads()
+    try:
+        for k, n in shapes:
+            w = torch.randn(n, k, generator=g)
+            x0 = torch.randn(1, k, generator=g)
+            torch.set_num_threads(threads[0])
+            ref = _fixed_linear(x0, w, None)[0]
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in (1, 2, 3, 67):
+                    x = torch.randn(m, k, generator=g)
+                    x[m // 2] = x0[0]
+                    if not torch.equal(_fixed_linear(x, w, None)[m // 2], ref):
+                        return f"a [{m}, {k}] x [{k}, {n}] linear at {th} threads computes a row in other bits"
+    finally:
+        torch.set_num_threads(was)
+    return None
+
+
+def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str | None:
+    """None when an engine can run ``model`` in the batch-invariant mode, else why not (the
+    engine's start refuses it with this reason)."""
+    from acb.runner.indexed import indexer_modules
+    from acb.runner.latent import latent_modules
+    from acb.runner.linear_state import linear_layers
+    from acb.runner.media import takes_media
+    from acb.runner.tp_sync import tp_size_of
+    from acb.runner.unpaged_layers import find_unpaged_layers
+
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu":
+        return (
+            "the mode's fixed-order kernels run on CPU only (on a GPU its linears and attention would "
+            "need fixed-order Triton kernels, not written yet)"
+        )
+    if p.dtype != torch.float32:
+        return f"the mode is float32 only (the model is {p.dtype}): its linear path is oneDNN's float32 inner product"
+    if config.attn_backend not in (None, "cpu"):
+        return f"the mode attends with acb's CPU kernel, not attn_backend={config.attn_backend!r}"
+    if own_path:
+        return "the model runs on its own cache objects (runner='own_cache'), whose attention is the model's own"
+    if (
+        config.default_compile_level
+        or config.decode_compile_config is not None
+        or config.varlen_compile_config is not None
+    ):
+        return "the forward is compiled (inductor chooses its own kernels and reduction orders)"
+    if tp_size_of(model) > 1:
+        return "the model is tensor parallel (the all-reduce sums the ranks' partial products)"
+    if getattr(config, "max_loras", 0):
+        return "LoRA adapters are on (max_loras > 0): their batched products are not covered yet"
+    from acb.runner.attention import cpu_backend
+
+    problem = cpu_backend.unavailable_reason()
+    if problem is not None:
+        return f"acb's CPU attention kernel is not available here ({problem})"
+    if latent_modules(model):
+        return (
+            "multi-head latent attention (MLA): the latent's absorbed products are batched matrix products "
+            "over the step's tokens, not covered yet"
+        )
+    if indexer_modules(model):
+        return "indexed sparse attention (DSA): its indexers' products are not covered yet"
+    if linear_layers(model) or find_unpaged_layers(model):
+        return (
+            "state layers (linear attention, Mamba, short convolutions) or unpaged layers: a prompt's chunked "
+            "scan sums in an order set by the chunking, not covered yet"
+        )
+    if takes_media(model):
+        return "image inputs: the vision encoder's batched products are not covered yet"
+    return None

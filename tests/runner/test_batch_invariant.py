@@ -1,0 +1,176 @@
+"""The batch-invariant mode (``batch_invariant=True``, acb.runner.batch_invariant): a request's tokens
+and logprobs are the same bits alone and in a batch of 64 requests of other lengths, chunked,
+after a prefix hit, preempted, with async batching, at 1 and 2 threads; and a trainer's own
+forward under ``enabled(model)`` computes exactly the logprobs the engine returned (backward
+included). Without the mode these differ in the last bits (benchmarks/batch_invariance.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import acb
+from acb.models import tiny_model
+from acb.runner import batch_invariant as bi
+
+TEMP = 0.9
+SP = acb.SamplingParams(
+    max_new_tokens=10,
+    ignore_eos=True,
+    do_sample=True,
+    temperature=TEMP,
+    top_k=0,
+    top_p=1.0,
+    seed=7,
+    logprobs=0,
+    logprobs_mode="processed",
+)
+GREEDY = acb.SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=1, hidden_size=128, intermediate_size=352, vocab_size=1000)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    target = [rng.randrange(3, 1000) for _ in range(37)]
+    others = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
+    return target, others
+
+
+def _run(model, prompts, sampling, threads=2, cpu_threads=None, **cfg):
+    """Every prompt submitted while the engine is paused (they enter its first step together);
+    each output's (tokens, logprobs)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    cfg.setdefault("num_blocks", 400)
+    config = acb.ContinuousBatchingConfig(page_size=16, batch_invariant=True, cpu_threads=cpu_threads or threads, **cfg)
+    try:
+        with acb.Engine(model, config) as eng:
+            eng.pause()
+            handles = [eng.submit(p, s) for p, s in zip(prompts, sampling)]
+            eng.resume()
+            outs = [h.result() for h in handles]
+            stats = eng.stats
+    finally:
+        torch.set_num_threads(was)
+    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], stats
+
+
+def _same(a, b):
+    return a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+@pytest.fixture(scope="module")
+def alone(model, prompts):
+    target, _ = prompts
+    (sampled, greedy), _ = _run(model, [target, target], [SP, GREEDY])
+    return sampled, greedy
+
+
+def test_alone_equals_in_a_batch_of_64_first_and_last(model, prompts, alone):
+    target, others = prompts
+    sps = [SP] + [GREEDY] * 62 + [SP]
+    outs, _ = _run(model, [target, *others[:62], target], sps)
+    assert _same(outs[0], alone[0]) and _same(outs[-1], alone[0])
+    outs, _ = _run(model, [*others[:63], target], [SP] * 63 + [GREEDY])  # greedy, the batch sampled
+    assert _same(outs[-1], alone[1])
+
+
+def test_chunked_async_preempted_and_one_thread(model, prompts, alone):
+    target, others = prompts
+    # chunked prefill (16-token steps), async scheduling, a cache too small for every row (preemption)
+    outs, stats = _run(
+        model,
+        [*others[:15], target],
+        [GREEDY] * 15 + [SP],
+        max_batch_tokens=16,
+        use_async_batching=True,
+        num_blocks=12,
+    )
+    assert _same(outs[-1], alone[0])
+    assert stats.preemptions > 0
+    outs, _ = _run(model, [target, *others[:20]], [SP] + [GREEDY] * 20, threads=1)
+    assert _same(outs[0], alone[0])
+
+
+def test_after_a_prefix_hit(model, prompts, alone):
+    target, _ = prompts
+    config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=400, batch_invariant=True)
+    with acb.Engine(model, config) as eng:
+        eng.generate(target[:33] + [5, 6], acb.SamplingParams(max_new_tokens=1))
+        out = eng.submit(target, SP).result()
+        assert eng.stats.prefix_hits >= 32
+    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone[0])
+
+
+def test_the_trainers_forward_computes_the_engines_logprobs_exactly(model, prompts, alone):
+    """Under enabled(model) the trainer's forward (whole sequences, a batch of two, the shorter
+    one left-padded as trainers pad prompts) gives each completion token exactly the engine's
+    logprob; the backward runs and its gradients are the plain forward's up to rounding."""
+    target, others = prompts
+    tokens, lps = alone[0]
+    short = others[3][:20]
+    s_tokens, s_lps = _run(model, [short], [SP])[0][0]
+    seqs = [target + tokens, short + s_tokens]
+    width = max(map(len, seqs))
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # each sequence's positions from 0, as in the engine
+    m = tiny_model("llama", seed=1, hidden_size=128, intermediate_size=352, vocab_size=1000)
+    m.load_state_dict(model.state_dict())
+    with bi.enabled(m):
+        logits = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    for row, (p, t, want) in enumerate([(target, tokens, lps), (short, s_tokens, s_lps)]):
+        start = width - len(p) - len(t)
+        got = bi.token_logprobs(logits[row, start + len(p) - 1 : width - 1], t, TEMP).double()
+        assert torch.equal(got, want), (got - want).abs().max()
+    assert m.config._attn_implementation == "sdpa"  # its own attention back after the block
+    # the backward: gradients through the fixed-order ops equal the plain forward's to rounding
+    m.zero_grad()
+    with bi.enabled(m):
+        loss = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    m(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float().logsumexp(-1).mean().backward()
+    assert got and all(
+        torch.allclose(got[n], p.grad, rtol=1e-3, atol=1e-5) for n, p in m.named_parameters() if n in got
+    )
+
+
+def test_the_linear_is_row_invariant_here():
+    assert bi.check_linear([(64, 192), (128, 1000), (1024, 1024), (2048, 256)], threads=(1, 2)) is None
+
+
+@pytest.mark.parametrize(
+    "make,why",
+    [
+        (lambda: tiny_model("llama", dtype=torch.bfloat16), "float32 only"),
+        (lambda: _family("deepseek_v3"), "multi-head latent attention"),
+        (lambda: _family("qwen3_5_text"), "state layers"),
+    ],
+)
+def test_what_the_mode_does_not_cover_is_refused_with_the_reason(make, why):
+    with pytest.raises(ValueError, match=why):
+        acb.Engine(make(), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+
+
+def test_lora_and_other_backends_are_refused():
+    m = tiny_model("llama")
+    for cfg, why in (({"max_loras": 1}, "LoRA"), ({"attn_backend": "torch"}, "attn_backend='torch'")):
+        with pytest.raises(ValueError, match=why):
+            acb.Engine(m, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, **cfg)).start()
+
+
+def _family(model_type):
+    from transformers import AutoModelForCausalLM
+
+    from acb.bench.families import tiny_config
+
+    return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
