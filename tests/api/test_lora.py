@@ -196,6 +196,27 @@ def test_no_prefix_block_is_shared_across_adapters(engine):
     assert cached(None) == 32
 
 
+def test_a_first_prompt_that_is_exactly_the_shared_prefix(engine, adapters):
+    """The first prompt is the shared prefix itself (8 whole blocks of 4) with an adapter; a longer
+    prompt over it hits those blocks on the same adapter only (none across adapters, nor with the
+    base model), and every answer is PeftModel.generate's."""
+    _, ref, _ = adapters
+    prefix = prompts_of_lengths([32], seed=8)[0]
+    longer = prefix + [3, 14, 15, 92, 65]
+
+    def run(prompt, lora):
+        out = engine.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True, lora=lora)
+        assert out.generated_tokens == _peft_generate(ref, prompt, lora), (len(prompt), lora)
+        return out.num_cached_tokens
+
+    engine.reset_prefix_cache()
+    assert run(prefix, "a") == 0
+    assert run(longer, "b") == 0  # another adapter: no block of a's
+    assert run(longer, None) == 0  # nor the base model
+    assert run(longer, "a") == 32  # the same adapter: the whole prefix
+    assert run(prefix, "a") == 28  # the prefix again: its blocks but the last (its last token is recomputed)
+
+
 def test_unknown_name_and_the_limits_are_clear_errors(engine, adapters):
     with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'zz'") as e:
         engine.submit(PROMPTS[0], max_new_tokens=2, lora="zz")
