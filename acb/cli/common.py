@@ -125,6 +125,13 @@ def add_engine_flags(eng: Any) -> None:
         "copies (default: on for models of at least 250k linear params per layer)",
     )
     eng.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="CPU float32: a request's tokens and logprobs the same bits whatever shares its batch, "
+        "and a trainer's forward under acb.runner.batch_invariant.enabled(model) computes them exactly "
+        "(fixed-order linears and attention; slower: docs/guides/rl.md)",
+    )
+    eng.add_argument(
         "--scheduler",
         dest="scheduler_type",
         choices=SCHEDULER_TYPES,
@@ -194,6 +201,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> Any:
             runner=args.runner,
             scheduler_type=args.scheduler_type,
             cpu_packed_linears=args.cpu_packed_linears,
+            batch_invariant=getattr(args, "batch_invariant", False),
             **extra,
         )
     except ValueError as exc:

@@ -174,3 +174,12 @@ def _family(model_type):
     from acb.bench.families import tiny_config
 
     return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+
+
+def test_the_flag_reaches_the_engine_config():
+    from acb.cli import build_parser
+    from acb.cli.common import engine_config
+
+    for command in ("serve", "generate"):
+        assert engine_config(build_parser().parse_args([command, "--batch-invariant"])).batch_invariant is True
+        assert engine_config(build_parser().parse_args([command])).batch_invariant is False
