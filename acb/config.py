@@ -161,7 +161,8 @@ class ContinuousBatchingConfig:
     grammar_max_repetition: int = DEFAULT_MAX_REPETITION
     # LoRA adapters (acb.lora, acb.runner.lora): how many may be loaded at once, each request choosing
     # one or none; 0 turns LoRA off. Their stacked buffers, (max_loras + 1) x max_lora_rank x (in + out)
-    # per target linear of the decoder, are set aside before the KV cache is sized
+    # per target linear of the decoder, and the fused experts' factors (max_loras x max_lora_rank per
+    # 3-D expert parameter) with one transient folded copy, are set aside before the KV cache is sized
     max_loras: int = 0
     # the largest adapter rank taken; a higher-rank adapter is refused when added
     max_lora_rank: int = 16
