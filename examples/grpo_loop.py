@@ -9,14 +9,15 @@ sleeps (its KV cache freed for the backward pass) and wakes up; the optimizer st
 and no stale prefix-cache entry is read: each round, a fresh engine on a copy of the weights
 samples the same tokens with the same logprobs, bit for bit.
 
-The sampler's and the trainer's logprobs agree to float rounding, not bit for bit: the engine
-computes each token in a decode step (its paged attention, a batch of other rows), the trainer
-the whole sequence in one forward (transformers' attention); float32 sums in another order and
-split another way end in other last bits (here up to about 1e-4 in a logprob). Two engines on the
-same weights, the same batches and the same thread count compute the same bits: so the prompts
-of a round are submitted while the engine is paused, and enter its first step together
-(`generate_batch` enqueues them one by one while the engine may already be stepping: which rows
-share a step could then depend on timing), and sampling is seeded.
+The sampler's and the trainer's logprobs are the same bits: the engine runs in the batch-invariant
+mode (`batch_invariant=True`: every linear and attention sum in a fixed order, whatever else is in
+the step), and the trainer's forward runs under `acb.runner.batch_invariant.enabled(model)`, the
+same ops over the whole sequence (its backward through ordinary torch ops). So the importance ratio
+is exactly 1 at the first step of a round, and the example checks it. (Without the mode the two
+differ in the last bits, up to about 1e-4 in a logprob here: the engine computes each token in a
+decode step beside other rows, the trainer the whole sequence in one forward, and float32 sums in
+another order end in other last bits.) Two engines on the same weights compute the same bits:
+the prompts of a round are submitted while the engine is paused, and sampling is seeded.
 
     python examples/grpo_loop.py --model ./my-checkpoint --rounds 3
 
@@ -32,6 +33,7 @@ import torch
 
 import acb
 from acb.models import build_tokenizer, default_model
+from acb.runner.batch_invariant import enabled, token_logprobs
 
 PROMPTS = ["Write a word:", "Say something:", "Name a colour:", "Count to three:"]
 
@@ -72,7 +74,8 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    config = acb.ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=512)
+    # the batch-invariant mode: the sampler's logprobs are the trainer's forward's, bit for bit
+    config = acb.ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=512, batch_invariant=True)
     with acb.Engine(model, config, tokenizer=tokenizer) as engine:
         for rnd in range(1, rounds + 1):
             outputs = sample(engine, prompt_ids, sampling)
@@ -89,8 +92,9 @@ def main(model_path: str | None, rounds: int, n: int, max_new_tokens: int) -> No
                 advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
                 for s, adv in zip(samples, advantages):
                     ids = torch.tensor([prompt + s.generated_tokens])
-                    logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
-                    new_lp = logits.log_softmax(-1).gather(-1, torch.tensor(s.generated_tokens)[:, None])[:, 0]
+                    with enabled(model):  # the engine's fixed-order ops, forward and backward
+                        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+                    new_lp = token_logprobs(logits, s.generated_tokens, temperature)  # log_softmax(logits / T)
                     old_lp = torch.tensor(s.logprobs)  # the sampler's, for the same weights
                     worst = max(worst, (new_lp.detach() - old_lp).abs().max().item())
                     ratio = (new_lp - old_lp).exp()  # 1 at the first step of a round

@@ -52,9 +52,9 @@ def test_grpo_loop(tmp_path):
     """Each round's samples (tokens and logprobs) are, bit for bit, a fresh engine's on a copy of
     the round's weights: the same kernels on the same batches, so equal by construction unless
     the long-lived engine ran on something stale (round 2 follows an optimizer step). The
-    sampler-trainer difference the example prints is not checked against a bar: the trainer's
-    whole-sequence forward and the engine's decode steps sum in other orders (up to ~1e-4 in a
-    logprob in float32 on this model; 3-8e-5 from run to run, as the unseeded samples changed)."""
+    sampler's logprobs equal the trainer's forward's exactly: the engine runs batch_invariant=True
+    and the trainer under acb.runner.batch_invariant.enabled (without the mode they differ by up to
+    ~1e-4 on this model)."""
     import re
 
     p = _run("grpo_loop.py", "--rounds", "2", "-n", "3", "--max-new-tokens", "8", cwd=tmp_path)
@@ -65,6 +65,7 @@ def test_grpo_loop(tmp_path):
     )
     assert [r[0] for r in rounds] == ["1", "2"], p.stdout
     assert all(r[2] == "True" and float(r[3]) > 0 for r in rounds), p.stdout
+    assert all(float(r[1]) == 0.0 for r in rounds), p.stdout  # sampler == trainer, bit for bit
     resets = re.search(r"engine: 24 sequences generated, prefix cache dropped (\d+) times", p.stdout)
     assert resets and int(resets.group(1)) >= 1, p.stdout  # round 2 saw the optimizer step
 
