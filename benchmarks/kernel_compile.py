@@ -8,6 +8,11 @@ specialisations) with a stand-in driver that reports the target architecture; ea
 then compiled to a cubin for the target. ``cuobjdump -res-usage`` reads registers, spills (local
 memory) and shared memory off each cubin.
 
+The LoRA kernels (``acb.runner.lora_kernels``: shrink and expand over a step's runs of equal
+slots, and the same kernels per row inside a decode graph) are driven through ``lora_apply`` the
+way ``acb.runner.lora``'s interception calls it, for target linears of the benchmarked models'
+shapes (:class:`LoraCase`).
+
 What it catches without a GPU: kernels that do not lower for the real target (the interpreter
 accepts things that the compiler rejects: ``tl.dot`` shapes and dtypes, layouts), shared memory
 over the architecture's per-block limit, and register spills. It says nothing about speed.
@@ -73,6 +78,20 @@ class Case:
 MLA_NOPE = MLA_V = 128
 
 
+@dataclass(frozen=True)
+class LoraCase:
+    """One target linear's LoRA update (``acb.runner.lora_kernels.lora_apply``): the linear's
+    shape, the dtype, ``max_lora_rank`` and the form: ``runs`` (an eager step's runs of equal
+    slots) or ``per_row`` (a decode graph: one run a row, from the static slot row)."""
+
+    in_features: int
+    out_features: int
+    dtype: str
+    max_rank: int
+    form: str
+    max_loras: int = 4
+
+
 class _TargetDriver:
     """Stands in for Triton's CUDA driver: reports ``target`` and device 0; launches nothing."""
 
@@ -114,6 +133,49 @@ def cases(quick: bool) -> list[Case]:
     for dt, h, s in itertools.product(DTYPES, (16, 128), ("decode", "decode_split", "mixed")):
         out.append(Case(576, dt, h, 1, s, latent=512))
     return out
+
+
+def lora_cases(quick: bool) -> list[LoraCase]:
+    """LoRA's matrix: Llama-3.1-8B's q/o (4096 -> 4096), gate/up (4096 -> 14336) and down
+    (14336 -> 4096) projections and Qwen3-0.6B's q (1024 -> 2048); ranks 8, 16 and 64; both forms.
+    ``quick``: Llama's three shapes at rank 16 in bf16, one rank-64 fp16 and one rank-8 fp32
+    shape, each in both forms."""
+    forms = ("runs", "per_row")
+    if quick:
+        shapes = ((4096, 4096), (4096, 14336), (14336, 4096))
+        out = [LoraCase(i, o, "bf16", 16, f) for (i, o), f in itertools.product(shapes, forms)]
+        out += [LoraCase(4096, 4096, "fp16", 64, f) for f in forms]
+        out += [LoraCase(1024, 2048, "fp32", 8, f) for f in forms]
+        return out
+    shapes = ((4096, 4096), (4096, 14336), (14336, 4096), (1024, 2048))
+    return [LoraCase(i, o, dt, r, f) for (i, o), dt, r, f in itertools.product(shapes, DTYPES, (8, 16, 64), forms)]
+
+
+def _lora_step(case: LoraCase, slots: list[int]) -> None:
+    """One target linear's update through ``lora_apply`` as the interception makes it (CPU tensors:
+    the kernels never launch): ``slots`` is each token's slot (0: none); the eager form gets the
+    adapter rows sorted by slot and their runs, the per-row form every row."""
+    from acb.runner import lora_kernels as lk
+
+    dtype = DTYPES[case.dtype]
+    t = len(slots)
+    x = torch.zeros(1, t, case.in_features, dtype=dtype).reshape(-1, case.in_features).contiguous()
+    out = torch.zeros(1, t, case.out_features, dtype=dtype).view(-1, case.out_features)
+    a = torch.zeros(case.max_loras + 1, case.max_rank, case.in_features, dtype=dtype)
+    b = torch.zeros(case.max_loras + 1, case.out_features, case.max_rank, dtype=dtype)
+    scale = torch.zeros(case.max_loras + 1, dtype=torch.float32)
+    tok = torch.tensor(slots)
+    if case.form == "per_row":
+        order = torch.arange(t)
+        lk.lora_apply(x, out, a, b, scale, order, lk.per_row_runs(tok, order), 1)
+        return
+    order = torch.argsort(tok, stable=True)
+    order = order[tok[order] > 0]
+    runs, start = [], 0
+    for s in sorted(set(slots) - {0}):
+        runs.append((s, start, slots.count(s)))
+        start += slots.count(s)
+    lk.lora_apply(x, out, a, b, scale, order, lk.runs_tensor(runs, torch.device("cpu")), max(c for *_, c in runs))
 
 
 BLOCK_SIZE = 16
@@ -190,9 +252,13 @@ def _step(
         )
 
 
-def _drive(case: Case) -> None:
-    """Run one layer of ``case``'s step kind through the backend (nothing launches)."""
+def _drive(case: Case | LoraCase) -> None:
+    """Run one layer of ``case``'s step kind through the backend, or one LoRA update (nothing launches)."""
     from acb.runner.attention.triton_backend import TritonBackend
+
+    if isinstance(case, LoraCase):
+        _lora_step(case, [0, 1, 2, 1, 0, 3, 3, 3, 2, 0, 1, 4] * 3)
+        return
 
     num_new, lens = {
         "mixed": ([1, 1, 7, 40], [300, 20, 30, 40]),
@@ -239,6 +305,7 @@ def intercepted(arch: int):
     """Within the block, launches of acb's kernels compile and run nothing: each specialisation
     Triton would compile for ``sm_<arch>`` is recorded instead, in the dict yielded (identity ->
     (kernel, signature, constexprs, attrs, options, tag)); set ``tag[0]`` to label what follows."""
+    from acb.runner import lora_kernels as lk
     from acb.runner.attention import triton_kernels as tk
 
     if tk.interpreted():
@@ -249,6 +316,8 @@ def intercepted(arch: int):
         tk._decode_reduce_kernel,
         tk._prefill_kernel,
         tk._latent_decode_kernel,
+        lk._shrink_kernel,
+        lk._expand_kernel,
     )
     asked: dict[tuple, tuple] = {}
     tag: list = [None]
@@ -285,7 +354,7 @@ def intercepted(arch: int):
         driver.set_active(None)  # the real driver again, made on first use
 
 
-def specialisations(arch: int, todo: list[Case]) -> list[tuple]:
+def specialisations(arch: int, todo: list[Case | LoraCase]) -> list[tuple]:
     """Every kernel specialisation that ``todo`` launches for ``sm_<arch>`` (entries of
     :func:`intercepted`'s dict), in the order they were asked for."""
     with intercepted(arch) as (asked, tag):
@@ -295,7 +364,7 @@ def specialisations(arch: int, todo: list[Case]) -> list[tuple]:
     return list(asked.values())
 
 
-def compile_cases(arch: int, todo: list[Case], jobs: int = 1) -> list[dict]:
+def compile_cases(arch: int, todo: list[Case | LoraCase], jobs: int = 1) -> list[dict]:
     """Every kernel specialisation that ``todo`` launches, compiled for ``sm_<arch>`` (``jobs`` at a
     time); one record each, in the order they were asked for."""
     with ThreadPoolExecutor(max(1, jobs)) as pool:
@@ -379,11 +448,43 @@ def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0)
     return [entry[0].__name__.lstrip("_") for entry in asked.values() if entry[5] == "sweep"]
 
 
+def lora_mid_serving_compiles(arch: int, case: LoraCase, steps: int = 60, seed: int = 0) -> list[str]:
+    """LoRA's counterpart of :func:`mid_serving_compiles` for one target linear's shape, dtype and
+    rank. Warm-up is the per-row form at one batch size (what the decode graphs' capture runs
+    first); the sweep sends random eager steps (1-600 tokens, 1-``max_loras`` slots, base rows
+    between) and per-row steps of 1-256 rows. Returns the kernel names first asked for in the
+    sweep; empty is the goal (the runs, the order and the grid are the only things that vary)."""
+    import random
+
+    rng = random.Random(seed)
+    with intercepted(arch) as (asked, tag):
+        tag[0] = "warm-up"
+        _lora_step(LoraCase(case.in_features, case.out_features, case.dtype, case.max_rank, "per_row"), [0, 1] * 4)
+        tag[0] = "sweep"
+        for _ in range(steps):
+            form = rng.choice(("runs", "per_row"))
+            t = rng.randint(1, 600 if form == "runs" else 256)
+            slots = [rng.randint(0, case.max_loras) for _ in range(t)]
+            slots[rng.randrange(t)] = rng.randint(1, case.max_loras)  # (at least one adapter row)
+            _lora_step(LoraCase(case.in_features, case.out_features, case.dtype, case.max_rank, form), slots)
+    return [entry[0].__name__.lstrip("_") for entry in asked.values() if entry[5] == "sweep"]
+
+
 def _table(records: list[dict]) -> str:
     head = "| arch | kernel | dtype | head dim | H/Hkv | step | regs | spill B | shared KiB | mma | ok |"
     rows = [head, "|" + "---|" * 11]
     for r in records:
         c = r["case"]
+        if "form" in c:  # a LoRA case: the linear's shape in the head-dim column, the rank in H/Hkv's
+            c = {
+                "dtype": c["dtype"],
+                "head_dim": f"{c['in_features']}->{c['out_features']}",
+                "heads": "r",
+                "kv_heads": c["max_rank"],
+                "step": f"lora {c['form']}",
+                "window": None,
+                "softcap": None,
+            }
         extra = "+window" if c["window"] else ""
         extra += "+softcap" if c["softcap"] else ""
         extra += f"+latent{c['latent']}" if c.get("latent") else ""
@@ -412,11 +513,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     archs = args.arch or [90, 80]
-    todo = cases(args.quick)[: args.first]
+    todo: list[Case | LoraCase] = [*cases(args.quick), *lora_cases(args.quick)][: args.first]
     t0 = time.perf_counter()
     # after warm-up, no step shape may need a new compile (one family per dtype/head-dim/flags)
     # (the latent cases are not swept: their B1 chunks' prefill kernel compiles at first use)
-    families = {(c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c for c in todo if not c.latent}
+    families = {
+        (c.head_dim, c.dtype, c.heads // c.kv_heads == 1, c.window, c.softcap): c
+        for c in todo
+        if isinstance(c, Case) and not c.latent
+    }
+    # (a LoRA family: a linear's shape, dtype and rank; both forms share its kernels)
+    lora_families = {(c.in_features, c.out_features, c.dtype, c.max_rank): c for c in todo if isinstance(c, LoraCase)}
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         # the compiles run in the pool while this thread sweeps the step shapes (Python work: the
         # compiler's passes and ptxas mostly run without the GIL)
@@ -425,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.dtype} hd{c.head_dim} {c.heads}/{c.kv_heads}{' window' if c.window else ''}"
             f"{' softcap' if c.softcap else ''}": mid_serving_compiles(archs[0], c)
             for c in ([] if args.skip_sweep else families.values())
+        }
+        mid_serving |= {
+            f"lora {c.dtype} {c.in_features}->{c.out_features} r{c.max_rank}": lora_mid_serving_compiles(archs[0], c)
+            for c in ([] if args.skip_sweep else lora_families.values())
         }
         records = [r for done in compiling for r in done]
     wall = time.perf_counter() - t0

@@ -3,12 +3,23 @@
 A decode-only step of ``B`` sequences runs as the replay of the graph captured for the smallest
 padded size ``>= B`` (``graph_sizes``: 1, 2, 4, 8, then steps of 8 to 64, then of 16 up to the
 request cap). Its inputs are copied into one static ``[5, max_size]`` buffer (ids, positions,
-slots, context lengths, block-table rows); padded rows get slot -1 (nothing stored), context
-length 0 (nothing read) and the block table's all-zero scratch row. The graph gathers its block
-table rows from the device-resident table inside the replay, so no host value of the step is
-baked in except the batch size and the decode split count, which form the graph key (the
-backend's ``graph_variants``). The forward is captured up to the sampling rows' logits;
-sampling runs eagerly after the replay (its kernel set depends on each step's parameters).
+slots, context lengths, block-table rows; a sixth row, each row's LoRA slot, with LoRA on);
+padded rows get slot -1 (nothing stored), context length 0 (nothing read), the block table's
+all-zero scratch row and LoRA slot 0. The graph gathers its block table rows from the
+device-resident table inside the replay, so no host value of the step is baked in except the
+batch size and the decode split count, which form the graph key (the backend's
+``graph_variants``) with whether the graph applies LoRA adapters. The forward is captured up to
+the sampling rows' logits; sampling runs eagerly after the replay (its kernel set depends on each
+step's parameters).
+
+LoRA (``max_loras > 0``): every size and variant is captured twice, keys ``(b, v, False)`` and
+``(b, v, True)``. A step without adapter rows replays the first, which is the base model's graph
+(the interception returns at once: no adapter cost). A step with adapter rows replays the second,
+captured with the adapters' per-row form (:meth:`acb.runner.lora.LoraLayers.graph_step`: each
+row's update from the stacked buffers gathered by the static slot row; slot 0 adds nothing), after
+:meth:`~acb.runner.lora.LoraLayers.prepare_graphs` gave every possible target its buffers: adding,
+updating or removing an adapter writes those buffers in place, and the next replay reads them.
+Steps whose slots have fused experts' factors (``acb.runner.lora_experts``) run eagerly.
 
 All graphs share one memory pool, captured largest first. Mixed prefill/decode steps run
 eagerly. ``warmup()`` captures everything, logs capture time and memory, and checks a replay
@@ -32,10 +43,11 @@ import torch
 
 from acb.runner.attention import BatchInputs, StepContext
 from acb.runner.input_batch import PreparedBatch
+from acb.runner.step import entered
 
 logger = logging.getLogger(__name__)
 
-IDS, POS, SLOT, LEN, ROW = range(5)
+IDS, POS, SLOT, LEN, ROW, LORA = range(6)  # the static buffer's rows (LORA: with LoRA on only)
 
 
 def graph_sizes(max_batch: int, step: int | None = None) -> list[int]:
@@ -91,27 +103,31 @@ class CudaGraph:
 
 
 class DecodeGraphs:
-    """Captured decode graphs of one runner, keyed by (padded batch size, backend variant)."""
+    """Captured decode graphs of one runner, keyed by (padded batch size, backend variant,
+    whether it applies LoRA adapters)."""
 
     def __init__(self, runner: Any, sizes: list[int], *, twin: bool) -> None:
         self.runner = runner
         self.sizes = sizes
         self.twin = twin
+        self.lora = runner.lora  # acb.runner.lora.LoraLayers, or None
         dev = runner.device
         max_b = sizes[-1]
-        self.static = torch.zeros((5, max_b), dtype=torch.long, device=dev)
-        self.pad = torch.tensor([0, 0, -1, 0, runner.inputs.scratch_row], dtype=torch.long, device=dev)[:, None]
-        self.static.copy_(self.pad.expand(5, max_b))
+        pad = [0, 0, -1, 0, runner.inputs.scratch_row] + ([0] if self.lora is not None else [])
+        self.static = torch.zeros((len(pad), max_b), dtype=torch.long, device=dev)
+        self.pad = torch.tensor(pad, dtype=torch.long, device=dev)[:, None]
+        self.static.copy_(self.pad.expand(len(pad), max_b))
         self.qsl = torch.arange(max_b + 1, dtype=torch.long, device=dev)
-        self.graphs: dict[tuple[int, int], EagerGraph | CudaGraph] = {}
+        self.graphs: dict[tuple[int, int, bool], EagerGraph | CudaGraph] = {}
         self.variants: dict[int, list[int]] = {}
-        self.replays: dict[tuple[int, int], int] = {}  # how often each graph ran (tests, stats)
+        self.replays: dict[tuple[int, int, bool], int] = {}  # how often each graph ran (tests, stats)
         self.capture_s = 0.0
         self.capture_bytes = 0
 
     # ------------------------------------------------------------------ capture
-    def _step_fn(self, b: int, variant: int) -> Callable[[], torch.Tensor]:
-        """The closure a graph freezes: a decode step of ``b`` rows read from the static buffer."""
+    def _step_fn(self, b: int, variant: int, lora: bool = False) -> Callable[[], torch.Tensor]:
+        """The closure a graph freezes: a decode step of ``b`` rows read from the static buffer
+        (``lora``: with the adapters' per-row update, slots from the static buffer's LORA row)."""
         r = self.runner
         st = self.static
         table = r.inputs.block_table_dev
@@ -135,7 +151,16 @@ class DecodeGraphs:
             )
             return r.forward(batch, ctx)
 
-        return step
+        if not lora:
+            return step
+        assert self.lora is not None
+        layers, lora_slots = self.lora, st[LORA, :b]
+
+        def with_adapters() -> torch.Tensor:
+            with entered("lora", layers.graph_step(logits_idx, lora_slots)):
+                return step()
+
+        return with_adapters
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -147,13 +172,16 @@ class DecodeGraphs:
             torch.cuda.synchronize(r.device)
             free_before = torch.cuda.mem_get_info(r.device)[0]
         pool = torch.cuda.graph_pool_handle() if cuda else None
+        if self.lora is not None:  # every target's buffers exist before any graph reads them
+            self.lora.prepare_graphs()
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             self.variants[b] = r.backend.graph_variants(b, kvh, r.cfg.max_model_len, r.device)
             for v in self.variants[b]:
-                g = EagerGraph() if self.twin else CudaGraph(pool)
-                g.capture(self._step_fn(b, v))
-                self.graphs[(b, v)] = g
-                self.replays[(b, v)] = 0
+                for lora in (False, True) if self.lora is not None else (False,):
+                    g = EagerGraph() if self.twin else CudaGraph(pool)
+                    g.capture(self._step_fn(b, v, lora))
+                    self.graphs[(b, v, lora)] = g
+                    self.replays[(b, v, lora)] = 0
         if cuda:
             torch.cuda.synchronize(r.device)
             self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
@@ -167,26 +195,34 @@ class DecodeGraphs:
         )
 
     # ------------------------------------------------------------------ replay
-    def key_for(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
+    def key_for(self, num_seqs: int, max_seq_len: int, lora: bool = False) -> tuple[int, int, bool] | None:
         i = bisect.bisect_left(self.sizes, num_seqs)
-        if i == len(self.sizes):
+        if i == len(self.sizes) or (lora and self.lora is None):
             return None
         b = self.sizes[i]
         r = self.runner
         v = r.backend.graph_variant(self.variants[b], b, r.kv_cache.spec.num_kv_heads, max_seq_len, r.device)
-        return b, v
+        return b, v, lora
 
     def run(self, batch: PreparedBatch) -> torch.Tensor | None:
         """Replay the graph for this decode-only step; logits of its sampling rows, or None when
-        no graph fits (more sequences than the largest size)."""
+        no graph fits (more sequences than the largest size; adapter rows without their per-token
+        slots)."""
         n = len(batch.attn.num_new)
-        key = self.key_for(n, batch.attn.max_seq_len)
+        lora = batch.lora
+        if lora is not None and lora.per_token is None:
+            return None
+        key = self.key_for(n, batch.attn.max_seq_len, lora is not None)
         if key is None:
             return None
         b = key[0]
         st = self.static
         a = batch.attn
-        st[:, :n] = torch.stack((batch.input_ids[0], batch.position_ids[0], a.slot_mapping, a.seq_lens, batch.rows))
+        cols = [batch.input_ids[0], batch.position_ids[0], a.slot_mapping, a.seq_lens, batch.rows]
+        if lora is not None:
+            assert lora.per_token is not None
+            cols.append(lora.per_token)
+        st[: len(cols), :n] = torch.stack(cols)  # (a base step leaves the LORA row as it was: unread)
         if b > n:
             st[:, n:b] = self.pad  # rows a larger earlier step left behind
         out = self.graphs[key].replay()
@@ -211,20 +247,21 @@ class DecodeGraphs:
         longest = max(1, min(r.cfg.max_model_len, 130 if self.twin else 4096))  # the interpreter is slow
         for b in (self.sizes[0], self.sizes[-1]):
             lens = torch.tensor([1 + (250 + 389 * i) % longest for i in range(b)], device=self.static.device)
-            rows = torch.stack(
-                (
-                    torch.full_like(lens, 7),
-                    lens - 1,
-                    torch.full_like(lens, -1),
-                    lens,
-                    torch.full_like(lens, r.inputs.scratch_row),
-                )
-            )
-            for v in self.variants[b]:
+            cols = [
+                torch.full_like(lens, 7),
+                lens - 1,
+                torch.full_like(lens, -1),
+                lens,
+                torch.full_like(lens, r.inputs.scratch_row),
+            ]
+            if self.lora is not None:  # every row on slot 0 (whatever slots hold: no adapter is checked)
+                cols.append(torch.zeros_like(lens))
+            rows = torch.stack(cols)
+            for _, v, lora in [key for key in self.graphs if key[0] == b]:
                 st = self.static
                 st[:, :b] = rows
-                want = self._step_fn(b, v)().float()
-                got = self.graphs[(b, v)].replay()[:b].float()
+                want = self._step_fn(b, v, lora)().float()
+                got = self.graphs[(b, v, lora)].replay()[:b].float()
                 st.copy_(self.pad.expand_as(st))
                 if not torch.isfinite(want).all():
                     return f"eager logits at batch {b} are not finite"
@@ -232,6 +269,7 @@ class DecodeGraphs:
                 err = (want - got).abs().max().item()
                 if not err <= tol:
                     return (
-                        f"replay at batch {b} (split variant {v}) differs from eager by {err:.3g} (tolerance {tol:.3g})"
+                        f"replay at batch {b} (split variant {v}{', LoRA' if lora else ''}) differs from eager by "
+                        f"{err:.3g} (tolerance {tol:.3g})"
                     )
         return None

@@ -174,12 +174,15 @@ class StagingRing:
 @dataclass
 class LoraRows:
     """A step's LoRA rows (``acb.runner.lora``): the flattened batch's tokens of requests with an
-    adapter, sorted by slot (stable), on the device; and, on the host, the runs of equal slots."""
+    adapter, sorted by slot (stable), on the device; and, on the host, the runs of equal slots.
+    A step of one token a request also has every token's slot (``per_token``: what a decode
+    graph's static slot row takes, ``acb.runner.cuda_graphs``)."""
 
     order: torch.Tensor  # [n] long: token indices into the step's T tokens
     slots: torch.Tensor  # [n] long: each one's slot (1..max_loras)
     runs: list[tuple[int, int, int]]  # (slot, start in order, count), slots ascending
     num_tokens: int  # T
+    per_token: torch.Tensor | None = None  # [T] long: each token's slot (0: none); one token a request only
 
 
 @dataclass
@@ -276,11 +279,14 @@ class InputBatch:
     ) -> list[tuple[int, int, int]] | None:
         """The per-token LoRA slot index (``num_new`` None: one token a request): the tokens of
         requests with an adapter, sorted by slot, and their slots; None when the step has none
-        (then the interceptions return the base output at once)."""
+        (then the interceptions return the base output at once). A step of one token a request
+        also sends every token's slot (``lora_tok``: a decode graph's static slot row)."""
         slots = np.fromiter((r.lora_slot for r in out.requests), dtype=np.int64, count=len(out.requests))
         if not slots.any():
             return None
         tok = slots if num_new is None else np.repeat(slots, num_new)
+        if tok.shape[0] == slots.shape[0]:
+            st.add("lora_tok", tok)
         order = np.argsort(tok, kind="stable")
         order = order[int((tok == 0).sum()) :]
         tok_slots = tok[order]
@@ -326,7 +332,9 @@ class InputBatch:
             logits_identity=host.logits_identity,
             lora=None
             if host.lora_runs is None
-            else LoraRows(dev["lora_order"], dev["lora_slot"], host.lora_runs, int(input_ids.shape[0])),
+            else LoraRows(
+                dev["lora_order"], dev["lora_slot"], host.lora_runs, int(input_ids.shape[0]), dev.get("lora_tok")
+            ),
         )
 
 

@@ -16,7 +16,7 @@ entered by the kind's :class:`acb.runner.kinds.LoraHooks`. Each target linear th
 
     out = base(x);  out[rows of slot s] += lora_B_s(lora_A_s(x[rows of slot s])) * scaling_s
 
-in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in one of three forms:
+in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in an eager step in one of three forms:
 
 * **grouped**: one gather of the adapter rows, then per slot present one pair of matmuls on its
   rows at the adapter's own rank, and an ``index_add_`` back;
@@ -38,8 +38,16 @@ best of 2): grouped over gathered 1.22x at 1 adapter and 1.17x at 4, gathered ov
 16 (2,115 tok/s against 2,000 and 1,495), but this machine's rounds still swing by a third. So
 grouped stays the default until the pick has a test of its own and more rounds settle it. No device sync either way: the runs' slots and counts are host values.
 
-Decode CUDA graphs are captured without adapters (the interception returns the base output): a
-decode step with adapter rows runs eagerly; a step without any replays its graph as before.
+Decode CUDA graphs (:mod:`acb.runner.cuda_graphs`) are captured twice per size with LoRA on: the
+base model's graph (no adapter row: the interception returns at once) and the adapters' graph,
+in a fourth, fixed-shape form (:meth:`LoraLayers.graph_step`, ``LoraStep.per_row``): every row
+of the graph, its slot read from the graph's static slot row (0 on base and padded rows), the
+kernel form per row on CUDA (:func:`acb.runner.lora_kernels.per_row_runs`: slot-0 rows are
+skipped and keep their bits) and elsewhere ``A`` and ``B`` gathered per row and two ``bmm``
+(BGMV's shape; slot 0's zero ``A``, ``B`` and scaling add exact zeros). Before the capture,
+:meth:`LoraLayers.prepare_graphs` gives every possible target its buffers and interception, so
+adapters added, updated or removed later are written into buffers the graphs read at replay. A
+decode step whose slots have fused experts' factors runs eagerly (:meth:`LoraLayers.graphable`).
 torch.compile is off with ``max_loras > 0``. Not supported yet (refused with the reason): tensor
 parallel, the own-cache runner path, linears inside layers acb runs per request segment (state
 layers, indexers, own-cache attention) and MLA's ``kv_b_proj``; PEFT's ``target_parameters``
@@ -141,12 +149,17 @@ def reserved_bytes(targets: dict[str, torch.nn.Linear], max_loras: int, max_rank
 
 @dataclass
 class LoraStep:
-    """``CURRENT.lora`` inside a step with adapter rows: the engine's layers and the step's rows."""
+    """``CURRENT.lora`` inside a step with adapter rows: the engine's layers and the step's rows.
+
+    ``per_row``: the decode graphs' fixed-shape form (:meth:`LoraLayers.graph_step`): ``rows.order``
+    is every token (``arange(T)``), ``rows.slots`` each token's slot (0: the base model, whose
+    ``A``/``B`` are zero and scaling 0), ``rows.runs`` empty; no host value of the step is read."""
 
     layers: LoraLayers
     rows: LoraRows
     runs_dev: torch.Tensor | None = None  # the kernel form's [R, 3] runs on the device (made once a step)
     max_count: int = 0
+    per_row: bool = False
 
 
 class LoraLayers:
@@ -175,10 +188,7 @@ class LoraLayers:
                 self._refused[id(m)] = f"inside {type(layer).__name__}, which acb runs per request segment"
         for m in not_per_token:
             self._refused[id(m)] = "it is fed the cached latent, not the step's tokens (MLA's kv_b_proj)"
-        # (the fused experts' factors and their transient folded copy: acb.runner.lora_experts)
-        self.reserved_bytes = reserved_bytes(self.targets, max_loras, max_rank) + ExpertAdapters.reserved_bytes(
-            model, max_loras, max_rank, self._refused
-        )
+        self.reserved_bytes = reserved_bytes(self.targets, max_loras, max_rank)
         self.buffers: dict[torch.nn.Module, _Slots] = {}
         self.slot_names: list[str | None] = [None] * (max_loras + 1)
         self._interceptions: list[Interception] = []
@@ -188,7 +198,10 @@ class LoraLayers:
     @property
     def nbytes(self) -> int:
         """The device bytes of the buffers allocated so far."""
-        return sum(b.A.nbytes + b.B.nbytes + b.scale_dev.nbytes for b in self.buffers.values()) + self.experts.nbytes
+        per_linear = sum(
+            b.A.nbytes + b.B.nbytes + b.scale_dev.nbytes + b.scale_f32.nbytes for b in self.buffers.values()
+        )
+        return per_linear + self.experts.nbytes
 
     def add(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (``1..max_loras``), replacing what was there."""
@@ -213,22 +226,48 @@ class LoraLayers:
         experts = self.experts.check(adapter, self._refused)
         self.remove(slot)
         self.experts.put(slot, experts)
-        new = []
+        self._allocate([self.targets[path] for path in adapter.weights])
         with torch.no_grad():
             for path, (a, b) in adapter.weights.items():
-                lin = self.targets[path]
-                buf = self.buffers.get(lin)
-                if buf is None:
-                    buf = self.buffers[lin] = _Slots(lin, self.max_loras + 1, self.max_rank, self.device)
-                    new.append(lin)
+                buf = self.buffers[self.targets[path]]
                 r = int(a.shape[0])
                 buf.A[slot, :r].copy_(a)
                 buf.B[slot, :, :r].copy_(b)
                 buf.rank[slot] = r
                 buf.put_scale(slot, float(adapter.scalings.get(path, adapter.scaling)))
+        self.slot_names[slot] = adapter.name
+
+    def _allocate(self, linears: Iterable[torch.nn.Linear]) -> None:
+        """Stacked buffers (all slots empty) and the interception for those of ``linears`` without them."""
+        new = []
+        with torch.inference_mode(False):  # (normal tensors: add and remove write them in place)
+            for lin in linears:
+                if lin not in self.buffers and lin not in new:
+                    self.buffers[lin] = _Slots(lin, self.max_loras + 1, self.max_rank, self.device)
+                    new.append(lin)
         if new:
             self._interceptions.append(Interception(new, _lora_forward))
-        self.slot_names[slot] = adapter.name
+
+    def prepare_graphs(self) -> None:
+        """Before the decode graphs are captured: buffers and the interception on every target an
+        adapter may name (the bytes :func:`reserved_bytes` priced), so that a graph captured now
+        holds every linear's update, reading buffers that later adds, updates and removes write in
+        place."""
+        self._allocate(lin for lin in self.targets.values() if id(lin) not in self._refused)
+
+    def graphable(self, rows: LoraRows) -> bool:
+        """Whether a decode step with these adapter rows can replay a graph: not when one of its
+        slots has fused experts' factors (:mod:`acb.runner.lora_experts` runs the experts once more
+        per slot present, a host-dependent shape)."""
+        per_module = self.experts.per_module
+        return not any(slot in per_slot for per_slot in per_module.values() for slot, _, _ in rows.runs)
+
+    def graph_step(self, order: torch.Tensor, slots: torch.Tensor) -> LoraStep:
+        """``CURRENT.lora`` inside a decode graph of ``T`` rows: ``order`` is ``arange(T)`` and
+        ``slots [T]`` the graph's static per-row slots (0 on base and padded rows)."""
+        from acb.runner.input_batch import LoraRows
+
+        return LoraStep(self, LoraRows(order, slots, [], int(order.shape[0])), per_row=True)
 
     def remove(self, slot: int) -> None:
         """Empty ``slot``: its rows get no update (the interceptions stay)."""
@@ -269,11 +308,18 @@ def _lora_forward(original: Any, sig: inspect.Signature, module: torch.nn.Module
     if _use_kernel(x2):
         lk = _kernels()
         if step.runs_dev is None:
-            step.runs_dev = lk.runs_tensor(rows.runs, x2.device)
-            step.max_count = max((c for _, _, c in rows.runs), default=0)
-        if buf.scale_f32 is None:
-            buf.scale_f32 = torch.tensor(buf.scale, dtype=torch.float32).to(x2.device)
+            if step.per_row:  # one run a row, (slot, i, 1): slot-0 runs are skipped (scaling 0)
+                step.runs_dev, step.max_count = lk.per_row_runs(rows.slots, rows.order), 1
+            else:
+                step.runs_dev = lk.runs_tensor(rows.runs, x2.device)
+                step.max_count = max((c for _, _, c in rows.runs), default=0)
         lk.lora_apply(x2.contiguous(), o2, buf.A, buf.B, buf.scale_f32, rows.order, step.runs_dev, step.max_count)
+        return out
+    if step.per_row:  # every row, A and B gathered by its slot (BGMV's shape); slot 0 adds exact zeros
+        slots = rows.slots
+        h = torch.bmm(buf.A.index_select(0, slots), x2[:, :, None])  # [T, r_max, 1]
+        d = torch.bmm(buf.B.index_select(0, slots), h)[:, :, 0]  # [T, out]
+        o2.add_((d * buf.scale_f32.index_select(0, slots)[:, None]).to(o2.dtype))
         return out
     xs = x2.index_select(0, rows.order)  # [n, in]: the adapter rows, sorted by slot
     if _gathered(rows):

@@ -4,7 +4,10 @@
 A step's adapter rows are the token indices ``order`` sorted by slot, in runs of equal slots
 ``(slot, start, count)``; the runs reach the kernels as a device tensor ``runs [R, 3]`` (int32), so
 a launch reads no host value of the step but the grid's size, and no argument that varies from
-step to step is specialised on (the linear's shapes and strides are the same every step):
+step to step is specialised on (the linear's shapes and strides are the same every step). Inside a
+decode graph the same kernels run per row (:func:`per_row_runs`: ``order = arange(T)``, run ``i``
+is ``(slot of row i, i, 1)``, built on the device from the graph's static slots), so the grid is
+``(T, 1)`` for a graph of ``T`` rows and nothing of the step is baked in:
 
 * **shrink** (:func:`_shrink_kernel`, grid ``(run, row tile)``): ``Y[i] = X[order[i]] @ A[slot]^T``
   for each row ``i`` of the run, ``[count, r_max]`` at the slot's ``r_max``-padded rank (``A`` is
@@ -29,7 +32,7 @@ import triton.language as tl
 
 from acb.runner.attention.triton_kernels import interpreted  # (set at triton's import: one answer for both)
 
-__all__ = ["lora_apply", "runs_tensor"]
+__all__ = ["lora_apply", "per_row_runs", "runs_tensor"]
 
 BLOCK_M = 16
 BLOCK_K = 64
@@ -158,6 +161,13 @@ def runs_tensor(runs: list[tuple[int, int, int]], device: torch.device) -> torch
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def per_row_runs(slots: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The decode graphs' per-row runs: row ``i`` is the run ``(slots[i], i, 1)`` of ``order =
+    arange(T)`` (``[T, 3]`` int32, made on the device from the graph's static slots: no host value;
+    slot-0 rows, scaling 0, are skipped by the kernels and keep their bits)."""
+    return torch.stack((slots, order, torch.ones_like(order)), 1).to(torch.int32)
 
 
 def lora_apply(

@@ -868,7 +868,9 @@ class ModelRunner:
                 decode_only=False,
             )
         logits = None
-        if self.graphs is not None and batch.decode_only and batch.lora is None:  # adapter rows: eager
+        # adapter rows replay the graphs' LoRA form, unless a slot has fused experts' factors
+        lora_ok = batch.lora is None or (self.lora is not None and self.lora.graphable(batch.lora))
+        if self.graphs is not None and batch.decode_only and lora_ok:
             logits = self.graphs.run(batch)  # None when no captured graph fits this step
         if self.own_cache_runner is not None:  # the model on its own caches (the second runner path)
             # inside a step context: the model's dropout is off on this thread (acb.runner.eval_mode)

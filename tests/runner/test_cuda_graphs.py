@@ -84,7 +84,8 @@ def test_decode_graphs_match_generate_across_sizes_and_context_lengths(monkeypat
         replays = dict(graphs.replays)
     assert [o.generated_tokens for o in outs] == refs
     assert lone_out.generated_tokens == _reference(model, lone, 5)
-    used = {k for k, n in replays.items() if n}
+    assert all(not lora for *_, lora in replays)  # (no LoRA: no adapter graphs)
+    used = {(b, v) for (b, v, _), n in replays.items() if n}
     assert any(v > 1 for _, v in used), f"no long-context graph replayed: {replays}"
     assert any(v == 1 and b > 1 for b, v in used), f"no one-split graph replayed: {replays}"
     assert (1, 1) in used
@@ -234,7 +235,7 @@ def test_padded_rows_are_reset_when_the_batch_shrinks():
             assert graphs.static[0, :4].tolist() == [10, 11, 12, 13]
             assert graphs.run(batch(3)).shape[0] == 3
         assert graphs.static[:, 3].tolist() == graphs.pad[:, 0].tolist()
-        assert graphs.replays[(4, 1)] == 2
+        assert graphs.replays[(4, 1, False)] == 2
 
 
 def test_graphs_with_async_preemption_offload_prefix_cache_and_groups():
@@ -282,3 +283,87 @@ def test_the_graphs_self_check_stores_nothing():
         assert graphs.self_check() is None
         for (k0, v0), k, v in zip(before, cache.k, cache.v):
             assert torch.equal(k0, k) and torch.equal(v0, v)
+
+
+@pytest.fixture(scope="module")
+def lora_llama(tmp_path_factory):
+    """test_lora.py's Llama fixture: two saved PEFT adapters, six prompts, PeftModel.generate's refs."""
+    from tests.runner.test_lora import _setup
+
+    return _setup("llama", tmp_path_factory)
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async_preempted"])
+def test_adapter_decode_steps_replay_graphs_and_see_slot_changes(lora_llama, monkeypatch, async_batching):
+    """Decode steps with adapter rows replay the graphs' LoRA form (keys ``(b, v, True)``; the
+    per-row slot in the static buffer, base and padded rows slot 0), also under async batching
+    with preemption: each row of a mixed batch (two adapters and the base model) gets
+    PeftModel.generate's greedy tokens, and no adapter decode step runs eagerly. Then (async) an
+    adapter updated in place, one removed and another added in its slot: the replays read the new
+    buffers."""
+    import copy
+
+    from acb.runner.kinds import LoraHooks
+    from tests.runner.test_lora import MAX_NEW, TARGETS, _generate, _peft
+
+    s = lora_llama
+    model = s.base if DEVICE.type == "cpu" else copy.deepcopy(s.base).to(DEVICE)
+    eager: list[tuple[bool, bool]] = []  # (decode-only, adapter rows) of each step run eagerly
+    original = LoraHooks.step
+
+    def step(self, sched, batch):
+        eager.append((batch.decode_only, batch.lora is not None))
+        return original(self, sched, batch)
+
+    monkeypatch.setattr(LoraHooks, "step", step)
+    cfg = acb.ContinuousBatchingConfig(
+        page_size=4,
+        num_blocks=14 if async_batching else 64,  # (async) the six requests need 31 blocks at once: preemption
+        safety_margin=0.0,
+        max_model_len=64,
+        max_loras=2,
+        attn_backend="triton",
+        use_cuda_graph=True,
+        use_async_batching=async_batching,
+        max_requests_per_batch=6,
+    )
+
+    if async_batching:  # the second batch's adapters (made, with their refs, before the engine takes the model)
+        c = _peft(s.base, TARGETS["llama"][1], 3)  # b's modules, new weights
+        loras = ["a2", "b", None, "b", "a2", None]
+        models = {"a2": s.peft["b"], "b": c, None: s.base}
+        want = [_generate(models[lo], p) for lo, p in zip(loras, s.prompts)]
+        assert want != s.refs
+
+    def replays(graphs, lora: bool) -> int:
+        return sum(n for (_, _, lo), n in graphs.replays.items() if lo == lora)
+
+    with acb.Engine(model, cfg) as eng:
+        for name, folder in s.folders.items():
+            eng.add_lora(name, str(folder))
+        graphs = eng.runner.graphs
+        assert graphs is not None and {lora for *_, lora in graphs.graphs} == {False, True}
+
+        def run(loras):
+            res = eng.generate_batch(s.prompts, max_new_tokens=MAX_NEW, ignore_eos=True, lora=loras, progress_bar=False)
+            return [o.generated_tokens for o in res.values()]
+
+        assert run(s.loras) == s.refs
+        first = replays(graphs, True)
+        assert first > 0, graphs.replays
+        assert (True, True) not in eager, "an adapter decode step ran eagerly"
+        if not async_batching:  # a step without adapter rows replays the base graphs
+            base = replays(graphs, False)
+            assert eng.generate(s.prompts[0], max_new_tokens=3).generated_tokens == s.refs[0][:3]
+            assert replays(graphs, False) > base and replays(graphs, True) == first
+            return
+        assert eng.stats.preemptions > 0
+
+        # the adapter in a slot changes between replays: updated in place, removed, another added
+        slot_a = {i.name: i.slot for i in eng.list_loras()}["a"]
+        eng.update_lora("b", c)
+        eng.remove_lora("a")
+        assert eng.add_lora("a2", str(s.folders["b"])).slot == slot_a
+        assert run(loras) == want
+        assert replays(graphs, True) > first
+        assert (True, True) not in eager

@@ -182,10 +182,55 @@ def test_chunked_and_async(llama, cfg):
 
 @pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "grouped"])
 def test_each_form_gives_the_same_tokens(llama, monkeypatch, gathered):
-    """Each form of the update, forced (``runner.lora.GATHERED``; by default the step picks), gives
+    """Each form of the update, forced (``runner.lora.GATHERED``; the default is grouped), gives
     PeftModel.generate's tokens."""
     monkeypatch.setattr(runner_lora, "GATHERED", gathered)
     assert _run(llama) == llama.refs
+
+
+def test_the_per_step_pick_chooses_by_slots_and_rows(monkeypatch):
+    """``GATHERED = None``: a step takes the gathered form when it has more than
+    ``GATHER_MIN_SLOTS`` slots and at most ``GATHER_MAX_ROWS`` adapter rows (many adapters of few
+    rows each: one batched pair of ``bmm`` beats a pair of matmuls per slot), else the grouped form."""
+    from acb.runner.input_batch import LoraRows
+
+    def rows(n_slots: int, n_rows: int) -> LoraRows:
+        runs = [
+            (s + 1, s * n_rows // n_slots, (s + 1) * n_rows // n_slots - s * n_rows // n_slots) for s in range(n_slots)
+        ]
+        return LoraRows(torch.arange(n_rows), torch.ones(n_rows, dtype=torch.long), runs, n_rows)
+
+    monkeypatch.setattr(runner_lora, "GATHERED", None)
+    lo, hi = runner_lora.GATHER_MIN_SLOTS, runner_lora.GATHER_MAX_ROWS
+    assert (lo, hi) == (6, 256)
+    assert not runner_lora._gathered(rows(1, 4))  # one adapter
+    assert not runner_lora._gathered(rows(lo, 2 * lo))  # few slots
+    assert runner_lora._gathered(rows(lo + 1, 2 * lo + 2))  # many slots, few rows (a decode step of 16 adapters)
+    assert runner_lora._gathered(rows(16, hi))
+    assert not runner_lora._gathered(rows(16, hi + 1))  # many rows (prefill): B's per-row copies grow
+    monkeypatch.setattr(runner_lora, "GATHERED", False)  # a forced form is not picked
+    assert not runner_lora._gathered(rows(16, 32))
+    monkeypatch.setattr(runner_lora, "GATHERED", True)
+    assert runner_lora._gathered(rows(1, 4))
+
+
+def test_a_step_picked_either_way_gives_peft_tokens(llama, monkeypatch):
+    """With the pick on and its thresholds lowered so that one run takes both forms (decode steps
+    of both adapters: gathered; prefill steps and steps of one adapter: grouped), every row gets
+    PeftModel.generate's tokens."""
+    monkeypatch.setattr(runner_lora, "GATHERED", None)
+    monkeypatch.setattr(runner_lora, "GATHER_MIN_SLOTS", 1)
+    monkeypatch.setattr(runner_lora, "GATHER_MAX_ROWS", 6)
+    picks: list[bool] = []
+    pick = runner_lora._gathered
+
+    def recorded(rows):
+        picks.append(pick(rows))
+        return picks[-1]
+
+    monkeypatch.setattr(runner_lora, "_gathered", recorded)
+    assert _run(llama) == llama.refs
+    assert set(picks) == {True, False}
 
 
 def test_grouped_and_gathered_updates_agree_on_one_linear():
@@ -212,13 +257,14 @@ def test_grouped_and_gathered_updates_agree_on_one_linear():
             a, b = layers.buffers[lin].A[s], layers.buffers[lin].B[s]
             want[0, i] += (x[0, i] @ a.T @ b.T) * 0.5 * s
     got = {}
+    default = runner_lora.GATHERED
     try:
         for gathered in (False, True):
             runner_lora.GATHERED = gathered
             with entered("lora", LoraStep(layers, rows)):
                 got[gathered] = lin(x)
     finally:
-        runner_lora.GATHERED = None
+        runner_lora.GATHERED = default
         layers.close()
     assert torch.allclose(got[False], want, atol=1e-5) and torch.allclose(got[True], want, atol=1e-5)
     assert "forward" not in vars(lin)  # the linear has its own forward back

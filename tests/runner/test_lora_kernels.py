@@ -89,6 +89,63 @@ def test_the_kernel_form_equals_the_grouped_form(monkeypatch, seed):
         layers.close()
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_the_per_row_form_equals_the_grouped_form(monkeypatch, kernel):
+    """The decode graphs' fixed-shape form (``LoraLayers.graph_step``: every row, its slot from a
+    static buffer, slot 0 on base rows): the kernels run per row (``per_row_runs``) or A and B
+    gathered per row (the CPU twin's torch form) give the grouped form's output; rows of slot 0,
+    and of a slot whose adapter does not target the linear, keep the base output's bits; and a
+    slot emptied and refilled in place is read by the next call through the same buffers."""
+    g = torch.Generator().manual_seed(3)
+    din, dmid, dout = 40, 72, 24
+    model = torch.nn.Sequential(torch.nn.Linear(din, dmid), torch.nn.Linear(dmid, dout)).to(DEVICE)
+    layers = LoraLayers(model, 3, 8, DEVICE)
+
+    def adapter(slot: int, r: int, paths: tuple[str, ...]) -> LoraAdapter:
+        w = {}
+        for p in paths:
+            i, o = (din, dmid) if p == "0" else (dmid, dout)
+            w[p] = (torch.randn(r, i, generator=g), torch.randn(o, r, generator=g))
+        return LoraAdapter(f"s{slot}", r, 0.3 * slot, w, b"", 0, {p: 0.3 * slot for p in paths})
+
+    try:
+        layers.prepare_graphs()  # (what the graphs' capture does: every target's buffers up front)
+        for slot, r, paths in ((1, 3, ("0", "1")), (2, 8, ("0", "1")), (3, 5, ("1",))):
+            layers.add(slot, adapter(slot, r, paths))
+        T = 21  # (decode graphs: one token a row)
+        slots = torch.randint(0, 4, (T,), generator=g)
+        slots[:3] = torch.tensor([0, 1, 3])
+        x = torch.randn(1, T, din, generator=g).to(DEVICE)
+        static = slots.to(DEVICE)  # the graph's static slot row
+        order = torch.arange(T, device=DEVICE)
+        monkeypatch.setattr(runner_lora, "KERNEL", kernel)
+
+        def per_row() -> tuple[torch.Tensor, torch.Tensor]:
+            with entered("lora", layers.graph_step(order, static)):
+                h = model[0](x)
+                return h, model[1](h)
+
+        with torch.no_grad():
+            want_h, want = _forward(model, layers, _rows(slots), x, False, monkeypatch)
+            monkeypatch.setattr(runner_lora, "KERNEL", kernel)
+            got_h, got = per_row()
+            base_h = model[0](x)
+            torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+            keep = ((slots == 0) | (slots == 3)).to(DEVICE)
+            assert torch.equal(got_h[0, keep], base_h[0, keep])
+            # slot 1 emptied, then slot 2's adapter put in slot 1: the same call reads the new content
+            layers.remove(1)
+            h_removed, _ = per_row()
+            assert torch.equal(h_removed[0, (slots == 1).to(DEVICE)], base_h[0, (slots == 1).to(DEVICE)])
+            g.manual_seed(3)
+            layers.add(1, adapter(1, 3, ("0", "1")))  # the same draws as before: slot 1's first adapter
+            h_back, _ = per_row()
+            torch.testing.assert_close(h_back, got_h, rtol=0, atol=0)
+    finally:
+        layers.close()
+
+
 def test_the_kernel_form_is_not_the_cpu_default():
     """``KERNEL = None`` (the default) picks the kernel form only for CUDA tensors."""
     assert runner_lora.KERNEL is None
