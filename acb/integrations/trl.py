@@ -78,6 +78,7 @@ class AcbRollouts:
         self._installed = False
         self._closed = False
         self._trainer: Any = None  # a vision-language trainer whose generation this object took over
+        self.matched: SamplerMatched | None = None  # the trainer's logprobs as the sampler's (batch_invariant)
         self._lock = threading.Lock()  # close() against a call starting the engine in another thread
 
     # ------------------------------------------------------------ install
@@ -149,6 +150,9 @@ class AcbRollouts:
                 for name in ("_tokenize_prompts", "_generate_single_turn"):
                     vars(trainer).pop(name, None)
             self._stop_engine()
+            if self.matched is not None:  # (after the engine: it gives the model back the attention it found)
+                self.matched.close()
+                self.matched = None
 
     @property
     def closed(self) -> bool:
@@ -231,6 +235,111 @@ class AcbRollouts:
                 self.model.train(was_training)
 
 
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class SamplerMatched:
+    """A GRPO trainer's per-token logprobs computed as an acb engine with ``batch_invariant=True``
+    computes the sampler's: installed by :func:`match_sampler`, undone by :meth:`close`.
+
+    TRL's ``_get_per_token_logps_and_entropies`` (the old policy's logprobs, the loss's, the
+    reference model's) is replaced on the trainer by one that runs the model under
+    :func:`acb.runner.batch_invariant.enabled` (acb's fixed-order linears and attention; autograd
+    through them), each row's positions from 0 at its first unpadded token (as the engine
+    positions a prompt), then ``log_softmax(logits / temperature)`` at the completion tokens. So
+    a logprob the trainer computes for a token equals, bit for bit, the one the sampler returned
+    for it on the same weights. Text policies only (images, and an MoE's auxiliary loss, are refused)."""
+
+    def __init__(self, trainer: Any) -> None:
+        from acb.runner.batch_invariant import enable
+
+        self.trainer = trainer
+        self._own = vars(trainer).get("_get_per_token_logps_and_entropies")
+        model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
+        # on this thread for the trainer's life: activation checkpointing recomputes the forward
+        # inside the backward, outside any call of ours, and must run the same ops
+        self._on = enable(model)
+        trainer._get_per_token_logps_and_entropies = self.per_token_logps_and_entropies
+
+    def close(self) -> None:
+        """The trainer's own computation back, and the mode off on this thread (idempotent)."""
+        self._on.close()
+        if vars(self.trainer).get("_get_per_token_logps_and_entropies") == self.per_token_logps_and_entropies:
+            if self._own is None:
+                del self.trainer._get_per_token_logps_and_entropies
+            else:
+                self.trainer._get_per_token_logps_and_entropies = self._own
+
+    def per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        from acb.runner.attention import ATTN_IMPL_NAME as ENGINE_ATTN
+        from acb.runner.batch_invariant import ATTN_IMPL_NAME, enabled, token_logprobs
+
+        given = [k for k in MULTIMODAL_KEYS if kwargs.get(k) is not None]
+        if given:
+            raise ValueError(f"acb's sampler-matched logprobs cover text policies only (this batch has {given})")
+        if compute_aux_loss:
+            raise ValueError("acb's sampler-matched logprobs do not compute an MoE's auxiliary loss")
+        temperature = float(getattr(self.trainer, "temperature", 1.0) or 1.0)
+        inner = self.trainer.accelerator.unwrap_model(model) if hasattr(self.trainer, "accelerator") else model
+        # the policy attends with acb's fixed-order function since match_sampler (or with the engine's,
+        # which falls back to it outside a step); another model (TRL's reference) for this call
+        swap = None if inner.config._attn_implementation in (ATTN_IMPL_NAME, ENGINE_ATTN) else inner
+        step = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for i in range(0, input_ids.size(0), step):
+            ids, mask = input_ids[i : i + step], attention_mask[i : i + step]
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # each row from 0, as the engine
+            with enabled(swap):
+                logits = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    use_cache=False,
+                    logits_to_keep=logits_to_keep + 1,
+                ).logits
+            logits = logits[:, :-1][:, -logits_to_keep:]
+            rows, vocab = logits.shape[0] * logits.shape[1], logits.shape[-1]
+            flat = logits.reshape(rows, vocab)
+            logps.append(
+                token_logprobs(flat, ids[:, -logits_to_keep:].reshape(rows), temperature).view(ids.size(0), -1)
+            )
+            if compute_entropy:
+                x = flat.float() / torch.tensor([temperature], dtype=torch.float32)[:, None]
+                lp = torch.log_softmax(x, dim=-1)
+                entropies.append((-(lp.exp() * lp).sum(-1)).view(ids.size(0), -1))
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+def match_sampler(trainer: Any) -> SamplerMatched:
+    """Make a TRL ``GRPOTrainer`` compute its per-token logprobs exactly as an acb engine with
+    ``batch_invariant=True`` (``acb serve --batch-invariant``) computes the sampler's
+    (:class:`SamplerMatched`). :func:`use_acb` does it itself when its config has
+    ``batch_invariant=True``; with remote rollouts (``acb.rl.rollout_func``) call it once on
+    the trainer. Returns the installed object (``close()`` undoes it)."""
+    if not hasattr(trainer, "_get_per_token_logps_and_entropies"):
+        raise TypeError(f"match_sampler needs a TRL GRPO trainer, got {type(trainer).__name__}")
+    return SamplerMatched(trainer)
+
+
 def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> AcbRollouts:
     """Make a TRL trainer (or a model) generate through acb; returns the installed
     :class:`AcbRollouts` (a context manager: leaving it stops the engine and undoes the change).
@@ -268,4 +377,8 @@ def use_acb(target: Any, config: Any = None, *, sleep: bool | None = None) -> Ac
             structured = StructuredOutputs(regex=regex)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
         raise TypeError(f"use_acb needs a TRL trainer or a transformers model, got {type(target).__name__}")
-    return AcbRollouts(model, config, sleep=sleep, tokenizer=tokenizer, structured_outputs=structured).install()
+    rollouts = AcbRollouts(model, config, sleep=sleep, tokenizer=tokenizer, structured_outputs=structured).install()
+    if model is not target and config is not None and as_config(config).batch_invariant:
+        # the trainer's logprobs computed by the engine's fixed-order ops: the sampler's, bit for bit
+        rollouts.matched = match_sampler(target)
+    return rollouts

@@ -126,26 +126,50 @@ def _install() -> None:
             torch.nn.functional.linear = _routed_linear  # type: ignore[assignment]
 
 
-@contextlib.contextmanager
-def enabled(model: torch.nn.Module | None = None) -> Iterator[None]:
-    """The mode on the calling thread for the block: a trainer's forward (and backward) computes
-    what an acb engine with ``batch_invariant=True`` computes, bit for bit. With ``model``, its
-    attention is acb's fixed-order function for the block (:data:`ATTN_IMPL_NAME`), and its own
-    comes back after::
+class Enabled:
+    """The mode on the thread that called :func:`enable`, until :meth:`close` (idempotent; call it
+    on that thread)."""
 
-        with acb.runner.batch_invariant.enabled(model):
-            logits = model(ids).logits
-        logprobs = token_logprobs(logits[0, len(prompt) - 1 : -1], completion, temperature)
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        _install()
+        self._prev = getattr(_TLS, "on", False)
+        self._swap = _AttentionOn(model) if model is not None else None
+        if self._swap is not None:
+            self._swap.__enter__()
+        _TLS.on = True
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            _TLS.on = self._prev
+            if self._swap is not None:
+                self._swap.__exit__(None, None, None)
+
+    def __enter__(self) -> Enabled:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def enable(model: torch.nn.Module | None = None) -> Enabled:
+    """The mode on the calling thread until the returned object's ``close()``: a trainer's forward
+    and backward compute what an acb engine with ``batch_invariant=True`` computes, bit for bit.
+    With ``model``, its attention is acb's fixed-order function (:data:`ATTN_IMPL_NAME`) until
+    then, and its own comes back after. For a whole training run (activation checkpointing
+    recomputes the forward inside the backward: it must run the same ops), enable it once."""
+    return Enabled(model)
+
+
+def enabled(model: torch.nn.Module | None = None) -> Enabled:
+    """:func:`enable` for a ``with`` block::
+
+    with acb.runner.batch_invariant.enabled(model):
+        logits = model(ids).logits
+    logprobs = token_logprobs(logits[0, len(prompt) - 1 : -1], completion, temperature)
     """
-    _install()
-    prev = getattr(_TLS, "on", False)
-    _TLS.on = True
-    swap = _AttentionOn(model) if model is not None else contextlib.nullcontext()
-    try:
-        with swap:
-            yield
-    finally:
-        _TLS.on = prev
+    return Enabled(model)
 
 
 @contextlib.contextmanager
@@ -179,7 +203,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], te
 
 def _pads(mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None, chunk: int | None) -> list[int]:
     """Each row's left padding, read from the boolean ``[B, 1, Q, S]`` mask transformers built
-    (None: no padding), and checked to be the causal mask over the rest; anything else is refused."""
+    (None: no padding), and checked to be the causal mask over the row's tokens (queries on
+    padding, left or right, are not checked: their outputs are not used); any other mask is refused."""
     if mask is None:
         return [0] * b
     if mask.dtype != torch.bool or mask.dim() != 4:
@@ -187,19 +212,21 @@ def _pads(mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None,
             f"acb's batch-invariant attention takes a boolean 4-D mask, not {mask.dtype} {tuple(mask.shape)}"
         )
     m = mask[:, 0].expand(b, q, s)
-    pads = [int(p) for p in (~m[:, -1, :]).long().cumprod(-1).sum(-1).tolist()]
+    seen = m.any(dim=1)  # [B, S]: keys some query attends (padding keys: none)
+    pads = [int(p) for p in (~seen).long().cumprod(-1).sum(-1).tolist()]
+    ends = [s - int(e) for e in (~seen.flip(-1)).long().cumprod(-1).sum(-1).tolist()]
     qpos = torch.arange(s - q, s)[:, None]
     kpos = torch.arange(s)[None, :]
-    for i, pad in enumerate(pads):
+    for i, (pad, end) in enumerate(zip(pads, ends)):
         want = (kpos <= qpos) & (kpos >= pad)
         if window:
             want &= qpos - kpos < window
         if chunk:
             want &= (kpos - pad) // chunk == (qpos - pad) // chunk
-        rows = slice(max(0, pad - (s - q)), q)  # queries on padding attend to nothing we keep
+        rows = slice(max(0, pad - (s - q)), max(0, end - (s - q)))  # the row's own tokens' queries
         if not torch.equal(m[i, rows], want[rows]):
             raise ValueError(
-                "acb's batch-invariant attention computes causal attention with left padding only; "
+                "acb's batch-invariant attention computes causal attention with left or right padding only; "
                 "this forward's mask is another (packed sequences, or a custom mask)"
             )
     return pads

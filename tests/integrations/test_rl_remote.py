@@ -761,3 +761,78 @@ def test_grpo_with_a_lora_policy_pushes_its_adapter_only(server, checkpoint, tmp
     assert checks == [(w, w) for _, w in checks] and [v for _, (_, v) in checks] == [1, 2], checks
     assert any(not torch.equal(v, policy.state_dict()[k]) for k, v in start.items())  # (it learned)
     assert greedy(server, PROMPT) == (base_tokens, 2)  # the base model serves its own weights
+
+
+@pytest.fixture(scope="module")
+def bi_server(checkpoint, tmp_path_factory):
+    """``acb serve --batch-invariant`` (issue 57 item 3): the sampler's logprobs are the trainer's."""
+    args = ["--served-model-name", NAME, "--enable-weight-updates", "--num-blocks", "128", "--page-size", "8"]
+    yield from _serve(checkpoint, tmp_path_factory, "rl-bi", [*args, "--batch-invariant"], {"OMP_NUM_THREADS": "2"})
+
+
+def test_batch_invariant_sampler_logprobs_are_the_trainers_exactly(bi_server, checkpoint, tmp_path):
+    """TRL's GRPOTrainer on ``acb serve --batch-invariant`` with ``match_sampler(trainer)``: after
+    each rollout (two GRPO steps, the weights pushed after the first), the trainer's own per-token
+    logprobs of the rollouts (TRL's method, on the batch padded as TRL pads it: prompts left,
+    completions right; the trainer at its own thread count, the server at 2) equal the server's
+    bit for bit. Exact equality, no tolerance (without the mode they differ by ~1e-6)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from acb.integrations.trl import match_sampler
+
+    url = base(bi_server)
+    model = copy.deepcopy(checkpoint.model)
+    pusher = WeightPusher([url], master_port=_free_port(), timeout_s=60)
+    pusher.push(model, version=0)
+    inner = rollout_func(url, NAME)
+    checked = []
+
+    def rollouts(prompts, trainer):
+        out = inner(prompts, trainer)
+        pad = checkpoint.tok.pad_token_id or 0
+        width_p = max(map(len, out["prompt_ids"]))
+        width_c = max(map(len, out["completion_ids"]))
+        ids, mask = [], []
+        for p, c in zip(out["prompt_ids"], out["completion_ids"]):
+            ids.append([pad] * (width_p - len(p)) + p + c + [pad] * (width_c - len(c)))
+            mask.append([0] * (width_p - len(p)) + [1] * (len(p) + len(c)) + [0] * (width_c - len(c)))
+        with torch.no_grad():
+            got = trainer._get_per_token_logps_and_entropies(
+                trainer.model, torch.tensor(ids), torch.tensor(mask), width_c
+            )[0]
+        for row, (c, lp) in enumerate(zip(out["completion_ids"], out["logprobs"])):
+            checked.append(torch.equal(got[row, : len(c)].double(), torch.tensor(lp, dtype=torch.float64)))
+        return out
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_NEW,
+        max_steps=2,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        learning_rate=0.05,
+        temperature=0.7,
+    )
+    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        reward_funcs=lambda completion_ids, **kw: [(sum(c) % 97) / 97.0 for c in completion_ids],
+        processing_class=checkpoint.tok,
+        train_dataset=ds,
+        rollout_func=rollouts,
+        callbacks=[PushWeights(pusher)],
+    )
+    matched = match_sampler(trainer)
+    try:
+        trainer.train()
+    finally:
+        matched.close()
+        pusher.close()
+    assert trainer.state.global_step == 2 and len(checked) == 8 and all(checked), checked
