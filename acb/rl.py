@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
@@ -326,6 +327,7 @@ class WeightPusher:
                 (the group is left; the next push joins again); a ``PeftModel`` without ``lora``.
         """
         names, tensors = _adapter_tensors(weights) if lora is not None else _named_tensors(weights)
+        names, tensors, tied = _untied(names, tensors)
         if self.group is None:
             self.init()
         group = self.group
@@ -341,6 +343,8 @@ class WeightPusher:
             "bucket_bytes": self.bucket_bytes,
             "seq": seq,
         }
+        if tied:  # (a tied weight's bytes sent once, under its first name)
+            body["tied"] = tied
         if lora is not None:
             body["lora_name"] = lora
         refused: list[str] = []
@@ -454,6 +458,23 @@ def _named_tensors(weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]
     return names, tensors
 
 
+def _untied(names: list[str], tensors: list[Any]) -> tuple[list[str], list[Any], dict[str, str]]:
+    """A push's tensors with each tied weight once (the same tensor under two names, as a
+    module's tied embeddings and LM head): the names and tensors sent, and ``{other name: the
+    name sent}`` (each server writes the tensor under both)."""
+    first: dict[tuple[Any, ...], str] = {}
+    kept_names, kept, tied = [], [], {}
+    for name, t in zip(names, tensors):
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and key in first:
+            tied[name] = first[key]
+            continue
+        first.setdefault(key, name)
+        kept_names.append(name)
+        kept.append(t)
+    return kept_names, kept, tied
+
+
 def _completions(
     servers: Sequence[str], model: str, prompts: list[list[int]], params: dict[str, Any], api_key: str | None
 ) -> list[dict[str, Any]]:
@@ -480,7 +501,7 @@ def _completions(
             errors.append(RolloutError(f"{server}: {type(exc).__name__}: {exc}"))
             return
         for choice in answer["choices"]:
-            out[idx[choice["index"]]] = choice
+            out[idx[choice["index"]]] = {**choice, "weight_version": answer.get("weight_version")}
 
     threads = [threading.Thread(target=call, args=(s, idx), daemon=True) for s, idx in zip(servers, share)]
     for t in threads:
@@ -506,9 +527,13 @@ def rollout_func(
             ``temperature`` and ``top_p``.
 
     Returns:
-        ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs"}``.
+        ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs"}``. Its
+        ``weight_versions`` lists, per call, each completion's ``weight_version`` (the version it
+        was generated on; a list of ``[version, first token, end]`` spans when an update landed
+        while it ran): with ``PushWeights(max_staleness=1)`` the step's or the one before.
     """
     urls = [servers] if isinstance(servers, str) else list(servers)
+    versions: list[list[Any]] = []
 
     def rollouts(prompts: list[Any], trainer: Any) -> dict[str, Any]:
         tok = trainer.processing_class
@@ -534,12 +559,14 @@ def rollout_func(
         if gen.get("do_sample") is False:
             params["temperature"] = 0.0
         choices = _completions(urls, model, ids, params, api_key)
+        versions.append([c["weight_version"] for c in choices])
         return {
             "prompt_ids": [c["prompt_token_ids"] for c in choices],
             "completion_ids": [c["token_ids"] for c in choices],
             "logprobs": [list(c["logprobs"]["token_logprobs"]) for c in choices],
         }
 
+    rollouts.weight_versions = versions  # type: ignore[attr-defined]
     return rollouts
 
 
@@ -551,19 +578,82 @@ class PushWeights:
 
     ``lora``: the servers' adapter name, for a LoRA policy (a ``PeftModel``, as ``GRPOTrainer``
     makes with ``peft_config``): only its active adapter's tensors are pushed
-    (:meth:`WeightPusher.push`), and ``rollout_func(servers, lora)`` generates with it."""
+    (:meth:`WeightPusher.push`), and ``rollout_func(servers, lora)`` generates with it.
 
-    def __init__(self, pusher: WeightPusher, *, lora: str | None = None) -> None:
+    ``max_staleness`` (TRL's name, from its async GRPO): how many optimizer steps the weights a
+    rollout is generated on may lag behind the trainer's. ``0`` (the default): each push ends
+    before the step does, so the next batch is generated on the weights just trained. ``1``: the
+    push runs in the background while the next batch is generated (on the servers, which keep
+    generating while they receive, and swap the new weights in between two of their steps); the
+    trainer waits for it only before its next optimizer step changes the weights it is sending,
+    and before the next push. A rollout's ``weight_version`` is then the step's or the one before
+    (spans of both when the swap landed during it). A failed background push raises at that wait.
+
+    ``push_s``: each push's seconds; ``waited_s``: per step, the seconds the trainer's thread spent
+    pushing or waiting for a push (all of ``push_s`` when ``max_staleness=0``)."""
+
+    def __init__(self, pusher: WeightPusher, *, lora: str | None = None, max_staleness: int = 0) -> None:
+        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness not in (0, 1):
+            raise ValueError(
+                f"max_staleness must be 0 (generate on the weights just pushed) or 1 (generate the next batch "
+                f"on the previous weights while the push is in flight); got {max_staleness!r}"
+            )
         self.pusher = pusher
         self.lora = lora
+        self.max_staleness = max_staleness
         self.pushed: list[Any] = []  # the versions pushed
+        self.push_s: list[float] = []
+        self.waited_s: list[float] = []
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._carry = 0.0  # the seconds this step waited before its optimizer step
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("on_"):  # every other TrainerCallback event: nothing to do
             return lambda *args, **kwargs: None
         raise AttributeError(name)
 
+    def _push(self, model: Any, version: Any) -> None:
+        t0 = time.perf_counter()
+        self.pushed.append(self.pusher.push(model, version=version, lora=self.lora))
+        self.push_s.append(time.perf_counter() - t0)
+
+    def wait(self) -> float:
+        """Wait for the push in flight, if any (re-raising its error); the seconds waited."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        pending.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return time.perf_counter() - t0
+
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None:
             return
-        self.pushed.append(self.pusher.push(model, version=state.global_step, lora=self.lora))
+        waited, self._carry = self._carry + self.wait(), 0.0
+        if self.max_staleness == 0:
+            t0 = time.perf_counter()
+            self._push(model, state.global_step)
+            self.waited_s.append(waited + time.perf_counter() - t0)
+            return
+        self.waited_s.append(waited)
+
+        def run() -> None:
+            try:
+                self._push(model, version)
+            except BaseException as exc:  # noqa: BLE001 - raised in the trainer's thread at the next wait
+                self._error = exc
+
+        version = state.global_step
+        self._pending = threading.Thread(target=run, name="acb-push", daemon=True)
+        self._pending.start()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The optimizer is about to change the weights: the push reading them must end first."""
+        self._carry += self.wait()  # (this step's: counted at its end)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.wait()

@@ -35,7 +35,7 @@ import datetime
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -112,6 +112,9 @@ class TransferGroup:
     device: torch.device
     group_id: str
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # CPU buffers kept for the group's life (see send and receive)
+    _send_buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _receive_pool: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @classmethod
     def join(
@@ -146,32 +149,94 @@ class TransferGroup:
             pg = dist.ProcessGroupGloo(own, rank, world_size, timeout)
         return cls(own, pg, rank, world_size, device, group_id, timeout_s)
 
-    def broadcast(self, flat: torch.Tensor) -> None:
-        """Rank 0's ``flat`` (a byte buffer) into every rank's (raises when a rank is gone)."""
+    def start_broadcast(self, flat: torch.Tensor) -> Any:
+        """Start broadcasting rank 0's ``flat`` (a byte buffer) into every rank's; the work, whose
+        ``wait()`` ends it (and raises when a rank is gone). Until then ``flat`` is the group's."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([flat], opts).wait()
+        return self.group.broadcast([flat], opts)
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        """Rank 0's ``flat`` (a byte buffer) into every rank's (raises when a rank is gone)."""
+        self.start_broadcast(flat).wait()
 
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
-        """Rank 0: broadcast ``tensors`` in buckets."""
+        """Rank 0: broadcast ``tensors`` in buckets, pipelined: bucket k+1 is packed while bucket
+        k is on the wire. A bucket of one contiguous tensor on the group's device is sent as it
+        is (the root's buffer is only read); the others are packed into two buffers that
+        alternate (on CPU kept for the group's life: a fresh buffer costs its page faults on
+        every push; on CUDA fresh ones, which the caching allocator reuses)."""
+        sizes = [nbytes(t.shape, t.dtype) for t in tensors]
+        in_flight: list[Any] = []  # the works on the wire: at most two
+        packed = 0
         for b in buckets([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes):
-            parts = [tensors[i].detach().contiguous().to(self.device).reshape(-1).view(torch.uint8) for i in b]
-            self.broadcast(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+            if len(in_flight) == 2:  # (bucket k-1 ends before bucket k+1 is packed: its buffer is free)
+                in_flight.pop(0).wait()
+            first = tensors[b[0]].detach()
+            if len(b) == 1 and first.device == self.device and first.is_contiguous():
+                flat = first.reshape(-1).view(torch.uint8)
+            else:
+                flat = self._packing_buffer(packed % 2, sum(sizes[i] for i in b))
+                packed += 1
+                at = 0
+                for i in b:
+                    t = tensors[i].detach()
+                    flat[at : at + sizes[i]].view(t.dtype).view(t.shape).copy_(t)
+                    at += sizes[i]
+            in_flight.append(self.start_broadcast(flat))
+        for work in in_flight:
+            work.wait()
+
+    def _packing_buffer(self, k: int, n: int) -> torch.Tensor:
+        """``n`` bytes of packing buffer ``k`` (0 or 1)."""
+        if self.device.type != "cpu":
+            return torch.empty(n, dtype=torch.uint8, device=self.device)
+        while len(self._send_buffers) <= k:
+            self._send_buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._send_buffers[k].numel() < n:
+            self._send_buffers[k] = torch.empty(0, dtype=torch.uint8)  # (freed before the larger one)
+            self._send_buffers[k] = torch.empty(n, dtype=torch.uint8)
+        return self._send_buffers[k][:n]
 
     def receive(
-        self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], bucket_bytes: int
+        self,
+        shapes: Sequence[Sequence[int]],
+        dtypes: Sequence[torch.dtype],
+        bucket_bytes: int,
+        on_bucket: Callable[[int], None] | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Another rank: the tensors rank 0 broadcasts, in order (views of each bucket's buffer)."""
-        for b in buckets(shapes, dtypes, bucket_bytes):
-            flat = torch.empty(sum(nbytes(shapes[i], dtypes[i]) for i in b), dtype=torch.uint8, device=self.device)
-            self.broadcast(flat)
+        """Another rank: the tensors rank 0 broadcasts, in order, as views of the group's receive
+        buffers (one per bucket; on CPU kept for the group's life and reused by the next update,
+        so the views are valid until then). Bucket k+1's receive is already under way while the
+        caller takes bucket k's tensors. ``on_bucket(k)``: called once bucket k arrived."""
+        plan = buckets(shapes, dtypes, bucket_bytes)
+        sizes = [sum(nbytes(shapes[i], dtypes[i]) for i in b) for b in plan]
+        flats = self._receive_buffers(sizes)
+        works: list[Any] = []
+        for k, b in enumerate(plan):
+            while len(works) < min(k + 2, len(plan)):  # (this bucket's and the next one's)
+                works.append(self.start_broadcast(flats[len(works)]))
+            works[k].wait()
+            if on_bucket is not None:
+                on_bucket(k)
             at = 0
             for i in b:
                 n = nbytes(shapes[i], dtypes[i])
-                yield flat[at : at + n].view(dtypes[i]).reshape(tuple(shapes[i]))
+                yield flats[k][at : at + n].view(dtypes[i]).reshape(tuple(shapes[i]))
                 at += n
+
+    def _receive_buffers(self, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """One byte buffer per bucket: on CPU the group's own, reused while the sizes fit (a fresh
+        one costs its page faults: about as much as the wire on loopback); on CUDA fresh ones
+        (the caching allocator reuses its memory)."""
+        if self.device.type != "cpu":
+            return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        if [int(f.numel()) for f in self._receive_pool] != list(sizes):
+            self._receive_pool = []  # (the old ones freed before the new ones are made)
+            self._receive_pool = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        return self._receive_pool
 
     # the handshake -------------------------------------------------------------
     def verdict(self, seq: int, error: str | None) -> None:
@@ -193,7 +258,7 @@ class TransferGroup:
                 missing = [r for r, k in keys.items() if not self.store.check([k])]
                 raise TimeoutError(f"ranks {missing} gave no verdict on update {seq} within {self.timeout_s:g} s")
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, 0.01)
         return {r: self.store.get(k).decode() for r, k in keys.items()}
 
     def decide(self, seq: int, go: bool) -> None:
@@ -206,6 +271,7 @@ class TransferGroup:
         return self.store.get(f"{seq}/decision").decode() == "go"
 
     def close(self) -> None:
+        self._send_buffers, self._receive_pool = [], []
         try:
             self.group.shutdown()
         except Exception:  # noqa: BLE001 - a group whose peer is gone

@@ -42,6 +42,7 @@ import torch
 from acb.errors import WeightUpdateError
 
 __all__ = [
+    "Borrowed",
     "Staged",
     "WeightUpdateError",
     "check_specs",
@@ -97,7 +98,8 @@ def check_specs(targets: dict[str, torch.Tensor], specs: Iterable[tuple[str, tup
 
 @dataclass
 class Staged:
-    """An update's tensors, checked and staged on the model's device and dtype."""
+    """An update's tensors, checked and staged on the model's device and dtype (a :class:`Borrowed`
+    one's in the dtype received: :meth:`swap` casts)."""
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (the weight, its new value)
     names: list[str]
@@ -182,22 +184,38 @@ def model_names(
     return out
 
 
+class Borrowed(list[tuple[str, torch.Tensor]]):
+    """``(name, tensor)`` pairs whose tensors their owner leaves untouched until the update is
+    swapped in (a receiver's buffers): :func:`stage` keeps those on the weight's device as they
+    are, rather than copy them; the swap's one copy casts another float dtype (a trainer's
+    bfloat16 into a server's float32) as the staging copy would have."""
+
+
 def stage(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-    """Check then stage ``(name, tensor)`` pairs (copies: the caller may reuse its tensors). Names
-    are the model's or its checkpoint's (:func:`model_names`).
+    """Check then stage ``(name, tensor)`` pairs (copies: the caller may reuse its tensors; a
+    :class:`Borrowed` list's tensors already in the weight's dtype and device are kept as they
+    are, not copied, even in another float dtype: the swap casts). Names are the model's or its checkpoint's (:func:`model_names`).
 
     Raises:
         WeightUpdateError: a name, shape or dtype that does not fit (nothing staged).
     """
+    borrowed = isinstance(named, Borrowed)
     targets = weight_targets(model)
     items = [(name, t if isinstance(t, torch.Tensor) else torch.as_tensor(t)) for name, t in named]
     items = model_names(model, items, targets)
     check_specs(targets, ((n, tuple(t.shape), t.dtype) for n, t in items))
     pairs = []
+    written: dict[int, torch.Tensor] = {}  # id(weight) -> its value: a tied weight written once
     for name, tensor in items:
         target = targets[name]
-        value = torch.empty_like(target)
-        value.copy_(tensor.detach())
+        if written.get(id(target)) is tensor:
+            continue  # (the same value under a tied weight's other name)
+        written[id(target)] = tensor
+        if borrowed and tensor.device == target.device:
+            value = tensor.detach()  # (read once, by the swap's copy, which casts a float dtype)
+        else:
+            value = torch.empty_like(target)
+            value.copy_(tensor.detach())
         pairs.append((target, value))
     return Staged(pairs, [n for n, _ in items])
 

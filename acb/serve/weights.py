@@ -17,10 +17,13 @@ set. Route and field names follow vLLM's where it has one (SGLang's for the upda
   ``rank_offset``, optional ``timeout_s`` and ``group_id``: the server leaves any group it was
   in and joins the trainer's, gloo on CPU, NCCL on CUDA; it answers the ``group_id``), ``POST
   /update_weights`` (``group_id``, ``names``, ``dtype_names``, ``shapes``, ``weight_version``,
-  ``bucket_bytes``, ``seq``, and ``lora_name`` to update a loaded LoRA adapter's tensors only: the
+  ``bucket_bytes``, ``seq``, optional ``tied``: ``{name: name sent}`` for a tied weight whose bytes
+  are sent once, and ``lora_name`` to update a loaded LoRA adapter's tensors only: the
   names are PEFT's keys, as ``get_peft_model_state_dict`` gives them, checked against that adapter's
   modules and shapes, :meth:`acb.AsyncEngine.update_lora`; the trainer broadcasts the tensors,
-  bucketed), ``POST
+  bucketed: the server receives each bucket straight into its group's receive buffers, reused by
+  the next update, and the staged update is views of them; it keeps generating meanwhile, and
+  swaps the update in between two engine steps), ``POST
   /close_weight_transfer`` (with a ``group_id``: only if that is still the server's group).
 
 Each answers ``{"weight_version": ...}`` where it changes it. A refused update is a 400 naming
@@ -39,10 +42,12 @@ The routes are clients of the public engine API, as the rest of ``serve/`` is; t
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +72,8 @@ from acb.weight_transfer import (
 
 if TYPE_CHECKING:
     from acb.serve.pipeline import ServerState
+
+logger = logging.getLogger(__name__)
 
 _MODES = {"wait": "wait", "keep": "keep", "abort": "cancel", "cancel": "cancel"}
 
@@ -295,11 +302,16 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
         ):
             raise APIError(400, "shapes must be a list of lists of sizes (integers >= 0)", param="shapes")
         group_id = _field(body, "group_id", str)  # (the group the trainer pushes on: /init_weight_transfer's)
+        tied = _field(body, "tied", dict, required=False) or {}  # {another name: the name sent}: one tensor
+        index = {n: i for i, n in enumerate(names)}
+        if not all(isinstance(k, str) and v in index for k, v in tied.items()):
+            raise APIError(400, "tied must map names to names among the update's names", param="tied")
         lora_name = _field(body, "lora_name", str, required=False)  # (an adapter's tensors only)
 
         def receive() -> Any:
-            """Check, answer the handshake, receive, stage (a worker thread); the staged update."""
-            from acb.runner.weight_update import check_specs, check_version, weight_targets
+            """Check, answer the handshake, receive, stage and swap in (a worker thread): the version
+            now served; for an adapter, its staged update."""
+            from acb.runner.weight_update import Borrowed, check_specs, check_version, weight_targets
 
             with transfer.lock:
                 group = transfer.group
@@ -320,7 +332,8 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                 try:
                     check_version(version)  # (one no output could carry: refused before any byte moves)
                     dtypes = [dtype_of(d) for d in dtype_names]
-                    specs = zip(names, [tuple(s) for s in shapes], dtypes)
+                    specs = list(zip(names, [tuple(s) for s in shapes], dtypes))
+                    specs += [(k, specs[index[v]][1], specs[index[v]][2]) for k, v in tied.items()]
                     if lora_name is not None:
                         engine.loras.check_update(lora_name, specs)
                     else:
@@ -343,6 +356,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                     raise APIError(
                         409, "the trainer called the update off (another server refused it); nothing written"
                     )
+                t0 = time.perf_counter()
                 try:
                     tensors = list(group.receive([tuple(s) for s in shapes], dtypes, bucket_bytes))
                 except Exception as exc:  # noqa: BLE001 - the sender died, or the group broke
@@ -352,18 +366,38 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                         f"receiving the weights failed ({type(exc).__name__}: {exc}); nothing written, the old "
                         "weights serve; call /init_weight_transfer again",
                     ) from None
+                received = time.perf_counter() - t0
                 if lora_name is not None:  # (checked whole against the loaded adapter, copied off the buffers)
                     return engine.loras.prepare_update(
-                        lora_name, list(zip(names, tensors)), engine.model, engine.config
+                        lora_name,
+                        list(zip(names, tensors)) + [(k, tensors[index[v]]) for k, v in tied.items()],
+                        engine.model,
+                        engine.config,
                     )
-                return engine.stage_weights(zip(names, tensors))
+                # the tensors are views of the group's receive buffers, which the next update
+                # reuses: staged as they are (no copy), and swapped in before the lock is let go
+                pairs = list(zip(names, tensors)) + [(k, tensors[index[v]]) for k, v in tied.items()]
+                staged = engine.stage_weights(Borrowed(pairs))
+                t1 = time.perf_counter()
+                new = anyio.from_thread.run(engine.swap_weights, staged, version)
+                logger.info(
+                    "weights %r: %.1f MB received in %.3f s (%.2f GB/s), staged in %.3f s, swapped in %.3f s",
+                    new,
+                    staged.nbytes / 1e6,
+                    received,
+                    staged.nbytes / 1e9 / max(received, 1e-9),
+                    t1 - t0 - received,
+                    time.perf_counter() - t1,
+                )
+                return new
 
-        staged = await anyio.to_thread.run_sync(receive)
+        # (receive, stage and swap run in a worker thread: the engine keeps generating meanwhile,
+        # and pauses only for the swap itself, between two of its steps)
+        done = await anyio.to_thread.run_sync(receive)
         if lora_name is None:
-            new = await engine.swap_weights(staged, version)
-            return JSONResponse({"success": True, "weight_version": new})
+            return JSONResponse({"success": True, "weight_version": done})
         try:
-            new = await engine.update_lora(lora_name, staged, version=version, timeout=transfer.timeout_s)
+            new = await engine.update_lora(lora_name, done, version=version, timeout=transfer.timeout_s)
         except TimeoutError as exc:
             raise APIError(503, str(exc)) from None
         except ValueError as exc:  # (removed or updated meanwhile: InvalidRequestError)

@@ -295,6 +295,180 @@ def test_pause_keep_across_an_update_and_the_routes(server, checkpoint, tmp_path
     assert info.value.code == 400
 
 
+def stream_tokens(server, max_tokens: int, out: dict, started: threading.Event) -> None:
+    """A greedy streamed completion: ``out["times"]`` gets each chunk's arrival (a chunk has one
+    token or more), ``out["versions"]`` the stream's ``weight_version``."""
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(
+        base(server) + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    out["times"] = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            out["times"].append(time.monotonic())
+            started.set()
+            if "weight_version" in chunk:
+                out["versions"] = chunk["weight_version"]
+
+
+def test_generation_goes_on_while_a_push_is_received(server, checkpoint):
+    """The server keeps generating while a push is on the wire and staged: a streamed request in
+    flight gets tokens while the trainer stalls between two buckets, and completes; the swap
+    lands during it, and its spans say which tokens came from which weights (no pause asked)."""
+    model = copy.deepcopy(checkpoint.model)
+    size = sum(t.nbytes for t in weight_targets(model).values())
+    with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60, bucket_bytes=size // 2) as pusher:
+        pusher.push(model, version="old")
+        group = pusher.group
+        real, calls, during = group.start_broadcast, [], []
+        out: dict = {}
+        started = threading.Event()
+
+        def stalling(flat: torch.Tensor):  # between the first bucket and the next: wait for tokens
+            calls.append(len(flat))
+            if len(calls) == 2:
+                before = len(out["times"])
+                deadline = time.monotonic() + 30
+                while len(out["times"]) < before + 16 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                during.append(len(out["times"]) - before)
+            return real(flat)
+
+        t = threading.Thread(target=stream_tokens, args=(server, 900, out, started))
+        t.start()
+        assert started.wait(120)
+        group.start_broadcast = stalling
+        assert pusher.push(shifted(model, 7), version="new") == "new"
+        t.join(timeout=300)
+    assert len(calls) >= 2 and during and during[0] >= 16, (calls, during)  # tokens while the push was on the wire
+    spans = out["versions"]
+    assert [s[0] for s in spans] == ["old", "new"] and spans[0][1] == 0 and spans[-1][2] == 900, spans
+
+
+def test_a_tied_weight_is_sent_once_and_lands_under_both_names(server, checkpoint):
+    """A module whose LM head is its embedding (tied, one tensor under two names): the push sends
+    its bytes once, and the server (whose model is untied) writes it under both names; the same
+    in bfloat16 lands cast into the server's float32."""
+    model = shifted(checkpoint.model, 8)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    unique = sum(t.nbytes for t in {id(t): t for t in weight_targets(model).values()}.values())
+    sent = []
+    with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60) as pusher:
+        pusher.init()
+        real = pusher.group.start_broadcast
+        pusher.group.start_broadcast = lambda flat: sent.append(flat.numel()) or real(flat)
+        assert pusher.push(model, version="tied") == "tied"
+        assert sum(sent) == unique < sum(t.nbytes for t in weight_targets(model).values())
+        assert greedy(server, PROMPT) == (reference_generate(model, PROMPT, MAX_NEW), "tied")
+        # in bfloat16 into the server's float32: the swap casts what was received, as staging did
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        assert pusher.push(half, version="bf16") == "bf16"
+    assert greedy(server, PROMPT) == (reference_generate(half.float(), PROMPT, MAX_NEW), "bf16")
+
+
+def grpo_timed(url: str, start, tok, tmp_path, max_staleness: int) -> tuple[list, list, list]:
+    """Three GRPO steps with ``PushWeights(max_staleness=...)``, each push stalled 0.4 s between two
+    buckets: (each rollout's start, end and the trainer's step then), (each push's start and
+    end), (each rollout's versions)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = copy.deepcopy(start)
+    pusher = WeightPusher([url], master_port=_free_port(), timeout_s=60, bucket_bytes=64 << 10)
+    pusher.push(model, version=0)
+    real_push, pushes, rollouts_at = pusher.push, [], []
+
+    def push(*a, **kw):
+        t0 = time.monotonic()
+        real = pusher.group.start_broadcast
+        calls = []
+
+        def stalling(flat):
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(0.4)
+            return real(flat)
+
+        pusher.group.start_broadcast = stalling
+        try:
+            return real_push(*a, **kw)
+        finally:
+            pushes.append((t0, time.monotonic()))
+
+    pusher.push = push
+    rollouts = rollout_func(url, NAME)
+    trainer = None
+
+    def timed(prompts, tr):
+        t0 = time.monotonic()
+        got = rollouts(prompts, tr)
+        rollouts_at.append((t0, time.monotonic(), trainer.state.global_step))
+        return got
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / f"out{max_staleness}"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_NEW,
+        max_steps=3,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        learning_rate=0.05,
+    )
+    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    callback = PushWeights(pusher, max_staleness=max_staleness)
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        reward_funcs=lambda completion_ids, **kw: [(sum(c) % 97) / 97.0 for c in completion_ids],
+        processing_class=tok,
+        train_dataset=ds,
+        rollout_func=timed,
+        callbacks=[callback],
+    )
+    try:
+        trainer.train()
+    finally:
+        pusher.close()
+    assert callback.pushed == [1, 2, 3] and trainer.state.global_step == 3
+    return rollouts_at, pushes, rollouts.weight_versions
+
+
+def oldest(version) -> int:
+    return min(s[0] for s in version) if isinstance(version, list) else version
+
+
+@pytest.mark.parametrize("max_staleness", [1, 0])
+def test_max_staleness_overlaps_generation_with_the_push(server, checkpoint, tmp_path, max_staleness):
+    """``PushWeights(max_staleness=1)``: step k+1's rollouts are generated while step k's push is
+    in flight, on weights at most one step behind; ``0`` (the default): never while a push is in
+    flight, always on the step's own weights."""
+    rollouts_at, pushes, versions = grpo_timed(base(server), checkpoint.model, checkpoint.tok, tmp_path, max_staleness)
+    assert [r[2] for r in rollouts_at] == [0, 1, 2]
+    overlaps = [any(p0 < r1 and r0 < p1 for p0, p1 in pushes) for r0, r1, _ in rollouts_at]
+    lags = [[step - oldest(v) for v in vs] for (_, _, step), vs in zip(rollouts_at, versions, strict=True)]
+    if max_staleness:
+        assert overlaps[1:] == [True, True], (rollouts_at, pushes)
+        assert all(0 <= lag <= 1 for lag_s in lags for lag in lag_s) and any(1 in lag_s for lag_s in lags), lags
+    else:
+        assert overlaps == [False] * 3, (rollouts_at, pushes)
+        assert lags == [[0] * 4] * 3, versions
+
+
+def test_max_staleness_is_0_or_1():
+    with pytest.raises(ValueError, match="max_staleness"):
+        PushWeights(WeightPusher([]), max_staleness=2)
+
+
 KILLED_TRAINER = textwrap.dedent(
     """
     import json, os, sys, threading, time, urllib.request
@@ -598,15 +772,15 @@ def test_a_failed_push_raises_weight_push_error_and_the_next_lands(server, check
         assert greedy(server, PROMPT) == landed
         # the trainer stalls between two buckets past the group's timeout (3 s)
         group = pusher.group
-        real, calls = group.broadcast, []
+        real, calls = group.start_broadcast, []
 
-        def stalling(flat: torch.Tensor) -> None:
+        def stalling(flat: torch.Tensor):
             calls.append(len(flat))
             if len(calls) == 2:
                 time.sleep(4.5)
-            real(flat)
+            return real(flat)
 
-        group.broadcast = stalling
+        group.start_broadcast = stalling
         with pytest.raises(WeightPushError, match="503"):
             pusher.push(shifted(model, 44), version="stalled")
         assert greedy(server, PROMPT) == landed
