@@ -45,6 +45,9 @@ ATTN_IMPL_NAME = "acb_batch_invariant"  # the trainer-side attention function's 
 _TLS = threading.local()  # .on: the mode is on for this thread
 _LOCK = threading.Lock()
 _ORIGINAL_LINEAR: Callable[..., torch.Tensor] | None = None  # torch's F.linear, kept while ours is installed
+# the linear's form on CPU tensors: False, oneDNN's; True, the Triton matmul CUDA tensors take (the
+# tests run it under TRITON_INTERPRET=1, so the CUDA dispatch is covered without a GPU)
+KERNEL = False
 
 
 def is_on() -> bool:
@@ -52,8 +55,18 @@ def is_on() -> bool:
     return bool(getattr(_TLS, "on", False))
 
 
+def _kernel_form(x: torch.Tensor) -> bool:
+    """Whether ``x``'s linear is the Triton matmul (CUDA, or :data:`KERNEL`) rather than oneDNN's."""
+    return x.device.type == "cuda" or KERNEL
+
+
 def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's inner product, at least two rows a call (see the module's docstring)."""
+    """oneDNN's inner product, at least two rows a call (see the module's docstring); on CUDA the
+    fixed-order Triton matmul (:mod:`acb.runner.batch_invariant_kernels`)."""
+    if _kernel_form(x):
+        from acb.runner.batch_invariant_kernels import linear as kernel_linear
+
+        return kernel_linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not x2.is_contiguous():
@@ -86,19 +99,23 @@ class _Linear(torch.autograd.Function):
 
 
 def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
+    if not (
+        x.dtype == weight.dtype
         and weight.dim() == 2
         and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and x.dim() >= 1
-    )
+        and weight.device == x.device
+    ):
+        return False
+    if _kernel_form(x):  # the Triton matmul: bf16, fp16, fp32
+        return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with each row's bits independent of the other rows and of the thread count
-    (float32 CPU tensors; anything else goes to torch's own). Differentiable."""
+    (float32 CPU tensors; bf16/fp16/fp32 CUDA tensors through the fixed-order Triton matmul;
+    anything else goes to torch's own). Differentiable."""
     if not _applies(x, weight):
         return (_ORIGINAL_LINEAR or torch.nn.functional.linear)(x, weight, bias)
     if torch.is_grad_enabled() and (

@@ -49,6 +49,9 @@ class TritonMetadata:
     max_decode_seq_len: int  # longest context among the decode sequences (0 when none)
     num_splits: int | None = None  # decode split count fixed by the caller (CUDA graphs); None: chosen per layer
     num_new: tuple[int, ...] = ()  # host: query tokens per sequence
+    # the batch-invariant mode (TritonBackend.fixed_order) on a step with prefill: each query token's
+    # block-table row [T, cols] and context length [T] (its position + 1), for the decode kernel
+    per_query: tuple[torch.Tensor, torch.Tensor] | None = None
     start_pos: tuple[int, ...] = ()  # host: tokens already in the cache per sequence
     # an MLA latent's plans, built by the step's first latent layer, by the longest chunk absorbed
     latent_plans: dict[int, LatentPlan] = field(default_factory=dict)
@@ -122,14 +125,20 @@ class TritonBackend:
     features = frozenset({"sinks", "chunk", "latent"})
     supports_graphs = True  # decode reads every length from device tensors: only the split count is baked
 
-    def __init__(self) -> None:
+    def __init__(self, fixed_order: bool = False) -> None:
         self._warmed: set[tuple] = set()  # layer settings whose kernel variants are compiled
+        # the batch-invariant mode (acb.runner.batch_invariant): every query token, of a prefill
+        # chunk or a decode row, through the decode kernel alone with one split, so its keys are
+        # summed in position order in tiles from its window's start whatever the step holds
+        self.fixed_order = fixed_order
 
     def graph_variants(self, num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> list[int]:
         """Decode split counts worth a graph at this padded batch size: one split (short contexts)
         and, when longer contexts would split, the count chosen for ``max_len``. Any count is
         correct for any length (empty splits weigh nothing), so a graph never computes stale
         results, only a suboptimal partition."""
+        if self.fixed_order:
+            return [1]
         return sorted({1, tk.choose_num_splits(num_seqs, num_kv_heads, max_len, device)})
 
     def graph_variant(
@@ -150,7 +159,17 @@ class TritonBackend:
                 f"the 'triton' attention backend needs a CUDA device (got {device}); "
                 "on CPU set TRITON_INTERPRET=1 before importing triton, or use attn_backend='torch'"
             )
-        return metadata_for(batch)
+        md = metadata_for(batch)
+        if self.fixed_order and md.has_prefill:
+            qsl = batch.query_start_loc.to(torch.long)
+            seq = torch.repeat_interleave(
+                torch.arange(md.num_seqs, device=device), qsl[1:] - qsl[:-1], output_size=md.num_tokens
+            )
+            tok = torch.arange(md.num_tokens, device=device)
+            # token t of sequence s sits at position seq_lens[s] - (qsl[s + 1] - t): it sees that + 1 keys
+            lens = batch.seq_lens.to(torch.long)[seq] - qsl[seq + 1] + tok + 1
+            md.per_query = (batch.block_table.index_select(0, seq), lens)
+        return md
 
     def forward(
         self,
@@ -191,6 +210,12 @@ class TritonBackend:
         if call.store:  # a KV-shared layer's K/V are its producer's, already in this cache layer
             tk.store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
         out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
+        if self.fixed_order:  # each query alone, one split (a decode-only step's rows already are)
+            table, lens = md.per_query if md.per_query is not None else (md.block_table, md.seq_lens)
+            tk.paged_decode_attention(
+                q, k_cache, v_cache, table, lens, scaling, window, cap, 1, out=out, sinks=sinks, chunk=chunk
+            )
+            return out.unsqueeze(0)
         if md.num_decode:
             splits = md.num_splits
             if splits is None:

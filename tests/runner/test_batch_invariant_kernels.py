@@ -1,0 +1,165 @@
+"""The batch-invariant mode's GPU kernels (acb.runner.batch_invariant_kernels, and the Triton
+attention backend's fixed-order form), run as their CPU twins under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported); on a CUDA machine with
+``TRITON_INTERPRET=0`` the same tests run the compiled kernels."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from acb.runner import batch_invariant as bi  # noqa: E402
+from acb.runner import batch_invariant_kernels as bk  # noqa: E402
+from tests.conftest import triton_test_device  # noqa: E402
+
+DEVICE = triton_test_device()
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*")] + (
+    [pytest.mark.gpu] if DEVICE.type == "cuda" else []
+)
+
+# K and N not multiples of the tiles; M across one tile's edge and into a second
+K, N = 80, 72
+ROWS = (1, 2, 3, 17, 64, 67)
+
+
+def _rand(*shape, g, dtype):
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_row_bits_do_not_depend_on_the_batch(dtype):
+    """A row's output bits are those it gets alone, for every row count, position and other rows;
+    and the product is torch's up to rounding."""
+    g = torch.Generator().manual_seed(0)
+    w = _rand(N, K, g=g, dtype=dtype)
+    bias = _rand(N, g=g, dtype=dtype)
+    x0 = _rand(1, K, g=g, dtype=dtype)
+    alone = bk.matmul(x0, w, bias)[0]
+    for m in ROWS:
+        for pos in sorted({0, m // 2, m - 1}):
+            x = _rand(m, K, g=g, dtype=dtype)
+            x[pos] = x0[0]
+            out = bk.matmul(x, w, bias)
+            assert torch.equal(out[pos], alone), (dtype, m, pos)
+            want = x.float() @ w.float().T + bias.float()
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * 4)
+
+
+def test_matmul_takes_strided_operands_and_no_bias():
+    g = torch.Generator().manual_seed(1)
+    w_t = _rand(K, N, g=g, dtype=torch.float32)  # weight given as a transposed view
+    x = _rand(K, 5, g=g, dtype=torch.float32).T  # [5, K] with non-unit row stride
+    out = bk.matmul(x, w_t.T)
+    torch.testing.assert_close(out, x @ w_t, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[3], bk.matmul(x[3:4].contiguous(), w_t.T.contiguous())[0])
+    with pytest.raises(ValueError, match="one dtype"):
+        bk.matmul(x.to(torch.bfloat16), w_t.T)
+
+
+@pytest.fixture
+def kernel_form():
+    """The mode's linear in its CUDA form on CPU tensors (under the interpreter)."""
+    was = bi.KERNEL
+    bi.KERNEL = DEVICE.type == "cpu"
+    yield
+    bi.KERNEL = was
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mode_linear_dispatches_to_the_kernel(kernel_form, dtype):
+    """The mode's linear (what every nn.Linear and the LM head call with the mode on) is the Triton
+    matmul on the CUDA path: the same bits, bf16 taken, differentiable."""
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(K, N).to(dtype).to(DEVICE)
+    x = _rand(3, 4, K, g=g, dtype=dtype)
+    with bi.enabled():
+        got = lin(x)
+    assert got.shape == (3, 4, N) and got.dtype == dtype
+    assert torch.equal(got, bk.linear(x, lin.weight.detach(), lin.bias.detach()))
+    assert torch.equal(got[1, 2], bk.linear(x[1, 2:3], lin.weight.detach(), lin.bias.detach())[0])
+    xg = x.detach().clone().requires_grad_(True)
+    with bi.enabled():
+        bi.linear(xg, lin.weight, lin.bias).float().sum().backward()
+    assert xg.grad is not None and lin.weight.grad is not None
+    torch.testing.assert_close(
+        xg.grad.float(), lin.weight.detach().float().sum(0).expand(3, 4, K), rtol=2e-2, atol=2e-2
+    )
+
+
+# --- attention: the Triton backend's fixed-order form ----------------------------------------------
+
+
+def _step(backend, cache, call, bt_rows, num_new, start_pos, q_rows, bs):
+    """One attention step of ``backend`` over ``cache``: sequences with block-table rows
+    ``bt_rows``, their new tokens' queries ``q_rows`` ([T, H, D]); the new keys and values are
+    the cache's own at those slots (so every step sees the same cache)."""
+    from acb.runner.attention import BatchInputs, StepContext
+
+    bt = torch.stack(bt_rows)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(start_pos, num_new)]).to(DEVICE)
+    seq_of = torch.repeat_interleave(torch.arange(len(num_new), device=DEVICE), torch.tensor(num_new, device=DEVICE))
+    slots = bt[seq_of, pos // bs] * bs + pos % bs
+    seq_lens = [s + n for s, n in zip(start_pos, num_new)]
+    batch = BatchInputs(
+        slot_mapping=slots,
+        block_table=bt,
+        seq_lens=torch.tensor(seq_lens, device=DEVICE),
+        query_start_loc=torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], device=DEVICE),
+        num_new=num_new,
+        start_pos=start_pos,
+        max_seq_len=max(seq_lens),
+    )
+    flat_k = cache.k[0].flatten(0, 1)
+    flat_v = cache.v[0].flatten(0, 1)
+    key = flat_k[slots][None].transpose(1, 2)  # [1, Hkv, T, D]
+    value = flat_v[slots][None].transpose(1, 2)
+    query = q_rows[None].transpose(1, 2)  # [1, H, T, D]
+    ctx = StepContext(cache, backend, backend.build_metadata(batch, bs))
+    return backend.forward(0, query, key, value, ctx, call)[0]  # [T, H, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("features", ["plain", "window_sinks_softcap"])
+def test_fixed_order_attention_gives_a_query_the_same_bits_in_prefill_and_decode(dtype, features):
+    """In the mode a query's attention output has the same bits in a prefill chunk (among other
+    sequences' chunks and decode rows), in another chunking of its prompt, and as a decode row
+    alone or among others; a decode step's graph variants are one split. (Without the mode a
+    decode row over 290+ keys alone takes two splits and the chunk one pass: other bits.)"""
+    from acb.runner.attention import AttentionCall
+    from acb.runner.attention.triton_backend import TritonBackend
+    from acb.runner.kv_cache import KVCache, KVSpec
+
+    bs, hkv, heads, d, nb = 16, 2, 4, 16, 32
+    g = torch.Generator().manual_seed(5)
+    cache = KVCache(KVSpec.uniform(1, hkv, d, dtype), nb, bs, DEVICE)
+    cache.k[0].copy_(_rand(*cache.k[0].shape, g=g, dtype=dtype))
+    cache.v[0].copy_(_rand(*cache.v[0].shape, g=g, dtype=dtype))
+    perm = (torch.randperm(nb - 1, generator=g) + 1).to(DEVICE)
+    x_row, a_row, b_row = perm[:19], perm[19:21].repeat(10)[:19], perm[21:23].repeat(10)[:19]
+    if features == "plain":
+        call = AttentionCall(scaling=0.25)
+    else:
+        call = AttentionCall(scaling=0.25, sliding_window=100, softcap=4.0, sinks=_rand(heads, g=g, dtype=dtype))
+    x_q = _rand(4, heads, d, g=g, dtype=dtype)  # sequence X's queries at positions 290..293 (290 cached)
+    other = _rand(8, heads, d, g=g, dtype=dtype)
+    mode = TritonBackend(fixed_order=True)
+    assert mode.graph_variants(64, hkv, 100_000, torch.device(DEVICE)) == [1]
+    # a mixed step: a decode row, X's chunk after its cached prefix, another sequence's chunk
+    rows3 = [a_row, x_row, b_row]
+    mixed = _step(mode, cache, call, rows3, [1, 4, 3], [20, 290, 3], torch.cat([other[:1], x_q, other[1:4]]), bs)[1:5]
+    # X's chunk cut in two
+    first = _step(mode, cache, call, [x_row], [2], [290], x_q[:2], bs)
+    second = _step(mode, cache, call, [a_row, x_row], [1, 2], [21, 292], torch.cat([other[4:5], x_q[2:]]), bs)[1:]
+    assert torch.equal(torch.cat([first, second]), mixed)
+    alone = _step(mode, cache, call, [x_row], [1], [293], x_q[3:], bs)[0]  # X's last query as a decode row
+    assert torch.equal(alone, mixed[3])
+    among = _step(mode, cache, call, rows3, [1, 1, 1], [30, 291, 11], torch.stack([other[5], x_q[1], other[6]]), bs)[1]
+    assert torch.equal(among, mixed[1])
