@@ -236,7 +236,8 @@ class DecodeGraphs:
         synthetic step whose rows have different context lengths (up to 4k tokens, 130 for the CPU
         twin, so the split variant really splits) through the block table's scratch row (every
         page is block 0); None when they agree. Same kernels on the same inputs, so they should
-        agree to rounding; a stale or mis-wired graph is off by far more.
+        agree to rounding; a stale or mis-wired graph is off by far more. With LoRA on, the
+        adapters' graphs too, their rows spread over every slot.
 
         The step stores nothing (slot -1 on every row): were every row to write its new K/V into
         the same slot, as the check once did, a GPU's store kernel (one program per row) would
@@ -254,8 +255,8 @@ class DecodeGraphs:
                 lens,
                 torch.full_like(lens, r.inputs.scratch_row),
             ]
-            if self.lora is not None:  # every row on slot 0 (whatever slots hold: no adapter is checked)
-                cols.append(torch.zeros_like(lens))
+            if self.lora is not None:  # rows on every slot (an empty one adds zeros; at wake-up, adapters)
+                cols.append(torch.arange(b, device=lens.device) % (self.lora.max_loras + 1))
             rows = torch.stack(cols)
             for _, v, lora in [key for key in self.graphs if key[0] == b]:
                 st = self.static

@@ -6,8 +6,9 @@ model's decoder, :func:`acb.lora.lora_targets`), stacked buffers ``A [max_loras 
 ``B [max_loras + 1, out, r_max]`` and a scaling per slot (slot 0 is "no adapter" and stays zero),
 filled by :meth:`LoraLayers.add` / :meth:`LoraLayers.remove` on the engine thread. The first adapter
 that targets a linear installs an instance ``forward`` on it for the engine's life
-(:class:`acb.runner.intercept.Interception`); outside a step, or in a step with no adapter row, it
-returns the base layer's output at once (one thread-local read).
+(:class:`acb.runner.intercept.Interception`; with decode graphs every target gets its buffers and
+``forward`` before the capture); outside a step, or in a step with no adapter row, it returns the
+base layer's output at once (one thread-local read).
 
 A step's adapter rows reach it as :class:`acb.runner.input_batch.LoraRows` (staged with the step's
 inputs in the one host-to-device copy: the token indices of the adapter rows sorted by slot, their
@@ -25,7 +26,8 @@ in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in an eager step in 
 * **kernel** (on CUDA when triton imports, :data:`KERNEL`): :mod:`acb.runner.lora_kernels`' two
   Triton kernels in punica's SGMV style, shrink then expand over the step's runs (read from a
   device copy of the runs made once a step); tested against the grouped form under Triton's
-  interpreter (``tests/runner/test_lora_kernels.py``), not yet timed on a GPU.
+  interpreter (``tests/runner/test_lora_kernels.py``), compiled for sm_90 and sm_80 without a GPU
+  (``benchmarks/kernel_compile.py``: no spills, ``mma.sync`` in fp16/bf16), not yet timed on a GPU.
 
 :data:`GATHERED` picks (default: grouped; None: per step, :func:`_gathered`).
 ``benchmarks/lora_offline.py`` times both (``benchmarks/results/lora_cpu.json``; CPU, 2 threads,
