@@ -270,6 +270,33 @@ def test_grouped_and_gathered_updates_agree_on_one_linear():
     assert "forward" not in vars(lin)  # the linear has its own forward back
 
 
+def test_graph_replays_leave_out_steps_of_experts_adapters():
+    """A decode step replays the graphs' LoRA form unless one of its slots has fused experts'
+    factors (run once more per slot present: a host-dependent shape); ``prepare_graphs`` gives
+    every target buffers and the interception, all slots empty."""
+    from acb.models import tiny_model
+    from acb.runner.input_batch import LoraRows
+    from acb.runner.lora import LoraLayers
+
+    model = tiny_model("llama")
+    layers = LoraLayers(model, 3, 4, torch.device("cpu"))
+    try:
+
+        def rows(*slots: int) -> LoraRows:
+            return LoraRows(torch.arange(len(slots)), torch.tensor(slots), [(s, i, 1) for i, s in enumerate(slots)], 4)
+
+        assert layers.graphable(rows(1, 2, 3))
+        layers.experts.per_module[model.model.layers[0].mlp] = {2: {}}  # (as ExpertAdapters.put leaves it)
+        assert layers.graphable(rows(1, 3)) and not layers.graphable(rows(1, 2))
+        layers.prepare_graphs()
+        assert set(layers.buffers) == set(layers.targets.values())
+        assert all("forward" in vars(lin) for lin in layers.targets.values())
+        assert all(not b.A.any() and not b.scale_f32.any() for b in layers.buffers.values())
+    finally:
+        layers.close()
+    assert all("forward" not in vars(lin) for lin in layers.targets.values())
+
+
 def test_the_kind_and_its_bytes_priced_before_the_kv_blocks():
     from acb.lora import lora_targets
     from acb.models import tiny_model
