@@ -20,6 +20,14 @@
 5. The same decode steps for an MLA model (DeepSeek V3's attention sizes: 16 heads, latent 512 + 64)
    with its latent paged (``mla_latent_cache=True``: the Triton backend's latent kernel, no graphs)
    and with its expanded heads (decode graphs); each row names its backend and KV bytes per token.
+6. The batch-invariant mode (``batch_invariant=True``, :func:`batch_invariance`): on CUDA, kernel by
+   kernel (a row of the fixed-order Triton matmul alone and among 3-300 rows, cuBLAS's ``F.linear``
+   beside it; torch's row reductions of RMSNorm and the log-softmax alone and among 64 rows; a
+   query's attention bits in a prefill chunk and as a decode row, with the Triton backend's
+   fixed-order form and without it); then, where the engine accepts the mode, a request alone
+   against the same request in a batch of 64 (logprobs, bit for bit) and the trainer's forward
+   under ``acb.runner.batch_invariant.enabled(model)`` against the engine's logprobs. Where the
+   engine refuses the mode, the reason is recorded.
 
 Prints a short table last and writes everything, with the device named, to ``--json``. Each
 section records its error instead of stopping the others.
@@ -319,6 +327,152 @@ def decode_steps(
     return rows
 
 
+def _same_row(fn: Any, x0: torch.Tensor, rows: tuple[int, ...], seed: int = 0) -> dict[str, Any]:
+    """``fn`` of row ``x0`` alone against the same row among ``m`` random rows (at ``m // 2``), each
+    ``m`` in ``rows``: all bits equal, and the largest difference."""
+    g = torch.Generator(device=x0.device).manual_seed(seed)
+    alone = fn(x0[None])[0]
+    worst = 0.0
+    equal = True
+    for m in rows:
+        x = torch.randn(m, x0.shape[0], generator=g, device=x0.device).to(x0.dtype)
+        x[m // 2] = x0
+        row = fn(x)[m // 2]
+        equal &= bool(torch.equal(row, alone))
+        worst = max(worst, float((row.float() - alone.float()).abs().max()))
+    return {"bits_equal": equal, "max_abs_diff": worst}
+
+
+def _attention_bits(fixed_order: bool) -> bool:
+    """A query's attention output (bf16, one layer: 32/8 heads of 128, 16-token pages) in a mixed step
+    (its chunk of 4 after 1000 cached tokens, among a decode row and another chunk) against the same
+    query as a decode row alone: equal bits?"""
+    from acb.runner.attention import AttentionCall, BatchInputs, StepContext
+    from acb.runner.attention.triton_backend import TritonBackend
+    from acb.runner.kv_cache import KVCache, KVSpec
+
+    bs, hkv, heads, d, nb, dev = 16, 8, 32, 128, 256, torch.device(DEVICE)
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache = KVCache(KVSpec.uniform(1, hkv, d, torch.bfloat16), nb, bs, dev)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g, device=dev))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g, device=dev))
+    rows = torch.randperm(nb - 1, device=dev)[:192].view(3, 64) + 1
+    backend = TritonBackend(fixed_order=fixed_order)
+    call = AttentionCall(scaling=d**-0.5)
+
+    def step(seqs: list[int], num_new: list[int], start: list[int], q: torch.Tensor) -> torch.Tensor:
+        bt = rows[seqs]
+        pos = torch.cat([torch.arange(a, a + n) for a, n in zip(start, num_new)]).to(dev)
+        seq_of = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(num_new, device=dev))
+        slots = bt[seq_of, pos // bs] * bs + pos % bs
+        lens = [a + n for a, n in zip(start, num_new)]
+        qsl = [0]
+        for n in num_new:
+            qsl.append(qsl[-1] + n)
+        batch = BatchInputs(
+            slots, bt, torch.tensor(lens, device=dev), torch.tensor(qsl, device=dev), num_new, start, max(lens)
+        )
+        k = cache.k[0].flatten(0, 1)[slots][None].transpose(1, 2)
+        v = cache.v[0].flatten(0, 1)[slots][None].transpose(1, 2)
+        ctx = StepContext(cache, backend, backend.build_metadata(batch, bs))
+        return backend.forward(0, q[None].transpose(1, 2), k, v, ctx, call)[0]
+
+    q = torch.randn(8, heads, d, generator=g, device=dev).to(torch.bfloat16)
+    mixed = step([1, 0, 2], [1, 4, 3], [500, 1000, 7], q)[1:5]
+    alone = step([0], [1], [1003], q[4:5])[0]
+    return bool(torch.equal(alone, mixed[3]))
+
+
+def batch_invariance(shape: dict[str, Any]) -> dict[str, Any]:
+    """Section 6 (see the module's docstring)."""
+    import acb
+    from acb.runner import batch_invariant as bi
+
+    out: dict[str, Any] = {}
+    hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    if DEVICE == "cuda":
+        import torch.nn.functional as F
+
+        from acb.runner import batch_invariant_kernels as bk
+
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        rows = (3, 17, 64, 300)
+        for name, (k, n) in {"mlp up": (hidden, inter), "lm head": (hidden, vocab)}.items():
+            w = (torch.randn(n, k, generator=g, device=DEVICE) * k**-0.5).to(torch.bfloat16)
+            x0 = torch.randn(k, generator=g, device=DEVICE).to(torch.bfloat16)
+            out[f"matmul {name} {k}->{n}"] = {
+                "invariant": _same_row(lambda x, w=w: bk.matmul(x, w), x0, rows),
+                "cublas F.linear": _same_row(lambda x, w=w: F.linear(x, w), x0, rows),
+                "max_abs_diff_vs_cublas": float((bk.matmul(x0[None], w) - F.linear(x0[None], w)).abs().max()),
+            }
+            times = {}
+            for m in (1, 64, 1024):
+                x = torch.randn(m, k, generator=g, device=DEVICE).to(torch.bfloat16)
+                for label, fn in (("invariant", bk.matmul), ("cublas", F.linear)):
+                    fn(x, w)
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        fn(x, w)
+                    sync()
+                    times[f"{label} M={m} ms"] = (time.perf_counter() - t0) / 20 * 1e3
+            out[f"matmul {name} {k}->{n}"]["time"] = times
+        x0 = torch.randn(hidden, generator=g, device=DEVICE).to(torch.bfloat16)
+        out["torch rmsnorm mean (fp32) over hidden"] = _same_row(
+            lambda x: x.float().pow(2).mean(-1, keepdim=True), x0, (2, 3, 64, 300)
+        )
+        l0 = torch.randn(vocab, generator=g, device=DEVICE)
+        out["torch log_softmax (fp32) over vocab"] = _same_row(lambda x: torch.log_softmax(x, -1), l0, (2, 3, 64))
+        out["attention: prefill == decode bits, fixed order"] = _attention_bits(True)
+        out["attention: prefill == decode bits, default"] = _attention_bits(False)
+        free_memory()
+    # the engine in the mode: a request alone against it in a batch of 64, and the trainer's forward
+    model = build(shape)
+    vocab_ids = min(vocab, 32000)
+    g = torch.Generator().manual_seed(2)
+    target = torch.randint(3, vocab_ids, (37,), generator=g).tolist()
+    others = [
+        torch.randint(3, vocab_ids, (int(n),), generator=g).tolist() for n in torch.randint(5, 200, (63,), generator=g)
+    ]
+    new = 8 if DEVICE == "cpu" else 32
+
+    def sp(seed: int) -> Any:
+        return acb.SamplingParams(
+            max_new_tokens=new, ignore_eos=True, temperature=0.9, top_k=0, top_p=1.0, seed=seed,
+            logprobs=0, logprobs_mode="processed",
+        )  # fmt: skip
+
+    def run(m: Any, prompts: list[list[int]]) -> list[Any]:
+        with acb.Engine(m, acb.ContinuousBatchingConfig(page_size=16, batch_invariant=True)) as eng:
+            eng.pause()
+            hs = [eng.submit(p, sp(7 if i == 0 else 100 + i)) for i, p in enumerate(prompts)]
+            eng.resume()
+            return [h.result() for h in hs]
+
+    try:
+        alone = run(model, [target])[0]
+    except ValueError as exc:  # the engine refuses the mode here: say why
+        out["engine"] = f"refused: {exc}"
+        return out
+    batch = run(model, [target, *others])[0]
+    out["engine: alone == in a batch of 64"] = bool(
+        alone.generated_tokens == batch.generated_tokens and alone.logprobs == batch.logprobs
+    )
+    ids = torch.tensor([target + alone.generated_tokens], device=DEVICE)
+    try:
+        with torch.no_grad(), bi.enabled(model):
+            logits = model(input_ids=ids).logits[0, len(target) - 1 : -1]
+        trainer = bi.token_logprobs(logits, alone.generated_tokens, 0.9).cpu()
+        engine = torch.tensor(alone.logprobs, dtype=trainer.dtype)
+        out["trainer under enabled(model) == engine"] = bool(torch.equal(trainer, engine))
+        out["trainer max_abs_diff"] = float((trainer - engine).abs().max())
+    except ValueError as exc:
+        out["trainer"] = f"refused: {exc}"
+    del model
+    free_memory()
+    return out
+
+
 JSON_PATH = ""  # set by main(); every section is written as soon as it ends
 
 
@@ -508,6 +662,7 @@ def main() -> int:
                 None,
                 {"mla_latent_cache": latent},
             )
+    section(results, "batch invariance A", batch_invariance, shapes["A: Qwen3-0.6B"])
     save(results)
     print(
         f"\ndevice: {results['machine'].get('gpu') or DEVICE}  torch {results['machine']['torch']}  "
@@ -539,6 +694,8 @@ def main() -> int:
                 )
         elif isinstance(r, dict) and "error" in r:
             print(f"{key}: ERROR {r['error']}")
+        elif key.startswith("batch invariance"):
+            print(f"{key}: {json.dumps(r, default=str)[:1500]}")
     print(f"wrote {json_path}")
     return 0
 

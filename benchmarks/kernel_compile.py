@@ -13,6 +13,11 @@ slots, and the same kernels per row inside a decode graph) are driven through ``
 way ``acb.runner.lora``'s interception calls it, for target linears of the benchmarked models'
 shapes (:class:`LoraCase`).
 
+The batch-invariant mode's kernels: its fixed-order matmul (``acb.runner.batch_invariant_kernels``,
+every linear and the LM head on CUDA) for the benchmarked models' linear shapes at several row
+counts (:class:`MatmulCase`; one specialisation whatever the row count), and the Triton backend's
+fixed-order attention (``TritonBackend(fixed_order=True)``: step kind ``"fixed"``).
+
 What it catches without a GPU: kernels that do not lower for the real target (the interpreter
 accepts things that the compiler rejects: ``tl.dot`` shapes and dtypes, layouts), shared memory
 over the architecture's per-block limit, and register spills. It says nothing about speed.
@@ -67,7 +72,9 @@ class Case:
     dtype: str
     heads: int
     kv_heads: int
-    step: str  # "decode" (one split), "decode_split" (split-K + reduction), "mixed" (prefill + decode rows), "prefill"
+    # "decode" (one split), "decode_split" (split-K + reduction), "mixed" (prefill + decode rows), "prefill",
+    # "fixed" (a mixed step in the batch-invariant mode: every query through the decode kernel, one split)
+    step: str
     window: int | None = None
     softcap: float | None = None
     # an MLA layer paged as its latent of this rank (acb.runner.latent): head_dim is the latent's width
@@ -90,6 +97,36 @@ class LoraCase:
     max_rank: int
     form: str
     max_loras: int = 4
+
+
+@dataclass(frozen=True)
+class MatmulCase:
+    """The batch-invariant mode's linear (``acb.runner.batch_invariant_kernels.matmul``): the
+    linear's shape, the dtype and the step's row count."""
+
+    in_features: int
+    out_features: int
+    dtype: str
+    rows: int
+
+
+def matmul_cases(quick: bool) -> list[MatmulCase]:
+    """Llama-3.1-8B's q/o, gate/up and down projections and its LM head (4096 -> 128256) in bf16, at
+    1, 17 and 300 rows; Qwen3-0.6B's q (1024 -> 2048) in fp16 and fp32. ``quick``: one row count
+    for the large shapes."""
+    rows = (1,) if quick else (1, 17, 300)
+    shapes = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256))
+    out = [MatmulCase(i, o, "bf16", m) for (i, o), m in itertools.product(shapes, rows)]
+    out += [MatmulCase(1024, 2048, dt, m) for dt, m in itertools.product(("fp16", "fp32"), (1, 64))]
+    return out
+
+
+def _matmul_step(case: MatmulCase) -> None:
+    from acb.runner import batch_invariant_kernels as bk
+
+    dtype = DTYPES[case.dtype]
+    x = torch.zeros(case.rows, case.in_features, dtype=dtype)
+    bk.matmul(x, torch.zeros(case.out_features, case.in_features, dtype=dtype))
 
 
 class _TargetDriver:
@@ -123,6 +160,7 @@ def cases(quick: bool) -> list[Case]:
         # DeepSeek V3's latent (512 + 64), 16 heads: the latent kernel (B3; "mixed" also runs the
         # prefill kernel over the expanded latent, B1)
         out += [Case(576, "bf16", 16, 1, s, latent=512) for s in ("decode", "decode_split", "mixed")]
+        out += [Case(128, "bf16", 32, 8, "fixed"), Case(80, "fp32", 4, 4, "fixed")]  # the batch-invariant mode
         return out
     out = []
     for hd, dt, (h, kv), s in itertools.product((64, 80, 96, 128, 256), DTYPES, ((8, 8), (16, 4)), steps):
@@ -132,6 +170,7 @@ def cases(quick: bool) -> list[Case]:
         out.append(Case(hd, "bf16", 16, 4, s, softcap=50.0))
     for dt, h, s in itertools.product(DTYPES, (16, 128), ("decode", "decode_split", "mixed")):
         out.append(Case(576, dt, h, 1, s, latent=512))
+    out += [Case(hd, dt, 16, 4, "fixed") for hd, dt in itertools.product((64, 128, 256), DTYPES)]
     return out
 
 
@@ -213,7 +252,6 @@ def _step(
     """One layer of one step through ``TritonBackend.forward``, with inputs laid out as the engine
     builds them: the block table gathered to the step's width, the model's projection views."""
     from acb.runner.attention import AttentionCall, BatchInputs, StepContext
-    from acb.runner.attention.triton_backend import metadata_for
 
     lens = [s + n for s, n in zip(start, num_new)]
     qsl = [0]
@@ -229,7 +267,7 @@ def _step(
         start_pos=start,
         max_seq_len=max(lens),
     )
-    md = metadata_for(batch)
+    md = backend.step_metadata(batch)
     md.num_splits = num_splits
     dtype = DTYPES[case.dtype]
     # the model's layout: projections viewed as [1, T, H, D] and transposed to [1, H, T, D]
@@ -252,27 +290,32 @@ def _step(
         )
 
 
-def _drive(case: Case | LoraCase) -> None:
-    """Run one layer of ``case``'s step kind through the backend, or one LoRA update (nothing launches)."""
+def _drive(case: Case | LoraCase | MatmulCase) -> None:
+    """Run one layer of ``case``'s step kind through the backend, or one LoRA update, or one
+    batch-invariant matmul (nothing launches)."""
     from acb.runner.attention.triton_backend import TritonBackend
 
     if isinstance(case, LoraCase):
         _lora_step(case, [0, 1, 2, 1, 0, 3, 3, 3, 2, 0, 1, 4] * 3)
         return
+    if isinstance(case, MatmulCase):
+        _matmul_step(case)
+        return
 
     num_new, lens = {
         "mixed": ([1, 1, 7, 40], [300, 20, 30, 40]),
+        "fixed": ([1, 1, 7, 40], [300, 20, 30, 40]),
         "prefill": ([7, 40], [30, 300]),  # a fresh prompt and a chunk after cached context
     }.get(case.step, ([1, 1, 1], [300, 20, 400]))
     start = [n - q for n, q in zip(lens, num_new)]
     _step(
-        TritonBackend(),
+        TritonBackend(fixed_order=case.step == "fixed"),
         _cache(case, 64),
         case,
         num_new,
         start,
         torch.zeros(4, 32, dtype=torch.long),
-        num_splits=4 if case.step == "decode_split" else 1,
+        num_splits=4 if case.step == "decode_split" else 1 if case.step != "fixed" else None,
     )
 
 
@@ -305,6 +348,7 @@ def intercepted(arch: int):
     """Within the block, launches of acb's kernels compile and run nothing: each specialisation
     Triton would compile for ``sm_<arch>`` is recorded instead, in the dict yielded (identity ->
     (kernel, signature, constexprs, attrs, options, tag)); set ``tag[0]`` to label what follows."""
+    from acb.runner import batch_invariant_kernels as bk
     from acb.runner import lora_kernels as lk
     from acb.runner.attention import triton_kernels as tk
 
@@ -318,6 +362,7 @@ def intercepted(arch: int):
         tk._latent_decode_kernel,
         lk._shrink_kernel,
         lk._expand_kernel,
+        bk._matmul_kernel,
     )
     asked: dict[tuple, tuple] = {}
     tag: list = [None]
@@ -354,7 +399,7 @@ def intercepted(arch: int):
         driver.set_active(None)  # the real driver again, made on first use
 
 
-def specialisations(arch: int, todo: list[Case | LoraCase]) -> list[tuple]:
+def specialisations(arch: int, todo: list[Case | LoraCase | MatmulCase]) -> list[tuple]:
     """Every kernel specialisation that ``todo`` launches for ``sm_<arch>`` (entries of
     :func:`intercepted`'s dict), in the order they were asked for."""
     with intercepted(arch) as (asked, tag):
@@ -364,7 +409,7 @@ def specialisations(arch: int, todo: list[Case | LoraCase]) -> list[tuple]:
     return list(asked.values())
 
 
-def compile_cases(arch: int, todo: list[Case | LoraCase], jobs: int = 1) -> list[dict]:
+def compile_cases(arch: int, todo: list[Case | LoraCase | MatmulCase], jobs: int = 1) -> list[dict]:
     """Every kernel specialisation that ``todo`` launches, compiled for ``sm_<arch>`` (``jobs`` at a
     time); one record each, in the order they were asked for."""
     with ThreadPoolExecutor(max(1, jobs)) as pool:
@@ -415,7 +460,7 @@ def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0)
     forward). The sweep then sends random steps through ``TritonBackend.forward`` the way the
     engine builds them: batch sizes 1-48, decode-only, prefill-only and mixed, contexts up to
     4k tokens, the block table gathered to each step's width, split counts chosen per step or
-    fixed as in a graph. Returns the kernel names of specialisations first asked for in the
+    fixed as in a graph, some in the batch-invariant mode. Returns the kernel names of specialisations first asked for in the
     sweep (each would be a compile stall mid-serving); empty is the goal."""
     import random
 
@@ -433,6 +478,7 @@ def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0)
         )
         tag[0] = "sweep"
         backend = TritonBackend()
+        invariant = TritonBackend(fixed_order=True)  # the batch-invariant mode's steps
         for _ in range(steps):
             b = rng.randint(1, 48)
             kind = rng.choice(("decode", "prefill", "mixed"))
@@ -444,7 +490,9 @@ def mid_serving_compiles(arch: int, case: Case, steps: int = 150, seed: int = 0)
             if kind == "decode" and rng.random() < 0.5:  # a graph replay: the split count is fixed
                 splits = rng.choice(backend.graph_variants(b, case.kv_heads, 4096, torch.device("cpu")))
             rows = table[torch.randperm(64)[: min(b, 64)]]
-            _step(backend, cache, case, num_new, [rng.randint(0, 4000) for _ in range(b)], rows, splits)
+            mode = rng.random() < 0.2
+            start = [rng.randint(0, 4000) for _ in range(b)]
+            _step(invariant if mode else backend, cache, case, num_new, start, rows, None if mode else splits)
     return [entry[0].__name__.lstrip("_") for entry in asked.values() if entry[5] == "sweep"]
 
 
@@ -470,11 +518,44 @@ def lora_mid_serving_compiles(arch: int, case: LoraCase, steps: int = 60, seed: 
     return [entry[0].__name__.lstrip("_") for entry in asked.values() if entry[5] == "sweep"]
 
 
+def matmul_mid_serving_compiles(arch: int, case: MatmulCase, steps: int = 40, seed: int = 0) -> list[str]:
+    """The batch-invariant matmul's counterpart of :func:`mid_serving_compiles` for one linear's
+    shape and dtype: warm-up is one row; the sweep sends 1-600 rows, and rows of a wider buffer
+    (a strided view). Returns the kernel names first asked for in the sweep; empty is the goal
+    (the row count is not specialised: one compiled kernel, one arithmetic, for every batch)."""
+    import random
+
+    from acb.runner import batch_invariant_kernels as bk
+
+    rng = random.Random(seed)
+    dtype = DTYPES[case.dtype]
+    w = torch.zeros(case.out_features, case.in_features, dtype=dtype)
+    with intercepted(arch) as (asked, tag):
+        tag[0] = "warm-up"
+        bk.matmul(torch.zeros(1, case.in_features, dtype=dtype), w)
+        tag[0] = "sweep"
+        for _ in range(steps):
+            m = rng.randint(1, 600)
+            x = torch.zeros(m, case.in_features + rng.choice((0, 16)), dtype=dtype)[:, : case.in_features]
+            bk.matmul(x, w)
+    return [entry[0].__name__.lstrip("_") for entry in asked.values() if entry[5] == "sweep"]
+
+
 def _table(records: list[dict]) -> str:
     head = "| arch | kernel | dtype | head dim | H/Hkv | step | regs | spill B | shared KiB | mma | ok |"
     rows = [head, "|" + "---|" * 11]
     for r in records:
         c = r["case"]
+        if "rows" in c:  # a batch-invariant matmul: the linear's shape in the head-dim column
+            c = {
+                "dtype": c["dtype"],
+                "head_dim": f"{c['in_features']}->{c['out_features']}",
+                "heads": "M",
+                "kv_heads": c["rows"],
+                "step": "invariant matmul",
+                "window": None,
+                "softcap": None,
+            }
         if "form" in c:  # a LoRA case: the linear's shape in the head-dim column, the rank in H/Hkv's
             c = {
                 "dtype": c["dtype"],
@@ -513,7 +594,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     archs = args.arch or [90, 80]
-    todo: list[Case | LoraCase] = [*cases(args.quick), *lora_cases(args.quick)][: args.first]
+    todo: list[Case | LoraCase | MatmulCase] = [
+        *cases(args.quick),
+        *lora_cases(args.quick),
+        *matmul_cases(args.quick),
+    ][: args.first]
     t0 = time.perf_counter()
     # after warm-up, no step shape may need a new compile (one family per dtype/head-dim/flags)
     # (the latent cases are not swept: their B1 chunks' prefill kernel compiles at first use)
@@ -524,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     # (a LoRA family: a linear's shape, dtype and rank; both forms share its kernels)
     lora_families = {(c.in_features, c.out_features, c.dtype, c.max_rank): c for c in todo if isinstance(c, LoraCase)}
+    matmul_families = {(c.in_features, c.out_features, c.dtype): c for c in todo if isinstance(c, MatmulCase)}
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         # the compiles run in the pool while this thread sweeps the step shapes (Python work: the
         # compiler's passes and ptxas mostly run without the GIL)
@@ -536,6 +622,10 @@ def main(argv: list[str] | None = None) -> int:
         mid_serving |= {
             f"lora {c.dtype} {c.in_features}->{c.out_features} r{c.max_rank}": lora_mid_serving_compiles(archs[0], c)
             for c in ([] if args.skip_sweep else lora_families.values())
+        }
+        mid_serving |= {
+            f"invariant matmul {c.dtype} {c.in_features}->{c.out_features}": matmul_mid_serving_compiles(archs[0], c)
+            for c in ([] if args.skip_sweep else matmul_families.values())
         }
         records = [r for done in compiling for r in done]
     wall = time.perf_counter() - t0

@@ -159,6 +159,11 @@ class TritonBackend:
                 f"the 'triton' attention backend needs a CUDA device (got {device}); "
                 "on CPU set TRITON_INTERPRET=1 before importing triton, or use attn_backend='torch'"
             )
+        return self.step_metadata(batch)
+
+    def step_metadata(self, batch: BatchInputs) -> TritonMetadata:
+        """:func:`metadata_for`, with each query's block-table row and length in the mode."""
+        device = batch.slot_mapping.device
         md = metadata_for(batch)
         if self.fixed_order and md.has_prefill:
             qsl = batch.query_start_loc.to(torch.long)
