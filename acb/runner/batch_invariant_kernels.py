@@ -26,13 +26,27 @@ its own tiles and split-K by shape, which is what the mode avoids).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from acb.runner.attention.triton_kernels import interpreted
 
-__all__ = ["linear", "matmul", "DTYPES", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+__all__ = [
+    "linear",
+    "matmul",
+    "row_mean",
+    "FixedReductions",
+    "whole_sequence_attention",
+    "DTYPES",
+    "BLOCK_M",
+    "BLOCK_N",
+    "BLOCK_K",
+]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_M = 64
@@ -144,3 +158,106 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     shape = x.shape
     out = matmul(x.reshape(-1, shape[-1]), weight, bias)
     return out.reshape(*shape[:-1], weight.shape[0])
+
+
+# ---------------------------------------------------------------- row reductions (RMSNorm's mean)
+
+
+@triton.jit(do_not_specialize=["R", "stride_xr"])
+def _row_mean_kernel(x_ptr, out_ptr, R, N, stride_xr, stride_xn, BLOCK: tl.constexpr):
+    """One program per row: the row's elements summed in BLOCK-wide strips from 0 upwards into one
+    fp32 vector, then one fixed tree (``tl.sum``) and a division by N."""
+    r = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for n0 in range(0, N, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + r * stride_xr + n * stride_xn, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, tl.sum(acc, 0) / N)
+
+
+def row_mean(x: torch.Tensor, keepdim: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x.mean(-1, keepdim, dtype=dtype)`` with each row's bits its own: one program a row, the
+    strip width set by the row's length only. (torch's CUDA reduction picks its threads per row
+    from the tensor's shape, the row count included: ``ReduceConfig`` gives one row 512 threads
+    and 64 rows 32 each, so a row's sum is added in another order; RMSNorm's mean is one.)"""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _row_mean_kernel[(x2.shape[0],)](x2, out, x2.shape[0], n, *x2.stride(), BLOCK=block, num_warps=4)
+    elif x2.shape[0]:
+        out.fill_(float("nan"))
+    out = out.to(dtype or x.dtype).reshape(x.shape[:-1])
+    return out.unsqueeze(-1) if keepdim else out
+
+
+def _last_dim_only(dims: Any, ndim: int) -> bool:
+    if dims is None:
+        return False
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return len(dims) == 1 and dims[0] % max(ndim, 1) == ndim - 1
+
+
+class FixedReductions(TorchDispatchMode):
+    """While pushed (a torch dispatch mode: per thread), ``aten.mean.dim`` over a tensor's last dim
+    (RMSNorm's ``hidden.pow(2).mean(-1, keepdim=True)``, and qk-norms') runs :func:`row_mean` on
+    the tensors ``applies`` accepts (default: CUDA float tensors); every other op runs as it was.
+    Autograd is above the mode: a mean's backward is torch's own."""
+
+    def __init__(self, applies: Callable[[torch.Tensor], bool] | None = None) -> None:
+        super().__init__()
+        self.applies = applies or (lambda t: t.is_cuda)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.mean.dim:
+            x = args[0]
+            dims = args[1] if len(args) > 1 else kwargs.get("dim")
+            keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+            dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+            if x.dtype in DTYPES and x.dim() >= 1 and _last_dim_only(dims, x.dim()) and self.applies(x):
+                return row_mean(x, keepdim=keepdim, dtype=dtype)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- a trainer's attention over whole sequences
+
+
+def whole_sequence_attention(
+    query: torch.Tensor,  # [B, H, Q, D]: the last Q of each row's S positions
+    key: torch.Tensor,  # [B, KVH, S, D]
+    value: torch.Tensor,
+    pads: list[int],  # each row's left padding
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of whole (left-padded) sequences through the Triton decode kernel, one
+    query a program and one split, as the Triton backend's fixed-order form
+    (``TritonBackend(fixed_order=True)``) computes each query over an engine's paged cache: each
+    row's keys, from its first unpadded position, are one page of ``S`` positions, and a query at
+    position ``p`` (from that start) sees ``p + 1`` of them. Returns ``[B, Q, H, D]`` (queries on
+    padding: zeros)."""
+    from acb.runner.attention import triton_kernels as tk
+
+    b, h, q, d = query.shape
+    s = key.shape[2]
+    k = key.transpose(1, 2)  # [B, S, KVH, D]
+    v = value.transpose(1, 2)
+    if any(pads):  # each row's keys moved to start at page position 0
+        idx = torch.stack([(torch.arange(s, device=key.device) + p).clamp(max=s - 1) for p in pads])
+        idx = idx[:, :, None, None]
+        k = k.gather(1, idx.expand(-1, -1, *k.shape[2:]))
+        v = v.gather(1, idx.expand(-1, -1, *v.shape[2:]))
+    k = k.contiguous()
+    v = v.contiguous()
+    qt = query.transpose(1, 2).reshape(b * q, h, d)
+    rows = torch.arange(b, device=query.device).repeat_interleave(q)
+    qabs = torch.arange(s - q, s, device=query.device)  # each query's index among the keys
+    pad = torch.tensor(pads, device=query.device, dtype=torch.long)
+    lens = (qabs[None, :] - pad[:, None] + 1).clamp(min=0).reshape(-1)
+    out = tk.paged_decode_attention(qt, k, v, rows[:, None], lens, scale, window, softcap, 1, sinks=sinks, chunk=chunk)
+    return out.view(b, q, h, d)

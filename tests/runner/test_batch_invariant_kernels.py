@@ -163,3 +163,64 @@ def test_fixed_order_attention_gives_a_query_the_same_bits_in_prefill_and_decode
     assert torch.equal(alone, mixed[3])
     among = _step(mode, cache, call, rows3, [1, 1, 1], [30, 291, 11], torch.stack([other[5], x_q[1], other[6]]), bs)[1]
     assert torch.equal(among, mixed[1])
+
+
+# --- RMSNorm's mean, and a trainer's attention over whole sequences -------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_mean_row_bits_and_the_dispatch_mode(dtype):
+    """:func:`row_mean` gives a row its bits alone whatever else is in the call and is torch's mean
+    up to rounding; under :class:`FixedReductions` an RMSNorm's ``pow(2).mean(-1, keepdim=True)``
+    is it (other reductions are torch's)."""
+    g = torch.Generator().manual_seed(3)
+    n = 1500  # over one 1024-wide strip
+    x0 = _rand(1, n, g=g, dtype=dtype)
+    alone = bk.row_mean(x0.float().pow(2), keepdim=True)[0]
+    for m in ROWS:
+        x = _rand(m, n, g=g, dtype=dtype)
+        x[m // 2] = x0[0]
+        got = bk.row_mean(x.float().pow(2), keepdim=True)
+        assert torch.equal(got[m // 2], alone), m
+        torch.testing.assert_close(got, x.float().pow(2).mean(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    x = _rand(3, 5, n, g=g, dtype=dtype)
+    with bk.FixedReductions(lambda t: True):
+        rms = x.float().pow(2).mean(-1, keepdim=True)
+        plain = x.float().mean(0)  # not over the last dim: torch's
+        typed = x.mean(-1, dtype=torch.float32)
+    assert torch.equal(rms, bk.row_mean(x.float().pow(2), keepdim=True)) and rms.shape == (3, 5, 1)
+    assert torch.equal(plain, x.float().mean(0))
+    assert typed.dtype == torch.float32 and torch.equal(typed, bk.row_mean(x, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_sequence_attention_equals_the_engines_fixed_order_attention(dtype):
+    """A trainer's forward over whole (left-padded) sequences through
+    :func:`whole_sequence_attention` gives each query the bits the Triton backend's fixed-order
+    form gives it over an engine's paged cache (a prompt's chunk after its cached prefix)."""
+    from acb.runner.attention import AttentionCall
+    from acb.runner.attention.triton_backend import TritonBackend
+    from acb.runner.kv_cache import KVCache, KVSpec
+
+    bs, hkv, heads, d, nb, s, q = 16, 2, 4, 16, 16, 70, 5
+    g = torch.Generator().manual_seed(4)
+    pads = [0, 3]
+    key = _rand(2, hkv, s, d, g=g, dtype=dtype)
+    value = _rand(2, hkv, s, d, g=g, dtype=dtype)
+    query = _rand(2, heads, q, d, g=g, dtype=dtype)
+    sinks = _rand(heads, g=g, dtype=dtype)
+    whole = bk.whole_sequence_attention(query, key, value, pads, 0.25, softcap=4.0, window=40, sinks=sinks)
+    cache = KVCache(KVSpec.uniform(1, hkv, d, dtype), nb, bs, DEVICE)
+    call = AttentionCall(scaling=0.25, sliding_window=40, softcap=4.0, sinks=sinks)
+    mode = TritonBackend(fixed_order=True)
+    rows = [torch.arange(1, 6, device=DEVICE), torch.arange(6, 11, device=DEVICE)]
+    for r, pad in enumerate(pads):  # each row's tokens (from its first unpadded one) as a sequence's
+        n = s - pad
+        cache.k[0].flatten(0, 1)[(rows[r][:, None] * bs + torch.arange(bs, device=DEVICE)).reshape(-1)[:n]] = key[
+            r, :, pad:
+        ].transpose(0, 1)
+        cache.v[0].flatten(0, 1)[(rows[r][:, None] * bs + torch.arange(bs, device=DEVICE)).reshape(-1)[:n]] = value[
+            r, :, pad:
+        ].transpose(0, 1)
+        got = _step(mode, cache, call, [rows[r]], [q], [n - q], query[r].transpose(0, 1), bs)
+        assert torch.equal(got, whole[r]), r

@@ -65,6 +65,7 @@ def test_every_kernel_compiles_for_sm90(sm90):
         "latent_decode_kernel",  # an MLA layer's latent pages (DeepSeek V3's 512 + 64)
         "shrink_kernel",  # LoRA (acb.runner.lora_kernels), a step's runs and a decode graph's rows
         "expand_kernel",
+        "matmul_kernel",  # the batch-invariant mode's linear (acb.runner.batch_invariant_kernels)
     }
     for r in doc["records"]:
         assert r["registers"] > 0 and r["shared_bytes"] <= 227 * 1024
@@ -164,3 +165,25 @@ def test_lora_kernels_compile_in_both_forms_without_mid_serving_compiles(sm90):
         assert r["mma"] == ("none" if r["case"]["dtype"] == "fp32" else "mma.sync"), r
     late = {k: v for k, v in doc["mid_serving_compiles"].items() if k.startswith("lora ")}
     assert len(late) >= 3 and all(v == [] for v in late.values()), late
+
+
+def test_batch_invariant_kernels_compile_with_one_specialisation_for_every_row_count(sm90):
+    """The batch-invariant mode's matmul compiles for sm_90 in each dtype without spills (bf16/fp16
+    on Hopper's wgmma, fp32 in IEEE fp32), one specialisation per dtype for every linear shape and
+    row count (1 to 600 rows and strided rows ask for nothing new: one compiled kernel, so one
+    arithmetic, whatever the batch); the Triton backend's fixed-order steps need no kernel variant
+    of their own (and the sweep's fixed-order steps ask for nothing new either)."""
+    _, doc = sm90
+    assert doc is not None
+    mm = [r for r in doc["records"] if r["kernel"] == "matmul_kernel"]
+    assert sorted(r["case"]["dtype"] for r in mm) == ["bf16", "fp16", "fp32"]  # one per dtype
+    for r in mm:
+        assert r["ok"] and r["spill_bytes"] == 0, r
+        assert r["mma"] == ("none" if r["case"]["dtype"] == "fp32" else "wgmma"), r
+        assert "M" not in r["constexprs"], r
+    late = {k: v for k, v in doc["mid_serving_compiles"].items() if k.startswith("invariant matmul")}
+    assert len(late) >= 4 and all(v == [] for v in late.values()), late
+    # the backend's fixed-order steps (every query through the decode kernel, one split) ran and
+    # asked for no specialisation of their own: the one-split decode kernel's, compiled for "decode"
+    assert not [r for r in doc["records"] if r["case"].get("step") == "fixed"]
+    assert any(r["constexprs"].get("SINGLE_SPLIT") and not r["constexprs"].get("HAS_QSL") for r in doc["records"])
