@@ -66,6 +66,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from acb.runner.batch_invariant_flag import is_on
 from acb.runner.intercept import Interception, code_names
 from acb.runner.step import CURRENT, entered
 
@@ -573,7 +574,7 @@ class Batches(NamedTuple):
 
 # layer class -> (which batched calls give a call per segment's bits, the forward's mask
 # arguments), found by batches_prefill's try
-_BATCHES: dict[type, tuple[Batches, tuple[str, ...]]] = {}
+_BATCHES: dict[tuple[type, bool], tuple[Batches, tuple[str, ...]]] = {}
 # resumed segments of up to this many tokens (a scoring request's continuation after its context's
 # state, a prefix hit's short rest) are stepped through in the layer's decode form, every row of a
 # length together: a chunked form pads each row to its chunk (64 tokens for the gated delta rule,
@@ -831,7 +832,7 @@ def _states_match(a: LinearStates, b: LinearStates, layer: int, rows: int, match
     return True
 
 
-def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> Batches:
+def batches_prefill(layer: torch.nn.Module, hidden_size: int, exact: bool = False) -> Batches:
     """Whether one call of ``layer`` over several requests' prefill segments gives what one call per
     segment gives, for three groups: segments that start with no state, of different lengths,
     left-padded (pads zeroed and masked with the forward's own padding mask, as model.generate
@@ -850,8 +851,9 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> Batches:
     than a batch of one (measured on the gated delta rule: two 6-token prompts, or two 39-token
     ones, differ from a call each; two 8-token ones happen not to). Resumed segments are held to float
     rounding: a call each does not give the whole prompt's bits there either (the split moves the
-    chunk boundaries)."""
+    chunk boundaries). ``exact`` (the batch-invariant mode) holds all three to the bit."""
     cls = type(layer)
+    near = _bitwise if exact else _close
     t = _Scratch.of(layer, 27, hidden_size)
     if t is None:
         return Batches(False, False, False)
@@ -907,7 +909,7 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> Batches:
             held, stepping = copy(ref), copy(ref)
             want = alone(ref, resumed)
             got = together(held, resumed, False, False)
-            equal = same(want, got, resumed, _close) and _states_match(held, ref, idx, 3)
+            equal = same(want, got, resumed, near) and _states_match(held, ref, idx, 3, near)
             # the whole sequences (first segment, then the resumed one) in one call each
             whole = t.states(3)
             wants = []
@@ -918,7 +920,7 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> Batches:
                 else:
                     wants.append(out[:, a - b :])
             got = together(stepping, resumed, False, True)
-            stepped = same(wants, got, resumed, _close) and _states_match(stepping, whole, idx, 2)
+            stepped = same(wants, got, resumed, near) and _states_match(stepping, whole, idx, 2, near)
     except Exception:  # noqa: BLE001 - a layer that cannot run the try alone: a call per segment, to be safe
         return Batches(False, False, False)
     return Batches(padded, equal, stepped)
@@ -926,11 +928,12 @@ def batches_prefill(layer: torch.nn.Module, hidden_size: int) -> Batches:
 
 def _batches(layer: torch.nn.Module, hidden_size: int) -> tuple[Batches, tuple[str, ...]]:
     """:func:`batches_prefill`'s answer for the layer's class (tried at its first use), and its
-    forward's mask arguments."""
+    forward's mask arguments; in the batch-invariant mode, tried apart and held to the bit."""
     cls = type(layer)
-    known = _BATCHES.get(cls)
+    exact = is_on()
+    known = _BATCHES.get((cls, exact))
     if known is None:
-        known = _BATCHES[cls] = (batches_prefill(layer, hidden_size), _mask_args(cls))
+        known = _BATCHES[(cls, exact)] = (batches_prefill(layer, hidden_size, exact), _mask_args(cls))
     return known
 
 

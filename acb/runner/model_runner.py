@@ -214,6 +214,9 @@ class ModelRunner:
             if self.cfg.attn_backend != "cpu":
                 raise ValueError("batch_invariant=True: acb's CPU attention kernel failed its start-up check here")
             self.backend.fixed_order = True  # type: ignore[attr-defined]
+            from acb.runner.batch_invariant_families import install
+
+            install(self.model)  # the state layers' fixed forms (acb.runner.batch_invariant_families)
         self._graphs_requested = decode_graph_flag(config.use_cuda_graph)
         self.cfg = dataclasses.replace(
             self.cfg,

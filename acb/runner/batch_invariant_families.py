@@ -1,0 +1,235 @@
+"""The batch-invariant mode (:mod:`acb.runner.batch_invariant`) for families beyond dense attention:
+what in each makes a request's bits depend on the rest of its step, and the fixed form the mode
+runs instead, in the engine and in a trainer's forward under ``enabled(model)`` alike.
+
+**Gated delta rule state layers** (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: the model's own
+``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` / ``causal_conv1d_*``).
+The chunked form splits a call's tokens into 64-token chunks from the call's first token and
+sums within a chunk by batched products and triangular solves: a token's bits follow where the
+chunk boundaries fall, which the token budget (chunked prefill), a prefix hit's restore point or a
+trainer's whole-sequence call (left padding included) sets, and the batched solves' order follows
+the call's rows. In the mode every multi-token call runs the model's own recurrent form instead
+(one token at a time, element-wise products and a reduction over the key dimension per state
+element: the order per token is fixed by the token's own inputs and the state before it, so a
+prompt computed whole, in chunks, after a prefix hit's snapshot, or in a trainer's batch gives the
+same bits; a left pad's zeroed input leaves a zero state exactly zero). The causal convolution
+runs one fixed form too (the kernel's taps in order, element-wise: the whole-sequence form and
+the decode form's window give each output the same sums; torch's depthwise ``conv1d`` picks its
+kernel by shape). Both are installed over the model's module functions (:func:`install`) and
+route to the fixed form on a thread with the mode on, to the model's own elsewhere.
+
+**Transcendental element-wise ops** (sigmoid, exp, softplus, SiLU, tanh, log) in those layers.
+torch computes a contiguous tensor's elements in vector blocks (Sleef) and its last ``numel mod
+2 * lanes`` elements in a scalar loop (libm), whose last bits differ: a token's ``beta =
+sigmoid(b)`` (4 values a token, measured) took the other path as the call's length moved it into
+the tail. Within a covered state layer's forward the mode computes these ops through a strided
+view (:func:`scalar_path`), which torch runs element by element in the scalar loop: every element
+the same function whatever its position, the call's length, the batch or the threads. (Dense
+models' activations sit on rows whose length is a multiple of the vector block; the division,
+products, sums and rsqrt are correctly rounded in both paths.)
+
+Other state layers (Mamba/Mamba2's selective scans: Mamba, Falcon-Mamba, Jamba, Nemotron-H;
+MiniMax's lightning attention; LFM's short convolution, Kimi's delta attention) have no such
+form installed: :func:`uncovered_state_layer` names them and the mode refuses them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from acb.runner.batch_invariant_flag import is_on
+
+# the model-module functions the mode replaces, by name: the gated delta rule's
+_CHUNK = "torch_chunk_gated_delta_rule"
+_RECURRENT = "torch_recurrent_gated_delta_rule"
+_CONV_FN = "causal_conv1d_fn"
+_CONV_UPDATE = "causal_conv1d_update"
+
+_LOCK = threading.Lock()
+_INSTALLED: set[str] = set()  # module names whose functions are routed
+
+
+def _on() -> bool:
+    return is_on()
+
+
+def _act(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[activation](x)
+
+
+def fixed_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
+    """The depthwise causal convolution of ``x`` ``[B, C, L]`` (its first ``K - 1`` columns the
+    left context: zeros or a kept state) with ``weight`` ``[C, K]``: ``L - K + 1`` outputs, each the
+    taps summed in order (element-wise, no fused products), so an output's bits depend on its K
+    inputs only."""
+    k = weight.shape[-1]
+    n = x.shape[-1] - k + 1
+    w = weight.to(x.dtype)
+    acc = x[..., 0:n] * w[:, 0:1]
+    for j in range(1, k):
+        acc = acc + x[..., j : j + n] * w[:, j : j + 1]
+    if bias is not None:
+        acc = acc + bias.to(acc.dtype)[:, None]
+    return _act(acc, activation)
+
+
+def _conv_fn(original: Callable[..., Any]) -> Callable[..., Any]:
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):  # type: ignore[no-untyped-def]
+        if not _on() or hidden_states.device.type != "cpu":
+            return original(hidden_states, weight, bias=bias, activation=activation, **kwargs)
+        dtype = hidden_states.dtype
+        x = F.pad(hidden_states.to(weight.dtype), (weight.shape[-1] - 1, 0))
+        return fixed_conv(x, weight, bias, activation).to(dtype)
+
+    causal_conv1d_fn.acb_fixed = True  # type: ignore[attr-defined]
+    return causal_conv1d_fn
+
+
+def _conv_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):  # type: ignore[no-untyped-def]
+        if not _on() or hidden_states.device.type != "cpu":
+            return original(hidden_states, conv_state, weight, bias, activation, **kwargs)
+        seq_len = hidden_states.shape[-1]
+        full = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)
+        conv_state.copy_(full[:, :, -conv_state.shape[-1] :])
+        k = weight.shape[-1]
+        out = fixed_conv(full[:, :, -(seq_len + k - 1) :], weight, bias, activation)
+        return out.to(hidden_states.dtype)
+
+    causal_conv1d_update.acb_fixed = True  # type: ignore[attr-defined]
+    return causal_conv1d_update
+
+
+def _chunk(original: Callable[..., Any], recurrent: Callable[..., Any]) -> Callable[..., Any]:
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, **kwargs):  # type: ignore[no-untyped-def]
+        if not _on() or query.device.type != "cpu":
+            return original(query, key, value, g, beta, chunk_size, initial_state, **kwargs)
+        kwargs.pop("cu_seqlens", None)
+        return recurrent(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
+
+    torch_chunk_gated_delta_rule.acb_fixed = True  # type: ignore[attr-defined]
+    return torch_chunk_gated_delta_rule
+
+
+_SCALAR_FUNCS = {
+    torch.sigmoid,
+    torch.Tensor.sigmoid,
+    torch.exp,
+    torch.Tensor.exp,
+    torch.tanh,
+    torch.Tensor.tanh,
+    torch.log,
+    torch.Tensor.log,
+    torch.log1p,
+    torch.expm1,
+    F.softplus,
+    F.silu,
+    F.sigmoid,
+}
+
+
+def scalar_path(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(x, ...)`` with every element computed by torch's scalar loop: ``x`` copied into the
+    even columns of a twice-as-wide buffer, whose stride-2 view torch cannot vectorize
+    (differentiable)."""
+    wide = torch.stack([x, torch.zeros_like(x)], dim=-1)
+    return fn(wide[..., 0], *args, **kwargs)
+
+
+class _ScalarPath(torch.overrides.TorchFunctionMode):
+    """:data:`_SCALAR_FUNCS` on float32 CPU tensors through :func:`scalar_path`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _SCALAR_FUNCS and args:
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+                return scalar_path(func, x, *args[1:], **kwargs)  # (the mode is off inside its handler)
+        return func(*args, **kwargs)
+
+
+_TLS = threading.local()  # .modes: the scalar-path modes entered by the hooks, innermost last
+
+
+def _pre_hook(module: torch.nn.Module, args: Any) -> None:
+    stack = getattr(_TLS, "modes", None)
+    if stack is None:
+        stack = _TLS.modes = []
+    if _on():
+        mode = _ScalarPath()
+        mode.__enter__()
+        stack.append(mode)
+    else:
+        stack.append(None)
+
+
+def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+    mode = _TLS.modes.pop()
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+def _module_of(cls: type) -> Any:
+    return sys.modules.get(cls.__module__)
+
+
+def covered_state_layer(cls: type) -> bool:
+    """Whether the mode has a fixed form for the state layer class ``cls``: its model module defines
+    the gated delta rule's chunked and recurrent forms and the causal convolution's two."""
+    mod = _module_of(cls)
+    return mod is not None and all(
+        callable(getattr(mod, name, None)) for name in (_CHUNK, _RECURRENT, _CONV_FN, _CONV_UPDATE)
+    )
+
+
+def uncovered_state_layer(model: torch.nn.Module) -> str | None:
+    """The first state layer class of ``model`` the mode has no fixed form for (its name), else None."""
+    from acb.runner.linear_state import linear_layers
+
+    for layer in linear_layers(model):
+        if not covered_state_layer(type(layer)):
+            return type(layer).__name__
+    return None
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route the model's state layers' functions to the fixed forms on threads with the mode on
+    (once per model module; idempotent; elsewhere the model's own run, unchanged)."""
+    from acb.runner.linear_state import linear_layers
+
+    for layer in linear_layers(model):
+        cls = type(layer)
+        if not covered_state_layer(cls):
+            continue
+        if not getattr(layer, "_acb_scalar_path", False):  # the layer's own element-wise ops
+            layer.register_forward_pre_hook(_pre_hook)
+            layer.register_forward_hook(_post_hook, always_call=True)
+            layer._acb_scalar_path = True
+        mod = _module_of(cls)
+        with _LOCK:
+            if mod.__name__ in _INSTALLED:
+                continue
+            recurrent = getattr(mod, _RECURRENT)
+            for name, wrap in (
+                (_CHUNK, lambda f, r=recurrent: _chunk(f, r)),
+                (_CONV_FN, _conv_fn),
+                (_CONV_UPDATE, _conv_update),
+            ):
+                own = getattr(mod, name)
+                if not getattr(own, "acb_fixed", False):
+                    setattr(mod, name, wrap(own))
+            _INSTALLED.add(mod.__name__)
