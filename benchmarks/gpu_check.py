@@ -421,6 +421,9 @@ def batch_invariance(shape: dict[str, Any]) -> dict[str, Any]:
         out["torch rmsnorm mean (fp32) over hidden"] = _same_row(
             lambda x: x.float().pow(2).mean(-1, keepdim=True), x0, (2, 3, 64, 300)
         )
+        out["invariant row_mean (fp32) over hidden"] = _same_row(
+            lambda x: bk.row_mean(x.float().pow(2), keepdim=True), x0, (2, 3, 64, 300)
+        )
         l0 = torch.randn(vocab, generator=g, device=DEVICE)
         out["torch log_softmax (fp32) over vocab"] = _same_row(lambda x: torch.log_softmax(x, -1), l0, (2, 3, 64))
         out["attention: prefill == decode bits, fixed order"] = _attention_bits(True)

@@ -14,8 +14,9 @@ way ``acb.runner.lora``'s interception calls it, for target linears of the bench
 shapes (:class:`LoraCase`).
 
 The batch-invariant mode's kernels: its fixed-order matmul (``acb.runner.batch_invariant_kernels``,
-every linear and the LM head on CUDA) for the benchmarked models' linear shapes at several row
-counts (:class:`MatmulCase`; one specialisation whatever the row count), and the Triton backend's
+every linear and the LM head on CUDA) and its row mean (RMSNorm's) for the benchmarked models'
+linear shapes at several row counts (:class:`MatmulCase`; one specialisation whatever the row
+count), and the Triton backend's
 fixed-order attention (``TritonBackend(fixed_order=True)``: step kind ``"fixed"``).
 
 What it catches without a GPU: kernels that do not lower for the real target (the interpreter
@@ -127,6 +128,7 @@ def _matmul_step(case: MatmulCase) -> None:
     dtype = DTYPES[case.dtype]
     x = torch.zeros(case.rows, case.in_features, dtype=dtype)
     bk.matmul(x, torch.zeros(case.out_features, case.in_features, dtype=dtype))
+    bk.row_mean(x.float(), keepdim=True)  # the RMSNorm's mean before such a linear
 
 
 class _TargetDriver:
@@ -363,6 +365,7 @@ def intercepted(arch: int):
         lk._shrink_kernel,
         lk._expand_kernel,
         bk._matmul_kernel,
+        bk._row_mean_kernel,
     )
     asked: dict[tuple, tuple] = {}
     tag: list = [None]

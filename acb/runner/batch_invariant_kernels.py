@@ -22,6 +22,16 @@ Why a row's bits do not depend on the row count, its position or the other rows:
 
 The result equals ``torch.nn.functional.linear`` up to rounding (not bit for bit: cuBLAS picks
 its own tiles and split-K by shape, which is what the mode avoids).
+
+Also here, for the rest of a forward on CUDA:
+
+- :func:`row_mean` and :class:`FixedReductions`: RMSNorm's mean over the hidden size, one program a
+  row (torch's CUDA reduction lays out a row's sum by the tensor's shape, the row count included).
+- :func:`whole_sequence_attention`: a trainer's forward over whole sequences through the decode
+  kernel with one split, one query a program: the bits ``TritonBackend(fixed_order=True)`` gives
+  each query over an engine's paged cache.
+
+Not yet selected by the engine on CUDA (``acb.runner.batch_invariant.refusal`` says so).
 """
 
 from __future__ import annotations
