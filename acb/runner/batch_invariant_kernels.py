@@ -219,7 +219,7 @@ class FixedReductions(TorchDispatchMode):
         super().__init__()
         self.applies = applies or (lambda t: t.is_cuda)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.mean.dim:
             x = args[0]
