@@ -163,31 +163,43 @@ class TransferGroup:
         self.start_broadcast(flat).wait()
 
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
-        """Rank 0: broadcast ``tensors`` in buckets, pipelined: bucket k+1 is packed while bucket
-        k is on the wire. A bucket of one contiguous tensor on the group's device is sent as it
-        is (the root's buffer is only read); the others are packed into two buffers that
-        alternate (on CPU kept for the group's life: a fresh buffer costs its page faults on
-        every push; on CUDA fresh ones, which the caching allocator reuses)."""
+        """Rank 0: broadcast ``tensors`` in buckets, pipelined: a packing thread packs bucket k+1
+        while bucket k is on the wire, and two buckets are in flight at most. A bucket of one
+        contiguous tensor on the group's device is sent as it is (the root's buffer is only
+        read); the others are packed into two buffers that alternate (on CPU kept for the
+        group's life: a fresh buffer costs its page faults on every push; on CUDA fresh ones,
+        which the caching allocator reuses). The packing thread copies with one intra-op thread:
+        a copy is bound by memory, not cores, and it leaves the caller's threads to the caller."""
+        from concurrent.futures import ThreadPoolExecutor
+
         sizes = [nbytes(t.shape, t.dtype) for t in tensors]
-        in_flight: list[Any] = []  # the works on the wire: at most two
-        packed = 0
-        for b in buckets([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes):
-            if len(in_flight) == 2:  # (bucket k-1 ends before bucket k+1 is packed: its buffer is free)
-                in_flight.pop(0).wait()
+        plan = buckets([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes)
+        packed = [0]
+
+        def pack(b: range) -> torch.Tensor:
             first = tensors[b[0]].detach()
             if len(b) == 1 and first.device == self.device and first.is_contiguous():
-                flat = first.reshape(-1).view(torch.uint8)
-            else:
-                flat = self._packing_buffer(packed % 2, sum(sizes[i] for i in b))
-                packed += 1
-                at = 0
-                for i in b:
-                    t = tensors[i].detach()
-                    flat[at : at + sizes[i]].view(t.dtype).view(t.shape).copy_(t)
-                    at += sizes[i]
-            in_flight.append(self.start_broadcast(flat))
-        for work in in_flight:
-            work.wait()
+                return first.reshape(-1).view(torch.uint8)
+            flat = self._packing_buffer(packed[0] % 2, sum(sizes[i] for i in b))
+            packed[0] += 1
+            at = 0
+            for i in b:
+                t = tensors[i].detach()
+                flat[at : at + sizes[i]].view(t.dtype).view(t.shape).copy_(t)
+                at += sizes[i]
+            return flat
+
+        in_flight: list[Any] = []
+        with ThreadPoolExecutor(1, "acb-pack", initializer=torch.set_num_threads, initargs=(1,)) as packer:
+            next_flat = packer.submit(pack, plan[0]) if plan else None
+            for k in range(len(plan)):
+                assert next_flat is not None
+                in_flight.append(self.start_broadcast(next_flat.result()))
+                if len(in_flight) == 2:  # (bucket k-1 ends before bucket k+1 is packed into its buffer)
+                    in_flight.pop(0).wait()
+                next_flat = packer.submit(pack, plan[k + 1]) if k + 1 < len(plan) else None
+            for work in in_flight:
+                work.wait()
 
     def _packing_buffer(self, k: int, n: int) -> torch.Tensor:
         """``n`` bytes of packing buffer ``k`` (0 or 1)."""

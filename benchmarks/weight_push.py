@@ -1,24 +1,29 @@
-"""Remote rollouts: what a weight push costs, and GRPO steps per minute remote vs colocated.
+"""Remote rollouts: what a weight push costs against the wire's own speed, and GRPO steps per
+minute remote vs colocated.
 
-    python benchmarks/weight_push.py [--layers 28] [--no-ray] [--out benchmarks/results/weight_push_cpu.json]
+    python benchmarks/weight_push.py [--layers 28] [--servers 1,4] [--server-dtype bfloat16]
+        [--no-ray] [--no-grpo] [--with-lora] [--out benchmarks/results/weight_push_cpu.json]
 
-1. A Qwen3-0.6B-shaped model (hidden 1024, 28 layers, 16 heads, 8 KV heads, MLP 3072,
-   vocabulary 151,936; random weights, bfloat16: 0.6B parameters, 1.2 GB), saved as a
-   checkpoint on local disk. It is served by ``acb serve --enable-weight-updates`` processes
-   on this machine, and pushed from this process over gloo (:class:`acb.rl.WeightPusher`,
-   256 MiB buckets) to one server, to two servers at once, and to the two replicas of one
-   ``acb serve --ray --num-replicas 2`` (``--ray``; the ingress fans the routes out to both).
-   That is set against ``POST /update_weights_from_disk`` of the same checkpoint, all in the
-   same run.
-   With a LoRA adapter (r=16 on every attention and MLP linear, ``peft.get_peft_model``) loaded
-   on the server (``--lora-modules policy=...``), the push of the adapter only
-   (``WeightPusher.push(peft_model, lora="policy")``, what a GRPO trainer with a ``peft_config``
-   sends) is set against the push of the whole model, to the same server in the same run
-   (``--lora-only`` runs just that: ``results/weight_push_lora_cpu.json``).
-2. TRL's ``GRPOTrainer`` on the embedded tiny model, 4 steps of 16 completions of at most 32
-   tokens. It runs colocated, on acb in the trainer's process (``use_acb``), and remote, on an
-   ``acb serve`` process (``acb.rl.rollout_func``, with the weights pushed after each step). The
-   figure is steps per minute for each.
+1. A Qwen3-0.6B-shaped model (hidden 1024, ``--layers`` layers (28 in Qwen3-0.6B), 16 heads,
+   8 KV heads, MLP 3072, vocabulary 151,936, tied embeddings; random weights, bfloat16), saved
+   as a checkpoint on local disk. It is served by ``acb serve --enable-weight-updates`` processes
+   on this machine (``--server-dtype``), and pushed from this process over gloo
+   (:class:`acb.rl.WeightPusher`, 256 MiB buckets) to one server, to four at once, and to the
+   two replicas of one ``acb serve --ray --num-replicas 2`` (the ingress fans the routes out to
+   both). Beside each, in the same run and the same processes' layout (this process rank 0, one
+   rank per receiver), a raw ``torch.distributed`` broadcast of the same bytes in the same
+   buckets over gloo, to as many plain processes that receive into buffers allocated once: the
+   wire's speed here, the bound for a push. Each figure is the best of three, after a push
+   that sets up the group. That is set against ``POST /update_weights_from_disk`` of the same
+   checkpoint. ``--with-lora`` (or ``--lora-only``: ``results/weight_push_lora_cpu.json``): the
+   push of a LoRA adapter only (r=16 on every attention and MLP linear) against the whole
+   model's, to one server serving both.
+2. TRL's ``GRPOTrainer`` on the embedded tiny model, 6 steps of 16 completions of at most 32
+   tokens: colocated, on acb in the trainer's process (``use_acb``); remote, on an ``acb serve``
+   process (``acb.rl.rollout_func``, the weights pushed after each step by ``PushWeights``); and
+   remote with ``PushWeights(max_staleness=1)`` (the push in flight while the next batch
+   generates). The figure is steps per minute over the steady steps (the first left out), with
+   a step's split: generate, push (the trainer's thread pushing or waiting for a push), train.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -41,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from acb.rl import PushWeights, WeightPusher, rollout_func  # noqa: E402
+from acb.weight_transfer import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 
 def free_port() -> int:
@@ -52,12 +59,15 @@ def free_port() -> int:
 class Served:
     """``acb serve --enable-weight-updates`` on a free port."""
 
+    threads = 1  # each server's intra-op threads (OMP_NUM_THREADS; --server-threads)
+
     def __init__(self, ckpt: Path, name: str, log: Path, extra: list[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "acb", "serve", "--model", str(ckpt), "--port", str(self.port)]
-        args += ["--served-model-name", name, "--enable-weight-updates", "--num-blocks", "64", *extra]
-        self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+        args += ["--served-model-name", name, "--enable-weight-updates", "--num-blocks", "64", "-v", *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:
@@ -108,7 +118,85 @@ def qwen3_06b(layers: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
-def push_figures(layers: int, tmp: Path) -> dict:
+RAW_RECEIVER = r"""
+import datetime, os, sys, torch, torch.distributed as dist
+port, world, rank, rounds = map(int, sys.argv[1:5])
+sizes = [int(s) for s in sys.argv[5].split(",")]
+timeout = datetime.timedelta(seconds=600)
+store = dist.TCPStore("127.0.0.1", port, None, False, timeout, wait_for_workers=False)
+pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, world, timeout)
+bufs = [torch.empty(s, dtype=torch.uint8) for s in sizes]  # allocated once, reused every round
+opts = dist.BroadcastOptions()
+opts.rootRank = 0
+for _ in range(rounds):
+    for b in bufs:
+        pg.broadcast([b], opts).wait()
+    pg.barrier().wait()
+pg.shutdown()
+sys.stdout.flush()
+os._exit(0)  # (no destructors at exit: gloo's threads may abort the process there)
+"""
+
+
+def raw_broadcast(tensors: list[torch.Tensor], bucket_bytes: int, receivers: int, rounds: int = 3) -> float:
+    """Seconds of a raw ``torch.distributed`` broadcast of the same bytes, in the same buckets,
+    over gloo, from this process (rank 0) to ``receivers`` plain processes (one rank each), the
+    buffers allocated once on both sides: the wire's speed on this machine, the bound for a push
+    (best of ``rounds``; each ends with a barrier, so every receiver has every byte)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from acb.weight_transfer import buckets
+
+    flats = []
+    for b in buckets([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes):
+        flats.append(torch.cat([tensors[i].reshape(-1).view(torch.uint8) for i in b]))
+    port = free_port()
+    world = receivers + 1
+    sizes = ",".join(str(f.numel()) for f in flats)
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(port), str(world), str(r), str(rounds), sizes])
+        for r in range(1, world)
+    ]
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, world, timeout)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for f in flats:
+                pg.broadcast([f], opts).wait()
+            pg.barrier().wait()
+            times.append(time.perf_counter() - t0)
+        pg.shutdown()
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+        return min(times)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def acb_push(urls: list[str], model: torch.nn.Module, bucket_bytes: int, rounds: int = 3) -> float:
+    """Seconds of acb's push (:class:`acb.rl.WeightPusher`) of ``model`` to the servers at
+    ``urls``: best of ``rounds`` after one that warms the group's connections. A push ends when
+    every server answered: checked, received, staged and swapped in."""
+    with WeightPusher(urls, master_port=free_port(), timeout_s=600, bucket_bytes=bucket_bytes) as pusher:
+        pusher.push(model, version="warm")
+        times = []
+        for i in range(rounds):
+            t0 = time.perf_counter()
+            pusher.push(model, version=f"push-{i}")
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def push_figures(layers: int, tmp: Path, counts: tuple[int, ...], bucket_bytes: int, dtype: str) -> dict:
     model = qwen3_06b(layers)
     params = sum(p.numel() for p in model.parameters())
     ckpt = tmp / "qwen3-0.6b"
@@ -116,16 +204,21 @@ def push_figures(layers: int, tmp: Path) -> dict:
     from acb.models import build_tokenizer
 
     build_tokenizer().save_pretrained(ckpt)
-    out: dict = {"parameters": params, "bytes": sum(p.nbytes for p in model.parameters()), "checkpoint": str(ckpt)}
-    servers = [Served(ckpt, "qwen", tmp / f"serve{i}.log") for i in range(2)]
+    tensors = [t.detach() for t in weights_of(model)]
+    out: dict = {
+        "layers": layers,
+        "parameters": params,
+        "bytes": sum(t.nbytes for t in tensors),
+        "bucket_bytes": bucket_bytes,
+        "server_dtype": dtype,
+        "server_threads": Served.threads,
+        "checkpoint": str(ckpt),
+    }
+    servers = [Served(ckpt, "qwen", tmp / f"serve{i}.log", ["--dtype", dtype]) for i in range(max(counts))]
     try:
-        for n in (1, 2):
-            with WeightPusher([s.url for s in servers[:n]], master_port=free_port(), timeout_s=600) as pusher:
-                pusher.init()
-                pusher.push(model, version=f"warm-{n}")  # (the group's connections, first allocations)
-                t0 = time.perf_counter()
-                pusher.push(model, version=f"push-{n}")
-                out[f"push_{n}_servers_s"] = time.perf_counter() - t0
+        for n in counts:  # the raw broadcast beside acb's push, the same servers idle meanwhile
+            out[f"raw_{n}_servers_s"] = raw_broadcast(tensors, bucket_bytes, n)
+            out[f"push_{n}_servers_s"] = acb_push([s.url for s in servers[:n]], model, bucket_bytes)
         servers[0].post("/update_weights_from_disk", {"model_path": str(ckpt), "weight_version": "warm"})
         t0 = time.perf_counter()
         servers[0].post("/update_weights_from_disk", {"model_path": str(ckpt), "weight_version": "disk"})
@@ -134,6 +227,13 @@ def push_figures(layers: int, tmp: Path) -> dict:
         for s in servers:
             s.stop()
     return out
+
+
+def weights_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a push of ``model`` sends, in its order (a tied weight once: acb sends it once)."""
+    from acb.runner.weight_update import weight_targets
+
+    return list({id(t): t for t in weight_targets(model).values()}.values())
 
 
 def lora_push_figures(layers: int, tmp: Path, ckpt: Path | None = None, rank: int = 16) -> dict:
@@ -184,23 +284,74 @@ def lora_push_figures(layers: int, tmp: Path, ckpt: Path | None = None, rank: in
     return out
 
 
-def ray_push_figure(layers: int, ckpt: Path, tmp: Path) -> float:
-    """Seconds of the second push to ``acb serve --ray --num-replicas 2`` (run last: Ray's
-    processes outlive its shutdown for a while, and would share the cores with what follows)."""
+def ray_push_figure(layers: int, ckpt: Path, tmp: Path, bucket_bytes: int, dtype: str) -> dict:
+    """Seconds of acb's push to ``acb serve --ray --num-replicas 2``, and of the raw broadcast to
+    two plain processes beside it while the deployment is up (run last: Ray's processes outlive
+    its shutdown for a while, and would share the cores with what follows)."""
     model = qwen3_06b(layers)
-    replicas = Served(ckpt, "qwen", tmp / "serve-ray.log", ["--ray", "--num-replicas", "2"])
+    replicas = Served(ckpt, "qwen", tmp / "serve-ray.log", ["--ray", "--num-replicas", "2", "--dtype", dtype])
     try:
         with WeightPusher([replicas.url], master_port=free_port(), timeout_s=600) as pusher:
             assert pusher.world_sizes() == [2]
-            pusher.push(model, version="warm-ray")
-            t0 = time.perf_counter()
-            pusher.push(model, version="push-ray")
-            return time.perf_counter() - t0
+        return {
+            "raw_2_ray_replicas_s": raw_broadcast([t.detach() for t in weights_of(model)], bucket_bytes, 2),
+            "push_2_ray_replicas_s": acb_push([replicas.url], model, bucket_bytes),
+        }
     finally:
         replicas.stop()
 
 
-def grpo_figures(tmp: Path, steps: int = 4) -> dict:
+class StepTimes:
+    """A ``TrainerCallback`` (duck-typed) timing each optimizer step, from its start to the end of
+    the callbacks before it (put it after ``PushWeights``: a step then includes its push)."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self._t0 = 0.0
+
+    def __getattr__(self, name: str):
+        if name.startswith("on_"):
+            return lambda *a, **kw: None
+        raise AttributeError(name)
+
+    def on_step_begin(self, *a, **kw) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, *a, **kw) -> None:
+        self.steps.append(time.perf_counter() - self._t0)
+
+
+def timed(fn, times: list[float]):
+    def call(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    return call
+
+
+def split(steps: list[float], generate: list[float], push: list[float]) -> dict:
+    """Steps per minute over the steady steps (the first, with the engine's start, left out), and
+    a steady step's mean split: generate, push (what the trainer's thread spent pushing or waiting
+    for a push), train (the rest: the loss, backward, optimizer, TRL's own work)."""
+    n = len(steps) - 1
+    gen = sum(generate[1 : n + 1]) / n
+    pushed = sum(push[1 : n + 1]) / n if push else 0.0
+    step = sum(steps[1:]) / n
+    return {
+        "steps_per_min": 60 / step,
+        "step_s": step,
+        "split_s": {"generate": gen, "push": pushed, "train": step - gen - pushed},
+        "first_step_s": steps[0],
+    }
+
+
+def grpo_figures(tmp: Path, steps: int = 6) -> dict:
+    """GRPO steps per minute colocated (acb in the trainer's process), remote (``acb serve``,
+    the weights pushed after each step), and remote with ``PushWeights(max_staleness=1)`` (the
+    push in flight while the next batch generates), in the same run, with each step's split."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -209,7 +360,7 @@ def grpo_figures(tmp: Path, steps: int = 4) -> dict:
 
     tok = build_tokenizer()
     base = tiny_model("llama", seed=3, vocab_size=len(tok))
-    ds = Dataset.from_list([{"prompt": f"question {i}: what is {i} plus {2 * i}?"} for i in range(16)])
+    ds = Dataset.from_list([{"prompt": f"question {i}: what is {i} plus {2 * i}?"} for i in range(4 * steps)])
 
     def reward(prompts, completions, completion_ids, **kw):
         return [(sum(c) % 97) / 97.0 for c in completion_ids]
@@ -227,37 +378,45 @@ def grpo_figures(tmp: Path, steps: int = 4) -> dict:
             save_strategy="no",
             seed=0,
             learning_rate=0.01,
+            disable_tqdm=True,
             use_transformers_continuous_batching=colocated,
             transformers_continuous_batching_config={"num_blocks": 256, "max_batch_tokens": 512} if colocated else None,
         )
 
-    out = {}
+    out: dict = {"steps": steps, "completions_per_step": 16, "max_completion_length": 32}
     model = copy.deepcopy(base)
-    trainer = GRPOTrainer(model=model, args=args(True), reward_funcs=reward, processing_class=tok, train_dataset=ds)
-    with use_acb(trainer):
-        t0 = time.perf_counter()
+    timer, gen = StepTimes(), []
+    trainer = GRPOTrainer(
+        model=model, args=args(True), reward_funcs=reward, processing_class=tok, train_dataset=ds, callbacks=[timer]
+    )
+    with use_acb(trainer) as rollouts:
+        model.generate_batch = timed(rollouts, gen)
         trainer.train()
-        out["colocated_steps_per_min"] = steps * 60 / (time.perf_counter() - t0)
+        model.generate_batch = rollouts  # (as installed, for use_acb to take back)
+    out["colocated"] = split(timer.steps, gen, [])
     ckpt = tmp / "tiny"
     base.save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
     server = Served(ckpt, "tiny", tmp / "serve-tiny.log", ["--page-size", "16", "--num-blocks", "256"])
     try:
-        model = copy.deepcopy(base)
-        with WeightPusher([server.url], master_port=free_port(), timeout_s=120) as pusher:
-            trainer = GRPOTrainer(
-                model=model,
-                args=args(False),
-                reward_funcs=reward,
-                processing_class=tok,
-                train_dataset=ds,
-                rollout_func=rollout_func(server.url, "tiny"),
-                callbacks=[PushWeights(pusher)],
-            )
-            pusher.push(model, version=0)
-            t0 = time.perf_counter()
-            trainer.train()
-            out["remote_steps_per_min"] = steps * 60 / (time.perf_counter() - t0)
+        for name, staleness in (("remote", 0), ("remote_max_staleness_1", 1)):
+            model = copy.deepcopy(base)
+            with WeightPusher([server.url], master_port=free_port(), timeout_s=120) as pusher:
+                timer, gen = StepTimes(), []
+                push = PushWeights(pusher, max_staleness=staleness)
+                trainer = GRPOTrainer(
+                    model=model,
+                    args=args(False),
+                    reward_funcs=reward,
+                    processing_class=tok,
+                    train_dataset=ds,
+                    rollout_func=timed(rollout_func(server.url, "tiny"), gen),
+                    callbacks=[push, timer],
+                )
+                pusher.push(model, version=0)
+                trainer.train()
+                out[name] = split(timer.steps, gen, push.waited_s)
+                out[name]["push_s_each"] = sum(push.push_s[1:]) / max(len(push.push_s) - 1, 1)
     finally:
         server.stop()
     return out
@@ -266,7 +425,25 @@ def grpo_figures(tmp: Path, steps: int = 4) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--servers", default="1,4", help="server counts to push to, comma-separated")
+    ap.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
+    ap.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        help="each server's OMP_NUM_THREADS (1: as Ray gives a 1-CPU replica; more oversubscribes 2 cores)",
+    )
+    ap.add_argument(
+        "--server-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the servers' --dtype (float32: each swap also casts the pushed bfloat16)",
+    )
     ap.add_argument("--no-ray", action="store_true", help="skip the push to acb serve --ray's two replicas")
+    ap.add_argument("--no-grpo", action="store_true", help="skip part 2 (GRPO steps per minute)")
+    ap.add_argument("--grpo-only", action="store_true", help="only part 2")
+    ap.add_argument("--grpo-steps", type=int, default=6)
+    ap.add_argument("--with-lora", action="store_true", help="also the adapter-only push (part 1's LoRA figure)")
     ap.add_argument("--out", default=None, help="default: results/weight_push_cpu.json (--lora-only: _lora_cpu)")
     ap.add_argument("--lora-only", action="store_true", help="only the adapter-only push against the whole model's")
     a = ap.parse_args()
@@ -275,41 +452,69 @@ def main() -> int:
             lora = lora_push_figures(a.layers, Path(d))
         return report_lora(lora, a.out or "benchmarks/results/weight_push_lora_cpu.json")
     a.out = a.out or "benchmarks/results/weight_push_cpu.json"
+    if a.grpo_only:
+        with tempfile.TemporaryDirectory() as d:
+            grpo = grpo_figures(Path(d), a.grpo_steps)
+        Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "grpo": grpo}, indent=1) + "\n")
+        print_grpo(grpo)
+        return 0
+    counts = tuple(int(n) for n in a.servers.split(","))
+    Served.threads = a.server_threads
+    bucket_bytes = a.bucket_mib << 20
+    grpo = None
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        push = push_figures(a.layers, tmp)
-        push["lora"] = lora_push_figures(a.layers, tmp, Path(push["checkpoint"]))
-        grpo = grpo_figures(tmp)
+        push = push_figures(a.layers, tmp, counts, bucket_bytes, a.server_dtype)
+        if a.with_lora:
+            push["lora"] = lora_push_figures(a.layers, tmp, Path(push["checkpoint"]))
+        if not a.no_grpo:
+            grpo = grpo_figures(tmp, a.grpo_steps)
         if not a.no_ray:
-            push["push_2_ray_replicas_s"] = ray_push_figure(a.layers, Path(push["checkpoint"]), tmp)
+            push.update(ray_push_figure(a.layers, Path(push["checkpoint"]), tmp, bucket_bytes, a.server_dtype))
         del push["checkpoint"]
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "push": push,
-        "grpo": grpo,
     }
+    if grpo is not None:
+        result["grpo"] = grpo
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     gb = push["bytes"] / 1e9
-    print(f"Qwen3-0.6B shape: {push['parameters'] / 1e6:.0f}M parameters, {gb:.2f} GB bfloat16\n")
-    print("| what | seconds | GB/s |")
-    print("|---|---|---|")
-    for key, label in (
-        ("push_1_servers_s", "push over gloo, one server"),
-        ("push_2_servers_s", "push over gloo, two servers"),
-        ("push_2_ray_replicas_s", "push over gloo, acb serve --ray, two replicas"),
-        ("load_from_disk_s", "update_weights_from_disk"),
-    ):
-        if key in push:
-            print(f"| {label} | {push[key]:.1f} | {gb / push[key]:.2f} |")
     print(
-        f"\nGRPO steps per minute (tiny model): colocated {grpo['colocated_steps_per_min']:.1f}, "
-        f"remote {grpo['remote_steps_per_min']:.1f}"
+        f"Qwen3-0.6B shape, {push['layers']} layers: {push['parameters'] / 1e6:.0f}M parameters, "
+        f"{gb:.2f} GB bfloat16, {push['bucket_bytes'] >> 20} MiB buckets, servers in {push['server_dtype']}, "
+        f"{push['server_threads']} thread(s) each\n"
     )
-    print_lora(push["lora"])
+    print("| to | raw broadcast s | raw GB/s | acb push s | acb GB/s | acb / raw |")
+    print("|---|---|---|---|---|---|")
+    for n in counts:
+        row(push, f"{n} servers", f"raw_{n}_servers_s", f"push_{n}_servers_s")
+    row(push, "acb serve --ray, 2 replicas", "raw_2_ray_replicas_s", "push_2_ray_replicas_s")
+    print(f"\nupdate_weights_from_disk: {push['load_from_disk_s']:.2f} s, {gb / push['load_from_disk_s']:.2f} GB/s")
+    if grpo is not None:
+        print_grpo(grpo)
+    if "lora" in push:
+        print_lora(push["lora"])
     return 0
+
+
+def row(push: dict, label: str, raw: str, ours: str) -> None:
+    if raw not in push or ours not in push:
+        return
+    gb = push["bytes"] / 1e9
+    r, o = push[raw], push[ours]
+    print(f"| {label} | {r:.2f} | {gb / r:.2f} | {o:.2f} | {gb / o:.2f} | {100 * r / o:.0f}% |")
+
+
+def print_grpo(grpo: dict) -> None:
+    print("\nGRPO (tiny model): steps per minute, and a steady step's split in seconds")
+    for name, run in grpo.items():
+        if isinstance(run, dict):
+            split = ", ".join(f"{k} {v:.3f}" for k, v in run.get("split_s", {}).items())
+            print(f"- {name}: {run['steps_per_min']:.1f} steps/min ({split})")
 
 
 def print_lora(lora: dict) -> None:
