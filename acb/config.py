@@ -169,7 +169,8 @@ class ContinuousBatchingConfig:
     # a request's tokens and logprobs the same bits whatever else is in its batch (batch size,
     # chunked prefill, prefix hits, thread count), and equal to a trainer's own forward under
     # acb.runner.batch_invariant.enabled(model): fixed-order linears and attention
-    # (acb.runner.batch_invariant; float32 on CPU; refused, with the reason, where not covered)
+    # (acb.runner.batch_invariant; float32 on CPU; MLA pages its expanded heads; refused, with the
+    # reason, where not covered)
     batch_invariant: bool = False
     _warned: bool = field(default=False, init=False, repr=False, compare=False)
 

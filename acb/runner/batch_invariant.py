@@ -22,11 +22,21 @@ and oneDNN 3.12; :func:`check_linear` repeats the linear measurement on the mach
   split the keys by the chunk's shape). A trainer's forward over whole sequences uses the same
   kernel through :data:`ATTN_IMPL_NAME`, a transformers attention function (causal, left padding
   allowed); its backward recomputes attention with ordinary torch ops.
+- **MoE experts.** ``torch.nn.functional.grouped_mm`` (transformers' default experts on CPU) is
+  replaced the same way by one fixed linear per expert (:func:`grouped_mm`); the eager experts
+  call ``F.linear`` already.
+- **MLA.** The mode pages the expanded heads (keys and values at the wider width, as the engine
+  does otherwise), attended by the same kernel; the latent's absorbed products are not covered.
 - **Norms, the softmax, element-wise ops.** Row reductions over the hidden size (RMSNorm's mean)
   and the log-softmax over the vocabulary run per row in torch's kernels; the sampler's
   log-softmax is the trainer's (:func:`token_logprobs`). These were checked, not changed: the
   tests compare whole engines (a request alone, in a batch of 64, chunked, after a prefix hit, at
-  1 and 2 threads) and a trainer's forward bit for bit.
+  1 and 2 threads) and a trainer's forward bit for bit. One element-wise case is known to break:
+  torch computes the last elements of a vectorized call (fewer than a vector's width) on its
+  scalar path, whose ``exp``/``sigmoid`` differ from the vector path's in the last bit, so an
+  element-wise transcendental over a few values per token (a DeepSeek-V3 router's sigmoid over 4
+  experts, a shared expert's one-value gate) depends on the token count: :func:`refusal` refuses
+  such gates. Widths that are multiples of 32 (hidden and MLP sizes, head dims) never reach it.
 
 Float32 on CPU only: :func:`refusal` names what the mode does not cover.
 """
@@ -45,6 +55,7 @@ ATTN_IMPL_NAME = "acb_batch_invariant"  # the trainer-side attention function's 
 _TLS = threading.local()  # .on: the mode is on for this thread
 _LOCK = threading.Lock()
 _ORIGINAL_LINEAR: Callable[..., torch.Tensor] | None = None  # torch's F.linear, kept while ours is installed
+_ORIGINAL_GROUPED_MM: Callable[..., torch.Tensor] | None = None  # torch's F.grouped_mm, the same
 # the linear's form on CPU tensors: False, oneDNN's; True, the Triton matmul CUDA tensors take (the
 # tests run it under TRITON_INTERPRET=1, so the CUDA dispatch is covered without a GPU)
 KERNEL = False
@@ -133,14 +144,53 @@ def _routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _ORIGINAL_LINEAR(x, weight, bias)
 
 
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm`` (a fused MoE's experts: the rows of group ``g``, up to ``offs[g]``, times
+    ``mat_b[g]``) as one :func:`linear` per group: each row's bits its own. Differentiable."""
+    outs, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        outs.append(linear(mat_a[start:end], mat_b[g].transpose(0, 1)))
+        start = end
+    if start < mat_a.shape[0]:  # rows past the last group (grouped_mm leaves them unset)
+        outs.append(mat_a.new_zeros(mat_a.shape[0] - start, mat_b.shape[-1]))
+    return torch.cat(outs)
+
+
+def _routed_grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    *,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """What ``torch.nn.functional.grouped_mm`` is while installed: ours on a thread with the mode on."""
+    if (
+        getattr(_TLS, "on", False)
+        and offs is not None
+        and bias is None
+        and out_dtype in (None, torch.float32)
+        and mat_a.dim() == 2
+        and mat_b.dim() == 3
+        and _applies(mat_a, mat_b[0])
+    ):
+        return grouped_mm(mat_a, mat_b, offs)
+    assert _ORIGINAL_GROUPED_MM is not None
+    return _ORIGINAL_GROUPED_MM(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+
+
 def _install() -> None:
-    """Put :func:`_routed_linear` in ``torch.nn.functional.linear`` (once per process; it calls
-    torch's own wherever the mode is off, so it stays)."""
-    global _ORIGINAL_LINEAR
+    """Put :func:`_routed_linear` in ``torch.nn.functional.linear`` and :func:`_routed_grouped_mm`
+    in ``torch.nn.functional.grouped_mm`` (once per process; they call torch's own wherever the
+    mode is off, so they stay)."""
+    global _ORIGINAL_LINEAR, _ORIGINAL_GROUPED_MM
     with _LOCK:
         if _ORIGINAL_LINEAR is None:
             _ORIGINAL_LINEAR = torch.nn.functional.linear
             torch.nn.functional.linear = _routed_linear  # type: ignore[assignment]
+            if hasattr(torch.nn.functional, "grouped_mm"):
+                _ORIGINAL_GROUPED_MM = torch.nn.functional.grouped_mm
+                torch.nn.functional.grouped_mm = _routed_grouped_mm
 
 
 class Enabled:
@@ -378,8 +428,13 @@ def attention_forward(
     chunk = layer_chunk(module)
     pads = _pads(attention_mask, b, q, s, sliding_window, chunk)
     scale = scaling if scaling is not None else d**-0.5
+    k_dim, v_dim = key.shape[-1], value.shape[-1]
+    if k_dim != v_dim:  # MLA's expanded heads: both at the wider width, as the engine's cache holds them
+        width = max(k_dim, v_dim)
+        query, key = (torch.nn.functional.pad(t, (0, width - k_dim)) for t in (query, key))
+        value = torch.nn.functional.pad(value, (0, width - v_dim))
     out = _Attention.apply(query, key, value, layer_sinks(kwargs), pads, scale, softcap, sliding_window, chunk)
-    return out, None
+    return (out if k_dim == v_dim else out[..., :v_dim]), None
 
 
 def register_with_transformers() -> None:
@@ -484,18 +539,43 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     problem = cpu_backend.unavailable_reason()
     if problem is not None:
         return f"acb's CPU attention kernel is not available here ({problem})"
-    if latent_modules(model):
+    if latent_modules(model) and config.mla_latent_cache:
         return (
-            "multi-head latent attention (MLA): the latent's absorbed products are batched matrix products "
-            "over the step's tokens, not covered yet"
+            "mla_latent_cache=True: the latent's absorbed products are batched matrix products over the step's "
+            "tokens; the mode pages MLA's expanded heads (leave mla_latent_cache unset)"
+        )
+    gate = _sigmoid_gate(model)
+    if gate is not None:
+        return (
+            f"its {gate} applies an element-wise sigmoid over a few values per token: torch computes the last "
+            "elements of such a call on its scalar path, whose last bits differ, so a token's gate depends on "
+            "how many tokens share the call"
         )
     if indexer_modules(model):
         return "indexed sparse attention (DSA): its indexers' products are not covered yet"
     if linear_layers(model) or find_unpaged_layers(model):
         return (
-            "state layers (linear attention, Mamba, short convolutions) or unpaged layers: a prompt's chunked "
-            "scan sums in an order set by the chunking, not covered yet"
+            "state layers (linear attention, Mamba, short convolutions) or unpaged layers: not covered yet "
+            "(measured: Qwen3-Next's and Mamba2's logprobs change with chunking, their scans summing in an order "
+            "the chunking sets, and their gates' element-wise sigmoids over a few values per token)"
         )
     if takes_media(model):
         return "image inputs: the vision encoder's batched products are not covered yet"
+    return None
+
+
+def _sigmoid_gate(model: torch.nn.Module) -> str | None:
+    """The first module that gates with an element-wise sigmoid over a few values per token (a
+    DeepSeek-V3-style router, Llama 4's router, a shared expert's one-value gate), or None."""
+    cfg: Any = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    if text is not None and str(getattr(text, "model_type", "")).startswith("llama4"):
+        return "MoE router (Llama 4)"
+    if text is not None and getattr(text, "scoring_func", None) == "sigmoid":
+        return "MoE router (sigmoid scoring)"
+    for name, m in model.named_modules():
+        if hasattr(m, "e_score_correction_bias"):
+            return f"MoE router {name!r} (sigmoid scoring)"
+        if name.endswith("shared_expert_gate"):
+            return f"shared expert's gate {name!r}"
     return None

@@ -430,7 +430,9 @@ def resolve_config(
     from acb.runner.indexed import indexer_modules
     from acb.runner.latent import latent_modules
 
-    want = config.mla_latent_cache
+    # the batch-invariant mode pages MLA's expanded heads (the latent's absorbed products are
+    # batched over the step's tokens; the expanded heads go through the fixed-order kernel)
+    want = False if config.batch_invariant else config.mla_latent_cache
     if want is None:  # the latent where the torch backend runs the model anyway (CPU; DSA models); on
         # CUDA otherwise the expanded heads, whose decode steps run in CUDA graphs (a latent model's do not)
         want = backend in ("torch", "cpu") or (config.attn_backend is None and bool(indexer_modules(model)))

@@ -152,7 +152,7 @@ def test_the_linear_is_row_invariant_here():
     "make,why",
     [
         (lambda: tiny_model("llama", dtype=torch.bfloat16), "float32 only"),
-        (lambda: _family("deepseek_v3"), "multi-head latent attention"),
+        (lambda: _family("deepseek_v3"), "sigmoid"),  # its MoE router's sigmoid over 4 experts
         (lambda: _family("qwen3_5_text"), "state layers"),
     ],
 )
@@ -168,12 +168,16 @@ def test_lora_and_other_backends_are_refused():
             acb.Engine(m, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, **cfg)).start()
 
 
-def _family(model_type):
+def _family(model_type, dense=False):
     from transformers import AutoModelForCausalLM
 
     from acb.bench.families import tiny_config
 
-    return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+    cfg = tiny_config(model_type)
+    if dense:  # every layer's MLP dense (DeepSeek V3's first_k_dense_replace)
+        cfg.first_k_dense_replace = cfg.num_hidden_layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 def test_the_flag_reaches_the_engine_config():
@@ -183,3 +187,23 @@ def test_the_flag_reaches_the_engine_config():
     for command in ("serve", "generate"):
         assert engine_config(build_parser().parse_args([command, "--batch-invariant"])).batch_invariant is True
         assert engine_config(build_parser().parse_args([command])).batch_invariant is False
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_mla_and_moe_alone_equal_a_batch_of_64_and_the_trainer(arch):
+    """A DeepSeek-V3-shaped MLA model (dense MLPs: its MoE router is refused) and a Qwen3-MoE
+    (transformers' grouped_mm experts): a 150-token request alone, in a batch of 64 and at 1
+    thread gives the same bits, and the trainer's forward under enabled(model) the same logprobs."""
+    model = _family(arch, dense=arch == "deepseek_v3")
+    vocab = model.config.vocab_size
+    rng = random.Random(0)
+    target = [rng.randrange(3, vocab) for _ in range(150)]
+    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
+    (alone,), _ = _run(model, [target], [SP])
+    outs, _ = _run(model, [*others, target], [GREEDY] * 63 + [SP])
+    assert _same(outs[-1], alone)
+    outs, _ = _run(model, [target, *others[:8]], [SP] + [GREEDY] * 8, threads=1)
+    assert _same(outs[0], alone)
+    with bi.enabled(model), torch.no_grad():
+        logits = model(torch.tensor([target + alone[0]])).logits[0, len(target) - 1 : -1]
+    assert torch.equal(bi.token_logprobs(logits, alone[0], TEMP).double(), alone[1])
