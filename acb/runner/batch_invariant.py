@@ -50,9 +50,11 @@ from typing import Any
 
 import torch
 
+from acb.runner.batch_invariant_flag import TLS
+
 ATTN_IMPL_NAME = "acb_batch_invariant"  # the trainer-side attention function's name in transformers
 
-_TLS = threading.local()  # .on: the mode is on for this thread
+_TLS = TLS  # .on: the mode is on for this thread (a leaf module's: the family forms read it too)
 _LOCK = threading.Lock()
 _ORIGINAL_LINEAR: Callable[..., torch.Tensor] | None = None  # torch's F.linear, kept while ours is installed
 _ORIGINAL_GROUPED_MM: Callable[..., torch.Tensor] | None = None  # torch's F.grouped_mm, the same
@@ -203,6 +205,10 @@ class Enabled:
         self._swap = _AttentionOn(model) if model is not None else None
         if self._swap is not None:
             self._swap.__enter__()
+        from acb.runner.batch_invariant_families import TrainerForms
+
+        # state layers' fixed forms, image features an image a call (acb.runner.batch_invariant_families)
+        self._forms = TrainerForms(model) if model is not None else None
         _TLS.on = True
         self._open = True
 
@@ -212,6 +218,8 @@ class Enabled:
             _TLS.on = self._prev
             if self._swap is not None:
                 self._swap.__exit__(None, None, None)
+            if self._forms is not None:
+                self._forms.close()
 
     def __enter__(self) -> Enabled:
         return self
@@ -459,7 +467,9 @@ class _AttentionOn:
         cfg = getattr(self.model, "config", None)
         if cfg is None:
             raise ValueError("enabled(model): the model has no transformers config")
-        self.own = cfg._attn_implementation
+        from acb.runner.batch_invariant_families import text_attention_of
+
+        self.own = text_attention_of(self.model)  # (a VLM's vision tower keeps its own)
         if self.own != ATTN_IMPL_NAME:
             _set_attn(self.model, ATTN_IMPL_NAME)
 
@@ -470,7 +480,9 @@ class _AttentionOn:
 
 def _set_attn(model: Any, impl: str) -> None:
     try:
-        model.set_attn_implementation(impl)
+        from acb.runner.batch_invariant_families import text_attention
+
+        model.set_attn_implementation(text_attention(model, impl))
     except (AttributeError, ValueError, KeyError, ImportError):
         model.config._attn_implementation = impl
 
@@ -507,8 +519,6 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     engine's start refuses it with this reason)."""
     from acb.runner.indexed import indexer_modules
     from acb.runner.latent import latent_modules
-    from acb.runner.linear_state import linear_layers
-    from acb.runner.media import takes_media
     from acb.runner.tp_sync import tp_size_of
     from acb.runner.unpaged_layers import find_unpaged_layers
 
@@ -553,15 +563,18 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
         )
     if indexer_modules(model):
         return "indexed sparse attention (DSA): its indexers' products are not covered yet"
-    if linear_layers(model) or find_unpaged_layers(model):
+    from acb.runner.batch_invariant_families import media_refusal, uncovered_state_layer
+
+    if find_unpaged_layers(model):
+        return "unpaged layers (DeepSeek V4's compressed attention caches): not covered yet"
+    state = uncovered_state_layer(model)  # (the gated delta rule's have fixed forms: batch_invariant_families)
+    if state is not None:
         return (
-            "state layers (linear attention, Mamba, short convolutions) or unpaged layers: not covered yet "
-            "(measured: Qwen3-Next's and Mamba2's logprobs change with chunking, their scans summing in an order "
-            "the chunking sets, and their gates' element-wise sigmoids over a few values per token)"
+            f"state layers ({state}): their chunked scan sums in an order the chunking sets (measured on Mamba2: "
+            "logprobs change with chunking), and the mode has a fixed form for the gated delta rule's only "
+            "(Qwen3.5, Qwen3-Next)"
         )
-    if takes_media(model):
-        return "image inputs: the vision encoder's batched products are not covered yet"
-    return None
+    return media_refusal(model)
 
 
 def _sigmoid_gate(model: torch.nn.Module) -> str | None:

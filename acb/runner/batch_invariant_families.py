@@ -233,3 +233,85 @@ def install(model: torch.nn.Module) -> None:
                 if not getattr(own, "acb_fixed", False):
                     setattr(mod, name, wrap(own))
             _INSTALLED.add(mod.__name__)
+
+
+class _PerImageFeatures:
+    """A trainer's forward's image-feature calls, an image a call (as the engine's in the mode:
+    :class:`acb.runner.media.ImageFeatures`), nothing kept past the call (the weights change
+    between a trainer's steps)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from acb.runner.media import ImageFeatures
+
+        class _Transient(ImageFeatures):
+            def _call(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return super()._call(module, *args, **kwargs)
+                finally:
+                    if not self._inside:
+                        self.clear()
+
+        self.features = _Transient(model)
+        self._serving = self.features.serving() if self.features.modules else None
+        if self._serving is not None:
+            self._serving.__enter__()
+
+    def close(self) -> None:
+        if self._serving is not None:
+            self._serving.__exit__(None, None, None)
+            self._serving = None
+
+
+class TrainerForms:
+    """What ``enabled(model)`` adds for these families: the state layers' fixed forms installed,
+    and the model's image features an image a call, until :meth:`close`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        install(model)
+        self._images = _PerImageFeatures(model)
+
+    def close(self) -> None:
+        self._images.close()
+
+
+def text_attention(model: torch.nn.Module, impl: str) -> str | dict[str, str]:
+    """What ``set_attn_implementation`` takes to give ``impl`` to the model's language model only:
+    a VLM's vision tower keeps its own attention (non-causal, as the engine runs it), so
+    ``{"text_config": impl}`` where the text is a sub-config, else ``impl``."""
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    if text is None or text is cfg:
+        return impl
+    for key in getattr(cfg, "sub_configs", {}) or {}:
+        if getattr(cfg, key, None) is text:
+            return {key: impl}
+    return impl
+
+
+def text_attention_of(model: torch.nn.Module) -> str | None:
+    """The language model's attention implementation (the text config's)."""
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    return getattr(text, "_attn_implementation", None)
+
+
+def media_refusal(model: torch.nn.Module) -> str | None:
+    """Why the mode cannot run the model's images (None: it can, or the model takes none). In the
+    mode each image goes through the model's ``get_image_features`` alone (its features never depend
+    on the step's other images), in the engine and under ``enabled(model)`` alike; image tokens
+    must attend causally (acb's fixed-order kernel has no two-way image blocks)."""
+    from acb.runner.media import ImageFeatures, media_attention, takes_media
+
+    if not takes_media(model):
+        return None
+    attention = media_attention(model)
+    if attention.refused:
+        return f"image inputs: {attention.refused}"
+    if attention.layers or attention.one_block:
+        return (
+            "image tokens that attend to each other both ways in prefill (Gemma 3/4, Molmo2): acb's "
+            "fixed-order kernel computes causal attention only"
+        )
+    if not ImageFeatures(model).modules:
+        return "image inputs: the model has no get_image_features method, so its images cannot run one a call"
+    return None

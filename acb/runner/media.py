@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 import torch
 
 from acb.media import modality_token_id, placeholder_token_ids, type_spans
+from acb.runner.batch_invariant_flag import is_on
 from acb.runner.intercept import call_arguments
 
 if TYPE_CHECKING:
@@ -592,6 +593,7 @@ class ImageFeatures:
         self.computed = 0  # units the method computed
         self.hits = 0  # units served from the cache
         self.uncut_calls = 0  # calls run whole, not cut per image
+        self._alone: dict[bytes, _Part] = {}  # the parts the mode's one-image calls just made
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
@@ -641,6 +643,18 @@ class ImageFeatures:
         finally:
             self._inside = False
 
+    def _serve_one(self, module: Any, fn: Any, units: _Units, u: int) -> None:
+        """Unit ``u`` through the method alone, its part kept (the batch-invariant mode: an
+        image's features then never depend on the other images of the call)."""
+        out = fn(module, **units.arguments([u]))
+        self.tower_calls += 1
+        self.computed += 1
+        layout, parts = _cut_output(out, [units.items[u]])
+        part = _Part(layout, parts[0], _part_bytes(list(parts[0].values())), False)
+        self._alone[units.keys[u]] = part
+        self.entries[units.keys[u]] = part
+        self.nbytes += part.nbytes
+
     def _serve(self, module: Any, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         sig = inspect.signature(fn)
         try:
@@ -660,6 +674,11 @@ class ImageFeatures:
                 missing.append(u)
         fresh: dict[bytes, _Part] = {}
         out = None
+        alone = 0
+        if missing and is_on() and len(missing) > 1:  # the batch-invariant mode: an image a call
+            for u in missing:
+                self._serve_one(module, fn, units, u)
+            missing, alone = [], len(missing)
         if missing:
             whole = len(missing) == n
             out = fn(module, *args, **kwargs) if whole else fn(module, **units.arguments(missing))
@@ -677,12 +696,14 @@ class ImageFeatures:
                 self.nbytes += part.nbytes
             if whole:  # (every unit new and distinct: the method's own output, as it is)
                 return out
+        fresh.update(self._alone)
+        self._alone.clear()
         got = []
         for k in keys:
             if k not in fresh:
                 self.entries.move_to_end(k)
             got.append(fresh[k] if k in fresh else self.entries[k])
-        self.hits += n - len(missing)
+        self.hits += n - len(missing) - alone
         layout = got[0].layout
         if any(p.layout != layout for p in got):  # (outputs of other shapes: the whole call, uncached)
             self.tower_calls += 1
@@ -850,7 +871,8 @@ class MediaEmbedder:
             groups.setdefault(sig, []).append(req)
         made: dict[int, Embedded] = {}
         for group in groups.values():
-            parts = [group] if len(group) == 1 or self._batches is not False else [[r] for r in group]
+            alone = self._batches is False or is_on()  # (the batch-invariant mode: each request alone)
+            parts = [group] if len(group) == 1 or not alone else [[r] for r in group]
             for part in parts:
                 entries = self._capture(part)
                 if len(part) > 1 and self._batches is None:
@@ -867,7 +889,7 @@ class MediaEmbedder:
                             self.features.turn_off("its image tensors refer to each other", self.model)
                 made.update(zip(map(id, part), entries))
                 self.captures += len(part)
-                self.capture_calls += 1 if self._batches is not False else len(part)
+                self.capture_calls += 1
         self.encoder_s += time.perf_counter() - t0
         return [made[id(r)] for r in reqs]
 

@@ -854,7 +854,8 @@ class ModelRunner:
         sampling.apply_inits(dev)
         batch = self.inputs.build(host, dev, self._prev_ids)
         if self.media is not None:  # image rows (and multimodal positions) of the requests with images
-            mm = self.media.step_inputs(sched, batch.input_ids, batch.position_ids)
+            with batch_invariant.engine_step(self.cfg.batch_invariant):  # (the vision code's ops too)
+                mm = self.media.step_inputs(sched, batch.input_ids, batch.position_ids)
             if mm is not None:
                 batch = dataclasses.replace(batch, inputs_embeds=mm[0], position_ids=mm[1], decode_only=False)
         num_samples = len(sched.sample_idx)

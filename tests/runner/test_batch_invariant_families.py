@@ -1,0 +1,138 @@
+"""The batch-invariant mode beyond dense attention (acb.runner.batch_invariant_families): a hybrid's
+gated-delta-rule state layers (Qwen3.5) give a request the same bits alone, in a batch of 64
+requests of other lengths, chunked at any budget, and after a prefix hit restored from a state
+snapshot; and a trainer's forward under ``enabled(model)`` (whole sequences, left-padded) computes
+exactly the engine's logprobs. Families with no fixed form are refused with the reason."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import acb
+from acb.runner import batch_invariant as bi
+from acb.runner import batch_invariant_families as fam
+
+TEMP = 0.9
+SP = acb.SamplingParams(
+    max_new_tokens=8,
+    ignore_eos=True,
+    do_sample=True,
+    temperature=TEMP,
+    top_k=0,
+    top_p=1.0,
+    seed=7,
+    logprobs=0,
+    logprobs_mode="processed",
+)
+
+
+def _family(model_type, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    from acb.bench.families import tiny_config
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return _family("qwen3_5_text")  # a gated-delta-rule layer, then full attention
+
+
+@pytest.fixture(scope="module")
+def prompts(hybrid):
+    vocab = hybrid.config.vocab_size
+    rng = random.Random(0)
+    target = [rng.randrange(3, vocab) for _ in range(150)]  # past two of the scan's 64-token chunks
+    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
+    return target, others
+
+
+def _run(model, prompts, **cfg):
+    cfg.setdefault("num_blocks", 400)
+    config = acb.ContinuousBatchingConfig(page_size=16, batch_invariant=True, cpu_threads=2, **cfg)
+    with acb.Engine(model, config) as eng:
+        eng.pause()
+        handles = [eng.submit(p, SP) for p in prompts]
+        eng.resume()
+        outs = [h.result() for h in handles]
+    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs]
+
+
+def _same(a, b):
+    return a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+@pytest.fixture(scope="module")
+def alone(hybrid, prompts):
+    return _run(hybrid, [prompts[0]])[0]
+
+
+def test_hybrid_alone_equals_in_a_batch_of_64_and_chunked(hybrid, prompts, alone):
+    target, others = prompts
+    # the 64 prompts' 3,000 tokens over 512-token steps: the target's prefill is cut where the
+    # others' lengths put the budget's edge
+    outs = _run(hybrid, [*others, target], max_batch_tokens=512)
+    assert _same(outs[-1], alone)
+    # alone, chunked at 100 tokens (a state resumed mid-chunk of the scan), async scheduling
+    outs = _run(hybrid, [target], max_batch_tokens=100, use_async_batching=True)
+    assert _same(outs[0], alone)
+
+
+def test_hybrid_after_a_prefix_hit(hybrid, prompts, alone):
+    target, _ = prompts
+    config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=400, batch_invariant=True, allow_block_sharing=True)
+    with acb.Engine(hybrid, config) as eng:
+        eng.call(lambda core: setattr(core.scheduler.kv, "speculative_min_tokens", 0)).result(timeout=60)
+        eng.generate(target[:96], acb.SamplingParams(max_new_tokens=1))  # six whole blocks
+        out = eng.submit(target, SP).result()
+    assert out.num_cached_tokens == 96  # resumed from the snapshot's state
+    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
+
+
+def test_hybrid_trainers_forward_computes_the_engines_logprobs_exactly(hybrid, prompts, alone):
+    """Whole sequences, a batch of two, the shorter left-padded (the pads' zeroed inputs leave the
+    state exactly zero); the backward runs through the fixed forms."""
+    target, others = prompts
+    tokens, lps = alone
+    short = others[3][:40]
+    s_tokens, s_lps = _run(hybrid, [short])[0]
+    seqs = [target + tokens, short + s_tokens]
+    width = max(map(len, seqs))
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    m = _family("qwen3_5_text")
+    m.load_state_dict(hybrid.state_dict())
+    with bi.enabled(m):
+        logits = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        logits.float().logsumexp(-1).mean().backward()
+    for row, (p, t, want) in enumerate([(target, tokens, lps), (short, s_tokens, s_lps)]):
+        start = width - len(p) - len(t)
+        got = bi.token_logprobs(logits[row, start + len(p) - 1 : width - 1], t, TEMP).double()
+        assert torch.equal(got, want), (got - want).abs().max()
+    assert all(p.grad is not None for p in m.model.layers[0].linear_attn.parameters())
+
+
+def test_the_scalar_path_gives_an_element_the_same_bits_at_any_position():
+    """torch computes a tensor's last ``numel mod (2 x lanes)`` elements in a scalar loop whose bits
+    differ from its vector blocks' (sigmoid, SiLU, softplus): the scalar path does not move."""
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 4
+    for fn in (torch.sigmoid, F.silu, F.softplus):
+        whole = fam.scalar_path(fn, x)
+        assert all(torch.equal(fam.scalar_path(fn, x[:n]), whole[:n]) for n in range(1, 100))
+        assert torch.allclose(whole, fn(x), rtol=1e-6, atol=1e-7)
+    moved = sum(not torch.equal(torch.sigmoid(x[:n]), torch.sigmoid(x)[:n]) for n in range(1, 100))
+    if moved == 0:
+        pytest.skip("this CPU's vector and scalar sigmoid agree here (nothing to show)")
+
+
+@pytest.mark.parametrize("arch,why", [("mamba2", "Mamba2Mixer"), ("mamba", "MambaMixer")])
+def test_state_layers_without_a_fixed_form_are_refused_by_name(arch, why):
+    with pytest.raises(ValueError, match=why):
+        acb.Engine(_family(arch), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
