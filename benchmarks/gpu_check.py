@@ -24,7 +24,9 @@
    kernel (a row of the fixed-order Triton matmul alone and among 3-300 rows, cuBLAS's ``F.linear``
    beside it; torch's row reductions of RMSNorm and the log-softmax alone and among 64 rows; a
    query's attention bits in a prefill chunk and as a decode row, with the Triton backend's
-   fixed-order form and without it); then, where the engine accepts the mode, a request alone
+   fixed-order form and without it); a sequence's logits under
+   ``acb.runner.batch_invariant.enabled(model)`` alone and in padded batches; then, where the
+   engine accepts the mode, a request alone
    against the same request in a batch of 64 (logprobs, bit for bit) and the trainer's forward
    under ``acb.runner.batch_invariant.enabled(model)`` against the engine's logprobs. Where the
    engine refuses the mode, the reason is recorded.
@@ -383,6 +385,30 @@ def _attention_bits(fixed_order: bool) -> bool:
     return bool(torch.equal(alone, mixed[3]))
 
 
+def _trainer_rows(model: Any, seq: list[int], vocab: int) -> bool:
+    """``seq``'s logits under ``enabled(model)`` alone, then among 7 other rows right-padded and
+    left-padded (positions from each row's first token): the same bits?"""
+    from acb.runner import batch_invariant as bi
+
+    g = torch.Generator().manual_seed(3)
+    others = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(5, 80, (7,), generator=g)]
+
+    def logits(rows: list[list[int]], left: bool) -> torch.Tensor:
+        w = max(map(len, rows))
+        pads = [[0] * (w - len(r)) for r in rows]
+        ids = torch.tensor([p + r if left else r + p for r, p in zip(rows, pads)], device=DEVICE)
+        mask = torch.tensor(
+            [[0] * len(p) + [1] * len(r) if left else [1] * len(r) + [0] * len(p) for r, p in zip(rows, pads)],
+            device=DEVICE,
+        )
+        with torch.no_grad(), bi.enabled(model):
+            lg = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        return lg[0, w - len(rows[0]) :] if left else lg[0, : len(rows[0])]
+
+    alone = logits([seq], False)
+    return bool(torch.equal(logits([seq, *others], False), alone) and torch.equal(logits([seq, *others], True), alone))
+
+
 def batch_invariance(shape: dict[str, Any]) -> dict[str, Any]:
     """Section 6 (see the module's docstring)."""
     import acb
@@ -429,11 +455,16 @@ def batch_invariance(shape: dict[str, Any]) -> dict[str, Any]:
         out["attention: prefill == decode bits, fixed order"] = _attention_bits(True)
         out["attention: prefill == decode bits, default"] = _attention_bits(False)
         free_memory()
-    # the engine in the mode: a request alone against it in a batch of 64, and the trainer's forward
+    # the trainer's forward under enabled(model): a sequence alone, and in padded batches
     model = build(shape)
     vocab_ids = min(vocab, 32000)
     g = torch.Generator().manual_seed(2)
     target = torch.randint(3, vocab_ids, (37,), generator=g).tolist()
+    try:
+        out["trainer under enabled(model): alone == in padded batches"] = _trainer_rows(model, target, vocab_ids)
+    except ValueError as exc:
+        out["trainer rows"] = f"refused: {exc}"
+    # the engine in the mode: a request alone against it in a batch of 64, and the trainer's forward
     others = [
         torch.randint(3, vocab_ids, (int(n),), generator=g).tolist() for n in torch.randint(5, 200, (63,), generator=g)
     ]
