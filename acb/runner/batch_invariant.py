@@ -456,17 +456,32 @@ def register_with_transformers() -> None:
 
 
 class _AttentionOn:
-    """A model's attention set to :data:`ATTN_IMPL_NAME` for a block, its own back after."""
+    """A model's attention set to :data:`ATTN_IMPL_NAME` for a block, its own back after. A model
+    an acb engine holds keeps the engine's attention (its steps may run meanwhile, on the engine
+    thread): what its calls outside a step run, the "own" implementation the engine recorded, is
+    set to ours for the block instead."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.own: str | None = None
+        self.held: list[tuple[Any, str]] = []  # (config, its recorded own implementation): an engine's model
 
     def __enter__(self) -> None:
+        from acb.runner.attention import ATTN_IMPL_NAME as ENGINE_ATTN
+        from acb.runner.attention import own_implementation, set_own_implementation
+
         register_with_transformers()
         cfg = getattr(self.model, "config", None)
         if cfg is None:
             raise ValueError("enabled(model): the model has no transformers config")
+        if cfg._attn_implementation == ENGINE_ATTN:
+            configs = {id(c): c for c in [cfg, *(getattr(m, "config", None) for m in self.model.modules())]}
+            for c in configs.values():
+                own = own_implementation(c) if c is not None else None
+                if own is not None:
+                    self.held.append((c, own))
+                    set_own_implementation([c], ATTN_IMPL_NAME)
+            return
         from acb.runner.batch_invariant_families import text_attention_of
 
         self.own = text_attention_of(self.model)  # (a VLM's vision tower keeps its own)
@@ -474,6 +489,11 @@ class _AttentionOn:
             _set_attn(self.model, ATTN_IMPL_NAME)
 
     def __exit__(self, *exc: object) -> None:
+        from acb.runner.attention import set_own_implementation
+
+        for c, own in self.held:
+            set_own_implementation([c], own)
+        self.held = []
         if self.own is not None and self.own != ATTN_IMPL_NAME:
             _set_attn(self.model, self.own)
 

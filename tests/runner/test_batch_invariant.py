@@ -207,3 +207,24 @@ def test_mla_and_moe_alone_equal_a_batch_of_64_and_the_trainer(arch):
     with bi.enabled(model), torch.no_grad():
         logits = model(torch.tensor([target + alone[0]])).logits[0, len(target) - 1 : -1]
     assert torch.equal(bi.token_logprobs(logits, alone[0], TEMP).double(), alone[1])
+
+
+def test_a_trainer_forward_while_the_engine_generates_on_the_same_model(model, prompts, alone):
+    """Async RL: the trainer's forward under enabled(model) on this thread while a mode engine
+    on the same model generates on its own; each gets its own attention (the engine's steps keep
+    the paged one), and both give the bits they give alone."""
+    target, others = prompts
+    tokens, lps = alone[0]
+    config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=400, batch_invariant=True)
+    with acb.Engine(model, config) as eng:
+        handles = [eng.submit(p, GREEDY) for p in others[:40]] + [eng.submit(target, SP)]
+        got = []
+        while not handles[-1].done or len(got) < 2:
+            with bi.enabled(model), torch.no_grad():
+                logits = model(torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
+            got.append(bi.token_logprobs(logits, tokens, TEMP).double())
+        out = handles[-1].result()
+        [h.result() for h in handles]
+    assert all(torch.equal(g, lps) for g in got)
+    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone[0])
+    assert model.config._attn_implementation == "sdpa"

@@ -413,6 +413,12 @@ def set_own_implementation(configs: list[Any], impl: str | None) -> None:
             _OWN[id(c)] = impl
 
 
+def own_implementation(config: Any) -> str | None:
+    """The model's own attention implementation an engine recorded for ``config`` (what its calls
+    outside a step run), or None when no engine holds the model."""
+    return _OWN.get(id(config))
+
+
 def _own_name(config: Any) -> str:
     name = _OWN.get(id(config))
     if name is None:
