@@ -136,3 +136,66 @@ def test_the_scalar_path_gives_an_element_the_same_bits_at_any_position():
 def test_state_layers_without_a_fixed_form_are_refused_by_name(arch, why):
     with pytest.raises(ValueError, match=why):
         acb.Engine(_family(arch), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    from tests.vlm_models import tiny_vlm
+
+    return tiny_vlm("qwen3_vl")  # M-RoPE positions and DeepStack features from the vision tower
+
+
+def _chats():
+    from tests.vlm_models import image, messages
+
+    target = messages([image(1)], "what is this picture about")
+    others = [messages([image(100 + i)] * (1 + i % 2), "describe " + "it " * (i % 7)) for i in range(23)]
+    return target, others
+
+
+def _run_vlm(vlm, chats, **cfg):
+    model, processor = vlm
+    config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=600, batch_invariant=True, cpu_threads=2, **cfg)
+    with acb.Engine(model, config, processor=processor) as eng:
+        eng.pause()
+        handles = [eng.submit(c, SP) for c in chats]
+        eng.resume()
+        outs = [h.result() for h in handles]
+        calls = eng.runner.media.features.tower_calls
+    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], calls
+
+
+def test_images_alone_equal_in_a_batch_chunked_and_the_trainers_forward(vlm):
+    """A request with an image alone, among 23 others with one or two images each (their images
+    in the same steps: an image a tower call), and chunked at 24 tokens (the image's tokens cut);
+    the trainer's forward (pixels, M-RoPE and DeepStack by the model's own code) gives exactly
+    the engine's logprobs."""
+    model, processor = vlm
+    target, others = _chats()
+    (alone,), _ = _run_vlm(vlm, [target])
+    outs, calls = _run_vlm(vlm, [*others, target])
+    assert _same(outs[-1], alone)
+    assert calls == 24  # a call per distinct image (23 others' and the target's)
+    (chunked,), _ = _run_vlm(vlm, [target], max_batch_tokens=24)
+    assert _same(chunked, alone)
+    inputs = processor.apply_chat_template(
+        target, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    tokens, lps = alone
+    n = inputs["input_ids"].shape[1]
+    ids = torch.cat([inputs["input_ids"], torch.tensor([tokens])], 1)
+    kw = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    for k in [k for k in kw if k.endswith("token_type_ids")]:  # the completion's tokens are text
+        kw[k] = torch.cat([kw[k], kw[k].new_zeros(1, len(tokens))], 1)
+    with bi.enabled(model), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).logits
+        assert model.config.vision_config._attn_implementation == "sdpa"  # the tower keeps its own
+    assert torch.equal(bi.token_logprobs(logits[0, n - 1 : -1], tokens, TEMP).double(), lps)
+
+
+def test_images_that_attend_both_ways_are_refused():
+    from tests.vlm_models import tiny_vlm
+
+    model, _ = tiny_vlm("gemma3")
+    with pytest.raises(ValueError, match="both ways"):
+        acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
