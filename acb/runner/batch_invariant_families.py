@@ -88,7 +88,7 @@ def fixed_conv(
 
 
 def _conv_fn(original: Callable[..., Any]) -> Callable[..., Any]:
-    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):  # type: ignore[no-untyped-def]
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         if not _on() or hidden_states.device.type != "cpu":
             return original(hidden_states, weight, bias=bias, activation=activation, **kwargs)
         dtype = hidden_states.dtype
@@ -100,7 +100,7 @@ def _conv_fn(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _conv_update(original: Callable[..., Any]) -> Callable[..., Any]:
-    def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):  # type: ignore[no-untyped-def]
+    def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
         if not _on() or hidden_states.device.type != "cpu":
             return original(hidden_states, conv_state, weight, bias, activation, **kwargs)
         seq_len = hidden_states.shape[-1]
@@ -115,7 +115,7 @@ def _conv_update(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _chunk(original: Callable[..., Any], recurrent: Callable[..., Any]) -> Callable[..., Any]:
-    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, **kwargs):  # type: ignore[no-untyped-def]
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, **kwargs):
         if not _on() or query.device.type != "cpu":
             return original(query, key, value, g, beta, chunk_size, initial_state, **kwargs)
         kwargs.pop("cu_seqlens", None)
@@ -153,7 +153,7 @@ def scalar_path(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **
 class _ScalarPath(torch.overrides.TorchFunctionMode):
     """:data:`_SCALAR_FUNCS` on float32 CPU tensors through :func:`scalar_path`."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SCALAR_FUNCS and args:
             x = args[0]

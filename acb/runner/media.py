@@ -871,8 +871,8 @@ class MediaEmbedder:
             groups.setdefault(sig, []).append(req)
         made: dict[int, Embedded] = {}
         for group in groups.values():
-            alone = self._batches is False or is_on()  # (the batch-invariant mode: each request alone)
-            parts = [group] if len(group) == 1 or not alone else [[r] for r in group]
+            one_by_one = self._batches is False or is_on()  # (the batch-invariant mode: each request alone)
+            parts = [group] if len(group) == 1 or not one_by_one else [[r] for r in group]
             for part in parts:
                 entries = self._capture(part)
                 if len(part) > 1 and self._batches is None:
