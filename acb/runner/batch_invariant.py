@@ -195,6 +195,17 @@ def _install() -> None:
                 torch.nn.functional.grouped_mm = _routed_grouped_mm
 
 
+def _reductions(cuda: bool) -> contextlib.AbstractContextManager[Any]:
+    """The mode's row reductions where tensors are on CUDA (RMSNorm's mean through
+    :class:`acb.runner.batch_invariant_kernels.FixedReductions`, a per-thread dispatch mode), else
+    nothing (on CPU torch's means are per row)."""
+    if not (cuda or KERNEL):
+        return contextlib.nullcontext()
+    from acb.runner.batch_invariant_kernels import FixedReductions
+
+    return FixedReductions(lambda t: t.is_cuda or KERNEL)
+
+
 class Enabled:
     """The mode on the thread that called :func:`enable`, until :meth:`close` (idempotent; call it
     on that thread)."""
@@ -209,6 +220,9 @@ class Enabled:
 
         # state layers' fixed forms, image features an image a call (acb.runner.batch_invariant_families)
         self._forms = TrainerForms(model) if model is not None else None
+        p = next(model.parameters(), None) if model is not None else None
+        self._red = _reductions(p.is_cuda if p is not None else torch.cuda.is_available())
+        self._red.__enter__()  # (CUDA) RMSNorm's mean one program a row
         _TLS.on = True
         self._open = True
 
@@ -216,6 +230,7 @@ class Enabled:
         if self._open:
             self._open = False
             _TLS.on = self._prev
+            self._red.__exit__(None, None, None)
             if self._swap is not None:
                 self._swap.__exit__(None, None, None)
             if self._forms is not None:
@@ -257,7 +272,8 @@ def engine_step(on: bool) -> Iterator[None]:
     prev = getattr(_TLS, "on", False)
     _TLS.on = True
     try:
-        yield
+        with _reductions(torch.cuda.is_available()):
+            yield
     finally:
         _TLS.on = prev
 
@@ -290,8 +306,8 @@ def _pads(mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None,
     seen = m.any(dim=1)  # [B, S]: keys some query attends (padding keys: none)
     pads = [int(p) for p in (~seen).long().cumprod(-1).sum(-1).tolist()]
     ends = [s - int(e) for e in (~seen.flip(-1)).long().cumprod(-1).sum(-1).tolist()]
-    qpos = torch.arange(s - q, s)[:, None]
-    kpos = torch.arange(s)[None, :]
+    qpos = torch.arange(s - q, s, device=m.device)[:, None]
+    kpos = torch.arange(s, device=m.device)[None, :]
     for i, (pad, end) in enumerate(zip(pads, ends)):
         want = (kpos <= qpos) & (kpos >= pad)
         if window:
@@ -367,8 +383,8 @@ def _eager_attention(query, key, value, pads, scale, softcap, window, chunk, sin
     w = (query @ k.transpose(-1, -2)) * scale
     if softcap:
         w = torch.tanh(w / softcap) * softcap
-    qpos = torch.arange(s - q, s)[:, None]
-    kpos = torch.arange(s)[None, :]
+    qpos = torch.arange(s - q, s, device=query.device)[:, None]
+    kpos = torch.arange(s, device=query.device)[None, :]
     allow = []
     for pad in pads:
         a = (kpos <= qpos) & (kpos >= pad)
@@ -393,6 +409,12 @@ class _Attention(torch.autograd.Function):
     def forward(ctx: Any, query, key, value, sinks, pads, scale, softcap, window, chunk):
         ctx.save_for_backward(query, key, value, sinks)
         ctx.args = (pads, scale, softcap, window, chunk)
+        if query.is_cuda or KERNEL:  # the Triton decode kernel, as the Triton backend's fixed-order form
+            from acb.runner.batch_invariant_kernels import whole_sequence_attention
+
+            sinks_c = sinks.contiguous() if sinks is not None else None
+            out = whole_sequence_attention(query, key, value, pads, scale, softcap, window, chunk, sinks_c)
+            return out.to(query.dtype)
         return _kernel_attention(query, key, value, pads, scale, softcap, window, chunk, sinks).to(query.dtype)
 
     @staticmethod
@@ -427,8 +449,8 @@ def attention_forward(
     the whole sequences, as an engine in the mode computes each query (float32 CPU)."""
     from acb.runner.attention import layer_chunk, layer_sinks
 
-    if query.device.type != "cpu":
-        raise ValueError("acb's batch-invariant attention runs on CPU tensors only")
+    if query.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"acb's batch-invariant attention runs on CPU or CUDA tensors, not {query.device.type}")
     if dropout and module.training:
         raise ValueError("acb's batch-invariant attention has no dropout (set the model's attention dropout to 0)")
     b, _, q, d = query.shape
@@ -545,8 +567,10 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return (
-            "the mode's fixed-order kernels run on CPU only (on a GPU its linears and attention would "
-            "need fixed-order Triton kernels, not written yet)"
+            "the engine runs the mode on CPU only for now: its CUDA kernels are written "
+            "(acb.runner.batch_invariant_kernels' fixed-order matmul and row mean, the Triton backend's "
+            "fixed_order attention) but the engine does not select them yet; on a GPU, a trainer's forward "
+            "under acb.runner.batch_invariant.enabled(model) uses them"
         )
     if p.dtype != torch.float32:
         return f"the mode is float32 only (the model is {p.dtype}): its linear path is oneDNN's float32 inner product"

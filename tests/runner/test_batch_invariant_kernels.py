@@ -224,3 +224,54 @@ def test_whole_sequence_attention_equals_the_engines_fixed_order_attention(dtype
         ].transpose(0, 1)
         got = _step(mode, cache, call, [rows[r]], [q], [n - q], query[r].transpose(0, 1), bs)
         assert torch.equal(got, whole[r]), r
+
+
+# --- a trainer's forward on the CUDA path -----------------------------------------------------------
+
+
+def test_trainers_forward_on_the_kernel_path_is_batch_invariant(kernel_form, monkeypatch):
+    """Under ``enabled(model)`` on the CUDA path (every linear the Triton matmul, RMSNorm's mean the
+    row kernel, attention the decode kernel over whole sequences), a sequence's logits have the
+    same bits alone and in a padded batch (right and left padding, other rows of other lengths)."""
+    from acb.models import tiny_model
+
+    model = tiny_model(
+        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, dtype=torch.float32,
+    ).to(DEVICE)  # fmt: skip
+    calls = {"attention": 0, "mean": 0}
+
+    def counted(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(bk, "whole_sequence_attention", counted("attention", bk.whole_sequence_attention))
+    monkeypatch.setattr(bk, "row_mean", counted("mean", bk.row_mean))
+    g = torch.Generator().manual_seed(6)
+    seq = torch.randint(3, 96, (6,), generator=g).tolist()
+    others = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (9, 2)]
+
+    def logits(rows: list[list[int]], left: bool) -> torch.Tensor:
+        w = max(map(len, rows))
+        pad = [[0] * (w - len(r)) for r in rows]
+        ids = torch.tensor([p + r if left else r + p for r, p in zip(rows, pad)], device=DEVICE)
+        mask = torch.tensor(
+            [[0] * len(p) + [1] * len(r) if left else [1] * len(r) + [0] * len(p) for r, p in zip(rows, pad)],
+            device=DEVICE,
+        )
+        with torch.no_grad(), bi.enabled(model):
+            # positions from each row's first token (as acb.integrations.trl's trainer side gives them)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        return out[0, w - len(rows[0]) :] if left else out[0, : len(rows[0])]
+
+    alone = logits([seq], False)
+    assert calls == {"attention": 1, "mean": 3}  # one layer: its attention; its two norms and the final one
+    assert torch.equal(logits([seq, *others], False), alone)
+    assert torch.equal(logits([seq, *others], True), alone)
+    torch.testing.assert_close(
+        alone, model(input_ids=torch.tensor([seq], device=DEVICE)).logits[0], rtol=1e-4, atol=1e-4
+    )
