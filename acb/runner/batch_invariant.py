@@ -614,9 +614,8 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     state = uncovered_state_layer(model)  # (the gated delta rule's have fixed forms: batch_invariant_families)
     if state is not None:
         return (
-            f"state layers ({state}): their chunked scan sums in an order the chunking sets (measured on Mamba2: "
-            "logprobs change with chunking), and the mode has a fixed form for the gated delta rule's only "
-            "(Qwen3.5, Qwen3-Next)"
+            f"state layers ({state}): their chunked scan sums in an order the chunking sets, and the mode has "
+            "fixed forms for the gated delta rule's (Qwen3.5, Qwen3-Next) and Mamba2's (Mamba2, Nemotron-H) only"
         )
     return media_refusal(model)
 

@@ -28,9 +28,17 @@ the same function whatever its position, the call's length, the batch or the thr
 models' activations sit on rows whose length is a multiple of the vector block; the division,
 products, sums and rsqrt are correctly rounded in both paths.)
 
-Other state layers (Mamba/Mamba2's selective scans: Mamba, Falcon-Mamba, Jamba, Nemotron-H;
-MiniMax's lightning attention; LFM's short convolution, Kimi's delta attention) have no such
-form installed: :func:`uncovered_state_layer` names them and the mode refuses them.
+**Mamba2's selective scan** (Mamba2, Nemotron-H: ``mamba2_chunk_scan`` /
+``mamba2_selective_state_update``). The chunk scan (``chunk_size`` tokens from the call's first)
+sums a token's state over the chunks before it in one reduction, so an engine resuming from a state
+and a trainer's whole sequence associate the sums differently. In the mode every token runs the
+decode form's update (:func:`_m2_step`: the state times its decay plus the token's input), the
+read-out of the state a product and a sum over the state size (the decode form's ``bmm`` is the
+library's order), for prefill, decode and a trainer's forward alike.
+
+Other state layers (Mamba1's selective scan: Mamba, Falcon-Mamba, Jamba; MiniMax's lightning
+attention; LFM's short convolution; Kimi's delta attention) have no fixed form installed:
+:func:`uncovered_state_layer` names them and the mode refuses them.
 """
 
 from __future__ import annotations
@@ -183,17 +191,145 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         mode.__exit__(None, None, None)
 
 
+_M2_CHUNK = "mamba2_chunk_scan"
+_M2_STEP = "mamba2_selective_state_update"
+
+
+def _m2_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    z: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of Mamba2's selective scan, as the model's decode form computes it (``x`` ``[b,
+    h, p]``, ``dt`` ``[b, h, p]``, ``A`` ``[h, p, n]``, ``B``/``C`` ``[b, g, n]``), the output's
+    contraction over the state taken as a product and a sum over ``n`` (the decode form's ``bmm``
+    is a matrix product whose order is the library's): ``(output, new state)``, no in-place write."""
+    b, h, _ = x.shape
+    g, n = B.shape[1], B.shape[-1]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt[..., None]
+    dA = torch.exp(dt.float() * A.float())
+    Bh = B.reshape(b, g, 1, n).expand(b, g, h // g, n).reshape(b, h, 1, n)
+    new = state * dA + (dt * Bh) * x[..., None]
+    Ch = C.reshape(b, g, 1, n).expand(b, g, h // g, n).reshape(b, h, 1, n)
+    out = (new.to(Ch.dtype) * Ch).sum(-1)
+    if D is not None:
+        out = (out + x * D).to(out.dtype)
+    if z is not None:
+        out = out * F.silu(z)
+    return out.to(x.dtype), new
+
+
+def _m2_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    def mamba2_selective_state_update(
+        state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs
+    ):
+        if not _on() or hidden_states.device.type != "cpu":
+            return original(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z, **kwargs)
+        out, new = _m2_step(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z)
+        state.copy_(new.to(state.dtype))
+        return out
+
+    mamba2_selective_state_update.acb_fixed = True  # type: ignore[attr-defined]
+    return mamba2_selective_state_update
+
+
+def _m2_chunk(original: Callable[..., Any]) -> Callable[..., Any]:
+    def mamba2_chunk_scan(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        dt_bias=None,
+        initial_states=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+        **kwargs,
+    ):
+        if not _on() or hidden_states.device.type != "cpu":
+            return original(
+                hidden_states,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size,
+                D=D,
+                dt_bias=dt_bias,
+                initial_states=initial_states,
+                dt_softplus=dt_softplus,
+                dt_limit=dt_limit,
+                return_final_states=return_final_states,
+                **kwargs,
+            )
+        b, length, h, p = hidden_states.shape
+        n = B.shape[-1]
+        # each token as the model's decode form takes it (its dt_limit is not applied there either)
+        a = A[:, None, None].expand(-1, p, n)
+        d = D[:, None].expand(-1, p) if D is not None else None
+        bias = dt_bias[:, None].expand(-1, p) if dt_bias is not None else None
+        state = initial_states if initial_states is not None else hidden_states.new_zeros(b, h, p, n)
+        outs = []
+        for t in range(length):
+            dt_t = dt[:, t, :, None].expand(-1, -1, p)
+            out, state = _m2_step(state, hidden_states[:, t], dt_t, a, B[:, t], C[:, t], d, bias, dt_softplus, None)
+            outs.append(out)
+        y = torch.stack(outs, dim=1)
+        return (y, state) if return_final_states else y
+
+    mamba2_chunk_scan.acb_fixed = True  # type: ignore[attr-defined]
+    return mamba2_chunk_scan
+
+
+# the state-layer families the mode has fixed forms for: the model module's function names, each
+# with what the mode puts in its place
+_FAMILIES: dict[str, dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]]] = {
+    "gated delta rule": {
+        _CHUNK: lambda mod, f: _chunk(f, getattr(mod, _RECURRENT)),
+        _RECURRENT: lambda mod, f: f,  # (the model's own: the fixed form)
+        _CONV_FN: lambda mod, f: _conv_fn(f),
+        _CONV_UPDATE: lambda mod, f: _conv_update(f),
+    },
+    "Mamba2": {
+        _M2_CHUNK: lambda mod, f: _m2_chunk(f),
+        _M2_STEP: lambda mod, f: _m2_update(f),
+        _CONV_FN: lambda mod, f: _conv_fn(f),
+        _CONV_UPDATE: lambda mod, f: _conv_update(f),
+    },
+}
+
+
+def _family_of(mod: Any) -> dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] | None:
+    for forms in _FAMILIES.values():
+        if all(callable(getattr(mod, name, None)) for name in forms):
+            return forms
+    return None
+
+
 def _module_of(cls: type) -> Any:
     return sys.modules.get(cls.__module__)
 
 
 def covered_state_layer(cls: type) -> bool:
     """Whether the mode has a fixed form for the state layer class ``cls``: its model module defines
-    the gated delta rule's chunked and recurrent forms and the causal convolution's two."""
+    one family's functions (:data:`_FAMILIES`: the gated delta rule's chunked and recurrent forms,
+    or Mamba2's chunk scan and state update, and the causal convolution's two)."""
     mod = _module_of(cls)
-    return mod is not None and all(
-        callable(getattr(mod, name, None)) for name in (_CHUNK, _RECURRENT, _CONV_FN, _CONV_UPDATE)
-    )
+    return mod is not None and _family_of(mod) is not None
 
 
 def uncovered_state_layer(model: torch.nn.Module) -> str | None:
@@ -223,15 +359,12 @@ def install(model: torch.nn.Module) -> None:
         with _LOCK:
             if mod.__name__ in _INSTALLED:
                 continue
-            recurrent = getattr(mod, _RECURRENT)
-            for name, wrap in (
-                (_CHUNK, lambda f, r=recurrent: _chunk(f, r)),
-                (_CONV_FN, _conv_fn),
-                (_CONV_UPDATE, _conv_update),
-            ):
+            forms = _family_of(mod)
+            assert forms is not None
+            for name, wrap in forms.items():
                 own = getattr(mod, name)
                 if not getattr(own, "acb_fixed", False):
-                    setattr(mod, name, wrap(own))
+                    setattr(mod, name, wrap(mod, own))
             _INSTALLED.add(mod.__name__)
 
 

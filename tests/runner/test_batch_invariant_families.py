@@ -1,8 +1,9 @@
 """The batch-invariant mode beyond dense attention (acb.runner.batch_invariant_families): a hybrid's
-gated-delta-rule state layers (Qwen3.5) give a request the same bits alone, in a batch of 64
-requests of other lengths, chunked at any budget, and after a prefix hit restored from a state
-snapshot; and a trainer's forward under ``enabled(model)`` (whole sequences, left-padded) computes
-exactly the engine's logprobs. Families with no fixed form are refused with the reason."""
+gated-delta-rule state layers (Qwen3.5) and Mamba2's scan give a request the same bits alone, in a
+batch of 64 requests of other lengths, chunked at any budget, and after a prefix hit restored from
+a state snapshot; images go through the vision tower one a call; and a trainer's forward under
+``enabled(model)`` (whole sequences, left-padded) computes exactly the engine's logprobs. Families
+with no fixed form are refused with the reason."""
 
 from __future__ import annotations
 
@@ -132,10 +133,30 @@ def test_the_scalar_path_gives_an_element_the_same_bits_at_any_position():
         pytest.skip("this CPU's vector and scalar sigmoid agree here (nothing to show)")
 
 
-@pytest.mark.parametrize("arch,why", [("mamba2", "Mamba2Mixer"), ("mamba", "MambaMixer")])
-def test_state_layers_without_a_fixed_form_are_refused_by_name(arch, why):
-    with pytest.raises(ValueError, match=why):
-        acb.Engine(_family(arch), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+def test_mamba2_alone_equals_in_a_batch_of_64_chunked_and_the_trainer():
+    """Mamba2's chunk scan (256-token chunks from each call's first token) runs token by token in
+    its decode form in the mode, the state's read-out a product and a sum: the same bits alone,
+    among 63 others, chunked at 100 tokens, and in the trainer's left-padded forward."""
+    model = _family("mamba2")
+    vocab = model.config.vocab_size
+    rng = random.Random(1)
+    target = [rng.randrange(3, vocab) for _ in range(150)]
+    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
+    alone = _run(model, [target])[0]
+    assert _same(_run(model, [*others, target], max_batch_tokens=512)[-1], alone)
+    assert _same(_run(model, [target], max_batch_tokens=100)[0], alone)
+    tokens, lps = alone
+    short = others[0] + [5]
+    ids = torch.tensor([target + tokens, [0] * (len(target) + len(tokens) - len(short)) + short])
+    mask = (ids != 0) | (torch.arange(ids.shape[1]) >= ids.shape[1] - len(short))
+    with bi.enabled(model), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long()).logits
+    assert torch.equal(bi.token_logprobs(logits[0, len(target) - 1 : -1], tokens, TEMP).double(), lps)
+
+
+def test_state_layers_without_a_fixed_form_are_refused_by_name():
+    with pytest.raises(ValueError, match="MambaMixer"):  # Mamba1's selective scan
+        acb.Engine(_family("mamba"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
 
 
 @pytest.fixture(scope="module")
