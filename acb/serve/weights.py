@@ -367,10 +367,13 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                         "weights serve; call /init_weight_transfer again",
                     ) from None
                 received = time.perf_counter() - t0
-                if lora_name is not None:  # (checked whole against the loaded adapter, copied off the buffers)
+                if lora_name is not None:  # (checked whole against the loaded adapter)
+                    # copied off the group's buffers, which the next update reuses (the adapter
+                    # may keep a tensor as it is when its dtype is the adapter's)
+                    owned = [t.clone() for t in tensors]
                     return engine.loras.prepare_update(
                         lora_name,
-                        list(zip(names, tensors)) + [(k, tensors[index[v]]) for k, v in tied.items()],
+                        list(zip(names, owned)) + [(k, owned[index[v]]) for k, v in tied.items()],
                         engine.model,
                         engine.config,
                     )

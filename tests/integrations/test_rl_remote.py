@@ -372,6 +372,34 @@ def test_a_tied_weight_is_sent_once_and_lands_under_both_names(server, checkpoin
     assert greedy(server, PROMPT) == (reference_generate(half.float(), PROMPT, MAX_NEW), "bf16")
 
 
+def test_a_lora_push_in_flight_leaves_the_served_adapter_whole(server, checkpoint):
+    """The group's receive buffers are reused by the next push: an adapter's tensors are copied
+    off them, so while the next adapter push is on the wire (stalled between two buckets) the
+    served adapter still generates its own tokens, and the push then lands."""
+    from peft import get_peft_model
+
+    torch.manual_seed(11)
+    first = get_peft_model(copy.deepcopy(checkpoint.model), lora_config())
+    second = get_peft_model(copy.deepcopy(checkpoint.model), lora_config())
+    during = []
+    with WeightPusher([base(server)], master_port=_free_port(), timeout_s=60, bucket_bytes=1024) as pusher:
+        assert pusher.push(first, version="lora-a", lora="policy") == "lora-a"
+        served = greedy(server, PROMPT, model="policy")
+        real, calls = pusher.group.start_broadcast, []
+
+        def stalling(flat: torch.Tensor):
+            calls.append(1)
+            if len(calls) == 4:  # (three buckets of the next adapter are in the server's buffers)
+                during.append(greedy(server, PROMPT, model="policy"))
+            return real(flat)
+
+        pusher.group.start_broadcast = stalling
+        assert pusher.push(second, version="lora-b", lora="policy") == "lora-b"
+    assert during == [served], (during, served)
+    after = greedy(server, PROMPT, model="policy")
+    assert after[1] == "lora-b" and after[0] != served[0]
+
+
 def grpo_timed(url: str, start, tok, tmp_path, max_staleness: int) -> tuple[list, list, list]:
     """Three GRPO steps with ``PushWeights(max_staleness=...)``, each push stalled 0.4 s between two
     buckets: (each rollout's start, end and the trainer's step then), (each push's start and
