@@ -556,6 +556,12 @@ def check_linear(shapes: list[tuple[int, int]], threads: tuple[int, ...] = (1, 2
     return None
 
 
+def attention_backend(device: torch.device) -> str:
+    """The engine's attention backend in the mode: the Triton backend's fixed-order form on CUDA
+    (and on CPU with :data:`KERNEL`, under the interpreter), else acb's CPU kernel."""
+    return "triton" if device.type == "cuda" or KERNEL else "cpu"
+
+
 def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str | None:
     """None when an engine can run ``model`` in the batch-invariant mode, else why not (the
     engine's start refuses it with this reason)."""
@@ -565,16 +571,20 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     from acb.runner.unpaged_layers import find_unpaged_layers
 
     p = next(model.parameters(), None)
-    if p is None or p.device.type != "cpu":
-        return (
-            "the engine runs the mode on CPU only for now: its CUDA kernels are written "
-            "(acb.runner.batch_invariant_kernels' fixed-order matmul and row mean, the Triton backend's "
-            "fixed_order attention) but the engine does not select them yet; on a GPU, a trainer's forward "
-            "under acb.runner.batch_invariant.enabled(model) uses them"
-        )
-    if p.dtype != torch.float32:
+    if p is None or p.device.type not in ("cpu", "cuda"):
+        return f"the mode runs on CPU or CUDA, not {None if p is None else p.device.type}"
+    kernels = attention_backend(p.device) == "triton"  # CUDA (or KERNEL): acb.runner.batch_invariant_kernels
+    if kernels:
+        if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"the mode's Triton kernels take bf16, fp16 or fp32, not {p.dtype}"
+        if config.attn_backend not in (None, "triton"):
+            return (
+                "on CUDA the mode attends with the Triton backend's fixed-order form, "
+                f"not attn_backend={config.attn_backend!r}"
+            )
+    elif p.dtype != torch.float32:
         return f"the mode is float32 only (the model is {p.dtype}): its linear path is oneDNN's float32 inner product"
-    if config.attn_backend not in (None, "cpu"):
+    elif config.attn_backend not in (None, "cpu"):
         return f"the mode attends with acb's CPU kernel, not attn_backend={config.attn_backend!r}"
     if own_path:
         return "the model runs on its own cache objects (runner='own_cache'), whose attention is the model's own"
@@ -590,7 +600,7 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
         return "LoRA adapters are on (max_loras > 0): their batched products are not covered yet"
     from acb.runner.attention import cpu_backend
 
-    problem = cpu_backend.unavailable_reason()
+    problem = None if kernels else cpu_backend.unavailable_reason()
     if problem is not None:
         return f"acb's CPU attention kernel is not available here ({problem})"
     if latent_modules(model) and config.mla_latent_cache:

@@ -211,8 +211,8 @@ class ModelRunner:
             )
         self.backend = self._checked_backend(config, spec)
         if self.cfg.batch_invariant:  # every query through the fixed-order kernel (checked in resolve_config)
-            if self.cfg.attn_backend != "cpu":
-                raise ValueError("batch_invariant=True: acb's CPU attention kernel failed its start-up check here")
+            if self.cfg.attn_backend not in ("cpu", "triton"):  # (triton: CUDA, acb.runner.batch_invariant_kernels)
+                raise ValueError("batch_invariant=True: the mode's attention backend failed its start-up check here")
             self.backend.fixed_order = True  # type: ignore[attr-defined]
             from acb.runner.batch_invariant_families import install
 
@@ -225,6 +225,8 @@ class ModelRunner:
             and self.unpaged is None
             and self.indexed is None
             and self.latent is None
+            # the mode's Triton path runs eager: a graph's capture is not an engine step in the mode
+            and not (self.cfg.batch_invariant and self.cfg.attn_backend == "triton")
             and paged,
             graph_step=config.q_padding_interval_size or None,
         )

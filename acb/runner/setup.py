@@ -421,12 +421,12 @@ def resolve_config(
     dtype = next(model.parameters()).dtype
     backend = "torch" if own_path else config.attn_backend or default_backend(device, dtype, config.page_size)
     if config.batch_invariant:  # the fixed-order kernels, or a refusal that says why (acb.runner.batch_invariant)
-        from acb.runner.batch_invariant import refusal
+        from acb.runner.batch_invariant import attention_backend, refusal
 
         problem = refusal(model, config, own_path)
         if problem is not None:
             raise ValueError(f"batch_invariant=True cannot run {type(model).__name__}: {problem}")
-        backend = "cpu"
+        backend = attention_backend(device)
     from acb.runner.indexed import indexer_modules
     from acb.runner.latent import latent_modules
 
