@@ -192,13 +192,13 @@ def test_the_flag_reaches_the_engine_config():
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
 def test_mla_and_moe_alone_equal_a_batch_of_64_and_the_trainer(arch):
     """A DeepSeek-V3-shaped MLA model (dense MLPs: its MoE router is refused) and a Qwen3-MoE
-    (transformers' grouped_mm experts): a 150-token request alone, in a batch of 64 and at 1
+    (transformers' grouped_mm experts): a 100-token request alone, in a batch of 64 and at 1
     thread gives the same bits, and the trainer's forward under enabled(model) the same logprobs."""
     model = _family(arch, dense=arch == "deepseek_v3")
     vocab = model.config.vocab_size
     rng = random.Random(0)
-    target = [rng.randrange(3, vocab) for _ in range(150)]
-    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
+    target = [rng.randrange(3, vocab) for _ in range(100)]
+    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(63)]
     (alone,), _ = _run(model, [target], [SP])
     outs, _ = _run(model, [*others, target], [GREEDY] * 63 + [SP])
     assert _same(outs[-1], alone)
