@@ -28,6 +28,11 @@ the log-softmax of the logits after the processors (penalties, temperature, top-
 the distribution each token was drawn from, per token and per sample of ``n``; with neither
 top-k nor top-p (nor penalties) that is exactly what a trainer computes from ``logits /
 temperature`` on the same weights, so importance ratios start at 1.
+
+To the bit: with ``ContinuousBatchingConfig(batch_invariant=True)`` as ``use_acb``'s config, the
+trainer's own per-token logprobs are computed with the engine's fixed-order ops
+(:func:`match_sampler`, installed for the trainer's life), so they equal the sampler's exactly;
+with remote rollouts (``acb serve --batch-invariant``), call :func:`match_sampler` yourself.
 """
 
 from __future__ import annotations
