@@ -38,7 +38,12 @@ and oneDNN 3.12; :func:`check_linear` repeats the linear measurement on the mach
   experts, a shared expert's one-value gate) depends on the token count: :func:`refusal` refuses
   such gates. Widths that are multiples of 32 (hidden and MLP sizes, head dims) never reach it.
 
-Float32 on CPU only: :func:`refusal` names what the mode does not cover.
+On CUDA (bf16, fp16 or fp32) the same roles are played by :mod:`acb.runner.batch_invariant_kernels`:
+a fixed-order Triton matmul for every linear, a per-row mean for RMSNorm (torch's CUDA mean lays
+out a row's sum by the row count), the Triton attention backend's fixed-order form in the engine
+(every query through the decode kernel with one split) and the same kernel over whole sequences
+for a trainer; decode graphs are off in the mode there. :func:`refusal` names what the mode does
+not cover.
 """
 
 from __future__ import annotations

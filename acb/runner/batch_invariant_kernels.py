@@ -31,7 +31,10 @@ Also here, for the rest of a forward on CUDA:
   kernel with one split, one query a program: the bits ``TritonBackend(fixed_order=True)`` gives
   each query over an engine's paged cache.
 
-Not yet selected by the engine on CUDA (``acb.runner.batch_invariant.refusal`` says so).
+An engine with ``batch_invariant=True`` on CUDA runs them (:mod:`acb.runner.batch_invariant`:
+``linear``, ``engine_step``/``enabled`` and the transformers attention function), eager (no decode
+graphs in the mode yet). Tests run them under the interpreter on CPU with
+``acb.runner.batch_invariant.KERNEL = True``.
 """
 
 from __future__ import annotations
