@@ -32,7 +32,7 @@ products, sums and rsqrt are correctly rounded in both paths.)
 ``mamba2_selective_state_update``). The chunk scan (``chunk_size`` tokens from the call's first)
 sums a token's state over the chunks before it in one reduction, so an engine resuming from a state
 and a trainer's whole sequence associate the sums differently. In the mode every token runs the
-decode form's update (:func:`_m2_step`: the state times its decay plus the token's input), the
+decode form's update (:func:`_m2_inputs`, :func:`_m2_read`: the state times its decay plus the token's input), the
 read-out of the state a product and a sum over the state size (the decode form's ``bmm`` is the
 library's order), for prefill, decode and a trainer's forward alike.
 
@@ -195,39 +195,41 @@ _M2_CHUNK = "mamba2_chunk_scan"
 _M2_STEP = "mamba2_selective_state_update"
 
 
-def _m2_step(
-    state: torch.Tensor,
+def _m2_inputs(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
     B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     dt_softplus: bool,
-    z: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of Mamba2's selective scan, as the model's decode form computes it (``x`` ``[b,
-    h, p]``, ``dt`` ``[b, h, p]``, ``A`` ``[h, p, n]``, ``B``/``C`` ``[b, g, n]``), the output's
-    contraction over the state taken as a product and a sum over ``n`` (the decode form's ``bmm``
-    is a matrix product whose order is the library's): ``(output, new state)``, no in-place write."""
-    b, h, _ = x.shape
-    g, n = B.shape[1], B.shape[-1]
+    """Mamba2's per-token decay and input, as the model's decode form computes them, for tokens
+    in any leading dimensions (``x`` ``[..., h, p]``, ``dt`` ``[..., h, p]``, ``A`` ``[h, p, n]``,
+    ``B`` ``[..., g, n]``): ``(exp(dt A), dt B x)``, ``[..., h, p, n]`` each. Element-wise only
+    (the scalar path gives an element its bits wherever it sits), so a prompt's tokens at once
+    give what one token a call gives."""
+    *lead, h, _ = x.shape
+    g, n = B.shape[-2], B.shape[-1]
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
         dt = F.softplus(dt)
     dt = dt[..., None]
     dA = torch.exp(dt.float() * A.float())
-    Bh = B.reshape(b, g, 1, n).expand(b, g, h // g, n).reshape(b, h, 1, n)
-    new = state * dA + (dt * Bh) * x[..., None]
+    Bh = B.reshape(*lead, g, 1, n).expand(*lead, g, h // g, n).reshape(*lead, h, 1, n)
+    return dA, (dt * Bh) * x[..., None]
+
+
+def _m2_read(state: torch.Tensor, x: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
+    """One token's output from its new state ``[b, h, p, n]``: the state times ``C`` summed over
+    ``n`` (a product and a sum: the decode form's ``bmm`` is the library's order), plus ``D x``."""
+    b, h, _ = x.shape
+    g, n = C.shape[1], C.shape[-1]
     Ch = C.reshape(b, g, 1, n).expand(b, g, h // g, n).reshape(b, h, 1, n)
-    out = (new.to(Ch.dtype) * Ch).sum(-1)
+    out = (state.to(Ch.dtype) * Ch).sum(-1)
     if D is not None:
         out = (out + x * D).to(out.dtype)
-    if z is not None:
-        out = out * F.silu(z)
-    return out.to(x.dtype), new
+    return out
 
 
 def _m2_update(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -236,9 +238,13 @@ def _m2_update(original: Callable[..., Any]) -> Callable[..., Any]:
     ):
         if not _on() or hidden_states.device.type != "cpu":
             return original(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z, **kwargs)
-        out, new = _m2_step(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z)
+        dA, dBx = _m2_inputs(hidden_states, dt, A, B, dt_bias, dt_softplus)
+        new = state * dA + dBx
         state.copy_(new.to(state.dtype))
-        return out
+        out = _m2_read(new, hidden_states, C, D)
+        if z is not None:
+            out = out * F.silu(z)
+        return out.to(hidden_states.dtype)
 
     mamba2_selective_state_update.acb_fixed = True  # type: ignore[attr-defined]
     return mamba2_selective_state_update
@@ -278,16 +284,22 @@ def _m2_chunk(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         b, length, h, p = hidden_states.shape
         n = B.shape[-1]
-        # each token as the model's decode form takes it (its dt_limit is not applied there either)
-        a = A[:, None, None].expand(-1, p, n)
+        # the tokens as the decode form takes them (its dt_limit is not applied there either): the
+        # element-wise inputs at once, then the state a token at a time
+        dA, dBx = _m2_inputs(
+            hidden_states,
+            dt[..., None].expand(-1, -1, -1, p),
+            A[:, None, None].expand(-1, p, n),
+            B,
+            dt_bias[:, None].expand(-1, p) if dt_bias is not None else None,
+            dt_softplus,
+        )
         d = D[:, None].expand(-1, p) if D is not None else None
-        bias = dt_bias[:, None].expand(-1, p) if dt_bias is not None else None
         state = initial_states if initial_states is not None else hidden_states.new_zeros(b, h, p, n)
         outs = []
         for t in range(length):
-            dt_t = dt[:, t, :, None].expand(-1, -1, p)
-            out, state = _m2_step(state, hidden_states[:, t], dt_t, a, B[:, t], C[:, t], d, bias, dt_softplus, None)
-            outs.append(out)
+            state = state * dA[:, t] + dBx[:, t]
+            outs.append(_m2_read(state, hidden_states[:, t], C[:, t], d).to(hidden_states.dtype))
         y = torch.stack(outs, dim=1)
         return (y, state) if return_final_states else y
 
