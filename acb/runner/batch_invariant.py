@@ -626,6 +626,16 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
 
     if find_unpaged_layers(model):
         return "unpaged layers (DeepSeek V4's compressed attention caches): not covered yet"
+    if kernels:  # what the CUDA path has not been built or checked for
+        from acb.runner.linear_state import linear_layers
+        from acb.runner.media import takes_media
+
+        if latent_modules(model):
+            return "on CUDA, multi-head latent attention (MLA): its expanded heads' widths are not covered yet"
+        if linear_layers(model):
+            return "on CUDA, state layers: their fixed forms (batch_invariant_families) are CPU-checked only"
+        if takes_media(model):
+            return "on CUDA, image inputs: the vision encoder's fixed form is CPU-checked only"
     state = uncovered_state_layer(model)  # (the gated delta rule's have fixed forms: batch_invariant_families)
     if state is not None:
         return (

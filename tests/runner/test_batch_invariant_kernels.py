@@ -315,3 +315,22 @@ def test_engine_on_the_kernel_path_alone_equals_batched_chunked_and_the_trainer(
         logits = model(input_ids=ids).logits[0, len(target) - 1 : -1]
     got = bi.token_logprobs(logits, alone.generated_tokens, 0.9)
     assert torch.equal(got, torch.tensor(alone.logprobs, dtype=got.dtype))
+
+
+def test_what_the_cuda_path_does_not_cover_is_refused(kernel_form):
+    """On the CUDA path the mode refuses what only its CPU path covers (MLA's expanded heads, the
+    state layers' fixed forms), and dtypes its kernels do not take, with the reason."""
+    from transformers import AutoModelForCausalLM
+
+    import acb
+    from acb.bench.families import tiny_config
+    from acb.models import tiny_model
+
+    config = acb.ContinuousBatchingConfig(batch_invariant=True)
+    mla = tiny_config("deepseek_v3")
+    mla.first_k_dense_replace = mla.num_hidden_layers  # (its MoE router is refused on every path)
+    mamba = tiny_config("mamba2")
+    for cfg, why in ((mla, "on CUDA, multi-head latent"), (mamba, "on CUDA, state layers")):
+        assert why in (bi.refusal(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), config) or "")
+    assert "bf16, fp16 or fp32" in bi.refusal(tiny_model("llama", dtype=torch.float64), config)
+    assert bi.refusal(tiny_model("llama", dtype=torch.bfloat16), config) is None
