@@ -261,6 +261,7 @@ OPTIONAL = {
     "triton": {
         "acb.runner.attention.triton_kernels",
         "acb.runner.lora_kernels",  # LoRA's shrink/expand kernels (acb.runner.lora's kernel form)
+        "acb.runner.batch_invariant_kernels",  # the batch-invariant mode's fixed-order matmul and row mean (CUDA)
         "acb.structured",
     },  # acb.structured: only to ask whether xgrammar's GPU bitmask kernel can run
     "matplotlib": {"acb.bench.report"},
