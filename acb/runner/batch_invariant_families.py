@@ -36,9 +36,14 @@ decode form's update (:func:`_m2_inputs`, :func:`_m2_read`: the state times its 
 read-out of the state a product and a sum over the state size (the decode form's ``bmm`` is the
 library's order), for prefill, decode and a trainer's forward alike.
 
-Other state layers (Mamba1's selective scan: Mamba, Falcon-Mamba, Jamba; MiniMax's lightning
-attention; LFM's short convolution; Kimi's delta attention) have no fixed form installed:
-:func:`uncovered_state_layer` names them and the mode refuses them.
+**Mamba1's selective scan** (Mamba, Falcon-Mamba, Jamba: ``mamba_selective_scan`` /
+``mamba_selective_state_update``) the same way: every token through the decode form's update, the
+read-out a product and a sum; the layer's ``dt_proj.weight @ x`` (a matrix product outside
+``F.linear``) goes through the mode's linear, a token a row.
+
+Other state layers (MiniMax's lightning attention, LFM's short convolution, Kimi's delta
+attention) have no fixed form installed: :func:`uncovered_state_layer` names them and the mode
+refuses them.
 """
 
 from __future__ import annotations
@@ -158,11 +163,26 @@ def scalar_path(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **
     return fn(wide[..., 0], *args, **kwargs)
 
 
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+
 class _ScalarPath(torch.overrides.TorchFunctionMode):
-    """:data:`_SCALAR_FUNCS` on float32 CPU tensors through :func:`scalar_path`."""
+    """:data:`_SCALAR_FUNCS` on float32 CPU tensors through :func:`scalar_path`; a 2-D weight times
+    a batch of columns (Mamba1's ``dt_proj.weight @ x``) through the mode's linear, a token a row."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _MATMULS and len(args) == 2 and not kwargs:
+            w, x = args
+            if (
+                isinstance(w, torch.Tensor)
+                and isinstance(x, torch.Tensor)
+                and w.dim() == 2
+                and x.dim() == 3
+                and w.dtype == x.dtype == torch.float32
+                and w.device.type == x.device.type == "cpu"
+            ):
+                return F.linear(x.transpose(1, 2), w).transpose(1, 2)
         if func in _SCALAR_FUNCS and args:
             x = args[0]
             if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
@@ -307,12 +327,107 @@ def _m2_chunk(original: Callable[..., Any]) -> Callable[..., Any]:
     return mamba2_chunk_scan
 
 
+_M1_SCAN = "mamba_selective_scan"
+_M1_STEP = "mamba_selective_state_update"
+
+
+def _m1_inputs(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba1's per-token decay and input as its decode form computes them (``x``, ``dt`` ``[...,
+    d]``, ``A`` ``[d, n]``, ``B`` ``[..., n]``): ``[..., d, n]`` each, element-wise only."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if softplus:
+        dt = F.softplus(dt)
+    dA = torch.exp(dt.float()[..., None] * A.float())
+    return dA, (dt.float()[..., None] * B.float()[..., None, :]) * x.float()[..., None]
+
+
+def _m1_read(
+    state: torch.Tensor, x: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
+) -> torch.Tensor:
+    """One token's output from its new state ``[b, d, n]``: times ``C`` summed over ``n`` (not the
+    decode form's matmul), plus ``D x``, gated by SiLU(``z``)."""
+    out = (state.to(C.dtype) * C[:, None, :]).sum(-1)
+    if D is not None:
+        out = out + x * D
+    if z is not None:
+        out = out * F.silu(z)
+    return out
+
+
+def _m1_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    def mamba_selective_state_update(
+        state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs
+    ):
+        if not _on() or hidden_states.device.type != "cpu":
+            return original(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z, **kwargs)
+        dA, dBx = _m1_inputs(hidden_states, dt, A, B, dt_bias, dt_softplus)
+        new = state.float() * dA + dBx
+        state.copy_(new.to(state.dtype))
+        return _m1_read(new, hidden_states, C, D, z).to(hidden_states.dtype)
+
+    mamba_selective_state_update.acb_fixed = True  # type: ignore[attr-defined]
+    return mamba_selective_state_update
+
+
+def _m1_scan(original: Callable[..., Any]) -> Callable[..., Any]:
+    def mamba_selective_scan(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        D=None,
+        z=None,
+        delta_bias=None,
+        delta_softplus=False,
+        return_last_state=False,
+        **kwargs,
+    ):
+        if not _on() or hidden_states.device.type != "cpu":
+            return original(
+                hidden_states,
+                dt,
+                A,
+                B,
+                C,
+                D=D,
+                z=z,
+                delta_bias=delta_bias,
+                delta_softplus=delta_softplus,
+                return_last_state=return_last_state,
+                **kwargs,
+            )
+        b, d, length = hidden_states.shape
+        x = hidden_states.transpose(1, 2)  # [b, L, d]
+        dA, dBx = _m1_inputs(x, dt.transpose(1, 2), A, B.transpose(1, 2), delta_bias, delta_softplus)
+        state = hidden_states.new_zeros(b, d, A.shape[-1], dtype=torch.float32)  # (the scan takes no state)
+        outs = []
+        for t in range(length):
+            state = state * dA[:, t] + dBx[:, t]
+            zt = z[:, :, t] if z is not None else None
+            outs.append(_m1_read(state, x[:, t], C[:, :, t], D, zt).to(hidden_states.dtype))
+        y = torch.stack(outs, dim=-1)
+        return (y, state) if return_last_state else y
+
+    mamba_selective_scan.acb_fixed = True  # type: ignore[attr-defined]
+    return mamba_selective_scan
+
+
 # the state-layer families the mode has fixed forms for: the model module's function names, each
 # with what the mode puts in its place
 _FAMILIES: dict[str, dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]]] = {
     "gated delta rule": {
         _CHUNK: lambda mod, f: _chunk(f, getattr(mod, _RECURRENT)),
         _RECURRENT: lambda mod, f: f,  # (the model's own: the fixed form)
+        _CONV_FN: lambda mod, f: _conv_fn(f),
+        _CONV_UPDATE: lambda mod, f: _conv_update(f),
+    },
+    "Mamba1": {
+        _M1_SCAN: lambda mod, f: _m1_scan(f),
+        _M1_STEP: lambda mod, f: _m1_update(f),
         _CONV_FN: lambda mod, f: _conv_fn(f),
         _CONV_UPDATE: lambda mod, f: _conv_update(f),
     },
@@ -339,7 +454,7 @@ def _module_of(cls: type) -> Any:
 def covered_state_layer(cls: type) -> bool:
     """Whether the mode has a fixed form for the state layer class ``cls``: its model module defines
     one family's functions (:data:`_FAMILIES`: the gated delta rule's chunked and recurrent forms,
-    or Mamba2's chunk scan and state update, and the causal convolution's two)."""
+    or Mamba1's or Mamba2's scan and state update, and the causal convolution's two)."""
     mod = _module_of(cls)
     return mod is not None and _family_of(mod) is not None
 

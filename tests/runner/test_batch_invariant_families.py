@@ -1,5 +1,5 @@
 """The batch-invariant mode beyond dense attention (acb.runner.batch_invariant_families): a hybrid's
-gated-delta-rule state layers (Qwen3.5) and Mamba2's scan give a request the same bits alone, in a
+gated-delta-rule state layers (Qwen3.5) and Mamba1/Mamba2's scans give a request the same bits alone, in a
 batch of 64 requests of other lengths, chunked at any budget, and after a prefix hit restored from
 a state snapshot; images go through the vision tower one a call; and a trainer's forward under
 ``enabled(model)`` (whole sequences, left-padded) computes exactly the engine's logprobs. Families
@@ -133,11 +133,13 @@ def test_the_scalar_path_gives_an_element_the_same_bits_at_any_position():
         pytest.skip("this CPU's vector and scalar sigmoid agree here (nothing to show)")
 
 
-def test_mamba2_alone_equals_in_a_batch_of_64_chunked_and_the_trainer():
-    """Mamba2's chunk scan (256-token chunks from each call's first token) runs token by token in
-    its decode form in the mode, the state's read-out a product and a sum: the same bits alone,
-    among 63 others, chunked at 100 tokens, and in the trainer's left-padded forward."""
-    model = _family("mamba2")
+@pytest.mark.parametrize("arch", ["mamba2", "mamba"])
+def test_mamba_alone_equals_in_a_batch_of_64_chunked_and_the_trainer(arch):
+    """Mamba2's chunk scan (256-token chunks from each call's first token) and Mamba1's selective
+    scan run token by token in their decode forms in the mode, the state's read-out a product and a
+    sum (Mamba1's ``dt_proj.weight @ x`` the mode's linear): the same bits alone, among 63 others,
+    chunked at 100 tokens, and in the trainer's left-padded forward."""
+    model = _family(arch)
     vocab = model.config.vocab_size
     rng = random.Random(1)
     target = [rng.randrange(3, vocab) for _ in range(150)]
@@ -155,8 +157,8 @@ def test_mamba2_alone_equals_in_a_batch_of_64_chunked_and_the_trainer():
 
 
 def test_state_layers_without_a_fixed_form_are_refused_by_name():
-    with pytest.raises(ValueError, match="MambaMixer"):  # Mamba1's selective scan
-        acb.Engine(_family("mamba"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+    with pytest.raises(ValueError, match="Lfm2ShortConv"):  # LFM2's short convolution alone
+        acb.Engine(_family("lfm2"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
 
 
 @pytest.fixture(scope="module")
