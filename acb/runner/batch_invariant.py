@@ -613,13 +613,8 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
             "mla_latent_cache=True: the latent's absorbed products are batched matrix products over the step's "
             "tokens; the mode pages MLA's expanded heads (leave mla_latent_cache unset)"
         )
-    gate = _sigmoid_gate(model)
-    if gate is not None:
-        return (
-            f"its {gate} applies an element-wise sigmoid over a few values per token: torch computes the last "
-            "elements of such a call on its scalar path, whose last bits differ, so a token's gate depends on "
-            "how many tokens share the call"
-        )
+    # (element-wise sigmoid gates over a few values per token, which torch computes on its scalar path
+    # at a call's tail: batch_invariant_families.gate_modules takes them through the scalar path always)
     if indexer_modules(model):
         return "indexed sparse attention (DSA): its indexers' products are not covered yet"
     from acb.runner.batch_invariant_families import media_refusal, uncovered_state_layer

@@ -469,19 +469,45 @@ def uncovered_state_layer(model: torch.nn.Module) -> str | None:
     return None
 
 
+def gate_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose forward applies an element-wise sigmoid over a few values per token: an
+    MoE block whose router scores by sigmoid (a child with ``e_score_correction_bias``: DeepSeek-V3,
+    GLM, Nemotron-H), a block with a shared expert's one-value gate (``shared_expert_gate``:
+    Qwen3-Next, Qwen2-MoE), Llama 4's router. In the mode their element-wise ops take the scalar
+    path (:func:`install`), so a token's gate no longer depends on the call's length."""
+    cfg: Any = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    llama4 = text is not None and str(getattr(text, "model_type", "")).startswith("llama4")
+    found: dict[int, torch.nn.Module] = {}
+    for m in model.modules():
+        for name, child in m.named_children():
+            if hasattr(child, "e_score_correction_bias") or name == "shared_expert_gate":
+                found[id(m)] = m  # (the block: its forward applies the sigmoid)
+                found[id(child)] = child
+            elif llama4 and type(child).__name__.endswith("Router"):
+                found[id(child)] = child
+    return list(found.values())
+
+
+def _hook(module: torch.nn.Module) -> None:
+    if not getattr(module, "_acb_scalar_path", False):
+        module.register_forward_pre_hook(_pre_hook)
+        module.register_forward_hook(_post_hook, always_call=True)
+        module._acb_scalar_path = True  # type: ignore[assignment]
+
+
 def install(model: torch.nn.Module) -> None:
     """Route the model's state layers' functions to the fixed forms on threads with the mode on
     (once per model module; idempotent; elsewhere the model's own run, unchanged)."""
     from acb.runner.linear_state import linear_layers
 
+    for gate in gate_modules(model):
+        _hook(gate)
     for layer in linear_layers(model):
         cls = type(layer)
         if not covered_state_layer(cls):
             continue
-        if not getattr(layer, "_acb_scalar_path", False):  # the layer's own element-wise ops
-            layer.register_forward_pre_hook(_pre_hook)
-            layer.register_forward_hook(_post_hook, always_call=True)
-            layer._acb_scalar_path = True
+        _hook(layer)  # the layer's own element-wise ops
         mod = _module_of(cls)
         with _LOCK:
             if mod.__name__ in _INSTALLED:

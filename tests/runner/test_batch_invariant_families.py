@@ -222,3 +222,35 @@ def test_images_that_attend_both_ways_are_refused():
     model, _ = tiny_vlm("gemma3")
     with pytest.raises(ValueError, match="both ways"):
         acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_sigmoid_gates_give_a_token_its_bits_whatever_the_calls_length(arch):
+    """An MoE block's sigmoid over a few values per token (DeepSeek-V3's router over 4 experts,
+    Qwen3-Next's one-value shared-expert gate): a token last in a call of its length sits in torch's
+    scalar tail; in the mode (the block's element-wise ops on the scalar path) its output is the
+    one it gets among 60 tokens (without the scalar path, measured: 4 and 7 of 200 tokens differ).
+    The engine then runs these models (MLA with a sigmoid router; a gated-delta-rule hybrid with
+    a shared-expert gate): alone = in a batch of 64 = the trainer's forward."""
+    model = _family(arch)
+    block = next(m for m in fam.gate_modules(model) if any(True for _ in m.children()))
+    x = torch.randn(1, 60, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    fam.install(model)
+
+    def out(n):
+        y = block(x[:, :n])
+        return (y[0] if isinstance(y, tuple) else y)[0]
+
+    with bi.enabled(model), torch.no_grad():
+        whole = out(60)
+        assert all(torch.equal(out(k + 1)[k], whole[k]) for k in range(60))
+    rng = random.Random(2)
+    vocab = model.config.vocab_size
+    target = [rng.randrange(3, vocab) for _ in range(150)]
+    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
+    alone = _run(model, [target])[0]
+    assert _same(_run(model, [*others, target], max_batch_tokens=512)[-1], alone)
+    tokens, lps = alone
+    with bi.enabled(model), torch.no_grad():
+        logits = model(torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
+    assert torch.equal(bi.token_logprobs(logits, tokens, TEMP).double(), lps)
