@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,7 +114,7 @@ class TransferGroup:
     timeout_s: float = DEFAULT_TIMEOUT_S
     # CPU buffers kept for the group's life (see send and receive)
     _send_buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
-    _receive_pool: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _receive_pool: list[list[torch.Tensor]] = field(default_factory=list, repr=False)
 
     @classmethod
     def join(
@@ -218,14 +218,18 @@ class TransferGroup:
         dtypes: Sequence[torch.dtype],
         bucket_bytes: int,
         on_bucket: Callable[[int], None] | None = None,
+        busy: Collection[int] = (),
     ) -> Iterator[torch.Tensor]:
         """Another rank: the tensors rank 0 broadcasts, in order, as views of the group's receive
-        buffers (one per bucket; on CPU kept for the group's life and reused by the next update,
+        buffers (one per bucket; on CPU kept for the group's life and reused by a later update,
         so the views are valid until then). Bucket k+1's receive is already under way while the
-        caller takes bucket k's tensors. ``on_bucket(k)``: called once bucket k arrived."""
+        caller takes bucket k's tensors. ``on_bucket(k)``: called once bucket k arrived.
+        ``busy``: storage addresses in use elsewhere (weights rebound to a former update's
+        buffers): a set of buffers one of which is busy is not received into; the group keeps
+        two sets at most, so that updates alternate between them."""
         plan = buckets(shapes, dtypes, bucket_bytes)
         sizes = [sum(nbytes(shapes[i], dtypes[i]) for i in b) for b in plan]
-        flats = self._receive_buffers(sizes)
+        flats = self._receive_buffers(sizes, busy)
         works: list[Any] = []
         for k, b in enumerate(plan):
             while len(works) < min(k + 2, len(plan)):  # (this bucket's and the next one's)
@@ -239,16 +243,22 @@ class TransferGroup:
                 yield flats[k][at : at + n].view(dtypes[i]).reshape(tuple(shapes[i]))
                 at += n
 
-    def _receive_buffers(self, sizes: Sequence[int]) -> list[torch.Tensor]:
-        """One byte buffer per bucket: on CPU the group's own, reused while the sizes fit (a fresh
-        one costs its page faults: about as much as the wire on loopback); on CUDA fresh ones
-        (the caching allocator reuses its memory)."""
+    def _receive_buffers(self, sizes: Sequence[int], busy: Collection[int] = ()) -> list[torch.Tensor]:
+        """One byte buffer per bucket: on CPU a set of the group's own, reused while the sizes fit
+        (a fresh one costs its page faults: about as much as the wire on loopback) and none of its
+        buffers is ``busy``; at most two sets are kept; on CUDA fresh ones (the caching allocator
+        reuses its memory)."""
         if self.device.type != "cpu":
             return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        if [int(f.numel()) for f in self._receive_pool] != list(sizes):
-            self._receive_pool = []  # (the old ones freed before the new ones are made)
-            self._receive_pool = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-        return self._receive_pool
+        # (the old sets freed before new ones are made; a busy set lives on in what uses it)
+        self._receive_pool = [p for p in self._receive_pool if [int(f.numel()) for f in p] == list(sizes)]
+        for flats in self._receive_pool:
+            if not any(f.untyped_storage().data_ptr() in busy for f in flats):
+                return flats
+        self._receive_pool = self._receive_pool[-1:]
+        flats = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        self._receive_pool.append(flats)
+        return flats
 
     # the handshake -------------------------------------------------------------
     def verdict(self, seq: int, error: str | None) -> None:

@@ -5,7 +5,8 @@ An update is atomic. :func:`check_specs` and :func:`stage` check every name, sha
 against the model before anything is written. The tensors are staged: copied to the model's
 device and dtype, apart from the weights, off the engine thread (a receiver fills them, or a
 checkpoint is read into them). Only then does :meth:`Staged.swap` copy them into the weights, on
-the engine thread, between two steps, under ``torch.no_grad``. A bad update leaves the weights as
+the engine thread, between two steps, under ``torch.no_grad`` (or, for a receiver's buffers on
+CPU, rebinds the weights to them: :class:`Borrowed`). A bad update leaves the weights as
 they were and raises :class:`WeightUpdateError` naming what was wrong:
 
 - an unknown name, a shape that differs, a dtype of another kind (an integer for a float);
@@ -50,6 +51,7 @@ __all__ = [
     "model_names",
     "read_checkpoint",
     "stage",
+    "storage_ptrs",
     "weight_targets",
 ]
 
@@ -103,14 +105,23 @@ class Staged:
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (the weight, its new value)
     names: list[str]
+    # the weights take the values' storage (``weight.data = value``) instead of a copy of them:
+    # only a :class:`Borrowed` update whose every value fits as it is, on CPU (:func:`stage`)
+    rebind: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for _, t in self.pairs)
 
     def swap(self) -> None:
-        """Write the new values into the weights (engine thread, between two steps)."""
+        """Put the new values in the weights (engine thread, between two steps): a copy into each,
+        or, when :attr:`rebind`, each weight's data rebound to its value (the same objects, a tied
+        weight's names one object; the values' owner must not write them again)."""
         with torch.no_grad():
+            if self.rebind:
+                for weight, value in self.pairs:
+                    weight.data = value
+                return
             for weight, value in self.pairs:
                 weight.copy_(value)
 
@@ -188,7 +199,15 @@ class Borrowed(list[tuple[str, torch.Tensor]]):
     """``(name, tensor)`` pairs whose tensors their owner leaves untouched until the update is
     swapped in (a receiver's buffers): :func:`stage` keeps those on the weight's device as they
     are, rather than copy them; the swap's one copy casts another float dtype (a trainer's
-    bfloat16 into a server's float32) as the staging copy would have."""
+    bfloat16 into a server's float32) as the staging copy would have.
+
+    On CPU, when every tensor already has its weight's dtype, shape and device, the swap copies
+    nothing: the weights are rebound to the tensors (:attr:`Staged.rebind`), which from then on
+    are the weights', so their owner must not write them again while a weight uses their storage
+    (the transfer group receives the next update into other buffers: see ``busy`` in
+    :meth:`acb.weight_transfer.TransferGroup.receive`). Not on CUDA (the decode graphs hold the
+    weights' addresses), nor for a value of another dtype (cast by the copy), nor where two
+    weights would share one value or one weight's storage holds another's."""
 
 
 def stage(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Staged:
@@ -217,7 +236,41 @@ def stage(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> 
             value = torch.empty_like(target)
             value.copy_(tensor.detach())
         pairs.append((target, value))
-    return Staged(pairs, [n for n, _ in items])
+    return Staged(pairs, [n for n, _ in items], rebind=borrowed and _rebinds(pairs))
+
+
+def _rebinds(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether a borrowed update's weights can take its values' storage as they are: on CPU, each
+    value of its weight's dtype and shape; no two weights (a tied one is one object) overlapping
+    in memory, as views of one tensor would (a rebind would part them), and no two values (one
+    value under two weights' names: a rebind would join them); disjoint parts of one storage, as
+    a rebound update's are, are fine."""
+    for weight, value in pairs:
+        if weight.device.type != "cpu" or value.device != weight.device:
+            return False
+        if value.dtype != weight.dtype or value.shape != weight.shape:
+            return False
+    return bool(pairs) and _apart([w for w, _ in pairs]) and _apart([v for _, v in pairs])
+
+
+def _apart(tensors: list[torch.Tensor]) -> bool:
+    """Whether no two of ``tensors`` overlap in memory (parts of one storage may: disjoint ones)."""
+    spans = []
+    for t in tensors:
+        if t.numel():
+            start = t.storage_offset() * t.element_size()
+            last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            spans.append((t.untyped_storage().data_ptr(), start, start + (last + 1) * t.element_size()))
+    spans.sort()
+    return all(
+        ptr != next_ptr or next_start >= end for (ptr, _, end), (next_ptr, next_start, _) in zip(spans, spans[1:])
+    )
+
+
+def storage_ptrs(model: torch.nn.Module) -> set[int]:
+    """The addresses of the storages the model's weights (parameters and buffers) use: what a
+    receiver must not write into while they serve (a rebound update's buffers)."""
+    return {t.untyped_storage().data_ptr() for t in weight_targets(model).values()}
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:

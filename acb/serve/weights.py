@@ -22,8 +22,11 @@ set. Route and field names follow vLLM's where it has one (SGLang's for the upda
   names are PEFT's keys, as ``get_peft_model_state_dict`` gives them, checked against that adapter's
   modules and shapes, :meth:`acb.AsyncEngine.update_lora`; the trainer broadcasts the tensors,
   bucketed: the server receives each bucket straight into its group's receive buffers, reused by
-  the next update, and the staged update is views of them; it keeps generating meanwhile, and
-  swaps the update in between two engine steps), ``POST
+  a later update, and the staged update is views of them; it keeps generating meanwhile, and
+  swaps the update in between two engine steps: on CPU, where every tensor came in the weight's
+  dtype, by rebinding the weights to those views (no copy; the next update is received into the
+  group's other set of buffers), else by one copy into the weights; the answer's ``swap`` says
+  which, ``"rebind"`` or ``"copy"``), ``POST
   /close_weight_transfer`` (with a ``group_id``: only if that is still the server's group).
 
 Each answers ``{"weight_version": ...}`` where it changes it. A refused update is a 400 naming
@@ -311,7 +314,7 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
         def receive() -> Any:
             """Check, answer the handshake, receive, stage and swap in (a worker thread): the version
             now served; for an adapter, its staged update."""
-            from acb.runner.weight_update import Borrowed, check_specs, check_version, weight_targets
+            from acb.runner.weight_update import Borrowed, check_specs, check_version, storage_ptrs, weight_targets
 
             with transfer.lock:
                 group = transfer.group
@@ -358,7 +361,9 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                     )
                 t0 = time.perf_counter()
                 try:
-                    tensors = list(group.receive([tuple(s) for s in shapes], dtypes, bucket_bytes))
+                    # (never into the buffers an earlier update's weights were rebound to)
+                    busy = storage_ptrs(engine.model)
+                    tensors = list(group.receive([tuple(s) for s in shapes], dtypes, bucket_bytes, busy=busy))
                 except Exception as exc:  # noqa: BLE001 - the sender died, or the group broke
                     transfer.close()
                     raise APIError(
@@ -377,28 +382,31 @@ def add_routes(app: FastAPI, state: ServerState, allowed_hosts: Sequence[str] = 
                         engine.model,
                         engine.config,
                     )
-                # the tensors are views of the group's receive buffers, which the next update
+                # the tensors are views of the group's receive buffers, which a later update
                 # reuses: staged as they are (no copy), and swapped in before the lock is let go
+                # (on CPU the weights are rebound to them where they fit: no copy at all; the
+                # group then receives the next update into its other set)
                 pairs = list(zip(names, tensors)) + [(k, tensors[index[v]]) for k, v in tied.items()]
                 staged = engine.stage_weights(Borrowed(pairs))
                 t1 = time.perf_counter()
                 new = anyio.from_thread.run(engine.swap_weights, staged, version)
                 logger.info(
-                    "weights %r: %.1f MB received in %.3f s (%.2f GB/s), staged in %.3f s, swapped in %.3f s",
+                    "weights %r: %.1f MB received in %.3f s (%.2f GB/s), staged in %.3f s, %s in %.3f s",
                     new,
                     staged.nbytes / 1e6,
                     received,
                     staged.nbytes / 1e9 / max(received, 1e-9),
                     t1 - t0 - received,
+                    "rebound" if staged.rebind else "copied",
                     time.perf_counter() - t1,
                 )
-                return new
+                return new, "rebind" if staged.rebind else "copy"
 
         # (receive, stage and swap run in a worker thread: the engine keeps generating meanwhile,
         # and pauses only for the swap itself, between two of its steps)
         done = await anyio.to_thread.run_sync(receive)
-        if lora_name is None:
-            return JSONResponse({"success": True, "weight_version": done})
+        if lora_name is None:  # (swap: how the weights took it, "rebind" (no copy) or "copy")
+            return JSONResponse({"success": True, "weight_version": done[0], "swap": done[1]})
         try:
             new = await engine.update_lora(lora_name, done, version=version, timeout=transfer.timeout_s)
         except TimeoutError as exc:

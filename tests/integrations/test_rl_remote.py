@@ -166,9 +166,21 @@ def test_pushes_land_exactly_and_a_bad_push_changes_nothing(server, checkpoint):
             pusher.push(bad, version=99)
         assert greedy(server, PROMPT) == (start, 0)  # the old weights still serve
         trained = shifted(model, 1)
+        answers: list = []  # (each push's answers: how the server swapped it in)
+        real_all = pusher._all
+        pusher._all = lambda *a, **kw: answers.append(real_all(*a, **kw)) or answers[-1]
         assert pusher.push(trained, version=1) == 1
         got, version = greedy(server, PROMPT)
         assert version == 1 and got == reference_generate(trained, PROMPT, MAX_NEW) != start
+        # float32 into the float32 server: the weights take the received buffers (no copy); the
+        # next push is received into the group's other buffers, while the first's serve
+        again = shifted(model, 2)
+        assert pusher.push(again, version=2) == 2
+        assert greedy(server, PROMPT) == (reference_generate(again, PROMPT, MAX_NEW), 2)
+        half = copy.deepcopy(trained).to(torch.bfloat16)  # another dtype: cast by one copy
+        assert pusher.push(half, version=3) == 3
+        assert greedy(server, PROMPT) == (reference_generate(half.float(), PROMPT, MAX_NEW), 3)
+        assert [a[0]["swap"] for a in answers] == ["rebind", "rebind", "copy"], answers
 
 
 def grpo_three_steps(url: str, name: str, start, tok, tmp_path, served, threads: int = SERVER_THREADS) -> None:
@@ -369,7 +381,12 @@ def test_a_tied_weight_is_sent_once_and_lands_under_both_names(server, checkpoin
         # in bfloat16 into the server's float32: the swap casts what was received, as staging did
         half = copy.deepcopy(model).to(torch.bfloat16)
         assert pusher.push(half, version="bf16") == "bf16"
-    assert greedy(server, PROMPT) == (reference_generate(half.float(), PROMPT, MAX_NEW), "bf16")
+        assert greedy(server, PROMPT) == (reference_generate(half.float(), PROMPT, MAX_NEW), "bf16")
+        # the two names' weights stayed apart (the one tensor sent was copied into each, not
+        # bound to both): an untied push lands each
+        untied = shifted(checkpoint.model, 10)
+        assert pusher.push(untied, version="untied") == "untied"
+    assert greedy(server, PROMPT) == (reference_generate(untied, PROMPT, MAX_NEW), "untied")
 
 
 def test_a_lora_push_in_flight_leaves_the_served_adapter_whole(server, checkpoint):
