@@ -635,8 +635,8 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     if state is not None:
         return (
             f"state layers ({state}): their chunked scan sums in an order the chunking sets, and the mode has "
-            "fixed forms for the gated delta rule's (Qwen3.5, Qwen3-Next) and the Mamba scans' (Mamba, Mamba2, "
-            "Nemotron-H, Jamba, Falcon-Mamba) only"
+            "fixed forms for the gated delta rule's (Qwen3.5, Qwen3-Next), the Mamba scans' (Mamba, Mamba2, "
+            "Nemotron-H, Jamba, Falcon-Mamba) and a short convolution's (LFM2) only"
         )
     return media_refusal(model)
 

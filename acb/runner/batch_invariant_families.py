@@ -437,6 +437,11 @@ _FAMILIES: dict[str, dict[str, Callable[[Any, Callable[..., Any]], Callable[...,
         _CONV_FN: lambda mod, f: _conv_fn(f),
         _CONV_UPDATE: lambda mod, f: _conv_update(f),
     },
+    # a convolution state alone (LFM2's short convolution); last: the families above use these too
+    "short convolution": {
+        _CONV_FN: lambda mod, f: _conv_fn(f),
+        _CONV_UPDATE: lambda mod, f: _conv_update(f),
+    },
 }
 
 
@@ -454,9 +459,15 @@ def _module_of(cls: type) -> Any:
 def covered_state_layer(cls: type) -> bool:
     """Whether the mode has a fixed form for the state layer class ``cls``: its model module defines
     one family's functions (:data:`_FAMILIES`: the gated delta rule's chunked and recurrent forms,
-    or Mamba1's or Mamba2's scan and state update, and the causal convolution's two)."""
+    or Mamba1's or Mamba2's scan and state update, and the causal convolution's two; or the
+    convolution's two alone, for a layer whose only state is a convolution's)."""
+    from acb.runner.linear_state import conv_only
+
     mod = _module_of(cls)
-    return mod is not None and _family_of(mod) is not None
+    forms = _family_of(mod) if mod is not None else None
+    if forms is _FAMILIES["short convolution"]:  # (a scan of its own beside them would not be covered)
+        return conv_only(cls)
+    return forms is not None
 
 
 def uncovered_state_layer(model: torch.nn.Module) -> str | None:

@@ -90,7 +90,7 @@ def _speaks_state_interface(cls: type) -> bool:
     return any(interface <= names for interface in STATE_INTERFACES)
 
 
-def _conv_only(cls: type) -> bool:
+def conv_only(cls: type) -> bool:
     """Whether the layer class keeps a convolution state and nothing else (LFM's short conv)."""
     names = code_names(cls)
     return names >= STATE_INTERFACES[2] and not (names & {"get_recurrent_state", "get_linear_cache"})
@@ -722,7 +722,7 @@ class _Scratch:
             self.x = torch.zeros(1, tokens, hidden_size, device=param.device, dtype=param.dtype)
         self.arg = _cache_arg(layer)
         self.extra = {name: None for name in _required(inspect.signature(type(layer).forward), self.arg, (self.x,), {})}
-        self.conv_only = frozenset({int(layer.layer_idx)} if _conv_only(type(layer)) else ())  # type: ignore[arg-type]
+        self.conv_only = frozenset({int(layer.layer_idx)} if conv_only(type(layer)) else ())  # type: ignore[arg-type]
 
     @classmethod
     def of(cls, layer: torch.nn.Module, tokens: int, hidden_size: int, random: bool = True) -> _Scratch | None:
@@ -960,5 +960,5 @@ class LinearLayers(Interception):
     def __init__(self, model: torch.nn.Module) -> None:
         layers = linear_layers(model)
         # layers keeping a convolution state alone: a write makes their state valid
-        self.conv_only = frozenset(layer.layer_idx for layer in layers if _conv_only(type(layer)))
+        self.conv_only = frozenset(layer.layer_idx for layer in layers if conv_only(type(layer)))
         super().__init__(layers, _intercepted)

@@ -152,7 +152,7 @@ def test_the_linear_is_row_invariant_here():
     "make,why",
     [
         (lambda: tiny_model("llama", dtype=torch.bfloat16), "float32 only"),
-        (lambda: _family("lfm2"), "state layers"),  # (Qwen3.5, Mamba: tests/runner/test_batch_invariant_families.py)
+        (lambda: _family("minimax"), "state layers"),  # (covered ones: tests/runner/test_batch_invariant_families.py)
     ],
 )
 def test_what_the_mode_does_not_cover_is_refused_with_the_reason(make, why):

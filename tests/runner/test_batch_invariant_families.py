@@ -133,12 +133,13 @@ def test_the_scalar_path_gives_an_element_the_same_bits_at_any_position():
         pytest.skip("this CPU's vector and scalar sigmoid agree here (nothing to show)")
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "mamba"])
+@pytest.mark.parametrize("arch", ["mamba2", "mamba", "lfm2"])
 def test_mamba_alone_equals_in_a_batch_of_64_chunked_and_the_trainer(arch):
     """Mamba2's chunk scan (256-token chunks from each call's first token) and Mamba1's selective
     scan run token by token in their decode forms in the mode, the state's read-out a product and a
-    sum (Mamba1's ``dt_proj.weight @ x`` the mode's linear): the same bits alone, among 63 others,
-    chunked at 100 tokens, and in the trainer's left-padded forward."""
+    sum (Mamba1's ``dt_proj.weight @ x`` the mode's linear); LFM2's short convolution in one fixed
+    tap order: the same bits alone, among 63 others, chunked at 100 tokens, and in the trainer's
+    forward (a batch of two, the other row left-padded)."""
     model = _family(arch)
     vocab = model.config.vocab_size
     rng = random.Random(1)
@@ -157,8 +158,8 @@ def test_mamba_alone_equals_in_a_batch_of_64_chunked_and_the_trainer(arch):
 
 
 def test_state_layers_without_a_fixed_form_are_refused_by_name():
-    with pytest.raises(ValueError, match="Lfm2ShortConv"):  # LFM2's short convolution alone
-        acb.Engine(_family("lfm2"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+    with pytest.raises(ValueError, match="MiniMaxLightningAttention"):  # MiniMax's lightning attention
+        acb.Engine(_family("minimax"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
 
 
 @pytest.fixture(scope="module")
