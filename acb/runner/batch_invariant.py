@@ -602,7 +602,11 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     if tp_size_of(model) > 1:
         return "the model is tensor parallel (the all-reduce sums the ranks' partial products)"
     if getattr(config, "max_loras", 0):
-        return "LoRA adapters are on (max_loras > 0): their batched products are not covered yet"
+        from acb.runner.batch_invariant_families import lora_refusal
+
+        problem = lora_refusal(model)
+        if problem is not None:
+            return problem
     from acb.runner.attention import cpu_backend
 
     problem = None if kernels else cpu_backend.unavailable_reason()

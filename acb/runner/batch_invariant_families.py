@@ -612,3 +612,22 @@ def media_refusal(model: torch.nn.Module) -> str | None:
     if not ImageFeatures(model).modules:
         return "image inputs: the model has no get_image_features method, so its images cannot run one a call"
     return None
+
+
+def lora_refusal(model: torch.nn.Module) -> str | None:
+    """Why the mode cannot run LoRA adapters on ``model`` (None: it can). On CPU acb applies an
+    adapter as PEFT does, per slot's rows: ``out + lora_B(lora_A(x)) * scaling`` with two
+    ``F.linear`` (the mode's fixed linear, each row its own bits) and an element-wise add, so a
+    row's result is the one a trainer's ``PeftModel`` forward computes under ``enabled(model)``.
+    The other forms are not: the gathered one (``bmm``: :data:`acb.runner.lora.GATHERED`), the
+    Triton kernels (:data:`acb.runner.lora.KERNEL`), and the fused experts' adapters (folded into
+    the weights per slot)."""
+    from acb.runner import lora
+
+    if lora.GATHERED is not False:
+        return "acb.runner.lora.GATHERED picks LoRA's gathered form (bmm over the step's rows), not the mode's"
+    if lora.KERNEL:
+        return "acb.runner.lora.KERNEL runs LoRA's Triton kernels, not the mode's fixed linear"
+    if any(p.dim() == 3 for m in model.modules() for p in m.parameters(recurse=False)):
+        return "LoRA on a model with fused MoE experts: the experts' adapters are folded into the weights per slot"
+    return None

@@ -255,3 +255,66 @@ def test_sigmoid_gates_give_a_token_its_bits_whatever_the_calls_length(arch):
     with bi.enabled(model), torch.no_grad():
         logits = model(torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
     assert torch.equal(bi.token_logprobs(logits, tokens, TEMP).double(), lps)
+
+
+def test_lora_alone_equals_in_a_batch_of_64_chunked_and_the_peft_forward(tmp_path, monkeypatch):
+    """LoRA on CPU in the mode: each slot's rows through two fixed linears and an add, PEFT's
+    order, so a request on an adapter gives the same bits alone, among 63 others on the base, the
+    same adapter or another, chunked at 20 tokens; and the trainer's ``PeftModel`` forward under
+    ``enabled(model)`` computes exactly its logprobs. The gathered form and fused experts'
+    adapters are refused."""
+    import peft
+
+    from acb.models import tiny_model
+    from acb.runner import lora
+
+    ref = peft.get_peft_model(
+        tiny_model("llama", seed=3),
+        peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]),
+        adapter_name="a",
+    )
+    ref.add_adapter("b", peft.LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(1)
+    for name, p in ref.named_parameters():
+        if "lora_" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.3
+    ref.eval()
+    folders = {}
+    for name in ("a", "b"):
+        ref.save_pretrained(tmp_path / name, selected_adapters=[name])
+        folders[name] = next((tmp_path / name).rglob("adapter_config.json")).parent
+    base = tiny_model("llama", seed=3)
+    rng = random.Random(3)
+    vocab = base.config.vocab_size
+    target = [rng.randrange(3, vocab) for _ in range(60)]
+    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
+
+    def run(prompts, loras, **cfg):
+        config = acb.ContinuousBatchingConfig(
+            page_size=16, num_blocks=400, batch_invariant=True, max_loras=2, max_lora_rank=8, **cfg
+        )
+        with acb.Engine(base, config) as eng:
+            for name, folder in folders.items():
+                eng.add_lora(name, str(folder))
+            eng.pause()
+            handles = [eng.submit(p, SP, lora=a) for p, a in zip(prompts, loras)]
+            eng.resume()
+            outs = [h.result() for h in handles]
+        return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs]
+
+    alone = run([target], ["a"])[0]
+    mixed = [[None, "a", "b"][i % 3] for i in range(63)]
+    assert _same(run([*others, target], [*mixed, "a"], max_batch_tokens=512)[-1], alone)
+    assert _same(run([target], ["a"], max_batch_tokens=20)[0], alone)
+    tokens, lps = alone
+    ref.set_adapter("a")
+    with bi.enabled(ref), torch.no_grad():
+        logits = ref(input_ids=torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
+    assert torch.equal(bi.token_logprobs(logits, tokens, TEMP).double(), lps)
+    with pytest.raises(ValueError, match="fused MoE experts"):
+        acb.Engine(
+            _family("qwen3_moe"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, max_loras=1)
+        ).start()
+    monkeypatch.setattr(lora, "GATHERED", None)
+    with pytest.raises(ValueError, match="gathered form"):
+        acb.Engine(base, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, max_loras=1)).start()
