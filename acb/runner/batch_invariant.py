@@ -620,7 +620,11 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     # (element-wise sigmoid gates over a few values per token, which torch computes on its scalar path
     # at a call's tail: batch_invariant_families.gate_modules takes them through the scalar path always)
     if indexer_modules(model):
-        return "indexed sparse attention (DSA): its indexers' products are not covered yet"
+        return (
+            "indexed sparse attention (DSA): a query's selected keys are attended by acb's torch backend, not the "
+            "fixed-order kernel, and the indexer scores the queries against the cached keys in batched products "
+            "(not covered yet)"
+        )
     from acb.runner.batch_invariant_families import media_refusal, uncovered_state_layer
 
     if find_unpaged_layers(model):
