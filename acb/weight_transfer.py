@@ -43,6 +43,9 @@ import torch
 __all__ = ["TransferGroup", "buckets", "check_group_id", "dtype_of", "dtype_name", "host_store"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+DIRECT_BYTES = 1 << 20  # a tensor this large is broadcast on its own, as it is (no packing copy)
+ALIGN = 16  # each tensor's offset in a bucket's buffer (any dtype views its bytes there)
+RECEIVE_AHEAD = 4  # broadcasts a receiver posts ahead (into their places in its buffers)
 DEFAULT_TIMEOUT_S = 120.0
 MAX_TIMEOUT_S = 3600.0  # the longest a join, a handshake or one bucket may wait
 MAX_WORLD_SIZE = 1 << 16
@@ -98,6 +101,58 @@ def buckets(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], buck
         size += b
     if start < len(shapes):
         out.append(range(start, len(shapes)))
+    return out
+
+
+def layout(
+    shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], bucket_bytes: int
+) -> list[tuple[range, list[int], int]]:
+    """Each bucket's tensors (:func:`buckets`), the offset of each in the bucket's buffer (aligned
+    to :data:`ALIGN` bytes, so that every tensor can be viewed in its dtype) and the buffer's size."""
+    out = []
+    for b in buckets(shapes, dtypes, bucket_bytes):
+        offsets, at = [], 0
+        for i in b:
+            at = -(-at // ALIGN) * ALIGN
+            offsets.append(at)
+            at += nbytes(shapes[i], dtypes[i])
+        out.append((b, offsets, at))
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One broadcast of an update: tensors ``tensors`` (consecutive indices) of bucket
+    ``bucket``, ``nbytes`` from ``offset`` in its buffer, each at its offset in ``offsets``."""
+
+    bucket: int
+    offset: int
+    nbytes: int
+    tensors: range
+    offsets: tuple[int, ...]
+
+
+def pieces(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], bucket_bytes: int) -> list[Piece]:
+    """The broadcasts of an update, in order (both sides compute the same): within each bucket
+    (:func:`layout`, the receiver's buffers), each tensor of at least :data:`DIRECT_BYTES` on its
+    own (the sender sends it as it is: no copy) and each run of smaller ones as one (packed)."""
+    out: list[Piece] = []
+
+    def piece(k: int, run: range, offsets: list[int]) -> None:
+        at = [offsets[i - run.start] for i in run]
+        end = at[-1] + nbytes(shapes[run[-1]], dtypes[run[-1]])
+        out.append(Piece(k, at[0], end - at[0], run, tuple(at)))
+
+    for k, (b, offsets, _) in enumerate(layout(shapes, dtypes, bucket_bytes)):
+        first = b.start
+        for i in b:
+            if nbytes(shapes[i], dtypes[i]) >= DIRECT_BYTES:
+                if i > first:
+                    piece(k, range(first, i), offsets[first - b.start :])
+                piece(k, range(i, i + 1), offsets[i - b.start :])
+                first = i + 1
+        if first < b.stop:
+            piece(k, range(first, b.stop), offsets[first - b.start :])
     return out
 
 
@@ -163,30 +218,31 @@ class TransferGroup:
         self.start_broadcast(flat).wait()
 
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
-        """Rank 0: broadcast ``tensors`` in buckets, pipelined: a packing thread packs bucket k+1
-        while bucket k is on the wire, and two buckets are in flight at most. A bucket of one
+        """Rank 0: broadcast ``tensors`` piece by piece (:func:`pieces`: each large tensor on its
+        own, each run of small ones packed into one), pipelined: a packing thread packs piece k+1
+        while piece k is on the wire, and two pieces are in flight at most. A piece of one
         contiguous tensor on the group's device is sent as it is (the root's buffer is only
-        read); the others are packed into two buffers that alternate (on CPU kept for the
-        group's life: a fresh buffer costs its page faults on every push; on CUDA fresh ones,
-        which the caching allocator reuses). The packing thread copies with one intra-op thread:
-        a copy is bound by memory, not cores, and it leaves the caller's threads to the caller."""
+        read: no copy); the others are packed into two buffers that alternate (on CPU kept for
+        the group's life: a fresh buffer costs its page faults on every push; on CUDA fresh
+        ones, which the caching allocator reuses). The packing thread copies with one intra-op
+        thread: a copy is bound by memory, not cores, and it leaves the caller's threads to the
+        caller."""
         from concurrent.futures import ThreadPoolExecutor
 
         sizes = [nbytes(t.shape, t.dtype) for t in tensors]
-        plan = buckets([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes)
+        plan = [p for p in pieces([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes) if p.nbytes]
         packed = [0]
 
-        def pack(b: range) -> torch.Tensor:
-            first = tensors[b[0]].detach()
-            if len(b) == 1 and first.device == self.device and first.is_contiguous():
+        def pack(p: Piece) -> torch.Tensor:
+            first = tensors[p.tensors[0]].detach()
+            if len(p.tensors) == 1 and first.device == self.device and first.is_contiguous():
                 return first.reshape(-1).view(torch.uint8)
-            flat = self._packing_buffer(packed[0] % 2, sum(sizes[i] for i in b))
+            flat = self._packing_buffer(packed[0] % 2, p.nbytes)
             packed[0] += 1
-            at = 0
-            for i in b:
+            for i, at in zip(p.tensors, p.offsets):
                 t = tensors[i].detach()
+                at -= p.offset
                 flat[at : at + sizes[i]].view(t.dtype).view(t.shape).copy_(t)
-                at += sizes[i]
             return flat
 
         in_flight: list[Any] = []
@@ -195,7 +251,7 @@ class TransferGroup:
             for k in range(len(plan)):
                 assert next_flat is not None
                 in_flight.append(self.start_broadcast(next_flat.result()))
-                if len(in_flight) == 2:  # (bucket k-1 ends before bucket k+1 is packed into its buffer)
+                if len(in_flight) == 2:  # (piece k-1 ends before piece k+1 is packed into its buffer)
                     in_flight.pop(0).wait()
                 next_flat = packer.submit(pack, plan[k + 1]) if k + 1 < len(plan) else None
             for work in in_flight:
@@ -227,21 +283,25 @@ class TransferGroup:
         ``busy``: storage addresses in use elsewhere (weights rebound to a former update's
         buffers): a set of buffers one of which is busy is not received into; the group keeps
         two sets at most, so that updates alternate between them."""
-        plan = buckets(shapes, dtypes, bucket_bytes)
-        sizes = [sum(nbytes(shapes[i], dtypes[i]) for i in b) for b in plan]
-        flats = self._receive_buffers(sizes, busy)
-        works: list[Any] = []
-        for k, b in enumerate(plan):
-            while len(works) < min(k + 2, len(plan)):  # (this bucket's and the next one's)
-                works.append(self.start_broadcast(flats[len(works)]))
-            works[k].wait()
+        plan = layout(shapes, dtypes, bucket_bytes)
+        flats = self._receive_buffers([size for _, _, size in plan], busy)
+        # each piece straight into its place in its bucket's buffer, a few posted ahead
+        todo = [p for p in pieces(shapes, dtypes, bucket_bytes) if p.nbytes]
+        works: dict[int, Any] = {}
+        started = done = 0
+        for k, (b, offsets, _) in enumerate(plan):
+            while done < len(todo) and todo[done].bucket == k:
+                while started < min(done + RECEIVE_AHEAD, len(todo)):
+                    p = todo[started]
+                    works[started] = self.start_broadcast(flats[p.bucket][p.offset : p.offset + p.nbytes])
+                    started += 1
+                works.pop(done).wait()
+                done += 1
             if on_bucket is not None:
                 on_bucket(k)
-            at = 0
-            for i in b:
+            for i, at in zip(b, offsets):
                 n = nbytes(shapes[i], dtypes[i])
                 yield flats[k][at : at + n].view(dtypes[i]).reshape(tuple(shapes[i]))
-                at += n
 
     def _receive_buffers(self, sizes: Sequence[int], busy: Collection[int] = ()) -> list[torch.Tensor]:
         """One byte buffer per bucket: on CPU a set of the group's own, reused while the sizes fit

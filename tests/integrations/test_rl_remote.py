@@ -1055,3 +1055,57 @@ def test_batch_invariant_sampler_logprobs_are_the_trainers_exactly(bi_server, ch
         matched.close()
         pusher.close()
     assert trainer.state.global_step == 2 and len(checked) == 8 and all(checked), checked
+
+
+def test_the_group_sends_large_tensors_as_they_are_and_alternates_receive_buffers():
+    """The transfer group's own wire, over gloo on loopback (rank 0 a thread, rank 1 this one):
+    tensors of at least ``DIRECT_BYTES`` are broadcast on their own, as they are, runs of small
+    ones packed, each received into its place in its bucket's buffer; a non-contiguous large one
+    is packed. Every tensor arrives whole. A receive never writes into a buffer set in use
+    (``busy``: weights rebound to it): the next one goes into the other set, and back."""
+    from acb.weight_transfer import DIRECT_BYTES, TransferGroup, host_store, pieces
+
+    g = torch.Generator().manual_seed(0)
+    big = DIRECT_BYTES // 4
+    tensors = [
+        torch.randn(3, generator=g),
+        torch.randn(big + 5, generator=g),  # direct
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.randn(11, generator=g),
+        torch.randn(big, 2, generator=g).t(),  # large, not contiguous: packed
+        torch.randn(2 * big, generator=g).to(torch.bfloat16),  # direct, a bucket of its own
+        torch.randn(1, generator=g),
+    ]
+    shapes = [tuple(t.shape) for t in tensors]
+    dtypes = [t.dtype for t in tensors]
+    bucket = 3 * DIRECT_BYTES
+    plan = pieces(shapes, dtypes, bucket)
+    assert [len(p.tensors) for p in plan] == [1, 1, 2, 1, 1, 1] and len({p.bucket for p in plan}) == 3, plan
+    assert all(at % 16 == 0 for p in plan for at in p.offsets)  # (a bf16 tensor of odd size, then float32)
+    port = _free_port()
+    store = host_store("127.0.0.1", port)
+    groups: dict = {}
+    t = threading.Thread(
+        target=lambda: groups.setdefault(0, TransferGroup.join("127.0.0.1", port, 2, 0, group_id="wire", store=store))
+    )
+    t.start()
+    receiver = TransferGroup.join("127.0.0.1", port, 2, 1, group_id="wire")
+    t.join(60)
+    sender = groups[0]
+    try:
+        busy: set[int] = set()
+        sets = []
+        for _ in range(3):
+            t = threading.Thread(target=sender.send, args=(tensors, bucket))
+            t.start()
+            got = list(receiver.receive(shapes, dtypes, bucket, busy=busy))
+            t.join(60)
+            assert all(torch.equal(a, b) for a, b in zip(got, tensors, strict=True))
+            storages = {x.untyped_storage().data_ptr() for x in got}
+            assert not storages & busy  # (never into the set in use)
+            sets.append(storages)
+            busy = storages  # (the weights rebound to what arrived)
+        assert sets[0] == sets[2] != sets[1]  # two sets, alternating
+    finally:
+        sender.close()
+        receiver.close()
