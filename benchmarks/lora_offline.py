@@ -12,7 +12,8 @@ up, down), saved with ``save_pretrained`` and added with ``engine.add_lora``; re
 adapter ``i % k`` (k = 1, 4, 16), "0 adapters" is an engine with ``max_loras=16`` and no request
 naming one (the interception's cost alone). Workload: prompts of 16 to 128 random tokens, ``--new``
 tokens each, EOS ignored. Engine start and the adapters' loading are outside the timed region;
-one warm-up batch runs first on each engine. Sides alternate ``--rounds`` times, best of each.
+one warm-up batch runs first on each engine; prefix caching is off (each side runs the same
+prompts). Sides alternate ``--rounds`` times, best of each.
 Padded ``generate`` (the base model, and the PeftModel with adapter 0) runs groups of 16 prompts,
 left-padded, credited with the requests' own tokens, in each round after the engines' sides (the
 engines idle meanwhile), so that both see the same load. The load average at the start and end is in
@@ -102,8 +103,13 @@ def main() -> None:
     folders = make_adapters(base, 16, args.rank, tmp)
 
     pm = peft_model(base, folders[0])  # (before the engines swap the base model's attention)
-    base_cfg = acb.ContinuousBatchingConfig(num_blocks=512, page_size=16)
-    lora_cfg = acb.ContinuousBatchingConfig(num_blocks=512, page_size=16, max_loras=16, max_lora_rank=args.rank)
+    # prefix caching off: every side reruns the same prompts on one engine, and a side after another
+    # of the same adapter would reuse its prompts' blocks (it did until 2026-11-29: "1 adapters,
+    # auto", the grouped form itself at one adapter, read 1.4-1.6x "1 adapters, grouped" in 3 runs)
+    base_cfg = acb.ContinuousBatchingConfig(num_blocks=512, page_size=16, allow_block_sharing=False)
+    lora_cfg = acb.ContinuousBatchingConfig(
+        num_blocks=512, page_size=16, max_loras=16, max_lora_rank=args.rank, allow_block_sharing=False
+    )
 
     def run(engine: acb.Engine, k: int) -> tuple[float, list[list[int]]]:
         loras = [f"a{i % k}" for i in range(len(prompts))] if k else None

@@ -29,16 +29,20 @@ in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in an eager step in 
   interpreter (``tests/runner/test_lora_kernels.py``), compiled for sm_90 and sm_80 without a GPU
   (``benchmarks/kernel_compile.py``: no spills, ``mma.sync`` in fp16/bf16), not yet timed on a GPU.
 
-:data:`GATHERED` picks (default: grouped; None: per step, :func:`_gathered`).
-``benchmarks/lora_offline.py`` times both (``benchmarks/results/lora_cpu.json``; CPU, 2 threads,
-48 requests of 16-128 prompt tokens and 32 new, rank-16 adapters on every decoder linear of the
-default Llama). Two runs on 2026-11-29, both under other processes' load (load average 2.4-3.3 and
-2.4-7.6): grouped over gathered 1.30x and 1.10x at 1 adapter, 1.19x and 1.42x at 4; at 16 (3 rows a
-slot) gathered 1.31x in the first run, grouped 1.03x in the second. A third, quiet run (load 1.1-1.4,
-best of 2): grouped over gathered 1.22x at 1 adapter and 1.17x at 4, gathered over grouped 1.34x at
-16; the per-step pick (gathered for many slots of few rows, ``GATHERED = None``) was the fastest at
-16 (2,115 tok/s against 2,000 and 1,495), but this machine's rounds still swing by a third. So
-grouped stays the default until the pick has a test of its own and more rounds settle it. No device sync either way: the runs' slots and counts are host values.
+:data:`GATHERED` picks (default: grouped; None: per step, :func:`_gathered`, tested in
+``tests/runner/test_lora.py``). ``benchmarks/lora_offline.py`` times them
+(``benchmarks/results/lora_cpu.json``; CPU, 2 threads, 48 requests of 16-128 prompt tokens and 32
+new, rank-16 adapters on every decoder linear of the default Llama). Its runs before 2026-11-29
+16:00 left prefix caching on while every side reran the same prompts on one engine, so the sides
+after the first of each adapter count (gathered, then the pick) skipped most prefills: the pick at
+one adapter, which is the grouped form itself, read 1.4-1.6x grouped in all three, and the
+gathered form's wins there (1.34x grouped at 16 adapters in the quietest) were measured against
+a cold grouped side. With prefix
+caching off (one run, load average 2.2-3.4, best of 2): grouped 2,715 / 2,363 / 1,279 tok/s at
+1 / 4 / 16 adapters, gathered 645 / 90 / 529 (its per-row copy of ``B`` on every prefill row), the
+pick 2,722 / 2,004 / 1,444 (the grouped form at 1 and 4 adapters, so their gap is this machine's
+noise; at 16 its gathered decode steps, 1.13x grouped, within that noise). So grouped stays the
+default. No device sync either way: the runs' slots and counts are host values.
 
 Decode CUDA graphs (:mod:`acb.runner.cuda_graphs`) are captured twice per size with LoRA on: the
 base model's graph (no adapter row: the interception returns at once) and the adapters' graph,
