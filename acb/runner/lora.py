@@ -194,7 +194,10 @@ class LoraLayers:
                 self._refused[id(m)] = f"inside {type(layer).__name__}, which acb runs per request segment"
         for m in not_per_token:
             self._refused[id(m)] = "it is fed the cached latent, not the step's tokens (MLA's kv_b_proj)"
-        self.reserved_bytes = reserved_bytes(self.targets, max_loras, max_rank)
+        # (the fused experts' factors and their transient folded copy: acb.runner.lora_experts)
+        self.reserved_bytes = reserved_bytes(self.targets, max_loras, max_rank) + ExpertAdapters.reserved_bytes(
+            model, max_loras, max_rank, self._refused
+        )
         self.buffers: dict[torch.nn.Module, _Slots] = {}
         self.slot_names: list[str | None] = [None] * (max_loras + 1)
         self._interceptions: list[Interception] = []
