@@ -13,8 +13,8 @@ minute remote vs colocated.
    both). Beside each, in the same run and the same processes' layout (this process rank 0, one
    rank per receiver), a raw ``torch.distributed`` broadcast of the same bytes in the same
    buckets over gloo, to as many plain processes that receive into buffers allocated once: the
-   wire's speed here, the bound for a push. Each figure is the best of three, after a push
-   that sets up the group. That is set against ``POST /update_weights_from_disk`` of the same
+   wire's speed here, the bound for a push. Each figure is the best of three, after two pushes
+   that set up the group (and the servers' two sets of receive buffers). That is set against ``POST /update_weights_from_disk`` of the same
    checkpoint. ``--with-lora`` (or ``--lora-only``: ``results/weight_push_lora_cpu.json``): the
    push of a LoRA adapter only (r=16 on every attention and MLP linear) against the whole
    model's, to one server serving both.
@@ -184,10 +184,13 @@ def raw_broadcast(tensors: list[torch.Tensor], bucket_bytes: int, receivers: int
 
 def acb_push(urls: list[str], model: torch.nn.Module, bucket_bytes: int, rounds: int = 3) -> float:
     """Seconds of acb's push (:class:`acb.rl.WeightPusher`) of ``model`` to the servers at
-    ``urls``: best of ``rounds`` after one that warms the group's connections. A push ends when
-    every server answered: checked, received, staged and swapped in."""
+    ``urls``: best of ``rounds`` after two that warm the group's connections and the servers'
+    two sets of receive buffers (on CPU a push is received into the set the served weights do not
+    use: each set's first push pays its page faults). A push ends when every server answered:
+    checked, received, staged and swapped in."""
     with WeightPusher(urls, master_port=free_port(), timeout_s=600, bucket_bytes=bucket_bytes) as pusher:
         pusher.push(model, version="warm")
+        pusher.push(model, version="warm-2")
         times = []
         for i in range(rounds):
             t0 = time.perf_counter()
