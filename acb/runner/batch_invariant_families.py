@@ -624,6 +624,9 @@ def lora_refusal(model: torch.nn.Module) -> str | None:
     the weights per slot)."""
     from acb.runner import lora
 
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type != "cpu":
+        return "on CUDA, LoRA runs acb's Triton kernels, not the mode's fixed linear: CPU-checked only"
     if lora.GATHERED is not False:
         return "acb.runner.lora.GATHERED picks LoRA's gathered form (bmm over the step's rows), not the mode's"
     if lora.KERNEL:
