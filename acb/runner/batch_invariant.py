@@ -647,20 +647,3 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
             "Nemotron-H, Jamba, Falcon-Mamba) and a short convolution's (LFM2) only"
         )
     return media_refusal(model)
-
-
-def _sigmoid_gate(model: torch.nn.Module) -> str | None:
-    """The first module that gates with an element-wise sigmoid over a few values per token (a
-    DeepSeek-V3-style router, Llama 4's router, a shared expert's one-value gate), or None."""
-    cfg: Any = getattr(model, "config", None)
-    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
-    if text is not None and str(getattr(text, "model_type", "")).startswith("llama4"):
-        return "MoE router (Llama 4)"
-    if text is not None and getattr(text, "scoring_func", None) == "sigmoid":
-        return "MoE router (sigmoid scoring)"
-    for name, m in model.named_modules():
-        if hasattr(m, "e_score_correction_bias"):
-            return f"MoE router {name!r} (sigmoid scoring)"
-        if name.endswith("shared_expert_gate"):
-            return f"shared expert's gate {name!r}"
-    return None
