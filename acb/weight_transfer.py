@@ -20,9 +20,12 @@ One update, ``seq``-numbered within its group:
    to the store (``"ok"`` or the error).
 3. The trainer reads every verdict and writes ``"go"`` if all are ok, else ``"abort"``: then
    nobody receives, every server answers with what was wrong, and the old weights serve.
-4. On ``"go"`` the tensors are broadcast from rank 0 in buckets (:func:`buckets`: consecutive
-   tensors, at most ``bucket_bytes`` each, sent as one flat byte buffer, not one call per
-   tensor). A server stages what it received, then swaps it in between two engine steps.
+4. On ``"go"`` the tensors are broadcast from rank 0 (:func:`pieces`): each tensor of at least
+   :data:`DIRECT_BYTES` as it is, each run of smaller ones packed into one broadcast. A server
+   receives each into its place in a bucket's buffer (:func:`layout`: consecutive tensors, at
+   most ``bucket_bytes`` a bucket, each at an aligned offset), stages views of them, then swaps
+   them in between two engine steps (on CPU by rebinding the weights to them where they fit: the
+   next update then goes into the group's other set of buffers).
 
 A sender that dies or stalls mid-broadcast makes the receive fail (the group's timeout, or the
 connection closed): nothing is swapped, the server closes its side of the group and accepts a new

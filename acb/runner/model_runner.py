@@ -754,8 +754,10 @@ class ModelRunner:
             self.media.forget_unused()
 
     def swap_weights(self, staged: Staged) -> None:
-        """Copy an update's staged tensors into the weights (engine thread, between two steps). The
-        core then forgets what it computed with the old ones (``forget_weights`` and the prefix cache)."""
+        """Put an update's staged tensors in the weights (engine thread, between two steps): a copy
+        into each, or on CPU, for a receiver's buffers that fit as they are, the weights rebound to
+        them (:meth:`Staged.swap`). The core then forgets what it computed with the old ones
+        (``forget_weights``: the packed linears, repacked from the new data; the prefix cache)."""
         staged.swap()
         logger.info("swapped in %d updated tensors (%.1f MiB)", len(staged.names), staged.nbytes / 2**20)
 
