@@ -31,19 +31,26 @@ and oneDNN 3.12; :func:`check_linear` repeats the linear measurement on the mach
   and the log-softmax over the vocabulary run per row in torch's kernels; the sampler's
   log-softmax is the trainer's (:func:`token_logprobs`). These were checked, not changed: the
   tests compare whole engines (a request alone, in a batch of 64, chunked, after a prefix hit, at
-  1 and 2 threads) and a trainer's forward bit for bit. One element-wise case is known to break:
-  torch computes the last elements of a vectorized call (fewer than a vector's width) on its
-  scalar path, whose ``exp``/``sigmoid`` differ from the vector path's in the last bit, so an
-  element-wise transcendental over a few values per token (a DeepSeek-V3 router's sigmoid over 4
-  experts, a shared expert's one-value gate) depends on the token count: :func:`refusal` refuses
-  such gates. Widths that are multiples of 32 (hidden and MLP sizes, head dims) never reach it.
+  1 and 2 threads) and a trainer's forward bit for bit.
+- **Element-wise transcendentals** (SiLU, sigmoid, GELU incl. its tanh form, exp, tanh, erf,
+  softplus, log, sin/cos...). torch computes a contiguous tensor's elements in vector blocks
+  (Sleef) and the last ``numel mod 2 * lanes`` of each thread's range in a scalar loop (libm),
+  whose last bits differ: a token's activations would take one or the other as the step's token
+  count (or the thread split) moved them into a tail; an MLP of width 76 (SiLU) or 100 (GELU-tanh)
+  moved 4-5 of a request's 10 logprobs with its batch. In the mode the whole forward on CPU (the
+  engine's step under :func:`engine_step`, a trainer's under :func:`enabled`) computes them on the
+  scalar path, every element the same function wherever it sits
+  (:func:`acb.runner.batch_invariant_families.whole_forward`); the backward is autograd's own.
+  In-place forms (``x.sigmoid_()``) are not taken.
 
 On CUDA (bf16, fp16 or fp32) the same roles are played by :mod:`acb.runner.batch_invariant_kernels`:
 a fixed-order Triton matmul for every linear, a per-row mean for RMSNorm (torch's CUDA mean lays
 out a row's sum by the row count), the Triton attention backend's fixed-order form in the engine
 (every query through the decode kernel with one split) and the same kernel over whole sequences
-for a trainer; decode graphs are off in the mode there. :func:`refusal` names what the mode does
-not cover.
+for a trainer; decode graphs are off in the mode there. Element-wise ops are left as torch runs
+them on CUDA: its element-wise kernels compute each element by one code path whatever its index (no
+scalar tail; vectorized loads only change how elements are fetched), which is assumed here and
+is to be checked on a GPU. :func:`refusal` names what the mode does not cover.
 """
 
 from __future__ import annotations
@@ -228,6 +235,11 @@ class Enabled:
         p = next(model.parameters(), None) if model is not None else None
         self._red = _reductions(p.is_cuda if p is not None else torch.cuda.is_available())
         self._red.__enter__()  # (CUDA) RMSNorm's mean one program a row
+        from acb.runner.batch_invariant_families import whole_forward
+
+        cpu = not (p.is_cuda if p is not None else torch.cuda.is_available()) and not KERNEL
+        self._scalar = whole_forward(cpu)  # (CPU) element-wise transcendentals on the scalar path
+        self._scalar.__enter__()
         _TLS.on = True
         self._open = True
 
@@ -235,6 +247,7 @@ class Enabled:
         if self._open:
             self._open = False
             _TLS.on = self._prev
+            self._scalar.__exit__(None, None, None)
             self._red.__exit__(None, None, None)
             if self._swap is not None:
                 self._swap.__exit__(None, None, None)
@@ -276,8 +289,11 @@ def engine_step(on: bool) -> Iterator[None]:
     _install()
     prev = getattr(_TLS, "on", False)
     _TLS.on = True
+    from acb.runner.batch_invariant_families import whole_forward
+
+    cuda = torch.cuda.is_available()
     try:
-        with _reductions(torch.cuda.is_available()):
+        with _reductions(cuda), whole_forward(not (cuda or KERNEL)):
             yield
     finally:
         _TLS.on = prev

@@ -18,15 +18,19 @@ the decode form's window give each output the same sums; torch's depthwise ``con
 kernel by shape). Both are installed over the model's module functions (:func:`install`) and
 route to the fixed form on a thread with the mode on, to the model's own elsewhere.
 
-**Transcendental element-wise ops** (sigmoid, exp, softplus, SiLU, tanh, log) in those layers.
-torch computes a contiguous tensor's elements in vector blocks (Sleef) and its last ``numel mod
-2 * lanes`` elements in a scalar loop (libm), whose last bits differ: a token's ``beta =
-sigmoid(b)`` (4 values a token, measured) took the other path as the call's length moved it into
-the tail. Within a covered state layer's forward the mode computes these ops through a strided
-view (:func:`scalar_path`), which torch runs element by element in the scalar loop: every element
-the same function whatever its position, the call's length, the batch or the threads. (Dense
-models' activations sit on rows whose length is a multiple of the vector block; the division,
-products, sums and rsqrt are correctly rounded in both paths.)
+**Transcendental element-wise ops** (sigmoid, exp, softplus, SiLU, GELU, tanh, erf, log, sin/cos:
+:data:`_SCALAR_FUNCS`). torch computes a contiguous tensor's elements in vector blocks (Sleef) and
+its last ``numel mod 2 * lanes`` elements (of each thread's range) in a scalar loop (libm), whose
+last bits differ: a token's ``beta = sigmoid(b)`` (4 values a token, measured) took the other path
+as the call's length moved it into the tail, and so does a dense MLP's activation whose width is
+not a multiple of the vector block (SiLU over 76, GELU-tanh over 100: measured). In the mode the
+whole forward on CPU (:func:`whole_forward`, entered by the engine's step and by
+``enabled(model)``) computes these ops through a strided view (:func:`scalar_path`), which torch
+runs element by element in the scalar loop: every element the same function whatever its
+position, the call's length, the batch or the threads. The hooks on state layers and gate
+modules (:func:`install`) enter the same path where no whole forward is open (the emulated CUDA
+form, :data:`acb.runner.batch_invariant.KERNEL`, on CPU tensors); inside one they do nothing. The
+division, products, sums and rsqrt are correctly rounded in both paths.
 
 **Mamba2's selective scan** (Mamba2, Nemotron-H: ``mamba2_chunk_scan`` /
 ``mamba2_selective_state_update``). The chunk scan (``chunk_size`` tokens from the call's first)
@@ -48,6 +52,7 @@ refuses them.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
@@ -138,20 +143,40 @@ def _chunk(original: Callable[..., Any], recurrent: Callable[..., Any]) -> Calla
     return torch_chunk_gated_delta_rule
 
 
+# the element-wise transcendentals torch vectorizes with Sleef and finishes with libm (function and
+# method forms; in-place forms are not taken: the scalar path writes a new tensor)
 _SCALAR_FUNCS = {
     torch.sigmoid,
     torch.Tensor.sigmoid,
     torch.exp,
     torch.Tensor.exp,
+    torch.exp2,
+    torch.Tensor.exp2,
     torch.tanh,
     torch.Tensor.tanh,
     torch.log,
     torch.Tensor.log,
     torch.log1p,
+    torch.Tensor.log1p,
     torch.expm1,
+    torch.Tensor.expm1,
+    torch.erf,
+    torch.Tensor.erf,
+    torch.erfc,
+    torch.Tensor.erfc,
+    torch.sin,
+    torch.Tensor.sin,
+    torch.cos,
+    torch.Tensor.cos,
     F.softplus,
     F.silu,
     F.sigmoid,
+    F.gelu,  # (approximate='none' and 'tanh')
+    F.mish,
+    F.logsigmoid,
+    F.elu,
+    F.selu,
+    F.tanh,
 }
 
 
@@ -190,14 +215,48 @@ class _ScalarPath(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_TLS = threading.local()  # .modes: the scalar-path modes entered by the hooks, innermost last
+_TLS = (
+    threading.local()
+)  # .modes: the scalar-path modes entered by the hooks, innermost last; .whole: inside :func:`whole_forward`
+
+
+class _WholeForward:
+    """:class:`_ScalarPath` for a whole forward on the calling thread (nested ones do nothing)."""
+
+    def __init__(self) -> None:
+        self._mode: _ScalarPath | None = None
+
+    def __enter__(self) -> None:
+        if not getattr(_TLS, "whole", False):
+            _TLS.whole = True
+            self._mode = _ScalarPath()
+            self._mode.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+            _TLS.whole = False
+
+
+# False: the mode without the whole forward's scalar path (benchmarks/batch_invariance.py measures
+# its cost against it; not invariant then for widths off the vector block)
+WHOLE_FORWARD = True
+
+
+def whole_forward(cpu: bool) -> contextlib.AbstractContextManager[Any]:
+    """Every transcendental element-wise op (:data:`_SCALAR_FUNCS`) of a forward on float32 CPU
+    tensors through :func:`scalar_path` until the block's end, on the calling thread (``cpu``; else
+    nothing: CUDA's element-wise kernels have no scalar tail). The engine's step in the mode
+    (``engine_step``) and a trainer's forward under ``enabled(model)`` both run in one."""
+    return _WholeForward() if cpu and WHOLE_FORWARD else contextlib.nullcontext()
 
 
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     stack = getattr(_TLS, "modes", None)
     if stack is None:
         stack = _TLS.modes = []
-    if _on():
+    if _on() and not getattr(_TLS, "whole", False):  # (inside a whole forward's: already on)
         mode = _ScalarPath()
         mode.__enter__()
         stack.append(mode)

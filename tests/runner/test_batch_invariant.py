@@ -227,3 +227,30 @@ def test_a_trainer_forward_while_the_engine_generates_on_the_same_model(model, p
     assert all(torch.equal(g, lps) for g in got)
     assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone[0])
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "arch,act,width",
+    [("llama", "silu", 76), ("gemma", "gelu_pytorch_tanh", 100)],
+)
+def test_activation_widths_off_the_vector_block_stay_invariant(arch, act, width):
+    """An MLP whose width (76, 100) is not a multiple of the vector block: torch would compute a
+    step's last few activations (SiLU, GELU-tanh) on its scalar path, in other bits than the
+    vector path's, so a token's bits would follow the step's token count. In the mode every
+    element-wise transcendental of the forward takes one path: alone, in a batch of 64, chunked,
+    at 1 thread and in the trainer's forward give the same bits."""
+    model = tiny_model(arch, seed=3, hidden_size=64, intermediate_size=width, vocab_size=500, hidden_act=act)
+    if arch == "gemma":
+        model.config.hidden_activation = act
+    rng = random.Random(1)
+    target = [rng.randrange(3, 500) for _ in range(37)]
+    others = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for _ in range(63)]
+    (alone,), _ = _run(model, [target], [SP])
+    outs, _ = _run(model, [*others, target], [GREEDY] * 63 + [SP])
+    assert _same(outs[-1], alone), (outs[-1][1] - alone[1]).abs().max()
+    outs, _ = _run(model, [*others[:7], target], [GREEDY] * 7 + [SP], max_batch_tokens=16, threads=1)
+    assert _same(outs[-1], alone), (outs[-1][1] - alone[1]).abs().max()
+    with bi.enabled(model), torch.no_grad():
+        logits = model(torch.tensor([target + alone[0]])).logits[0, len(target) - 1 : -1]
+    got = bi.token_logprobs(logits, alone[0], TEMP).double()
+    assert torch.equal(got, alone[1]), (got - alone[1]).abs().max()
