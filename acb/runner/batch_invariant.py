@@ -38,10 +38,11 @@ and oneDNN 3.12; :func:`check_linear` repeats the linear measurement on the mach
   whose last bits differ: a token's activations would take one or the other as the step's token
   count (or the thread split) moved them into a tail; an MLP of width 76 (SiLU) or 100 (GELU-tanh)
   moved 4-5 of a request's 10 logprobs with its batch. In the mode the whole forward on CPU (the
-  engine's step under :func:`engine_step`, a trainer's under :func:`enabled`) computes them on the
-  scalar path, every element the same function wherever it sits
-  (:func:`acb.runner.batch_invariant_families.whole_forward`); the backward is autograd's own.
-  In-place forms (``x.sigmoid_()``) are not taken.
+  engine's step under :func:`engine_step`, a trainer's under :func:`enabled`) computes them by
+  one path, torch's vector code for every element (padded to a whole vector block, in one-thread
+  calls: :func:`acb.runner.batch_invariant_families.vector_path`), each element the same function
+  wherever it sits (:func:`acb.runner.batch_invariant_families.whole_forward`); the backward is
+  autograd's own. In-place forms (``x.sigmoid_()``) are not taken.
 
 On CUDA (bf16, fp16 or fp32) the same roles are played by :mod:`acb.runner.batch_invariant_kernels`:
 a fixed-order Triton matmul for every linear, a per-row mean for RMSNorm (torch's CUDA mean lays
@@ -238,7 +239,7 @@ class Enabled:
         from acb.runner.batch_invariant_families import whole_forward
 
         cpu = not (p.is_cuda if p is not None else torch.cuda.is_available()) and not KERNEL
-        self._scalar = whole_forward(cpu)  # (CPU) element-wise transcendentals on the scalar path
+        self._scalar = whole_forward(cpu)  # (CPU) element-wise transcendentals on one fixed path
         self._scalar.__enter__()
         _TLS.on = True
         self._open = True
@@ -634,7 +635,7 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
             "tokens; the mode pages MLA's expanded heads (leave mla_latent_cache unset)"
         )
     # (element-wise sigmoid gates over a few values per token, which torch computes on its scalar path
-    # at a call's tail: batch_invariant_families.gate_modules takes them through the scalar path always)
+    # at a call's tail: batch_invariant_families.the whole forward takes them by one fixed path)
     if indexer_modules(model):
         return (
             "indexed sparse attention (DSA): a query's selected keys are attended by acb's torch backend, not the "

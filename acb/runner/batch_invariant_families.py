@@ -25,9 +25,11 @@ last bits differ: a token's ``beta = sigmoid(b)`` (4 values a token, measured) t
 as the call's length moved it into the tail, and so does a dense MLP's activation whose width is
 not a multiple of the vector block (SiLU over 76, GELU-tanh over 100: measured). In the mode the
 whole forward on CPU (:func:`whole_forward`, entered by the engine's step and by
-``enabled(model)``) computes these ops through a strided view (:func:`scalar_path`), which torch
-runs element by element in the scalar loop: every element the same function whatever its
-position, the call's length, the batch or the threads. The hooks on state layers and gate
+``enabled(model)``) computes these ops by torch's vector code for every element (:func:`vector_path`: the
+input flattened, padded to a multiple of the vector block, in calls torch runs on one thread, so
+no element falls in a scalar tail): every element the same function (Sleef's, lane by lane)
+whatever its position, the call's length, the batch or the threads. (:func:`scalar_path`, every
+element through the scalar loop instead, is as invariant and 16x slower per element: measured.) The hooks on state layers and gate
 modules (:func:`install`) enter the same path where no whole forward is open (the emulated CUDA
 form, :data:`acb.runner.batch_invariant.KERNEL`, on CPU tensors); inside one they do nothing. The
 division, products, sums and rsqrt are correctly rounded in both paths.
@@ -144,7 +146,7 @@ def _chunk(original: Callable[..., Any], recurrent: Callable[..., Any]) -> Calla
 
 
 # the element-wise transcendentals torch vectorizes with Sleef and finishes with libm (function and
-# method forms; in-place forms are not taken: the scalar path writes a new tensor)
+# method forms; in-place forms are not taken: the fixed path writes a new tensor)
 _SCALAR_FUNCS = {
     torch.sigmoid,
     torch.Tensor.sigmoid,
@@ -174,10 +176,15 @@ _SCALAR_FUNCS = {
     F.gelu,  # (approximate='none' and 'tanh')
     F.mish,
     F.logsigmoid,
-    F.elu,
-    F.selu,
     F.tanh,
 }
+_INPLACE_ARG = {F.silu, F.mish}  # (their second positional argument is ``inplace``)
+
+# the vector path's call: a multiple of any vector block (2 x 16 float lanes, AVX-512) and at most
+# 16,384 elements, which torch runs on one thread (its element-wise grain is 32,768; GELU's own
+# threshold for splitting across threads is above 16,384), so every element takes the vector code
+_BLOCK = 64
+_PIECE = 16384
 
 
 def scalar_path(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -188,11 +195,30 @@ def scalar_path(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **
     return fn(wide[..., 0], *args, **kwargs)
 
 
+def vector_path(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(x, ...)`` with every element computed by torch's vector code (Sleef, lane by lane: an
+    element's bits its own): ``x`` flattened, padded with zeros to a multiple of :data:`_BLOCK`, and
+    taken in calls of at most :data:`_PIECE` elements, each one thread's range with no scalar tail
+    (differentiable). The mode's fixed form: the same bits as :func:`scalar_path` gives position-free,
+    at a fraction of its cost."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pad = -n % _BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    if flat.numel() <= _PIECE:
+        out = fn(flat, *args, **kwargs)
+    else:
+        out = torch.cat([fn(piece, *args, **kwargs) for piece in flat.split(_PIECE)])
+    return (out[:n] if pad else out).view(x.shape)
+
+
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 
 class _ScalarPath(torch.overrides.TorchFunctionMode):
-    """:data:`_SCALAR_FUNCS` on float32 CPU tensors through :func:`scalar_path`; a 2-D weight times
+    """:data:`_SCALAR_FUNCS` on float32 CPU tensors through :func:`vector_path` (a fixed path:
+    the name is its first form's, :func:`scalar_path`); a 2-D weight times
     a batch of columns (Mamba1's ``dt_proj.weight @ x``) through the mode's linear, a token a row."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -208,16 +234,22 @@ class _ScalarPath(torch.overrides.TorchFunctionMode):
                 and w.device.type == x.device.type == "cpu"
             ):
                 return F.linear(x.transpose(1, 2), w).transpose(1, 2)
-        if func in _SCALAR_FUNCS and args:
+        if func in _SCALAR_FUNCS and args and "out" not in kwargs and not kwargs.get("inplace"):
             x = args[0]
-            if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
-                return scalar_path(func, x, *args[1:], **kwargs)  # (the mode is off inside its handler)
+            if (
+                isinstance(x, torch.Tensor)
+                and x.dtype == torch.float32
+                and x.device.type == "cpu"
+                and x.numel()
+                and not (func in _INPLACE_ARG and len(args) > 1 and args[1])
+            ):
+                return vector_path(func, x, *args[1:], **kwargs)  # (the mode is off inside its handler)
         return func(*args, **kwargs)
 
 
 _TLS = (
     threading.local()
-)  # .modes: the scalar-path modes entered by the hooks, innermost last; .whole: inside :func:`whole_forward`
+)  # .modes: the fixed-path modes entered by the hooks, innermost last; .whole: inside :func:`whole_forward`
 
 
 class _WholeForward:
@@ -239,7 +271,7 @@ class _WholeForward:
             _TLS.whole = False
 
 
-# False: the mode without the whole forward's scalar path (benchmarks/batch_invariance.py measures
+# False: the mode without the whole forward's fixed path (benchmarks/batch_invariance.py measures
 # its cost against it; not invariant then for widths off the vector block)
 WHOLE_FORWARD = True
 
@@ -285,7 +317,7 @@ def _m2_inputs(
     """Mamba2's per-token decay and input, as the model's decode form computes them, for tokens
     in any leading dimensions (``x`` ``[..., h, p]``, ``dt`` ``[..., h, p]``, ``A`` ``[h, p, n]``,
     ``B`` ``[..., g, n]``): ``(exp(dt A), dt B x)``, ``[..., h, p, n]`` each. Element-wise only
-    (the scalar path gives an element its bits wherever it sits), so a prompt's tokens at once
+    (the fixed path gives an element its bits wherever it sits), so a prompt's tokens at once
     give what one token a call gives."""
     *lead, h, _ = x.shape
     g, n = B.shape[-2], B.shape[-1]

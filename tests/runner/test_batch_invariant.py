@@ -254,3 +254,28 @@ def test_activation_widths_off_the_vector_block_stay_invariant(arch, act, width)
         logits = model(torch.tensor([target + alone[0]])).logits[0, len(target) - 1 : -1]
     got = bi.token_logprobs(logits, alone[0], TEMP).double()
     assert torch.equal(got, alone[1]), (got - alone[1]).abs().max()
+
+
+def test_the_vector_path_gives_an_element_the_same_bits_at_any_position_length_and_thread_count():
+    """The mode's element-wise form (acb.runner.batch_invariant_families.vector_path): an element's
+    bits the same at any offset, in any call length (past torch's thread split), at 1 and 2 threads,
+    where torch's own call moves them (its scalar tail)."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from acb.runner import batch_invariant_families as fam
+
+    x = torch.randn(70_000, generator=torch.Generator().manual_seed(0)) * 4
+    was = torch.get_num_threads()
+    try:
+        for fn in (torch.sigmoid, F.silu, functools.partial(F.gelu, approximate="tanh"), F.softplus):
+            torch.set_num_threads(2)
+            whole = fam.vector_path(fn, x)
+            assert all(torch.equal(fam.vector_path(fn, x[:n]), whole[:n]) for n in [*range(1, 70), 16385, 40001])
+            assert all(torch.equal(fam.vector_path(fn, x[s : s + 777]), whole[s : s + 777]) for s in (1, 33, 16000))
+            assert torch.allclose(whole, fn(x), rtol=1e-6, atol=1e-6)
+            torch.set_num_threads(1)
+            assert torch.equal(fam.vector_path(fn, x), whole)
+    finally:
+        torch.set_num_threads(was)
