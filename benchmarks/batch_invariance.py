@@ -213,6 +213,9 @@ def main() -> None:
         import json
 
         res = json.loads(Path(a.out).read_text())
+        res["throughput_only"] = (
+            "the throughput parts rerun alone (--throughput-only); the other parts from an earlier full run"
+        )
         res["throughput_64x64_greedy"] = throughput(model, a.rounds, vocab)
         print(res["throughput_64x64_greedy"], flush=True)
         res["throughput_16x(512-900)_prompts_x16_greedy"] = throughput(model, a.rounds, vocab, (512, 900), 16, 16)
