@@ -42,7 +42,9 @@ and oneDNN 3.12; :func:`check_linear` repeats the linear measurement on the mach
   one path, torch's vector code for every element (padded to a whole vector block, in one-thread
   calls: :func:`acb.runner.batch_invariant_families.vector_path`), each element the same function
   wherever it sits (:func:`acb.runner.batch_invariant_families.whole_forward`); the backward is
-  autograd's own. In-place forms (``x.sigmoid_()``) are not taken.
+  the op's own derivative, and the fixed form saves for it what the plain op saves (activation
+  checkpointing recomputes the forward in the backward, where the mode's dispatch is not on: the
+  plain op refills the same saved tensors). In-place forms (``x.sigmoid_()``) are not taken.
 
 On CUDA (bf16, fp16 or fp32) the same roles are played by :mod:`acb.runner.batch_invariant_kernels`:
 a fixed-order Triton matmul for every linear, a per-row mean for RMSNorm (torch's CUDA mean lays

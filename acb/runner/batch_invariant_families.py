@@ -55,6 +55,7 @@ refuses them.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -175,7 +176,6 @@ _SCALAR_FUNCS = {
     F.sigmoid,
     F.gelu,  # (approximate='none' and 'tanh')
     F.mish,
-    F.logsigmoid,
     F.tanh,
 }
 _INPLACE_ARG = {F.silu, F.mish}  # (their second positional argument is ``inplace``)
@@ -213,6 +213,54 @@ def vector_path(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **
     return (out[:n] if pad else out).view(x.shape)
 
 
+# the ops whose autograd saves their output (the others save their input): the fixed path's
+# Function saves the same, so a checkpoint's recomputed forward (autograd's backward runs without
+# the mode: the plain op) fills the same saved tensors
+_SAVES_OUTPUT = {
+    torch.sigmoid,
+    torch.Tensor.sigmoid,
+    torch.exp,
+    torch.Tensor.exp,
+    torch.exp2,
+    torch.Tensor.exp2,
+    torch.expm1,
+    torch.Tensor.expm1,
+    torch.tanh,
+    torch.Tensor.tanh,
+}
+
+
+class _Fixed(torch.autograd.Function):
+    """:func:`vector_path` under autograd, saving what the plain op saves (its input, or its output:
+    :data:`_SAVES_OUTPUT`); the gradient is the op's own derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        y = vector_path(fn, x, *args, **kwargs)
+        ctx.fn, ctx.args, ctx.kwargs = fn, args, kwargs
+        ctx.save_for_backward(y if fn in _SAVES_OUTPUT else x)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        (t,) = ctx.saved_tensors
+        fn = ctx.fn
+        if fn in (torch.sigmoid, torch.Tensor.sigmoid):
+            return torch.ops.aten.sigmoid_backward(g, t), None, None, None
+        if fn in (torch.tanh, torch.Tensor.tanh):
+            return torch.ops.aten.tanh_backward(g, t), None, None, None
+        if fn in (torch.exp, torch.Tensor.exp):
+            return g * t, None, None, None
+        if fn in (torch.exp2, torch.Tensor.exp2):
+            return g * t * math.log(2.0), None, None, None
+        if fn in (torch.expm1, torch.Tensor.expm1):
+            return g * (t + 1), None, None, None
+        with torch.enable_grad():  # an input-saving op: its own derivative at the input
+            xi = t.detach().requires_grad_()
+            (gx,) = torch.autograd.grad(fn(xi, *ctx.args, **ctx.kwargs), xi, g)
+        return gx, None, None, None
+
+
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 
@@ -243,6 +291,8 @@ class _ScalarPath(torch.overrides.TorchFunctionMode):
                 and x.numel()
                 and not (func in _INPLACE_ARG and len(args) > 1 and args[1])
             ):
+                if torch.is_grad_enabled() and x.requires_grad:
+                    return _Fixed.apply(x, func, args[1:], kwargs)
                 return vector_path(func, x, *args[1:], **kwargs)  # (the mode is off inside its handler)
         return func(*args, **kwargs)
 
