@@ -80,10 +80,14 @@ async def test_async_arrivals_while_decoding():
     async with acb.AsyncEngine(model, cfg) as engine:
         first = await engine.submit(prompts[0], acb.SamplingParams(max_new_tokens=MAX_NEW))
         handles = [first]
-        # later requests arrive while earlier ones are decoding
+        # later requests arrive while earlier ones are decoding: one per delta of the first. Under
+        # load the stream coalesces tokens into fewer deltas than prompts, so the rest arrive after
+        # it ends (they used to be left out, failing the count: a flaky test on a loaded machine)
         async for _delta in first:
             if len(handles) < len(prompts):
                 handles.append(await engine.submit(prompts[len(handles)], acb.SamplingParams(max_new_tokens=MAX_NEW)))
+        while len(handles) < len(prompts):
+            handles.append(await engine.submit(prompts[len(handles)], acb.SamplingParams(max_new_tokens=MAX_NEW)))
         outs = await asyncio.gather(*(h.result() for h in handles))
     assert len(outs) == len(prompts)
     _check(model, prompts, outs)
