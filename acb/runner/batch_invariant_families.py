@@ -768,8 +768,8 @@ def lora_refusal(model: torch.nn.Module) -> str | None:
     p = next(model.parameters(), None)
     if p is not None and p.device.type != "cpu":
         return "on CUDA, LoRA runs acb's Triton kernels, not the mode's fixed linear: CPU-checked only"
-    if lora.GATHERED is not False:
-        return "acb.runner.lora.GATHERED picks LoRA's gathered form (bmm over the step's rows), not the mode's"
+    if lora.GATHERED is True:  # (None, the per-step pick, takes the grouped form in the mode)
+        return "acb.runner.lora.GATHERED forces LoRA's gathered form (bmm over the step's rows), not the mode's"
     if lora.KERNEL:
         return "acb.runner.lora.KERNEL runs LoRA's Triton kernels, not the mode's fixed linear"
     if any(p.dim() == 3 for m in model.modules() for p in m.parameters(recurse=False)):

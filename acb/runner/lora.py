@@ -29,7 +29,7 @@ in PEFT's order (``result + lora_B(lora_A(x)) * scaling``), in an eager step in 
   interpreter (``tests/runner/test_lora_kernels.py``), compiled for sm_90 and sm_80 without a GPU
   (``benchmarks/kernel_compile.py``: no spills, ``mma.sync`` in fp16/bf16), not yet timed on a GPU.
 
-:data:`GATHERED` picks (default: grouped; None: per step, :func:`_gathered`, tested in
+:data:`GATHERED` picks (default None: per step, :func:`_gathered`, grouped in the batch-invariant mode; tested in
 ``tests/runner/test_lora.py``). ``benchmarks/lora_offline.py`` times them
 (``benchmarks/results/lora_cpu.json``; CPU, 2 threads, 48 requests of 16-128 prompt tokens and 32
 new, rank-16 adapters on every decoder linear of the default Llama). Its runs before 2026-11-29
@@ -38,11 +38,13 @@ after the first of each adapter count (gathered, then the pick) skipped most pre
 one adapter, which is the grouped form itself, read 1.4-1.6x grouped in all three, and the
 gathered form's wins there (1.34x grouped at 16 adapters in the quietest) were measured against
 a cold grouped side. With prefix
-caching off (one run, load average 2.2-3.4, best of 2): grouped 2,715 / 2,363 / 1,279 tok/s at
-1 / 4 / 16 adapters, gathered 645 / 90 / 529 (its per-row copy of ``B`` on every prefill row), the
-pick 2,722 / 2,004 / 1,444 (the grouped form at 1 and 4 adapters, so their gap is this machine's
-noise; at 16 its gathered decode steps, 1.13x grouped, within that noise). So grouped stays the
-default. No device sync either way: the runs' slots and counts are host values.
+caching off, two runs: grouped 2,715 / 2,363 / 1,279 tok/s at 1 / 4 / 16 adapters, gathered
+645 / 90 / 529 (its per-row copy of ``B`` on every prefill row), the pick 2,722 / 2,004 / 1,444
+(load average 2.2-3.4, best of 2); then, quieter (load 2.1-2.3, best of 3): grouped 2,730 / 2,408
+/ 1,555, gathered 544 / 597 / 633, the pick 2,781 / 2,375 / 1,832. The pick is the grouped form at
+1 and 4 adapters (their gaps are noise) and took its gathered decode steps at 16: 1.13x and 1.18x
+grouped. So the pick is the default (``GATHERED = None``; the batch-invariant mode keeps grouped).
+No device sync either way: the runs' slots and counts are host values.
 
 Decode CUDA graphs (:mod:`acb.runner.cuda_graphs`) are captured twice per size with LoRA on: the
 base model's graph (no adapter row: the interception returns at once) and the adapters' graph,
@@ -73,6 +75,7 @@ import torch.nn.functional as F
 
 from acb.errors import InvalidRequestError
 from acb.lora import FIELD, LoraAdapter, lora_targets
+from acb.runner import batch_invariant_flag
 from acb.runner.intercept import Interception
 from acb.runner.lora_experts import ExpertAdapters
 from acb.runner.step import CURRENT
@@ -81,9 +84,9 @@ if TYPE_CHECKING:
     from acb.runner.input_batch import LoraRows
 
 # True: the gathered form (A and B gathered per row, bmm); False: the grouped form (a pair of
-# matmuls per slot present); None: per step (_gathered). Measured by benchmarks/lora_offline.py;
-# tests/runner/test_lora.py runs both.
-GATHERED: bool | None = False
+# matmuls per slot present); None (the default): per step (_gathered; grouped in the
+# batch-invariant mode). Measured by benchmarks/lora_offline.py; tests/runner/test_lora.py runs each.
+GATHERED: bool | None = None
 # the step's pick: gathered when it has more than GATHER_MIN_SLOTS slots and at most GATHER_MAX_ROWS
 # adapter rows (its per-row copies of B stay small)
 GATHER_MIN_SLOTS = 6
@@ -113,6 +116,8 @@ def _use_kernel(x: torch.Tensor) -> bool:
 def _gathered(rows: LoraRows) -> bool:
     if GATHERED is not None:
         return GATHERED
+    if batch_invariant_flag.is_on():  # the mode's fixed linear is the grouped form's F.linear
+        return False
     return len(rows.runs) > GATHER_MIN_SLOTS and rows.order.shape[0] <= GATHER_MAX_ROWS
 
 

@@ -315,6 +315,6 @@ def test_lora_alone_equals_in_a_batch_of_64_chunked_and_the_peft_forward(tmp_pat
         acb.Engine(
             _family("qwen3_moe"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, max_loras=1)
         ).start()
-    monkeypatch.setattr(lora, "GATHERED", None)
+    monkeypatch.setattr(lora, "GATHERED", True)
     with pytest.raises(ValueError, match="gathered form"):
         acb.Engine(base, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, max_loras=1)).start()

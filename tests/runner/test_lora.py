@@ -182,7 +182,7 @@ def test_chunked_and_async(llama, cfg):
 
 @pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "grouped"])
 def test_each_form_gives_the_same_tokens(llama, monkeypatch, gathered):
-    """Each form of the update, forced (``runner.lora.GATHERED``; the default is grouped), gives
+    """Each form of the update, forced (``runner.lora.GATHERED``; the default, None, picks per step), gives
     PeftModel.generate's tokens."""
     monkeypatch.setattr(runner_lora, "GATHERED", gathered)
     assert _run(llama) == llama.refs
