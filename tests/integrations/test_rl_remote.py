@@ -44,6 +44,7 @@ from acb.models import build_tokenizer, tiny_model  # noqa: E402
 from acb.rl import PushWeights, WeightPusher, WeightPushError, rollout_func  # noqa: E402
 from acb.runner.weight_update import weight_targets  # noqa: E402
 from tests.conftest import reference_generate  # noqa: E402
+from tests.integrations.grpo import grpo_config, questions  # noqa: E402
 from tests.serve.test_openai_server import CHAT_TEMPLATE, ROOT, _free_port, _serve  # noqa: E402
 
 NAME = "tiny"
@@ -190,9 +191,8 @@ def grpo_three_steps(url: str, name: str, start, tok, tmp_path, served, threads:
     this process on the trainer's weights (:func:`served_reference`: the servers' kernels, shapes
     and thread count, ``threads``), and the version is the step. A push that did not land, or
     landed other bits, serves other weights."""
-    from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     model = copy.deepcopy(start)
     mirror = copy.deepcopy(start).eval()  # the trainer's weights, copied in after each step
@@ -215,21 +215,13 @@ def grpo_three_steps(url: str, name: str, start, tok, tmp_path, served, threads:
         seen.append([list(c) for c in completion_ids])
         return [(sum(c) % 97) / 97.0 for c in completion_ids]
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
+    args = grpo_config(
+        tmp_path / "out",
         max_completion_length=MAX_NEW,
         max_steps=3,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        learning_rate=0.05,
         temperature=1.0,
     )
-    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    ds = questions()
     trainer = GRPOTrainer(
         model=model,
         args=args,
@@ -421,8 +413,7 @@ def grpo_timed(url: str, start, tok, tmp_path, max_staleness: int) -> tuple[list
     """Three GRPO steps with ``PushWeights(max_staleness=...)``, each push stalled 0.4 s between two
     buckets: (each rollout's start, end and the trainer's step then), (each push's start and
     end), (each rollout's versions)."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     model = copy.deepcopy(start)
     pusher = WeightPusher([url], master_port=_free_port(), timeout_s=60, bucket_bytes=64 << 10)
@@ -456,20 +447,12 @@ def grpo_timed(url: str, start, tok, tmp_path, max_staleness: int) -> tuple[list
         rollouts_at.append((t0, time.monotonic(), trainer.state.global_step))
         return got
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / f"out{max_staleness}"),
-        per_device_train_batch_size=4,
-        num_generations=4,
+    args = grpo_config(
+        tmp_path / f"out{max_staleness}",
         max_completion_length=MAX_NEW,
         max_steps=3,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        learning_rate=0.05,
     )
-    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    ds = questions()
     callback = PushWeights(pusher, max_staleness=max_staleness)
     trainer = GRPOTrainer(
         model=model,
@@ -887,10 +870,9 @@ def test_grpo_with_a_lora_policy_pushes_its_adapter_only(server, checkpoint, tmp
     a push that does not fit the adapter is refused whole, and the base model is untouched."""
     import random
 
-    from datasets import Dataset
     from peft import get_peft_model_state_dict
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     base_tokens = reference_generate(checkpoint.model, PROMPT, MAX_NEW)
     pusher = WeightPusher([base(server)], master_port=_free_port(), timeout_s=60)
@@ -915,21 +897,12 @@ def test_grpo_with_a_lora_policy_pushes_its_adapter_only(server, checkpoint, tmp
     def reward(prompts, completions, completion_ids, **kw):  # (greedy rollouts: random rewards, so it learns)
         return [rng.random() for _ in completion_ids]
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
+    args = grpo_config(
+        tmp_path / "out",
         max_completion_length=MAX_NEW,
-        max_steps=2,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        learning_rate=0.05,
         generation_kwargs={"do_sample": False},
     )
-    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    ds = questions()
     reference = None
 
     class Check(TrainerCallback):
@@ -995,8 +968,7 @@ def test_batch_invariant_sampler_logprobs_are_the_trainers_exactly(bi_server, ch
     logprobs of the rollouts (TRL's method, on the batch padded as TRL pads it: prompts left,
     completions right; the trainer at its own thread count, the server at 2) equal the server's
     bit for bit. Exact equality, no tolerance (without the mode they differ by ~1e-6)."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from acb.integrations.trl import match_sampler
 
@@ -1024,21 +996,12 @@ def test_batch_invariant_sampler_logprobs_are_the_trainers_exactly(bi_server, ch
             checked.append(torch.equal(got[row, : len(c)].double(), torch.tensor(lp, dtype=torch.float64)))
         return out
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
+    args = grpo_config(
+        tmp_path / "out",
         max_completion_length=MAX_NEW,
-        max_steps=2,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        learning_rate=0.05,
         temperature=0.7,
     )
-    ds = Dataset.from_list([{"prompt": f"question {i}: {i} plus {2 * i}?"} for i in range(8)])
+    ds = questions()
     trainer = GRPOTrainer(
         model=model,
         args=args,

@@ -16,6 +16,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 import acb  # noqa: E402
 from acb.integrations.trl import AcbRollouts, use_acb  # noqa: E402
 from acb.models import build_tokenizer, tiny_model  # noqa: E402
+from tests.integrations.grpo import grpo_config  # noqa: E402
 
 MAX_COMPLETION = 12
 TF_CB = {"num_blocks": 64, "max_batch_tokens": 256}  # transformers' default sizing costs seconds per call on CPU
@@ -28,18 +29,9 @@ def _model():
 
 
 def _trainer(model, tok, reward, *, greedy: bool, callbacks=(), tmp_path):
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
+    args = grpo_config(
+        tmp_path / "out",
         max_completion_length=MAX_COMPLETION,
-        max_steps=2,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        learning_rate=0.05,
         temperature=1.0,
         use_transformers_continuous_batching=True,
         transformers_continuous_batching_config=dict(TF_CB),

@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402  (trl's dependency)
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
 
 from acb.integrations.trl import use_acb  # noqa: E402
+from tests.integrations.grpo import grpo_config  # noqa: E402
 from tests.vlm_models import image, tiny_vlm  # noqa: E402
 
 MAX_COMPLETION = 8
@@ -52,18 +53,10 @@ def test_greedy_vlm_grpo_generates_through_acb(arch, tmp_path):
     model = copy.deepcopy(base)  # (the shared tiny model stays as it is)
     start = copy.deepcopy(base)
     rec = _Recorder()
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
+    args = grpo_config(
+        tmp_path / "out",
         num_generations=2,
         max_completion_length=MAX_COMPLETION,
-        max_steps=2,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        learning_rate=0.05,
         generation_kwargs={"do_sample": False},
     )
     trainer = GRPOTrainer(
