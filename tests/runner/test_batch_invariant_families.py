@@ -8,6 +8,7 @@ with no fixed form are refused with the reason."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,19 +17,10 @@ import torch.nn.functional as F
 import acb
 from acb.runner import batch_invariant as bi
 from acb.runner import batch_invariant_families as fam
+from tests.runner import test_batch_invariant
+from tests.runner.test_batch_invariant import TEMP
 
-TEMP = 0.9
-SP = acb.SamplingParams(
-    max_new_tokens=8,
-    ignore_eos=True,
-    do_sample=True,
-    temperature=TEMP,
-    top_k=0,
-    top_p=1.0,
-    seed=7,
-    logprobs=0,
-    logprobs_mode="processed",
-)
+SP = replace(test_batch_invariant.SP, max_new_tokens=8)  # seeded sampling at TEMP, processed logprobs
 
 
 def _family(model_type, seed=0):
