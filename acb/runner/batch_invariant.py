@@ -284,17 +284,14 @@ def enabled(model: torch.nn.Module | None = None) -> Enabled:
 
 
 @contextlib.contextmanager
-def engine_step(on: bool) -> Iterator[None]:
-    """The engine thread's step in the mode (``on``), else nothing."""
-    if not on:
-        yield
-        return
+def engine_step(cuda: bool) -> Iterator[None]:
+    """The engine thread's step in the mode, its model on CUDA (``cuda``) or on CPU (the runner
+    enters it only with the mode on)."""
     _install()
     prev = getattr(_TLS, "on", False)
     _TLS.on = True
     from acb.runner.batch_invariant_families import whole_forward
 
-    cuda = torch.cuda.is_available()
     try:
         with _reductions(cuda), whole_forward(not (cuda or KERNEL)):
             yield

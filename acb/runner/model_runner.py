@@ -753,6 +753,12 @@ class ModelRunner:
         if self.media is not None:
             self.media.forget_unused()
 
+    def _mode_step(self) -> contextlib.AbstractContextManager[Any]:
+        """The batch-invariant mode's ops for the forward (``batch_invariant=True``), else nothing."""
+        if not self.cfg.batch_invariant:
+            return contextlib.nullcontext()
+        return batch_invariant.engine_step(self.device.type == "cuda")
+
     def swap_weights(self, staged: Staged) -> None:
         """Put an update's staged tensors in the weights (engine thread, between two steps): a copy
         into each, or on CPU, for a receiver's buffers that fit as they are, the weights rebound to
@@ -858,7 +864,7 @@ class ModelRunner:
         sampling.apply_inits(dev)
         batch = self.inputs.build(host, dev, self._prev_ids)
         if self.media is not None:  # image rows (and multimodal positions) of the requests with images
-            with batch_invariant.engine_step(self.cfg.batch_invariant):  # (the vision code's ops too)
+            with self._mode_step():  # (the vision code's ops in the batch-invariant mode too)
                 mm = self.media.step_inputs(sched, batch.input_ids, batch.position_ids)
             if mm is not None:
                 batch = dataclasses.replace(batch, inputs_embeds=mm[0], position_ids=mm[1], decode_only=False)
@@ -1029,7 +1035,7 @@ class ModelRunner:
                 kw.update(self.media.model_kwargs())
         with (
             self.packed.active(batch.input_ids.shape[-1]) if self.packed is not None else contextlib.nullcontext(),
-            batch_invariant.engine_step(self.cfg.batch_invariant),
+            self._mode_step(),
         ):
             if self._supports_logits_to_keep:
                 return self.model(**kw, logits_to_keep=batch.logits_indices).logits[0]
