@@ -608,7 +608,11 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     elif config.attn_backend not in (None, "cpu"):
         return f"the mode attends with acb's CPU kernel, not attn_backend={config.attn_backend!r}"
     if own_path:
-        return "the model runs on its own cache objects (runner='own_cache'), whose attention is the model's own"
+        from acb.runner.batch_invariant_own import own_cache_refusal
+
+        problem = own_cache_refusal(model)
+        if problem is not None:
+            return problem
     if (
         config.default_compile_level
         or config.decode_compile_config is not None
@@ -636,15 +640,20 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     # (element-wise sigmoid gates over a few values per token, which torch computes on its scalar path
     # at a call's tail: batch_invariant_families.the whole forward takes them by one fixed path)
     if indexer_modules(model):
-        return (
-            "indexed sparse attention (DSA): a query's selected keys are attended by acb's torch backend, not the "
-            "fixed-order kernel, and the indexer scores the queries against the cached keys in batched products "
-            "(not covered yet)"
-        )
-    from acb.runner.batch_invariant_families import media_refusal, uncovered_state_layer
+        from acb.runner.batch_invariant_dsa import dsa_refusal
+
+        problem = dsa_refusal(model)
+        if problem is not None:
+            return problem
+    from acb.runner.batch_invariant_families import uncovered_state_layer
+    from acb.runner.batch_invariant_media import media_refusal
 
     if find_unpaged_layers(model):
-        return "unpaged layers (DeepSeek V4's compressed attention caches): not covered yet"
+        from acb.runner.batch_invariant_unpaged import unpaged_refusal
+
+        problem = unpaged_refusal(model)
+        if problem is not None:
+            return problem
     if kernels:  # what the CUDA path has not been built or checked for
         from acb.runner.linear_state import linear_layers
         from acb.runner.media import takes_media
