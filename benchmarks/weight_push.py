@@ -13,8 +13,10 @@ minute remote vs colocated.
    both). Beside each, in the same run and the same processes' layout (this process rank 0, one
    rank per receiver), a raw ``torch.distributed`` broadcast of the same bytes in the same
    buckets over gloo, to as many plain processes that receive into buffers allocated once: the
-   wire's speed here, the bound for a push. Each figure is the best of three, after two pushes
-   that set up the group (and the servers' two sets of receive buffers). That is set against ``POST /update_weights_from_disk`` of the same
+   wire's speed here, the bound for a push. The two alternate, round by round (``--rounds``,
+   5: raw, push, raw, push, ...), after two pushes that set up the group (and the servers' two
+   sets of receive buffers): the figures are each side's best, and the median of the rounds'
+   ratios (raw / push; the machine's drift falls on both sides of a round alike). That is set against ``POST /update_weights_from_disk`` of the same
    checkpoint. ``--with-lora`` (or ``--lora-only``: ``results/weight_push_lora_cpu.json``): the
    push of a LoRA adapter only (r=16 on every attention and MLP linear) against the whole
    model's, to one server serving both.
@@ -138,68 +140,94 @@ os._exit(0)  # (no destructors at exit: gloo's threads may abort the process the
 """
 
 
-def raw_broadcast(tensors: list[torch.Tensor], bucket_bytes: int, receivers: int, rounds: int = 3) -> float:
-    """Seconds of a raw ``torch.distributed`` broadcast of the same bytes, in the same buckets,
+class RawBroadcast:
+    """A raw ``torch.distributed`` broadcast of the same bytes as a push, in the same buckets,
     over gloo, from this process (rank 0) to ``receivers`` plain processes (one rank each), the
-    buffers allocated once on both sides: the wire's speed on this machine, the bound for a push
-    (best of ``rounds``; each ends with a barrier, so every receiver has every byte)."""
-    import datetime
+    buffers allocated once on both sides: the wire's speed on this machine, the bound for a push.
+    The receivers stay up for ``rounds`` rounds (:meth:`round`), so rounds can alternate with
+    acb's pushes; each round ends with a barrier (every receiver has every byte)."""
 
-    import torch.distributed as dist
+    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int, receivers: int, rounds: int) -> None:
+        import datetime
 
-    from acb.weight_transfer import buckets
+        import torch.distributed as dist
 
-    flats = []
-    for b in buckets([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes):
-        flats.append(torch.cat([tensors[i].reshape(-1).view(torch.uint8) for i in b]))
-    port = free_port()
-    world = receivers + 1
-    sizes = ",".join(str(f.numel()) for f in flats)
-    timeout = datetime.timedelta(seconds=600)
-    store = dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False)
-    procs = [
-        subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(port), str(world), str(r), str(rounds), sizes])
-        for r in range(1, world)
-    ]
+        from acb.weight_transfer import buckets
+
+        self.flats = []
+        for b in buckets([t.shape for t in tensors], [t.dtype for t in tensors], bucket_bytes):
+            self.flats.append(torch.cat([tensors[i].reshape(-1).view(torch.uint8) for i in b]))
+        port = free_port()
+        world = receivers + 1
+        sizes = ",".join(str(f.numel()) for f in self.flats)
+        timeout = datetime.timedelta(seconds=600)
+        self.store = dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False)
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(port), str(world), str(r), str(rounds), sizes])
+            for r in range(1, world)
+        ]
+        self.left = rounds
+        try:
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", self.store), 0, world, timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.opts = dist.BroadcastOptions()
+        self.opts.rootRank = 0
+
+    def round(self) -> float:
+        assert self.left > 0, "the receivers were started for fewer rounds"
+        self.left -= 1
+        t0 = time.perf_counter()
+        for f in self.flats:
+            self.pg.broadcast([f], self.opts).wait()
+        self.pg.barrier().wait()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            if hasattr(self, "pg"):
+                while self.left > 0:  # (the receivers loop their rounds)
+                    self.round()
+                self.pg.shutdown()
+                for p in self.procs:
+                    assert p.wait(timeout=120) == 0
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+
+
+def paired(urls: list[str], model: torch.nn.Module, receivers: int, bucket_bytes: int, rounds: int) -> dict:
+    """acb's push (:class:`acb.rl.WeightPusher`) of ``model`` to the servers at ``urls`` and the
+    raw broadcast of the same bytes to ``receivers`` plain processes, in alternating rounds
+    (raw, push, raw, push, ...: the machine's drift and other load fall on both alike), after
+    two pushes that warm the group's connections and the servers' two sets of receive buffers
+    (on CPU a push is received into the set the served weights do not use: each set's first push
+    pays its page faults) and one raw round that warms the raw group's. A push ends when every
+    server answered: checked, received, staged and swapped in. Returns each side's seconds per
+    round and each round's ratio raw / push (acb's share of the wire's speed)."""
+    raw = RawBroadcast([t.detach() for t in weights_of(model)], bucket_bytes, receivers, rounds + 1)
     try:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, world, timeout)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for f in flats:
-                pg.broadcast([f], opts).wait()
-            pg.barrier().wait()
-            times.append(time.perf_counter() - t0)
-        pg.shutdown()
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-        return min(times)
+        with WeightPusher(urls, master_port=free_port(), timeout_s=600, bucket_bytes=bucket_bytes) as pusher:
+            pusher.push(model, version="warm")
+            pusher.push(model, version="warm-2")
+            raw.round()
+            raw_s, push_s = [], []
+            for i in range(rounds):
+                raw_s.append(raw.round())
+                t0 = time.perf_counter()
+                pusher.push(model, version=f"push-{i}")
+                push_s.append(time.perf_counter() - t0)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        raw.close()
+    ratios = sorted(r / p for r, p in zip(raw_s, push_s))
+    return {"raw_s": raw_s, "push_s": push_s, "ratio_median": ratios[len(ratios) // 2], "ratio_min": ratios[0]}
 
 
-def acb_push(urls: list[str], model: torch.nn.Module, bucket_bytes: int, rounds: int = 3) -> float:
-    """Seconds of acb's push (:class:`acb.rl.WeightPusher`) of ``model`` to the servers at
-    ``urls``: best of ``rounds`` after two that warm the group's connections and the servers'
-    two sets of receive buffers (on CPU a push is received into the set the served weights do not
-    use: each set's first push pays its page faults). A push ends when every server answered:
-    checked, received, staged and swapped in."""
-    with WeightPusher(urls, master_port=free_port(), timeout_s=600, bucket_bytes=bucket_bytes) as pusher:
-        pusher.push(model, version="warm")
-        pusher.push(model, version="warm-2")
-        times = []
-        for i in range(rounds):
-            t0 = time.perf_counter()
-            pusher.push(model, version=f"push-{i}")
-            times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def push_figures(layers: int, tmp: Path, counts: tuple[int, ...], bucket_bytes: int, dtype: str) -> dict:
+def push_figures(
+    layers: int, tmp: Path, counts: tuple[int, ...], bucket_bytes: int, dtype: str, rounds: int = 5
+) -> dict:
     model = qwen3_06b(layers)
     params = sum(p.numel() for p in model.parameters())
     ckpt = tmp / "qwen3-0.6b"
@@ -219,9 +247,11 @@ def push_figures(layers: int, tmp: Path, counts: tuple[int, ...], bucket_bytes: 
     }
     servers = [Served(ckpt, "qwen", tmp / f"serve{i}.log", ["--dtype", dtype]) for i in range(max(counts))]
     try:
-        for n in counts:  # the raw broadcast beside acb's push, the same servers idle meanwhile
-            out[f"raw_{n}_servers_s"] = raw_broadcast(tensors, bucket_bytes, n)
-            out[f"push_{n}_servers_s"] = acb_push([s.url for s in servers[:n]], model, bucket_bytes)
+        for n in counts:  # the raw broadcast and acb's push in alternating rounds
+            pair = paired([s.url for s in servers[:n]], model, n, bucket_bytes, rounds)
+            out[f"{n}_servers"] = pair
+            out[f"raw_{n}_servers_s"] = min(pair["raw_s"])
+            out[f"push_{n}_servers_s"] = min(pair["push_s"])
         servers[0].post("/update_weights_from_disk", {"model_path": str(ckpt), "weight_version": "warm"})
         t0 = time.perf_counter()
         servers[0].post("/update_weights_from_disk", {"model_path": str(ckpt), "weight_version": "disk"})
@@ -287,7 +317,7 @@ def lora_push_figures(layers: int, tmp: Path, ckpt: Path | None = None, rank: in
     return out
 
 
-def ray_push_figure(layers: int, ckpt: Path, tmp: Path, bucket_bytes: int, dtype: str) -> dict:
+def ray_push_figure(layers: int, ckpt: Path, tmp: Path, bucket_bytes: int, dtype: str, rounds: int = 5) -> dict:
     """Seconds of acb's push to ``acb serve --ray --num-replicas 2``, and of the raw broadcast to
     two plain processes beside it while the deployment is up (run last: Ray's processes outlive
     its shutdown for a while, and would share the cores with what follows)."""
@@ -296,9 +326,11 @@ def ray_push_figure(layers: int, ckpt: Path, tmp: Path, bucket_bytes: int, dtype
     try:
         with WeightPusher([replicas.url], master_port=free_port(), timeout_s=600) as pusher:
             assert pusher.world_sizes() == [2]
+        pair = paired([replicas.url], model, 2, bucket_bytes, rounds)
         return {
-            "raw_2_ray_replicas_s": raw_broadcast([t.detach() for t in weights_of(model)], bucket_bytes, 2),
-            "push_2_ray_replicas_s": acb_push([replicas.url], model, bucket_bytes),
+            "2_ray_replicas": pair,
+            "raw_2_ray_replicas_s": min(pair["raw_s"]),
+            "push_2_ray_replicas_s": min(pair["push_s"]),
         }
     finally:
         replicas.stop()
@@ -430,6 +462,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--servers", default="1,4", help="server counts to push to, comma-separated")
     ap.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of raw broadcast and push per layout")
     ap.add_argument(
         "--server-threads",
         type=int,
@@ -467,13 +500,15 @@ def main() -> int:
     grpo = None
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        push = push_figures(a.layers, tmp, counts, bucket_bytes, a.server_dtype)
+        push = push_figures(a.layers, tmp, counts, bucket_bytes, a.server_dtype, a.rounds)
         if a.with_lora:
             push["lora"] = lora_push_figures(a.layers, tmp, Path(push["checkpoint"]))
         if not a.no_grpo:
             grpo = grpo_figures(tmp, a.grpo_steps)
         if not a.no_ray:
-            push.update(ray_push_figure(a.layers, Path(push["checkpoint"]), tmp, bucket_bytes, a.server_dtype))
+            push.update(
+                ray_push_figure(a.layers, Path(push["checkpoint"]), tmp, bucket_bytes, a.server_dtype, a.rounds)
+            )
         del push["checkpoint"]
     result = {
         "date": time.strftime("%Y-%m-%d"),
@@ -491,11 +526,11 @@ def main() -> int:
         f"{gb:.2f} GB bfloat16, {push['bucket_bytes'] >> 20} MiB buckets, servers in {push['server_dtype']}, "
         f"{push['server_threads']} thread(s) each\n"
     )
-    print("| to | raw broadcast s | raw GB/s | acb push s | acb GB/s | acb / raw |")
-    print("|---|---|---|---|---|---|")
+    print("| to | raw broadcast s (best) | raw GB/s | acb push s (best) | acb GB/s | best / best | median of rounds |")
+    print("|---|---|---|---|---|---|---|")
     for n in counts:
-        row(push, f"{n} servers", f"raw_{n}_servers_s", f"push_{n}_servers_s")
-    row(push, "acb serve --ray, 2 replicas", "raw_2_ray_replicas_s", "push_2_ray_replicas_s")
+        row(push, f"{n} servers", f"{n}_servers")
+    row(push, "acb serve --ray, 2 replicas", "2_ray_replicas")
     print(f"\nupdate_weights_from_disk: {push['load_from_disk_s']:.2f} s, {gb / push['load_from_disk_s']:.2f} GB/s")
     if grpo is not None:
         print_grpo(grpo)
@@ -504,12 +539,16 @@ def main() -> int:
     return 0
 
 
-def row(push: dict, label: str, raw: str, ours: str) -> None:
-    if raw not in push or ours not in push:
+def row(push: dict, label: str, key: str) -> None:
+    if key not in push:
         return
     gb = push["bytes"] / 1e9
-    r, o = push[raw], push[ours]
-    print(f"| {label} | {r:.2f} | {gb / r:.2f} | {o:.2f} | {gb / o:.2f} | {100 * r / o:.0f}% |")
+    pair = push[key]
+    r, o = min(pair["raw_s"]), min(pair["push_s"])
+    print(
+        f"| {label} | {r:.2f} | {gb / r:.2f} | {o:.2f} | {gb / o:.2f} | {100 * r / o:.0f}% "
+        f"| {100 * pair['ratio_median']:.0f}% |"
+    )
 
 
 def print_grpo(grpo: dict) -> None:
