@@ -738,9 +738,10 @@ def lora_refusal(model: torch.nn.Module) -> str | None:
     adapter as PEFT does, per slot's rows: ``out + lora_B(lora_A(x)) * scaling`` with two
     ``F.linear`` (the mode's fixed linear, each row its own bits) and an element-wise add, so a
     row's result is the one a trainer's ``PeftModel`` forward computes under ``enabled(model)``.
-    The other forms are not: the gathered one (``bmm``: :data:`acb.runner.lora.GATHERED`), the
-    Triton kernels (:data:`acb.runner.lora.KERNEL`), and the fused experts' adapters (folded into
-    the weights per slot)."""
+    A fused MoE's experts' adapters are folded into the weights as PEFT folds them (the same
+    ``baddbmm``) and the experts' products are the mode's fixed linear per expert, so they hold too.
+    The other forms are not: the gathered one (``bmm``: :data:`acb.runner.lora.GATHERED`) and the
+    Triton kernels (:data:`acb.runner.lora.KERNEL`)."""
     from acb.runner import lora
 
     p = next(model.parameters(), None)
@@ -750,6 +751,4 @@ def lora_refusal(model: torch.nn.Module) -> str | None:
         return "acb.runner.lora.GATHERED forces LoRA's gathered form (bmm over the step's rows), not the mode's"
     if lora.KERNEL:
         return "acb.runner.lora.KERNEL runs LoRA's Triton kernels, not the mode's fixed linear"
-    if any(p.dim() == 3 for m in model.modules() for p in m.parameters(recurse=False)):
-        return "LoRA on a model with fused MoE experts: the experts' adapters are folded into the weights per slot"
     return None

@@ -253,8 +253,8 @@ def test_lora_alone_equals_in_a_batch_of_64_chunked_and_the_peft_forward(tmp_pat
     """LoRA on CPU in the mode: each slot's rows through two fixed linears and an add, PEFT's
     order, so a request on an adapter gives the same bits alone, among 63 others on the base, the
     same adapter or another, chunked at 20 tokens; and the trainer's ``PeftModel`` forward under
-    ``enabled(model)`` computes exactly its logprobs. The gathered form and fused experts'
-    adapters are refused."""
+    ``enabled(model)`` computes exactly its logprobs. The gathered form is refused (fused experts'
+    adapters: tests/runner/test_lora_experts.py)."""
     import peft
 
     from acb.models import tiny_model
@@ -303,10 +303,6 @@ def test_lora_alone_equals_in_a_batch_of_64_chunked_and_the_peft_forward(tmp_pat
     with bi.enabled(ref), torch.no_grad():
         logits = ref(input_ids=torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
     assert torch.equal(bi.token_logprobs(logits, tokens, TEMP).double(), lps)
-    with pytest.raises(ValueError, match="fused MoE experts"):
-        acb.Engine(
-            _family("qwen3_moe"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, max_loras=1)
-        ).start()
     monkeypatch.setattr(lora, "GATHERED", True)
     with pytest.raises(ValueError, match="gathered form"):
         acb.Engine(base, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, max_loras=1)).start()

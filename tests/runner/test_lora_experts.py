@@ -235,3 +235,42 @@ def test_the_experts_are_priced_before_the_kv_blocks(moe):
     tight = dict(small, max_requests_per_batch=4)
     with pytest.raises(ValueError, match="not enough memory for LoRA adapters: max_loras=2 of max_lora_rank=4"):
         acb.Engine(base, acb.ContinuousBatchingConfig(**tight, max_loras=2, max_lora_rank=4)).start()
+
+
+def test_batch_invariant_mode_alone_equals_mixed_chunked_preempted_and_the_peft_forward(moe):
+    """The batch-invariant mode with experts' adapters (issue 57): the folded weights run through
+    the mode's fixed linear per expert, so a request on adapter ``a`` gives the same tokens and
+    logprob bits alone, among the other rows (base, ``a`` and ``b`` mixed) repeated four times,
+    chunked at 6 tokens, async and preempted with offload, and on one thread; and PEFT's forward
+    (``baddbmm`` fold, the model's own experts) under ``enabled`` computes exactly its logprobs."""
+    from acb.runner import batch_invariant as bi
+    from tests.runner.test_batch_invariant import SP, TEMP
+
+    target, others = moe.prompts[1], [p for i, p in enumerate(moe.prompts) if i != 1] * 4
+    loras = [lo for i, lo in enumerate(LORAS) if i != 1] * 4
+
+    def run(prompts, adapters, **cfg):
+        eng = _engine(moe, batch_invariant=True, **{"cpu_threads": 2, **cfg})
+        try:
+            eng.pause()
+            handles = [eng.submit(p, SP, lora=lo) for p, lo in zip(prompts, adapters)]
+            eng.resume()
+            outs = [h.result() for h in handles]
+            preempted = eng.stats.preemptions
+        finally:
+            eng.shutdown()
+        return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], preempted
+
+    def same(a, b):
+        return a[0] == b[0] and torch.equal(a[1], b[1])
+
+    (alone,), _ = run([target], ["a"])
+    assert same(run([*others, target], [*loras, "a"])[0][-1], alone)
+    assert same(run([target], ["a"], max_batch_tokens=6)[0][0], alone)
+    assert same(run([target], ["a"], cpu_threads=1)[0][0], alone)
+    outs, preempted = run([*others[:5], target], [*loras[:5], "a"], **MODES["preempt_offload"], use_async_batching=True)
+    assert preempted > 0 and same(outs[-1], alone)
+    tokens, lps = alone
+    with bi.enabled(moe.peft["a"]), torch.no_grad():
+        logits = moe.peft["a"](input_ids=torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
+    assert torch.equal(bi.token_logprobs(logits, tokens, TEMP).double(), lps)
