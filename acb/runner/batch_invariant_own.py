@@ -1,11 +1,261 @@
 """The batch-invariant mode on the second runner path (models on their own cache objects:
-:mod:`acb.runner.own_cache_runner`): see :mod:`acb.runner.batch_invariant`."""
+:mod:`acb.runner.own_cache_runner`); the mode itself is :mod:`acb.runner.batch_invariant`.
+
+How the path is made batch-invariant: in the mode the runner runs each request's forwards alone,
+as ``model.generate`` runs one unpadded prompt (the whole prompt in one call, then one call per
+sampled token, each on the request's own cache: no left-padded prefill groups, no chunked
+prefill, no stacked decode rows, hence no prefix caching either), with the mode's ops on
+(:func:`acb.runner.batch_invariant.engine_step`: the fixed linear, the element-wise ops' fixed
+path) and the language model's attention set to the mode's transformers attention function
+(:data:`acb.runner.batch_invariant.ATTN_IMPL_NAME`: acb's fixed-order kernel over the call's
+keys), as :func:`acb.runner.batch_invariant.enabled` sets it for a trainer (:func:`mode_forward`).
+What shares a request's steps then changes none of its calls, so (a) a request's bits are the
+same alone and among others, chunked budgets, preemptions (a recompute replays the prompt, then a
+token a call) and async scheduling; and (b) a trainer's forward over the whole sequence under
+``enabled(model)`` computes each token's logprob exactly as the engine's one-token call did, when
+every op of the model computes a token's row by the same arithmetic however many tokens the call
+holds.
+
+(b) is what decides which models are covered (:func:`own_cache_refusal`), by two checks on the
+model at engine start, not by a list of families:
+
+1. **Every product is one of the mode's fixed forms.** A short forward under the mode, watched by
+   a ``TorchFunctionMode``: a matrix product that sums over a dimension (``matmul``/``@``, ``bmm``,
+   ``baddbmm``, ``mm``, ``addmm``, ``einsum`` with a summed index, SDPA...) run by the model's own
+   code, not through ``F.linear`` (the fixed linear) or transformers' attention interface (the
+   fixed attention), is refused, naming the module and the op: BLOOM's ``baddbmm``, GPT-J's and
+   GPT-Neo's ``matmul`` (their attention does not go through transformers' attention interface),
+   GPT-1's ``Conv1D`` (``addmm``), xLSTM's chunked scan. MKL computes such a product's rows by
+   kernels and blockings chosen by the shapes, so a one-token call and a whole sequence give a
+   token other bits (a tiny model's shapes may happen to agree; a real one's do not).
+2. **The whole sequence and a token a call give the same bits.** The model's own ``generate``
+   (its prompt in one call, then a token a call on its own cache, under the mode) and one forward
+   over the same tokens must give every generated position's logits bit for bit: what a model's
+   own code does across positions (a recurrent scan whose whole-sequence form differs from its
+   one-token form, a reduction over the sequence, positions it derives from the cache) shows
+   here.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
+
+from acb.runner import batch_invariant as bi
+
+# products that sum over a dimension: the model's own code must not compute one in the mode
+_PRODUCTS: dict[Any, str] = {}
+
+
+def _products() -> dict[Any, str]:
+    if not _PRODUCTS:
+        t, f = torch.Tensor, torch.nn.functional
+        for fn, name in (
+            (torch.matmul, "torch.matmul"),
+            (t.matmul, "Tensor.matmul"),
+            (t.__matmul__, "@"),
+            (t.__rmatmul__, "@"),
+            (torch.bmm, "torch.bmm"),
+            (t.bmm, "Tensor.bmm"),
+            (torch.baddbmm, "torch.baddbmm"),
+            (t.baddbmm, "Tensor.baddbmm"),
+            (torch.mm, "torch.mm"),
+            (t.mm, "Tensor.mm"),
+            (torch.addmm, "torch.addmm"),
+            (t.addmm, "Tensor.addmm"),
+            (torch.addbmm, "torch.addbmm"),
+            (torch.einsum, "torch.einsum"),
+            (torch.tensordot, "torch.tensordot"),
+            (f.scaled_dot_product_attention, "F.scaled_dot_product_attention"),
+        ):
+            _PRODUCTS[fn] = name
+    return _PRODUCTS
+
+
+def _summed(name: str, args: tuple[Any, ...]) -> bool:
+    """Whether the product sums over a dimension of more than one element (an outer product, or
+    rotary's ``inv_freq @ positions`` with its one-element inner dimension, sums nothing)."""
+    if name == "torch.einsum":
+        eq = args[0] if args and isinstance(args[0], str) else ""
+        if "->" not in eq:
+            return True
+        ins, out = eq.replace(" ", "").split("->")
+        return bool(set(ins.replace(",", "")) - set(out) - {"."})
+    if name == "F.scaled_dot_product_attention":
+        return True
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    # (addmm/baddbmm: input, a, b; the rest: a, b) the first factor's last dimension is the sum's
+    a = tensors[-2] if len(tensors) >= 2 else None
+    return a is None or a.dim() == 0 or a.shape[-1] > 1
+
+
+class _Watch(torch.overrides.TorchFunctionMode):
+    """Records the first product the model's own code computes (module class, op)."""
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.found: tuple[str, str] | None = None
+        self.attention_calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _products().get(func)
+        if name is not None and self.found is None and _summed(name, tuple(args)):
+            self.found = (self.stack[-1] if self.stack else "the model", name)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _watched(model: torch.nn.Module) -> Iterator[_Watch]:
+    """A :class:`_Watch` over ``model``'s forwards, which knows the innermost module running."""
+    stack: list[str] = []
+    handles = []
+
+    def enter(mod: torch.nn.Module, args: Any) -> None:
+        stack.append(type(mod).__name__)
+
+    def leave(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if stack:
+            stack.pop()
+
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave))
+    watch = _Watch(stack)
+    original = bi.attention_forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        watch.attention_calls += 1
+        return original(*args, **kwargs)
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(bi.ATTN_IMPL_NAME, counted)
+    try:
+        with watch:
+            yield watch
+    finally:
+        bi.register_with_transformers()  # (the uncounted function back)
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _eval(model: torch.nn.Module) -> Iterator[None]:
+    """The start-up tries in eval semantics (dropout off), each module's flag put back after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, was in flags:
+            m.training = was
+
+
+def _tokens(model: Any, n: int) -> torch.Tensor:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = int(cfg.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    return torch.randint(min(16, vocab - 1), vocab, (1, n), generator=g).to(device)
+
+
+def product_outside_fixed_forms(model: torch.nn.Module) -> str | None:
+    """Check 1 (module docstring): None when a short forward of ``model`` under the mode computes
+    no product outside the mode's fixed linear and attention, else which and where."""
+    with _eval(model), torch.no_grad(), bi.enabled(model), _watched(model) as watch:
+        model(input_ids=_tokens(model, 12))
+    if watch.found is None:
+        return None
+    where, op = watch.found
+    if watch.attention_calls == 0 and "attention" in where.lower():
+        return (
+            f"its attention does not go through transformers' attention interface ({where} computes {op} "
+            "itself, whose bits for a token move with the number of tokens in the call)"
+        )
+    return (
+        f"{where} computes {op} itself, outside the mode's fixed linear and attention (its bits for a "
+        "token move with the number of tokens in the call)"
+    )
+
+
+def whole_and_stepwise_differ(model: Any, prompt: int = 9, new: int = 6) -> str | None:
+    """Check 2 (module docstring): None when, under the mode, the model's own ``generate`` (the
+    prompt in one call, then a token a call) and one forward over the same tokens give every
+    generated position's logits bit for bit, else how they differ."""
+    ids = _tokens(model, prompt)
+    with _eval(model), torch.no_grad(), bi.enabled(model):
+        try:
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        except Exception as exc:  # noqa: BLE001 - the reason names it
+            return f"its own generate failed under the mode ({type(exc).__name__}: {exc})"
+        seq = out.sequences
+        steps = torch.stack([lg[0] for lg in out.logits])  # [new, V]: the prompt's last, then each token's
+        whole = model(input_ids=seq[:, :-1]).logits[0, prompt - 1 :]
+    if whole.shape != steps.shape or not torch.equal(whole.float(), steps.float()):
+        diff = (whole.float() - steps.float()).abs().max().item() if whole.shape == steps.shape else float("nan")
+        return (
+            "its whole-sequence forward and its one-token form (a prompt, then a token a call on its own cache) "
+            f"give other bits under the mode (max |Δ logit| {diff:.2e}): the model's own code computes a token "
+            "differently across the two forms (a recurrent scan or a reduction over the sequence)"
+        )
+    return None
 
 
 def own_cache_refusal(model: torch.nn.Module) -> str | None:
-    """Why the mode cannot run ``model`` on its own cache objects (None: it can)."""
-    return "the model runs on its own cache objects (runner='own_cache'), whose attention is the model's own"
+    """Why the mode cannot run ``model`` on its own cache objects (None: it can): the two start-up
+    checks of the module docstring (a product outside the mode's fixed forms; the whole sequence
+    and a token a call giving other bits)."""
+    bi.register_with_transformers()
+    for check in (product_outside_fixed_forms, whole_and_stepwise_differ):
+        try:
+            problem = check(model)
+        except Exception as exc:  # noqa: BLE001 - a forward the checks cannot run: refused, with why
+            problem = f"its forward failed under the mode's start-up check ({type(exc).__name__}: {exc})"
+        if problem is not None:
+            return f"on its own cache objects (runner='own_cache'), {problem}"
+    return None
+
+
+@contextlib.contextmanager
+def mode_forward(model: torch.nn.Module) -> Iterator[None]:
+    """The engine's forwards on the own-cache path in the mode (the engine thread): the mode's
+    ops (:func:`acb.runner.batch_invariant.engine_step`) and the language model's attention set to
+    :data:`acb.runner.batch_invariant.ATTN_IMPL_NAME` for the block, its own back after (as
+    :func:`acb.runner.batch_invariant.enabled` sets it for a trainer)."""
+    from acb.runner.batch_invariant_families import text_attention_of
+
+    bi.register_with_transformers()
+    own = text_attention_of(model)
+    swap = own != bi.ATTN_IMPL_NAME
+    if swap:
+        _set(model, bi.ATTN_IMPL_NAME)
+    p = next(model.parameters())
+    try:
+        with bi.engine_step(p.is_cuda):
+            yield
+    finally:
+        if swap and own is not None:
+            _set(model, own)
+
+
+def _set(model: Any, impl: str) -> None:
+    from acb.runner.batch_invariant_families import text_attention
+
+    try:
+        model.set_attn_implementation(text_attention(model, impl))
+    except (AttributeError, ValueError, KeyError, ImportError):
+        model.config._attn_implementation = impl

@@ -167,7 +167,7 @@ class ModelRunner:
                 + f"its own forward failed on its own cache ({type(exc).__name__}: {exc})"
             ) from exc
         # the whole model on its own caches (the second runner path), or None (the paged path)
-        self.own_cache_runner = OwnCacheRunner(model, start) if own_path else None
+        self.own_cache_runner = OwnCacheRunner(model, start, config.batch_invariant) if own_path else None
         self.state_row_bytes = 0  # one request's state over the state layers (set with them)
         self.state_why = ""
         # vision-language models: the model's own vision code for the requests with images

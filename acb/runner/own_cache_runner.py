@@ -335,10 +335,13 @@ def _cache_of(kw: dict[str, Any]) -> Any:
 class OwnCacheRunner:
     """Runs engine steps on the model's own caches (see the module docstring)."""
 
-    def __init__(self, model: Any, start: dict[Slot, Any] | None = None) -> None:
+    def __init__(self, model: Any, start: dict[Slot, Any] | None = None, batch_invariant: bool = False) -> None:
         """``start``: the model's module attributes before the engine ran any forward of it
-        (:func:`acb.runner.module_state.module_attributes`): what a new request starts from."""
+        (:func:`acb.runner.module_state.module_attributes`): what a new request starts from.
+        ``batch_invariant``: the mode (:mod:`acb.runner.batch_invariant_own`): each request's
+        forwards alone (a prompt whole, then a token a call), under the mode's ops and attention."""
         self.model = model
+        self.batch_invariant = batch_invariant
         self._start = start
         self.config = model.config
         params = inspect.signature(type(model).forward).parameters
@@ -386,6 +389,8 @@ class OwnCacheRunner:
         # (see the module docstring); whether a cut is exact is found by the start-up try
         self.snaps: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
         self.croppable = False
+        if batch_invariant:  # a request's calls must not depend on what shares its steps: each alone, whole
+            self.batchable = self.chunkable = False
         self._probe()
         if not self.croppable:
             logger.info(
@@ -396,6 +401,8 @@ class OwnCacheRunner:
 
     def _uncut(self, default_hooks: bool) -> str:
         """Why a request's cache cannot be cut exactly (see the module docstring)."""
+        if self.batch_invariant:
+            return "batch_invariant=True prefills each prompt whole, in one call"
         if not self.plain:
             kinds = sorted({type(layer).__name__ for layer in getattr(self._empty(), "layers", ())})
             return f"layers other than plain growing K/V: {', '.join(kinds) or 'a cache of its own'}"
@@ -729,7 +736,23 @@ class OwnCacheRunner:
         rows: list[int],
         logits_indices: list[int],
     ) -> torch.Tensor:
-        """The logits of the flattened batch's rows ``logits_indices``, ``[S, V]``."""
+        """The logits of the flattened batch's rows ``logits_indices``, ``[S, V]`` (in the
+        batch-invariant mode, under its ops and attention: :func:`acb.runner.batch_invariant_own.mode_forward`)."""
+        if not self.batch_invariant:
+            return self._forward(input_ids, position_ids, num_new, rows, logits_indices)
+        from acb.runner.batch_invariant_own import mode_forward
+
+        with mode_forward(self.model):
+            return self._forward(input_ids, position_ids, num_new, rows, logits_indices)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        num_new: list[int],
+        rows: list[int],
+        logits_indices: list[int],
+    ) -> torch.Tensor:
         segments, lo = [], 0
         for n, row in zip(num_new, rows):
             segments.append((lo, lo + n, row))

@@ -1,0 +1,79 @@
+"""The batch-invariant mode on the second runner path (models on their own cache objects,
+acb.runner.batch_invariant_own): a request's tokens and logprobs are the same bits alone, among 16
+others of other lengths, at a small step budget, and with async batching in a cache small enough to
+preempt; and a trainer's forward over the whole sequence under ``enabled(model)`` computes exactly
+the engine's logprobs. A model whose own code computes products outside the mode's fixed forms
+is refused with the reason."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import acb
+from acb.runner import batch_invariant as bi
+from tests.runner.test_batch_invariant import SP, TEMP
+
+
+def _family(model_type):
+    from transformers import AutoModelForCausalLM
+
+    from acb.bench.families import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+
+
+def _prompts(vocab, n=16):
+    rng = random.Random(0)
+    target = [rng.randrange(16, vocab) for _ in range(37)]
+    others = [[rng.randrange(16, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+    return target, others
+
+
+def _run(model, prompts, **cfg):
+    """Every prompt submitted while the engine is paused (they enter its first step together);
+    each output's (tokens, logprobs), and the engine's stats."""
+    cfg.setdefault("num_blocks", 200)
+    config = acb.ContinuousBatchingConfig(page_size=8, batch_invariant=True, cpu_threads=1, **cfg)
+    with acb.Engine(model, config) as eng:
+        assert eng.runner.own_cache_runner is not None  # the second runner path
+        eng.pause()
+        handles = [eng.submit(p, SP) for p in prompts]
+        eng.resume()
+        outs = [h.result() for h in handles]
+        stats = eng.stats
+    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], stats
+
+
+def _same(a, b):
+    return a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+# StableLM (a decoder-only through the attention interface), BART's decoder (learned positions
+# counted from its cache), RWKV (a recurrent state, no attention)
+@pytest.mark.parametrize("arch", ["stablelm", "bart", "rwkv"])
+def test_alone_equals_in_a_batch_preempted_async_and_the_trainer(arch):
+    model = _family(arch)
+    target, others = _prompts(model.config.get_text_config().vocab_size)
+    (alone,), _ = _run(model, [target])
+    outs, _ = _run(model, [*others, target])
+    assert _same(outs[-1], alone)
+    # a small step budget, async scheduling, a cache too small for every row (preemptions: a
+    # recompute replays the prompt, then a token a call)
+    outs, stats = _run(model, [target, *others], max_batch_tokens=16, use_async_batching=True, num_blocks=8)
+    assert stats.preemptions > 0
+    assert _same(outs[0], alone)
+    tokens, lps = alone
+    with bi.enabled(model), torch.no_grad():
+        logits = model(input_ids=torch.tensor([target + tokens])).logits
+    got = bi.token_logprobs(logits[0, len(target) - 1 : -1], tokens, TEMP).double()
+    assert torch.equal(got, lps), (got - lps).abs().max()
+    assert model.config._attn_implementation != bi.ATTN_IMPL_NAME  # its own attention back between steps
+
+
+def test_a_model_with_its_own_attention_products_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="attention interface .BloomAttention computes Tensor.baddbmm"):
+        acb.Engine(_family("bloom"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
