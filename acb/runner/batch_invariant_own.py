@@ -231,31 +231,20 @@ def own_cache_refusal(model: torch.nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def mode_forward(model: torch.nn.Module) -> Iterator[None]:
+def mode_forward(model: Any) -> Iterator[None]:
     """The engine's forwards on the own-cache path in the mode (the engine thread): the mode's
     ops (:func:`acb.runner.batch_invariant.engine_step`) and the language model's attention set to
-    :data:`acb.runner.batch_invariant.ATTN_IMPL_NAME` for the block, its own back after (as
-    :func:`acb.runner.batch_invariant.enabled` sets it for a trainer)."""
-    from acb.runner.batch_invariant_families import text_attention_of
-
+    :data:`acb.runner.batch_invariant.ATTN_IMPL_NAME` for the block, its own back after, as
+    :func:`acb.runner.batch_invariant.enabled` sets it for a trainer (the text config's
+    implementation, written directly: ``set_attn_implementation`` checks and logs at every step)."""
     bi.register_with_transformers()
-    own = text_attention_of(model)
-    swap = own != bi.ATTN_IMPL_NAME
-    if swap:
-        _set(model, bi.ATTN_IMPL_NAME)
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    own = getattr(text, "_attn_implementation_internal", None)
     p = next(model.parameters())
+    text._attn_implementation_internal = bi.ATTN_IMPL_NAME
     try:
         with bi.engine_step(p.is_cuda):
             yield
     finally:
-        if swap and own is not None:
-            _set(model, own)
-
-
-def _set(model: Any, impl: str) -> None:
-    from acb.runner.batch_invariant_families import text_attention
-
-    try:
-        model.set_attn_implementation(text_attention(model, impl))
-    except (AttributeError, ValueError, KeyError, ImportError):
-        model.config._attn_implementation = impl
+        text._attn_implementation_internal = own
