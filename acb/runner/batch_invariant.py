@@ -21,7 +21,9 @@ and oneDNN 3.12; :func:`check_linear` repeats the linear measurement on the mach
   prefill chunk goes to it too (otherwise a long chunk runs SDPA's blocked products, whose sums
   split the keys by the chunk's shape). A trainer's forward over whole sequences uses the same
   kernel through :data:`ATTN_IMPL_NAME`, a transformers attention function (causal, left padding
-  allowed); its backward recomputes attention with ordinary torch ops.
+  allowed; an image's tokens that see each other both ways, as the model's own mask says, each
+  query's keys then running to its image's end: :mod:`acb.runner.batch_invariant_media`); its
+  backward recomputes attention with ordinary torch ops.
 - **MoE experts.** ``torch.nn.functional.grouped_mm`` (transformers' default experts on CPU) is
   replaced the same way by one fixed linear per expert (:func:`grouped_mm`); the eager experts
   call ``F.linear`` already.
@@ -313,12 +315,19 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], te
 # ---------------------------------------------------------------- attention (the trainer's side)
 
 
-def _pads(mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None, chunk: int | None) -> list[int]:
-    """Each row's left padding, read from the boolean ``[B, 1, Q, S]`` mask transformers built
-    (None: no padding), and checked to be the causal mask over the row's tokens (queries on
-    padding, left or right, are not checked: their outputs are not used); any other mask is refused."""
+def _pads(
+    mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None, chunk: int | None
+) -> tuple[list[int], torch.Tensor | None]:
+    """Each row's left padding, and each query's key end (``[B, Q]``, exclusive; None: every
+    query's own position plus one, causal), read from the boolean ``[B, 1, Q, S]`` mask
+    transformers built (None: no padding, causal). The mask is checked to be what acb's kernel
+    computes: per query the keys ``[lo, end)`` in position order, ``lo`` the row's first token or
+    where the window or chunk of the query's position starts, ``end`` past the query's own
+    position only where the model lets a token see later ones (an image whose tokens attend to
+    each other both ways: Gemma 3, Gemma 4's sliding layers, Molmo2). Queries on padding, left or
+    right, are not checked (their outputs are not used); any other mask is refused."""
     if mask is None:
-        return [0] * b
+        return [0] * b, None
     if mask.dtype != torch.bool or mask.dim() != 4:
         raise ValueError(
             f"acb's batch-invariant attention takes a boolean 4-D mask, not {mask.dtype} {tuple(mask.shape)}"
@@ -326,22 +335,29 @@ def _pads(mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None,
     m = mask[:, 0].expand(b, q, s)
     seen = m.any(dim=1)  # [B, S]: keys some query attends (padding keys: none)
     pads = [int(p) for p in (~seen).long().cumprod(-1).sum(-1).tolist()]
-    ends = [s - int(e) for e in (~seen.flip(-1)).long().cumprod(-1).sum(-1).tolist()]
+    last = [s - int(e) for e in (~seen.flip(-1)).long().cumprod(-1).sum(-1).tolist()]
     qpos = torch.arange(s - q, s, device=m.device)[:, None]
     kpos = torch.arange(s, device=m.device)[None, :]
-    for i, (pad, end) in enumerate(zip(pads, ends)):
-        want = (kpos <= qpos) & (kpos >= pad)
+    # each query's last key plus one (a query that sees none: its own position plus one)
+    sees = m.any(-1)  # [B, Q]
+    top = torch.where(m, kpos, -1).amax(-1) + 1
+    ends = torch.where(sees, top, qpos[:, 0] + 1).clamp(min=qpos[:, 0] + 1)
+    ahead = False
+    for i, (pad, end) in enumerate(zip(pads, last)):
+        rows = slice(max(0, pad - (s - q)), max(0, end - (s - q)))  # the row's own tokens' queries
+        want = (kpos < ends[i][:, None]) & (kpos >= pad)
         if window:
             want &= qpos - kpos < window
         if chunk:
             want &= (kpos - pad) // chunk == (qpos - pad) // chunk
-        rows = slice(max(0, pad - (s - q)), max(0, end - (s - q)))  # the row's own tokens' queries
         if not torch.equal(m[i, rows], want[rows]):
             raise ValueError(
-                "acb's batch-invariant attention computes causal attention with left or right padding only; "
-                "this forward's mask is another (packed sequences, or a custom mask)"
+                "acb's batch-invariant attention computes causal attention with left or right padding, and an "
+                "image's tokens seeing their image's later ones; this forward's mask is another (packed "
+                "sequences, or a custom mask)"
             )
-    return pads
+        ahead = ahead or bool((ends[i, rows] > qpos[rows, 0] + 1).any())
+    return pads, (ends.to(torch.long) if ahead else None)
 
 
 def _kernel_attention(
@@ -349,6 +365,7 @@ def _kernel_attention(
     key: torch.Tensor,  # [B, KVH, S, D]
     value: torch.Tensor,
     pads: list[int],
+    ends: torch.Tensor | None,
     scale: float,
     softcap: float | None,
     window: int | None,
@@ -356,7 +373,8 @@ def _kernel_attention(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """acb's kernel over whole sequences: each row's keys from its first unpadded position, as
-    an engine's cache holds them (positions from 0). Returns ``[B, Q, H, D]``."""
+    an engine's cache holds them (positions from 0); each query's keys up to its own position,
+    or to ``ends`` (``[B, Q]``, exclusive) where given. Returns ``[B, Q, H, D]``."""
     from acb.runner.attention import cpu_kernels
 
     b, h, q, d = query.shape
@@ -376,6 +394,11 @@ def _kernel_attention(
     toks = torch.arange(b * q, dtype=torch.long)
     qabs = torch.arange(s - q, s, dtype=torch.long)  # each query's index among the keys
     lens = torch.cat([(qabs - p + 1).clamp(min=0) for p in pads])
+    pos = None
+    if ends is not None:  # a query that sees later keys: its keys to its end, its window from its position
+        own = torch.cat([(qabs - p).clamp(min=-1) for p in pads])
+        pos = torch.where(own >= 0, own, 0).contiguous()
+        lens = torch.where(own >= 0, torch.cat([(ends[i].cpu() - p) for i, p in enumerate(pads)]), 0).contiguous()
     cpu_kernels.paged_attention(
         qt,
         k,
@@ -390,11 +413,12 @@ def _kernel_attention(
         window,
         chunk,
         sinks.to(torch.float32).contiguous() if sinks is not None else None,
+        pos,
     )
     return out.view(b, q, h, d)
 
 
-def _eager_attention(query, key, value, pads, scale, softcap, window, chunk, sinks):
+def _eager_attention(query, key, value, pads, ends, scale, softcap, window, chunk, sinks):
     """The same attention in ordinary torch ops (the backward's: autograd through it)."""
     b, h, q, d = query.shape
     s = key.shape[2]
@@ -407,8 +431,9 @@ def _eager_attention(query, key, value, pads, scale, softcap, window, chunk, sin
     qpos = torch.arange(s - q, s, device=query.device)[:, None]
     kpos = torch.arange(s, device=query.device)[None, :]
     allow = []
-    for pad in pads:
-        a = (kpos <= qpos) & (kpos >= pad)
+    for i, pad in enumerate(pads):
+        end = qpos + 1 if ends is None else ends[i].to(query.device)[:, None]
+        a = (kpos < end) & (kpos >= pad)
         if window:
             a &= qpos - kpos < window
         if chunk:
@@ -427,31 +452,37 @@ def _eager_attention(query, key, value, pads, scale, softcap, window, chunk, sin
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, query, key, value, sinks, pads, scale, softcap, window, chunk):
+    def forward(ctx: Any, query, key, value, sinks, pads, ends, scale, softcap, window, chunk):
         ctx.save_for_backward(query, key, value, sinks)
-        ctx.args = (pads, scale, softcap, window, chunk)
+        ctx.args = (pads, ends, scale, softcap, window, chunk)
         if query.is_cuda or KERNEL:  # the Triton decode kernel, as the Triton backend's fixed-order form
             from acb.runner.batch_invariant_kernels import whole_sequence_attention
+
+            if ends is not None:
+                raise ValueError(
+                    "acb's batch-invariant attention on CUDA computes causal attention only: image tokens that "
+                    "attend to each other both ways are CPU-checked only"
+                )
 
             sinks_c = sinks.contiguous() if sinks is not None else None
             out = whole_sequence_attention(query, key, value, pads, scale, softcap, window, chunk, sinks_c)
             return out.to(query.dtype)
-        return _kernel_attention(query, key, value, pads, scale, softcap, window, chunk, sinks).to(query.dtype)
+        return _kernel_attention(query, key, value, pads, ends, scale, softcap, window, chunk, sinks).to(query.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         query, key, value, sinks = ctx.saved_tensors
-        pads, scale, softcap, window, chunk = ctx.args
+        pads, ends, scale, softcap, window, chunk = ctx.args
         with torch.enable_grad():
             ins = [
                 t.detach().requires_grad_(need) if t is not None else None
                 for t, need in zip((query, key, value, sinks), ctx.needs_input_grad[:4])
             ]
-            out = _eager_attention(ins[0], ins[1], ins[2], pads, scale, softcap, window, chunk, ins[3])
+            out = _eager_attention(ins[0], ins[1], ins[2], pads, ends, scale, softcap, window, chunk, ins[3])
             wrt = [t for t, need in zip(ins, ctx.needs_input_grad[:4]) if t is not None and need]
             grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True)) if wrt else iter(())
         res = [next(grads) if t is not None and need else None for t, need in zip(ins, ctx.needs_input_grad[:4])]
-        return (*res, None, None, None, None, None)
+        return (*res, None, None, None, None, None, None)
 
 
 def attention_forward(
@@ -477,14 +508,14 @@ def attention_forward(
     b, _, q, d = query.shape
     s = key.shape[2]
     chunk = layer_chunk(module)
-    pads = _pads(attention_mask, b, q, s, sliding_window, chunk)
+    pads, ends = _pads(attention_mask, b, q, s, sliding_window, chunk)
     scale = scaling if scaling is not None else d**-0.5
     k_dim, v_dim = key.shape[-1], value.shape[-1]
     if k_dim != v_dim:  # MLA's expanded heads: both at the wider width, as the engine's cache holds them
         width = max(k_dim, v_dim)
         query, key = (torch.nn.functional.pad(t, (0, width - k_dim)) for t in (query, key))
         value = torch.nn.functional.pad(value, (0, width - v_dim))
-    out = _Attention.apply(query, key, value, layer_sinks(kwargs), pads, scale, softcap, sliding_window, chunk)
+    out = _Attention.apply(query, key, value, layer_sinks(kwargs), pads, ends, scale, softcap, sliding_window, chunk)
     return (out if k_dim == v_dim else out[..., :v_dim]), None
 
 

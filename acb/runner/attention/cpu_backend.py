@@ -8,7 +8,9 @@ the batch holds. Short prefill chunks after a cached prefix (``MAX_KERNEL_CHUNK_
 kernel the same way, one query token at a time. Longer prefill chunks (their queries are many:
 SDPA's blocked matrix products win) and the layers the kernel does not take (indexed attention,
 a cache that is not float32, image tokens that attend both ways) run as in the torch backend,
-which stays the reference the tests compare against.
+which stays the reference the tests compare against. In the batch-invariant mode
+(``fixed_order``) every query goes to the kernel, an image token's keys running to its image's
+end (:func:`_media_lens`).
 
 On by default on CPU where the kernel builds (a C compiler is on the machine; see
 :func:`acb.runner.attention.cpu_kernels.load`) and agrees with the torch backend
@@ -128,11 +130,7 @@ class CpuBackend(TorchBackend):
             # heads folded into the query length) measured 1.3-2.2x faster than this kernel taking the
             # latent pages as K and V with G = H (acb.runner.latent)
             or la.latent is not None
-            or (
-                la.media_blocks
-                and md.media_groups is not None
-                and any(p.q_start in md.media_groups.segments for p in md.kernel_prefills)
-            )
+            or (la.media_blocks and not self.fixed_order and _media_prefills(md, la))
             or q.dtype != torch.float32
             or k_pages.dtype != torch.float32
             or q.device.type != "cpu"
@@ -151,6 +149,9 @@ class CpuBackend(TorchBackend):
                 self._prefill(md, j, p, q, None, None, k_pages, v_pages, out, la)
             return
         table, rows, toks, lens = md.kernel_rows
+        pos = None
+        if la.media_blocks and self.fixed_order and _media_prefills(md, la):  # an image's tokens see its later ones
+            lens, pos = _media_lens(md)
         cpu_kernels.paged_attention(
             q.transpose(0, 1),  # [T, H, D]
             k_pages,
@@ -165,4 +166,43 @@ class CpuBackend(TorchBackend):
             la.sliding_window,
             la.chunk,
             la.sinks.to(torch.float32).contiguous() if la.sinks is not None else None,
+            pos,
         )
+
+
+def _media_prefills(md: TorchMetadata, la: AttentionCall) -> bool:
+    """Whether this layer's kernel tokens include a prefill chunk whose image tokens attend to their
+    whole image (:class:`acb.runner.media.MediaBlocks`)."""
+    return bool(
+        la.media_blocks
+        and md.media_groups is not None
+        and any(p.q_start in md.media_groups.segments for p in md.kernel_prefills)
+    )
+
+
+def _media_lens(md: TorchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel tokens' key counts on a layer where an image's tokens see each other both ways
+    (the batch-invariant mode's prefill): an image token's keys run to its image's end (a chunk
+    never ends inside an image: the scheduler's whole spans, so those keys are in the cache by
+    now), any other token's to its own position; and each token's position, from which the
+    kernel measures a sliding window or an attention chunk. Made once per step."""
+    lens_key, pos_key = ("kernel-media-lens",), ("kernel-media-pos",)
+    if lens_key not in md._masks:
+        assert md.kernel_rows is not None and md.media_groups is not None
+        _, _, toks, lens = md.kernel_rows
+        ends = torch.zeros(md.num_tokens, dtype=torch.long, device=lens.device)
+        for p in md.kernel_prefills:
+            groups = md.media_groups.segments.get(p.q_start)
+            if groups is None:
+                continue
+            groups = groups.to(lens.device)
+            first = p.ctx_len - p.q_len
+            # each image block's end (exclusive): the last position holding its id, plus one
+            idx = torch.arange(groups.numel(), device=lens.device)
+            last = torch.full((int(groups.max()) + 2,), -1, dtype=torch.long, device=lens.device)
+            last.scatter_reduce_(0, groups + 1, idx, reduce="amax")
+            q = groups[first : p.ctx_len]
+            ends[p.q_start : p.q_start + p.q_len] = torch.where(q >= 0, last[q + 1] + 1, 0)
+        md._masks[lens_key] = torch.maximum(lens, ends[toks])
+        md._masks[pos_key] = lens - 1
+    return md._masks[lens_key], md._masks[pos_key]

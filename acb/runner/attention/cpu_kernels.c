@@ -6,7 +6,9 @@
    One query token per entry: its batch row (which block-table row and context length it
    reads), its token index (where its query is and its output goes) and the number of keys it
    sees (a decode row: its whole context; a query inside a prefill chunk: the keys up to its
-   own position). Each (query token, KV head) is one task: the query heads of the KV head's
+   own position; an image token whose image attends both ways: the keys up to its image's end).
+   A sliding window or an attention chunk is measured from the query's own position: the
+   entry's ``pos_of`` where given (an image token's keys may end past it), else its last key. Each (query token, KV head) is one task: the query heads of the KV head's
    group are scored against each key as it is read, so K and V are read once per group. The
    sums run over the keys in position order, the same for a token whatever else is in the batch
    or the step, so a row's result does not depend on its batch (no padding, no split that
@@ -112,6 +114,7 @@ int acb_paged_attention_f32(
     const float *k, const float *v,                              /* [blocks, P, KVH, D], contiguous */
     const int64_t *block_table, int64_t bt_stride,               /* [B, max_blocks] */
     const int64_t *row_of, const int64_t *tok_of, const int64_t *len_of, /* [R] each */
+    const int64_t *pos_of,                                       /* [R], or NULL: len_of - 1 */
     int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t P,
     float scale, float softcap, int64_t window, int64_t chunk,
     const float *sinks,                                          /* [H] or NULL */
@@ -124,9 +127,10 @@ int acb_paged_attention_f32(
     for (int64_t t = 0; t < tasks; ++t) {
         const int64_t r = t / KVH, h = t % KVH;
         const int64_t b = row_of[r], tok = tok_of[r], n = len_of[r];
+        const int64_t pos = pos_of != NULL ? pos_of[r] : n - 1; /* the query's own position */
         int64_t lo = 0;
-        if (window > 0 && n - window > lo) lo = n - window;
-        if (chunk > 0 && (n - 1) / chunk * chunk > lo) lo = (n - 1) / chunk * chunk;
+        if (window > 0 && pos + 1 - window > lo) lo = pos + 1 - window;
+        if (chunk > 0 && pos / chunk * chunk > lo) lo = pos / chunk * chunk;
         float *o0 = out + tok * o_tok_stride + h * G * o_head_stride;
         if (n - lo <= 0) {
             for (int64_t g = 0; g < G; ++g) memset(o0 + g * o_head_stride, 0, sizeof(float) * D);

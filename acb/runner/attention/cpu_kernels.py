@@ -44,6 +44,7 @@ _ARGTYPES: list[Any] = [
     _PTR, _PTR,  # k, v pages
     _PTR, _I64,  # block table, its row stride
     _PTR, _PTR, _PTR,  # row_of, tok_of, len_of
+    _PTR,  # pos_of (NULL: len_of - 1)
     _I64, _I64, _I64, _I64, _I64,  # R, H, KVH, D, P
     ctypes.c_float, ctypes.c_float, _I64, _I64,  # scale, softcap, window, chunk
     _PTR,  # sinks
@@ -167,7 +168,12 @@ def paged_attention(
     window: int | None,
     chunk: int | None,
     sinks: torch.Tensor | None,  # [H] float32 contiguous, or None
+    pos_of: torch.Tensor | None = None,  # [R] int64: its position (the window's and chunk's); None: len_of - 1
 ) -> None:
+    """Each of the R query tokens over its keys ``[lo, len_of)`` of its row's pages, in position
+    order (``lo``: 0, or where the sliding window or the attention chunk of the token's position
+    starts). ``pos_of`` is needed only where a token sees keys past its own position (an image
+    whose tokens attend both ways)."""
     lib = _LIB or load()
     if lib is None:
         raise RuntimeError(f"acb's CPU attention kernel is not available: {_PROBLEM}")
@@ -181,6 +187,7 @@ def paged_attention(
         k_pages.data_ptr(), v_pages.data_ptr(),
         block_table.data_ptr(), block_table.stride(0),
         row_of.data_ptr(), tok_of.data_ptr(), len_of.data_ptr(),
+        pos_of.data_ptr() if pos_of is not None else None,
         row_of.numel(), h, k_pages.shape[2], d, k_pages.shape[1],
         scale, softcap or 0.0, window or 0, chunk or 0,
         sinks.data_ptr() if sinks is not None else None,
