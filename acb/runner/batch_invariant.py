@@ -237,6 +237,10 @@ class Enabled:
 
         # state layers' fixed forms, image features an image a call (acb.runner.batch_invariant_families)
         self._forms = TrainerForms(model) if model is not None else None
+        if model is not None:  # indexers' fixed products and top-k (acb.runner.batch_invariant_dsa)
+            from acb.runner.batch_invariant_dsa import install as install_dsa
+
+            install_dsa(model)
         p = next(model.parameters(), None) if model is not None else None
         self._red = _reductions(p.is_cuda if p is not None else torch.cuda.is_available())
         self._red.__enter__()  # (CUDA) RMSNorm's mean one program a row
@@ -505,6 +509,12 @@ def attention_forward(
         raise ValueError(f"acb's batch-invariant attention runs on CPU or CUDA tensors, not {query.device.type}")
     if dropout and module.training:
         raise ValueError("acb's batch-invariant attention has no dropout (set the model's attention dropout to 0)")
+    if kwargs.get("indices") is not None:  # indexed sparse attention's selection (acb.runner.batch_invariant_dsa)
+        from acb.runner.batch_invariant_dsa import indexed_attention_forward
+
+        return indexed_attention_forward(
+            module, query, key, value, attention_mask, scaling, sliding_window, softcap, kwargs
+        )
     b, _, q, d = query.shape
     s = key.shape[2]
     chunk = layer_chunk(module)

@@ -241,6 +241,18 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
     step: _Step | None = CURRENT.index
     if step is None:  # not an engine step: the indexer as it always was
         return original(*args, **kwargs)
+    from acb.runner.batch_invariant_dsa import indexer_ops
+
+    ops = indexer_ops()  # the batch-invariant mode: the indexer's products and top-k in their fixed forms
+    if ops is None:
+        return _step_forward(original, sig, module, step, False, *args, **kwargs)
+    with ops:
+        return _step_forward(original, sig, module, step, True, *args, **kwargs)
+
+
+def _step_forward(
+    original: Any, sig: inspect.Signature, module: Any, step: _Step, fixed: bool, *args: Any, **kwargs: Any
+) -> Any:
     rest = call_arguments(sig, module, args, kwargs)
     hidden = rest["hidden_states"]
     cos = rest["position_embeddings"][0]
@@ -248,7 +260,11 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
     shared: list[_Segment] = []
     if BATCH_SEGMENTS and isinstance(topk, int) and hidden.dim() == 3 and cos.dim() == 3 and cos.shape[0] == 1:
         # (per-token rotary tables [1, T, d], as the DSA models give their indexers)
-        shared = [seg for seg in step.segments if seg.start + seg.hi - seg.lo <= topk]
+        # (in the batch-invariant mode the top-k is a stable sort and the scores are exact per pair:
+        # a padded row selects what the request's own row does, so every decode row shares the call)
+        shared = [
+            seg for seg in step.segments if seg.start + seg.hi - seg.lo <= topk or (fixed and seg.hi - seg.lo == 1)
+        ]
     if len(shared) < 2:
         shared = []
     together = {id(seg) for seg in shared}

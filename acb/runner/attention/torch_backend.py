@@ -264,6 +264,18 @@ class TorchBackend:
         out = query.new_empty(md.num_tokens, q.shape[0], v_dim)  # [T, H, Dv]
         media_blocks = md.media_groups is not None and md.media_groups.on(cache, layer)
         la = replace(call, media_blocks=True) if media_blocks else call
+        if la.index is not None and getattr(self, "fixed_order", False):
+            # the batch-invariant mode: each query's selected keys in position order through acb's CPU
+            # kernel (acb.runner.batch_invariant_dsa), not a mask over SDPA's blocked sums
+            from acb.runner import batch_invariant_dsa
+
+            if batch_invariant_dsa.FIXED_ATTENTION:
+                batch_invariant_dsa.paged_indexed_attention(md, q, k_pages, v_pages, out, la)
+            else:  # (the tests' off switch: this backend's masked SDPA, every chunk and decode row)
+                TorchBackend._decode(self, md, q, k_pages, v_pages, out, la)
+                for j, p in enumerate([*md.prefills, *md.kernel_prefills]):
+                    self._prefill(md, j, p, q, key, value, k_pages, v_pages, out, la)
+            return out.unsqueeze(0)
         if md.decode_rows or md.kernel_prefills:
             self._decode(md, q, k_pages, v_pages, out, la)
         for k, p in enumerate(md.prefills):
