@@ -183,10 +183,31 @@ def product_outside_fixed_forms(model: torch.nn.Module) -> str | None:
     )
 
 
-def whole_and_stepwise_differ(model: Any, prompt: int = 9, new: int = 6) -> str | None:
+def _window(model: Any) -> int:
+    """The widest window the language model's config names (``sliding_window``, ``attention_window``,
+    ...; 0: none): the check's prompt goes past it, where a cache that keeps only the window and a
+    whole-sequence forward may part."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    sizes = [0]
+    for key, value in vars(cfg).items():
+        if "window" in key:
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, int) and not isinstance(v, bool):
+                    sizes.append(v)
+    return max(sizes)
+
+
+def whole_and_stepwise_differ(model: Any, prompt: int | None = None, new: int = 6) -> str | None:
     """Check 2 (module docstring): None when, under the mode, the model's own ``generate`` (the
     prompt in one call, then a token a call) and one forward over the same tokens give every
-    generated position's logits bit for bit, else how they differ."""
+    generated position's logits bit for bit, else how they differ. The prompt (by default 9
+    tokens) reaches past the widest window the config names."""
+    if prompt is None:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        room = getattr(cfg, "max_position_embeddings", None)
+        prompt = max(9, _window(model) + 4)
+        if isinstance(room, int) and room > new + 9:
+            prompt = min(prompt, room - new - 1)
     ids = _tokens(model, prompt)
     with _eval(model), torch.no_grad(), bi.enabled(model):
         try:
@@ -210,7 +231,8 @@ def whole_and_stepwise_differ(model: Any, prompt: int = 9, new: int = 6) -> str 
         return (
             "its whole-sequence forward and its one-token form (a prompt, then a token a call on its own cache) "
             f"give other bits under the mode (max |Δ logit| {diff:.2e}): the model's own code computes a token "
-            "differently across the two forms (a recurrent scan or a reduction over the sequence)"
+            "differently in the two forms (a recurrent scan, a reduction over the sequence, a window its cache "
+            "keeps that its whole-sequence forward does not)"
         )
     return None
 

@@ -66,6 +66,12 @@ RecurrentGemma's module attributes) holds no per-position history to cut; a mode
 generation hooks (XLNet, Reformer, ProphetNet) may not resume a prompt at all (it prefills whole).
 A slot costs up to ``max_model_len`` tokens of the model's own cache and is priced so
 (:func:`snapshot_memory`).
+
+The batch-invariant mode (``batch_invariant=True``: :mod:`acb.runner.batch_invariant_own`) runs
+every request's forwards alone, as ``model.generate`` runs one unpadded prompt: the whole prompt
+in one call, then one call per sampled token (no prefill groups, no chunks, no stacked decode
+rows, so no prefix caching; a recompute replays the prompt, then a token a call), each step under
+the mode's ops and the language model's attention set to the mode's.
 """
 
 from __future__ import annotations
