@@ -96,6 +96,10 @@ logger = logging.getLogger(__name__)
 # step's left-padded prefill groups; False: only new requests' whole prompts do (the A/B switch of
 # benchmarks/own_cache_offline.py)
 BATCH_PREFILL = True
+# the batch-invariant mode runs each request's forwards alone (a prompt whole, a token a call);
+# False: the mode's ops and attention on the batched forms above (an A/B switch of
+# benchmarks/batch_invariant_own.py, which measures what one row a call costs; not a covered mode)
+MODE_ALONE = True
 
 
 def _dynamic_layer_class() -> type:
@@ -395,7 +399,7 @@ class OwnCacheRunner:
         # (see the module docstring); whether a cut is exact is found by the start-up try
         self.snaps: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
         self.croppable = False
-        if batch_invariant:  # a request's calls must not depend on what shares its steps: each alone, whole
+        if batch_invariant and MODE_ALONE:  # a request's calls must not depend on what shares its steps: each alone
             self.batchable = self.chunkable = False
         self._probe()
         if not self.croppable:
@@ -407,7 +411,7 @@ class OwnCacheRunner:
 
     def _uncut(self, default_hooks: bool) -> str:
         """Why a request's cache cannot be cut exactly (see the module docstring)."""
-        if self.batch_invariant:
+        if self.batch_invariant and MODE_ALONE:
             return "batch_invariant=True prefills each prompt whole, in one call"
         if not self.plain:
             kinds = sorted({type(layer).__name__ for layer in getattr(self._empty(), "layers", ())})
