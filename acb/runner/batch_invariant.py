@@ -233,6 +233,10 @@ class Enabled:
         self._swap = _AttentionOn(model) if model is not None else None
         if self._swap is not None:
             self._swap.__enter__()
+        if model is not None:  # DeepSeek V4's compressed attention (acb.runner.batch_invariant_unpaged)
+            from acb.runner.batch_invariant_unpaged import install as install_unpaged
+
+            install_unpaged(model)
         from acb.runner.batch_invariant_families import TrainerForms
 
         # state layers' fixed forms, image features an image a call (acb.runner.batch_invariant_families)
@@ -509,6 +513,12 @@ def attention_forward(
         raise ValueError(f"acb's batch-invariant attention runs on CPU or CUDA tensors, not {query.device.type}")
     if dropout and module.training:
         raise ValueError("acb's batch-invariant attention has no dropout (set the model's attention dropout to 0)")
+    from acb.runner.batch_invariant_unpaged import is_unpaged
+
+    if is_unpaged(module):  # keys and masks of its own (acb.runner.batch_invariant_unpaged)
+        from acb.runner.batch_invariant_unpaged import attention_forward as unpaged_attention
+
+        return unpaged_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs)
     if kwargs.get("indices") is not None:  # indexed sparse attention's selection (acb.runner.batch_invariant_dsa)
         from acb.runner.batch_invariant_dsa import indexed_attention_forward
 
