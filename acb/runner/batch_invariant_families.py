@@ -47,14 +47,34 @@ library's order), for prefill, decode and a trainer's forward alike.
 read-out a product and a sum; the layer's ``dt_proj.weight @ x`` (a matrix product outside
 ``F.linear``) goes through the mode's linear, a token a row.
 
-Other state layers (MiniMax's lightning attention, LFM's short convolution, Kimi's delta
-attention) have no fixed form installed: :func:`uncovered_state_layer` names them and the mode
-refuses them.
+**Kimi's delta attention** (Kimi Linear, Ling/Bailing hybrids: ``chunk_kimi_delta_attention`` /
+``recurrent_kimi_delta_attention``, a gated delta rule whose decay is per key channel) as the gated
+delta rule's: every multi-token call runs the model's own recurrent form, and both forms get their
+per-token inputs contiguous (:func:`_dense_inputs`: the layer hands them views of the convolution's
+output whose key dimension is strided by the call's length, so the L2 norm's sum over it took
+another order at a prompt's length than at a decode step's: measured).
+
+**MiniMax's lightning attention** and **Zaya's CCA projection** keep their scan or products in the
+layer's forward itself, not in module functions: the mode routes the class's forward
+(:data:`_LAYER_FORMS`, :func:`_routed_forward`; the engine's interception of the layer takes the
+routed one, :mod:`acb.runner.linear_state`) to the model's own forward run a fixed way. MiniMax's
+block form (matrix products over ``block_size``-token blocks from the call's first token) is
+replaced by its own decode branch for every token, from a zero state where none is held
+(:class:`_ZeroStart`), its ``k^T v`` and ``q S`` a product and a sum (:class:`_LayerOps`); a left
+pad's zeroed ``k, v`` leave a zero state exactly zero. Zaya's depthwise and grouped convolutions
+over the query and key projections (``nn.Conv1d``: torch's kernel by shape, over the kept window
+at decode and the whole prompt at prefill) run in one tap order (:func:`fixed_group_conv`).
+
+A state layer class with none of these (:func:`covered_state_layer`) is named by
+:func:`uncovered_state_layer` and the mode refuses it; every state layer class acb finds in
+transformers' models today has one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import sys
 import threading
@@ -71,6 +91,10 @@ _CHUNK = "torch_chunk_gated_delta_rule"
 _RECURRENT = "torch_recurrent_gated_delta_rule"
 _CONV_FN = "causal_conv1d_fn"
 _CONV_UPDATE = "causal_conv1d_update"
+# Kimi's delta attention (Kimi Linear, Ling/Bailing hybrids: a gated delta rule with a decay per key
+# channel), by the same names in each model's module
+_KDA_CHUNK = "chunk_kimi_delta_attention"
+_KDA_RECURRENT = "recurrent_kimi_delta_attention"
 
 _LOCK = threading.Lock()
 _INSTALLED: set[str] = set()  # module names whose functions are routed
@@ -144,6 +168,24 @@ def _chunk(original: Callable[..., Any], recurrent: Callable[..., Any]) -> Calla
 
     torch_chunk_gated_delta_rule.acb_fixed = True  # type: ignore[attr-defined]
     return torch_chunk_gated_delta_rule
+
+
+def _dense_inputs(recurrent: Callable[..., Any]) -> Callable[..., Any]:
+    """Kimi's recurrent form with its per-token inputs made contiguous first (in the mode, on CPU).
+    The layer hands it views of the convolution's ``[B, C, L]`` output, whose key dimension has
+    stride ``L``: the query's and key's L2 norm (a sum over that dimension) then reduces a strided
+    row at a prompt's length and a contiguous one at a decode step's, in another order (measured:
+    a decoded token's output moved by 1e-8). Contiguous, every call sums a row alike."""
+    if getattr(recurrent, "acb_fixed", False):
+        return recurrent
+
+    def recurrent_kimi_delta_attention(query, key, value, g, beta, *args, **kwargs):
+        if _on() and query.device.type == "cpu":
+            query, key, value, g, beta = (t.contiguous() for t in (query, key, value, g, beta))
+        return recurrent(query, key, value, g, beta, *args, **kwargs)
+
+    recurrent_kimi_delta_attention.acb_fixed = True  # type: ignore[attr-defined]
+    return recurrent_kimi_delta_attention
 
 
 # the element-wise transcendentals torch vectorizes with Sleef and finishes with libm (function and
@@ -557,12 +599,141 @@ def _m1_scan(original: Callable[..., Any]) -> Callable[..., Any]:
     return mamba_selective_scan
 
 
+def fixed_group_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``F.conv1d(x, weight, bias, groups=groups)`` (stride 1, no padding) summed in one fixed order:
+    ``x`` ``[B, C_in, L]``, ``weight`` ``[C_out, C_in / groups, K]``; each output the products of its
+    group's input channels (outer) and taps (inner) added in turn, element-wise, then the bias, so an
+    output's bits depend on its own inputs only (torch's ``conv1d`` picks its kernel, and its order,
+    by the call's shape)."""
+    b, _, length = x.shape
+    out_ch, per_group, k = weight.shape
+    n = length - k + 1
+    xg = x.reshape(b, groups, 1, per_group, length)
+    wg = weight.to(x.dtype).reshape(groups, out_ch // groups, per_group, k)
+    acc: torch.Tensor | None = None
+    for c in range(per_group):
+        for j in range(k):
+            term = xg[:, :, :, c, j : j + n] * wg[None, :, :, c, j, None]
+            acc = term if acc is None else acc + term
+    assert acc is not None
+    out = acc.reshape(b, out_ch, n)
+    return out + bias.to(out.dtype)[:, None] if bias is not None else out
+
+
+def _plain(value: Any, default: int) -> bool:
+    return all(v == default for v in (value if isinstance(value, (tuple, list)) else (value,)))
+
+
+class _LayerOps(torch.overrides.TorchFunctionMode):
+    """Inside a state layer's fixed forward (MiniMax's lightning attention, Zaya's CCA projection),
+    the products torch would pick a kernel for by shape, on float32 CPU tensors, in fixed forms: a
+    4-D ``matmul`` as a product and a sum over the inner dimension (one product where it is 1),
+    ``conv1d`` (stride 1, no padding or dilation) as :func:`fixed_group_conv`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS and len(args) == 2 and not kwargs:
+            a, b = args
+            if (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.dim() == b.dim() == 4
+                and a.dtype == b.dtype == torch.float32
+                and a.device.type == b.device.type == "cpu"
+            ):
+                return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
+        if func is F.conv1d and not kwargs and len(args) >= 2:
+            x, w = args[0], args[1]
+            bias, stride, padding, dilation, groups = (*args[2:], None, 1, 0, 1, 1)[:5]
+            if (
+                isinstance(x, torch.Tensor)
+                and x.dim() == 3
+                and x.dtype == torch.float32
+                and x.device.type == "cpu"
+                and _plain(stride, 1)
+                and _plain(padding, 0)
+                and _plain(dilation, 1)
+                and isinstance(groups, int)
+            ):
+                return fixed_group_conv(x, w, bias, groups)
+        return func(*args, **kwargs)
+
+
+class _ZeroStart:
+    """MiniMax's cache argument in the mode: the layer's state as held (the engine's per-request
+    cache, a trainer's ``MiniMaxCache``, or none), and a zero state where none is held yet, so the
+    layer's forward takes its decode branch (a token at a time) from a prompt's first token."""
+
+    def __init__(self, cache: Any, zeros: torch.Tensor) -> None:
+        self.cache = cache
+        self.zeros = zeros
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor:
+        held = self.cache.get_linear_cache(layer_idx) if self.cache is not None else None
+        return held if isinstance(held, torch.Tensor) else self.zeros
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        if self.cache is not None:
+            self.cache.set_linear_cache(layer_idx, linear_cache)
+
+
+def _lightning(own: Callable[..., Any], layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """MiniMax's lightning attention in the mode: its own forward, every token through its decode
+    branch (the state times its decay plus the token's ``k^T v``, the output ``q`` times the state),
+    from a zero state where none is held (:class:`_ZeroStart`), the two products in fixed forms
+    (:class:`_LayerOps`). Its block form sums a block's tokens by matrix products over the call's
+    ``block_size``-token blocks from its first token, as the chunked scans do."""
+    params = list(inspect.signature(own).parameters)[1:]
+    bound = dict(zip(params[1:], args))
+    bound.update(kwargs)
+    cache = bound.get("past_key_values")
+    b = hidden_states.shape[0]
+    d = layer.head_dim
+    zeros = hidden_states.new_zeros(b, layer.num_attention_heads, d, d, dtype=torch.float32)
+    bound["past_key_values"] = _ZeroStart(cache, zeros)
+    with _LayerOps():
+        return own(layer, hidden_states, **bound)
+
+
+def _cca(own: Callable[..., Any], layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Zaya's CCA projection in the mode: its own forward, its two convolutions over the query and
+    key projections (depthwise, then grouped) in one fixed order (:class:`_LayerOps`), so a token's
+    outputs are the same bits whether its window came from the prompt or from the kept state."""
+    with _LayerOps():
+        return own(layer, hidden_states, *args, **kwargs)
+
+
+# state layer classes whose scan or products sit in the forward itself, not in module functions
+# (by class name): the fixed form the mode runs in place of the forward
+_LAYER_FORMS: dict[str, Callable[..., Any]] = {
+    "MiniMaxLightningAttention": _lightning,
+    "ZayaCCAProjection": _cca,
+}
+
+
+def _routed_forward(own: Callable[..., Any], fixed: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(own)
+    def forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not _on() or hidden_states.device.type != "cpu":
+            return own(self, hidden_states, *args, **kwargs)
+        return fixed(own, self, hidden_states, *args, **kwargs)
+
+    forward.acb_fixed = True  # type: ignore[attr-defined]
+    return forward
+
+
 # the state-layer families the mode has fixed forms for: the model module's function names, each
 # with what the mode puts in its place
 _FAMILIES: dict[str, dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]]] = {
     "gated delta rule": {
         _CHUNK: lambda mod, f: _chunk(f, getattr(mod, _RECURRENT)),
         _RECURRENT: lambda mod, f: f,  # (the model's own: the fixed form)
+        _CONV_FN: lambda mod, f: _conv_fn(f),
+        _CONV_UPDATE: lambda mod, f: _conv_update(f),
+    },
+    "Kimi delta attention": {
+        _KDA_CHUNK: lambda mod, f: _chunk(f, _dense_inputs(getattr(mod, _KDA_RECURRENT))),
+        _KDA_RECURRENT: lambda mod, f: _dense_inputs(f),  # (the model's own, on contiguous inputs)
         _CONV_FN: lambda mod, f: _conv_fn(f),
         _CONV_UPDATE: lambda mod, f: _conv_update(f),
     },
@@ -598,12 +769,16 @@ def _module_of(cls: type) -> Any:
 
 
 def covered_state_layer(cls: type) -> bool:
-    """Whether the mode has a fixed form for the state layer class ``cls``: its model module defines
-    one family's functions (:data:`_FAMILIES`: the gated delta rule's chunked and recurrent forms,
-    or Mamba1's or Mamba2's scan and state update, and the causal convolution's two; or the
-    convolution's two alone, for a layer whose only state is a convolution's)."""
+    """Whether the mode has a fixed form for the state layer class ``cls``: one for its forward
+    (:data:`_LAYER_FORMS`: MiniMax's lightning attention, Zaya's CCA projection), or its model
+    module defines one family's functions (:data:`_FAMILIES`: the gated delta rule's or Kimi's
+    delta attention's chunked and recurrent forms, or Mamba1's or Mamba2's scan and state update,
+    and the causal convolution's two; or the convolution's two alone, for a layer whose only state
+    is a convolution's)."""
     from acb.runner.linear_state import conv_only
 
+    if cls.__name__ in _LAYER_FORMS:
+        return True
     mod = _module_of(cls)
     forms = _family_of(mod) if mod is not None else None
     if forms is _FAMILIES["short convolution"]:  # (a scan of its own beside them would not be covered)
@@ -649,8 +824,9 @@ def _hook(module: torch.nn.Module) -> None:
 
 
 def install(model: torch.nn.Module) -> None:
-    """Route the model's state layers' functions to the fixed forms on threads with the mode on
-    (once per model module; idempotent; elsewhere the model's own run, unchanged)."""
+    """Route the model's state layers' functions (or, for :data:`_LAYER_FORMS`' classes, their
+    forward) to the fixed forms on threads with the mode on (once per model module or class;
+    idempotent; elsewhere the model's own run, unchanged)."""
     from acb.runner.linear_state import linear_layers
 
     for gate in gate_modules(model):
@@ -660,6 +836,12 @@ def install(model: torch.nn.Module) -> None:
         if not covered_state_layer(cls):
             continue
         _hook(layer)  # the layer's own element-wise ops
+        fixed = _LAYER_FORMS.get(cls.__name__)
+        if fixed is not None:
+            with _LOCK:
+                if not getattr(cls.forward, "acb_fixed", False):
+                    cls.forward = _routed_forward(cls.forward, fixed)
+            continue
         mod = _module_of(cls)
         with _LOCK:
             if mod.__name__ in _INSTALLED:

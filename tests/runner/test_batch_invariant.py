@@ -151,8 +151,8 @@ def test_the_linear_is_row_invariant_here():
 @pytest.mark.parametrize(
     "make,why",
     [
+        # (state layers: every class found has a fixed form; tests/runner/test_batch_invariant_families.py)
         (lambda: tiny_model("llama", dtype=torch.bfloat16), "float32 only"),
-        (lambda: _family("minimax"), "state layers"),  # (covered ones: tests/runner/test_batch_invariant_families.py)
     ],
 )
 def test_what_the_mode_does_not_cover_is_refused_with_the_reason(make, why):

@@ -149,8 +149,73 @@ def test_mamba_alone_equals_in_a_batch_of_64_chunked_and_the_trainer(arch):
     assert torch.equal(bi.token_logprobs(logits[0, len(target) - 1 : -1], tokens, TEMP).double(), lps)
 
 
-def test_state_layers_without_a_fixed_form_are_refused_by_name():
-    with pytest.raises(ValueError, match="MiniMaxLightningAttention"):  # MiniMax's lightning attention
+def _run_stats(model, prompts, prefix=None, **cfg):
+    """:func:`_run`, with the engine's stats, each output's cached tokens, and ``prefix`` generated
+    first (a token) for a later prompt's prefix hit."""
+    cfg.setdefault("num_blocks", 400)
+    config = acb.ContinuousBatchingConfig(page_size=16, batch_invariant=True, cpu_threads=2, **cfg)
+    with acb.Engine(model, config) as eng:
+        if prefix is not None:  # (snapshots at every whole block of the prefix)
+            eng.call(lambda core: setattr(core.scheduler.kv, "speculative_min_tokens", 0)).result(timeout=60)
+            eng.generate(prefix, acb.SamplingParams(max_new_tokens=1))
+        eng.pause()
+        handles = [eng.submit(p, SP) for p in prompts]
+        eng.resume()
+        outs = [h.result() for h in handles]
+        stats = eng.stats
+    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], outs, stats
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "bailing_hybrid", "minimax", "zaya"])
+def test_state_layers_alone_equal_a_batch_chunked_preempted_after_a_hit_and_the_trainer(arch):
+    """Kimi's delta attention (Kimi Linear, Ling's hybrid: its chunked form routed to its own
+    recurrent form, on contiguous inputs), MiniMax's lightning attention (its own forward, every
+    token through its decode branch from a zero state, the products a product and a sum), Zaya's
+    CCA projection (its own forward, its two convolutions in one fixed order): a 100-token request
+    (past a 64-token chunk) gives the same bits alone, among 23 others of other lengths, chunked at
+    40 tokens with async scheduling and a cache small enough to preempt (among 3 others), after a prefix hit on a
+    state snapshot, and in the trainer's forward (a batch of two, the other row left-padded, whose
+    logprobs are its own in the batch)."""
+    model = _family(arch)
+    vocab = model.config.vocab_size
+    rng = random.Random(1)
+    target = [rng.randrange(3, vocab) for _ in range(100)]
+    others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 60))] for _ in range(23)]
+    alone = _run(model, [target])[0]
+    batch, _, _ = _run_stats(model, [*others, target], max_batch_tokens=256)
+    assert _same(batch[-1], alone)
+    outs, _, stats = _run_stats(
+        model, [*others[:3], target], max_batch_tokens=40, use_async_batching=True, num_blocks=8
+    )
+    assert _same(outs[-1], alone) and stats.preemptions > 0
+    outs, raw, _ = _run_stats(model, [target], prefix=target[:64], allow_block_sharing=True)
+    assert raw[0].num_cached_tokens == 64 and _same(outs[0], alone)  # resumed from the snapshot's state
+    (tokens, lps), (s_tokens, s_lps) = alone, batch[0]
+    short = others[0] + s_tokens
+    width = len(target) + len(tokens)
+    ids = torch.tensor([target + tokens, [0] * (width - len(short)) + short])
+    mask = torch.tensor([[1] * width, [0] * (width - len(short)) + [1] * len(short)])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with bi.enabled(model), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(bi.token_logprobs(logits[0, len(target) - 1 : -1], tokens, TEMP).double(), lps)
+    assert torch.equal(bi.token_logprobs(logits[1, width - len(s_tokens) - 1 : -1], s_tokens, TEMP).double(), s_lps)
+
+
+def test_the_fixed_convolution_is_torchs_to_rounding():
+    x = torch.randn(2, 12, 9, generator=torch.Generator().manual_seed(0))
+    for groups, per_group in ((12, 1), (3, 4)):
+        w = torch.randn(12, per_group, 3, generator=torch.Generator().manual_seed(1))
+        b = torch.randn(12, generator=torch.Generator().manual_seed(2))
+        want = F.conv1d(x, w, b, groups=groups)
+        assert torch.allclose(fam.fixed_group_conv(x, w, b, groups), want, rtol=1e-5, atol=1e-6)
+
+
+def test_state_layers_without_a_fixed_form_are_refused_by_name(monkeypatch):
+    """Every state layer class acb finds in transformers' models has a fixed form; one without (here
+    MiniMax's lightning attention with its form taken away) is refused by its class's name."""
+    monkeypatch.delitem(fam._LAYER_FORMS, "MiniMaxLightningAttention")
+    with pytest.raises(ValueError, match="MiniMaxLightningAttention"):
         acb.Engine(_family("minimax"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
 
 
