@@ -26,8 +26,12 @@ the tiny config, chunked prefill moved the logprobs (2e-6) through, inside the l
   dimension inside the layer are added first to last by element-wise ops (:func:`fixed_matmul`,
   :func:`fixed_sum`), each element's order its own. The compressor's pooling (a softmax over each
   window's slots and a sum over them) is a sum over one dimension as well and takes the same form;
-  its softmax runs along the window whatever the number of windows in the call (checked:
-  ``tests/runner/test_batch_invariant_unpaged.py``).
+  and its softmax (along the window's slots, not the last dimension) gave a window other bits as
+  the number of windows in the call changed (measured): it runs in a fixed form too
+  (:func:`fixed_softmax`).
+- **The indexer's top-k**: ReLU'd scores tie exactly (every head's term zero) and ``topk`` breaks
+  ties by its algorithm and the row's width (the entries pooled so far in the engine, all of them,
+  the later masked, in a trainer): a stable sort instead (:func:`fixed_topk`).
 
 These forms are entered on a thread with the mode on only (:data:`acb.runner.batch_invariant_flag`),
 inside the unpaged layers' forward (forward hooks) and through the model module's own
@@ -110,6 +114,15 @@ def fixed_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return e / fixed_sum(e, dim, keepdim=True)
 
 
+def fixed_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True) -> Any:
+    """``x.topk(k, dim, largest)`` as a stable sort: ties go to the earlier index, so the entries
+    chosen depend on the row's own values only (an indexer's ReLU'd scores tie exactly where every
+    head's term is zero, and ``topk`` breaks ties by its algorithm and the row's width; a trainer's
+    row holds the later entries too, masked to ``-inf``, which sort last)."""
+    values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
 def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)`` as a product per batch entry by the mode's linear (``F.linear``, routed to
     :func:`acb.runner.batch_invariant.linear` while the mode is on: each of ``a[g]``'s rows its own
@@ -121,6 +134,7 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 _BMMS = {torch.bmm, torch.Tensor.bmm}
 _SUMS = {torch.sum, torch.Tensor.sum}
 _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
+_TOPKS = {torch.topk, torch.Tensor.topk}
 
 
 def _softmax_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -141,7 +155,7 @@ def _one_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
 class _LayerForms(TorchFunctionMode):
     """Inside an unpaged layer's forward, float32 CPU: ``bmm`` by :func:`fixed_bmm`, ``matmul`` of
     matrices by :func:`fixed_matmul`, a ``sum`` over one dimension by :func:`fixed_sum`, a
-    ``softmax`` by :func:`fixed_softmax`."""
+    ``softmax`` by :func:`fixed_softmax`, a ``topk`` by :func:`fixed_topk`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -155,6 +169,10 @@ class _LayerForms(TorchFunctionMode):
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             if dim is not None and isinstance(keepdim, bool) and len(args) <= 3:
                 return fixed_sum(args[0], dim, keepdim)
+        if func in _TOPKS and args and _float_cpu(args[0]) and set(kwargs) <= {"k", "dim", "largest", "sorted"}:
+            named = dict(zip(("k", "dim", "largest", "sorted"), args[1:]), **kwargs)
+            if "k" in named:
+                return fixed_topk(args[0], int(named["k"]), int(named.get("dim", -1)), bool(named.get("largest", True)))
         if func in _SOFTMAXES and args and _float_cpu(args[0]):
             dim, dtype = _softmax_args(func, args, kwargs)
             if isinstance(dim, int) and dtype in (None, torch.float32):

@@ -22,7 +22,8 @@ from tests.runner.test_batch_invariant_families import SP, _family
 def _run(model, prompts, **cfg):
     cfg.setdefault("num_blocks", 400)
     cfg.setdefault("page_size", 16)
-    config = acb.ContinuousBatchingConfig(batch_invariant=True, cpu_threads=2, **cfg)
+    cfg.setdefault("cpu_threads", 2)
+    config = acb.ContinuousBatchingConfig(batch_invariant=True, **cfg)
     with acb.Engine(model, config) as eng:
         eng.pause()
         handles = [eng.submit(p, SP) for p in prompts]
@@ -64,9 +65,20 @@ def batch(model, prompts):
 def test_alone_equals_in_a_batch_of_24_chunked_async_and_preempted(model, prompts, alone, batch):
     target, others = prompts
     assert _same(batch[-1], alone)
-    outs, stats = _run(
-        model, [target, *others[:3]], max_batch_tokens=7, use_async_batching=True, num_blocks=24, page_size=4
-    )
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # chunked at 7 tokens, async scheduling, a cache too small for every row, one thread
+        outs, stats = _run(
+            model,
+            [target, *others[:3]],
+            max_batch_tokens=7,
+            use_async_batching=True,
+            num_blocks=24,
+            page_size=4,
+            cpu_threads=1,
+        )
+    finally:
+        torch.set_num_threads(was)
     assert stats.preemptions > 0
     assert _same(outs[0], alone)
 
@@ -119,6 +131,10 @@ def test_the_fixed_forms_give_an_element_its_bits_whatever_the_shape():
             torch.equal(unpaged.fixed_matmul(q[:, :n], k[..., :j]), prod[:, :n, :, :j]) for n, j in [(1, 1), (5, 3)]
         )
         assert torch.allclose(prod, q @ k, rtol=1e-5, atol=1e-5)
+    scores = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.0, float("-inf"), float("-inf")]])  # ReLU'd ties at 0
+    picked = unpaged.fixed_topk(scores, 3).indices
+    assert picked.tolist() == [[1, 0, 2]]
+    assert all(torch.equal(unpaged.fixed_topk(scores[:, :n], 3).indices, picked) for n in range(4, 8))
     moved = sum(not torch.equal(x[:, :n].softmax(2), x.softmax(2)[:, :n]) for n in range(1, 10))
     if moved == 0:
         pytest.skip("this CPU's softmax gives a window the same bits here (nothing to show)")
