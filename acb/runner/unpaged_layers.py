@@ -22,6 +22,12 @@ the caches hold grows with it (a sliding window, one pooled entry per ``compress
 
 The layers are found by what they do: attention modules whose class runs a compressor, a
 submodule whose class calls the cache's ``update_compressor_states``.
+
+In the batch-invariant mode the same per-request calls run with fixed forms inside the layers
+(:mod:`acb.runner.batch_invariant_unpaged`: each query's keys gathered in order through acb's CPU
+kernel, reached through the model module's ``eager_attention_forward``, which
+``own_attention_here`` calls; the products, sums, softmax and top-k in orders the call's shape does
+not set), so chunked prefill gives the bits a whole prompt gives.
 """
 
 from __future__ import annotations
