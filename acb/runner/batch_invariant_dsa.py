@@ -141,16 +141,21 @@ def indexer_ops() -> FixedIndexerOps | None:
     return FixedIndexerOps() if FIXED_INDEXER and is_on() else None
 
 
+_HOOK_TLS = threading.local()  # .stack: the fixed forms the hooks entered on this thread, innermost last
+
+
 def _pre(module: Any, args: Any, kwargs: Any) -> None:
     ops = indexer_ops()
-    stack = module.__dict__.setdefault("_acb_dsa_ops", [])
+    stack = getattr(_HOOK_TLS, "stack", None)
+    if stack is None:
+        stack = _HOOK_TLS.stack = []
     stack.append(ops)
     if ops is not None:
         ops.__enter__()
 
 
 def _post(module: Any, args: Any, kwargs: Any, out: Any) -> None:
-    stack = module.__dict__.get("_acb_dsa_ops")
+    stack = getattr(_HOOK_TLS, "stack", None)
     ops = stack.pop() if stack else None
     if ops is not None:
         ops.__exit__(None, None, None)

@@ -94,7 +94,7 @@ def test_deepseek_v32_alone_equals_in_a_batch_chunked_async_preempted_and_after_
     assert _same(_run(v32, [*others, target], max_batch_tokens=128)[-1], alone)
     # chunked at 24 tokens, async scheduling, a cache too small for every row (preemption)
     outs, stats = _run(
-        v32, [*others[:11], target], stats=True, max_batch_tokens=24, use_async_batching=True, num_blocks=12
+        v32, [*others[:6], target], stats=True, max_batch_tokens=24, use_async_batching=True, num_blocks=7
     )
     assert _same(outs[-1], alone)
     assert stats.preemptions > 0
@@ -109,6 +109,17 @@ def test_deepseek_v32_alone_equals_in_a_batch_chunked_async_preempted_and_after_
 def test_deepseek_v32_trainers_forward_computes_the_engines_logprobs_exactly(v32, v32_alone):
     target, others = _prompts(v32)
     assert _trainer_matches(v32, target, v32_alone[0], others[3], v32_alone[1])
+    # the backward runs through the fixed forms; its gradients are the plain forward's to rounding
+    ids = torch.tensor([target + v32_alone[0][0]])
+    v32.zero_grad()
+    with bi.enabled(v32):
+        v32(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    got = {n: p.grad.clone() for n, p in v32.named_parameters() if p.grad is not None}
+    v32.zero_grad()
+    v32(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    assert any("q_b_proj" in n for n in got)
+    assert all(torch.allclose(got[n], p.grad, rtol=1e-3, atol=1e-5) for n, p in v32.named_parameters() if n in got)
+    v32.zero_grad()
 
 
 def test_without_the_fixed_attention_a_chunked_request_moves(v32, v32_alone, monkeypatch):
@@ -143,10 +154,9 @@ def test_tied_scores_select_the_same_keys_alone_chunked_and_in_the_trainer(monke
     model = _family("deepseek_v32", seed=2)
     for m in indexer_modules(model):
         m.wk.weight.data.zero_()
-    target, others = _prompts(model, seed=2, n=12)
+    target, others = _prompts(model, seed=2, n=1)
     alone, short = _run(model, [target, others[0]])
     assert _same(_run(model, [target], max_batch_tokens=24)[0], alone)
-    assert _same(_run(model, [*others, target], max_batch_tokens=128)[-1], alone)
     assert _trainer_matches(model, target, alone, others[0], short)
     monkeypatch.setattr(dsa, "FIXED_INDEXER", False)
     off = _run(model, [target])[0]
