@@ -181,3 +181,17 @@ def test_the_fixed_products_give_a_score_the_same_bits_in_any_call():
     row = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0, float("-inf"), float("-inf")]])
     for width in (5, 6, 8):
         assert dsa.fixed_topk(row[:, :width], 4).indices.tolist() == [[1, 4, 0, 2]]
+
+
+def test_the_trainers_forward_on_a_model_an_engine_holds(v32, v32_alone):
+    """A trainer's forward on the very model a running engine holds (its attention is the engine's,
+    which outside a step calls the mode's with the selection, not a mask folded from it)."""
+    target, _ = _prompts(v32)
+    tokens, lps = v32_alone[0]
+    config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=200, batch_invariant=True, cpu_threads=2)
+    with acb.Engine(v32, config) as eng:
+        out = eng.submit(target, SP).result()
+        with bi.enabled(v32), torch.no_grad():
+            logits = v32(torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
+    assert out.generated_tokens == tokens
+    assert torch.equal(bi.token_logprobs(logits, tokens, TEMP).double(), lps)

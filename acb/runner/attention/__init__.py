@@ -174,7 +174,9 @@ def acb_attention_forward(
         kwargs.pop("acb_ctx", None)
     if ctx is None:  # the model called outside an engine step (a training forward between rounds)
         index = kwargs.pop("indices", None)
-        if index is not None:  # indexed attention: what the model's eager/SDPA path does with the selection
+        if index is not None and _own_name(getattr(module, "config", None)) == "acb_batch_invariant":
+            kwargs["indices"] = index  # the batch-invariant mode's attention takes it (runner/batch_invariant_dsa.py)
+        elif index is not None:  # indexed attention: what the model's eager/SDPA path does with the selection
             attention_mask = fold_selection(attention_mask, index, key.shape[2], query.dtype)
         return own_attention(module)(
             module,
