@@ -240,7 +240,12 @@ def whole_and_stepwise_differ(model: Any, prompt: int | None = None, new: int = 
 def own_cache_refusal(model: torch.nn.Module) -> str | None:
     """Why the mode cannot run ``model`` on its own cache objects (None: it can): the two start-up
     checks of the module docstring (a product outside the mode's fixed forms; the whole sequence
-    and a token a call giving other bits)."""
+    and a token a call giving other bits). On CUDA (the Triton forms) the path is not built yet."""
+    p = next(model.parameters(), None)
+    if (p is not None and p.is_cuda) or bi.KERNEL:
+        return (
+            "on CUDA, models on their own cache objects (runner='own_cache'): the mode's path there is CPU-checked only"
+        )
     bi.register_with_transformers()
     for check in (product_outside_fixed_forms, whole_and_stepwise_differ):
         try:
