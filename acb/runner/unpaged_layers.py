@@ -197,9 +197,9 @@ def _forward(original: Any, sig: inspect.Signature, module: Any, *args: Any, **k
         for lo, hi, row in step.segments:
             cache = step.caches.of(row)
             pos = position_ids[:, lo:hi]
-            mask = step.masks.get(row)
-            if mask is None:  # the step's first such layer: the cache is as the step found it
-                mask = step.masks[row] = _mask(step.caches.config, cache, hidden, pos)
+            if row not in step.masks:  # the step's first such layer: the cache is as the step found it
+                step.masks[row] = _mask(step.caches.config, cache, hidden, pos)  # (None: a mask function's "causal")
+            mask = step.masks[row]
             if isinstance(mask, dict):
                 mask = mask.get(getattr(module, "layer_type", None), next(iter(mask.values())))
             out = original(

@@ -138,3 +138,25 @@ def test_the_fixed_forms_give_an_element_its_bits_whatever_the_shape():
     moved = sum(not torch.equal(x[:, :n].softmax(2), x.softmax(2)[:, :n]) for n in range(1, 10))
     if moved == 0:
         pytest.skip("this CPU's softmax gives a window the same bits here (nothing to show)")
+
+
+def test_a_trainer_forward_while_the_engine_generates_on_the_same_model(model, prompts, alone):
+    """Async RL on one model: while a mode engine generates (the target chunked at 7 tokens, under
+    the window, so the first chunk's mask is a mask function's "causal", None), this thread's
+    forwards under enabled(model) switch the engine's layers' own attention and mask to the mode's
+    transformers ones between steps; both sides keep the bits they give alone."""
+    target, others = prompts
+    tokens, lps = alone
+    config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=400, batch_invariant=True, max_batch_tokens=7)
+    with acb.Engine(model, config) as eng:
+        handles = [eng.submit(p, SP) for p in others[:3]] + [eng.submit(target, SP)]
+        got = []
+        while not handles[-1].done or len(got) < 2:
+            with bi.enabled(model), torch.no_grad():
+                logits = model(torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
+            got.append(bi.token_logprobs(logits, tokens, TEMP).double())
+        out = handles[-1].result()
+        [h.result() for h in handles]
+    assert all(torch.equal(g, lps) for g in got)
+    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
+    assert model.config._attn_implementation == "eager"
