@@ -51,9 +51,15 @@ _HOOKED = "_acb_dsa_fixed"  # the indexer module's attribute once install() has 
 
 def dsa_refusal(model: torch.nn.Module) -> str | None:
     """Why the mode cannot run ``model``'s indexed sparse attention layers (None: it can)."""
+    from acb.runner import batch_invariant
     from acb.runner.indexed import indexer_modules
 
     p = next(model.parameters(), None)
+    if batch_invariant.KERNEL:
+        return (
+            "indexed sparse attention (DSA) with the Triton kernels (batch_invariant.KERNEL): they take no "
+            "selection; the mode's fixed forms for it are float32 CPU only"
+        )
     if p is not None and p.device.type != "cpu":
         return (
             f"indexed sparse attention (DSA) on {p.device.type}: the indexer's fixed products and top-k and the "

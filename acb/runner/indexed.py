@@ -30,7 +30,10 @@ as ``model.generate`` runs a padded batch: right-padded, their keys gathered fro
 the longest context and masked per request (:class:`_BatchIndexCache`, :func:`_batch_call`). Longer
 ones keep a call each: their scores tie exactly where a ReLU zeroes every head's term, and the
 top-k breaks such ties by the row's width, so a padded row could select other keys than the
-request alone (measured: the scores are bitwise equal, the picks among the zeros not). (The torch backend
+request alone (measured: the scores are bitwise equal, the picks among the zeros not). In the batch-invariant mode
+(:mod:`acb.runner.batch_invariant_dsa`) the indexer's products and top-k take fixed forms (exact
+per (query, key), ties to the earlier key), so every decode row shares the one call too, and the
+selected keys are attended in position order by acb's CPU kernel. (The torch backend
 only; decode graphs and torch.compile are off for these models. A batched top-k over paged keys, a
 Triton kernel, is the GPU path to add.)
 """
