@@ -160,3 +160,14 @@ def test_a_trainer_forward_while_the_engine_generates_on_the_same_model(model, p
     assert all(torch.equal(g, lps) for g in got)
     assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
     assert model.config._attn_implementation == "eager"
+
+
+def test_layers_whose_own_attention_is_not_the_eager_one_are_refused(model):
+    """The mode's fixed form takes the place of the model module's eager attention function: a
+    model set to another implementation is refused with the reason."""
+    model.config._attn_implementation = "sdpa"
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='eager'"):
+            acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+    finally:
+        model.config._attn_implementation = "eager"
