@@ -54,7 +54,7 @@ def _prompts(arch):
     others = [
         messages([image(100 + i)] * (1 + i % 2), "describe " + "it " * (i % 7))
         if with_images(i)
-        else [{"role": "user", "content": "no picture " * (1 + i % 9)}]
+        else [{"role": "user", "content": "no picture " * (1 + i % 4)}]
         for i in range(23)
     ]
     return target, others, twin
@@ -100,7 +100,7 @@ def test_alone_equals_in_a_batch_preempted_chunked_and_after_a_prefix_hit(arch):
     outs, stats = _run(
         arch,
         [*others, target],
-        max_batch_tokens=128,
+        max_batch_tokens=256,
         use_async_batching=True,
         num_blocks=SMALL_CACHE[arch],
         page_size=8,
