@@ -203,3 +203,39 @@ def test_a_mask_the_kernel_cannot_follow_is_refused():
     blocks[1:3, 1:3] = True  # tokens 1-2: an image whose tokens see each other
     pads, ends = bi._pads(blocks[None, None], 1, s, s, None, None)
     assert pads == [0] and ends is not None and ends[0].tolist() == [1, 3, 3, 4, 5, 6]
+
+
+def test_the_kernels_window_is_measured_from_the_querys_position():
+    """acb's kernel with ``pos_of``: a query whose keys run past its own position (to its image's
+    end) has its sliding window start at its position's, as the model's mask has it; without
+    ``pos_of`` (its position is its last key's) the bits are the old call's."""
+    from acb.runner.attention import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip(f"no CPU kernel here ({cpu_kernels.problem()})")
+    g = torch.Generator().manual_seed(0)
+    n, h, kvh, d, page = 40, 4, 2, 16, 8
+    q = torch.randn(n, h, d, generator=g)
+    k = torch.randn(n // page, page, kvh, d, generator=g)
+    v = torch.randn(n // page, page, kvh, d, generator=g)
+    table = torch.arange(n // page)[None].contiguous()
+    rows, toks = torch.zeros(n, dtype=torch.long), torch.arange(n)
+    pos = torch.arange(n)
+    ends = torch.where((pos >= 10) & (pos < 30), 30, pos + 1)  # positions 10-29: an image
+    window = 6
+
+    def call(lens, at):
+        out = torch.zeros(n, h, d)
+        cpu_kernels.paged_attention(q, k, v, table, rows, toks, lens, out, 0.25, None, window, None, None, at)
+        return out
+
+    got = call(ends, pos)
+    kf, vf = (t.reshape(n, kvh, d).repeat_interleave(h // kvh, 1) for t in (k, v))
+    kpos = torch.arange(n)[None]
+    allow = (kpos < ends[:, None]) & (kpos > pos[:, None] - window)
+    w = torch.einsum("qhd,khd->hqk", q, kf).mul(0.25).masked_fill(~allow, float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", w.softmax(-1), vf)
+    assert torch.allclose(got, want, atol=1e-5)
+    plain = pos + 1
+    assert torch.equal(call(plain, None), call(plain, pos))  # (None: the position is the last key's)
+    assert not torch.allclose(call(ends, None)[10:29], want[10:29], atol=1e-3)  # (the window from the end)
