@@ -274,14 +274,6 @@ def test_images_alone_equal_in_a_batch_chunked_and_the_trainers_forward(vlm):
     assert torch.equal(bi.token_logprobs(logits[0, n - 1 : -1], tokens, TEMP).double(), lps)
 
 
-def test_images_that_attend_both_ways_are_refused():
-    from tests.vlm_models import tiny_vlm
-
-    model, _ = tiny_vlm("gemma3")
-    with pytest.raises(ValueError, match="both ways"):
-        acb.Engine(model, acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
-
-
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
 def test_sigmoid_gates_give_a_token_its_bits_whatever_the_calls_length(arch):
     """An MoE block's sigmoid over a few values per token (DeepSeek-V3's router over 4 experts,
