@@ -291,6 +291,12 @@ def _allowed(module: Any, mask: torch.Tensor | None, b: int, s: int, k: int, win
                     f"batch_invariant=True: {type(module).__name__}'s mask adds values other than 0 and -inf "
                     "(the mode's fixed attention takes a mask that only lets keys through or not)"
                 )
+        if tokens and not bool(tok[:, :, 0].any(dim=1).all()):  # (an engine's first key: its window's oldest)
+            raise ValueError(
+                f"batch_invariant=True: a left-padded row reached {type(module).__name__}, whose compressor pools "
+                "windows counted from the call's first token (pads included), so its entries are not the engine's; "
+                "pad on the right, or run one sequence a row"
+            )
     if pooled == 0:
         return tok.contiguous()
     if bias is None:

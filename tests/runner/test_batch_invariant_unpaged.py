@@ -111,6 +111,15 @@ def test_the_trainers_forward_computes_the_engines_logprobs_exactly(model, promp
             assert torch.allclose(got[n], p.grad, rtol=1e-3, atol=1e-5), n
 
 
+def test_a_left_padded_row_is_refused_with_the_reason(model):
+    """The compressor pools windows from the call's first token, pads included: a left-padded row
+    cannot give the engine's entries, and the mode says so rather than return other logprobs."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [0, 0, 0, 8, 9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    with bi.enabled(model), torch.no_grad(), pytest.raises(ValueError, match="pad on the right"):
+        model(input_ids=ids, attention_mask=mask)
+
+
 def test_the_fixed_forms_give_an_element_its_bits_whatever_the_shape():
     """The compressor's pooling takes a softmax over each window's slots (not the last dimension):
     torch's gives a window other bits as the number of windows in the call changes; the fixed
