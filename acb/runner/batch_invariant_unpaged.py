@@ -39,7 +39,9 @@ inside the unpaged layers' forward (forward hooks) and through the model module'
 elsewhere); a trainer's forward under ``enabled(model)`` reaches :func:`fixed_attention` from the mode's
 transformers attention function (:func:`attention_forward`). Chunked prefill is covered: the
 compressor's windows close in whichever call their last token comes, and each pooled entry is
-the same sums whatever the call. float32 CPU only (on CUDA the mode refuses these models).
+the same sums whatever the call. A trainer's batch is right-padded (the compressor pools windows
+counted from the call's first token, so a left-padded row's entries are not the engine's: refused
+with the reason). float32 CPU only (on CUDA the mode refuses these models).
 """
 
 from __future__ import annotations
