@@ -7,6 +7,7 @@ with no fixed form are refused with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import acb
 from acb.runner import batch_invariant as bi
 from acb.runner import batch_invariant_families as fam
+from acb.runner.linear_state import linear_layers
 from tests.runner import test_batch_invariant
 from tests.runner.test_batch_invariant import TEMP
 
@@ -200,6 +202,16 @@ def test_state_layers_alone_equal_a_batch_chunked_preempted_after_a_hit_and_the_
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     assert torch.equal(bi.token_logprobs(logits[0, len(target) - 1 : -1], tokens, TEMP).double(), lps)
     assert torch.equal(bi.token_logprobs(logits[1, width - len(s_tokens) - 1 : -1], s_tokens, TEMP).double(), s_lps)
+    # the backward runs through the fixed forms: a state layer's gradients are the plain forward's to rounding
+    layer = linear_layers(model)[0]
+    grads = []
+    for mode in (bi.enabled(model), contextlib.nullcontext()):
+        model.zero_grad()
+        with mode:
+            model(input_ids=ids[:1, :20]).logits.logsumexp(-1).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    assert all((grads[0][n] - g).abs().max() <= 1e-4 * g.abs().max() for n, g in grads[1].items())
 
 
 def test_the_fixed_convolution_is_torchs_to_rounding():
