@@ -718,8 +718,9 @@ def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str 
     state = uncovered_state_layer(model)  # (the gated delta rule's have fixed forms: batch_invariant_families)
     if state is not None:
         return (
-            f"state layers ({state}): their chunked scan sums in an order the chunking sets, and the mode has "
-            "fixed forms for the gated delta rule's (Qwen3.5, Qwen3-Next), the Mamba scans' (Mamba, Mamba2, "
-            "Nemotron-H, Jamba, Falcon-Mamba) and a short convolution's (LFM2) only"
+            f"state layers ({state}): the mode has no fixed form for this class (a chunked scan sums in an order "
+            "the chunking sets); it has them for the gated delta rule's (Qwen3.5, Qwen3-Next), Kimi's delta "
+            "attention (Kimi Linear, Ling), the Mamba scans' (Mamba, Mamba2, Nemotron-H, Jamba, Falcon-Mamba), "
+            "MiniMax's lightning attention, Zaya's CCA projection and a short convolution's (LFM2)"
         )
     return media_refusal(model)
