@@ -63,7 +63,10 @@ replaced by its own decode branch for every token, from a zero state where none 
 (:class:`_ZeroStart`), its ``k^T v`` and ``q S`` a product and a sum (:class:`_LayerOps`); a left
 pad's zeroed ``k, v`` leave a zero state exactly zero. Zaya's depthwise and grouped convolutions
 over the query and key projections (``nn.Conv1d``: torch's kernel by shape, over the kept window
-at decode and the whole prompt at prefill) run in one tap order (:func:`fixed_group_conv`).
+at decode and the whole prompt at prefill) run in one tap order (:func:`fixed_group_conv`). (Here
+torch's ``conv1d`` gave a window's output the whole prompt's bits at every shape tried: 96-1536
+channels, 1 and 2 threads, batches of 1 and 24; the fixed order keeps the guarantee off that
+measurement, oneDNN picking its kernel by shape and CPU.)
 
 A state layer class with none of these (:func:`covered_state_layer`) is named by
 :func:`uncovered_state_layer` and the mode refuses it; every state layer class acb finds in
