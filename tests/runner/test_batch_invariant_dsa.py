@@ -86,7 +86,7 @@ def v32_alone(v32):
     return _run(v32, [target, others[3]])  # (two requests of a batch alone: each its own rows)
 
 
-def test_deepseek_v32_alone_equals_in_a_batch_chunked_async_preempted_and_after_a_prefix_hit(v32, v32_alone):
+def test_deepseek_v32_alone_equals_in_a_batch_chunked_async_and_preempted(v32, v32_alone):
     target, others = _prompts(v32)
     alone = v32_alone[0]
     assert _same(_run(v32, [target])[0], alone)
@@ -98,11 +98,22 @@ def test_deepseek_v32_alone_equals_in_a_batch_chunked_async_preempted_and_after_
     )
     assert _same(outs[-1], alone)
     assert stats.preemptions > 0
-    config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=200, batch_invariant=True, cpu_threads=2)
+
+
+def test_deepseek_v32_after_a_prefix_hit(v32, v32_alone):
+    """48 tokens cached, the rest prefilled beside four other requests in 24-token steps."""
+    target, others = _prompts(v32)
+    alone = v32_alone[0]
+    config = acb.ContinuousBatchingConfig(
+        page_size=16, num_blocks=200, batch_invariant=True, cpu_threads=2, max_batch_tokens=24
+    )
     with acb.Engine(v32, config) as eng:
         eng.generate(target[:48] + [5, 6], acb.SamplingParams(max_new_tokens=1))
-        out = eng.submit(target, SP).result()
-        assert eng.stats.prefix_hits >= 48
+        eng.pause()
+        handles = [eng.submit(p, SP) for p in [target, *others[4:8]]]
+        eng.resume()
+        out = handles[0].result()
+        assert eng.stats.prefix_hits >= 48 and out.num_cached_tokens == 48
     assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
 
 
