@@ -187,11 +187,23 @@ def test_the_fixed_products_give_a_score_the_same_bits_in_any_call():
         for s in range(40)
     )
     assert torch.allclose(whole, torch.matmul(q, k), rtol=1e-5, atol=1e-5)
-    w = torch.randn(1, 40, 1, 16, generator=g)
-    assert torch.equal(dsa.fixed_matmul(w, whole.relu())[:, 7:9], dsa.fixed_matmul(w[:, 7:9], whole[:, 7:9].relu()))
     row = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0, float("-inf"), float("-inf")]])
     for width in (5, 6, 8):
         assert dsa.fixed_topk(row[:, :width], 4).indices.tolist() == [[1, 4, 0, 2]]
+    # the heads' weighted sum, a query alone over its own keys against all 40 over 90
+    w = torch.randn(1, 40, 1, 16, generator=g)
+    scores = whole.relu()
+
+    def moved(matmul):
+        full = matmul(w, scores)
+        return sum(
+            not torch.equal(matmul(w[:, s : s + 1], scores[:, s : s + 1, :, : 50 + s])[0, 0], full[0, s, :, : 50 + s])
+            for s in range(40)
+        )
+
+    assert moved(dsa.fixed_matmul) == 0
+    if moved(torch.matmul) == 0:
+        pytest.skip("torch.matmul gives these rows the same bits here too (nothing to show)")
 
 
 def test_the_trainers_forward_on_a_model_an_engine_holds(v32, v32_alone):
