@@ -297,7 +297,6 @@ def _whole_sequences(query, key, value, allow, scale, softcap, sinks) -> torch.T
     position order. ``[B, Q, H, D]``; queries with no key (padding) are zeros."""
     b, h, q, d = query.shape
     s = key.shape[2]
-    qpos = torch.arange(s - q, s)
     flat = allow.reshape(b * q, s)
     live = flat.any(1)
     which = live.nonzero()[:, 0]
@@ -311,7 +310,6 @@ def _whole_sequences(query, key, value, allow, scale, softcap, sinks) -> torch.T
     v = value.transpose(1, 2).float()[bi[:, None], pos]
     qt = query.transpose(1, 2).reshape(b * q, h, d).float().contiguous()
     out = torch.zeros(b * q, h, d, dtype=torch.float32)
-    del qpos
     _kernel(qt, k, v, which, counts, out, scale, softcap, sinks)
     return out.view(b, q, h, d)
 
