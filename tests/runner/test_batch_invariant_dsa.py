@@ -218,3 +218,14 @@ def test_the_trainers_forward_on_a_model_an_engine_holds(v32, v32_alone):
             logits = v32(torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
     assert out.generated_tokens == tokens
     assert torch.equal(bi.token_logprobs(logits, tokens, TEMP).double(), lps)
+
+
+def test_what_stays_refused(monkeypatch):
+    """The selection's fixed forms are float32 CPU: DSA with the Triton kernels, or a model on another
+    device, is refused with the reason; on CPU nothing is."""
+    model = _family("deepseek_v32")
+    assert dsa.dsa_refusal(model) is None
+    monkeypatch.setattr(bi, "KERNEL", True)
+    assert "take no selection" in dsa.dsa_refusal(model)
+    monkeypatch.setattr(bi, "KERNEL", False)
+    assert "on meta" in dsa.dsa_refusal(model.to("meta"))
