@@ -257,6 +257,92 @@ def own_cache_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
+# the start-up try of the batched forms (:func:`batched_rows_differ`): per step, the requests that
+# run (name, tokens: a whole prompt, or 1: a decode token), and the requests that finish before it
+_SCRIPT: list[tuple[list[str], list[tuple[str, int]]]] = [
+    ([], [("a", 4), ("b", 11), ("c", 13)]),  # a prefill group (padding 9, 2, 0 columns)
+    ([], [("a", 1), ("b", 1), ("c", 1)]),  # the group's rows as stacked decode rows
+    ([], [("a", 1), ("b", 1), ("c", 1)]),
+    (["a"], [("b", 1), ("c", 1), ("d", 21)]),  # a leaves; d's lone prompt joins the batch wider (padding grows)
+    ([], [("b", 1), ("c", 1), ("d", 1)]),
+    ([], [("c", 1), ("d", 1), ("e", 7), ("f", 30)]),  # b not scheduled (out, on its own cache); a group of 7 and 30
+    ([], [("b", 1), ("c", 1), ("d", 1), ("e", 1), ("f", 1)]),  # b joins back from its own cache, e and f join
+    ([], [("b", 1), ("c", 1), ("d", 1), ("e", 1), ("f", 1)]),
+    (["c", "d"], [("b", 1), ("e", 1), ("f", 1)]),  # rows leave from the middle (the last moves in; padding trimmed)
+    ([], [("f", 1), ("b", 1), ("e", 1)]),  # another order in the step
+]
+
+
+def batched_rows_differ(runner: Any) -> str | None:
+    """The start-up try of the mode's batched forms on the own-cache path (None: each row exact).
+
+    The runner (:class:`acb.runner.own_cache_runner.OwnCacheRunner`, in the mode) plays
+    :data:`_SCRIPT` twice through its own step (``runner.forward``, under the mode), on scratch
+    rows: once in its batched forms (whole prompts as left-padded prefill groups, decode rows
+    stacked in the decode batch), once one row a call; every wanted logits row of every step must
+    be the same bits. The script covers what moves a row's place in the batch between its steps:
+    left padding of several widths in a prefill group and in the decode batch, a lone prompt
+    joining the decode batch wider than its rows (everyone's padding grows), a row leaving the
+    batch (not scheduled: on its own cache) and joining back, rows finishing from the middle (the
+    last row moves into their places, padding no row needs is trimmed), batches of 2 to 5 rows in
+    other orders. With that, nothing left in a later step can differ: the mode's linear computes
+    each row alone (its bits do not depend on the other rows nor on how many there are, which
+    the one-row-a-call form relies on already: a prompt's rows count its tokens), its attention
+    reads each row's padding from the mask and runs over the row's keys from its first real one
+    (the padding's width does not enter the sum), and a row's positions are its own; a model that
+    keeps a request's state in its modules is never batched. What a short try can miss is model
+    code that mixes rows only past some size (a mixture of experts that drops tokens over a
+    capacity: none of the covered families does): any op that mixes rows at all shows here, as
+    the try runs batches of two to five rows.
+    """
+    model = runner.model
+    tokens = _tokens(model, 64)
+    offsets = {name: 5 * i for i, name in enumerate("abcdef")}
+
+    def play(base: int) -> list[torch.Tensor]:
+        ids_of = {name: base - i for i, name in enumerate("abcdef")}
+        used: dict[str, int] = {}
+        outs = []
+        try:
+            for done, step in _SCRIPT:
+                for name in done:
+                    runner.reset(ids_of[name])
+                rows, lens, parts = [], [], []
+                for name, n in step:
+                    at, lo = used.get(name, 0), offsets[name]
+                    rows.append(ids_of[name])
+                    lens.append(n)
+                    parts.append(tokens[:, lo + at : lo + at + n])
+                    used[name] = at + n
+                ids = torch.cat(parts, dim=1)
+                pos = torch.cat([torch.arange(used[name] - n, used[name], device=ids.device) for name, n in step])[None]
+                ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+                outs.append(runner.forward(ids, pos, lens, rows, ends))
+        finally:
+            for row in ids_of.values():
+                runner.reset(row)
+        return outs
+
+    with _eval(model), torch.no_grad():
+        try:
+            batched = play(-40)
+            runner.batchable = False
+            alone = play(-50)
+        except Exception as exc:  # noqa: BLE001 - the reason names it
+            return f"its batched forms failed under the mode's start-up try ({type(exc).__name__}: {exc})"
+        finally:
+            runner.batchable = True
+    for i, (x, y) in enumerate(zip(batched, alone)):
+        if x.shape != y.shape or not torch.equal(x, y):
+            diff = (x - y).abs().max().item() if x.shape == y.shape else float("nan")
+            return (
+                f"a row in the batched forms (left-padded prefill groups, stacked decode rows) gave other bits than "
+                f"alone at step {i + 1} of the start-up try (max |Δ logit| {diff:.2e}): the model's code mixes rows "
+                "or follows their padding otherwise than the mode's fixed forms"
+            )
+    return None
+
+
 @contextlib.contextmanager
 def mode_forward(model: Any) -> Iterator[None]:
     """The engine's forwards on the own-cache path in the mode (the engine thread): the mode's

@@ -67,11 +67,14 @@ generation hooks (XLNet, Reformer, ProphetNet) may not resume a prompt at all (i
 A slot costs up to ``max_model_len`` tokens of the model's own cache and is priced so
 (:func:`snapshot_memory`).
 
-The batch-invariant mode (``batch_invariant=True``: :mod:`acb.runner.batch_invariant_own`) runs
-every request's forwards alone, as ``model.generate`` runs one unpadded prompt: the whole prompt
-in one call, then one call per sampled token (no prefill groups, no chunks, no stacked decode
-rows, so no prefix caching; a recompute replays the prompt, then a token a call), each step under
-the mode's ops and the language model's attention set to the mode's.
+The batch-invariant mode (``batch_invariant=True``: :mod:`acb.runner.batch_invariant_own`)
+prefills each prompt whole, in one step (no chunks, so no prefix caching; a recompute replays the
+prompt, then a token a call), each step under the mode's ops and the language model's attention
+set to the mode's. Its rows run in the batched forms above (left-padded prefill groups of whole
+prompts, stacked decode rows) where a start-up try proves them bit for bit equal to each row run
+alone (:func:`acb.runner.batch_invariant_own.batched_rows_differ`: ``mode_rows == "batched"``),
+else one row a call, as ``model.generate`` runs one unpadded prompt (``mode_rows == "alone"``,
+the reason in ``mode_rows_why``, logged).
 """
 
 from __future__ import annotations
@@ -96,10 +99,10 @@ logger = logging.getLogger(__name__)
 # step's left-padded prefill groups; False: only new requests' whole prompts do (the A/B switch of
 # benchmarks/own_cache_offline.py)
 BATCH_PREFILL = True
-# the batch-invariant mode runs each request's forwards alone (a prompt whole, a token a call);
-# False: the mode's ops and attention on the batched forms above (an A/B switch of
-# benchmarks/batch_invariant_own.py, which measures what one row a call costs; not a covered mode)
-MODE_ALONE = True
+# True: the batch-invariant mode runs each request's forwards alone (a prompt whole, a token a
+# call) whatever the start-up try finds (the A/B switch of benchmarks/batch_invariant_own.py,
+# which measures what one row a call costs); False: the batched forms where the try proves them
+MODE_ALONE = False
 
 
 def _dynamic_layer_class() -> type:
@@ -348,8 +351,9 @@ class OwnCacheRunner:
     def __init__(self, model: Any, start: dict[Slot, Any] | None = None, batch_invariant: bool = False) -> None:
         """``start``: the model's module attributes before the engine ran any forward of it
         (:func:`acb.runner.module_state.module_attributes`): what a new request starts from.
-        ``batch_invariant``: the mode (:mod:`acb.runner.batch_invariant_own`): each request's
-        forwards alone (a prompt whole, then a token a call), under the mode's ops and attention."""
+        ``batch_invariant``: the mode (:mod:`acb.runner.batch_invariant_own`): each prompt whole,
+        under the mode's ops and attention, the rows batched where the start-up try proves that
+        exact (``mode_rows``), else each request's forwards alone (a prompt, then a token a call)."""
         self.model = model
         self.batch_invariant = batch_invariant
         self._start = start
@@ -399,9 +403,17 @@ class OwnCacheRunner:
         # (see the module docstring); whether a cut is exact is found by the start-up try
         self.snaps: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
         self.croppable = False
-        if batch_invariant and MODE_ALONE:  # a request's calls must not depend on what shares its steps: each alone
-            self.batchable = self.chunkable = False
+        # the mode: "batched" (its rows in the batched forms, proved exact at start) or "alone"
+        # (one row a call), and why (None outside the mode)
+        self.mode_rows: str | None = None
+        self.mode_rows_why = ""
+        if batch_invariant:  # each prompt whole, in one call (as model.generate and a trainer's forward take it)
+            self.chunkable = False
+            if MODE_ALONE:
+                self.batchable = False
         self._probe()
+        if batch_invariant:
+            self._mode_rows(default_hooks)
         if not self.croppable:
             logger.info(
                 "%s's own cache cannot be cut at a block boundary (%s): no prefix caching",
@@ -411,7 +423,7 @@ class OwnCacheRunner:
 
     def _uncut(self, default_hooks: bool) -> str:
         """Why a request's cache cannot be cut exactly (see the module docstring)."""
-        if self.batch_invariant and MODE_ALONE:
+        if self.batch_invariant:
             return "batch_invariant=True prefills each prompt whole, in one call"
         if not self.plain:
             kinds = sorted({type(layer).__name__ for layer in getattr(self._empty(), "layers", ())})
@@ -423,6 +435,43 @@ class OwnCacheRunner:
         if not self.chunkable:
             return "a prompt in two chunks does not give what it gives whole"
         return "a prompt cut and resumed does not give what it gives whole"
+
+    def _mode_rows(self, default_hooks: bool) -> None:
+        """The mode's form (``mode_rows``): the batched forms where the path batches this model
+        and :func:`acb.runner.batch_invariant_own.batched_rows_differ` finds each row of them bit
+        for bit what it gives alone; else one row a call (logged, with why)."""
+        from acb.runner.batch_invariant_own import batched_rows_differ
+
+        name = type(self.model).__name__
+        if self.batchable:
+            problem = batched_rows_differ(self)
+            if problem is None:
+                self.mode_rows = "batched"
+                logger.info(
+                    "batch_invariant=True: %s's rows run batched (left-padded prefill groups, stacked decode rows): "
+                    "the start-up try found each row's logits bit for bit what it gives alone",
+                    name,
+                )
+                return
+            self.batchable = False
+            why = problem
+        elif MODE_ALONE:
+            why = "own_cache_runner.MODE_ALONE is set"
+        elif self.module_state is not None:
+            why = "it keeps per-request state in module attributes"
+        elif not self.plain:
+            kinds = sorted({type(layer).__name__ for layer in getattr(self._empty(), "layers", ())})
+            why = f"its cache has layers other than plain growing K/V ({', '.join(kinds) or 'a cache of its own'})"
+        elif not default_hooks:
+            why = "it has generation hooks of its own (a padded batch of its rows would not follow them)"
+        elif not self._positions:
+            why = "its forward takes no position ids (a left-padded row's positions would count its padding)"
+        elif not self._batch_ok:
+            why = "an encoder-decoder's rows are not batched on this path"
+        else:
+            why = "two requests as one padded batch did not give what they give one at a time"
+        self.mode_rows, self.mode_rows_why = "alone", why
+        logger.info("batch_invariant=True: %s's requests run one row a call: %s", name, why)
 
     # start-up tries ------------------------------------------------------------
     def _probe(self) -> None:

@@ -2,8 +2,10 @@
 acb.runner.batch_invariant_own): a request's tokens and logprobs are the same bits alone, among 16
 others of other lengths, at a small step budget, and with async batching in a cache small enough to
 preempt; and a trainer's forward over the whole sequence under ``enabled(model)`` computes exactly
-the engine's logprobs. A model whose own code computes products outside the mode's fixed forms
-is refused with the reason."""
+the engine's logprobs. The rows run in the path's batched forms (left-padded prefill groups,
+stacked decode rows) where the start-up try proves them exact, else one row a call (a model whose
+code mixes rows falls back, still exact). A model whose own code computes products outside the
+mode's fixed forms is refused with the reason."""
 
 from __future__ import annotations
 
@@ -33,13 +35,16 @@ def _prompts(vocab, n=16):
     return target, others
 
 
-def _run(model, prompts, **cfg):
+def _run(model, prompts, form=None, **cfg):
     """Every prompt submitted while the engine is paused (they enter its first step together);
-    each output's (tokens, logprobs), and the engine's stats."""
+    each output's (tokens, logprobs), and the engine's stats. ``form``: the rows' form the runner
+    must have chosen (``mode_rows``: "batched" or "alone")."""
     cfg.setdefault("num_blocks", 200)
     config = acb.ContinuousBatchingConfig(page_size=8, batch_invariant=True, cpu_threads=1, **cfg)
     with acb.Engine(model, config) as eng:
-        assert eng.runner.own_cache_runner is not None  # the second runner path
+        own = eng.runner.own_cache_runner
+        assert own is not None  # the second runner path
+        assert form is None or own.mode_rows == form, (own.mode_rows, own.mode_rows_why)
         eng.pause()
         handles = [eng.submit(p, SP) for p in prompts]
         eng.resume()
@@ -52,26 +57,53 @@ def _same(a, b):
     return a[0] == b[0] and torch.equal(a[1], b[1])
 
 
-# StableLM (a decoder-only through the attention interface), BART's decoder (learned positions
-# counted from its cache), RWKV (a recurrent state, no attention)
-@pytest.mark.parametrize("arch", ["stablelm", "bart", "rwkv"])
-def test_alone_equals_in_a_batch_preempted_async_and_the_trainer(arch):
-    model = _family(arch)
-    target, others = _prompts(model.config.get_text_config().vocab_size)
-    (alone,), _ = _run(model, [target])
-    outs, _ = _run(model, [*others, target])
-    assert _same(outs[-1], alone)
-    # a small step budget, async scheduling, a cache too small for every row (preemptions: a
-    # recompute replays the prompt, then a token a call)
-    outs, stats = _run(model, [target, *others], max_batch_tokens=16, use_async_batching=True, num_blocks=8)
-    assert stats.preemptions > 0
-    assert _same(outs[0], alone)
+def _trainer_equals_engine(model, target, alone):
     tokens, lps = alone
     with bi.enabled(model), torch.no_grad():
         logits = model(input_ids=torch.tensor([target + tokens])).logits
     got = bi.token_logprobs(logits[0, len(target) - 1 : -1], tokens, TEMP).double()
     assert torch.equal(got, lps), (got - lps).abs().max()
+
+
+# StableLM (a decoder-only through the attention interface) runs its rows batched (the start-up
+# try proves it; so do BioGPT, DiffLlama, JetMoe); BART's decoder (learned positions counted from its
+# cache) and RWKV (a recurrent state, no attention) take no position ids: one row a call
+@pytest.mark.parametrize("arch, form", [("stablelm", "batched"), ("bart", "alone"), ("rwkv", "alone")])
+def test_alone_equals_in_a_batch_preempted_async_and_the_trainer(arch, form):
+    model = _family(arch)
+    target, others = _prompts(model.config.get_text_config().vocab_size)
+    (alone,), _ = _run(model, [target], form)
+    outs, _ = _run(model, [*others, target], form)
+    assert _same(outs[-1], alone)
+    # a small step budget, async scheduling, a cache too small for every row (preemptions: a
+    # recompute replays the prompt, then a token a call)
+    outs, stats = _run(model, [target, *others], form, max_batch_tokens=16, use_async_batching=True, num_blocks=8)
+    assert stats.preemptions > 0
+    assert _same(outs[0], alone)
+    _trainer_equals_engine(model, target, alone)
     assert model.config._attn_implementation != bi.ATTN_IMPL_NAME  # its own attention back between steps
+
+
+def test_rows_that_mix_run_one_a_call_still_exact(monkeypatch):
+    """A model whose code mixes a batch's rows (a hook adding a little of the batch's mean: one
+    row alone is unchanged by it, so the refusal's checks pass) fails the start-up try of the
+    batched forms and runs one row a call, exact; with the try skipped it would run batched, and a
+    request among others would change."""
+    from acb.runner import batch_invariant_own
+
+    model = _family("stablelm")
+    model.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out + 1e-3 * out.mean(0, keepdim=True))
+    target, others = _prompts(model.config.vocab_size, 8)
+    (alone,), _ = _run(model, [target], "alone")
+    outs, _ = _run(model, [*others, target], "alone")
+    assert _same(outs[-1], alone)
+    _trainer_equals_engine(model, target, alone)
+    config = acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, cpu_threads=1)
+    with acb.Engine(model, config) as eng:
+        assert "gave other bits than alone at step 1" in eng.runner.own_cache_runner.mode_rows_why
+    monkeypatch.setattr(batch_invariant_own, "batched_rows_differ", lambda runner: None)
+    outs, _ = _run(model, [*others, target], "batched")
+    assert not _same(outs[-1], alone)
 
 
 @pytest.mark.parametrize(
