@@ -1,20 +1,24 @@
 """The batch-invariant mode on the second runner path (models on their own cache objects:
 :mod:`acb.runner.own_cache_runner`); the mode itself is :mod:`acb.runner.batch_invariant`.
 
-How the path is made batch-invariant: in the mode the runner runs each request's forwards alone,
-as ``model.generate`` runs one unpadded prompt (the whole prompt in one call, then one call per
-sampled token, each on the request's own cache: no left-padded prefill groups, no chunked
-prefill, no stacked decode rows, hence no prefix caching either), with the mode's ops on
-(:func:`acb.runner.batch_invariant.engine_step`: the fixed linear, the element-wise ops' fixed
-path) and the language model's attention set to the mode's transformers attention function
-(:data:`acb.runner.batch_invariant.ATTN_IMPL_NAME`: acb's fixed-order kernel over the call's
-keys), as :func:`acb.runner.batch_invariant.enabled` sets it for a trainer (:func:`mode_forward`).
-What shares a request's steps then changes none of its calls, so (a) a request's bits are the
-same alone and among others, chunked budgets, preemptions (a recompute replays the prompt, then a
-token a call) and async scheduling; and (b) a trainer's forward over the whole sequence under
-``enabled(model)`` computes each token's logprob exactly as the engine's one-token call did, when
-every op of the model computes a token's row by the same arithmetic however many tokens the call
-holds.
+How the path is made batch-invariant: in the mode the runner prefills each prompt whole, in one
+call (no chunked prefill, hence no prefix caching; a recompute replays the prompt, then a token a
+call), with the mode's ops on (:func:`acb.runner.batch_invariant.engine_step`: the fixed linear,
+the element-wise ops' fixed path) and the language model's attention set to the mode's
+transformers attention function (:data:`acb.runner.batch_invariant.ATTN_IMPL_NAME`: acb's
+fixed-order kernel over each row's keys from its first real one), as
+:func:`acb.runner.batch_invariant.enabled` sets it for a trainer (:func:`mode_forward`). Its rows
+run in the path's batched forms (whole prompts as left-padded prefill groups, decode rows stacked
+in one left-padded batch cache) where the start-up try :func:`batched_rows_differ` finds each row
+of them bit for bit what it gives alone (``OwnCacheRunner.mode_rows == "batched"``); else (the
+path does not batch the model: no position ids, its own generation hooks, a cache of other layers,
+state in its modules; or the try found a row changed) each request's forwards run alone, as
+``model.generate`` runs one unpadded prompt (``mode_rows == "alone"``, the reason logged). What
+shares a request's steps then changes none of its rows' bits, so (a) a request's bits are the same
+alone and among others, at small step budgets, through preemptions and async scheduling; and (b) a
+trainer's forward over the whole sequence under ``enabled(model)`` computes each token's logprob
+exactly as the engine's one-token call did, when every op of the model computes a token's row by
+the same arithmetic however many tokens the call holds.
 
 (b) is what decides which models are covered (:func:`own_cache_refusal`), by two checks on the
 model at engine start, not by a list of families:
