@@ -55,7 +55,7 @@ out a row's sum by the row count), the Triton attention backend's fixed-order fo
 for a trainer; decode graphs are off in the mode there. Element-wise ops are left as torch runs
 them on CUDA: its element-wise kernels compute each element by one code path whatever its index (no
 scalar tail; vectorized loads only change how elements are fetched), which is assumed here and
-is to be checked on a GPU. :func:`refusal` names what the mode does not cover.
+is to be checked on a GPU. :func:`acb.runner.batch_invariant_scope.refusal` names what the mode does not cover.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from typing import Any
 import torch
 
 from acb.runner.batch_invariant_flag import TLS
+from acb.runner.batch_invariant_masks import mask_ranges
 
 ATTN_IMPL_NAME = "acb_batch_invariant"  # the trainer-side attention function's name in transformers
 
@@ -243,8 +244,9 @@ class Enabled:
         self._forms = TrainerForms(model) if model is not None else None
         if model is not None:  # indexers' fixed products and top-k (acb.runner.batch_invariant_dsa)
             from acb.runner.batch_invariant_dsa import install as install_dsa
+            from acb.runner.indexed import indexer_modules
 
-            install_dsa(model)
+            install_dsa(indexer_modules(model))
         p = next(model.parameters(), None) if model is not None else None
         self._red = _reductions(p.is_cuda if p is not None else torch.cuda.is_available())
         self._red.__enter__()  # (CUDA) RMSNorm's mean one program a row
@@ -321,51 +323,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], te
 
 
 # ---------------------------------------------------------------- attention (the trainer's side)
-
-
-def _pads(
-    mask: torch.Tensor | None, b: int, q: int, s: int, window: int | None, chunk: int | None
-) -> tuple[list[int], torch.Tensor | None]:
-    """Each row's left padding, and each query's key end (``[B, Q]``, exclusive; None: every
-    query's own position plus one, causal), read from the boolean ``[B, 1, Q, S]`` mask
-    transformers built (None: no padding, causal). The mask is checked to be what acb's kernel
-    computes: per query the keys ``[lo, end)`` in position order, ``lo`` the row's first token or
-    where the window or chunk of the query's position starts, ``end`` past the query's own
-    position only where the model lets a token see later ones (an image whose tokens attend to
-    each other both ways: Gemma 3, Gemma 4's sliding layers, Molmo2). Queries on padding, left or
-    right, are not checked (their outputs are not used); any other mask is refused."""
-    if mask is None:
-        return [0] * b, None
-    if mask.dtype != torch.bool or mask.dim() != 4:
-        raise ValueError(
-            f"acb's batch-invariant attention takes a boolean 4-D mask, not {mask.dtype} {tuple(mask.shape)}"
-        )
-    m = mask[:, 0].expand(b, q, s)
-    seen = m.any(dim=1)  # [B, S]: keys some query attends (padding keys: none)
-    pads = [int(p) for p in (~seen).long().cumprod(-1).sum(-1).tolist()]
-    last = [s - int(e) for e in (~seen.flip(-1)).long().cumprod(-1).sum(-1).tolist()]
-    qpos = torch.arange(s - q, s, device=m.device)[:, None]
-    kpos = torch.arange(s, device=m.device)[None, :]
-    # each query's last key plus one (a query that sees none: its own position plus one)
-    sees = m.any(-1)  # [B, Q]
-    top = torch.where(m, kpos, -1).amax(-1) + 1
-    ends = torch.where(sees, top, qpos[:, 0] + 1).clamp(min=qpos[:, 0] + 1)
-    ahead = False
-    for i, (pad, end) in enumerate(zip(pads, last)):
-        rows = slice(max(0, pad - (s - q)), max(0, end - (s - q)))  # the row's own tokens' queries
-        want = (kpos < ends[i][:, None]) & (kpos >= pad)
-        if window:
-            want &= qpos - kpos < window
-        if chunk:
-            want &= (kpos - pad) // chunk == (qpos - pad) // chunk
-        if not torch.equal(m[i, rows], want[rows]):
-            raise ValueError(
-                "acb's batch-invariant attention computes causal attention with left or right padding, and an "
-                "image's tokens seeing their image's later ones; this forward's mask is another (packed "
-                "sequences, or a custom mask)"
-            )
-        ahead = ahead or bool((ends[i, rows] > qpos[rows, 0] + 1).any())
-    return pads, (ends.to(torch.long) if ahead else None)
 
 
 def _kernel_attention(
@@ -528,7 +485,7 @@ def attention_forward(
     b, _, q, d = query.shape
     s = key.shape[2]
     chunk = layer_chunk(module)
-    pads, ends = _pads(attention_mask, b, q, s, sliding_window, chunk)
+    pads, ends = mask_ranges(attention_mask, b, q, s, sliding_window, chunk)
     scale = scaling if scaling is not None else d**-0.5
     k_dim, v_dim = key.shape[-1], value.shape[-1]
     if k_dim != v_dim:  # MLA's expanded heads: both at the wider width, as the engine's cache holds them
@@ -632,95 +589,3 @@ def attention_backend(device: torch.device) -> str:
     """The engine's attention backend in the mode: the Triton backend's fixed-order form on CUDA
     (and on CPU with :data:`KERNEL`, under the interpreter), else acb's CPU kernel."""
     return "triton" if device.type == "cuda" or KERNEL else "cpu"
-
-
-def refusal(model: torch.nn.Module, config: Any, own_path: bool = False) -> str | None:
-    """None when an engine can run ``model`` in the batch-invariant mode, else why not (the
-    engine's start refuses it with this reason)."""
-    from acb.runner.indexed import indexer_modules
-    from acb.runner.latent import latent_modules
-    from acb.runner.tp_sync import tp_size_of
-    from acb.runner.unpaged_layers import find_unpaged_layers
-
-    p = next(model.parameters(), None)
-    if p is None or p.device.type not in ("cpu", "cuda"):
-        return f"the mode runs on CPU or CUDA, not {None if p is None else p.device.type}"
-    kernels = attention_backend(p.device) == "triton"  # CUDA (or KERNEL): acb.runner.batch_invariant_kernels
-    if kernels:
-        if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"the mode's Triton kernels take bf16, fp16 or fp32, not {p.dtype}"
-        if config.attn_backend not in (None, "triton"):
-            return (
-                "on CUDA the mode attends with the Triton backend's fixed-order form, "
-                f"not attn_backend={config.attn_backend!r}"
-            )
-    elif p.dtype != torch.float32:
-        return f"the mode is float32 only (the model is {p.dtype}): its linear path is oneDNN's float32 inner product"
-    elif config.attn_backend not in (None, "cpu"):
-        return f"the mode attends with acb's CPU kernel, not attn_backend={config.attn_backend!r}"
-    if own_path:
-        from acb.runner.batch_invariant_own import own_cache_refusal
-
-        problem = own_cache_refusal(model)
-        if problem is not None:
-            return problem
-    if (
-        config.default_compile_level
-        or config.decode_compile_config is not None
-        or config.varlen_compile_config is not None
-    ):
-        return "the forward is compiled (inductor chooses its own kernels and reduction orders)"
-    if tp_size_of(model) > 1:
-        return "the model is tensor parallel (the all-reduce sums the ranks' partial products)"
-    if getattr(config, "max_loras", 0):
-        from acb.runner.batch_invariant_families import lora_refusal
-
-        problem = lora_refusal(model)
-        if problem is not None:
-            return problem
-    from acb.runner.attention import cpu_backend
-
-    problem = None if kernels else cpu_backend.unavailable_reason()
-    if problem is not None:
-        return f"acb's CPU attention kernel is not available here ({problem})"
-    if latent_modules(model) and config.mla_latent_cache:
-        return (
-            "mla_latent_cache=True: the latent's absorbed products are batched matrix products over the step's "
-            "tokens; the mode pages MLA's expanded heads (leave mla_latent_cache unset)"
-        )
-    # (element-wise sigmoid gates over a few values per token, which torch computes on its scalar path
-    # at a call's tail: batch_invariant_families.the whole forward takes them by one fixed path)
-    if indexer_modules(model):
-        from acb.runner.batch_invariant_dsa import dsa_refusal
-
-        problem = dsa_refusal(model)
-        if problem is not None:
-            return problem
-    from acb.runner.batch_invariant_families import uncovered_state_layer
-    from acb.runner.batch_invariant_media import media_refusal
-
-    if find_unpaged_layers(model):
-        from acb.runner.batch_invariant_unpaged import unpaged_refusal
-
-        problem = unpaged_refusal(model)
-        if problem is not None:
-            return problem
-    if kernels:  # what the CUDA path has not been built or checked for
-        from acb.runner.linear_state import linear_layers
-        from acb.runner.media import takes_media
-
-        if latent_modules(model):
-            return "on CUDA, multi-head latent attention (MLA): its expanded heads' widths are not covered yet"
-        if linear_layers(model):
-            return "on CUDA, state layers: their fixed forms (batch_invariant_families) are CPU-checked only"
-        if takes_media(model):
-            return "on CUDA, image inputs: the vision encoder's fixed form is CPU-checked only"
-    state = uncovered_state_layer(model)  # (the gated delta rule's have fixed forms: batch_invariant_families)
-    if state is not None:
-        return (
-            f"state layers ({state}): the mode has no fixed form for this class (a chunked scan sums in an order "
-            "the chunking sets); it has them for the gated delta rule's (Qwen3.5, Qwen3-Next), Kimi's delta "
-            "attention (Kimi Linear, Ling), the Mamba scans' (Mamba, Mamba2, Nemotron-H, Jamba, Falcon-Mamba), "
-            "MiniMax's lightning attention, Zaya's CCA projection and a short convolution's (LFM2)"
-        )
-    return media_refusal(model)

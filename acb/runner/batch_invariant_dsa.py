@@ -49,23 +49,16 @@ _LOCK = threading.Lock()
 _HOOKED = "_acb_dsa_fixed"  # the indexer module's attribute once install() has hooked it
 
 
-def dsa_refusal(model: torch.nn.Module) -> str | None:
-    """Why the mode cannot run ``model``'s indexed sparse attention layers (None: it can)."""
-    from acb.runner import batch_invariant
-    from acb.runner.indexed import indexer_modules
-
+def dsa_refusal(model: torch.nn.Module, indexers: list[Any]) -> str | None:
+    """Why the mode cannot run ``model``'s indexed sparse attention layers (its ``indexers``:
+    :func:`acb.runner.indexed.indexer_modules`, which imports this module) (None: it can)."""
     p = next(model.parameters(), None)
-    if batch_invariant.KERNEL:
-        return (
-            "indexed sparse attention (DSA) with the Triton kernels (batch_invariant.KERNEL): they take no "
-            "selection; the mode's fixed forms for it are float32 CPU only"
-        )
     if p is not None and p.device.type != "cpu":
         return (
             f"indexed sparse attention (DSA) on {p.device.type}: the indexer's fixed products and top-k and the "
             "selected keys' fixed-order attention are float32 CPU only (the Triton kernels take no selection)"
         )
-    for m in indexer_modules(model):
+    for m in indexers:
         names = set(getattr(getattr(inspect.unwrap(type(m).forward), "__code__", None), "co_names", ()))
         if not {"matmul", "topk"} <= names:
             return (
@@ -167,14 +160,12 @@ def _post(module: Any, args: Any, kwargs: Any, out: Any) -> None:
         ops.__exit__(None, None, None)
 
 
-def install(model: torch.nn.Module) -> None:
-    """Hook the model's indexers (once per module; idempotent): on a thread with the mode on, their
-    forward runs with :class:`FixedIndexerOps` (a trainer's forward under ``enabled(model)``);
-    elsewhere the hooks do nothing."""
-    from acb.runner.indexed import indexer_modules
-
+def install(indexers: list[Any]) -> None:
+    """Hook a model's ``indexers`` (:func:`acb.runner.indexed.indexer_modules`; once per module;
+    idempotent): on a thread with the mode on, their forward runs with :class:`FixedIndexerOps` (a
+    trainer's forward under ``enabled(model)``); elsewhere the hooks do nothing."""
     with _LOCK:
-        for m in indexer_modules(model):
+        for m in indexers:
             if getattr(m, _HOOKED, False):
                 continue
             m.register_forward_pre_hook(_pre, with_kwargs=True)
@@ -354,7 +345,7 @@ def indexed_attention_forward(
     the keys and values at the wider width as the engine's cache holds MLA's expanded heads;
     backward through ordinary torch ops. What the engine computes for the request alone."""
     from acb.runner.attention import layer_chunk, layer_sinks
-    from acb.runner.batch_invariant import _pads
+    from acb.runner.batch_invariant_masks import mask_ranges
 
     indices = kwargs["indices"]
     if query.device.type != "cpu":
@@ -363,7 +354,7 @@ def indexed_attention_forward(
         raise ValueError("acb's batch-invariant indexed attention takes no sliding window or attention chunk")
     b, _, q, d = query.shape
     s = key.shape[2]
-    found = _pads(attention_mask, b, q, s, None, None)
+    found = mask_ranges(attention_mask, b, q, s, None, None)
     pads: list[int] = found[0] if isinstance(found, tuple) else found  # (a tuple where it also gives key ends)
     scale = scaling if scaling is not None else d**-0.5
     k_dim, v_dim = key.shape[-1], value.shape[-1]

@@ -10,7 +10,7 @@ fixed-order kernel like every other query: an image token's keys run from where 
 (the engine: :func:`acb.runner.attention.cpu_backend._media_lens`; a prefill chunk never ends
 inside such an image); a trainer's forward reads the same key range per query from the mask the
 model's own code builds and computes it with the same kernel
-(:func:`acb.runner.batch_invariant._pads`). CPU only: on CUDA images stay refused."""
+(:func:`acb.runner.batch_invariant_masks.mask_ranges`). CPU only: on CUDA images stay refused."""
 
 from __future__ import annotations
 

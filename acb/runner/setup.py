@@ -421,7 +421,8 @@ def resolve_config(
     dtype = next(model.parameters()).dtype
     backend = "torch" if own_path else config.attn_backend or default_backend(device, dtype, config.page_size)
     if config.batch_invariant:  # the fixed-order kernels, or a refusal that says why (acb.runner.batch_invariant)
-        from acb.runner.batch_invariant import attention_backend, refusal
+        from acb.runner.batch_invariant import attention_backend
+        from acb.runner.batch_invariant_scope import refusal
 
         problem = refusal(model, config, own_path)
         if problem is not None:

@@ -17,6 +17,8 @@ import torch
 import acb
 from acb.runner import batch_invariant as bi
 from acb.runner import batch_invariant_dsa as dsa
+from acb.runner import batch_invariant_scope as scope
+from acb.runner.indexed import indexer_modules
 from tests.runner import test_batch_invariant
 from tests.runner.test_batch_invariant import TEMP
 
@@ -224,8 +226,8 @@ def test_what_stays_refused(monkeypatch):
     """The selection's fixed forms are float32 CPU: DSA with the Triton kernels, or a model on another
     device, is refused with the reason; on CPU nothing is."""
     model = _family("deepseek_v32")
-    assert dsa.dsa_refusal(model) is None
+    assert dsa.dsa_refusal(model, indexer_modules(model)) is None
     monkeypatch.setattr(bi, "KERNEL", True)
-    assert "take no selection" in dsa.dsa_refusal(model)
+    assert "take no selection" in scope.refusal(model, acb.ContinuousBatchingConfig(batch_invariant=True))
     monkeypatch.setattr(bi, "KERNEL", False)
-    assert "on meta" in dsa.dsa_refusal(model.to("meta"))
+    assert "on meta" in dsa.dsa_refusal(model.to("meta"), indexer_modules(model))

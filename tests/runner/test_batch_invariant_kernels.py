@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from acb.runner import batch_invariant as bi  # noqa: E402
 from acb.runner import batch_invariant_kernels as bk  # noqa: E402
+from acb.runner import batch_invariant_scope as scope  # noqa: E402
 from tests.conftest import triton_test_device  # noqa: E402
 
 DEVICE = triton_test_device()
@@ -331,6 +332,6 @@ def test_what_the_cuda_path_does_not_cover_is_refused(kernel_form):
     mla.first_k_dense_replace = mla.num_hidden_layers  # (its MoE router is refused on every path)
     mamba = tiny_config("mamba2")
     for cfg, why in ((mla, "on CUDA, multi-head latent"), (mamba, "on CUDA, state layers")):
-        assert why in (bi.refusal(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), config) or "")
-    assert "bf16, fp16 or fp32" in bi.refusal(tiny_model("llama", dtype=torch.float64), config)
-    assert bi.refusal(tiny_model("llama", dtype=torch.bfloat16), config) is None
+        assert why in (scope.refusal(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), config) or "")
+    assert "bf16, fp16 or fp32" in scope.refusal(tiny_model("llama", dtype=torch.float64), config)
+    assert scope.refusal(tiny_model("llama", dtype=torch.bfloat16), config) is None

@@ -17,6 +17,7 @@ import torch
 
 import acb
 from acb.runner import batch_invariant as bi
+from acb.runner.batch_invariant_masks import mask_ranges
 from tests.runner import test_batch_invariant
 from tests.runner.test_batch_invariant import TEMP
 from tests.vlm_models import image, messages, molmo2_prompt, tiny_gemma4, tiny_molmo2, tiny_vlm
@@ -198,10 +199,10 @@ def test_a_mask_the_kernel_cannot_follow_is_refused():
     mask = torch.ones(s, s, dtype=torch.bool).tril()
     mask[4, 2] = False  # query 4 skips key 2
     with pytest.raises(ValueError, match="image's tokens seeing"):
-        bi._pads(mask[None, None], 1, s, s, None, None)
+        mask_ranges(mask[None, None], 1, s, s, None, None)
     blocks = torch.ones(s, s, dtype=torch.bool).tril()
     blocks[1:3, 1:3] = True  # tokens 1-2: an image whose tokens see each other
-    pads, ends = bi._pads(blocks[None, None], 1, s, s, None, None)
+    pads, ends = mask_ranges(blocks[None, None], 1, s, s, None, None)
     assert pads == [0] and ends is not None and ends[0].tolist() == [1, 3, 3, 4, 5, 6]
 
 
