@@ -274,6 +274,7 @@ _SCRIPT: list[tuple[list[str], list[tuple[str, int]]]] = [
     ([], [("b", 1), ("c", 1), ("d", 1), ("e", 1), ("f", 1)]),
     (["c", "d"], [("b", 1), ("e", 1), ("f", 1)]),  # rows leave from the middle (the last moves in; padding trimmed)
     ([], [("f", 1), ("b", 1), ("e", 1)]),  # another order in the step
+    (["b", "e"], [("f", 1)]),  # a lone decode row: its own cache, taken out of the batch (padding dropped)
 ]
 
 
@@ -289,7 +290,7 @@ def batched_rows_differ(runner: Any) -> str | None:
     joining the decode batch wider than its rows (everyone's padding grows), a row leaving the
     batch (not scheduled: on its own cache) and joining back, rows finishing from the middle (the
     last row moves into their places, padding no row needs is trimmed), batches of 2 to 5 rows in
-    other orders. With that, nothing left in a later step can differ: the mode's linear computes
+    other orders, and a row decoding alone on the cache taken out of the batch. With that, nothing left in a later step can differ: the mode's linear computes
     each row alone (its bits do not depend on the other rows nor on how many there are, which
     the one-row-a-call form relies on already: a prompt's rows count its tokens), its attention
     reads each row's padding from the mask and runs over the row's keys from its first real one

@@ -469,7 +469,10 @@ class OwnCacheRunner:
         elif not self._batch_ok:
             why = "an encoder-decoder's rows are not batched on this path"
         else:
-            why = "two requests as one padded batch did not give what they give one at a time"
+            why = (
+                "the path's start-up try of two requests as one padded batch failed, or gave other than what they "
+                "give one at a time (beyond rounding)"
+            )
         self.mode_rows, self.mode_rows_why = "alone", why
         logger.info("batch_invariant=True: %s's requests run one row a call: %s", name, why)
 
