@@ -52,17 +52,30 @@ def _run(model, prompts, sampling, threads=2, cpu_threads=None, **cfg):
     config = acb.ContinuousBatchingConfig(page_size=16, batch_invariant=True, cpu_threads=cpu_threads or threads, **cfg)
     try:
         with acb.Engine(model, config) as eng:
-            eng.pause()
-            handles = [eng.submit(p, s) for p, s in zip(prompts, sampling)]
-            eng.resume()
-            outs = [h.result() for h in handles]
+            got = together(eng, prompts, sampling)
             stats = eng.stats
     finally:
         torch.set_num_threads(was)
-    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], stats
+    return got, stats
 
 
-def _same(a, b):
+def together(eng, prompts, sampling=SP, **submit):
+    """``prompts`` submitted while ``eng`` is paused (they enter its first step together), with
+    ``sampling`` (one for all, or one each); each output's (tokens, float64 logprobs)."""
+    each = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+    eng.pause()
+    handles = [eng.submit(p, s, **submit) for p, s in zip(prompts, each, strict=True)]
+    eng.resume()
+    return [bits(h.result()) for h in handles]
+
+
+def bits(out):
+    """An output's (tokens, logprobs as float64): what the mode's tests compare with :func:`same`."""
+    return out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)
+
+
+def same(a, b):
+    """The same tokens and the same logprob bits."""
     return a[0] == b[0] and torch.equal(a[1], b[1])
 
 
@@ -77,9 +90,9 @@ def test_alone_equals_in_a_batch_of_64_first_and_last(model, prompts, alone):
     target, others = prompts
     sps = [SP] + [GREEDY] * 62 + [SP]
     outs, _ = _run(model, [target, *others[:62], target], sps)
-    assert _same(outs[0], alone[0]) and _same(outs[-1], alone[0])
+    assert same(outs[0], alone[0]) and same(outs[-1], alone[0])
     outs, _ = _run(model, [*others[:63], target], [SP] * 63 + [GREEDY])  # greedy, the batch sampled
-    assert _same(outs[-1], alone[1])
+    assert same(outs[-1], alone[1])
 
 
 def test_chunked_async_preempted_and_one_thread(model, prompts, alone):
@@ -93,10 +106,10 @@ def test_chunked_async_preempted_and_one_thread(model, prompts, alone):
         use_async_batching=True,
         num_blocks=12,
     )
-    assert _same(outs[-1], alone[0])
+    assert same(outs[-1], alone[0])
     assert stats.preemptions > 0
     outs, _ = _run(model, [target, *others[:20]], [SP] + [GREEDY] * 20, threads=1)
-    assert _same(outs[0], alone[0])
+    assert same(outs[0], alone[0])
 
 
 def test_after_a_prefix_hit(model, prompts, alone):
@@ -106,7 +119,7 @@ def test_after_a_prefix_hit(model, prompts, alone):
         eng.generate(target[:33] + [5, 6], acb.SamplingParams(max_new_tokens=1))
         out = eng.submit(target, SP).result()
         assert eng.stats.prefix_hits >= 32
-    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone[0])
+    assert same(bits(out), alone[0])
 
 
 def test_the_trainers_forward_computes_the_engines_logprobs_exactly(model, prompts, alone):
@@ -200,9 +213,9 @@ def test_mla_and_moe_alone_equal_a_batch_of_64_and_the_trainer(arch):
     others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(63)]
     (alone,), _ = _run(model, [target], [SP])
     outs, _ = _run(model, [*others, target], [GREEDY] * 63 + [SP])
-    assert _same(outs[-1], alone)
+    assert same(outs[-1], alone)
     outs, _ = _run(model, [target, *others[:8]], [SP] + [GREEDY] * 8, threads=1)
-    assert _same(outs[0], alone)
+    assert same(outs[0], alone)
     with bi.enabled(model), torch.no_grad():
         logits = model(torch.tensor([target + alone[0]])).logits[0, len(target) - 1 : -1]
     assert torch.equal(bi.token_logprobs(logits, alone[0], TEMP).double(), alone[1])
@@ -225,7 +238,7 @@ def test_a_trainer_forward_while_the_engine_generates_on_the_same_model(model, p
         out = handles[-1].result()
         [h.result() for h in handles]
     assert all(torch.equal(g, lps) for g in got)
-    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone[0])
+    assert same(bits(out), alone[0])
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -247,9 +260,9 @@ def test_activation_widths_off_the_vector_block_stay_invariant(arch, act, width)
     others = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for _ in range(63)]
     (alone,), _ = _run(model, [target], [SP])
     outs, _ = _run(model, [*others, target], [GREEDY] * 63 + [SP])
-    assert _same(outs[-1], alone), (outs[-1][1] - alone[1]).abs().max()
+    assert same(outs[-1], alone), (outs[-1][1] - alone[1]).abs().max()
     outs, _ = _run(model, [*others[:7], target], [GREEDY] * 7 + [SP], max_batch_tokens=16, threads=1)
-    assert _same(outs[-1], alone), (outs[-1][1] - alone[1]).abs().max()
+    assert same(outs[-1], alone), (outs[-1][1] - alone[1]).abs().max()
     with bi.enabled(model), torch.no_grad():
         logits = model(torch.tensor([target + alone[0]])).logits[0, len(target) - 1 : -1]
     got = bi.token_logprobs(logits, alone[0], TEMP).double()

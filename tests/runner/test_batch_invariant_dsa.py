@@ -20,7 +20,7 @@ from acb.runner import batch_invariant_dsa as dsa
 from acb.runner import batch_invariant_scope as scope
 from acb.runner.indexed import indexer_modules
 from tests.runner import test_batch_invariant
-from tests.runner.test_batch_invariant import TEMP
+from tests.runner.test_batch_invariant import TEMP, bits, same, together
 
 SP = replace(test_batch_invariant.SP, max_new_tokens=8)  # seeded sampling at TEMP, processed logprobs
 
@@ -46,17 +46,10 @@ def _run(model, prompts, stats=False, **cfg):
     cfg.setdefault("num_blocks", 200)
     config = acb.ContinuousBatchingConfig(page_size=16, batch_invariant=True, cpu_threads=2, **cfg)
     with acb.Engine(model, config) as eng:
-        eng.pause()
-        handles = [eng.submit(p, SP) for p in prompts]
-        eng.resume()
-        outs = [h.result() for h in handles]
+        got = together(eng, prompts, SP)
         st = eng.stats
-    got = [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs]
+    got = got
     return (got, st) if stats else got
-
-
-def _same(a, b):
-    return a[0] == b[0] and torch.equal(a[1], b[1])
 
 
 def _trainer_matches(model, target, alone, short, short_alone):
@@ -91,14 +84,14 @@ def v32_alone(v32):
 def test_deepseek_v32_alone_equals_in_a_batch_chunked_async_and_preempted(v32, v32_alone):
     target, others = _prompts(v32)
     alone = v32_alone[0]
-    assert _same(_run(v32, [target])[0], alone)
+    assert same(_run(v32, [target])[0], alone)
     # among 23 others over 128-token steps (the target's prefill cut where the others put the edge)
-    assert _same(_run(v32, [*others, target], max_batch_tokens=128)[-1], alone)
+    assert same(_run(v32, [*others, target], max_batch_tokens=128)[-1], alone)
     # chunked at 24 tokens, async scheduling, a cache too small for every row (preemption)
     outs, stats = _run(
         v32, [*others[:6], target], stats=True, max_batch_tokens=24, use_async_batching=True, num_blocks=7
     )
-    assert _same(outs[-1], alone)
+    assert same(outs[-1], alone)
     assert stats.preemptions > 0
 
 
@@ -116,7 +109,7 @@ def test_deepseek_v32_after_a_prefix_hit(v32, v32_alone):
         eng.resume()
         out = handles[0].result()
         assert eng.stats.prefix_hits >= 48 and out.num_cached_tokens == 48
-    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
+    assert same(bits(out), alone)
 
 
 def test_deepseek_v32_trainers_forward_computes_the_engines_logprobs_exactly(v32, v32_alone):
@@ -141,7 +134,7 @@ def test_without_the_fixed_attention_a_chunked_request_moves(v32, v32_alone, mon
     target, others = _prompts(v32)
     monkeypatch.setattr(dsa, "FIXED_ATTENTION", False)
     alone = _run(v32, [target])[0]
-    assert not _same(_run(v32, [target], max_batch_tokens=24)[0], alone)
+    assert not same(_run(v32, [target], max_batch_tokens=24)[0], alone)
     assert not _trainer_matches(v32, target, alone, others[3], v32_alone[1])
 
 
@@ -152,8 +145,8 @@ def test_dsa_families_alone_equal_in_a_batch_chunked_and_the_trainer(arch):
     model = _family(arch)
     target, others = _prompts(model, seed=1, n=23)
     alone, short = _run(model, [target, others[0]])
-    assert _same(_run(model, [*others, target], max_batch_tokens=128)[-1], alone)
-    assert _same(_run(model, [target], max_batch_tokens=24, use_async_batching=True)[0], alone)
+    assert same(_run(model, [*others, target], max_batch_tokens=128)[-1], alone)
+    assert same(_run(model, [target], max_batch_tokens=24, use_async_batching=True)[0], alone)
     assert _trainer_matches(model, target, alone, others[0], short)
 
 
@@ -169,11 +162,11 @@ def test_tied_scores_select_the_same_keys_alone_chunked_and_in_the_trainer(monke
         m.wk.weight.data.zero_()
     target, others = _prompts(model, seed=2, n=1)
     alone, short = _run(model, [target, others[0]])
-    assert _same(_run(model, [target], max_batch_tokens=24)[0], alone)
+    assert same(_run(model, [target], max_batch_tokens=24)[0], alone)
     assert _trainer_matches(model, target, alone, others[0], short)
     monkeypatch.setattr(dsa, "FIXED_INDEXER", False)
     off = _run(model, [target])[0]
-    assert not _same(_run(model, [target], max_batch_tokens=24)[0], off)
+    assert not same(_run(model, [target], max_batch_tokens=24)[0], off)
 
 
 def test_the_fixed_products_give_a_score_the_same_bits_in_any_call():

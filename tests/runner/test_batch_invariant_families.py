@@ -20,7 +20,7 @@ from acb.runner import batch_invariant as bi
 from acb.runner import batch_invariant_families as fam
 from acb.runner.linear_state import linear_layers
 from tests.runner import test_batch_invariant
-from tests.runner.test_batch_invariant import TEMP
+from tests.runner.test_batch_invariant import TEMP, bits, same, together
 
 SP = replace(test_batch_invariant.SP, max_new_tokens=8)  # seeded sampling at TEMP, processed logprobs
 
@@ -52,15 +52,8 @@ def _run(model, prompts, **cfg):
     cfg.setdefault("num_blocks", 400)
     config = acb.ContinuousBatchingConfig(page_size=16, batch_invariant=True, cpu_threads=2, **cfg)
     with acb.Engine(model, config) as eng:
-        eng.pause()
-        handles = [eng.submit(p, SP) for p in prompts]
-        eng.resume()
-        outs = [h.result() for h in handles]
-    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs]
-
-
-def _same(a, b):
-    return a[0] == b[0] and torch.equal(a[1], b[1])
+        got = together(eng, prompts, SP)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +66,10 @@ def test_hybrid_alone_equals_in_a_batch_of_64_and_chunked(hybrid, prompts, alone
     # the 64 prompts' 3,000 tokens over 512-token steps: the target's prefill is cut where the
     # others' lengths put the budget's edge
     outs = _run(hybrid, [*others, target], max_batch_tokens=512)
-    assert _same(outs[-1], alone)
+    assert same(outs[-1], alone)
     # alone, chunked at 100 tokens (a state resumed mid-chunk of the scan), async scheduling
     outs = _run(hybrid, [target], max_batch_tokens=100, use_async_batching=True)
-    assert _same(outs[0], alone)
+    assert same(outs[0], alone)
 
 
 def test_hybrid_after_a_prefix_hit(hybrid, prompts, alone):
@@ -87,7 +80,7 @@ def test_hybrid_after_a_prefix_hit(hybrid, prompts, alone):
         eng.generate(target[:96], acb.SamplingParams(max_new_tokens=1))  # six whole blocks
         out = eng.submit(target, SP).result()
     assert out.num_cached_tokens == 96  # resumed from the snapshot's state
-    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
+    assert same(bits(out), alone)
 
 
 def test_hybrid_trainers_forward_computes_the_engines_logprobs_exactly(hybrid, prompts, alone):
@@ -140,8 +133,8 @@ def test_mamba_alone_equals_in_a_batch_of_64_chunked_and_the_trainer(arch):
     target = [rng.randrange(3, vocab) for _ in range(150)]
     others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
     alone = _run(model, [target])[0]
-    assert _same(_run(model, [*others, target], max_batch_tokens=512)[-1], alone)
-    assert _same(_run(model, [target], max_batch_tokens=100)[0], alone)
+    assert same(_run(model, [*others, target], max_batch_tokens=512)[-1], alone)
+    assert same(_run(model, [target], max_batch_tokens=100)[0], alone)
     tokens, lps = alone
     short = others[0] + [5]
     ids = torch.tensor([target + tokens, [0] * (len(target) + len(tokens) - len(short)) + short])
@@ -165,7 +158,7 @@ def _run_stats(model, prompts, prefix=None, **cfg):
         eng.resume()
         outs = [h.result() for h in handles]
         stats = eng.stats
-    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], outs, stats
+    return [bits(o) for o in outs], outs, stats
 
 
 @pytest.mark.parametrize("arch", ["kimi_linear", "bailing_hybrid", "minimax", "zaya"])
@@ -185,13 +178,13 @@ def test_state_layers_alone_equal_a_batch_chunked_preempted_after_a_hit_and_the_
     others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(23)]
     alone = _run(model, [target])[0]
     batch, _, _ = _run_stats(model, [*others, target], max_batch_tokens=256)
-    assert _same(batch[-1], alone)
+    assert same(batch[-1], alone)
     outs, _, stats = _run_stats(
         model, [*others[:3], target], max_batch_tokens=40, use_async_batching=True, num_blocks=8
     )
-    assert _same(outs[-1], alone) and stats.preemptions > 0
+    assert same(outs[-1], alone) and stats.preemptions > 0
     outs, raw, _ = _run_stats(model, [target], prefix=target[:64], allow_block_sharing=True)
-    assert raw[0].num_cached_tokens == 64 and _same(outs[0], alone)  # resumed from the snapshot's state
+    assert raw[0].num_cached_tokens == 64 and same(outs[0], alone)  # resumed from the snapshot's state
     (tokens, lps), (s_tokens, s_lps) = alone, batch[0]
     short = others[0] + s_tokens
     width = len(target) + len(tokens)
@@ -250,12 +243,9 @@ def _run_vlm(vlm, chats, **cfg):
     model, processor = vlm
     config = acb.ContinuousBatchingConfig(page_size=16, num_blocks=600, batch_invariant=True, cpu_threads=2, **cfg)
     with acb.Engine(model, config, processor=processor) as eng:
-        eng.pause()
-        handles = [eng.submit(c, SP) for c in chats]
-        eng.resume()
-        outs = [h.result() for h in handles]
+        got = together(eng, chats, SP)
         calls = eng.runner.media.features.tower_calls
-    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], calls
+    return got, calls
 
 
 def test_images_alone_equal_in_a_batch_chunked_and_the_trainers_forward(vlm):
@@ -267,10 +257,10 @@ def test_images_alone_equal_in_a_batch_chunked_and_the_trainers_forward(vlm):
     target, others = _chats()
     (alone,), _ = _run_vlm(vlm, [target])
     outs, calls = _run_vlm(vlm, [*others, target])
-    assert _same(outs[-1], alone)
+    assert same(outs[-1], alone)
     assert calls == 24  # a call per distinct image (23 others' and the target's)
     (chunked,), _ = _run_vlm(vlm, [target], max_batch_tokens=24)
-    assert _same(chunked, alone)
+    assert same(chunked, alone)
     inputs = processor.apply_chat_template(
         target, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
     )
@@ -311,7 +301,7 @@ def test_sigmoid_gates_give_a_token_its_bits_whatever_the_calls_length(arch):
     target = [rng.randrange(3, vocab) for _ in range(150)]
     others = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))] for _ in range(63)]
     alone = _run(model, [target])[0]
-    assert _same(_run(model, [*others, target], max_batch_tokens=512)[-1], alone)
+    assert same(_run(model, [*others, target], max_batch_tokens=512)[-1], alone)
     tokens, lps = alone
     with bi.enabled(model), torch.no_grad():
         logits = model(torch.tensor([target + tokens])).logits[0, len(target) - 1 : -1]
@@ -360,13 +350,12 @@ def test_lora_alone_equals_in_a_batch_of_64_chunked_and_the_peft_forward(tmp_pat
             eng.pause()
             handles = [eng.submit(p, SP, lora=a) for p, a in zip(prompts, loras)]
             eng.resume()
-            outs = [h.result() for h in handles]
-        return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs]
+            return [bits(h.result()) for h in handles]
 
     alone = run([target], ["a"])[0]
     mixed = [[None, "a", "b"][i % 3] for i in range(63)]
-    assert _same(run([*others, target], [*mixed, "a"], max_batch_tokens=512)[-1], alone)
-    assert _same(run([target], ["a"], max_batch_tokens=20)[0], alone)
+    assert same(run([*others, target], [*mixed, "a"], max_batch_tokens=512)[-1], alone)
+    assert same(run([target], ["a"], max_batch_tokens=20)[0], alone)
     tokens, lps = alone
     ref.set_adapter("a")
     with bi.enabled(ref), torch.no_grad():

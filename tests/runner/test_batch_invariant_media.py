@@ -19,7 +19,7 @@ import acb
 from acb.runner import batch_invariant as bi
 from acb.runner.batch_invariant_masks import mask_ranges
 from tests.runner import test_batch_invariant
-from tests.runner.test_batch_invariant import TEMP
+from tests.runner.test_batch_invariant import TEMP, bits, same, together
 from tests.vlm_models import image, messages, molmo2_prompt, tiny_gemma4, tiny_molmo2, tiny_vlm
 
 SP = replace(test_batch_invariant.SP, max_new_tokens=8)  # seeded sampling at TEMP, processed logprobs
@@ -67,16 +67,9 @@ def _run(arch, prompts, **cfg):
     cfg.setdefault("page_size", 16)
     config = acb.ContinuousBatchingConfig(batch_invariant=True, cpu_threads=2, **cfg)
     with acb.Engine(model, config, processor=processor) as eng:
-        eng.pause()
-        handles = [eng.submit(p, SP) for p in prompts]
-        eng.resume()
-        outs = [h.result() for h in handles]
+        got = together(eng, prompts, SP)
         stats = eng.stats
-    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], stats
-
-
-def _same(a, b):
-    return a[0] == b[0] and torch.equal(a[1], b[1])
+    return got, stats
 
 
 _ALONE: dict = {}
@@ -106,10 +99,10 @@ def test_alone_equals_in_a_batch_preempted_chunked_and_after_a_prefix_hit(arch):
         num_blocks=SMALL_CACHE[arch],
         page_size=8,
     )
-    assert _same(outs[-1], alone)
+    assert same(outs[-1], alone)
     assert stats.preemptions > 0
     (chunked,), _ = _run(arch, [target], max_batch_tokens=12)  # (a chunk takes a whole image past it)
-    assert _same(chunked, alone)
+    assert same(chunked, alone)
     # after its twin: the prefix hit ends inside the image (the chunk starts mid-image and its image
     # tokens read the cached ones before them and the fresh ones after)
     model, processor = _model(arch)
@@ -120,7 +113,7 @@ def test_alone_equals_in_a_batch_preempted_chunked_and_after_a_prefix_hit(arch):
     kinds = next(v for k, v in _inputs(arch, target).items() if k.endswith("token_type_ids"))[0]
     first, last = kinds.nonzero()[[0, -1], 0].tolist()
     assert first < out.num_cached_tokens <= last
-    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
+    assert same(bits(out), alone)
 
 
 def _inputs(arch, chat):

@@ -16,7 +16,7 @@ import torch
 
 import acb
 from acb.runner import batch_invariant as bi
-from tests.runner.test_batch_invariant import SP, TEMP
+from tests.runner.test_batch_invariant import TEMP, same, together
 
 
 def _family(model_type):
@@ -45,16 +45,9 @@ def _run(model, prompts, form=None, **cfg):
         own = eng.runner.own_cache_runner
         assert own is not None  # the second runner path
         assert form is None or own.mode_rows == form, (own.mode_rows, own.mode_rows_why)
-        eng.pause()
-        handles = [eng.submit(p, SP) for p in prompts]
-        eng.resume()
-        outs = [h.result() for h in handles]
+        got = together(eng, prompts)
         stats = eng.stats
-    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], stats
-
-
-def _same(a, b):
-    return a[0] == b[0] and torch.equal(a[1], b[1])
+    return got, stats
 
 
 def _trainer_equals_engine(model, target, alone):
@@ -74,12 +67,12 @@ def test_alone_equals_in_a_batch_preempted_async_and_the_trainer(arch, form):
     target, others = _prompts(model.config.get_text_config().vocab_size)
     (alone,), _ = _run(model, [target], form)
     outs, _ = _run(model, [*others, target], form)
-    assert _same(outs[-1], alone)
+    assert same(outs[-1], alone)
     # a small step budget, async scheduling, a cache too small for every row (preemptions: a
     # recompute replays the prompt, then a token a call)
     outs, stats = _run(model, [target, *others], form, max_batch_tokens=16, use_async_batching=True, num_blocks=8)
     assert stats.preemptions > 0
-    assert _same(outs[0], alone)
+    assert same(outs[0], alone)
     _trainer_equals_engine(model, target, alone)
     assert model.config._attn_implementation != bi.ATTN_IMPL_NAME  # its own attention back between steps
 
@@ -96,14 +89,14 @@ def test_rows_that_mix_run_one_a_call_still_exact(monkeypatch):
     target, others = _prompts(model.config.vocab_size, 8)
     (alone,), _ = _run(model, [target], "alone")
     outs, _ = _run(model, [*others, target], "alone")
-    assert _same(outs[-1], alone)
+    assert same(outs[-1], alone)
     _trainer_equals_engine(model, target, alone)
     config = acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True, cpu_threads=1)
     with acb.Engine(model, config) as eng:
         assert "gave other bits than alone at step 1" in eng.runner.own_cache_runner.mode_rows_why
     monkeypatch.setattr(batch_invariant_own, "batched_rows_differ", lambda runner: None)
     outs, _ = _run(model, [*others, target], "batched")
-    assert not _same(outs[-1], alone)
+    assert not same(outs[-1], alone)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import torch
 import acb
 from acb.runner import batch_invariant as bi
 from acb.runner import batch_invariant_unpaged as unpaged
-from tests.runner.test_batch_invariant import TEMP
+from tests.runner.test_batch_invariant import TEMP, bits, same, together
 from tests.runner.test_batch_invariant_families import SP, _family
 
 
@@ -25,16 +25,9 @@ def _run(model, prompts, **cfg):
     cfg.setdefault("cpu_threads", 2)
     config = acb.ContinuousBatchingConfig(batch_invariant=True, **cfg)
     with acb.Engine(model, config) as eng:
-        eng.pause()
-        handles = [eng.submit(p, SP) for p in prompts]
-        eng.resume()
-        outs = [h.result() for h in handles]
+        got = together(eng, prompts, SP)
         stats = eng.stats
-    return [(o.generated_tokens, torch.tensor(o.logprobs, dtype=torch.float64)) for o in outs], stats
-
-
-def _same(a, b):
-    return a[0] == b[0] and torch.equal(a[1], b[1])
+    return got, stats
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +57,7 @@ def batch(model, prompts):
 
 def test_alone_equals_in_a_batch_of_24_chunked_async_and_preempted(model, prompts, alone, batch):
     target, others = prompts
-    assert _same(batch[-1], alone)
+    assert same(batch[-1], alone)
     was = torch.get_num_threads()
     torch.set_num_threads(1)
     try:  # chunked at 7 tokens, async scheduling, a cache too small for every row, one thread
@@ -80,7 +73,7 @@ def test_alone_equals_in_a_batch_of_24_chunked_async_and_preempted(model, prompt
     finally:
         torch.set_num_threads(was)
     assert stats.preemptions > 0
-    assert _same(outs[0], alone)
+    assert same(outs[0], alone)
 
 
 def test_the_trainers_forward_computes_the_engines_logprobs_exactly(model, prompts, alone, batch):
@@ -167,7 +160,7 @@ def test_a_trainer_forward_while_the_engine_generates_on_the_same_model(model, p
         out = handles[-1].result()
         [h.result() for h in handles]
     assert all(torch.equal(g, lps) for g in got)
-    assert _same((out.generated_tokens, torch.tensor(out.logprobs, dtype=torch.float64)), alone)
+    assert same(bits(out), alone)
     assert model.config._attn_implementation == "eager"
 
 
