@@ -235,9 +235,11 @@ class Enabled:
         if self._swap is not None:
             self._swap.__enter__()
         if model is not None:  # DeepSeek V4's compressed attention (acb.runner.batch_invariant_unpaged)
+            from acb.runner.batch_invariant_products import install as install_products
             from acb.runner.batch_invariant_unpaged import install as install_unpaged
 
             install_unpaged(model)
+            install_products(model)  # (a model whose attention is its own code: acb.runner.batch_invariant_products)
         from acb.runner.batch_invariant_families import TrainerForms
 
         # state layers' fixed forms, image features an image a call (acb.runner.batch_invariant_families)

@@ -251,6 +251,9 @@ def own_cache_refusal(model: torch.nn.Module) -> str | None:
             "on CUDA, models on their own cache objects (runner='own_cache'): the mode's path there is CPU-checked only"
         )
     bi.register_with_transformers()
+    from acb.runner.batch_invariant_products import install
+
+    install(model)  # (a model whose attention is its own code: its products by the fixed forms)
     for check in (product_outside_fixed_forms, whole_and_stepwise_differ):
         try:
             problem = check(model)
@@ -355,11 +358,18 @@ def mode_forward(model: Any) -> Iterator[None]:
     :data:`acb.runner.batch_invariant.ATTN_IMPL_NAME` for the block, its own back after, as
     :func:`acb.runner.batch_invariant.enabled` sets it for a trainer (the text config's
     implementation, written directly: ``set_attn_implementation`` checks and logs at every step)."""
+    from acb.runner.batch_invariant_products import needs_fixed_products
+
+    p = next(model.parameters())
+    if needs_fixed_products(model):  # its attention is its own code (its products: the fixed forms'),
+        # which would read the mode's boolean mask as its own float one
+        with bi.engine_step(p.is_cuda):
+            yield
+        return
     bi.register_with_transformers()
     cfg = model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     own = getattr(text, "_attn_implementation_internal", None)
-    p = next(model.parameters())
     text._attn_implementation_internal = bi.ATTN_IMPL_NAME
     try:
         with bi.engine_step(p.is_cuda):

@@ -4,8 +4,9 @@ others of other lengths, at a small step budget, and with async batching in a ca
 preempt; and a trainer's forward over the whole sequence under ``enabled(model)`` computes exactly
 the engine's logprobs. The rows run in the path's batched forms (left-padded prefill groups,
 stacked decode rows) where the start-up try proves them exact, else one row a call (a model whose
-code mixes rows falls back, still exact). A model whose own code computes products outside the
-mode's fixed forms is refused with the reason."""
+code mixes rows falls back, still exact). A model whose attention is its own code runs its
+products by the mode's fixed forms (GPT-J); one whose code computes other products, or whose one-
+token form differs from its whole-sequence forward, is refused with the reason."""
 
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def _trainer_equals_engine(model, target, alone):
 # StableLM (a decoder-only through the attention interface) runs its rows batched (the start-up
 # try proves it; so do BioGPT, DiffLlama, JetMoe); BART's decoder (learned positions counted from its
 # cache) and RWKV (a recurrent state, no attention) take no position ids: one row a call
-@pytest.mark.parametrize("arch, form", [("stablelm", "batched"), ("bart", "alone"), ("rwkv", "alone")])
+# (GPT-J: its attention is its own code, its products by acb.runner.batch_invariant_products)
+@pytest.mark.parametrize(
+    "arch, form", [("stablelm", "batched"), ("bart", "alone"), ("rwkv", "alone"), ("gptj", "batched")]
+)
 def test_alone_equals_in_a_batch_preempted_async_and_the_trainer(arch, form):
     model = _family(arch)
     target, others = _prompts(model.config.get_text_config().vocab_size)
@@ -99,10 +103,20 @@ def test_rows_that_mix_run_one_a_call_still_exact(monkeypatch):
     assert not same(outs[-1], alone)
 
 
+def test_without_the_fixed_products_a_model_with_its_own_attention_is_refused(monkeypatch):
+    """GPT-J computes its attention's products itself: the mode runs them by the fixed forms (the
+    test above); without them its products are outside the fixed linear and attention, refused."""
+    from acb.runner import batch_invariant_products
+
+    monkeypatch.setattr(batch_invariant_products, "needs_fixed_products", lambda model: False)
+    with pytest.raises(ValueError, match="GPTJAttention computes torch.matmul itself"):
+        acb.Engine(_family("gptj"), acb.ContinuousBatchingConfig(num_blocks=16, batch_invariant=True)).start()
+
+
 @pytest.mark.parametrize(
     "arch, reason",
     [
-        ("bloom", "its attention does not go through transformers' attention interface .BloomAttention computes "),
+        ("falcon", "its attention does not go through transformers' attention interface .FalconAttention computes "),
         # (its cache keeps a 16-token window; its whole-sequence forward attends to every key)
         ("moshi", "whole-sequence forward and its one-token form .* give other bits"),
     ],
