@@ -14,7 +14,9 @@ Inside :class:`FixedProducts` (float32 CPU):
   else the call holds, and ``p @ v`` over a whole sequence adds the masked keys' zero products
   after the query's own keys, which leaves its bits as a decode call's;
 - a softmax is :func:`acb.runner.batch_invariant_unpaged.fixed_softmax` (the row's sum first to
-  last: a masked key's ``exp`` is an exact zero added at the end).
+  last: a masked key's ``exp`` is an exact zero added at the end);
+- ``F.scaled_dot_product_attention`` called by the model itself (Falcon) is those three in a row
+  (:func:`fixed_sdpa`).
 
 Slow (the products are element-wise passes over the contracted dimension): only the modules that
 compute such products run them (:func:`install`), only on threads with the mode on. Whether a
@@ -43,7 +45,7 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm
 _BMMS = {torch.bmm, torch.Tensor.bmm}
 _ADDS = {torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm}
 _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
-PRODUCT_NAMES = frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm"})
+PRODUCT_NAMES = frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "scaled_dot_product_attention"})
 
 
 def _float_cpu(*ts: Any) -> bool:
@@ -83,6 +85,10 @@ class FixedProducts(TorchFunctionMode):
                     if alpha != 1:
                         out = out * alpha
                     return out if beta == 0 else out + (ops[0] if beta == 1 else ops[0] * beta)
+        elif func is F.scaled_dot_product_attention:
+            out = _sdpa(args, kwargs)
+            if out is not None:
+                return out
         elif func in _SOFTMAXES and args and _float_cpu(args[0]):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             at = 3 if func is F.softmax else 2
@@ -90,6 +96,57 @@ class FixedProducts(TorchFunctionMode):
             if isinstance(dim, int) and dtype in (None, torch.float32):
                 return fixed_softmax(args[0], dim)
         return func(*args, **kwargs)
+
+
+def fixed_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (no dropout) by the fixed forms: the scores by
+    :func:`acb.runner.batch_invariant_unpaged.fixed_matmul` times the scale, the mask (boolean:
+    where it is False, ``-inf``; float: added; ``is_causal``: torch's upper-left causal mask),
+    :func:`acb.runner.batch_invariant_unpaged.fixed_softmax`, then the values by ``fixed_matmul``."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
+    w = fixed_matmul(query, key.transpose(-2, -1)) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    if is_causal:
+        lq, lk = query.shape[-2], key.shape[-2]
+        w = w.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=w.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        w = w.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else w + attn_mask
+    return fixed_matmul(fixed_softmax(w, -1), value)
+
+
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def _sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A ``scaled_dot_product_attention`` call by :func:`fixed_sdpa`, or None where it does not
+    apply (dropout, not float32 CPU, an argument it does not know)."""
+    named = dict(zip(_SDPA_NAMES, args), **kwargs)
+    if set(named) - {*_SDPA_NAMES, "enable_gqa"} or named.get("dropout_p", 0.0):
+        return None
+    mask = named.get("attn_mask")
+    if not _float_cpu(named["query"], named["key"], named["value"]):
+        return None
+    if mask is not None and not (mask.dtype == torch.bool or _float_cpu(mask)):
+        return None
+    return fixed_sdpa(
+        named["query"],
+        named["key"],
+        named["value"],
+        mask,
+        bool(named.get("is_causal", False)),
+        named.get("scale"),
+        bool(named.get("enable_gqa", False)),
+    )
 
 
 def needs_fixed_products(model: torch.nn.Module) -> bool:

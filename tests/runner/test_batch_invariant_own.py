@@ -62,9 +62,11 @@ def _trainer_equals_engine(model, target, alone):
 # StableLM (a decoder-only through the attention interface) runs its rows batched (the start-up
 # try proves it; so do BioGPT, DiffLlama, JetMoe); BART's decoder (learned positions counted from its
 # cache) and RWKV (a recurrent state, no attention) take no position ids: one row a call
-# (GPT-J: its attention is its own code, its products by acb.runner.batch_invariant_products)
+# (GPT-J, Falcon: their attention is their own code, its products and Falcon's own SDPA call by
+# acb.runner.batch_invariant_products)
 @pytest.mark.parametrize(
-    "arch, form", [("stablelm", "batched"), ("bart", "alone"), ("rwkv", "alone"), ("gptj", "batched")]
+    "arch, form",
+    [("stablelm", "batched"), ("bart", "alone"), ("rwkv", "alone"), ("gptj", "batched"), ("falcon", "alone")],
 )
 def test_alone_equals_in_a_batch_preempted_async_and_the_trainer(arch, form):
     model = _family(arch)
@@ -116,7 +118,7 @@ def test_without_the_fixed_products_a_model_with_its_own_attention_is_refused(mo
 @pytest.mark.parametrize(
     "arch, reason",
     [
-        ("falcon", "its attention does not go through transformers' attention interface .FalconAttention computes "),
+        ("git", "its attention does not go through transformers' attention interface .GitSelfAttention computes "),
         # (its cache keeps a 16-token window; its whole-sequence forward attends to every key)
         ("moshi", "whole-sequence forward and its one-token form .* give other bits"),
     ],
