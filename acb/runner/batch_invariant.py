@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from acb.runner.batch_invariant_flag import TLS
-from acb.runner.batch_invariant_masks import mask_ranges
+from acb.runner.batch_invariant_masks import mask_ranges, masked_attention
 
 ATTN_IMPL_NAME = "acb_batch_invariant"  # the trainer-side attention function's name in transformers
 
@@ -387,14 +387,7 @@ def _kernel_attention(
 
 def _eager_attention(query, key, value, pads, ends, scale, softcap, window, chunk, sinks):
     """The same attention in ordinary torch ops (the backward's: autograd through it)."""
-    b, h, q, d = query.shape
-    s = key.shape[2]
-    g = h // key.shape[1]
-    k = key.repeat_interleave(g, dim=1)
-    v = value.repeat_interleave(g, dim=1)
-    w = (query @ k.transpose(-1, -2)) * scale
-    if softcap:
-        w = torch.tanh(w / softcap) * softcap
+    q, s = query.shape[2], key.shape[2]
     qpos = torch.arange(s - q, s, device=query.device)[:, None]
     kpos = torch.arange(s, device=query.device)[None, :]
     allow = []
@@ -406,15 +399,7 @@ def _eager_attention(query, key, value, pads, ends, scale, softcap, window, chun
         if chunk:
             a &= (kpos - pad) // chunk == (qpos - pad) // chunk
         allow.append(a)
-    keep = torch.stack(allow)[:, None]
-    w = w.masked_fill(~keep, float("-inf"))
-    if sinks is not None:
-        sink = sinks.reshape(1, h, 1, 1).expand(b, h, q, 1).to(w.dtype)
-        p = torch.softmax(torch.cat([w, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(w, dim=-1)
-    p = torch.nan_to_num(p)  # queries on padding: no keys
-    return (p @ v).transpose(1, 2)
+    return masked_attention(query, key, value, torch.stack(allow), scale, softcap, sinks)
 
 
 class _Attention(torch.autograd.Function):

@@ -39,6 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from acb.runner.batch_invariant_flag import is_on
+from acb.runner.batch_invariant_masks import masked_attention
 
 # switches for showing what the fixed forms do (tests): False runs, in the mode, the indexer's own
 # products and top-k (FIXED_INDEXER), the torch backend's masked SDPA over the selection (FIXED_ATTENTION)
@@ -265,24 +266,6 @@ def _selection_mask(indices: torch.Tensor, pads: list[int], s: int) -> torch.Ten
     return sel[..., :s] & (kpos <= qpos) & (kpos >= lo)
 
 
-def _eager(query, key, value, allow, scale, softcap, sinks):
-    """The same attention in ordinary torch ops (the backward's): ``[B, Q, H, D]``."""
-    b, h = query.shape[:2]
-    g = h // key.shape[1]
-    k = key.repeat_interleave(g, dim=1)
-    v = value.repeat_interleave(g, dim=1)
-    w = (query @ k.transpose(-1, -2)) * scale
-    if softcap:
-        w = torch.tanh(w / softcap) * softcap
-    w = w.masked_fill(~allow[:, None], float("-inf"))
-    if sinks is not None:
-        sink = sinks.reshape(1, h, 1, 1).expand(b, h, w.shape[2], 1).to(w.dtype)
-        pr = torch.softmax(torch.cat([w, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        pr = torch.softmax(w, dim=-1)
-    return (torch.nan_to_num(pr) @ v).transpose(1, 2)
-
-
 def _whole_sequences(query, key, value, allow, scale, softcap, sinks) -> torch.Tensor:
     """The kernel over whole sequences: each query's allowed keys (``allow`` ``[B, Q, S]``) in
     position order. ``[B, Q, H, D]``; queries with no key (padding) are zeros."""
@@ -317,11 +300,11 @@ class _Attention(torch.autograd.Function):
         query, key, value, sinks, allow = ctx.saved_tensors
         scale, softcap = ctx.args
         with torch.enable_grad():
-            ins = [
+            ins: list[Any] = [
                 t.detach().requires_grad_(need) if t is not None else None
                 for t, need in zip((query, key, value, sinks), ctx.needs_input_grad[:4])
             ]
-            out = _eager(ins[0], ins[1], ins[2], allow, scale, softcap, ins[3])
+            out = masked_attention(ins[0], ins[1], ins[2], allow, scale, softcap, ins[3])
             wrt = [t for t, need in zip(ins, ctx.needs_input_grad[:4]) if t is not None and need]
             grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True)) if wrt else iter(())
         res = [next(grads) if t is not None and need else None for t, need in zip(ins, ctx.needs_input_grad[:4])]

@@ -49,3 +49,31 @@ def mask_ranges(
             )
         ahead = ahead or bool((ends[i, rows] > qpos[rows, 0] + 1).any())
     return pads, (ends.to(torch.long) if ahead else None)
+
+
+def masked_attention(
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, KVH, S, D]
+    value: torch.Tensor,
+    allow: torch.Tensor,  # [B, Q, S] bool: the keys each query attends
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention over each query's allowed keys in ordinary torch ops (what the mode's attention
+    functions' backward recomputes, autograd through it): ``[B, Q, H, D]``; a query with no key
+    (padding) gives zeros."""
+    b, h, q, _ = query.shape
+    g = h // key.shape[1]
+    k = key.repeat_interleave(g, dim=1)
+    v = value.repeat_interleave(g, dim=1)
+    w = (query @ k.transpose(-1, -2)) * scale
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~allow[:, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.reshape(1, h, 1, 1).expand(b, h, q, 1).to(w.dtype)
+        p = torch.softmax(torch.cat([w, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(w, dim=-1)
+    return (torch.nan_to_num(p) @ v).transpose(1, 2)
