@@ -89,10 +89,16 @@ def test_deepseek_v32_alone_equals_in_a_batch_chunked_async_and_preempted(v32, v
     assert same(_run(v32, [*others, target], max_batch_tokens=128)[-1], alone)
     # chunked at 24 tokens, async scheduling, a cache too small for every row (preemption)
     outs, stats = _run(
-        v32, [*others[:6], target], stats=True, max_batch_tokens=24, use_async_batching=True, num_blocks=7
+        v32,
+        [*others[:6], target],
+        stats=True,
+        max_batch_tokens=24,
+        use_async_batching=True,
+        num_blocks=7,
+        cpu_offload_space=0.01,
     )
     assert same(outs[-1], alone)
-    assert stats.preemptions > 0
+    assert stats.preemptions > 0 and stats.swapped_out_blocks > 0  # (preempted rows offloaded)
 
 
 def test_deepseek_v32_after_a_prefix_hit(v32, v32_alone):

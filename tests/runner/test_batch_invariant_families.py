@@ -180,9 +180,9 @@ def test_state_layers_alone_equal_a_batch_chunked_preempted_after_a_hit_and_the_
     batch, _, _ = _run_stats(model, [*others, target], max_batch_tokens=256)
     assert same(batch[-1], alone)
     outs, _, stats = _run_stats(
-        model, [*others[:3], target], max_batch_tokens=40, use_async_batching=True, num_blocks=8
+        model, [*others[:3], target], max_batch_tokens=40, use_async_batching=True, num_blocks=8, cpu_offload_space=0.01
     )
-    assert same(outs[-1], alone) and stats.preemptions > 0
+    assert same(outs[-1], alone) and stats.preemptions > 0 and stats.swapped_out_blocks > 0  # (offloaded)
     outs, raw, _ = _run_stats(model, [target], prefix=target[:64], allow_block_sharing=True)
     assert raw[0].num_cached_tokens == 64 and same(outs[0], alone)  # resumed from the snapshot's state
     (tokens, lps), (s_tokens, s_lps) = alone, batch[0]
